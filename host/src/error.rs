@@ -1,0 +1,86 @@
+//! The library's typed error. Every caller mistake maps to a variant; nothing panics on it.
+
+use thiserror::Error;
+
+/// Result alias used across sparsekit.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Errors returned by layouts, backends and ops.
+#[derive(Debug, Error, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum Error {
+    /// A layout descriptor was constructed with impossible parameters.
+    #[error("invalid layout: {0}")]
+    InvalidLayout(String),
+    /// A buffer holds the wrong number of bytes for the shape and layout it is used with.
+    #[error("{what}: expected {expected} bytes, got {actual}")]
+    BufferSize {
+        what: &'static str,
+        expected: usize,
+        actual: usize,
+    },
+    /// A host array (metadata or tensor) has the wrong number of elements.
+    #[error("{what}: expected {expected} elements, got {actual}")]
+    Shape {
+        what: &'static str,
+        expected: usize,
+        actual: usize,
+    },
+    /// An op parameter is outside what the op supports.
+    #[error("invalid argument {what}: {detail}")]
+    InvalidArgument { what: &'static str, detail: String },
+    /// A token slot is neither `-1` nor inside the cache.
+    #[error("{what}[{index}] = {slot} is out of range (cache holds {capacity} slots)")]
+    SlotOutOfRange {
+        what: &'static str,
+        index: usize,
+        slot: i64,
+        capacity: usize,
+    },
+    /// Two tokens of one store target the same slot.
+    #[error("{what}: slot {slot} is written by tokens {first} and {second}")]
+    DuplicateSlot {
+        what: &'static str,
+        slot: i64,
+        first: usize,
+        second: usize,
+    },
+    /// A page id is outside the pool.
+    #[error("{what}[{index}] = page {page} is out of range (pool holds {num_pages} pages)")]
+    PageOutOfRange {
+        what: &'static str,
+        index: usize,
+        page: i64,
+        num_pages: usize,
+    },
+    /// A query's key range does not fit its request or the output row.
+    #[error("row {row}: key range [{start}, {end}) is invalid ({reason})")]
+    InvalidRange {
+        row: usize,
+        start: i64,
+        end: i64,
+        reason: String,
+    },
+    /// Two layout descriptors that must agree do not (fingerprints shown).
+    #[error("layout mismatch for {what}: expected fingerprint {expected:#018x}, got {actual:#018x}")]
+    LayoutMismatch {
+        what: &'static str,
+        expected: u64,
+        actual: u64,
+    },
+    /// The backend does not implement this op (yet).
+    #[error("backend {backend} does not implement {op}")]
+    NotImplemented { backend: String, op: &'static str },
+    /// The device or its driver reported a failure.
+    #[error("device error: {0}")]
+    Device(String),
+}
+
+impl Error {
+    pub(crate) fn invalid(what: &'static str, detail: impl Into<String>) -> Self {
+        Error::InvalidArgument {
+            what,
+            detail: detail.into(),
+        }
+    }
+}

@@ -1,0 +1,16 @@
+//! sparsekit host side: element types, layout descriptors (the only place byte sizes are
+//! computed), op descriptors, the [`Backend`] trait and the multi-threaded CPU backend.
+
+pub mod backend;
+pub mod cpu;
+pub mod dims;
+pub mod dtype;
+pub mod error;
+pub mod layout;
+pub mod ops;
+
+pub use backend::Backend;
+pub use cpu::CpuBackend;
+pub use dims::ModelDims;
+pub use error::{Error, Result};
+pub use layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};
