@@ -62,7 +62,9 @@ pub enum Error {
         reason: String,
     },
     /// Two layout descriptors that must agree do not (fingerprints shown).
-    #[error("layout mismatch for {what}: expected fingerprint {expected:#018x}, got {actual:#018x}")]
+    #[error(
+        "layout mismatch for {what}: expected fingerprint {expected:#018x}, got {actual:#018x}"
+    )]
     LayoutMismatch {
         what: &'static str,
         expected: u64,

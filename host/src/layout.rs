@@ -441,7 +441,12 @@ mod tests {
             scale: ScaleFormat::Ue8m0,
         });
         let d = IndexKLayout::new(IndexKDtype::FP8, 128, 32).unwrap();
-        let all = [a.fingerprint(), b.fingerprint(), c.fingerprint(), d.fingerprint()];
+        let all = [
+            a.fingerprint(),
+            b.fingerprint(),
+            c.fingerprint(),
+            d.fingerprint(),
+        ];
         for i in 0..all.len() {
             for j in i + 1..all.len() {
                 assert_ne!(all[i], all[j]);

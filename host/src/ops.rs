@@ -281,11 +281,7 @@ pub struct KvStore<'a> {
 impl KvStore<'_> {
     /// Validates the call; returns the number of pages in the cache.
     pub fn validate(&self, kv_bytes: usize, cache_bytes: usize) -> Result<usize> {
-        check_bytes(
-            "kv",
-            self.slots.len() * self.layout.d_qk() * 2,
-            kv_bytes,
-        )?;
+        check_bytes("kv", self.slots.len() * self.layout.d_qk() * 2, kv_bytes)?;
         let pages = self.layout.pages_in("KV cache", cache_bytes)?;
         check_slots("slots", self.slots, pages * self.layout.page_size())?;
         Ok(pages)
@@ -397,7 +393,10 @@ impl Topk<'_> {
                     row: i,
                     start: q.start as i64,
                     end: q.end as i64,
-                    reason: format!("must satisfy start <= end <= row_stride {}", self.row_stride),
+                    reason: format!(
+                        "must satisfy start <= end <= row_stride {}",
+                        self.row_stride
+                    ),
                 });
             }
         }
@@ -479,7 +478,11 @@ mod tests {
         assert!(check_slots("s", &[0, 5, -1, 7, -1], 8).is_ok());
         assert!(matches!(
             check_slots("s", &[0, 8], 8),
-            Err(Error::SlotOutOfRange { index: 1, slot: 8, .. })
+            Err(Error::SlotOutOfRange {
+                index: 1,
+                slot: 8,
+                ..
+            })
         ));
         assert!(matches!(
             check_slots("s", &[-2], 8),
@@ -487,7 +490,11 @@ mod tests {
         ));
         assert!(matches!(
             check_slots("s", &[3, 1, 3], 8),
-            Err(Error::DuplicateSlot { first: 0, second: 2, .. })
+            Err(Error::DuplicateSlot {
+                first: 0,
+                second: 2,
+                ..
+            })
         ));
     }
 
@@ -511,8 +518,14 @@ mod tests {
         let cache = layout.buffer_bytes(2);
         let (q, w, out) = (2 * 2 * 16 * 2, 2 * 2 * 4, 2 * 8 * 4);
         assert_eq!(op.validate(q, w, cache, out).unwrap(), 2);
-        assert!(matches!(op.validate(q + 2, w, cache, out), Err(Error::BufferSize { what: "q", .. })));
-        assert!(matches!(op.validate(q, w, cache + 1, out), Err(Error::BufferSize { .. })));
+        assert!(matches!(
+            op.validate(q + 2, w, cache, out),
+            Err(Error::BufferSize { what: "q", .. })
+        ));
+        assert!(matches!(
+            op.validate(q, w, cache + 1, out),
+            Err(Error::BufferSize { .. })
+        ));
         // A pool of one page does not hold page 1.
         assert!(matches!(
             op.validate(q, w, layout.buffer_bytes(1), out),

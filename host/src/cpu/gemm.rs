@@ -164,7 +164,13 @@ mod tests {
     #[test]
     fn matches_sequential_fma_bitwise() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
-        for &(m, n, k) in &[(1, 1, 1), (7, 33, 5), (13, 70, 129), (6, 32, 64), (64, 64, 128)] {
+        for &(m, n, k) in &[
+            (1, 1, 1),
+            (7, 33, 5),
+            (13, 70, 129),
+            (6, 32, 64),
+            (64, 64, 128),
+        ] {
             let d = Dims {
                 m,
                 n,

@@ -206,7 +206,14 @@ impl Ctx<'_> {
                     }
                     scale[j] = l
                         .scale_range(off)
-                        .map(|r| f32::from_le_bytes([page_bytes[r.start], page_bytes[r.start + 1], page_bytes[r.start + 2], page_bytes[r.start + 3]]))
+                        .map(|r| {
+                            f32::from_le_bytes([
+                                page_bytes[r.start],
+                                page_bytes[r.start + 1],
+                                page_bytes[r.start + 2],
+                                page_bytes[r.start + 3],
+                            ])
+                        })
                         .unwrap_or(1.0);
                 }
             }

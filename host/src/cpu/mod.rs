@@ -1,7 +1,7 @@
 //! The CPU backend: multi-threaded (rayon), batch-invariant Rust implementations of every
 //! op, over 64-byte-aligned host buffers.
 
-mod buffer;
+pub mod buffer;
 pub mod gemm;
 pub mod indexer;
 pub mod sparse_mla;

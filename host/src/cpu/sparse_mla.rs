@@ -158,7 +158,8 @@ fn load_token(l: &KvLayout, cache: &[u8], slot: usize, j: usize, kt: &mut [f32],
                 .zip(tok[l.nope_range()].chunks_exact(FP8_DS_MLA_TILE))
                 .enumerate()
             {
-                let s = f32::from_le_bytes([sc[4 * t], sc[4 * t + 1], sc[4 * t + 2], sc[4 * t + 3]]);
+                let s =
+                    f32::from_le_bytes([sc[4 * t], sc[4 * t + 1], sc[4 * t + 2], sc[4 * t + 3]]);
                 for (x, &c) in xs.iter_mut().zip(codes) {
                     *x = E4M3_TABLE[c as usize] * s;
                 }

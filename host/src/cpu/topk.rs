@@ -176,7 +176,11 @@ mod tests {
                 .collect();
             for _ in 0..n / 10 {
                 let i = rng.gen_range(0..n);
-                row[i] = if rng.gen() { f32::NEG_INFINITY } else { f32::NAN };
+                row[i] = if rng.gen() {
+                    f32::NEG_INFINITY
+                } else {
+                    f32::NAN
+                };
             }
             row[0] = -0.0;
             let mut dst = vec![-7; k];

@@ -1,0 +1,155 @@
+//! Criterion benches of the CPU backend at DeepSeek-V3.2 dims, read against this machine's
+//! roofline.
+//!
+//! `cargo bench -p sparsekit-benches` measures the copy bandwidth and f32 FMA peak, runs
+//! every group (`indexer_logits`, `topk`, `sparse_mla`), then prints a table of time,
+//! GB/s, GFLOP/s, the bound that applies and the fraction of it reached, and writes the
+//! same as JSON to `<target>/criterion/sparsekit-roofline.json`. Criterion's own
+//! throughput line is FLOP/s (shown as `elem/s`) for compute-bound ops and bytes/s for
+//! memory-bound ones. A criterion filter (`cargo bench -p sparsekit-benches -- topk`)
+//! skips building the inputs of the other groups. In test mode (`cargo test --benches`)
+//! every group runs once on small shapes.
+
+#![allow(
+    clippy::expect_used,
+    reason = "bench harness: a failed setup or op call aborts the run with its message"
+)]
+
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, SamplingMode, Throughput};
+use sparsekit_benches::cost::Cost;
+use sparsekit_benches::inputs::{IndexerCase, SparseMlaCase, TopkCase};
+use sparsekit_benches::report::{criterion_dir, Bound, Machine, Report, Row};
+use sparsekit_benches::roofline::{self, Effort, Roofline};
+use sparsekit_benches::{indexer_id, sparse_mla_id, topk_id, Scale, Suite};
+use sparsekit_host::{CpuBackend, Result};
+
+const SAMPLES: usize = 10;
+
+/// Benchmarks one configuration; builds its inputs only if criterion runs it. Returns the
+/// result read against the roofline (`None` when the filter skipped it).
+#[allow(clippy::too_many_arguments, reason = "one call site per op kind")]
+fn bench_one<C>(
+    c: &mut Criterion,
+    backend: &CpuBackend,
+    roof: &Roofline,
+    group: &str,
+    id: &str,
+    cost: Cost,
+    build: impl Fn(&CpuBackend) -> Result<C>,
+    run: impl Fn(&mut C, &CpuBackend) -> Result<()>,
+) -> Option<Row> {
+    let (bound, _) = Bound::of(cost, roof);
+    let mut g = c.benchmark_group(group);
+    g.sampling_mode(SamplingMode::Flat);
+    g.throughput(match bound {
+        Bound::Compute => Throughput::Elements(cost.flops),
+        Bound::Memory => Throughput::Bytes(cost.bytes),
+    });
+    let mut case: Option<C> = None;
+    // Seconds per call of every routine call, warm-up included; the measured samples are
+    // the last SAMPLES calls.
+    let mut per_call: Vec<f64> = Vec::new();
+    g.bench_function(id, |b| {
+        let case = case.get_or_insert_with(|| {
+            build(backend).unwrap_or_else(|e| panic!("building {group}/{id}: {e}"))
+        });
+        b.iter_custom(|iters| {
+            let t = Instant::now();
+            for _ in 0..iters {
+                run(case, backend).unwrap_or_else(|e| panic!("{group}/{id}: {e}"));
+            }
+            let elapsed = t.elapsed();
+            per_call.push(elapsed.as_secs_f64() / iters.max(1) as f64);
+            elapsed
+        });
+    });
+    g.finish();
+    drop(case);
+    let measured = &per_call[per_call.len().saturating_sub(SAMPLES)..];
+    Row::new(group, id, cost, measured, roof)
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let bench_mode = args.iter().any(|a| a == "--bench") && !args.iter().any(|a| a == "--test");
+    let (scale, effort) = if bench_mode {
+        (Scale::Full, Effort::Full)
+    } else {
+        (Scale::Smoke, Effort::Quick)
+    };
+    let roof = roofline::measure(effort);
+    println!(
+        "roofline: copy {:.1} GB/s, f32 FMA {:.1} GFLOP/s ({}, {} threads)",
+        roof.copy_bytes_per_s / 1e9,
+        roof.fma_flops_per_s / 1e9,
+        roof.fma_isa,
+        roof.threads
+    );
+
+    let mut c = Criterion::default()
+        .sample_size(SAMPLES)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2))
+        .configure_from_args();
+    let backend = CpuBackend::new();
+    let suite = Suite::new(scale).expect("bench configurations");
+    let mut results = Vec::new();
+
+    for (i, shape) in suite.indexer.iter().enumerate() {
+        let cost = shape.cost().expect("indexer cost");
+        results.extend(bench_one(
+            &mut c,
+            &backend,
+            &roof,
+            "indexer_logits",
+            &indexer_id(shape),
+            cost,
+            |be| IndexerCase::build(be, *shape, 100 + i as u64),
+            |case, be| case.run(be),
+        ));
+    }
+    for (i, shape) in suite.topk.iter().enumerate() {
+        let cost = shape.cost().expect("topk cost");
+        results.extend(bench_one(
+            &mut c,
+            &backend,
+            &roof,
+            "topk",
+            &topk_id(shape),
+            cost,
+            |be| TopkCase::build(be, *shape, 200 + i as u64),
+            |case, be| case.run(be),
+        ));
+    }
+    for (i, shape) in suite.sparse_mla.iter().enumerate() {
+        results.extend(bench_one(
+            &mut c,
+            &backend,
+            &roof,
+            "sparse_mla",
+            &sparse_mla_id(shape),
+            shape.cost(),
+            |be| SparseMlaCase::build(be, *shape, 300 + i as u64),
+            |case, be| case.run(be),
+        ));
+    }
+    c.final_summary();
+
+    let report = Report {
+        date: sparsekit_benches::report::utc_date(),
+        machine: Machine::detect(),
+        roofline: roof,
+        results,
+    };
+    println!();
+    println!("{}", report.table());
+    if bench_mode {
+        let path = criterion_dir().join("sparsekit-roofline.json");
+        match report.write_json(&path) {
+            Ok(()) => println!("wrote {}", path.display()),
+            Err(e) => eprintln!("cannot write {}: {e}", path.display()),
+        }
+    }
+}

@@ -1,0 +1,336 @@
+//! Batch-invariance checks: each request's outputs must be bit-identical when computed
+//! alone, inside a batch of 8, and with its rows/tokens split into chunks.
+
+use half::bf16;
+use rand::Rng;
+use sparsekit_host::dims::ModelDims;
+use sparsekit_host::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};
+use sparsekit_host::ops::{
+    IndexKStore, IndexerLogits, KvStore, PageTable, QueryRange, SparseMla, Topk, TopkOutput,
+};
+use sparsekit_host::{Backend, Error};
+
+use crate::fixtures::{self, bytes_of, Paging, SuiteRng};
+use crate::suite::{indexer_inputs, mla_indices, prefill_rows, topk_logits, Outcome, Scenario};
+use crate::tolerance::ErrorStats;
+
+const BATCH: usize = 8;
+
+fn bitwise(stats: &mut ErrorStats, base: usize, got: &[u8], want: &[u8]) {
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        if g == w {
+            stats.count += 1;
+        } else {
+            stats.fail(base + i, *g as f64, *w as f64);
+        }
+    }
+    if got.len() != want.len() {
+        stats.fail(base, got.len() as f64, want.len() as f64);
+    }
+}
+
+fn outcome(stats: ErrorStats, note: &str) -> Outcome {
+    Outcome {
+        quantity: "bits",
+        stats,
+        tolerance: "bit-identical".into(),
+        note: note.into(),
+    }
+}
+
+/// Runs the invariance check of `op` at dims `d`.
+pub(crate) fn check<B: Backend>(
+    b: &B,
+    rng: &mut SuiteRng,
+    d: &ModelDims,
+    op: &str,
+) -> Result<Outcome, Error> {
+    let ps = d.page_size as u32;
+    let lens: Vec<u32> = vec![1, ps + 1, 300, 77, 1000, 5, 2 * ps, 513];
+    match op {
+        "index_k_store" | "kv_store" => stores(b, rng, d, op == "kv_store", &lens),
+        "indexer_logits" => indexer(b, rng, d, &lens),
+        "topk" => topk(b, rng, d, &lens),
+        "sparse_mla" => sparse_mla(b, rng, d, &lens),
+        other => Err(Error::InvalidArgument {
+            what: "op",
+            detail: other.to_string(),
+        }),
+    }
+}
+
+fn stores<B: Backend>(
+    b: &B,
+    rng: &mut SuiteRng,
+    d: &ModelDims,
+    kv: bool,
+    lens: &[u32],
+) -> Result<Outcome, Error> {
+    let paging = Paging::new(rng, d.page_size, lens, 1);
+    let slots = paging.all_slots();
+    let ilayout = IndexKLayout::new(IndexKDtype::FP8, d.index_head_dim, d.page_size)?;
+    let klayout = KvLayout::new(
+        KvDtype::Fp8DsMla,
+        d.kv_lora_rank,
+        d.qk_rope_dim,
+        d.page_size,
+    )?;
+    let (dim, bytes) = if kv {
+        (klayout.d_qk(), klayout.buffer_bytes(paging.num_pages))
+    } else {
+        (ilayout.head_dim(), ilayout.buffer_bytes(paging.num_pages))
+    };
+    let cache0 = fixtures::garbage(rng, bytes);
+    let data = fixtures::token_rows(rng, slots.len(), dim);
+    let store = |cache: &mut B::Buffer, from: usize, to: usize| -> Result<(), Error> {
+        let s = &slots[from..to];
+        let x = b.upload(bytes_of(&data[from * dim..to * dim]))?;
+        if kv {
+            b.kv_store(
+                &KvStore {
+                    layout: klayout,
+                    slots: s,
+                },
+                &x,
+                cache,
+            )
+        } else {
+            b.index_k_store(
+                &IndexKStore {
+                    layout: ilayout,
+                    slots: s,
+                },
+                &x,
+                cache,
+            )
+        }
+    };
+    let mut all = b.upload(&cache0)?;
+    store(&mut all, 0, slots.len())?;
+    let all = b.download(&all)?;
+    let mut stats = ErrorStats::default();
+    // Request by request, then in chunks of 3 tokens.
+    for chunk in [0usize, 3] {
+        let mut c = b.upload(&cache0)?;
+        let mut from = 0;
+        for &len in lens {
+            let end = from + len as usize;
+            if chunk == 0 {
+                store(&mut c, from, end)?;
+            } else {
+                let mut s = from;
+                while s < end {
+                    store(&mut c, s, (s + chunk).min(end))?;
+                    s += chunk;
+                }
+            }
+            from = end;
+        }
+        bitwise(&mut stats, 0, &b.download(&c)?, &all);
+    }
+    Ok(outcome(
+        stats,
+        "whole batch vs per request vs chunks of 3 tokens",
+    ))
+}
+
+fn indexer<B: Backend>(
+    b: &B,
+    rng: &mut SuiteRng,
+    d: &ModelDims,
+    lens: &[u32],
+) -> Result<Outcome, Error> {
+    let layout = IndexKLayout::new(IndexKDtype::FP8, d.index_head_dim, d.page_size)?;
+    let paging = Paging::new(rng, d.page_size, lens, 2);
+    let cache = b.upload(&fixtures::index_k_pool(rng, &layout, &paging))?;
+    let rows = prefill_rows(rng, lens);
+    let stride = *lens.iter().max().unwrap_or(&1) as usize + 3;
+    let h = d.index_n_heads;
+    let hd = layout.head_dim();
+    let (q, w) = indexer_inputs(rng, rows.len(), h, hd);
+    let pt = PageTable::new(&paging.table, paging.max_pages)?;
+    let run = |pt: PageTable<'_>, sel: &[usize], remap: bool| -> Result<Vec<u8>, Error> {
+        let rs: Vec<QueryRange> = sel
+            .iter()
+            .map(|&i| QueryRange {
+                request: if remap { 0 } else { rows[i].request },
+                ..rows[i]
+            })
+            .collect();
+        let qs: Vec<bf16> = sel
+            .iter()
+            .flat_map(|&i| q[i * h * hd..(i + 1) * h * hd].iter().copied())
+            .collect();
+        let ws: Vec<f32> = sel
+            .iter()
+            .flat_map(|&i| w[i * h..(i + 1) * h].iter().copied())
+            .collect();
+        let op = IndexerLogits {
+            layout,
+            n_heads: h,
+            page_table: pt,
+            rows: rs,
+            row_stride: stride,
+        };
+        let mut out = b.upload(&fixtures::poison_f32(sel.len() * stride))?;
+        b.indexer_logits(
+            &op,
+            &b.upload(bytes_of(&qs))?,
+            &b.upload(bytes_of(&ws))?,
+            &cache,
+            &mut out,
+        )?;
+        b.download(&out)
+    };
+    let all_idx: Vec<usize> = (0..rows.len()).collect();
+    let all = run(pt, &all_idx, false)?;
+    let row_bytes = stride * 4;
+    let mut stats = ErrorStats::default();
+    for r in 0..lens.len() {
+        let sel: Vec<usize> = all_idx
+            .iter()
+            .copied()
+            .filter(|&i| rows[i].request as usize == r)
+            .collect();
+        let table = &paging.table[r * paging.max_pages..(r + 1) * paging.max_pages];
+        let alone = run(PageTable::new(table, paging.max_pages)?, &sel, true)?;
+        for (j, &i) in sel.iter().enumerate() {
+            bitwise(
+                &mut stats,
+                i * row_bytes,
+                &alone[j * row_bytes..(j + 1) * row_bytes],
+                &all[i * row_bytes..(i + 1) * row_bytes],
+            );
+        }
+    }
+    for chunk in all_idx.chunks(2) {
+        let got = run(pt, chunk, false)?;
+        bitwise(
+            &mut stats,
+            chunk[0] * row_bytes,
+            &got,
+            &all[chunk[0] * row_bytes..(chunk[0] + chunk.len()) * row_bytes],
+        );
+    }
+    Ok(outcome(
+        stats,
+        "batch of 8 requests vs each alone vs chunks of 2 rows",
+    ))
+}
+
+fn topk<B: Backend>(
+    b: &B,
+    rng: &mut SuiteRng,
+    d: &ModelDims,
+    lens: &[u32],
+) -> Result<Outcome, Error> {
+    let k = d.index_topk;
+    let stride = *lens.iter().max().unwrap_or(&1) as usize + 1;
+    let sc = if rng.gen() {
+        Scenario::Random
+    } else {
+        Scenario::ThresholdTies
+    };
+    let logits = topk_logits(rng, k, sc, lens, stride);
+    let rows: Vec<QueryRange> = lens
+        .iter()
+        .map(|&l| QueryRange {
+            request: 0,
+            start: 0,
+            end: l,
+        })
+        .collect();
+    let run = |from: usize, to: usize| -> Result<Vec<u8>, Error> {
+        let op = Topk {
+            k,
+            row_stride: stride,
+            rows: &rows[from..to],
+            output: TopkOutput::Positions,
+        };
+        let mut out = b.upload(&fixtures::poison_i32((to - from) * k))?;
+        b.topk(
+            &op,
+            &b.upload(bytes_of(&logits[from * stride..to * stride]))?,
+            &mut out,
+        )?;
+        b.download(&out)
+    };
+    let all = run(0, rows.len())?;
+    let mut stats = ErrorStats::default();
+    for step in [1usize, 3] {
+        let mut from = 0;
+        while from < rows.len() {
+            let to = (from + step).min(rows.len());
+            bitwise(
+                &mut stats,
+                from * k * 4,
+                &run(from, to)?,
+                &all[from * k * 4..to * k * 4],
+            );
+            from = to;
+        }
+    }
+    Ok(outcome(
+        stats,
+        "batch of 8 rows vs each alone vs chunks of 3",
+    ))
+}
+
+fn sparse_mla<B: Backend>(
+    b: &B,
+    rng: &mut SuiteRng,
+    d: &ModelDims,
+    lens: &[u32],
+) -> Result<Outcome, Error> {
+    let layout = KvLayout::new(
+        KvDtype::Fp8DsMla,
+        d.kv_lora_rank,
+        d.qk_rope_dim,
+        d.page_size,
+    )?;
+    let paging = Paging::new(rng, d.page_size, lens, 1);
+    let cache = b.upload(&fixtures::kv_pool(rng, &layout, &paging))?;
+    let (topk, h) = (d.index_topk, d.q_heads[0]);
+    let indices = mla_indices(rng, &paging, BATCH, topk);
+    let dqk = layout.d_qk();
+    let q = fixtures::bf16_normal(rng, BATCH * h * dqk, 1.0);
+    let scale = 1.0 / (dqk as f32).sqrt();
+    let run = |from: usize, to: usize| -> Result<(Vec<u8>, Vec<u8>), Error> {
+        let n = to - from;
+        let op = SparseMla {
+            layout,
+            n_tokens: n,
+            n_heads: h,
+            topk,
+            softmax_scale: scale,
+        };
+        let mut out = b.upload(&fixtures::poison_bf16(n * h * layout.nope_dim()))?;
+        let mut lse = b.upload(&fixtures::poison_f32(n * h))?;
+        b.sparse_mla(
+            &op,
+            &b.upload(bytes_of(&q[from * h * dqk..to * h * dqk]))?,
+            &cache,
+            &b.upload(bytes_of(&indices[from * topk..to * topk]))?,
+            &mut out,
+            &mut lse,
+        )?;
+        Ok((b.download(&out)?, b.download(&lse)?))
+    };
+    let (all_o, all_l) = run(0, BATCH)?;
+    let (ob, lb) = (h * layout.nope_dim() * 2, h * 4);
+    let mut stats = ErrorStats::default();
+    for step in [1usize, 3] {
+        let mut from = 0;
+        while from < BATCH {
+            let to = (from + step).min(BATCH);
+            let (o, l) = run(from, to)?;
+            bitwise(&mut stats, from * ob, &o, &all_o[from * ob..to * ob]);
+            bitwise(&mut stats, from * lb, &l, &all_l[from * lb..to * lb]);
+            from = to;
+        }
+    }
+    Ok(outcome(
+        stats,
+        "batch of 8 tokens vs each alone vs chunks of 3",
+    ))
+}

@@ -1,0 +1,397 @@
+//! Naive f64 references. They read and write the **packed bytes** through the layout
+//! descriptors' byte ranges, so layouts are checked as well as arithmetic. The fp8 codec
+//! here is written independently of `sparsekit_host::dtype` (nearest-value search over
+//! the code table instead of bit manipulation).
+//!
+//! Rounding contract modelled exactly (see `sparsekit_host::dtype`): scales and quotients
+//! are f32 values (`fl32`), computed here in f64 and rounded once to f32, which equals the
+//! f32 operation for a quotient of two f32 values.
+
+use half::bf16;
+use rayon::prelude::*;
+use sparsekit_host::dtype::ScaleFormat;
+use sparsekit_host::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout, FP8_DS_MLA_TILE};
+use sparsekit_host::ops::{PageTable, QueryRange};
+
+/// Value of an e4m3fn code, computed from its fields in f64.
+pub fn e4m3_value(code: u8) -> f64 {
+    let sign = if code & 0x80 != 0 { -1.0 } else { 1.0 };
+    let e = ((code >> 3) & 0xf) as i32;
+    let m = (code & 7) as f64;
+    if e == 15 && m == 7.0 {
+        return f64::NAN;
+    }
+    let mag = if e == 0 {
+        m / 8.0 * 2f64.powi(-6)
+    } else {
+        (1.0 + m / 8.0) * 2f64.powi(e - 7)
+    };
+    sign * mag
+}
+
+/// Positive finite e4m3 values, ascending (codes 0x00..=0x7e).
+fn positive_values() -> &'static [f64; 127] {
+    static TABLE: std::sync::OnceLock<[f64; 127]> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| std::array::from_fn(|c| e4m3_value(c as u8)))
+}
+
+/// e4m3fn encoding by nearest-value search: ties go to the even code, magnitudes at or
+/// above 448 saturate, NaN keeps its sign.
+pub fn e4m3_encode(x: f64) -> u8 {
+    let sign = if x.is_sign_negative() { 0x80 } else { 0 };
+    if x.is_nan() {
+        return sign | 0x7f;
+    }
+    let a = x.abs();
+    let t = positive_values();
+    if a >= t[126] {
+        return sign | 0x7e;
+    }
+    // First code whose value is >= a; compare with its lower neighbour.
+    let hi = t.partition_point(|&v| v < a);
+    let code = if hi == 0 {
+        0
+    } else {
+        let (lo_v, hi_v) = (t[hi - 1], t[hi]);
+        let (dl, dh) = (a - lo_v, hi_v - a);
+        if dl < dh || (dl == dh && (hi - 1) % 2 == 0) {
+            hi - 1
+        } else {
+            hi
+        }
+    };
+    sign | code as u8
+}
+
+/// Rounds an f64 to the nearest f32 (as f64).
+pub fn fl32(x: f64) -> f64 {
+    x as f32 as f64
+}
+
+/// Smallest power of two `>= s` (s > 0), found by doubling.
+pub fn pow2_ceil(s: f64) -> f64 {
+    let mut p = 2f64.powi(-126);
+    while p < s {
+        p *= 2.0;
+    }
+    p
+}
+
+/// Index-K per-token scale: `fl32(max(amax, fl32(1e-4)) / 448)`, optionally pow2-rounded.
+pub fn index_k_scale(amax: f64, format: ScaleFormat) -> f64 {
+    let s = fl32(amax.max(fl32(1e-4)) / 448.0);
+    match format {
+        ScaleFormat::Fp32 => s,
+        ScaleFormat::Ue8m0 => pow2_ceil(s),
+    }
+}
+
+/// fp8_ds_mla tile scale: `pow2_ceil(max(fl32(amax / 448), fl32(1e-4)))`.
+pub fn kv_tile_scale(amax: f64) -> f64 {
+    pow2_ceil(fl32(amax / 448.0).max(fl32(1e-4)))
+}
+
+fn amax(xs: &[bf16]) -> f64 {
+    xs.iter().fold(0.0, |m, x| m.max((x.to_f64()).abs()))
+}
+
+fn put_bf16(dst: &mut [u8], xs: &[bf16]) {
+    for (i, x) in xs.iter().enumerate() {
+        dst[2 * i..2 * i + 2].copy_from_slice(&x.to_bits().to_le_bytes());
+    }
+}
+
+fn get_bf16(src: &[u8], i: usize) -> f64 {
+    bf16::from_bits(u16::from_le_bytes([src[2 * i], src[2 * i + 1]])).to_f64()
+}
+
+fn get_f32(src: &[u8], at: usize) -> f64 {
+    f32::from_le_bytes([src[at], src[at + 1], src[at + 2], src[at + 3]]) as f64
+}
+
+/// Applies `index_k_store` to `cache` (whole pages): token `t`'s key `keys[t*D..]` goes to
+/// `slots[t]` (`-1` skipped).
+pub fn index_k_store(layout: &IndexKLayout, cache: &mut [u8], keys: &[bf16], slots: &[i64]) {
+    let d = layout.head_dim();
+    let (ps, bpp) = (layout.page_size(), layout.bytes_per_page());
+    for (t, &slot) in slots.iter().enumerate() {
+        if slot < 0 {
+            continue;
+        }
+        let key = &keys[t * d..(t + 1) * d];
+        let (page, off) = (slot as usize / ps, slot as usize % ps);
+        let page = &mut cache[page * bpp..(page + 1) * bpp];
+        match layout.dtype() {
+            IndexKDtype::Bf16 => put_bf16(&mut page[layout.value_range(off)], key),
+            IndexKDtype::Fp8E4m3 { scale } => {
+                let s = index_k_scale(amax(key), scale);
+                let vr = layout.value_range(off);
+                for (i, x) in key.iter().enumerate() {
+                    page[vr.start + i] = e4m3_encode(fl32(x.to_f64() / s));
+                }
+                if let Some(r) = layout.scale_range(off) {
+                    page[r].copy_from_slice(&(s as f32).to_le_bytes());
+                }
+            }
+        }
+    }
+}
+
+/// Applies `kv_store` to `cache`: token `t`'s `[latent | rope]` goes to `slots[t]`.
+pub fn kv_store(layout: &KvLayout, cache: &mut [u8], kv: &[bf16], slots: &[i64]) {
+    let (d, nope) = (layout.d_qk(), layout.nope_dim());
+    let (ps, bpp) = (layout.page_size(), layout.bytes_per_page());
+    for (t, &slot) in slots.iter().enumerate() {
+        if slot < 0 {
+            continue;
+        }
+        let x = &kv[t * d..(t + 1) * d];
+        let (page, off) = (slot as usize / ps, slot as usize % ps);
+        let base = page * bpp + layout.token_range(off).start;
+        let tok = &mut cache[base..base + layout.bytes_per_token()];
+        match layout.dtype() {
+            KvDtype::Bf16 => put_bf16(&mut tok[layout.nope_range()], &x[..nope]),
+            KvDtype::Fp8DsMla => {
+                let sr = layout.scales_range();
+                for (ti, tile) in x[..nope].chunks(FP8_DS_MLA_TILE).enumerate() {
+                    let s = kv_tile_scale(amax(tile));
+                    for (i, v) in tile.iter().enumerate() {
+                        tok[ti * FP8_DS_MLA_TILE + i] = e4m3_encode(fl32(v.to_f64() / s));
+                    }
+                    tok[sr.start + 4 * ti..sr.start + 4 * ti + 4]
+                        .copy_from_slice(&(s as f32).to_le_bytes());
+                }
+            }
+        }
+        put_bf16(&mut tok[layout.rope_range()], &x[nope..]);
+    }
+}
+
+/// The dequantised index key stored at `slot` (values already multiplied by nothing) and
+/// its scale (1 for bf16).
+pub fn read_index_key(layout: &IndexKLayout, cache: &[u8], slot: usize) -> (Vec<f64>, f64) {
+    let (ps, bpp) = (layout.page_size(), layout.bytes_per_page());
+    let page = &cache[(slot / ps) * bpp..(slot / ps + 1) * bpp];
+    let off = slot % ps;
+    let vals = &page[layout.value_range(off)];
+    match layout.dtype() {
+        IndexKDtype::Bf16 => (
+            (0..layout.head_dim()).map(|i| get_bf16(vals, i)).collect(),
+            1.0,
+        ),
+        IndexKDtype::Fp8E4m3 { .. } => {
+            let s = layout
+                .scale_range(off)
+                .map_or(1.0, |r| get_f32(page, r.start));
+            (vals.iter().map(|&c| e4m3_value(c)).collect(), s)
+        }
+    }
+}
+
+/// The dequantised `[latent | rope]` of the KV token at `slot`.
+pub fn read_kv_token(layout: &KvLayout, cache: &[u8], slot: usize) -> Vec<f64> {
+    let (ps, bpp) = (layout.page_size(), layout.bytes_per_page());
+    let base = (slot / ps) * bpp + layout.token_range(slot % ps).start;
+    let tok = &cache[base..base + layout.bytes_per_token()];
+    let mut out = Vec::with_capacity(layout.d_qk());
+    match layout.dtype() {
+        KvDtype::Bf16 => out.extend((0..layout.nope_dim()).map(|i| get_bf16(tok, i))),
+        KvDtype::Fp8DsMla => {
+            let sr = layout.scales_range();
+            for i in 0..layout.nope_dim() {
+                let s = get_f32(tok, sr.start + 4 * (i / FP8_DS_MLA_TILE));
+                out.push(e4m3_value(tok[i]) * s);
+            }
+        }
+    }
+    let rope = &tok[layout.rope_range()];
+    out.extend((0..layout.rope_dim()).map(|i| get_bf16(rope, i)));
+    out
+}
+
+/// Reference indexer output for one row: `(logit, magnitude)` per column of the row
+/// (`-inf`, 0 outside its range). `magnitude = Σ_h |w_h| · Σ_d |q_hd · k_d| · scale` bounds
+/// the rounding error of any f32 evaluation.
+#[derive(Debug)]
+pub struct IndexerRef {
+    pub logits: Vec<f64>,
+    pub magnitude: Vec<f64>,
+}
+
+/// Reference `indexer_logits` over all rows (parallel over rows; naive inside).
+#[allow(clippy::too_many_arguments)]
+pub fn indexer_logits(
+    layout: &IndexKLayout,
+    cache: &[u8],
+    page_table: &PageTable<'_>,
+    rows: &[QueryRange],
+    n_heads: usize,
+    q: &[bf16],
+    weights: &[f32],
+    row_stride: usize,
+) -> IndexerRef {
+    let d = layout.head_dim();
+    let per_row: Vec<(Vec<f64>, Vec<f64>)> = rows
+        .par_iter()
+        .enumerate()
+        .map(|(r, range)| {
+            let mut logits = vec![f64::NEG_INFINITY; row_stride];
+            let mut mag = vec![0.0; row_stride];
+            let qr = &q[r * n_heads * d..(r + 1) * n_heads * d];
+            let wr = &weights[r * n_heads..(r + 1) * n_heads];
+            for pos in range.start as usize..range.end as usize {
+                let slot = page_table.slot(range.request as usize, pos, layout.page_size());
+                let (k, s) = read_index_key(layout, cache, slot);
+                let (mut acc, mut m) = (0.0, 0.0);
+                for h in 0..n_heads {
+                    let (mut dot, mut adot) = (0.0, 0.0);
+                    for (qv, kv) in qr[h * d..(h + 1) * d].iter().zip(&k) {
+                        let p = qv.to_f64() * kv;
+                        dot += p;
+                        adot += p.abs();
+                    }
+                    acc += wr[h] as f64 * dot.max(0.0);
+                    m += (wr[h] as f64).abs() * adot;
+                }
+                logits[pos] = acc * s;
+                mag[pos] = m * s;
+            }
+            (logits, mag)
+        })
+        .collect();
+    let mut out = IndexerRef {
+        logits: Vec::with_capacity(rows.len() * row_stride),
+        magnitude: Vec::with_capacity(rows.len() * row_stride),
+    };
+    for (l, m) in per_row {
+        out.logits.extend(l);
+        out.magnitude.extend(m);
+    }
+    out
+}
+
+/// Reference top-k of one row: positions (relative to the row) of the `k` largest valid
+/// entries (not `-inf`, not NaN), ties to the lower position, returned in ascending order.
+pub fn topk_row(row: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..row.len())
+        .filter(|&i| !row[i].is_nan() && row[i] != f32::NEG_INFINITY)
+        .collect();
+    idx.sort_by(|&a, &b| {
+        row[b]
+            .partial_cmp(&row[a])
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(a.cmp(&b))
+    });
+    idx.truncate(k);
+    idx.sort_unstable();
+    idx
+}
+
+/// Reference sparse MLA for one token: per head `(out[d_v], lse, out_magnitude,
+/// lse_magnitude)`. `out_magnitude` is the largest |v| over the valid slots;
+/// `lse_magnitude = scale · max_j Σ_d |q_d k_jd|` bounds the score rounding error.
+#[derive(Debug)]
+pub struct MlaRef {
+    pub out: Vec<f64>,
+    pub lse: Vec<f64>,
+    pub out_magnitude: Vec<f64>,
+    pub lse_magnitude: Vec<f64>,
+}
+
+/// Reference `sparse_mla` for all tokens (parallel over tokens; naive inside).
+pub fn sparse_mla(
+    layout: &KvLayout,
+    cache: &[u8],
+    q: &[bf16],
+    indices: &[i32],
+    n_tokens: usize,
+    n_heads: usize,
+    topk: usize,
+    softmax_scale: f32,
+) -> MlaRef {
+    let (dqk, dv) = (layout.d_qk(), layout.nope_dim());
+    let scale = softmax_scale as f64;
+    type TokenRef = (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>);
+    let per_token: Vec<TokenRef> = (0..n_tokens)
+        .into_par_iter()
+        .map(|t| {
+            let keys: Vec<Vec<f64>> = indices[t * topk..(t + 1) * topk]
+                .iter()
+                .filter(|&&i| i >= 0)
+                .map(|&i| read_kv_token(layout, cache, i as usize))
+                .collect();
+            let vmax = keys
+                .iter()
+                .flat_map(|k| k[..dv].iter())
+                .fold(0.0f64, |m, x| m.max(x.abs()));
+            let mut out = vec![0.0; n_heads * dv];
+            let mut lse = vec![f64::NEG_INFINITY; n_heads];
+            let mut lmag = vec![0.0; n_heads];
+            for h in 0..n_heads {
+                let qh: Vec<f64> = q[(t * n_heads + h) * dqk..(t * n_heads + h + 1) * dqk]
+                    .iter()
+                    .map(|x| x.to_f64())
+                    .collect();
+                let mut scores = Vec::with_capacity(keys.len());
+                for k in &keys {
+                    let (mut dot, mut adot) = (0.0, 0.0);
+                    for (a, b) in qh.iter().zip(k) {
+                        dot += a * b;
+                        adot += (a * b).abs();
+                    }
+                    scores.push(dot * scale);
+                    lmag[h] = f64::max(lmag[h], adot * scale.abs());
+                }
+                if keys.is_empty() {
+                    continue;
+                }
+                let mx = scores.iter().fold(f64::NEG_INFINITY, |m, &s| m.max(s));
+                let w: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
+                let sum: f64 = w.iter().sum();
+                lse[h] = mx + sum.ln();
+                let o = &mut out[h * dv..(h + 1) * dv];
+                for (wj, k) in w.iter().zip(&keys) {
+                    for (x, v) in o.iter_mut().zip(&k[..dv]) {
+                        *x += wj / sum * v;
+                    }
+                }
+            }
+            (out, lse, vec![vmax; n_heads], lmag)
+        })
+        .collect();
+    let mut r = MlaRef {
+        out: Vec::new(),
+        lse: Vec::new(),
+        out_magnitude: Vec::new(),
+        lse_magnitude: Vec::new(),
+    };
+    for (o, l, om, lm) in per_token {
+        r.out.extend(o);
+        r.lse.extend(l);
+        r.out_magnitude.extend(om);
+        r.lse_magnitude.extend(lm);
+    }
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reference_codec_agrees_with_library_on_all_codes_and_midpoints() {
+        for c in 0u8..=255 {
+            let v = e4m3_value(c);
+            let lib = sparsekit_host::dtype::e4m3_decode(c) as f64;
+            assert!(v == lib || (v.is_nan() && lib.is_nan()), "code {c:#x}");
+        }
+        // Midpoints between consecutive codes exercise ties-to-even in both.
+        let t = positive_values();
+        for i in 0..126 {
+            let mid = (t[i] + t[i + 1]) / 2.0;
+            let lib = sparsekit_host::dtype::e4m3_encode(mid as f32);
+            assert_eq!(e4m3_encode(mid), lib, "midpoint {mid}");
+            assert_eq!(e4m3_encode(-mid), lib | 0x80);
+        }
+    }
+}

@@ -1,0 +1,229 @@
+//! The suite must fail when a backend is wrong. A wrapper backend injects one fault at a
+//! time into the CPU backend's results; each fault must turn its op's records to `fail`.
+
+use half::bf16;
+use sparsekit_host::cpu::topk::select_row;
+use sparsekit_host::cpu::CpuBuffer;
+use sparsekit_host::ops::{IndexKStore, IndexerLogits, KvStore, Op, SparseMla, Topk};
+use sparsekit_host::{Backend, CpuBackend, Result};
+use sparsekit_validation::{run, Check, Size, Status, SuiteConfig};
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Fault {
+    /// One byte of the first stored token's index key flipped.
+    IndexKByte,
+    /// One byte of the last stored KV token's rope flipped.
+    KvByte,
+    /// Logits of the first row shifted one column to the right.
+    IndexerShift,
+    /// One logit left unwritten (NaN poison survives).
+    IndexerUnwritten,
+    /// Logits nudged by one ulp when more than one row is computed (batch-dependent).
+    IndexerBatchDependent,
+    /// Top-k ties broken towards the higher position in the first row.
+    TopkTieOrder,
+    /// Sparse MLA ignores each token's last valid slot.
+    MlaDropsSlot,
+    /// Sparse MLA lse off by 1e-3.
+    MlaLse,
+}
+
+#[derive(Debug)]
+struct Faulty {
+    cpu: CpuBackend,
+    fault: Fault,
+}
+
+impl Backend for Faulty {
+    type Buffer = CpuBuffer;
+    fn name(&self) -> &str {
+        "faulty"
+    }
+    fn supports(&self, _: Op) -> bool {
+        true
+    }
+    fn upload(&self, b: &[u8]) -> Result<CpuBuffer> {
+        self.cpu.upload(b)
+    }
+    fn download(&self, b: &CpuBuffer) -> Result<Vec<u8>> {
+        self.cpu.download(b)
+    }
+    fn buffer_len(&self, b: &CpuBuffer) -> usize {
+        b.len()
+    }
+    fn index_k_store(
+        &self,
+        op: &IndexKStore<'_>,
+        keys: &CpuBuffer,
+        cache: &mut CpuBuffer,
+    ) -> Result<()> {
+        self.cpu.index_k_store(op, keys, cache)?;
+        if self.fault == Fault::IndexKByte {
+            if let Some(&s) = op.slots.iter().find(|&&s| s >= 0) {
+                let l = op.layout;
+                let (p, o) = (s as usize / l.page_size(), s as usize % l.page_size());
+                cache.bytes_mut()[p * l.bytes_per_page() + l.value_range(o).start] ^= 0x01;
+            }
+        }
+        Ok(())
+    }
+    fn kv_store(&self, op: &KvStore<'_>, kv: &CpuBuffer, cache: &mut CpuBuffer) -> Result<()> {
+        self.cpu.kv_store(op, kv, cache)?;
+        if self.fault == Fault::KvByte {
+            if let Some(&s) = op.slots.iter().rev().find(|&&s| s >= 0) {
+                let l = op.layout;
+                let (p, o) = (s as usize / l.page_size(), s as usize % l.page_size());
+                let at = p * l.bytes_per_page() + l.token_range(o).start + l.rope_range().start;
+                cache.bytes_mut()[at] ^= 0x01;
+            }
+        }
+        Ok(())
+    }
+    fn indexer_logits(
+        &self,
+        op: &IndexerLogits<'_>,
+        q: &CpuBuffer,
+        w: &CpuBuffer,
+        cache: &CpuBuffer,
+        out: &mut CpuBuffer,
+    ) -> Result<()> {
+        self.cpu.indexer_logits(op, q, w, cache, out)?;
+        let stride = op.row_stride;
+        let o = out.typed_mut::<f32>("logits")?;
+        match self.fault {
+            Fault::IndexerShift => o[..stride].rotate_right(1),
+            Fault::IndexerUnwritten => {
+                if let Some(r) = op.rows.iter().position(|r| r.end > r.start) {
+                    o[r * stride + op.rows[r].start as usize] = f32::NAN;
+                }
+            }
+            Fault::IndexerBatchDependent if op.rows.len() > 1 => {
+                for x in o.iter_mut().filter(|x| x.is_finite() && **x != 0.0) {
+                    *x = f32::from_bits(x.to_bits() + 1);
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+    fn topk(&self, op: &Topk<'_>, logits: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
+        self.cpu.topk(op, logits, out)?;
+        if self.fault == Fault::TopkTieOrder {
+            // Reselect every row preferring higher positions among ties (select on the
+            // reversed row), then translate to what the CPU wrote (slots or positions).
+            let l = logits.typed::<f32>("logits")?.to_vec();
+            let cpu_out = out.typed_mut::<i32>("topk")?;
+            for (r, range) in op.rows.iter().enumerate() {
+                let row = &l[r * op.row_stride..][range.start as usize..range.end as usize];
+                let mut rev: Vec<f32> = row.to_vec();
+                rev.reverse();
+                let mut dst = vec![-1i32; op.k];
+                let n = select_row(&rev, op.k, &mut dst);
+                let mut pos: Vec<i32> = dst[..n]
+                    .iter()
+                    .map(|&p| (rev.len() - 1) as i32 - p)
+                    .collect();
+                pos.sort_unstable();
+                let mut plain = vec![-1i32; op.k];
+                let m = select_row(row, op.k, &mut plain);
+                let got = &mut cpu_out[r * op.k..(r + 1) * op.k];
+                let map: std::collections::HashMap<i32, i32> = plain[..m]
+                    .iter()
+                    .zip(&got[..m])
+                    .map(|(p, s)| (*p, *s))
+                    .collect();
+                // Positions not selected by the CPU have no slot: mark them invalid.
+                for (i, p) in pos.iter().enumerate() {
+                    got[i] = *map.get(p).unwrap_or(&(i32::MAX - 1));
+                }
+            }
+        }
+        Ok(())
+    }
+    fn sparse_mla(
+        &self,
+        op: &SparseMla,
+        q: &CpuBuffer,
+        cache: &CpuBuffer,
+        indices: &CpuBuffer,
+        out: &mut CpuBuffer,
+        lse: &mut CpuBuffer,
+    ) -> Result<()> {
+        if self.fault == Fault::MlaDropsSlot {
+            let mut idx: Vec<i32> = indices.typed::<i32>("indices")?.to_vec();
+            for row in idx.chunks_mut(op.topk) {
+                if let Some(last) = row.iter_mut().rev().find(|s| **s >= 0) {
+                    *last = -1;
+                }
+            }
+            let idx = CpuBuffer::from_bytes(bytemuck::cast_slice(&idx));
+            return self.cpu.sparse_mla(op, q, cache, &idx, out, lse);
+        }
+        self.cpu.sparse_mla(op, q, cache, indices, out, lse)?;
+        if self.fault == Fault::MlaLse {
+            for x in lse
+                .typed_mut::<f32>("lse")?
+                .iter_mut()
+                .filter(|x| x.is_finite())
+            {
+                *x += 1e-3;
+            }
+        }
+        let _ = bf16::ZERO;
+        Ok(())
+    }
+}
+
+fn records(fault: Fault, op: Op) -> Vec<sparsekit_validation::Record> {
+    let cfg = SuiteConfig {
+        size: Size::Quick,
+        seed: rand::random(),
+        ops: vec![op],
+    };
+    let b = Faulty {
+        cpu: CpuBackend::new(),
+        fault,
+    };
+    run(&b, &cfg, |_| {})
+}
+
+fn assert_caught(fault: Fault, op: Op, check: Check) {
+    let recs = records(fault, op);
+    let caught = recs
+        .iter()
+        .filter(|r| r.check == check && r.status == Status::Fail)
+        .count();
+    assert!(
+        caught > 0,
+        "{fault:?} not caught by {check:?} checks of {}",
+        op.name()
+    );
+}
+
+#[test]
+fn store_faults_are_caught() {
+    assert_caught(Fault::IndexKByte, Op::IndexKStore, Check::Reference);
+    assert_caught(Fault::KvByte, Op::KvStore, Check::Reference);
+}
+
+#[test]
+fn indexer_faults_are_caught() {
+    assert_caught(Fault::IndexerShift, Op::IndexerLogits, Check::Reference);
+    assert_caught(Fault::IndexerUnwritten, Op::IndexerLogits, Check::Reference);
+    assert_caught(
+        Fault::IndexerBatchDependent,
+        Op::IndexerLogits,
+        Check::BatchInvariance,
+    );
+}
+
+#[test]
+fn topk_tie_order_is_caught() {
+    assert_caught(Fault::TopkTieOrder, Op::Topk, Check::Reference);
+}
+
+#[test]
+fn sparse_mla_faults_are_caught() {
+    assert_caught(Fault::MlaDropsSlot, Op::SparseMla, Check::Reference);
+    assert_caught(Fault::MlaLse, Op::SparseMla, Check::Reference);
+}
