@@ -299,6 +299,7 @@ pub struct MlaRef {
 }
 
 /// Reference `sparse_mla` for all tokens (parallel over tokens; naive inside).
+#[allow(clippy::too_many_arguments)]
 pub fn sparse_mla(
     layout: &KvLayout,
     cache: &[u8],

@@ -1,6 +1,8 @@
 //! The validation suite at quick sizes on the CPU backend, one test per op so failures
 //! are reported per op; fresh seed every run (printed on failure).
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic
+
 use sparsekit_host::ops::Op;
 use sparsekit_host::CpuBackend;
 use sparsekit_validation::{run, Size, Status, SuiteConfig};

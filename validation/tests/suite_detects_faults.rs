@@ -1,6 +1,8 @@
 //! The suite must fail when a backend is wrong. A wrapper backend injects one fault at a
 //! time into the CPU backend's results; each fault must turn its op's records to `fail`.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic
+
 use half::bf16;
 use sparsekit_host::cpu::topk::select_row;
 use sparsekit_host::cpu::CpuBuffer;
