@@ -1,10 +1,15 @@
 //! sparsekit: DeepSeek Sparse Attention kernels (lightning indexer, exact top-k, sparse
-//! MLA attention, index-K and KV stores) with a validation suite.
+//! MLA attention, index-K and KV stores, page copies and checksums) with a validation
+//! suite.
 //!
-//! The root package holds the CLI and (later) the CUDA backend with the embedded PTX; the
-//! kernels, host backends and validation live in the workspace crates re-exported here.
+//! The root package holds the CLI, the embedded PTX ([`ptx`]) with its resource report
+//! ([`kernel_report`]), and the CUDA backend; the kernels, host backends and validation
+//! live in the workspace crates re-exported here.
 
+pub mod kernel_report;
+pub mod ptx;
 pub mod table;
 
 pub use sparsekit_host as host;
+pub use sparsekit_kernels as kernels;
 pub use sparsekit_validation as validation;

@@ -1,3 +1,54 @@
-//! sparsekit GPU kernels: `#![no_std]` Rust generic over a SIMT trait, compiled to PTX by
-//! the root package's build script and run on the host by an emulator.
-#![no_std]
+//! sparsekit GPU kernels: `#![no_std]` Rust generic over the [`Simt`] trait.
+//!
+//! - The root package's build script compiles this crate for `nvptx64-nvidia-cuda` (nightly,
+//!   `-Zbuild-std=core`) into PTX for sm_80, sm_90 and sm_120; [`device`] holds the nvptx
+//!   implementation of [`Simt`] and the `extern "ptx-kernel"` entry points.
+//! - With the `emu` feature the same kernels run on the host in the SIMT emulator
+//!   ([`emu`]), which is how their index arithmetic is validated without a GPU.
+//!
+//! Kernel parameter structs ([`params`]) are `#[repr(C)]`, defined once here and used by
+//! device code and every launcher.
+#![cfg_attr(not(feature = "emu"), no_std)]
+#![cfg_attr(
+    target_arch = "nvptx64",
+    feature(
+        abi_ptx,
+        stdarch_nvptx,
+        asm_experimental_arch,
+        gpu_intrinsics,
+        gpu_launch_sized_workgroup_mem,
+        core_intrinsics
+    )
+)]
+#![cfg_attr(target_arch = "nvptx64", allow(internal_features))]
+
+pub mod checksum;
+pub mod fp8;
+pub mod kernels;
+pub mod launch;
+pub mod params;
+pub mod simt;
+
+#[cfg(target_arch = "nvptx64")]
+pub mod device;
+
+#[cfg(feature = "emu")]
+pub mod emu;
+
+pub use simt::Simt;
+
+/// Names of the kernel entry points (the exact PTX `.entry` names).
+pub const ENTRY_POINTS: &[&str] = &[
+    "index_k_store",
+    "kv_store",
+    "copy_pages",
+    "page_checksums",
+];
+
+#[cfg(target_arch = "nvptx64")]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo<'_>) -> ! {
+    // SAFETY: `trap` aborts the kernel; the host sees a launch failure on its next
+    // synchronising call.
+    unsafe { core::arch::nvptx::trap() }
+}

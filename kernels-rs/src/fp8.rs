@@ -1,0 +1,134 @@
+//! fp8 e4m3fn codec and quantization scales, shared by the kernels and the host (which
+//! re-exports them from `sparsekit_host::dtype`). Pure integer/f32 arithmetic, `no_std`.
+//!
+//! - [`e4m3_encode`]: round to nearest, ties to even, **saturating** to ±448 (±inf
+//!   included), NaN kept (code `0x7f | sign`) — equal to
+//!   `np.clip(x, -448, 448).astype(ml_dtypes.float8_e4m3fn)`.
+//! - Index-K scale: `max(amax, 1e-4) / 448` (f32), optionally rounded up to a power of two.
+//! - fp8_ds_mla tile scale: `2^ceil(log2(max(amax / 448, 1e-4)))`.
+
+/// Largest finite e4m3fn magnitude.
+pub const E4M3_MAX: f32 = 448.0;
+/// Floor applied to `amax` (index-K) or `amax / 448` (KV tiles) before computing a scale.
+pub const SCALE_FLOOR: f32 = 1e-4;
+
+/// Encodes an f32 as fp8 e4m3fn (see the module docs).
+#[inline]
+pub fn e4m3_encode(x: f32) -> u8 {
+    let bits = x.to_bits();
+    let sign = ((bits >> 24) & 0x80) as u8;
+    let abits = bits & 0x7fff_ffff;
+    let a = f32::from_bits(abits);
+    if a.is_nan() {
+        return sign | 0x7f;
+    }
+    if a >= E4M3_MAX {
+        return sign | 0x7e;
+    }
+    if a < 1.0 / 64.0 {
+        // Subnormal range (exponent field 0): value = m * 2^-9. `a * 512` is exact and
+        // below 8; round it to the nearest integer, ties to even (8 = smallest normal).
+        let m = a * 512.0;
+        let i = m as u32;
+        let frac = m - i as f32;
+        let up = frac > 0.5 || (frac == 0.5 && i & 1 == 1);
+        return sign | (i + up as u32) as u8;
+    }
+    let exp = (abits >> 23) as i32 - 127; // -6..=8 here
+    let mant = abits & 0x7f_ffff;
+    let mut keep = mant >> 20;
+    let rest = mant & 0xf_ffff;
+    const HALF: u32 = 0x8_0000;
+    if rest > HALF || (rest == HALF && keep & 1 == 1) {
+        keep += 1;
+    }
+    let mut e = exp + 7;
+    if keep == 8 {
+        keep = 0;
+        e += 1;
+    }
+    // a < 448 keeps the result at most 448 (code 0x7e), never the NaN code.
+    sign | ((e as u8) << 3) | keep as u8
+}
+
+/// Decodes an fp8 e4m3fn code to f32 (exact).
+#[inline]
+pub fn e4m3_decode(code: u8) -> f32 {
+    E4M3_TABLE[code as usize]
+}
+
+/// All 256 e4m3fn codes decoded; index with the code.
+pub static E4M3_TABLE: [f32; 256] = build_table();
+
+const fn build_table() -> [f32; 256] {
+    let mut t = [0f32; 256];
+    let mut c = 0;
+    while c < 256 {
+        t[c] = decode_bits(c as u8);
+        c += 1;
+    }
+    t
+}
+
+/// Decodes from the bit fields (used to build the table; also usable on the device).
+#[inline]
+pub const fn decode_bits(code: u8) -> f32 {
+    let e = ((code >> 3) & 0xf) as u32;
+    let m = (code & 7) as u32;
+    let sign = ((code as u32) & 0x80) << 24;
+    let mag = if e == 0xf && m == 7 {
+        0x7fc0_0000
+    } else if e == 0 {
+        if m == 0 {
+            0
+        } else {
+            // m * 2^-9 with m = 1.f * 2^p, p = floor(log2 m).
+            let p = 31 - m.leading_zeros();
+            ((p + 127 - 9) << 23) | ((m << (23 - p)) & 0x7f_ffff)
+        }
+    } else {
+        ((e + 120) << 23) | (m << 20)
+    };
+    f32::from_bits(sign | mag)
+}
+
+/// Rounds a positive normal f32 up to the next power of two (identity on powers of two).
+#[inline]
+pub fn round_up_pow2(s: f32) -> f32 {
+    let bits = s.to_bits();
+    if bits & 0x7f_ffff == 0 {
+        s
+    } else {
+        f32::from_bits((bits & 0x7f80_0000) + 0x80_0000)
+    }
+}
+
+/// Per-token index-K scale from the token's `amax`; `pow2` rounds up to a power of two
+/// (the "ue8m0" format).
+#[inline]
+pub fn index_k_scale(amax: f32, pow2: bool) -> f32 {
+    let s = amax.max(SCALE_FLOOR) / E4M3_MAX;
+    if pow2 {
+        round_up_pow2(s)
+    } else {
+        s
+    }
+}
+
+/// Per-tile fp8_ds_mla scale from the tile's `amax`.
+#[inline]
+pub fn kv_tile_scale(amax: f32) -> f32 {
+    round_up_pow2((amax / E4M3_MAX).max(SCALE_FLOOR))
+}
+
+/// bf16 bits to f32 (exact).
+#[inline(always)]
+pub fn bf16_to_f32(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+/// |x| of an f32 (clears the sign bit).
+#[inline(always)]
+pub fn abs(x: f32) -> f32 {
+    f32::from_bits(x.to_bits() & 0x7fff_ffff)
+}

@@ -1,0 +1,35 @@
+//! The kernels, generic over [`Simt`](crate::Simt). Each is an `unsafe fn` whose contract
+//! is stated on it; launchers establish the contract from validated host descriptors.
+
+mod pages;
+mod store;
+
+pub use pages::{copy_pages, page_checksums};
+pub use store::{index_k_store, kv_store};
+
+/// Full-warp mask.
+pub const FULL: u32 = u32::MAX;
+
+/// Butterfly max over the 32 lanes of a full warp (exact: max is order-independent).
+#[inline(always)]
+pub fn warp_max_f32<S: crate::Simt>(mut v: f32) -> f32 {
+    let mut m = 16;
+    while m > 0 {
+        v = v.max(S::shfl_xor_f32(FULL, v, m));
+        m >>= 1;
+    }
+    v
+}
+
+/// Butterfly wrapping sum of a u64 over the 32 lanes of a full warp.
+#[inline(always)]
+pub fn warp_sum_u64<S: crate::Simt>(mut v: u64) -> u64 {
+    let mut m = 16;
+    while m > 0 {
+        let lo = S::shfl_xor(FULL, v as u32, m) as u64;
+        let hi = S::shfl_xor(FULL, (v >> 32) as u32, m) as u64;
+        v = v.wrapping_add(lo | (hi << 32));
+        m >>= 1;
+    }
+    v
+}

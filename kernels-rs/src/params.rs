@@ -1,0 +1,113 @@
+//! `#[repr(C)]` kernel parameter structs, passed by value as the kernel's single
+//! parameter. Defined once here; device entry points, the emulator and the CUDA launcher
+//! all use them. Byte sizes and offsets in them come from the host's layout descriptors
+//! (`sparsekit_host::layout`): the kernels compute none of their own.
+//!
+//! Units: fields named `*_bytes`/`*_offset`/`*_stride` are bytes; `n_*`, `*_dim` and
+//! `page_size` are elements or tokens.
+
+/// Index-K element format for [`IndexKStoreParams::format`].
+pub mod index_k_format {
+    /// bf16 values, no scale.
+    pub const BF16: u32 = 0;
+    /// e4m3 values + f32 scale `max(amax, 1e-4) / 448`.
+    pub const FP8_FP32_SCALE: u32 = 1;
+    /// e4m3 values + f32 scale rounded up to a power of two.
+    pub const FP8_UE8M0_SCALE: u32 = 2;
+}
+
+/// KV element format for [`KvStoreParams::format`].
+pub mod kv_format {
+    /// bf16 latent + bf16 rope.
+    pub const BF16: u32 = 0;
+    /// e4m3 latent in tiles of 128 with f32 pow2 scales, bf16 rope.
+    pub const FP8_DS_MLA: u32 = 1;
+}
+
+/// `index_k_store`: token `t`'s bf16 key goes to cache slot `slots[t]` (`-1` skips).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct IndexKStoreParams {
+    /// bf16 bits `[n_tokens, head_dim]`.
+    pub keys: *const u16,
+    /// `[n_tokens]` slots (`page * page_size + offset`) or `-1`; unique.
+    pub slots: *const i64,
+    /// The paged index-K buffer.
+    pub cache: *mut u8,
+    pub n_tokens: u32,
+    pub head_dim: u32,
+    pub page_size: u32,
+    /// One of [`index_k_format`].
+    pub format: u32,
+    /// Bytes per page.
+    pub page_bytes: u64,
+    /// Value bytes per token (`head_dim` for fp8, `2·head_dim` for bf16).
+    pub value_bytes: u32,
+    /// Offset of the scale section inside a page (fp8 only).
+    pub scale_offset: u32,
+}
+
+/// `kv_store`: token `t`'s bf16 `[latent | rope]` goes to slot `slots[t]` (`-1` skips).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct KvStoreParams {
+    /// bf16 bits `[n_tokens, nope_dim + rope_dim]`.
+    pub kv: *const u16,
+    /// `[n_tokens]` slots or `-1`; unique.
+    pub slots: *const i64,
+    /// The paged KV buffer.
+    pub cache: *mut u8,
+    pub n_tokens: u32,
+    pub nope_dim: u32,
+    pub rope_dim: u32,
+    pub page_size: u32,
+    /// One of [`kv_format`].
+    pub format: u32,
+    /// Bytes per token.
+    pub token_bytes: u32,
+    /// Bytes per page.
+    pub page_bytes: u64,
+    /// Offset of the f32 tile scales inside a token (fp8_ds_mla only).
+    pub scales_offset: u32,
+    /// Offset of the bf16 rope inside a token.
+    pub rope_offset: u32,
+}
+
+/// `copy_pages`: copies `bytes` bytes of page `src_ids[i]` of the source pool to page
+/// `dst_ids[i]` of the destination pool, for `i < n_pages`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct CopyPagesParams {
+    /// Address of page 0 of the source pool.
+    pub src: *const u8,
+    /// Address of page 0 of the destination pool.
+    pub dst: *mut u8,
+    pub src_ids: *const i32,
+    /// Unique (no two copies write the same page).
+    pub dst_ids: *const i32,
+    /// Bytes between consecutive source pages.
+    pub src_stride: u64,
+    /// Bytes between consecutive destination pages.
+    pub dst_stride: u64,
+    /// Bytes copied per page.
+    pub bytes: u64,
+    pub n_pages: u32,
+    pub _pad: u32,
+}
+
+/// `page_checksums`: `out[i]` = checksum of the `bytes` bytes of page `ids[i]`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct PageChecksumsParams {
+    /// Address of page 0 of the pool.
+    pub pool: *const u8,
+    pub ids: *const i32,
+    /// `[n_pages]` checksums.
+    pub out: *mut u64,
+    /// Bytes between consecutive pages.
+    pub stride: u64,
+    /// Bytes checksummed per page.
+    pub bytes: u64,
+    pub n_pages: u32,
+    pub _pad: u32,
+}

@@ -1,0 +1,109 @@
+//! The SIMT vocabulary every kernel is written against (the names follow cuda_std).
+//!
+//! All methods are associated functions: an implementation is a zero-sized marker type
+//! (`Device` on nvptx64, `Emu` in the host emulator), so everything inlines. Launches
+//! are one-dimensional (`x` only). Kernels reach global memory through raw pointers in
+//! their `#[repr(C)]` parameter structs and shared memory only through
+//! [`Simt::smem_load`]/[`Simt::smem_store`], which the emulator bounds- and race-checks.
+//!
+//! Warp collectives (`shfl_*`, `ballot`, `mma_*`) follow PTX `.sync` semantics: every lane
+//! named in `mask` must execute the same collective, and `mask` must name only lanes that
+//! are still running. The emulator reports violations instead of hanging.
+
+/// One GPU thread's view of the machine.
+pub trait Simt {
+    /// Whether `mma_e4m3_m16n8k32` exists (sm_89 and newer; always in the emulator).
+    const HAS_FP8_MMA: bool;
+
+    /// `threadIdx.x`.
+    fn thread_idx() -> u32;
+    /// `blockIdx.x`.
+    fn block_idx() -> u32;
+    /// `blockDim.x`.
+    fn block_dim() -> u32;
+    /// `gridDim.x`.
+    fn grid_dim() -> u32;
+
+    /// `__syncthreads()`: every thread of the block must reach it.
+    fn sync_threads();
+
+    /// Reads a `T` at `byte_offset` of the block's dynamic shared memory.
+    ///
+    /// # Safety
+    /// `byte_offset + size_of::<T>()` must be within the launch's dynamic shared memory,
+    /// aligned for `T`, and the bytes must have been written as a valid `T`.
+    unsafe fn smem_load<T: Copy>(byte_offset: usize) -> T;
+
+    /// Writes a `T` at `byte_offset` of the block's dynamic shared memory.
+    ///
+    /// # Safety
+    /// As [`Simt::smem_load`]; no other thread may access the same bytes between the
+    /// same two barriers.
+    unsafe fn smem_store<T: Copy>(byte_offset: usize, value: T);
+
+    /// `shfl.sync.bfly.b32`: the value of lane `lane_id ^ lane_mask`.
+    fn shfl_xor(mask: u32, value: u32, lane_mask: u32) -> u32;
+    /// `shfl.sync.idx.b32`: the value of lane `src_lane`.
+    fn shfl_idx(mask: u32, value: u32, src_lane: u32) -> u32;
+    /// `shfl.sync.down.b32`: the value of lane `lane_id + delta` (own value past lane 31).
+    fn shfl_down(mask: u32, value: u32, delta: u32) -> u32;
+    /// `vote.sync.ballot.b32`: bit `i` set when lane `i` passed `true`.
+    fn ballot(mask: u32, predicate: bool) -> u32;
+
+    /// `atom.global.add.u32`; returns the old value.
+    ///
+    /// # Safety
+    /// `ptr` must be valid, aligned global memory.
+    unsafe fn atomic_add_u32(ptr: *mut u32, value: u32) -> u32;
+
+    /// `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32` on this lane's fragments
+    /// (PTX ISA fragment layout: `g = lane / 4`, `t = lane % 4`; A regs = rows {g, g+8} ×
+    /// k {2t, 2t+1} and {2t+8, 2t+9}; B regs = k {2t, 2t+1}, {2t+8, 2t+9} × column g;
+    /// C/D = rows {g, g+8} × columns {2t, 2t+1}; low half-word = lower index).
+    fn mma_bf16_m16n8k16(a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4];
+
+    /// `mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32` (A regs = rows {g, g+8} ×
+    /// k 4t..4t+3 and 16+4t..; B regs = k 4t..4t+3, 16+4t.. × column g; C/D as bf16).
+    /// Only valid when [`Simt::HAS_FP8_MMA`].
+    fn mma_e4m3_m16n8k32(a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4];
+
+    /// Lane within the warp.
+    #[inline(always)]
+    fn lane_id() -> u32 {
+        Self::thread_idx() & 31
+    }
+    /// Warp within the block.
+    #[inline(always)]
+    fn warp_id() -> u32 {
+        Self::thread_idx() >> 5
+    }
+    /// `blockIdx.x * blockDim.x + threadIdx.x`.
+    #[inline(always)]
+    fn global_idx() -> u32 {
+        Self::block_idx() * Self::block_dim() + Self::thread_idx()
+    }
+    /// `shfl_xor` of an f32.
+    #[inline(always)]
+    fn shfl_xor_f32(mask: u32, value: f32, lane_mask: u32) -> f32 {
+        f32::from_bits(Self::shfl_xor(mask, value.to_bits(), lane_mask))
+    }
+    /// `__any_sync`.
+    #[inline(always)]
+    fn any(mask: u32, predicate: bool) -> bool {
+        Self::ballot(mask, predicate) != 0
+    }
+}
+
+/// Mask of the lanes of warp `warp` that exist in a block of `block_dim` threads (the last
+/// warp of a block whose size is not a multiple of 32 is partial).
+#[inline(always)]
+pub const fn warp_mask(block_dim: u32, warp: u32) -> u32 {
+    let first = warp * 32;
+    if block_dim >= first + 32 {
+        u32::MAX
+    } else if block_dim <= first {
+        0
+    } else {
+        (1u32 << (block_dim - first)) - 1
+    }
+}
