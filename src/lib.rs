@@ -6,6 +6,7 @@
 //! ([`kernel_report`]), and the CUDA backend; the kernels, host backends and validation
 //! live in the workspace crates re-exported here.
 
+pub mod cuda;
 pub mod kernel_report;
 pub mod ptx;
 pub mod table;

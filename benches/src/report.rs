@@ -135,7 +135,10 @@ pub struct Report {
     /// UTC date of the run, `YYYY-MM-DD`.
     pub date: String,
     pub machine: Machine,
+    /// The ceilings the results are read against: the best of `roofline_runs`.
     pub roofline: Roofline,
+    /// Every roofline measurement of the run (before and after the op benches).
+    pub roofline_runs: Vec<Roofline>,
     pub results: Vec<Row>,
 }
 
@@ -189,6 +192,25 @@ impl Report {
             r.fma_flops_per_s / 1e9,
             r.fma_isa
         );
+        if self.roofline_runs.len() > 1 {
+            let runs: Vec<String> = self
+                .roofline_runs
+                .iter()
+                .map(|r| {
+                    format!(
+                        "{:.1} GB/s, {:.1} GFLOP/s",
+                        r.copy_bytes_per_s / 1e9,
+                        r.fma_flops_per_s / 1e9
+                    )
+                })
+                .collect();
+            let _ = writeln!(
+                s,
+                "(best of {} measurements: {})",
+                runs.len(),
+                runs.join("; ")
+            );
+        }
         let _ = writeln!(s);
         let _ = writeln!(
             s,
@@ -288,6 +310,7 @@ mod tests {
             date: utc_date(),
             machine: Machine::detect(),
             roofline: roof(),
+            roofline_runs: vec![roof()],
             results: vec![row],
         };
         assert!(rep.table().contains("| op | cfg |"));

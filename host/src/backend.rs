@@ -12,7 +12,9 @@
 use std::fmt::Debug;
 
 use crate::error::Result;
-use crate::ops::{IndexKStore, IndexerLogits, KvStore, Op, SparseMla, Topk};
+use crate::ops::{
+    CopyPages, IndexKStore, IndexerLogits, KvStore, Op, PageChecksums, SparseMla, Topk,
+};
 
 /// A compute backend (`cpu`, `emu`, `cuda`).
 pub trait Backend: Send + Sync + Debug {
@@ -71,5 +73,21 @@ pub trait Backend: Send + Sync + Debug {
         indices: &Self::Buffer,
         out: &mut Self::Buffer,
         lse: &mut Self::Buffer,
+    ) -> Result<()>;
+
+    /// See [`CopyPages`]: whole pages from `src` to `dst` (distinct buffers).
+    fn copy_pages(
+        &self,
+        op: &CopyPages<'_>,
+        src: &Self::Buffer,
+        dst: &mut Self::Buffer,
+    ) -> Result<()>;
+
+    /// See [`PageChecksums`]. `out`: u64 `[ids.len()]`.
+    fn page_checksums(
+        &self,
+        op: &PageChecksums<'_>,
+        pool: &Self::Buffer,
+        out: &mut Self::Buffer,
     ) -> Result<()>;
 }

@@ -1,4 +1,6 @@
-//! Element types: bf16 (via `half`), fp8 e4m3fn, and the fp32 quantization scales.
+//! Element types: bf16 (via `half`), fp8 e4m3fn, and the fp32 quantization scales. The
+//! codec itself lives in `sparsekit_kernels::fp8` so device kernels and host share one
+//! implementation.
 //!
 //! Conventions (the contract every backend and reference implements):
 //! - [`e4m3_encode`] rounds to nearest, ties to even, **saturates** to ±448 (±inf included)
@@ -12,10 +14,9 @@
 pub use half::bf16;
 use serde::{Deserialize, Serialize};
 
-/// Largest finite e4m3fn magnitude.
-pub const E4M3_MAX: f32 = 448.0;
-/// Floor applied to `amax` (index-K) or `amax / 448` (KV tiles) before computing a scale.
-pub const SCALE_FLOOR: f32 = 1e-4;
+pub use sparsekit_kernels::fp8::{
+    e4m3_decode, e4m3_encode, round_up_pow2, E4M3_MAX, E4M3_TABLE, SCALE_FLOOR,
+};
 
 /// How an fp32 quantization scale is stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -27,105 +28,16 @@ pub enum ScaleFormat {
     Ue8m0,
 }
 
-/// Encodes an f32 as fp8 e4m3fn: round-to-nearest-even, saturating to ±448, NaN kept.
-#[inline]
-pub fn e4m3_encode(x: f32) -> u8 {
-    let bits = x.to_bits();
-    let sign = ((bits >> 24) & 0x80) as u8;
-    let a = x.abs();
-    if a.is_nan() {
-        return sign | 0x7f;
-    }
-    if a >= E4M3_MAX {
-        return sign | 0x7e;
-    }
-    if a < 1.0 / 64.0 {
-        // Subnormal range of e4m3 (exponent field 0): value = m * 2^-9, m in 0..=7.
-        // `a * 512` is exact; a result of 8 is the smallest normal (code 0x08).
-        let m = (a * 512.0).round_ties_even();
-        return sign | m as u8;
-    }
-    let abits = a.to_bits();
-    let exp = (abits >> 23) as i32 - 127; // -6..=8 here
-    let mant = abits & 0x7f_ffff;
-    let mut keep = mant >> 20;
-    let rest = mant & 0xf_ffff;
-    const HALF: u32 = 0x8_0000;
-    if rest > HALF || (rest == HALF && keep & 1 == 1) {
-        keep += 1;
-    }
-    let mut e = exp + 7;
-    if keep == 8 {
-        keep = 0;
-        e += 1;
-    }
-    // a < 448 guarantees the result is at most 448 (code 0x7e): never the NaN code 0x7f.
-    sign | ((e as u8) << 3) | keep as u8
-}
-
-/// Decodes an fp8 e4m3fn code to f32 (exact).
-#[inline]
-pub fn e4m3_decode(code: u8) -> f32 {
-    E4M3_TABLE[code as usize]
-}
-
-/// All 256 e4m3fn codes decoded; index with the code.
-pub static E4M3_TABLE: [f32; 256] = build_e4m3_table();
-
-const fn build_e4m3_table() -> [f32; 256] {
-    let mut t = [0f32; 256];
-    let mut c = 0;
-    while c < 256 {
-        let e = (c >> 3) & 0xf;
-        let m = c & 7;
-        let mag = if e == 0xf && m == 7 {
-            f32::NAN
-        } else if e == 0 {
-            // m * 2^-9
-            f32::from_bits(if m == 0 { 0 } else { subnormal_bits(m as u32) })
-        } else {
-            // (1 + m/8) * 2^(e-7): f32 exponent field e - 7 + 127, mantissa m << 20.
-            f32::from_bits((((e + 120) as u32) << 23) | ((m as u32) << 20))
-        };
-        t[c] = if c & 0x80 != 0 { -mag } else { mag };
-        c += 1;
-    }
-    t
-}
-
-/// Bits of the f32 equal to `m * 2^-9` for m in 1..=7 (a normal f32).
-const fn subnormal_bits(m: u32) -> u32 {
-    // Normalise m = 1.f * 2^p with p = floor(log2 m).
-    let p = 31 - m.leading_zeros();
-    let frac = (m << (23 - p)) & 0x7f_ffff;
-    ((p + 127 - 9) << 23) | frac
-}
-
-/// Rounds a positive normal f32 up to the next power of two (identity on powers of two).
-#[inline]
-pub fn round_up_pow2(s: f32) -> f32 {
-    let bits = s.to_bits();
-    if bits & 0x7f_ffff == 0 {
-        s
-    } else {
-        f32::from_bits((bits & 0x7f80_0000) + 0x80_0000)
-    }
-}
-
 /// Per-token index-K scale from the token's `amax` (largest |value|).
 #[inline]
 pub fn index_k_scale(amax: f32, format: ScaleFormat) -> f32 {
-    let s = amax.max(SCALE_FLOOR) / E4M3_MAX;
-    match format {
-        ScaleFormat::Fp32 => s,
-        ScaleFormat::Ue8m0 => round_up_pow2(s),
-    }
+    sparsekit_kernels::fp8::index_k_scale(amax, format == ScaleFormat::Ue8m0)
 }
 
 /// Per-tile fp8_ds_mla scale: `2^ceil(log2(max(amax / 448, 1e-4)))`.
 #[inline]
 pub fn kv_tile_scale(amax: f32) -> f32 {
-    round_up_pow2((amax / E4M3_MAX).max(SCALE_FLOOR))
+    sparsekit_kernels::fp8::kv_tile_scale(amax)
 }
 
 /// Largest |x| over bf16 values, as f32 (NaN ignored).

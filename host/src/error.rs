@@ -45,6 +45,14 @@ pub enum Error {
         first: usize,
         second: usize,
     },
+    /// Two copies of one call write the same destination page.
+    #[error("{what}: destination page {page} is written by entries {first} and {second}")]
+    DuplicatePage {
+        what: &'static str,
+        page: i64,
+        first: usize,
+        second: usize,
+    },
     /// A page id is outside the pool.
     #[error("{what}[{index}] = page {page} is out of range (pool holds {num_pages} pages)")]
     PageOutOfRange {

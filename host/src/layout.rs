@@ -335,6 +335,56 @@ impl KvLayout {
     }
 }
 
+/// Either page format, for ops that move or digest whole pages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PageLayout {
+    IndexK(IndexKLayout),
+    Kv(KvLayout),
+}
+
+impl PageLayout {
+    /// Bytes of one page.
+    pub fn bytes_per_page(&self) -> usize {
+        match self {
+            PageLayout::IndexK(l) => l.bytes_per_page(),
+            PageLayout::Kv(l) => l.bytes_per_page(),
+        }
+    }
+    /// Tokens per page.
+    pub fn page_size(&self) -> usize {
+        match self {
+            PageLayout::IndexK(l) => l.page_size(),
+            PageLayout::Kv(l) => l.page_size(),
+        }
+    }
+    /// The descriptor's fingerprint.
+    pub fn fingerprint(&self) -> u64 {
+        match self {
+            PageLayout::IndexK(l) => l.fingerprint(),
+            PageLayout::Kv(l) => l.fingerprint(),
+        }
+    }
+    /// Summary for printing.
+    pub fn info(&self) -> LayoutInfo {
+        match self {
+            PageLayout::IndexK(l) => l.info(),
+            PageLayout::Kv(l) => l.info(),
+        }
+    }
+}
+
+impl From<IndexKLayout> for PageLayout {
+    fn from(l: IndexKLayout) -> Self {
+        PageLayout::IndexK(l)
+    }
+}
+
+impl From<KvLayout> for PageLayout {
+    fn from(l: KvLayout) -> Self {
+        PageLayout::Kv(l)
+    }
+}
+
 /// A descriptor summarised for printing and JSON.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct LayoutInfo {

@@ -38,12 +38,7 @@ pub mod emu;
 pub use simt::Simt;
 
 /// Names of the kernel entry points (the exact PTX `.entry` names).
-pub const ENTRY_POINTS: &[&str] = &[
-    "index_k_store",
-    "kv_store",
-    "copy_pages",
-    "page_checksums",
-];
+pub const ENTRY_POINTS: &[&str] = &["index_k_store", "kv_store", "copy_pages", "page_checksums"];
 
 #[cfg(target_arch = "nvptx64")]
 #[panic_handler]

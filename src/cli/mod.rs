@@ -1,5 +1,7 @@
 //! Subcommands of the `sparsekit` binary.
 
+mod check;
+mod kernels;
 mod layouts;
 mod validate;
 
@@ -21,6 +23,10 @@ enum Command {
     Validate(validate::Args),
     /// Print the cache layout descriptors (bytes per token/page, fingerprints).
     Layouts(layouts::Args),
+    /// Check golden files (op inputs + expected outputs in safetensors) on a backend.
+    Check(check::Args),
+    /// List the embedded GPU kernels per arch with registers, spills, shared memory.
+    Kernels(kernels::Args),
 }
 
 /// An error that ends the command (exit code 2).
@@ -31,5 +37,7 @@ pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
     match cli.command {
         Command::Validate(a) => validate::run(a),
         Command::Layouts(a) => layouts::run(a),
+        Command::Check(a) => check::run(a),
+        Command::Kernels(a) => kernels::run(a),
     }
 }

@@ -3,8 +3,9 @@
 use std::process::ExitCode;
 
 use indicatif::{ProgressBar, ProgressStyle};
+use sparsekit::cuda::CudaBackend;
 use sparsekit::host::ops::Op;
-use sparsekit::host::{Backend, CpuBackend};
+use sparsekit::host::{Backend, CpuBackend, EmuBackend};
 use sparsekit::table::Table;
 use sparsekit::validation::{plan, run_case, Record, Size, Status, SuiteConfig};
 
@@ -12,7 +13,7 @@ use super::CliError;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Backend to validate: cpu.
+    /// Backend to validate: cpu, emu or cuda.
     #[arg(long, default_value = "cpu")]
     backend: String,
     /// Print JSON records instead of a table.
@@ -49,7 +50,13 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
     };
     match args.backend.as_str() {
         "cpu" => suite(&CpuBackend::new(), &cfg, args.json),
-        other => Err(format!("unknown backend {other:?} (available: cpu)").into()),
+        "emu" => suite(&EmuBackend::new(), &cfg, args.json),
+        "cuda" => {
+            let b = CudaBackend::new(0).map_err(|e| format!("cuda backend unavailable: {e}"))?;
+            eprintln!("cuda device: {}", b.device());
+            suite(&b, &cfg, args.json)
+        }
+        other => Err(format!("unknown backend {other:?} (available: cpu, emu, cuda)").into()),
     }
 }
 

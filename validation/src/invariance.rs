@@ -6,12 +6,15 @@ use rand::Rng;
 use sparsekit_host::dims::ModelDims;
 use sparsekit_host::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};
 use sparsekit_host::ops::{
-    IndexKStore, IndexerLogits, KvStore, PageTable, QueryRange, SparseMla, Topk, TopkOutput,
+    CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, PageTable, QueryRange,
+    SparseMla, Topk, TopkOutput,
 };
 use sparsekit_host::{Backend, Error};
 
 use crate::fixtures::{self, bytes_of, Paging, SuiteRng};
-use crate::suite::{indexer_inputs, mla_indices, prefill_rows, topk_logits, Outcome, Scenario};
+use crate::suite::{
+    indexer_inputs, mla_indices, page_layouts, prefill_rows, region, topk_logits, Outcome, Scenario,
+};
 use crate::tolerance::ErrorStats;
 
 const BATCH: usize = 8;
@@ -52,6 +55,7 @@ pub(crate) fn check<B: Backend>(
         "indexer_logits" => indexer(b, rng, d, &lens),
         "topk" => topk(b, rng, d, &lens),
         "sparse_mla" => sparse_mla(b, rng, d, &lens),
+        "copy_pages" | "page_checksums" => pages(b, rng, d, op == "page_checksums"),
         other => Err(Error::InvalidArgument {
             what: "op",
             detail: other.to_string(),
@@ -66,8 +70,16 @@ fn stores<B: Backend>(
     kv: bool,
     lens: &[u32],
 ) -> Result<Outcome, Error> {
+    // Each request stores its newest 1..=24 tokens (a decode step or a prefill chunk).
     let paging = Paging::new(rng, d.page_size, lens, 1);
-    let slots = paging.all_slots();
+    let new: Vec<u32> = lens.iter().map(|&l| rng.gen_range(1..=24).min(l)).collect();
+    let slots: Vec<i64> = lens
+        .iter()
+        .zip(&new)
+        .enumerate()
+        .flat_map(|(r, (&l, &n))| (l - n..l).map(move |p| (r, p as usize)))
+        .map(|(r, p)| paging.slot(r, p))
+        .collect();
     let ilayout = IndexKLayout::new(IndexKDtype::FP8, d.index_head_dim, d.page_size)?;
     let klayout = KvLayout::new(
         KvDtype::Fp8DsMla,
@@ -113,7 +125,7 @@ fn stores<B: Backend>(
     for chunk in [0usize, 3] {
         let mut c = b.upload(&cache0)?;
         let mut from = 0;
-        for &len in lens {
+        for &len in &new {
             let end = from + len as usize;
             if chunk == 0 {
                 store(&mut c, from, end)?;
@@ -332,5 +344,65 @@ fn sparse_mla<B: Backend>(
     Ok(outcome(
         stats,
         "batch of 8 tokens vs each alone vs chunks of 3",
+    ))
+}
+
+/// Page copies (or checksums) of 8 pages at once vs one at a time vs chunks of 3.
+fn pages<B: Backend>(
+    b: &B,
+    rng: &mut SuiteRng,
+    d: &ModelDims,
+    checksums: bool,
+) -> Result<Outcome, Error> {
+    let layout = page_layouts(d)[0];
+    let (np, n) = (13usize, BATCH);
+    let src_r = region(layout, np, true, 64);
+    let dst_r = region(layout, np, false, 0);
+    let src = b.upload(&fixtures::garbage(rng, src_r.offset + src_r.stride * np))?;
+    let dst0 = fixtures::garbage(rng, dst_r.stride * np);
+    let src_ids: Vec<i32> = (0..n).map(|_| rng.gen_range(0..np as i32)).collect();
+    let dst_ids: Vec<i32> = (0..n as i32).map(|i| (i * 5 + 3) % np as i32).collect();
+    let run = |from: usize, to: usize, dst: &mut B::Buffer| -> Result<Vec<u8>, Error> {
+        if checksums {
+            let op = PageChecksums {
+                region: src_r,
+                ids: &src_ids[from..to],
+            };
+            let mut out = b.upload(&fixtures::poison_f32((to - from) * 2))?;
+            b.page_checksums(&op, &src, &mut out)?;
+            b.download(&out)
+        } else {
+            let op = CopyPages {
+                src: src_r,
+                dst: dst_r,
+                src_ids: &src_ids[from..to],
+                dst_ids: &dst_ids[from..to],
+            };
+            b.copy_pages(&op, &src, dst)?;
+            Ok(Vec::new())
+        }
+    };
+    let mut all_dst = b.upload(&dst0)?;
+    let all = run(0, n, &mut all_dst)?;
+    let all_dst = b.download(&all_dst)?;
+    let mut stats = ErrorStats::default();
+    for step in [1usize, 3] {
+        let mut dst = b.upload(&dst0)?;
+        let mut from = 0;
+        while from < n {
+            let to = (from + step).min(n);
+            let got = run(from, to, &mut dst)?;
+            if checksums {
+                bitwise(&mut stats, from * 8, &got, &all[from * 8..to * 8]);
+            }
+            from = to;
+        }
+        if !checksums {
+            bitwise(&mut stats, 0, &b.download(&dst)?, &all_dst);
+        }
+    }
+    Ok(outcome(
+        stats,
+        "8 pages at once vs one at a time vs chunks of 3",
     ))
 }

@@ -3,6 +3,7 @@
 //! [`sparsekit_host::Backend`] (one body per check, every backend).
 
 pub mod fixtures;
+pub mod golden;
 mod invariance;
 pub mod reference;
 pub mod suite;

@@ -375,6 +375,45 @@ pub fn sparse_mla(
     r
 }
 
+/// Reference page copy over whole buffers (regions validated by the caller).
+pub fn copy_pages(
+    src_region: &sparsekit_host::ops::PagedRegion,
+    dst_region: &sparsekit_host::ops::PagedRegion,
+    src: &[u8],
+    dst: &mut [u8],
+    src_ids: &[i32],
+    dst_ids: &[i32],
+) {
+    for (&s, &d) in src_ids.iter().zip(dst_ids) {
+        let from = src_region.page_range(s as usize);
+        let to = dst_region.page_range(d as usize);
+        for (i, j) in from.zip(to) {
+            dst[j] = src[i];
+        }
+    }
+}
+
+/// Reference page checksum, written from the definition in
+/// `sparsekit_kernels::checksum` with 128-bit arithmetic reduced mod 2^64.
+pub fn page_checksum(page: &[u8]) -> u64 {
+    fn mix(z: u64) -> u64 {
+        let m = |a: u64, k: u64| ((a as u128 * k as u128) % (1u128 << 64)) as u64;
+        let z = m(z ^ (z >> 30), 0xBF58_476D_1CE4_E5B9);
+        let z = m(z ^ (z >> 27), 0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    let mut sum: u128 = 0;
+    for (i, chunk) in page.chunks(8).enumerate() {
+        let mut word = 0u64;
+        for (b, &byte) in chunk.iter().enumerate() {
+            word |= (byte as u64) << (8 * b);
+        }
+        let phi = ((i as u128 * 0x9E37_79B9_7F4A_7C15u128) % (1u128 << 64)) as u64;
+        sum = (sum + mix(word ^ phi) as u128) % (1u128 << 64);
+    }
+    mix(sum as u64 ^ page.len() as u64)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

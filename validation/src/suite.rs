@@ -11,10 +11,10 @@ use rand::Rng;
 use serde::Serialize;
 use sparsekit_host::dims::ModelDims;
 use sparsekit_host::dtype::ScaleFormat;
-use sparsekit_host::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};
+use sparsekit_host::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout, PageLayout};
 use sparsekit_host::ops::{
-    decode_rows, IndexKStore, IndexerLogits, KvStore, Op, PageTable, QueryRange, SparseMla, Topk,
-    TopkOutput,
+    decode_rows, CopyPages, IndexKStore, IndexerLogits, KvStore, Op, PageChecksums, PageTable,
+    PagedRegion, QueryRange, SparseMla, Topk, TopkOutput,
 };
 use sparsekit_host::{Backend, Error};
 
@@ -120,6 +120,8 @@ enum Kind {
     Indexer(ModelDims, IndexKDtype, Form, Vec<u32>),
     Topk(usize, usize, Scenario, Vec<u32>),
     SparseMla(ModelDims, KvDtype, usize, Vec<u32>),
+    CopyPages(PageLayout, bool),
+    PageChecksums(PageLayout),
     Invariance(ModelDims, &'static str),
 }
 
@@ -271,6 +273,39 @@ pub fn plan(cfg: &SuiteConfig) -> Vec<Case> {
                 );
             }
         }
+        // Page copies (contiguous and page-first regions) and checksums, every layout.
+        for layout in page_layouts(&dims) {
+            let dt = layout.info().dtype;
+            let kind = if matches!(layout, PageLayout::IndexK(_)) {
+                "index_k"
+            } else {
+                "kv"
+            };
+            push(
+                Op::CopyPages,
+                r,
+                format!("{} {kind}", dims.name),
+                dt,
+                24,
+                Kind::CopyPages(layout, false),
+            );
+            push(
+                Op::CopyPages,
+                r,
+                format!("{} {kind} page-first", dims.name),
+                dt,
+                24,
+                Kind::CopyPages(layout, true),
+            );
+            push(
+                Op::PageChecksums,
+                r,
+                format!("{} {kind}", dims.name),
+                dt,
+                24,
+                Kind::PageChecksums(layout),
+            );
+        }
         // Batch invariance, one per op.
         for op in Op::ALL {
             push(
@@ -288,10 +323,26 @@ pub fn plan(cfg: &SuiteConfig) -> Vec<Case> {
 
 fn invariance_dtype(op: Op) -> &'static str {
     match op {
-        Op::IndexKStore | Op::IndexerLogits => "fp8_e4m3",
+        Op::IndexKStore | Op::IndexerLogits | Op::CopyPages | Op::PageChecksums => "fp8_e4m3",
         Op::KvStore | Op::SparseMla => "fp8_ds_mla",
         Op::Topk => "fp32",
     }
+}
+
+/// Every page layout of a model config: index-K fp8 and bf16, KV bf16 and fp8_ds_mla.
+pub(crate) fn page_layouts(d: &ModelDims) -> Vec<PageLayout> {
+    let mut v = Vec::new();
+    for dt in [IndexKDtype::FP8, IndexKDtype::Bf16] {
+        if let Ok(l) = IndexKLayout::new(dt, d.index_head_dim, d.page_size) {
+            v.push(l.into());
+        }
+    }
+    for dt in KV_DTYPES {
+        if let Ok(l) = KvLayout::new(dt, d.kv_lora_rank, d.qk_rope_dim, d.page_size) {
+            v.push(l.into());
+        }
+    }
+    v
 }
 
 /// Runs every planned check on `backend`, calling `progress` after each record.
@@ -351,6 +402,10 @@ pub fn run_case<B: Backend>(backend: &B, case: &Case, seed: u64) -> Vec<Record> 
         }
         Kind::Topk(k, ps, sc, lens) => topk(backend, &mut rng, *k, *ps, *sc, lens).map(|o| vec![o]),
         Kind::SparseMla(d, dt, h, lens) => sparse_mla(backend, &mut rng, d, *dt, *h, lens),
+        Kind::CopyPages(l, page_first) => {
+            copy_pages(backend, &mut rng, *l, *page_first).map(|o| vec![o])
+        }
+        Kind::PageChecksums(l) => page_checksums(backend, &mut rng, *l).map(|o| vec![o]),
         Kind::Invariance(d, op) => {
             crate::invariance::check(backend, &mut rng, d, op).map(|o| vec![o])
         }
@@ -849,4 +904,101 @@ fn sparse_mla<B: Backend>(
         Outcome::new("out", so, to),
         Outcome::new("lse", sl, tl),
     ])
+}
+
+/// A region of `num_pages` pages of `layout`: contiguous, or page-first (each page slot
+/// also holds a foreign page of `extra` bytes before it, as in a multi-layer host pool).
+pub(crate) fn region(
+    layout: PageLayout,
+    num_pages: usize,
+    page_first: bool,
+    extra: usize,
+) -> PagedRegion {
+    if page_first {
+        PagedRegion {
+            layout,
+            offset: extra,
+            stride: layout.bytes_per_page() + extra,
+            num_pages,
+        }
+    } else {
+        PagedRegion::contiguous(layout, num_pages)
+    }
+}
+
+fn region_bytes(r: &PagedRegion) -> usize {
+    r.offset + r.stride * r.num_pages
+}
+
+fn copy_pages<B: Backend>(
+    b: &B,
+    rng: &mut SuiteRng,
+    layout: PageLayout,
+    page_first: bool,
+) -> Result<Outcome, Error> {
+    let extra = if page_first {
+        3 * 16 + layout.bytes_per_page() / 3 / 16 * 16
+    } else {
+        0
+    };
+    let (np_src, np_dst, n) = (37, 29, 24);
+    let src_r = region(layout, np_src, page_first, extra);
+    let dst_r = region(layout, np_dst, !page_first, extra + 16);
+    let src = fixtures::garbage(rng, region_bytes(&src_r));
+    let dst0 = fixtures::garbage(rng, region_bytes(&dst_r));
+    let src_ids: Vec<i32> = (0..n).map(|_| rng.gen_range(0..np_src as i32)).collect();
+    let mut dst_ids: Vec<i32> = (0..np_dst as i32).collect();
+    dst_ids.shuffle(rng);
+    dst_ids.truncate(n);
+    let op = CopyPages {
+        src: src_r,
+        dst: dst_r,
+        src_ids: &src_ids,
+        dst_ids: &dst_ids,
+    };
+    let mut dst = b.upload(&dst0)?;
+    b.copy_pages(&op, &b.upload(&src)?, &mut dst)?;
+    let got = b.download(&dst)?;
+    let mut want = dst0.clone();
+    reference::copy_pages(&src_r, &dst_r, &src, &mut want, &src_ids, &dst_ids);
+    let t = tol("copy_pages", "pages", "bytes")?;
+    let mut stats = ErrorStats::default();
+    compare_bytes(&mut stats, &got, &want);
+    stats.count += got.len();
+    let mut o = Outcome::new("pages", stats, t);
+    o.note = format!(
+        "{n} pages, {} B/page, src stride {} dst stride {}",
+        layout.bytes_per_page(),
+        src_r.stride,
+        dst_r.stride
+    );
+    Ok(o)
+}
+
+fn page_checksums<B: Backend>(
+    b: &B,
+    rng: &mut SuiteRng,
+    layout: PageLayout,
+) -> Result<Outcome, Error> {
+    let r = region(layout, 31, true, 48);
+    let pool = fixtures::garbage(rng, region_bytes(&r));
+    let ids: Vec<i32> = (0..24).map(|_| rng.gen_range(0..31)).collect();
+    let op = PageChecksums {
+        region: r,
+        ids: &ids,
+    };
+    let mut out = b.upload(&fixtures::poison_f32(ids.len() * 2))?;
+    b.page_checksums(&op, &b.upload(&pool)?, &mut out)?;
+    let got: Vec<u64> = bytemuck::pod_collect_to_vec(&b.download(&out)?);
+    let t = tol("page_checksums", "checksums", "u64")?;
+    let mut stats = ErrorStats::default();
+    for (i, (&g, &id)) in got.iter().zip(&ids).enumerate() {
+        let want = reference::page_checksum(&pool[r.page_range(id as usize)]);
+        if g == want {
+            stats.count += 1;
+        } else {
+            stats.fail(i, g as f64, want as f64);
+        }
+    }
+    Ok(Outcome::new("checksums", stats, t))
 }

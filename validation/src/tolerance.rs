@@ -49,6 +49,8 @@ pub const TABLE: &[Tolerance] = &[
     tol("sparse_mla", "out", "bf16", 1e-3, 1.0 / 256.0, MLA_OUT),
     tol("sparse_mla", "lse", "fp8_ds_mla", 2e-5, 1e-6, MLA_LSE),
     tol("sparse_mla", "lse", "bf16", 2e-5, 1e-6, MLA_LSE),
+    tol("copy_pages", "pages", "bytes", 0.0, 0.0, EXACT),
+    tol("page_checksums", "checksums", "u64", 0.0, 0.0, EXACT),
 ];
 
 const fn tol(

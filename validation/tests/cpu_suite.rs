@@ -60,3 +60,13 @@ fn topk() {
 fn sparse_mla() {
     suite(Op::SparseMla)
 }
+
+#[test]
+fn copy_pages() {
+    suite(Op::CopyPages)
+}
+
+#[test]
+fn page_checksums() {
+    suite(Op::PageChecksums)
+}

@@ -6,7 +6,9 @@
 use half::bf16;
 use sparsekit_host::cpu::topk::select_row;
 use sparsekit_host::cpu::CpuBuffer;
-use sparsekit_host::ops::{IndexKStore, IndexerLogits, KvStore, Op, SparseMla, Topk};
+use sparsekit_host::ops::{
+    CopyPages, IndexKStore, IndexerLogits, KvStore, Op, PageChecksums, SparseMla, Topk,
+};
 use sparsekit_host::{Backend, CpuBackend, Result};
 use sparsekit_validation::{run, Check, Size, Status, SuiteConfig};
 
@@ -28,6 +30,10 @@ enum Fault {
     MlaDropsSlot,
     /// Sparse MLA lse off by 1e-3.
     MlaLse,
+    /// The last page of a copy goes to the wrong destination page.
+    CopyWrongPage,
+    /// The checksum of the first page of a call is that of the page after it.
+    ChecksumOffByOnePage,
 }
 
 #[derive(Debug)]
@@ -174,6 +180,54 @@ impl Backend for Faulty {
         let _ = bf16::ZERO;
         Ok(())
     }
+    fn copy_pages(&self, op: &CopyPages<'_>, src: &CpuBuffer, dst: &mut CpuBuffer) -> Result<()> {
+        self.copy_fault(op, src, dst)
+    }
+    fn page_checksums(
+        &self,
+        op: &PageChecksums<'_>,
+        pool: &CpuBuffer,
+        out: &mut CpuBuffer,
+    ) -> Result<()> {
+        if self.fault == Fault::ChecksumOffByOnePage && !op.ids.is_empty() {
+            let mut ids = op.ids.to_vec();
+            ids[0] = (ids[0] + 1) % op.region.num_pages as i32;
+            return self
+                .cpu
+                .page_checksums(&PageChecksums { ids: &ids, ..*op }, pool, out);
+        }
+        self.cpu.page_checksums(op, pool, out)
+    }
+}
+
+impl Faulty {
+    fn copy_fault(&self, op: &CopyPages<'_>, src: &CpuBuffer, dst: &mut CpuBuffer) -> Result<()> {
+        if self.fault != Fault::CopyWrongPage || op.dst_ids.len() < 2 {
+            return self.cpu.copy_pages(op, src, dst);
+        }
+        let n = op.dst_ids.len();
+        let mut ids = op.dst_ids.to_vec();
+        ids[n - 1] = ids[n - 2];
+        // Copy all but the last, then the last onto the second-to-last destination.
+        self.cpu.copy_pages(
+            &CopyPages {
+                src_ids: &op.src_ids[..n - 1],
+                dst_ids: &op.dst_ids[..n - 1],
+                ..*op
+            },
+            src,
+            dst,
+        )?;
+        self.cpu.copy_pages(
+            &CopyPages {
+                src_ids: &op.src_ids[n - 1..],
+                dst_ids: &ids[n - 1..],
+                ..*op
+            },
+            src,
+            dst,
+        )
+    }
 }
 
 fn records(fault: Fault, op: Op) -> Vec<sparsekit_validation::Record> {
@@ -228,4 +282,14 @@ fn topk_tie_order_is_caught() {
 fn sparse_mla_faults_are_caught() {
     assert_caught(Fault::MlaDropsSlot, Op::SparseMla, Check::Reference);
     assert_caught(Fault::MlaLse, Op::SparseMla, Check::Reference);
+}
+
+#[test]
+fn page_faults_are_caught() {
+    assert_caught(Fault::CopyWrongPage, Op::CopyPages, Check::Reference);
+    assert_caught(
+        Fault::ChecksumOffByOnePage,
+        Op::PageChecksums,
+        Check::Reference,
+    );
 }

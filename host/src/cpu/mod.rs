@@ -4,6 +4,7 @@
 pub mod buffer;
 pub mod gemm;
 pub mod indexer;
+pub mod pages;
 pub mod sparse_mla;
 pub mod store;
 pub mod topk;
@@ -16,7 +17,9 @@ pub use buffer::CpuBuffer;
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
-use crate::ops::{IndexKStore, IndexerLogits, KvStore, Op, SparseMla, Topk};
+use crate::ops::{
+    CopyPages, IndexKStore, IndexerLogits, KvStore, Op, PageChecksums, SparseMla, Topk,
+};
 
 /// The CPU backend. Runs on rayon's global pool unless built with [`CpuBackend::with_threads`].
 #[derive(Clone, Debug, Default)]
@@ -168,6 +171,24 @@ impl Backend for CpuBackend {
         let out = out.typed_mut::<bf16>("out")?;
         let lse = lse.typed_mut::<f32>("lse")?;
         self.run(|| sparse_mla::sparse_mla(op, q, cache.bytes(), indices, out, lse));
+        Ok(())
+    }
+
+    fn copy_pages(&self, op: &CopyPages<'_>, src: &CpuBuffer, dst: &mut CpuBuffer) -> Result<()> {
+        op.validate(src.len(), dst.len())?;
+        self.run(|| pages::copy_pages(op, src.bytes(), dst.bytes_mut()));
+        Ok(())
+    }
+
+    fn page_checksums(
+        &self,
+        op: &PageChecksums<'_>,
+        pool: &CpuBuffer,
+        out: &mut CpuBuffer,
+    ) -> Result<()> {
+        op.validate(pool.len(), out.len())?;
+        let out = out.typed_mut::<u64>("checksums")?;
+        self.run(|| pages::page_checksums(op, pool.bytes(), out));
         Ok(())
     }
 }

@@ -63,7 +63,11 @@ pub unsafe fn page_checksums<S: Simt>(p: PageChecksumsParams) {
         let mut w = S::thread_idx() as u64;
         while w < words {
             // Little-endian word, zero-padded past the page end.
-            let n = if (w + 1) * 8 <= p.bytes { 8 } else { (p.bytes - w * 8) as usize };
+            let n = if (w + 1) * 8 <= p.bytes {
+                8
+            } else {
+                (p.bytes - w * 8) as usize
+            };
             let mut word = 0u64;
             let mut b = 0;
             while b < n {

@@ -25,7 +25,10 @@ pub unsafe fn index_k_store<S: Simt>(p: IndexKStoreParams) {
         // SAFETY: t < n_tokens and `slots` holds n_tokens entries (contract).
         let slot = unsafe { *p.slots.add(t as usize) };
         if slot >= 0 {
-            let (page, off) = (slot as u64 / p.page_size as u64, slot as u64 % p.page_size as u64);
+            let (page, off) = (
+                slot as u64 / p.page_size as u64,
+                slot as u64 % p.page_size as u64,
+            );
             let page_ptr = p.cache.wrapping_add((page * p.page_bytes) as usize);
             let values = page_ptr.wrapping_add((off * p.value_bytes as u64) as usize);
             let key = p.keys.wrapping_add(t as usize * p.head_dim as usize);
@@ -33,7 +36,11 @@ pub unsafe fn index_k_store<S: Simt>(p: IndexKStoreParams) {
                 let mut i = lane;
                 while i < p.head_dim {
                     // SAFETY: i < head_dim: inside the token's key and its value bytes.
-                    unsafe { (values as *mut u16).add(i as usize).write_unaligned(*key.add(i as usize)) };
+                    unsafe {
+                        (values as *mut u16)
+                            .add(i as usize)
+                            .write_unaligned(*key.add(i as usize))
+                    };
                     i += 32;
                 }
             } else {
@@ -80,7 +87,10 @@ pub unsafe fn kv_store<S: Simt>(p: KvStoreParams) {
         // SAFETY: t < n_tokens (contract).
         let slot = unsafe { *p.slots.add(t as usize) };
         if slot >= 0 {
-            let (page, off) = (slot as u64 / p.page_size as u64, slot as u64 % p.page_size as u64);
+            let (page, off) = (
+                slot as u64 / p.page_size as u64,
+                slot as u64 % p.page_size as u64,
+            );
             let tok = p
                 .cache
                 .wrapping_add((page * p.page_bytes + off * p.token_bytes as u64) as usize);
@@ -117,7 +127,11 @@ pub unsafe fn kv_store<S: Simt>(p: KvStoreParams) {
                 let mut i = lane;
                 while i < p.nope_dim {
                     // SAFETY: i < nope_dim: bf16 latent of the token.
-                    unsafe { (tok as *mut u16).add(i as usize).write_unaligned(*src.add(i as usize)) };
+                    unsafe {
+                        (tok as *mut u16)
+                            .add(i as usize)
+                            .write_unaligned(*src.add(i as usize))
+                    };
                     i += 32;
                 }
             }
@@ -125,7 +139,10 @@ pub unsafe fn kv_store<S: Simt>(p: KvStoreParams) {
             let mut i = lane;
             while i < p.rope_dim {
                 // SAFETY: i < rope_dim: the token's bf16 rope.
-                unsafe { rope.add(i as usize).write_unaligned(*src.add((p.nope_dim + i) as usize)) };
+                unsafe {
+                    rope.add(i as usize)
+                        .write_unaligned(*src.add((p.nope_dim + i) as usize))
+                };
                 i += 32;
             }
         }

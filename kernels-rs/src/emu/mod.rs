@@ -1,0 +1,416 @@
+//! Host SIMT emulator: runs the kernels, unchanged, on the CPU.
+//!
+//! [`launch`] plays every GPU thread of a block with its own OS thread, so barriers and
+//! warp collectives really wait for each other. The blocks of the grid run one after
+//! another on the same threads. Warp collectives go through a per-warp exchange
+//! (`warp.rs`: semantics and misuse rules), `mma_*` use the PTX ISA fragment layouts and
+//! accumulate in f64 (`mma.rs`), and shared memory is bounds- and race-checked
+//! (`smem.rs`: the race model).
+//!
+//! Misuse is reported, never left to hang: a barrier some threads will never reach
+//! (they returned), a warp collective whose mask names missing or exited lanes or whose
+//! lanes disagree, shared memory out of bounds or racing, and any panic in kernel code.
+//! The first problem found stops every thread of the launch and becomes its
+//! [`EmuError`].
+//!
+//! ```
+//! use sparsekit_kernels::emu::{launch, Emu, EmuError, LaunchConfig, Params};
+//! use sparsekit_kernels::simt::Simt;
+//!
+//! #[derive(Clone, Copy)]
+//! struct Args {
+//!     out: *mut u32,
+//! }
+//!
+//! /// Writes, for each block, the sum of its thread indices.
+//! ///
+//! /// # Safety
+//! /// `out` holds `grid_dim` elements.
+//! unsafe fn block_sum<S: Simt>(args: Args) {
+//!     let t = S::thread_idx();
+//!     // SAFETY: one u32 per thread of a block launched with 4 * block_dim smem bytes.
+//!     unsafe { S::smem_store(4 * t as usize, t) };
+//!     S::sync_threads();
+//!     if t == 0 {
+//!         let mut sum = 0;
+//!         for i in 0..S::block_dim() {
+//!             // SAFETY: written above, before the barrier.
+//!             sum += unsafe { S::smem_load::<u32>(4 * i as usize) };
+//!         }
+//!         // SAFETY: one element per block.
+//!         unsafe { *args.out.add(S::block_idx() as usize) = sum };
+//!     }
+//! }
+//!
+//! let mut out = vec![0u32; 3];
+//! // SAFETY: each block writes its own element of `out`, which outlives the launch.
+//! let args = unsafe { Params::new(Args { out: out.as_mut_ptr() }) };
+//! let cfg = LaunchConfig { grid: 3, block: 64, dyn_smem_bytes: 64 * 4 };
+//! // SAFETY: `out` has `grid` elements; shared memory holds `block` u32s.
+//! launch(cfg, || unsafe { block_sum::<Emu>(args.get()) })?;
+//! assert_eq!(out, [2016; 3]);
+//! # Ok::<(), EmuError>(())
+//! ```
+
+mod barrier;
+mod block;
+mod error;
+mod mma;
+mod smem;
+mod warp;
+
+use std::cell::RefCell;
+use std::mem::{size_of, MaybeUninit};
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::thread;
+
+use crate::simt::Simt;
+
+use block::{BlockSync, Stop};
+pub use error::{EmuError, RaceKind};
+use mma::MmaFragments;
+use smem::Accessor;
+pub use smem::SMEM_POISON;
+pub use warp::SHFL_UNDEFINED;
+use warp::{Input, Kind};
+
+/// Most threads in a block.
+pub const MAX_BLOCK_THREADS: u32 = 1024;
+/// Most dynamic shared memory of a block (228 KiB, as on sm_90 / sm_120 with opt-in).
+pub const MAX_DYN_SMEM_BYTES: usize = 228 * 1024;
+/// Most blocks in a (one-dimensional) grid.
+pub const MAX_GRID_BLOCKS: u32 = i32::MAX as u32;
+
+/// The shape of a one-dimensional launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchConfig {
+    /// `gridDim.x`: blocks, at least 1.
+    pub grid: u32,
+    /// `blockDim.x`: threads per block, 1 to [`MAX_BLOCK_THREADS`].
+    pub block: u32,
+    /// Dynamic shared memory per block in bytes, at most [`MAX_DYN_SMEM_BYTES`].
+    pub dyn_smem_bytes: usize,
+}
+
+impl LaunchConfig {
+    /// Checks the configuration against the hardware limits.
+    pub fn validate(&self) -> Result<(), EmuError> {
+        let detail = if self.grid == 0 || self.grid > MAX_GRID_BLOCKS {
+            format!(
+                "grid of {} blocks (must be 1..={MAX_GRID_BLOCKS})",
+                self.grid
+            )
+        } else if self.block == 0 || self.block > MAX_BLOCK_THREADS {
+            format!(
+                "block of {} threads (must be 1..={MAX_BLOCK_THREADS})",
+                self.block
+            )
+        } else if self.dyn_smem_bytes > MAX_DYN_SMEM_BYTES {
+            format!(
+                "{} bytes of dynamic shared memory (at most {MAX_DYN_SMEM_BYTES})",
+                self.dyn_smem_bytes
+            )
+        } else {
+            return Ok(());
+        };
+        Err(EmuError::InvalidConfig { detail })
+    }
+}
+
+/// Kernel parameters shared by all emulated threads of a launch.
+///
+/// Kernel parameter structs hold raw pointers, which are neither `Send` nor `Sync`, while
+/// [`launch`] runs the kernel closure on many threads. Wrap the parameters once, then call
+/// [`Params::get`] inside the closure (the closure must capture the wrapper, not a field
+/// of it, which is why the field is private):
+/// `launch(cfg, || unsafe { kernel::<Emu>(params.get()) })`.
+#[derive(Debug, Clone, Copy)]
+pub struct Params<T>(T);
+
+impl<T: Copy> Params<T> {
+    /// Wraps kernel parameters for use from all emulated threads.
+    ///
+    /// # Safety
+    /// Using copies of `value` from several threads at once must be sound: whatever it
+    /// points to must stay valid for the launch, and the kernel's accesses through it must
+    /// not race (exactly the requirements of a GPU launch).
+    pub unsafe fn new(value: T) -> Self {
+        Self(value)
+    }
+
+    /// A copy of the parameters.
+    pub fn get(&self) -> T {
+        self.0
+    }
+}
+
+// SAFETY: `Params::new` is unsafe and its caller promises that sharing copies of the value
+// across threads is sound; `Params` gives out nothing but copies.
+unsafe impl<T: Copy> Sync for Params<T> {}
+// SAFETY: as for `Sync`.
+unsafe impl<T: Copy> Send for Params<T> {}
+
+/// Runs `kernel` as a grid of `cfg.grid` blocks of `cfg.block` threads on the host.
+///
+/// The closure is the body of every GPU thread; it calls a generic kernel with [`Emu`]
+/// (see the [module documentation](self) for an example). Returns the first misuse found;
+/// a kernel panic is reported as [`EmuError::KernelPanic`] (the default panic hook still
+/// prints it to stderr).
+pub fn launch(cfg: LaunchConfig, kernel: impl Fn() + Sync) -> Result<(), EmuError> {
+    cfg.validate()?;
+    let sync = Arc::new(BlockSync::new(cfg.grid, cfg.block, cfg.dyn_smem_bytes));
+    let kernel: &(dyn Fn() + Sync) = &kernel;
+    thread::scope(|scope| {
+        for thread in 0..cfg.block {
+            let sync_t = Arc::clone(&sync);
+            let spawned = thread::Builder::new()
+                .name(format!("emu-thread-{thread}"))
+                .spawn_scoped(scope, move || run_thread(&sync_t, cfg, thread, kernel));
+            if let Err(e) = spawned {
+                sync.open_gate(false);
+                return Err(EmuError::ThreadSpawn {
+                    message: e.to_string(),
+                });
+            }
+        }
+        sync.open_gate(true);
+        Ok(())
+    })?;
+    sync.take_error().map_or(Ok(()), Err)
+}
+
+/// One emulated GPU thread's identity, in a thread-local while it runs a kernel.
+struct Ctx {
+    /// `threadIdx.x`.
+    thread: u32,
+    /// `blockIdx.x`.
+    block: u32,
+    /// `blockDim.x`.
+    block_dim: u32,
+    /// `gridDim.x`.
+    grid_dim: u32,
+    /// The launch's shared state.
+    sync: Arc<BlockSync>,
+}
+
+thread_local! {
+    /// The current thread's [`Ctx`], set by [`run_thread`].
+    static CTX: RefCell<Option<Ctx>> = const { RefCell::new(None) };
+}
+
+/// Calls `f` with the current emulated thread's context.
+///
+/// # Panics
+/// When called outside [`launch`] (a `Simt` method of [`Emu`] used on a plain thread).
+fn with_ctx<R>(f: impl FnOnce(&Ctx) -> R) -> R {
+    CTX.with(|c| match &*c.borrow() {
+        Some(ctx) => f(ctx),
+        None => panic!("sparsekit emu: a Simt method of Emu was called outside emu::launch"),
+    })
+}
+
+/// Stops the calling GPU thread (the launch has failed). Unwinds with the [`Stop`]
+/// payload, which the thread's driver catches; no panic hook runs.
+fn stop() -> ! {
+    panic::resume_unwind(Box::new(Stop))
+}
+
+/// The message of a panic payload.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "(panic payload is not a string)".to_string()
+    }
+}
+
+/// Body of the OS thread playing `threadIdx.x == thread` in every block.
+fn run_thread(sync: &Arc<BlockSync>, cfg: LaunchConfig, thread: u32, kernel: &(dyn Fn() + Sync)) {
+    if !sync.wait_gate() {
+        return;
+    }
+    for block in 0..cfg.grid {
+        CTX.with(|c| {
+            *c.borrow_mut() = Some(Ctx {
+                thread,
+                block,
+                block_dim: cfg.block,
+                grid_dim: cfg.grid,
+                sync: Arc::clone(sync),
+            });
+        });
+        let result = panic::catch_unwind(AssertUnwindSafe(kernel));
+        let returned = match result {
+            Ok(()) => true,
+            Err(payload) => {
+                if !payload.is::<Stop>() {
+                    let err = EmuError::KernelPanic {
+                        block,
+                        thread,
+                        message: panic_message(&*payload),
+                    };
+                    sync.fail_unlocked(err);
+                }
+                false
+            }
+        };
+        if !sync.finish_block(thread, returned) {
+            break;
+        }
+    }
+    CTX.with(|c| *c.borrow_mut() = None);
+}
+
+/// Converts the internal stop signal into an unwind.
+fn or_stop<T>(r: Result<T, Stop>) -> T {
+    match r {
+        Ok(v) => v,
+        Err(Stop) => stop(),
+    }
+}
+
+/// The current thread's position for shared memory checks.
+fn accessor(ctx: &Ctx) -> Accessor {
+    Accessor {
+        block: ctx.block,
+        thread: ctx.thread,
+        epoch: ctx.sync.epoch.load(Ordering::Acquire),
+    }
+}
+
+/// Runs a shuffle or ballot.
+fn word_collective(kind: Kind, mask: u32, word: u32, param: u32) -> u32 {
+    let input = Input {
+        word,
+        param,
+        ..Input::default()
+    };
+    with_ctx(|c| or_stop(c.sync.collective(c.thread, kind, mask, input))).word
+}
+
+/// Runs an MMA.
+fn mma_collective(kind: Kind, a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4] {
+    let input = Input {
+        frags: MmaFragments { a, b, c },
+        ..Input::default()
+    };
+    with_ctx(|ctx| or_stop(ctx.sync.collective(ctx.thread, kind, u32::MAX, input))).d
+}
+
+/// The emulator's [`Simt`] implementation (use it only inside [`launch`]).
+///
+/// # Panics
+/// Every method panics when called outside [`launch`].
+#[derive(Debug, Clone, Copy)]
+pub struct Emu;
+
+impl Simt for Emu {
+    const HAS_FP8_MMA: bool = true;
+
+    fn thread_idx() -> u32 {
+        with_ctx(|c| c.thread)
+    }
+
+    fn block_idx() -> u32 {
+        with_ctx(|c| c.block)
+    }
+
+    fn block_dim() -> u32 {
+        with_ctx(|c| c.block_dim)
+    }
+
+    fn grid_dim() -> u32 {
+        with_ctx(|c| c.grid_dim)
+    }
+
+    fn sync_threads() {
+        with_ctx(|c| or_stop(c.sync.sync_threads(c.thread)));
+    }
+
+    unsafe fn smem_load<T: Copy>(byte_offset: usize) -> T {
+        let mut value = MaybeUninit::<T>::uninit();
+        // SAFETY: the slice covers exactly the bytes of `value`; `MaybeUninit<u8>` has no
+        // validity requirement, so viewing uninitialised bytes this way is sound.
+        let out = unsafe {
+            std::slice::from_raw_parts_mut(
+                value.as_mut_ptr().cast::<MaybeUninit<u8>>(),
+                size_of::<T>(),
+            )
+        };
+        with_ctx(|c| {
+            if c.sync.is_poisoned() {
+                stop();
+            }
+            let who = accessor(c);
+            let result = c
+                .sync
+                .lock_smem()
+                .load(who, byte_offset, std::mem::align_of::<T>(), out);
+            if let Err(err) = result {
+                c.sync.fail_unlocked(err);
+                stop();
+            }
+        });
+        // SAFETY: every byte of `value` was copied from shared memory; the caller promises
+        // that they were written as a valid `T`.
+        unsafe { value.assume_init() }
+    }
+
+    unsafe fn smem_store<T: Copy>(byte_offset: usize, value: T) {
+        let value = MaybeUninit::new(value);
+        // SAFETY: the slice covers exactly the bytes of `value` (padding included, hence
+        // `MaybeUninit<u8>`), which lives until the end of this function.
+        let data = unsafe {
+            std::slice::from_raw_parts(value.as_ptr().cast::<MaybeUninit<u8>>(), size_of::<T>())
+        };
+        with_ctx(|c| {
+            if c.sync.is_poisoned() {
+                stop();
+            }
+            let who = accessor(c);
+            let result =
+                c.sync
+                    .lock_smem()
+                    .store(who, byte_offset, std::mem::align_of::<T>(), data);
+            if let Err(err) = result {
+                c.sync.fail_unlocked(err);
+                stop();
+            }
+        });
+    }
+
+    fn shfl_xor(mask: u32, value: u32, lane_mask: u32) -> u32 {
+        word_collective(Kind::ShflXor, mask, value, lane_mask)
+    }
+
+    fn shfl_idx(mask: u32, value: u32, src_lane: u32) -> u32 {
+        word_collective(Kind::ShflIdx, mask, value, src_lane)
+    }
+
+    fn shfl_down(mask: u32, value: u32, delta: u32) -> u32 {
+        word_collective(Kind::ShflDown, mask, value, delta)
+    }
+
+    fn ballot(mask: u32, predicate: bool) -> u32 {
+        word_collective(Kind::Ballot, mask, u32::from(predicate), 0)
+    }
+
+    unsafe fn atomic_add_u32(ptr: *mut u32, value: u32) -> u32 {
+        // SAFETY: the caller guarantees `ptr` is valid and aligned; every emulated access
+        // to it that may overlap goes through atomics (as on the GPU).
+        let atomic = unsafe { AtomicU32::from_ptr(ptr) };
+        atomic.fetch_add(value, Ordering::SeqCst)
+    }
+
+    fn mma_bf16_m16n8k16(a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4] {
+        mma_collective(Kind::MmaBf16, a, b, c)
+    }
+
+    fn mma_e4m3_m16n8k32(a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4] {
+        mma_collective(Kind::MmaE4m3, a, b, c)
+    }
+}

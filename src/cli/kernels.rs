@@ -1,0 +1,60 @@
+//! `sparsekit kernels`: every embedded kernel × arch with its register, spill, shared
+//! memory and stack use (from `ptxas -v`) and whether its SASS uses tensor cores.
+
+use std::process::ExitCode;
+
+use sparsekit::kernel_report::{archs, report};
+use sparsekit::ptx::PTX_BUILD_INFO;
+use sparsekit::table::Table;
+
+use super::CliError;
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Print JSON records instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: Args) -> Result<ExitCode, CliError> {
+    let rows = report();
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        let mut t = Table::new([
+            "kernel",
+            "arch",
+            "registers",
+            "spill_bytes",
+            "shared_bytes",
+            "stack_bytes",
+            "barriers",
+            "tensor_core",
+        ]);
+        for k in &rows {
+            t.row([
+                k.kernel.clone(),
+                k.arch.clone(),
+                k.registers.to_string(),
+                k.spill_bytes.to_string(),
+                k.shared_bytes.to_string(),
+                k.stack_bytes.to_string(),
+                k.barriers.to_string(),
+                k.tensor_core.map_or("?".into(), |b| b.to_string()),
+            ]);
+        }
+        print!("{}", t.render());
+        println!(
+            "PTX: {PTX_BUILD_INFO} for {}; {} kernel records from ptxas",
+            archs().join(", "),
+            rows.len()
+        );
+    }
+    if rows.is_empty() {
+        eprintln!(
+            "no ptxas report embedded: run scripts/setup-gpu-tools.sh and rebuild (PTX: {PTX_BUILD_INFO})"
+        );
+        return Ok(ExitCode::FAILURE);
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,336 @@
+//! The CUDA backend: the embedded PTX run through cudarc (driver API, loaded dynamically,
+//! so building needs no CUDA toolkit and a machine without a driver gets a clear error).
+//!
+//! One context and stream per backend; the module for the device's compute capability is
+//! loaded lazily on first use and its functions cached. Host metadata (slots, page ids) is
+//! uploaded per call; bulk tensors live in [`CudaBuffer`]s. Implements the store, page copy
+//! and checksum kernels; the other ops report `NotImplemented`.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+    DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use sparsekit_host::layout::{IndexKDtype, KvDtype};
+use sparsekit_host::ops::{
+    CopyPages, IndexKStore, IndexerLogits, KvStore, Op, PageChecksums, SparseMla, Topk,
+};
+use sparsekit_host::{Backend, Error, Result};
+use sparsekit_kernels::launch::{self, Launch};
+use sparsekit_kernels::params::{
+    index_k_format, kv_format, CopyPagesParams, IndexKStoreParams, KvStoreParams,
+    PageChecksumsParams,
+};
+
+use crate::ptx::{ptx_for_device, PTX, PTX_BUILD_INFO};
+
+/// A device buffer.
+#[derive(Debug)]
+pub struct CudaBuffer(CudaSlice<u8>);
+
+/// A kernel parameter struct passed by value.
+#[repr(transparent)]
+struct Param<T>(T);
+
+// SAFETY: the kernel parameter structs are `#[repr(C)]` plain data (integers and device
+// addresses) whose layout the PTX entry points declare identically (defined once in
+// sparsekit-kernels).
+unsafe impl<T: Copy> DeviceRepr for Param<T> {}
+
+fn dev(e: impl std::fmt::Display) -> Error {
+    Error::Device(e.to_string())
+}
+
+/// The CUDA backend on one device.
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    arch: &'static str,
+    ptx: &'static str,
+    device_name: String,
+    module: OnceLock<Arc<CudaModule>>,
+    functions: Mutex<HashMap<&'static str, CudaFunction>>,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaBackend({}, {})", self.device_name, self.arch)
+    }
+}
+
+/// Whether the CUDA driver library can be loaded (probed before cudarc touches it, since
+/// cudarc panics when it is missing).
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen libcuda; no driver call is made.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+impl CudaBackend {
+    /// Opens device `ordinal`. Fails with a clear message when there is no driver, no
+    /// device, or no PTX for the device's arch in this binary.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        if !driver_present() {
+            return Err(Error::Device(
+                "no CUDA driver (libcuda.so) on this machine; use --backend cpu or emu".into(),
+            ));
+        }
+        if PTX.is_empty() {
+            return Err(Error::Device(format!(
+                "this binary carries no PTX ({PTX_BUILD_INFO}); run scripts/setup-gpu-tools.sh and rebuild"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(dev)?;
+        let (major, minor) = ctx.compute_capability().map_err(dev)?;
+        let (arch, ptx) = ptx_for_device(major as u32, minor as u32).ok_or_else(|| {
+            Error::Device(format!(
+                "no PTX for compute capability {major}.{minor} (need sm_80+)"
+            ))
+        })?;
+        let device_name = ctx.name().map_err(dev)?;
+        Ok(CudaBackend {
+            stream: ctx.default_stream(),
+            ctx,
+            arch,
+            ptx,
+            device_name: format!("{device_name} (sm_{major}{minor}, PTX {arch})"),
+            module: OnceLock::new(),
+            functions: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Device name, compute capability and the PTX arch in use.
+    pub fn device(&self) -> &str {
+        &self.device_name
+    }
+
+    /// Waits for all queued work.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(dev)
+    }
+
+    fn function(&self, name: &'static str) -> Result<CudaFunction> {
+        let mut cache = self
+            .functions
+            .lock()
+            .map_err(|_| dev("function cache poisoned"))?;
+        if let Some(f) = cache.get(name) {
+            return Ok(f.clone());
+        }
+        let module = match self.module.get() {
+            Some(m) => m.clone(),
+            None => {
+                let m = self
+                    .ctx
+                    .load_module(cudarc::nvrtc::Ptx::from_src(self.ptx))
+                    .map_err(dev)?;
+                self.module.get_or_init(|| m).clone()
+            }
+        };
+        let f = module.load_function(name).map_err(dev)?;
+        cache.insert(name, f.clone());
+        Ok(f)
+    }
+
+    fn launch<P: Copy>(&self, name: &'static str, l: Launch, params: P) -> Result<()> {
+        let f = self.function(name)?;
+        let p = Param(params);
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(&p);
+        let cfg = LaunchConfig {
+            grid_dim: (l.grid, 1, 1),
+            block_dim: (l.block, 1, 1),
+            shared_mem_bytes: l.smem_bytes,
+        };
+        // SAFETY: `params` was built by the caller from validated descriptors and buffers
+        // that outlive the launch (the stream is synchronised before they are dropped or
+        // read back); the geometry comes from `sparsekit_kernels::launch`.
+        unsafe { b.launch(cfg) }.map_err(dev)?;
+        Ok(())
+    }
+
+    fn upload_slice<T: DeviceRepr>(&self, v: &[T]) -> Result<CudaSlice<T>> {
+        self.stream.clone_htod(v).map_err(dev)
+    }
+}
+
+fn not_implemented(op: &'static str) -> Error {
+    Error::NotImplemented {
+        backend: "cuda".into(),
+        op,
+    }
+}
+
+impl Backend for CudaBackend {
+    type Buffer = CudaBuffer;
+
+    fn name(&self) -> &str {
+        "cuda"
+    }
+
+    fn supports(&self, op: Op) -> bool {
+        matches!(
+            op,
+            Op::IndexKStore | Op::KvStore | Op::CopyPages | Op::PageChecksums
+        )
+    }
+
+    fn upload(&self, bytes: &[u8]) -> Result<CudaBuffer> {
+        Ok(CudaBuffer(self.stream.clone_htod(bytes).map_err(dev)?))
+    }
+
+    fn download(&self, buf: &CudaBuffer) -> Result<Vec<u8>> {
+        self.stream.clone_dtoh(&buf.0).map_err(dev)
+    }
+
+    fn buffer_len(&self, buf: &CudaBuffer) -> usize {
+        buf.0.len()
+    }
+
+    fn index_k_store(
+        &self,
+        op: &IndexKStore<'_>,
+        keys: &CudaBuffer,
+        cache: &mut CudaBuffer,
+    ) -> Result<()> {
+        op.validate(keys.0.len(), cache.0.len())?;
+        let l = op.layout;
+        let slots = self.upload_slice(op.slots)?;
+        let (kp, _k) = keys.0.device_ptr(&self.stream);
+        let (sp, _s) = slots.device_ptr(&self.stream);
+        let (cp, _c) = cache.0.device_ptr_mut(&self.stream);
+        let params = IndexKStoreParams {
+            keys: kp as *const u16,
+            slots: sp as *const i64,
+            cache: cp as *mut u8,
+            n_tokens: op.slots.len() as u32,
+            head_dim: l.head_dim() as u32,
+            page_size: l.page_size() as u32,
+            format: match l.dtype() {
+                IndexKDtype::Bf16 => index_k_format::BF16,
+                IndexKDtype::Fp8E4m3 { scale } => match scale {
+                    sparsekit_host::dtype::ScaleFormat::Fp32 => index_k_format::FP8_FP32_SCALE,
+                    sparsekit_host::dtype::ScaleFormat::Ue8m0 => index_k_format::FP8_UE8M0_SCALE,
+                },
+            },
+            page_bytes: l.bytes_per_page() as u64,
+            value_bytes: l.value_bytes_per_token() as u32,
+            scale_offset: l.scale_section_offset().unwrap_or(0) as u32,
+        };
+        self.launch("index_k_store", launch::store(params.n_tokens), params)?;
+        self.synchronize()
+    }
+
+    fn kv_store(&self, op: &KvStore<'_>, kv: &CudaBuffer, cache: &mut CudaBuffer) -> Result<()> {
+        op.validate(kv.0.len(), cache.0.len())?;
+        let l = op.layout;
+        let slots = self.upload_slice(op.slots)?;
+        let (kp, _k) = kv.0.device_ptr(&self.stream);
+        let (sp, _s) = slots.device_ptr(&self.stream);
+        let (cp, _c) = cache.0.device_ptr_mut(&self.stream);
+        let params = KvStoreParams {
+            kv: kp as *const u16,
+            slots: sp as *const i64,
+            cache: cp as *mut u8,
+            n_tokens: op.slots.len() as u32,
+            nope_dim: l.nope_dim() as u32,
+            rope_dim: l.rope_dim() as u32,
+            page_size: l.page_size() as u32,
+            format: match l.dtype() {
+                KvDtype::Bf16 => kv_format::BF16,
+                KvDtype::Fp8DsMla => kv_format::FP8_DS_MLA,
+            },
+            token_bytes: l.bytes_per_token() as u32,
+            page_bytes: l.bytes_per_page() as u64,
+            scales_offset: l.scales_range().start as u32,
+            rope_offset: l.rope_range().start as u32,
+        };
+        self.launch("kv_store", launch::store(params.n_tokens), params)?;
+        self.synchronize()
+    }
+
+    fn indexer_logits(
+        &self,
+        _: &IndexerLogits<'_>,
+        _: &CudaBuffer,
+        _: &CudaBuffer,
+        _: &CudaBuffer,
+        _: &mut CudaBuffer,
+    ) -> Result<()> {
+        Err(not_implemented("indexer_logits"))
+    }
+
+    fn topk(&self, _: &Topk<'_>, _: &CudaBuffer, _: &mut CudaBuffer) -> Result<()> {
+        Err(not_implemented("topk"))
+    }
+
+    fn sparse_mla(
+        &self,
+        _: &SparseMla,
+        _: &CudaBuffer,
+        _: &CudaBuffer,
+        _: &CudaBuffer,
+        _: &mut CudaBuffer,
+        _: &mut CudaBuffer,
+    ) -> Result<()> {
+        Err(not_implemented("sparse_mla"))
+    }
+
+    fn copy_pages(&self, op: &CopyPages<'_>, src: &CudaBuffer, dst: &mut CudaBuffer) -> Result<()> {
+        op.validate(src.0.len(), dst.0.len())?;
+        if op.src_ids.is_empty() {
+            return Ok(());
+        }
+        let src_ids = self.upload_slice(op.src_ids)?;
+        let dst_ids = self.upload_slice(op.dst_ids)?;
+        let (s, _s) = src.0.device_ptr(&self.stream);
+        let (d, _d) = dst.0.device_ptr_mut(&self.stream);
+        let (si, _si) = src_ids.device_ptr(&self.stream);
+        let (di, _di) = dst_ids.device_ptr(&self.stream);
+        let params = CopyPagesParams {
+            src: (s + op.src.offset as u64) as *const u8,
+            dst: (d + op.dst.offset as u64) as *mut u8,
+            src_ids: si as *const i32,
+            dst_ids: di as *const i32,
+            src_stride: op.src.stride as u64,
+            dst_stride: op.dst.stride as u64,
+            bytes: op.src.layout.bytes_per_page() as u64,
+            n_pages: op.src_ids.len() as u32,
+            _pad: 0,
+        };
+        self.launch("copy_pages", launch::copy_pages(params.n_pages), params)?;
+        self.synchronize()
+    }
+
+    fn page_checksums(
+        &self,
+        op: &PageChecksums<'_>,
+        pool: &CudaBuffer,
+        out: &mut CudaBuffer,
+    ) -> Result<()> {
+        op.validate(pool.0.len(), out.0.len())?;
+        if op.ids.is_empty() {
+            return Ok(());
+        }
+        let ids = self.upload_slice(op.ids)?;
+        let (p, _p) = pool.0.device_ptr(&self.stream);
+        let (i, _i) = ids.device_ptr(&self.stream);
+        let (o, _o) = out.0.device_ptr_mut(&self.stream);
+        let params = PageChecksumsParams {
+            pool: (p + op.region.offset as u64) as *const u8,
+            ids: i as *const i32,
+            out: o as *mut u64,
+            stride: op.region.stride as u64,
+            bytes: op.region.layout.bytes_per_page() as u64,
+            n_pages: op.ids.len() as u32,
+            _pad: 0,
+        };
+        self.launch(
+            "page_checksums",
+            launch::page_checksums(params.n_pages),
+            params,
+        )?;
+        self.synchronize()
+    }
+}
