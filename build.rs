@@ -179,6 +179,14 @@ fn build_all(manifest_dir: &Path, kernels_dir: &Path, out_dir: &Path) -> Result<
     fs::create_dir_all(&bc_dir).unwrap();
 
     let ptxas = find_ptxas(manifest_dir);
+    if ptxas.is_none() {
+        let msg = "ptxas not found (PTXAS, .tools/bin or PATH): the PTX is built but not \
+                   assembled; run scripts/setup-gpu-tools.sh";
+        if env_flag("SPARSEKIT_REQUIRE_PTX") {
+            return Err(Skip(msg.into()));
+        }
+        println!("cargo:warning=sparsekit: {msg}");
+    }
     let verbose = env_flag("SPARSEKIT_PTXAS_VERBOSE");
     let mut entries = Vec::new();
     let t0 = Instant::now();
