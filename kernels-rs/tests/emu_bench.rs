@@ -106,7 +106,10 @@ fn emu_launch_and_collective_timings() {
     });
     time("100 barriers, 1 x 256 threads", 3, || {
         // SAFETY: smem holds one u32 per thread.
-        launch(cfg(1, 256, 4 * 256), || unsafe { barrier_kernel::<Emu>(100) }).unwrap();
+        launch(cfg(1, 256, 4 * 256), || unsafe {
+            barrier_kernel::<Emu>(100)
+        })
+        .unwrap();
     });
 
     // page_checksums over 64 pages of 4 KiB.

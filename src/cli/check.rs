@@ -8,18 +8,18 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use serde::Serialize;
-use sparsekit::host::{Backend, CpuBackend};
+use sparsekit::host::Backend;
 use sparsekit::table::Table;
 use sparsekit::validation::golden::{check_file, GoldenReport};
 
-use super::CliError;
+use super::{on_backend, CliError, OnBackend};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Golden files (.safetensors) to check.
     #[arg(long, required = true, num_args = 1..)]
     golden: Vec<PathBuf>,
-    /// Backend to run the ops on: cpu.
+    /// Backend to run the ops on: cpu, emu or cuda.
     #[arg(long, default_value = "cpu")]
     backend: String,
     /// Print one JSON record per file instead of a table.
@@ -39,10 +39,14 @@ struct Entry {
 }
 
 pub fn run(args: Args) -> Result<ExitCode, CliError> {
-    match args.backend.as_str() {
-        "cpu" => check(&CpuBackend::new(), &args),
-        other => Err(format!("unknown backend {other:?} (available: cpu)").into()),
+    struct Check<'a>(&'a Args);
+    impl OnBackend for Check<'_> {
+        type Output = ExitCode;
+        fn run<B: Backend>(self, b: &B) -> Result<ExitCode, CliError> {
+            check(b, self.0)
+        }
     }
+    on_backend(&args.backend, Check(&args))
 }
 
 fn check<B: Backend>(backend: &B, args: &Args) -> Result<ExitCode, CliError> {

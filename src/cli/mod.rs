@@ -32,6 +32,32 @@ enum Command {
 /// An error that ends the command (exit code 2).
 pub type CliError = Box<dyn std::error::Error + Send + Sync>;
 
+/// Work to run on whichever backend the user named.
+pub trait OnBackend {
+    type Output;
+    fn run<B: sparsekit::host::Backend>(self, backend: &B) -> Result<Self::Output, CliError>;
+}
+
+/// Backend names accepted by `--backend`.
+pub const BACKENDS: &str = "cpu, emu, cuda";
+
+/// Opens the named backend (`cpu`, `emu`, `cuda`) and runs `work` on it. A missing CUDA
+/// driver or device is a clear error, never a panic.
+pub fn on_backend<W: OnBackend>(name: &str, work: W) -> Result<W::Output, CliError> {
+    use sparsekit::host::{CpuBackend, EmuBackend};
+    match name {
+        "cpu" => work.run(&CpuBackend::new()),
+        "emu" => work.run(&EmuBackend::new()),
+        "cuda" => {
+            let b = sparsekit::cuda::CudaBackend::new(0)
+                .map_err(|e| format!("cuda backend unavailable: {e}"))?;
+            eprintln!("cuda device: {}", b.device());
+            work.run(&b)
+        }
+        other => Err(format!("unknown backend {other:?} (available: {BACKENDS})").into()),
+    }
+}
+
 /// Runs a parsed command line; `Ok` carries the exit code (1 = checks failed).
 pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
     match cli.command {

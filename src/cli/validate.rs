@@ -3,13 +3,12 @@
 use std::process::ExitCode;
 
 use indicatif::{ProgressBar, ProgressStyle};
-use sparsekit::cuda::CudaBackend;
 use sparsekit::host::ops::Op;
-use sparsekit::host::{Backend, CpuBackend, EmuBackend};
+use sparsekit::host::Backend;
 use sparsekit::table::Table;
 use sparsekit::validation::{plan, run_case, Record, Size, Status, SuiteConfig};
 
-use super::CliError;
+use super::{on_backend, CliError, OnBackend};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -48,16 +47,14 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
         seed: args.seed.unwrap_or_else(rand::random),
         ops: parse_ops(&args.op)?,
     };
-    match args.backend.as_str() {
-        "cpu" => suite(&CpuBackend::new(), &cfg, args.json),
-        "emu" => suite(&EmuBackend::new(), &cfg, args.json),
-        "cuda" => {
-            let b = CudaBackend::new(0).map_err(|e| format!("cuda backend unavailable: {e}"))?;
-            eprintln!("cuda device: {}", b.device());
-            suite(&b, &cfg, args.json)
+    struct Suite<'a>(&'a SuiteConfig, bool);
+    impl OnBackend for Suite<'_> {
+        type Output = ExitCode;
+        fn run<B: Backend>(self, b: &B) -> Result<ExitCode, CliError> {
+            suite(b, self.0, self.1)
         }
-        other => Err(format!("unknown backend {other:?} (available: cpu, emu, cuda)").into()),
     }
+    on_backend(&args.backend, Suite(&cfg, args.json))
 }
 
 fn suite<B: Backend>(backend: &B, cfg: &SuiteConfig, json: bool) -> Result<ExitCode, CliError> {
