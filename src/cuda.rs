@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
-    DeviceRepr, LaunchConfig, PushKernelArg,
+    DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg, SyncOnDrop,
 };
 use sparsekit_host::layout::{IndexKDtype, KvDtype};
 use sparsekit_host::ops::{
@@ -26,9 +26,49 @@ use sparsekit_kernels::params::{
 
 use crate::ptx::{ptx_for_device, PTX, PTX_BUILD_INFO};
 
-/// A device buffer.
+/// Memory the kernels can address: device memory, or page-locked device-mapped host
+/// memory (host cache tiers; kernels reach it over PCIe through unified addressing).
 #[derive(Debug)]
-pub struct CudaBuffer(CudaSlice<u8>);
+pub enum CudaBuffer {
+    Device(CudaSlice<u8>),
+    Host(PinnedHostSlice<u8>),
+}
+
+impl CudaBuffer {
+    fn len(&self) -> usize {
+        match self {
+            CudaBuffer::Device(s) => s.len(),
+            CudaBuffer::Host(s) => s.len(),
+        }
+    }
+}
+
+/// A device address of a buffer, valid while the guard lives.
+struct Addr<'a>(u64, #[allow(dead_code)] Option<SyncOnDrop<'a>>);
+
+impl CudaBackend {
+    fn addr<'a>(&'a self, b: &'a CudaBuffer) -> Result<Addr<'a>> {
+        match b {
+            CudaBuffer::Device(s) => {
+                let (p, g) = s.device_ptr(&self.stream);
+                Ok(Addr(p, Some(g)))
+            }
+            // With unified addressing, DEVICEMAP host memory has the same address on the
+            // device; the stream is synchronised after every launch that uses it.
+            CudaBuffer::Host(s) => Ok(Addr(s.as_ptr().map_err(dev)? as u64, None)),
+        }
+    }
+
+    fn addr_mut<'a>(&'a self, b: &'a mut CudaBuffer) -> Result<Addr<'a>> {
+        match b {
+            CudaBuffer::Device(s) => {
+                let (p, g) = s.device_ptr_mut(&self.stream);
+                Ok(Addr(p, Some(g)))
+            }
+            CudaBuffer::Host(s) => Ok(Addr(s.as_mut_ptr().map_err(dev)? as u64, None)),
+        }
+    }
+}
 
 /// A kernel parameter struct passed by value.
 #[repr(transparent)]
@@ -177,15 +217,40 @@ impl Backend for CudaBackend {
     }
 
     fn upload(&self, bytes: &[u8]) -> Result<CudaBuffer> {
-        Ok(CudaBuffer(self.stream.clone_htod(bytes).map_err(dev)?))
+        Ok(CudaBuffer::Device(
+            self.stream.clone_htod(bytes).map_err(dev)?,
+        ))
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<CudaBuffer> {
+        Ok(CudaBuffer::Device(
+            self.stream.alloc_zeros::<u8>(bytes).map_err(dev)?,
+        ))
+    }
+
+    fn alloc_host(&self, bytes: usize) -> Result<CudaBuffer> {
+        use cudarc::driver::sys::{CU_MEMHOSTALLOC_DEVICEMAP, CU_MEMHOSTALLOC_PORTABLE};
+        // SAFETY: the memory is zeroed below before anyone reads it.
+        let mut s = unsafe {
+            self.ctx.alloc_pinned_with_flags::<u8>(
+                bytes,
+                CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE,
+            )
+        }
+        .map_err(dev)?;
+        s.as_mut_slice().map_err(dev)?.fill(0);
+        Ok(CudaBuffer::Host(s))
     }
 
     fn download(&self, buf: &CudaBuffer) -> Result<Vec<u8>> {
-        self.stream.clone_dtoh(&buf.0).map_err(dev)
+        match buf {
+            CudaBuffer::Device(s) => self.stream.clone_dtoh(s).map_err(dev),
+            CudaBuffer::Host(s) => Ok(s.as_slice().map_err(dev)?.to_vec()),
+        }
     }
 
     fn buffer_len(&self, buf: &CudaBuffer) -> usize {
-        buf.0.len()
+        buf.len()
     }
 
     fn index_k_store(
@@ -194,16 +259,16 @@ impl Backend for CudaBackend {
         keys: &CudaBuffer,
         cache: &mut CudaBuffer,
     ) -> Result<()> {
-        op.validate(keys.0.len(), cache.0.len())?;
+        op.validate(keys.len(), cache.len())?;
         let l = op.layout;
         let slots = self.upload_slice(op.slots)?;
-        let (kp, _k) = keys.0.device_ptr(&self.stream);
+        let k = self.addr(keys)?;
         let (sp, _s) = slots.device_ptr(&self.stream);
-        let (cp, _c) = cache.0.device_ptr_mut(&self.stream);
+        let c = self.addr_mut(cache)?;
         let params = IndexKStoreParams {
-            keys: kp as *const u16,
+            keys: k.0 as *const u16,
             slots: sp as *const i64,
-            cache: cp as *mut u8,
+            cache: c.0 as *mut u8,
             n_tokens: op.slots.len() as u32,
             head_dim: l.head_dim() as u32,
             page_size: l.page_size() as u32,
@@ -223,16 +288,16 @@ impl Backend for CudaBackend {
     }
 
     fn kv_store(&self, op: &KvStore<'_>, kv: &CudaBuffer, cache: &mut CudaBuffer) -> Result<()> {
-        op.validate(kv.0.len(), cache.0.len())?;
+        op.validate(kv.len(), cache.len())?;
         let l = op.layout;
         let slots = self.upload_slice(op.slots)?;
-        let (kp, _k) = kv.0.device_ptr(&self.stream);
+        let k = self.addr(kv)?;
         let (sp, _s) = slots.device_ptr(&self.stream);
-        let (cp, _c) = cache.0.device_ptr_mut(&self.stream);
+        let c = self.addr_mut(cache)?;
         let params = KvStoreParams {
-            kv: kp as *const u16,
+            kv: k.0 as *const u16,
             slots: sp as *const i64,
-            cache: cp as *mut u8,
+            cache: c.0 as *mut u8,
             n_tokens: op.slots.len() as u32,
             nope_dim: l.nope_dim() as u32,
             rope_dim: l.rope_dim() as u32,
@@ -278,19 +343,19 @@ impl Backend for CudaBackend {
     }
 
     fn copy_pages(&self, op: &CopyPages<'_>, src: &CudaBuffer, dst: &mut CudaBuffer) -> Result<()> {
-        op.validate(src.0.len(), dst.0.len())?;
+        op.validate(src.len(), dst.len())?;
         if op.src_ids.is_empty() {
             return Ok(());
         }
         let src_ids = self.upload_slice(op.src_ids)?;
         let dst_ids = self.upload_slice(op.dst_ids)?;
-        let (s, _s) = src.0.device_ptr(&self.stream);
-        let (d, _d) = dst.0.device_ptr_mut(&self.stream);
+        let s = self.addr(src)?;
+        let d = self.addr_mut(dst)?;
         let (si, _si) = src_ids.device_ptr(&self.stream);
         let (di, _di) = dst_ids.device_ptr(&self.stream);
         let params = CopyPagesParams {
-            src: (s + op.src.offset as u64) as *const u8,
-            dst: (d + op.dst.offset as u64) as *mut u8,
+            src: (s.0 + op.src.offset as u64) as *const u8,
+            dst: (d.0 + op.dst.offset as u64) as *mut u8,
             src_ids: si as *const i32,
             dst_ids: di as *const i32,
             src_stride: op.src.stride as u64,
@@ -309,18 +374,18 @@ impl Backend for CudaBackend {
         pool: &CudaBuffer,
         out: &mut CudaBuffer,
     ) -> Result<()> {
-        op.validate(pool.0.len(), out.0.len())?;
+        op.validate(pool.len(), out.len())?;
         if op.ids.is_empty() {
             return Ok(());
         }
         let ids = self.upload_slice(op.ids)?;
-        let (p, _p) = pool.0.device_ptr(&self.stream);
+        let p = self.addr(pool)?;
         let (i, _i) = ids.device_ptr(&self.stream);
-        let (o, _o) = out.0.device_ptr_mut(&self.stream);
+        let o = self.addr_mut(out)?;
         let params = PageChecksumsParams {
-            pool: (p + op.region.offset as u64) as *const u8,
+            pool: (p.0 + op.region.offset as u64) as *const u8,
             ids: i as *const i32,
-            out: o as *mut u64,
+            out: o.0 as *mut u64,
             stride: op.region.stride as u64,
             bytes: op.region.layout.bytes_per_page() as u64,
             n_pages: op.ids.len() as u32,

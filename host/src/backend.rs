@@ -30,6 +30,15 @@ pub trait Backend: Send + Sync + Debug {
     /// Copies `bytes` into a new buffer of exactly that length.
     fn upload(&self, bytes: &[u8]) -> Result<Self::Buffer>;
 
+    /// A new zero-filled buffer of `bytes` bytes where the backend computes (device memory
+    /// for `cuda`).
+    fn alloc(&self, bytes: usize) -> Result<Self::Buffer>;
+
+    /// A new zero-filled buffer of `bytes` bytes in host memory that the backend's kernels
+    /// can read and write directly (page-locked, device-mapped memory for `cuda`; plain
+    /// host memory for `cpu`/`emu`). Host cache tiers live in these.
+    fn alloc_host(&self, bytes: usize) -> Result<Self::Buffer>;
+
     /// Copies a whole buffer back to the host.
     fn download(&self, buf: &Self::Buffer) -> Result<Vec<u8>>;
 

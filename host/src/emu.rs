@@ -70,6 +70,14 @@ impl Backend for EmuBackend {
         Ok(CpuBuffer::from_bytes(bytes))
     }
 
+    fn alloc(&self, bytes: usize) -> Result<CpuBuffer> {
+        Ok(CpuBuffer::zeroed(bytes))
+    }
+
+    fn alloc_host(&self, bytes: usize) -> Result<CpuBuffer> {
+        Ok(CpuBuffer::zeroed(bytes))
+    }
+
     fn download(&self, buf: &CpuBuffer) -> Result<Vec<u8>> {
         Ok(buf.bytes().to_vec())
     }

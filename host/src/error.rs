@@ -78,6 +78,37 @@ pub enum Error {
         expected: u64,
         actual: u64,
     },
+    /// A pool has too few free pages.
+    #[error("{what} pool: {wanted} pages wanted, {free} free")]
+    OutOfPages {
+        what: &'static str,
+        wanted: usize,
+        free: usize,
+    },
+    /// A page reference is stale: the page was freed (and perhaps reused) since.
+    #[error("{what} pool: page {page} generation {generation} is stale (current {current:?})")]
+    StalePage {
+        what: &'static str,
+        page: u32,
+        generation: u32,
+        current: Option<u32>,
+    },
+    /// A cached page's bytes changed between backup and load.
+    #[error("integrity: {what} page {page} layer {layer} {kind}: checksum {actual:#018x}, recorded {expected:#018x}")]
+    Integrity {
+        what: &'static str,
+        page: u32,
+        layer: usize,
+        kind: &'static str,
+        expected: u64,
+        actual: u64,
+    },
+    /// Page accounting found pages lost or held twice.
+    #[error("page leak: {0}")]
+    Leak(String),
+    /// A cache operation was cancelled (request aborted, worker stopped).
+    #[error("cancelled: {0}")]
+    Cancelled(String),
     /// The backend does not implement this op (yet).
     #[error("backend {backend} does not implement {op}")]
     NotImplemented { backend: String, op: &'static str },

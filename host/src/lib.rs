@@ -2,6 +2,7 @@
 //! computed), op descriptors, the [`Backend`] trait and the multi-threaded CPU backend.
 
 pub mod backend;
+pub mod cache;
 pub mod cpu;
 pub mod dims;
 pub mod dtype;

@@ -178,7 +178,7 @@ fn cpu_rejects_bad_attention_inputs() {
     let pages = [0, 1, -1];
     let pt = PageTable::new(&pages, 3).unwrap();
     let cache = b.upload(&vec![0u8; il.buffer_bytes(2)]).unwrap();
-    let q = b.upload(bytes(&vec![bf16::ONE; 2 * 16])).unwrap();
+    let q = b.upload(bytes(&[bf16::ONE; 2 * 16])).unwrap();
     let w = b.upload(bytes(&[1f32, 1.0])).unwrap();
     // Context 9 needs the unmapped third page.
     let op = IndexerLogits::decode(il, 2, pt, &[9], 1, 9).unwrap();
@@ -263,7 +263,7 @@ fn cpu_rejects_bad_attention_inputs() {
     // Sparse MLA: an index outside the cache, a non-finite scale.
     let kl = KvLayout::new(KvDtype::Bf16, 16, 16, 4).unwrap();
     let kv = b.upload(&vec![0u8; kl.buffer_bytes(1)]).unwrap();
-    let q = b.upload(bytes(&vec![bf16::ONE; 2 * 32])).unwrap();
+    let q = b.upload(bytes(&[bf16::ONE; 2 * 32])).unwrap();
     let idx = b.upload(bytes(&[0i32, 4])).unwrap();
     let op = SparseMla {
         layout: kl,

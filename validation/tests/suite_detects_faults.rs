@@ -53,6 +53,12 @@ impl Backend for Faulty {
     fn upload(&self, b: &[u8]) -> Result<CpuBuffer> {
         self.cpu.upload(b)
     }
+    fn alloc(&self, n: usize) -> Result<CpuBuffer> {
+        self.cpu.alloc(n)
+    }
+    fn alloc_host(&self, n: usize) -> Result<CpuBuffer> {
+        self.cpu.alloc_host(n)
+    }
     fn download(&self, b: &CpuBuffer) -> Result<Vec<u8>> {
         self.cpu.download(b)
     }

@@ -56,6 +56,7 @@ mod barrier;
 mod block;
 mod error;
 mod mma;
+mod pool;
 mod smem;
 mod warp;
 
@@ -68,9 +69,10 @@ use std::thread;
 
 use crate::simt::Simt;
 
-use block::{BlockSync, Stop};
+use block::{BlockSync, KernelRef, Next, Stop};
 pub use error::{EmuError, RaceKind};
 use mma::MmaFragments;
+use pool::{Job, Worker};
 use smem::Accessor;
 pub use smem::SMEM_POISON;
 pub use warp::SHFL_UNDEFINED;
@@ -160,25 +162,48 @@ unsafe impl<T: Copy> Send for Params<T> {}
 /// prints it to stderr).
 pub fn launch(cfg: LaunchConfig, kernel: impl Fn() + Sync) -> Result<(), EmuError> {
     cfg.validate()?;
-    let sync = Arc::new(BlockSync::new(cfg.grid, cfg.block, cfg.dyn_smem_bytes));
     let kernel: &(dyn Fn() + Sync) = &kernel;
-    thread::scope(|scope| {
-        for thread in 0..cfg.block {
-            let sync_t = Arc::clone(&sync);
-            let spawned = thread::Builder::new()
-                .name(format!("emu-thread-{thread}"))
-                .spawn_scoped(scope, move || run_thread(&sync_t, cfg, thread, kernel));
-            if let Err(e) = spawned {
-                sync.open_gate(false);
-                return Err(EmuError::ThreadSpawn {
-                    message: e.to_string(),
-                });
-            }
-        }
-        sync.open_gate(true);
-        Ok(())
-    })?;
+    // SAFETY: `kernel` lives until this function returns or unwinds, and neither happens
+    // before every worker has detached from the launch: `supervise` returns only once the
+    // launch is over and `attached` is 0, and if anything here unwinds, `Abandon`'s drop
+    // fails the launch and waits for the same condition. A worker is counted in
+    // `attached` from the moment it is handed a GPU thread of this launch until after its
+    // last call of the kernel (`detach`, under the state lock, which orders that call
+    // before this function observes `attached == 0`).
+    let sync = Arc::new(BlockSync::new(cfg, unsafe { KernelRef::new(kernel) }));
+    let abandon = Abandon(&sync);
+    sync.start();
+    sync.supervise();
+    std::mem::forget(abandon);
     sync.take_error().map_or(Ok(()), Err)
+}
+
+/// Fails a launch whose driver unwinds, and waits until no worker can call its kernel.
+struct Abandon<'a>(&'a Arc<BlockSync>);
+
+impl Drop for Abandon<'_> {
+    fn drop(&mut self) {
+        self.0.abandon();
+    }
+}
+
+/// Detaches a worker from its launch when it stops serving it, even by unwinding (which
+/// the emulator's own code does not do; kernel panics are caught).
+struct Detach<'a>(&'a BlockSync);
+
+impl Drop for Detach<'_> {
+    fn drop(&mut self) {
+        if thread::panicking() {
+            let mut st = self.0.lock();
+            let err = EmuError::KernelPanic {
+                block: st.block,
+                thread: 0,
+                message: "an emulator worker panicked".to_string(),
+            };
+            self.0.fail(&mut st, err);
+        }
+        self.0.detach();
+    }
 }
 
 /// One emulated GPU thread's identity, in a thread-local while it runs a kernel.
@@ -228,41 +253,66 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
-/// Body of the OS thread playing `threadIdx.x == thread` in every block.
-fn run_thread(sync: &Arc<BlockSync>, cfg: LaunchConfig, thread: u32, kernel: &(dyn Fn() + Sync)) {
-    if !sync.wait_gate() {
-        return;
-    }
-    for block in 0..cfg.grid {
-        CTX.with(|c| {
-            *c.borrow_mut() = Some(Ctx {
-                thread,
-                block,
-                block_dim: cfg.block,
-                grid_dim: cfg.grid,
-                sync: Arc::clone(sync),
-            });
-        });
-        let result = panic::catch_unwind(AssertUnwindSafe(kernel));
-        let returned = match result {
-            Ok(()) => true,
-            Err(payload) => {
-                if !payload.is::<Stop>() {
-                    let err = EmuError::KernelPanic {
-                        block,
-                        thread,
-                        message: panic_message(&*payload),
-                    };
-                    sync.fail_unlocked(err);
+/// A pool worker serves `launch`, starting with GPU thread `thread` of block `block`,
+/// until the launch has no more work for it; then it detaches.
+pub(crate) fn serve(launch: &Arc<BlockSync>, me: &Arc<Worker>, block: u32, thread: u32) {
+    let _detach = Detach(launch);
+    let (mut block, mut thread) = (block, thread);
+    loop {
+        let returned = run_item(launch, me, block, thread);
+        match launch.finish_item(thread, returned, me) {
+            Next::Run(b, t) => (block, thread) = (b, t),
+            Next::Idle => match me.wait() {
+                Job::Run {
+                    block: b,
+                    thread: t,
+                    ..
                 }
-                false
-            }
-        };
-        if !sync.finish_block(thread, returned) {
-            break;
+                | Job::Item {
+                    block: b,
+                    thread: t,
+                } => (block, thread) = (b, t),
+                Job::Leave => return,
+            },
+            Next::Leave => return,
         }
     }
-    CTX.with(|c| *c.borrow_mut() = None);
+}
+
+/// Plays GPU thread `thread` of block `block` on the calling worker `me`; `true` when
+/// it returned from the kernel, `false` when it panicked or was stopped.
+fn run_item(launch: &Arc<BlockSync>, me: &Worker, block: u32, thread: u32) -> bool {
+    launch.start_item(thread, me.thread());
+    if launch.is_poisoned() {
+        return false;
+    }
+    let ctx = Ctx {
+        thread,
+        block,
+        block_dim: launch.block_dim,
+        grid_dim: launch.grid_dim,
+        sync: Arc::clone(launch),
+    };
+    let outer = CTX.with(|c| c.replace(Some(ctx)));
+    let kernel = launch.kernel();
+    // SAFETY: this worker is attached to the launch (it was handed this GPU thread and
+    // detaches only when `serve` returns), so the kernel closure is alive.
+    let result = panic::catch_unwind(AssertUnwindSafe(|| unsafe { kernel.call() }));
+    CTX.with(|c| c.replace(outer));
+    match result {
+        Ok(()) => true,
+        Err(payload) => {
+            if !payload.is::<Stop>() {
+                let err = EmuError::KernelPanic {
+                    block,
+                    thread,
+                    message: panic_message(&*payload),
+                };
+                launch.fail_unlocked(err);
+            }
+            false
+        }
+    }
 }
 
 /// Converts the internal stop signal into an unwind.

@@ -29,7 +29,9 @@
 
 use std::fmt;
 
-use super::block::{BlockSync, State, Status, Stop};
+use std::sync::Arc;
+
+use super::block::{BlockSync, State, Status, Stop, Wakes};
 use super::error::EmuError;
 use super::mma::{self, MmaFragments};
 
@@ -108,17 +110,6 @@ pub(crate) struct Round {
     inputs: Box<[Input; 32]>,
 }
 
-/// A completed round whose results not all lanes have picked up yet.
-#[derive(Debug)]
-struct Done {
-    /// The round's id.
-    id: u64,
-    /// Lanes that have not picked up their result.
-    pending: u32,
-    /// Results.
-    outputs: Box<[Output; 32]>,
-}
-
 /// One warp's exchange.
 #[derive(Debug)]
 pub(crate) struct WarpState {
@@ -128,8 +119,6 @@ pub(crate) struct WarpState {
     pub exited: u32,
     /// Rounds waiting for lanes.
     pub open: Vec<Round>,
-    /// Rounds with results to pick up.
-    done: Vec<Done>,
 }
 
 impl WarpState {
@@ -139,7 +128,6 @@ impl WarpState {
             existing,
             exited: 0,
             open: Vec::new(),
-            done: Vec::new(),
         }
     }
 
@@ -147,7 +135,6 @@ impl WarpState {
     pub(crate) fn reset(&mut self) {
         self.exited = 0;
         self.open.clear();
-        self.done.clear();
     }
 
     /// The open round whose mask names `lane` but that `lane` has not reached.
@@ -188,24 +175,46 @@ impl BlockSync {
     /// Thread `thread` executes collective `kind` over `mask` with operands `input`;
     /// returns its result once all lanes of `mask` have arrived.
     pub(crate) fn collective(
-        &self,
+        self: &Arc<Self>,
         thread: u32,
         kind: Kind,
         mask: u32,
         input: Input,
     ) -> Result<Output, Stop> {
+        let arrived = {
+            // (Declared first: the wake-ups happen after the state lock is released.)
+            let mut wakes = Wakes::new(self);
+            let mut st = self.lock();
+            self.arrive(&mut st, &mut wakes, thread, kind, mask, input)?
+        };
+        match arrived {
+            Some(mine) => Ok(mine),
+            None => self.wait_released(thread, true),
+        }
+    }
+
+    /// The arrival of `thread` at collective `kind`; `Ok(Some(result))` when it completed
+    /// the round, `Ok(None)` when it must wait for its result.
+    fn arrive(
+        &self,
+        st: &mut State,
+        wakes: &mut Wakes<'_>,
+        thread: u32,
+        kind: Kind,
+        mask: u32,
+        input: Input,
+    ) -> Result<Option<Output>, Stop> {
         let (warp, lane) = (thread / 32, thread % 32);
         let w = warp as usize;
-        let mut st = self.lock();
-        BlockSync::check(&st)?;
+        BlockSync::check(st)?;
         let misuse = |st: &State, detail: String| EmuError::WarpCollective {
             block: st.block,
             warp,
             detail,
         };
         if let Some(detail) = arrival_problem(&st.warps[w], st.block_dim, lane, kind, mask) {
-            let err = misuse(&st, detail);
-            return Err(self.fail(&mut st, err));
+            let err = misuse(st, detail);
+            return Err(self.fail(st, err));
         }
 
         // Join the round of this mask, or open it.
@@ -233,45 +242,25 @@ impl BlockSync {
         }
 
         if complete {
-            // Last to arrive: compute everyone's result and wake the others.
+            // Last to arrive: compute everyone's result and release the others.
             let round = st.warps[w].open.swap_remove(idx);
             let outputs = match compute(&round) {
                 Ok(outputs) => outputs,
                 Err(detail) => {
-                    let err = misuse(&st, detail);
-                    return Err(self.fail(&mut st, err));
+                    let err = misuse(st, detail);
+                    return Err(self.fail(st, err));
                 }
             };
-            let mine = outputs[lane as usize];
             let others = mask & !(1 << lane);
             for l in (0..32).filter(|l| others & (1 << l) != 0) {
-                BlockSync::unblock_thread(&mut st, warp * 32 + l);
+                self.release(st, warp * 32 + l, Some(outputs[l as usize]));
             }
-            if others != 0 {
-                st.warps[w].done.push(Done {
-                    id,
-                    pending: others,
-                    outputs,
-                });
-                self.warp_cvs[w].notify_all();
-            }
-            return Ok(mine);
+            self.schedule(st, wakes);
+            return Ok(Some(outputs[lane as usize]));
         }
 
-        self.block_thread(&mut st, thread, Status::InCollective(id));
-        loop {
-            BlockSync::check(&st)?;
-            let done = &mut st.warps[w].done;
-            if let Some(i) = done.iter().position(|d| d.id == id) {
-                let out = done[i].outputs[lane as usize];
-                done[i].pending &= !(1 << lane);
-                if done[i].pending == 0 {
-                    done.swap_remove(i);
-                }
-                return Ok(out);
-            }
-            st = BlockSync::wait(&self.warp_cvs[w], st);
-        }
+        self.block_thread(st, thread, Status::InCollective(id), wakes);
+        Ok(None)
     }
 }
 
