@@ -11,22 +11,24 @@
 //!
 //! # Scheduling
 //!
-//! Every GPU thread still gets an OS thread of its own while it exists (so barriers and
-//! collectives really block), but the OS threads are pool workers (`pool.rs`) and the
-//! GPU threads of a block are started lazily and resumed in a controlled order:
+//! Every GPU thread gets a worker of its own while it exists (so barriers and
+//! collectives really block): a pool thread (`pool.rs`) or a fiber (`fiber.rs`). The GPU
+//! threads of a block are started lazily and resumed in a controlled order:
 //! - A GPU thread that has not started yet, or that a barrier or collective has released
 //!   but whose worker has not been woken yet, counts as *running* for deadlock detection
 //!   (it will run), exactly as if it had its own runnable OS thread.
 //! - At most `limit` workers of a launch execute kernel code at once (the host's
-//!   parallelism). When one blocks or finishes, it hands its turn to the next released
+//!   parallelism with threads, 1 with fibers, which all run on the launching thread).
+//!   When one blocks or finishes, it hands its turn to the next released
 //!   GPU thread (waking exactly that worker), or starts the next unstarted GPU thread
 //!   (itself, when it has finished its own, or an idle worker). A kernel whose threads
 //!   never wait (say a copy) thus runs on `limit` OS threads without a single context
 //!   switch, and a barrier wakes the block's workers one by one instead of all at once.
-//! - If no GPU thread starts, resumes, blocks or finishes for [`WATCHDOG_TICK`] while
-//!   work is pending (say threads spin on a flag that an unstarted thread would set),
-//!   the launch's supervisor doubles `limit`; this keeps the forward-progress guarantee
-//!   of one OS thread per GPU thread.
+//! - With threads, if no GPU thread starts, resumes, blocks or finishes for
+//!   [`WATCHDOG_TICK`] while work is pending (say threads spin on a flag that an
+//!   unstarted thread would set), the launch's supervisor doubles `limit`; this keeps the
+//!   forward-progress guarantee of one OS thread per GPU thread. With fibers, a thread
+//!   that spins on an atomic yields its turn ([`BlockSync::yield_now`]).
 //!
 //! The blocks of the grid run one after another: the worker whose GPU thread is the
 //! last of a block to return resets the state (and poisons shared memory) for the next
@@ -38,11 +40,12 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
-use std::thread::{self, Thread};
+use std::thread;
 use std::time::Duration;
 
 use super::error::EmuError;
-use super::pool::{self, lock, Job, Worker};
+use super::fiber;
+use super::pool::{self, lock, Job, Waker, Worker};
 use super::smem::Smem;
 use super::warp::{describe_lanes, Output, WarpState};
 use super::LaunchConfig;
@@ -116,7 +119,7 @@ impl KernelRef {
 #[derive(Debug, Default)]
 pub(crate) struct Slot {
     /// The worker playing the thread in the current block.
-    runner: Option<Thread>,
+    runner: Option<Waker>,
     /// Set when the thread may continue after a barrier or collective; cleared by it.
     released: bool,
     /// Its result of the collective it waits in.
@@ -196,6 +199,8 @@ pub(crate) struct BlockSync {
     pub block_dim: u32,
     /// `gridDim.x`.
     pub grid_dim: u32,
+    /// Whether the workers are fibers on the launching thread (else pool threads).
+    fibers: bool,
 }
 
 /// Wake-ups and worker dispatches decided under the state lock, performed when this value
@@ -204,8 +209,8 @@ pub(crate) struct BlockSync {
 pub(crate) struct Wakes<'a> {
     /// The launch.
     sync: &'a Arc<BlockSync>,
-    /// Workers to unpark.
-    unpark: Vec<Thread>,
+    /// Workers to wake.
+    unpark: Vec<Waker>,
     /// `(block, thread)` pairs to hand to pool workers (already counted as attached).
     spawn: Vec<(u32, u32)>,
 }
@@ -223,8 +228,8 @@ impl<'a> Wakes<'a> {
 
 impl Drop for Wakes<'_> {
     fn drop(&mut self) {
-        for t in self.unpark.drain(..) {
-            t.unpark();
+        for waker in self.unpark.drain(..) {
+            waker.wake();
         }
         let mut failed: Option<String> = None;
         let mut not_sent = 0u32;
@@ -238,7 +243,12 @@ impl Drop for Wakes<'_> {
                 block,
                 thread,
             };
-            if let Err(message) = pool::dispatch(job) {
+            let sent = if self.sync.fibers {
+                fiber::spawn(job)
+            } else {
+                pool::dispatch(job)
+            };
+            if let Err(message) = sent {
                 failed = Some(message);
                 not_sent += 1;
             }
@@ -260,9 +270,9 @@ fn parallelism() -> u32 {
 }
 
 impl BlockSync {
-    /// State for a launch of `cfg` running `kernel`; the first block is 0 and no thread
-    /// has started.
-    pub(crate) fn new(cfg: LaunchConfig, kernel: KernelRef) -> Self {
+    /// State for a launch of `cfg` running `kernel` on fibers of the launching thread
+    /// (`fibers`) or on pool threads; the first block is 0 and no thread has started.
+    pub(crate) fn new(cfg: LaunchConfig, kernel: KernelRef, fibers: bool) -> Self {
         let warps = cfg.block.div_ceil(32);
         Self {
             state: Mutex::new(State {
@@ -282,7 +292,7 @@ impl BlockSync {
                 next_claim: 0,
                 ready: VecDeque::new(),
                 active: 0,
-                limit: parallelism(),
+                limit: if fibers { 1 } else { parallelism() },
                 idle: Vec::new(),
                 attached: 0,
                 progress: 0,
@@ -295,6 +305,16 @@ impl BlockSync {
             kernel,
             block_dim: cfg.block,
             grid_dim: cfg.grid,
+            fibers,
+        }
+    }
+
+    /// Parks the calling worker until it is woken (or spuriously).
+    pub(crate) fn park(&self) {
+        if self.fibers {
+            fiber::park();
+        } else {
+            thread::park();
         }
     }
 
@@ -330,7 +350,7 @@ impl BlockSync {
         for (slot, status) in self.slots[..claimed].iter().zip(&st.status) {
             if *status != Status::Exited {
                 if let Some(runner) = &lock(slot).runner {
-                    runner.unpark();
+                    runner.wake();
                 }
             }
         }
@@ -404,22 +424,27 @@ impl BlockSync {
             if let Some(t) = st.ready.pop_front() {
                 self.resume(st, t, w);
             } else if st.next_claim < st.block_dim {
-                let t = Self::claim(st);
-                match st.idle.pop() {
-                    Some(worker) => {
-                        worker.give(Job::Item {
-                            block: st.block,
-                            thread: t,
-                        });
-                        w.unpark.push(worker.thread().clone());
-                    }
-                    None => {
-                        st.attached += 1;
-                        w.spawn.push((st.block, t));
-                    }
-                }
+                Self::start_next(st, w);
             } else {
                 break;
+            }
+        }
+    }
+
+    /// Starts the next unstarted thread on an idle worker, or a new one.
+    fn start_next(st: &mut State, w: &mut Wakes<'_>) {
+        let t = Self::claim(st);
+        match st.idle.pop() {
+            Some(worker) => {
+                worker.give(Job::Item {
+                    block: st.block,
+                    thread: t,
+                });
+                w.unpark.push(worker.waker().clone());
+            }
+            None => {
+                st.attached += 1;
+                w.spawn.push((st.block, t));
             }
         }
     }
@@ -462,12 +487,62 @@ impl BlockSync {
             if self.is_poisoned() {
                 return Err(Stop);
             }
-            thread::park();
+            self.park();
         }
     }
 
+    /// Running `thread` gives its turn to a released or unstarted thread, if there is
+    /// one, and waits for the next turn (it stays running for deadlock detection). With
+    /// fibers, where only one GPU thread runs at a time, this lets a thread that spins
+    /// (on an atomic) wait for another.
+    pub(crate) fn yield_now(self: &Arc<Self>, thread: u32) -> Result<(), Stop> {
+        {
+            // (Declared first: the wake-ups happen after the state lock is released.)
+            let mut wakes = Wakes::new(self);
+            let mut st = self.lock();
+            BlockSync::check(&st)?;
+            if st.ready.is_empty() && st.next_claim >= st.block_dim {
+                return Ok(());
+            }
+            st.active = st.active.saturating_sub(1);
+            st.progress += 1;
+            // Someone else takes the turn: an unstarted thread if any is left (so that
+            // spinning threads cannot pass the turn only among themselves), else the
+            // released threads in order, this one last.
+            if st.next_claim < st.block_dim {
+                Self::start_next(&mut st, &mut wakes);
+            }
+            st.ready.push_back(thread);
+            self.schedule(&mut st, &mut wakes);
+        }
+        self.wait_released(thread, false).map(|_| ())
+    }
+
+    /// Whether the carrier is fibers.
+    pub(crate) fn on_fibers(&self) -> bool {
+        self.fibers
+    }
+
+    /// Whether the launch is over and no worker serves it any more.
+    pub(crate) fn finished(&self) -> bool {
+        let st = self.lock();
+        Self::over(&st) && st.attached == 0
+    }
+
+    /// Fails the launch because the scheduler found nothing to run although the launch is
+    /// not finished (an emulator bug, reported rather than hanging).
+    pub(crate) fn fail_internal(&self, what: &str) {
+        let mut st = self.lock();
+        let err = EmuError::KernelPanic {
+            block: st.block,
+            thread: 0,
+            message: format!("sparsekit emu internal error: {what}"),
+        };
+        self.fail(&mut st, err);
+    }
+
     /// The worker `runner` starts playing `thread`.
-    pub(crate) fn start_item(&self, thread: u32, runner: &Thread) {
+    pub(crate) fn start_item(&self, thread: u32, runner: &Waker) {
         let mut slot = lock(&self.slots[thread as usize]);
         slot.runner = Some(runner.clone());
         slot.released = false;
@@ -560,7 +635,7 @@ impl BlockSync {
     fn end_launch(&self, st: &mut State) {
         for worker in st.idle.drain(..) {
             worker.give(Job::Leave);
-            worker.thread().unpark();
+            worker.waker().wake();
         }
         self.done_cv.notify_all();
     }

@@ -1,11 +1,23 @@
 //! Host SIMT emulator: runs the kernels, unchanged, on the CPU.
 //!
-//! [`launch`] plays every GPU thread of a block with its own OS thread, so barriers and
+//! [`launch`] plays every GPU thread of a block on a stack of its own, so barriers and
 //! warp collectives really wait for each other. The blocks of the grid run one after
-//! another on the same threads. Warp collectives go through a per-warp exchange
-//! (`warp.rs`: semantics and misuse rules), `mma_*` use the PTX ISA fragment layouts and
-//! accumulate in f64 (`mma.rs`), and shared memory is bounds- and race-checked
-//! (`smem.rs`: the race model).
+//! another. Warp collectives go through a per-warp exchange (`warp.rs`: semantics and
+//! misuse rules), `mma_*` use the PTX ISA fragment layouts and accumulate in f64
+//! (`mma.rs`), and shared memory is bounds- and race-checked (`smem.rs`: the race model).
+//!
+//! The stacks belong to *workers*, which a [`Carrier`] provides (`block.rs` schedules
+//! them; both carriers detect exactly the same misuse):
+//! - [`Carrier::Fibers`] (the default, on x86-64 Linux; `fiber.rs`): fibers on the
+//!   calling thread, one GPU thread running at a time, switched by the emulator in
+//!   nanoseconds;
+//! - [`Carrier::Threads`] (`pool.rs`): OS threads from a persistent pool, as many running
+//!   at once as the host has cores, woken one by one (each wait is an OS context switch).
+//!
+//! GPU threads start lazily, in order, and a worker whose GPU thread returns runs the
+//! next one, so a kernel that never waits runs on one worker (fibers) or a few (threads)
+//! without any switch. Set `SPARSEKIT_EMU_CARRIER=threads` to make [`launch`] use
+//! threads, or call [`launch_with`].
 //!
 //! Misuse is reported, never left to hang: a barrier some threads will never reach
 //! (they returned), a warp collective whose mask names missing or exited lanes or whose
@@ -55,17 +67,18 @@
 mod barrier;
 mod block;
 mod error;
+mod fiber;
 mod mma;
 mod pool;
 mod smem;
 mod warp;
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::mem::{size_of, MaybeUninit};
 use std::panic::{self, AssertUnwindSafe};
+use std::rc::Rc;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
-use std::thread;
+use std::sync::{Arc, OnceLock};
 
 use crate::simt::Simt;
 
@@ -154,27 +167,79 @@ unsafe impl<T: Copy> Sync for Params<T> {}
 // SAFETY: as for `Sync`.
 unsafe impl<T: Copy> Send for Params<T> {}
 
+/// How [`launch_with`] runs the GPU threads of a launch. Both carriers give every GPU
+/// thread a stack of its own, so barriers and collectives really wait, and both detect
+/// the same misuse in the same way; they differ only in speed and in how threads
+/// interleave.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Carrier {
+    /// Fibers (stacks switched by the emulator itself) on the calling thread, one GPU
+    /// thread at a time: a switch costs nanoseconds, so collectives and barriers are
+    /// cheap. A GPU thread spinning on an atomic yields to the others every few
+    /// [`Simt::atomic_add_u32`] calls. Only on x86-64 Linux; elsewhere
+    /// [`Carrier::Threads`] is used instead.
+    Fibers,
+    /// OS threads from a persistent pool, as many at once as the host has cores (more if
+    /// the launch stops making progress): kernel code runs in parallel, but every wait at
+    /// a barrier or collective is an OS context switch (microseconds).
+    Threads,
+}
+
+impl Carrier {
+    /// The carrier [`launch`] uses: [`Carrier::Fibers`], unless the environment variable
+    /// `SPARSEKIT_EMU_CARRIER` is `threads` when it is first needed.
+    pub fn default_for_launch() -> Self {
+        static DEFAULT: OnceLock<Carrier> = OnceLock::new();
+        *DEFAULT.get_or_init(|| match std::env::var("SPARSEKIT_EMU_CARRIER") {
+            Ok(v) if v.eq_ignore_ascii_case("threads") => Carrier::Threads,
+            _ => Carrier::Fibers,
+        })
+    }
+}
+
 /// Runs `kernel` as a grid of `cfg.grid` blocks of `cfg.block` threads on the host.
 ///
 /// The closure is the body of every GPU thread; it calls a generic kernel with [`Emu`]
 /// (see the [module documentation](self) for an example). Returns the first misuse found;
 /// a kernel panic is reported as [`EmuError::KernelPanic`] (the default panic hook still
-/// prints it to stderr).
+/// prints it to stderr). Uses [`Carrier::default_for_launch`].
 pub fn launch(cfg: LaunchConfig, kernel: impl Fn() + Sync) -> Result<(), EmuError> {
+    launch_with(Carrier::default_for_launch(), cfg, kernel)
+}
+
+/// [`launch`] on the given [`Carrier`].
+pub fn launch_with(
+    carrier: Carrier,
+    cfg: LaunchConfig,
+    kernel: impl Fn() + Sync,
+) -> Result<(), EmuError> {
     cfg.validate()?;
+    let fibers = carrier == Carrier::Fibers && fiber::SUPPORTED;
     let kernel: &(dyn Fn() + Sync) = &kernel;
     // SAFETY: `kernel` lives until this function returns or unwinds, and neither happens
-    // before every worker has detached from the launch: `supervise` returns only once the
-    // launch is over and `attached` is 0, and if anything here unwinds, `Abandon`'s drop
-    // fails the launch and waits for the same condition. A worker is counted in
-    // `attached` from the moment it is handed a GPU thread of this launch until after its
-    // last call of the kernel (`detach`, under the state lock, which orders that call
-    // before this function observes `attached == 0`).
-    let sync = Arc::new(BlockSync::new(cfg, unsafe { KernelRef::new(kernel) }));
-    let abandon = Abandon(&sync);
-    sync.start();
-    sync.supervise();
-    std::mem::forget(abandon);
+    // while a worker may still call it:
+    // - Threads: `supervise` returns only once the launch is over and `attached` is 0,
+    //   and if anything here unwinds, `Abandon`'s drop fails the launch and waits for
+    //   the same condition. A pool worker is counted in `attached` from the moment it is
+    //   handed a GPU thread of this launch until after its last call of the kernel
+    //   (`detach`, under the state lock, which orders that call before this function
+    //   observes `attached == 0`).
+    // - Fibers: every fiber runs only when `fiber::run` switches to it, on this thread;
+    //   `run` returns (or unwinds) only between switches, and afterwards no fiber of
+    //   this launch is ever resumed.
+    let sync = Arc::new(BlockSync::new(
+        cfg,
+        unsafe { KernelRef::new(kernel) },
+        fibers,
+    ));
+    if fibers {
+        fiber::run(&sync);
+    } else {
+        let abandon = Abandon(&sync);
+        sync.start();
+        sync.supervise();
+        std::mem::forget(abandon);
+    }
     sync.take_error().map_or(Ok(()), Err)
 }
 
@@ -188,26 +253,21 @@ impl Drop for Abandon<'_> {
 }
 
 /// Detaches a worker from its launch when it stops serving it, even by unwinding (which
-/// the emulator's own code does not do; kernel panics are caught).
-struct Detach<'a>(&'a BlockSync);
+/// the emulator's own code does not do; kernel panics are caught). `.1`: it stopped
+/// normally.
+struct Detach<'a>(&'a BlockSync, bool);
 
 impl Drop for Detach<'_> {
     fn drop(&mut self) {
-        if thread::panicking() {
-            let mut st = self.0.lock();
-            let err = EmuError::KernelPanic {
-                block: st.block,
-                thread: 0,
-                message: "an emulator worker panicked".to_string(),
-            };
-            self.0.fail(&mut st, err);
+        if !self.1 {
+            self.0.fail_internal("an emulator worker panicked");
         }
         self.0.detach();
     }
 }
 
 /// One emulated GPU thread's identity, in a thread-local while it runs a kernel.
-struct Ctx {
+pub(crate) struct Ctx {
     /// `threadIdx.x`.
     thread: u32,
     /// `blockIdx.x`.
@@ -218,22 +278,54 @@ struct Ctx {
     grid_dim: u32,
     /// The launch's shared state.
     sync: Arc<BlockSync>,
+    /// `atomic_add_u32` calls so far (fibers yield every [`YIELD_EVERY_ATOMICS`]).
+    atomics: Cell<u32>,
 }
+
+/// With fibers, a GPU thread lets the others run every this many atomics (so that a
+/// thread spinning on an atomic cannot starve the thread it waits for).
+const YIELD_EVERY_ATOMICS: u32 = 8;
 
 thread_local! {
-    /// The current thread's [`Ctx`], set by [`run_thread`].
-    static CTX: RefCell<Option<Ctx>> = const { RefCell::new(None) };
+    /// The running GPU thread's [`Ctx`], set by [`run_item`] (and saved and restored
+    /// around fiber switches).
+    static CTX: RefCell<Option<Rc<Ctx>>> = const { RefCell::new(None) };
 }
 
-/// Calls `f` with the current emulated thread's context.
+/// Takes the running GPU thread's context out of the thread-local (a fiber that parks).
+pub(crate) fn take_ctx() -> Option<Rc<Ctx>> {
+    CTX.with(|c| c.borrow_mut().take())
+}
+
+/// Puts a context taken with [`take_ctx`] back.
+pub(crate) fn set_ctx(ctx: Option<Rc<Ctx>>) {
+    CTX.with(|c| *c.borrow_mut() = ctx);
+}
+
+/// Calls `f` with the current emulated thread's context. `f` must not wait (park): use
+/// [`ctx`] for that.
 ///
 /// # Panics
 /// When called outside [`launch`] (a `Simt` method of [`Emu`] used on a plain thread).
 fn with_ctx<R>(f: impl FnOnce(&Ctx) -> R) -> R {
     CTX.with(|c| match &*c.borrow() {
         Some(ctx) => f(ctx),
-        None => panic!("sparsekit emu: a Simt method of Emu was called outside emu::launch"),
+        None => outside_launch(),
     })
+}
+
+/// The current emulated thread's context, for operations that may wait.
+///
+/// # Panics
+/// As [`with_ctx`].
+fn ctx() -> Rc<Ctx> {
+    CTX.with(|c| c.borrow().clone())
+        .unwrap_or_else(|| outside_launch())
+}
+
+/// Panics: a `Simt` method of [`Emu`] was used on a plain thread.
+fn outside_launch() -> ! {
+    panic!("sparsekit emu: a Simt method of Emu was called outside emu::launch")
 }
 
 /// Stops the calling GPU thread (the launch has failed). Unwinds with the [`Stop`]
@@ -256,13 +348,19 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 /// A pool worker serves `launch`, starting with GPU thread `thread` of block `block`,
 /// until the launch has no more work for it; then it detaches.
 pub(crate) fn serve(launch: &Arc<BlockSync>, me: &Arc<Worker>, block: u32, thread: u32) {
-    let _detach = Detach(launch);
+    let mut detach = Detach(launch, false);
+    serve_items(launch, me, block, thread);
+    detach.1 = true;
+}
+
+/// The loop of [`serve`].
+fn serve_items(launch: &Arc<BlockSync>, me: &Arc<Worker>, block: u32, thread: u32) {
     let (mut block, mut thread) = (block, thread);
     loop {
         let returned = run_item(launch, me, block, thread);
         match launch.finish_item(thread, returned, me) {
             Next::Run(b, t) => (block, thread) = (b, t),
-            Next::Idle => match me.wait() {
+            Next::Idle => match me.wait(launch) {
                 Job::Run {
                     block: b,
                     thread: t,
@@ -282,7 +380,7 @@ pub(crate) fn serve(launch: &Arc<BlockSync>, me: &Arc<Worker>, block: u32, threa
 /// Plays GPU thread `thread` of block `block` on the calling worker `me`; `true` when
 /// it returned from the kernel, `false` when it panicked or was stopped.
 fn run_item(launch: &Arc<BlockSync>, me: &Worker, block: u32, thread: u32) -> bool {
-    launch.start_item(thread, me.thread());
+    launch.start_item(thread, me.waker());
     if launch.is_poisoned() {
         return false;
     }
@@ -292,8 +390,9 @@ fn run_item(launch: &Arc<BlockSync>, me: &Worker, block: u32, thread: u32) -> bo
         block_dim: launch.block_dim,
         grid_dim: launch.grid_dim,
         sync: Arc::clone(launch),
+        atomics: Cell::new(0),
     };
-    let outer = CTX.with(|c| c.replace(Some(ctx)));
+    let outer = CTX.with(|c| c.replace(Some(Rc::new(ctx))));
     let kernel = launch.kernel();
     // SAFETY: this worker is attached to the launch (it was handed this GPU thread and
     // detaches only when `serve` returns), so the kernel closure is alive.
@@ -339,7 +438,8 @@ fn word_collective(kind: Kind, mask: u32, word: u32, param: u32) -> u32 {
         param,
         ..Input::default()
     };
-    with_ctx(|c| or_stop(c.sync.collective(c.thread, kind, mask, input))).word
+    let c = ctx();
+    or_stop(c.sync.collective(c.thread, kind, mask, input)).word
 }
 
 /// Runs an MMA.
@@ -348,7 +448,8 @@ fn mma_collective(kind: Kind, a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4]
         frags: MmaFragments { a, b, c },
         ..Input::default()
     };
-    with_ctx(|ctx| or_stop(ctx.sync.collective(ctx.thread, kind, u32::MAX, input))).d
+    let c = ctx();
+    or_stop(c.sync.collective(c.thread, kind, u32::MAX, input)).d
 }
 
 /// The emulator's [`Simt`] implementation (use it only inside [`launch`]).
@@ -378,7 +479,8 @@ impl Simt for Emu {
     }
 
     fn sync_threads() {
-        with_ctx(|c| or_stop(c.sync.sync_threads(c.thread)));
+        let c = ctx();
+        or_stop(c.sync.sync_threads(c.thread));
     }
 
     unsafe fn smem_load<T: Copy>(byte_offset: usize) -> T {
@@ -453,7 +555,19 @@ impl Simt for Emu {
         // SAFETY: the caller guarantees `ptr` is valid and aligned; every emulated access
         // to it that may overlap goes through atomics (as on the GPU).
         let atomic = unsafe { AtomicU32::from_ptr(ptr) };
-        atomic.fetch_add(value, Ordering::SeqCst)
+        let old = atomic.fetch_add(value, Ordering::SeqCst);
+        // (Works outside a launch too, as it always has: only yielding needs a context.)
+        let Some(c) = CTX.with(|c| c.borrow().clone()) else {
+            return old;
+        };
+        if c.sync.on_fibers() {
+            let n = c.atomics.get().wrapping_add(1);
+            c.atomics.set(n);
+            if n % YIELD_EVERY_ATOMICS == 0 {
+                or_stop(c.sync.yield_now(c.thread));
+            }
+        }
+        old
     }
 
     fn mma_bf16_m16n8k16(a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4] {

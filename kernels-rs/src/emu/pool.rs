@@ -1,16 +1,17 @@
-//! The persistent pool of OS threads that play GPU threads.
+//! The persistent pool of OS threads that serve [`Carrier::Threads`](super::Carrier)
+//! launches, and the [`Worker`]/[`Job`] vocabulary shared with fibers (`fiber.rs`).
 //!
 //! Spawning an OS thread costs tens of microseconds, far more than most emulated GPU
 //! threads run, so launches borrow *workers* from a process-wide pool instead. A worker is
 //! an OS thread that serves one launch at a time: it runs one GPU thread after another
 //! for it (see [`super::block`] for who runs what and when), and when the launch has no
 //! more work for it, it returns to the pool and parks. The pool grows on demand (a launch
-//! needs at most one worker per GPU thread of a block, plus one per launch running
-//! concurrently); a worker that stays idle for [`IDLE_EXPIRY`] exits, so a burst of large
-//! launches does not pin thousands of threads for the rest of the process.
+//! needs at most one worker per GPU thread of a block); a worker that stays idle for
+//! [`IDLE_EXPIRY`] exits, so a burst of large launches does not pin thousands of threads
+//! for the rest of the process.
 //!
-//! Handing out work is a message to one worker: its [`Worker::job`] slot is filled and
-//! the thread unparked. Lock order: the pool's idle list, then a worker's job slot (a
+//! Handing out work is a message to one worker: its job slot is filled and the worker
+//! woken ([`Waker`]). Lock order: the pool's idle list, then a worker's job slot (a
 //! launch's state may also be held around the job slot; the job slot is always the last
 //! lock taken).
 
@@ -46,13 +47,34 @@ pub(crate) enum Job {
     Leave,
 }
 
-/// One worker thread, as others see it.
+/// How to wake a worker (or the worker playing a GPU thread) that parked.
+#[derive(Debug, Clone)]
+pub(crate) enum Waker {
+    /// A pool OS thread ([`super::Carrier::Threads`]).
+    Thread(Thread),
+    /// A fiber of the launch running on the current OS thread, by index
+    /// ([`super::Carrier::Fibers`]).
+    Fiber(u32),
+}
+
+impl Waker {
+    /// Wakes the worker, or makes its next park return at once (`std::thread::park`
+    /// token semantics).
+    pub(crate) fn wake(&self) {
+        match self {
+            Self::Thread(t) => t.unpark(),
+            Self::Fiber(id) => super::fiber::unpark(*id),
+        }
+    }
+}
+
+/// One worker (a pool thread, or a fiber), as others see it.
 #[derive(Debug)]
 pub(crate) struct Worker {
     /// The next job, filled by whoever hands the worker work.
     job: Mutex<Option<Job>>,
-    /// The worker's OS thread (to unpark it).
-    thread: Thread,
+    /// How to wake it.
+    waker: Waker,
 }
 
 /// Locks `m`, entering it even if poisoned (the emulator's own code does not panic while
@@ -62,24 +84,33 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Worker {
+    /// A worker woken through `waker`, with no job yet.
+    pub(crate) fn new(waker: Waker) -> Self {
+        Self {
+            job: Mutex::new(None),
+            waker,
+        }
+    }
+
     /// Hands the worker `job` (it must be waiting for one: idle in the pool or in a
-    /// launch). Does not wake it; unpark [`Worker::thread`] afterwards.
+    /// launch). Does not wake it; wake [`Worker::waker`] afterwards.
     pub(crate) fn give(&self, job: Job) {
         *lock(&self.job) = Some(job);
     }
 
-    /// The worker's OS thread.
-    pub(crate) fn thread(&self) -> &Thread {
-        &self.thread
+    /// How to wake the worker.
+    pub(crate) fn waker(&self) -> &Waker {
+        &self.waker
     }
 
-    /// Waits (parked) until a job arrives. Only the worker's own thread calls this.
-    pub(crate) fn wait(&self) -> Job {
+    /// Waits (parked) until a job arrives, serving `launch`. Only the worker itself calls
+    /// this.
+    pub(crate) fn wait(&self, launch: &BlockSync) -> Job {
         loop {
             if let Some(job) = lock(&self.job).take() {
                 return job;
             }
-            thread::park();
+            launch.park();
         }
     }
 }
@@ -96,7 +127,7 @@ pub(crate) fn dispatch(job: Job) -> Result<(), String> {
         // the same lock before it leaves the idle list (see `wait_in_pool`).
         worker.give(job);
         drop(idle);
-        worker.thread.unpark();
+        worker.waker.wake();
         return Ok(());
     }
     drop(idle);
@@ -112,10 +143,7 @@ pub(crate) fn dispatch(job: Job) -> Result<(), String> {
 /// Body of a worker thread: serve the first job, then whatever the pool hands it, until
 /// it idles for too long.
 fn worker_main(first: Job) {
-    let me = Arc::new(Worker {
-        job: Mutex::new(None),
-        thread: thread::current(),
-    });
+    let me = Arc::new(Worker::new(Waker::Thread(thread::current())));
     let mut next = Some(first);
     loop {
         if let Some(Job::Run {
