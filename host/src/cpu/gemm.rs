@@ -6,6 +6,7 @@
 //! the instruction set (AVX-512, AVX2+FMA, or scalar `mul_add`, which is also correctly
 //! rounded). Results therefore never depend on `m`, `n`, the tile a row lands in, or the
 //! machine's vector width: the basis of batch invariance.
+use super::isa::Isa;
 
 /// Rows of the register tile.
 const MR: usize = 6;
@@ -33,21 +34,15 @@ pub fn gemm_acc(d: Dims, a: &[f32], b: &[f32], c: &mut [f32]) {
     if d.k == 0 {
         return;
     }
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU supports AVX-512F (checked above); slice bounds were asserted.
-            unsafe { gemm_avx512(d, a, b, c) };
-            return;
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: the CPU supports AVX2 and FMA (checked above); bounds were asserted.
-            unsafe { gemm_avx2(d, a, b, c) };
-            return;
-        }
+    match Isa::get() {
+        // SAFETY: `Isa::get` detected AVX-512F and FMA; slice bounds were asserted.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { gemm_avx512(d, a, b, c) },
+        // SAFETY: `Isa::get` detected AVX2 and FMA; slice bounds were asserted.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { gemm_avx2(d, a, b, c) },
+        _ => gemm_generic::<16>(d, a, b, c),
     }
-    gemm_generic::<16>(d, a, b, c);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -72,11 +67,16 @@ fn gemm_generic<const NR: usize>(d: Dims, a: &[f32], b: &[f32], c: &mut [f32]) {
         let rows = MR.min(d.m - i);
         let mut j = 0;
         while j < n_full {
-            if rows == MR {
-                tile::<MR, NR>(d, a, b, c, i, j);
-            } else {
-                for r in i..i + rows {
-                    tile::<1, NR>(d, a, b, c, r, j);
+            match rows {
+                MR => tile::<MR, NR>(d, a, b, c, i, j),
+                5 => tile::<5, NR>(d, a, b, c, i, j),
+                4 => tile::<4, NR>(d, a, b, c, i, j),
+                3 => tile::<3, NR>(d, a, b, c, i, j),
+                2 => tile::<2, NR>(d, a, b, c, i, j),
+                _ => {
+                    for r in i..i + rows {
+                        tile::<1, NR>(d, a, b, c, r, j);
+                    }
                 }
             }
             j += NR;

@@ -4,6 +4,7 @@
 pub mod buffer;
 pub mod gemm;
 pub mod indexer;
+pub mod isa;
 pub mod pages;
 pub mod sparse_mla;
 pub mod store;

@@ -10,7 +10,7 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::gemm::{gemm_acc, Dims};
-use crate::dtype::E4M3_TABLE;
+use super::isa::Isa;
 use crate::layout::{KvDtype, KvLayout, FP8_DS_MLA_TILE};
 use crate::ops::SparseMla;
 
@@ -43,10 +43,61 @@ pub fn sparse_mla(
             let h0 = (task % chunks_per_token) * hc;
             let qrow = &q[(t * h + h0) * dqk..(t * h + h0 + hc) * dqk];
             let idx = &indices[t * op.topk..(t + 1) * op.topk];
-            attend(op, qrow, hc, idx, cache, out, lse);
+            attend_dispatch(op, qrow, hc, idx, cache, out, lse);
         });
 }
 
+/// Runs [`attend`] compiled for the widest vector ISA this CPU has; same operations, same
+/// order, identical results on every path.
+fn attend_dispatch(
+    op: &SparseMla,
+    q: &[bf16],
+    hc: usize,
+    indices: &[i32],
+    cache: &[u8],
+    out: &mut [bf16],
+    lse: &mut [f32],
+) {
+    match Isa::get() {
+        // SAFETY: `Isa::get` detected AVX-512F and FMA.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { attend_avx512(op, q, hc, indices, cache, out, lse) },
+        // SAFETY: `Isa::get` detected AVX2 and FMA.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { attend_avx2(op, q, hc, indices, cache, out, lse) },
+        _ => attend(op, q, hc, indices, cache, out, lse),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn attend_avx2(
+    op: &SparseMla,
+    q: &[bf16],
+    hc: usize,
+    indices: &[i32],
+    cache: &[u8],
+    out: &mut [bf16],
+    lse: &mut [f32],
+) {
+    attend(op, q, hc, indices, cache, out, lse)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn attend_avx512(
+    op: &SparseMla,
+    q: &[bf16],
+    hc: usize,
+    indices: &[i32],
+    cache: &[u8],
+    out: &mut [bf16],
+    lse: &mut [f32],
+) {
+    attend(op, q, hc, indices, cache, out, lse)
+}
+
+#[inline(always)]
 fn attend(
     op: &SparseMla,
     q: &[bf16],
@@ -58,13 +109,22 @@ fn attend(
 ) {
     let l = &op.layout;
     let (dqk, dv) = (l.d_qk(), l.nope_dim());
-    let qf: Vec<f32> = q.iter().map(|x| x.to_f32()).collect();
-    let mut kt = vec![0f32; dqk * BLOCK];
-    let mut v = vec![0f32; BLOCK * dv];
-    let mut s = vec![0f32; hc * BLOCK];
+    // Qᵀ [d_qk × hc], once per task.
+    let mut qt = vec![0f32; dqk * hc];
+    for i in 0..hc {
+        for p in 0..dqk {
+            qt[p * hc + i] = q[i * dqk + p].to_f32();
+        }
+    }
+    let mut k = vec![0f32; BLOCK * dqk];
+    let mut st = vec![0f32; BLOCK * hc];
+    let mut p = vec![0f32; hc * BLOCK];
     let mut o = vec![0f32; hc * dv];
     let mut m = vec![f32::NEG_INFINITY; hc];
     let mut sum = vec![0f32; hc];
+    let mut mx = vec![0f32; hc];
+    let mut bsum = vec![0f32; hc];
+    let mut corr = vec![0f32; hc];
     let valid: Vec<usize> = indices
         .iter()
         .filter(|&&i| i >= 0)
@@ -73,52 +133,61 @@ fn attend(
     for block in valid.chunks(BLOCK) {
         let n = block.len();
         for (j, &slot) in block.iter().enumerate() {
-            load_token(l, cache, slot, j, &mut kt, &mut v);
+            load_row(l, cache, slot, &mut k[j * dqk..(j + 1) * dqk]);
         }
-        s.fill(0.0);
+        st[..n * hc].fill(0.0);
+        // Sᵀ[keys × hc] = K[keys × d_qk] · Qᵀ
         gemm_acc(
             Dims {
-                m: hc,
-                n,
+                m: n,
+                n: hc,
                 k: dqk,
                 lda: dqk,
-                ldb: BLOCK,
-                ldc: BLOCK,
+                ldb: hc,
+                ldc: hc,
             },
-            &qf,
-            &kt,
-            &mut s,
+            &k,
+            &qt,
+            &mut st,
         );
-        for i in 0..hc {
-            let row = &mut s[i * BLOCK..i * BLOCK + n];
-            let mut mx = m[i];
-            for x in row.iter_mut() {
+        mx.copy_from_slice(&m);
+        for row in st[..n * hc].chunks_exact_mut(hc) {
+            for (x, mxi) in row.iter_mut().zip(mx.iter_mut()) {
                 *x *= op.softmax_scale;
-                mx = mx.max(*x);
-            }
-            let corr = (m[i] - mx).exp();
-            let mut bsum = 0f32;
-            for x in row.iter_mut() {
-                *x = (*x - mx).exp();
-                bsum += *x;
-            }
-            sum[i] = sum[i] * corr + bsum;
-            m[i] = mx;
-            for x in &mut o[i * dv..(i + 1) * dv] {
-                *x *= corr;
+                *mxi = mxi.max(*x);
             }
         }
+        for i in 0..hc {
+            corr[i] = (m[i] - mx[i]).exp();
+        }
+        bsum.fill(0.0);
+        for (j, row) in st[..n * hc].chunks_exact(hc).enumerate() {
+            for (i, &x) in row.iter().enumerate() {
+                let e = (x - mx[i]).exp();
+                p[i * BLOCK + j] = e;
+                bsum[i] += e;
+            }
+        }
+        for i in 0..hc {
+            sum[i] = sum[i] * corr[i] + bsum[i];
+            m[i] = mx[i];
+            let c = corr[i];
+            for x in &mut o[i * dv..(i + 1) * dv] {
+                *x *= c;
+            }
+        }
+        // O += P · V, V = the first d_v columns of K.
         gemm_acc(
             Dims {
                 m: hc,
                 n: dv,
                 k: n,
                 lda: BLOCK,
-                ldb: dv,
+                ldb: dqk,
                 ldc: dv,
             },
-            &s,
-            &v,
+            &p,
+            &k,
             &mut o,
         );
     }
@@ -137,18 +206,18 @@ fn attend(
     }
 }
 
-/// Dequantises the token at `slot` into column `j` of `kt[d_qk][BLOCK]` and row `j` of
-/// `v[BLOCK][d_v]`.
-fn load_token(l: &KvLayout, cache: &[u8], slot: usize, j: usize, kt: &mut [f32], v: &mut [f32]) {
+/// Dequantises the token at `slot` into one row `[latent | rope]`.
+#[inline(always)]
+fn load_row(l: &KvLayout, cache: &[u8], slot: usize, row: &mut [f32]) {
     let ps = l.page_size();
     let base = (slot / ps) * l.bytes_per_page() + l.token_range(slot % ps).start;
     let tok = &cache[base..base + l.bytes_per_token()];
     let dv = l.nope_dim();
-    let vrow = &mut v[j * dv..(j + 1) * dv];
+    let (vrow, rope) = row.split_at_mut(dv);
     match l.dtype() {
         KvDtype::Bf16 => {
             for (x, b) in vrow.iter_mut().zip(tok[l.nope_range()].chunks_exact(2)) {
-                *x = bf16::from_le_bytes([b[0], b[1]]).to_f32();
+                *x = f32::from_bits(((b[1] as u32) << 24) | ((b[0] as u32) << 16));
             }
         }
         KvDtype::Fp8DsMla => {
@@ -161,15 +230,43 @@ fn load_token(l: &KvLayout, cache: &[u8], slot: usize, j: usize, kt: &mut [f32],
                 let s =
                     f32::from_le_bytes([sc[4 * t], sc[4 * t + 1], sc[4 * t + 2], sc[4 * t + 3]]);
                 for (x, &c) in xs.iter_mut().zip(codes) {
-                    *x = E4M3_TABLE[c as usize] * s;
+                    *x = e4m3_to_f32(c) * s;
                 }
             }
         }
     }
-    for (d, &x) in vrow.iter().enumerate() {
-        kt[d * BLOCK + j] = x;
+    for (x, b) in rope.iter_mut().zip(tok[l.rope_range()].chunks_exact(2)) {
+        *x = f32::from_bits(((b[1] as u32) << 24) | ((b[0] as u32) << 16));
     }
-    for (d, b) in tok[l.rope_range()].chunks_exact(2).enumerate() {
-        kt[(dv + d) * BLOCK + j] = bf16::from_le_bytes([b[0], b[1]]).to_f32();
+}
+
+#[inline(always)]
+fn e4m3_to_f32(c: u8) -> f32 {
+    let c = c as u32;
+    let sign = (c & 0x80) << 24;
+    let x = c & 0x7f;
+    let normal = f32::from_bits((x << 20) + (120 << 23));
+    let sub = x as f32 * (1.0 / 512.0);
+    let v = if x < 8 {
+        sub
+    } else if x == 0x7f {
+        f32::NAN
+    } else {
+        normal
+    };
+    f32::from_bits(v.to_bits() | sign)
+}
+
+#[cfg(test)]
+mod decode_tests {
+    #[test]
+    fn table_free_e4m3_decode_matches_the_table() {
+        for c in 0..=255u8 {
+            let (a, b) = (super::e4m3_to_f32(c), crate::dtype::E4M3_TABLE[c as usize]);
+            assert!(
+                a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                "{c:#x}"
+            );
+        }
     }
 }
