@@ -2,7 +2,8 @@
 //! roofline.
 //!
 //! `cargo bench -p sparsekit-benches` measures the copy bandwidth and f32 FMA peak, runs
-//! every group (`indexer_logits`, `topk`, `sparse_mla`), measures the roofline again (each
+//! every group (`indexer_logits`, `topk`, `sparse_mla`, the stores, `copy_pages` between
+//! the host and device tiers, `page_checksums`), measures the roofline again (each
 //! ceiling is the best of the two), then prints a table of time,
 //! GB/s, GFLOP/s, the bound that applies and the fraction of it reached, and writes the
 //! same as JSON to `<target>/criterion/sparsekit-roofline.json`. Criterion's own
@@ -21,6 +22,7 @@ use std::time::{Duration, Instant};
 use criterion::{Criterion, SamplingMode, Throughput};
 use sparsekit_benches::cost::Cost;
 use sparsekit_benches::inputs::{IndexerCase, SparseMlaCase, TopkCase};
+use sparsekit_benches::pages::{ChecksumCase, CopyCase, StoreCase};
 use sparsekit_benches::report::{criterion_dir, Bound, Machine, Report, Row};
 use sparsekit_benches::roofline::{self, Effort, Roofline};
 use sparsekit_benches::{indexer_id, sparse_mla_id, topk_id, Scale, Suite};
@@ -150,6 +152,43 @@ fn main() {
             &sparse_mla_id(shape),
             shape.cost(),
             |be| SparseMlaCase::build(be, *shape, 300 + i as u64),
+            |case, be| case.run(be),
+        ));
+    }
+    for (i, shape) in suite.stores.iter().enumerate() {
+        let (group, id) = shape.id();
+        measured.push(bench_one(
+            &mut c,
+            &backend,
+            &roof,
+            &group,
+            &id,
+            shape.cost(),
+            |be| StoreCase::build(be, *shape, 400 + i as u64),
+            |case, be| case.run(be),
+        ));
+    }
+    for (i, shape) in suite.copies.iter().enumerate() {
+        measured.push(bench_one(
+            &mut c,
+            &backend,
+            &roof,
+            "copy_pages",
+            &shape.id(),
+            shape.cost(),
+            |be| CopyCase::build(be, *shape, 500 + i as u64),
+            |case, be| case.run(be),
+        ));
+    }
+    for (i, shape) in suite.checksums.iter().enumerate() {
+        measured.push(bench_one(
+            &mut c,
+            &backend,
+            &roof,
+            "page_checksums",
+            &shape.id(),
+            shape.cost(),
+            |be| ChecksumCase::build(be, *shape, 600 + i as u64),
             |case, be| case.run(be),
         ));
     }

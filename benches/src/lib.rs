@@ -5,12 +5,16 @@
 
 pub mod cost;
 pub mod inputs;
+pub mod pages;
 pub mod report;
 pub mod roofline;
+pub mod runner;
 
 use sparsekit_host::{IndexKDtype, IndexKLayout, KvDtype, KvLayout, ModelDims, Result};
 
 use inputs::{IndexerShape, SparseMlaShape, TopkShape};
+use pages::{ChecksumShape, CopyShape, Direction, StoreShape};
+use sparsekit_host::layout::PageLayout;
 
 /// Problem sizes of one bench run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,6 +31,9 @@ pub struct Suite {
     pub indexer: Vec<IndexerShape>,
     pub topk: Vec<TopkShape>,
     pub sparse_mla: Vec<SparseMlaShape>,
+    pub stores: Vec<StoreShape>,
+    pub copies: Vec<CopyShape>,
+    pub checksums: Vec<ChecksumShape>,
 }
 
 impl Suite {
@@ -65,10 +72,59 @@ impl Suite {
                 pool_pages: pool_tokens / d.page_size,
             });
         }
+        // Cache ops of one layer: a prefill chunk of new tokens, and host⇄device moves of
+        // 2048 pages (131072 tokens) of bf16 KV and of fp8 index-K.
+        let (tokens, pages) = match scale {
+            Scale::Full => (8192, 2048),
+            Scale::Smoke => (256, 16),
+        };
+        let ik = IndexKLayout::new(IndexKDtype::FP8, d.index_head_dim, d.page_size)?;
+        let kv = KvLayout::new(KvDtype::Bf16, d.kv_lora_rank, d.qk_rope_dim, d.page_size)?;
+        let kv8 = KvLayout::new(
+            KvDtype::Fp8DsMla,
+            d.kv_lora_rank,
+            d.qk_rope_dim,
+            d.page_size,
+        )?;
+        let stores = vec![
+            StoreShape::IndexK { layout: ik, tokens },
+            StoreShape::Kv { layout: kv, tokens },
+            StoreShape::Kv {
+                layout: kv8,
+                tokens,
+            },
+        ];
+        let mut copies = Vec::new();
+        for direction in [
+            Direction::HostToDevice,
+            Direction::DeviceToHost,
+            Direction::DeviceToDevice,
+        ] {
+            for layout in [PageLayout::Kv(kv), PageLayout::IndexK(ik)] {
+                copies.push(CopyShape {
+                    layout,
+                    pages,
+                    direction,
+                });
+            }
+        }
+        let checksums = vec![
+            ChecksumShape {
+                layout: PageLayout::Kv(kv),
+                pages,
+            },
+            ChecksumShape {
+                layout: PageLayout::IndexK(ik),
+                pages,
+            },
+        ];
         Ok(Suite {
             indexer,
             topk,
             sparse_mla,
+            stores,
+            copies,
+            checksums,
         })
     }
 }

@@ -1,5 +1,6 @@
 //! Subcommands of the `sparsekit` binary.
 
+mod bench;
 mod check;
 mod kernels;
 mod layouts;
@@ -25,6 +26,8 @@ enum Command {
     Layouts(layouts::Args),
     /// Check golden files (op inputs + expected outputs in safetensors) on a backend.
     Check(check::Args),
+    /// Time every op a backend implements against the roofline.
+    Bench(bench::Args),
     /// List the embedded GPU kernels per arch with registers, spills, shared memory.
     Kernels(kernels::Args),
 }
@@ -65,5 +68,6 @@ pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
         Command::Layouts(a) => layouts::run(a),
         Command::Check(a) => check::run(a),
         Command::Kernels(a) => kernels::run(a),
+        Command::Bench(a) => bench::run(a),
     }
 }
