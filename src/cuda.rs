@@ -13,16 +13,11 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
     DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg, SyncOnDrop,
 };
-use sparsekit_host::layout::{IndexKDtype, KvDtype};
 use sparsekit_host::ops::{
     CopyPages, IndexKStore, IndexerLogits, KvStore, Op, PageChecksums, SparseMla, Topk,
 };
-use sparsekit_host::{Backend, Error, Result};
+use sparsekit_host::{kernel_params, Backend, Error, Result};
 use sparsekit_kernels::launch::{self, Launch};
-use sparsekit_kernels::params::{
-    index_k_format, kv_format, CopyPagesParams, IndexKStoreParams, KvStoreParams,
-    PageChecksumsParams,
-};
 
 use crate::ptx::{ptx_for_device, PTX, PTX_BUILD_INFO};
 
@@ -260,57 +255,34 @@ impl Backend for CudaBackend {
         cache: &mut CudaBuffer,
     ) -> Result<()> {
         op.validate(keys.len(), cache.len())?;
-        let l = op.layout;
         let slots = self.upload_slice(op.slots)?;
         let k = self.addr(keys)?;
         let (sp, _s) = slots.device_ptr(&self.stream);
         let c = self.addr_mut(cache)?;
-        let params = IndexKStoreParams {
-            keys: k.0 as *const u16,
-            slots: sp as *const i64,
-            cache: c.0 as *mut u8,
-            n_tokens: op.slots.len() as u32,
-            head_dim: l.head_dim() as u32,
-            page_size: l.page_size() as u32,
-            format: match l.dtype() {
-                IndexKDtype::Bf16 => index_k_format::BF16,
-                IndexKDtype::Fp8E4m3 { scale } => match scale {
-                    sparsekit_host::dtype::ScaleFormat::Fp32 => index_k_format::FP8_FP32_SCALE,
-                    sparsekit_host::dtype::ScaleFormat::Ue8m0 => index_k_format::FP8_UE8M0_SCALE,
-                },
-            },
-            page_bytes: l.bytes_per_page() as u64,
-            value_bytes: l.value_bytes_per_token() as u32,
-            scale_offset: l.scale_section_offset().unwrap_or(0) as u32,
-        };
+        let params = kernel_params::index_k_store(
+            &op.layout,
+            k.0 as *const u16,
+            sp as *const i64,
+            c.0 as *mut u8,
+            op.slots.len(),
+        );
         self.launch("index_k_store", launch::store(params.n_tokens), params)?;
         self.synchronize()
     }
 
     fn kv_store(&self, op: &KvStore<'_>, kv: &CudaBuffer, cache: &mut CudaBuffer) -> Result<()> {
         op.validate(kv.len(), cache.len())?;
-        let l = op.layout;
         let slots = self.upload_slice(op.slots)?;
         let k = self.addr(kv)?;
         let (sp, _s) = slots.device_ptr(&self.stream);
         let c = self.addr_mut(cache)?;
-        let params = KvStoreParams {
-            kv: k.0 as *const u16,
-            slots: sp as *const i64,
-            cache: c.0 as *mut u8,
-            n_tokens: op.slots.len() as u32,
-            nope_dim: l.nope_dim() as u32,
-            rope_dim: l.rope_dim() as u32,
-            page_size: l.page_size() as u32,
-            format: match l.dtype() {
-                KvDtype::Bf16 => kv_format::BF16,
-                KvDtype::Fp8DsMla => kv_format::FP8_DS_MLA,
-            },
-            token_bytes: l.bytes_per_token() as u32,
-            page_bytes: l.bytes_per_page() as u64,
-            scales_offset: l.scales_range().start as u32,
-            rope_offset: l.rope_range().start as u32,
-        };
+        let params = kernel_params::kv_store(
+            &op.layout,
+            k.0 as *const u16,
+            sp as *const i64,
+            c.0 as *mut u8,
+            op.slots.len(),
+        );
         self.launch("kv_store", launch::store(params.n_tokens), params)?;
         self.synchronize()
     }
@@ -353,17 +325,13 @@ impl Backend for CudaBackend {
         let d = self.addr_mut(dst)?;
         let (si, _si) = src_ids.device_ptr(&self.stream);
         let (di, _di) = dst_ids.device_ptr(&self.stream);
-        let params = CopyPagesParams {
-            src: (s.0 + op.src.offset as u64) as *const u8,
-            dst: (d.0 + op.dst.offset as u64) as *mut u8,
-            src_ids: si as *const i32,
-            dst_ids: di as *const i32,
-            src_stride: op.src.stride as u64,
-            dst_stride: op.dst.stride as u64,
-            bytes: op.src.layout.bytes_per_page() as u64,
-            n_pages: op.src_ids.len() as u32,
-            _pad: 0,
-        };
+        let params = kernel_params::copy_pages(
+            op,
+            s.0 as *const u8,
+            d.0 as *mut u8,
+            si as *const i32,
+            di as *const i32,
+        );
         self.launch("copy_pages", launch::copy_pages(params.n_pages), params)?;
         self.synchronize()
     }
@@ -382,15 +350,8 @@ impl Backend for CudaBackend {
         let p = self.addr(pool)?;
         let (i, _i) = ids.device_ptr(&self.stream);
         let o = self.addr_mut(out)?;
-        let params = PageChecksumsParams {
-            pool: (p.0 + op.region.offset as u64) as *const u8,
-            ids: i as *const i32,
-            out: o.0 as *mut u64,
-            stride: op.region.stride as u64,
-            bytes: op.region.layout.bytes_per_page() as u64,
-            n_pages: op.ids.len() as u32,
-            _pad: 0,
-        };
+        let params =
+            kernel_params::page_checksums(op, p.0 as *const u8, i as *const i32, o.0 as *mut u64);
         self.launch(
             "page_checksums",
             launch::page_checksums(params.n_pages),

@@ -93,6 +93,17 @@ mod tests {
     }
 
     #[test]
+    fn arithmetic_decode_matches_the_table() {
+        for c in 0..=255u8 {
+            let (a, b) = (sparsekit_kernels::fp8::e4m3_to_f32(c), e4m3_decode(c));
+            assert!(
+                a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                "{c:#x}"
+            );
+        }
+    }
+
+    #[test]
     fn scales() {
         assert_eq!(index_k_scale(0.0, ScaleFormat::Fp32), 1e-4 / 448.0);
         assert_eq!(index_k_scale(448.0, ScaleFormat::Fp32), 1.0);

@@ -8,16 +8,11 @@
 use sparsekit_kernels::emu::{launch, Emu, EmuError, LaunchConfig, Params};
 use sparsekit_kernels::kernels;
 use sparsekit_kernels::launch::{self as geometry, Launch};
-use sparsekit_kernels::params::{
-    index_k_format, kv_format, CopyPagesParams, IndexKStoreParams, KvStoreParams,
-    PageChecksumsParams,
-};
 
 use crate::backend::Backend;
 use crate::cpu::CpuBuffer;
-use crate::dtype::ScaleFormat;
 use crate::error::{Error, Result};
-use crate::layout::{IndexKDtype, KvDtype};
+use crate::kernel_params;
 use crate::ops::{
     CopyPages, IndexKStore, IndexerLogits, KvStore, Op, PageChecksums, SparseMla, Topk,
 };
@@ -93,27 +88,13 @@ impl Backend for EmuBackend {
         cache: &mut CpuBuffer,
     ) -> Result<()> {
         op.validate(keys.len(), cache.len())?;
-        let l = op.layout;
-        let p = IndexKStoreParams {
-            keys: keys.typed::<u16>("keys")?.as_ptr(),
-            slots: op.slots.as_ptr(),
-            cache: cache.bytes_mut().as_mut_ptr(),
-            n_tokens: op.slots.len() as u32,
-            head_dim: l.head_dim() as u32,
-            page_size: l.page_size() as u32,
-            format: match l.dtype() {
-                IndexKDtype::Bf16 => index_k_format::BF16,
-                IndexKDtype::Fp8E4m3 {
-                    scale: ScaleFormat::Fp32,
-                } => index_k_format::FP8_FP32_SCALE,
-                IndexKDtype::Fp8E4m3 {
-                    scale: ScaleFormat::Ue8m0,
-                } => index_k_format::FP8_UE8M0_SCALE,
-            },
-            page_bytes: l.bytes_per_page() as u64,
-            value_bytes: l.value_bytes_per_token() as u32,
-            scale_offset: l.scale_section_offset().unwrap_or(0) as u32,
-        };
+        let p = kernel_params::index_k_store(
+            &op.layout,
+            keys.typed::<u16>("keys")?.as_ptr(),
+            op.slots.as_ptr(),
+            cache.bytes_mut().as_mut_ptr(),
+            op.slots.len(),
+        );
         // SAFETY: the pointers come from buffers validated against the layout and borrowed
         // for the whole (synchronous) launch; slots are unique and in range (validated).
         let p = unsafe { Params::new(p) };
@@ -126,24 +107,13 @@ impl Backend for EmuBackend {
 
     fn kv_store(&self, op: &KvStore<'_>, kv: &CpuBuffer, cache: &mut CpuBuffer) -> Result<()> {
         op.validate(kv.len(), cache.len())?;
-        let l = op.layout;
-        let p = KvStoreParams {
-            kv: kv.typed::<u16>("kv")?.as_ptr(),
-            slots: op.slots.as_ptr(),
-            cache: cache.bytes_mut().as_mut_ptr(),
-            n_tokens: op.slots.len() as u32,
-            nope_dim: l.nope_dim() as u32,
-            rope_dim: l.rope_dim() as u32,
-            page_size: l.page_size() as u32,
-            format: match l.dtype() {
-                KvDtype::Bf16 => kv_format::BF16,
-                KvDtype::Fp8DsMla => kv_format::FP8_DS_MLA,
-            },
-            token_bytes: l.bytes_per_token() as u32,
-            page_bytes: l.bytes_per_page() as u64,
-            scales_offset: l.scales_range().start as u32,
-            rope_offset: l.rope_range().start as u32,
-        };
+        let p = kernel_params::kv_store(
+            &op.layout,
+            kv.typed::<u16>("kv")?.as_ptr(),
+            op.slots.as_ptr(),
+            cache.bytes_mut().as_mut_ptr(),
+            op.slots.len(),
+        );
         // SAFETY: as in `index_k_store`.
         let p = unsafe { Params::new(p) };
         let cfg = config(geometry::store(op.slots.len() as u32));
@@ -184,17 +154,13 @@ impl Backend for EmuBackend {
         if op.src_ids.is_empty() {
             return Ok(());
         }
-        let p = CopyPagesParams {
-            src: src.bytes()[op.src.offset..].as_ptr(),
-            dst: dst.bytes_mut()[op.dst.offset..].as_mut_ptr(),
-            src_ids: op.src_ids.as_ptr(),
-            dst_ids: op.dst_ids.as_ptr(),
-            src_stride: op.src.stride as u64,
-            dst_stride: op.dst.stride as u64,
-            bytes: op.src.layout.bytes_per_page() as u64,
-            n_pages: op.src_ids.len() as u32,
-            _pad: 0,
-        };
+        let p = kernel_params::copy_pages(
+            op,
+            src.bytes().as_ptr(),
+            dst.bytes_mut().as_mut_ptr(),
+            op.src_ids.as_ptr(),
+            op.dst_ids.as_ptr(),
+        );
         // SAFETY: ids validated against both regions, destinations unique, buffers distinct
         // and borrowed for the launch.
         let p = unsafe { Params::new(p) };
@@ -214,15 +180,12 @@ impl Backend for EmuBackend {
         if op.ids.is_empty() {
             return Ok(());
         }
-        let p = PageChecksumsParams {
-            pool: pool.bytes()[op.region.offset..].as_ptr(),
-            ids: op.ids.as_ptr(),
-            out: out.typed_mut::<u64>("checksums")?.as_mut_ptr(),
-            stride: op.region.stride as u64,
-            bytes: op.region.layout.bytes_per_page() as u64,
-            n_pages: op.ids.len() as u32,
-            _pad: 0,
-        };
+        let p = kernel_params::page_checksums(
+            op,
+            pool.bytes().as_ptr(),
+            op.ids.as_ptr(),
+            out.typed_mut::<u64>("checksums")?.as_mut_ptr(),
+        );
         // SAFETY: ids validated against the region; `out` holds one u64 per id.
         let p = unsafe { Params::new(p) };
         let cfg = config(geometry::page_checksums(op.ids.len() as u32));

@@ -8,6 +8,7 @@ pub mod dims;
 pub mod dtype;
 pub mod emu;
 pub mod error;
+pub mod kernel_params;
 pub mod layout;
 pub mod ops;
 

@@ -92,6 +92,27 @@ pub const fn decode_bits(code: u8) -> f32 {
     f32::from_bits(sign | mag)
 }
 
+/// Decodes an e4m3fn code with arithmetic only (no table: vectorises on the CPU and
+/// needs no memory on the GPU). Equal to [`e4m3_decode`] for every code.
+#[inline(always)]
+pub fn e4m3_to_f32(code: u8) -> f32 {
+    let c = code as u32;
+    let sign = (c & 0x80) << 24;
+    let x = c & 0x7f;
+    // Normal: exponent field e (bias 7) → f32 field e + 120, mantissa bits shifted up.
+    let normal = f32::from_bits((x << 20) + (120 << 23));
+    // Subnormal (x < 8): m · 2^-9.
+    let sub = x as f32 * (1.0 / 512.0);
+    let v = if x < 8 {
+        sub
+    } else if x == 0x7f {
+        f32::NAN
+    } else {
+        normal
+    };
+    f32::from_bits(v.to_bits() | sign)
+}
+
 /// Rounds a positive normal f32 up to the next power of two (identity on powers of two).
 #[inline]
 pub fn round_up_pow2(s: f32) -> f32 {

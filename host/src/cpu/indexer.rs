@@ -14,6 +14,7 @@ use super::gemm::{gemm_acc, Dims};
 use super::isa::Isa;
 use crate::layout::{IndexKDtype, IndexKLayout};
 use crate::ops::{IndexerLogits, PageTable, QueryRange};
+use sparsekit_kernels::fp8::e4m3_to_f32;
 
 /// Keys per block (columns of one GEMM).
 const BLOCK: usize = 64;
@@ -261,38 +262,6 @@ impl Ctx<'_> {
                     };
                 }
             }
-        }
-    }
-}
-
-/// Table-free e4m3fn decode (vectorisable); equals `E4M3_TABLE`.
-#[inline(always)]
-fn e4m3_to_f32(c: u8) -> f32 {
-    let c = c as u32;
-    let sign = (c & 0x80) << 24;
-    let x = c & 0x7f;
-    let normal = f32::from_bits((x << 20) + (120 << 23));
-    let sub = x as f32 * (1.0 / 512.0);
-    let v = if x < 8 {
-        sub
-    } else if x == 0x7f {
-        f32::NAN
-    } else {
-        normal
-    };
-    f32::from_bits(v.to_bits() | sign)
-}
-
-#[cfg(test)]
-mod decode_tests {
-    #[test]
-    fn table_free_decode_matches() {
-        for c in 0..=255u8 {
-            let (a, b) = (super::e4m3_to_f32(c), crate::dtype::E4M3_TABLE[c as usize]);
-            assert!(
-                a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
-                "{c}"
-            );
         }
     }
 }

@@ -13,6 +13,7 @@ use super::gemm::{gemm_acc, Dims};
 use super::isa::Isa;
 use crate::layout::{KvDtype, KvLayout, FP8_DS_MLA_TILE};
 use crate::ops::SparseMla;
+use sparsekit_kernels::fp8::e4m3_to_f32;
 
 /// Slots per block.
 const BLOCK: usize = 64;
@@ -237,36 +238,5 @@ fn load_row(l: &KvLayout, cache: &[u8], slot: usize, row: &mut [f32]) {
     }
     for (x, b) in rope.iter_mut().zip(tok[l.rope_range()].chunks_exact(2)) {
         *x = f32::from_bits(((b[1] as u32) << 24) | ((b[0] as u32) << 16));
-    }
-}
-
-#[inline(always)]
-fn e4m3_to_f32(c: u8) -> f32 {
-    let c = c as u32;
-    let sign = (c & 0x80) << 24;
-    let x = c & 0x7f;
-    let normal = f32::from_bits((x << 20) + (120 << 23));
-    let sub = x as f32 * (1.0 / 512.0);
-    let v = if x < 8 {
-        sub
-    } else if x == 0x7f {
-        f32::NAN
-    } else {
-        normal
-    };
-    f32::from_bits(v.to_bits() | sign)
-}
-
-#[cfg(test)]
-mod decode_tests {
-    #[test]
-    fn table_free_e4m3_decode_matches_the_table() {
-        for c in 0..=255u8 {
-            let (a, b) = (super::e4m3_to_f32(c), crate::dtype::E4M3_TABLE[c as usize]);
-            assert!(
-                a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
-                "{c:#x}"
-            );
-        }
     }
 }
