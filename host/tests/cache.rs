@@ -8,11 +8,11 @@ mod common;
 
 use std::time::Duration;
 
-use common::{cache, spec, Expect, Sim, LAYERS, PAGE};
+use common::{cache, cache_on, spec, Expect, Sim, LAYERS, PAGE};
 use sparsekit_host::cache::{BufferKind, CacheConfig, Fault, Faults, HostLayout};
 use sparsekit_host::layout::{IndexKDtype, KvDtype};
 use sparsekit_host::ops::PagedRegion;
-use sparsekit_host::{Backend, Error};
+use sparsekit_host::{Backend, EmuBackend, Error};
 
 fn prompt(base: u32, len: usize) -> Vec<u32> {
     (0..len as u32).map(|i| base * 1000 + i).collect()
@@ -298,4 +298,26 @@ fn accounting_and_errors() {
     assert_eq!(c.evict_device(2).unwrap(), 2);
     let s = c.leak_check().unwrap();
     assert_eq!((s.device_free, s.device_cached, s.host_cached), (4, 0, 0));
+}
+
+/// The same round trip on the emulator backend: every copy and checksum of the cache runs
+/// the GPU kernels (`copy_pages`, `page_checksums`) under the SIMT emulator.
+#[test]
+fn prefix_reuse_on_the_emulator_backend() {
+    for layout in [HostLayout::LayerFirst, HostLayout::PageFirst] {
+        let mut cfg = CacheConfig::new(6, 16);
+        cfg.host_layout = layout;
+        let c = cache_on(
+            EmuBackend::new(),
+            spec(KvDtype::Fp8DsMla, IndexKDtype::Bf16),
+            cfg,
+        );
+        let mut e = Expect::default();
+        let a = prompt(1, 4 * PAGE + 2);
+        e.request(&c, 1, &a, false).unwrap();
+        e.request(&c, 2, &prompt(2, 5 * PAGE), false).unwrap();
+        assert_eq!(e.request(&c, 3, &a, false).unwrap(), 4 * PAGE);
+        let s = c.leak_check().unwrap();
+        assert!(s.backups > 0 && s.hits_host_pages >= 3, "{s:?}");
+    }
 }

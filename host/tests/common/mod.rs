@@ -26,7 +26,15 @@ pub fn spec(kv: KvDtype, ik: IndexKDtype) -> CacheSpec {
 }
 
 pub fn cache(spec: CacheSpec, config: CacheConfig) -> HiCache<CpuBackend> {
-    HiCache::new(Arc::new(CpuBackend::new()), spec, config).unwrap()
+    cache_on(CpuBackend::new(), spec, config)
+}
+
+pub fn cache_on<B: Backend + 'static>(
+    backend: B,
+    spec: CacheSpec,
+    config: CacheConfig,
+) -> HiCache<B> {
+    HiCache::new(Arc::new(backend), spec, config).unwrap()
 }
 
 /// Hash of a token prefix (FNV-1a), the seed of its content.
@@ -50,11 +58,11 @@ fn values(seed: u64, n: usize) -> Vec<bf16> {
 }
 
 /// The simulated forward pass of one request.
-pub struct Sim<'a> {
-    pub cache: &'a HiCache<CpuBackend>,
+pub struct Sim<'a, B: Backend + 'static> {
+    pub cache: &'a HiCache<B>,
 }
 
-impl Sim<'_> {
+impl<B: Backend + 'static> Sim<'_, B> {
     /// Stores positions `from..tokens.len()` of every layer into `pages`.
     pub fn write(&self, tokens: &[u32], pages: &[PageRef], from: usize) -> Result<()> {
         let spec = *self.cache.spec();
@@ -120,9 +128,9 @@ pub struct Expect {
 impl Expect {
     /// Runs one request: match, verify every cached page, compute the rest, commit, and
     /// finish (or abort before committing when `abort`). Returns the matched tokens.
-    pub fn request(
+    pub fn request<B: Backend + 'static>(
         &mut self,
-        cache: &HiCache<CpuBackend>,
+        cache: &HiCache<B>,
         req: u64,
         tokens: &[u32],
         abort: bool,
@@ -138,9 +146,9 @@ impl Expect {
         outcome.map(|()| prefix.tokens)
     }
 
-    fn body(
+    fn body<B: Backend + 'static>(
         &mut self,
-        sim: &Sim<'_>,
+        sim: &Sim<'_, B>,
         req: u64,
         tokens: &[u32],
         prefix: &Prefix,
