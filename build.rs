@@ -631,7 +631,7 @@ fn write_generated(out_dir: &Path, entries: &[Built], info: &str) {
     s.push_str("];\n");
     writeln!(
         s,
-        "/// \"built\" or \"skipped: <reason>\".\npub const PTX_BUILD_INFO: &str = {info:?};"
+        "/// `\"built\"` or `\"skipped: …\"`.\npub const PTX_BUILD_INFO: &str = {info:?};"
     )
     .unwrap();
     let path = out_dir.join("ptx_kernels.rs");

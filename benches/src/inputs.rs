@@ -29,14 +29,14 @@ fn nonzero(rng: &mut impl Rng, scale: f32) -> f32 {
     }
 }
 
-/// `n` bf16 values, see [`nonzero`].
+/// `n` bf16 values of magnitude in `[0.05, 1) × scale`, random sign (never zero).
 pub fn bf16_values(rng: &mut impl Rng, n: usize, scale: f32) -> Vec<bf16> {
     (0..n)
         .map(|_| bf16::from_f32(nonzero(rng, scale)))
         .collect()
 }
 
-/// `n` f32 values, see [`nonzero`].
+/// `n` f32 values of magnitude in `[0.05, 1) × scale`, random sign (never zero).
 pub fn f32_values(rng: &mut impl Rng, n: usize, scale: f32) -> Vec<f32> {
     (0..n).map(|_| nonzero(rng, scale)).collect()
 }

@@ -1,7 +1,7 @@
 //! sparsekit GPU kernels: `#![no_std]` Rust generic over the [`Simt`] trait.
 //!
 //! - The root package's build script compiles this crate for `nvptx64-nvidia-cuda` (nightly,
-//!   `-Zbuild-std=core`) into PTX for sm_80, sm_90 and sm_120; [`device`] holds the nvptx
+//!   `-Zbuild-std=core`) into PTX for sm_80, sm_90 and sm_120; `device` holds the nvptx
 //!   implementation of [`Simt`] and the `extern "ptx-kernel"` entry points.
 //! - With the `emu` feature the same kernels run on the host in the SIMT emulator
 //!   ([`emu`]), which is how their index arithmetic is validated without a GPU.

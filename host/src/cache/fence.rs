@@ -26,7 +26,7 @@ pub struct LayerFence {
 }
 
 impl LayerFence {
-    /// A fence whose layers land later ([`LayerFence::publish`]).
+    /// A fence whose layers land later (the io worker publishes them).
     pub fn pending(num_layers: usize) -> Self {
         LayerFence {
             core: Arc::new(core::FenceCore::new(num_layers)),

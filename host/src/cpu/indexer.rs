@@ -1,11 +1,12 @@
 //! CPU lightning-indexer logits.
 //!
-//! Rows are grouped (consecutive rows of one request, up to [`GROUP_ROWS_X_HEADS`] query
+//! Rows are grouped (consecutive rows of one request, up to `GROUP_ROWS_X_HEADS` query
 //! heads in all) so a block of keys is decoded once for the group; each (group, column
-//! chunk) is one parallel task. Per block, the key tile is dequantised to f32, transposed
-//! (`[head_dim, keys]`) and multiplied with the group's queries by [`gemm_acc`]; the head
-//! reduction then runs in head order. Every logit is therefore computed with the same
-//! operations whatever the grouping: batch-invariant.
+//! chunk) is one parallel task. Per block, the keys are dequantised to f32 rows and
+//! `Cᵀ[keys × heads] = K · Qᵀ` runs on [`gemm_acc`] (Qᵀ built once per task); the
+//! weighted ReLU head reduction then runs in head order, 16 keys at a time, compiled for
+//! the CPU's vector ISA. Every logit is computed with the same operations whatever the
+//! grouping: batch-invariant.
 
 use half::bf16;
 use rayon::prelude::*;

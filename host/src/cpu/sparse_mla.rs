@@ -1,10 +1,11 @@
 //! CPU sparse MLA attention (decode/prefill alike: one query token at a time).
 //!
 //! Per (token, head chunk) task: the token's valid slots are processed in blocks of
-//! [`BLOCK`] in the order given. A block is dequantised once into `V[BLOCK, d_v]` and the
-//! transposed key tile `Kt[d_qk, BLOCK]`; `S = Q·Kt` and `O += P·V` run on [`gemm_acc`]; the
-//! softmax is online (running max and sum per head). The operation sequence of a head
-//! depends only on its token's slots, never on the batch or head chunking.
+//! `BLOCK` in the order given. Each token of a block is dequantised once into a row
+//! `[latent | rope]` (V is the latent columns of the same rows); `Sᵀ = K · Qᵀ` and
+//! `O += P · V` run on [`gemm_acc`]; the softmax is online (running max and sum per head,
+//! in slot order). The operation sequence of a head depends only on its token's slots,
+//! never on the batch or head chunking.
 
 use half::bf16;
 use rayon::prelude::*;
