@@ -75,6 +75,24 @@ impl Simt for Device {
         unsafe { base.add(byte_offset).cast::<T>().write(value) }
     }
     #[inline(always)]
+    unsafe fn smem_atomic_add_u32(byte_offset: usize, value: u32) -> u32 {
+        let base = core::intrinsics::gpu::gpu_launch_sized_workgroup_mem::<u8>();
+        let p = base.wrapping_add(byte_offset);
+        let r: u32;
+        // SAFETY: `p` is an aligned u32 inside dynamic shared memory (caller's contract);
+        // a generic-address atomic reaches the shared window.
+        unsafe {
+            asm!(
+                "atom.add.u32 {r}, [{p}], {v};",
+                r = out(reg32) r,
+                p = in(reg64) p,
+                v = in(reg32) value,
+                options(nostack, preserves_flags),
+            );
+        }
+        r
+    }
+    #[inline(always)]
     fn shfl_xor(mask: u32, value: u32, lane_mask: u32) -> u32 {
         shfl!("bfly", "0x1f", mask, value, lane_mask)
     }

@@ -41,9 +41,17 @@ pub trait Simt {
     /// same two barriers.
     unsafe fn smem_store<T: Copy>(byte_offset: usize, value: T);
 
+    /// Atomically adds `value` to the u32 at `byte_offset` of dynamic shared memory and
+    /// returns the old value.
+    ///
+    /// # Safety
+    /// As [`Simt::smem_load`] for a `u32`; between two barriers the bytes may be accessed
+    /// by atomics only.
+    unsafe fn smem_atomic_add_u32(byte_offset: usize, value: u32) -> u32;
+
     /// `shfl.sync.bfly.b32`: the value of lane `lane_id ^ lane_mask`.
     fn shfl_xor(mask: u32, value: u32, lane_mask: u32) -> u32;
-    /// `shfl.sync.idx.b32`: the value of lane `src_lane`.
+    /// `shfl.sync.idx.b32`: the value of lane `src_lane % 32`.
     fn shfl_idx(mask: u32, value: u32, src_lane: u32) -> u32;
     /// `shfl.sync.down.b32`: the value of lane `lane_id + delta` (own value past lane 31).
     fn shfl_down(mask: u32, value: u32, delta: u32) -> u32;

@@ -796,3 +796,80 @@ fn invalid_configs_are_rejected() {
 fn emu_outside_a_launch_panics() {
     let _ = Emu::thread_idx();
 }
+
+// ---------------------------------------------------------------------------------------
+// Shared-memory atomics
+// ---------------------------------------------------------------------------------------
+
+#[derive(Clone, Copy)]
+struct HistArgs {
+    out: *mut u32,
+}
+
+/// A 16-bin histogram of `t % 16` built with shared atomics, written out after a barrier.
+/// `mix`: thread 5 also stores plainly into bin 0 before the barrier (a race).
+unsafe fn histogram<S: Simt>(a: HistArgs, mix: bool) {
+    let t = S::thread_idx();
+    if t < 16 {
+        // SAFETY: 16 u32 bins.
+        unsafe { S::smem_store::<u32>(4 * t as usize, 0) };
+    }
+    S::sync_threads();
+    // SAFETY: bins 0..16 in bounds, atomics only in this epoch (unless `mix`).
+    unsafe { S::smem_atomic_add_u32(4 * (t % 16) as usize, 1) };
+    if mix && t == 5 {
+        // SAFETY: in bounds; deliberately mixed with the atomics.
+        unsafe { S::smem_store::<u32>(0, 7) };
+    }
+    S::sync_threads();
+    if t < 16 {
+        // SAFETY: bin t; `out` holds 16 per block.
+        unsafe {
+            *a.out.add((S::block_idx() * 16 + t) as usize) = S::smem_load::<u32>(4 * t as usize)
+        };
+    }
+}
+
+#[test]
+fn shared_atomics_count_exactly_and_do_not_mix_with_plain_accesses() {
+    let mut out = vec![0u32; 3 * 16];
+    // SAFETY: each block writes its own 16 entries of `out`, which outlives the launch.
+    let p = unsafe {
+        Params::new(HistArgs {
+            out: out.as_mut_ptr(),
+        })
+    };
+    // SAFETY: 64 bytes of shared memory hold the 16 bins.
+    run(cfg(3, 200, 64), move || unsafe {
+        histogram::<Emu>(p.get(), false)
+    })
+    .unwrap();
+    for (i, &c) in out.iter().enumerate() {
+        let bin = (i % 16) as u32;
+        let want = (0..200).filter(|t| t % 16 == bin).count() as u32;
+        assert_eq!(c, want, "bin {bin}");
+    }
+    let mut out = vec![0u32; 16];
+    // SAFETY: as above.
+    let p = unsafe {
+        Params::new(HistArgs {
+            out: out.as_mut_ptr(),
+        })
+    };
+    // SAFETY: as above.
+    let err = run(cfg(1, 64, 64), move || unsafe {
+        histogram::<Emu>(p.get(), true)
+    })
+    .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            EmuError::SharedRace {
+                kind: RaceKind::PlainAndAtomic,
+                offset: 0,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+}

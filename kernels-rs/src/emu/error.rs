@@ -12,12 +12,15 @@ pub enum RaceKind {
     ReadAfterWrite,
     /// A thread stored to a byte another thread had loaded.
     WriteAfterRead,
+    /// A plain load or store and an atomic touched the byte in one epoch.
+    PlainAndAtomic,
 }
 
 impl fmt::Display for RaceKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             Self::WriteAfterWrite => "write after write",
+            Self::PlainAndAtomic => "plain access mixed with an atomic",
             Self::ReadAfterWrite => "read after write",
             Self::WriteAfterRead => "write after read",
         })

@@ -535,6 +535,23 @@ impl Simt for Emu {
         });
     }
 
+    unsafe fn smem_atomic_add_u32(byte_offset: usize, value: u32) -> u32 {
+        with_ctx(|c| {
+            if c.sync.is_poisoned() {
+                stop();
+            }
+            let who = accessor(c);
+            let result = c.sync.lock_smem().atomic_add_u32(who, byte_offset, value);
+            match result {
+                Ok(old) => old,
+                Err(err) => {
+                    c.sync.fail_unlocked(err);
+                    stop()
+                }
+            }
+        })
+    }
+
     fn shfl_xor(mask: u32, value: u32, lane_mask: u32) -> u32 {
         word_collective(Kind::ShflXor, mask, value, lane_mask)
     }

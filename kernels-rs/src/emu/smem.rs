@@ -8,6 +8,10 @@
 //! - loads a byte that another thread stored ([`RaceKind::ReadAfterWrite`]),
 //! - stores to a byte that another thread loaded ([`RaceKind::WriteAfterRead`]).
 //!
+//! Atomics (`smem_atomic_add_u32`) may hit the same bytes from any number of threads in
+//! one epoch, but mixing them with plain loads or stores of those bytes in the same epoch
+//! is a race ([`RaceKind::PlainAndAtomic`]): the values read would depend on timing.
+//!
 //! Warp collectives (`shfl_*`, `ballot`, `mma_*`) do **not** order shared memory in this
 //! model: lanes of one warp that communicate through shared memory need a `sync_threads`
 //! between the store and the load, exactly like threads of different warps. (The trait
@@ -37,6 +41,8 @@ struct ByteTrack {
     read_epoch: u32,
     /// Thread of the last store.
     writer: u16,
+    /// Epoch of the last atomic.
+    atomic_epoch: u32,
     /// First thread that loaded the byte in `read_epoch`.
     reader0: u16,
     /// Another thread that loaded the byte in `read_epoch`, or [`NOBODY`].
@@ -48,6 +54,7 @@ const UNTOUCHED: ByteTrack = ByteTrack {
     write_epoch: 0,
     read_epoch: 0,
     writer: NOBODY,
+    atomic_epoch: 0,
     reader0: NOBODY,
     reader1: NOBODY,
 };
@@ -130,6 +137,9 @@ impl Smem {
             if t.write_epoch == who.epoch && t.writer != me {
                 return Err(race(who, offset + i, t.writer, RaceKind::ReadAfterWrite));
             }
+            if t.atomic_epoch == who.epoch {
+                return Err(race(who, offset + i, NOBODY, RaceKind::PlainAndAtomic));
+            }
         }
         for t in &mut self.track[range.clone()] {
             if t.read_epoch != who.epoch {
@@ -159,6 +169,9 @@ impl Smem {
             if t.write_epoch == who.epoch && t.writer != me {
                 return Err(race(who, offset + i, t.writer, RaceKind::WriteAfterWrite));
             }
+            if t.atomic_epoch == who.epoch {
+                return Err(race(who, offset + i, NOBODY, RaceKind::PlainAndAtomic));
+            }
             if t.read_epoch == who.epoch {
                 let other = if t.reader0 != me {
                     t.reader0
@@ -176,6 +189,45 @@ impl Smem {
         }
         self.bytes[range].copy_from_slice(data);
         Ok(())
+    }
+}
+
+impl Smem {
+    /// Atomically adds `value` to the u32 at `offset` (4-byte aligned) and returns the old
+    /// value, after checking bounds and mixing with plain accesses.
+    pub(crate) fn atomic_add_u32(
+        &mut self,
+        who: Accessor,
+        offset: usize,
+        value: u32,
+    ) -> Result<u32, EmuError> {
+        let range = self.range(who, offset, 4, 4)?;
+        for (i, t) in self.track[range.clone()].iter().enumerate() {
+            if t.write_epoch == who.epoch {
+                return Err(race(who, offset + i, t.writer, RaceKind::PlainAndAtomic));
+            }
+            if t.read_epoch == who.epoch {
+                return Err(race(who, offset + i, t.reader0, RaceKind::PlainAndAtomic));
+            }
+        }
+        let mut old = [0u8; 4];
+        for (o, b) in old.iter_mut().zip(&self.bytes[range.clone()]) {
+            // SAFETY: shared bytes are always initialised (poison at block start, or a
+            // stored value); padding of a stored `T` is only reachable by a type-punned
+            // access, which the caller's contract excludes.
+            *o = unsafe { b.assume_init() };
+        }
+        let old = u32::from_le_bytes(old);
+        let new = old.wrapping_add(value).to_le_bytes();
+        for ((b, t), n) in self.bytes[range.clone()]
+            .iter_mut()
+            .zip(&mut self.track[range])
+            .zip(new)
+        {
+            *b = MaybeUninit::new(n);
+            t.atomic_epoch = who.epoch;
+        }
+        Ok(old)
     }
 }
 
