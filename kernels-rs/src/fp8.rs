@@ -12,43 +12,27 @@ pub const E4M3_MAX: f32 = 448.0;
 /// Floor applied to `amax` (index-K) or `amax / 448` (KV tiles) before computing a scale.
 pub const SCALE_FLOOR: f32 = 1e-4;
 
-/// Encodes an f32 as fp8 e4m3fn (see the module docs).
+/// Encodes an f32 as fp8 e4m3fn (see the module docs). Branch-free (selects only), so it
+/// vectorises on the CPU and does not diverge on the GPU:
+/// - normal range `[2^-6, 448)`: round the f32 bits at bit 20 to nearest even (the carry
+///   runs into the exponent) and rebias (`(e - 120) << 3`);
+/// - subnormal range: `a · 512` is exact and below 8; adding 2^23 rounds it to the
+///   nearest integer (ties to even) in the low mantissa bits, read back as
+///   `bits(m + 2^23) - bits(2^23)` (no float-to-int conversion);
+/// - `a >= 448` (inf included) saturates to 448, NaN keeps its sign.
 #[inline]
 pub fn e4m3_encode(x: f32) -> u8 {
     let bits = x.to_bits();
-    let sign = ((bits >> 24) & 0x80) as u8;
+    let sign = (bits >> 24) & 0x80;
     let abits = bits & 0x7fff_ffff;
     let a = f32::from_bits(abits);
-    if a.is_nan() {
-        return sign | 0x7f;
-    }
-    if a >= E4M3_MAX {
-        return sign | 0x7e;
-    }
-    if a < 1.0 / 64.0 {
-        // Subnormal range (exponent field 0): value = m * 2^-9. `a * 512` is exact and
-        // below 8; round it to the nearest integer, ties to even (8 = smallest normal).
-        let m = a * 512.0;
-        let i = m as u32;
-        let frac = m - i as f32;
-        let up = frac > 0.5 || (frac == 0.5 && i & 1 == 1);
-        return sign | (i + up as u32) as u8;
-    }
-    let exp = (abits >> 23) as i32 - 127; // -6..=8 here
-    let mant = abits & 0x7f_ffff;
-    let mut keep = mant >> 20;
-    let rest = mant & 0xf_ffff;
-    const HALF: u32 = 0x8_0000;
-    if rest > HALF || (rest == HALF && keep & 1 == 1) {
-        keep += 1;
-    }
-    let mut e = exp + 7;
-    if keep == 8 {
-        keep = 0;
-        e += 1;
-    }
-    // a < 448 keeps the result at most 448 (code 0x7e), never the NaN code.
-    sign | ((e as u8) << 3) | keep as u8
+    let normal = (abits.wrapping_add(0x7_ffff + ((abits >> 20) & 1)) >> 20).wrapping_sub(120 << 3);
+    const TWO_23: f32 = 8_388_608.0;
+    let sub = (a * 512.0 + TWO_23).to_bits().wrapping_sub(TWO_23.to_bits());
+    let mag = if a < 1.0 / 64.0 { sub } else { normal };
+    let mag = if a >= E4M3_MAX { 0x7e } else { mag };
+    let mag = if a.is_nan() { 0x7f } else { mag };
+    (sign | mag) as u8
 }
 
 /// Decodes an fp8 e4m3fn code to f32 (exact).
@@ -152,4 +136,51 @@ pub fn bf16_to_f32(bits: u16) -> f32 {
 #[inline(always)]
 pub fn abs(x: f32) -> f32 {
     f32::from_bits(x.to_bits() & 0x7fff_ffff)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The straightforward (branchy) encoder the branch-free one must equal.
+    fn encode_reference(x: f32) -> u8 {
+        let bits = x.to_bits();
+        let sign = ((bits >> 24) & 0x80) as u8;
+        let a = f32::from_bits(bits & 0x7fff_ffff);
+        if a.is_nan() {
+            return sign | 0x7f;
+        }
+        if a >= E4M3_MAX {
+            return sign | 0x7e;
+        }
+        // Nearest of the 127 finite magnitudes, ties to the even code.
+        let mut best = 0u8;
+        for c in 1..=0x7eu8 {
+            let (dc, db) = ((decode_bits(c) - a).abs(), (decode_bits(best) - a).abs());
+            if dc < db || (dc == db && c % 2 == 0) {
+                best = c;
+            }
+        }
+        sign | best
+    }
+
+    #[test]
+    fn branch_free_encoder_matches_the_reference() {
+        // Every high-20-bit pattern with a spread of low bits, plus midpoints of codes.
+        let lows = [0u32, 1, 0x7_ffff, 0x8_0000, 0x8_0001, 0xf_ffff, 0x4_1234, 0xa_bcde];
+        for hi in (0u32..1 << 12).map(|h| h << 20) {
+            for &lo in &lows {
+                for sign in [0, 0x8000_0000u32] {
+                    let x = f32::from_bits(sign | hi | lo);
+                    assert_eq!(e4m3_encode(x), encode_reference(x), "{x:e} ({:#010x})", x.to_bits());
+                }
+            }
+        }
+        for c in 0..0x7eu8 {
+            let mid = (decode_bits(c) + decode_bits(c + 1)) / 2.0;
+            for x in [mid, f32::from_bits(mid.to_bits() + 1), f32::from_bits(mid.to_bits() - 1)] {
+                assert_eq!(e4m3_encode(x), encode_reference(x), "{x:e}");
+            }
+        }
+    }
 }

@@ -15,7 +15,7 @@ use super::gemm::{gemm_acc, Dims};
 use super::isa::Isa;
 use crate::layout::{IndexKDtype, IndexKLayout};
 use crate::ops::{IndexerLogits, PageTable, QueryRange};
-use sparsekit_kernels::fp8::e4m3_to_f32;
+use sparsekit_kernels::fp8::{bf16_to_f32, e4m3_to_f32};
 
 /// Keys per block (columns of one GEMM).
 const BLOCK: usize = 64;
@@ -166,7 +166,7 @@ impl Ctx<'_> {
         let mut qt = vec![0f32; d * m];
         for i in 0..m {
             for p in 0..d {
-                qt[p * m + i] = qs[i * d + p].to_f32();
+                qt[p * m + i] = bf16_to_f32(qs[i * d + p].to_bits());
             }
         }
         let mut krows = vec![0f32; BLOCK * d];

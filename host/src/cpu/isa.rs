@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 /// Widest usable vector ISA.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
-    /// AVX-512F with FMA.
+    /// AVX-512F and AVX-512BW with FMA.
     Avx512,
     /// AVX2 with FMA.
     Avx2,
@@ -26,7 +26,10 @@ impl Isa {
 #[cfg(target_arch = "x86_64")]
 fn detect() -> Isa {
     let fma = std::arch::is_x86_feature_detected!("fma");
-    if fma && std::arch::is_x86_feature_detected!("avx512f") {
+    if fma
+        && std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+    {
         Isa::Avx512
     } else if fma && std::arch::is_x86_feature_detected!("avx2") {
         Isa::Avx2

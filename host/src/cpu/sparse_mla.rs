@@ -14,7 +14,7 @@ use super::gemm::{gemm_acc, Dims};
 use super::isa::Isa;
 use crate::layout::{KvDtype, KvLayout, FP8_DS_MLA_TILE};
 use crate::ops::SparseMla;
-use sparsekit_kernels::fp8::e4m3_to_f32;
+use sparsekit_kernels::fp8::{bf16_to_f32, e4m3_to_f32};
 
 /// Slots per block.
 const BLOCK: usize = 64;
@@ -115,7 +115,7 @@ fn attend(
     let mut qt = vec![0f32; dqk * hc];
     for i in 0..hc {
         for p in 0..dqk {
-            qt[p * hc + i] = q[i * dqk + p].to_f32();
+            qt[p * hc + i] = bf16_to_f32(q[i * dqk + p].to_bits());
         }
     }
     let mut k = vec![0f32; BLOCK * dqk];
