@@ -3,8 +3,8 @@
 //!
 //! One context and stream per backend; the module for the device's compute capability is
 //! loaded lazily on first use and its functions cached. Host metadata (slots, page ids) is
-//! uploaded per call; bulk tensors live in [`CudaBuffer`]s. Implements the store, page copy
-//! and checksum kernels; the other ops report `NotImplemented`.
+//! uploaded per call; bulk tensors live in [`CudaBuffer`]s. Every op runs its
+//! `sparsekit-kernels` kernel with the same launch geometry as the emulator.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -14,9 +14,11 @@ use cudarc::driver::{
     DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg, SyncOnDrop,
 };
 use sparsekit_host::ops::{
-    CopyPages, IndexKStore, IndexerLogits, KvStore, Op, PageChecksums, SparseMla, Topk,
+    CopyPages, IndexKStore, IndexerLogits, KvStore, Op, PageChecksums, QueryRange, SparseMla, Topk,
+    TopkOutput,
 };
 use sparsekit_host::{kernel_params, Backend, Error, Result};
+use sparsekit_kernels::kernels;
 use sparsekit_kernels::launch::{self, Launch};
 
 use crate::ptx::{ptx_for_device, PTX, PTX_BUILD_INFO};
@@ -170,6 +172,14 @@ impl CudaBackend {
 
     fn launch<P: Copy>(&self, name: &'static str, l: Launch, params: P) -> Result<()> {
         let f = self.function(name)?;
+        if l.smem_bytes > 48 * 1024 {
+            // Above 48 KiB a kernel must opt in to its dynamic shared memory.
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                l.smem_bytes as i32,
+            )
+            .map_err(dev)?;
+        }
         let p = Param(params);
         let mut b = self.stream.launch_builder(&f);
         b.arg(&p);
@@ -190,13 +200,6 @@ impl CudaBackend {
     }
 }
 
-fn not_implemented(op: &'static str) -> Error {
-    Error::NotImplemented {
-        backend: "cuda".into(),
-        op,
-    }
-}
-
 impl Backend for CudaBackend {
     type Buffer = CudaBuffer;
 
@@ -205,10 +208,9 @@ impl Backend for CudaBackend {
     }
 
     fn supports(&self, op: Op) -> bool {
-        matches!(
-            op,
-            Op::IndexKStore | Op::KvStore | Op::CopyPages | Op::PageChecksums
-        )
+        // Every op has a kernel.
+        let _ = op;
+        true
     }
 
     fn upload(&self, bytes: &[u8]) -> Result<CudaBuffer> {
@@ -289,29 +291,96 @@ impl Backend for CudaBackend {
 
     fn indexer_logits(
         &self,
-        _: &IndexerLogits<'_>,
-        _: &CudaBuffer,
-        _: &CudaBuffer,
-        _: &CudaBuffer,
-        _: &mut CudaBuffer,
+        op: &IndexerLogits<'_>,
+        q: &CudaBuffer,
+        weights: &CudaBuffer,
+        cache: &CudaBuffer,
+        out: &mut CudaBuffer,
     ) -> Result<()> {
-        Err(not_implemented("indexer_logits"))
+        op.validate(q.len(), weights.len(), cache.len(), out.len())?;
+        kernel_params::check_indexer(op)?;
+        if op.rows.is_empty() || op.row_stride == 0 {
+            return Ok(());
+        }
+        let table = self.upload_slice(op.page_table.as_slice())?;
+        let rows = self.upload_slice(bytemuck::cast_slice::<QueryRange, u32>(&op.rows))?;
+        let (qa, wa, ca) = (self.addr(q)?, self.addr(weights)?, self.addr(cache)?);
+        let (ta, _t) = table.device_ptr(&self.stream);
+        let (ra, _r) = rows.device_ptr(&self.stream);
+        let o = self.addr_mut(out)?;
+        let params = kernel_params::indexer_logits(
+            op,
+            qa.0 as *const u16,
+            wa.0 as *const f32,
+            ca.0 as *const u8,
+            ta as *const i32,
+            ra as *const u32,
+            o.0 as *mut f32,
+        );
+        let l =
+            kernel_params::check_launch("indexer_logits", kernels::indexer_logits_launch(&params))?;
+        self.launch("indexer_logits", l, params)?;
+        self.synchronize()
     }
 
-    fn topk(&self, _: &Topk<'_>, _: &CudaBuffer, _: &mut CudaBuffer) -> Result<()> {
-        Err(not_implemented("topk"))
+    fn topk(&self, op: &Topk<'_>, logits: &CudaBuffer, out: &mut CudaBuffer) -> Result<()> {
+        op.validate(logits.len(), out.len())?;
+        if op.rows.is_empty() {
+            return Ok(());
+        }
+        let table: Option<CudaSlice<i32>> = match op.output {
+            TopkOutput::Slots { page_table, .. } => Some(self.upload_slice(page_table.as_slice())?),
+            TopkOutput::Positions => None,
+        };
+        let rows = self.upload_slice(bytemuck::cast_slice::<QueryRange, u32>(op.rows))?;
+        let la = self.addr(logits)?;
+        let t = table.as_ref().map(|t| t.device_ptr(&self.stream));
+        let (ra, _r) = rows.device_ptr(&self.stream);
+        let o = self.addr_mut(out)?;
+        let params = kernel_params::topk(
+            op,
+            la.0 as *const f32,
+            ra as *const u32,
+            t.as_ref()
+                .map_or(std::ptr::null(), |(p, _)| *p as *const i32),
+            o.0 as *mut i32,
+        );
+        let l = kernel_params::check_launch("topk", kernels::topk_launch(&params))?;
+        self.launch("topk", l, params)?;
+        self.synchronize()
     }
 
+    /// The indices are device data; they are downloaded and checked against the cache
+    /// before the launch (an out-of-range slot is an error, never a wild read).
     fn sparse_mla(
         &self,
-        _: &SparseMla,
-        _: &CudaBuffer,
-        _: &CudaBuffer,
-        _: &CudaBuffer,
-        _: &mut CudaBuffer,
-        _: &mut CudaBuffer,
+        op: &SparseMla,
+        q: &CudaBuffer,
+        cache: &CudaBuffer,
+        indices: &CudaBuffer,
+        out: &mut CudaBuffer,
+        lse: &mut CudaBuffer,
     ) -> Result<()> {
-        Err(not_implemented("sparse_mla"))
+        let pages = op.validate(q.len(), cache.len(), indices.len(), out.len(), lse.len())?;
+        let host_idx: Vec<i32> = bytemuck::pod_collect_to_vec(&self.download(indices)?);
+        op.check_indices(&host_idx, pages)?;
+        if op.n_tokens == 0 {
+            return Ok(());
+        }
+        let (qa, ca, ia) = (self.addr(q)?, self.addr(cache)?, self.addr(indices)?);
+        let o = self.addr_mut(out)?;
+        let l = self.addr_mut(lse)?;
+        let params = kernel_params::sparse_mla(
+            op,
+            qa.0 as *const u16,
+            ca.0 as *const u8,
+            ia.0 as *const i32,
+            o.0 as *mut u16,
+            l.0 as *mut f32,
+        );
+        let g = kernel_params::check_launch("sparse_mla", kernels::sparse_mla_launch(&params))?;
+        self.launch("sparse_mla", g, params)?;
+        self.synchronize()
     }
 
     fn copy_pages(&self, op: &CopyPages<'_>, src: &CudaBuffer, dst: &mut CudaBuffer) -> Result<()> {

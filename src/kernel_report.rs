@@ -31,8 +31,12 @@ pub fn parse_ptxas_log(arch: &str, log: &str) -> Vec<KernelResources> {
             .and_then(|p| p.split_whitespace().find_map(|w| w.parse::<u32>().ok()))
             .unwrap_or(0)
     };
+    // Properties of a non-entry function (not fully inlined) must not overwrite the entry's.
+    let mut props_of_entry = false;
     for line in log.lines() {
-        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+        if let Some(rest) = line.split("Function properties for ").nth(1) {
+            props_of_entry = out.last().is_some_and(|k| k.kernel == rest.trim());
+        } else if let Some(rest) = line.split("Compiling entry function '").nth(1) {
             let name = rest.split('\'').next().unwrap_or("").to_string();
             out.push(KernelResources {
                 kernel: name,
@@ -45,7 +49,7 @@ pub fn parse_ptxas_log(arch: &str, log: &str) -> Vec<KernelResources> {
                 tensor_core: None,
             });
         } else if let Some(k) = out.last_mut() {
-            if line.contains("bytes stack frame") {
+            if line.contains("bytes stack frame") && props_of_entry {
                 k.stack_bytes = num_before(line, "stack frame");
                 k.spill_bytes = num_before(line, "spill stores") + num_before(line, "spill loads");
             } else if let Some(used) = line.split("Used ").nth(1) {
@@ -100,6 +104,8 @@ mod tests {
 ptxas info    : Compiling entry function 'copy_pages' for 'sm_90'\n\
 ptxas info    : Function properties for copy_pages\n\
     8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads\n\
+ptxas info    : Function properties for helper_not_inlined\n\
+    96 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n\
 ptxas info    : Used 22 registers, used 1 barriers, 64 bytes smem, 400 bytes cmem[0]\n";
         let r = parse_ptxas_log("sm_90", log);
         assert_eq!(r.len(), 1);

@@ -46,7 +46,9 @@ pub fn amax_bf16(xs: &[bf16]) -> f32 {
     // The bf16 → f32 widening is a shift (half's `to_f32` quiets NaNs with a branch that
     // keeps this loop from vectorising; NaN is ignored here either way).
     xs.iter().fold(0f32, |m, &x| {
-        m.max(sparsekit_kernels::fp8::abs(sparsekit_kernels::fp8::bf16_to_f32(x.to_bits())))
+        m.max(sparsekit_kernels::fp8::abs(
+            sparsekit_kernels::fp8::bf16_to_f32(x.to_bits()),
+        ))
     })
 }
 

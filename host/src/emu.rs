@@ -2,8 +2,8 @@
 //! by the SIMT emulator, over host buffers. Slow, and meant for validation: it catches
 //! index-arithmetic bugs and barrier/warp misuse of the real kernels without a GPU.
 //!
-//! Launch geometry comes from `sparsekit_kernels::launch`, exactly as on the GPU. Ops
-//! without a kernel yet report `NotImplemented` (and `supports` says so).
+//! Launch geometry comes from `sparsekit_kernels` (the same functions the CUDA launcher
+//! uses), so the emulator runs exactly the blocks the GPU runs.
 
 use sparsekit_kernels::emu::{launch, Emu, EmuError, LaunchConfig, Params};
 use sparsekit_kernels::kernels;
@@ -14,7 +14,8 @@ use crate::cpu::CpuBuffer;
 use crate::error::{Error, Result};
 use crate::kernel_params;
 use crate::ops::{
-    CopyPages, IndexKStore, IndexerLogits, KvStore, Op, PageChecksums, SparseMla, Topk,
+    CopyPages, IndexKStore, IndexerLogits, KvStore, Op, PageChecksums, QueryRange, SparseMla, Topk,
+    TopkOutput,
 };
 
 /// The emulator backend.
@@ -40,13 +41,6 @@ fn config(l: Launch) -> LaunchConfig {
     }
 }
 
-fn not_implemented(op: &'static str) -> Error {
-    Error::NotImplemented {
-        backend: "emu".into(),
-        op,
-    }
-}
-
 impl Backend for EmuBackend {
     type Buffer = CpuBuffer;
 
@@ -55,10 +49,9 @@ impl Backend for EmuBackend {
     }
 
     fn supports(&self, op: Op) -> bool {
-        matches!(
-            op,
-            Op::IndexKStore | Op::KvStore | Op::CopyPages | Op::PageChecksums
-        )
+        // Every op has a kernel.
+        let _ = op;
+        true
     }
 
     fn upload(&self, bytes: &[u8]) -> Result<CpuBuffer> {
@@ -124,29 +117,96 @@ impl Backend for EmuBackend {
 
     fn indexer_logits(
         &self,
-        _: &IndexerLogits<'_>,
-        _: &CpuBuffer,
-        _: &CpuBuffer,
-        _: &CpuBuffer,
-        _: &mut CpuBuffer,
+        op: &IndexerLogits<'_>,
+        q: &CpuBuffer,
+        weights: &CpuBuffer,
+        cache: &CpuBuffer,
+        out: &mut CpuBuffer,
     ) -> Result<()> {
-        Err(not_implemented("indexer_logits"))
+        op.validate(q.len(), weights.len(), cache.len(), out.len())?;
+        kernel_params::check_indexer(op)?;
+        if op.rows.is_empty() || op.row_stride == 0 {
+            return Ok(());
+        }
+        let p = kernel_params::indexer_logits(
+            op,
+            q.typed::<u16>("q")?.as_ptr(),
+            weights.typed::<f32>("weights")?.as_ptr(),
+            cache.bytes().as_ptr(),
+            op.page_table.as_slice().as_ptr(),
+            bytemuck::cast_slice::<QueryRange, u32>(&op.rows).as_ptr(),
+            out.typed_mut::<f32>("logits")?.as_mut_ptr(),
+        );
+        let cfg = config(kernel_params::check_launch(
+            "indexer_logits",
+            kernels::indexer_logits_launch(&p),
+        )?);
+        // SAFETY: every pointer comes from a buffer or slice validated against the op and
+        // borrowed for the whole (synchronous) launch.
+        let p = unsafe { Params::new(p) };
+        // SAFETY: the kernel's contract holds (see above; geometry from the kernel).
+        launch(cfg, || unsafe { kernels::indexer_logits::<Emu>(p.get()) })
+            .map_err(|e| emu_err("indexer_logits", e))
     }
 
-    fn topk(&self, _: &Topk<'_>, _: &CpuBuffer, _: &mut CpuBuffer) -> Result<()> {
-        Err(not_implemented("topk"))
+    fn topk(&self, op: &Topk<'_>, logits: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
+        op.validate(logits.len(), out.len())?;
+        if op.rows.is_empty() {
+            return Ok(());
+        }
+        let table = match op.output {
+            TopkOutput::Slots { page_table, .. } => page_table.as_slice().as_ptr(),
+            TopkOutput::Positions => std::ptr::null(),
+        };
+        let p = kernel_params::topk(
+            op,
+            logits.typed::<f32>("logits")?.as_ptr(),
+            bytemuck::cast_slice::<QueryRange, u32>(op.rows).as_ptr(),
+            table,
+            out.typed_mut::<i32>("topk")?.as_mut_ptr(),
+        );
+        let cfg = config(kernel_params::check_launch(
+            "topk",
+            kernels::topk_launch(&p),
+        )?);
+        // SAFETY: as in `indexer_logits`.
+        let p = unsafe { Params::new(p) };
+        // SAFETY: the kernel's contract holds.
+        launch(cfg, || unsafe { kernels::topk::<Emu>(p.get()) }).map_err(|e| emu_err("topk", e))
     }
 
     fn sparse_mla(
         &self,
-        _: &SparseMla,
-        _: &CpuBuffer,
-        _: &CpuBuffer,
-        _: &CpuBuffer,
-        _: &mut CpuBuffer,
-        _: &mut CpuBuffer,
+        op: &SparseMla,
+        q: &CpuBuffer,
+        cache: &CpuBuffer,
+        indices: &CpuBuffer,
+        out: &mut CpuBuffer,
+        lse: &mut CpuBuffer,
     ) -> Result<()> {
-        Err(not_implemented("sparse_mla"))
+        let pages = op.validate(q.len(), cache.len(), indices.len(), out.len(), lse.len())?;
+        let idx = indices.typed::<i32>("indices")?;
+        op.check_indices(idx, pages)?;
+        if op.n_tokens == 0 {
+            return Ok(());
+        }
+        let p = kernel_params::sparse_mla(
+            op,
+            q.typed::<u16>("q")?.as_ptr(),
+            cache.bytes().as_ptr(),
+            idx.as_ptr(),
+            out.typed_mut::<u16>("out")?.as_mut_ptr(),
+            lse.typed_mut::<f32>("lse")?.as_mut_ptr(),
+        );
+        let cfg = config(kernel_params::check_launch(
+            "sparse_mla",
+            kernels::sparse_mla_launch(&p),
+        )?);
+        // SAFETY: as in `indexer_logits`; indices checked above.
+        let p = unsafe { Params::new(p) };
+        // SAFETY: the kernel's contract holds.
+        launch(cfg, || unsafe { kernels::sparse_mla::<Emu>(p.get()) })
+            .map_err(|e| emu_err("sparse_mla", e))
     }
 
     fn copy_pages(&self, op: &CopyPages<'_>, src: &CpuBuffer, dst: &mut CpuBuffer) -> Result<()> {

@@ -187,8 +187,10 @@ impl<'a> PageTable<'a> {
 }
 
 /// One row of a ragged query batch: which request it belongs to and the half-open range
-/// of that request's token positions it may see.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+/// of that request's token positions it may see. `#[repr(C)]`: a slice of rows is the
+/// `[n, 3]` u32 array the GPU kernels read.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct QueryRange {
     /// Index into the page table.
     pub request: u32,
@@ -471,6 +473,24 @@ impl SparseMla {
         check_bytes("out", t * h * self.layout.nope_dim() * 2, out_bytes)?;
         check_bytes("lse", t * h * 4, lse_bytes)?;
         self.layout.pages_in("KV cache", cache_bytes)
+    }
+
+    /// Checks that every index is `-1` or a slot of a cache of `pages` pages.
+    pub fn check_indices(&self, indices: &[i32], pages: usize) -> Result<()> {
+        let capacity = pages * self.layout.page_size();
+        match indices
+            .iter()
+            .enumerate()
+            .find(|(_, &s)| s < -1 || s >= 0 && s as usize >= capacity)
+        {
+            Some((i, &s)) => Err(Error::SlotOutOfRange {
+                what: "indices",
+                index: i,
+                slot: s as i64,
+                capacity,
+            }),
+            None => Ok(()),
+        }
     }
 }
 

@@ -302,24 +302,28 @@ fn cpu_rejects_bad_attention_inputs() {
 }
 
 #[test]
-fn emu_reports_ops_it_lacks() {
+fn emu_rejects_shapes_its_kernels_cannot_run() {
     let b = EmuBackend::new();
-    let rows = [QueryRange {
-        request: 0,
-        start: 0,
-        end: 1,
-    }];
-    let logits = b.upload(bytes(&[1f32])).unwrap();
-    let op = Topk {
-        k: 1,
-        row_stride: 1,
-        rows: &rows,
-        output: TopkOutput::Positions,
-    };
+    // head_dim 272 is a valid layout but above the GPU indexer's 256.
+    let il = IndexKLayout::new(IndexKDtype::Bf16, 272, 4).unwrap();
+    let pages = [0];
+    let pt = PageTable::new(&pages, 1).unwrap();
+    let cache = b.upload(&vec![0u8; il.buffer_bytes(1)]).unwrap();
+    let q = b.upload(bytes(&vec![bf16::ONE; 272])).unwrap();
+    let w = b.upload(bytes(&[1f32])).unwrap();
+    let op = IndexerLogits::decode(il, 1, pt, &[4], 1, 4).unwrap();
     rejected(
         &b,
-        4,
-        |o| b.topk(&op, &logits, o),
-        |e| matches!(e, Error::NotImplemented { .. }),
+        16,
+        |o| b.indexer_logits(&op, &q, &w, &cache, o),
+        |e| {
+            matches!(
+                e,
+                Error::InvalidArgument {
+                    what: "indexer_logits",
+                    ..
+                }
+            )
+        },
     );
 }

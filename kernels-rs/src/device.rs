@@ -8,7 +8,10 @@ use core::arch::asm;
 use core::arch::nvptx;
 
 use crate::kernels;
-use crate::params::{CopyPagesParams, IndexKStoreParams, KvStoreParams, PageChecksumsParams};
+use crate::params::{
+    CopyPagesParams, IndexKStoreParams, IndexerLogitsParams, KvStoreParams, PageChecksumsParams,
+    SparseMlaParams, TopkParams,
+};
 use crate::simt::Simt;
 
 /// The GPU itself.
@@ -214,4 +217,28 @@ pub unsafe extern "ptx-kernel" fn copy_pages(p: CopyPagesParams) {
 pub unsafe extern "ptx-kernel" fn page_checksums(p: PageChecksumsParams) {
     // SAFETY: forwarded contract.
     unsafe { kernels::page_checksums::<Device>(p) }
+}
+
+/// # Safety
+/// See [`kernels::indexer_logits`].
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn indexer_logits(p: IndexerLogitsParams) {
+    // SAFETY: forwarded contract.
+    unsafe { kernels::indexer_logits::<Device>(p) }
+}
+
+/// # Safety
+/// See [`kernels::topk`].
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn topk(p: TopkParams) {
+    // SAFETY: forwarded contract.
+    unsafe { kernels::topk::<Device>(p) }
+}
+
+/// # Safety
+/// See [`kernels::sparse_mla`].
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn sparse_mla(p: SparseMlaParams) {
+    // SAFETY: forwarded contract.
+    unsafe { kernels::sparse_mla::<Device>(p) }
 }

@@ -28,7 +28,9 @@ pub fn e4m3_encode(x: f32) -> u8 {
     let a = f32::from_bits(abits);
     let normal = (abits.wrapping_add(0x7_ffff + ((abits >> 20) & 1)) >> 20).wrapping_sub(120 << 3);
     const TWO_23: f32 = 8_388_608.0;
-    let sub = (a * 512.0 + TWO_23).to_bits().wrapping_sub(TWO_23.to_bits());
+    let sub = (a * 512.0 + TWO_23)
+        .to_bits()
+        .wrapping_sub(TWO_23.to_bits());
     let mag = if a < 1.0 / 64.0 { sub } else { normal };
     let mag = if a >= E4M3_MAX { 0x7e } else { mag };
     let mag = if a.is_nan() { 0x7f } else { mag };
@@ -167,18 +169,29 @@ mod tests {
     #[test]
     fn branch_free_encoder_matches_the_reference() {
         // Every high-20-bit pattern with a spread of low bits, plus midpoints of codes.
-        let lows = [0u32, 1, 0x7_ffff, 0x8_0000, 0x8_0001, 0xf_ffff, 0x4_1234, 0xa_bcde];
+        let lows = [
+            0u32, 1, 0x7_ffff, 0x8_0000, 0x8_0001, 0xf_ffff, 0x4_1234, 0xa_bcde,
+        ];
         for hi in (0u32..1 << 12).map(|h| h << 20) {
             for &lo in &lows {
                 for sign in [0, 0x8000_0000u32] {
                     let x = f32::from_bits(sign | hi | lo);
-                    assert_eq!(e4m3_encode(x), encode_reference(x), "{x:e} ({:#010x})", x.to_bits());
+                    assert_eq!(
+                        e4m3_encode(x),
+                        encode_reference(x),
+                        "{x:e} ({:#010x})",
+                        x.to_bits()
+                    );
                 }
             }
         }
         for c in 0..0x7eu8 {
             let mid = (decode_bits(c) + decode_bits(c + 1)) / 2.0;
-            for x in [mid, f32::from_bits(mid.to_bits() + 1), f32::from_bits(mid.to_bits() - 1)] {
+            for x in [
+                mid,
+                f32::from_bits(mid.to_bits() + 1),
+                f32::from_bits(mid.to_bits() - 1),
+            ] {
                 assert_eq!(e4m3_encode(x), encode_reference(x), "{x:e}");
             }
         }

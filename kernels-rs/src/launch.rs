@@ -13,6 +13,8 @@ pub struct Launch {
 pub const STORE_WARPS: u32 = 4;
 /// Upper bound on blocks of grid-stride kernels.
 pub const MAX_GRID: u32 = 65_535;
+/// Most dynamic shared memory a launch may ask for (SM120 allows ~99 KiB per block).
+pub const MAX_DYN_SMEM: u32 = 99 * 1024;
 
 /// `index_k_store` / `kv_store`: one warp per token.
 pub fn store(n_tokens: u32) -> Launch {

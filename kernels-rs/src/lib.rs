@@ -26,6 +26,7 @@ pub mod checksum;
 pub mod fp8;
 pub mod kernels;
 pub mod launch;
+pub mod math;
 pub mod params;
 pub mod simt;
 

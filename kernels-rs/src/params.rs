@@ -111,3 +111,96 @@ pub struct PageChecksumsParams {
     pub n_pages: u32,
     pub _pad: u32,
 }
+
+/// `indexer_logits` (see `sparsekit_host::ops::IndexerLogits`): for every row `r` and
+/// column `c < row_stride`, `out[r, c] = Σ_h w[r,h] · ReLU(q[r,h] · k[c]) · scale[c]` when
+/// `c` is in the row's `[start, end)`, else `-inf`. Keys are read through the page table.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct IndexerLogitsParams {
+    /// bf16 bits `[n_rows, n_heads, head_dim]`.
+    pub q: *const u16,
+    /// `[n_rows, n_heads]`.
+    pub weights: *const f32,
+    /// The paged index-K buffer.
+    pub cache: *const u8,
+    /// `[n_requests, max_pages]` page ids (`-1` unmapped; never reached by a valid row).
+    pub page_table: *const i32,
+    /// `[n_rows, 3]`: request, start, end (validated: end ≤ row_stride, pages mapped).
+    pub rows: *const u32,
+    /// `[n_rows, row_stride]`.
+    pub out: *mut f32,
+    /// Bytes per page.
+    pub page_bytes: u64,
+    pub n_rows: u32,
+    pub n_heads: u32,
+    pub head_dim: u32,
+    pub page_size: u32,
+    pub max_pages: u32,
+    pub row_stride: u32,
+    /// One of [`index_k_format`].
+    pub format: u32,
+    /// Value bytes per token.
+    pub value_bytes: u32,
+    /// Offset of the scale section inside a page (fp8 only).
+    pub scale_offset: u32,
+    pub _pad: u32,
+}
+
+/// `topk` (see `sparsekit_host::ops::Topk`): per row, the positions (or slots, through the
+/// page table) of the `k` largest valid logits of `[start, end)` (not `-inf`, not NaN;
+/// ties to the lower position), ascending, then `-1` padding.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct TopkParams {
+    /// `[n_rows, row_stride]`.
+    pub logits: *const f32,
+    /// `[n_rows, 3]`: request, start, end.
+    pub rows: *const u32,
+    /// `[n_requests, max_pages]`, or null to output positions.
+    pub page_table: *const i32,
+    /// `[n_rows, k]`.
+    pub out: *mut i32,
+    pub n_rows: u32,
+    pub k: u32,
+    pub row_stride: u32,
+    pub page_size: u32,
+    pub max_pages: u32,
+    pub _pad: u32,
+}
+
+/// `sparse_mla` (see `sparsekit_host::ops::SparseMla`): per token and head, softmax
+/// attention over the token's `topk` slots (`-1` skipped); `out` bf16, `lse` natural log;
+/// a token without valid slots gets `out = 0`, `lse = -inf`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct SparseMlaParams {
+    /// bf16 bits `[n_tokens, n_heads, nope_dim + rope_dim]`.
+    pub q: *const u16,
+    /// The paged KV buffer.
+    pub cache: *const u8,
+    /// `[n_tokens, topk]` slots or `-1` (validated in range).
+    pub indices: *const i32,
+    /// bf16 bits `[n_tokens, n_heads, nope_dim]`.
+    pub out: *mut u16,
+    /// `[n_tokens, n_heads]`.
+    pub lse: *mut f32,
+    /// Bytes per page.
+    pub page_bytes: u64,
+    pub n_tokens: u32,
+    pub n_heads: u32,
+    pub topk: u32,
+    pub nope_dim: u32,
+    pub rope_dim: u32,
+    pub page_size: u32,
+    /// One of [`kv_format`].
+    pub format: u32,
+    /// Bytes per token.
+    pub token_bytes: u32,
+    /// Offset of the f32 tile scales inside a token (fp8_ds_mla only).
+    pub scales_offset: u32,
+    /// Offset of the bf16 rope inside a token.
+    pub rope_offset: u32,
+    pub softmax_scale: f32,
+    pub _pad: u32,
+}

@@ -163,19 +163,7 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         let pages = op.validate(q.len(), cache.len(), indices.len(), out.len(), lse.len())?;
         let indices = indices.typed::<i32>("indices")?;
-        let capacity = pages * op.layout.page_size();
-        if let Some((i, &s)) = indices
-            .iter()
-            .enumerate()
-            .find(|(_, &s)| s < -1 || s >= 0 && s as usize >= capacity)
-        {
-            return Err(Error::SlotOutOfRange {
-                what: "indices",
-                index: i,
-                slot: s as i64,
-                capacity,
-            });
-        }
+        op.check_indices(indices, pages)?;
         let q = q.typed::<bf16>("q")?;
         let out = out.typed_mut::<bf16>("out")?;
         let lse = lse.typed_mut::<f32>("lse")?;

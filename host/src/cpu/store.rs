@@ -6,9 +6,9 @@ use rayon::prelude::*;
 use sparsekit_kernels::fp8::bf16_to_f32;
 
 use super::isa::Isa;
-use crate::dtype::{e4m3_encode, index_k_scale, kv_tile_scale};
 #[cfg(doc)]
 use crate::dtype::amax_bf16;
+use crate::dtype::{e4m3_encode, index_k_scale, kv_tile_scale};
 use crate::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout, FP8_DS_MLA_TILE};
 
 /// Writes the index key of the token at `offset` of `page` (one whole page of bytes).
@@ -43,7 +43,11 @@ pub fn write_kv_token(layout: &KvLayout, token: &mut [u8], kv: &[bf16]) {
             let scales = layout.scales_range().start;
             for (t, tile) in nope.chunks_exact(FP8_DS_MLA_TILE).enumerate() {
                 let s = kv_tile_scale(amax(tile));
-                quantize(&mut token[t * FP8_DS_MLA_TILE..(t + 1) * FP8_DS_MLA_TILE], tile, s);
+                quantize(
+                    &mut token[t * FP8_DS_MLA_TILE..(t + 1) * FP8_DS_MLA_TILE],
+                    tile,
+                    s,
+                );
                 token[scales + 4 * t..scales + 4 * t + 4].copy_from_slice(&s.to_le_bytes());
             }
         }

@@ -1,0 +1,467 @@
+//! Key blocks of `sparse_mla`: finding a token's valid slots (per warp, with ballots)
+//! and moving the keys from the paged KV cache into shared memory as bf16.
+
+use super::{Geometry, Role, BN, MAXIT};
+use crate::kernels::FULL;
+use crate::params::SparseMlaParams;
+use crate::simt::Simt;
+
+/// A 16-byte vector (`ld/st.v4.u32`).
+#[repr(C, align(16))]
+#[derive(Clone, Copy)]
+pub(super) struct V4(pub [u32; 4]);
+
+/// An 8-byte vector (`ld/st.v2.u32`).
+#[repr(C, align(8))]
+#[derive(Clone, Copy)]
+pub(super) struct V2(pub [u32; 2]);
+
+/// A warp's walk over one token's indices, 32 at a time. Every warp of the block walks
+/// the same indices and therefore finds the same key blocks.
+pub(super) struct Scan {
+    /// Position of the current chunk in the token's indices.
+    base: u32,
+    /// This lane's index of the current chunk (`-1` past `topk`).
+    cur: i32,
+    /// This lane's index of the next chunk (prefetched).
+    next: i32,
+    /// Valid, not yet used positions of the current chunk.
+    mask: u32,
+    /// All indices used.
+    done: bool,
+}
+
+/// The token's index `i`, or -1 past `topk`.
+///
+/// # Safety
+/// `token < n_tokens`.
+#[inline(always)]
+unsafe fn index(p: &SparseMlaParams, token: u32, i: u32) -> i32 {
+    if i < p.topk {
+        // SAFETY: token < n_tokens and i < topk: inside `indices`.
+        unsafe { *p.indices.add(token as usize * p.topk as usize + i as usize) }
+    } else {
+        -1
+    }
+}
+
+/// Position of the `n`-th (from 0) set bit of `m` (`n < popc(m)`).
+#[inline(always)]
+fn nth_set_bit(mut m: u32, mut n: u32) -> u32 {
+    let mut pos = 0;
+    let mut w = 16;
+    while w > 0 {
+        let c = (m & ((1u32 << w) - 1)).count_ones();
+        if n >= c {
+            n -= c;
+            m >>= w;
+            pos += w;
+        }
+        w >>= 1;
+    }
+    pos
+}
+
+impl Scan {
+    /// Starts at the token's first index (all lanes of a full warp).
+    ///
+    /// # Safety
+    /// `token < n_tokens`.
+    #[inline(always)]
+    pub(super) unsafe fn start<S: Simt>(p: &SparseMlaParams, token: u32, lane: u32) -> Self {
+        // SAFETY: token < n_tokens.
+        let (cur, next) = unsafe { (index(p, token, lane), index(p, token, 32 + lane)) };
+        Scan {
+            base: 0,
+            cur,
+            next,
+            mask: S::ballot(FULL, cur >= 0),
+            done: false,
+        }
+    }
+
+    /// The next key block: this lane's slot for block key `key` (`-1` past the block's
+    /// end) and the block's number of keys (0 when the indices are used up). Warp-uniform
+    /// control flow; the same result in every warp.
+    ///
+    /// # Safety
+    /// `token` as in [`Scan::start`].
+    #[inline(always)]
+    pub(super) unsafe fn next_block<S: Simt>(
+        &mut self,
+        p: &SparseMlaParams,
+        token: u32,
+        key: u32,
+        lane: u32,
+    ) -> (i32, u32) {
+        let mut filled = 0;
+        let mut slot = -1;
+        while filled < BN && !self.done {
+            let c = self.mask.count_ones();
+            let take = c.min(BN - filled);
+            let want = key >= filled && key < filled + take;
+            let src = if want {
+                nth_set_bit(self.mask, key - filled)
+            } else {
+                0
+            };
+            let v = S::shfl_idx(FULL, self.cur as u32, src) as i32;
+            if want {
+                slot = v;
+            }
+            filled += take;
+            if take == c {
+                if self.base + 32 >= p.topk {
+                    self.done = true;
+                    self.mask = 0;
+                } else {
+                    self.base += 32;
+                    self.cur = self.next;
+                    // SAFETY: token < n_tokens.
+                    self.next = unsafe { index(p, token, self.base + 32 + lane) };
+                    self.mask = S::ballot(FULL, self.cur >= 0);
+                }
+            } else {
+                // 0 < take < c: drop the lowest `take` set bits (the highest one dropped
+                // is below bit 31).
+                let last = nth_set_bit(self.mask, take - 1);
+                self.mask &= !((2u32 << last) - 1);
+            }
+        }
+        (slot, filled)
+    }
+}
+
+/// Global loads of one thread for one key block: source unit `sub + 8i` (`i < MAXIT`)
+/// of its key in `v[i]` (see [`Geometry::units`]), and the key's scale of tile `sub`
+/// (fp8).
+#[derive(Default)]
+pub(super) struct Prefetch {
+    v: [[u32; 4]; MAXIT],
+    scale: f32,
+}
+
+/// Whether every token row (and `extra`) is aligned to `align` bytes.
+#[inline(always)]
+fn aligned(p: &SparseMlaParams, align: u64, extra: u32) -> bool {
+    (p.cache as u64 | p.page_bytes | p.token_bytes as u64 | extra as u64) % align == 0
+}
+
+/// Whether the prefetch can gather `p`'s keys: token rows, rope and scales 16-byte
+/// aligned (DeepSeek-V3.2 layouts in allocator-aligned buffers), so that it has one load
+/// form only (`ld.v4`; with a fallback form beside it the compiler merges the two into
+/// narrower loads). Other layouts are gathered by [`store_rest`] alone.
+#[inline(always)]
+pub(super) fn prefetchable(p: &SparseMlaParams) -> bool {
+    aligned(p, 16, p.rope_offset | p.scales_offset)
+}
+
+/// The key row of `slot` (null for `slot < 0`).
+#[inline(always)]
+fn token_row(p: &SparseMlaParams, slot: i32) -> *const u8 {
+    if slot < 0 {
+        return core::ptr::null();
+    }
+    let (page, off) = (
+        slot as u64 / p.page_size as u64,
+        slot as u64 % p.page_size as u64,
+    );
+    p.cache
+        .wrapping_add((page * p.page_bytes + off * p.token_bytes as u64) as usize)
+}
+
+/// Byte offset of source unit `u` inside a token row.
+#[inline(always)]
+fn unit_offset(p: &SparseMlaParams, g: &Geometry, u: u32) -> usize {
+    if u < g.lat_units {
+        16 * u as usize
+    } else {
+        (p.rope_offset + 16 * (u - g.lat_units)) as usize
+    }
+}
+
+/// Stores source unit `u` (16 bytes `v`) of key row `key` as bf16 chunks: one, or two
+/// for 16 e4m3 codes.
+///
+/// # Safety
+/// `key < 32`, `u < units`; only this thread touches the chunks between the enclosing
+/// barriers.
+#[inline(always)]
+unsafe fn store_unit<S: Simt>(g: &Geometry, key: u32, u: u32, v: [u32; 4]) {
+    if g.fp8 && u < g.lat_units {
+        // SAFETY: chunks 2u, 2u + 1 < nope/8 of the key row (caller's contract).
+        unsafe {
+            S::smem_store(g.chunk_addr(key, 2 * u), V4(e4m3x8_to_bf16(v[0], v[1])));
+            S::smem_store(g.chunk_addr(key, 2 * u + 1), V4(e4m3x8_to_bf16(v[2], v[3])));
+        }
+    } else {
+        let c = if u < g.lat_units {
+            u
+        } else {
+            g.nope_chunks + (u - g.lat_units)
+        };
+        // SAFETY: c < chunks: inside the key row (caller's contract).
+        unsafe { S::smem_store(g.chunk_addr(key, c), V4(v)) };
+    }
+}
+
+/// Issues the prefetch's global loads for `slot`'s key (zeros for `slot < 0`): one
+/// 16-byte load per unit, from a selected address (a single load form, so the compiler
+/// keeps it a `ld.v4`).
+///
+/// # Safety
+/// `slot` is -1 or a slot of the cache described by `p`; [`prefetchable`]`(p)`.
+#[inline(always)]
+pub(super) unsafe fn issue(p: &SparseMlaParams, g: &Geometry, r: &Role, slot: i32) -> Prefetch {
+    let mut pf = Prefetch::default();
+    if slot < 0 {
+        return pf;
+    }
+    let tok = token_row(p, slot);
+    unroll!(9, i, {
+        let u = r.sub + 8 * i as u32;
+        if u < g.units {
+            let at = tok.wrapping_add(unit_offset(p, g, u)) as *const V4;
+            // SAFETY: 16 bytes of the token row (u < units), 16-byte aligned
+            // (prefetchable layout).
+            pf.v[i] = unsafe { at.read() }.0;
+        }
+    });
+    if r.sub < g.tiles {
+        let at = tok.wrapping_add((p.scales_offset + 4 * r.sub) as usize) as *const f32;
+        // SAFETY: the f32 scale of a tile of the token (sub < tiles), 4-byte aligned.
+        pf.scale = unsafe { at.read() };
+    }
+    pf
+}
+
+/// Stores what [`issue`] loaded as bf16 key-row chunks (and the tile scale).
+///
+/// # Safety
+/// Only this thread touches its key's chunks and scales between the enclosing barriers;
+/// the launch provides [`Geometry::smem`] bytes.
+#[inline(always)]
+pub(super) unsafe fn store<S: Simt>(g: &Geometry, r: &Role, pf: &Prefetch) {
+    unroll!(9, i, {
+        let u = r.sub + 8 * i as u32;
+        if u < g.units {
+            // SAFETY: key < 32, u < units (the caller's exclusivity).
+            unsafe { store_unit::<S>(g, r.key, u, pf.v[i]) };
+        }
+    });
+    if r.sub < g.tiles {
+        // SAFETY: tile < tiles, key < 32: inside the scale table.
+        unsafe { S::smem_store((g.scale_off + 4 * (r.sub * BN + r.key)) as usize, pf.scale) };
+    }
+}
+
+/// Gathers (synchronously, one unit at a time) `slot`'s source units `sub + 8k` and tile
+/// scales `sub + 8k'` from `k = from` and `k' = from.min(1)` on (zeros for `slot < 0`):
+/// `from = MAXIT` completes the prefetch for rows wider than it (or more than 8 tiles),
+/// `from = 0` gathers a layout that is not [`prefetchable`], at any alignment.
+///
+/// # Safety
+/// As [`issue`] (any alignment) and [`store`].
+#[inline(always)]
+pub(super) unsafe fn store_rest<S: Simt>(
+    p: &SparseMlaParams,
+    g: &Geometry,
+    r: &Role,
+    slot: i32,
+    from: u32,
+) {
+    let tok = token_row(p, slot);
+    let al16 = aligned(p, 16, p.rope_offset);
+    let mut u = r.sub + 8 * from;
+    while u < g.units {
+        let v = if slot < 0 {
+            [0; 4]
+        } else {
+            // SAFETY: 16 bytes of the token row (u < units).
+            unsafe { load16(tok.wrapping_add(unit_offset(p, g, u)), al16) }
+        };
+        // SAFETY: key < 32, u < units (the caller's exclusivity).
+        unsafe { store_unit::<S>(g, r.key, u, v) };
+        u += 8;
+    }
+    let mut tile = r.sub + 8 * from.min(1);
+    while tile < g.tiles {
+        let scale = if slot < 0 {
+            0.0
+        } else {
+            let at = tok.wrapping_add((p.scales_offset + 4 * tile) as usize);
+            // SAFETY: the f32 scale of a tile of the token (tile < tiles).
+            f32::from_bits(unsafe { word(at) })
+        };
+        // SAFETY: tile < tiles, key < 32: inside the scale table; this thread's entry.
+        unsafe { S::smem_store((g.scale_off + 4 * (tile * BN + r.key)) as usize, scale) };
+        tile += 8;
+    }
+}
+
+/// 16 bytes of global memory at any alignment (16-byte aligned when `al16`).
+///
+/// # Safety
+/// Readable.
+#[inline(always)]
+pub(super) unsafe fn load16(at: *const u8, al16: bool) -> [u32; 4] {
+    if al16 {
+        // SAFETY: caller's contract.
+        unsafe { (at as *const V4).read().0 }
+    } else {
+        // SAFETY: caller's contract.
+        unsafe { [word(at), word(at.add(4)), word(at.add(8)), word(at.add(12))] }
+    }
+}
+
+/// A little-endian u32 from 4 bytes at any alignment (byte loads: no local copy).
+///
+/// # Safety
+/// 4 readable bytes.
+#[inline(always)]
+unsafe fn word(at: *const u8) -> u32 {
+    // SAFETY: caller's contract.
+    unsafe {
+        *at as u32
+            | (*at.add(1) as u32) << 8
+            | (*at.add(2) as u32) << 16
+            | (*at.add(3) as u32) << 24
+    }
+}
+
+/// bf16 bits of one e4m3fn code (exact; NaN stays NaN), branch-free: the code's
+/// exponent and mantissa placed in an f32 (a subnormal one for exponent 0) times 2^120
+/// is the code's value exactly (needs subnormal f32 arithmetic, which PTX `mul.rn.f32`
+/// without `.ftz` has), and it has at most 4 significant bits, so its top 16 bits are it.
+#[inline(always)]
+fn e4m3_to_bf16(code: u32) -> u32 {
+    let x = code & 0x7f;
+    let v = f32::from_bits(x << 20) * f32::from_bits(0x7b80_0000); // 2^120
+    let mag = if x == 0x7f { 0x7fc0 } else { v.to_bits() >> 16 };
+    mag | ((code & 0x80) << 8)
+}
+
+/// Two e4m3 codes (bytes 0 and 2 of `w`) with nonzero exponents and no NaN to two bf16
+/// (low, high half-word): exponent field e (bias 7) → e + 120 (bias 127), the 3 mantissa
+/// bits on top; no carry crosses the halves (each stays below 0x4400).
+#[inline(always)]
+fn normal_e4m3x2_to_bf16x2(w: u32) -> u32 {
+    (((w & 0x007f_007f) << 4) + 0x3c00_3c00) | ((w & 0x0080_0080) << 8)
+}
+
+/// Whether all 4 codes of `w` are normal numbers (exponent ≠ 0, not NaN), bytewise.
+#[inline(always)]
+fn all_normal(w: u32) -> bool {
+    let nonzero_exp = ((w & 0x7878_7878) + 0x7878_7878) & 0x8080_8080;
+    let nan = ((w & 0x7f7f_7f7f) + 0x0101_0101) & 0x8080_8080;
+    nonzero_exp == 0x8080_8080 && nan == 0
+}
+
+/// 8 e4m3 codes (little-endian in `lo`, `hi`) to 8 bf16 (exact).
+#[inline(always)]
+pub(super) fn e4m3x8_to_bf16(lo: u32, hi: u32) -> [u32; 4] {
+    if all_normal(lo) && all_normal(hi) {
+        let spread_lo = |w: u32| (w & 0xff) | ((w & 0xff00) << 8);
+        let spread_hi = |w: u32| ((w >> 16) & 0xff) | ((w >> 8) & 0x00ff_0000);
+        [
+            normal_e4m3x2_to_bf16x2(spread_lo(lo)),
+            normal_e4m3x2_to_bf16x2(spread_hi(lo)),
+            normal_e4m3x2_to_bf16x2(spread_lo(hi)),
+            normal_e4m3x2_to_bf16x2(spread_hi(hi)),
+        ]
+    } else {
+        let pair = |w: u32| e4m3_to_bf16(w & 0xff) | (e4m3_to_bf16((w >> 8) & 0xff) << 16);
+        [pair(lo), pair(lo >> 16), pair(hi), pair(hi >> 16)]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fp8::e4m3_decode;
+
+    #[test]
+    fn e4m3_to_bf16_is_exact_for_every_code() {
+        let bf = |b: u32| f32::from_bits(b << 16);
+        let same = |got: f32, want: f32| {
+            if want.is_nan() {
+                got.is_nan()
+            } else {
+                got.to_bits() == want.to_bits()
+            }
+        };
+        for code in 0..256u32 {
+            let want = e4m3_decode(code as u8);
+            assert!(same(bf(e4m3_to_bf16(code)), want), "{code:#x}");
+        }
+        // Every code in every byte position, next to normal, zero and NaN neighbours.
+        for code in 0..256u32 {
+            for other in [0x38u32, 0x00, 0x80, 0x7f, 0x01, 0xc5] {
+                for pos in 0..8 {
+                    let mut bytes = [other; 8];
+                    bytes[pos] = code;
+                    let word = |b: &[u32]| b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24;
+                    let out = e4m3x8_to_bf16(word(&bytes[..4]), word(&bytes[4..]));
+                    for (k, &b) in bytes.iter().enumerate() {
+                        let got = bf((out[k / 2] >> (16 * (k % 2))) & 0xffff);
+                        assert!(
+                            same(got, e4m3_decode(b as u8)),
+                            "{code:#x} {other:#x} {pos}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn nth_set_bit_matches_a_scan() {
+        for m in [
+            1u32,
+            0x8000_0000,
+            0xffff_ffff,
+            0x1234_5678,
+            0xa5a5_0f0f,
+            0x8000_0001,
+        ] {
+            let mut n = 0;
+            for pos in 0..32 {
+                if m >> pos & 1 == 1 {
+                    assert_eq!(nth_set_bit(m, n), pos);
+                    n += 1;
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn swizzle_is_conflict_free() {
+        use super::super::swz;
+        // Score loads: rows 4p..4p+3, chunks 2ks + {0, 1}: 8 distinct bank groups.
+        for p in 0..2 {
+            let mut seen = [false; 8];
+            for i in 0..4 {
+                for h in 0..2 {
+                    let c = ((h ^ swz(4 * p + i)) & 7) as usize;
+                    assert!(!seen[c]);
+                    seen[c] = true;
+                }
+            }
+        }
+        // V loads: rows 2t + e (t = 0..3), chunks {4p + h, 4p + 2 + h} (lanes g = 2p, 2p+1).
+        for e in 0..2 {
+            for p in 0..2 {
+                for h in 0..2 {
+                    let mut seen = [false; 8];
+                    for t in 0..4 {
+                        for c in [4 * p + h, 4 * p + 2 + h] {
+                            let b = ((c ^ swz(2 * t + e)) & 7) as usize;
+                            assert!(!seen[b]);
+                            seen[b] = true;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,808 @@
+//! `topk` on the GPU: an exact radix select, one block per row, grid-stride over rows.
+//!
+//! Every logit maps to an order-preserving u32 key ([`key_of`]: `-0.0` folded into
+//! `+0.0`, so the two tie); `-inf` and NaN map to [`INVALID`] (0), below every valid key
+//! (valid keys are at least `0x0080_0000`). The k-th largest key `T` is found in up to
+//! three histogram passes over the row's `[start, end)`:
+//!
+//! 1. a histogram of the top 11 key bits (2048 bins) over all valid entries;
+//! 2. a histogram of bits 20..10 over the entries whose top 11 bits equal the bin found;
+//! 3. a histogram of bits 9..0 over the entries whose top 22 bits equal the prefix found.
+//!
+//! After each pass a block-wide suffix scan of the bins ([`find_bin`]) finds the bin that
+//! holds the `need`-th largest entry among those counted, and how many of its entries are
+//! still needed. A pass whose bin is taken whole (`need` = its count) ends the search
+//! early: the threshold is then a key *prefix* (`key >> shift`). The result ([`Threshold`])
+//! states the selection exactly: every valid entry whose prefix is above `prefix`, plus the
+//! first `need` (in position order) of the `count` entries whose prefix equals it, `k` in
+//! all. A row with at most `k` positions skips the search, and one with at most `k` valid
+//! entries stops after pass 1: both select every valid entry.
+//!
+//! Output ([`write_row`]): the row is walked in ascending tiles of `block_dim` positions,
+//! one per thread. Per tile, each warp ballots "above the threshold (or equal and all
+//! equal entries are taken)" and, while equal entries are being taken partially, "equal";
+//! the lane prefixes are popcounts of the ballots, and a cross-warp scan of the per-warp
+//! totals (packed: above-count in the low 16 bits, equal-count in the high 16) through
+//! shared memory gives every thread its ordered rank: a selected position goes to
+//! `written + above_before + min(equal_before, still_needed)`. The walk stops once `k`
+//! entries are written; the rest of the row's output is `-1`. The output is thus in
+//! ascending position order and ties go to the lower position, which makes the result
+//! identical to the CPU backend's (and independent of the batch).
+//!
+//! Everything is exact for every input: the histograms count every entry, so any number
+//! of ties at the threshold, any `k` and any row length are handled; nothing is buffered
+//! per candidate.
+//!
+//! Shared memory (bytes, [`SMEM_BYTES`] in all):
+//! - `[0, 8192)` `HIST_A`: 2048 u32 bins (passes 1 and 3);
+//! - `[8192, 16384)` `HIST_B`: 2048 u32 bins (pass 2);
+//! - `[16384, 16640)` `SCAN`: two buffers of 32 u32 per-warp totals for the block scans
+//!   (the output walk alternates between them so that one barrier per tile suffices);
+//! - `[16640, 16652)` `RESULT`: the bin found (`bin`, `need`, `count`), written by the one
+//!   thread whose chunk holds it.
+//!
+//! Race discipline (the emulator's model): histograms are zeroed with plain stores, a
+//! barrier, then updated with atomics only, a barrier, then read with plain loads; every
+//! shared word written by one thread is read by others only after a barrier and rewritten
+//! only after another.
+
+use super::FULL;
+use crate::launch::{Launch, MAX_GRID};
+use crate::params::TopkParams;
+use crate::simt::Simt;
+
+/// Threads per block (a multiple of 32 that divides [`BINS`]).
+pub const TOPK_BLOCK: u32 = 512;
+/// Bins of a histogram (11 bits).
+const BINS: u32 = 2048;
+/// Byte offset of the first histogram (passes 1 and 3).
+const HIST_A: usize = 0;
+/// Byte offset of the second histogram (pass 2).
+const HIST_B: usize = HIST_A + 4 * BINS as usize;
+/// Byte offset of the two 32-word buffers of per-warp totals.
+const SCAN: usize = HIST_B + 4 * BINS as usize;
+/// Bytes of one per-warp-totals buffer (32 warps at most).
+const SCAN_BUF: usize = 4 * 32;
+/// Byte offset of the bin found: `bin`, `need`, `count` (u32 each).
+const RESULT: usize = SCAN + 2 * SCAN_BUF;
+/// Dynamic shared memory of a block.
+pub const SMEM_BYTES: u32 = (RESULT + 12) as u32;
+
+/// The key of an invalid (`-inf` or NaN) entry; every valid key is larger.
+const INVALID: u32 = 0;
+
+/// Launch geometry: one block of [`TOPK_BLOCK`] threads per row (at most [`MAX_GRID`]
+/// blocks, which stride over the rows), [`SMEM_BYTES`] of dynamic shared memory.
+pub fn topk_launch(p: &TopkParams) -> Launch {
+    Launch {
+        grid: p.n_rows.clamp(1, MAX_GRID),
+        block: TOPK_BLOCK,
+        smem_bytes: SMEM_BYTES,
+    }
+}
+
+/// Order-preserving u32 key of a logit (`-0.0` and `+0.0` equal), or [`INVALID`] for
+/// `-inf` and NaN. Valid keys are at least `0x0080_0000` (the key of `f32::MIN`).
+#[inline(always)]
+fn key_of(x: f32) -> u32 {
+    // (Comparisons with NaN are false.)
+    let valid = x > f32::NEG_INFINITY;
+    let b = if x == 0.0 { 0 } else { x.to_bits() };
+    if !valid {
+        INVALID
+    } else if b & 0x8000_0000 != 0 {
+        !b
+    } else {
+        b | 0x8000_0000
+    }
+}
+
+/// The selection of a row: every valid entry with `key >> shift > prefix`, plus the first
+/// `need` (in position order) of the `count` valid entries with `key >> shift == prefix`.
+#[derive(Clone, Copy)]
+struct Threshold {
+    shift: u32,
+    prefix: u32,
+    need: u32,
+    count: u32,
+}
+
+impl Threshold {
+    /// Every valid entry (valid keys are above 0).
+    const ALL: Threshold = Threshold {
+        shift: 0,
+        prefix: INVALID,
+        need: 0,
+        count: 0,
+    };
+}
+
+/// What [`find_bin`] found.
+#[derive(Clone, Copy)]
+struct Found {
+    /// The bin holding the `need`-th largest counted entry.
+    bin: u32,
+    /// How many entries of `bin` complete the `need` largest.
+    need: u32,
+    /// Entries in `bin`.
+    count: u32,
+    /// Entries in the histogram.
+    total: u32,
+}
+
+/// This thread's place in the block (read once: each read is a special register, or a
+/// thread-local in the emulator).
+#[derive(Clone, Copy)]
+struct Me {
+    tid: u32,
+    lane: u32,
+    warp: u32,
+    block_dim: u32,
+    warps: u32,
+}
+
+/// Exact top-k.
+///
+/// # Safety
+/// Launch with [`topk_launch`] (any block size that is a multiple of 32, divides 2048 and
+/// is at most 1024 also works, with [`SMEM_BYTES`] of dynamic shared memory); every pointer
+/// and size in `p` describes validated buffers (see [`TopkParams`]): `logits` holds
+/// `n_rows × row_stride` f32, `rows` `n_rows` triples with `start ≤ end ≤ row_stride <
+/// 2^31`, `out` `n_rows × k` i32, and when `page_table` is not null it maps every position
+/// of every row's range to a page whose slots fit in i32.
+pub unsafe fn topk<S: Simt>(p: TopkParams) {
+    let tid = S::thread_idx();
+    let block_dim = S::block_dim();
+    let me = Me {
+        tid,
+        lane: tid & 31,
+        warp: tid >> 5,
+        block_dim,
+        warps: block_dim / 32,
+    };
+    let mut r = S::block_idx();
+    while r < p.n_rows {
+        // SAFETY: r < n_rows and `rows` holds n_rows triples.
+        let (request, start, end) = unsafe {
+            let t = p.rows.add(3 * r as usize);
+            (*t, *t.add(1), *t.add(2))
+        };
+        let row = p.logits.wrapping_add(r as usize * p.row_stride as usize);
+        let out = p.out.wrapping_add(r as usize * p.k as usize);
+        let th = if end.saturating_sub(start) <= p.k {
+            Threshold::ALL
+        } else {
+            // SAFETY: [start, end) lies in the row (contract); the launch provides the
+            // shared memory; every thread of the block takes this branch (uniform).
+            unsafe { select::<S>(me, row, start, end, p.k) }
+        };
+        // SAFETY: as above; `out` holds the row's k outputs.
+        unsafe { write_row::<S>(me, &p, row, out, request, start, end, th) };
+        // The next row's shared-memory stores come after everyone's last loads.
+        S::sync_threads();
+        r += S::grid_dim();
+    }
+}
+
+/// Finds the exact threshold of a row with more than `k` positions (up to three histogram
+/// passes, see the module documentation).
+///
+/// # Safety
+/// Every thread of the block calls it with the same arguments; `row[start..end]` is
+/// readable; [`SMEM_BYTES`] of shared memory; the previous shared-memory accesses are
+/// separated from this call by a barrier.
+unsafe fn select<S: Simt>(me: Me, row: *const f32, start: u32, end: u32, k: u32) -> Threshold {
+    // Zero both histograms (plain stores; the atomics come after the barrier).
+    let mut i = me.tid;
+    while i < 2 * BINS {
+        // SAFETY: i < 2·BINS words: HIST_A and HIST_B.
+        unsafe { S::smem_store::<u32>(HIST_A + 4 * i as usize, 0) };
+        i += me.block_dim;
+    }
+    S::sync_threads();
+
+    // Pass 1: the top 11 bits of every valid key.
+    // SAFETY: uniform arguments; HIST_A zeroed before the barrier above.
+    unsafe { histogram::<S>(me, row, start, end, HIST_A, 0, 0, 21, 0x7ff) };
+    S::sync_threads();
+    // SAFETY: HIST_A was filled by atomics before the barrier.
+    let f = unsafe { find_bin::<S>(me, HIST_A, k) };
+    if f.total <= k {
+        // At most k valid entries: all of them.
+        return Threshold::ALL;
+    }
+    let mut th = Threshold {
+        shift: 21,
+        prefix: f.bin,
+        need: f.need,
+        count: f.count,
+    };
+    if th.need == th.count {
+        return th;
+    }
+
+    // Pass 2: bits 20..10 of the keys in the bin; HIST_A is zeroed for pass 3 meanwhile
+    // (its last loads were before find_bin's final barrier).
+    let mut i = me.tid;
+    while i < BINS {
+        // SAFETY: i < BINS: a word of HIST_A.
+        unsafe { S::smem_store::<u32>(HIST_A + 4 * i as usize, 0) };
+        i += me.block_dim;
+    }
+    let (mask, value) = (!0u32 << 21, th.prefix << 21);
+    // SAFETY: uniform arguments; HIST_B zeroed two barriers ago, untouched since.
+    unsafe { histogram::<S>(me, row, start, end, HIST_B, mask, value, 10, 0x7ff) };
+    S::sync_threads();
+    // SAFETY: HIST_B was filled by atomics before the barrier.
+    let f = unsafe { find_bin::<S>(me, HIST_B, th.need) };
+    th = Threshold {
+        shift: 10,
+        prefix: (th.prefix << 11) | f.bin,
+        need: f.need,
+        count: f.count,
+    };
+    if th.need == th.count {
+        return th;
+    }
+
+    // Pass 3: bits 9..0 of the keys with the 22-bit prefix (HIST_A, zeroed in pass 2;
+    // bins 1024.. stay zero).
+    let (mask, value) = (!0u32 << 10, th.prefix << 10);
+    // SAFETY: uniform arguments; HIST_A zeroed before pass 2's barrier.
+    unsafe { histogram::<S>(me, row, start, end, HIST_A, mask, value, 0, 0x3ff) };
+    S::sync_threads();
+    // SAFETY: HIST_A was filled by atomics before the barrier.
+    let f = unsafe { find_bin::<S>(me, HIST_A, th.need) };
+    Threshold {
+        shift: 0,
+        prefix: (th.prefix << 10) | f.bin,
+        need: f.need,
+        count: f.count,
+    }
+}
+
+/// Loads in flight per thread in the histogram passes.
+const UNROLL: u32 = 4;
+
+/// Adds every valid entry of `row[start..end]` whose key satisfies `key & mask == value`
+/// to bin `(key >> shift) & bins` of the histogram at `hist` (shared-memory atomics).
+///
+/// Each thread loads [`UNROLL`] entries at a time (strided by `block_dim`, so the loads
+/// coalesce) and merges consecutive hits on the same bin into one atomic: a row of equal
+/// values costs one atomic per thread, not one per entry.
+///
+/// # Safety
+/// `row[start..end]` is readable; the histogram's 2048 words were zeroed before the last
+/// barrier and are accessed by atomics only until the next one.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn histogram<S: Simt>(
+    me: Me,
+    row: *const f32,
+    start: u32,
+    end: u32,
+    hist: usize,
+    mask: u32,
+    value: u32,
+    shift: u32,
+    bins: u32,
+) {
+    let (mut run_bin, mut run_len) = (0u32, 0u32);
+    let mut add = |key: u32| {
+        if key != INVALID && key & mask == value {
+            let bin = (key >> shift) & bins;
+            if bin != run_bin {
+                if run_len > 0 {
+                    // SAFETY: run_bin <= bins < 2048: a bin of the histogram.
+                    unsafe { S::smem_atomic_add_u32(hist + 4 * run_bin as usize, run_len) };
+                }
+                (run_bin, run_len) = (bin, 0);
+            }
+            run_len += 1;
+        }
+    };
+    let load = |q: u32| {
+        if q < end {
+            // SAFETY: start <= q < end: inside the row.
+            key_of(unsafe { *row.add(q as usize) })
+        } else {
+            INVALID
+        }
+    };
+    let step = me.block_dim;
+    let mut pos = start + me.tid;
+    while pos < end {
+        // UNROLL (4) loads first, then their keys.
+        let (k0, k1, k2, k3) = (
+            load(pos),
+            load(pos + step),
+            load(pos + 2 * step),
+            load(pos + 3 * step),
+        );
+        add(k0);
+        add(k1);
+        add(k2);
+        add(k3);
+        pos += UNROLL * step;
+    }
+    if run_len > 0 {
+        // SAFETY: as above.
+        unsafe { S::smem_atomic_add_u32(hist + 4 * run_bin as usize, run_len) };
+    }
+}
+
+/// Scanning the 2048 bins of the histogram at `hist` from the top, finds the bin holding
+/// the `need`-th largest entry (meaningful when `need <= total`). Each thread owns a
+/// contiguous chunk of `2048 / block_dim` bins; a block scan of the chunk sums gives each
+/// chunk the count above it, and the one thread whose chunk holds the bin writes it to
+/// `RESULT`. Ends with a barrier; everyone returns the same value.
+///
+/// # Safety
+/// Every thread of the block calls it with the same arguments, after a barrier that follows
+/// the histogram's last atomic; `SCAN[0]` and `RESULT` were last loaded before an earlier
+/// barrier.
+unsafe fn find_bin<S: Simt>(me: Me, hist: usize, need: u32) -> Found {
+    let chunk = BINS / me.block_dim;
+    let lo = me.tid * chunk;
+    let mut sum = 0u32;
+    let mut j = 0;
+    while j < chunk {
+        // SAFETY: lo + j < BINS: a bin of the histogram.
+        sum += unsafe { S::smem_load::<u32>(hist + 4 * (lo + j) as usize) };
+        j += 1;
+    }
+    // SAFETY: same arguments in every thread; SCAN[0] is free (contract).
+    let (before, total) = unsafe { block_scan::<S>(me, sum, SCAN) };
+    // Entries in the bins above this thread's chunk.
+    let mut above = total - before - sum;
+    let mut j = chunk;
+    while j > 0 {
+        j -= 1;
+        let bin = lo + j;
+        // SAFETY: bin < BINS.
+        let h = unsafe { S::smem_load::<u32>(hist + 4 * bin as usize) };
+        if above < need && above + h >= need {
+            // SAFETY: exactly one bin satisfies this (cumulative counts from the top
+            // cross `need` once), so RESULT has one writer; nobody loads it before the
+            // barrier below.
+            unsafe {
+                S::smem_store::<u32>(RESULT, bin);
+                S::smem_store::<u32>(RESULT + 4, need - above);
+                S::smem_store::<u32>(RESULT + 8, h);
+            }
+        }
+        above += h;
+    }
+    S::sync_threads();
+    if total < need {
+        // Nothing was written (the caller takes every entry).
+        return Found {
+            bin: 0,
+            need: 0,
+            count: 0,
+            total,
+        };
+    }
+    // SAFETY: written before the barrier by the thread that found the bin.
+    unsafe {
+        Found {
+            bin: S::smem_load::<u32>(RESULT),
+            need: S::smem_load::<u32>(RESULT + 4),
+            count: S::smem_load::<u32>(RESULT + 8),
+            total,
+        }
+    }
+}
+
+/// Inclusive scan over the 32 lanes of a full warp (`shfl.idx` from `lane - d`).
+#[inline(always)]
+fn warp_inclusive_scan<S: Simt>(lane: u32, mut v: u32) -> u32 {
+    let mut d = 1;
+    while d < 32 {
+        let y = S::shfl_idx(FULL, v, lane.wrapping_sub(d) & 31);
+        if lane >= d {
+            v = v.wrapping_add(y);
+        }
+        d <<= 1;
+    }
+    v
+}
+
+/// Block-wide exclusive prefix sum of `v` in thread order, and the block total. Stores the
+/// per-warp totals at `buf` (one word per warp), with a barrier in between.
+///
+/// # Safety
+/// Every thread of the block calls it with the same `buf`; the words at `buf` were last
+/// accessed before an earlier barrier.
+unsafe fn block_scan<S: Simt>(me: Me, v: u32, buf: usize) -> (u32, u32) {
+    let incl = warp_inclusive_scan::<S>(me.lane, v);
+    if me.lane == 31 {
+        // SAFETY: warp < 32: a word of the buffer; only this thread writes it.
+        unsafe { S::smem_store::<u32>(buf + 4 * me.warp as usize, incl) };
+    }
+    S::sync_threads();
+    // SAFETY: the warp totals were stored before the barrier.
+    let (warp_before, total) = unsafe { cross_warp::<S>(me, buf) };
+    (warp_before.wrapping_add(incl).wrapping_sub(v), total)
+}
+
+/// Given the per-warp totals at `buf` (stored before a barrier), this warp's exclusive
+/// prefix over the warps before it and the block total.
+///
+/// # Safety
+/// `buf` holds `warps` words stored before the last barrier and not stored since.
+#[inline(always)]
+unsafe fn cross_warp<S: Simt>(me: Me, buf: usize) -> (u32, u32) {
+    let w = if me.lane < me.warps {
+        // SAFETY: lane < warps <= 32: a word of the buffer.
+        unsafe { S::smem_load::<u32>(buf + 4 * me.lane as usize) }
+    } else {
+        0
+    };
+    let incl = warp_inclusive_scan::<S>(me.lane, w);
+    let total = S::shfl_idx(FULL, incl, 31);
+    let prev = S::shfl_idx(FULL, incl, me.warp.wrapping_sub(1) & 31);
+    (if me.warp == 0 { 0 } else { prev }, total)
+}
+
+/// The output value of position `pos` of a row of request `request`: the position, or its
+/// cache slot through the page table.
+///
+/// # Safety
+/// With a page table, it maps `pos` of `request` (contract of [`topk`]).
+#[inline(always)]
+unsafe fn output_of(p: &TopkParams, request: u32, pos: u32) -> i32 {
+    if p.page_table.is_null() {
+        return pos as i32;
+    }
+    // (Validated positive; `max` keeps a division-by-zero trap out of the kernel.)
+    let page_size = p.page_size.max(1);
+    let entry = request as usize * p.max_pages as usize + (pos / page_size) as usize;
+    // SAFETY: the page table maps every position of the row's range (contract).
+    let page = unsafe { *p.page_table.add(entry) };
+    // Validated to fit in i32.
+    (page as u32)
+        .wrapping_mul(page_size)
+        .wrapping_add(pos % page_size) as i32
+}
+
+/// Writes the selection `th` of `row[start..end]` to `out[..k]` in ascending position
+/// order, then `-1` padding (see the module documentation).
+///
+/// # Safety
+/// Every thread of the block calls it with the same arguments; `row[start..end]` is
+/// readable, `out` holds `k` i32; both `SCAN` buffers were last accessed before the
+/// previous barrier or one before it (the first tile uses buffer 0).
+#[allow(clippy::too_many_arguments)]
+unsafe fn write_row<S: Simt>(
+    me: Me,
+    p: &TopkParams,
+    row: *const f32,
+    out: *mut i32,
+    request: u32,
+    start: u32,
+    end: u32,
+    th: Threshold,
+) {
+    let k = p.k;
+    let lanes_below = (1u32 << me.lane) - 1;
+    // Entries written so far, equal entries seen so far (counted while taking part of
+    // them), and whether all equal entries are taken.
+    let mut written = 0u32;
+    let mut eq_seen = 0u32;
+    let all_eq = th.need == th.count;
+    let mut buf = SCAN;
+    let mut base = start;
+    // The next tile's entry is loaded one tile ahead, hiding its latency behind the scan.
+    let load = |pos: u32| {
+        if pos < end {
+            // SAFETY: start <= pos < end (callers pass pos >= start).
+            key_of(unsafe { *row.add(pos as usize) })
+        } else {
+            INVALID
+        }
+    };
+    let mut next = load(base + me.tid);
+    while base < end && written < k {
+        let pos = base + me.tid;
+        let key = next;
+        next = load(pos + me.block_dim);
+        let kp = key >> th.shift;
+        let valid = key != INVALID;
+        let eq = valid && kp == th.prefix;
+        // Equal entries are taken one by one (ranked) only while some are still needed
+        // but not all are: uniform across the block.
+        let partial = !all_eq && eq_seen < th.need;
+        let first = valid && (kp > th.prefix || (eq && all_eq));
+        let b_first = S::ballot(FULL, first);
+        let b_eq = if partial { S::ballot(FULL, eq) } else { 0 };
+        let lane_before =
+            (b_first & lanes_below).count_ones() | ((b_eq & lanes_below).count_ones() << 16);
+        if me.lane == 0 {
+            let warp_total = b_first.count_ones() | (b_eq.count_ones() << 16);
+            // SAFETY: warp < 32: a word of this tile's buffer, last loaded two barriers
+            // ago; only this thread writes it.
+            unsafe { S::smem_store::<u32>(buf + 4 * me.warp as usize, warp_total) };
+        }
+        S::sync_threads();
+        // SAFETY: the warp totals were stored before the barrier.
+        let (warp_before, total) = unsafe { cross_warp::<S>(me, buf) };
+        // Counts of at most 1024 per field: the packed sums never carry.
+        let before = warp_before + lane_before;
+        let (first_before, eq_before) = (before & 0xffff, before >> 16);
+        let (first_total, eq_total) = (total & 0xffff, total >> 16);
+        let left = if partial { th.need - eq_seen } else { 0 };
+        if first || (partial && eq && eq_before < left) {
+            let at = written + first_before + eq_before.min(left);
+            if at < k {
+                // SAFETY: at < k: inside the row's output; the page table maps pos.
+                unsafe { *out.add(at as usize) = output_of(p, request, pos) };
+            }
+        }
+        written += first_total + eq_total.min(left);
+        eq_seen += eq_total;
+        buf = if buf == SCAN { SCAN + SCAN_BUF } else { SCAN };
+        base += me.block_dim;
+    }
+    let mut j = written + me.tid;
+    while j < k {
+        // SAFETY: j < k.
+        unsafe { *out.add(j as usize) = -1 };
+        j += me.block_dim;
+    }
+}
+
+#[cfg(all(test, feature = "emu"))]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic
+
+    use super::*;
+    use crate::emu::{launch, LaunchConfig, Params};
+    use crate::launch::Launch;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    /// The specification: valid entries sorted by value (descending), ties to the lower
+    /// position, the first k, in ascending position order, `-1` padded.
+    fn naive(row: &[f32], start: usize, k: usize) -> Vec<i32> {
+        let mut idx: Vec<usize> = (0..row.len())
+            .filter(|&i| row[i] > f32::NEG_INFINITY)
+            .collect();
+        idx.sort_by(|&a, &b| row[b].partial_cmp(&row[a]).unwrap().then(a.cmp(&b)));
+        idx.truncate(k);
+        idx.sort_unstable();
+        let mut v: Vec<i32> = idx.into_iter().map(|i| (i + start) as i32).collect();
+        v.resize(k, -1);
+        v
+    }
+
+    /// Runs the kernel over rows given as (start, values of [start, start + len)).
+    fn run(rows: &[(usize, Vec<f32>)], k: usize, grid: Option<u32>) -> Vec<i32> {
+        let stride = rows.iter().map(|(s, v)| s + v.len()).max().unwrap() + 3;
+        let mut logits = vec![f32::NAN; rows.len() * stride];
+        let mut ranges = Vec::new();
+        for (r, (s, v)) in rows.iter().enumerate() {
+            logits[r * stride + s..][..v.len()].copy_from_slice(v);
+            ranges.extend([0, *s as u32, (s + v.len()) as u32]);
+        }
+        let mut out = vec![i32::MIN; rows.len() * k];
+        let p = TopkParams {
+            logits: logits.as_ptr(),
+            rows: ranges.as_ptr(),
+            page_table: core::ptr::null(),
+            out: out.as_mut_ptr(),
+            n_rows: rows.len() as u32,
+            k: k as u32,
+            row_stride: stride as u32,
+            page_size: 0,
+            max_pages: 0,
+            _pad: 0,
+        };
+        let l: Launch = topk_launch(&p);
+        let cfg = LaunchConfig {
+            grid: grid.unwrap_or(l.grid),
+            block: l.block,
+            dyn_smem_bytes: l.smem_bytes as usize,
+        };
+        // SAFETY: the buffers outlive the launch; rows write disjoint outputs.
+        let p = unsafe { Params::new(p) };
+        // SAFETY: the kernel's contract holds for these buffers.
+        launch(cfg, || unsafe { topk::<crate::emu::Emu>(p.get()) }).unwrap();
+        out
+    }
+
+    fn check(rows: &[(usize, Vec<f32>)], k: usize, grid: Option<u32>) {
+        let got = run(rows, k, grid);
+        for (r, (s, v)) in rows.iter().enumerate() {
+            let want = naive(v, *s, k);
+            assert_eq!(
+                &got[r * k..(r + 1) * k],
+                &want[..],
+                "row {r}, len {}, k {k}",
+                v.len()
+            );
+        }
+    }
+
+    fn rng() -> StdRng {
+        let seed = rand::random();
+        eprintln!("seed {seed}");
+        StdRng::seed_from_u64(seed)
+    }
+
+    #[test]
+    fn random_rows_large_k() {
+        let mut g = rng();
+        let rows: Vec<(usize, Vec<f32>)> = [20_000usize, 4097, 5000, 12_345, 140_000]
+            .iter()
+            .map(|&n| {
+                (
+                    g.gen_range(0..9),
+                    (0..n).map(|_| g.gen_range(-4.0f32..4.0)).collect(),
+                )
+            })
+            .collect();
+        check(&rows, 5000, None);
+    }
+
+    #[test]
+    fn more_than_4096_ties_at_the_threshold() {
+        let mut g = rng();
+        let n = 40_000;
+        let mut row: Vec<f32> = (0..n).map(|_| g.gen_range(-3.0f32..0.5)).collect();
+        for _ in 0..1000 {
+            row[g.gen_range(0..n)] = 10.0 + g.gen::<f32>();
+        }
+        for _ in 0..9000 {
+            row[g.gen_range(0..n)] = 0.75;
+        }
+        // Some -0.0 / +0.0 ties too.
+        let mut row2 = row.clone();
+        for (i, x) in row2.iter_mut().enumerate() {
+            if i % 3 == 0 {
+                *x = if i % 2 == 0 { -0.0 } else { 0.0 };
+            }
+        }
+        check(&[(5, row), (0, row2)], 2048, None);
+    }
+
+    #[test]
+    fn all_equal_invalid_and_short_rows() {
+        let mut g = rng();
+        let mut rows = vec![
+            (0, vec![1.5f32; 9000]),
+            (3, vec![-0.0f32; 3000]),
+            (0, vec![f32::NEG_INFINITY; 2500]),
+            (1, vec![f32::NAN; 100]),
+            (0, vec![]),
+            (2, vec![0.25]),
+        ];
+        let mut mixed: Vec<f32> = (0..10_000).map(|_| g.gen_range(-1.0f32..1.0)).collect();
+        for x in mixed.iter_mut() {
+            match g.gen_range(0..6) {
+                0 => *x = f32::NEG_INFINITY,
+                1 => *x = f32::NAN,
+                2 => *x = -0.0,
+                3 => *x = 0.0,
+                _ => {}
+            }
+        }
+        rows.push((7, mixed));
+        // More than k positions but at most k valid.
+        let mut sparse = vec![f32::NAN; 6000];
+        for i in (0..6000).step_by(5) {
+            sparse[i] = g.gen_range(-1.0f32..1.0);
+        }
+        rows.push((0, sparse));
+        // Exactly 2048 entries in the top bin of pass 1 (the search ends there for k=2048).
+        let mut two = vec![-100.0f32; 7000];
+        for i in 0..2048 {
+            two[(i * 3 + 1) % 7000] = 100.0 + (i % 5) as f32;
+        }
+        rows.push((0, two));
+        check(&rows, 2048, None);
+        check(&rows, 64, None);
+        check(&rows, 1, None);
+    }
+
+    /// Random rows of every shape: few distinct values (ties at every radix level), values
+    /// one ulp apart (the threshold found only in pass 3), `±0.0`, NaN and `-inf`.
+    #[test]
+    fn fuzz_against_the_specification() {
+        let mut g = rng();
+        for _ in 0..12 {
+            let k = match g.gen_range(0..4) {
+                0 => g.gen_range(1..70),
+                1 => 2048,
+                2 => g.gen_range(2000..2100),
+                _ => g.gen_range(4096..7000),
+            };
+            let rows: Vec<(usize, Vec<f32>)> = (0..4)
+                .map(|_| {
+                    let n = match g.gen_range(0..3) {
+                        0 => g.gen_range(0..k + 3),
+                        1 => g.gen_range(k..3 * k + 10),
+                        _ => g.gen_range(0..40_000),
+                    };
+                    let style = g.gen_range(0..5);
+                    let base = g.gen_range(-3.0f32..3.0).to_bits();
+                    let v = (0..n)
+                        .map(|_| {
+                            let x = match style {
+                                0 => g.gen_range(-5.0f32..5.0),
+                                1 => g.gen_range(0..3) as f32 - 1.0,
+                                2 => f32::from_bits(base ^ g.gen_range(0..6u32)),
+                                3 => f32::from_bits(base ^ g.gen_range(0..3000u32)),
+                                _ => g.gen_range(0..40) as f32 * 0.25,
+                            };
+                            match g.gen_range(0..12) {
+                                0 => f32::NEG_INFINITY,
+                                1 => f32::NAN,
+                                2 => -0.0,
+                                3 => 0.0,
+                                _ => x,
+                            }
+                        })
+                        .collect();
+                    (g.gen_range(0..5), v)
+                })
+                .collect();
+            check(&rows, k, None);
+        }
+    }
+
+    #[test]
+    fn grid_stride_over_rows() {
+        let mut g = rng();
+        let rows: Vec<(usize, Vec<f32>)> = (0..5)
+            .map(|i| {
+                (
+                    i,
+                    (0..3000 + 100 * i)
+                        .map(|_| g.gen_range(-2.0f32..2.0))
+                        .collect(),
+                )
+            })
+            .collect();
+        check(&rows, 100, Some(2));
+    }
+
+    #[test]
+    fn slots_through_the_page_table() {
+        let (ps, max_pages) = (16usize, 8usize);
+        let row: Vec<f32> = (0..100).map(|i| ((i * 37) % 101) as f32).collect();
+        let pages: Vec<i32> = vec![5, 2, 7, 0, 1, 3, 4, 6, 9, 8, 11, 10, 13, 12, 15, 14];
+        let ranges = [1u32, 4, 100];
+        let mut out = vec![0i32; 10];
+        let p = TopkParams {
+            logits: row.as_ptr(),
+            rows: ranges.as_ptr(),
+            page_table: pages.as_ptr(),
+            out: out.as_mut_ptr(),
+            n_rows: 1,
+            k: 10,
+            row_stride: 100,
+            page_size: ps as u32,
+            max_pages: max_pages as u32,
+            _pad: 0,
+        };
+        let l = topk_launch(&p);
+        let cfg = LaunchConfig {
+            grid: l.grid,
+            block: l.block,
+            dyn_smem_bytes: l.smem_bytes as usize,
+        };
+        // SAFETY: the buffers outlive the launch.
+        let pp = unsafe { Params::new(p) };
+        // SAFETY: the kernel's contract holds.
+        launch(cfg, || unsafe { topk::<crate::emu::Emu>(pp.get()) }).unwrap();
+        let want: Vec<i32> = naive(&row[4..], 4, 10)
+            .into_iter()
+            .map(|c| {
+                let c = c as usize;
+                (pages[max_pages + c / ps] as usize * ps + c % ps) as i32
+            })
+            .collect();
+        assert_eq!(out, want);
+    }
+}
