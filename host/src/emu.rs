@@ -54,25 +54,7 @@ impl Backend for EmuBackend {
         true
     }
 
-    fn upload(&self, bytes: &[u8]) -> Result<CpuBuffer> {
-        Ok(CpuBuffer::from_bytes(bytes))
-    }
-
-    fn alloc(&self, bytes: usize) -> Result<CpuBuffer> {
-        Ok(CpuBuffer::zeroed(bytes))
-    }
-
-    fn alloc_host(&self, bytes: usize) -> Result<CpuBuffer> {
-        Ok(CpuBuffer::zeroed(bytes))
-    }
-
-    fn download(&self, buf: &CpuBuffer) -> Result<Vec<u8>> {
-        Ok(buf.bytes().to_vec())
-    }
-
-    fn buffer_len(&self, buf: &CpuBuffer) -> usize {
-        buf.len()
-    }
+    crate::cpu::buffer::host_buffer_methods!();
 
     fn index_k_store(
         &self,

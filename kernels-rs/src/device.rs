@@ -185,60 +185,26 @@ impl Simt for Device {
     }
 }
 
-// Entry points: `#[no_mangle]` makes the PTX `.entry` name the Rust name.
-
-/// # Safety
-/// See [`kernels::index_k_store`].
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn index_k_store(p: IndexKStoreParams) {
-    // SAFETY: forwarded contract.
-    unsafe { kernels::index_k_store::<Device>(p) }
+// Entry points: `#[no_mangle]` makes the PTX `.entry` name the Rust name; each forwards
+// its one by-value parameter struct to the generic kernel instantiated for `Device`.
+macro_rules! entry_points {
+    ($($name:ident($params:ty);)*) => {$(
+        /// # Safety
+        #[doc = concat!("See [`kernels::", stringify!($name), "`].")]
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn $name(p: $params) {
+            // SAFETY: forwarded contract.
+            unsafe { kernels::$name::<Device>(p) }
+        }
+    )*};
 }
 
-/// # Safety
-/// See [`kernels::kv_store`].
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn kv_store(p: KvStoreParams) {
-    // SAFETY: forwarded contract.
-    unsafe { kernels::kv_store::<Device>(p) }
-}
-
-/// # Safety
-/// See [`kernels::copy_pages`].
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn copy_pages(p: CopyPagesParams) {
-    // SAFETY: forwarded contract.
-    unsafe { kernels::copy_pages::<Device>(p) }
-}
-
-/// # Safety
-/// See [`kernels::page_checksums`].
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn page_checksums(p: PageChecksumsParams) {
-    // SAFETY: forwarded contract.
-    unsafe { kernels::page_checksums::<Device>(p) }
-}
-
-/// # Safety
-/// See [`kernels::indexer_logits`].
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn indexer_logits(p: IndexerLogitsParams) {
-    // SAFETY: forwarded contract.
-    unsafe { kernels::indexer_logits::<Device>(p) }
-}
-
-/// # Safety
-/// See [`kernels::topk`].
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn topk(p: TopkParams) {
-    // SAFETY: forwarded contract.
-    unsafe { kernels::topk::<Device>(p) }
-}
-
-/// # Safety
-/// See [`kernels::sparse_mla`].
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn sparse_mla(p: SparseMlaParams) {
-    // SAFETY: forwarded contract.
-    unsafe { kernels::sparse_mla::<Device>(p) }
+entry_points! {
+    index_k_store(IndexKStoreParams);
+    kv_store(KvStoreParams);
+    copy_pages(CopyPagesParams);
+    page_checksums(PageChecksumsParams);
+    indexer_logits(IndexerLogitsParams);
+    topk(TopkParams);
+    sparse_mla(SparseMlaParams);
 }

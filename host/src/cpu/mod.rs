@@ -14,6 +14,7 @@ use std::sync::Arc;
 
 use half::bf16;
 
+use buffer::host_buffer_methods;
 pub use buffer::CpuBuffer;
 
 use crate::backend::Backend;
@@ -64,25 +65,7 @@ impl Backend for CpuBackend {
         true
     }
 
-    fn upload(&self, bytes: &[u8]) -> Result<CpuBuffer> {
-        Ok(CpuBuffer::from_bytes(bytes))
-    }
-
-    fn alloc(&self, bytes: usize) -> Result<CpuBuffer> {
-        Ok(CpuBuffer::zeroed(bytes))
-    }
-
-    fn alloc_host(&self, bytes: usize) -> Result<CpuBuffer> {
-        Ok(CpuBuffer::zeroed(bytes))
-    }
-
-    fn download(&self, buf: &CpuBuffer) -> Result<Vec<u8>> {
-        Ok(buf.bytes().to_vec())
-    }
-
-    fn buffer_len(&self, buf: &CpuBuffer) -> usize {
-        buf.len()
-    }
+    host_buffer_methods!();
 
     fn index_k_store(
         &self,
