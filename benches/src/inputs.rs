@@ -86,6 +86,26 @@ pub fn shuffled_page_table(
 /// Tokens stored per `index_k_store` / `kv_store` call while filling a cache.
 const STORE_CHUNK: usize = 16 * 1024;
 
+/// Fills every slot of a new zeroed pool of `pool_bytes` with random rows of `dim` bf16
+/// values, [`STORE_CHUNK`] slots per `store(slots, rows, cache)` call.
+fn filled_cache<B: Backend>(
+    backend: &B,
+    rng: &mut impl Rng,
+    pool_bytes: usize,
+    slots_total: usize,
+    dim: usize,
+    store: impl Fn(&[i64], &B::Buffer, &mut B::Buffer) -> Result<()>,
+) -> Result<B::Buffer> {
+    let mut cache = backend.alloc(pool_bytes)?;
+    for start in (0..slots_total).step_by(STORE_CHUNK) {
+        let end = (start + STORE_CHUNK).min(slots_total);
+        let slots: Vec<i64> = (start as i64..end as i64).collect();
+        let rows = backend.upload(&bf16_bytes(&bf16_values(rng, slots.len() * dim, 1.0)))?;
+        store(&slots, &rows, &mut cache)?;
+    }
+    Ok(cache)
+}
+
 /// Fills a whole paged index-K cache (every slot of every page) with random keys through
 /// `backend.index_k_store`; returns the cache buffer.
 pub fn filled_index_k_cache<B: Backend>(
@@ -94,23 +114,15 @@ pub fn filled_index_k_cache<B: Backend>(
     layout: IndexKLayout,
     num_pages: usize,
 ) -> Result<B::Buffer> {
-    let mut cache = backend.upload(&vec![0u8; layout.buffer_bytes(num_pages)])?;
     let slots_total = num_pages * layout.page_size();
-    let d = layout.head_dim();
-    for start in (0..slots_total).step_by(STORE_CHUNK) {
-        let end = (start + STORE_CHUNK).min(slots_total);
-        let slots: Vec<i64> = (start as i64..end as i64).collect();
-        let keys = backend.upload(&bf16_bytes(&bf16_values(rng, slots.len() * d, 1.0)))?;
-        backend.index_k_store(
-            &IndexKStore {
-                layout,
-                slots: &slots,
-            },
-            &keys,
-            &mut cache,
-        )?;
-    }
-    Ok(cache)
+    filled_cache(
+        backend,
+        rng,
+        layout.buffer_bytes(num_pages),
+        slots_total,
+        layout.head_dim(),
+        |slots, keys, cache| backend.index_k_store(&IndexKStore { layout, slots }, keys, cache),
+    )
 }
 
 /// Fills a whole paged KV cache with random `[latent | rope]` tokens through
@@ -121,23 +133,15 @@ pub fn filled_kv_cache<B: Backend>(
     layout: KvLayout,
     num_pages: usize,
 ) -> Result<B::Buffer> {
-    let mut cache = backend.upload(&vec![0u8; layout.bytes_per_page() * num_pages])?;
     let slots_total = num_pages * layout.page_size();
-    let d = layout.d_qk();
-    for start in (0..slots_total).step_by(STORE_CHUNK) {
-        let end = (start + STORE_CHUNK).min(slots_total);
-        let slots: Vec<i64> = (start as i64..end as i64).collect();
-        let kv = backend.upload(&bf16_bytes(&bf16_values(rng, slots.len() * d, 1.0)))?;
-        backend.kv_store(
-            &KvStore {
-                layout,
-                slots: &slots,
-            },
-            &kv,
-            &mut cache,
-        )?;
-    }
-    Ok(cache)
+    filled_cache(
+        backend,
+        rng,
+        layout.buffer_bytes(num_pages),
+        slots_total,
+        layout.d_qk(),
+        |slots, kv, cache| backend.kv_store(&KvStore { layout, slots }, kv, cache),
+    )
 }
 
 /// Shape of an `indexer_logits` bench.
