@@ -109,6 +109,22 @@ pub enum Error {
     /// A cache operation was cancelled (request aborted, worker stopped).
     #[error("cancelled: {0}")]
     Cancelled(String),
+    /// A bounded wait (a layer's ready token, a layer lock, free pages) ran out.
+    #[error("timed out after {waited_ms} ms waiting for {what}")]
+    Timeout { what: &'static str, waited_ms: u64 },
+    /// A page's bytes in a layer were not written for the reference's generation (never
+    /// landed, or overwritten by a stale write): the landed-stamp check of a read guard.
+    #[error("page {page} layer {layer}: not landed for generation {generation} (stamp {stamp:?})")]
+    NotLanded {
+        page: u32,
+        layer: usize,
+        generation: u32,
+        stamp: Option<u32>,
+    },
+    /// One request of a batch cannot be served (its load or transfer failed, it was
+    /// aborted, ...): `cause` says why; drop the request from the batch and go on.
+    #[error("request {request}: {cause}")]
+    RequestFailed { request: u64, cause: Box<Error> },
     /// The backend does not implement this op (yet).
     #[error("backend {backend} does not implement {op}")]
     NotImplemented { backend: String, op: &'static str },

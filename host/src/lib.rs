@@ -11,6 +11,7 @@ pub mod error;
 pub mod kernel_params;
 pub mod layout;
 pub mod ops;
+mod sync;
 
 pub use backend::Backend;
 pub use cpu::CpuBackend;

@@ -1,21 +1,56 @@
 //! The hierarchical cache on the CPU backend: round trips through the host tier, integrity
-//! checks, fences, generations, accounting, and one test per fault injection showing the
-//! check that catches it (and that, without the check, the corruption is real).
+//! checks, fences, generations, accounting, one regression test per defect of issue 7, and
+//! one test per fault injection showing the check that catches it (and that, without the
+//! check, the corruption is real). Concurrency is driven by threads, a copy gate and
+//! bounded waits, never by sleeps.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic
 
 mod common;
 
-use std::time::Duration;
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Arc};
 
-use common::{cache, cache_on, spec, Expect, Sim, LAYERS, PAGE};
-use sparsekit_host::cache::{BufferKind, CacheConfig, Fault, Faults, HostLayout};
+use common::{
+    cache, cache_on, prompt, read_pages, spec, store_layer, Expect, Flaky, BOUND, LAYERS, PAGE,
+};
+use sparsekit_host::cache::{BufferKind, CacheConfig, Fault, Faults, HiCache, HostLayout, SlotRef};
 use sparsekit_host::layout::{IndexKDtype, KvDtype};
-use sparsekit_host::ops::PagedRegion;
-use sparsekit_host::{Backend, EmuBackend, Error};
+use sparsekit_host::ops::{PageChecksums, PagedRegion};
+use sparsekit_host::{Backend, CpuBackend, EmuBackend, Error};
 
-fn prompt(base: u32, len: usize) -> Vec<u32> {
-    (0..len as u32).map(|i| base * 1000 + i).collect()
+const BF: (KvDtype, IndexKDtype) = (KvDtype::Bf16, IndexKDtype::Bf16);
+
+/// Runs `f` on a thread and waits for it at most `BOUND` (a deadlock fails the test
+/// instead of hanging it).
+fn bounded<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(BOUND).expect("blocked past its bound")
+}
+
+/// A flaky-backend cache whose prefix `a` (2 pages) is cached only in the host tier.
+fn host_only_prefix(
+    cfg: CacheConfig,
+) -> (
+    Arc<HiCache<Flaky>>,
+    Arc<common::FlakyCtl>,
+    Arc<Expect>,
+    Vec<u32>,
+) {
+    let (b, ctl) = Flaky::new();
+    let c = Arc::new(cache_on(b, spec(BF.0, BF.1), cfg));
+    let e = Arc::new(Expect::default());
+    let a = prompt(1, 2 * PAGE);
+    assert_eq!(e.request(&*c, 1, &a, false).unwrap(), 0);
+    assert_eq!(c.evict_device(2).unwrap(), 2);
+    // Another request leaves its own bytes in the freed device pages.
+    e.request(&*c, 9, &prompt(9, 2 * PAGE), true).unwrap();
+    let s = c.leak_check().unwrap();
+    assert_eq!((s.host_cached, s.device_cached), (2, 0), "{s:?}");
+    (c, ctl, e, a)
 }
 
 #[test]
@@ -26,64 +61,32 @@ fn prefix_reuse_through_the_host_tier_is_bit_exact() {
                 let mut cfg = CacheConfig::new(6, 16);
                 cfg.host_layout = layout;
                 let c = cache(spec(kv, ik), cfg);
-                let mut e = Expect::default();
+                let e = Expect::default();
                 let a = prompt(1, 4 * PAGE + 2);
                 assert_eq!(e.request(&c, 1, &a, false).unwrap(), 0);
-                // A different prompt fills the device and pushes `a` to the host tier.
+                // A different prompt fills the device and pushes `a` to the host tier
+                // (the allocation waits for the backups: backpressure).
                 assert_eq!(e.request(&c, 2, &prompt(2, 5 * PAGE), false).unwrap(), 0);
                 let s = c.leak_check().unwrap();
                 assert!(s.backups > 0 && s.host_cached > 0, "{s:?}");
                 // `a` again: its 4 full pages come back from the host, verified.
                 assert_eq!(e.request(&c, 3, &a, false).unwrap(), 4 * PAGE);
                 let s = c.leak_check().unwrap();
-                // LRU evicts leaves first: the root-side page may stay on the device.
                 assert_eq!(s.hits_host_pages + s.hits_device_pages, 4, "{s:?}");
                 assert!(s.hits_host_pages >= 3, "{s:?}");
-                assert!(e.hits_checked >= 4 * LAYERS * 2);
-                assert_eq!(s.device_in_use, 0);
+                assert!(e.hits_checked.load(Ordering::Relaxed) >= 4 * LAYERS as u64);
+                assert_eq!((s.device_in_use, s.device_quarantined), (0, 0));
             }
         }
     }
 }
 
 #[test]
-fn a_corrupted_host_page_fails_the_load_and_is_dropped() {
-    let c = cache(
-        spec(KvDtype::Fp8DsMla, IndexKDtype::Bf16),
-        CacheConfig::new(4, 8),
-    );
-    let mut e = Expect::default();
-    let a = prompt(1, 3 * PAGE);
-    e.request(&c, 1, &a, false).unwrap();
-    c.evict_device(3).unwrap();
-    assert_eq!(c.stats().unwrap().host_cached, 3);
-    // Flip one byte of layer 1's index-K in every host page.
-    {
-        let host = c.host().unwrap();
-        let region = host.region(1, BufferKind::IndexK);
-        let mut buf = host.write().unwrap();
-        let mut bytes = c.backend().download(&buf).unwrap();
-        for p in 0..host.num_pages() {
-            bytes[region.page_range(p).start + 7] ^= 0x10;
-        }
-        *buf = c.backend().upload(&bytes).unwrap();
-    }
-    let err = e.request(&c, 2, &a, false).unwrap_err();
-    assert!(matches!(err, Error::Integrity { layer: 1, .. }), "{err:?}");
-    let s = c.leak_check().unwrap();
-    assert_eq!(s.integrity_failures, 1);
-    assert_eq!(s.host_cached, 0, "failed pages are dropped, never served");
-    // Recomputed from scratch afterwards.
-    assert_eq!(e.request(&c, 3, &a, false).unwrap(), 0);
-    c.leak_check().unwrap();
-}
-
-#[test]
 fn verification_can_be_turned_off_for_benchmarks() {
     let mut cfg = CacheConfig::new(4, 8);
     cfg.verify = false;
-    let c = cache(spec(KvDtype::Bf16, IndexKDtype::Bf16), cfg);
-    let mut e = Expect::default();
+    let c = cache(spec(BF.0, BF.1), cfg);
+    let e = Expect::default();
     let a = prompt(1, 3 * PAGE);
     e.request(&c, 1, &a, false).unwrap();
     c.evict_device(3).unwrap();
@@ -91,203 +94,666 @@ fn verification_can_be_turned_off_for_benchmarks() {
     c.leak_check().unwrap();
 }
 
-/// `host-pool-fp8-layout`: the mirror's index-K rows are sized fp8 under a bf16 device.
-/// The descriptor check on every copy refuses the mismatch; without it the device rows
-/// (256 B/token here 64 B) would not even fit the host rows.
+/// Defect 1: a request matching a prefix whose load is in flight shares that load's
+/// fence: it cannot read before the bytes landed, and then reads the committed bytes.
+#[test]
+fn d1_a_second_request_on_an_in_flight_load_waits_for_it() {
+    let (c, ctl, e, a) = host_only_prefix(CacheConfig::new(4, 8));
+    ctl.close_gate();
+    let p2 = c.begin(2, &a).unwrap();
+    assert_eq!(p2.loaded_pages, 2);
+    ctl.wait_held(1);
+    let p3 = c.begin(3, &a).unwrap();
+    assert_eq!(
+        (p3.loaded_pages, p3.shared_in_flight_pages, &p3.pages),
+        (0, 2, &p2.pages),
+        "request 3 shares request 2's load"
+    );
+    let step = c.step(&[3]).unwrap();
+    assert!(!step.ready(0).unwrap() && !step.ready(LAYERS - 1).unwrap());
+    drop(step);
+    let (c2, e2, a2, p3c) = (c.clone(), e.clone(), a.clone(), p3.clone());
+    let reader = std::thread::spawn(move || {
+        let mut step = c2.step(&[3]).unwrap();
+        let pages = p3c.pages.clone();
+        e2.forward(&c2, &mut step, &a2, &p3c, &pages)
+    });
+    ctl.open_gate();
+    reader.join().unwrap().expect("request 3 read the committed bytes");
+    c.finish(3).unwrap();
+    c.finish(2).unwrap();
+    let s = c.leak_check().unwrap();
+    assert_eq!((s.hits_in_flight_pages, s.loads), (2, 1), "{s:?}");
+}
+
+/// Defect 2: a failed load never frees pages a live request still holds. Two live
+/// requests share a load that fails its integrity check; one of them has its own pages
+/// and an open step. Their waits fail with a typed error, their paths stay (leak_check),
+/// the step's pages stay quarantined until it ends, and no other request gets any of them.
+#[test]
+fn d2_a_failed_load_frees_nothing_a_live_request_holds() {
+    let mut cfg = CacheConfig::new(8, 8);
+    cfg.faults = Faults::with(&[Fault::HostBitFlip]);
+    let (c, ctl, _e, a) = host_only_prefix(cfg);
+    ctl.close_gate();
+    let p2 = c.begin(2, &a).unwrap();
+    let mut long = a.clone();
+    long.extend(prompt(3, PAGE + 1));
+    let p3 = c.begin(3, &long).unwrap();
+    assert_eq!(p3.shared_in_flight_pages, 2);
+    let own3 = c.alloc(3, 2).unwrap();
+    let step3 = c.step(&[3]).unwrap();
+    ctl.open_gate();
+    let err = step3.wait(LAYERS - 1).unwrap_err();
+    assert!(
+        matches!(&err, Error::RequestFailed { request: 3, cause } if matches!(**cause, Error::Integrity { .. })),
+        "{err:?}"
+    );
+    let s = c.leak_check().unwrap();
+    assert_eq!(s.integrity_failures, 1);
+    assert_eq!(s.host_cached, 0, "failed host copies are dropped, never served");
+    assert_eq!(s.device_quarantined, 2, "the step still pins the failed pages: {s:?}");
+    // Request 4 takes every free page: none is request 3's or pinned by its step.
+    c.begin(4, &[]).unwrap();
+    let got = c.alloc(4, s.device_free).unwrap();
+    for p in &got {
+        assert!(!own3.contains(p) && !p2.pages.iter().any(|q| q.id == p.id), "{p:?}");
+    }
+    c.leak_check().unwrap();
+    assert!(matches!(c.commit(3, &long, &[p3.pages.clone(), own3].concat()), Err(Error::InvalidArgument { .. } | Error::RequestFailed { .. })));
+    drop(step3);
+    assert_eq!(c.stats().device_quarantined, 0);
+    for r in [2, 3, 4] {
+        c.abort(r).unwrap();
+        c.leak_check().unwrap();
+    }
+    let s = c.leak_check().unwrap();
+    assert_eq!(s.device_free + s.device_cached, 8, "{s:?}");
+    // Nothing of the failed prefix is served again.
+    assert_eq!(c.begin(5, &a).unwrap().tokens, 0);
+}
+
+/// Defect 3: a panic in the io worker fails the load's waiters within the bound (typed),
+/// leaves no node serving unloaded pages, poisons nothing; the next load works.
+#[test]
+fn d3_a_panicking_io_job_fails_its_waiters_and_the_cache_goes_on() {
+    let (c, ctl, e, a) = host_only_prefix(CacheConfig::new(4, 8));
+    ctl.panic_next.store(1, Ordering::SeqCst);
+    c.begin(2, &a).unwrap();
+    let c2 = c.clone();
+    let err = bounded(move || c2.step(&[2]).and_then(|s| s.wait(0).map(|_| ())));
+    let err = err.unwrap_err();
+    assert!(
+        matches!(&err, Error::RequestFailed { cause, .. } if matches!(&**cause, Error::Cancelled(m) if m.contains("panicked"))),
+        "{err:?}"
+    );
+    // A later request does not get the unloaded pages as ready: it loads them again.
+    let p = c.begin(3, &a).unwrap();
+    assert_eq!((p.loaded_pages, p.shared_in_flight_pages), (2, 0));
+    c.abort(3).unwrap();
+    c.abort(2).unwrap();
+    assert_eq!(e.request(&*c, 4, &a, false).unwrap(), 2 * PAGE);
+    let s = c.leak_check().unwrap();
+    assert_eq!((s.load_failures, s.loads), (1, 1), "{s:?}");
+}
+
+/// Defect 4: holding a layer's guard (both views) while the io worker wants to write that
+/// layer cannot deadlock: one lock per layer, never a second one.
+#[test]
+fn d4_both_views_of_a_layer_do_not_deadlock_against_the_io_worker() {
+    let (c, _ctl, e, a) = host_only_prefix(CacheConfig::new(8, 8));
+    let b = prompt(5, 2 * PAGE);
+    e.request(&*c, 5, &b, false).unwrap();
+    let (c2, e2) = (c.clone(), e.clone());
+    bounded(move || {
+        let p = c2.begin(6, &b).unwrap();
+        assert_eq!(p.loaded_pages, 0);
+        let mut step = c2.step(&[6]).unwrap();
+        let g = step.wait_layer(0).unwrap();
+        let (kv, ik) = g.views().unwrap();
+        // The io worker now loads `a` and needs layer 0 for writing.
+        let p7 = c2.begin(7, &a).unwrap();
+        assert_eq!(p7.loaded_pages, 2);
+        let (kv2, ik2) = g.views().unwrap();
+        assert!(std::ptr::eq(kv, kv2) && std::ptr::eq(ik, ik2));
+        drop(g);
+        drop(step);
+        c2.finish(6).unwrap();
+        let mut step = c2.step(&[7]).unwrap();
+        e2.forward(&c2, &mut step, &a, &p7, &p7.pages.clone()).unwrap();
+        drop(step);
+        c2.finish(7).unwrap();
+    });
+    c.leak_check().unwrap();
+}
+
+/// Defect 5: readiness is a type. Tokens come only from a step's wait and only work on
+/// that step; there is no unfenced read path without the cache being built with the
+/// fault; stores need a current page reference the batch owns.
+#[test]
+fn d5_tokens_are_bound_to_their_step_and_stores_to_owned_current_pages() {
+    let (c, ctl, _e, a) = host_only_prefix(CacheConfig::new(8, 8));
+    c.begin(2, &prompt(2, 3)).unwrap();
+    let own = c.alloc(2, 1).unwrap();
+    c.begin(3, &prompt(3, 3)).unwrap();
+    let other = c.alloc(3, 1).unwrap();
+    let mut s2 = c.step(&[2]).unwrap();
+    let s3 = c.step(&[3]).unwrap();
+    let t3 = s3.wait(0).unwrap();
+    assert!(matches!(s2.layer(t3), Err(Error::InvalidArgument { .. })), "foreign token");
+    let mut g = s2.wait_layer(0).unwrap();
+    let kv = c.backend().upload(&vec![0u8; c.spec().kv.d_qk() * 2]).unwrap();
+    let slot = |page| [SlotRef { page, offset: 1 }];
+    assert!(matches!(g.kv_store(&slot(other[0]), &kv), Err(Error::InvalidArgument { .. })), "a page of a request outside the step");
+    let stale = sparsekit_host::cache::PageRef { generation: own[0].generation + 1, ..own[0] };
+    assert!(matches!(g.kv_store(&slot(stale), &kv), Err(Error::StalePage { .. })));
+    assert!(matches!(g.kv_store(&[SlotRef { page: own[0], offset: PAGE as u32 }], &kv), Err(Error::InvalidArgument { .. })));
+    g.kv_store(&slot(own[0]), &kv).unwrap();
+    drop(g);
+    drop((s2, s3));
+    assert_eq!(c.stats().stale_writes_refused, 1);
+    // A load in flight: the step's layer is not ready and the bounded wait says so.
+    ctl.close_gate();
+    let mut cfg = CacheConfig::new(8, 8);
+    cfg.wait_timeout = std::time::Duration::from_millis(50);
+    drop(cfg);
+    c.begin(4, &a).unwrap();
+    let s4 = c.step(&[4]).unwrap();
+    assert!(!s4.ready(0).unwrap());
+    ctl.open_gate();
+    s4.wait(LAYERS - 1).unwrap();
+    drop(s4);
+    for r in [2, 3, 4] {
+        c.finish(r).unwrap();
+    }
+    c.leak_check().unwrap();
+}
+
+/// Every wait is bounded: a load held past `wait_timeout` gives `Timeout`, not a hang.
+#[test]
+fn waits_are_bounded() {
+    let mut cfg = CacheConfig::new(4, 8);
+    cfg.wait_timeout = std::time::Duration::from_millis(100);
+    let (c, ctl, _e, a) = host_only_prefix(cfg);
+    ctl.close_gate();
+    c.begin(2, &a).unwrap();
+    let c2 = c.clone();
+    let r = bounded(move || c2.step(&[2]).and_then(|s| s.wait(0).map(|_| ())));
+    assert!(
+        matches!(&r, Err(Error::RequestFailed { cause, .. }) if matches!(**cause, Error::Timeout { .. })),
+        "{r:?}"
+    );
+    // Device room that never comes: OutOfPages after the bound.
+    c.begin(3, &[]).unwrap();
+    let c3 = c.clone();
+    let r = bounded(move || c3.alloc(3, 5));
+    assert!(matches!(r, Err(Error::OutOfPages { .. })), "{r:?}");
+    ctl.open_gate();
+    c.abort(2).unwrap();
+    c.abort(3).unwrap();
+    c.leak_check().unwrap();
+}
+
+/// Defect 6: commit rejects the same page twice, a prefix page at another position, and
+/// pages the request does not own, with typed errors and no change.
+#[test]
+fn d6_commit_checks_its_pages() {
+    let c = cache(spec(BF.0, BF.1), CacheConfig::new(8, 0));
+    let e = Expect::default();
+    let a = prompt(1, 2 * PAGE);
+    e.request(&c, 1, &a, false).unwrap();
+    let mut long = a.clone();
+    long.extend(prompt(2, 2 * PAGE));
+    let p = c.begin(2, &long).unwrap();
+    assert_eq!(p.pages.len(), 2);
+    let own = c.alloc(2, 2).unwrap();
+    let before = c.leak_check().unwrap();
+    let dup = [p.pages[0], p.pages[1], own[0], own[0]];
+    assert!(matches!(c.commit(2, &long, &dup), Err(Error::DuplicatePage { .. })));
+    let swapped = [p.pages[1], p.pages[0], own[0], own[1]];
+    assert!(matches!(c.commit(2, &long, &swapped), Err(Error::InvalidArgument { .. })));
+    let foreign = [p.pages[0], p.pages[1], own[0], p.pages[0]];
+    assert!(c.commit(2, &long, &foreign).is_err());
+    let bogus = sparsekit_host::cache::PageRef { generation: 77, ..own[1] };
+    assert!(c.commit(2, &long, &[p.pages[0], p.pages[1], own[0], bogus]).is_err());
+    let mut other = long.clone();
+    other[0] += 1;
+    assert!(matches!(c.commit(2, &other, &[p.pages[0], p.pages[1], own[0], own[1]]), Err(Error::InvalidArgument { .. })), "tokens that are not the matched prefix");
+    assert_eq!(c.leak_check().unwrap(), before, "rejected commits change nothing");
+    c.abort(2).unwrap();
+    c.leak_check().unwrap();
+    assert_eq!(e.request(&c, 3, &long, false).unwrap(), 2 * PAGE);
+    assert_eq!(e.request(&c, 4, &long, false).unwrap(), 4 * PAGE);
+    c.leak_check().unwrap();
+}
+
+/// Defect 7: a backup whose copy fails frees the host pages it allocated.
+#[test]
+fn d7_a_failed_backup_frees_its_host_pages() {
+    let (b, ctl) = Flaky::new();
+    let c = cache_on(b, spec(BF.0, BF.1), CacheConfig::new(4, 8));
+    let e = Expect::default();
+    e.request(&c, 1, &prompt(1, 3 * PAGE), false).unwrap();
+    ctl.fail_next.store(1, Ordering::SeqCst);
+    let err = c.evict_device(3).unwrap_err();
+    assert!(matches!(err, Error::Device(_)), "{err:?}");
+    let s = c.leak_check().unwrap();
+    assert_eq!((s.host_free, s.backup_failures), (8, 1), "{s:?}");
+    // The eviction went ahead without a host copy; the device pages are free again.
+    assert_eq!(s.device_free, 4, "{s:?}");
+}
+
+/// `host-pool-fp8-layout`: the mirror's index-K rows are sized fp8 under a bf16 device;
+/// the descriptor check of every copy refuses it (and the backup frees its host pages).
 #[test]
 fn fault_host_pool_fp8_layout_is_refused_by_the_descriptor_check() {
     let mut cfg = CacheConfig::new(4, 8);
     cfg.faults = Faults::with(&[Fault::HostPoolFp8Layout]);
-    let c = cache(spec(KvDtype::Bf16, IndexKDtype::Bf16), cfg);
-    let host_row = c
-        .host()
-        .unwrap()
-        .region(0, BufferKind::IndexK)
-        .layout
-        .bytes_per_page();
-    let dev_row = c
-        .device()
-        .region(BufferKind::IndexK)
-        .layout
-        .bytes_per_page();
-    assert!(host_row < dev_row, "the fault really shrinks the host rows");
-    let mut e = Expect::default();
+    let c = cache(spec(BF.0, BF.1), cfg);
+    let host_page = c.host_region(0, BufferKind::IndexK).unwrap().layout.bytes_per_page();
+    let dev_page = c.device_region(BufferKind::IndexK).layout.bytes_per_page();
+    assert!(host_page < dev_page, "the fault really shrinks the host rows");
+    let e = Expect::default();
     e.request(&c, 1, &prompt(1, 3 * PAGE), false).unwrap();
     let err = c.evict_device(3).unwrap_err();
     assert!(matches!(err, Error::LayoutMismatch { .. }), "{err:?}");
+    let s = c.leak_check().unwrap();
+    assert_eq!(s.host_free, 8);
     // Without the fault the same sequence works.
-    let c = cache(
-        spec(KvDtype::Bf16, IndexKDtype::Bf16),
-        CacheConfig::new(4, 8),
-    );
-    Expect::default()
-        .request(&c, 1, &prompt(1, 3 * PAGE), false)
-        .unwrap();
+    let c = cache(spec(BF.0, BF.1), CacheConfig::new(4, 8));
+    Expect::default().request(&c, 1, &prompt(1, 3 * PAGE), false).unwrap();
     assert_eq!(c.evict_device(3).unwrap(), 3);
 }
 
-/// `skip-index-wait`: reading index-K without the ready token during a slow load sees
-/// bytes that have not landed; the fenced read of the same layer sees the right ones.
+/// `skip-index-wait`: the step hands out the layer without waiting for the load. The
+/// landed-stamp check refuses the read; with that check also off (`no-landed-check`) the
+/// bytes read are not the committed ones (the corruption is real); without the fault the
+/// same read waits and is right.
 #[test]
-fn fault_skip_index_wait_reads_unlanded_bytes_and_the_fence_prevents_it() {
-    let mut cfg = CacheConfig::new(4, 8);
-    cfg.io_delay = Duration::from_millis(150);
-    cfg.faults = Faults::with(&[Fault::SkipIndexWait]);
-    let c = cache(spec(KvDtype::Bf16, IndexKDtype::FP8), cfg);
-    let mut e = Expect::default();
-    let a = prompt(1, 2 * PAGE);
-    e.request(&c, 1, &a, false).unwrap();
-    c.evict_device(2).unwrap();
-    // Another request leaves its own bytes in the freed device pages.
-    e.request(&c, 9, &prompt(9, 2 * PAGE), true).unwrap();
-    let prefix = c.begin(2, &a).unwrap();
-    assert_eq!(prefix.loaded_pages, 2);
-    let sim = Sim { cache: &c };
-    let page = prefix.pages[0];
-    let faults = Faults::with(&[Fault::SkipIndexWait]);
-    let unfenced = {
-        let view = c.device().index_k_unfenced(LAYERS - 1, &faults).unwrap();
-        c.backend().download(view.buffer()).unwrap()[c
-            .device()
-            .region(BufferKind::IndexK)
-            .page_range(page.id as usize)]
-        .to_vec()
-    };
-    let fenced = sim
-        .read(&prefix, LAYERS - 1, BufferKind::IndexK, page)
-        .unwrap();
-    assert_ne!(
-        unfenced, fenced,
-        "without the wait the index keys are not there yet"
-    );
-    // Without the fault there is no unfenced path at all.
-    assert!(c.device().index_k_unfenced(0, &Faults::none()).is_err());
-    c.finish(2).unwrap();
-    // And the fenced path served what was computed.
-    assert_eq!(e.request(&c, 3, &a, false).unwrap(), 2 * PAGE);
-    c.leak_check().unwrap();
+fn fault_skip_index_wait_is_caught_by_the_landed_stamps() {
+    for faults in [
+        vec![Fault::SkipIndexWait],
+        vec![Fault::SkipIndexWait, Fault::NoLandedCheck],
+        vec![Fault::NoLandedCheck],
+        vec![],
+    ] {
+        let mut cfg = CacheConfig::new(4, 8);
+        cfg.faults = Faults::with(&faults);
+        let (c, ctl, e, a) = host_only_prefix(cfg);
+        ctl.close_gate();
+        let p = c.begin(2, &a).unwrap();
+        ctl.wait_held(1);
+        let skip = faults.contains(&Fault::SkipIndexWait);
+        let stamps = !faults.contains(&Fault::NoLandedCheck);
+        let mut step = c.step(&[2]).unwrap();
+        if skip {
+            let t = step.wait(LAYERS - 1).expect("the fault skips the wait");
+            match step.layer(t) {
+                Err(Error::RequestFailed { cause, .. }) => {
+                    assert!(stamps && matches!(*cause, Error::NotLanded { .. }), "{faults:?}");
+                }
+                Ok(g) => {
+                    assert!(!stamps, "{faults:?}");
+                    let got = read_pages(&*c, &g, &p.pages).unwrap();
+                    assert!(
+                        e.check(&a, 0, LAYERS - 1, &got[0]).is_err(),
+                        "without both checks the bytes read are not the committed ones"
+                    );
+                }
+                Err(other) => panic!("{other:?}"),
+            }
+            drop(step);
+            ctl.open_gate();
+        } else {
+            assert!(!step.ready(LAYERS - 1).unwrap());
+            let (c2, e2, a2, p2) = (c.clone(), e.clone(), a.clone(), p.clone());
+            drop(step);
+            let reader = std::thread::spawn(move || {
+                let mut step = c2.step(&[2]).unwrap();
+                e2.forward(&c2, &mut step, &a2, &p2, &p2.pages.clone())
+            });
+            ctl.open_gate();
+            reader.join().unwrap().unwrap();
+        }
+        c.abort(2).unwrap();
+        c.leak_check().unwrap();
+    }
 }
 
-/// `shared-item-size`: backing up into a page-first host tier with the device's row
-/// geometry scatters pages to the wrong host offsets; load verification catches it, and
-/// with verification off the corrupted bytes would be served.
+/// `shared-item-size` (the KV page size used for index-K host copies) corrupts the host
+/// tier in both layouts; load verification catches it, and with verification off the
+/// corrupted bytes would be served.
 #[test]
-fn fault_shared_item_size_is_caught_by_checksums() {
-    for verify in [true, false] {
-        let mut cfg = CacheConfig::new(4, 8);
-        cfg.host_layout = HostLayout::PageFirst;
-        cfg.verify = verify;
-        cfg.faults = Faults::with(&[Fault::SharedItemSize]);
-        let c = cache(spec(KvDtype::Fp8DsMla, IndexKDtype::Bf16), cfg);
-        let mut e = Expect::default();
-        let a = prompt(1, 3 * PAGE);
-        e.request(&c, 1, &a, false).unwrap();
-        let backed_up = c.evict_device(3);
-        let outcome = backed_up.and_then(|_| e.request(&c, 2, &a, false));
-        let err = outcome.unwrap_err();
-        if verify {
-            assert!(
-                matches!(
-                    err,
-                    Error::Integrity {
-                        what: "host→device",
-                        ..
-                    }
-                ),
-                "caught by load verification: {err:?}"
-            );
-        } else {
-            // Verification off: the corrupted bytes reach the reader (the test's own
-            // comparison of served pages fails).
-            assert!(
-                matches!(
-                    err,
-                    Error::Integrity {
-                        what: "served page",
-                        ..
-                    }
-                ),
-                "{err:?}"
-            );
+fn fault_shared_item_size_is_caught_by_checksums_in_every_layout() {
+    for layout in [HostLayout::LayerFirst, HostLayout::PageFirst] {
+        for verify in [true, false] {
+            let mut cfg = CacheConfig::new(4, 8);
+            cfg.host_layout = layout;
+            cfg.verify = verify;
+            cfg.faults = Faults::with(&[Fault::SharedItemSize]);
+            let c = cache(spec(KvDtype::Fp8DsMla, IndexKDtype::Bf16), cfg);
+            let e = Expect::default();
+            let a = prompt(1, 3 * PAGE);
+            e.request(&c, 1, &a, false).unwrap();
+            c.evict_device(3).unwrap();
+            let err = e.request(&c, 2, &a, false).unwrap_err();
+            let what = match &err {
+                Error::RequestFailed { cause, .. } => match **cause {
+                    Error::Integrity { what, .. } => what,
+                    _ => panic!("{err:?}"),
+                },
+                Error::Integrity { what, .. } => what,
+                _ => panic!("{layout:?} verify {verify}: {err:?}"),
+            };
+            assert_eq!(what, if verify { "host→device" } else { "served page" }, "{layout:?}");
+            c.leak_check().unwrap();
         }
     }
 }
 
-/// `no-generation-check`: a late write for an aborted request's page lands in the page
-/// now owned by another request unless generations are checked.
+/// `host-bit-flip`: host memory corruption after the backup; load checksums catch it (and
+/// the failed pages are dropped and recomputed), without verification it is served.
 #[test]
-fn fault_no_generation_check_lets_stale_writes_corrupt_a_reused_page() {
-    for fault in [false, true] {
+fn fault_host_bit_flip_is_caught_by_checksums() {
+    for verify in [true, false] {
         let mut cfg = CacheConfig::new(4, 8);
-        if fault {
-            cfg.faults = Faults::with(&[Fault::NoGenerationCheck]);
+        cfg.verify = verify;
+        cfg.faults = Faults::with(&[Fault::HostBitFlip]);
+        let c = cache(spec(KvDtype::Fp8DsMla, IndexKDtype::FP8), cfg);
+        let e = Expect::default();
+        let a = prompt(1, 3 * PAGE);
+        e.request(&c, 1, &a, false).unwrap();
+        c.evict_device(3).unwrap();
+        let err = e.request(&c, 2, &a, false).unwrap_err();
+        let Error::RequestFailed { cause, .. } = &err else { panic!("{err:?}") };
+        if verify {
+            assert!(matches!(**cause, Error::Integrity { what: "host→device", layer, .. } if layer == LAYERS - 1), "{err:?}");
+            let s = c.leak_check().unwrap();
+            assert_eq!((s.integrity_failures, s.host_cached), (1, 0));
+            assert_eq!(e.request(&c, 3, &a, false).unwrap(), 0, "recomputed");
+        } else {
+            assert!(matches!(**cause, Error::Integrity { what: "served page", .. }), "{err:?}");
         }
-        let c = cache(spec(KvDtype::Bf16, IndexKDtype::Bf16), cfg);
+        c.leak_check().unwrap();
+    }
+}
+
+/// `no-generation-check`: a store through a stale reference to a page now owned by
+/// another request of the batch. Refused by the generation check; with the fault it lands
+/// and the landed stamp catches it; with both off the other request reads corrupted bytes.
+#[test]
+fn fault_no_generation_check_is_caught_by_the_landed_stamps() {
+    for faults in [vec![], vec![Fault::NoGenerationCheck], vec![Fault::NoGenerationCheck, Fault::NoLandedCheck]] {
+        let mut cfg = CacheConfig::new(4, 0);
+        cfg.faults = Faults::with(&faults);
+        let c = cache(spec(BF.0, BF.1), cfg);
+        let spec = *c.spec();
         c.begin(1, &[]).unwrap();
         let stale = c.alloc(1, 1).unwrap()[0];
         c.abort(1).unwrap();
-        // Request 2 gets the same page and writes its data.
-        c.begin(2, &[]).unwrap();
+        let toks = prompt(2, PAGE);
+        c.begin(2, &toks).unwrap();
         let fresh = c.alloc(2, 1).unwrap()[0];
         assert_eq!(fresh.id, stale.id);
         assert_ne!(fresh.generation, stale.generation);
-        let sim = Sim { cache: &c };
-        let toks = prompt(2, PAGE);
-        sim.write(&toks, &[fresh], 0).unwrap();
-        let before = c.backend().download(&c.layer_mut(0).unwrap().kv).unwrap();
-        // The late frame for request 1.
-        let kv_layout = c.spec().kv;
-        let src = c
-            .backend()
-            .upload(&vec![0xEE; kv_layout.bytes_per_page()])
-            .unwrap();
-        let res = c.write_pages(
-            0,
-            BufferKind::Kv,
-            &[stale],
-            &src,
-            PagedRegion::contiguous(kv_layout, 1),
-            &[0],
-        );
-        let after = c.backend().download(&c.layer_mut(0).unwrap().kv).unwrap();
-        if fault {
-            assert!(res.is_ok());
-            assert_ne!(before, after, "the stale write corrupted request 2's page");
-        } else {
-            assert!(matches!(res, Err(Error::StalePage { .. })), "{res:?}");
-            assert_eq!(before, after, "request 2's page is intact");
-            assert_eq!(c.stats().unwrap().stale_writes_refused, 1);
+        let mut step = c.step(&[2]).unwrap();
+        let mut g = step.wait_layer(0).unwrap();
+        store_layer(&mut g, c.backend(), &spec, &toks, &[fresh], 0).unwrap();
+        let want = read_pages(&c, &g, &[fresh]).unwrap();
+        // The late write for request 1.
+        let junk = c.backend().upload(&vec![0x3Cu8; PAGE * spec.kv.d_qk() * 2]).unwrap();
+        let slots: Vec<SlotRef> = (0..PAGE as u32).map(|offset| SlotRef { page: stale, offset }).collect();
+        let res = g.kv_store(&slots, &junk);
+        match faults.len() {
+            0 => {
+                assert!(matches!(res, Err(Error::StalePage { .. })), "{res:?}");
+                assert_eq!(read_pages(&c, &g, &[fresh]).unwrap(), want, "request 2's page is intact");
+            }
+            1 => {
+                res.unwrap();
+                let r = g.views();
+                assert!(matches!(&r, Err(Error::RequestFailed { cause, .. }) if matches!(**cause, Error::NotLanded { .. })), "{r:?}");
+            }
+            _ => {
+                res.unwrap();
+                assert_ne!(read_pages(&c, &g, &[fresh]).unwrap(), want, "the stale write corrupted request 2's page");
+            }
         }
+        drop(g);
+        drop(step);
         c.finish(2).unwrap();
         c.leak_check().unwrap();
     }
 }
 
+/// Defect 9: aborting a request cancels its queued load (it never runs, its pages are
+/// free at once) and stops a running one at the next layer (its pages quarantined until
+/// then), while a load another request still waits for goes on.
+#[test]
+fn d9_abort_cancels_loads() {
+    let (c, ctl, e, a) = host_only_prefix(CacheConfig::new(8, 8));
+    let b = prompt(4, 2 * PAGE);
+    e.request(&*c, 4, &b, false).unwrap();
+    assert_eq!(c.evict_device(2).unwrap(), 2);
+    ctl.close_gate();
+    // Load of `b` for request 5 runs (held at the gate); `a` for request 2 queues behind.
+    c.begin(5, &b).unwrap();
+    ctl.wait_held(1);
+    c.begin(2, &a).unwrap();
+    c.begin(3, &a).unwrap(); // shares request 2's load
+    c.abort(2).unwrap();
+    assert_eq!(c.stats().cancelled_loads, 0, "request 3 still waits for it");
+    let free_before = c.stats().device_free;
+    c.abort(3).unwrap();
+    let s = c.leak_check().unwrap();
+    assert_eq!(s.cancelled_loads, 1, "{s:?}");
+    assert_eq!(s.device_free, free_before + 2, "a queued load's pages are free at once");
+    // The running load: abort quarantines its pages until the worker stops.
+    c.abort(5).unwrap();
+    let s = c.leak_check().unwrap();
+    assert_eq!(s.device_quarantined, 2, "{s:?}");
+    let copies = ctl.copies.load(Ordering::SeqCst);
+    ctl.open_gate();
+    let t = std::time::Instant::now();
+    while c.stats().device_quarantined > 0 {
+        assert!(t.elapsed() < BOUND);
+        std::thread::yield_now();
+    }
+    let s = c.leak_check().unwrap();
+    assert_eq!((s.cancelled_loads, s.loads), (2, 0), "{s:?}");
+    assert_eq!(ctl.copies.load(Ordering::SeqCst), copies, "no load ran a layer after its abort");
+    // Host copies of cancelled loads stay valid.
+    assert_eq!(e.request(&*c, 6, &a, false).unwrap(), 2 * PAGE);
+    c.leak_check().unwrap();
+}
+
+/// Defect 9: backups run on the io worker, off the state mutex: while one is held in its
+/// copy, begin / alloc / commit / finish / stats / leak_check all go on.
+#[test]
+fn d9_backups_do_not_block_the_hot_path() {
+    let (b, ctl) = Flaky::new();
+    let c = Arc::new(cache_on(b, spec(BF.0, BF.1), CacheConfig::new(8, 8)));
+    let e = Arc::new(Expect::default());
+    e.request(&*c, 1, &prompt(1, 3 * PAGE), false).unwrap();
+    ctl.close_gate();
+    let c2 = c.clone();
+    let evictor = std::thread::spawn(move || c2.evict_device(3));
+    ctl.wait_held(1);
+    let (c3, e3) = (c.clone(), e.clone());
+    bounded(move || {
+        assert_eq!(e3.request(&*c3, 2, &prompt(2, 2 * PAGE + 1), false).unwrap(), 0);
+        c3.stats();
+        c3.leak_check().unwrap();
+    });
+    ctl.open_gate();
+    assert_eq!(evictor.join().unwrap().unwrap(), 3);
+    let s = c.leak_check().unwrap();
+    assert_eq!(s.backups, 3);
+}
+
+/// Write-through: committed pages are backed up without an eviction asking, so a later
+/// eviction is immediate.
+#[test]
+fn write_through_backs_up_on_commit() {
+    let mut cfg = CacheConfig::new(8, 8);
+    cfg.write_through = true;
+    let c = cache(spec(BF.0, BF.1), cfg);
+    let e = Expect::default();
+    e.request(&c, 1, &prompt(1, 3 * PAGE), false).unwrap();
+    let t = std::time::Instant::now();
+    while c.stats().backups < 3 {
+        assert!(t.elapsed() < BOUND, "write-through backups never ran");
+        std::thread::yield_now();
+    }
+    let s = c.leak_check().unwrap();
+    assert_eq!((s.host_cached, s.device_cached), (3, 3));
+    assert_eq!(c.evict_device(3).unwrap(), 3);
+    assert_eq!(c.stats().backups, 3, "nothing copied twice");
+    assert_eq!(e.request(&c, 2, &prompt(1, 3 * PAGE), false).unwrap(), 3 * PAGE);
+}
+
+/// Source pages for an inbound transfer: `n` pages of `layout` with seeded bytes, and
+/// their checksums.
+fn source<B: Backend>(b: &B, layout: impl Into<sparsekit_host::layout::PageLayout>, n: usize, seed: u8) -> (B::Buffer, PagedRegion, Vec<u64>) {
+    let region = PagedRegion::contiguous(layout, n);
+    let bytes: Vec<u8> = (0..region.layout.bytes_per_page() * n)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect();
+    let buf = b.upload(&bytes).unwrap();
+    let ids: Vec<i32> = (0..n as i32).collect();
+    let mut out = b.alloc(n * 8).unwrap();
+    b.page_checksums(&PageChecksums { region, ids: &ids }, &buf, &mut out).unwrap();
+    let sums = b.download(&out).unwrap().chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap())).collect();
+    (buf, region, sums)
+}
+
+/// PD receive: layer readiness is published only when every page of the layer landed in
+/// both kinds with matching checksums; reads then see exactly the sent bytes.
+#[test]
+fn inbound_publishes_a_layer_only_when_all_its_pages_landed() {
+    let c = cache(spec(KvDtype::Fp8DsMla, IndexKDtype::FP8), CacheConfig::new(6, 0));
+    let b = c.backend();
+    c.begin(1, &[]).unwrap();
+    let pages = c.alloc(1, 3).unwrap();
+    let mut rx = c.inbound(1, &pages).unwrap();
+    let step = c.step(&[1]).unwrap();
+    let ids: Vec<i32> = (0..3).collect();
+    let mut sent = Vec::new();
+    for l in 0..LAYERS {
+        let (kv, kr, ks) = source(b, c.spec().kv, 3, 10 + l as u8);
+        let (ik, ir, is) = source(b, c.spec().index_k, 3, 50 + l as u8);
+        // KV first, index-K in two parts: not ready until the last part.
+        rx.write(l, BufferKind::Kv, &pages, &kv, kr, &ids, &ks).unwrap();
+        assert!(!step.ready(l).unwrap() && !rx.is_layer_ready(l));
+        rx.write(l, BufferKind::IndexK, &pages[..2], &ik, ir, &ids[..2], &is[..2]).unwrap();
+        assert!(!step.ready(l).unwrap());
+        rx.write(l, BufferKind::IndexK, &pages[2..], &ik, ir, &ids[2..], &is[2..]).unwrap();
+        assert!(step.ready(l).unwrap() && rx.is_layer_ready(l));
+        sent.push((b.download(&kv).unwrap(), b.download(&ik).unwrap()));
+    }
+    rx.complete().unwrap();
+    let mut step = step;
+    for (l, (kv, ik)) in sent.iter().enumerate() {
+        let g = step.wait_layer(l).unwrap();
+        let got = read_pages(&c, &g, &pages).unwrap();
+        for (i, got) in got.iter().enumerate() {
+            let pk = c.spec().kv.bytes_per_page();
+            let pi = c.spec().index_k.bytes_per_page();
+            assert_eq!(got[0], kv[i * pk..(i + 1) * pk]);
+            assert_eq!(got[1], ik[i * pi..(i + 1) * pi]);
+        }
+    }
+    drop(step);
+    c.finish(1).unwrap();
+    c.leak_check().unwrap();
+}
+
+/// PD receive failures: a checksum mismatch fails the transfer; a page that is not a
+/// target is refused; a dropped handle fails the request's readers; nothing leaks.
+#[test]
+fn inbound_failures_are_typed_and_contained() {
+    let c = cache(spec(BF.0, BF.1), CacheConfig::new(6, 0));
+    let b = c.backend();
+    let ids: Vec<i32> = (0..2).collect();
+    let (kv, kr, mut ks) = source(b, c.spec().kv, 2, 1);
+    c.begin(1, &[]).unwrap();
+    let pages = c.alloc(1, 2).unwrap();
+    let other = c.alloc(1, 1).unwrap();
+    let mut rx = c.inbound(1, &pages).unwrap();
+    assert!(matches!(c.inbound(1, &pages), Err(Error::InvalidArgument { .. })), "one transfer at a time");
+    assert!(matches!(rx.write(0, BufferKind::Kv, &other, &kv, kr, &ids[..1], &ks[..1]), Err(Error::InvalidArgument { .. })));
+    ks[1] ^= 1;
+    let err = rx.write(0, BufferKind::Kv, &pages, &kv, kr, &ids, &ks).unwrap_err();
+    assert!(matches!(err, Error::Integrity { what: "inbound", .. }), "{err:?}");
+    let r = c.step(&[1]).map(|_| ());
+    assert!(matches!(r, Err(Error::RequestFailed { request: 1, .. })), "{r:?}");
+    drop(rx);
+    c.abort(1).unwrap();
+    c.leak_check().unwrap();
+    // A dropped (never completed) handle fails a waiting reader.
+    c.begin(2, &[]).unwrap();
+    let pages = c.alloc(2, 2).unwrap();
+    let rx = c.inbound(2, &pages).unwrap();
+    let step = c.step(&[2]).unwrap();
+    drop(rx);
+    let err = step.wait(0).unwrap_err();
+    assert!(matches!(&err, Error::RequestFailed { cause, .. } if matches!(**cause, Error::Cancelled(_))), "{err:?}");
+    drop(step);
+    c.abort(2).unwrap();
+    let s = c.leak_check().unwrap();
+    assert_eq!(s.device_free, 6);
+}
+
+/// PD late writes: after an abort, the transfer's pages stay quarantined until the handle
+/// ends and every late write is refused as stale; after it ends the pages are reused with
+/// a new generation and an old reference can never land in them.
+#[test]
+fn inbound_late_writes_after_abort_are_refused_and_pages_quarantined() {
+    let c = cache(spec(BF.0, BF.1), CacheConfig::new(2, 0));
+    let b = c.backend();
+    let ids: Vec<i32> = (0..2).collect();
+    let (kv, kr, ks) = source(b, c.spec().kv, 2, 7);
+    c.begin(1, &[]).unwrap();
+    let pages = c.alloc(1, 2).unwrap();
+    let mut rx = c.inbound(1, &pages).unwrap();
+    rx.write(0, BufferKind::Kv, &pages, &kv, kr, &ids, &ks).unwrap();
+    c.abort(1).unwrap();
+    let s = c.leak_check().unwrap();
+    assert_eq!((s.device_quarantined, s.device_free), (2, 0), "{s:?}");
+    let err = rx.write(0, BufferKind::IndexK, &pages, &kv, kr, &ids, &ks).unwrap_err();
+    assert!(matches!(err, Error::StalePage { .. }), "{err:?}");
+    c.begin(2, &[]).unwrap();
+    assert!(matches!(c.alloc(2, 1), Err(Error::OutOfPages { .. })), "quarantined pages are never reused");
+    drop(rx);
+    let fresh = c.alloc(2, 2).unwrap();
+    assert!(fresh.iter().all(|p| !pages.contains(p)));
+    let mut rx2 = c.inbound(2, &fresh).unwrap();
+    let old = pages.iter().find(|p| p.id == fresh[0].id).unwrap();
+    let err = rx2.write(0, BufferKind::Kv, &[*old], &kv, kr, &ids[..1], &ks[..1]).unwrap_err();
+    assert!(matches!(err, Error::StalePage { .. }), "{err:?}");
+    assert_eq!(c.stats().stale_writes_refused, 2);
+    rx2.fail(Error::Cancelled("test".into()));
+    c.abort(2).unwrap();
+    c.leak_check().unwrap();
+}
+
 #[test]
 fn accounting_and_errors() {
-    let c = cache(
-        spec(KvDtype::Bf16, IndexKDtype::Bf16),
-        CacheConfig::new(4, 0),
-    );
+    let c = cache(spec(BF.0, BF.1), CacheConfig::new(4, 0));
     c.begin(1, &[]).unwrap();
-    assert!(
-        matches!(c.begin(1, &[]), Err(Error::InvalidArgument { .. })),
-        "request already live"
-    );
-    assert!(
-        matches!(c.alloc(9, 1), Err(Error::InvalidArgument { .. })),
-        "unknown request"
-    );
+    assert!(matches!(c.begin(1, &[]), Err(Error::InvalidArgument { .. })), "request already live");
+    assert!(matches!(c.alloc(9, 1), Err(Error::InvalidArgument { .. })), "unknown request");
     assert!(matches!(c.alloc(1, 5), Err(Error::OutOfPages { .. })));
+    assert!(matches!(c.step(&[1, 1]), Err(Error::InvalidArgument { .. })));
+    assert!(matches!(c.step(&[9]), Err(Error::InvalidArgument { .. })));
     let p = c.alloc(1, 4).unwrap();
     let s = c.leak_check().unwrap();
     assert_eq!((s.device_free, s.device_in_use), (0, 4));
-    // A page that is neither the request's nor its prefix's cannot be committed.
-    let bogus = sparsekit_host::cache::PageRef {
-        id: p[0].id,
-        generation: 77,
-    };
-    assert!(c.commit(1, &prompt(1, PAGE), &[bogus]).is_err());
+    let step = c.step(&[1]).unwrap();
+    assert!(matches!(c.commit(1, &prompt(1, PAGE), &p), Err(Error::InvalidArgument { .. })), "in a live step");
+    assert!(matches!(c.finish(1), Err(Error::InvalidArgument { .. })), "in a live step");
+    assert!(matches!(step.wait(LAYERS), Err(Error::InvalidArgument { .. })));
+    drop(step);
     c.commit(1, &prompt(1, 2 * PAGE + 1), &p[..3]).unwrap();
     let s = c.leak_check().unwrap();
     // p[0], p[1] adopted by the tree; p[2] (partial page) and p[3] still the request's.
@@ -300,6 +766,29 @@ fn accounting_and_errors() {
     assert_eq!((s.device_free, s.device_cached, s.host_cached), (4, 0, 0));
 }
 
+/// Abort from another thread while a step holds the request: the step goes on (the
+/// request is marked aborted, its pages stay pinned and quarantined) and everything is
+/// released when the step ends.
+#[test]
+fn abort_during_a_step_quarantines_until_the_step_ends() {
+    let c = Arc::new(cache(spec(BF.0, BF.1), CacheConfig::new(4, 0)));
+    let toks = prompt(1, PAGE + 1);
+    c.begin(1, &toks).unwrap();
+    let pages = c.alloc(1, 2).unwrap();
+    let mut step = c.step(&[1]).unwrap();
+    let c2 = c.clone();
+    bounded(move || c2.abort(1).unwrap());
+    assert!(step.is_aborted(1));
+    assert_eq!(c.stats().device_quarantined, 2);
+    let spec = *c.spec();
+    let mut g = step.wait_layer(0).unwrap();
+    store_layer(&mut g, c.backend(), &spec, &toks, &pages, 0).unwrap();
+    drop(g);
+    drop(step);
+    let s = c.leak_check().unwrap();
+    assert_eq!((s.device_quarantined, s.device_free), (0, 4));
+}
+
 /// The same round trip on the emulator backend: every copy and checksum of the cache runs
 /// the GPU kernels (`copy_pages`, `page_checksums`) under the SIMT emulator.
 #[test]
@@ -307,12 +796,8 @@ fn prefix_reuse_on_the_emulator_backend() {
     for layout in [HostLayout::LayerFirst, HostLayout::PageFirst] {
         let mut cfg = CacheConfig::new(6, 16);
         cfg.host_layout = layout;
-        let c = cache_on(
-            EmuBackend::new(),
-            spec(KvDtype::Fp8DsMla, IndexKDtype::Bf16),
-            cfg,
-        );
-        let mut e = Expect::default();
+        let c = cache_on(EmuBackend::new(), spec(KvDtype::Fp8DsMla, IndexKDtype::Bf16), cfg);
+        let e = Expect::default();
         let a = prompt(1, 4 * PAGE + 2);
         e.request(&c, 1, &a, false).unwrap();
         e.request(&c, 2, &prompt(2, 5 * PAGE), false).unwrap();
@@ -321,3 +806,6 @@ fn prefix_reuse_on_the_emulator_backend() {
         assert!(s.backups > 0 && s.hits_host_pages >= 3, "{s:?}");
     }
 }
+
+#[allow(dead_code)]
+fn _cpu_is_a_backend(_: &CpuBackend) {}

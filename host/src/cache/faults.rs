@@ -12,20 +12,33 @@ pub enum Fault {
     /// Size the host index-K rows with the fp8 layout whatever the dtype (the original
     /// bug: 132 B host rows under 256 B device rows).
     HostPoolFp8Layout,
-    /// Hand out a layer's index-K view without waiting for its ready token.
+    /// Hand out a layer's guard (its index-K and KV views) without waiting for the layer's
+    /// ready token (the historical bug: the index-K read path was not gated on the
+    /// "load finished" signal). Caught by the landed-stamp check of the guard.
     SkipIndexWait,
-    /// Copy both sides of a page transfer with the source's row geometry.
+    /// Address the host side of index-K copies with the KV page size (one item size for
+    /// both buffer kinds: the historical io-copy bug). Caught by the load checksums.
     SharedItemSize,
     /// Accept writes into pages whose generation changed (stale transfers after abort).
+    /// Caught by the landed-stamp check of the reader's guard.
     NoGenerationCheck,
+    /// The read guard skips its landed-stamp check (the check behind the fences). Alone it
+    /// changes nothing; with `skip-index-wait` or `no-generation-check` it lets their
+    /// corruption through, which shows that each of the two checks is real.
+    NoLandedCheck,
+    /// Flip one bit of every page backed up to the host tier (last layer, index-K), after
+    /// its checksums were taken: host memory corruption. Caught by the load checksums.
+    HostBitFlip,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 4] = [
+    pub const ALL: [Fault; 6] = [
         Fault::HostPoolFp8Layout,
         Fault::SkipIndexWait,
         Fault::SharedItemSize,
         Fault::NoGenerationCheck,
+        Fault::NoLandedCheck,
+        Fault::HostBitFlip,
     ];
 
     /// The fault's name on the command line and in configs.
@@ -35,6 +48,8 @@ impl Fault {
             Fault::SkipIndexWait => "skip-index-wait",
             Fault::SharedItemSize => "shared-item-size",
             Fault::NoGenerationCheck => "no-generation-check",
+            Fault::NoLandedCheck => "no-landed-check",
+            Fault::HostBitFlip => "host-bit-flip",
         }
     }
 }
@@ -46,13 +61,14 @@ impl FromStr for Fault {
             .into_iter()
             .find(|f| f.name() == s)
             .ok_or_else(|| {
-                Error::invalid(
-                    "fault",
+                Error::InvalidArgument {
+                    what: "fault",
+                    detail: 
                     format!(
                         "unknown fault {s:?} (known: {})",
                         Fault::ALL.map(|f| f.name()).join(", ")
                     ),
-                )
+                }
             })
     }
 }

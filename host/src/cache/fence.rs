@@ -1,213 +1,116 @@
-//! Layer fences and ready tokens: no layer's buffers are read before that layer has
-//! landed. A [`LayerFence`] belongs to one load (or is complete from the start when nothing
-//! is loaded); [`LayerFence::wait`] is the only way to obtain a [`ReadyToken`], and the
-//! device pool hands out a layer's KV and index-K views only against a token for that
-//! layer ([`super::DevicePool::kv`], [`super::DevicePool::index_k`]).
+//! Layer fences and ready tokens. A [`Fence`] belongs to one load or one inbound transfer;
+//! the io worker (or the transfer) publishes each layer after its bytes landed. Readers
+//! never see a fence: a [`super::Step`] waits on the fences of its requests and mints a
+//! [`ReadyToken`], bound to the cache, the step and the layer, that only the step itself
+//! accepts in exchange for the layer's guard. There is no other way to a token.
 
-use std::marker::PhantomData;
-use std::sync::{Arc, RwLockReadGuard};
+use std::time::Instant;
 
-use super::faults::{Fault, Faults};
-use super::pool::{BufferKind, DevicePool, LayerBuffers};
-use crate::backend::Backend;
+use super::fence_core::{FenceCore, WaitError};
 use crate::error::{Error, Result};
 
-mod sync {
-    pub use std::sync::{Condvar, Mutex};
-}
-#[path = "fence_core.rs"]
-mod core;
-
-/// Readiness of every layer of one load.
-#[derive(Clone, Debug)]
-pub struct LayerFence {
-    core: Arc<core::FenceCore<Error>>,
-    num_layers: usize,
+/// Readiness of every layer of one load or inbound transfer (crate-internal).
+#[derive(Debug)]
+pub(crate) struct Fence {
+    core: FenceCore<Error>,
 }
 
-impl LayerFence {
-    /// A fence whose layers land later (the io worker publishes them).
+impl Fence {
+    /// A fence whose layers land later.
     pub fn pending(num_layers: usize) -> Self {
-        LayerFence {
-            core: Arc::new(core::FenceCore::new(num_layers)),
-            num_layers,
+        Fence {
+            core: FenceCore::new(num_layers),
         }
     }
 
-    /// A fence with every layer already landed (nothing to load).
-    pub fn complete(num_layers: usize) -> Self {
-        let f = Self::pending(num_layers);
-        for l in 0..num_layers {
-            f.core.publish(l);
-        }
-        f
-    }
-
-    /// Layer `layer`'s bytes are in place (the io worker calls this after writing them).
-    pub(crate) fn publish(&self, layer: usize) {
+    /// Layer `layer`'s bytes are in place.
+    pub fn publish(&self, layer: usize) {
         self.core.publish(layer)
     }
 
-    /// The load failed; every waiter gets `e`.
-    pub(crate) fn fail(&self, e: Error) {
+    /// The load failed; every waiter gets `e` (the first failure wins).
+    pub fn fail(&self, e: Error) -> bool {
         self.core.fail(e)
     }
 
-    /// Waits until `layer` has landed.
-    pub fn wait(&self, layer: usize) -> Result<ReadyToken<'_>> {
-        if layer >= self.num_layers {
-            return Err(Error::invalid(
-                "layer",
-                format!("{layer} of {}", self.num_layers),
-            ));
-        }
-        self.core.wait(layer)?;
-        Ok(ReadyToken {
-            layer,
-            _fence: PhantomData,
+    /// Waits until `layer` landed, the load failed, or `deadline` passed.
+    pub fn wait(&self, layer: usize, deadline: Instant, started: Instant) -> Result<()> {
+        self.core.wait(layer, deadline).map_err(|e| match e {
+            WaitError::Failed(e) => e,
+            WaitError::TimedOut => Error::Timeout {
+                what: "a layer's ready token",
+                waited_ms: started.elapsed().as_millis() as u64,
+            },
         })
     }
 
-    /// Waits for every layer (the whole load).
-    pub fn wait_all(&self) -> Result<()> {
-        for l in 0..self.num_layers {
-            self.wait(l)?;
-        }
-        Ok(())
+    /// Non-blocking: `Some(Ok)` landed, `Some(Err)` failed, `None` pending.
+    pub fn poll(&self, layer: usize) -> Option<Result<()>> {
+        self.core.poll(layer)
     }
 
-    /// Whether every layer landed, without blocking.
+    pub fn failure(&self) -> Option<Error> {
+        self.core.failure()
+    }
+
     pub fn is_complete(&self) -> bool {
         self.core.is_complete()
     }
 }
 
-/// The fences of every load one forward step depends on.
-#[derive(Clone, Debug)]
-pub struct LoadGroup {
-    fences: Vec<LayerFence>,
-    num_layers: usize,
-}
-
-impl LoadGroup {
-    /// A group over `fences` of a `num_layers`-layer cache.
-    pub fn new(fences: Vec<LayerFence>, num_layers: usize) -> Self {
-        LoadGroup { fences, num_layers }
-    }
-
-    /// Adds the fences of another group (several requests in one batch).
-    pub fn extend(&mut self, other: &LoadGroup) {
-        self.fences.extend(other.fences.iter().cloned());
-    }
-
-    /// Waits until `layer` has landed in every load of the group.
-    pub fn wait(&self, layer: usize) -> Result<ReadyToken<'_>> {
-        if layer >= self.num_layers {
-            return Err(Error::invalid(
-                "layer",
-                format!("{layer} of {}", self.num_layers),
-            ));
-        }
-        for f in &self.fences {
-            f.wait(layer)?;
-        }
-        Ok(ReadyToken {
-            layer,
-            _fence: PhantomData,
-        })
-    }
-
-    /// Waits for every layer of every load.
-    pub fn wait_all(&self) -> Result<()> {
-        for l in 0..self.num_layers {
-            self.wait(l)?;
-        }
-        Ok(())
-    }
-}
-
-/// Proof that a layer has landed. Only [`LayerFence::wait`] and [`LoadGroup::wait`]
-/// make one; it borrows the fence (group) it came from.
+/// Proof that one layer has landed for every request of one step. Minted only by
+/// [`super::Step::wait`] (no public constructor, not `Clone`); accepted only by the step
+/// that minted it ([`super::Step::layer`]), which checks cache, step and layer.
+///
+/// ```compile_fail
+/// // There is no way to build a token outside the cache:
+/// let t = sparsekit_host::cache::ReadyToken { cache: 0, step: 0, layer: 0 };
+/// ```
 #[derive(Debug)]
-pub struct ReadyToken<'f> {
-    layer: usize,
-    _fence: PhantomData<&'f LayerFence>,
+pub struct ReadyToken {
+    pub(crate) cache: u64,
+    pub(crate) step: u64,
+    pub(crate) layer: usize,
 }
 
-impl ReadyToken<'_> {
+impl ReadyToken {
+    /// The layer this token is for.
     pub fn layer(&self) -> usize {
         self.layer
-    }
-}
-
-/// Read access to one buffer of one layer.
-#[derive(Debug)]
-pub struct BufferView<'a, B: Backend> {
-    guard: RwLockReadGuard<'a, LayerBuffers<B>>,
-    kind: BufferKind,
-}
-
-impl<B: Backend> BufferView<'_, B> {
-    pub fn buffer(&self) -> &B::Buffer {
-        self.guard.get(self.kind)
-    }
-}
-
-impl<B: Backend> DevicePool<B> {
-    /// The KV buffer of the token's layer.
-    pub fn kv(&self, token: &ReadyToken<'_>) -> Result<BufferView<'_, B>> {
-        Ok(BufferView {
-            guard: self.read(token.layer)?,
-            kind: BufferKind::Kv,
-        })
-    }
-
-    /// The index-K buffer of the token's layer.
-    pub fn index_k(&self, token: &ReadyToken<'_>) -> Result<BufferView<'_, B>> {
-        Ok(BufferView {
-            guard: self.read(token.layer)?,
-            kind: BufferKind::IndexK,
-        })
-    }
-
-    /// The index-K buffer of `layer` **without** waiting: exists only for the
-    /// `skip-index-wait` fault injection and fails unless that fault is active.
-    pub fn index_k_unfenced(&self, layer: usize, faults: &Faults) -> Result<BufferView<'_, B>> {
-        if !faults.active(Fault::SkipIndexWait) {
-            return Err(Error::invalid(
-                "index_k_unfenced",
-                "reading a layer without its ready token is a fault injection only",
-            ));
-        }
-        Ok(BufferView {
-            guard: self.read(layer)?,
-            kind: BufferKind::IndexK,
-        })
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
+    use std::time::Duration;
 
     #[test]
-    fn wait_returns_after_publish_and_failure_wakes_everyone() {
-        let f = LayerFence::pending(3);
-        assert!(!f.is_complete());
+    fn wait_is_bounded_and_failure_wakes_everyone() {
+        let f = Arc::new(Fence::pending(3));
+        let now = Instant::now();
         f.publish(0);
-        assert_eq!(f.wait(0).unwrap().layer(), 0);
+        assert!(f.wait(0, now, now).is_ok());
+        assert!(matches!(
+            f.wait(1, now + Duration::from_millis(5), now),
+            Err(Error::Timeout { .. })
+        ));
         let g = f.clone();
-        // A waiter blocked on layer 2 is woken by the failure.
-        let waiter = std::thread::spawn(move || g.wait(2).map(|t| t.layer()));
-        std::thread::sleep(std::time::Duration::from_millis(20));
-        f.fail(Error::Cancelled("io".into()));
-        assert!(matches!(waiter.join().unwrap(), Err(Error::Cancelled(_))));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let waiter = std::thread::spawn(move || {
+            tx.send(()).unwrap();
+            let t = Instant::now();
+            g.wait(2, t + Duration::from_secs(30), t)
+        });
+        rx.recv().unwrap();
+        assert!(f.fail(Error::Cancelled("io".into())));
+        assert!(!f.fail(Error::Cancelled("second".into())), "first failure wins");
+        assert!(matches!(waiter.join().unwrap(), Err(Error::Cancelled(m)) if m == "io"));
         assert!(
-            matches!(f.wait(0), Err(Error::Cancelled(_))),
-            "failure wins"
+            matches!(f.wait(0, now, now), Err(Error::Cancelled(_))),
+            "failure wins over a landed layer"
         );
-        assert!(f.wait(3).is_err());
-        assert!(LayerFence::complete(2).is_complete());
-        assert!(LayerFence::complete(2).wait_all().is_ok());
+        assert!(!f.is_complete());
     }
 }

@@ -1,13 +1,17 @@
-//! The ready-token protocol's synchronisation core: per-layer "landed" flags behind one
-//! mutex and condvar. The io worker publishes layer `i` after its bytes are written; a
-//! reader's `wait(i)` returns only after that publish (mutex release/acquire orders the
-//! bytes before it), or with the failure the worker reported. Never hangs on a failed
-//! load: `fail` wakes every waiter.
+//! The ready-token protocol's synchronisation core: per-layer "landed" flags and a first
+//! failure behind one mutex and condvar. The writer (io worker, inbound transfer)
+//! publishes layer `i` after its bytes are written; a reader's `wait(i, deadline)` returns
+//! `Ok` only after that publish (mutex release/acquire orders the bytes before it), with
+//! the failure the writer reported, or with `TimedOut` at the deadline. A failure wins over
+//! a landed flag: once a load failed, none of its layers may be read.
 //!
-//! This file names its primitives through `super::sync` so the loom model
-//! (`host/tests/fence_loom.rs`) can include it with loom's `Mutex`/`Condvar`.
+//! This file names its primitives through `crate::sync`, so the model checkers can
+//! compile it against loom's or shuttle's primitives (`host/tests/fence_loom.rs`,
+//! `host/tests/cache_shuttle.rs`).
 
-use super::sync::{Condvar, Mutex};
+use std::time::Instant;
+
+use crate::sync::{Condvar, Mutex};
 
 /// Landed flags of `num_layers` layers plus the first failure.
 #[derive(Debug)]
@@ -20,6 +24,15 @@ pub struct FenceCore<E> {
 struct State<E> {
     ready: Vec<bool>,
     failed: Option<E>,
+}
+
+/// Why a wait returned without the layer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WaitError<E> {
+    /// The load failed (or was cancelled) with this error.
+    Failed(E),
+    /// The deadline passed first.
+    TimedOut,
 }
 
 impl<E: Clone> FenceCore<E> {
@@ -36,7 +49,7 @@ impl<E: Clone> FenceCore<E> {
 
     /// Marks `layer` landed and wakes waiters. Call after its bytes are written.
     pub fn publish(&self, layer: usize) {
-        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut s = self.state.lock();
         if let Some(r) = s.ready.get_mut(layer) {
             *r = true;
         }
@@ -44,34 +57,59 @@ impl<E: Clone> FenceCore<E> {
         self.cv.notify_all();
     }
 
-    /// Records a failure (first one wins) and wakes waiters.
-    pub fn fail(&self, e: E) {
-        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if s.failed.is_none() {
+    /// Records a failure (the first one wins) and wakes waiters. Returns whether this call
+    /// was the first failure.
+    pub fn fail(&self, e: E) -> bool {
+        let mut s = self.state.lock();
+        let first = s.failed.is_none();
+        if first {
             s.failed = Some(e);
         }
         drop(s);
         self.cv.notify_all();
+        first
     }
 
-    /// Blocks until `layer` landed (`Ok`) or the load failed (`Err`). A failure wins over
-    /// a landed flag: once a load failed, none of its layers may be read.
-    pub fn wait(&self, layer: usize) -> Result<(), E> {
-        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+    /// Blocks until `layer` landed (`Ok`), the load failed, or `deadline` passed.
+    pub fn wait(&self, layer: usize, deadline: Instant) -> Result<(), WaitError<E>> {
+        let mut s = self.state.lock();
         loop {
             if let Some(e) = &s.failed {
-                return Err(e.clone());
+                return Err(WaitError::Failed(e.clone()));
             }
             if s.ready.get(layer).copied().unwrap_or(false) {
                 return Ok(());
             }
-            s = self.cv.wait(s).unwrap_or_else(|p| p.into_inner());
+            if self.cv.wait_until(&mut s, deadline).timed_out() {
+                // One last look: a publish may have raced the timeout.
+                if let Some(e) = &s.failed {
+                    return Err(WaitError::Failed(e.clone()));
+                }
+                if s.ready.get(layer).copied().unwrap_or(false) {
+                    return Ok(());
+                }
+                return Err(WaitError::TimedOut);
+            }
         }
     }
 
-    /// Whether every layer landed (and nothing failed), without blocking.
+    /// Non-blocking look at `layer`: `Some(Ok)` landed, `Some(Err)` failed, `None` pending.
+    pub fn poll(&self, layer: usize) -> Option<Result<(), E>> {
+        let s = self.state.lock();
+        if let Some(e) = &s.failed {
+            return Some(Err(e.clone()));
+        }
+        s.ready.get(layer).copied().unwrap_or(false).then_some(Ok(()))
+    }
+
+    /// The failure, if any.
+    pub fn failure(&self) -> Option<E> {
+        self.state.lock().failed.clone()
+    }
+
+    /// Whether every layer landed and nothing failed, without blocking.
     pub fn is_complete(&self) -> bool {
-        let s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let s = self.state.lock();
         s.failed.is_none() && s.ready.iter().all(|&r| r)
     }
 }

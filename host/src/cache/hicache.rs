@@ -1,41 +1,47 @@
 //! The hierarchical cache: device pool ⇄ host mirror pool under a radix prefix tree.
 //!
-//! Request lifecycle:
-//! 1. [`HiCache::begin`] matches the request's tokens against the tree, locks the matched
-//!    nodes, and for nodes held only by the host tier allocates device pages and queues a
-//!    layer-wise load on the io worker. The returned [`Prefix`] carries the device pages of
-//!    the cached prefix and a [`LoadGroup`] whose ready tokens gate every read.
-//! 2. [`HiCache::alloc`] hands out device pages for the uncached tokens, evicting least
-//!    recently used cache pages (device → host backup with checksums, host → out) as needed.
-//! 3. [`HiCache::commit`] inserts the request's full pages into the tree.
-//! 4. [`HiCache::finish`] (or [`HiCache::abort`]) unlocks and frees what the request owns.
+//! Request lifecycle (see `docs/cache.md` for the invariants and where each is enforced):
+//! 1. [`HiCache::begin`] matches the request's tokens against the tree and locks the
+//!    matched nodes. Nodes held only by the host tier get device pages and one layer-wise
+//!    load job on the io worker; nodes whose load is already in flight are shared (the
+//!    request depends on that load's fence). Nothing is readable yet.
+//! 2. [`HiCache::alloc`] hands out device pages owned by the request (for the uncached and
+//!    later the decode tokens), evicting least recently used cache pages as needed.
+//! 3. [`HiCache::step`] opens a forward step over a batch of requests: per layer it waits
+//!    (bounded) for every member's loads and transfers of that layer, then hands out one
+//!    [`LayerGuard`] with both views and generation-checked stores.
+//! 4. [`HiCache::commit`] inserts the request's full pages into the tree (optionally
+//!    backing them up at once: write-through).
+//! 5. [`HiCache::finish`] or [`HiCache::abort`] (any time, any thread) unlocks the prefix,
+//!    cancels loads nobody else waits for and releases the request's pages; pages that an
+//!    in-flight copy or a live step still touches stay quarantined until it ends.
 //!
-//! Integrity: every page backed up to the host records a checksum per layer and buffer
-//! kind (computed on the device copy); loads verify them after the copy (on unless
-//! `verify` is off) and a mismatch fails the load's fence and drops the cached pages.
-//! Writes that arrive for pages by [`PageRef`] ([`HiCache::write_pages`]) are refused when
-//! the page's generation changed. [`HiCache::leak_check`] accounts for every page.
+//! [`HiCache::inbound`] receives a request's pages from elsewhere (prefill → decode) with
+//! generation and checksum checks and per-layer readiness.
 //!
-//! Lock order: the state mutex may be held while taking a layer lock, never the reverse;
-//! the io worker takes the state mutex only while holding no layer lock. Do not call
-//! into the cache while holding a [`super::fence::BufferView`].
+//! Locking: the state mutex guards bookkeeping only and is never held while waiting for a
+//! layer lock or copying bytes. Layer locks (one per layer, covering both kinds) may be
+//! held while taking the state mutex, never the reverse. The io worker holds at most one
+//! layer lock and then the host buffer's lock.
 
-use std::collections::{HashMap, HashSet};
-use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread::JoinHandle;
-use std::time::Duration;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
 use super::alloc::{PageAllocator, PageRef};
 use super::faults::{Fault, Faults};
-use super::fence::{LayerFence, LoadGroup};
+use super::fence::Fence;
+use super::inbound::Inbound;
+use super::io;
 use super::pool::{BufferKind, CacheSpec, DevicePool, HostLayout, HostPool};
-use super::radix::{HostCopy, NodeId, RadixTree};
+use super::radix::{DevicePage, NodeId, RadixTree, ROOT};
+use super::step::Step;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
-use crate::ops::{CopyPages, PageChecksums, PagedRegion};
+use crate::ops::PagedRegion;
+use crate::sync::{AtomicBool, AtomicU64, Condvar, JoinHandle, Mutex, MutexGuard, Ordering};
 
 /// Caller-chosen request id.
 pub type RequestId = u64;
@@ -51,39 +57,50 @@ pub struct CacheConfig {
     /// Verify checksums of pages loaded from the host tier (default on; off only for
     /// benchmarks).
     pub verify: bool,
-    /// Extra delay before each layer of a load (widens races in tests).
-    pub io_delay: Duration,
+    /// Back up committed pages to the host tier right away (on the io worker), so that
+    /// eviction rarely has to wait for a backup.
+    pub write_through: bool,
+    /// The bound of every wait in the cache: a layer's ready token, a layer lock, free
+    /// pages. A wait that runs out returns [`Error::Timeout`] (or `OutOfPages`).
+    pub wait_timeout: Duration,
+    /// Most pages in one backup batch.
+    pub max_backup_batch: usize,
+    /// Fault injections (none in production).
     pub faults: Faults,
 }
 
 impl CacheConfig {
-    /// Defaults: layer-first host tier, verification on, no delay, no faults.
+    /// Defaults: layer-first host tier, verification on, no write-through, 10 s bound,
+    /// backup batches of up to 64 pages, no faults.
     pub fn new(device_pages: usize, host_pages: usize) -> Self {
         CacheConfig {
             device_pages,
             host_pages,
             host_layout: HostLayout::LayerFirst,
             verify: true,
-            io_delay: Duration::ZERO,
+            write_through: false,
+            wait_timeout: Duration::from_secs(10),
+            max_backup_batch: 64,
             faults: Faults::none(),
         }
     }
 }
 
-/// The cached prefix of a request.
-#[derive(Debug)]
+/// The cached prefix of a request, as matched by [`HiCache::begin`]. Plain data: reading
+/// any of these pages goes through a [`Step`].
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Prefix {
     /// Tokens covered (a multiple of the page size).
     pub tokens: usize,
-    /// Device pages of the prefix, in order (valid to read once `loads` has landed).
+    /// Device pages of the prefix, in order.
     pub pages: Vec<PageRef>,
-    /// Pages that come from the host tier.
+    /// Pages this request's own load brings from the host tier.
     pub loaded_pages: usize,
-    /// Ready tokens of every load the prefix depends on.
-    pub loads: LoadGroup,
+    /// Pages whose load another request started and that is still in flight (shared).
+    pub shared_in_flight_pages: usize,
 }
 
-/// Page accounting.
+/// Page accounting and counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct CacheStats {
     pub device_pages: usize,
@@ -92,59 +109,161 @@ pub struct CacheStats {
     pub device_in_use: usize,
     /// Held by the prefix tree.
     pub device_cached: usize,
+    /// Released but still targeted by an in-flight copy or a live step.
+    pub device_quarantined: usize,
     pub host_pages: usize,
     pub host_free: usize,
     pub host_cached: usize,
+    pub host_quarantined: usize,
+    pub live_requests: usize,
     pub hits_device_pages: u64,
     pub hits_host_pages: u64,
+    pub hits_in_flight_pages: u64,
+    pub loads: u64,
+    pub load_failures: u64,
+    pub cancelled_loads: u64,
     pub backups: u64,
+    pub backup_failures: u64,
     pub integrity_failures: u64,
     pub stale_writes_refused: u64,
 }
 
-#[derive(Debug, Default)]
-struct Req {
-    path: Vec<NodeId>,
-    own: Vec<PageRef>,
-}
-
+/// A live request's bookkeeping.
 #[derive(Debug)]
-struct State {
-    tree: RadixTree,
-    device: PageAllocator,
-    host: PageAllocator,
-    requests: HashMap<RequestId, Req>,
-    stats: CacheStats,
+pub(crate) struct Req {
+    /// Matched / committed tree nodes, locked by the request.
+    pub path: Vec<NodeId>,
+    /// Device pages the request owns (not in the tree).
+    pub own: Vec<PageRef>,
+    /// Load jobs the request depends on (it counts as their dependent).
+    pub loads: Vec<u64>,
+    /// Fences gating its reads (its loads and inbound transfers).
+    pub fences: Vec<Arc<Fence>>,
+    /// Its live inbound transfer and that transfer's fence.
+    pub inbound: Option<(u64, Arc<Fence>)>,
+    /// Live steps that include it.
+    pub users: u32,
+    /// Set when the request is aborted (steps still holding it skip it).
+    pub aborted: Arc<AtomicBool>,
 }
 
 /// One page moving host → device.
 #[derive(Clone, Debug)]
-struct LoadPage {
-    node: NodeId,
-    host: PageRef,
-    device: PageRef,
-    checksums: Vec<[u64; 2]>,
+pub(crate) struct LoadPage {
+    pub node: NodeId,
+    pub host: PageRef,
+    pub device: PageRef,
+    pub checksums: Vec<[u64; 2]>,
 }
 
 #[derive(Debug)]
-struct LoadJob {
-    fence: LayerFence,
-    pages: Vec<LoadPage>,
+pub(crate) struct LoadRec {
+    pub fence: Arc<Fence>,
+    pub pages: Vec<LoadPage>,
+    pub dependents: u32,
+    pub cancel: Arc<AtomicBool>,
+    pub queued: bool,
 }
 
-struct Shared<B: Backend> {
-    backend: Arc<B>,
-    device: DevicePool<B>,
-    host: Option<HostPool<B>>,
-    state: Mutex<State>,
-    config: CacheConfig,
+/// One page moving device → host.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BackupItem {
+    pub node: NodeId,
+    pub device: PageRef,
+    pub host: PageRef,
+}
+
+#[derive(Debug)]
+pub(crate) struct BackupRec {
+    pub items: Vec<BackupItem>,
+    /// One-layer fence: published when the batch landed, failed with its error.
+    pub ticket: Arc<Fence>,
+    pub queued: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Job {
+    Load(u64),
+    Backup(u64),
+}
+
+#[derive(Debug)]
+pub(crate) struct InboundRec {
+    pub req: RequestId,
+    pub targets: Vec<PageRef>,
+}
+
+/// Everything behind the state mutex.
+#[derive(Debug)]
+pub(crate) struct State {
+    pub tree: RadixTree,
+    pub device: PageAllocator,
+    pub host: PageAllocator,
+    pub requests: HashMap<RequestId, Req>,
+    pub loads: HashMap<u64, LoadRec>,
+    pub backups: HashMap<u64, BackupRec>,
+    /// The queued backup batch new items join (batching).
+    pub open_backup: Option<u64>,
+    pub queue: VecDeque<Job>,
+    /// Device pages pinned by each live step.
+    pub steps: HashMap<u64, Vec<u32>>,
+    pub inbounds: HashMap<u64, InboundRec>,
+    pub stats: CacheStats,
+    pub shutdown: bool,
+    pub worker_alive: bool,
+}
+
+/// What the cache's handles and its io worker share.
+#[derive(Debug)]
+pub(crate) struct Shared<B: Backend> {
+    pub id: u64,
+    pub backend: Arc<B>,
+    pub device: DevicePool<B>,
+    pub host: Option<HostPool<B>>,
+    pub state: Mutex<State>,
+    /// Signalled when device pages may have become free (backups landed, pins dropped).
+    pub space_cv: Condvar,
+    /// Signalled when the io queue got work (or shutdown).
+    pub work_cv: Condvar,
+    pub config: CacheConfig,
+    next_id: AtomicU64,
+}
+
+static NEXT_CACHE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+impl<B: Backend> Shared<B> {
+    pub fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub fn deadline(&self) -> Instant {
+        Instant::now() + self.config.wait_timeout
+    }
+
+    pub fn fault(&self, f: Fault) -> bool {
+        self.config.faults.active(f)
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.device.spec().num_layers
+    }
+}
+
+pub(crate) fn invalid(what: &'static str, detail: impl Into<String>) -> Error {
+    Error::InvalidArgument {
+        what,
+        detail: detail.into(),
+    }
+}
+
+fn not_live(req: RequestId) -> Error {
+    invalid("request", format!("{req} is not live"))
 }
 
 /// The hierarchical cache (see the module docs).
 pub struct HiCache<B: Backend + 'static> {
-    shared: Arc<Shared<B>>,
-    io_tx: Option<Sender<LoadJob>>,
-    io_thread: Option<JoinHandle<()>>,
+    pub(crate) shared: Arc<Shared<B>>,
+    io_thread: Option<JoinHandle>,
 }
 
 impl<B: Backend + 'static> std::fmt::Debug for HiCache<B> {
@@ -153,14 +272,12 @@ impl<B: Backend + 'static> std::fmt::Debug for HiCache<B> {
     }
 }
 
-fn lock(m: &Mutex<State>) -> Result<MutexGuard<'_, State>> {
-    m.lock()
-        .map_err(|_| Error::Device("cache state lock poisoned".into()))
-}
-
 impl<B: Backend + 'static> HiCache<B> {
     /// A cache for `spec` on `backend`, with its io worker thread.
     pub fn new(backend: Arc<B>, spec: CacheSpec, config: CacheConfig) -> Result<Self> {
+        if config.max_backup_batch == 0 {
+            return Err(invalid("max_backup_batch", "must be at least 1"));
+        }
         let device = DevicePool::new(&*backend, spec, config.device_pages)?;
         let host = if config.host_pages > 0 {
             Some(HostPool::mirror(
@@ -178,24 +295,32 @@ impl<B: Backend + 'static> HiCache<B> {
             device: PageAllocator::new("device", config.device_pages),
             host: PageAllocator::new("host", config.host_pages),
             requests: HashMap::new(),
+            loads: HashMap::new(),
+            backups: HashMap::new(),
+            open_backup: None,
+            queue: VecDeque::new(),
+            steps: HashMap::new(),
+            inbounds: HashMap::new(),
             stats: CacheStats::default(),
+            shutdown: false,
+            worker_alive: true,
         };
         let shared = Arc::new(Shared {
+            id: NEXT_CACHE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             backend,
             device,
             host,
             state: Mutex::new(state),
+            space_cv: Condvar::new(),
+            work_cv: Condvar::new(),
             config,
+            next_id: AtomicU64::new(1),
         });
-        let (tx, rx) = mpsc::channel();
         let worker = Arc::clone(&shared);
-        let io_thread = std::thread::Builder::new()
-            .name("sparsekit-cache-io".into())
-            .spawn(move || io_worker(worker, rx))
+        let io_thread = crate::sync::spawn("sparsekit-cache-io", move || io::worker(worker))
             .map_err(|e| Error::Device(format!("cannot start the cache io thread: {e}")))?;
         Ok(HiCache {
             shared,
-            io_tx: Some(tx),
             io_thread: Some(io_thread),
         })
     }
@@ -208,122 +333,147 @@ impl<B: Backend + 'static> HiCache<B> {
         &self.shared.config
     }
 
-    /// The device tier (layer views need a ready token, see [`LoadGroup::wait`]).
-    pub fn device(&self) -> &DevicePool<B> {
-        &self.shared.device
-    }
-
-    /// The host tier, if configured.
-    pub fn host(&self) -> Option<&HostPool<B>> {
-        self.shared.host.as_ref()
-    }
-
     /// The backend the pools live on.
     pub fn backend(&self) -> &B {
         &self.shared.backend
     }
 
+    /// Pages in the device tier.
+    pub fn device_pages(&self) -> usize {
+        self.shared.device.num_pages()
+    }
+
+    /// Where pages of `kind` sit in a device layer buffer (what the ops' slot numbers and
+    /// page tables index).
+    pub fn device_region(&self, kind: BufferKind) -> PagedRegion {
+        self.shared.device.region(kind)
+    }
+
+    /// Where pages of `layer`/`kind` sit in the host buffer (`None` without a host tier).
+    pub fn host_region(&self, layer: usize, kind: BufferKind) -> Option<PagedRegion> {
+        self.shared.host.as_ref().map(|h| h.region(layer, kind))
+    }
+
     /// Matches `tokens` against the cache, locks the prefix for `req`, and starts loading
-    /// its host-only pages. `req` must not be live already.
+    /// its host-only pages (sharing loads already in flight). May wait (bounded) for
+    /// device room. `req` must not be live already.
     pub fn begin(&self, req: RequestId, tokens: &[u32]) -> Result<Prefix> {
         let sh = &*self.shared;
-        let mut st = lock(&sh.state)?;
-        if st.requests.contains_key(&req) {
-            return Err(Error::invalid("request", format!("{req} is already live")));
-        }
-        let path = st.tree.match_prefix(tokens);
-        st.tree.lock(&path);
-        let missing: Vec<NodeId> = path
-            .iter()
-            .copied()
-            .filter(|&n| st.tree.device_page(n).is_none())
-            .collect();
-        let mut load = Vec::new();
-        if !missing.is_empty() {
-            let pages = match evict_and_alloc(sh, &mut st, missing.len()) {
-                Ok(p) => p,
-                Err(e) => {
-                    st.tree.unlock(&path);
-                    return Err(e);
+        let deadline = sh.deadline();
+        let mut st = sh.state.lock();
+        loop {
+            if st.requests.contains_key(&req) {
+                return Err(invalid("request", format!("{req} is already live")));
+            }
+            let mut path = st.tree.match_prefix(tokens);
+            // Without a worker nothing can be loaded: serve the device-resident part only.
+            if !st.worker_alive {
+                if let Some(cut) = path
+                    .iter()
+                    .position(|&n| st.tree.get(n).is_some_and(|n| n.device.is_none()))
+                {
+                    path.truncate(cut);
                 }
-            };
-            for (&node, device) in missing.iter().zip(pages) {
-                let Some(copy) = st.tree.host_copy(node).cloned() else {
-                    continue;
-                };
-                st.tree.set_device(node, Some(device));
-                load.push(LoadPage {
-                    node,
-                    host: copy.page,
-                    device,
-                    checksums: copy.checksums,
+            }
+            st.tree.lock(&path);
+            let missing: Vec<NodeId> = path
+                .iter()
+                .copied()
+                .filter(|&n| st.tree.get(n).is_some_and(|n| n.device.is_none()))
+                .collect();
+            if missing.len() > st.device.num_free() {
+                make_room(sh, &mut st, missing.len());
+            }
+            if missing.len() > st.device.num_free() {
+                st.tree.unlock(&path);
+                if !wait_for_room(sh, &mut st, missing.len(), deadline) {
+                    return Err(Error::OutOfPages {
+                        what: "device",
+                        wanted: missing.len(),
+                        free: st.device.num_free(),
+                    });
+                }
+                continue;
+            }
+            return Ok(start_request(sh, &mut st, req, path, &missing));
+        }
+    }
+
+    /// `n` fresh device pages owned by `req`, evicting cached pages if needed (waits,
+    /// bounded, for backups to make room).
+    pub fn alloc(&self, req: RequestId, n: usize) -> Result<Vec<PageRef>> {
+        let sh = &*self.shared;
+        let deadline = sh.deadline();
+        let mut st = sh.state.lock();
+        loop {
+            if !st.requests.contains_key(&req) {
+                return Err(not_live(req));
+            }
+            if n > st.device.num_free() {
+                make_room(sh, &mut st, n);
+            }
+            if n <= st.device.num_free() {
+                break;
+            }
+            if !wait_for_room(sh, &mut st, n, deadline) {
+                return Err(Error::OutOfPages {
+                    what: "device",
+                    wanted: n,
+                    free: st.device.num_free(),
                 });
             }
         }
-        let pages: Vec<PageRef> = path
-            .iter()
-            .filter_map(|&n| st.tree.device_page(n))
-            .collect();
-        st.stats.hits_host_pages += load.len() as u64;
-        st.stats.hits_device_pages += (pages.len() - load.len()) as u64;
-        let layers = sh.device.spec().num_layers;
-        let fence = if load.is_empty() {
-            LayerFence::complete(layers)
-        } else {
-            // The load holds its own lock on the nodes until it ends.
-            let nodes: Vec<NodeId> = load.iter().map(|p| p.node).collect();
-            st.tree.lock(&nodes);
-            LayerFence::pending(layers)
-        };
-        st.requests.insert(
-            req,
-            Req {
-                path: path.clone(),
-                own: Vec::new(),
-            },
-        );
-        let n_loaded = load.len();
-        drop(st);
-        if !load.is_empty() {
-            let job = LoadJob {
-                fence: fence.clone(),
-                pages: load,
-            };
-            self.io_tx
-                .as_ref()
-                .ok_or_else(|| Error::Cancelled("cache is shutting down".into()))?
-                .send(job)
-                .map_err(|_| Error::Cancelled("cache io worker stopped".into()))?;
+        let pages = st.device.alloc(n)?;
+        for p in &pages {
+            // The owner fills these by its own (generation-checked) stores.
+            sh.device.stamp_all_layers(p.id, Some(p.generation));
         }
-        Ok(Prefix {
-            tokens: path.len() * sh.device.spec().page_size(),
-            pages,
-            loaded_pages: n_loaded,
-            loads: LoadGroup::new(vec![fence], layers),
-        })
-    }
-
-    /// `n` fresh device pages owned by `req`, evicting cached pages if needed.
-    pub fn alloc(&self, req: RequestId, n: usize) -> Result<Vec<PageRef>> {
-        let sh = &*self.shared;
-        let mut st = lock(&sh.state)?;
-        if !st.requests.contains_key(&req) {
-            return Err(Error::invalid("request", format!("{req} is not live")));
-        }
-        let pages = evict_and_alloc(sh, &mut st, n)?;
         if let Some(r) = st.requests.get_mut(&req) {
             r.own.extend(&pages);
         }
         Ok(pages)
     }
 
+    /// Opens a forward step over `reqs` (distinct live requests): pins every page they
+    /// read or write until the step is dropped. See [`Step`].
+    pub fn step(&self, reqs: &[RequestId]) -> Result<Step<'_, B>> {
+        Step::open(self, reqs)
+    }
+
+    /// Starts receiving `pages` (owned by `req`, e.g. allocated for a prompt on the decode
+    /// side) from elsewhere. See [`Inbound`].
+    pub fn inbound(&self, req: RequestId, pages: &[PageRef]) -> Result<Inbound<B>> {
+        Inbound::open(&self.shared, req, pages)
+    }
+
     /// Inserts the full pages of `tokens` (the request's whole sequence so far), held in
-    /// `pages` (`pages[i]` holds tokens `i*page_size..`), into the prefix tree. Pages the
-    /// tree adopts stop being the request's; the request locks the new path.
+    /// `pages` (`pages[i]` holds tokens `i*page_size..`), into the prefix tree. The first
+    /// pages must be the request's matched prefix, in position; the others must be pages
+    /// the request owns, each once. Pages the tree adopts stop being the request's; the
+    /// request locks the new path. Refused while a step holds the request or while any of
+    /// its loads is unfinished (its pages could not have been computed on a landed prefix).
     pub fn commit(&self, req: RequestId, tokens: &[u32], pages: &[PageRef]) -> Result<()> {
         let sh = &*self.shared;
-        let mut st = lock(&sh.state)?;
-        let full = tokens.len() / sh.device.spec().page_size();
+        let ps = sh.device.spec().page_size();
+        let mut st = sh.state.lock();
+        let st = &mut *st;
+        let full = tokens.len() / ps;
+        let r = st.requests.get(&req).ok_or_else(|| not_live(req))?;
+        if r.users > 0 {
+            return Err(invalid("commit", format!("request {req} is in a live step")));
+        }
+        if let Some(e) = r.fences.iter().find_map(|f| f.failure()) {
+            return Err(Error::RequestFailed {
+                request: req,
+                cause: Box::new(e),
+            });
+        }
+        if r.fences.iter().any(|f| !f.is_complete()) {
+            return Err(invalid(
+                "commit",
+                format!("request {req} has loads or transfers still in flight"),
+            ));
+        }
         if pages.len() < full {
             return Err(Error::Shape {
                 what: "commit pages",
@@ -331,170 +481,151 @@ impl<B: Backend + 'static> HiCache<B> {
                 actual: pages.len(),
             });
         }
-        let Some(r) = st.requests.get(&req) else {
-            return Err(Error::invalid("request", format!("{req} is not live")));
-        };
-        let own: HashSet<PageRef> = r.own.iter().copied().collect();
-        let old_path = r.path.clone();
-        // Every page handed in must be the request's own or its prefix's.
-        let prefix: HashSet<PageRef> = old_path
-            .iter()
-            .filter_map(|&n| st.tree.device_page(n))
-            .collect();
-        if let Some(bad) = pages[..full]
-            .iter()
-            .find(|p| !own.contains(p) && !prefix.contains(p))
-        {
-            return Err(Error::invalid(
-                "commit pages",
-                format!("page {} is neither the request's nor its prefix's", bad.id),
-            ));
-        }
-        let (path, _dups) = st.tree.insert(
-            &tokens[..full * sh.device.spec().page_size()],
-            &pages[..full],
-        );
-        st.tree.lock(&path);
-        st.tree.unlock(&old_path);
-        let adopted: HashSet<PageRef> = path
-            .iter()
-            .filter_map(|&n| st.tree.device_page(n))
-            .collect();
-        if let Some(r) = st.requests.get_mut(&req) {
-            r.own.retain(|p| !adopted.contains(p));
-            r.path = path;
-        }
-        Ok(())
-    }
-
-    /// Ends a request: unlocks its prefix and frees the pages it still owns.
-    pub fn finish(&self, req: RequestId) -> Result<()> {
-        let mut st = lock(&self.shared.state)?;
-        let r = st
-            .requests
-            .remove(&req)
-            .ok_or_else(|| Error::invalid("request", format!("{req} is not live")))?;
-        st.tree.unlock(&r.path);
-        for p in r.own {
-            st.device.free(p)?;
-        }
-        Ok(())
-    }
-
-    /// Aborts a request: as [`HiCache::finish`]; loads it started run to completion under
-    /// their own locks (their pages belong to the tree), so nothing lands in freed pages.
-    pub fn abort(&self, req: RequestId) -> Result<()> {
-        self.finish(req)
-    }
-
-    /// Writes page `src_ids[i]` of `src` into device page `pages[i]` of layer `layer`,
-    /// kind `kind` — the path for transfers that arrive by page reference. Every page's
-    /// generation is checked under the state lock first; a stale reference (its request
-    /// was aborted and the page reused) refuses the whole write.
-    pub fn write_pages(
-        &self,
-        layer: usize,
-        kind: BufferKind,
-        pages: &[PageRef],
-        src: &B::Buffer,
-        src_region: PagedRegion,
-        src_ids: &[i32],
-    ) -> Result<()> {
-        let sh = &*self.shared;
-        let mut st = lock(&sh.state)?;
-        if !sh.config.faults.active(Fault::NoGenerationCheck) {
-            if let Some(&stale) = pages.iter().find(|&&p| !st.device.is_current(p)) {
-                st.stats.stale_writes_refused += 1;
-                return Err(Error::StalePage {
-                    what: "device",
-                    page: stale.id,
-                    generation: stale.generation,
-                    current: None,
+        let pages = &pages[..full];
+        let mut first_use: HashMap<u32, usize> = HashMap::new();
+        for (i, p) in pages.iter().enumerate() {
+            if let Some(first) = first_use.insert(p.id, i) {
+                return Err(Error::DuplicatePage {
+                    what: "commit pages",
+                    page: p.id as i64,
+                    first,
+                    second: i,
                 });
             }
         }
-        let ids: Vec<i32> = pages.iter().map(|p| p.id as i32).collect();
-        let mut layer_bufs = sh.device.write(layer)?;
-        let op = CopyPages {
-            src: src_region,
-            dst: sh.device.region(kind),
-            src_ids,
-            dst_ids: &ids,
-        };
-        sh.backend.copy_pages(&op, src, layer_bufs.get_mut(kind))
-    }
-
-    /// Write access to a layer's buffers, for stores into pages the caller owns.
-    pub fn layer_mut(
-        &self,
-        layer: usize,
-    ) -> Result<std::sync::RwLockWriteGuard<'_, super::pool::LayerBuffers<B>>> {
-        self.shared.device.write(layer)
-    }
-
-    /// Moves up to `n` cached device pages to the host tier (or drops them without one).
-    pub fn evict_device(&self, n: usize) -> Result<usize> {
-        let sh = &*self.shared;
-        let mut st = lock(&sh.state)?;
-        evict_device(sh, &mut st, n)
-    }
-
-    /// Page accounting now.
-    pub fn stats(&self) -> Result<CacheStats> {
-        let sh = &*self.shared;
-        let st = lock(&sh.state)?;
-        Ok(stats(&st))
-    }
-
-    /// Checks that every page is accounted for exactly once: free, owned by one live
-    /// request, or held by the tree (device); free or held by the tree (host); and that
-    /// every held page is a current allocation.
-    pub fn leak_check(&self) -> Result<CacheStats> {
-        let sh = &*self.shared;
-        let st = lock(&sh.state)?;
-        let mut problems = Vec::new();
-        let mut seen: HashMap<u32, &'static str> = HashMap::new();
-        let mut claim = |id: u32, who: &'static str, problems: &mut Vec<String>| {
-            if let Some(prev) = seen.insert(id, who) {
-                problems.push(format!("device page {id} held by {prev} and {who}"));
+        let old_path = r.path.clone();
+        let mut cur = ROOT;
+        for (i, (&node, key)) in old_path.iter().zip(tokens.chunks_exact(ps)).enumerate() {
+            if st.tree.child(cur, key) != Some(node) {
+                return Err(invalid(
+                    "commit tokens",
+                    format!("page {i} of the tokens is not the request's matched prefix"),
+                ));
             }
-        };
-        for p in st.tree.device_pages() {
-            claim(p.id, "the tree", &mut problems);
-            if !st.device.is_current(p) {
-                problems.push(format!("tree holds stale device page {p:?}"));
+            let dev = st.tree.get(node).and_then(|n| n.device).map(|d| d.page);
+            if dev != Some(pages[i]) {
+                return Err(invalid(
+                    "commit pages",
+                    format!(
+                        "pages[{i}] = {:?} is not the prefix page at that position ({dev:?})",
+                        pages[i]
+                    ),
+                ));
             }
+            cur = node;
         }
-        for r in st.requests.values() {
-            for &p in &r.own {
-                claim(p.id, "a request", &mut problems);
-                if !st.device.is_current(p) {
-                    problems.push(format!("request holds stale device page {p:?}"));
+        let own: HashSet<PageRef> = r.own.iter().copied().collect();
+        if let Some((i, bad)) = pages
+            .iter()
+            .enumerate()
+            .skip(old_path.len())
+            .find(|(_, p)| !own.contains(p))
+        {
+            return Err(invalid(
+                "commit pages",
+                format!("pages[{i}] = {bad:?} is not a page the request owns"),
+            ));
+        }
+        // All checked: insert.
+        let mut new_nodes = Vec::new();
+        let mut adopted = Vec::new();
+        let mut backup = Vec::new();
+        for (key, &page) in tokens
+            .chunks_exact(ps)
+            .zip(pages)
+            .skip(old_path.len())
+        {
+            let Some(node) = st.tree.child_or_insert(cur, key) else {
+                return Err(invalid("commit", "prefix tree node vanished"));
+            };
+            if let Some(n) = st.tree.get_mut(node) {
+                if n.device.is_none() {
+                    n.device = Some(DevicePage { page, load: None });
+                    adopted.push(page);
+                    if n.host.is_none() && n.backup.is_none() {
+                        backup.push(node);
+                    }
                 }
             }
+            new_nodes.push(node);
+            cur = node;
         }
-        if seen.len() != st.device.num_in_use() {
-            problems.push(format!(
-                "{} device pages in use, {} accounted for",
-                st.device.num_in_use(),
-                seen.len()
-            ));
+        st.tree.lock(&new_nodes);
+        if let Some(r) = st.requests.get_mut(&req) {
+            r.own.retain(|p| !adopted.contains(p));
+            r.path.extend(new_nodes);
         }
-        let host_pages = st.tree.host_pages();
-        let host_set: HashSet<u32> = host_pages.iter().map(|p| p.id).collect();
-        if host_set.len() != host_pages.len() {
-            problems.push("a host page is held twice".into());
+        if sh.config.write_through && sh.host.is_some() && !backup.is_empty() {
+            schedule_backups(sh, st, &backup, false);
         }
-        if host_pages.len() != st.host.num_in_use() {
-            problems.push(format!(
-                "{} host pages in use, {} held by the tree",
-                st.host.num_in_use(),
-                host_pages.len()
-            ));
+        Ok(())
+    }
+
+    /// Ends a request normally: unlocks its prefix and releases the pages it still owns.
+    /// Refused while a step holds it (use [`HiCache::abort`] to end it from elsewhere).
+    pub fn finish(&self, req: RequestId) -> Result<()> {
+        let sh = &*self.shared;
+        let mut st = sh.state.lock();
+        let r = st.requests.get(&req).ok_or_else(|| not_live(req))?;
+        if r.users > 0 {
+            return Err(invalid("finish", format!("request {req} is in a live step")));
         }
-        if let Some(p) = host_pages.iter().find(|&&p| !st.host.is_current(p)) {
-            problems.push(format!("tree holds stale host page {p:?}"));
+        end_request(sh, &mut st, req, "request finished");
+        Ok(())
+    }
+
+    /// Aborts a request, from any thread at any time: cancels the loads only it waits for
+    /// (queued ones never run; a running one stops at the next layer), fails its inbound
+    /// transfer, unlocks its prefix and releases its pages. Pages a running copy or a live
+    /// step still touches are quarantined until that ends; every reference to them is stale
+    /// at once, so a late write is refused.
+    pub fn abort(&self, req: RequestId) -> Result<()> {
+        let sh = &*self.shared;
+        let mut st = sh.state.lock();
+        if !st.requests.contains_key(&req) {
+            return Err(not_live(req));
         }
+        end_request(sh, &mut st, req, "request aborted");
+        Ok(())
+    }
+
+    /// Whether `req` is live.
+    pub fn is_live(&self, req: RequestId) -> bool {
+        self.shared.state.lock().requests.contains_key(&req)
+    }
+
+    /// Moves up to `n` cached device pages out of the device tier (to the host tier, or
+    /// dropped without one) and waits (bounded) for their backups. Returns how many left;
+    /// the first backup error, if any.
+    pub fn evict_device(&self, n: usize) -> Result<usize> {
+        let sh = &*self.shared;
+        let deadline = sh.deadline();
+        let started = Instant::now();
+        let (mut done, tickets) = {
+            let mut st = sh.state.lock();
+            evict(sh, &mut st, n)
+        };
+        for (t, count) in tickets {
+            t.wait(0, deadline, started)?;
+            done += count;
+        }
+        Ok(done)
+    }
+
+    /// Page accounting and counters now.
+    pub fn stats(&self) -> CacheStats {
+        stats(&self.shared.state.lock())
+    }
+
+    /// Checks the whole bookkeeping (see `docs/cache.md`): every device page exactly once
+    /// free, quarantined (and then pinned), held by the tree or owned by one live request;
+    /// every host page free, quarantined, held by the tree or by an in-flight backup; pins
+    /// equal the pins of live steps, copies and transfers; node lock counts equal the live
+    /// requests' paths plus the running loads; every live request's path is present and
+    /// linked; loading and backing-up nodes point at live jobs.
+    pub fn leak_check(&self) -> Result<CacheStats> {
+        let st = self.shared.state.lock();
+        let problems = check(&self.shared, &st);
         if problems.is_empty() {
             Ok(stats(&st))
         } else {
@@ -505,269 +636,505 @@ impl<B: Backend + 'static> HiCache<B> {
 
 impl<B: Backend + 'static> Drop for HiCache<B> {
     fn drop(&mut self) {
-        self.io_tx.take();
+        {
+            let mut st = self.shared.state.lock();
+            st.shutdown = true;
+        }
+        self.shared.work_cv.notify_all();
         if let Some(t) = self.io_thread.take() {
             let _ = t.join();
         }
     }
 }
 
+/// Registers `req` with its (locked) `path`, sharing loads in flight and starting one for
+/// `missing` (room for it was made by the caller).
+fn start_request<B: Backend>(
+    sh: &Shared<B>,
+    st: &mut State,
+    req: RequestId,
+    path: Vec<NodeId>,
+    missing: &[NodeId],
+) -> Prefix {
+    let mut loads: Vec<u64> = Vec::new();
+    let mut shared_pages = 0;
+    for &n in &path {
+        if let Some(j) = st.tree.get(n).and_then(|n| n.device).and_then(|d| d.load) {
+            shared_pages += 1;
+            if !loads.contains(&j) {
+                loads.push(j);
+            }
+        }
+    }
+    let mut fences: Vec<Arc<Fence>> = Vec::new();
+    for j in &loads {
+        if let Some(rec) = st.loads.get_mut(j) {
+            rec.dependents += 1;
+            fences.push(rec.fence.clone());
+        }
+    }
+    if !missing.is_empty() {
+        let (job, fence) = start_load(sh, st, missing);
+        loads.push(job);
+        fences.push(fence);
+    }
+    let pages: Vec<PageRef> = path
+        .iter()
+        .filter_map(|&n| st.tree.get(n).and_then(|n| n.device).map(|d| d.page))
+        .collect();
+    st.stats.hits_host_pages += missing.len() as u64;
+    st.stats.hits_in_flight_pages += shared_pages as u64;
+    st.stats.hits_device_pages += (pages.len() - missing.len() - shared_pages) as u64;
+    st.requests.insert(
+        req,
+        Req {
+            path: path.clone(),
+            own: Vec::new(),
+            loads,
+            fences,
+            inbound: None,
+            users: 0,
+            aborted: Arc::new(AtomicBool::new(false)),
+        },
+    );
+    Prefix {
+        tokens: path.len() * sh.device.spec().page_size(),
+        pages,
+        loaded_pages: missing.len(),
+        shared_in_flight_pages: shared_pages,
+    }
+}
+
+/// Creates and queues a load of `nodes` (host-only, locked by the caller's path) into fresh
+/// device pages; the job locks the nodes and pins both pages of every one.
+fn start_load<B: Backend>(sh: &Shared<B>, st: &mut State, nodes: &[NodeId]) -> (u64, Arc<Fence>) {
+    let id = sh.next_id();
+    let fence = Arc::new(Fence::pending(sh.num_layers()));
+    let mut pages = Vec::new();
+    for &node in nodes {
+        let Some(copy) = st.tree.get(node).and_then(|n| n.host.clone()) else {
+            continue;
+        };
+        let Ok(mut got) = st.device.alloc(1) else {
+            continue;
+        };
+        let device = got.remove(0);
+        sh.device.stamp_all_layers(device.id, None);
+        let _ = st.device.pin(device);
+        let _ = st.host.pin(copy.page);
+        if let Some(n) = st.tree.get_mut(node) {
+            n.device = Some(DevicePage {
+                page: device,
+                load: Some(id),
+            });
+        }
+        pages.push(LoadPage {
+            node,
+            host: copy.page,
+            device,
+            checksums: copy.checksums,
+        });
+    }
+    let nodes: Vec<NodeId> = pages.iter().map(|p| p.node).collect();
+    st.tree.lock(&nodes);
+    st.loads.insert(
+        id,
+        LoadRec {
+            fence: fence.clone(),
+            pages,
+            dependents: 1,
+            cancel: Arc::new(AtomicBool::new(false)),
+            queued: true,
+        },
+    );
+    st.queue.push_back(Job::Load(id));
+    sh.work_cv.notify_all();
+    (id, fence)
+}
+
+/// Removes `req` and releases everything it holds (see [`HiCache::abort`]).
+fn end_request<B: Backend>(sh: &Shared<B>, st: &mut State, req: RequestId, why: &str) {
+    let Some(r) = st.requests.remove(&req) else {
+        return;
+    };
+    r.aborted.store(true, Ordering::Release);
+    for j in &r.loads {
+        let cancel = match st.loads.get_mut(j) {
+            Some(rec) => {
+                rec.dependents = rec.dependents.saturating_sub(1);
+                rec.dependents == 0
+            }
+            None => false,
+        };
+        if cancel {
+            io::cancel_load(sh, st, *j, why);
+        }
+    }
+    if let Some((_, f)) = &r.inbound {
+        f.fail(Error::Cancelled(format!("inbound transfer: {why}")));
+    }
+    st.tree.unlock(&r.path);
+    for p in r.own {
+        let _ = st.device.release(p);
+    }
+    sh.space_cv.notify_all();
+}
+
+/// Frees device room without waiting: victims with a host copy (or without a host tier)
+/// leave at once; the others get a backup with "evict after" (they leave when it lands).
+/// Aims at `want` free pages counting the evictions already in flight.
+pub(crate) fn make_room<B: Backend>(sh: &Shared<B>, st: &mut State, want: usize) {
+    let pending: usize = st
+        .tree
+        .live()
+        .filter(|(_, n)| n.evict_after_backup)
+        .count();
+    let short = want.saturating_sub(st.device.num_free() + pending);
+    if short > 0 {
+        let _ = evict(sh, st, short);
+    }
+}
+
+/// Waits (releasing the state mutex) until `want` pages could be free or `deadline`.
+/// Returns false when the deadline passed or nothing in flight can free a page.
+fn wait_for_room<B: Backend>(
+    sh: &Shared<B>,
+    st: &mut MutexGuard<'_, State>,
+    want: usize,
+    deadline: Instant,
+) -> bool {
+    if st.device.num_free() >= want {
+        return true;
+    }
+    let in_flight = !st.backups.is_empty()
+        || !st.loads.is_empty()
+        || !st.steps.is_empty()
+        || !st.inbounds.is_empty()
+        || st.device.num_quarantined() > 0
+        || !st.tree.device_victims().is_empty();
+    if !in_flight || Instant::now() >= deadline {
+        return false;
+    }
+    let _ = sh.space_cv.wait_until(st, deadline);
+    Instant::now() < deadline
+}
+
+/// Evicts up to `n` device pages (LRU leaves of the device tree). Returns the pages freed
+/// at once and the tickets of the backups that free the rest.
+fn evict<B: Backend>(sh: &Shared<B>, st: &mut State, n: usize) -> (usize, Vec<(Arc<Fence>, usize)>) {
+    let victims: Vec<NodeId> = st.tree.device_victims().into_iter().take(n).collect();
+    let mut done = 0;
+    let mut need_backup = Vec::new();
+    for v in victims {
+        let Some(node) = st.tree.get(v) else { continue };
+        if sh.host.is_some() && node.host.is_none() {
+            need_backup.push(v);
+            continue;
+        }
+        drop_device_page(st, v);
+        done += 1;
+    }
+    let tickets = if need_backup.is_empty() {
+        Vec::new()
+    } else {
+        schedule_backups(sh, st, &need_backup, true)
+    };
+    (done, tickets)
+}
+
+/// Releases a node's device page (quarantined while pinned) and prunes the node if it now
+/// holds nothing.
+pub(crate) fn drop_device_page(st: &mut State, v: NodeId) {
+    let Some(n) = st.tree.get_mut(v) else { return };
+    if let Some(d) = n.device.take() {
+        let _ = st.device.release(d.page);
+    }
+    n.evict_after_backup = false;
+    st.tree.prune(v);
+}
+
+/// Queues device → host backups of `nodes` (ready device pages, no host copy, no backup in
+/// flight) into the open batch, allocating host pages (evicting host LRU leaves for room).
+/// Nodes that find no host room: with `evict`, their device page is dropped (the cache
+/// loses them), otherwise they stay device-only. Returns the tickets and page counts of
+/// the batches used.
+pub(crate) fn schedule_backups<B: Backend>(
+    sh: &Shared<B>,
+    st: &mut State,
+    nodes: &[NodeId],
+    evict: bool,
+) -> Vec<(Arc<Fence>, usize)> {
+    let short = nodes.len().saturating_sub(st.host.num_free());
+    if short > 0 {
+        for v in st.tree.host_victims().into_iter().take(short) {
+            if let Some(n) = st.tree.get_mut(v) {
+                if let Some(h) = n.host.take() {
+                    let _ = st.host.release(h.page);
+                }
+            }
+            st.tree.prune(v);
+        }
+    }
+    let mut tickets: Vec<(Arc<Fence>, usize)> = Vec::new();
+    for &v in nodes {
+        let Some(dev) = st
+            .tree
+            .get(v)
+            .filter(|n| n.host.is_none() && n.backup.is_none())
+            .and_then(|n| n.device)
+            .filter(|d| d.load.is_none())
+        else {
+            continue;
+        };
+        let Ok(mut got) = st.host.alloc(1) else {
+            if evict {
+                drop_device_page(st, v);
+            }
+            continue;
+        };
+        let host = got.remove(0);
+        let _ = st.host.pin(host);
+        let _ = st.device.pin(dev.page);
+        let batch = match st.open_backup {
+            Some(b)
+                if st
+                    .backups
+                    .get(&b)
+                    .is_some_and(|r| r.queued && r.items.len() < sh.config.max_backup_batch) =>
+            {
+                b
+            }
+            _ => {
+                let b = sh.next_id();
+                st.backups.insert(
+                    b,
+                    BackupRec {
+                        items: Vec::new(),
+                        ticket: Arc::new(Fence::pending(1)),
+                        queued: true,
+                    },
+                );
+                st.queue.push_back(Job::Backup(b));
+                st.open_backup = Some(b);
+                b
+            }
+        };
+        if let Some(n) = st.tree.get_mut(v) {
+            n.backup = Some(batch);
+            n.evict_after_backup = evict;
+        }
+        if let Some(rec) = st.backups.get_mut(&batch) {
+            rec.items.push(BackupItem {
+                node: v,
+                device: dev.page,
+                host,
+            });
+            match tickets.iter_mut().find(|(t, _)| Arc::ptr_eq(t, &rec.ticket)) {
+                Some((_, c)) => *c += 1,
+                None => tickets.push((rec.ticket.clone(), 1)),
+            }
+        }
+    }
+    sh.work_cv.notify_all();
+    tickets
+}
+
 fn stats(st: &State) -> CacheStats {
     let in_use: usize = st.requests.values().map(|r| r.own.len()).sum();
+    let cached = st.tree.live().filter(|(_, n)| n.device.is_some()).count();
+    let host_cached = st.tree.live().filter(|(_, n)| n.host.is_some()).count();
     CacheStats {
         device_pages: st.device.capacity(),
         device_free: st.device.num_free(),
         device_in_use: in_use,
-        device_cached: st.tree.device_pages().len(),
+        device_cached: cached,
+        device_quarantined: st.device.num_quarantined(),
         host_pages: st.host.capacity(),
         host_free: st.host.num_free(),
-        host_cached: st.tree.host_pages().len(),
+        host_cached,
+        host_quarantined: st.host.num_quarantined(),
+        live_requests: st.requests.len(),
         ..st.stats
     }
 }
 
-/// `n` device pages, evicting cached pages to make room.
-fn evict_and_alloc<B: Backend>(sh: &Shared<B>, st: &mut State, n: usize) -> Result<Vec<PageRef>> {
-    let short = n.saturating_sub(st.device.num_free());
-    if short > 0 {
-        evict_device(sh, st, short)?;
-    }
-    st.device.alloc(n)
-}
-
-/// Evicts up to `n` device pages (LRU leaves of the device tree), backing each up to the
-/// host tier first. Returns how many were evicted.
-fn evict_device<B: Backend>(sh: &Shared<B>, st: &mut State, n: usize) -> Result<usize> {
-    let mut done = 0;
-    while done < n {
-        let victims: Vec<NodeId> = st
-            .tree
-            .device_victims()
-            .into_iter()
-            .take(n - done)
-            .collect();
-        if victims.is_empty() {
-            break;
+/// The consistency checks of [`HiCache::leak_check`].
+fn check<B: Backend>(sh: &Shared<B>, st: &State) -> Vec<String> {
+    let mut problems = st.device.check();
+    problems.extend(st.host.check());
+    // Device pages: each held page claimed exactly once, by a current reference.
+    let mut claims: HashMap<u32, String> = HashMap::new();
+    let mut claim = |p: PageRef, who: String, alloc: &PageAllocator, problems: &mut Vec<String>| {
+        if !alloc.is_current(p) {
+            problems.push(format!("{who} holds stale page {p:?}"));
         }
-        let need_backup: Vec<NodeId> = victims
-            .iter()
-            .copied()
-            .filter(|&v| st.tree.host_copy(v).is_none())
-            .collect();
-        if sh.host.is_some() && !need_backup.is_empty() {
-            backup(sh, st, &need_backup)?;
+        if let Some(prev) = claims.insert(p.id, who.clone()) {
+            problems.push(format!("page {} held by {prev} and {who}", p.id));
         }
-        for v in victims {
-            let Some(page) = st.tree.device_page(v) else {
-                continue;
-            };
-            st.tree.set_device(v, None);
-            st.device.free(page)?;
-            if st.tree.host_copy(v).is_none() {
-                // No host tier (or no room): the page leaves the cache, with any host-only
-                // pages below it.
-                for (dev, host) in st.tree.remove_subtree(v) {
-                    if let Some(p) = dev {
-                        st.device.free(p)?;
-                    }
-                    if let Some(h) = host {
-                        st.host.free(h.page)?;
-                    }
-                }
-            }
-            done += 1;
-        }
-    }
-    Ok(done)
-}
-
-/// Copies the device pages of `nodes` to newly allocated host pages (evicting host LRU
-/// leaves for room) and records their checksums. Nodes that find no host room stay
-/// device-only.
-fn backup<B: Backend>(sh: &Shared<B>, st: &mut State, nodes: &[NodeId]) -> Result<()> {
-    let Some(host) = sh.host.as_ref() else {
-        return Ok(());
     };
-    let short = nodes.len().saturating_sub(st.host.num_free());
-    if short > 0 {
-        for v in st.tree.host_victims().into_iter().take(short) {
-            if let Some((_, Some(copy))) = st.tree.remove_leaf(v) {
-                st.host.free(copy.page)?;
+    for (id, n) in st.tree.live() {
+        if let Some(d) = n.device {
+            claim(d.page, format!("tree node {id:?} (device)"), &st.device, &mut problems);
+        }
+    }
+    for (r, req) in &st.requests {
+        for &p in &req.own {
+            claim(p, format!("request {r}"), &st.device, &mut problems);
+        }
+    }
+    if claims.len() != st.device.num_held() {
+        problems.push(format!(
+            "{} device pages held, {} accounted for",
+            st.device.num_held(),
+            claims.len()
+        ));
+    }
+    // Host pages: the tree's copies and in-flight backups.
+    let mut claims: HashMap<u32, String> = HashMap::new();
+    let mut claim = |p: PageRef, who: String, alloc: &PageAllocator, problems: &mut Vec<String>| {
+        if !alloc.is_current(p) {
+            problems.push(format!("{who} holds stale host page {p:?}"));
+        }
+        if let Some(prev) = claims.insert(p.id, who.clone()) {
+            problems.push(format!("host page {} held by {prev} and {who}", p.id));
+        }
+    };
+    for (id, n) in st.tree.live() {
+        if let Some(h) = &n.host {
+            claim(h.page, format!("tree node {id:?} (host)"), &st.host, &mut problems);
+        }
+    }
+    for (b, rec) in &st.backups {
+        for it in &rec.items {
+            claim(it.host, format!("backup {b}"), &st.host, &mut problems);
+        }
+    }
+    if claims.len() != st.host.num_held() {
+        problems.push(format!(
+            "{} host pages held, {} accounted for",
+            st.host.num_held(),
+            claims.len()
+        ));
+    }
+    // Pins.
+    let mut dev_pins: HashMap<u32, u32> = HashMap::new();
+    let mut host_pins: HashMap<u32, u32> = HashMap::new();
+    for ids in st.steps.values() {
+        for &i in ids {
+            *dev_pins.entry(i).or_default() += 1;
+        }
+    }
+    for rec in st.loads.values() {
+        for p in &rec.pages {
+            *dev_pins.entry(p.device.id).or_default() += 1;
+            *host_pins.entry(p.host.id).or_default() += 1;
+        }
+    }
+    for rec in st.backups.values() {
+        for it in &rec.items {
+            *dev_pins.entry(it.device.id).or_default() += 1;
+            *host_pins.entry(it.host.id).or_default() += 1;
+        }
+    }
+    for (id, rec) in &st.inbounds {
+        if let Some(r) = st.requests.get(&rec.req) {
+            if r.inbound.as_ref().is_some_and(|(i, _)| i != id) {
+                problems.push(format!("request {} lost track of transfer {id}", rec.req));
+            }
+        }
+        for p in &rec.targets {
+            *dev_pins.entry(p.id).or_default() += 1;
+        }
+    }
+    for i in 0..st.device.capacity() as u32 {
+        let want = dev_pins.get(&i).copied().unwrap_or(0);
+        if st.device.pins(i) != want {
+            problems.push(format!(
+                "device page {i}: {} pins, {want} expected",
+                st.device.pins(i)
+            ));
+        }
+    }
+    for i in 0..st.host.capacity() as u32 {
+        let want = host_pins.get(&i).copied().unwrap_or(0);
+        if st.host.pins(i) != want {
+            problems.push(format!(
+                "host page {i}: {} pins, {want} expected",
+                st.host.pins(i)
+            ));
+        }
+    }
+    // Lock counts and live paths.
+    let mut locks: HashMap<NodeId, u32> = HashMap::new();
+    for (r, req) in &st.requests {
+        let mut parent = ROOT;
+        for (i, &n) in req.path.iter().enumerate() {
+            *locks.entry(n).or_default() += 1;
+            match st.tree.get(n) {
+                None => problems.push(format!("request {r}: path node {i} ({n:?}) is gone")),
+                Some(node) => {
+                    if node.parent != Some(parent) {
+                        problems.push(format!("request {r}: path node {i} is not linked"));
+                    }
+                    if node.device.is_none() && req.fences.iter().all(|f| f.failure().is_none())
+                    {
+                        problems.push(format!(
+                            "request {r}: path node {i} has no device page and no failed load"
+                        ));
+                    }
+                }
+            }
+            parent = n;
+        }
+        for j in &req.loads {
+            if let Some(rec) = st.loads.get(j) {
+                if rec.dependents == 0 {
+                    problems.push(format!("load {j} has a dependent but counts none"));
+                }
             }
         }
     }
-    let k = nodes.len().min(st.host.num_free());
-    if k == 0 {
-        return Ok(());
-    }
-    let nodes = &nodes[..k];
-    let host_pages = st.host.alloc(k)?;
-    let dev_ids: Vec<i32> = nodes
-        .iter()
-        .map(|&n| st.tree.device_page(n).map_or(-1, |p| p.id as i32))
-        .collect();
-    let host_ids: Vec<i32> = host_pages.iter().map(|p| p.id as i32).collect();
-    let layers = sh.device.spec().num_layers;
-    // Checksums per layer and kind, then transposed to per node.
-    let mut per_layer: Vec<[Vec<u64>; 2]> = Vec::with_capacity(layers);
-    let mut host_buf = host.write()?;
-    for l in 0..layers {
-        let dev = sh.device.read(l)?;
-        let mut layer_sums: [Vec<u64>; 2] = Default::default();
-        for (ki, kind) in BufferKind::ALL.into_iter().enumerate() {
-            let src = sh.device.region(kind);
-            let dst = geometry(&sh.config.faults, src, host.region(l, kind));
-            let op = CopyPages {
-                src,
-                dst,
-                src_ids: &dev_ids,
-                dst_ids: &host_ids,
-            };
-            sh.backend.copy_pages(&op, dev.get(kind), &mut host_buf)?;
-            layer_sums[ki] = checksums(&*sh.backend, src, dev.get(kind), &dev_ids)?;
+    for rec in st.loads.values() {
+        for p in &rec.pages {
+            *locks.entry(p.node).or_default() += 1;
         }
-        per_layer.push(layer_sums);
     }
-    let sums: Vec<Vec<[u64; 2]>> = (0..k)
-        .map(|i| per_layer.iter().map(|s| [s[0][i], s[1][i]]).collect())
-        .collect();
-    for ((&node, page), checksums) in nodes.iter().zip(host_pages).zip(sums) {
-        st.tree.set_host(node, Some(HostCopy { page, checksums }));
-    }
-    st.stats.backups += k as u64;
-    Ok(())
-}
-
-/// The destination geometry of a backup copy: `dst`, or (under the `shared-item-size`
-/// fault) `dst`'s layout with the source's row geometry — the historical io-copy bug of
-/// one item size for both sides.
-fn geometry(faults: &Faults, src: PagedRegion, dst: PagedRegion) -> PagedRegion {
-    if faults.active(Fault::SharedItemSize) {
-        PagedRegion {
-            stride: src.stride,
-            ..dst
+    for (id, n) in st.tree.live() {
+        let want = locks.get(&id).copied().unwrap_or(0);
+        if n.locks != want {
+            problems.push(format!("node {id:?}: {} locks, {want} expected", n.locks));
         }
-    } else {
-        dst
+        if let Some(j) = n.device.and_then(|d| d.load) {
+            if !st
+                .loads
+                .get(&j)
+                .is_some_and(|r| r.pages.iter().any(|p| p.node == id))
+            {
+                problems.push(format!("node {id:?} waits for load {j}, which is gone"));
+            }
+        }
+        if let Some(b) = n.backup {
+            if !st.backups.contains_key(&b) {
+                problems.push(format!("node {id:?} waits for backup {b}, which is gone"));
+            }
+        }
     }
-}
-
-fn checksums<B: Backend>(
-    b: &B,
-    region: PagedRegion,
-    buf: &B::Buffer,
-    ids: &[i32],
-) -> Result<Vec<u64>> {
-    let mut out = b.alloc(ids.len() * 8)?;
-    b.page_checksums(&PageChecksums { region, ids }, buf, &mut out)?;
-    Ok(b.download(&out)?
-        .chunks_exact(8)
-        .map(|c| {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(c);
-            u64::from_le_bytes(w)
-        })
-        .collect())
-}
-
-/// The io worker: runs loads layer by layer, publishing each layer's ready token after its
-/// KV and index-K pages landed (and verified).
-fn io_worker<B: Backend>(sh: Arc<Shared<B>>, rx: Receiver<LoadJob>) {
-    while let Ok(job) = rx.recv() {
-        let result = run_load(&sh, &job);
-        let nodes: Vec<NodeId> = job.pages.iter().map(|p| p.node).collect();
-        let Ok(mut st) = lock(&sh.state) else {
-            job.fence
-                .fail(Error::Device("cache state lock poisoned".into()));
-            continue;
+    for j in &st.queue {
+        let ok = match j {
+            Job::Load(i) => st.loads.get(i).is_some_and(|r| r.queued),
+            Job::Backup(i) => st.backups.get(i).is_some_and(|r| r.queued),
         };
-        st.tree.unlock(&nodes);
-        if let Err(e) = result {
-            if matches!(e, Error::Integrity { .. }) {
-                st.stats.integrity_failures += 1;
-            }
-            // Never serve what failed: drop the loaded nodes (and what hangs below them).
-            for n in &nodes {
-                for (dev, host) in st.tree.remove_subtree(*n) {
-                    if let Some(p) = dev {
-                        let _ = st.device.free(p);
-                    }
-                    if let Some(h) = host {
-                        let _ = st.host.free(h.page);
-                    }
-                }
-            }
-            drop(st);
-            job.fence.fail(e);
+        if !ok {
+            problems.push(format!("queued job {j:?} is not queued"));
         }
     }
-}
-
-fn run_load<B: Backend>(sh: &Shared<B>, job: &LoadJob) -> Result<()> {
-    let host = sh
-        .host
-        .as_ref()
-        .ok_or_else(|| Error::Device("load without a host tier".into()))?;
-    let host_ids: Vec<i32> = job.pages.iter().map(|p| p.host.id as i32).collect();
-    let dev_ids: Vec<i32> = job.pages.iter().map(|p| p.device.id as i32).collect();
-    for l in 0..sh.device.spec().num_layers {
-        if !sh.config.io_delay.is_zero() {
-            std::thread::sleep(sh.config.io_delay);
-        }
-        {
-            let st = lock(&sh.state)?;
-            let stale = job
-                .pages
-                .iter()
-                .find(|p| !st.device.is_current(p.device) || !st.host.is_current(p.host));
-            if let Some(p) = stale {
-                if !sh.config.faults.active(Fault::NoGenerationCheck) {
-                    return Err(Error::StalePage {
-                        what: "device",
-                        page: p.device.id,
-                        generation: p.device.generation,
-                        current: None,
-                    });
-                }
-            }
-        }
-        let host_buf = host.read()?;
-        let mut dev = sh.device.write(l)?;
-        for (ki, kind) in BufferKind::ALL.into_iter().enumerate() {
-            let src = host.region(l, kind);
-            let dst = sh.device.region(kind);
-            let op = CopyPages {
-                src,
-                dst,
-                src_ids: &host_ids,
-                dst_ids: &dev_ids,
-            };
-            sh.backend.copy_pages(&op, &host_buf, dev.get_mut(kind))?;
-            if sh.config.verify {
-                let got = checksums(
-                    &*sh.backend,
-                    sh.device.region(kind),
-                    dev.get(kind),
-                    &dev_ids,
-                )?;
-                for (p, g) in job.pages.iter().zip(got) {
-                    let want = p.checksums.get(l).map_or(0, |c| c[ki]);
-                    if g != want {
-                        return Err(Error::Integrity {
-                            what: "host→device",
-                            page: p.host.id,
-                            layer: l,
-                            kind: kind.name(),
-                            expected: want,
-                            actual: g,
-                        });
-                    }
-                }
-            }
-        }
-        drop(dev);
-        drop(host_buf);
-        job.fence.publish(l);
+    let dependents: u32 = st.loads.values().map(|r| r.dependents).sum();
+    let deps_seen: usize = st.requests.values().map(|r| r.loads.iter().filter(|j| st.loads.contains_key(j)).count()).sum();
+    if dependents as usize != deps_seen {
+        problems.push(format!(
+            "loads count {dependents} dependents, live requests {deps_seen}"
+        ));
     }
-    Ok(())
+    let _ = sh;
+    problems
 }

@@ -6,12 +6,13 @@
 //! has no dtype or size arguments of its own, so a host tier whose rows differ from the
 //! device's cannot be expressed (outside the `host-pool-fp8-layout` fault injection).
 
-use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::Instant;
 
 use serde::Serialize;
 
 use super::faults::{Fault, Faults};
 use crate::backend::Backend;
+use crate::sync::{AtomicU32, Mutex, MutexGuard, Ordering};
 use crate::error::{Error, Result};
 use crate::layout::{IndexKDtype, IndexKLayout, KvLayout, PageLayout};
 use crate::ops::PagedRegion;
@@ -84,21 +85,22 @@ impl CacheSpec {
     }
 }
 
-/// The buffers of one layer.
+/// The buffers of one layer. Reachable only inside the cache: readers get them through a
+/// [`super::LayerGuard`], writers are the io worker and inbound transfers.
 #[derive(Debug)]
-pub struct LayerBuffers<B: Backend> {
-    pub kv: B::Buffer,
-    pub index_k: B::Buffer,
+pub(crate) struct LayerBuffers<B: Backend> {
+    pub(crate) kv: B::Buffer,
+    pub(crate) index_k: B::Buffer,
 }
 
 impl<B: Backend> LayerBuffers<B> {
-    pub fn get(&self, kind: BufferKind) -> &B::Buffer {
+    pub(crate) fn get(&self, kind: BufferKind) -> &B::Buffer {
         match kind {
             BufferKind::Kv => &self.kv,
             BufferKind::IndexK => &self.index_k,
         }
     }
-    pub fn get_mut(&mut self, kind: BufferKind) -> &mut B::Buffer {
+    pub(crate) fn get_mut(&mut self, kind: BufferKind) -> &mut B::Buffer {
         match kind {
             BufferKind::Kv => &mut self.kv,
             BufferKind::IndexK => &mut self.index_k,
@@ -106,14 +108,17 @@ impl<B: Backend> LayerBuffers<B> {
     }
 }
 
-/// The device tier: per layer, a KV and an index-K buffer of `num_pages` pages each.
-/// Layers are individually locked so the io worker can fill one layer while the forward
-/// pass reads another; reading goes through [`super::fence`] tokens.
+/// The device tier: per layer, a KV and an index-K buffer of `num_pages` pages each, behind
+/// **one** mutex per layer (a guard over both kinds: no second lock of the same layer is
+/// ever needed, so there is no lock-order hazard between a reader and the io worker), plus
+/// a landed stamp per (layer, page): the generation (+1) of the page allocation whose bytes
+/// were last written into that layer (0: none).
 #[derive(Debug)]
-pub struct DevicePool<B: Backend> {
+pub(crate) struct DevicePool<B: Backend> {
     spec: CacheSpec,
     num_pages: usize,
-    layers: Vec<RwLock<LayerBuffers<B>>>,
+    layers: Vec<Mutex<LayerBuffers<B>>>,
+    stamps: Vec<AtomicU32>,
 }
 
 impl<B: Backend> DevicePool<B> {
@@ -121,7 +126,7 @@ impl<B: Backend> DevicePool<B> {
     pub fn new(backend: &B, spec: CacheSpec, num_pages: usize) -> Result<Self> {
         let layers = (0..spec.num_layers)
             .map(|_| {
-                Ok(RwLock::new(LayerBuffers {
+                Ok(Mutex::new(LayerBuffers {
                     kv: backend.alloc(spec.kv.buffer_bytes(num_pages))?,
                     index_k: backend.alloc(spec.index_k.buffer_bytes(num_pages))?,
                 }))
@@ -131,6 +136,9 @@ impl<B: Backend> DevicePool<B> {
             spec,
             num_pages,
             layers,
+            stamps: (0..spec.num_layers * num_pages)
+                .map(|_| AtomicU32::new(0))
+                .collect(),
         })
     }
 
@@ -147,23 +155,60 @@ impl<B: Backend> DevicePool<B> {
         PagedRegion::contiguous(self.spec.layout(kind), self.num_pages)
     }
 
-    /// Read access to layer `l`, for the fence module and tests; the forward pass goes
-    /// through `Fence` tokens.
-    pub(crate) fn read(&self, l: usize) -> Result<RwLockReadGuard<'_, LayerBuffers<B>>> {
-        self.layers
-            .get(l)
-            .ok_or_else(|| Error::invalid("layer", format!("{l} of {}", self.layers.len())))?
-            .read()
-            .map_err(|_| Error::Device("device pool layer lock poisoned".into()))
+    /// Exclusive access to layer `l`, waiting at most until `deadline`.
+    pub fn lock(
+        &self,
+        l: usize,
+        deadline: Instant,
+    ) -> Result<MutexGuard<'_, LayerBuffers<B>>> {
+        let m = self.layers.get(l).ok_or_else(|| Error::InvalidArgument {
+            what: "layer",
+            detail: format!("{l} of {}", self.layers.len()),
+        })?;
+        let start = Instant::now();
+        m.try_lock_until(deadline).ok_or(Error::Timeout {
+            what: "a device layer lock",
+            waited_ms: start.elapsed().as_millis() as u64,
+        })
     }
 
-    /// Write access to layer `l` (stores, loads).
-    pub(crate) fn write(&self, l: usize) -> Result<RwLockWriteGuard<'_, LayerBuffers<B>>> {
-        self.layers
-            .get(l)
-            .ok_or_else(|| Error::invalid("layer", format!("{l} of {}", self.layers.len())))?
-            .write()
-            .map_err(|_| Error::Device("device pool layer lock poisoned".into()))
+    fn stamp_slot(&self, layer: usize, page: u32) -> Option<&AtomicU32> {
+        if (page as usize) < self.num_pages {
+            self.stamps.get(layer * self.num_pages + page as usize)
+        } else {
+            None
+        }
+    }
+
+    /// Records that `page`'s bytes of `layer` were written for `generation`. Call with the
+    /// layer's lock held, after the bytes.
+    pub fn set_stamp(&self, layer: usize, page: u32, generation: u32) {
+        if let Some(s) = self.stamp_slot(layer, page) {
+            s.store(generation.wrapping_add(1).max(1), Ordering::Release);
+        }
+    }
+
+    /// Marks `page` of every layer as written for `generation` (a fresh page its owner
+    /// will fill by its own stores) or, with `None`, as not landed (a copy will fill it).
+    pub fn stamp_all_layers(&self, page: u32, generation: Option<u32>) {
+        for l in 0..self.spec.num_layers {
+            match generation {
+                Some(g) => self.set_stamp(l, page, g),
+                None => {
+                    if let Some(s) = self.stamp_slot(l, page) {
+                        s.store(0, Ordering::Release);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The generation `page`'s bytes of `layer` were last written for.
+    pub fn stamp(&self, layer: usize, page: u32) -> Option<u32> {
+        match self.stamp_slot(layer, page)?.load(Ordering::Acquire) {
+            0 => None,
+            v => Some(v.wrapping_sub(1)),
+        }
     }
 }
 
@@ -179,13 +224,13 @@ pub enum HostLayout {
 }
 
 /// The host tier: one host buffer (page-locked on cuda) holding `num_pages` pages of every
-/// layer and kind, in [`HostLayout`] order.
+/// layer and kind, in [`HostLayout`] order. Only the io worker touches its bytes.
 #[derive(Debug)]
-pub struct HostPool<B: Backend> {
+pub(crate) struct HostPool<B: Backend> {
     spec: CacheSpec,
     layout: HostLayout,
     num_pages: usize,
-    buffer: RwLock<B::Buffer>,
+    buffer: Mutex<B::Buffer>,
 }
 
 impl<B: Backend> HostPool<B> {
@@ -212,20 +257,13 @@ impl<B: Backend> HostPool<B> {
             spec,
             layout,
             num_pages,
-            buffer: RwLock::new(buffer),
+            buffer: Mutex::new(buffer),
         })
     }
 
+    #[cfg(test)]
     pub fn spec(&self) -> &CacheSpec {
         &self.spec
-    }
-
-    pub fn layout(&self) -> HostLayout {
-        self.layout
-    }
-
-    pub fn num_pages(&self) -> usize {
-        self.num_pages
     }
 
     /// Where pages of layer `layer`, kind `kind` sit in the host buffer.
@@ -264,19 +302,9 @@ impl<B: Backend> HostPool<B> {
         }
     }
 
-    /// Read access to the whole host buffer (tools and tests).
-    pub fn read(&self) -> Result<RwLockReadGuard<'_, B::Buffer>> {
-        self.buffer
-            .read()
-            .map_err(|_| Error::Device("host pool lock poisoned".into()))
-    }
-
-    /// Write access to the whole host buffer. Bypasses the cache's bookkeeping and
-    /// checksums: for tools and corruption tests only.
-    pub fn write(&self) -> Result<RwLockWriteGuard<'_, B::Buffer>> {
-        self.buffer
-            .write()
-            .map_err(|_| Error::Device("host pool lock poisoned".into()))
+    /// The host buffer (the io worker's copies).
+    pub fn buffer(&self) -> MutexGuard<'_, B::Buffer> {
+        self.buffer.lock()
     }
 }
 
@@ -306,7 +334,7 @@ mod tests {
                 dev.spec(),
                 "the mirror takes the device's descriptors"
             );
-            let len = b.buffer_len(&host.read().unwrap());
+            let len = b.buffer_len(&host.buffer());
             let mut owner = vec![None; len];
             for l in 0..3 {
                 for k in BufferKind::ALL {

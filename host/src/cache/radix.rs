@@ -1,9 +1,10 @@
-//! The prefix cache's radix tree over page-granular token prefixes.
+//! The prefix cache's radix tree over page-granular token prefixes (pure bookkeeping: page
+//! contents move in [`super::HiCache`]).
 //!
 //! Each node below the root stands for one full page of tokens following its parent's
-//! prefix, and may hold that page in the device tier, in the host tier, or both. Nodes are
-//! locked by live requests (a locked node is never evicted) and carry a last-use tick for
-//! LRU. The tree is pure bookkeeping: page contents move in [`super::HiCache`].
+//! prefix, and may hold that page in the device tier (ready, or with a load in flight), in
+//! the host tier, or both. Nodes are locked by live requests and by the loads that fill
+//! them (a locked node is never evicted) and carry a last-use tick for LRU.
 
 use std::collections::HashMap;
 
@@ -12,7 +13,7 @@ use super::alloc::PageRef;
 /// A node handle: slab slot plus the slot's generation, so a handle to a removed node
 /// never aliases a newer node in the same slot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct NodeId {
+pub(crate) struct NodeId {
     slot: u32,
     gen: u32,
 }
@@ -20,26 +21,55 @@ pub struct NodeId {
 /// A page's copy in the host tier with the checksums recorded at backup, one per layer and
 /// buffer kind (`[layer][kind]`, kinds in `BufferKind::ALL` order).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct HostCopy {
+pub(crate) struct HostCopy {
     pub page: PageRef,
     pub checksums: Vec<[u64; 2]>,
 }
 
+/// A node's device page. `load` is the id of the load job still filling it (the page must
+/// not be read before that job's fence says so).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct DevicePage {
+    pub page: PageRef,
+    pub load: Option<u64>,
+}
+
 #[derive(Clone, Debug)]
-struct Node {
+pub(crate) struct Node {
     gen: u32,
-    parent: Option<NodeId>,
+    pub parent: Option<NodeId>,
     key: Vec<u32>,
     children: HashMap<Vec<u32>, NodeId>,
-    device: Option<PageRef>,
-    host: Option<HostCopy>,
-    locks: u32,
+    pub device: Option<DevicePage>,
+    pub host: Option<HostCopy>,
+    /// Id of the backup batch copying the device page to the host tier.
+    pub backup: Option<u64>,
+    /// Free the device page once the backup lands (an eviction is waiting for it).
+    pub evict_after_backup: bool,
+    pub locks: u32,
     last_use: u64,
+}
+
+impl Node {
+    fn new(parent: Option<NodeId>, key: Vec<u32>, now: u64) -> Self {
+        Node {
+            gen: 0,
+            parent,
+            key,
+            children: HashMap::new(),
+            device: None,
+            host: None,
+            backup: None,
+            evict_after_backup: false,
+            locks: 0,
+            last_use: now,
+        }
+    }
 }
 
 /// The tree.
 #[derive(Clone, Debug)]
-pub struct RadixTree {
+pub(crate) struct RadixTree {
     page_size: usize,
     nodes: Vec<Option<Node>>,
     /// Generation the next node placed in each slot gets.
@@ -48,59 +78,31 @@ pub struct RadixTree {
     clock: u64,
 }
 
-const ROOT: NodeId = NodeId { slot: 0, gen: 0 };
+pub(crate) const ROOT: NodeId = NodeId { slot: 0, gen: 0 };
 
 impl RadixTree {
     /// An empty tree over pages of `page_size` tokens.
     pub fn new(page_size: usize) -> Self {
         RadixTree {
             page_size,
-            nodes: vec![Some(Node {
-                gen: 0,
-                parent: None,
-                key: Vec::new(),
-                children: HashMap::new(),
-                device: None,
-                host: None,
-                locks: 0,
-                last_use: 0,
-            })],
+            nodes: vec![Some(Node::new(None, Vec::new(), 0))],
             slot_gen: vec![1],
             free_slots: Vec::new(),
             clock: 0,
         }
     }
 
-    pub fn page_size(&self) -> usize {
-        self.page_size
-    }
-
-    fn get(&self, id: NodeId) -> Option<&Node> {
+    pub fn get(&self, id: NodeId) -> Option<&Node> {
         match self.nodes.get(id.slot as usize) {
             Some(Some(n)) if n.gen == id.gen => Some(n),
             _ => None,
         }
     }
 
-    fn get_mut(&mut self, id: NodeId) -> Option<&mut Node> {
+    pub fn get_mut(&mut self, id: NodeId) -> Option<&mut Node> {
         match self.nodes.get_mut(id.slot as usize) {
             Some(Some(n)) if n.gen == id.gen => Some(n),
             _ => None,
-        }
-    }
-
-    /// A node reached by walking the tree (children, parents, `live`): always present.
-    fn node(&self, id: NodeId) -> &Node {
-        match self.get(id) {
-            Some(n) => n,
-            None => unreachable!("radix tree link to a removed node {id:?}"),
-        }
-    }
-
-    fn node_mut(&mut self, id: NodeId) -> &mut Node {
-        match self.get_mut(id) {
-            Some(n) => n,
-            None => unreachable!("radix tree link to a removed node {id:?}"),
         }
     }
 
@@ -109,68 +111,49 @@ impl RadixTree {
         self.clock
     }
 
-    /// The longest cached prefix of `tokens` in whole pages whose every node still holds
-    /// its page in some tier; touches the nodes (LRU).
+    /// The child of `parent` for the page `key`.
+    pub fn child(&self, parent: NodeId, key: &[u32]) -> Option<NodeId> {
+        self.get(parent)?.children.get(key).copied()
+    }
+
+    /// The longest prefix of `tokens` in whole pages whose every node holds its page in
+    /// some tier (device, ready or loading, or host); touches the nodes (LRU).
     pub fn match_prefix(&mut self, tokens: &[u32]) -> Vec<NodeId> {
         let now = self.tick();
         let mut path = Vec::new();
         let mut cur = ROOT;
         for key in tokens.chunks_exact(self.page_size) {
-            let Some(&next) = self.node(cur).children.get(key) else {
+            let Some(next) = self.child(cur, key) else {
                 break;
             };
-            let n = self.node(next);
-            if n.device.is_none() && n.host.is_none() {
-                break;
+            match self.get(next) {
+                Some(n) if n.device.is_some() || n.host.is_some() => {}
+                _ => break,
             }
             path.push(next);
             cur = next;
         }
         for &id in &path {
-            self.node_mut(id).last_use = now;
+            if let Some(n) = self.get_mut(id) {
+                n.last_use = now;
+            }
         }
         path
     }
 
-    /// Adds the full pages of `tokens` below the root, given the device page holding each
-    /// (`pages[i]` holds page `i`). Pages for which a node already holds a device page are
-    /// returned (the caller frees them: the cache keeps its own copy); pages adopted by new
-    /// or device-less nodes are owned by the tree from now on. Returns the path and the
-    /// duplicates.
-    pub fn insert(&mut self, tokens: &[u32], pages: &[PageRef]) -> (Vec<NodeId>, Vec<PageRef>) {
+    /// The child of `parent` for `key`, created (empty) if missing; touches it.
+    pub fn child_or_insert(&mut self, parent: NodeId, key: &[u32]) -> Option<NodeId> {
         let now = self.tick();
-        let mut path = Vec::new();
-        let mut dup = Vec::new();
-        let mut cur = ROOT;
-        for (key, &page) in tokens.chunks_exact(self.page_size).zip(pages) {
-            let next = match self.node(cur).children.get(key) {
-                Some(&n) => n,
-                None => {
-                    let id = self.alloc_node(Node {
-                        gen: 0,
-                        parent: Some(cur),
-                        key: key.to_vec(),
-                        children: HashMap::new(),
-                        device: None,
-                        host: None,
-                        locks: 0,
-                        last_use: now,
-                    });
-                    self.node_mut(cur).children.insert(key.to_vec(), id);
-                    id
-                }
-            };
-            let n = self.node_mut(next);
-            n.last_use = now;
-            if n.device.is_none() {
-                n.device = Some(page);
-            } else {
-                dup.push(page);
+        if let Some(c) = self.child(parent, key) {
+            if let Some(n) = self.get_mut(c) {
+                n.last_use = now;
             }
-            path.push(next);
-            cur = next;
+            return Some(c);
         }
-        (path, dup)
+        self.get(parent)?;
+        let id = self.alloc_node(Node::new(Some(parent), key.to_vec(), now));
+        self.get_mut(parent)?.children.insert(key.to_vec(), id);
+        Some(id)
     }
 
     fn alloc_node(&mut self, mut n: Node) -> NodeId {
@@ -189,8 +172,7 @@ impl RadixTree {
         NodeId { slot, gen }
     }
 
-    /// Locks every node of `path` (a live request or a load uses them). Removed nodes
-    /// are skipped.
+    /// Locks every node of `path` (a live request or a load uses them).
     pub fn lock(&mut self, path: &[NodeId]) {
         for &id in path {
             if let Some(n) = self.get_mut(id) {
@@ -199,68 +181,69 @@ impl RadixTree {
         }
     }
 
-    /// Undoes [`RadixTree::lock`]; removed nodes are skipped.
+    /// Undoes [`RadixTree::lock`], then prunes nodes left holding nothing.
     pub fn unlock(&mut self, path: &[NodeId]) {
         for &id in path {
             if let Some(n) = self.get_mut(id) {
                 n.locks = n.locks.saturating_sub(1);
             }
         }
-    }
-
-    /// The node's device page (`None` if it has none or was removed).
-    pub fn device_page(&self, id: NodeId) -> Option<PageRef> {
-        self.get(id).and_then(|n| n.device)
-    }
-
-    /// The node's host copy (`None` if it has none or was removed).
-    pub fn host_copy(&self, id: NodeId) -> Option<&HostCopy> {
-        self.get(id).and_then(|n| n.host.as_ref())
-    }
-
-    /// Sets the node's device page (no-op on a removed node).
-    pub fn set_device(&mut self, id: NodeId, page: Option<PageRef>) {
-        if let Some(n) = self.get_mut(id) {
-            n.device = page;
+        for &id in path.iter().rev() {
+            self.prune(id);
         }
     }
 
-    /// Sets the node's host copy (no-op on a removed node).
-    pub fn set_host(&mut self, id: NodeId, copy: Option<HostCopy>) {
-        if let Some(n) = self.get_mut(id) {
-            n.host = copy;
+    /// Removes `id` and then its ancestors while each is an unlocked, childless node that
+    /// holds no page in either tier and has no backup in flight.
+    pub fn prune(&mut self, mut id: NodeId) {
+        while id != ROOT {
+            let Some(n) = self.get(id) else { return };
+            if n.locks > 0
+                || !n.children.is_empty()
+                || n.device.is_some()
+                || n.host.is_some()
+                || n.backup.is_some()
+            {
+                return;
+            }
+            let parent = n.parent.unwrap_or(ROOT);
+            self.remove_leaf(id);
+            id = parent;
         }
     }
 
-    /// Whether a live request or load holds the node.
-    pub fn is_locked(&self, id: NodeId) -> bool {
-        self.get(id).is_some_and(|n| n.locks > 0)
+    fn children_have_device(&self, n: &Node) -> bool {
+        n.children
+            .values()
+            .any(|&c| self.get(c).is_some_and(|c| c.device.is_some()))
     }
 
-    /// Nodes whose device page may leave the device tier, least recently used first:
-    /// unlocked, holding a device page, and no child holds a device page (so device-tier
-    /// prefixes stay contiguous from the root).
+    /// Nodes whose device page may leave the device tier, least recently used first (and
+    /// among equally recent ones, those without device children first, so a path empties
+    /// from its leaf): unlocked, holding a ready device page with no backup in flight.
     pub fn device_victims(&self) -> Vec<NodeId> {
-        let mut v: Vec<(u64, NodeId)> = self
+        let mut v: Vec<(u64, bool, NodeId)> = self
             .live()
             .filter(|&(_, n)| {
-                n.locks == 0
-                    && n.device.is_some()
-                    && n.children.values().all(|&c| self.node(c).device.is_none())
+                n.locks == 0 && n.device.is_some_and(|d| d.load.is_none()) && n.backup.is_none()
             })
-            .map(|(id, n)| (n.last_use, id))
+            .map(|(id, n)| (n.last_use, self.children_have_device(n), id))
             .collect();
         v.sort_unstable();
-        v.into_iter().map(|(_, id)| id).collect()
+        v.into_iter().map(|(_, _, id)| id).collect()
     }
 
     /// Nodes that may leave the cache entirely, least recently used first: unlocked
-    /// leaves holding only a host copy.
+    /// childless nodes holding only a host copy.
     pub fn host_victims(&self) -> Vec<NodeId> {
         let mut v: Vec<(u64, NodeId)> = self
             .live()
             .filter(|&(_, n)| {
-                n.locks == 0 && n.device.is_none() && n.host.is_some() && n.children.is_empty()
+                n.locks == 0
+                    && n.device.is_none()
+                    && n.backup.is_none()
+                    && n.host.is_some()
+                    && n.children.is_empty()
             })
             .map(|(id, n)| (n.last_use, id))
             .collect();
@@ -268,46 +251,28 @@ impl RadixTree {
         v.into_iter().map(|(_, id)| id).collect()
     }
 
-    /// Removes a leaf (or an empty node) and returns what it held. Fails (returns `None`)
-    /// for the root or a node with children.
-    pub fn remove_leaf(&mut self, id: NodeId) -> Option<(Option<PageRef>, Option<HostCopy>)> {
+    /// Removes a childless node and returns it. `None` for the root, a node with children
+    /// or a removed node.
+    pub fn remove_leaf(&mut self, id: NodeId) -> Option<Node> {
         if id == ROOT || !self.get(id)?.children.is_empty() {
             return None;
         }
         let n = self.nodes.get_mut(id.slot as usize)?.take()?;
-        if let Some(p) = n.parent {
-            self.node_mut(p).children.remove(&n.key);
+        if let Some(p) = n.parent.and_then(|p| self.get_mut(p)) {
+            p.children.remove(&n.key);
         }
         self.free_slots.push(id.slot);
-        Some((n.device, n.host))
-    }
-
-    /// Removes `id` and its whole subtree, returning every page they held. Locked nodes are
-    /// removed too (their users' loads fail instead).
-    pub fn remove_subtree(&mut self, id: NodeId) -> Vec<(Option<PageRef>, Option<HostCopy>)> {
-        if id == ROOT || self.get(id).is_none() {
-            return Vec::new();
-        }
-        // Pre-order, then remove children before parents.
-        let mut order = Vec::new();
-        let mut stack = vec![id];
-        while let Some(x) = stack.pop() {
-            order.push(x);
-            stack.extend(self.node(x).children.values().copied());
-        }
-        order
-            .into_iter()
-            .rev()
-            .filter_map(|x| self.remove_leaf(x))
-            .collect()
+        Some(n)
     }
 
     /// Whether `id` is still in the tree.
+    #[cfg(test)]
     pub fn contains(&self, id: NodeId) -> bool {
         self.get(id).is_some()
     }
 
-    fn live(&self) -> impl Iterator<Item = (NodeId, &Node)> {
+    /// Every node but the root.
+    pub fn live(&self) -> impl Iterator<Item = (NodeId, &Node)> {
         self.nodes.iter().enumerate().skip(1).filter_map(|(i, n)| {
             n.as_ref().map(|n| {
                 (
@@ -321,25 +286,10 @@ impl RadixTree {
         })
     }
 
-    /// Every device page held by the tree.
-    pub fn device_pages(&self) -> Vec<PageRef> {
-        self.live().filter_map(|(_, n)| n.device).collect()
-    }
-
-    /// Every host page held by the tree.
-    pub fn host_pages(&self) -> Vec<PageRef> {
-        self.live()
-            .filter_map(|(_, n)| n.host.as_ref().map(|h| h.page))
-            .collect()
-    }
-
     /// Nodes in the tree (root excluded).
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.live().count()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
@@ -351,51 +301,65 @@ mod tests {
         PageRef { id, generation: 0 }
     }
 
+    fn insert(t: &mut RadixTree, tokens: &[u32], pages: &[PageRef]) -> Vec<NodeId> {
+        let mut cur = ROOT;
+        let mut path = Vec::new();
+        for (key, &page) in tokens.chunks_exact(2).zip(pages) {
+            cur = t.child_or_insert(cur, key).unwrap();
+            let n = t.get_mut(cur).unwrap();
+            if n.device.is_none() {
+                n.device = Some(DevicePage { page, load: None });
+            }
+            path.push(cur);
+        }
+        path
+    }
+
     #[test]
-    fn insert_match_evict() {
+    fn match_victims_prune() {
         let mut t = RadixTree::new(2);
-        let (path, dup) = t.insert(&[1, 2, 3, 4, 5], &[p(0), p(1)]);
+        let path = insert(&mut t, &[1, 2, 3, 4, 5], &[p(0), p(1)]);
         assert_eq!(path.len(), 2);
-        assert!(dup.is_empty());
         assert_eq!(t.match_prefix(&[1, 2, 3, 4, 9, 9]).len(), 2);
         assert_eq!(t.match_prefix(&[1, 2, 3, 9]).len(), 1);
         assert_eq!(t.match_prefix(&[2, 2]).len(), 0);
-        // A second request with the same first page: its copy is a duplicate.
-        let (path2, dup) = t.insert(&[1, 2, 7, 7], &[p(5), p(6)]);
-        assert_eq!(dup, vec![p(5)]);
+        let path2 = insert(&mut t, &[1, 2, 7, 7], &[p(5), p(6)]);
         assert_eq!(path2[0], path[0]);
-        // Only leaves of the device tree are device victims; locked nodes never.
+        // Locked nodes are never victims; leaves go before their parents.
         t.lock(&path2);
-        let v = t.device_victims();
-        assert_eq!(v, vec![path[1]]);
+        assert_eq!(t.device_victims(), vec![path[1]]);
         t.unlock(&path2);
-        assert_eq!(t.device_victims().len(), 2);
-        // Move the leaf to host: it becomes a host victim once its device page is gone.
-        t.set_device(path[1], None);
-        t.set_host(
-            path[1],
-            Some(HostCopy {
-                page: p(0),
-                checksums: vec![],
-            }),
-        );
+        assert_eq!(t.device_victims().len(), 3);
+        assert_eq!(t.device_victims()[0], path2[1]);
+        assert_eq!(t.device_victims()[2], path[0]);
+        // A loading page is no victim.
+        t.get_mut(path[1]).unwrap().device = Some(DevicePage {
+            page: p(1),
+            load: Some(3),
+        });
+        assert_eq!(t.device_victims(), vec![path2[1], path[0]]);
+        // Host-only leaves are host victims and still match.
+        t.get_mut(path[1]).unwrap().device = None;
+        t.get_mut(path[1]).unwrap().host = Some(HostCopy {
+            page: p(0),
+            checksums: vec![],
+        });
         assert_eq!(t.host_victims(), vec![path[1]]);
-        assert_eq!(
-            t.match_prefix(&[1, 2, 3, 4]).len(),
-            2,
-            "host-only nodes still match"
-        );
-        let (d, h) = t.remove_leaf(path[1]).unwrap();
-        assert!(d.is_none() && h.is_some());
+        assert_eq!(t.match_prefix(&[1, 2, 3, 4]).len(), 2);
+        // A node holding nothing stops matching, and is pruned once unlocked.
+        t.get_mut(path[1]).unwrap().host = None;
+        assert_eq!(t.match_prefix(&[1, 2, 3, 4]).len(), 1);
+        t.lock(&[path[1]]);
+        t.prune(path[1]);
+        assert!(t.contains(path[1]), "locked nodes stay");
+        t.unlock(&[path[1]]);
+        assert!(!t.contains(path[1]));
         assert!(t.remove_leaf(path[0]).is_none(), "has a child");
-        let all = t.remove_subtree(path[0]);
-        assert_eq!(all.len(), 2);
-        assert!(t.is_empty());
         // Handles of removed nodes are inert, even when their slot is reused.
-        let (fresh, _) = t.insert(&[8, 8], &[p(9)]);
-        assert!(!t.contains(path[0]) && t.contains(fresh[0]));
+        let fresh = insert(&mut t, &[8, 8], &[p(9)]);
+        assert!(t.contains(fresh[0]));
         t.lock(&path);
-        assert!(!t.is_locked(fresh[0]));
-        assert_eq!(t.device_page(path[0]), None);
+        assert_eq!(t.get(fresh[0]).unwrap().locks, 0);
+        assert_eq!(t.len(), 3);
     }
 }

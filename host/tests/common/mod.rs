@@ -1,20 +1,30 @@
 //! A small simulated model on top of `HiCache` for the cache tests: every token's KV and
 //! index key are a deterministic function of the token prefix up to it and the layer, so
-//! a cache hit must reproduce exactly the bytes the first computation stored.
+//! a cache hit must reproduce exactly the bytes the first computation stored. Plus
+//! [`Flaky`], a backend wrapper whose page copies can be held at a gate, failed, made to
+//! panic or slowed at random (the io worker's copies go through it).
 
 #![allow(dead_code)]
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use half::bf16;
-use sparsekit_host::cache::{BufferKind, CacheConfig, CacheSpec, HiCache, PageRef, Prefix};
+use sparsekit_host::cache::{
+    BufferKind, CacheConfig, CacheSpec, HiCache, LayerGuard, PageRef, Prefix, SlotRef, Step,
+};
 use sparsekit_host::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};
-use sparsekit_host::ops::{IndexKStore, KvStore};
+use sparsekit_host::ops::{
+    CopyPages, IndexKStore, IndexerLogits, KvStore, Op, PageChecksums, SparseMla, Topk,
+};
 use sparsekit_host::{Backend, CpuBackend, Error, Result};
 
 pub const PAGE: usize = 4;
 pub const LAYERS: usize = 2;
+/// Every bounded wait of a test: far above anything a healthy run needs.
+pub const BOUND: Duration = Duration::from_secs(20);
 
 pub fn spec(kv: KvDtype, ik: IndexKDtype) -> CacheSpec {
     CacheSpec::new(
@@ -37,8 +47,12 @@ pub fn cache_on<B: Backend + 'static>(
     HiCache::new(Arc::new(backend), spec, config).unwrap()
 }
 
+pub fn prompt(base: u32, len: usize) -> Vec<u32> {
+    (0..len as u32).map(|i| base * 1000 + i).collect()
+}
+
 /// Hash of a token prefix (FNV-1a), the seed of its content.
-fn prefix_hash(tokens: &[u32]) -> u64 {
+pub fn prefix_hash(tokens: &[u32]) -> u64 {
     tokens.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &t| {
         (h ^ t as u64).wrapping_mul(0x100_0000_01b3)
     })
@@ -57,87 +71,153 @@ fn values(seed: u64, n: usize) -> Vec<bf16> {
         .collect()
 }
 
-/// The simulated forward pass of one request.
-pub struct Sim<'a, B: Backend + 'static> {
-    pub cache: &'a HiCache<B>,
+/// Stores positions `from..tokens.len()` of `tokens` (held in `pages`) into the guard's
+/// layer: the simulated forward pass of one layer.
+pub fn store_layer<B: Backend + 'static>(
+    g: &mut LayerGuard<'_, B>,
+    backend: &B,
+    spec: &CacheSpec,
+    tokens: &[u32],
+    pages: &[PageRef],
+    from: usize,
+) -> Result<()> {
+    if from >= tokens.len() {
+        return Ok(());
+    }
+    let l = g.layer();
+    let slots: Vec<SlotRef> = (from..tokens.len())
+        .map(|p| SlotRef {
+            page: pages[p / PAGE],
+            offset: (p % PAGE) as u32,
+        })
+        .collect();
+    let mut kv = Vec::new();
+    let mut ik = Vec::new();
+    for p in from..tokens.len() {
+        let h = prefix_hash(&tokens[..=p]) ^ (l as u64).wrapping_mul(0x9e37_79b9);
+        kv.extend(values(h, spec.kv.d_qk()));
+        ik.extend(values(h ^ 0xabcd, spec.index_k.head_dim()));
+    }
+    g.kv_store(&slots, &backend.upload(bytemuck::cast_slice(&kv))?)?;
+    g.index_k_store(&slots, &backend.upload(bytemuck::cast_slice(&ik))?)?;
+    Ok(())
 }
 
-impl<B: Backend + 'static> Sim<'_, B> {
-    /// Stores positions `from..tokens.len()` of every layer into `pages`.
-    pub fn write(&self, tokens: &[u32], pages: &[PageRef], from: usize) -> Result<()> {
-        let spec = *self.cache.spec();
-        let b = self.cache.backend();
-        let slots: Vec<i64> = (from..tokens.len())
-            .map(|p| (pages[p / PAGE].id as usize * PAGE + p % PAGE) as i64)
-            .collect();
-        for l in 0..LAYERS {
-            let mut kv = Vec::new();
-            let mut ik = Vec::new();
-            for p in from..tokens.len() {
-                let h = prefix_hash(&tokens[..=p]) ^ (l as u64).wrapping_mul(0x9e37_79b9);
-                kv.extend(values(h, spec.kv.d_qk()));
-                ik.extend(values(h ^ 0xabcd, spec.index_k.head_dim()));
+/// The bytes of `pages` of the guard's layer, `[page][kind]`.
+pub fn read_pages<B: Backend + 'static>(
+    cache: &HiCache<B>,
+    g: &LayerGuard<'_, B>,
+    pages: &[PageRef],
+) -> Result<Vec<[Vec<u8>; 2]>> {
+    let (kv, ik) = g.views()?;
+    let kv = cache.backend().download(kv)?;
+    let ik = cache.backend().download(ik)?;
+    let rk = cache.device_region(BufferKind::Kv);
+    let ri = cache.device_region(BufferKind::IndexK);
+    Ok(pages
+        .iter()
+        .map(|p| {
+            [
+                kv[rk.page_range(p.id as usize)].to_vec(),
+                ik[ri.page_range(p.id as usize)].to_vec(),
+            ]
+        })
+        .collect())
+}
+
+/// What every page of every prefix must contain, learned when it is first computed
+/// (shareable between threads).
+#[derive(Default)]
+pub struct Expect {
+    pages: Mutex<HashMap<(u64, usize), [Vec<u8>; 2]>>,
+    pub hits_checked: AtomicU64,
+}
+
+impl Expect {
+    /// Checks `got` (page `i` of `tokens`, layer `l`) against what was computed for it.
+    pub fn check(&self, tokens: &[u32], i: usize, l: usize, got: &[Vec<u8>; 2]) -> Result<()> {
+        let key = (prefix_hash(&tokens[..(i + 1) * PAGE]), l);
+        let map = self.pages.lock().unwrap();
+        let want = map.get(&key).ok_or_else(|| {
+            Error::Leak(format!("cache served a page never computed (page {i})"))
+        })?;
+        if got != want {
+            return Err(Error::Integrity {
+                what: "served page",
+                page: i as u32,
+                layer: l,
+                kind: if got[0] != want[0] { "kv" } else { "index_k" },
+                expected: 0,
+                actual: 1,
+            });
+        }
+        self.hits_checked.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Learns page `i` of `tokens` at layer `l` (or checks it equals what was learned).
+    pub fn learn(&self, tokens: &[u32], i: usize, l: usize, got: [Vec<u8>; 2]) -> Result<()> {
+        let key = (prefix_hash(&tokens[..(i + 1) * PAGE]), l);
+        let mut map = self.pages.lock().unwrap();
+        match map.get(&key) {
+            Some(w) if *w != got => Err(Error::Integrity {
+                what: "recomputed page differs",
+                page: i as u32,
+                layer: l,
+                kind: "kv",
+                expected: 0,
+                actual: 1,
+            }),
+            Some(_) => Ok(()),
+            None => {
+                map.insert(key, got);
+                Ok(())
             }
-            let mut layer = self.cache.layer_mut(l)?;
-            b.kv_store(
-                &KvStore {
-                    layout: spec.kv,
-                    slots: &slots,
-                },
-                &b.upload(bytemuck::cast_slice(&kv))?,
-                &mut layer.kv,
-            )?;
-            b.index_k_store(
-                &IndexKStore {
-                    layout: spec.index_k,
-                    slots: &slots,
-                },
-                &b.upload(bytemuck::cast_slice(&ik))?,
-                &mut layer.index_k,
-            )?;
+        }
+    }
+
+    /// The forward pass of one request inside `step` (whose only member is `req`... or
+    /// one of several): per layer, wait, check every prefix page, store the rest, learn
+    /// the new full pages.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward<B: Backend + 'static>(
+        &self,
+        cache: &HiCache<B>,
+        step: &mut Step<'_, B>,
+        tokens: &[u32],
+        prefix: &Prefix,
+        pages: &[PageRef],
+    ) -> Result<()> {
+        let spec = *cache.spec();
+        let n_prefix = prefix.pages.len();
+        for l in 0..LAYERS {
+            let mut g = step.wait_layer(l)?;
+            let got = read_pages(cache, &g, &pages[..n_prefix])?;
+            for (i, got) in got.iter().enumerate() {
+                self.check(tokens, i, l, got)?;
+            }
+            store_layer(&mut g, cache.backend(), &spec, tokens, pages, prefix.tokens)?;
+            let full = tokens.len() / PAGE;
+            let fresh = read_pages(cache, &g, &pages[n_prefix..full])?;
+            for (k, got) in fresh.into_iter().enumerate() {
+                self.learn(tokens, n_prefix + k, l, got)?;
+            }
         }
         Ok(())
     }
 
-    /// The bytes of page `page` of `layer`/`kind`, read through a ready token.
-    pub fn read(
-        &self,
-        prefix: &Prefix,
-        layer: usize,
-        kind: BufferKind,
-        page: PageRef,
-    ) -> Result<Vec<u8>> {
-        let token = prefix.loads.wait(layer)?;
-        let dev = self.cache.device();
-        let view = match kind {
-            BufferKind::Kv => dev.kv(&token)?,
-            BufferKind::IndexK => dev.index_k(&token)?,
-        };
-        let all = self.cache.backend().download(view.buffer())?;
-        Ok(all[dev.region(kind).page_range(page.id as usize)].to_vec())
-    }
-}
-
-/// What every page of every prefix must contain, learned when it is first computed.
-#[derive(Default)]
-pub struct Expect {
-    pages: HashMap<(u64, usize, BufferKind), Vec<u8>>,
-    pub hits_checked: usize,
-}
-
-impl Expect {
-    /// Runs one request: match, verify every cached page, compute the rest, commit, and
-    /// finish (or abort before committing when `abort`). Returns the matched tokens.
+    /// Runs one request: begin, one step (verify every cached page, compute the rest),
+    /// commit, and finish (or abort before committing when `abort`). Returns the matched
+    /// tokens.
     pub fn request<B: Backend + 'static>(
-        &mut self,
+        &self,
         cache: &HiCache<B>,
         req: u64,
         tokens: &[u32],
         abort: bool,
     ) -> Result<usize> {
-        let sim = Sim { cache };
         let prefix = cache.begin(req, tokens)?;
-        let outcome = self.body(&sim, req, tokens, &prefix, abort);
+        let outcome = self.body(cache, req, tokens, &prefix, abort);
         if outcome.is_err() || abort {
             cache.abort(req)?;
         } else {
@@ -147,61 +227,228 @@ impl Expect {
     }
 
     fn body<B: Backend + 'static>(
-        &mut self,
-        sim: &Sim<'_, B>,
+        &self,
+        cache: &HiCache<B>,
         req: u64,
         tokens: &[u32],
         prefix: &Prefix,
         abort: bool,
     ) -> Result<()> {
-        for (i, &page) in prefix.pages.iter().enumerate() {
-            let key = prefix_hash(&tokens[..(i + 1) * PAGE]);
-            for l in 0..LAYERS {
-                for kind in BufferKind::ALL {
-                    let got = sim.read(prefix, l, kind, page)?;
-                    let want = self.pages.get(&(key, l, kind)).ok_or_else(|| {
-                        Error::Leak(format!("cache served a page never computed (page {i})"))
-                    })?;
-                    if &got != want {
-                        return Err(Error::Integrity {
-                            what: "served page",
-                            page: page.id,
-                            layer: l,
-                            kind: kind.name(),
-                            expected: 0,
-                            actual: 1,
-                        });
-                    }
-                    self.hits_checked += 1;
-                }
-            }
-        }
         let need = tokens.len().div_ceil(PAGE) - prefix.pages.len();
-        let fresh = sim.cache.alloc(req, need)?;
+        let fresh = cache.alloc(req, need)?;
         let mut pages = prefix.pages.clone();
         pages.extend(&fresh);
-        sim.write(tokens, &pages, prefix.tokens)?;
+        {
+            let mut step = cache.step(&[req])?;
+            self.forward(cache, &mut step, tokens, prefix, &pages)?;
+        }
         if abort {
             return Ok(());
         }
-        // Learn the full pages just computed.
-        for i in prefix.pages.len()..tokens.len() / PAGE {
-            let key = prefix_hash(&tokens[..(i + 1) * PAGE]);
-            for l in 0..LAYERS {
-                let mut layer = sim.cache.layer_mut(l)?;
-                for kind in BufferKind::ALL {
-                    let bytes = sim.cache.backend().download(layer.get_mut(kind))?;
-                    let page = &bytes[sim
-                        .cache
-                        .device()
-                        .region(kind)
-                        .page_range(pages[i].id as usize)];
-                    self.pages
-                        .entry((key, l, kind))
-                        .or_insert_with(|| page.to_vec());
+        cache.commit(req, tokens, &pages)
+    }
+}
+
+/// Controls of a [`Flaky`] backend.
+#[derive(Debug, Default)]
+pub struct FlakyCtl {
+    gate_closed: Mutex<bool>,
+    gate_cv: Condvar,
+    /// Copies currently held at the closed gate.
+    pub waiting: AtomicU32,
+    /// Fail the next N copies with `Error::Device`.
+    pub fail_next: AtomicU32,
+    /// Panic in the next N copies.
+    pub panic_next: AtomicU32,
+    /// Random mode: per copy, fail with probability `fail_per_mille`/1000, panic with
+    /// `panic_per_mille`, and spin up to `max_delay_us`.
+    pub random: AtomicBool,
+    pub fail_per_mille: AtomicU32,
+    pub panic_per_mille: AtomicU32,
+    pub max_delay_us: AtomicU32,
+    rng: AtomicU64,
+    /// Copies done (attempted).
+    pub copies: AtomicU64,
+}
+
+impl FlakyCtl {
+    pub fn close_gate(&self) {
+        *self.gate_closed.lock().unwrap() = true;
+    }
+    pub fn open_gate(&self) {
+        *self.gate_closed.lock().unwrap() = false;
+        self.gate_cv.notify_all();
+    }
+    /// Waits (bounded) until `n` copies are held at the gate.
+    pub fn wait_held(&self, n: u32) {
+        let t = Instant::now();
+        while self.waiting.load(Ordering::SeqCst) < n {
+            assert!(t.elapsed() < BOUND, "no copy reached the gate");
+            std::thread::yield_now();
+        }
+    }
+    pub fn seed(&self, s: u64) {
+        self.rng.store(s | 1, Ordering::Relaxed);
+    }
+    fn roll(&self) -> u32 {
+        let mut x = self.rng.load(Ordering::Relaxed);
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.rng.store(x, Ordering::Relaxed);
+        (x >> 33) as u32
+    }
+
+    fn before_copy(&self) -> Result<()> {
+        self.copies.fetch_add(1, Ordering::SeqCst);
+        {
+            let mut closed = self.gate_closed.lock().unwrap();
+            if *closed {
+                self.waiting.fetch_add(1, Ordering::SeqCst);
+                let t = Instant::now();
+                while *closed && t.elapsed() < BOUND {
+                    closed = self.gate_cv.wait_timeout(closed, BOUND).unwrap().0;
                 }
+                self.waiting.fetch_sub(1, Ordering::SeqCst);
             }
         }
-        sim.cache.commit(req, tokens, &pages)
+        if self
+            .panic_next
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            panic!("injected io panic");
+        }
+        if self
+            .fail_next
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            return Err(Error::Device("injected copy failure".into()));
+        }
+        if self.random.load(Ordering::Relaxed) {
+            let r = self.roll() % 1000;
+            if r < self.panic_per_mille.load(Ordering::Relaxed) {
+                panic!("injected random io panic");
+            }
+            if r < self.panic_per_mille.load(Ordering::Relaxed)
+                + self.fail_per_mille.load(Ordering::Relaxed)
+            {
+                return Err(Error::Device("injected random copy failure".into()));
+            }
+            let us = self.roll() % (self.max_delay_us.load(Ordering::Relaxed) + 1);
+            let t = Instant::now();
+            while t.elapsed() < Duration::from_micros(us as u64) {
+                std::hint::spin_loop();
+            }
+        }
+        Ok(())
     }
+}
+
+/// A CPU backend whose `copy_pages` (the io worker's copies) obeys a [`FlakyCtl`].
+#[derive(Debug, Default)]
+pub struct Flaky {
+    inner: CpuBackend,
+    pub ctl: Arc<FlakyCtl>,
+}
+
+impl Flaky {
+    pub fn new() -> (Self, Arc<FlakyCtl>) {
+        let ctl = Arc::new(FlakyCtl::default());
+        (
+            Flaky {
+                inner: CpuBackend::new(),
+                ctl: ctl.clone(),
+            },
+            ctl,
+        )
+    }
+}
+
+impl Backend for Flaky {
+    type Buffer = <CpuBackend as Backend>::Buffer;
+    fn name(&self) -> &str {
+        "flaky-cpu"
+    }
+    fn supports(&self, op: Op) -> bool {
+        self.inner.supports(op)
+    }
+    fn upload(&self, b: &[u8]) -> Result<Self::Buffer> {
+        self.inner.upload(b)
+    }
+    fn alloc(&self, n: usize) -> Result<Self::Buffer> {
+        self.inner.alloc(n)
+    }
+    fn alloc_host(&self, n: usize) -> Result<Self::Buffer> {
+        self.inner.alloc_host(n)
+    }
+    fn download(&self, b: &Self::Buffer) -> Result<Vec<u8>> {
+        self.inner.download(b)
+    }
+    fn buffer_len(&self, b: &Self::Buffer) -> usize {
+        self.inner.buffer_len(b)
+    }
+    fn index_k_store(
+        &self,
+        op: &IndexKStore<'_>,
+        k: &Self::Buffer,
+        c: &mut Self::Buffer,
+    ) -> Result<()> {
+        self.inner.index_k_store(op, k, c)
+    }
+    fn kv_store(&self, op: &KvStore<'_>, k: &Self::Buffer, c: &mut Self::Buffer) -> Result<()> {
+        self.inner.kv_store(op, k, c)
+    }
+    fn indexer_logits(
+        &self,
+        op: &IndexerLogits<'_>,
+        q: &Self::Buffer,
+        w: &Self::Buffer,
+        c: &Self::Buffer,
+        o: &mut Self::Buffer,
+    ) -> Result<()> {
+        self.inner.indexer_logits(op, q, w, c, o)
+    }
+    fn topk(&self, op: &Topk<'_>, l: &Self::Buffer, o: &mut Self::Buffer) -> Result<()> {
+        self.inner.topk(op, l, o)
+    }
+    fn sparse_mla(
+        &self,
+        op: &SparseMla,
+        q: &Self::Buffer,
+        c: &Self::Buffer,
+        i: &Self::Buffer,
+        o: &mut Self::Buffer,
+        l: &mut Self::Buffer,
+    ) -> Result<()> {
+        self.inner.sparse_mla(op, q, c, i, o, l)
+    }
+    fn copy_pages(&self, op: &CopyPages<'_>, s: &Self::Buffer, d: &mut Self::Buffer) -> Result<()> {
+        self.ctl.before_copy()?;
+        self.inner.copy_pages(op, s, d)
+    }
+    fn page_checksums(
+        &self,
+        op: &PageChecksums<'_>,
+        p: &Self::Buffer,
+        o: &mut Self::Buffer,
+    ) -> Result<()> {
+        self.inner.page_checksums(op, p, o)
+    }
+}
+
+/// The random seed of a test: `SPARSEKIT_SEED` if set, else from the clock; printed.
+pub fn seed(test: &str) -> u64 {
+    let s = std::env::var("SPARSEKIT_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(7)
+        });
+    eprintln!("{test}: seed {s} (replay with SPARSEKIT_SEED={s})");
+    s
 }

@@ -1,0 +1,283 @@
+//! Inbound transfers: a request's pages written from elsewhere (the prefill side of a PD
+//! pair writing a prompt's pages into the decode side's pool), by page reference, per
+//! layer and buffer kind, with per-page checksums.
+//!
+//! [`Inbound`] is the receiving end. It checks every write: each page must be one of the
+//! transfer's targets at its current generation (a late write after an abort is refused:
+//! the abort made every reference stale), the bytes that landed must match the sender's
+//! checksums, and only when every target page of a layer has both kinds does it publish
+//! that layer's ready token into the request's fence (and stamp the pages landed). Its
+//! target pages stay pinned (quarantined if released meanwhile) until the handle is
+//! completed, failed or dropped: nothing can be reused while a write may still land.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use super::alloc::PageRef;
+use super::faults::Fault;
+use super::fence::Fence;
+use super::hicache::{invalid, InboundRec, RequestId, Shared};
+use super::io::checksums;
+use super::pool::BufferKind;
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::ops::{CopyPages, PagedRegion};
+
+/// The receiving end of one transfer into a request's pages (see the module docs).
+#[derive(Debug)]
+pub struct Inbound<B: Backend + 'static> {
+    sh: Arc<Shared<B>>,
+    id: u64,
+    req: RequestId,
+    targets: Vec<PageRef>,
+    index: HashMap<u32, usize>,
+    /// `[layer * targets + i]`: bit 0 KV landed, bit 1 index-K landed.
+    landed: Vec<u8>,
+    published: Vec<bool>,
+    fence: Arc<Fence>,
+    done: bool,
+}
+
+impl<B: Backend + 'static> Inbound<B> {
+    pub(crate) fn open(sh: &Arc<Shared<B>>, req: RequestId, pages: &[PageRef]) -> Result<Self> {
+        if pages.is_empty() {
+            return Err(invalid("inbound pages", "no pages"));
+        }
+        let mut index = HashMap::new();
+        for (i, p) in pages.iter().enumerate() {
+            if let Some(first) = index.insert(p.id, i) {
+                return Err(Error::DuplicatePage {
+                    what: "inbound pages",
+                    page: p.id as i64,
+                    first,
+                    second: i,
+                });
+            }
+        }
+        let layers = sh.num_layers();
+        let mut st = sh.state.lock();
+        let st = &mut *st;
+        let r = st
+            .requests
+            .get(&req)
+            .ok_or_else(|| invalid("request", format!("{req} is not live")))?;
+        if r.inbound.is_some() {
+            return Err(invalid(
+                "inbound",
+                format!("request {req} already has a transfer in flight"),
+            ));
+        }
+        if let Some(p) = pages.iter().find(|p| !r.own.contains(p)) {
+            return Err(invalid(
+                "inbound pages",
+                format!("{p:?} is not a page request {req} owns"),
+            ));
+        }
+        let id = sh.next_id();
+        let fence = Arc::new(Fence::pending(layers));
+        for p in pages {
+            // Owned and current (checked above): the pin cannot fail.
+            let _ = st.device.pin(*p);
+            sh.device.stamp_all_layers(p.id, None);
+        }
+        if let Some(r) = st.requests.get_mut(&req) {
+            r.fences.push(fence.clone());
+            r.inbound = Some((id, fence.clone()));
+        }
+        st.inbounds.insert(
+            id,
+            InboundRec {
+                req,
+                targets: pages.to_vec(),
+            },
+        );
+        Ok(Inbound {
+            sh: sh.clone(),
+            id,
+            req,
+            targets: pages.to_vec(),
+            index,
+            landed: vec![0; layers * pages.len()],
+            published: vec![false; layers],
+            fence,
+            done: false,
+        })
+    }
+
+    /// The request the pages belong to.
+    pub fn request(&self) -> RequestId {
+        self.req
+    }
+
+    /// The target pages, as handed to the sender.
+    pub fn targets(&self) -> &[PageRef] {
+        &self.targets
+    }
+
+    /// Whether every target page of `layer` landed (both kinds) and was published.
+    pub fn is_layer_ready(&self, layer: usize) -> bool {
+        self.published.get(layer).copied().unwrap_or(false)
+    }
+
+    /// Writes page `src_ids[i]` of `src` (laid out as `src_region`) into target page
+    /// `pages[i]` of `layer`/`kind`, then checks the landed bytes against `checksums[i]`
+    /// (the sender's, computed with `page_checksums` over the same layout). Refused with
+    /// `StalePage` when a page's generation is not current (nothing is written); a checksum
+    /// mismatch fails the whole transfer (`Integrity`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn write(
+        &mut self,
+        layer: usize,
+        kind: BufferKind,
+        pages: &[PageRef],
+        src: &B::Buffer,
+        src_region: PagedRegion,
+        src_ids: &[i32],
+        checksums_in: &[u64],
+    ) -> Result<()> {
+        if self.done {
+            return Err(invalid("inbound", "transfer already ended"));
+        }
+        let sh = &*self.sh;
+        if layer >= sh.num_layers() {
+            return Err(invalid("layer", format!("{layer} of {}", sh.num_layers())));
+        }
+        crate::ops::check_len("src_ids", pages.len(), src_ids.len())?;
+        crate::ops::check_len("checksums", pages.len(), checksums_in.len())?;
+        let mut slots = Vec::with_capacity(pages.len());
+        for p in pages {
+            let Some(&i) = self.index.get(&p.id) else {
+                sh.state.lock().stats.stale_writes_refused += 1;
+                return Err(invalid(
+                    "inbound pages",
+                    format!("page {} is not a target of this transfer", p.id),
+                ));
+            };
+            slots.push(i);
+        }
+        {
+            let mut st = sh.state.lock();
+            if !sh.fault(Fault::NoGenerationCheck) {
+                if let Some(p) = pages.iter().zip(&slots).find_map(|(p, &i)| {
+                    (self.targets[i] != *p || !st.device.is_current(*p)).then_some(*p)
+                }) {
+                    st.stats.stale_writes_refused += 1;
+                    return Err(Error::StalePage {
+                        what: "device",
+                        page: p.id,
+                        generation: p.generation,
+                        current: st.device.generation(p.id),
+                    });
+                }
+            }
+            if let Some(e) = self.fence.failure() {
+                return Err(e);
+            }
+        }
+        let dst_ids: Vec<i32> = pages.iter().map(|p| p.id as i32).collect();
+        let dst = sh.device.region(kind);
+        let mut dev = sh.device.lock(layer, sh.deadline())?;
+        let op = CopyPages {
+            src: src_region,
+            dst,
+            src_ids,
+            dst_ids: &dst_ids,
+        };
+        sh.backend.copy_pages(&op, src, dev.get_mut(kind))?;
+        let got = checksums(&*sh.backend, dst, dev.get(kind), &dst_ids)?;
+        if let Some((p, (&want, g))) = pages
+            .iter()
+            .zip(checksums_in.iter().zip(got))
+            .find(|(_, (&w, g))| w != *g)
+        {
+            drop(dev);
+            let e = Error::Integrity {
+                what: "inbound",
+                page: p.id,
+                layer,
+                kind: kind.name(),
+                expected: want,
+                actual: g,
+            };
+            self.fence.fail(e.clone());
+            sh.state.lock().stats.integrity_failures += 1;
+            return Err(e);
+        }
+        let bit = match kind {
+            BufferKind::Kv => 1,
+            BufferKind::IndexK => 2,
+        };
+        let n = self.targets.len();
+        for (p, &i) in pages.iter().zip(&slots) {
+            let l = &mut self.landed[layer * n + i];
+            *l |= bit;
+            if *l == 3 {
+                sh.device.set_stamp(layer, p.id, p.generation);
+            }
+        }
+        drop(dev);
+        if !self.published[layer] && self.landed[layer * n..(layer + 1) * n].iter().all(|&l| l == 3)
+        {
+            self.published[layer] = true;
+            self.fence.publish(layer);
+        }
+        Ok(())
+    }
+
+    /// Ends the transfer: every layer must have landed (else the transfer fails and the
+    /// error says which layers are missing). Unpins the targets.
+    pub fn complete(mut self) -> Result<()> {
+        let missing: Vec<usize> = (0..self.published.len())
+            .filter(|&l| !self.published[l])
+            .collect();
+        if !missing.is_empty() {
+            let e = invalid(
+                "inbound",
+                format!("transfer ended with layers {missing:?} missing"),
+            );
+            self.fence.fail(e.clone());
+            self.release();
+            return Err(e);
+        }
+        self.release();
+        Ok(())
+    }
+
+    /// Ends the transfer as failed (the sender died, the connection dropped): the request's
+    /// readers get `e`. Unpins the targets.
+    pub fn fail(mut self, e: Error) {
+        self.fence.fail(e);
+        self.release();
+    }
+
+    fn release(&mut self) {
+        if self.done {
+            return;
+        }
+        self.done = true;
+        let sh = &*self.sh;
+        let mut st = sh.state.lock();
+        for t in &self.targets {
+            st.device.unpin(t.id);
+        }
+        st.inbounds.remove(&self.id);
+        if let Some(r) = st.requests.get_mut(&self.req) {
+            if r.inbound.as_ref().is_some_and(|(id, _)| *id == self.id) {
+                r.inbound = None;
+            }
+        }
+        drop(st);
+        sh.space_cv.notify_all();
+    }
+}
+
+impl<B: Backend + 'static> Drop for Inbound<B> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.fence.fail(Error::Cancelled(
+                "inbound transfer dropped before it completed".into(),
+            ));
+            self.release();
+        }
+    }
+}

@@ -1,0 +1,413 @@
+//! The io worker: runs host → device loads layer by layer (publishing each layer's ready
+//! token after its KV and index-K pages landed and were verified) and batched device →
+//! host backups, off the state mutex. Every job runs under `catch_unwind`: a panicking or
+//! failing job fails its fence and is cleaned up like any failure; a worker thread that
+//! dies anyway fails everything queued and marks the cache load-less, so no waiter is ever
+//! wedged and nothing unloaded is ever served.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::faults::Fault;
+use super::fence::Fence;
+use super::hicache::{drop_device_page, BackupItem, Job, LoadPage, Shared, State};
+use super::pool::BufferKind;
+use super::radix::{DevicePage, HostCopy};
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::ops::{CopyPages, PageChecksums, PagedRegion};
+use crate::sync::{AtomicBool, Ordering};
+
+/// Marks the cache load-less and fails all pending work if the worker thread unwinds.
+struct WorkerGuard<'a, B: Backend>(&'a Shared<B>);
+
+impl<B: Backend> Drop for WorkerGuard<'_, B> {
+    fn drop(&mut self) {
+        let mut st = self.0.state.lock();
+        st.worker_alive = false;
+        let why = if std::thread::panicking() {
+            "cache io worker died"
+        } else {
+            "cache shut down"
+        };
+        drain(self.0, &mut st, why);
+    }
+}
+
+/// Fails every queued or unfinished job.
+fn drain<B: Backend>(sh: &Shared<B>, st: &mut State, why: &str) {
+    st.queue.clear();
+    let loads: Vec<u64> = st.loads.keys().copied().collect();
+    for id in loads {
+        finalize_load(sh, st, id, Err(Error::Cancelled(why.into())));
+    }
+    let backups: Vec<u64> = st.backups.keys().copied().collect();
+    for id in backups {
+        finalize_backup(sh, st, id, Err(Error::Cancelled(why.into())));
+    }
+    sh.space_cv.notify_all();
+}
+
+fn panic_error(p: Box<dyn std::any::Any + Send>) -> Error {
+    let msg = p
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into());
+    Error::Cancelled(format!("cache io worker panicked: {msg}"))
+}
+
+/// The worker loop.
+pub(crate) fn worker<B: Backend>(sh: Arc<Shared<B>>) {
+    let _guard = WorkerGuard(&sh);
+    loop {
+        let job = {
+            let mut st = sh.state.lock();
+            loop {
+                if st.shutdown {
+                    return;
+                }
+                if let Some(j) = st.queue.pop_front() {
+                    match j {
+                        Job::Load(id) => {
+                            if let Some(r) = st.loads.get_mut(&id) {
+                                r.queued = false;
+                            }
+                        }
+                        Job::Backup(id) => {
+                            if let Some(r) = st.backups.get_mut(&id) {
+                                r.queued = false;
+                            }
+                            if st.open_backup == Some(id) {
+                                st.open_backup = None;
+                            }
+                        }
+                    }
+                    break j;
+                }
+                // Idle: woken by new work or shutdown; the bound only re-checks.
+                let _ = sh
+                    .work_cv
+                    .wait_until(&mut st, Instant::now() + Duration::from_secs(1));
+            }
+        };
+        match job {
+            Job::Load(id) => {
+                let Some((pages, fence, cancel)) = ({
+                    let st = sh.state.lock();
+                    st.loads
+                        .get(&id)
+                        .map(|r| (r.pages.clone(), r.fence.clone(), r.cancel.clone()))
+                }) else {
+                    continue;
+                };
+                let res = catch_unwind(AssertUnwindSafe(|| run_load(&sh, &pages, &fence, &cancel)))
+                    .unwrap_or_else(|p| Err(panic_error(p)));
+                let mut st = sh.state.lock();
+                finalize_load(&sh, &mut st, id, res);
+            }
+            Job::Backup(id) => {
+                let Some(items) = ({
+                    let st = sh.state.lock();
+                    st.backups.get(&id).map(|r| r.items.clone())
+                }) else {
+                    continue;
+                };
+                let res = catch_unwind(AssertUnwindSafe(|| run_backup(&sh, &items)))
+                    .unwrap_or_else(|p| Err(panic_error(p)));
+                let mut st = sh.state.lock();
+                finalize_backup(&sh, &mut st, id, res);
+            }
+        }
+    }
+}
+
+/// Cancels load `id` (its last dependent went away): its fence fails at once; a queued
+/// job is finalized now and never runs, a running one stops before its next layer.
+pub(crate) fn cancel_load<B: Backend>(sh: &Shared<B>, st: &mut State, id: u64, why: &str) {
+    let Some(rec) = st.loads.get_mut(&id) else {
+        return;
+    };
+    rec.cancel.store(true, Ordering::Release);
+    let e = Error::Cancelled(format!("load cancelled: {why}"));
+    rec.fence.fail(e.clone());
+    if rec.queued {
+        st.queue.retain(|j| *j != Job::Load(id));
+        finalize_load(sh, st, id, Err(e));
+    }
+}
+
+/// Ends load `id`: on success its nodes become ready; on failure (or cancellation, or a
+/// panic) its fence fails, its nodes lose the device pages it was filling (and, on an
+/// integrity failure, their host copies: never served again). Pins and the job's node
+/// locks go; released pages still pinned by a live step stay quarantined.
+pub(crate) fn finalize_load<B: Backend>(
+    sh: &Shared<B>,
+    st: &mut State,
+    id: u64,
+    res: Result<()>,
+) {
+    let Some(rec) = st.loads.remove(&id) else {
+        return;
+    };
+    match &res {
+        Ok(()) => {
+            st.stats.loads += 1;
+            for p in &rec.pages {
+                if let Some(n) = st.tree.get_mut(p.node) {
+                    if n.device
+                        == Some(DevicePage {
+                            page: p.device,
+                            load: Some(id),
+                        })
+                    {
+                        n.device = Some(DevicePage {
+                            page: p.device,
+                            load: None,
+                        });
+                    }
+                }
+            }
+        }
+        Err(e) => {
+            rec.fence.fail(e.clone());
+            match e {
+                Error::Integrity { .. } => st.stats.integrity_failures += 1,
+                _ if rec.cancel.load(Ordering::Acquire) => st.stats.cancelled_loads += 1,
+                _ => st.stats.load_failures += 1,
+            }
+            let bad_host = matches!(e, Error::Integrity { .. });
+            for p in &rec.pages {
+                let Some(n) = st.tree.get_mut(p.node) else {
+                    continue;
+                };
+                if n.device.is_some_and(|d| d.page == p.device && d.load == Some(id)) {
+                    n.device = None;
+                    let _ = st.device.release(p.device);
+                }
+                if bad_host && n.host.as_ref().is_some_and(|h| h.page == p.host) {
+                    n.host = None;
+                    let _ = st.host.release(p.host);
+                }
+            }
+        }
+    }
+    for p in &rec.pages {
+        st.device.unpin(p.device.id);
+        st.host.unpin(p.host.id);
+    }
+    let nodes: Vec<_> = rec.pages.iter().map(|p| p.node).collect();
+    st.tree.unlock(&nodes);
+    sh.space_cv.notify_all();
+}
+
+/// Ends backup batch `id`: landed copies become the nodes' host copies (and evicting
+/// nodes leave the device tier if still unlocked); the host pages of failed or obsolete
+/// items are released. Pins go; the batch's ticket is published or failed.
+pub(crate) fn finalize_backup<B: Backend>(
+    sh: &Shared<B>,
+    st: &mut State,
+    id: u64,
+    res: Result<Vec<Vec<[u64; 2]>>>,
+) {
+    let Some(rec) = st.backups.remove(&id) else {
+        return;
+    };
+    if st.open_backup == Some(id) {
+        st.open_backup = None;
+    }
+    for (i, it) in rec.items.iter().enumerate() {
+        let device_ok = st.device.is_current(it.device);
+        let mut landed = false;
+        if let Some(n) = st.tree.get_mut(it.node) {
+            if n.backup == Some(id) {
+                n.backup = None;
+                let same = n.device.is_some_and(|d| d.page == it.device) && device_ok;
+                let evict = std::mem::take(&mut n.evict_after_backup) && n.locks == 0;
+                match (&res, same) {
+                    (Ok(sums), true) => {
+                        n.host = Some(HostCopy {
+                            page: it.host,
+                            checksums: sums.get(i).cloned().unwrap_or_default(),
+                        });
+                        landed = true;
+                        if evict {
+                            drop_device_page(st, it.node);
+                        }
+                    }
+                    (Err(_), true) if evict => {
+                        // The eviction cannot wait for a host copy: the cache loses it.
+                        drop_device_page(st, it.node);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        if !landed {
+            let _ = st.host.release(it.host);
+        }
+        st.device.unpin(it.device.id);
+        st.host.unpin(it.host.id);
+        st.tree.prune(it.node);
+    }
+    match res {
+        Ok(_) => {
+            st.stats.backups += rec.items.len() as u64;
+            rec.ticket.publish(0);
+        }
+        Err(e) => {
+            st.stats.backup_failures += 1;
+            rec.ticket.fail(e);
+        }
+    }
+    sh.space_cv.notify_all();
+}
+
+/// Checksums of pages `ids` of `region` in `buf`.
+pub(crate) fn checksums<B: Backend>(
+    b: &B,
+    region: PagedRegion,
+    buf: &B::Buffer,
+    ids: &[i32],
+) -> Result<Vec<u64>> {
+    let mut out = b.alloc(ids.len() * 8)?;
+    b.page_checksums(&PageChecksums { region, ids }, buf, &mut out)?;
+    Ok(b.download(&out)?
+        .chunks_exact(8)
+        .map(|c| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(c);
+            u64::from_le_bytes(w)
+        })
+        .collect())
+}
+
+fn load_ids(pages: &[LoadPage]) -> (Vec<i32>, Vec<i32>) {
+    (
+        pages.iter().map(|p| p.host.id as i32).collect(),
+        pages.iter().map(|p| p.device.id as i32).collect(),
+    )
+}
+
+/// One load, layer by layer; publishes each layer after both kinds landed and verified.
+fn run_load<B: Backend>(
+    sh: &Shared<B>,
+    pages: &[LoadPage],
+    fence: &Fence,
+    cancel: &AtomicBool,
+) -> Result<()> {
+    let host = sh
+        .host
+        .as_ref()
+        .ok_or_else(|| Error::Device("load without a host tier".into()))?;
+    let (host_ids, dev_ids) = load_ids(pages);
+    for l in 0..sh.num_layers() {
+        if cancel.load(Ordering::Acquire) {
+            return Err(Error::Cancelled("load cancelled".into()));
+        }
+        let mut dev = sh.device.lock(l, sh.deadline())?;
+        let host_buf = host.buffer();
+        for (ki, kind) in BufferKind::ALL.into_iter().enumerate() {
+            let dst = sh.device.region(kind);
+            let op = CopyPages {
+                src: host.region(l, kind),
+                dst,
+                src_ids: &host_ids,
+                dst_ids: &dev_ids,
+            };
+            sh.backend.copy_pages(&op, &host_buf, dev.get_mut(kind))?;
+            if sh.config.verify {
+                let got = checksums(&*sh.backend, dst, dev.get(kind), &dev_ids)?;
+                for (p, g) in pages.iter().zip(got) {
+                    let want = p.checksums.get(l).map_or(0, |c| c[ki]);
+                    if g != want {
+                        return Err(Error::Integrity {
+                            what: "host→device",
+                            page: p.host.id,
+                            layer: l,
+                            kind: kind.name(),
+                            expected: want,
+                            actual: g,
+                        });
+                    }
+                }
+            }
+        }
+        for p in pages {
+            sh.device.set_stamp(l, p.device.id, p.device.generation);
+        }
+        drop(host_buf);
+        drop(dev);
+        fence.publish(l);
+    }
+    Ok(())
+}
+
+/// One backup batch; returns each item's checksums `[layer][kind]` (taken on the device
+/// copy, what the load verifies against).
+fn run_backup<B: Backend>(sh: &Shared<B>, items: &[BackupItem]) -> Result<Vec<Vec<[u64; 2]>>> {
+    let host = sh
+        .host
+        .as_ref()
+        .ok_or_else(|| Error::Device("backup without a host tier".into()))?;
+    let dev_ids: Vec<i32> = items.iter().map(|i| i.device.id as i32).collect();
+    let host_ids: Vec<i32> = items.iter().map(|i| i.host.id as i32).collect();
+    let layers = sh.num_layers();
+    let mut sums = vec![vec![[0u64; 2]; layers]; items.len()];
+    for l in 0..layers {
+        let dev = sh.device.lock(l, sh.deadline())?;
+        let mut host_buf = host.buffer();
+        let host_len = sh.backend.buffer_len(&host_buf);
+        for (ki, kind) in BufferKind::ALL.into_iter().enumerate() {
+            let src = sh.device.region(kind);
+            let dst = backup_geometry(sh, kind, host.region(l, kind), host_len);
+            let op = CopyPages {
+                src,
+                dst,
+                src_ids: &dev_ids,
+                dst_ids: &host_ids,
+            };
+            sh.backend.copy_pages(&op, dev.get(kind), &mut host_buf)?;
+            for (i, c) in checksums(&*sh.backend, src, dev.get(kind), &dev_ids)?
+                .into_iter()
+                .enumerate()
+            {
+                sums[i][l][ki] = c;
+            }
+        }
+        if sh.fault(Fault::HostBitFlip) && l + 1 == layers {
+            let region = host.region(l, BufferKind::IndexK);
+            let mut bytes = sh.backend.download(&host_buf)?;
+            for &h in &host_ids {
+                bytes[region.page_range(h as usize).start] ^= 0x01;
+            }
+            *host_buf = sh.backend.upload(&bytes)?;
+        }
+    }
+    Ok(sums)
+}
+
+/// The host-side geometry of a backup copy: `dst`, or under the `shared-item-size` fault,
+/// for index-K, the KV page size as the page stride (one item size for both kinds: the
+/// historical io-copy bug), kept inside the host buffer.
+fn backup_geometry<B: Backend>(
+    sh: &Shared<B>,
+    kind: BufferKind,
+    dst: PagedRegion,
+    host_len: usize,
+) -> PagedRegion {
+    if !sh.fault(Fault::SharedItemSize) || kind != BufferKind::IndexK {
+        return dst;
+    }
+    let wrong = sh.device.spec().kv.bytes_per_page();
+    let page = dst.layout.bytes_per_page();
+    let fit = match dst.num_pages {
+        0 | 1 => wrong,
+        n => host_len.saturating_sub(dst.offset + page) / (n - 1),
+    };
+    PagedRegion {
+        stride: wrong.min(fit).max(page),
+        ..dst
+    }
+}

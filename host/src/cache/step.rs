@@ -1,0 +1,376 @@
+//! Forward steps: the only way to a layer's bytes.
+//!
+//! A [`Step`] covers a batch of live requests. Opening it pins every device page they
+//! read or write (their prefix and their own pages) until it is dropped, so an abort from
+//! another thread mid-step only quarantines them. Per layer, [`Step::wait`] waits
+//! (bounded) for every member's loads and inbound transfers of that layer and mints a
+//! [`ReadyToken`]; [`Step::layer`] exchanges it for a [`LayerGuard`]: the layer's one lock,
+//! both views (KV and index-K) together, and stores into the members' own pages by
+//! generation-checked [`SlotRef`]s. The guard borrows the step mutably, so a step holds at
+//! most one layer at a time and cannot wait for a fence while holding one.
+//!
+//! Behind the fences, the guard checks each member page's landed stamp for the layer: the
+//! page's bytes must have been written for the page's current generation (by the load or
+//! transfer that filled it, or by its owner). A read that got past a fence it should have
+//! waited for, or a stale write that landed anyway, is refused with
+//! [`Error::NotLanded`].
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::alloc::PageRef;
+use super::faults::Fault;
+use super::fence::{Fence, ReadyToken};
+use super::hicache::{invalid, HiCache, RequestId};
+use super::pool::LayerBuffers;
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::ops::{IndexKStore, KvStore};
+use crate::sync::{AtomicBool, MutexGuard, Ordering};
+
+/// One token slot: `offset` (tokens, `< page_size`) inside `page`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SlotRef {
+    pub page: PageRef,
+    pub offset: u32,
+}
+
+#[derive(Debug)]
+struct Member {
+    req: RequestId,
+    fences: Vec<Arc<Fence>>,
+    /// Every page the request reads: prefix then own.
+    readable: Vec<PageRef>,
+    aborted: Arc<AtomicBool>,
+}
+
+/// A forward step over a batch of requests (see the module docs).
+#[derive(Debug)]
+pub struct Step<'c, B: Backend + 'static> {
+    cache: &'c HiCache<B>,
+    id: u64,
+    members: Vec<Member>,
+    /// Own pages of the members: the only store targets.
+    writable: HashMap<u32, PageRef>,
+}
+
+fn failed(req: RequestId, cause: Error) -> Error {
+    Error::RequestFailed {
+        request: req,
+        cause: Box::new(cause),
+    }
+}
+
+impl<'c, B: Backend + 'static> Step<'c, B> {
+    pub(crate) fn open(cache: &'c HiCache<B>, reqs: &[RequestId]) -> Result<Self> {
+        let sh = &*cache.shared;
+        for (i, r) in reqs.iter().enumerate() {
+            if reqs[..i].contains(r) {
+                return Err(invalid("step", format!("request {r} listed twice")));
+            }
+        }
+        let mut st = sh.state.lock();
+        let st = &mut *st;
+        let mut members = Vec::with_capacity(reqs.len());
+        let mut writable = HashMap::new();
+        for &req in reqs {
+            let r = st
+                .requests
+                .get(&req)
+                .ok_or_else(|| invalid("step", format!("request {req} is not live")))?;
+            if let Some(e) = r.fences.iter().find_map(|f| f.failure()) {
+                return Err(failed(req, e));
+            }
+            let mut readable = Vec::with_capacity(r.path.len() + r.own.len());
+            for (i, &n) in r.path.iter().enumerate() {
+                match st.tree.get(n).and_then(|n| n.device) {
+                    Some(d) => readable.push(d.page),
+                    None => {
+                        return Err(failed(
+                            req,
+                            Error::Cancelled(format!("prefix page {i} left the device tier")),
+                        ))
+                    }
+                }
+            }
+            readable.extend(&r.own);
+            for p in &r.own {
+                writable.insert(p.id, *p);
+            }
+            members.push(Member {
+                req,
+                fences: r.fences.clone(),
+                readable,
+                aborted: r.aborted.clone(),
+            });
+        }
+        // Pin everything (all current: checked above under the same lock).
+        let mut pinned = Vec::new();
+        for m in &members {
+            for &p in &m.readable {
+                if st.device.pin(p).is_ok() {
+                    pinned.push(p.id);
+                } else {
+                    for &id in &pinned {
+                        st.device.unpin(id);
+                    }
+                    return Err(failed(m.req, st.device.pin(p).unwrap_err()));
+                }
+            }
+        }
+        for m in &members {
+            if let Some(r) = st.requests.get_mut(&m.req) {
+                r.users += 1;
+            }
+        }
+        let id = sh.next_id();
+        st.steps.insert(id, pinned);
+        Ok(Step {
+            cache,
+            id,
+            members,
+            writable,
+        })
+    }
+
+    /// The requests of the step, in order.
+    pub fn requests(&self) -> Vec<RequestId> {
+        self.members.iter().map(|m| m.req).collect()
+    }
+
+    /// Whether `req` was aborted since the step opened (its pages stay pinned, readable
+    /// and writable but quarantined until the step ends; its results are to be dropped).
+    pub fn is_aborted(&self, req: RequestId) -> bool {
+        self.members
+            .iter()
+            .any(|m| m.req == req && m.aborted.load(Ordering::Acquire))
+    }
+
+    fn live_members(&self) -> impl Iterator<Item = &Member> {
+        self.members
+            .iter()
+            .filter(|m| !m.aborted.load(Ordering::Acquire))
+    }
+
+    fn check_layer(&self, layer: usize) -> Result<()> {
+        let n = self.cache.shared.num_layers();
+        if layer >= n {
+            return Err(invalid("layer", format!("{layer} of {n}")));
+        }
+        Ok(())
+    }
+
+    /// Whether `layer` has landed for every member, without blocking; a member whose load
+    /// failed gives `Err(RequestFailed)`.
+    pub fn ready(&self, layer: usize) -> Result<bool> {
+        self.check_layer(layer)?;
+        let mut all = true;
+        for m in self.live_members() {
+            for f in &m.fences {
+                match f.poll(layer) {
+                    Some(Ok(())) => {}
+                    Some(Err(e)) => return Err(failed(m.req, e)),
+                    None => all = false,
+                }
+            }
+        }
+        Ok(all)
+    }
+
+    /// Waits (bounded by the cache's `wait_timeout`) until `layer` landed for every
+    /// member and mints the token for it. A member whose load or transfer failed, or
+    /// timed out, gives `Err(RequestFailed { request, cause })`: drop it and open a new
+    /// step. (Members aborted meanwhile are skipped.)
+    pub fn wait(&self, layer: usize) -> Result<ReadyToken> {
+        self.check_layer(layer)?;
+        let sh = &*self.cache.shared;
+        if !sh.fault(Fault::SkipIndexWait) {
+            let started = Instant::now();
+            let deadline = sh.deadline();
+            for m in self.live_members() {
+                for f in &m.fences {
+                    f.wait(layer, deadline, started)
+                        .map_err(|e| failed(m.req, e))?;
+                }
+            }
+        }
+        Ok(ReadyToken {
+            cache: sh.id,
+            step: self.id,
+            layer,
+        })
+    }
+
+    /// The guard of the token's layer (waits, bounded, for the layer's lock). The token
+    /// must come from this step.
+    pub fn layer(&mut self, token: ReadyToken) -> Result<LayerGuard<'_, B>> {
+        let sh = &*self.cache.shared;
+        if token.cache != sh.id || token.step != self.id {
+            return Err(invalid("ready token", "minted by another step or cache"));
+        }
+        let bufs = sh.device.lock(token.layer, sh.deadline())?;
+        let g = LayerGuard {
+            step: self,
+            bufs,
+            layer: token.layer,
+        };
+        g.verify_landed()?;
+        Ok(g)
+    }
+
+    /// [`Step::wait`] then [`Step::layer`].
+    pub fn wait_layer(&mut self, layer: usize) -> Result<LayerGuard<'_, B>> {
+        let t = self.wait(layer)?;
+        self.layer(t)
+    }
+}
+
+impl<B: Backend + 'static> Drop for Step<'_, B> {
+    fn drop(&mut self) {
+        let sh = &*self.cache.shared;
+        let mut st = sh.state.lock();
+        if let Some(ids) = st.steps.remove(&self.id) {
+            for id in ids {
+                st.device.unpin(id);
+            }
+        }
+        for m in &self.members {
+            if let Some(r) = st.requests.get_mut(&m.req) {
+                if Arc::ptr_eq(&r.aborted, &m.aborted) {
+                    r.users = r.users.saturating_sub(1);
+                }
+            }
+        }
+        drop(st);
+        sh.space_cv.notify_all();
+    }
+}
+
+/// One layer of a step: its lock (both buffer kinds), its views, and stores into the
+/// members' own pages.
+#[derive(Debug)]
+pub struct LayerGuard<'s, B: Backend + 'static> {
+    step: &'s Step<'s, B>,
+    bufs: MutexGuard<'s, LayerBuffers<B>>,
+    layer: usize,
+}
+
+impl<B: Backend + 'static> LayerGuard<'_, B> {
+    pub fn layer(&self) -> usize {
+        self.layer
+    }
+
+    /// The landed-stamp check: every page of every (non-aborted) member was last written
+    /// for its current generation in this layer.
+    fn verify_landed(&self) -> Result<()> {
+        let sh = &*self.step.cache.shared;
+        if sh.fault(Fault::NoLandedCheck) {
+            return Ok(());
+        }
+        for m in self.step.live_members() {
+            for p in &m.readable {
+                let stamp = sh.device.stamp(self.layer, p.id);
+                if stamp != Some(p.generation) {
+                    return Err(failed(
+                        m.req,
+                        Error::NotLanded {
+                            page: p.id,
+                            layer: self.layer,
+                            generation: p.generation,
+                            stamp,
+                        },
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Both views of the layer: `(kv, index_k)`, whole buffers in the device regions'
+    /// geometry ([`HiCache::device_region`]). Re-checks the landed stamps.
+    pub fn views(&self) -> Result<(&B::Buffer, &B::Buffer)> {
+        self.verify_landed()?;
+        Ok((&self.bufs.kv, &self.bufs.index_k))
+    }
+
+    /// The KV view (see [`LayerGuard::views`]).
+    pub fn kv(&self) -> Result<&B::Buffer> {
+        self.views().map(|v| v.0)
+    }
+
+    /// The index-K view (see [`LayerGuard::views`]).
+    pub fn index_k(&self) -> Result<&B::Buffer> {
+        self.views().map(|v| v.1)
+    }
+
+    /// Slot numbers of `slots` after checking each names a page a member owns, at its
+    /// current generation (unless the `no-generation-check` fault is on).
+    fn slots(&self, slots: &[SlotRef]) -> Result<Vec<i64>> {
+        let sh = &*self.step.cache.shared;
+        let ps = sh.device.spec().page_size();
+        let mut out = Vec::with_capacity(slots.len());
+        for (i, s) in slots.iter().enumerate() {
+            if s.offset as usize >= ps {
+                return Err(invalid(
+                    "slots",
+                    format!("slots[{i}]: offset {} of a {ps}-token page", s.offset),
+                ));
+            }
+            let Some(own) = self.step.writable.get(&s.page.id) else {
+                return Err(invalid(
+                    "slots",
+                    format!(
+                        "slots[{i}]: page {} is not owned by a request of this step",
+                        s.page.id
+                    ),
+                ));
+            };
+            if own.generation != s.page.generation && !sh.fault(Fault::NoGenerationCheck) {
+                sh.state.lock().stats.stale_writes_refused += 1;
+                return Err(Error::StalePage {
+                    what: "device",
+                    page: s.page.id,
+                    generation: s.page.generation,
+                    current: Some(own.generation),
+                });
+            }
+            out.push((s.page.id as usize * ps + s.offset as usize) as i64);
+        }
+        Ok(out)
+    }
+
+    fn stamp(&self, slots: &[SlotRef]) {
+        let sh = &*self.step.cache.shared;
+        for s in slots {
+            sh.device.set_stamp(self.layer, s.page.id, s.page.generation);
+        }
+    }
+
+    /// Stores `kv` (bf16 `[slots.len(), d_qk]`) into `slots` of this layer's KV buffer.
+    pub fn kv_store(&mut self, slots: &[SlotRef], kv: &B::Buffer) -> Result<()> {
+        let ids = self.slots(slots)?;
+        let sh = &*self.step.cache.shared;
+        let op = KvStore {
+            layout: sh.device.spec().kv,
+            slots: &ids,
+        };
+        sh.backend.kv_store(&op, kv, &mut self.bufs.kv)?;
+        self.stamp(slots);
+        Ok(())
+    }
+
+    /// Stores index keys (bf16 `[slots.len(), head_dim]`) into `slots` of this layer's
+    /// index-K buffer (quantized as the layout says).
+    pub fn index_k_store(&mut self, slots: &[SlotRef], keys: &B::Buffer) -> Result<()> {
+        let ids = self.slots(slots)?;
+        let sh = &*self.step.cache.shared;
+        let op = IndexKStore {
+            layout: sh.device.spec().index_k,
+            slots: &ids,
+        };
+        sh.backend.index_k_store(&op, keys, &mut self.bufs.index_k)?;
+        self.stamp(slots);
+        Ok(())
+    }
+}
