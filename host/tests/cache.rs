@@ -465,14 +465,17 @@ fn fault_host_bit_flip_is_caught_by_checksums() {
         e.request(&c, 1, &a, false).unwrap();
         c.evict_device(3).unwrap();
         let err = e.request(&c, 2, &a, false).unwrap_err();
-        let Error::RequestFailed { cause, .. } = &err else { panic!("{err:?}") };
+        let cause = match err {
+            Error::RequestFailed { cause, .. } => *cause,
+            e => e,
+        };
         if verify {
-            assert!(matches!(**cause, Error::Integrity { what: "host→device", layer, .. } if layer == LAYERS - 1), "{err:?}");
+            assert!(matches!(cause, Error::Integrity { what: "host→device", layer, .. } if layer == LAYERS - 1), "{cause:?}");
             let s = c.leak_check().unwrap();
             assert_eq!((s.integrity_failures, s.host_cached), (1, 0));
             assert_eq!(e.request(&c, 3, &a, false).unwrap(), 0, "recomputed");
         } else {
-            assert!(matches!(**cause, Error::Integrity { what: "served page", .. }), "{err:?}");
+            assert!(matches!(cause, Error::Integrity { what: "served page", .. }), "{cause:?}");
         }
         c.leak_check().unwrap();
     }
@@ -556,11 +559,12 @@ fn d9_abort_cancels_loads() {
     ctl.open_gate();
     let t = std::time::Instant::now();
     while c.stats().device_quarantined > 0 {
-        assert!(t.elapsed() < BOUND);
+        assert!(t.elapsed() < BOUND, "quarantine never lifted");
         std::thread::yield_now();
     }
     let s = c.leak_check().unwrap();
     assert_eq!((s.cancelled_loads, s.loads), (2, 0), "{s:?}");
+    assert_eq!(s.device_free, 8, "{s:?}");
     assert_eq!(ctl.copies.load(Ordering::SeqCst), copies, "no load ran a layer after its abort");
     // Host copies of cancelled loads stay valid.
     assert_eq!(e.request(&*c, 6, &a, false).unwrap(), 2 * PAGE);
@@ -568,7 +572,8 @@ fn d9_abort_cancels_loads() {
 }
 
 /// Defect 9: backups run on the io worker, off the state mutex: while one is held in its
-/// copy, begin / alloc / commit / finish / stats / leak_check all go on.
+/// copy (of layer 0), begin / alloc / commit / finish / stats / leak_check all go on, and
+/// so does a step on another layer (one lock per layer).
 #[test]
 fn d9_backups_do_not_block_the_hot_path() {
     let (b, ctl) = Flaky::new();
@@ -579,9 +584,21 @@ fn d9_backups_do_not_block_the_hot_path() {
     let c2 = c.clone();
     let evictor = std::thread::spawn(move || c2.evict_device(3));
     ctl.wait_held(1);
-    let (c3, e3) = (c.clone(), e.clone());
+    let c3 = c.clone();
     bounded(move || {
-        assert_eq!(e3.request(&*c3, 2, &prompt(2, 2 * PAGE + 1), false).unwrap(), 0);
+        let toks = prompt(2, 2 * PAGE + 1);
+        assert_eq!(c3.begin(2, &toks).unwrap().tokens, 0);
+        let pages = c3.alloc(2, 3).unwrap();
+        {
+            let mut step = c3.step(&[2]).unwrap();
+            let spec = *c3.spec();
+            let mut g = step.wait_layer(LAYERS - 1).unwrap();
+            store_layer(&mut g, c3.backend(), &spec, &toks, &pages, 0).unwrap();
+        }
+        // Layer 0 is held by the backup, so the pages are not complete: commit says so.
+        let r = c3.commit(2, &toks, &pages);
+        assert!(matches!(r, Err(Error::NotLanded { layer: 0, .. })), "{r:?}");
+        c3.finish(2).unwrap();
         c3.stats();
         c3.leak_check().unwrap();
     });
@@ -754,7 +771,18 @@ fn accounting_and_errors() {
     assert!(matches!(c.finish(1), Err(Error::InvalidArgument { .. })), "in a live step");
     assert!(matches!(step.wait(LAYERS), Err(Error::InvalidArgument { .. })));
     drop(step);
-    c.commit(1, &prompt(1, 2 * PAGE + 1), &p[..3]).unwrap();
+    let toks = prompt(1, 2 * PAGE + 1);
+    let r = c.commit(1, &toks, &p[..3]);
+    assert!(matches!(r, Err(Error::NotLanded { .. })), "pages never written: {r:?}");
+    {
+        let spec = *c.spec();
+        let mut step = c.step(&[1]).unwrap();
+        for l in 0..LAYERS {
+            let mut g = step.wait_layer(l).unwrap();
+            store_layer(&mut g, c.backend(), &spec, &toks, &p, 0).unwrap();
+        }
+    }
+    c.commit(1, &toks, &p[..3]).unwrap();
     let s = c.leak_check().unwrap();
     // p[0], p[1] adopted by the tree; p[2] (partial page) and p[3] still the request's.
     assert_eq!((s.device_in_use, s.device_cached), (2, 2));

@@ -139,6 +139,8 @@ pub(crate) struct Req {
     pub loads: Vec<u64>,
     /// Fences gating its reads (its loads and inbound transfers).
     pub fences: Vec<Arc<Fence>>,
+    /// Own pages that inbound transfers write (their landed stamps are checked strictly).
+    pub received: Vec<PageRef>,
     /// Its live inbound transfer and that transfer's fence.
     pub inbound: Option<(u64, Arc<Fence>)>,
     /// Live steps that include it.
@@ -425,8 +427,8 @@ impl<B: Backend + 'static> HiCache<B> {
         }
         let pages = st.device.alloc(n)?;
         for p in &pages {
-            // The owner fills these by its own (generation-checked) stores.
-            sh.device.stamp_all_layers(p.id, Some(p.generation));
+            // Nothing landed yet: the owner's stores (or a transfer) stamp them.
+            sh.device.stamp_all_layers(p.id, None);
         }
         if let Some(r) = st.requests.get_mut(&req) {
             r.own.extend(&pages);
@@ -451,7 +453,8 @@ impl<B: Backend + 'static> HiCache<B> {
     /// pages must be the request's matched prefix, in position; the others must be pages
     /// the request owns, each once. Pages the tree adopts stop being the request's; the
     /// request locks the new path. Refused while a step holds the request or while any of
-    /// its loads is unfinished (its pages could not have been computed on a landed prefix).
+    /// its loads is unfinished (its pages could not have been computed on a landed prefix),
+    /// and with [`Error::NotLanded`] for a page not written in every layer.
     pub fn commit(&self, req: RequestId, tokens: &[u32], pages: &[PageRef]) -> Result<()> {
         let sh = &*self.shared;
         let ps = sh.device.spec().page_size();
@@ -525,6 +528,21 @@ impl<B: Backend + 'static> HiCache<B> {
                 "commit pages",
                 format!("pages[{i}] = {bad:?} is not a page the request owns"),
             ));
+        }
+        // Pages entering the tree must have been written in every layer.
+        for (i, p) in pages.iter().enumerate().skip(old_path.len()) {
+            for l in 0..sh.num_layers() {
+                let stamp = sh.device.stamp(l, p.id);
+                if stamp != Some(p.generation) {
+                    return Err(Error::NotLanded {
+                        page: p.id,
+                        layer: l,
+                        generation: p.generation,
+                        stamp,
+                    });
+                }
+            }
+            let _ = i;
         }
         // All checked: insert.
         let mut new_nodes = Vec::new();
@@ -692,6 +710,7 @@ fn start_request<B: Backend>(
             own: Vec::new(),
             loads,
             fences,
+            received: Vec::new(),
             inbound: None,
             users: 0,
             aborted: Arc::new(AtomicBool::new(false)),

@@ -83,6 +83,11 @@ impl<B: Backend + 'static> Inbound<B> {
         if let Some(r) = st.requests.get_mut(&req) {
             r.fences.push(fence.clone());
             r.inbound = Some((id, fence.clone()));
+            for p in pages {
+                if !r.received.contains(p) {
+                    r.received.push(*p);
+                }
+            }
         }
         st.inbounds.insert(
             id,

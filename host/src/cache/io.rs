@@ -123,8 +123,10 @@ pub(crate) fn worker<B: Backend>(sh: Arc<Shared<B>>) {
     }
 }
 
-/// Cancels load `id` (its last dependent went away): its fence fails at once; a queued
-/// job is finalized now and never runs, a running one stops before its next layer.
+/// Cancels load `id` (its last dependent went away): its fence fails at once and its
+/// nodes drop the pages it was filling (released at once: quarantined while the job still
+/// pins them), so a later request starts a fresh load instead of sharing a dead one. A
+/// queued job is finalized now and never runs; a running one stops before its next copy.
 pub(crate) fn cancel_load<B: Backend>(sh: &Shared<B>, st: &mut State, id: u64, why: &str) {
     let Some(rec) = st.loads.get_mut(&id) else {
         return;
@@ -132,7 +134,18 @@ pub(crate) fn cancel_load<B: Backend>(sh: &Shared<B>, st: &mut State, id: u64, w
     rec.cancel.store(true, Ordering::Release);
     let e = Error::Cancelled(format!("load cancelled: {why}"));
     rec.fence.fail(e.clone());
-    if rec.queued {
+    let queued = rec.queued;
+    let pages: Vec<(super::radix::NodeId, crate::cache::PageRef)> =
+        rec.pages.iter().map(|p| (p.node, p.device)).collect();
+    for (node, page) in pages {
+        if let Some(n) = st.tree.get_mut(node) {
+            if n.device.is_some_and(|d| d.page == page && d.load == Some(id)) {
+                n.device = None;
+                let _ = st.device.release(page);
+            }
+        }
+    }
+    if queued {
         st.queue.retain(|j| *j != Job::Load(id));
         finalize_load(sh, st, id, Err(e));
     }
@@ -309,6 +322,9 @@ fn run_load<B: Backend>(
         let mut dev = sh.device.lock(l, sh.deadline())?;
         let host_buf = host.buffer();
         for (ki, kind) in BufferKind::ALL.into_iter().enumerate() {
+            if cancel.load(Ordering::Acquire) {
+                return Err(Error::Cancelled("load cancelled".into()));
+            }
             let dst = sh.device.region(kind);
             let op = CopyPages {
                 src: host.region(l, kind),

@@ -40,8 +40,12 @@ pub struct SlotRef {
 struct Member {
     req: RequestId,
     fences: Vec<Arc<Fence>>,
-    /// Every page the request reads: prefix then own.
-    readable: Vec<PageRef>,
+    /// Pages whose bytes must have landed for their generation: the prefix and the pages
+    /// inbound transfers write.
+    landed: Vec<PageRef>,
+    /// Its other own pages: written by its own stores, so they may not be written yet in a
+    /// layer, but never for another generation.
+    own: Vec<PageRef>,
     aborted: Arc<AtomicBool>,
 }
 
@@ -82,10 +86,10 @@ impl<'c, B: Backend + 'static> Step<'c, B> {
             if let Some(e) = r.fences.iter().find_map(|f| f.failure()) {
                 return Err(failed(req, e));
             }
-            let mut readable = Vec::with_capacity(r.path.len() + r.own.len());
+            let mut landed = Vec::with_capacity(r.path.len() + r.received.len());
             for (i, &n) in r.path.iter().enumerate() {
                 match st.tree.get(n).and_then(|n| n.device) {
-                    Some(d) => readable.push(d.page),
+                    Some(d) => landed.push(d.page),
                     None => {
                         return Err(failed(
                             req,
@@ -94,21 +98,28 @@ impl<'c, B: Backend + 'static> Step<'c, B> {
                     }
                 }
             }
-            readable.extend(&r.own);
+            landed.extend(r.own.iter().filter(|p| r.received.contains(p)));
+            let own: Vec<PageRef> = r
+                .own
+                .iter()
+                .filter(|p| !r.received.contains(p))
+                .copied()
+                .collect();
             for p in &r.own {
                 writable.insert(p.id, *p);
             }
             members.push(Member {
                 req,
                 fences: r.fences.clone(),
-                readable,
+                landed,
+                own,
                 aborted: r.aborted.clone(),
             });
         }
         // Pin everything (all current: checked above under the same lock).
         let mut pinned = Vec::new();
         for m in &members {
-            for &p in &m.readable {
+            for &p in m.landed.iter().chain(&m.own) {
                 if st.device.pin(p).is_ok() {
                     pinned.push(p.id);
                 } else {
@@ -261,17 +272,19 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
         self.layer
     }
 
-    /// The landed-stamp check: every page of every (non-aborted) member was last written
-    /// for its current generation in this layer.
+    /// The landed-stamp check, for every (non-aborted) member: its prefix and received
+    /// pages were last written for their current generation in this layer; its other own
+    /// pages were not written yet or written for their generation.
     fn verify_landed(&self) -> Result<()> {
         let sh = &*self.step.cache.shared;
         if sh.fault(Fault::NoLandedCheck) {
             return Ok(());
         }
         for m in self.step.live_members() {
-            for p in &m.readable {
+            let strict = m.landed.iter().map(|p| (p, false));
+            for (p, may_be_empty) in strict.chain(m.own.iter().map(|p| (p, true))) {
                 let stamp = sh.device.stamp(self.layer, p.id);
-                if stamp != Some(p.generation) {
+                if stamp != Some(p.generation) && !(may_be_empty && stamp.is_none()) {
                     return Err(failed(
                         m.req,
                         Error::NotLanded {
