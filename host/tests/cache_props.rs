@@ -1,13 +1,15 @@
 //! Property tests of the hierarchical cache: random sequences of requests (with shared
 //! prefixes), held (live) requests, aborts and evictions, over every KV × index-K dtype
-//! pair and both host layouts. After every step no page leaks; every page served from
-//! either tier is bit-identical to what was computed for that prefix.
+//! pair, both host layouts, with and without write-through. After every step no page leaks
+//! (leak_check: pages, pins, locks, live paths); every page served from either tier is
+//! bit-identical to what was computed for that prefix. (The concurrent version of this
+//! test is `cache_model.rs`.)
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic
 
 mod common;
 
-use common::{cache, spec, Expect, PAGE};
+use common::{cache, spec, Expect, LAYERS, PAGE};
 use proptest::prelude::*;
 use sparsekit_host::cache::{CacheConfig, HostLayout};
 use sparsekit_host::layout::{IndexKDtype, KvDtype};
@@ -56,12 +58,14 @@ proptest! {
         ik in prop::sample::select(vec![IndexKDtype::FP8, IndexKDtype::Bf16]),
         layout in prop::sample::select(vec![HostLayout::LayerFirst, HostLayout::PageFirst]),
         host_pages in prop::sample::select(vec![0usize, 5, 12]),
+        write_through in any::<bool>(),
         steps in prop::collection::vec(step(), 1..24),
     ) {
         let mut cfg = CacheConfig::new(8, host_pages);
         cfg.host_layout = layout;
+        cfg.write_through = write_through;
         let c = cache(spec(kv, ik), cfg);
-        let mut e = Expect::default();
+        let e = Expect::default();
         let mut held = std::collections::VecDeque::new();
         let mut next_req = 1u64;
         for s in &steps {
@@ -78,8 +82,11 @@ proptest! {
                 Step::Hold { family } => {
                     let p = c.begin(next_req, &tokens(*family, &[]));
                     match p {
-                        Ok(p) => {
-                            p.loads.wait_all().unwrap();
+                        Ok(_) => {
+                            let step = c.step(&[next_req]).unwrap();
+                            for l in 0..LAYERS {
+                                step.wait(l).unwrap();
+                            }
                             held.push_back(next_req);
                         }
                         Err(err) => prop_assert!(matches!(err, Error::OutOfPages { .. }), "{err}"),
@@ -101,8 +108,10 @@ proptest! {
         for r in held {
             c.finish(r).unwrap();
         }
+        c.wait_idle().unwrap();
         let s = c.leak_check().unwrap();
         prop_assert_eq!(s.device_in_use, 0);
+        prop_assert_eq!(s.device_quarantined, 0);
         prop_assert_eq!(s.device_free + s.device_cached, s.device_pages);
         prop_assert_eq!(s.host_free + s.host_cached, s.host_pages);
         prop_assert_eq!(s.integrity_failures, 0);

@@ -630,6 +630,23 @@ impl<B: Backend + 'static> HiCache<B> {
         Ok(done)
     }
 
+    /// Waits (bounded) until no load or backup is queued or running.
+    pub fn wait_idle(&self) -> Result<()> {
+        let sh = &*self.shared;
+        let started = Instant::now();
+        let deadline = sh.deadline();
+        let mut st = sh.state.lock();
+        while !st.loads.is_empty() || !st.backups.is_empty() {
+            if sh.space_cv.wait_until(&mut st, deadline).timed_out() {
+                return Err(Error::Timeout {
+                    what: "the io worker to go idle",
+                    waited_ms: started.elapsed().as_millis() as u64,
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// Page accounting and counters now.
     pub fn stats(&self) -> CacheStats {
         stats(&self.shared.state.lock())
