@@ -329,15 +329,15 @@ mod tests {
         t.lock(&path2);
         assert_eq!(t.device_victims(), vec![path[1]]);
         t.unlock(&path2);
-        assert_eq!(t.device_victims().len(), 3);
-        assert_eq!(t.device_victims()[0], path2[1]);
-        assert_eq!(t.device_victims()[2], path[0]);
+        // Least recently used first: path[1], then path[0] (touched on the way to
+        // path2[1], which was created after it).
+        assert_eq!(t.device_victims(), vec![path[1], path[0], path2[1]]);
         // A loading page is no victim.
         t.get_mut(path[1]).unwrap().device = Some(DevicePage {
             page: p(1),
             load: Some(3),
         });
-        assert_eq!(t.device_victims(), vec![path2[1], path[0]]);
+        assert_eq!(t.device_victims(), vec![path[0], path2[1]]);
         // Host-only leaves are host victims and still match.
         t.get_mut(path[1]).unwrap().device = None;
         t.get_mut(path[1]).unwrap().host = Some(HostCopy {

@@ -272,6 +272,11 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
         self.layer
     }
 
+    /// See [`Step::is_aborted`].
+    pub fn is_aborted(&self, req: RequestId) -> bool {
+        self.step.is_aborted(req)
+    }
+
     /// The landed-stamp check, for every (non-aborted) member: its prefix and received
     /// pages were last written for their current generation in this layer; its other own
     /// pages were not written yet or written for their generation.
