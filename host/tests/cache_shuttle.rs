@@ -252,15 +252,11 @@ fn content(tokens: &[u32], layer: usize, n: usize) -> Vec<u8> {
 
 /// One request: begin, read and check the prefix, compute the rest, commit (or abort).
 /// Returns whether it read the cached prefix; errors must be typed ones.
-fn request(c: &HiCache<Failing>, req: u64, toks: &[u32], want: &[Vec<Vec<u8>>], abort_early: bool) {
+fn request(c: &HiCache<Failing>, req: u64, toks: &[u32], want: &[Vec<Vec<u8>>], may_fail: bool) {
     let prefix = match c.begin(req, toks) {
         Ok(p) => p,
         Err(e) => panic!("begin: {e:?}"),
     };
-    if abort_early {
-        let _ = c.abort(req);
-        return;
-    }
     let end = |ok: bool| {
         let r = if ok { c.finish(req) } else { c.abort(req) };
         if let Err(e) = r {
@@ -315,11 +311,18 @@ fn request(c: &HiCache<Failing>, req: u64, toks: &[u32], want: &[Vec<Vec<u8>>], 
             end(r.is_ok());
         }
         Err(e) => {
-            assert!(
-                matches!(&e, Error::InvalidArgument { .. })
-                    || matches!(&e, Error::RequestFailed { cause, .. } if matches!(**cause, Error::Cancelled(_) | Error::Device(_))),
-                "{e:?}"
-            );
+            // Only this request's own abort cancels its work (a load it shares with
+            // another request goes on); a copy failure only where one was injected.
+            let aborted = !c.is_live(req);
+            match &e {
+                Error::InvalidArgument { .. } => assert!(aborted, "{e:?}"),
+                Error::RequestFailed { cause, .. } => match **cause {
+                    Error::Cancelled(_) => assert!(aborted, "request {req} cancelled by another request: {e:?}"),
+                    Error::Device(_) => assert!(may_fail, "{e:?}"),
+                    _ => panic!("{e:?}"),
+                },
+                _ => panic!("{e:?}"),
+            }
             end(false);
         }
     }
@@ -359,7 +362,7 @@ fn scenario(fail_copies: u32, abort_first: bool) {
         .into_iter()
         .map(|(req, toks)| {
             let (c, want) = (c.clone(), want.clone());
-            shuttle::thread::spawn(move || request(&c, req, &toks, &want, false))
+            shuttle::thread::spawn(move || request(&c, req, &toks, &want, fail_copies > 0))
         })
         .collect();
     let c2 = c.clone();
@@ -382,7 +385,7 @@ fn scenario(fail_copies: u32, abort_first: bool) {
 #[test]
 fn begin_load_share_fail_abort_protocol() {
     let seed = common::seed("cache_shuttle");
-    let iters: usize = std::env::var("SPARSEKIT_SHUTTLE_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(150);
+    let iters: usize = std::env::var("SPARSEKIT_SHUTTLE_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(300);
     shuttle::check_random_with_seed(
         move || {
             scenario(0, false);
