@@ -119,7 +119,10 @@ fn d1_a_second_request_on_an_in_flight_load_waits_for_it() {
         e2.forward(&c2, &mut step, &a2, &p3c, &pages)
     });
     ctl.open_gate();
-    reader.join().unwrap().expect("request 3 read the committed bytes");
+    reader
+        .join()
+        .unwrap()
+        .expect("request 3 read the committed bytes");
     c.finish(3).unwrap();
     c.finish(2).unwrap();
     let s = c.leak_check().unwrap();
@@ -151,16 +154,28 @@ fn d2_a_failed_load_frees_nothing_a_live_request_holds() {
     );
     let s = c.leak_check().unwrap();
     assert_eq!(s.integrity_failures, 1);
-    assert_eq!(s.host_cached, 0, "failed host copies are dropped, never served");
-    assert_eq!(s.device_quarantined, 2, "the step still pins the failed pages: {s:?}");
+    assert_eq!(
+        s.host_cached, 0,
+        "failed host copies are dropped, never served"
+    );
+    assert_eq!(
+        s.device_quarantined, 2,
+        "the step still pins the failed pages: {s:?}"
+    );
     // Request 4 takes every free page: none is request 3's or pinned by its step.
     c.begin(4, &[]).unwrap();
     let got = c.alloc(4, s.device_free).unwrap();
     for p in &got {
-        assert!(!own3.contains(p) && !p2.pages.iter().any(|q| q.id == p.id), "{p:?}");
+        assert!(
+            !own3.contains(p) && !p2.pages.iter().any(|q| q.id == p.id),
+            "{p:?}"
+        );
     }
     c.leak_check().unwrap();
-    assert!(matches!(c.commit(3, &long, &[p3.pages.clone(), own3].concat()), Err(Error::InvalidArgument { .. } | Error::RequestFailed { .. })));
+    assert!(matches!(
+        c.commit(3, &long, &[p3.pages.clone(), own3].concat()),
+        Err(Error::InvalidArgument { .. } | Error::RequestFailed { .. })
+    ));
     drop(step3);
     assert_eq!(c.stats().device_quarantined, 0);
     for r in [2, 3, 4] {
@@ -220,7 +235,8 @@ fn d4_both_views_of_a_layer_do_not_deadlock_against_the_io_worker() {
         drop(step);
         c2.finish(6).unwrap();
         let mut step = c2.step(&[7]).unwrap();
-        e2.forward(&c2, &mut step, &a, &p7, &p7.pages.clone()).unwrap();
+        e2.forward(&c2, &mut step, &a, &p7, &p7.pages.clone())
+            .unwrap();
         drop(step);
         c2.finish(7).unwrap();
     });
@@ -240,14 +256,41 @@ fn d5_tokens_are_bound_to_their_step_and_stores_to_owned_current_pages() {
     let mut s2 = c.step(&[2]).unwrap();
     let s3 = c.step(&[3]).unwrap();
     let t3 = s3.wait(0).unwrap();
-    assert!(matches!(s2.layer(t3), Err(Error::InvalidArgument { .. })), "foreign token");
+    assert!(
+        matches!(s2.layer(t3), Err(Error::InvalidArgument { .. })),
+        "foreign token"
+    );
     let mut g = s2.wait_layer(0).unwrap();
-    let kv = c.backend().upload(&vec![0u8; c.spec().kv.d_qk() * 2]).unwrap();
+    let kv = c
+        .backend()
+        .upload(&vec![0u8; c.spec().kv.d_qk() * 2])
+        .unwrap();
     let slot = |page| [SlotRef { page, offset: 1 }];
-    assert!(matches!(g.kv_store(&slot(other[0]), &kv), Err(Error::InvalidArgument { .. })), "a page of a request outside the step");
-    let stale = sparsekit_host::cache::PageRef { generation: own[0].generation + 1, ..own[0] };
-    assert!(matches!(g.kv_store(&slot(stale), &kv), Err(Error::StalePage { .. })));
-    assert!(matches!(g.kv_store(&[SlotRef { page: own[0], offset: PAGE as u32 }], &kv), Err(Error::InvalidArgument { .. })));
+    assert!(
+        matches!(
+            g.kv_store(&slot(other[0]), &kv),
+            Err(Error::InvalidArgument { .. })
+        ),
+        "a page of a request outside the step"
+    );
+    let stale = sparsekit_host::cache::PageRef {
+        generation: own[0].generation + 1,
+        ..own[0]
+    };
+    assert!(matches!(
+        g.kv_store(&slot(stale), &kv),
+        Err(Error::StalePage { .. })
+    ));
+    assert!(matches!(
+        g.kv_store(
+            &[SlotRef {
+                page: own[0],
+                offset: PAGE as u32
+            }],
+            &kv
+        ),
+        Err(Error::InvalidArgument { .. })
+    ));
     g.kv_store(&slot(own[0]), &kv).unwrap();
     drop(g);
     drop((s2, s3));
@@ -309,17 +352,38 @@ fn d6_commit_checks_its_pages() {
     let own = c.alloc(2, 2).unwrap();
     let before = c.leak_check().unwrap();
     let dup = [p.pages[0], p.pages[1], own[0], own[0]];
-    assert!(matches!(c.commit(2, &long, &dup), Err(Error::DuplicatePage { .. })));
+    assert!(matches!(
+        c.commit(2, &long, &dup),
+        Err(Error::DuplicatePage { .. })
+    ));
     let swapped = [p.pages[1], p.pages[0], own[0], own[1]];
-    assert!(matches!(c.commit(2, &long, &swapped), Err(Error::InvalidArgument { .. })));
+    assert!(matches!(
+        c.commit(2, &long, &swapped),
+        Err(Error::InvalidArgument { .. })
+    ));
     let foreign = [p.pages[0], p.pages[1], own[0], p.pages[0]];
     assert!(c.commit(2, &long, &foreign).is_err());
-    let bogus = sparsekit_host::cache::PageRef { generation: 77, ..own[1] };
-    assert!(c.commit(2, &long, &[p.pages[0], p.pages[1], own[0], bogus]).is_err());
+    let bogus = sparsekit_host::cache::PageRef {
+        generation: 77,
+        ..own[1]
+    };
+    assert!(c
+        .commit(2, &long, &[p.pages[0], p.pages[1], own[0], bogus])
+        .is_err());
     let mut other = long.clone();
     other[0] += 1;
-    assert!(matches!(c.commit(2, &other, &[p.pages[0], p.pages[1], own[0], own[1]]), Err(Error::InvalidArgument { .. })), "tokens that are not the matched prefix");
-    assert_eq!(c.leak_check().unwrap(), before, "rejected commits change nothing");
+    assert!(
+        matches!(
+            c.commit(2, &other, &[p.pages[0], p.pages[1], own[0], own[1]]),
+            Err(Error::InvalidArgument { .. })
+        ),
+        "tokens that are not the matched prefix"
+    );
+    assert_eq!(
+        c.leak_check().unwrap(),
+        before,
+        "rejected commits change nothing"
+    );
     c.abort(2).unwrap();
     c.leak_check().unwrap();
     assert_eq!(e.request(&c, 3, &long, false).unwrap(), 2 * PAGE);
@@ -350,9 +414,16 @@ fn fault_host_pool_fp8_layout_is_refused_by_the_descriptor_check() {
     let mut cfg = CacheConfig::new(4, 8);
     cfg.faults = Faults::with(&[Fault::HostPoolFp8Layout]);
     let c = cache(spec(BF.0, BF.1), cfg);
-    let host_page = c.host_region(0, BufferKind::IndexK).unwrap().layout.bytes_per_page();
+    let host_page = c
+        .host_region(0, BufferKind::IndexK)
+        .unwrap()
+        .layout
+        .bytes_per_page();
     let dev_page = c.device_region(BufferKind::IndexK).layout.bytes_per_page();
-    assert!(host_page < dev_page, "the fault really shrinks the host rows");
+    assert!(
+        host_page < dev_page,
+        "the fault really shrinks the host rows"
+    );
     let e = Expect::default();
     e.request(&c, 1, &prompt(1, 3 * PAGE), false).unwrap();
     let err = c.evict_device(3).unwrap_err();
@@ -361,7 +432,9 @@ fn fault_host_pool_fp8_layout_is_refused_by_the_descriptor_check() {
     assert_eq!(s.host_free, 8);
     // Without the fault the same sequence works.
     let c = cache(spec(BF.0, BF.1), CacheConfig::new(4, 8));
-    Expect::default().request(&c, 1, &prompt(1, 3 * PAGE), false).unwrap();
+    Expect::default()
+        .request(&c, 1, &prompt(1, 3 * PAGE), false)
+        .unwrap();
     assert_eq!(c.evict_device(3).unwrap(), 3);
 }
 
@@ -390,7 +463,10 @@ fn fault_skip_index_wait_is_caught_by_the_landed_stamps() {
             let t = step.wait(LAYERS - 1).expect("the fault skips the wait");
             match step.layer(t) {
                 Err(Error::RequestFailed { cause, .. }) => {
-                    assert!(stamps && matches!(*cause, Error::NotLanded { .. }), "{faults:?}");
+                    assert!(
+                        stamps && matches!(*cause, Error::NotLanded { .. }),
+                        "{faults:?}"
+                    );
                 }
                 Ok(g) => {
                     assert!(!stamps, "{faults:?}");
@@ -445,7 +521,15 @@ fn fault_shared_item_size_is_caught_by_checksums_in_every_layout() {
                 Error::Integrity { what, .. } => what,
                 _ => panic!("{layout:?} verify {verify}: {err:?}"),
             };
-            assert_eq!(what, if verify { "host→device" } else { "served page" }, "{layout:?}");
+            assert_eq!(
+                what,
+                if verify {
+                    "host→device"
+                } else {
+                    "served page"
+                },
+                "{layout:?}"
+            );
             c.leak_check().unwrap();
         }
     }
@@ -470,12 +554,24 @@ fn fault_host_bit_flip_is_caught_by_checksums() {
             e => e,
         };
         if verify {
-            assert!(matches!(cause, Error::Integrity { what: "host→device", layer, .. } if layer == LAYERS - 1), "{cause:?}");
+            assert!(
+                matches!(cause, Error::Integrity { what: "host→device", layer, .. } if layer == LAYERS - 1),
+                "{cause:?}"
+            );
             let s = c.leak_check().unwrap();
             assert_eq!((s.integrity_failures, s.host_cached), (1, 0));
             assert_eq!(e.request(&c, 3, &a, false).unwrap(), 0, "recomputed");
         } else {
-            assert!(matches!(cause, Error::Integrity { what: "served page", .. }), "{cause:?}");
+            assert!(
+                matches!(
+                    cause,
+                    Error::Integrity {
+                        what: "served page",
+                        ..
+                    }
+                ),
+                "{cause:?}"
+            );
         }
         c.leak_check().unwrap();
     }
@@ -486,7 +582,11 @@ fn fault_host_bit_flip_is_caught_by_checksums() {
 /// and the landed stamp catches it; with both off the other request reads corrupted bytes.
 #[test]
 fn fault_no_generation_check_is_caught_by_the_landed_stamps() {
-    for faults in [vec![], vec![Fault::NoGenerationCheck], vec![Fault::NoGenerationCheck, Fault::NoLandedCheck]] {
+    for faults in [
+        vec![],
+        vec![Fault::NoGenerationCheck],
+        vec![Fault::NoGenerationCheck, Fault::NoLandedCheck],
+    ] {
         let mut cfg = CacheConfig::new(4, 0);
         cfg.faults = Faults::with(&faults);
         let c = cache(spec(BF.0, BF.1), cfg);
@@ -504,22 +604,41 @@ fn fault_no_generation_check_is_caught_by_the_landed_stamps() {
         store_layer(&mut g, c.backend(), &spec, &toks, &[fresh], 0).unwrap();
         let want = read_pages(&c, &g, &[fresh]).unwrap();
         // The late write for request 1.
-        let junk = c.backend().upload(&vec![0x3Cu8; PAGE * spec.kv.d_qk() * 2]).unwrap();
-        let slots: Vec<SlotRef> = (0..PAGE as u32).map(|offset| SlotRef { page: stale, offset }).collect();
+        let junk = c
+            .backend()
+            .upload(&vec![0x3Cu8; PAGE * spec.kv.d_qk() * 2])
+            .unwrap();
+        let slots: Vec<SlotRef> = (0..PAGE as u32)
+            .map(|offset| SlotRef {
+                page: stale,
+                offset,
+            })
+            .collect();
         let res = g.kv_store(&slots, &junk);
         match faults.len() {
             0 => {
                 assert!(matches!(res, Err(Error::StalePage { .. })), "{res:?}");
-                assert_eq!(read_pages(&c, &g, &[fresh]).unwrap(), want, "request 2's page is intact");
+                assert_eq!(
+                    read_pages(&c, &g, &[fresh]).unwrap(),
+                    want,
+                    "request 2's page is intact"
+                );
             }
             1 => {
                 res.unwrap();
                 let r = g.views();
-                assert!(matches!(&r, Err(Error::RequestFailed { cause, .. }) if matches!(**cause, Error::NotLanded { .. })), "{r:?}");
+                assert!(
+                    matches!(&r, Err(Error::RequestFailed { cause, .. }) if matches!(**cause, Error::NotLanded { .. })),
+                    "{r:?}"
+                );
             }
             _ => {
                 res.unwrap();
-                assert_ne!(read_pages(&c, &g, &[fresh]).unwrap(), want, "the stale write corrupted request 2's page");
+                assert_ne!(
+                    read_pages(&c, &g, &[fresh]).unwrap(),
+                    want,
+                    "the stale write corrupted request 2's page"
+                );
             }
         }
         drop(g);
@@ -550,7 +669,11 @@ fn d9_abort_cancels_loads() {
     c.abort(3).unwrap();
     let s = c.leak_check().unwrap();
     assert_eq!(s.cancelled_loads, 1, "{s:?}");
-    assert_eq!(s.device_free, free_before + 2, "a queued load's pages are free at once");
+    assert_eq!(
+        s.device_free,
+        free_before + 2,
+        "a queued load's pages are free at once"
+    );
     // The running load: abort quarantines its pages until the worker stops.
     c.abort(5).unwrap();
     let s = c.leak_check().unwrap();
@@ -565,7 +688,11 @@ fn d9_abort_cancels_loads() {
     let s = c.leak_check().unwrap();
     assert_eq!((s.cancelled_loads, s.loads), (2, 0), "{s:?}");
     assert_eq!(s.device_free, 8, "{s:?}");
-    assert_eq!(ctl.copies.load(Ordering::SeqCst), copies, "no load ran a layer after its abort");
+    assert_eq!(
+        ctl.copies.load(Ordering::SeqCst),
+        copies,
+        "no load ran a layer after its abort"
+    );
     // Host copies of cancelled loads stay valid.
     assert_eq!(e.request(&*c, 6, &a, false).unwrap(), 2 * PAGE);
     c.leak_check().unwrap();
@@ -626,12 +753,20 @@ fn write_through_backs_up_on_commit() {
     assert_eq!((s.host_cached, s.device_cached), (3, 3));
     assert_eq!(c.evict_device(3).unwrap(), 3);
     assert_eq!(c.stats().backups, 3, "nothing copied twice");
-    assert_eq!(e.request(&c, 2, &prompt(1, 3 * PAGE), false).unwrap(), 3 * PAGE);
+    assert_eq!(
+        e.request(&c, 2, &prompt(1, 3 * PAGE), false).unwrap(),
+        3 * PAGE
+    );
 }
 
 /// Source pages for an inbound transfer: `n` pages of `layout` with seeded bytes, and
 /// their checksums.
-fn source<B: Backend>(b: &B, layout: impl Into<sparsekit_host::layout::PageLayout>, n: usize, seed: u8) -> (B::Buffer, PagedRegion, Vec<u64>) {
+fn source<B: Backend>(
+    b: &B,
+    layout: impl Into<sparsekit_host::layout::PageLayout>,
+    n: usize,
+    seed: u8,
+) -> (B::Buffer, PagedRegion, Vec<u64>) {
     let region = PagedRegion::contiguous(layout, n);
     let bytes: Vec<u8> = (0..region.layout.bytes_per_page() * n)
         .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
@@ -639,8 +774,14 @@ fn source<B: Backend>(b: &B, layout: impl Into<sparsekit_host::layout::PageLayou
     let buf = b.upload(&bytes).unwrap();
     let ids: Vec<i32> = (0..n as i32).collect();
     let mut out = b.alloc(n * 8).unwrap();
-    b.page_checksums(&PageChecksums { region, ids: &ids }, &buf, &mut out).unwrap();
-    let sums = b.download(&out).unwrap().chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap())).collect();
+    b.page_checksums(&PageChecksums { region, ids: &ids }, &buf, &mut out)
+        .unwrap();
+    let sums = b
+        .download(&out)
+        .unwrap()
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+        .collect();
     (buf, region, sums)
 }
 
@@ -648,7 +789,10 @@ fn source<B: Backend>(b: &B, layout: impl Into<sparsekit_host::layout::PageLayou
 /// both kinds with matching checksums; reads then see exactly the sent bytes.
 #[test]
 fn inbound_publishes_a_layer_only_when_all_its_pages_landed() {
-    let c = cache(spec(KvDtype::Fp8DsMla, IndexKDtype::FP8), CacheConfig::new(6, 0));
+    let c = cache(
+        spec(KvDtype::Fp8DsMla, IndexKDtype::FP8),
+        CacheConfig::new(6, 0),
+    );
     let b = c.backend();
     c.begin(1, &[]).unwrap();
     let pages = c.alloc(1, 3).unwrap();
@@ -660,11 +804,30 @@ fn inbound_publishes_a_layer_only_when_all_its_pages_landed() {
         let (kv, kr, ks) = source(b, c.spec().kv, 3, 10 + l as u8);
         let (ik, ir, is) = source(b, c.spec().index_k, 3, 50 + l as u8);
         // KV first, index-K in two parts: not ready until the last part.
-        rx.write(l, BufferKind::Kv, &pages, &kv, kr, &ids, &ks).unwrap();
+        rx.write(l, BufferKind::Kv, &pages, &kv, kr, &ids, &ks)
+            .unwrap();
         assert!(!step.ready(l).unwrap() && !rx.is_layer_ready(l));
-        rx.write(l, BufferKind::IndexK, &pages[..2], &ik, ir, &ids[..2], &is[..2]).unwrap();
+        rx.write(
+            l,
+            BufferKind::IndexK,
+            &pages[..2],
+            &ik,
+            ir,
+            &ids[..2],
+            &is[..2],
+        )
+        .unwrap();
         assert!(!step.ready(l).unwrap());
-        rx.write(l, BufferKind::IndexK, &pages[2..], &ik, ir, &ids[2..], &is[2..]).unwrap();
+        rx.write(
+            l,
+            BufferKind::IndexK,
+            &pages[2..],
+            &ik,
+            ir,
+            &ids[2..],
+            &is[2..],
+        )
+        .unwrap();
         assert!(step.ready(l).unwrap() && rx.is_layer_ready(l));
         sent.push((b.download(&kv).unwrap(), b.download(&ik).unwrap()));
     }
@@ -697,13 +860,33 @@ fn inbound_failures_are_typed_and_contained() {
     let pages = c.alloc(1, 2).unwrap();
     let other = c.alloc(1, 1).unwrap();
     let mut rx = c.inbound(1, &pages).unwrap();
-    assert!(matches!(c.inbound(1, &pages), Err(Error::InvalidArgument { .. })), "one transfer at a time");
-    assert!(matches!(rx.write(0, BufferKind::Kv, &other, &kv, kr, &ids[..1], &ks[..1]), Err(Error::InvalidArgument { .. })));
+    assert!(
+        matches!(c.inbound(1, &pages), Err(Error::InvalidArgument { .. })),
+        "one transfer at a time"
+    );
+    assert!(matches!(
+        rx.write(0, BufferKind::Kv, &other, &kv, kr, &ids[..1], &ks[..1]),
+        Err(Error::InvalidArgument { .. })
+    ));
     ks[1] ^= 1;
-    let err = rx.write(0, BufferKind::Kv, &pages, &kv, kr, &ids, &ks).unwrap_err();
-    assert!(matches!(err, Error::Integrity { what: "inbound", .. }), "{err:?}");
+    let err = rx
+        .write(0, BufferKind::Kv, &pages, &kv, kr, &ids, &ks)
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Integrity {
+                what: "inbound",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
     let r = c.step(&[1]).map(|_| ());
-    assert!(matches!(r, Err(Error::RequestFailed { request: 1, .. })), "{r:?}");
+    assert!(
+        matches!(r, Err(Error::RequestFailed { request: 1, .. })),
+        "{r:?}"
+    );
     drop(rx);
     c.abort(1).unwrap();
     c.leak_check().unwrap();
@@ -714,7 +897,10 @@ fn inbound_failures_are_typed_and_contained() {
     let step = c.step(&[2]).unwrap();
     drop(rx);
     let err = step.wait(0).unwrap_err();
-    assert!(matches!(&err, Error::RequestFailed { cause, .. } if matches!(**cause, Error::Cancelled(_))), "{err:?}");
+    assert!(
+        matches!(&err, Error::RequestFailed { cause, .. } if matches!(**cause, Error::Cancelled(_))),
+        "{err:?}"
+    );
     drop(step);
     c.abort(2).unwrap();
     let s = c.leak_check().unwrap();
@@ -733,20 +919,28 @@ fn inbound_late_writes_after_abort_are_refused_and_pages_quarantined() {
     c.begin(1, &[]).unwrap();
     let pages = c.alloc(1, 2).unwrap();
     let mut rx = c.inbound(1, &pages).unwrap();
-    rx.write(0, BufferKind::Kv, &pages, &kv, kr, &ids, &ks).unwrap();
+    rx.write(0, BufferKind::Kv, &pages, &kv, kr, &ids, &ks)
+        .unwrap();
     c.abort(1).unwrap();
     let s = c.leak_check().unwrap();
     assert_eq!((s.device_quarantined, s.device_free), (2, 0), "{s:?}");
-    let err = rx.write(0, BufferKind::IndexK, &pages, &kv, kr, &ids, &ks).unwrap_err();
+    let err = rx
+        .write(0, BufferKind::IndexK, &pages, &kv, kr, &ids, &ks)
+        .unwrap_err();
     assert!(matches!(err, Error::StalePage { .. }), "{err:?}");
     c.begin(2, &[]).unwrap();
-    assert!(matches!(c.alloc(2, 1), Err(Error::OutOfPages { .. })), "quarantined pages are never reused");
+    assert!(
+        matches!(c.alloc(2, 1), Err(Error::OutOfPages { .. })),
+        "quarantined pages are never reused"
+    );
     drop(rx);
     let fresh = c.alloc(2, 2).unwrap();
     assert!(fresh.iter().all(|p| !pages.contains(p)));
     let mut rx2 = c.inbound(2, &fresh).unwrap();
     let old = pages.iter().find(|p| p.id == fresh[0].id).unwrap();
-    let err = rx2.write(0, BufferKind::Kv, &[*old], &kv, kr, &ids[..1], &ks[..1]).unwrap_err();
+    let err = rx2
+        .write(0, BufferKind::Kv, &[*old], &kv, kr, &ids[..1], &ks[..1])
+        .unwrap_err();
     assert!(matches!(err, Error::StalePage { .. }), "{err:?}");
     assert_eq!(c.stats().stale_writes_refused, 2);
     rx2.fail(Error::Cancelled("test".into()));
@@ -758,22 +952,46 @@ fn inbound_late_writes_after_abort_are_refused_and_pages_quarantined() {
 fn accounting_and_errors() {
     let c = cache(spec(BF.0, BF.1), CacheConfig::new(4, 0));
     c.begin(1, &[]).unwrap();
-    assert!(matches!(c.begin(1, &[]), Err(Error::InvalidArgument { .. })), "request already live");
-    assert!(matches!(c.alloc(9, 1), Err(Error::InvalidArgument { .. })), "unknown request");
+    assert!(
+        matches!(c.begin(1, &[]), Err(Error::InvalidArgument { .. })),
+        "request already live"
+    );
+    assert!(
+        matches!(c.alloc(9, 1), Err(Error::InvalidArgument { .. })),
+        "unknown request"
+    );
     assert!(matches!(c.alloc(1, 5), Err(Error::OutOfPages { .. })));
-    assert!(matches!(c.step(&[1, 1]), Err(Error::InvalidArgument { .. })));
+    assert!(matches!(
+        c.step(&[1, 1]),
+        Err(Error::InvalidArgument { .. })
+    ));
     assert!(matches!(c.step(&[9]), Err(Error::InvalidArgument { .. })));
     let p = c.alloc(1, 4).unwrap();
     let s = c.leak_check().unwrap();
     assert_eq!((s.device_free, s.device_in_use), (0, 4));
     let step = c.step(&[1]).unwrap();
-    assert!(matches!(c.commit(1, &prompt(1, PAGE), &p), Err(Error::InvalidArgument { .. })), "in a live step");
-    assert!(matches!(c.finish(1), Err(Error::InvalidArgument { .. })), "in a live step");
-    assert!(matches!(step.wait(LAYERS), Err(Error::InvalidArgument { .. })));
+    assert!(
+        matches!(
+            c.commit(1, &prompt(1, PAGE), &p),
+            Err(Error::InvalidArgument { .. })
+        ),
+        "in a live step"
+    );
+    assert!(
+        matches!(c.finish(1), Err(Error::InvalidArgument { .. })),
+        "in a live step"
+    );
+    assert!(matches!(
+        step.wait(LAYERS),
+        Err(Error::InvalidArgument { .. })
+    ));
     drop(step);
     let toks = prompt(1, 2 * PAGE + 1);
     let r = c.commit(1, &toks, &p[..3]);
-    assert!(matches!(r, Err(Error::NotLanded { .. })), "pages never written: {r:?}");
+    assert!(
+        matches!(r, Err(Error::NotLanded { .. })),
+        "pages never written: {r:?}"
+    );
     {
         let spec = *c.spec();
         let mut step = c.step(&[1]).unwrap();
@@ -824,7 +1042,11 @@ fn prefix_reuse_on_the_emulator_backend() {
     for layout in [HostLayout::LayerFirst, HostLayout::PageFirst] {
         let mut cfg = CacheConfig::new(6, 16);
         cfg.host_layout = layout;
-        let c = cache_on(EmuBackend::new(), spec(KvDtype::Fp8DsMla, IndexKDtype::Bf16), cfg);
+        let c = cache_on(
+            EmuBackend::new(),
+            spec(KvDtype::Fp8DsMla, IndexKDtype::Bf16),
+            cfg,
+        );
         let e = Expect::default();
         let a = prompt(1, 4 * PAGE + 2);
         e.request(&c, 1, &a, false).unwrap();

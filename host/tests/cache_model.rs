@@ -63,7 +63,13 @@ fn acceptable(e: &Error) -> bool {
         Error::OutOfPages { .. } | Error::Timeout { .. } => true,
         Error::RequestFailed { cause, .. } => matches!(
             **cause,
-            Error::Cancelled(_) | Error::Device(_) | Error::Timeout { .. } | Error::Integrity { what: "host→device", .. }
+            Error::Cancelled(_)
+                | Error::Device(_)
+                | Error::Timeout { .. }
+                | Error::Integrity {
+                    what: "host→device",
+                    ..
+                }
         ),
         _ => false,
     }
@@ -73,7 +79,10 @@ fn tokens(rng: &mut ChaCha8Rng) -> Vec<u32> {
     let family = rng.gen_range(0..5u32);
     let mut t = prompt(family + 1, 2 * PAGE + rng.gen_range(0..PAGE));
     if rng.gen_bool(0.5) {
-        t.extend(prompt(10 + rng.gen_range(0..4u32), rng.gen_range(1..2 * PAGE)));
+        t.extend(prompt(
+            10 + rng.gen_range(0..4u32),
+            rng.gen_range(1..2 * PAGE),
+        ));
     }
     t
 }
@@ -91,7 +100,13 @@ fn lifecycle(w: &World, rng: &mut ChaCha8Rng) {
     };
     w.live.lock().unwrap().push(req);
     let end = |abort: bool| {
-        let r = w.op("finish/abort", || if abort { c.abort(req) } else { c.finish(req) });
+        let r = w.op("finish/abort", || {
+            if abort {
+                c.abort(req)
+            } else {
+                c.finish(req)
+            }
+        });
         if let Err(e) = r {
             assert!(acceptable(&e), "end: {e:?}");
         }
@@ -141,7 +156,10 @@ fn lifecycle(w: &World, rng: &mut ChaCha8Rng) {
         let n = rng.gen_range(1..4);
         if let Err(e) = w.op("evict", || c.evict_device(n)) {
             assert!(
-                matches!(e, Error::Device(_) | Error::Cancelled(_) | Error::Timeout { .. }),
+                matches!(
+                    e,
+                    Error::Device(_) | Error::Cancelled(_) | Error::Timeout { .. }
+                ),
                 "evict: {e:?}"
             );
         }
@@ -176,7 +194,9 @@ fn concurrent_requests_aborts_and_io_faults_never_serve_wrong_bytes() {
         (KvDtype::Bf16, IndexKDtype::Bf16),
         (KvDtype::Fp8DsMla, IndexKDtype::FP8),
     ][rng.gen_range(0..2)];
-    eprintln!("cache_model: {cfg:?} kv {kv:?} index-K {ik:?}, {steps} lifecycles x {WORKERS} threads");
+    eprintln!(
+        "cache_model: {cfg:?} kv {kv:?} index-K {ik:?}, {steps} lifecycles x {WORKERS} threads"
+    );
     let w = Arc::new(World {
         cache: HiCache::new(Arc::new(backend), spec(kv, ik), cfg).unwrap(),
         expect: Expect::default(),
@@ -189,7 +209,9 @@ fn concurrent_requests_aborts_and_io_faults_never_serve_wrong_bytes() {
     let workers: Vec<_> = (0..WORKERS)
         .map(|i| {
             let w = w.clone();
-            let mut rng = ChaCha8Rng::seed_from_u64(seed ^ (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            let mut rng = ChaCha8Rng::seed_from_u64(
+                seed ^ (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15),
+            );
             std::thread::spawn(move || {
                 for _ in 0..steps {
                     lifecycle(&w, &mut rng);
@@ -248,9 +270,16 @@ fn concurrent_requests_aborts_and_io_faults_never_serve_wrong_bytes() {
         t0.elapsed(),
         ctl.copies.load(Ordering::Relaxed)
     );
-    assert_eq!((s.device_in_use, s.device_quarantined, s.live_requests), (0, 0, 0), "{s:?}");
+    assert_eq!(
+        (s.device_in_use, s.device_quarantined, s.live_requests),
+        (0, 0, 0),
+        "{s:?}"
+    );
     assert_eq!(s.device_free + s.device_cached, s.device_pages);
     assert_eq!(s.host_free + s.host_cached, s.host_pages);
-    assert!(s.loads > 0 && s.backups > 0, "the workload reached the host tier: {s:?}");
+    assert!(
+        s.loads > 0 && s.backups > 0,
+        "the workload reached the host tier: {s:?}"
+    );
     assert!(w.expect.hits_checked.load(Ordering::Relaxed) > 0);
 }

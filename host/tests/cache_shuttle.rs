@@ -132,14 +132,21 @@ mod sync {
                 Condvar::Std(std::sync::Condvar::new())
             }
         }
-        pub fn wait_until<T>(&self, g: &mut MutexGuard<'_, T>, deadline: Instant) -> WaitTimeoutResult {
+        pub fn wait_until<T>(
+            &self,
+            g: &mut MutexGuard<'_, T>,
+            deadline: Instant,
+        ) -> WaitTimeoutResult {
             let inner = g.0.take().expect("guard");
             let (back, timed_out) = match (self, inner) {
-                (Condvar::Shuttle(cv), Inner::Shuttle(guard)) => {
-                    (Inner::Shuttle(cv.wait(guard).unwrap_or_else(|p| p.into_inner())), false)
-                }
+                (Condvar::Shuttle(cv), Inner::Shuttle(guard)) => (
+                    Inner::Shuttle(cv.wait(guard).unwrap_or_else(|p| p.into_inner())),
+                    false,
+                ),
                 (Condvar::Std(cv), Inner::Std(guard)) => {
-                    let d = deadline.saturating_duration_since(Instant::now()).max(Duration::from_micros(1));
+                    let d = deadline
+                        .saturating_duration_since(Instant::now())
+                        .max(Duration::from_micros(1));
                     let (guard, r) = cv.wait_timeout(guard, d).unwrap_or_else(|p| p.into_inner());
                     (Inner::Std(guard), r.timed_out())
                 }
@@ -173,7 +180,10 @@ mod sync {
         if in_shuttle() {
             Ok(JoinHandle::Shuttle(shuttle::thread::spawn(f)))
         } else {
-            std::thread::Builder::new().name(name.into()).spawn(f).map(JoinHandle::Std)
+            std::thread::Builder::new()
+                .name(name.into())
+                .spawn(f)
+                .map(JoinHandle::Std)
         }
     }
 }
@@ -228,7 +238,11 @@ impl Backend for Failing {
         page_checksums(op: &PageChecksums<'_>, p: &Self::Buffer, o: &mut Self::Buffer) -> Result<()>;
     }
     fn copy_pages(&self, op: &CopyPages<'_>, s: &Self::Buffer, d: &mut Self::Buffer) -> Result<()> {
-        if self.fail.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
+        if self
+            .fail
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
             return Err(Error::Device("injected copy failure".into()));
         }
         self.inner.copy_pages(op, s, d)
@@ -246,8 +260,13 @@ fn spec() -> CacheSpec {
 
 /// Each token's bytes: a function of the token prefix and the layer.
 fn content(tokens: &[u32], layer: usize, n: usize) -> Vec<u8> {
-    let h = tokens.iter().fold(layer as u64 + 7, |h, &t| h.wrapping_mul(31).wrapping_add(t as u64));
-    (0..n).map(|i| half::bf16::from_f32(((h as usize + i) % 17) as f32 - 8.0)).flat_map(|v| v.to_le_bytes()).collect()
+    let h = tokens.iter().fold(layer as u64 + 7, |h, &t| {
+        h.wrapping_mul(31).wrapping_add(t as u64)
+    });
+    (0..n)
+        .map(|i| half::bf16::from_f32(((h as usize + i) % 17) as f32 - 8.0))
+        .flat_map(|v| v.to_le_bytes())
+        .collect()
 }
 
 /// One request: begin, read and check the prefix, compute the rest, commit (or abort).
@@ -267,7 +286,10 @@ fn request(c: &HiCache<Failing>, req: u64, toks: &[u32], want: &[Vec<Vec<u8>>], 
     let own = match c.alloc(req, need) {
         Ok(p) => p,
         Err(e) => {
-            assert!(matches!(e, Error::InvalidArgument { .. } | Error::OutOfPages { .. }), "{e:?}");
+            assert!(
+                matches!(e, Error::InvalidArgument { .. } | Error::OutOfPages { .. }),
+                "{e:?}"
+            );
             return end(false);
         }
     };
@@ -292,11 +314,18 @@ fn request(c: &HiCache<Failing>, req: u64, toks: &[u32], want: &[Vec<Vec<u8>>], 
             let from = prefix.tokens;
             if from < toks.len() {
                 let slots: Vec<cache::SlotRef> = (from..toks.len())
-                    .map(|p| cache::SlotRef { page: pages[p / PAGE], offset: (p % PAGE) as u32 })
+                    .map(|p| cache::SlotRef {
+                        page: pages[p / PAGE],
+                        offset: (p % PAGE) as u32,
+                    })
                     .collect();
-                let kv: Vec<u8> = (from..toks.len()).flat_map(|p| content(&toks[..=p], l, spec.kv.d_qk())).collect();
+                let kv: Vec<u8> = (from..toks.len())
+                    .flat_map(|p| content(&toks[..=p], l, spec.kv.d_qk()))
+                    .collect();
                 g.kv_store(&slots, &c.backend().upload(&kv)?)?;
-                let ik: Vec<u8> = (from..toks.len()).flat_map(|p| content(&toks[..=p], l + 100, spec.index_k.head_dim())).collect();
+                let ik: Vec<u8> = (from..toks.len())
+                    .flat_map(|p| content(&toks[..=p], l + 100, spec.index_k.head_dim()))
+                    .collect();
                 g.index_k_store(&slots, &c.backend().upload(&ik)?)?;
             }
         }
@@ -317,7 +346,9 @@ fn request(c: &HiCache<Failing>, req: u64, toks: &[u32], want: &[Vec<Vec<u8>>], 
             match &e {
                 Error::InvalidArgument { .. } => assert!(aborted, "{e:?}"),
                 Error::RequestFailed { cause, .. } => match **cause {
-                    Error::Cancelled(_) => assert!(aborted, "request {req} cancelled by another request: {e:?}"),
+                    Error::Cancelled(_) => {
+                        assert!(aborted, "request {req} cancelled by another request: {e:?}")
+                    }
                     Error::Device(_) => assert!(may_fail, "{e:?}"),
                     _ => panic!("{e:?}"),
                 },
@@ -329,7 +360,10 @@ fn request(c: &HiCache<Failing>, req: u64, toks: &[u32], want: &[Vec<Vec<u8>>], 
 }
 
 fn scenario(fail_copies: u32, abort_first: bool) {
-    let backend = Arc::new(Failing { inner: CpuBackend::new(), fail: AtomicU32::new(0) });
+    let backend = Arc::new(Failing {
+        inner: CpuBackend::new(),
+        fail: AtomicU32::new(0),
+    });
     let mut cfg = CacheConfig::new(6, 6);
     cfg.max_backup_batch = 2;
     let c = Arc::new(HiCache::new(backend.clone(), spec(), cfg).unwrap());
@@ -345,7 +379,10 @@ fn scenario(fail_copies: u32, abort_first: bool) {
             .map(|l| {
                 let g = step.wait_layer(l).unwrap();
                 let bytes = c.backend().download(g.views().unwrap().0).unwrap();
-                p.pages.iter().map(|q| bytes[region.page_range(q.id as usize)].to_vec()).collect()
+                p.pages
+                    .iter()
+                    .map(|q| bytes[region.page_range(q.id as usize)].to_vec())
+                    .collect()
             })
             .collect();
         drop(step);
@@ -378,14 +415,21 @@ fn scenario(fail_copies: u32, abort_first: bool) {
     aborter.join().unwrap();
     c.wait_idle().unwrap();
     let s = c.leak_check().unwrap();
-    assert_eq!((s.device_in_use, s.device_quarantined, s.live_requests), (0, 0, 0), "{s:?}");
+    assert_eq!(
+        (s.device_in_use, s.device_quarantined, s.live_requests),
+        (0, 0, 0),
+        "{s:?}"
+    );
     assert_eq!(s.device_free + s.device_cached, 6, "{s:?}");
 }
 
 #[test]
 fn begin_load_share_fail_abort_protocol() {
     let seed = common::seed("cache_shuttle");
-    let iters: usize = std::env::var("SPARSEKIT_SHUTTLE_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(300);
+    let iters: usize = std::env::var("SPARSEKIT_SHUTTLE_ITERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(300);
     shuttle::check_random_with_seed(
         move || {
             scenario(0, false);

@@ -46,7 +46,11 @@ mod sync {
         pub fn new() -> Self {
             Condvar(loom::sync::Condvar::new())
         }
-        pub fn wait_until<T>(&self, g: &mut MutexGuard<'_, T>, _deadline: Instant) -> WaitTimeoutResult {
+        pub fn wait_until<T>(
+            &self,
+            g: &mut MutexGuard<'_, T>,
+            _deadline: Instant,
+        ) -> WaitTimeoutResult {
             let inner = g.0.take().unwrap();
             g.0 = Some(self.0.wait(inner).unwrap());
             WaitTimeoutResult

@@ -59,7 +59,10 @@ impl PageAllocator {
     }
 
     pub fn num_quarantined(&self) -> usize {
-        self.slot.iter().filter(|&&s| s == Slot::Quarantined).count()
+        self.slot
+            .iter()
+            .filter(|&&s| s == Slot::Quarantined)
+            .count()
     }
 
     pub fn num_held(&self) -> usize {
@@ -175,10 +178,16 @@ impl PageAllocator {
         }
         for (i, s) in self.slot.iter().enumerate() {
             if *s == Slot::Free && !on_list[i] {
-                problems.push(format!("{} page {i} is free but not on the free list", self.what));
+                problems.push(format!(
+                    "{} page {i} is free but not on the free list",
+                    self.what
+                ));
             }
             if *s == Slot::Quarantined && self.pins[i] == 0 {
-                problems.push(format!("{} page {i} is quarantined without a pin", self.what));
+                problems.push(format!(
+                    "{} page {i} is quarantined without a pin",
+                    self.what
+                ));
             }
         }
         problems

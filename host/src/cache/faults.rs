@@ -60,15 +60,12 @@ impl FromStr for Fault {
         Fault::ALL
             .into_iter()
             .find(|f| f.name() == s)
-            .ok_or_else(|| {
-                Error::InvalidArgument {
-                    what: "fault",
-                    detail: 
-                    format!(
-                        "unknown fault {s:?} (known: {})",
-                        Fault::ALL.map(|f| f.name()).join(", ")
-                    ),
-                }
+            .ok_or_else(|| Error::InvalidArgument {
+                what: "fault",
+                detail: format!(
+                    "unknown fault {s:?} (known: {})",
+                    Fault::ALL.map(|f| f.name()).join(", ")
+                ),
             })
     }
 }

@@ -61,11 +61,6 @@ impl Fence {
 /// Proof that one layer has landed for every request of one step. Minted only by
 /// [`super::Step::wait`] (no public constructor, not `Clone`); accepted only by the step
 /// that minted it ([`super::Step::layer`]), which checks cache, step and layer.
-///
-/// ```compile_fail
-/// // There is no way to build a token outside the cache:
-/// let t = sparsekit_host::cache::ReadyToken { cache: 0, step: 0, layer: 0 };
-/// ```
 #[derive(Debug)]
 pub struct ReadyToken {
     pub(crate) cache: u64,
@@ -105,7 +100,10 @@ mod tests {
         });
         rx.recv().unwrap();
         assert!(f.fail(Error::Cancelled("io".into())));
-        assert!(!f.fail(Error::Cancelled("second".into())), "first failure wins");
+        assert!(
+            !f.fail(Error::Cancelled("second".into())),
+            "first failure wins"
+        );
         assert!(matches!(waiter.join().unwrap(), Err(Error::Cancelled(m)) if m == "io"));
         assert!(
             matches!(f.wait(0, now, now), Err(Error::Cancelled(_))),

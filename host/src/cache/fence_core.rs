@@ -99,7 +99,11 @@ impl<E: Clone> FenceCore<E> {
         if let Some(e) = &s.failed {
             return Some(Err(e.clone()));
         }
-        s.ready.get(layer).copied().unwrap_or(false).then_some(Ok(()))
+        s.ready
+            .get(layer)
+            .copied()
+            .unwrap_or(false)
+            .then_some(Ok(()))
     }
 
     /// The failure, if any.

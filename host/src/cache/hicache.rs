@@ -463,7 +463,10 @@ impl<B: Backend + 'static> HiCache<B> {
         let full = tokens.len() / ps;
         let r = st.requests.get(&req).ok_or_else(|| not_live(req))?;
         if r.users > 0 {
-            return Err(invalid("commit", format!("request {req} is in a live step")));
+            return Err(invalid(
+                "commit",
+                format!("request {req} is in a live step"),
+            ));
         }
         if let Some(e) = r.fences.iter().find_map(|f| f.failure()) {
             return Err(Error::RequestFailed {
@@ -548,11 +551,7 @@ impl<B: Backend + 'static> HiCache<B> {
         let mut new_nodes = Vec::new();
         let mut adopted = Vec::new();
         let mut backup = Vec::new();
-        for (key, &page) in tokens
-            .chunks_exact(ps)
-            .zip(pages)
-            .skip(old_path.len())
-        {
+        for (key, &page) in tokens.chunks_exact(ps).zip(pages).skip(old_path.len()) {
             let Some(node) = st.tree.child_or_insert(cur, key) else {
                 return Err(invalid("commit", "prefix tree node vanished"));
             };
@@ -586,7 +585,10 @@ impl<B: Backend + 'static> HiCache<B> {
         let mut st = sh.state.lock();
         let r = st.requests.get(&req).ok_or_else(|| not_live(req))?;
         if r.users > 0 {
-            return Err(invalid("finish", format!("request {req} is in a live step")));
+            return Err(invalid(
+                "finish",
+                format!("request {req} is in a live step"),
+            ));
         }
         end_request(sh, &mut st, req, "request finished");
         Ok(())
@@ -820,11 +822,7 @@ fn end_request<B: Backend>(sh: &Shared<B>, st: &mut State, req: RequestId, why: 
 /// leave at once; the others get a backup with "evict after" (they leave when it lands).
 /// Aims at `want` free pages counting the evictions already in flight.
 pub(crate) fn make_room<B: Backend>(sh: &Shared<B>, st: &mut State, want: usize) {
-    let pending: usize = st
-        .tree
-        .live()
-        .filter(|(_, n)| n.evict_after_backup)
-        .count();
+    let pending: usize = st.tree.live().filter(|(_, n)| n.evict_after_backup).count();
     let short = want.saturating_sub(st.device.num_free() + pending);
     if short > 0 {
         let _ = evict(sh, st, short);
@@ -857,7 +855,11 @@ fn wait_for_room<B: Backend>(
 
 /// Evicts up to `n` device pages (LRU leaves of the device tree). Returns the pages freed
 /// at once and the tickets of the backups that free the rest.
-fn evict<B: Backend>(sh: &Shared<B>, st: &mut State, n: usize) -> (usize, Vec<(Arc<Fence>, usize)>) {
+fn evict<B: Backend>(
+    sh: &Shared<B>,
+    st: &mut State,
+    n: usize,
+) -> (usize, Vec<(Arc<Fence>, usize)>) {
     let victims: Vec<NodeId> = st.tree.device_victims().into_iter().take(n).collect();
     let mut done = 0;
     let mut need_backup = Vec::new();
@@ -965,7 +967,10 @@ pub(crate) fn schedule_backups<B: Backend>(
                 device: dev.page,
                 host,
             });
-            match tickets.iter_mut().find(|(t, _)| Arc::ptr_eq(t, &rec.ticket)) {
+            match tickets
+                .iter_mut()
+                .find(|(t, _)| Arc::ptr_eq(t, &rec.ticket))
+            {
                 Some((_, c)) => *c += 1,
                 None => tickets.push((rec.ticket.clone(), 1)),
             }
@@ -1010,7 +1015,12 @@ fn check<B: Backend>(sh: &Shared<B>, st: &State) -> Vec<String> {
     };
     for (id, n) in st.tree.live() {
         if let Some(d) = n.device {
-            claim(d.page, format!("tree node {id:?} (device)"), &st.device, &mut problems);
+            claim(
+                d.page,
+                format!("tree node {id:?} (device)"),
+                &st.device,
+                &mut problems,
+            );
         }
     }
     for (r, req) in &st.requests {
@@ -1037,7 +1047,12 @@ fn check<B: Backend>(sh: &Shared<B>, st: &State) -> Vec<String> {
     };
     for (id, n) in st.tree.live() {
         if let Some(h) = &n.host {
-            claim(h.page, format!("tree node {id:?} (host)"), &st.host, &mut problems);
+            claim(
+                h.page,
+                format!("tree node {id:?} (host)"),
+                &st.host,
+                &mut problems,
+            );
         }
     }
     for (b, rec) in &st.backups {
@@ -1112,8 +1127,7 @@ fn check<B: Backend>(sh: &Shared<B>, st: &State) -> Vec<String> {
                     if node.parent != Some(parent) {
                         problems.push(format!("request {r}: path node {i} is not linked"));
                     }
-                    if node.device.is_none() && req.fences.iter().all(|f| f.failure().is_none())
-                    {
+                    if node.device.is_none() && req.fences.iter().all(|f| f.failure().is_none()) {
                         problems.push(format!(
                             "request {r}: path node {i} has no device page and no failed load"
                         ));
@@ -1165,7 +1179,11 @@ fn check<B: Backend>(sh: &Shared<B>, st: &State) -> Vec<String> {
         }
     }
     let dependents: u32 = st.loads.values().map(|r| r.dependents).sum();
-    let deps_seen: usize = st.requests.values().map(|r| r.loads.iter().filter(|j| st.loads.contains_key(j)).count()).sum();
+    let deps_seen: usize = st
+        .requests
+        .values()
+        .map(|r| r.loads.iter().filter(|j| st.loads.contains_key(j)).count())
+        .sum();
     if dependents as usize != deps_seen {
         problems.push(format!(
             "loads count {dependents} dependents, live requests {deps_seen}"

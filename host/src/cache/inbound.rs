@@ -221,7 +221,10 @@ impl<B: Backend + 'static> Inbound<B> {
             }
         }
         drop(dev);
-        if !self.published[layer] && self.landed[layer * n..(layer + 1) * n].iter().all(|&l| l == 3)
+        if !self.published[layer]
+            && self.landed[layer * n..(layer + 1) * n]
+                .iter()
+                .all(|&l| l == 3)
         {
             self.published[layer] = true;
             self.fence.publish(layer);

@@ -139,7 +139,9 @@ pub(crate) fn cancel_load<B: Backend>(sh: &Shared<B>, st: &mut State, id: u64, w
         rec.pages.iter().map(|p| (p.node, p.device)).collect();
     for (node, page) in pages {
         if let Some(n) = st.tree.get_mut(node) {
-            if n.device.is_some_and(|d| d.page == page && d.load == Some(id)) {
+            if n.device
+                .is_some_and(|d| d.page == page && d.load == Some(id))
+            {
                 n.device = None;
                 let _ = st.device.release(page);
             }
@@ -155,12 +157,7 @@ pub(crate) fn cancel_load<B: Backend>(sh: &Shared<B>, st: &mut State, id: u64, w
 /// panic) its fence fails, its nodes lose the device pages it was filling (and, on an
 /// integrity failure, their host copies: never served again). Pins and the job's node
 /// locks go; released pages still pinned by a live step stay quarantined.
-pub(crate) fn finalize_load<B: Backend>(
-    sh: &Shared<B>,
-    st: &mut State,
-    id: u64,
-    res: Result<()>,
-) {
+pub(crate) fn finalize_load<B: Backend>(sh: &Shared<B>, st: &mut State, id: u64, res: Result<()>) {
     let Some(rec) = st.loads.remove(&id) else {
         return;
     };
@@ -195,7 +192,9 @@ pub(crate) fn finalize_load<B: Backend>(
                 let Some(n) = st.tree.get_mut(p.node) else {
                     continue;
                 };
-                if n.device.is_some_and(|d| d.page == p.device && d.load == Some(id)) {
+                if n.device
+                    .is_some_and(|d| d.page == p.device && d.load == Some(id))
+                {
                     n.device = None;
                     let _ = st.device.release(p.device);
                 }

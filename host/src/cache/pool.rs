@@ -12,10 +12,10 @@ use serde::Serialize;
 
 use super::faults::{Fault, Faults};
 use crate::backend::Backend;
-use crate::sync::{AtomicU32, Mutex, MutexGuard, Ordering};
 use crate::error::{Error, Result};
 use crate::layout::{IndexKDtype, IndexKLayout, KvLayout, PageLayout};
 use crate::ops::PagedRegion;
+use crate::sync::{AtomicU32, Mutex, MutexGuard, Ordering};
 
 /// The two buffers every layer has.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
@@ -156,11 +156,7 @@ impl<B: Backend> DevicePool<B> {
     }
 
     /// Exclusive access to layer `l`, waiting at most until `deadline`.
-    pub fn lock(
-        &self,
-        l: usize,
-        deadline: Instant,
-    ) -> Result<MutexGuard<'_, LayerBuffers<B>>> {
+    pub fn lock(&self, l: usize, deadline: Instant) -> Result<MutexGuard<'_, LayerBuffers<B>>> {
         let m = self.layers.get(l).ok_or_else(|| Error::InvalidArgument {
             what: "layer",
             detail: format!("{l} of {}", self.layers.len()),

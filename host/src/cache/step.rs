@@ -361,7 +361,8 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
     fn stamp(&self, slots: &[SlotRef]) {
         let sh = &*self.step.cache.shared;
         for s in slots {
-            sh.device.set_stamp(self.layer, s.page.id, s.page.generation);
+            sh.device
+                .set_stamp(self.layer, s.page.id, s.page.generation);
         }
     }
 
@@ -387,7 +388,8 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
             layout: sh.device.spec().index_k,
             slots: &ids,
         };
-        sh.backend.index_k_store(&op, keys, &mut self.bufs.index_k)?;
+        sh.backend
+            .index_k_store(&op, keys, &mut self.bufs.index_k)?;
         self.stamp(slots);
         Ok(())
     }

@@ -138,9 +138,9 @@ impl Expect {
     pub fn check(&self, tokens: &[u32], i: usize, l: usize, got: &[Vec<u8>; 2]) -> Result<()> {
         let key = (prefix_hash(&tokens[..(i + 1) * PAGE]), l);
         let map = self.pages.lock().unwrap();
-        let want = map.get(&key).ok_or_else(|| {
-            Error::Leak(format!("cache served a page never computed (page {i})"))
-        })?;
+        let want = map
+            .get(&key)
+            .ok_or_else(|| Error::Leak(format!("cache served a page never computed (page {i})")))?;
         if got != want {
             return Err(Error::Integrity {
                 what: "served page",
