@@ -271,6 +271,7 @@ fn content(tokens: &[u32], layer: usize, n: usize) -> Vec<u8> {
 
 /// One request: begin, read and check the prefix, compute the rest, commit (or abort).
 /// Returns whether it read the cached prefix; errors must be typed ones.
+#[allow(clippy::needless_range_loop)] // `l` is the layer of the guard and of `want`
 fn request(c: &HiCache<Failing>, req: u64, toks: &[u32], want: &[Vec<Vec<u8>>], may_fail: bool) {
     let prefix = match c.begin(req, toks) {
         Ok(p) => p,

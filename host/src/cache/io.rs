@@ -361,6 +361,7 @@ fn run_load<B: Backend>(
 
 /// One backup batch; returns each item's checksums `[layer][kind]` (taken on the device
 /// copy, what the load verifies against).
+#[allow(clippy::needless_range_loop)] // `l` indexes layers of the pools and of `sums`
 fn run_backup<B: Backend>(sh: &Shared<B>, items: &[BackupItem]) -> Result<Vec<Vec<[u64; 2]>>> {
     let host = sh
         .host

@@ -120,14 +120,13 @@ impl<'c, B: Backend + 'static> Step<'c, B> {
         let mut pinned = Vec::new();
         for m in &members {
             for &p in m.landed.iter().chain(&m.own) {
-                if st.device.pin(p).is_ok() {
-                    pinned.push(p.id);
-                } else {
+                if let Err(e) = st.device.pin(p) {
                     for &id in &pinned {
                         st.device.unpin(id);
                     }
-                    return Err(failed(m.req, st.device.pin(p).unwrap_err()));
+                    return Err(failed(m.req, e));
                 }
+                pinned.push(p.id);
             }
         }
         for m in &members {

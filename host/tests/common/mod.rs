@@ -125,11 +125,14 @@ pub fn read_pages<B: Backend + 'static>(
         .collect())
 }
 
+/// Bytes of one page, `[kv, index_k]`, by (token prefix hash, layer).
+type PageBytes = HashMap<(u64, usize), [Vec<u8>; 2]>;
+
 /// What every page of every prefix must contain, learned when it is first computed
 /// (shareable between threads).
 #[derive(Default)]
 pub struct Expect {
-    pages: Mutex<HashMap<(u64, usize), [Vec<u8>; 2]>>,
+    pages: Mutex<PageBytes>,
     pub hits_checked: AtomicU64,
 }
 
