@@ -125,8 +125,10 @@ fn d1_a_second_request_on_an_in_flight_load_waits_for_it() {
         .expect("request 3 read the committed bytes");
     c.finish(3).unwrap();
     c.finish(2).unwrap();
+    c.wait_idle().unwrap();
     let s = c.leak_check().unwrap();
     assert_eq!((s.hits_in_flight_pages, s.loads), (2, 1), "{s:?}");
+    assert_eq!(s.device_cached, 2, "the landed pages stay cached: {s:?}");
 }
 
 /// Defect 2: a failed load never frees pages a live request still holds. Two live
@@ -208,6 +210,7 @@ fn d3_a_panicking_io_job_fails_its_waiters_and_the_cache_goes_on() {
     c.abort(3).unwrap();
     c.abort(2).unwrap();
     assert_eq!(e.request(&*c, 4, &a, false).unwrap(), 2 * PAGE);
+    c.wait_idle().unwrap();
     let s = c.leak_check().unwrap();
     assert_eq!((s.load_failures, s.loads), (1, 1), "{s:?}");
 }

@@ -123,7 +123,8 @@ pub(crate) fn worker<B: Backend>(sh: Arc<Shared<B>>) {
     }
 }
 
-/// Cancels load `id` (its last dependent went away): its fence fails at once and its
+/// Cancels load `id` (its last dependent went away) unless all its layers landed already:
+/// its fence fails at once and its
 /// nodes drop the pages it was filling (released at once: quarantined while the job still
 /// pins them), so a later request starts a fresh load instead of sharing a dead one. A
 /// queued job is finalized now and never runs; a running one stops before its next copy.
@@ -131,6 +132,10 @@ pub(crate) fn cancel_load<B: Backend>(sh: &Shared<B>, st: &mut State, id: u64, w
     let Some(rec) = st.loads.get_mut(&id) else {
         return;
     };
+    if rec.fence.is_complete() {
+        // Every layer already landed: the worker is about to finalize it; keep it.
+        return;
+    }
     rec.cancel.store(true, Ordering::Release);
     let e = Error::Cancelled(format!("load cancelled: {why}"));
     rec.fence.fail(e.clone());
