@@ -17,7 +17,7 @@ use common::{
 use sparsekit_host::cache::{BufferKind, CacheConfig, Fault, Faults, HiCache, HostLayout, SlotRef};
 use sparsekit_host::layout::{IndexKDtype, KvDtype};
 use sparsekit_host::ops::{PageChecksums, PagedRegion};
-use sparsekit_host::{Backend, CpuBackend, EmuBackend, Error};
+use sparsekit_host::{Backend, EmuBackend, Error};
 
 const BF: (KvDtype, IndexKDtype) = (KvDtype::Bf16, IndexKDtype::Bf16);
 
@@ -300,9 +300,6 @@ fn d5_tokens_are_bound_to_their_step_and_stores_to_owned_current_pages() {
     assert_eq!(c.stats().stale_writes_refused, 1);
     // A load in flight: the step's layer is not ready and the bounded wait says so.
     ctl.close_gate();
-    let mut cfg = CacheConfig::new(8, 8);
-    cfg.wait_timeout = std::time::Duration::from_millis(50);
-    drop(cfg);
     c.begin(4, &a).unwrap();
     let s4 = c.step(&[4]).unwrap();
     assert!(!s4.ready(0).unwrap());
@@ -915,7 +912,9 @@ fn inbound_failures_are_typed_and_contained() {
 /// a new generation and an old reference can never land in them.
 #[test]
 fn inbound_late_writes_after_abort_are_refused_and_pages_quarantined() {
-    let c = cache(spec(BF.0, BF.1), CacheConfig::new(2, 0));
+    let mut cfg = CacheConfig::new(2, 0);
+    cfg.wait_timeout = std::time::Duration::from_millis(200);
+    let c = cache(spec(BF.0, BF.1), cfg);
     let b = c.backend();
     let ids: Vec<i32> = (0..2).collect();
     let (kv, kr, ks) = source(b, c.spec().kv, 2, 7);
@@ -1059,6 +1058,3 @@ fn prefix_reuse_on_the_emulator_backend() {
         assert!(s.backups > 0 && s.hits_host_pages >= 3, "{s:?}");
     }
 }
-
-#[allow(dead_code)]
-fn _cpu_is_a_backend(_: &CpuBackend) {}
