@@ -20,3 +20,18 @@ where
 
 /// Handle of a thread started by [`spawn`].
 pub type JoinHandle = std::thread::JoinHandle<()>;
+
+std::thread_local! {
+    static HELD_LAYERS: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Layer guards the current thread holds (a thread holding one must not block on
+/// anything the io worker may need that layer for).
+pub fn held_layers() -> u32 {
+    HELD_LAYERS.with(|h| h.get())
+}
+
+/// Counts a layer guard taken (`+1`) or dropped (`-1`) by the current thread.
+pub fn add_held_layers(delta: i32) {
+    HELD_LAYERS.with(|h| h.set(h.get().saturating_add_signed(delta)));
+}

@@ -246,6 +246,47 @@ fn d4_both_views_of_a_layer_do_not_deadlock_against_the_io_worker() {
     c.leak_check().unwrap();
 }
 
+/// A thread holding a layer guard is never left blocked on the io worker (which may need
+/// that layer): waiting for a load, for device room or for backups returns at once.
+#[test]
+fn a_guard_holder_never_blocks_on_the_io_worker() {
+    let (c, _ctl, e, a) = host_only_prefix(CacheConfig::new(6, 8));
+    let b = prompt(5, 2 * PAGE);
+    e.request(&*c, 5, &b, false).unwrap();
+    let (c2, e2) = (c.clone(), e.clone());
+    bounded(move || {
+        c2.begin(6, &b).unwrap();
+        let mut s6 = c2.step(&[6]).unwrap();
+        let g = s6.wait_layer(0).unwrap();
+        let p7 = c2.begin(7, &a).unwrap();
+        let s7 = c2.step(&[7]).unwrap();
+        let t = std::time::Instant::now();
+        let r = s7.wait(0);
+        assert!(r.is_err_and(|e| matches!(e, Error::InvalidArgument { .. })));
+        let r = c2.alloc(6, 6);
+        assert!(matches!(r, Err(Error::OutOfPages { .. })), "{r:?}");
+        assert!(matches!(
+            c2.evict_device(1),
+            Err(Error::InvalidArgument { .. })
+        ));
+        assert!(matches!(c2.wait_idle(), Err(Error::InvalidArgument { .. })));
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(5),
+            "nothing waited for its bound"
+        );
+        drop(g);
+        drop(s6);
+        drop(s7);
+        let mut s7 = c2.step(&[7]).unwrap();
+        e2.forward(&c2, &mut s7, &a, &p7, &p7.pages.clone())
+            .unwrap();
+        drop(s7);
+        c2.finish(6).unwrap();
+        c2.finish(7).unwrap();
+    });
+    c.leak_check().unwrap();
+}
+
 /// Defect 5: readiness is a type. Tokens come only from a step's wait and only work on
 /// that step; there is no unfenced read path without the cache being built with the
 /// fault; stores need a current page reference the batch owns.

@@ -163,6 +163,27 @@ mod sync {
         }
     }
 
+    shuttle::thread_local! {
+        static HELD_LAYERS: std::cell::Cell<u32> = std::cell::Cell::new(0);
+    }
+    thread_local! {
+        static STD_HELD_LAYERS: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+    }
+    pub fn held_layers() -> u32 {
+        if in_shuttle() {
+            HELD_LAYERS.with(|h| h.get())
+        } else {
+            STD_HELD_LAYERS.with(|h| h.get())
+        }
+    }
+    pub fn add_held_layers(delta: i32) {
+        if in_shuttle() {
+            HELD_LAYERS.with(|h| h.set(h.get().saturating_add_signed(delta)))
+        } else {
+            STD_HELD_LAYERS.with(|h| h.set(h.get().saturating_add_signed(delta)))
+        }
+    }
+
     pub enum JoinHandle {
         Shuttle(shuttle::thread::JoinHandle<()>),
         Std(std::thread::JoinHandle<()>),

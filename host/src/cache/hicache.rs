@@ -619,6 +619,12 @@ impl<B: Backend + 'static> HiCache<B> {
     /// the first backup error, if any.
     pub fn evict_device(&self, n: usize) -> Result<usize> {
         let sh = &*self.shared;
+        if crate::sync::held_layers() > 0 {
+            return Err(invalid(
+                "evict_device",
+                "this thread holds a layer guard: drop it before waiting for backups",
+            ));
+        }
         let deadline = sh.deadline();
         let started = Instant::now();
         let (mut done, tickets) = {
@@ -635,6 +641,12 @@ impl<B: Backend + 'static> HiCache<B> {
     /// Waits (bounded) until no load or backup is queued or running.
     pub fn wait_idle(&self) -> Result<()> {
         let sh = &*self.shared;
+        if crate::sync::held_layers() > 0 {
+            return Err(invalid(
+                "wait_idle",
+                "this thread holds a layer guard: drop it before waiting for the io worker",
+            ));
+        }
         let started = Instant::now();
         let deadline = sh.deadline();
         let mut st = sh.state.lock();
@@ -839,6 +851,10 @@ fn wait_for_room<B: Backend>(
 ) -> bool {
     if st.device.num_free() >= want {
         return true;
+    }
+    if crate::sync::held_layers() > 0 {
+        // The room may need the io worker, which may need this thread's layer.
+        return false;
     }
     let in_flight = !st.backups.is_empty()
         || !st.loads.is_empty()

@@ -200,6 +200,12 @@ impl<'c, B: Backend + 'static> Step<'c, B> {
             let deadline = sh.deadline();
             for m in self.live_members() {
                 for f in &m.fences {
+                    if f.poll(layer).is_none() && crate::sync::held_layers() > 0 {
+                        return Err(invalid(
+                            "step wait",
+                            "this thread holds a layer guard: drop it before waiting for a load",
+                        ));
+                    }
                     f.wait(layer, deadline, started)
                         .map_err(|e| failed(m.req, e))?;
                 }
@@ -219,7 +225,15 @@ impl<'c, B: Backend + 'static> Step<'c, B> {
         if token.cache != sh.id || token.step != self.id {
             return Err(invalid("ready token", "minted by another step or cache"));
         }
-        let bufs = sh.device.lock(token.layer, sh.deadline())?;
+        // A thread already holding a layer (of another step) only tries: waiting for a
+        // second layer could close a cycle with another thread doing the reverse.
+        let deadline = if crate::sync::held_layers() > 0 {
+            Instant::now()
+        } else {
+            sh.deadline()
+        };
+        let bufs = sh.device.lock(token.layer, deadline)?;
+        crate::sync::add_held_layers(1);
         let g = LayerGuard {
             step: self,
             bufs,
@@ -258,12 +272,20 @@ impl<B: Backend + 'static> Drop for Step<'_, B> {
 }
 
 /// One layer of a step: its lock (both buffer kinds), its views, and stores into the
-/// members' own pages.
+/// members' own pages. While a thread holds one, the cache does not let it block on
+/// anything the io worker may need the layer for: waiting for a load or for device room
+/// returns an error at once instead.
 #[derive(Debug)]
 pub struct LayerGuard<'s, B: Backend + 'static> {
     step: &'s Step<'s, B>,
     bufs: MutexGuard<'s, LayerBuffers<B>>,
     layer: usize,
+}
+
+impl<B: Backend + 'static> Drop for LayerGuard<'_, B> {
+    fn drop(&mut self) {
+        crate::sync::add_held_layers(-1);
+    }
 }
 
 impl<B: Backend + 'static> LayerGuard<'_, B> {
