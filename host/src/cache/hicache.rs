@@ -722,18 +722,30 @@ fn start_request<B: Backend>(
             fences.push(rec.fence.clone());
         }
     }
+    let mut path = path;
+    let mut loaded = 0;
     if !missing.is_empty() {
-        let (job, fence) = start_load(sh, st, missing);
+        let (job, fence, n) = start_load(sh, st, missing);
         loads.push(job);
         fences.push(fence);
+        loaded = n;
+    }
+    // Every node of the prefix has a device page now (room was made for the loads); were
+    // one left without, the prefix would end before it.
+    if let Some(cut) = path
+        .iter()
+        .position(|&n| st.tree.get(n).is_none_or(|n| n.device.is_none()))
+    {
+        let rest = path.split_off(cut);
+        st.tree.unlock(&rest);
     }
     let pages: Vec<PageRef> = path
         .iter()
         .filter_map(|&n| st.tree.get(n).and_then(|n| n.device).map(|d| d.page))
         .collect();
-    st.stats.hits_host_pages += missing.len() as u64;
+    st.stats.hits_host_pages += loaded as u64;
     st.stats.hits_in_flight_pages += shared_pages as u64;
-    st.stats.hits_device_pages += (pages.len() - missing.len() - shared_pages) as u64;
+    st.stats.hits_device_pages += pages.len().saturating_sub(loaded + shared_pages) as u64;
     st.requests.insert(
         req,
         Req {
@@ -750,14 +762,19 @@ fn start_request<B: Backend>(
     Prefix {
         tokens: path.len() * sh.device.spec().page_size(),
         pages,
-        loaded_pages: missing.len(),
+        loaded_pages: loaded,
         shared_in_flight_pages: shared_pages,
     }
 }
 
 /// Creates and queues a load of `nodes` (host-only, locked by the caller's path) into fresh
-/// device pages; the job locks the nodes and pins both pages of every one.
-fn start_load<B: Backend>(sh: &Shared<B>, st: &mut State, nodes: &[NodeId]) -> (u64, Arc<Fence>) {
+/// device pages; the job locks the nodes and pins both pages of every one. Returns the
+/// job, its fence and the number of pages it loads.
+fn start_load<B: Backend>(
+    sh: &Shared<B>,
+    st: &mut State,
+    nodes: &[NodeId],
+) -> (u64, Arc<Fence>, usize) {
     let id = sh.next_id();
     let fence = Arc::new(Fence::pending(sh.num_layers()));
     let mut pages = Vec::new();
@@ -799,7 +816,8 @@ fn start_load<B: Backend>(sh: &Shared<B>, st: &mut State, nodes: &[NodeId]) -> (
     );
     st.queue.push_back(Job::Load(id));
     sh.work_cv.notify_all();
-    (id, fence)
+    let n = nodes.len();
+    (id, fence, n)
 }
 
 /// Removes `req` and releases everything it holds (see [`HiCache::abort`]).
