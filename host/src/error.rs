@@ -109,9 +109,12 @@ pub enum Error {
     /// A cache operation was cancelled (request aborted, worker stopped).
     #[error("cancelled: {0}")]
     Cancelled(String),
-    /// The backend does not implement this op (yet).
-    #[error("backend {backend} does not implement {op}")]
-    NotImplemented { backend: String, op: &'static str },
+    /// A bounded wait ran out (the work it waited for did not complete in time).
+    #[error("{what}: not complete after {after:?}")]
+    Timeout {
+        what: &'static str,
+        after: std::time::Duration,
+    },
     /// The device or its driver reported a failure.
     #[error("device error: {0}")]
     Device(String),

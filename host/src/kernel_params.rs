@@ -1,49 +1,29 @@
 //! Kernel parameter structs filled from validated op descriptors: the one place where a
-//! layout descriptor becomes the sizes and offsets a GPU kernel uses. The emulator and
-//! CUDA launchers both call these, with host or device addresses.
+//! layout descriptor becomes the sizes and offsets a GPU kernel uses (called by the shared
+//! op bodies of [`crate::launcher`], for the emulator and CUDA alike).
 //!
-//! Addresses are passed as raw pointers and only stored, never dereferenced here; for
-//! CUDA they are device addresses.
+//! Addresses are the backend's kernel-visible addresses (host addresses for the emulator,
+//! device or mapped addresses for CUDA), only stored here, never dereferenced.
 
 use sparsekit_kernels::params::{
     index_k_format, kv_format, CopyPagesParams, IndexKStoreParams, IndexerLogitsParams,
     KvStoreParams, PageChecksumsParams, SparseMlaParams, TopkParams,
 };
 
+use sparsekit_kernels::params::QueryRange;
+
 use crate::dtype::ScaleFormat;
-use crate::error::{Error, Result};
 use crate::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};
 use crate::ops::{CopyPages, IndexerLogits, PageChecksums, SparseMla, Topk, TopkOutput};
-use sparsekit_kernels::launch::{Launch, MAX_DYN_SMEM};
 
-/// Checks that a kernel's launch fits the GPU limits (shared memory), so a shape the
-/// kernels cannot run is a clear error on every GPU backend instead of a launch failure.
-pub fn check_launch(kernel: &'static str, l: Launch) -> Result<Launch> {
-    if l.smem_bytes > MAX_DYN_SMEM {
-        return Err(Error::InvalidArgument {
-            what: kernel,
-            detail: format!(
-                "this shape needs {} bytes of shared memory per block, more than the {MAX_DYN_SMEM} the GPU kernels use",
-                l.smem_bytes
-            ),
-        });
-    }
-    Ok(l)
+/// A kernel-visible address as the pointer type a parameter struct stores.
+fn ptr<T>(addr: u64) -> *const T {
+    addr as usize as *const T
 }
 
-/// Checks the shapes the GPU indexer supports (`head_dim` up to 256).
-pub fn check_indexer(op: &IndexerLogits<'_>) -> Result<()> {
-    let max = sparsekit_kernels::kernels::INDEXER_MAX_HEAD_DIM as usize;
-    if op.layout.head_dim() > max {
-        return Err(Error::InvalidArgument {
-            what: "indexer_logits",
-            detail: format!(
-                "head_dim {} above the GPU kernel's {max}",
-                op.layout.head_dim()
-            ),
-        });
-    }
-    Ok(())
+/// A kernel-visible address as a mutable pointer.
+fn ptr_mut<T>(addr: u64) -> *mut T {
+    addr as usize as *mut T
 }
 
 fn index_k_format(layout: &IndexKLayout) -> u32 {
@@ -66,17 +46,17 @@ fn kv_format(layout: &KvLayout) -> u32 {
 }
 
 /// `index_k_store` of `n_tokens` keys into `cache` laid out as `layout`.
-pub fn index_k_store(
+pub(crate) fn index_k_store(
     layout: &IndexKLayout,
-    keys: *const u16,
-    slots: *const i64,
-    cache: *mut u8,
+    keys: u64,
+    slots: u64,
+    cache: u64,
     n_tokens: usize,
 ) -> IndexKStoreParams {
     IndexKStoreParams {
-        keys,
-        slots,
-        cache,
+        keys: ptr(keys),
+        slots: ptr(slots),
+        cache: ptr_mut(cache),
         n_tokens: n_tokens as u32,
         head_dim: layout.head_dim() as u32,
         page_size: layout.page_size() as u32,
@@ -88,17 +68,17 @@ pub fn index_k_store(
 }
 
 /// `kv_store` of `n_tokens` tokens into `cache` laid out as `layout`.
-pub fn kv_store(
+pub(crate) fn kv_store(
     layout: &KvLayout,
-    kv: *const u16,
-    slots: *const i64,
-    cache: *mut u8,
+    kv: u64,
+    slots: u64,
+    cache: u64,
     n_tokens: usize,
 ) -> KvStoreParams {
     KvStoreParams {
-        kv,
-        slots,
-        cache,
+        kv: ptr(kv),
+        slots: ptr(slots),
+        cache: ptr_mut(cache),
         n_tokens: n_tokens as u32,
         nope_dim: layout.nope_dim() as u32,
         rope_dim: layout.rope_dim() as u32,
@@ -113,18 +93,18 @@ pub fn kv_store(
 
 /// `copy_pages` between the buffers at `src`/`dst` (buffer starts; the regions' offsets
 /// are applied here), with the id arrays at `src_ids`/`dst_ids`.
-pub fn copy_pages(
+pub(crate) fn copy_pages(
     op: &CopyPages<'_>,
-    src: *const u8,
-    dst: *mut u8,
-    src_ids: *const i32,
-    dst_ids: *const i32,
+    src: u64,
+    dst: u64,
+    src_ids: u64,
+    dst_ids: u64,
 ) -> CopyPagesParams {
     CopyPagesParams {
-        src: src.wrapping_add(op.src.offset),
-        dst: dst.wrapping_add(op.dst.offset),
-        src_ids,
-        dst_ids,
+        src: ptr(src.wrapping_add(op.src.offset as u64)),
+        dst: ptr_mut(dst.wrapping_add(op.dst.offset as u64)),
+        src_ids: ptr(src_ids),
+        dst_ids: ptr(dst_ids),
         src_stride: op.src.stride as u64,
         dst_stride: op.dst.stride as u64,
         bytes: op.src.layout.bytes_per_page() as u64,
@@ -134,16 +114,16 @@ pub fn copy_pages(
 }
 
 /// `page_checksums` of the buffer at `pool` (buffer start), ids at `ids`, results to `out`.
-pub fn page_checksums(
+pub(crate) fn page_checksums(
     op: &PageChecksums<'_>,
-    pool: *const u8,
-    ids: *const i32,
-    out: *mut u64,
+    pool: u64,
+    ids: u64,
+    out: u64,
 ) -> PageChecksumsParams {
     PageChecksumsParams {
-        pool: pool.wrapping_add(op.region.offset),
-        ids,
-        out,
+        pool: ptr(pool.wrapping_add(op.region.offset as u64)),
+        ids: ptr(ids),
+        out: ptr_mut(out),
         stride: op.region.stride as u64,
         bytes: op.region.layout.bytes_per_page() as u64,
         n_pages: op.ids.len() as u32,
@@ -153,23 +133,23 @@ pub fn page_checksums(
 
 /// `indexer_logits` of `op`; `page_table` and `rows` point at `op`'s page table and rows
 /// (as uploaded for the kernel).
-pub fn indexer_logits(
+pub(crate) fn indexer_logits(
     op: &IndexerLogits<'_>,
-    q: *const u16,
-    weights: *const f32,
-    cache: *const u8,
-    page_table: *const i32,
-    rows: *const u32,
-    out: *mut f32,
+    q: u64,
+    weights: u64,
+    cache: u64,
+    page_table: u64,
+    rows: u64,
+    out: u64,
 ) -> IndexerLogitsParams {
     let l = &op.layout;
     IndexerLogitsParams {
-        q,
-        weights,
-        cache,
-        page_table,
-        rows,
-        out,
+        q: ptr(q),
+        weights: ptr(weights),
+        cache: ptr(cache),
+        page_table: ptr(page_table),
+        rows: ptr::<QueryRange>(rows),
+        out: ptr_mut(out),
         page_bytes: l.bytes_per_page() as u64,
         n_rows: op.rows.len() as u32,
         n_heads: op.n_heads as u32,
@@ -185,25 +165,19 @@ pub fn indexer_logits(
 }
 
 /// `topk` of `op`; `page_table` is ignored (null) when `op` outputs positions.
-pub fn topk(
-    op: &Topk<'_>,
-    logits: *const f32,
-    rows: *const u32,
-    page_table: *const i32,
-    out: *mut i32,
-) -> TopkParams {
+pub(crate) fn topk(op: &Topk<'_>, logits: u64, rows: u64, page_table: u64, out: u64) -> TopkParams {
     let (page_table, page_size, max_pages) = match op.output {
         TopkOutput::Positions => (std::ptr::null(), 0, 0),
         TopkOutput::Slots {
             page_table: pt,
             page_size,
-        } => (page_table, page_size as u32, pt.max_pages() as u32),
+        } => (ptr(page_table), page_size as u32, pt.max_pages() as u32),
     };
     TopkParams {
-        logits,
-        rows,
+        logits: ptr(logits),
+        rows: ptr(rows),
         page_table,
-        out,
+        out: ptr_mut(out),
         n_rows: op.rows.len() as u32,
         k: op.k as u32,
         row_stride: op.row_stride as u32,
@@ -214,21 +188,21 @@ pub fn topk(
 }
 
 /// `sparse_mla` of `op`.
-pub fn sparse_mla(
+pub(crate) fn sparse_mla(
     op: &SparseMla,
-    q: *const u16,
-    cache: *const u8,
-    indices: *const i32,
-    out: *mut u16,
-    lse: *mut f32,
+    q: u64,
+    cache: u64,
+    indices: u64,
+    out: u64,
+    lse: u64,
 ) -> SparseMlaParams {
     let l = &op.layout;
     SparseMlaParams {
-        q,
-        cache,
-        indices,
-        out,
-        lse,
+        q: ptr(q),
+        cache: ptr(cache),
+        indices: ptr(indices),
+        out: ptr_mut(out),
+        lse: ptr_mut(lse),
         page_bytes: l.bytes_per_page() as u64,
         n_tokens: op.n_tokens as u32,
         n_heads: op.n_heads as u32,

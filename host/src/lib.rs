@@ -8,11 +8,12 @@ pub mod dims;
 pub mod dtype;
 pub mod emu;
 pub mod error;
-pub mod kernel_params;
+mod kernel_params;
+pub mod launcher;
 pub mod layout;
 pub mod ops;
 
-pub use backend::Backend;
+pub use backend::{Backend, Event, StreamKind};
 pub use cpu::CpuBackend;
 pub use dims::ModelDims;
 pub use emu::EmuBackend;

@@ -186,19 +186,8 @@ impl<'a> PageTable<'a> {
     }
 }
 
-/// One row of a ragged query batch: which request it belongs to and the half-open range
-/// of that request's token positions it may see. `#[repr(C)]`: a slice of rows is the
-/// `[n, 3]` u32 array the GPU kernels read.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct QueryRange {
-    /// Index into the page table.
-    pub request: u32,
-    /// First visible position.
-    pub start: u32,
-    /// One past the last visible position.
-    pub end: u32,
-}
+/// One row of a ragged query batch (defined with the kernels that read it).
+pub use sparsekit_kernels::params::QueryRange;
 
 /// The rows of decode-form queries: request `r` with context length `L` (including its
 /// `next_n` new tokens) contributes rows `j = 0..next_n`, row `j` seeing `[0, L - next_n + j + 1)`.

@@ -96,9 +96,6 @@ pub enum GoldenError {
     /// The op's descriptor rejected the file's inputs (slot or page out of range, …).
     #[error("the op rejects the file's inputs: {0}")]
     Rejected(#[source] sparsekit_host::Error),
-    /// The backend does not implement the op.
-    #[error("backend {backend} does not implement {op}")]
-    Unsupported { backend: String, op: &'static str },
     /// The backend failed while running the op.
     #[error("backend {backend} failed: {source}")]
     Backend {
@@ -1071,17 +1068,6 @@ impl<B: Backend> Run<'_, B> {
         }
     }
 
-    fn supported(&self, op: Op) -> Result<()> {
-        if self.b.supports(op) {
-            Ok(())
-        } else {
-            Err(GoldenError::Unsupported {
-                backend: self.b.name().to_string(),
-                op: op.name(),
-            })
-        }
-    }
-
     fn up(&self, bytes: &[u8]) -> Result<B::Buffer> {
         self.b.upload(bytes).map_err(|e| self.err(e))
     }
@@ -1115,7 +1101,6 @@ impl<B: Backend> Run<'_, B> {
         };
         op.validate(keys.data.len(), cache_in.data.len())
             .map_err(GoldenError::Rejected)?;
-        self.supported(Op::IndexKStore)?;
         let mut cache = self.up(&cache_in.data)?;
         self.b
             .index_k_store(&op, &self.up(&keys.data)?, &mut cache)
@@ -1160,7 +1145,6 @@ impl<B: Backend> Run<'_, B> {
         };
         op.validate(kv.data.len(), cache_in.data.len())
             .map_err(GoldenError::Rejected)?;
-        self.supported(Op::KvStore)?;
         let mut cache = self.up(&cache_in.data)?;
         self.b
             .kv_store(&op, &self.up(&kv.data)?, &mut cache)
@@ -1222,7 +1206,6 @@ impl<B: Backend> Run<'_, B> {
         };
         op.validate(q.data.len(), w.data.len(), cache.data.len(), n * stride * 4)
             .map_err(GoldenError::Rejected)?;
-        self.supported(Op::IndexerLogits)?;
         let mut out = self.up(&poison_f32(n * stride))?;
         self.b
             .indexer_logits(
@@ -1295,7 +1278,6 @@ impl<B: Backend> Run<'_, B> {
         };
         op.validate(logits_t.data.len(), n * k * 4)
             .map_err(GoldenError::Rejected)?;
-        self.supported(Op::Topk)?;
         let mut out = self.up(&poison_i32(n * k))?;
         self.b
             .topk(&op, &self.up(&logits_t.data)?, &mut out)
@@ -1424,7 +1406,6 @@ impl<B: Backend> Run<'_, B> {
             .map_err(GoldenError::Rejected)?;
         let indices = idx_t.values::<i32>();
         check_indices(&indices, pages * layout.page_size())?;
-        self.supported(Op::SparseMla)?;
         let mut out = self.up(&poison_bf16(n * h * dv))?;
         let mut lse = self.up(&poison_f32(n * h))?;
         self.b

@@ -47,9 +47,6 @@ impl Backend for Faulty {
     fn name(&self) -> &str {
         "faulty"
     }
-    fn supports(&self, _: Op) -> bool {
-        true
-    }
     fn upload(&self, b: &[u8]) -> Result<CpuBuffer> {
         self.cpu.upload(b)
     }

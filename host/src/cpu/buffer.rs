@@ -72,31 +72,3 @@ fn misfit<T>(what: &'static str, len: usize) -> Error {
         actual: len,
     }
 }
-
-/// The buffer methods of a [`crate::Backend`] whose buffers are [`CpuBuffer`]s in host
-/// memory (the `cpu` and `emu` backends): upload, allocation (device and host tiers alike),
-/// download and length.
-macro_rules! host_buffer_methods {
-    () => {
-        fn upload(&self, bytes: &[u8]) -> Result<CpuBuffer> {
-            Ok(CpuBuffer::from_bytes(bytes))
-        }
-
-        fn alloc(&self, bytes: usize) -> Result<CpuBuffer> {
-            Ok(CpuBuffer::zeroed(bytes))
-        }
-
-        fn alloc_host(&self, bytes: usize) -> Result<CpuBuffer> {
-            Ok(CpuBuffer::zeroed(bytes))
-        }
-
-        fn download(&self, buf: &CpuBuffer) -> Result<Vec<u8>> {
-            Ok(buf.bytes().to_vec())
-        }
-
-        fn buffer_len(&self, buf: &CpuBuffer) -> usize {
-            buf.len()
-        }
-    };
-}
-pub(crate) use host_buffer_methods;

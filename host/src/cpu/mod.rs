@@ -14,19 +14,18 @@ use std::sync::Arc;
 
 use half::bf16;
 
-use buffer::host_buffer_methods;
 pub use buffer::CpuBuffer;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, StreamKind};
 use crate::error::{Error, Result};
-use crate::ops::{
-    CopyPages, IndexKStore, IndexerLogits, KvStore, Op, PageChecksums, SparseMla, Topk,
-};
+use crate::ops::{CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, SparseMla, Topk};
 
 /// The CPU backend. Runs on rayon's global pool unless built with [`CpuBackend::with_threads`].
+/// Every op runs synchronously, on either stream (see [`crate::backend`]).
 #[derive(Clone, Debug, Default)]
 pub struct CpuBackend {
     pool: Option<Arc<rayon::ThreadPool>>,
+    stream: StreamKind,
 }
 
 impl CpuBackend {
@@ -43,6 +42,7 @@ impl CpuBackend {
             .map_err(|e| Error::Device(format!("cannot start CPU thread pool: {e}")))?;
         Ok(CpuBackend {
             pool: Some(Arc::new(pool)),
+            stream: StreamKind::Compute,
         })
     }
 
@@ -61,11 +61,36 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
-    fn supports(&self, _op: Op) -> bool {
-        true
+    fn upload(&self, bytes: &[u8]) -> Result<CpuBuffer> {
+        Ok(CpuBuffer::from_bytes(bytes))
     }
 
-    host_buffer_methods!();
+    fn alloc(&self, bytes: usize) -> Result<CpuBuffer> {
+        Ok(CpuBuffer::zeroed(bytes))
+    }
+
+    fn alloc_host(&self, bytes: usize) -> Result<CpuBuffer> {
+        Ok(CpuBuffer::zeroed(bytes))
+    }
+
+    fn download(&self, buf: &CpuBuffer) -> Result<Vec<u8>> {
+        Ok(buf.bytes().to_vec())
+    }
+
+    fn buffer_len(&self, buf: &CpuBuffer) -> usize {
+        buf.len()
+    }
+
+    fn on_stream(&self, stream: StreamKind) -> Result<Self> {
+        Ok(CpuBackend {
+            stream,
+            ..self.clone()
+        })
+    }
+
+    fn stream(&self) -> StreamKind {
+        self.stream
+    }
 
     fn index_k_store(
         &self,

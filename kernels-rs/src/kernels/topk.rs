@@ -48,7 +48,7 @@
 
 use super::FULL;
 use crate::launch::{Launch, MAX_GRID};
-use crate::params::TopkParams;
+use crate::params::{QueryRange, TopkParams};
 use crate::simt::Simt;
 
 /// Threads per block (a multiple of 32 that divides [`BINS`]).
@@ -147,7 +147,7 @@ struct Me {
 /// Launch with [`topk_launch`] (any block size that is a multiple of 32, divides 2048 and
 /// is at most 1024 also works, with [`SMEM_BYTES`] of dynamic shared memory); every pointer
 /// and size in `p` describes validated buffers (see [`TopkParams`]): `logits` holds
-/// `n_rows × row_stride` f32, `rows` `n_rows` triples with `start ≤ end ≤ row_stride <
+/// `n_rows × row_stride` f32, `rows` `n_rows` ranges with `start ≤ end ≤ row_stride <
 /// 2^31`, `out` `n_rows × k` i32, and when `page_table` is not null it maps every position
 /// of every row's range to a page whose slots fit in i32.
 pub unsafe fn topk<S: Simt>(p: TopkParams) {
@@ -162,11 +162,12 @@ pub unsafe fn topk<S: Simt>(p: TopkParams) {
     };
     let mut r = S::block_idx();
     while r < p.n_rows {
-        // SAFETY: r < n_rows and `rows` holds n_rows triples.
-        let (request, start, end) = unsafe {
-            let t = p.rows.add(3 * r as usize);
-            (*t, *t.add(1), *t.add(2))
-        };
+        // SAFETY: r < n_rows and `rows` holds n_rows ranges.
+        let QueryRange {
+            request,
+            start,
+            end,
+        } = unsafe { *p.rows.add(r as usize) };
         let row = p.logits.wrapping_add(r as usize * p.row_stride as usize);
         let out = p.out.wrapping_add(r as usize * p.k as usize);
         let th = if end.saturating_sub(start) <= p.k {
@@ -583,7 +584,11 @@ mod tests {
         let mut ranges = Vec::new();
         for (r, (s, v)) in rows.iter().enumerate() {
             logits[r * stride + s..][..v.len()].copy_from_slice(v);
-            ranges.extend([0, *s as u32, (s + v.len()) as u32]);
+            ranges.push(QueryRange {
+                request: 0,
+                start: *s as u32,
+                end: (s + v.len()) as u32,
+            });
         }
         let mut out = vec![i32::MIN; rows.len() * k];
         let p = TopkParams {
@@ -772,7 +777,11 @@ mod tests {
         let (ps, max_pages) = (16usize, 8usize);
         let row: Vec<f32> = (0..100).map(|i| ((i * 37) % 101) as f32).collect();
         let pages: Vec<i32> = vec![5, 2, 7, 0, 1, 3, 4, 6, 9, 8, 11, 10, 13, 12, 15, 14];
-        let ranges = [1u32, 4, 100];
+        let ranges = [QueryRange {
+            request: 1,
+            start: 4,
+            end: 100,
+        }];
         let mut out = vec![0i32; 10];
         let p = TopkParams {
             logits: row.as_ptr(),
