@@ -7,11 +7,11 @@
 //! primitives: host buffers, metadata read in place, and a synchronous typed launch. Both
 //! streams run synchronously (every op has completed when its call returns).
 
-use sparsekit_kernels::emu::{launch_kernel, EmuError};
+use sparsekit_kernels::emu::launch_kernel;
 use sparsekit_kernels::launch::KernelParams;
 
-use crate::backend::{Event, StreamKind};
-use crate::cpu::CpuBuffer;
+use crate::backend::{Backend, StreamKind};
+use crate::cpu::{buffer::host_memory_methods, CpuBuffer};
 use crate::error::{Error, Result};
 use crate::launcher::KernelDevice;
 
@@ -28,57 +28,19 @@ impl EmuBackend {
     }
 }
 
-fn emu_err(kernel: &str, e: EmuError) -> Error {
-    Error::Device(format!("emulator, kernel {kernel}: {e}"))
-}
-
-impl KernelDevice for EmuBackend {
+impl Backend for EmuBackend {
     type Buffer = CpuBuffer;
-    type Staged<'a> = &'a [u8];
 
     fn name(&self) -> &str {
         "emu"
     }
 
-    fn upload(&self, bytes: &[u8]) -> Result<CpuBuffer> {
-        Ok(CpuBuffer::from_bytes(bytes))
-    }
+    host_memory_methods!();
+    crate::kernel_backend_ops!();
+}
 
-    fn alloc(&self, bytes: usize) -> Result<CpuBuffer> {
-        Ok(CpuBuffer::zeroed(bytes))
-    }
-
-    fn alloc_host(&self, bytes: usize) -> Result<CpuBuffer> {
-        Ok(CpuBuffer::zeroed(bytes))
-    }
-
-    fn download(&self, buf: &CpuBuffer) -> Result<Vec<u8>> {
-        Ok(buf.bytes().to_vec())
-    }
-
-    fn buffer_len(&self, buf: &CpuBuffer) -> usize {
-        buf.len()
-    }
-
-    fn on_stream(&self, stream: StreamKind) -> Result<Self> {
-        Ok(EmuBackend { stream })
-    }
-
-    fn stream(&self) -> StreamKind {
-        self.stream
-    }
-
-    fn record_event(&self) -> Result<Event> {
-        Ok(Event::complete())
-    }
-
-    fn wait_event(&self, event: &Event) -> Result<()> {
-        event.wait(Event::DEFAULT_TIMEOUT)
-    }
-
-    fn synchronize(&self) -> Result<()> {
-        Ok(())
-    }
+impl KernelDevice for EmuBackend {
+    type Staged<'a> = &'a [u8];
 
     /// Host metadata is read in place: the launch is synchronous, so the borrow outlives it.
     fn stage<'a>(&self, bytes: &'a [u8]) -> Result<&'a [u8]> {
@@ -95,17 +57,18 @@ impl KernelDevice for EmuBackend {
         writes: &mut [&mut CpuBuffer],
         f: impl FnOnce(&[u64], &[u64]) -> R,
     ) -> Result<R> {
-        let r: Vec<u64> = reads.iter().map(|b| b.bytes().as_ptr() as u64).collect();
-        let w: Vec<u64> = writes
+        let read: Vec<u64> = reads.iter().map(|b| b.bytes().as_ptr() as u64).collect();
+        let write: Vec<u64> = writes
             .iter_mut()
             .map(|b| b.bytes_mut().as_mut_ptr() as u64)
             .collect();
-        Ok(f(&r, &w))
+        Ok(f(&read, &write))
     }
 
     unsafe fn enqueue<P: KernelParams>(&self, params: P) -> Result<()> {
         // SAFETY: the caller's contract: the addresses in `params` are those of buffers
         // and staged metadata borrowed for this call, and the launch is synchronous.
-        unsafe { launch_kernel(params) }.map_err(|e| emu_err(P::ENTRY, e))
+        unsafe { launch_kernel(params) }
+            .map_err(|e| Error::Device(format!("emulator, kernel {}: {e}", P::ENTRY)))
     }
 }

@@ -1,62 +1,42 @@
 //! The ops of every backend that runs the GPU kernels of `sparsekit-kernels` (`emu` here,
 //! `cuda` in the root package), written once.
 //!
-//! Such a backend implements [`KernelDevice`]: its buffers, where per-call metadata goes
-//! (slots, page ids, page tables, query ranges), the addresses of its buffers and the typed
-//! launch of one kernel. Every [`Backend`] op is then the same on all of them (blanket
-//! implementation below): validate the descriptor against the buffers (a rejected call
-//! writes nothing), check the shapes the kernels support, stage the metadata, fill the
-//! kernel's parameter struct from the layout descriptor ([`crate::kernel_params`]) and
-//! launch it with its own geometry. So the emulator runs exactly the launches the GPU
-//! runs.
-
-use std::fmt::Debug;
+//! Such a backend implements [`Backend`]'s buffer and stream methods and [`KernelDevice`]:
+//! where per-call metadata goes (slots, page ids, page tables, query ranges), the
+//! addresses of its buffers and the typed launch of one kernel; its op methods are the
+//! functions below, pasted into its `impl Backend` by [`kernel_backend_ops!`]. Each op
+//! validates the descriptor against the buffers (a rejected call writes nothing), checks
+//! the shapes the kernels support, stages the metadata, fills the kernel's parameter
+//! struct from the layout descriptor (`kernel_params`, the one place layouts become
+//! kernel sizes) and launches it with its own geometry. So the emulator runs exactly the
+//! launches the GPU runs.
 
 use sparsekit_kernels::kernels::INDEXER_MAX_HEAD_DIM;
 use sparsekit_kernels::launch::{KernelParams, MAX_DYN_SMEM};
 use sparsekit_kernels::params::QueryRange;
 
-use crate::backend::{Backend, Event, StreamKind};
+use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::kernel_params;
 use crate::ops::{
     CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, SparseMla, Topk, TopkOutput,
 };
 
-/// What a backend that runs the kernels of `sparsekit-kernels` provides; every op is built
+/// The kernel-visible addresses a launch's parameters are built from: the buffers read
+/// and written (in the order given) and the staged metadata arrays.
+#[derive(Clone, Copy, Debug)]
+pub struct Addrs<'a> {
+    pub read: &'a [u64],
+    pub write: &'a [u64],
+    pub meta: &'a [u64],
+}
+
+/// What a backend that runs the kernels of `sparsekit-kernels` provides; its ops are built
 /// on it (see the [module docs](self)).
-pub trait KernelDevice: Send + Sync + Debug {
-    /// An untyped byte buffer owned by this backend (see [`Backend::Buffer`]).
-    type Buffer: Send + Sync + Debug;
+pub trait KernelDevice: Backend {
     /// Per-call metadata placed where the kernels can read it; kept alive until the launch
     /// that reads it has completed.
     type Staged<'a>;
-
-    /// Short name (`emu`, `cuda`).
-    fn name(&self) -> &str;
-    /// See [`Backend::upload`].
-    fn upload(&self, bytes: &[u8]) -> Result<Self::Buffer>;
-    /// See [`Backend::alloc`].
-    fn alloc(&self, bytes: usize) -> Result<Self::Buffer>;
-    /// See [`Backend::alloc_host`].
-    fn alloc_host(&self, bytes: usize) -> Result<Self::Buffer>;
-    /// See [`Backend::download`].
-    fn download(&self, buf: &Self::Buffer) -> Result<Vec<u8>>;
-    /// See [`Backend::buffer_len`].
-    fn buffer_len(&self, buf: &Self::Buffer) -> usize;
-
-    /// See [`Backend::on_stream`].
-    fn on_stream(&self, stream: StreamKind) -> Result<Self>
-    where
-        Self: Sized + Clone;
-    /// See [`Backend::stream`].
-    fn stream(&self) -> StreamKind;
-    /// See [`Backend::record_event`].
-    fn record_event(&self) -> Result<Event>;
-    /// See [`Backend::wait_event`].
-    fn wait_event(&self, event: &Event) -> Result<()>;
-    /// See [`Backend::synchronize`].
-    fn synchronize(&self) -> Result<()>;
 
     /// Copies `bytes` (host metadata of one call) where the kernels can read them.
     fn stage<'a>(&self, bytes: &'a [u8]) -> Result<Self::Staged<'a>>;
@@ -65,7 +45,7 @@ pub trait KernelDevice: Send + Sync + Debug {
 
     /// Calls `f` with the kernel-visible addresses of `reads` and `writes` (in order),
     /// valid for work enqueued before `f` returns; the backend orders that work after
-    /// earlier writes to those buffers, and later work after it.
+    /// earlier writes to those buffers (on any stream), and later work after it.
     fn with_addrs<R>(
         &self,
         reads: &[&Self::Buffer],
@@ -82,23 +62,34 @@ pub trait KernelDevice: Send + Sync + Debug {
     /// until the launch completes, and describes buffers validated for this launch.
     unsafe fn enqueue<P: KernelParams>(&self, params: P) -> Result<()>;
 
-    /// Builds the parameters from the addresses of `reads` and `writes` and launches their
-    /// kernel.
+    /// Stages `meta`, then builds the parameters from the addresses of `reads`, `writes`
+    /// and the staged metadata and launches their kernel (`P` names it: a kernel can only
+    /// be launched with its own parameter struct).
     ///
     /// # Safety
-    /// `build` fills the parameters from the given addresses, staged metadata that outlives
-    /// the launch and descriptors validated against these buffers, so that the kernel's
-    /// contract holds.
+    /// `build` fills the parameters from the given addresses and from descriptors
+    /// validated against these buffers and metadata, so that the kernel's contract holds.
     unsafe fn launch<P: KernelParams>(
         &self,
+        meta: &[&[u8]],
         reads: &[&Self::Buffer],
         writes: &mut [&mut Self::Buffer],
-        build: impl FnOnce(&[u64], &[u64]) -> P,
+        build: impl FnOnce(Addrs<'_>) -> P,
     ) -> Result<()> {
-        self.with_addrs(reads, writes, |r, w| {
-            let params = build(r, w);
+        let staged = meta
+            .iter()
+            .map(|m| self.stage(m))
+            .collect::<Result<Vec<_>>>()?;
+        let meta: Vec<u64> = staged.iter().map(|s| self.staged_addr(s)).collect();
+        self.with_addrs(reads, writes, |read, write| {
+            let params = build(Addrs {
+                read,
+                write,
+                meta: &meta,
+            });
             check_launch(&params)?;
-            // SAFETY: the caller's contract (see above).
+            // SAFETY: the caller's contract (see above); the staged metadata is dropped
+            // only after the launch is enqueued.
             unsafe { self.enqueue(params) }
         })?
     }
@@ -135,213 +126,238 @@ fn check_indexer(op: &IndexerLogits<'_>) -> Result<()> {
     Ok(())
 }
 
-impl<D: KernelDevice> Backend for D {
-    type Buffer = D::Buffer;
-
-    fn name(&self) -> &str {
-        KernelDevice::name(self)
+/// `index_k_store` on a [`KernelDevice`].
+pub fn index_k_store<D: KernelDevice>(
+    d: &D,
+    op: &IndexKStore<'_>,
+    keys: &D::Buffer,
+    cache: &mut D::Buffer,
+) -> Result<()> {
+    op.validate(d.buffer_len(keys), d.buffer_len(cache))?;
+    if op.slots.is_empty() {
+        return Ok(());
     }
-
-    fn upload(&self, bytes: &[u8]) -> Result<D::Buffer> {
-        KernelDevice::upload(self, bytes)
+    // SAFETY: the descriptor was validated against both buffers (slots unique and inside
+    // the cache, keys of the right size).
+    unsafe {
+        d.launch(
+            &[bytemuck::cast_slice(op.slots)],
+            &[keys],
+            &mut [cache],
+            |a| kernel_params::index_k_store(op, a),
+        )
     }
+}
 
-    fn alloc(&self, bytes: usize) -> Result<D::Buffer> {
-        KernelDevice::alloc(self, bytes)
+/// `kv_store` on a [`KernelDevice`].
+pub fn kv_store<D: KernelDevice>(
+    d: &D,
+    op: &KvStore<'_>,
+    kv: &D::Buffer,
+    cache: &mut D::Buffer,
+) -> Result<()> {
+    op.validate(d.buffer_len(kv), d.buffer_len(cache))?;
+    if op.slots.is_empty() {
+        return Ok(());
     }
-
-    fn alloc_host(&self, bytes: usize) -> Result<D::Buffer> {
-        KernelDevice::alloc_host(self, bytes)
+    // SAFETY: as for `index_k_store`.
+    unsafe {
+        d.launch(
+            &[bytemuck::cast_slice(op.slots)],
+            &[kv],
+            &mut [cache],
+            |a| kernel_params::kv_store(op, a),
+        )
     }
+}
 
-    fn download(&self, buf: &D::Buffer) -> Result<Vec<u8>> {
-        KernelDevice::download(self, buf)
+/// `indexer_logits` on a [`KernelDevice`].
+pub fn indexer_logits<D: KernelDevice>(
+    d: &D,
+    op: &IndexerLogits<'_>,
+    q: &D::Buffer,
+    weights: &D::Buffer,
+    cache: &D::Buffer,
+    out: &mut D::Buffer,
+) -> Result<()> {
+    let lens = [q, weights, cache].map(|b| d.buffer_len(b));
+    op.validate(lens[0], lens[1], lens[2], d.buffer_len(out))?;
+    check_indexer(op)?;
+    if op.rows.is_empty() || op.row_stride == 0 {
+        return Ok(());
     }
-
-    fn buffer_len(&self, buf: &D::Buffer) -> usize {
-        KernelDevice::buffer_len(self, buf)
+    let meta = [
+        bytemuck::cast_slice(op.page_table.as_slice()),
+        QueryRange::as_bytes(&op.rows),
+    ];
+    // SAFETY: the descriptor was validated against the buffers (every position of every
+    // row mapped to a page of the cache, ranges inside the row stride).
+    unsafe {
+        d.launch(&meta, &[q, weights, cache], &mut [out], |a| {
+            kernel_params::indexer_logits(op, a)
+        })
     }
+}
 
-    fn on_stream(&self, stream: StreamKind) -> Result<Self>
-    where
-        Self: Sized + Clone,
-    {
-        KernelDevice::on_stream(self, stream)
+/// `topk` on a [`KernelDevice`].
+pub fn topk<D: KernelDevice>(
+    d: &D,
+    op: &Topk<'_>,
+    logits: &D::Buffer,
+    out: &mut D::Buffer,
+) -> Result<()> {
+    op.validate(d.buffer_len(logits), d.buffer_len(out))?;
+    if op.rows.is_empty() {
+        return Ok(());
     }
-
-    fn stream(&self) -> StreamKind {
-        KernelDevice::stream(self)
+    let mut meta = vec![QueryRange::as_bytes(op.rows)];
+    if let TopkOutput::Slots { page_table, .. } = op.output {
+        meta.push(bytemuck::cast_slice(page_table.as_slice()));
     }
+    // SAFETY: as for `indexer_logits` (the page table, when slots are written, maps every
+    // position of every row).
+    unsafe { d.launch(&meta, &[logits], &mut [out], |a| kernel_params::topk(op, a)) }
+}
 
-    fn record_event(&self) -> Result<Event> {
-        KernelDevice::record_event(self)
+/// `sparse_mla` on a [`KernelDevice`]. The indices are backend data: they are read back
+/// and checked against the cache before the launch (an out-of-range slot is an error,
+/// never a wild read).
+pub fn sparse_mla<D: KernelDevice>(
+    d: &D,
+    op: &SparseMla,
+    inputs: [&D::Buffer; 3],
+    out: &mut D::Buffer,
+    lse: &mut D::Buffer,
+) -> Result<()> {
+    let [q, cache, indices] = inputs;
+    let lens = inputs.map(|b| d.buffer_len(b));
+    let pages = op.validate(
+        lens[0],
+        lens[1],
+        lens[2],
+        d.buffer_len(out),
+        d.buffer_len(lse),
+    )?;
+    let idx: Vec<i32> = bytemuck::pod_collect_to_vec(&d.download(indices)?);
+    op.check_indices(&idx, pages)?;
+    if op.n_tokens == 0 {
+        return Ok(());
     }
-
-    fn wait_event(&self, event: &Event) -> Result<()> {
-        KernelDevice::wait_event(self, event)
+    // SAFETY: the descriptor was validated against the buffers and every index is `-1`
+    // or a slot of the cache.
+    unsafe {
+        d.launch(&[], &[q, cache, indices], &mut [out, lse], |a| {
+            kernel_params::sparse_mla(op, a)
+        })
     }
+}
 
-    fn synchronize(&self) -> Result<()> {
-        KernelDevice::synchronize(self)
+/// `copy_pages` on a [`KernelDevice`].
+pub fn copy_pages<D: KernelDevice>(
+    d: &D,
+    op: &CopyPages<'_>,
+    src: &D::Buffer,
+    dst: &mut D::Buffer,
+) -> Result<()> {
+    op.validate(d.buffer_len(src), d.buffer_len(dst))?;
+    if op.src_ids.is_empty() {
+        return Ok(());
     }
+    let ids = [op.src_ids, op.dst_ids].map(bytemuck::cast_slice);
+    // SAFETY: ids validated against both regions, destination pages unique; `src` and
+    // `dst` are distinct buffers (one shared and one exclusive borrow).
+    unsafe {
+        d.launch(&ids, &[src], &mut [dst], |a| {
+            kernel_params::copy_pages(op, a)
+        })
+    }
+}
 
-    fn index_k_store(
-        &self,
-        op: &IndexKStore<'_>,
-        keys: &D::Buffer,
-        cache: &mut D::Buffer,
-    ) -> Result<()> {
-        op.validate(self.buffer_len(keys), self.buffer_len(cache))?;
-        if op.slots.is_empty() {
-            return Ok(());
+/// `page_checksums` on a [`KernelDevice`].
+pub fn page_checksums<D: KernelDevice>(
+    d: &D,
+    op: &PageChecksums<'_>,
+    pool: &D::Buffer,
+    out: &mut D::Buffer,
+) -> Result<()> {
+    op.validate(d.buffer_len(pool), d.buffer_len(out))?;
+    if op.ids.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: ids validated against the region; `out` holds one u64 per id.
+    unsafe {
+        d.launch(&[bytemuck::cast_slice(op.ids)], &[pool], &mut [out], |a| {
+            kernel_params::page_checksums(op, a)
+        })
+    }
+}
+
+/// The op methods of a `Backend` that implements [`KernelDevice`]: expands inside its
+/// `impl Backend` (next to the buffer and stream methods) into the seven ops of
+/// [`launcher`](crate::launcher).
+#[macro_export]
+macro_rules! kernel_backend_ops {
+    () => {
+        fn index_k_store(
+            &self,
+            op: &$crate::ops::IndexKStore<'_>,
+            keys: &Self::Buffer,
+            cache: &mut Self::Buffer,
+        ) -> $crate::Result<()> {
+            $crate::launcher::index_k_store(self, op, keys, cache)
         }
-        let slots = self.stage(bytemuck::cast_slice(op.slots))?;
-        let s = self.staged_addr(&slots);
-        // SAFETY: the descriptor was validated against both buffers (slots unique and
-        // inside the cache, keys of the right size); the slots stay staged until the
-        // launch completes.
-        unsafe {
-            self.launch(&[keys], &mut [cache], |r, w| {
-                kernel_params::index_k_store(&op.layout, r[0], s, w[0], op.slots.len())
-            })
+        fn kv_store(
+            &self,
+            op: &$crate::ops::KvStore<'_>,
+            kv: &Self::Buffer,
+            cache: &mut Self::Buffer,
+        ) -> $crate::Result<()> {
+            $crate::launcher::kv_store(self, op, kv, cache)
         }
-    }
-
-    fn kv_store(&self, op: &KvStore<'_>, kv: &D::Buffer, cache: &mut D::Buffer) -> Result<()> {
-        op.validate(self.buffer_len(kv), self.buffer_len(cache))?;
-        if op.slots.is_empty() {
-            return Ok(());
+        fn indexer_logits(
+            &self,
+            op: &$crate::ops::IndexerLogits<'_>,
+            q: &Self::Buffer,
+            weights: &Self::Buffer,
+            cache: &Self::Buffer,
+            out: &mut Self::Buffer,
+        ) -> $crate::Result<()> {
+            $crate::launcher::indexer_logits(self, op, q, weights, cache, out)
         }
-        let slots = self.stage(bytemuck::cast_slice(op.slots))?;
-        let s = self.staged_addr(&slots);
-        // SAFETY: as in `index_k_store`.
-        unsafe {
-            self.launch(&[kv], &mut [cache], |r, w| {
-                kernel_params::kv_store(&op.layout, r[0], s, w[0], op.slots.len())
-            })
+        fn topk(
+            &self,
+            op: &$crate::ops::Topk<'_>,
+            logits: &Self::Buffer,
+            out: &mut Self::Buffer,
+        ) -> $crate::Result<()> {
+            $crate::launcher::topk(self, op, logits, out)
         }
-    }
-
-    fn indexer_logits(
-        &self,
-        op: &IndexerLogits<'_>,
-        q: &D::Buffer,
-        weights: &D::Buffer,
-        cache: &D::Buffer,
-        out: &mut D::Buffer,
-    ) -> Result<()> {
-        op.validate(
-            self.buffer_len(q),
-            self.buffer_len(weights),
-            self.buffer_len(cache),
-            self.buffer_len(out),
-        )?;
-        check_indexer(op)?;
-        if op.rows.is_empty() || op.row_stride == 0 {
-            return Ok(());
+        fn sparse_mla(
+            &self,
+            op: &$crate::ops::SparseMla,
+            q: &Self::Buffer,
+            cache: &Self::Buffer,
+            indices: &Self::Buffer,
+            out: &mut Self::Buffer,
+            lse: &mut Self::Buffer,
+        ) -> $crate::Result<()> {
+            $crate::launcher::sparse_mla(self, op, [q, cache, indices], out, lse)
         }
-        let table = self.stage(bytemuck::cast_slice(op.page_table.as_slice()))?;
-        let rows = self.stage(QueryRange::as_bytes(&op.rows))?;
-        let (t, rs) = (self.staged_addr(&table), self.staged_addr(&rows));
-        // SAFETY: the descriptor was validated against the buffers (every position of
-        // every row mapped to a page of the cache, ranges inside the row stride); the
-        // page table and rows stay staged until the launch completes.
-        unsafe {
-            self.launch(&[q, weights, cache], &mut [out], |r, w| {
-                kernel_params::indexer_logits(op, r[0], r[1], r[2], t, rs, w[0])
-            })
+        fn copy_pages(
+            &self,
+            op: &$crate::ops::CopyPages<'_>,
+            src: &Self::Buffer,
+            dst: &mut Self::Buffer,
+        ) -> $crate::Result<()> {
+            $crate::launcher::copy_pages(self, op, src, dst)
         }
-    }
-
-    fn topk(&self, op: &Topk<'_>, logits: &D::Buffer, out: &mut D::Buffer) -> Result<()> {
-        op.validate(self.buffer_len(logits), self.buffer_len(out))?;
-        if op.rows.is_empty() {
-            return Ok(());
+        fn page_checksums(
+            &self,
+            op: &$crate::ops::PageChecksums<'_>,
+            pool: &Self::Buffer,
+            out: &mut Self::Buffer,
+        ) -> $crate::Result<()> {
+            $crate::launcher::page_checksums(self, op, pool, out)
         }
-        let table = match op.output {
-            TopkOutput::Slots { page_table, .. } => {
-                Some(self.stage(bytemuck::cast_slice(page_table.as_slice()))?)
-            }
-            TopkOutput::Positions => None,
-        };
-        let rows = self.stage(QueryRange::as_bytes(op.rows))?;
-        let t = table.as_ref().map_or(0, |t| self.staged_addr(t));
-        let rs = self.staged_addr(&rows);
-        // SAFETY: as in `indexer_logits` (the page table, when slots are written, maps
-        // every position of every row).
-        unsafe {
-            self.launch(&[logits], &mut [out], |r, w| {
-                kernel_params::topk(op, r[0], rs, t, w[0])
-            })
-        }
-    }
-
-    /// The indices are backend data: they are read back and checked against the cache
-    /// before the launch (an out-of-range slot is an error, never a wild read).
-    fn sparse_mla(
-        &self,
-        op: &SparseMla,
-        q: &D::Buffer,
-        cache: &D::Buffer,
-        indices: &D::Buffer,
-        out: &mut D::Buffer,
-        lse: &mut D::Buffer,
-    ) -> Result<()> {
-        let pages = op.validate(
-            self.buffer_len(q),
-            self.buffer_len(cache),
-            self.buffer_len(indices),
-            self.buffer_len(out),
-            self.buffer_len(lse),
-        )?;
-        let idx: Vec<i32> = bytemuck::pod_collect_to_vec(&self.download(indices)?);
-        op.check_indices(&idx, pages)?;
-        if op.n_tokens == 0 {
-            return Ok(());
-        }
-        // SAFETY: the descriptor was validated against the buffers and every index is
-        // `-1` or a slot of the cache.
-        unsafe {
-            self.launch(&[q, cache, indices], &mut [out, lse], |r, w| {
-                kernel_params::sparse_mla(op, r[0], r[1], r[2], w[0], w[1])
-            })
-        }
-    }
-
-    fn copy_pages(&self, op: &CopyPages<'_>, src: &D::Buffer, dst: &mut D::Buffer) -> Result<()> {
-        op.validate(self.buffer_len(src), self.buffer_len(dst))?;
-        if op.src_ids.is_empty() {
-            return Ok(());
-        }
-        let src_ids = self.stage(bytemuck::cast_slice(op.src_ids))?;
-        let dst_ids = self.stage(bytemuck::cast_slice(op.dst_ids))?;
-        let (si, di) = (self.staged_addr(&src_ids), self.staged_addr(&dst_ids));
-        // SAFETY: ids validated against both regions, destination pages unique; `src` and
-        // `dst` are distinct buffers (one shared and one exclusive borrow).
-        unsafe {
-            self.launch(&[src], &mut [dst], |r, w| {
-                kernel_params::copy_pages(op, r[0], w[0], si, di)
-            })
-        }
-    }
-
-    fn page_checksums(
-        &self,
-        op: &PageChecksums<'_>,
-        pool: &D::Buffer,
-        out: &mut D::Buffer,
-    ) -> Result<()> {
-        op.validate(self.buffer_len(pool), self.buffer_len(out))?;
-        if op.ids.is_empty() {
-            return Ok(());
-        }
-        let ids = self.stage(bytemuck::cast_slice(op.ids))?;
-        let i = self.staged_addr(&ids);
-        // SAFETY: ids validated against the region; `out` holds one u64 per id.
-        unsafe {
-            self.launch(&[pool], &mut [out], |r, w| {
-                kernel_params::page_checksums(op, r[0], i, w[0])
-            })
-        }
-    }
+    };
 }

@@ -3,7 +3,7 @@
 //!
 //! One context per device with two non-blocking streams, compute and copy
 //! ([`StreamKind`]); a [`CudaBackend`] value is a handle on one of them
-//! ([`on_stream`](sparsekit_host::Backend::on_stream)). The module for the device's compute capability is loaded
+//! ([`Backend::on_stream`]). The module for the device's compute capability is loaded
 //! lazily on first use and its functions cached.
 //!
 //! Its ops are the shared GPU-backend ops of `sparsekit_host::launcher` (the same
@@ -29,7 +29,7 @@ use cudarc::driver::{
 };
 use sparsekit_host::backend::DeviceEvent;
 use sparsekit_host::launcher::KernelDevice;
-use sparsekit_host::{Error, Event, Result, StreamKind};
+use sparsekit_host::{Backend, Error, Event, Result, StreamKind};
 use sparsekit_kernels::launch::{KernelParams, DEFAULT_DYN_SMEM};
 
 use crate::ptx::{ptx_for_device, PTX, PTX_BUILD_INFO};
@@ -203,15 +203,34 @@ impl CudaBackend {
     }
 }
 
-/// Guards that record a buffer's use on the stream once the launch is enqueued.
+/// A buffer's use by one launch: recorded on the stream once the launch is enqueued.
 enum UseGuard<'a> {
     Device(SyncOnDrop<'a>),
     Host(&'a HostBuffer),
 }
 
-impl KernelDevice for CudaBackend {
+impl<'a> UseGuard<'a> {
+    fn device((addr, guard): (u64, SyncOnDrop<'a>)) -> (u64, Self) {
+        (addr, UseGuard::Device(guard))
+    }
+
+    fn host(h: &'a HostBuffer, stream: &CudaStream) -> Result<(u64, Self)> {
+        Ok((h.before_use(stream)?, UseGuard::Host(h)))
+    }
+
+    fn release(self, stream: &CudaStream) -> Result<()> {
+        match self {
+            UseGuard::Device(g) => {
+                drop(g);
+                Ok(())
+            }
+            UseGuard::Host(h) => h.after_use(stream),
+        }
+    }
+}
+
+impl Backend for CudaBackend {
     type Buffer = CudaBuffer;
-    type Staged<'a> = CudaSlice<u8>;
 
     fn name(&self) -> &str {
         "cuda"
@@ -298,6 +317,12 @@ impl KernelDevice for CudaBackend {
         self.device.ctx.check_err().map_err(dev)
     }
 
+    sparsekit_host::kernel_backend_ops!();
+}
+
+impl KernelDevice for CudaBackend {
+    type Staged<'a> = CudaSlice<u8>;
+
     fn stage(&self, bytes: &[u8]) -> Result<CudaSlice<u8>> {
         let stream = self.cuda_stream();
         if bytes.is_empty() {
@@ -319,43 +344,24 @@ impl KernelDevice for CudaBackend {
         f: impl FnOnce(&[u64], &[u64]) -> R,
     ) -> Result<R> {
         let stream = self.cuda_stream();
-        let mut guards: Vec<UseGuard<'_>> = Vec::with_capacity(reads.len() + writes.len());
-        let mut r = Vec::with_capacity(reads.len());
-        for b in reads {
-            match b {
-                // The stream waits for the buffer's last write; the guard records the read.
-                CudaBuffer::Device(s) => {
-                    let (p, g) = s.device_ptr(stream);
-                    r.push(p);
-                    guards.push(UseGuard::Device(g));
-                }
-                CudaBuffer::Host(h) => {
-                    r.push(h.before_use(stream)?);
-                    guards.push(UseGuard::Host(h));
-                }
-            }
-        }
-        let mut w = Vec::with_capacity(writes.len());
-        for b in writes.iter_mut() {
-            match &mut **b {
-                // The stream waits for every earlier use; the guard records the write.
-                CudaBuffer::Device(s) => {
-                    let (p, g) = s.device_ptr_mut(stream);
-                    w.push(p);
-                    guards.push(UseGuard::Device(g));
-                }
-                CudaBuffer::Host(h) => {
-                    w.push(h.before_use(stream)?);
-                    guards.push(UseGuard::Host(&*h));
-                }
-            }
-        }
+        // Device buffers: the stream waits for the buffer's last write (a read) or for
+        // every earlier use (a write), and the guard records this use once the launch is
+        // enqueued. Host buffers: see `HostBuffer`.
+        let reads = reads.iter().map(|b| match b {
+            CudaBuffer::Device(s) => Ok(UseGuard::device(s.device_ptr(stream))),
+            CudaBuffer::Host(h) => UseGuard::host(h, stream),
+        });
+        let writes = writes.iter_mut().map(|b| match &mut **b {
+            CudaBuffer::Device(s) => Ok(UseGuard::device(s.device_ptr_mut(stream))),
+            CudaBuffer::Host(h) => UseGuard::host(h, stream),
+        });
+        let (r, rg): (Vec<u64>, Vec<UseGuard<'_>>) =
+            reads.collect::<Result<Vec<_>>>()?.into_iter().unzip();
+        let (w, wg): (Vec<u64>, Vec<UseGuard<'_>>) =
+            writes.collect::<Result<Vec<_>>>()?.into_iter().unzip();
         let out = f(&r, &w);
-        for g in guards {
-            match g {
-                UseGuard::Device(g) => drop(g),
-                UseGuard::Host(h) => h.after_use(stream)?,
-            }
+        for g in rg.into_iter().chain(wg) {
+            g.release(stream)?;
         }
         Ok(out)
     }

@@ -61,36 +61,7 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
-    fn upload(&self, bytes: &[u8]) -> Result<CpuBuffer> {
-        Ok(CpuBuffer::from_bytes(bytes))
-    }
-
-    fn alloc(&self, bytes: usize) -> Result<CpuBuffer> {
-        Ok(CpuBuffer::zeroed(bytes))
-    }
-
-    fn alloc_host(&self, bytes: usize) -> Result<CpuBuffer> {
-        Ok(CpuBuffer::zeroed(bytes))
-    }
-
-    fn download(&self, buf: &CpuBuffer) -> Result<Vec<u8>> {
-        Ok(buf.bytes().to_vec())
-    }
-
-    fn buffer_len(&self, buf: &CpuBuffer) -> usize {
-        buf.len()
-    }
-
-    fn on_stream(&self, stream: StreamKind) -> Result<Self> {
-        Ok(CpuBackend {
-            stream,
-            ..self.clone()
-        })
-    }
-
-    fn stream(&self) -> StreamKind {
-        self.stream
-    }
+    buffer::host_memory_methods!();
 
     fn index_k_store(
         &self,
