@@ -19,8 +19,8 @@ use serde::Serialize;
 use crate::error::{Error, Result};
 use crate::layout::{IndexKLayout, KvLayout, PageLayout};
 
-/// The ops a backend may implement.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+/// The ops every backend implements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Op {
     IndexKStore,
@@ -55,6 +55,12 @@ impl Op {
             Op::CopyPages => "copy_pages",
             Op::PageChecksums => "page_checksums",
         }
+    }
+}
+
+impl std::fmt::Display for Op {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }
 

@@ -4,7 +4,7 @@
 use half::bf16;
 use sparsekit_host::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};
 use sparsekit_host::ops::{
-    CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, PageTable, PagedRegion,
+    CopyPages, IndexKStore, IndexerLogits, KvStore, Op, PageChecksums, PageTable, PagedRegion,
     QueryRange, SparseMla, Topk, TopkOutput,
 };
 use sparsekit_host::{Backend, Error};
@@ -12,7 +12,7 @@ use sparsekit_host::{Backend, Error};
 use super::{ensure, Failure, Outcome};
 use crate::fixtures::{self, bytes_of, case_rng};
 use crate::reference;
-use crate::tolerance::{self, ErrorStats};
+use crate::tolerance::{self, DataType, ErrorStats, Quantity};
 
 /// Runs `f` on a buffer of `len` bytes of 0x5A and checks that it fails with an error
 /// matching `pred` and leaves the buffer untouched.
@@ -353,7 +353,7 @@ fn wide_indexer<B: Backend>(b: &B) -> Result<Option<Error>, Failure> {
     let pt = PageTable::new(&paging.table, paging.max_pages)?;
     let h = 2;
     let op = IndexerLogits::decode(il, h, pt, &paging.lens, 1, 7)?;
-    let (q, w) = crate::suite::indexer_inputs(&mut rng, op.rows.len(), h, 272);
+    let (q, w) = fixtures::indexer_inputs(&mut rng, op.rows.len(), h, 272);
     let poison = fixtures::poison_f32(op.rows.len() * 7);
     let mut out = b.upload(&poison)?;
     let cache = b.upload(&pool)?;
@@ -373,8 +373,7 @@ fn wide_indexer<B: Backend>(b: &B) -> Result<Option<Error>, Failure> {
         Ok(()) => {
             let got: Vec<f32> = bytemuck::pod_collect_to_vec(&b.download(&out)?);
             let want = reference::indexer_logits(&il, &pool, &pt, &op.rows, h, &q, &w, 7);
-            let t = tolerance::lookup("indexer_logits", "logits", "bf16")
-                .ok_or_else(|| Failure("no tolerance row for the indexer".into()))?;
+            let t = tolerance::get(Op::IndexerLogits, Quantity::Logits, DataType::Bf16)?;
             let mut stats = ErrorStats::default();
             for (i, g) in got.iter().enumerate() {
                 stats.add(i, *g as f64, want.logits[i], want.magnitude[i], t);
