@@ -10,11 +10,11 @@ use std::time::Instant;
 use sparsekit_host::{Backend, Error, Result};
 
 use crate::cost::Cost;
-use crate::inputs::{IndexerCase, SparseMlaCase, TopkCase};
+use crate::inputs::{IndexerLogitsCase, SparseMlaCase, TopkCase};
 use crate::pages::{ChecksumCase, CopyCase, Direction, StoreCase};
 use crate::report::Row;
 use crate::roofline::Roofline;
-use crate::{indexer_id, sparse_mla_id, topk_id, Suite};
+use crate::{indexer_logits_id, sparse_mla_id, topk_id, Suite};
 
 /// How much to time.
 #[derive(Clone, Copy, Debug)]
@@ -83,15 +83,20 @@ pub fn run<B: Backend>(
         out.timed.push((op.to_string(), cfg, cost, t));
         Ok(())
     };
-    for (i, s) in suite.indexer.iter().enumerate() {
-        add("indexer_logits", indexer_id(s), s.cost()?, &mut || {
-            time(
-                backend,
-                opts,
-                || IndexerCase::build(backend, *s, 100 + i as u64),
-                |c, b| c.run(b),
-            )
-        })?;
+    for (i, s) in suite.indexer_logits.iter().enumerate() {
+        add(
+            "indexer_logits",
+            indexer_logits_id(s),
+            s.cost()?,
+            &mut || {
+                time(
+                    backend,
+                    opts,
+                    || IndexerLogitsCase::build(backend, *s, 100 + i as u64),
+                    |c, b| c.run(b),
+                )
+            },
+        )?;
     }
     for (i, s) in suite.topk.iter().enumerate() {
         add("topk", topk_id(s), s.cost()?, &mut || {

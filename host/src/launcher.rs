@@ -11,7 +11,7 @@
 //! kernel sizes) and launches it with its own geometry. So the emulator runs exactly the
 //! launches the GPU runs.
 
-use sparsekit_kernels::kernels::INDEXER_MAX_HEAD_DIM;
+use sparsekit_kernels::kernels::INDEXER_LOGITS_MAX_HEAD_DIM;
 use sparsekit_kernels::launch::{KernelParams, MAX_DYN_SMEM};
 use sparsekit_kernels::params::QueryRange;
 
@@ -113,7 +113,7 @@ fn check_launch<P: KernelParams>(params: &P) -> Result<()> {
 
 /// Checks the shapes the GPU indexer supports (`head_dim` up to its maximum).
 fn check_indexer(op: &IndexerLogits<'_>) -> Result<()> {
-    let max = INDEXER_MAX_HEAD_DIM as usize;
+    let max = INDEXER_LOGITS_MAX_HEAD_DIM as usize;
     if op.layout.head_dim() > max {
         return Err(Error::InvalidArgument {
             what: "indexer_logits",

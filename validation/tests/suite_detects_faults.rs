@@ -3,7 +3,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic
 
-use half::bf16;
 use sparsekit_host::cpu::topk::select_row;
 use sparsekit_host::cpu::CpuBuffer;
 use sparsekit_host::ops::{
@@ -180,7 +179,6 @@ impl Backend for Faulty {
                 *x += 1e-3;
             }
         }
-        let _ = bf16::ZERO;
         Ok(())
     }
     fn copy_pages(&self, op: &CopyPages<'_>, src: &CpuBuffer, dst: &mut CpuBuffer) -> Result<()> {

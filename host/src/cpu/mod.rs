@@ -3,7 +3,7 @@
 
 pub mod buffer;
 pub mod gemm;
-pub mod indexer;
+pub mod indexer_logits;
 pub mod isa;
 pub mod pages;
 pub mod sparse_mla;
@@ -119,7 +119,7 @@ impl Backend for CpuBackend {
         op.validate(q.len(), weights.len(), cache.len(), out.len())?;
         let (q, w) = (q.typed::<bf16>("q")?, weights.typed::<f32>("weights")?);
         let out = out.typed_mut::<f32>("logits")?;
-        self.run(|| indexer::indexer_logits(op, q, w, cache.bytes(), out));
+        self.run(|| indexer_logits::indexer_logits(op, q, w, cache.bytes(), out));
         Ok(())
     }
 

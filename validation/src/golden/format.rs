@@ -16,8 +16,8 @@ use sparsekit_host::ops::{
 
 use super::judge::{check_indices, topk_want};
 use super::params::{
-    index_dt, kv_dt, IndexKStoreParams, IndexerParams, KvStoreParams, SparseMlaParams, TopkOut,
-    TopkParams,
+    index_dt, kv_dt, IndexKStoreParams, IndexerLogitsParams, KvStoreParams, SparseMlaParams,
+    TopkOut, TopkParams,
 };
 use super::{Decode, Dtype, ExpectedFrom, Golden, GoldenError, Result, VERSION};
 use crate::reference;
@@ -277,7 +277,7 @@ impl Golden {
         let (dtype, scale) = index_dt(l.dtype());
         let mut g = Golden::default();
         let next_n = g.put_rows(&op.rows, decode)?;
-        let p = IndexerParams {
+        let p = IndexerLogitsParams {
             version: VERSION,
             dtype,
             scale,

@@ -54,7 +54,7 @@ pub(super) struct KvStoreParams {
 
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub(super) struct IndexerParams {
+pub(super) struct IndexerLogitsParams {
     pub version: u32,
     pub dtype: IndexDt,
     #[serde(default, skip_serializing_if = "Option::is_none")]

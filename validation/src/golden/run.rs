@@ -15,7 +15,7 @@ use super::judge::{
     BF16_ROUNDING, F32_ROUNDING,
 };
 use super::params::{
-    index_dtype, kv_dtype, IndexKStoreParams, IndexerParams, KvStoreParams, SparseMlaParams,
+    index_dtype, kv_dtype, IndexKStoreParams, IndexerLogitsParams, KvStoreParams, SparseMlaParams,
     TopkOut, TopkParams,
 };
 use super::reader::Reader;
@@ -129,7 +129,7 @@ impl<B: Backend> Run<'_, B> {
     }
 
     pub(super) fn indexer_logits(&self, r: &mut Reader<'_>) -> Result<Judged> {
-        let p: IndexerParams = r.params()?;
+        let p: IndexerLogitsParams = r.params()?;
         r.sizes(&[
             ("head_dim", p.head_dim),
             ("page_size", p.page_size),

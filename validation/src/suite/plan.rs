@@ -36,7 +36,7 @@ pub(super) enum Form {
 pub(super) enum Kind {
     IndexKStore(ModelDims, IndexKDtype),
     KvStore(ModelDims, KvDtype),
-    Indexer(ModelDims, IndexKDtype, Form, Vec<u32>),
+    IndexerLogits(ModelDims, IndexKDtype, Form, Vec<u32>),
     Topk(usize, usize, Scenario, Vec<u32>),
     SparseMla(ModelDims, KvDtype, usize, Vec<u32>),
     CopyPages(PageLayout, bool),
@@ -138,7 +138,7 @@ pub fn plan(cfg: &SuiteConfig) -> Vec<Case> {
                     name,
                     dt.into(),
                     lens.len(),
-                    Kind::Indexer(dims, dt, form, lens.clone()),
+                    Kind::IndexerLogits(dims, dt, form, lens.clone()),
                 );
             }
         }
