@@ -7,7 +7,7 @@ use rand::seq::SliceRandom;
 use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use sparsekit_host::dims::ModelDims;
-use sparsekit_host::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout, PageLayout};
+use sparsekit_host::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout, PageLayout, SlotAddr};
 use sparsekit_host::ops::{PagedRegion, QueryRange};
 
 use crate::reference;
@@ -103,8 +103,9 @@ impl Paging {
 
     /// Slot of position `pos` of request `r`.
     pub fn slot(&self, r: usize, pos: usize) -> i64 {
-        self.table[r * self.max_pages + pos / self.page_size] as i64 * self.page_size as i64
-            + (pos % self.page_size) as i64
+        let at = SlotAddr::of(pos, self.page_size);
+        let page = self.table[r * self.max_pages + at.page];
+        page as i64 * self.page_size as i64 + at.offset as i64
     }
 
     /// Slots of every position of every request, request-major.

@@ -70,9 +70,8 @@ impl Backend for Faulty {
         self.cpu.index_k_store(op, keys, cache)?;
         if self.fault == Fault::IndexKByte {
             if let Some(&s) = op.slots.iter().find(|&&s| s >= 0) {
-                let l = op.layout;
-                let (p, o) = (s as usize / l.page_size(), s as usize % l.page_size());
-                cache.bytes_mut()[p * l.bytes_per_page() + l.value_range(o).start] ^= 0x01;
+                let at = op.layout.slot_value_bytes(s as usize).start;
+                cache.bytes_mut()[at] ^= 0x01;
             }
         }
         Ok(())
@@ -82,8 +81,7 @@ impl Backend for Faulty {
         if self.fault == Fault::KvByte {
             if let Some(&s) = op.slots.iter().rev().find(|&&s| s >= 0) {
                 let l = op.layout;
-                let (p, o) = (s as usize / l.page_size(), s as usize % l.page_size());
-                let at = p * l.bytes_per_page() + l.token_range(o).start + l.rope_range().start;
+                let at = l.slot_token_bytes(s as usize).start + l.rope_range().start;
                 cache.bytes_mut()[at] ^= 0x01;
             }
         }

@@ -1,6 +1,7 @@
 //! Ragged-batch metadata shared by the ops: per-request page tables and query ranges.
 
 use crate::error::{Error, Result};
+use crate::layout::SlotAddr;
 
 /// Per-request page ids, `[num_requests, max_pages]` row-major; `-1` marks an unmapped
 /// entry. Entry `p` of a request holds its tokens `p*page_size .. (p+1)*page_size`.
@@ -43,7 +44,12 @@ impl<'a> PageTable<'a> {
     /// Slot of token position `pos` of request `r` (assumes a validated table).
     #[inline]
     pub fn slot(&self, r: usize, pos: usize, page_size: usize) -> usize {
-        self.pages[r * self.max_pages + pos / page_size] as usize * page_size + pos % page_size
+        let at = SlotAddr::of(pos, page_size);
+        SlotAddr {
+            page: self.pages[r * self.max_pages + at.page] as usize,
+            ..at
+        }
+        .slot(page_size)
     }
     /// Checks that positions `0..end` of request `r` map to pages inside a pool of
     /// `num_pages` pages.
