@@ -69,6 +69,6 @@ impl KernelDevice for EmuBackend {
         // SAFETY: the caller's contract: the addresses in `params` are those of buffers
         // and staged metadata borrowed for this call, and the launch is synchronous.
         unsafe { launch_kernel(params) }
-            .map_err(|e| Error::Device(format!("emulator, kernel {}: {e}", P::ENTRY)))
+            .map_err(|e| Error::backend("emu", format!("kernel {}", P::ENTRY), e))
     }
 }

@@ -30,5 +30,5 @@ pub use backend::{Backend, Event, StreamKind};
 pub use cpu::CpuBackend;
 pub use dims::ModelDims;
 pub use emu::EmuBackend;
-pub use error::{Error, Result};
+pub use error::{Error, ErrorKind, Result};
 pub use layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};

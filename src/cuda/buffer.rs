@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
 use sparsekit_host::{Error, Result};
 
-use super::dev;
+use super::cuda;
 
 /// Memory the kernels can address.
 ///
@@ -67,15 +67,15 @@ impl HostBuffer {
     /// kernels use.
     pub(super) fn before_use(&self, stream: &CudaStream) -> Result<u64> {
         if let Some(e) = self.last_use()? {
-            stream.wait(&e).map_err(dev)?;
+            stream.wait(&e).map_err(cuda("event wait"))?;
         }
         // The mapped pointer: `as_ptr` only waits for cudarc's own copies (none here).
-        Ok(self.slice.as_ptr().map_err(dev)? as u64)
+        Ok(self.slice.as_ptr().map_err(cuda("host buffer address"))? as u64)
     }
 
     /// Records the use just enqueued on `stream`.
     pub(super) fn after_use(&self, stream: &CudaStream) -> Result<()> {
-        let e = stream.record_event(None).map_err(dev)?;
+        let e = stream.record_event(None).map_err(cuda("event record"))?;
         let mut g = self
             .last_use
             .lock()
@@ -90,7 +90,11 @@ impl HostBuffer {
         if let Some(e) = self.last_use()? {
             super::wait_host(&e)?;
         }
-        Ok(self.slice.as_slice().map_err(dev)?.to_vec())
+        Ok(self
+            .slice
+            .as_slice()
+            .map_err(cuda("host buffer read"))?
+            .to_vec())
     }
 }
 

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys::{CUevent_flags, CUfunction_attribute_enum};
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
-    DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop,
+    DevicePtrMut, DeviceRepr, DriverError, LaunchConfig, PushKernelArg, SyncOnDrop,
 };
 use sparsekit_host::backend::DeviceEvent;
 use sparsekit_host::launcher::KernelDevice;
@@ -46,8 +46,9 @@ struct Param<P: KernelParams>(P);
 // definition in sparsekit-kernels).
 unsafe impl<P: KernelParams> DeviceRepr for Param<P> {}
 
-fn dev(e: impl std::fmt::Display) -> Error {
-    Error::Device(e.to_string())
+/// Maps a driver error to [`Error::Backend`] (the driver error kept as its source).
+fn cuda(context: &'static str) -> impl Fn(DriverError) -> Error + Copy {
+    move |e| Error::backend("cuda", context, e)
 }
 
 /// Whether the CUDA driver library can be loaded (probed before cudarc touches it, since
@@ -62,7 +63,7 @@ pub fn driver_present() -> bool {
 fn wait_host(e: &CudaEvent) -> Result<()> {
     let start = Instant::now();
     let mut pause = Duration::from_micros(2);
-    while !e.try_is_complete().map_err(dev)? {
+    while !e.try_is_complete().map_err(cuda("event query"))? {
         if start.elapsed() >= Event::DEFAULT_TIMEOUT {
             return Err(Error::Timeout {
                 what: "cuda event",
@@ -81,7 +82,7 @@ struct CudaMarker(CudaEvent);
 
 impl DeviceEvent for CudaMarker {
     fn query(&self) -> Result<bool> {
-        self.0.try_is_complete().map_err(dev)
+        self.0.try_is_complete().map_err(cuda("event query"))
     }
 
     fn as_any(&self) -> &dyn Any {
@@ -133,17 +134,19 @@ impl CudaBackend {
                 "this binary carries no PTX ({PTX_BUILD_INFO}); run scripts/setup-gpu-tools.sh and rebuild"
             )));
         }
-        let ctx = CudaContext::new(ordinal).map_err(dev)?;
-        let (major, minor) = ctx.compute_capability().map_err(dev)?;
+        let ctx = CudaContext::new(ordinal).map_err(cuda("context creation"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(cuda("compute capability"))?;
         let (arch, ptx) = ptx_for_device(major as u32, minor as u32).ok_or_else(|| {
             Error::Device(format!(
                 "no PTX for compute capability {major}.{minor} (need sm_80+)"
             ))
         })?;
-        let name = ctx.name().map_err(dev)?;
+        let name = ctx.name().map_err(cuda("device name"))?;
         let streams = [
-            ctx.new_stream().map_err(dev)?,
-            ctx.new_stream().map_err(dev)?,
+            ctx.new_stream().map_err(cuda("stream creation"))?,
+            ctx.new_stream().map_err(cuda("stream creation"))?,
         ];
         Ok(CudaBackend {
             device: Arc::new(Device {
@@ -174,7 +177,7 @@ impl CudaBackend {
     pub fn record_timing_event(&self) -> Result<CudaEvent> {
         self.cuda_stream()
             .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(dev)
+            .map_err(cuda("event record"))
     }
 
     fn function(&self, name: &'static str) -> Result<CudaFunction> {
@@ -182,7 +185,7 @@ impl CudaBackend {
             .device
             .functions
             .lock()
-            .map_err(|_| dev("function cache poisoned"))?;
+            .map_err(|_| Error::Device("cuda function cache lock poisoned".into()))?;
         if let Some(f) = cache.get(name) {
             return Ok(f.clone());
         }
@@ -193,11 +196,11 @@ impl CudaBackend {
                     .device
                     .ctx
                     .load_module(cudarc::nvrtc::Ptx::from_src(self.device.ptx))
-                    .map_err(dev)?;
+                    .map_err(cuda("module load"))?;
                 self.device.module.get_or_init(|| m).clone()
             }
         };
-        let f = module.load_function(name).map_err(dev)?;
+        let f = module.load_function(name).map_err(cuda("function load"))?;
         cache.insert(name, f.clone());
         Ok(f)
     }
@@ -240,7 +243,10 @@ impl Backend for CudaBackend {
         if bytes.is_empty() {
             return self.alloc(0);
         }
-        let s = self.cuda_stream().clone_htod(bytes).map_err(dev)?;
+        let s = self
+            .cuda_stream()
+            .clone_htod(bytes)
+            .map_err(cuda("upload"))?;
         Ok(CudaBuffer::Device(s))
     }
 
@@ -251,7 +257,7 @@ impl Backend for CudaBackend {
         } else {
             stream.alloc_zeros::<u8>(bytes)
         };
-        Ok(CudaBuffer::Device(s.map_err(dev)?))
+        Ok(CudaBuffer::Device(s.map_err(cuda("allocation"))?))
     }
 
     fn alloc_host(&self, bytes: usize) -> Result<CudaBuffer> {
@@ -263,8 +269,8 @@ impl Backend for CudaBackend {
                 CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE,
             )
         }
-        .map_err(dev)?;
-        s.as_mut_slice().map_err(dev)?.fill(0);
+        .map_err(cuda("host allocation"))?;
+        s.as_mut_slice().map_err(cuda("host allocation"))?.fill(0);
         Ok(CudaBuffer::Host(HostBuffer::new(s)))
     }
 
@@ -273,7 +279,7 @@ impl Backend for CudaBackend {
             CudaBuffer::Device(s) if s.is_empty() => Ok(Vec::new()),
             // Pageable destination: returns once the copy (queued behind the buffer's last
             // write, on any stream) has completed.
-            CudaBuffer::Device(s) => self.cuda_stream().clone_dtoh(s).map_err(dev),
+            CudaBuffer::Device(s) => self.cuda_stream().clone_dtoh(s).map_err(cuda("download")),
             CudaBuffer::Host(h) => h.read(),
         }
     }
@@ -294,7 +300,10 @@ impl Backend for CudaBackend {
     }
 
     fn record_event(&self) -> Result<Event> {
-        let e = self.cuda_stream().record_event(None).map_err(dev)?;
+        let e = self
+            .cuda_stream()
+            .record_event(None)
+            .map_err(cuda("event record"))?;
         Ok(Event::pending(Arc::new(CudaMarker(e))))
     }
 
@@ -304,7 +313,7 @@ impl Backend for CudaBackend {
         };
         match d.as_any().downcast_ref::<CudaMarker>() {
             Some(m) if *m.0.context() == self.device.ctx => {
-                self.cuda_stream().wait(&m.0).map_err(dev)
+                self.cuda_stream().wait(&m.0).map_err(cuda("event wait"))
             }
             // Another device's or backend's event: the host waits for it.
             _ => event.wait(Event::DEFAULT_TIMEOUT),
@@ -312,9 +321,12 @@ impl Backend for CudaBackend {
     }
 
     fn synchronize(&self) -> Result<()> {
-        let e = self.cuda_stream().record_event(None).map_err(dev)?;
+        let e = self
+            .cuda_stream()
+            .record_event(None)
+            .map_err(cuda("event record"))?;
         wait_host(&e)?;
-        self.device.ctx.check_err().map_err(dev)
+        self.device.ctx.check_err().map_err(cuda("deferred error"))
     }
 
     sparsekit_host::kernel_backend_ops!();
@@ -326,10 +338,10 @@ impl KernelDevice for CudaBackend {
     fn stage(&self, bytes: &[u8]) -> Result<CudaSlice<u8>> {
         let stream = self.cuda_stream();
         if bytes.is_empty() {
-            return stream.null::<u8>().map_err(dev);
+            return stream.null::<u8>().map_err(cuda("metadata upload"));
         }
         // Freed (stream-ordered, after the launch that reads it) when dropped.
-        stream.clone_htod(bytes).map_err(dev)
+        stream.clone_htod(bytes).map_err(cuda("metadata upload"))
     }
 
     fn staged_addr(&self, staged: &CudaSlice<u8>) -> u64 {
@@ -375,7 +387,7 @@ impl KernelDevice for CudaBackend {
                 CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 l.smem_bytes as i32,
             )
-            .map_err(dev)?;
+            .map_err(cuda("shared memory attribute"))?;
         }
         let p = Param(params);
         let mut b = self.cuda_stream().launch_builder(&f);
@@ -390,7 +402,7 @@ impl KernelDevice for CudaBackend {
         // ordered after their recorded uses; staged metadata is freed on this stream after
         // the launch), filled from validated descriptors; the geometry is the kernel's own
         // (`P::launch`), with the shared memory limit raised above the default.
-        unsafe { b.launch(cfg) }.map_err(dev)?;
+        unsafe { b.launch(cfg) }.map_err(cuda("launch"))?;
         Ok(())
     }
 }

@@ -76,7 +76,7 @@ impl CpuBackend {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .build()
-            .map_err(|e| Error::Device(format!("cannot start CPU thread pool: {e}")))?;
+            .map_err(|e| Error::backend("cpu", "starting the thread pool", e))?;
         Ok(CpuBackend {
             pool: Some(Arc::new(pool)),
             ..Self::default()
