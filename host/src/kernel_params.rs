@@ -97,30 +97,31 @@ fn region(r: &PagedRegion, base: u64) -> (u64, u64, u64) {
     )
 }
 
+/// The parameters of a store kernel (both stores take `(source tokens, slots, cache,
+/// n_tokens)` plus their layout's fields): reads `[source]`, writes `[cache]`, metadata
+/// `[slots]`.
+macro_rules! store_params {
+    ($with_layout:ident, $op:expr, $a:expr, $params:ident, $source:ident) => {
+        $with_layout!(
+            &$op.layout,
+            $params {
+                $source: ptr($a.read[0]),
+                slots: ptr($a.meta[0]),
+                cache: ptr_mut($a.write[0]),
+                n_tokens: $op.slots.len() as u32,
+            }
+        )
+    };
+}
+
 /// `index_k_store` of `op`: reads `[keys]`, writes `[cache]`, metadata `[slots]`.
 pub(crate) fn index_k_store(op: &IndexKStore<'_>, a: Addrs<'_>) -> IndexKStoreParams {
-    with_index_k_layout!(
-        &op.layout,
-        IndexKStoreParams {
-            keys: ptr(a.read[0]),
-            slots: ptr(a.meta[0]),
-            cache: ptr_mut(a.write[0]),
-            n_tokens: op.slots.len() as u32,
-        }
-    )
+    store_params!(with_index_k_layout, op, a, IndexKStoreParams, keys)
 }
 
 /// `kv_store` of `op`: reads `[kv]`, writes `[cache]`, metadata `[slots]`.
 pub(crate) fn kv_store(op: &KvStore<'_>, a: Addrs<'_>) -> KvStoreParams {
-    with_kv_layout!(
-        &op.layout,
-        KvStoreParams {
-            kv: ptr(a.read[0]),
-            slots: ptr(a.meta[0]),
-            cache: ptr_mut(a.write[0]),
-            n_tokens: op.slots.len() as u32,
-        }
-    )
+    store_params!(with_kv_layout, op, a, KvStoreParams, kv)
 }
 
 /// `copy_pages` of `op`: reads `[src]`, writes `[dst]` (buffer starts: the regions'
@@ -210,16 +211,16 @@ pub(crate) fn sparse_mla(op: &SparseMla, a: Addrs<'_>) -> SparseMlaParams {
     with_kv_layout!(
         &op.layout,
         SparseMlaParams {
-            q: ptr(a.read[0]),
-            cache: ptr(a.read[1]),
-            indices: ptr(a.read[2]),
-            out: ptr_mut(a.write[0]),
-            lse: ptr_mut(a.write[1]),
             n_tokens: op.n_tokens as u32,
             n_heads: op.n_heads as u32,
             topk: op.topk as u32,
             softmax_scale: op.softmax_scale,
             _pad: 0,
+            q: ptr(a.read[0]),
+            cache: ptr(a.read[1]),
+            indices: ptr(a.read[2]),
+            out: ptr_mut(a.write[0]),
+            lse: ptr_mut(a.write[1]),
         }
     )
 }
