@@ -17,10 +17,11 @@ use thiserror::Error;
 /// Result alias used across sparsekit.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// The underlying error of an [`Error::Backend`] (shared, so [`Error`] stays `Clone`).
+/// The underlying error of an [`Error::Backend`] (shared, so [`Error`](enum@Error) stays
+/// `Clone`).
 pub type ErrorSource = Arc<dyn std::error::Error + Send + Sync + 'static>;
 
-/// Which group an [`Error`] belongs to (see the [module docs](self)).
+/// Which group an [`Error`](enum@Error) belongs to (see the [module docs](self)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ErrorKind {
     /// An invalid call, rejected before anything was written.

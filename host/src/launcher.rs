@@ -4,7 +4,7 @@
 //! Such a backend implements [`Backend`]'s buffer and stream methods and [`KernelDevice`]:
 //! where per-call metadata goes (slots, page ids, page tables, query ranges), the
 //! addresses of its buffers and the typed launch of one kernel; its op methods are the
-//! functions below, pasted into its `impl Backend` by [`kernel_backend_ops!`]. Each op
+//! functions below, pasted into its `impl Backend` by [`kernel_backend_ops!`](crate::kernel_backend_ops). Each op
 //! validates the descriptor against the buffers (a rejected call writes nothing), checks
 //! the shapes the kernels support, stages the metadata, fills the kernel's parameter
 //! struct from the layout descriptor (`kernel_params`, the one place layouts become

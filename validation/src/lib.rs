@@ -1,13 +1,15 @@
 //! sparsekit validation: naive f64 references that read the packed cache bytes, the
 //! tolerance table, random ragged fixtures, the suite that runs every op on any
 //! [`sparsekit_host::Backend`] (one body per check, every backend), the conformance suite
-//! that every backend instantiates with [`test_backend!`], and golden files.
+//! that every backend instantiates with [`test_backend!`](crate::test_backend), and golden
+//! files.
 //!
-//! - [`reference`]: f64 references of every op;
+//! - [`reference`](mod@reference): f64 references of every op;
 //! - [`fixtures`]: random ragged batches, paged pools, poison, generators of every case;
 //! - [`tolerance`]: the tolerance table (by op, quantity and dtype) and the judges;
 //! - [`suite`]: the plan, the per-op cases, the batch-invariance checks and the records;
-//! - [`conformance`]: the checks every backend must pass, and [`test_backend!`];
+//! - [`conformance`]: the checks every backend must pass, and
+//!   [`test_backend!`](crate::test_backend);
 //! - [`golden`]: golden files (a user's own tensors) checked on any backend.
 
 pub mod conformance;

@@ -1,6 +1,6 @@
 //! The vector instruction set the CPU kernels are compiled for, chosen at run time.
 //!
-//! Every CPU kernel with a hot loop is compiled three times by [`isa_dispatch!`]: for
+//! Every CPU kernel with a hot loop is compiled three times by [`isa_dispatch!`](crate::isa_dispatch): for
 //! AVX-512 (F, BW) + FMA, AVX2 + FMA, and portable code. Every path performs the same
 //! correctly rounded operations in the same order, so results never depend on which one
 //! runs. The path is a [`CpuIsa`]: a value that can only name a path this CPU supports, so
@@ -75,7 +75,8 @@ impl fmt::Display for Isa {
     }
 }
 
-/// A path this CPU supports: the only way to choose what [`isa_dispatch!`] functions run.
+/// A path this CPU supports: the only way to choose what [`isa_dispatch!`](crate::isa_dispatch)
+/// functions run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CpuIsa(Isa);
 

@@ -71,8 +71,8 @@ pub const SMEM_BYTES: u32 = (RESULT + 12) as u32;
 /// The key of an invalid (`-inf` or NaN) entry; every valid key is larger.
 const INVALID: u32 = 0;
 
-/// Launch geometry: one block of [`TOPK_BLOCK`] threads per row (at most [`MAX_GRID`]
-/// blocks, which stride over the rows), [`SMEM_BYTES`] of dynamic shared memory.
+/// Launch geometry: one block of `TOPK_BLOCK` threads per row (at most [`MAX_GRID`]
+/// blocks, which stride over the rows), `SMEM_BYTES` of dynamic shared memory.
 pub fn topk_launch(p: &TopkParams) -> Launch {
     Launch {
         grid: p.n_rows.clamp(1, MAX_GRID),
@@ -145,7 +145,7 @@ struct Me {
 ///
 /// # Safety
 /// Launch with [`topk_launch`] (any block size that is a multiple of 32, divides 2048 and
-/// is at most 1024 also works, with [`SMEM_BYTES`] of dynamic shared memory); every pointer
+/// is at most 1024 also works, with `SMEM_BYTES` of dynamic shared memory); every pointer
 /// and size in `p` describes validated buffers (see [`TopkParams`]): `logits` holds
 /// `n_rows × row_stride` f32, `rows` `n_rows` ranges with `start ≤ end ≤ row_stride <
 /// 2^31`, `out` `n_rows × k` i32, and when `page_table` is not null it maps every position

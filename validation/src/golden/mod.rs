@@ -119,7 +119,7 @@ pub enum ExpectedFrom {
 }
 
 /// The decode form of a batch's query rows: per request, `next_n` rows over its
-/// `context_lens[r]` tokens (see [`decode_rows`]). Written as `context_lens` + `next_n`.
+/// `context_lens[r]` tokens (see [`decode_rows`](sparsekit_host::ops::decode_rows)). Written as `context_lens` + `next_n`.
 #[derive(Clone, Copy, Debug)]
 pub struct Decode<'a> {
     pub context_lens: &'a [u32],
