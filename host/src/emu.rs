@@ -39,7 +39,10 @@ impl Backend for EmuBackend {
     crate::kernel_backend_ops!();
 }
 
-impl KernelDevice for EmuBackend {
+// SAFETY: host buffers and borrowed metadata are addressed directly and stay borrowed for
+// the whole call; `enqueue` runs the kernel synchronously (with its own geometry) before
+// any borrow ends, so every use is ordered by the call itself.
+unsafe impl KernelDevice for EmuBackend {
     type Staged<'a> = &'a [u8];
 
     /// Host metadata is read in place: the launch is synchronous, so the borrow outlives it.

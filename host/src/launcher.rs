@@ -33,7 +33,17 @@ pub struct Addrs<'a> {
 
 /// What a backend that runs the kernels of `sparsekit-kernels` provides; its ops are built
 /// on it (see the [module docs](self)).
-pub trait KernelDevice: Backend {
+///
+/// # Safety
+/// The safe ops of this module launch kernels through these primitives, so an
+/// implementation must keep their promises: [`Self::stage`] copies the bytes where the
+/// kernels can read them and [`Self::staged_addr`] is their kernel-visible address, valid
+/// while the staged value lives (and, for queued work, until the work reading it has
+/// completed); [`Self::with_addrs`] passes the kernel-visible addresses of exactly the
+/// buffers given, each covering the buffer's [`Backend::buffer_len`] bytes, and orders the
+/// work enqueued inside `f` after earlier writes to them and before later uses (their frees
+/// included); [`Self::enqueue`] runs the kernel of `P` with `params.launch()`'s geometry.
+pub unsafe trait KernelDevice: Backend {
     /// Per-call metadata placed where the kernels can read it; kept alive until the launch
     /// that reads it has completed.
     type Staged<'a>;

@@ -8,27 +8,37 @@ use sparsekit_host::{Error, Result};
 
 use super::cuda;
 
-/// Memory the kernels can address.
-///
-/// - `Device`: device memory. cudarc's per-buffer read/write events order its uses across
-///   the compute and copy streams (a stream that reads waits for the last write, a writer
-///   for every earlier use), and its free waits for them.
-/// - `Host`: page-locked host memory mapped into the device's address space (unified
-///   addressing gives it the same address there), which the kernels read and write over
-///   PCIe. Ordered by [`HostBuffer`]'s own last-use event.
+/// Memory the kernels of one [`CudaBackend`](super::CudaBackend) can address, made only by
+/// that backend (`upload`, `alloc`, `alloc_host`), so an op never sees memory of another
+/// context or of unknown provenance.
 #[derive(Debug)]
-pub enum CudaBuffer {
+pub struct CudaBuffer(pub(super) Memory);
+
+/// The two kinds of memory behind a [`CudaBuffer`].
+#[derive(Debug)]
+pub(super) enum Memory {
+    /// Device memory. cudarc's per-buffer read/write events order its uses across the
+    /// compute and copy streams (a stream that reads waits for the last write, a writer for
+    /// every earlier use), and its free waits for them.
     Device(CudaSlice<u8>),
+    /// Page-locked host memory mapped into the device's address space (unified addressing
+    /// gives it the same address there), which the kernels read and write over PCIe.
+    /// Ordered by [`HostBuffer`]'s own last-use event.
     Host(HostBuffer),
 }
 
 impl CudaBuffer {
     /// Length in bytes.
     pub fn len(&self) -> usize {
-        match self {
-            CudaBuffer::Device(s) => s.len(),
-            CudaBuffer::Host(h) => h.slice.len(),
+        match &self.0 {
+            Memory::Device(s) => s.len(),
+            Memory::Host(h) => h.slice.len(),
         }
+    }
+
+    /// Whether the buffer is page-locked host memory (the host tier).
+    pub fn is_host(&self) -> bool {
+        matches!(self.0, Memory::Host(_))
     }
 
     /// Whether the buffer holds no bytes.
@@ -42,7 +52,7 @@ impl CudaBuffer {
 /// as writes: the host tier is touched by page copies only, so nothing is lost), the host
 /// waits for it before it reads the bytes, and the memory is not freed before it.
 #[derive(Debug)]
-pub struct HostBuffer {
+pub(super) struct HostBuffer {
     slice: PinnedHostSlice<u8>,
     last_use: Mutex<Option<Arc<CudaEvent>>>,
 }

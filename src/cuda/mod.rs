@@ -34,7 +34,8 @@ use sparsekit_kernels::launch::{KernelParams, DEFAULT_DYN_SMEM};
 
 use crate::ptx::{ptx_for_device, PTX, PTX_BUILD_INFO};
 
-pub use buffer::{CudaBuffer, HostBuffer};
+pub use buffer::CudaBuffer;
+use buffer::{HostBuffer, Memory};
 
 /// A kernel parameter struct passed by value as the kernel's single argument.
 #[repr(transparent)]
@@ -247,7 +248,7 @@ impl Backend for CudaBackend {
             .cuda_stream()
             .clone_htod(bytes)
             .map_err(cuda("upload"))?;
-        Ok(CudaBuffer::Device(s))
+        Ok(CudaBuffer(Memory::Device(s)))
     }
 
     fn alloc(&self, bytes: usize) -> Result<CudaBuffer> {
@@ -257,7 +258,7 @@ impl Backend for CudaBackend {
         } else {
             stream.alloc_zeros::<u8>(bytes)
         };
-        Ok(CudaBuffer::Device(s.map_err(cuda("allocation"))?))
+        Ok(CudaBuffer(Memory::Device(s.map_err(cuda("allocation"))?)))
     }
 
     fn alloc_host(&self, bytes: usize) -> Result<CudaBuffer> {
@@ -271,16 +272,16 @@ impl Backend for CudaBackend {
         }
         .map_err(cuda("host allocation"))?;
         s.as_mut_slice().map_err(cuda("host allocation"))?.fill(0);
-        Ok(CudaBuffer::Host(HostBuffer::new(s)))
+        Ok(CudaBuffer(Memory::Host(HostBuffer::new(s))))
     }
 
     fn download(&self, buf: &CudaBuffer) -> Result<Vec<u8>> {
-        match buf {
-            CudaBuffer::Device(s) if s.is_empty() => Ok(Vec::new()),
+        match &buf.0 {
+            Memory::Device(s) if s.is_empty() => Ok(Vec::new()),
             // Pageable destination: returns once the copy (queued behind the buffer's last
             // write, on any stream) has completed.
-            CudaBuffer::Device(s) => self.cuda_stream().clone_dtoh(s).map_err(cuda("download")),
-            CudaBuffer::Host(h) => h.read(),
+            Memory::Device(s) => self.cuda_stream().clone_dtoh(s).map_err(cuda("download")),
+            Memory::Host(h) => h.read(),
         }
     }
 
@@ -332,7 +333,12 @@ impl Backend for CudaBackend {
     sparsekit_host::kernel_backend_ops!();
 }
 
-impl KernelDevice for CudaBackend {
+// SAFETY: metadata is uploaded to device memory freed stream-ordered after the launches
+// that read it; buffer addresses come from cudarc (device memory, whose read/write events
+// order uses across streams and whose free waits for them) or from `HostBuffer` (mapped
+// memory with its own last-use event, waited for before reads and before the free);
+// `enqueue` launches `P::ENTRY` with `params.launch()`.
+unsafe impl KernelDevice for CudaBackend {
     type Staged<'a> = CudaSlice<u8>;
 
     fn stage(&self, bytes: &[u8]) -> Result<CudaSlice<u8>> {
@@ -359,13 +365,20 @@ impl KernelDevice for CudaBackend {
         // Device buffers: the stream waits for the buffer's last write (a read) or for
         // every earlier use (a write), and the guard records this use once the launch is
         // enqueued. Host buffers: see `HostBuffer`.
-        let reads = reads.iter().map(|b| match b {
-            CudaBuffer::Device(s) => Ok(UseGuard::device(s.device_ptr(stream))),
-            CudaBuffer::Host(h) => UseGuard::host(h, stream),
+        let ctx = &self.device.ctx;
+        let foreign = || Error::InvalidArgument {
+            what: "buffer",
+            detail: "device memory of another CUDA device (context)".into(),
+        };
+        let reads = reads.iter().map(|b| match &b.0 {
+            Memory::Device(s) if s.context() != ctx => Err(foreign()),
+            Memory::Device(s) => Ok(UseGuard::device(s.device_ptr(stream))),
+            Memory::Host(h) => UseGuard::host(h, stream),
         });
-        let writes = writes.iter_mut().map(|b| match &mut **b {
-            CudaBuffer::Device(s) => Ok(UseGuard::device(s.device_ptr_mut(stream))),
-            CudaBuffer::Host(h) => UseGuard::host(h, stream),
+        let writes = writes.iter_mut().map(|b| match &mut b.0 {
+            Memory::Device(s) if s.context() != ctx => Err(foreign()),
+            Memory::Device(s) => Ok(UseGuard::device(s.device_ptr_mut(stream))),
+            Memory::Host(h) => UseGuard::host(h, stream),
         });
         let (r, rg): (Vec<u64>, Vec<UseGuard<'_>>) =
             reads.collect::<Result<Vec<_>>>()?.into_iter().unzip();
