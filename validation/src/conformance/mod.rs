@@ -93,13 +93,37 @@ pub fn run_check<B: Backend>(
                 !required,
                 "{instance}: backend required ({REQUIRE_ENV}) but unavailable: {e}"
             );
-            eprintln!("skipped {instance}::{check_name}: backend unavailable: {e}");
+            report_skip(instance, check_name, &e);
             return;
         }
     };
     if let Err(f) = check(&backend) {
         panic!("{instance}::{check_name} on {}: {f}", backend.name());
     }
+}
+
+/// Says why an instance skips: once per instance and process on stderr itself (not the
+/// test harness's captured output, so `cargo test` shows it), and per check in the
+/// captured output.
+fn report_skip(instance: &str, check_name: &str, e: &sparsekit_host::Error) {
+    use std::io::Write as _;
+    static SAID: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let first = SAID.lock().is_ok_and(|mut said| {
+        let first = !said.iter().any(|s| s == instance);
+        if first {
+            said.push(instance.to_string());
+        }
+        first
+    });
+    if first {
+        // Best effort: a closed stderr must not fail the test.
+        let _closed = writeln!(
+            std::io::stderr(),
+            "conformance instance {instance} skipped (backend unavailable: {e}); set \
+             {REQUIRE_ENV}={instance} to make this a failure"
+        );
+    }
+    eprintln!("skipped {instance}::{check_name}: backend unavailable: {e}");
 }
 
 /// The validation suite of `op` at quick sizes on `b`: every record must pass.
