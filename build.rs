@@ -25,6 +25,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
+// The ptxas / SASS parser of the library (`sparsekit::ptxas`), so the build's spill gate and
+// `sparsekit kernels` read the logs the same way; the build uses part of it.
+#[allow(dead_code)]
+#[path = "src/ptxas.rs"]
+mod ptxas;
+
 /// (arch, PTX ISA feature for llc). LLVM already raises `.version` to the
 /// minimum the SM needs (sm_80 -> 7.0, sm_90 -> 7.8, sm_120 -> 8.7), but it
 /// cannot see inline asm: the e4m3 `mma.sync ... m16n8k32` needs PTX 8.4.
@@ -274,21 +280,18 @@ fn build_all(manifest_dir: &Path, kernels_dir: &Path, out_dir: &Path) -> Result<
             if !out.status.success() {
                 panic!("ptxas -arch={arch} failed on {}:\n{log}", ptx.display());
             }
+            let functions = ptxas::parse_ptxas_log(&log);
             if arch != "sm_80" {
-                for line in summarize_ptxas(&log) {
-                    if line.contains("spill")
-                        && !line.contains(" 0 bytes spill stores, 0 bytes spill loads")
-                    {
-                        panic!(
-                            "register spill at {arch}: {line}\nfull log: {}",
-                            log_path.display()
-                        );
-                    }
+                if let Some(f) = functions.iter().find(|f| f.spill_bytes() > 0) {
+                    panic!(
+                        "register spill at {arch}: {f:?}\nfull log: {}",
+                        log_path.display()
+                    );
                 }
             }
             if verbose {
-                for line in summarize_ptxas(&log) {
-                    println!("cargo:warning={arch} {line}");
+                for f in &functions {
+                    println!("cargo:warning={arch} {f:?}");
                 }
             }
             built.ptxas_log = Some(log_path);
@@ -506,24 +509,6 @@ fn find_ptxas(manifest_dir: &Path) -> Option<PathBuf> {
     })
 }
 
-/// "mma_probe: 22 registers, 0 bytes spill stores, ..." lines from `ptxas -v`.
-fn summarize_ptxas(log: &str) -> Vec<String> {
-    let mut res = Vec::new();
-    let mut cur = String::new();
-    let mut props = String::new();
-    for line in log.lines() {
-        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
-            cur = rest.split('\'').next().unwrap_or("").to_string();
-        } else if line.contains("bytes stack frame") {
-            props = line.trim().to_string();
-        } else if line.contains("Used ") && !cur.is_empty() {
-            let used = line.split("Used ").nth(1).unwrap_or("");
-            res.push(format!("{cur}: used {used}; {props}"));
-        }
-    }
-    res
-}
-
 fn run(cmd: &mut Command, what: &str) {
     let out = cmd
         .stdin(Stdio::null())
@@ -580,23 +565,9 @@ fn sass_summary(ptxas: &Path, cubin: &Path) -> Option<String> {
         );
         return None;
     }
-    let mut res = String::new();
-    let mut cur: Option<(String, usize, usize)> = None;
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        if let Some(rest) = line.trim().strip_prefix("Function : ") {
-            if let Some((n, h, q)) = cur.take() {
-                writeln!(res, "{n}\t{h}\t{q}").unwrap();
-            }
-            cur = Some((rest.trim().to_string(), 0, 0));
-        } else if let Some((_, h, q)) = cur.as_mut() {
-            *h += line.matches("HMMA").count();
-            *q += line.matches("QMMA").count();
-        }
-    }
-    if let Some((n, h, q)) = cur {
-        writeln!(res, "{n}\t{h}\t{q}").unwrap();
-    }
-    Some(res)
+    Some(ptxas::sass_to_tsv(&ptxas::parse_sass(
+        &String::from_utf8_lossy(&out.stdout),
+    )))
 }
 
 fn write_generated(out_dir: &Path, entries: &[Built], info: &str) {

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One-shot check on a machine with an NVIDIA GPU: build (PTX required), list the kernels
-# with their resources, validate the CUDA backend against the f64 references, run the
-# CUDA benches, then print a short summary. Full results go to the folder given as the
-# first argument (default: ./gpu-check-<date>).
+# with their resources, run the conformance suite's cuda instance (tests/cuda_suite.rs:
+# every op against the f64 references, typed errors, streams and events, the copy/compute
+# overlap; a skip is a failure here), validate the CUDA backend at full size, run the CUDA
+# benches, then print a short summary. Full results go to the folder given as the first
+# argument (default: ./gpu-check-<date>).
 #
 #   bash scripts/gpu-check.sh [OUT_DIR] [--quick]
 set -uo pipefail
@@ -21,6 +23,15 @@ BIN=target/release/sparsekit
 echo "==> kernels"
 $BIN kernels --json >"$OUT/kernels.json" || status=1
 $BIN kernels | tee "$OUT/kernels.txt" >/dev/null
+
+echo "==> conformance suite, cuda instance (cargo test --test cuda_suite)"
+if SPARSEKIT_REQUIRE_PTX=1 SPARSEKIT_REQUIRE_BACKENDS=cuda \
+    cargo test --release -p sparsekit --test cuda_suite -- --nocapture >"$OUT/cuda-suite.log" 2>&1; then
+    c_status=pass
+else
+    c_status=FAIL; status=1
+fi
+grep -E "^test result|overlap|on two streams" "$OUT/cuda-suite.log" || true
 
 echo "==> validate --backend cuda $QUICK"
 if $BIN validate --backend cuda $QUICK --json >"$OUT/validate-cuda.json" 2>"$OUT/validate-cuda.err"; then
@@ -67,5 +78,5 @@ print("bench cuda:")
 for r in b if isinstance(b, list) else b.get("results", []):
     print("  " + "  ".join(f"{k}={r[k]}" for k in ("op", "config", "time_us", "gbps", "fraction") if k in r))
 PY
-echo "validate: $v_status, bench: $b_status"
+echo "conformance (cuda): $c_status, validate: $v_status, bench: $b_status"
 exit $status

@@ -9,6 +9,7 @@
 pub mod cuda;
 pub mod kernel_report;
 pub mod ptx;
+pub mod ptxas;
 pub mod table;
 
 pub use sparsekit_host as host;

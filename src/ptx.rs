@@ -6,11 +6,6 @@ mod generated {
 }
 pub use generated::{PTX, PTXAS_LOGS, PTX_BUILD_INFO, SASS_TENSOR_OPS};
 
-/// PTX built for exactly `arch` (`"sm_80"`, `"sm_90"`, `"sm_120"`).
-pub fn ptx_for(arch: &str) -> Option<&'static str> {
-    PTX.iter().find(|(a, _)| *a == arch).map(|(_, p)| *p)
-}
-
 /// The PTX to load on a device of compute capability `major.minor`: the newest built arch
 /// not newer than the device (PTX for `sm_XY` JIT-compiles for any later SM).
 pub fn ptx_for_device(major: u32, minor: u32) -> Option<(&'static str, &'static str)> {

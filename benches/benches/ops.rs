@@ -21,11 +21,11 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, SamplingMode, Throughput};
 use sparsekit_benches::cost::Cost;
-use sparsekit_benches::inputs::{IndexerCase, SparseMlaCase, TopkCase};
+use sparsekit_benches::inputs::{IndexerLogitsCase, SparseMlaCase, TopkCase};
 use sparsekit_benches::pages::{ChecksumCase, CopyCase, StoreCase};
 use sparsekit_benches::report::{criterion_dir, Bound, Machine, Report, Row};
 use sparsekit_benches::roofline::{self, Effort, Roofline};
-use sparsekit_benches::{indexer_id, sparse_mla_id, topk_id, Scale, Suite};
+use sparsekit_benches::{indexer_logits_id, sparse_mla_id, topk_id, Scale, Suite};
 use sparsekit_host::{CpuBackend, Result};
 
 const SAMPLES: usize = 10;
@@ -117,16 +117,16 @@ fn main() {
     let suite = Suite::new(scale).expect("bench configurations");
     let mut measured = Vec::new();
 
-    for (i, shape) in suite.indexer.iter().enumerate() {
+    for (i, shape) in suite.indexer_logits.iter().enumerate() {
         let cost = shape.cost().expect("indexer cost");
         measured.push(bench_one(
             &mut c,
             &backend,
             &roof,
             "indexer_logits",
-            &indexer_id(shape),
+            &indexer_logits_id(shape),
             cost,
-            |be| IndexerCase::build(be, *shape, 100 + i as u64),
+            |be| IndexerLogitsCase::build(be, *shape, 100 + i as u64),
             |case, be| case.run(be),
         ));
     }

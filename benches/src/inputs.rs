@@ -146,7 +146,7 @@ pub fn filled_kv_cache<B: Backend>(
 
 /// Shape of an `indexer_logits` bench.
 #[derive(Clone, Copy, Debug)]
-pub struct IndexerShape {
+pub struct IndexerLogitsShape {
     pub layout: IndexKLayout,
     pub n_heads: usize,
     pub batch: usize,
@@ -154,7 +154,7 @@ pub struct IndexerShape {
     pub next_n: usize,
 }
 
-impl IndexerShape {
+impl IndexerLogitsShape {
     /// The rows of the call (decode form, every request at `context`).
     pub fn rows(&self) -> Result<Vec<QueryRange>> {
         decode_rows(&vec![self.context as u32; self.batch], self.next_n)
@@ -174,8 +174,8 @@ impl IndexerShape {
 /// A ready-to-run `indexer_logits` call: `batch` requests of `context` tokens each, their
 /// pages a shuffled permutation of a pool that holds exactly them.
 #[derive(Debug)]
-pub struct IndexerCase<B: Backend> {
-    pub shape: IndexerShape,
+pub struct IndexerLogitsCase<B: Backend> {
+    pub shape: IndexerLogitsShape,
     pub pages: Vec<i32>,
     pub max_pages: usize,
     pub context_lens: Vec<u32>,
@@ -185,8 +185,8 @@ pub struct IndexerCase<B: Backend> {
     pub out: B::Buffer,
 }
 
-impl<B: Backend> IndexerCase<B> {
-    pub fn build(backend: &B, shape: IndexerShape, seed: u64) -> Result<Self> {
+impl<B: Backend> IndexerLogitsCase<B> {
+    pub fn build(backend: &B, shape: IndexerLogitsShape, seed: u64) -> Result<Self> {
         let mut rng = rng(seed);
         let l = shape.layout;
         let max_pages = shape.context.div_ceil(l.page_size());
@@ -198,7 +198,7 @@ impl<B: Backend> IndexerCase<B> {
         let w_scale = 1.0 / ((h * d) as f32).sqrt();
         let weights = backend.upload(&f32_bytes(&f32_values(&mut rng, rows * h, w_scale)))?;
         let out = backend.upload(&f32_bytes(&vec![f32::NAN; rows * shape.context]))?;
-        Ok(IndexerCase {
+        Ok(IndexerLogitsCase {
             shape,
             pages,
             max_pages,
@@ -430,14 +430,14 @@ mod tests {
     fn small_cases_run_and_fill_every_output() {
         let be = CpuBackend::new();
         for dtype in [IndexKDtype::FP8, IndexKDtype::Bf16] {
-            let shape = IndexerShape {
+            let shape = IndexerLogitsShape {
                 layout: IndexKLayout::new(dtype, 128, 64).unwrap(),
                 n_heads: 8,
                 batch: 2,
                 context: 300,
                 next_n: 1,
             };
-            let mut case = IndexerCase::build(&be, shape, 3).unwrap();
+            let mut case = IndexerLogitsCase::build(&be, shape, 3).unwrap();
             // The cache holds real data in every page.
             let cache = be.download(&case.cache).unwrap();
             for page in cache.chunks_exact(shape.layout.bytes_per_page()) {

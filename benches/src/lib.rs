@@ -12,7 +12,7 @@ pub mod runner;
 
 use sparsekit_host::{IndexKDtype, IndexKLayout, KvDtype, KvLayout, ModelDims, Result};
 
-use inputs::{IndexerShape, SparseMlaShape, TopkShape};
+use inputs::{IndexerLogitsShape, SparseMlaShape, TopkShape};
 use pages::{ChecksumShape, CopyShape, Direction, StoreShape};
 use sparsekit_host::layout::PageLayout;
 
@@ -28,7 +28,7 @@ pub enum Scale {
 /// Every bench configuration at `scale`.
 #[derive(Clone, Debug)]
 pub struct Suite {
-    pub indexer: Vec<IndexerShape>,
+    pub indexer_logits: Vec<IndexerLogitsShape>,
     pub topk: Vec<TopkShape>,
     pub sparse_mla: Vec<SparseMlaShape>,
     pub stores: Vec<StoreShape>,
@@ -46,9 +46,9 @@ impl Suite {
             Scale::Full => (8, 65536, 64, 8, d.index_topk, 65536),
             Scale::Smoke => (2, 4096, 4, 2, 256, 4096),
         };
-        let mut indexer = Vec::new();
+        let mut indexer_logits = Vec::new();
         for dtype in [IndexKDtype::FP8, IndexKDtype::Bf16] {
-            indexer.push(IndexerShape {
+            indexer_logits.push(IndexerLogitsShape {
                 layout: IndexKLayout::new(dtype, d.index_head_dim, d.page_size)?,
                 n_heads: d.index_n_heads,
                 batch,
@@ -119,7 +119,7 @@ impl Suite {
             },
         ];
         Ok(Suite {
-            indexer,
+            indexer_logits,
             topk,
             sparse_mla,
             stores,
@@ -130,7 +130,7 @@ impl Suite {
 }
 
 /// Bench id of an indexer shape, e.g. `fp8_e4m3/b8_ctx65536_h64_n1`.
-pub fn indexer_id(s: &IndexerShape) -> String {
+pub fn indexer_logits_id(s: &IndexerLogitsShape) -> String {
     format!(
         "{}/b{}_ctx{}_h{}_n{}",
         s.layout.dtype().name(),

@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 use serde::Serialize;
+use sparsekit_host::cpu::{CpuIsa, Isa};
 
 /// The two ceilings every bench result is read against.
 #[derive(Clone, Copy, Debug, Serialize)]
@@ -117,62 +118,29 @@ fn fma_chains<const N: usize>(iters: u64, x: f32, y: f32) -> f32 {
     acc.iter().sum()
 }
 
-/// FMAs per round of the AVX-512 kernel: 16 zmm chains.
-#[cfg(target_arch = "x86_64")]
-const N_AVX512: usize = 16 * 16;
-/// FMAs per round of the AVX2 kernel: 12 ymm chains (of 16 registers).
-#[cfg(target_arch = "x86_64")]
-const N_AVX2: usize = 12 * 8;
-/// FMAs per round of the portable kernel.
-const N_SCALAR: usize = 32;
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,fma")]
-unsafe fn fma_avx512(iters: u64, x: f32, y: f32) -> f32 {
-    fma_chains::<N_AVX512>(iters, x, y)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn fma_avx2(iters: u64, x: f32, y: f32) -> f32 {
-    fma_chains::<N_AVX2>(iters, x, y)
-}
-
-/// `kernel(iters, x, y)`: runs the FMA chains, returns their sum.
-type FmaKernel = fn(u64, f32, f32) -> f32;
-
-/// The FMA kernel for this CPU: its instruction set, FMAs per round, and the kernel.
-fn fma_kernel() -> (&'static str, u64, FmaKernel) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("fma")
-        {
-            fn run(iters: u64, x: f32, y: f32) -> f32 {
-                // SAFETY: only selected when the CPU reports AVX-512F and FMA.
-                unsafe { fma_avx512(iters, x, y) }
-            }
-            return ("avx512f", N_AVX512 as u64, run);
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            fn run(iters: u64, x: f32, y: f32) -> f32 {
-                // SAFETY: only selected when the CPU reports AVX2 and FMA.
-                unsafe { fma_avx2(iters, x, y) }
-            }
-            return ("avx2+fma", N_AVX2 as u64, run);
-        }
+/// FMAs per round of a path's kernel: 16 zmm chains for AVX-512, 12 ymm chains (of 16
+/// registers) for AVX2, 32 for portable code.
+const fn fmas_per_round(isa: Isa) -> usize {
+    match isa {
+        Isa::Avx512 => 16 * 16,
+        Isa::Avx2 => 12 * 8,
+        Isa::Scalar => 32,
     }
-    fn run(iters: u64, x: f32, y: f32) -> f32 {
-        fma_chains::<N_SCALAR>(iters, x, y)
-    }
-    ("scalar", N_SCALAR as u64, run)
 }
 
-/// f32 FMA peak of all rayon threads together, in FLOP/s, and the instruction set used.
-/// Each run lasts about `target_s`; the best of `runs` is returned.
+sparsekit_host::isa_dispatch! {
+    /// [`fma_chains`] with the path's chain count, compiled for the path.
+    fn fma_run(iters: u64, x: f32, y: f32) -> f32 =
+        |ISA| fma_chains::<{ fmas_per_round(ISA.isa()) }>(iters, x, y);
+}
+
+/// f32 FMA peak of all rayon threads together, in FLOP/s, and the vector path used (the
+/// CPU backend's default: the widest, or the one `SPARSEKIT_CPU_ISA` forces). Each run
+/// lasts about `target_s`; the best of `runs` is returned.
 pub fn fma_peak(target_s: f64, runs: usize) -> (f64, &'static str) {
-    let (isa, fmas_per_round, kernel) = fma_kernel();
+    let isa = CpuIsa::get();
+    let fmas_per_round = fmas_per_round(isa.isa());
+    let kernel = |iters, x, y| fma_run(isa, iters, x, y);
     // x < 1 and y > 0: every chain converges to y / (1 - x), far from overflow and denormals.
     let run = |iters: u64| -> f64 {
         let t = Instant::now();
@@ -198,7 +166,7 @@ pub fn fma_peak(target_s: f64, runs: usize) -> (f64, &'static str) {
     }
     (
         2.0 * fmas_per_round as f64 * iters as f64 * threads / best,
-        isa,
+        isa.isa().name(),
     )
 }
 
@@ -232,10 +200,10 @@ mod tests {
 
     #[test]
     fn chains_compute_the_recurrence() {
-        // 3 rounds of a = a·0.5 + 1 from 1: 1.5, 1.75, 1.875 in every lane.
-        let (_, per_round, kernel) = fma_kernel();
-        let s = kernel(3, 0.5, 1.0);
-        assert_eq!(s, 1.875 * per_round as f32);
-        assert_eq!(fma_chains::<N_SCALAR>(3, 0.5, 1.0), 1.875 * N_SCALAR as f32);
+        // 3 rounds of a = a·0.5 + 1 from 1: 1.5, 1.75, 1.875 in every lane, on every path.
+        for isa in CpuIsa::available() {
+            let per_round = fmas_per_round(isa.isa());
+            assert_eq!(fma_run(isa, 3, 0.5, 1.0), 1.875 * per_round as f32);
+        }
     }
 }

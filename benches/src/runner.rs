@@ -1,21 +1,20 @@
 //! A plain timing runner over every bench configuration for any backend (what
 //! `sparsekit bench --backend B` uses; `cargo bench` uses criterion over the same cases).
 //!
-//! Each case is built once, warmed up, then timed call by call (ops return after their
-//! work completed: the CUDA backend synchronises its stream). Ops the backend does not
-//! implement are listed as skipped, never timed.
+//! Each case is built once, warmed up, then timed call by call; each timed call includes
+//! `Backend::synchronize`, so a backend that enqueues its work (cuda) is timed until the
+//! work has completed.
 
 use std::time::Instant;
 
-use sparsekit_host::ops::Op;
 use sparsekit_host::{Backend, Error, Result};
 
 use crate::cost::Cost;
-use crate::inputs::{IndexerCase, SparseMlaCase, TopkCase};
+use crate::inputs::{IndexerLogitsCase, SparseMlaCase, TopkCase};
 use crate::pages::{ChecksumCase, CopyCase, Direction, StoreCase};
 use crate::report::Row;
 use crate::roofline::Roofline;
-use crate::{indexer_id, sparse_mla_id, topk_id, Suite};
+use crate::{indexer_logits_id, sparse_mla_id, topk_id, Suite};
 
 /// How much to time.
 #[derive(Clone, Copy, Debug)]
@@ -31,8 +30,6 @@ pub struct RunOptions {
 pub struct RunOutput {
     /// Per-call samples of every timed case: (op, config, cost, seconds per call).
     pub timed: Vec<(String, String, Cost, Vec<f64>)>,
-    /// `op/config` of cases the backend does not implement.
-    pub skipped: Vec<String>,
 }
 
 impl RunOutput {
@@ -55,17 +52,19 @@ fn time<B: Backend, C>(
     for _ in 0..opts.warmup {
         run(&mut case, backend)?;
     }
+    backend.synchronize()?;
     let mut t = Vec::with_capacity(opts.samples.max(1));
     for _ in 0..opts.samples.max(1) {
         let start = Instant::now();
         run(&mut case, backend)?;
+        backend.synchronize()?;
         t.push(start.elapsed().as_secs_f64());
     }
     Ok(t)
 }
 
-/// Runs every case of `suite` that `backend` implements; `progress` is called with each
-/// case's `op/config` before it runs.
+/// Runs every case of `suite` on `backend`; `progress` is called with each case's
+/// `op/config` before it runs.
 pub fn run<B: Backend>(
     backend: &B,
     suite: &Suite,
@@ -76,75 +75,52 @@ pub fn run<B: Backend>(
     let mut add = |op: &str,
                    cfg: String,
                    cost: Cost,
-                   supported: bool,
                    f: &mut dyn FnMut() -> Result<Vec<f64>>|
      -> Result<()> {
         let name = format!("{op}/{cfg}");
-        if !supported {
-            out.skipped.push(name);
-            return Ok(());
-        }
         progress(&name);
         let t = f()?;
         out.timed.push((op.to_string(), cfg, cost, t));
         Ok(())
     };
-    for (i, s) in suite.indexer.iter().enumerate() {
+    for (i, s) in suite.indexer_logits.iter().enumerate() {
         add(
             "indexer_logits",
-            indexer_id(s),
+            indexer_logits_id(s),
             s.cost()?,
-            backend.supports(Op::IndexerLogits),
             &mut || {
                 time(
                     backend,
                     opts,
-                    || IndexerCase::build(backend, *s, 100 + i as u64),
+                    || IndexerLogitsCase::build(backend, *s, 100 + i as u64),
                     |c, b| c.run(b),
                 )
             },
         )?;
     }
     for (i, s) in suite.topk.iter().enumerate() {
-        add(
-            "topk",
-            topk_id(s),
-            s.cost()?,
-            backend.supports(Op::Topk),
-            &mut || {
-                time(
-                    backend,
-                    opts,
-                    || TopkCase::build(backend, *s, 200 + i as u64),
-                    |c, b| c.run(b),
-                )
-            },
-        )?;
+        add("topk", topk_id(s), s.cost()?, &mut || {
+            time(
+                backend,
+                opts,
+                || TopkCase::build(backend, *s, 200 + i as u64),
+                |c, b| c.run(b),
+            )
+        })?;
     }
     for (i, s) in suite.sparse_mla.iter().enumerate() {
-        add(
-            "sparse_mla",
-            sparse_mla_id(s),
-            s.cost(),
-            backend.supports(Op::SparseMla),
-            &mut || {
-                time(
-                    backend,
-                    opts,
-                    || SparseMlaCase::build(backend, *s, 300 + i as u64),
-                    |c, b| c.run(b),
-                )
-            },
-        )?;
+        add("sparse_mla", sparse_mla_id(s), s.cost(), &mut || {
+            time(
+                backend,
+                opts,
+                || SparseMlaCase::build(backend, *s, 300 + i as u64),
+                |c, b| c.run(b),
+            )
+        })?;
     }
     for (i, s) in suite.stores.iter().enumerate() {
         let (op, cfg) = s.id();
-        let supported = backend.supports(if op == "kv_store" {
-            Op::KvStore
-        } else {
-            Op::IndexKStore
-        });
-        add(&op, cfg, s.cost(), supported, &mut || {
+        add(&op, cfg, s.cost(), &mut || {
             time(
                 backend,
                 opts,
@@ -154,36 +130,24 @@ pub fn run<B: Backend>(
         })?;
     }
     for (i, s) in suite.copies.iter().enumerate() {
-        add(
-            "copy_pages",
-            s.id(),
-            s.cost(),
-            backend.supports(Op::CopyPages),
-            &mut || {
-                time(
-                    backend,
-                    opts,
-                    || CopyCase::build(backend, *s, 500 + i as u64),
-                    |c, b| c.run(b),
-                )
-            },
-        )?;
+        add("copy_pages", s.id(), s.cost(), &mut || {
+            time(
+                backend,
+                opts,
+                || CopyCase::build(backend, *s, 500 + i as u64),
+                |c, b| c.run(b),
+            )
+        })?;
     }
     for (i, s) in suite.checksums.iter().enumerate() {
-        add(
-            "page_checksums",
-            s.id(),
-            s.cost(),
-            backend.supports(Op::PageChecksums),
-            &mut || {
-                time(
-                    backend,
-                    opts,
-                    || ChecksumCase::build(backend, *s, 600 + i as u64),
-                    |c, b| c.run(b),
-                )
-            },
-        )?;
+        add("page_checksums", s.id(), s.cost(), &mut || {
+            time(
+                backend,
+                opts,
+                || ChecksumCase::build(backend, *s, 600 + i as u64),
+                |c, b| c.run(b),
+            )
+        })?;
     }
     Ok(out)
 }

@@ -1,14 +1,42 @@
 //! The library's typed error. Every caller mistake maps to a variant; nothing panics on it.
+//!
+//! The variants fall in three groups, told apart by [`Error::kind`]:
+//! - [`ErrorKind::Op`]: the call was invalid (a layout, a buffer size, a slot, a range,
+//!   a parameter); it was rejected before anything was written;
+//! - [`ErrorKind::Cache`]: the cache refused or lost something (out of pages, a stale page
+//!   reference, an integrity or accounting failure, a cancelled load);
+//! - [`ErrorKind::Device`]: the backend's device, driver or emulator failed, or a bounded
+//!   wait ran out. [`Error::Backend`] keeps the underlying error as its
+//!   [`source`](std::error::Error::source) (a cudarc `DriverError`, an emulator
+//!   `EmuError`); [`Error::Device`] carries a message only.
+
+use std::sync::Arc;
 
 use thiserror::Error;
 
 /// Result alias used across sparsekit.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Errors returned by layouts, backends and ops.
-#[derive(Debug, Error, Clone, PartialEq)]
+/// The underlying error of an [`Error::Backend`] (shared, so [`Error`](enum@Error) stays
+/// `Clone`).
+pub type ErrorSource = Arc<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Which group an [`Error`](enum@Error) belongs to (see the [module docs](self)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// An invalid call, rejected before anything was written.
+    Op,
+    /// A cache refusal or failure.
+    Cache,
+    /// A device, driver or emulator failure, or a bounded wait that ran out.
+    Device,
+}
+
+/// Errors returned by layouts, backends, ops and the cache.
+#[derive(Debug, Error, Clone)]
 #[non_exhaustive]
 pub enum Error {
+    // ---- op validation ([`ErrorKind::Op`])
     /// A layout descriptor was constructed with impossible parameters.
     #[error("invalid layout: {0}")]
     InvalidLayout(String),
@@ -78,6 +106,7 @@ pub enum Error {
         expected: u64,
         actual: u64,
     },
+    // ---- cache ([`ErrorKind::Cache`])
     /// A pool has too few free pages.
     #[error("{what} pool: {wanted} pages wanted, {free} free")]
     OutOfPages {
@@ -109,9 +138,6 @@ pub enum Error {
     /// A cache operation was cancelled (request aborted, worker stopped).
     #[error("cancelled: {0}")]
     Cancelled(String),
-    /// A bounded wait (a layer's ready token, a layer lock, free pages) ran out.
-    #[error("timed out after {waited_ms} ms waiting for {what}")]
-    Timeout { what: &'static str, waited_ms: u64 },
     /// A page's bytes in a layer were not written for the reference's generation (never
     /// landed, or overwritten by a stale write): the landed-stamp check of a read guard.
     #[error("page {page} layer {layer}: not landed for generation {generation} (stamp {stamp:?})")]
@@ -125,10 +151,25 @@ pub enum Error {
     /// aborted, ...): `cause` says why; drop the request from the batch and go on.
     #[error("request {request}: {cause}")]
     RequestFailed { request: u64, cause: Box<Error> },
-    /// The backend does not implement this op (yet).
-    #[error("backend {backend} does not implement {op}")]
-    NotImplemented { backend: String, op: &'static str },
-    /// The device or its driver reported a failure.
+    // ---- device ([`ErrorKind::Device`])
+    /// A backend's device, driver or emulator failed; `source` is its own error.
+    #[error("{backend} backend: {context}: {source}")]
+    Backend {
+        /// `cpu`, `emu` or `cuda`.
+        backend: &'static str,
+        /// What was being done (`launch of sparse_mla`, `upload`, …).
+        context: String,
+        #[source]
+        source: ErrorSource,
+    },
+    /// A bounded wait ran out (the work it waited for did not complete in time).
+    #[error("{what}: not complete after {after:?}")]
+    Timeout {
+        what: &'static str,
+        after: std::time::Duration,
+    },
+    /// A device-side failure described by a message only (prefer [`Error::Backend`], which
+    /// keeps the underlying error).
     #[error("device error: {0}")]
     Device(String),
 }
@@ -139,5 +180,81 @@ impl Error {
             what,
             detail: detail.into(),
         }
+    }
+
+    /// A backend failure with its underlying error kept as the source.
+    pub fn backend(
+        backend: &'static str,
+        context: impl Into<String>,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        Error::Backend {
+            backend,
+            context: context.into(),
+            source: Arc::new(source),
+        }
+    }
+
+    /// Which group the error belongs to.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::InvalidLayout(_)
+            | Error::BufferSize { .. }
+            | Error::Shape { .. }
+            | Error::InvalidArgument { .. }
+            | Error::SlotOutOfRange { .. }
+            | Error::DuplicateSlot { .. }
+            | Error::DuplicatePage { .. }
+            | Error::PageOutOfRange { .. }
+            | Error::InvalidRange { .. }
+            | Error::LayoutMismatch { .. } => ErrorKind::Op,
+            Error::OutOfPages { .. }
+            | Error::StalePage { .. }
+            | Error::Integrity { .. }
+            | Error::Leak(_)
+            | Error::Cancelled(_)
+            | Error::NotLanded { .. }
+            | Error::RequestFailed { .. } => ErrorKind::Cache,
+            Error::Backend { .. } | Error::Timeout { .. } | Error::Device(_) => ErrorKind::Device,
+        }
+    }
+}
+
+/// Errors compare by kind and message (a source is compared by its message).
+impl PartialEq for Error {
+    fn eq(&self, other: &Self) -> bool {
+        std::mem::discriminant(self) == std::mem::discriminant(other)
+            && self.to_string() == other.to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error as _;
+
+    #[derive(Debug)]
+    struct DriverSaid;
+    impl std::fmt::Display for DriverSaid {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("CUDA_ERROR_ILLEGAL_ADDRESS")
+        }
+    }
+    impl std::error::Error for DriverSaid {}
+
+    #[test]
+    fn backend_errors_keep_their_source_and_kinds_separate() {
+        let e = Error::backend("cuda", "launch of topk", DriverSaid);
+        assert_eq!(e.kind(), ErrorKind::Device);
+        let source = e.source().map(|s| s.to_string());
+        assert_eq!(source.as_deref(), Some("CUDA_ERROR_ILLEGAL_ADDRESS"));
+        assert!(e.to_string().contains("launch of topk"));
+        assert_eq!(e.clone(), e);
+        assert_eq!(
+            Error::invalid("k", "must be positive").kind(),
+            ErrorKind::Op
+        );
+        assert_eq!(Error::Leak("page 3".into()).kind(), ErrorKind::Cache);
+        assert_ne!(Error::Leak("a".into()), Error::Cancelled("a".into()));
     }
 }

@@ -1,9 +1,11 @@
 //! Kernel parameter structs filled from validated op descriptors: the one place where a
-//! layout descriptor becomes the sizes and offsets a GPU kernel uses. The emulator and
-//! CUDA launchers both call these, with host or device addresses.
+//! layout descriptor becomes the sizes and offsets a GPU kernel uses (called by the shared
+//! op bodies of [`crate::launcher`], for the emulator and CUDA alike).
 //!
-//! Addresses are passed as raw pointers and only stored, never dereferenced here; for
-//! CUDA they are device addresses.
+//! Each builder takes the launch's [`Addrs`] (the buffers read and written and the staged
+//! metadata, in the order its doc states): kernel-visible addresses (host addresses for
+//! the emulator, device or mapped addresses for CUDA), only stored here, never
+//! dereferenced.
 
 use sparsekit_kernels::params::{
     index_k_format, kv_format, CopyPagesParams, IndexKStoreParams, IndexerLogitsParams,
@@ -11,43 +13,26 @@ use sparsekit_kernels::params::{
 };
 
 use crate::dtype::ScaleFormat;
-use crate::error::{Error, Result};
+use crate::launcher::Addrs;
 use crate::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};
-use crate::ops::{CopyPages, IndexerLogits, PageChecksums, SparseMla, Topk, TopkOutput};
-use sparsekit_kernels::launch::{Launch, MAX_DYN_SMEM};
+use crate::ops::{
+    CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, PagedRegion, SparseMla, Topk,
+    TopkOutput,
+};
 
-/// Checks that a kernel's launch fits the GPU limits (shared memory), so a shape the
-/// kernels cannot run is a clear error on every GPU backend instead of a launch failure.
-pub fn check_launch(kernel: &'static str, l: Launch) -> Result<Launch> {
-    if l.smem_bytes > MAX_DYN_SMEM {
-        return Err(Error::InvalidArgument {
-            what: kernel,
-            detail: format!(
-                "this shape needs {} bytes of shared memory per block, more than the {MAX_DYN_SMEM} the GPU kernels use",
-                l.smem_bytes
-            ),
-        });
-    }
-    Ok(l)
+/// A kernel-visible address as the pointer type a parameter struct stores.
+fn ptr<T>(addr: u64) -> *const T {
+    addr as usize as *const T
 }
 
-/// Checks the shapes the GPU indexer supports (`head_dim` up to 256).
-pub fn check_indexer(op: &IndexerLogits<'_>) -> Result<()> {
-    let max = sparsekit_kernels::kernels::INDEXER_MAX_HEAD_DIM as usize;
-    if op.layout.head_dim() > max {
-        return Err(Error::InvalidArgument {
-            what: "indexer_logits",
-            detail: format!(
-                "head_dim {} above the GPU kernel's {max}",
-                op.layout.head_dim()
-            ),
-        });
-    }
-    Ok(())
+/// A kernel-visible address as a mutable pointer.
+fn ptr_mut<T>(addr: u64) -> *mut T {
+    addr as usize as *mut T
 }
 
-fn index_k_format(layout: &IndexKLayout) -> u32 {
-    match layout.dtype() {
+/// The kernels' format code of an index-K layout.
+fn index_k_format(l: &IndexKLayout) -> u32 {
+    match l.dtype() {
         IndexKDtype::Bf16 => index_k_format::BF16,
         IndexKDtype::Fp8E4m3 {
             scale: ScaleFormat::Fp32,
@@ -58,152 +43,160 @@ fn index_k_format(layout: &IndexKLayout) -> u32 {
     }
 }
 
-fn kv_format(layout: &KvLayout) -> u32 {
-    match layout.dtype() {
+/// The kernels' format code of a KV layout.
+fn kv_format(l: &KvLayout) -> u32 {
+    match l.dtype() {
         KvDtype::Bf16 => kv_format::BF16,
         KvDtype::Fp8DsMla => kv_format::FP8_DS_MLA,
     }
 }
 
-/// `index_k_store` of `n_tokens` keys into `cache` laid out as `layout`.
-pub fn index_k_store(
-    layout: &IndexKLayout,
-    keys: *const u16,
-    slots: *const i64,
-    cache: *mut u8,
-    n_tokens: usize,
-) -> IndexKStoreParams {
-    IndexKStoreParams {
-        keys,
-        slots,
-        cache,
-        n_tokens: n_tokens as u32,
-        head_dim: layout.head_dim() as u32,
-        page_size: layout.page_size() as u32,
-        format: index_k_format(layout),
-        page_bytes: layout.bytes_per_page() as u64,
-        value_bytes: layout.value_bytes_per_token() as u32,
-        scale_offset: layout.scale_section_offset().unwrap_or(0) as u32,
-    }
+/// A parameter struct literal of a kernel that reads or writes index-K pages: the given
+/// fields, plus the layout fields every such struct has, from the `IndexKLayout`.
+macro_rules! with_index_k_layout {
+    ($layout:expr, $params:ident { $($field:ident: $value:expr,)* }) => {{
+        let l: &IndexKLayout = $layout;
+        $params {
+            $($field: $value,)*
+            head_dim: l.head_dim() as u32,
+            page_size: l.page_size() as u32,
+            format: index_k_format(l),
+            page_bytes: l.bytes_per_page() as u64,
+            value_bytes: l.value_bytes_per_token() as u32,
+            scale_offset: l.scale_section_offset().unwrap_or(0) as u32,
+        }
+    }};
 }
 
-/// `kv_store` of `n_tokens` tokens into `cache` laid out as `layout`.
-pub fn kv_store(
-    layout: &KvLayout,
-    kv: *const u16,
-    slots: *const i64,
-    cache: *mut u8,
-    n_tokens: usize,
-) -> KvStoreParams {
-    KvStoreParams {
-        kv,
-        slots,
-        cache,
-        n_tokens: n_tokens as u32,
-        nope_dim: layout.nope_dim() as u32,
-        rope_dim: layout.rope_dim() as u32,
-        page_size: layout.page_size() as u32,
-        format: kv_format(layout),
-        token_bytes: layout.bytes_per_token() as u32,
-        page_bytes: layout.bytes_per_page() as u64,
-        scales_offset: layout.scales_range().start as u32,
-        rope_offset: layout.rope_range().start as u32,
-    }
+/// A parameter struct literal of a kernel that reads or writes KV pages: the given fields,
+/// plus the layout fields every such struct has, from the `KvLayout`.
+macro_rules! with_kv_layout {
+    ($layout:expr, $params:ident { $($field:ident: $value:expr,)* }) => {{
+        let l: &KvLayout = $layout;
+        $params {
+            $($field: $value,)*
+            nope_dim: l.nope_dim() as u32,
+            rope_dim: l.rope_dim() as u32,
+            page_size: l.page_size() as u32,
+            format: kv_format(l),
+            token_bytes: l.bytes_per_token() as u32,
+            page_bytes: l.bytes_per_page() as u64,
+            scales_offset: l.scales_range().start as u32,
+            rope_offset: l.rope_range().start as u32,
+        }
+    }};
 }
 
-/// `copy_pages` between the buffers at `src`/`dst` (buffer starts; the regions' offsets
-/// are applied here), with the id arrays at `src_ids`/`dst_ids`.
-pub fn copy_pages(
-    op: &CopyPages<'_>,
-    src: *const u8,
-    dst: *mut u8,
-    src_ids: *const i32,
-    dst_ids: *const i32,
-) -> CopyPagesParams {
+/// Page 0's address, the page stride and the bytes per page of a region of a buffer at
+/// `base`.
+fn region(r: &PagedRegion, base: u64) -> (u64, u64, u64) {
+    (
+        base.wrapping_add(r.offset as u64),
+        r.stride as u64,
+        r.layout.bytes_per_page() as u64,
+    )
+}
+
+/// The parameters of a store kernel (both stores take `(source tokens, slots, cache,
+/// n_tokens)` plus their layout's fields): reads `[source]`, writes `[cache]`, metadata
+/// `[slots]`.
+macro_rules! store_params {
+    ($with_layout:ident, $op:expr, $a:expr, $params:ident, $source:ident) => {
+        $with_layout!(
+            &$op.layout,
+            $params {
+                $source: ptr($a.read[0]),
+                slots: ptr($a.meta[0]),
+                cache: ptr_mut($a.write[0]),
+                n_tokens: $op.slots.len() as u32,
+            }
+        )
+    };
+}
+
+/// `index_k_store` of `op`: reads `[keys]`, writes `[cache]`, metadata `[slots]`.
+pub(crate) fn index_k_store(op: &IndexKStore<'_>, a: Addrs<'_>) -> IndexKStoreParams {
+    store_params!(with_index_k_layout, op, a, IndexKStoreParams, keys)
+}
+
+/// `kv_store` of `op`: reads `[kv]`, writes `[cache]`, metadata `[slots]`.
+pub(crate) fn kv_store(op: &KvStore<'_>, a: Addrs<'_>) -> KvStoreParams {
+    store_params!(with_kv_layout, op, a, KvStoreParams, kv)
+}
+
+/// `copy_pages` of `op`: reads `[src]`, writes `[dst]` (buffer starts: the regions'
+/// offsets are applied here), metadata `[src_ids, dst_ids]`.
+pub(crate) fn copy_pages(op: &CopyPages<'_>, a: Addrs<'_>) -> CopyPagesParams {
+    let (src, src_stride, bytes) = region(&op.src, a.read[0]);
+    let (dst, dst_stride, _) = region(&op.dst, a.write[0]);
     CopyPagesParams {
-        src: src.wrapping_add(op.src.offset),
-        dst: dst.wrapping_add(op.dst.offset),
-        src_ids,
-        dst_ids,
-        src_stride: op.src.stride as u64,
-        dst_stride: op.dst.stride as u64,
-        bytes: op.src.layout.bytes_per_page() as u64,
+        src: ptr(src),
+        dst: ptr_mut(dst),
+        src_ids: ptr(a.meta[0]),
+        dst_ids: ptr(a.meta[1]),
+        src_stride,
+        dst_stride,
+        bytes,
         n_pages: op.src_ids.len() as u32,
         _pad: 0,
     }
 }
 
-/// `page_checksums` of the buffer at `pool` (buffer start), ids at `ids`, results to `out`.
-pub fn page_checksums(
-    op: &PageChecksums<'_>,
-    pool: *const u8,
-    ids: *const i32,
-    out: *mut u64,
-) -> PageChecksumsParams {
+/// `page_checksums` of `op`: reads `[pool]` (buffer start), writes `[checksums]`, metadata
+/// `[ids]`.
+pub(crate) fn page_checksums(op: &PageChecksums<'_>, a: Addrs<'_>) -> PageChecksumsParams {
+    let (pool, stride, bytes) = region(&op.region, a.read[0]);
     PageChecksumsParams {
-        pool: pool.wrapping_add(op.region.offset),
-        ids,
-        out,
-        stride: op.region.stride as u64,
-        bytes: op.region.layout.bytes_per_page() as u64,
+        pool: ptr(pool),
+        ids: ptr(a.meta[0]),
+        out: ptr_mut(a.write[0]),
+        stride,
+        bytes,
         n_pages: op.ids.len() as u32,
         _pad: 0,
     }
 }
 
-/// `indexer_logits` of `op`; `page_table` and `rows` point at `op`'s page table and rows
-/// (as uploaded for the kernel).
-pub fn indexer_logits(
-    op: &IndexerLogits<'_>,
-    q: *const u16,
-    weights: *const f32,
-    cache: *const u8,
-    page_table: *const i32,
-    rows: *const u32,
-    out: *mut f32,
-) -> IndexerLogitsParams {
-    let l = &op.layout;
-    IndexerLogitsParams {
-        q,
-        weights,
-        cache,
-        page_table,
-        rows,
-        out,
-        page_bytes: l.bytes_per_page() as u64,
-        n_rows: op.rows.len() as u32,
-        n_heads: op.n_heads as u32,
-        head_dim: l.head_dim() as u32,
-        page_size: l.page_size() as u32,
-        max_pages: op.page_table.max_pages() as u32,
-        row_stride: op.row_stride as u32,
-        format: index_k_format(l),
-        value_bytes: l.value_bytes_per_token() as u32,
-        scale_offset: l.scale_section_offset().unwrap_or(0) as u32,
-        _pad: 0,
-    }
+/// `indexer_logits` of `op`: reads `[q, weights, cache]`, writes `[logits]`, metadata
+/// `[page_table, rows]`.
+pub(crate) fn indexer_logits(op: &IndexerLogits<'_>, a: Addrs<'_>) -> IndexerLogitsParams {
+    with_index_k_layout!(
+        &op.layout,
+        IndexerLogitsParams {
+            q: ptr(a.read[0]),
+            weights: ptr(a.read[1]),
+            cache: ptr(a.read[2]),
+            page_table: ptr(a.meta[0]),
+            rows: ptr(a.meta[1]),
+            out: ptr_mut(a.write[0]),
+            n_rows: op.rows.len() as u32,
+            n_heads: op.n_heads as u32,
+            max_pages: op.page_table.max_pages() as u32,
+            row_stride: op.row_stride as u32,
+            _pad: 0,
+        }
+    )
 }
 
-/// `topk` of `op`; `page_table` is ignored (null) when `op` outputs positions.
-pub fn topk(
-    op: &Topk<'_>,
-    logits: *const f32,
-    rows: *const u32,
-    page_table: *const i32,
-    out: *mut i32,
-) -> TopkParams {
+/// `topk` of `op`: reads `[logits]`, writes `[topk]`, metadata `[rows]`, plus the page
+/// table when `op` outputs slots (null in the parameters for positions).
+pub(crate) fn topk(op: &Topk<'_>, a: Addrs<'_>) -> TopkParams {
     let (page_table, page_size, max_pages) = match op.output {
         TopkOutput::Positions => (std::ptr::null(), 0, 0),
         TopkOutput::Slots {
-            page_table: pt,
+            page_table,
             page_size,
-        } => (page_table, page_size as u32, pt.max_pages() as u32),
+        } => (
+            ptr(a.meta[1]),
+            page_size as u32,
+            page_table.max_pages() as u32,
+        ),
     };
     TopkParams {
-        logits,
-        rows,
+        logits: ptr(a.read[0]),
+        rows: ptr(a.meta[0]),
         page_table,
-        out,
+        out: ptr_mut(a.write[0]),
         n_rows: op.rows.len() as u32,
         k: op.k as u32,
         row_stride: op.row_stride as u32,
@@ -213,34 +206,21 @@ pub fn topk(
     }
 }
 
-/// `sparse_mla` of `op`.
-pub fn sparse_mla(
-    op: &SparseMla,
-    q: *const u16,
-    cache: *const u8,
-    indices: *const i32,
-    out: *mut u16,
-    lse: *mut f32,
-) -> SparseMlaParams {
-    let l = &op.layout;
-    SparseMlaParams {
-        q,
-        cache,
-        indices,
-        out,
-        lse,
-        page_bytes: l.bytes_per_page() as u64,
-        n_tokens: op.n_tokens as u32,
-        n_heads: op.n_heads as u32,
-        topk: op.topk as u32,
-        nope_dim: l.nope_dim() as u32,
-        rope_dim: l.rope_dim() as u32,
-        page_size: l.page_size() as u32,
-        format: kv_format(l),
-        token_bytes: l.bytes_per_token() as u32,
-        scales_offset: l.scales_range().start as u32,
-        rope_offset: l.rope_range().start as u32,
-        softmax_scale: op.softmax_scale,
-        _pad: 0,
-    }
+/// `sparse_mla` of `op`: reads `[q, cache, indices]`, writes `[out, lse]`.
+pub(crate) fn sparse_mla(op: &SparseMla, a: Addrs<'_>) -> SparseMlaParams {
+    with_kv_layout!(
+        &op.layout,
+        SparseMlaParams {
+            n_tokens: op.n_tokens as u32,
+            n_heads: op.n_heads as u32,
+            topk: op.topk as u32,
+            softmax_scale: op.softmax_scale,
+            _pad: 0,
+            q: ptr(a.read[0]),
+            cache: ptr(a.read[1]),
+            indices: ptr(a.read[2]),
+            out: ptr_mut(a.write[0]),
+            lse: ptr_mut(a.write[1]),
+        }
+    )
 }

@@ -18,8 +18,35 @@ use serde::Serialize;
 use crate::dtype::ScaleFormat;
 use crate::error::{Error, Result};
 
-/// Values per fp8_ds_mla quantization tile (one f32 scale each).
-pub const FP8_DS_MLA_TILE: usize = 128;
+/// Values per fp8_ds_mla quantization tile (one f32 scale each), as the kernels define it.
+pub const FP8_DS_MLA_TILE: usize = sparsekit_kernels::params::kv_format::FP8_DS_MLA_TILE as usize;
+
+/// Where a token slot lives: its page and its offset inside the page. A slot is
+/// `page * page_size + offset` (the form slot mappings, page tables and top-k outputs use).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SlotAddr {
+    pub page: usize,
+    /// Token offset inside the page (`< page_size`).
+    pub offset: usize,
+}
+
+impl SlotAddr {
+    /// Splits `slot` for pages of `page_size` tokens (also splits a token position into
+    /// its page-table entry and offset).
+    #[inline]
+    pub fn of(slot: usize, page_size: usize) -> Self {
+        SlotAddr {
+            page: slot / page_size,
+            offset: slot % page_size,
+        }
+    }
+
+    /// The slot of this address for pages of `page_size` tokens.
+    #[inline]
+    pub fn slot(self, page_size: usize) -> usize {
+        self.page * page_size + self.offset
+    }
+}
 
 /// Element type of the index keys.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -135,6 +162,34 @@ impl IndexKLayout {
         debug_assert!(offset < self.page_size);
         self.scale_section_offset()
             .map(|base| base + offset * 4..base + offset * 4 + 4)
+    }
+    /// Page and offset of `slot`.
+    #[inline]
+    pub fn slot_addr(&self, slot: usize) -> SlotAddr {
+        SlotAddr::of(slot, self.page_size)
+    }
+    /// Bytes of page `page` in a pool of pages packed from byte 0.
+    #[inline]
+    pub fn page_bytes(&self, page: usize) -> Range<usize> {
+        let p = self.bytes_per_page();
+        page * p..(page + 1) * p
+    }
+    /// Bytes of the values of the token at `slot` in a pool of pages packed from byte 0.
+    #[inline]
+    pub fn slot_value_bytes(&self, slot: usize) -> Range<usize> {
+        let a = self.slot_addr(slot);
+        let r = self.value_range(a.offset);
+        let base = self.page_bytes(a.page).start;
+        base + r.start..base + r.end
+    }
+    /// Bytes of the f32 scale of the token at `slot` in a pool of pages packed from byte 0
+    /// (fp8 only).
+    #[inline]
+    pub fn slot_scale_bytes(&self, slot: usize) -> Option<Range<usize>> {
+        let a = self.slot_addr(slot);
+        let base = self.page_bytes(a.page).start;
+        self.scale_range(a.offset)
+            .map(|r| base + r.start..base + r.end)
     }
     /// Bytes of a buffer holding `num_pages` pages.
     pub fn buffer_bytes(&self, num_pages: usize) -> usize {
@@ -294,6 +349,25 @@ impl KvLayout {
         let start = self.scales_range().end;
         start..start + self.rope_dim * 2
     }
+    /// Page and offset of `slot`.
+    #[inline]
+    pub fn slot_addr(&self, slot: usize) -> SlotAddr {
+        SlotAddr::of(slot, self.page_size)
+    }
+    /// Bytes of page `page` in a pool of pages packed from byte 0.
+    #[inline]
+    pub fn page_bytes(&self, page: usize) -> Range<usize> {
+        let p = self.bytes_per_page();
+        page * p..(page + 1) * p
+    }
+    /// Bytes of the token at `slot` in a pool of pages packed from byte 0.
+    #[inline]
+    pub fn slot_token_bytes(&self, slot: usize) -> Range<usize> {
+        let a = self.slot_addr(slot);
+        let r = self.token_range(a.offset);
+        let base = self.page_bytes(a.page).start;
+        base + r.start..base + r.end
+    }
     /// Bytes of a buffer holding `num_pages` pages.
     pub fn buffer_bytes(&self, num_pages: usize) -> usize {
         self.bytes_per_page() * num_pages
@@ -357,6 +431,10 @@ impl PageLayout {
             PageLayout::Kv(l) => l.page_size(),
         }
     }
+    /// Page and offset of `slot`.
+    pub fn slot_addr(&self, slot: usize) -> SlotAddr {
+        SlotAddr::of(slot, self.page_size())
+    }
     /// The descriptor's fingerprint.
     pub fn fingerprint(&self) -> u64 {
         match self {
@@ -403,12 +481,6 @@ pub struct LayoutInfo {
     pub bytes_per_page: usize,
     /// Hex string (`0x…`, 16 digits) of the 64-bit fingerprint.
     pub fingerprint: String,
-}
-
-/// Splits a slot (`page * page_size + offset`) into `(page, offset)`.
-#[inline]
-pub fn split_slot(slot: usize, page_size: usize) -> (usize, usize) {
-    (slot / page_size, slot % page_size)
 }
 
 fn pages_in(what: &'static str, bytes: usize, per_page: usize) -> Result<usize> {
@@ -466,6 +538,33 @@ mod tests {
         assert_eq!(bf16.bytes_per_page(), 16384);
         assert_eq!(bf16.scale_range(5), None);
         assert_eq!(bf16.value_range(63), 16128..16384);
+    }
+
+    #[test]
+    fn slot_addresses_come_from_the_layout() {
+        let fp8 = dsv32_index(IndexKDtype::FP8);
+        // Slot 130 = page 2, offset 2.
+        assert_eq!(fp8.slot_addr(130), SlotAddr { page: 2, offset: 2 });
+        assert_eq!(SlotAddr { page: 2, offset: 2 }.slot(64), 130);
+        assert_eq!(fp8.slot_value_bytes(130), 2 * 8448 + 256..2 * 8448 + 384);
+        assert_eq!(
+            fp8.slot_scale_bytes(130),
+            Some(2 * 8448 + 8192 + 8..2 * 8448 + 8192 + 12)
+        );
+        let bf16 = dsv32_index(IndexKDtype::Bf16);
+        assert_eq!(bf16.slot_value_bytes(65), 16384 + 256..16384 + 512);
+        assert_eq!(bf16.slot_scale_bytes(65), None);
+        let kv = KvLayout::new(KvDtype::Fp8DsMla, 512, 64, 64).unwrap();
+        assert_eq!(kv.slot_token_bytes(65), 41984 + 656..41984 + 1312);
+        assert_eq!(kv.page_bytes(3), 3 * 41984..4 * 41984);
+        let pl: PageLayout = kv.into();
+        assert_eq!(
+            pl.slot_addr(127),
+            SlotAddr {
+                page: 1,
+                offset: 63
+            }
+        );
     }
 
     #[test]

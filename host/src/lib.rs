@@ -1,5 +1,18 @@
-//! sparsekit host side: element types, layout descriptors (the only place byte sizes are
-//! computed), op descriptors, the [`Backend`] trait and the multi-threaded CPU backend.
+//! sparsekit host side: everything between a caller and the kernels.
+//!
+//! - [`dtype`], [`dims`]: element codecs (bf16, e4m3, scales) and model dimensions;
+//! - [`layout`]: the cache layout descriptors, the **only** place byte sizes, offsets and
+//!   slot addresses are computed;
+//! - [`ops`]: the op descriptors, which validate every call before anything is written
+//!   (one file per op);
+//! - [`backend`]: the [`Backend`] trait (buffers, ops, streams and events);
+//! - [`cpu`]: the CPU backend (rayon, batch-invariant, vector paths chosen at run time);
+//! - [`emu`]: the emulator backend (the GPU kernels of `sparsekit-kernels` on the host);
+//! - [`launcher`]: the ops of every backend that runs the GPU kernels (emu here, cuda in
+//!   the root package), written once over four primitives;
+//! - [`cache`]: the cache tiers (page allocator, device and host pools, prefix tree, layer
+//!   fences, the hierarchical cache and its integrity checks);
+//! - [`error`]: the typed error.
 
 pub mod backend;
 pub mod cache;
@@ -8,14 +21,15 @@ pub mod dims;
 pub mod dtype;
 pub mod emu;
 pub mod error;
-pub mod kernel_params;
+mod kernel_params;
+pub mod launcher;
 pub mod layout;
 pub mod ops;
 mod sync;
 
-pub use backend::Backend;
+pub use backend::{Backend, Event, StreamKind};
 pub use cpu::CpuBackend;
 pub use dims::ModelDims;
 pub use emu::EmuBackend;
-pub use error::{Error, Result};
+pub use error::{Error, ErrorKind, Result};
 pub use layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};

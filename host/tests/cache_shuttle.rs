@@ -219,7 +219,7 @@ use std::sync::Arc;
 use cache::{CacheConfig, CacheSpec, HiCache};
 use sparsekit_host::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};
 use sparsekit_host::ops::{
-    CopyPages, IndexKStore, IndexerLogits, KvStore, Op, PageChecksums, SparseMla, Topk,
+    CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, SparseMla, Topk,
 };
 use sparsekit_host::{Backend, CpuBackend, Error, Result};
 
@@ -245,7 +245,6 @@ impl Backend for Failing {
         "failing-cpu"
     }
     delegate! {
-        supports(op: Op) -> bool;
         upload(b: &[u8]) -> Result<Self::Buffer>;
         alloc(n: usize) -> Result<Self::Buffer>;
         alloc_host(n: usize) -> Result<Self::Buffer>;

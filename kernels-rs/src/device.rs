@@ -1,4 +1,5 @@
-//! The nvptx64 implementation of [`Simt`] and the kernel entry points.
+//! The nvptx64 implementation of [`Simt`] (the entry points are declared with the typed
+//! kernel interface in [`crate::launch`]).
 //!
 //! Built by the root build script once per SM arch with `-C target-cpu=sm_XX`; rustc then
 //! sets `cfg(target_feature = "sm_XX")` for that arch and every lower one (sm_90 implies
@@ -7,11 +8,6 @@
 use core::arch::asm;
 use core::arch::nvptx;
 
-use crate::kernels;
-use crate::params::{
-    CopyPagesParams, IndexKStoreParams, IndexerLogitsParams, KvStoreParams, PageChecksumsParams,
-    SparseMlaParams, TopkParams,
-};
 use crate::simt::Simt;
 
 /// The GPU itself.
@@ -183,28 +179,4 @@ impl Simt for Device {
             unsafe { nvptx::trap() }
         }
     }
-}
-
-// Entry points: `#[no_mangle]` makes the PTX `.entry` name the Rust name; each forwards
-// its one by-value parameter struct to the generic kernel instantiated for `Device`.
-macro_rules! entry_points {
-    ($($name:ident($params:ty);)*) => {$(
-        /// # Safety
-        #[doc = concat!("See [`kernels::", stringify!($name), "`].")]
-        #[no_mangle]
-        pub unsafe extern "ptx-kernel" fn $name(p: $params) {
-            // SAFETY: forwarded contract.
-            unsafe { kernels::$name::<Device>(p) }
-        }
-    )*};
-}
-
-entry_points! {
-    index_k_store(IndexKStoreParams);
-    kv_store(KvStoreParams);
-    copy_pages(CopyPagesParams);
-    page_checksums(PageChecksumsParams);
-    indexer_logits(IndexerLogitsParams);
-    topk(TopkParams);
-    sparse_mla(SparseMlaParams);
 }

@@ -7,7 +7,8 @@
 //!   ([`emu`]), which is how their index arithmetic is validated without a GPU.
 //!
 //! Kernel parameter structs ([`params`]) are `#[repr(C)]`, defined once here and used by
-//! device code and every launcher.
+//! device code and every launcher; each names its kernel through [`KernelParams`]
+//! ([`launch`]), so a launcher cannot pass one kernel's parameters to another.
 #![cfg_attr(not(feature = "emu"), no_std)]
 #![cfg_attr(
     target_arch = "nvptx64",
@@ -36,10 +37,8 @@ pub mod device;
 #[cfg(feature = "emu")]
 pub mod emu;
 
+pub use launch::{KernelParams, ENTRY_POINTS};
 pub use simt::Simt;
-
-/// Names of the kernel entry points (the exact PTX `.entry` names).
-pub const ENTRY_POINTS: &[&str] = &["index_k_store", "kv_store", "copy_pages", "page_checksums"];
 
 #[cfg(target_arch = "nvptx64")]
 #[panic_handler]

@@ -20,8 +20,38 @@ pub mod index_k_format {
 pub mod kv_format {
     /// bf16 latent + bf16 rope.
     pub const BF16: u32 = 0;
-    /// e4m3 latent in tiles of 128 with f32 pow2 scales, bf16 rope.
+    /// e4m3 latent in tiles of [`FP8_DS_MLA_TILE`] with f32 pow2 scales, bf16 rope.
     pub const FP8_DS_MLA: u32 = 1;
+    /// Latent values per fp8_ds_mla quantization tile (one f32 scale each). The kernels
+    /// that read or write fp8_ds_mla tokens and the host layout descriptor
+    /// (`sparsekit_host::layout::KvLayout`) both take the tile width from here.
+    pub const FP8_DS_MLA_TILE: u32 = 128;
+}
+
+/// One row of a ragged query batch: which request it belongs to and the half-open range
+/// of that request's token positions it may see. The kernels read `[n_rows]` of these
+/// (`#[repr(C)]`: three little-endian u32, 12 bytes, no padding).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct QueryRange {
+    /// Index into the page table.
+    pub request: u32,
+    /// First visible position.
+    pub start: u32,
+    /// One past the last visible position.
+    pub end: u32,
+}
+
+impl QueryRange {
+    /// The bytes of a slice of rows, as the kernels read them (for uploads).
+    pub fn as_bytes(rows: &[QueryRange]) -> &[u8] {
+        // SAFETY: `QueryRange` is `#[repr(C)]` of three u32: size 12, alignment 4, no
+        // padding, so its bytes are initialised; u8 has alignment 1 and the length is
+        // exactly the slice's size in bytes; the returned slice borrows `rows`.
+        unsafe {
+            core::slice::from_raw_parts(rows.as_ptr().cast::<u8>(), core::mem::size_of_val(rows))
+        }
+    }
 }
 
 /// `index_k_store`: token `t`'s bf16 key goes to cache slot `slots[t]` (`-1` skips).
@@ -126,8 +156,8 @@ pub struct IndexerLogitsParams {
     pub cache: *const u8,
     /// `[n_requests, max_pages]` page ids (`-1` unmapped; never reached by a valid row).
     pub page_table: *const i32,
-    /// `[n_rows, 3]`: request, start, end (validated: end ≤ row_stride, pages mapped).
-    pub rows: *const u32,
+    /// `[n_rows]` (validated: end ≤ row_stride, every position mapped).
+    pub rows: *const QueryRange,
     /// `[n_rows, row_stride]`.
     pub out: *mut f32,
     /// Bytes per page.
@@ -155,8 +185,8 @@ pub struct IndexerLogitsParams {
 pub struct TopkParams {
     /// `[n_rows, row_stride]`.
     pub logits: *const f32,
-    /// `[n_rows, 3]`: request, start, end.
-    pub rows: *const u32,
+    /// `[n_rows]` (validated: start ≤ end ≤ row_stride).
+    pub rows: *const QueryRange,
     /// `[n_requests, max_pages]`, or null to output positions.
     pub page_table: *const i32,
     /// `[n_rows, k]`.

@@ -18,6 +18,12 @@ pub struct Args {
 
 pub fn run(args: Args) -> Result<ExitCode, CliError> {
     let rows = report();
+    if rows.is_empty() {
+        eprintln!(
+            "no ptxas report embedded: run scripts/setup-gpu-tools.sh and rebuild (PTX: {PTX_BUILD_INFO})"
+        );
+        return Ok(ExitCode::FAILURE);
+    }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
@@ -49,12 +55,6 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
             archs().join(", "),
             rows.len()
         );
-    }
-    if rows.is_empty() {
-        eprintln!(
-            "no ptxas report embedded: run scripts/setup-gpu-tools.sh and rebuild (PTX: {PTX_BUILD_INFO})"
-        );
-        return Ok(ExitCode::FAILURE);
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -45,11 +45,16 @@ pub trait OnBackend {
 pub const BACKENDS: &str = "cpu, emu, cuda";
 
 /// Opens the named backend (`cpu`, `emu`, `cuda`) and runs `work` on it. A missing CUDA
-/// driver or device is a clear error, never a panic.
+/// driver or device, or a `SPARSEKIT_CPU_ISA` this CPU cannot run, is a clear error, never
+/// a panic.
 pub fn on_backend<W: OnBackend>(name: &str, work: W) -> Result<W::Output, CliError> {
     use sparsekit::host::{CpuBackend, EmuBackend};
     match name {
-        "cpu" => work.run(&CpuBackend::new()),
+        "cpu" => {
+            let b = CpuBackend::from_env().map_err(|e| format!("cpu backend: {e}"))?;
+            eprintln!("cpu vector path: {}", b.isa());
+            work.run(&b)
+        }
         "emu" => work.run(&EmuBackend::new()),
         "cuda" => {
             let b = sparsekit::cuda::CudaBackend::new(0)

@@ -113,24 +113,21 @@ fn get_f32(src: &[u8], at: usize) -> f64 {
 /// `slots[t]` (`-1` skipped).
 pub fn index_k_store(layout: &IndexKLayout, cache: &mut [u8], keys: &[bf16], slots: &[i64]) {
     let d = layout.head_dim();
-    let (ps, bpp) = (layout.page_size(), layout.bytes_per_page());
     for (t, &slot) in slots.iter().enumerate() {
         if slot < 0 {
             continue;
         }
         let key = &keys[t * d..(t + 1) * d];
-        let (page, off) = (slot as usize / ps, slot as usize % ps);
-        let page = &mut cache[page * bpp..(page + 1) * bpp];
+        let values = layout.slot_value_bytes(slot as usize);
         match layout.dtype() {
-            IndexKDtype::Bf16 => put_bf16(&mut page[layout.value_range(off)], key),
+            IndexKDtype::Bf16 => put_bf16(&mut cache[values], key),
             IndexKDtype::Fp8E4m3 { scale } => {
                 let s = index_k_scale(amax(key), scale);
-                let vr = layout.value_range(off);
                 for (i, x) in key.iter().enumerate() {
-                    page[vr.start + i] = e4m3_encode(fl32(x.to_f64() / s));
+                    cache[values.start + i] = e4m3_encode(fl32(x.to_f64() / s));
                 }
-                if let Some(r) = layout.scale_range(off) {
-                    page[r].copy_from_slice(&(s as f32).to_le_bytes());
+                if let Some(r) = layout.slot_scale_bytes(slot as usize) {
+                    cache[r].copy_from_slice(&(s as f32).to_le_bytes());
                 }
             }
         }
@@ -140,15 +137,12 @@ pub fn index_k_store(layout: &IndexKLayout, cache: &mut [u8], keys: &[bf16], slo
 /// Applies `kv_store` to `cache`: token `t`'s `[latent | rope]` goes to `slots[t]`.
 pub fn kv_store(layout: &KvLayout, cache: &mut [u8], kv: &[bf16], slots: &[i64]) {
     let (d, nope) = (layout.d_qk(), layout.nope_dim());
-    let (ps, bpp) = (layout.page_size(), layout.bytes_per_page());
     for (t, &slot) in slots.iter().enumerate() {
         if slot < 0 {
             continue;
         }
         let x = &kv[t * d..(t + 1) * d];
-        let (page, off) = (slot as usize / ps, slot as usize % ps);
-        let base = page * bpp + layout.token_range(off).start;
-        let tok = &mut cache[base..base + layout.bytes_per_token()];
+        let tok = &mut cache[layout.slot_token_bytes(slot as usize)];
         match layout.dtype() {
             KvDtype::Bf16 => put_bf16(&mut tok[layout.nope_range()], &x[..nope]),
             KvDtype::Fp8DsMla => {
@@ -170,10 +164,7 @@ pub fn kv_store(layout: &KvLayout, cache: &mut [u8], kv: &[bf16], slots: &[i64])
 /// The dequantised index key stored at `slot` (values already multiplied by nothing) and
 /// its scale (1 for bf16).
 pub fn read_index_key(layout: &IndexKLayout, cache: &[u8], slot: usize) -> (Vec<f64>, f64) {
-    let (ps, bpp) = (layout.page_size(), layout.bytes_per_page());
-    let page = &cache[(slot / ps) * bpp..(slot / ps + 1) * bpp];
-    let off = slot % ps;
-    let vals = &page[layout.value_range(off)];
+    let vals = &cache[layout.slot_value_bytes(slot)];
     match layout.dtype() {
         IndexKDtype::Bf16 => (
             (0..layout.head_dim()).map(|i| get_bf16(vals, i)).collect(),
@@ -181,8 +172,8 @@ pub fn read_index_key(layout: &IndexKLayout, cache: &[u8], slot: usize) -> (Vec<
         ),
         IndexKDtype::Fp8E4m3 { .. } => {
             let s = layout
-                .scale_range(off)
-                .map_or(1.0, |r| get_f32(page, r.start));
+                .slot_scale_bytes(slot)
+                .map_or(1.0, |r| get_f32(cache, r.start));
             (vals.iter().map(|&c| e4m3_value(c)).collect(), s)
         }
     }
@@ -190,9 +181,7 @@ pub fn read_index_key(layout: &IndexKLayout, cache: &[u8], slot: usize) -> (Vec<
 
 /// The dequantised `[latent | rope]` of the KV token at `slot`.
 pub fn read_kv_token(layout: &KvLayout, cache: &[u8], slot: usize) -> Vec<f64> {
-    let (ps, bpp) = (layout.page_size(), layout.bytes_per_page());
-    let base = (slot / ps) * bpp + layout.token_range(slot % ps).start;
-    let tok = &cache[base..base + layout.bytes_per_token()];
+    let tok = &cache[layout.slot_token_bytes(slot)];
     let mut out = Vec::with_capacity(layout.d_qk());
     match layout.dtype() {
         KvDtype::Bf16 => out.extend((0..layout.nope_dim()).map(|i| get_bf16(tok, i))),

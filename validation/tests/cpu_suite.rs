@@ -1,72 +1,26 @@
-//! The validation suite at quick sizes on the CPU backend, one test per op so failures
-//! are reported per op; fresh seed every run (printed on failure).
+//! The conformance suite on the CPU backend, once per vector path (AVX-512, AVX2,
+//! portable): every path this CPU supports must pass; a path it lacks prints why it
+//! skipped. One `#[test]` per check, fresh seed every run (printed on failure;
+//! `SPARSEKIT_SEED` replays it).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic
 
-use sparsekit_host::ops::Op;
+use sparsekit_host::cpu::{CpuIsa, Isa};
 use sparsekit_host::CpuBackend;
-use sparsekit_validation::{run, Size, Status, SuiteConfig};
 
-fn suite(op: Op) {
-    let seed: u64 = std::env::var("SPARSEKIT_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random);
-    let cfg = SuiteConfig {
-        size: Size::Quick,
-        seed,
-        ops: vec![op],
-    };
-    let records = run(&CpuBackend::new(), &cfg, |_| {});
-    assert!(!records.is_empty());
-    let mut failed = Vec::new();
-    for r in &records {
-        assert!(r.batch >= 4, "batch >= 4 everywhere: {r:?}");
-        if r.status != Status::Pass {
-            failed.push(format!(
-                "{} {} [{}] {}: {:?} {}",
-                r.op, r.config, r.dtype, r.quantity, r.status, r.detail
-            ));
-        }
-    }
-    assert!(
-        failed.is_empty(),
-        "seed {seed} (rerun with SPARSEKIT_SEED={seed}):\n{}",
-        failed.join("\n")
+sparsekit_validation::test_backend!(cpu_avx512, CpuBackend::with_isa(Isa::Avx512));
+sparsekit_validation::test_backend!(cpu_avx2, CpuBackend::with_isa(Isa::Avx2));
+sparsekit_validation::test_backend!(cpu_scalar, CpuBackend::with_isa(Isa::Scalar));
+
+#[test]
+fn the_default_backend_runs_the_process_default_path() {
+    assert_eq!(CpuBackend::new().isa(), CpuIsa::get().isa());
+    assert!(CpuIsa::get().isa().supported());
+    assert_eq!(
+        CpuBackend::with_isa(Isa::Scalar).unwrap().isa(),
+        Isa::Scalar
     );
-}
-
-#[test]
-fn index_k_store() {
-    suite(Op::IndexKStore)
-}
-
-#[test]
-fn kv_store() {
-    suite(Op::KvStore)
-}
-
-#[test]
-fn indexer_logits() {
-    suite(Op::IndexerLogits)
-}
-
-#[test]
-fn topk() {
-    suite(Op::Topk)
-}
-
-#[test]
-fn sparse_mla() {
-    suite(Op::SparseMla)
-}
-
-#[test]
-fn copy_pages() {
-    suite(Op::CopyPages)
-}
-
-#[test]
-fn page_checksums() {
-    suite(Op::PageChecksums)
+    for isa in Isa::ALL {
+        assert_eq!(CpuBackend::with_isa(isa).is_ok(), isa.supported(), "{isa}");
+    }
 }

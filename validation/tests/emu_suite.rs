@@ -1,63 +1,26 @@
-//! The suite on the emulator backend (the GPU kernels run on the host): every op the
-//! backend implements must pass, the others must be reported as not implemented (never
-//! as passed), and the kernels' outputs must be bit-identical to the CPU backend's.
+//! The conformance suite on the emulator backend (the GPU kernels run on the host), plus
+//! what only GPU-kernel backends must do: refuse shapes past the kernels' limits, and
+//! store bytes bit-identical to the CPU backend's.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic
 
 use rand::seq::SliceRandom;
-use rand::SeedableRng;
 use sparsekit_host::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};
-use sparsekit_host::ops::{IndexKStore, KvStore, Op};
+use sparsekit_host::ops::{IndexKStore, KvStore};
 use sparsekit_host::{Backend, CpuBackend, EmuBackend};
+use sparsekit_validation::conformance::{self, errors};
 use sparsekit_validation::fixtures;
-use sparsekit_validation::{run, Size, Status, SuiteConfig};
 
-fn seed() -> u64 {
-    std::env::var("SPARSEKIT_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random)
-}
+sparsekit_validation::test_backend!(emu, Ok(EmuBackend::new()));
 
 #[test]
-fn emu_passes_what_it_implements_and_reports_the_rest() {
-    let seed = seed();
-    let cfg = SuiteConfig {
-        size: Size::Quick,
-        seed,
-        ops: Vec::new(),
-    };
-    let emu = EmuBackend::new();
-    let records = run(&emu, &cfg, |_| {});
-    let mut failed = Vec::new();
-    for op in Op::ALL {
-        let recs: Vec<_> = records.iter().filter(|r| r.op == op.name()).collect();
-        assert!(!recs.is_empty(), "{}", op.name());
-        for r in recs {
-            let want = if emu.supports(op) {
-                Status::Pass
-            } else {
-                Status::NotImplemented
-            };
-            assert!(r.batch >= 4);
-            if r.status != want {
-                failed.push(format!(
-                    "{} {} [{}]: {:?} {}",
-                    r.op, r.config, r.dtype, r.status, r.detail
-                ));
-            }
-            assert!(
-                r.status != Status::NotImplemented || !r.pass,
-                "not implemented never passes"
-            );
-        }
-    }
-    assert!(failed.is_empty(), "seed {seed}:\n{}", failed.join("\n"));
+fn emu_rejects_shapes_its_kernels_cannot_run() {
+    errors::gpu_kernel_limits(&EmuBackend::new()).unwrap();
 }
 
 #[test]
 fn emu_stores_are_bit_identical_to_cpu() {
-    let seed = seed();
+    let seed = conformance::seed();
     let mut rng = fixtures::case_rng(seed, 1);
     let (cpu, emu) = (CpuBackend::new(), EmuBackend::new());
     for dims in sparsekit_host::ModelDims::ALL {
@@ -106,5 +69,4 @@ fn emu_stores_are_bit_identical_to_cpu() {
             );
         }
     }
-    let _ = rand_chacha::ChaCha8Rng::seed_from_u64(0);
 }

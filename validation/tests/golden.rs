@@ -21,13 +21,14 @@ use sparsekit_host::dims::ModelDims;
 use sparsekit_host::dtype::ScaleFormat;
 use sparsekit_host::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};
 use sparsekit_host::ops::{
-    decode_rows, IndexKStore, IndexerLogits, KvStore, PageTable, QueryRange, SparseMla, Topk,
+    decode_rows, IndexKStore, IndexerLogits, KvStore, Op, PageTable, QueryRange, SparseMla, Topk,
     TopkOutput,
 };
 use sparsekit_host::CpuBackend;
 use sparsekit_validation::fixtures::{self, case_rng, Paging, SuiteRng};
 use sparsekit_validation::golden::{check_file, Decode, Dtype, Golden, GoldenError, Tensor};
-use sparsekit_validation::{reference, tolerance};
+use sparsekit_validation::reference;
+use sparsekit_validation::tolerance::{self, Quantity};
 
 const D: ModelDims = ModelDims::TINY;
 
@@ -237,7 +238,7 @@ fn indexer_logits_round_trip() {
         let g = Golden::indexer_logits(&op, form, &q, &w, &cache).unwrap();
         // Move the logit with the largest magnitude by three times its tolerance.
         let r = reference::indexer_logits(&layout, &cache, &pt, &rows, h, &q, &w, row_stride);
-        let atol = tolerance::lookup("indexer_logits", "logits", dt.name())
+        let atol = tolerance::get(Op::IndexerLogits, Quantity::Logits, dt.into())
             .unwrap()
             .atol;
         let (at, mag) = r

@@ -3,7 +3,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic
 
-use half::bf16;
 use sparsekit_host::cpu::topk::select_row;
 use sparsekit_host::cpu::CpuBuffer;
 use sparsekit_host::ops::{
@@ -47,9 +46,6 @@ impl Backend for Faulty {
     fn name(&self) -> &str {
         "faulty"
     }
-    fn supports(&self, _: Op) -> bool {
-        true
-    }
     fn upload(&self, b: &[u8]) -> Result<CpuBuffer> {
         self.cpu.upload(b)
     }
@@ -74,9 +70,8 @@ impl Backend for Faulty {
         self.cpu.index_k_store(op, keys, cache)?;
         if self.fault == Fault::IndexKByte {
             if let Some(&s) = op.slots.iter().find(|&&s| s >= 0) {
-                let l = op.layout;
-                let (p, o) = (s as usize / l.page_size(), s as usize % l.page_size());
-                cache.bytes_mut()[p * l.bytes_per_page() + l.value_range(o).start] ^= 0x01;
+                let at = op.layout.slot_value_bytes(s as usize).start;
+                cache.bytes_mut()[at] ^= 0x01;
             }
         }
         Ok(())
@@ -86,8 +81,7 @@ impl Backend for Faulty {
         if self.fault == Fault::KvByte {
             if let Some(&s) = op.slots.iter().rev().find(|&&s| s >= 0) {
                 let l = op.layout;
-                let (p, o) = (s as usize / l.page_size(), s as usize % l.page_size());
-                let at = p * l.bytes_per_page() + l.token_range(o).start + l.rope_range().start;
+                let at = l.slot_token_bytes(s as usize).start + l.rope_range().start;
                 cache.bytes_mut()[at] ^= 0x01;
             }
         }
@@ -183,7 +177,6 @@ impl Backend for Faulty {
                 *x += 1e-3;
             }
         }
-        let _ = bf16::ZERO;
         Ok(())
     }
     fn copy_pages(&self, op: &CopyPages<'_>, src: &CpuBuffer, dst: &mut CpuBuffer) -> Result<()> {

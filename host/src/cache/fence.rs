@@ -39,7 +39,7 @@ impl Fence {
             WaitError::Failed(e) => e,
             WaitError::TimedOut => Error::Timeout {
                 what: "a layer's ready token",
-                waited_ms: started.elapsed().as_millis() as u64,
+                after: started.elapsed(),
             },
         })
     }

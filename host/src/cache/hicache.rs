@@ -654,7 +654,7 @@ impl<B: Backend + 'static> HiCache<B> {
             if sh.space_cv.wait_until(&mut st, deadline).timed_out() {
                 return Err(Error::Timeout {
                     what: "the io worker to go idle",
-                    waited_ms: started.elapsed().as_millis() as u64,
+                    after: started.elapsed(),
                 });
             }
         }

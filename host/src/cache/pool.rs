@@ -164,7 +164,7 @@ impl<B: Backend> DevicePool<B> {
         let start = Instant::now();
         m.try_lock_until(deadline).ok_or(Error::Timeout {
             what: "a device layer lock",
-            waited_ms: start.elapsed().as_millis() as u64,
+            after: start.elapsed(),
         })
     }
 

@@ -73,30 +73,41 @@ fn misfit<T>(what: &'static str, len: usize) -> Error {
     }
 }
 
-/// The buffer methods of a [`crate::Backend`] whose buffers are [`CpuBuffer`]s in host
-/// memory (the `cpu` and `emu` backends): upload, allocation (device and host tiers alike),
-/// download and length.
-macro_rules! host_buffer_methods {
+/// The buffer and stream methods of a [`crate::Backend`] that computes synchronously over
+/// [`CpuBuffer`]s in host memory (`cpu`, `emu`; the type has a `stream: StreamKind`
+/// field): device and host tiers are both plain host memory, both streams run in call
+/// order, events are complete when recorded (the trait's defaults).
+macro_rules! host_memory_methods {
     () => {
-        fn upload(&self, bytes: &[u8]) -> Result<CpuBuffer> {
-            Ok(CpuBuffer::from_bytes(bytes))
+        fn upload(&self, bytes: &[u8]) -> $crate::Result<$crate::cpu::CpuBuffer> {
+            Ok($crate::cpu::CpuBuffer::from_bytes(bytes))
         }
 
-        fn alloc(&self, bytes: usize) -> Result<CpuBuffer> {
-            Ok(CpuBuffer::zeroed(bytes))
+        fn alloc(&self, bytes: usize) -> $crate::Result<$crate::cpu::CpuBuffer> {
+            Ok($crate::cpu::CpuBuffer::zeroed(bytes))
         }
 
-        fn alloc_host(&self, bytes: usize) -> Result<CpuBuffer> {
-            Ok(CpuBuffer::zeroed(bytes))
+        fn alloc_host(&self, bytes: usize) -> $crate::Result<$crate::cpu::CpuBuffer> {
+            Ok($crate::cpu::CpuBuffer::zeroed(bytes))
         }
 
-        fn download(&self, buf: &CpuBuffer) -> Result<Vec<u8>> {
+        fn download(&self, buf: &$crate::cpu::CpuBuffer) -> $crate::Result<Vec<u8>> {
             Ok(buf.bytes().to_vec())
         }
 
-        fn buffer_len(&self, buf: &CpuBuffer) -> usize {
+        fn buffer_len(&self, buf: &$crate::cpu::CpuBuffer) -> usize {
             buf.len()
+        }
+
+        fn on_stream(&self, stream: $crate::StreamKind) -> $crate::Result<Self> {
+            let mut handle = self.clone();
+            handle.stream = stream;
+            Ok(handle)
+        }
+
+        fn stream(&self) -> $crate::StreamKind {
+            self.stream
         }
     };
 }
-pub(crate) use host_buffer_methods;
+pub(crate) use host_memory_methods;

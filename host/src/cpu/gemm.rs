@@ -6,7 +6,7 @@
 //! the instruction set (AVX-512, AVX2+FMA, or scalar `mul_add`, which is also correctly
 //! rounded). Results therefore never depend on `m`, `n`, the tile a row lands in, or the
 //! machine's vector width: the basis of batch invariance.
-use super::isa::Isa;
+use super::isa::{CpuIsa, Isa};
 
 /// Rows of the register tile.
 const MR: usize = 6;
@@ -22,8 +22,9 @@ pub struct Dims {
     pub ldc: usize,
 }
 
-/// `C += A · B` (see the module docs). Panics if a slice is too short for `dims`.
-pub fn gemm_acc(d: Dims, a: &[f32], b: &[f32], c: &mut [f32]) {
+/// `C += A · B` (see the module docs), on the vector path `isa`. Panics if a slice is too
+/// short for `dims`.
+pub fn gemm_acc(isa: CpuIsa, d: Dims, a: &[f32], b: &[f32], c: &mut [f32]) {
     if d.m == 0 || d.n == 0 {
         return;
     }
@@ -34,27 +35,21 @@ pub fn gemm_acc(d: Dims, a: &[f32], b: &[f32], c: &mut [f32]) {
     if d.k == 0 {
         return;
     }
-    match Isa::get() {
-        // SAFETY: `Isa::get` detected AVX-512F and FMA; slice bounds were asserted.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { gemm_avx512(d, a, b, c) },
-        // SAFETY: `Isa::get` detected AVX2 and FMA; slice bounds were asserted.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { gemm_avx2(d, a, b, c) },
-        _ => gemm_generic::<16>(d, a, b, c),
+    gemm_paths(isa, d, a, b, c)
+}
+
+/// Register-tile width (f32 columns) of a path: two vectors.
+const fn nr(isa: Isa) -> usize {
+    match isa {
+        Isa::Avx512 => 32,
+        Isa::Avx2 | Isa::Scalar => 16,
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,fma")]
-unsafe fn gemm_avx512(d: Dims, a: &[f32], b: &[f32], c: &mut [f32]) {
-    gemm_generic::<32>(d, a, b, c)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn gemm_avx2(d: Dims, a: &[f32], b: &[f32], c: &mut [f32]) {
-    gemm_generic::<16>(d, a, b, c)
+crate::isa_dispatch! {
+    /// [`gemm_generic`] with the path's tile width, compiled for each path.
+    fn gemm_paths(d: Dims, a: &[f32], b: &[f32], c: &mut [f32])
+        = |ISA| gemm_generic::<{ nr(ISA.isa()) }>(d, a, b, c);
 }
 
 /// Tiles C into `MR × NR` register blocks; leftovers use narrower tiles with the same
@@ -184,14 +179,14 @@ mod tests {
             let c0: Vec<f32> = (0..m * d.ldc).map(|_| rng.gen_range(-1.0..1.0)).collect();
             let mut c1 = c0.clone();
             let mut c2 = c0.clone();
-            gemm_acc(d, &a, &b, &mut c1);
             naive(d, &a, &b, &mut c2);
-            let same = c1.iter().zip(&c2).all(|(x, y)| x.to_bits() == y.to_bits());
-            assert!(same, "m={m} n={n} k={k}");
-            // The scalar path agrees bit for bit with the vector paths.
-            let mut c3 = c0.clone();
-            gemm_generic::<16>(d, &a, &b, &mut c3);
-            assert!(c3.iter().zip(&c2).all(|(x, y)| x.to_bits() == y.to_bits()));
+            // Every path this CPU has agrees bit for bit with the sequential FMAs.
+            for isa in CpuIsa::available() {
+                c1.copy_from_slice(&c0);
+                gemm_acc(isa, d, &a, &b, &mut c1);
+                let same = c1.iter().zip(&c2).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same, "m={m} n={n} k={k} {:?}", isa.isa());
+            }
         }
     }
 }

@@ -1,44 +1,273 @@
-//! The vector instruction set the CPU kernels are compiled for at run time. Every path
-//! performs the same correctly rounded operations in the same order, so results never
-//! depend on which one runs.
+//! The vector instruction set the CPU kernels are compiled for, chosen at run time.
+//!
+//! Every CPU kernel with a hot loop is compiled three times by [`isa_dispatch!`](crate::isa_dispatch): for
+//! AVX-512 (F, BW) + FMA, AVX2 + FMA, and portable code. Every path performs the same
+//! correctly rounded operations in the same order, so results never depend on which one
+//! runs. The path is a [`CpuIsa`]: a value that can only name a path this CPU supports, so
+//! a dispatch never enters code the CPU cannot execute. A [`CpuBackend`](super::CpuBackend)
+//! carries one ([`CpuBackend::with_isa`](super::CpuBackend::with_isa)); the process default
+//! ([`CpuIsa::get`]) is the widest path, or the one `SPARSEKIT_CPU_ISA=avx512|avx2|scalar`
+//! forces, so every path can be tested and benchmarked on any machine that has it.
 
+use std::fmt;
 use std::sync::OnceLock;
 
-/// Widest usable vector ISA.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+use crate::error::{Error, Result};
+
+/// The environment variable that forces a path (`avx512`, `avx2`, `scalar`).
+pub const ISA_ENV: &str = "SPARSEKIT_CPU_ISA";
+
+/// A vector code path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Isa {
     /// AVX-512F and AVX-512BW with FMA.
     Avx512,
     /// AVX2 with FMA.
     Avx2,
-    /// Portable code (`mul_add` via libm where the CPU has no FMA).
+    /// Portable code (`mul_add` via libm where the target has no FMA).
     Scalar,
 }
 
 impl Isa {
-    /// Detected once per process.
-    pub fn get() -> Isa {
-        static ISA: OnceLock<Isa> = OnceLock::new();
-        *ISA.get_or_init(detect)
+    /// Every path, widest first.
+    pub const ALL: [Isa; 3] = [Isa::Avx512, Isa::Avx2, Isa::Scalar];
+
+    /// The name `SPARSEKIT_CPU_ISA` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Avx512 => "avx512",
+            Isa::Avx2 => "avx2",
+            Isa::Scalar => "scalar",
+        }
+    }
+
+    /// The path named `name` (as [`Isa::name`] spells it, any case).
+    pub fn parse(name: &str) -> Option<Isa> {
+        Isa::ALL
+            .into_iter()
+            .find(|i| i.name().eq_ignore_ascii_case(name.trim()))
+    }
+
+    /// Whether this CPU can run the path.
+    pub fn supported(self) -> bool {
+        match self {
+            Isa::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => {
+                std::arch::is_x86_feature_detected!("fma")
+                    && std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512bw")
+            }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => {
+                std::arch::is_x86_feature_detected!("fma")
+                    && std::arch::is_x86_feature_detected!("avx2")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Isa::Avx512 | Isa::Avx2 => false,
+        }
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-fn detect() -> Isa {
-    let fma = std::arch::is_x86_feature_detected!("fma");
-    if fma
-        && std::arch::is_x86_feature_detected!("avx512f")
-        && std::arch::is_x86_feature_detected!("avx512bw")
-    {
-        Isa::Avx512
-    } else if fma && std::arch::is_x86_feature_detected!("avx2") {
-        Isa::Avx2
-    } else {
-        Isa::Scalar
+impl fmt::Display for Isa {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
     }
 }
 
-#[cfg(not(target_arch = "x86_64"))]
-fn detect() -> Isa {
-    Isa::Scalar
+/// A path this CPU supports: the only way to choose what [`isa_dispatch!`](crate::isa_dispatch)
+/// functions run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CpuIsa(Isa);
+
+impl CpuIsa {
+    /// The portable path (every CPU runs it).
+    pub const SCALAR: CpuIsa = CpuIsa(Isa::Scalar);
+
+    /// `isa`, if this CPU supports it.
+    pub fn new(isa: Isa) -> Result<CpuIsa> {
+        if isa.supported() {
+            Ok(CpuIsa(isa))
+        } else {
+            Err(Error::InvalidArgument {
+                what: "cpu isa",
+                detail: format!("this CPU cannot run the {isa} path"),
+            })
+        }
+    }
+
+    /// The widest path this CPU supports.
+    pub fn detected() -> CpuIsa {
+        let isa = Isa::ALL.into_iter().find(|i| i.supported());
+        CpuIsa(isa.unwrap_or(Isa::Scalar))
+    }
+
+    /// Every path this CPU supports, widest first.
+    pub fn available() -> Vec<CpuIsa> {
+        Isa::ALL
+            .into_iter()
+            .filter_map(|i| CpuIsa::new(i).ok())
+            .collect()
+    }
+
+    /// The path `value` (of [`ISA_ENV`]) names, or the detected one when unset or empty.
+    /// An unknown name or a path this CPU lacks is an error.
+    pub fn from_env_value(value: Option<&str>) -> Result<CpuIsa> {
+        match value.map(str::trim).filter(|v| !v.is_empty()) {
+            None => Ok(CpuIsa::detected()),
+            Some(v) => match Isa::parse(v) {
+                Some(isa) => CpuIsa::new(isa).map_err(|_| Error::InvalidArgument {
+                    what: ISA_ENV,
+                    detail: format!("{v}: this CPU cannot run that path"),
+                }),
+                None => Err(Error::InvalidArgument {
+                    what: ISA_ENV,
+                    detail: format!("{v:?} is not one of avx512, avx2, scalar"),
+                }),
+            },
+        }
+    }
+
+    /// [`CpuIsa::from_env_value`] of the environment.
+    pub fn from_env() -> Result<CpuIsa> {
+        CpuIsa::from_env_value(std::env::var(ISA_ENV).ok().as_deref())
+    }
+
+    /// The process default, decided once: [`CpuIsa::from_env`], or when that fails the
+    /// detected path (with one warning on stderr naming the problem).
+    pub fn get() -> CpuIsa {
+        static DEFAULT: OnceLock<CpuIsa> = OnceLock::new();
+        *DEFAULT.get_or_init(|| {
+            CpuIsa::from_env().unwrap_or_else(|e| {
+                let d = CpuIsa::detected();
+                eprintln!("sparsekit: {e}; using the {} path", d.isa());
+                d
+            })
+        })
+    }
+
+    /// The path.
+    pub const fn isa(self) -> Isa {
+        self.0
+    }
+
+    /// `isa` without checking the CPU (for [`isa_dispatch!`], inside a path that is only
+    /// entered through a checked `CpuIsa` of it).
+    ///
+    /// # Safety
+    /// This CPU supports `isa`.
+    #[doc(hidden)]
+    pub const unsafe fn assume_supported(isa: Isa) -> CpuIsa {
+        CpuIsa(isa)
+    }
+}
+
+/// Declares a function compiled for every [`Isa`] and dispatched on a [`CpuIsa`]:
+///
+/// ```ignore
+/// isa_dispatch! {
+///     /// Docs.
+///     pub fn name(a: &[f32], b: &mut [f32]) -> f32 = |ISA| body(a, b);
+/// }
+/// ```
+///
+/// defines `pub fn name(isa: CpuIsa, a: &[f32], b: &mut [f32]) -> f32`, which runs `body`
+/// compiled with `#[target_feature]` for AVX-512 or AVX2 (each with FMA), or as portable
+/// code. Inside the body, the constant `ISA` (the name given between the bars) is the
+/// [`CpuIsa`] being compiled, for choices such as register-tile widths and for calls of
+/// other dispatched functions. The body should call `#[inline(always)]` code so that it is
+/// compiled for the path.
+#[macro_export]
+macro_rules! isa_dispatch {
+    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)?
+        = |$isa:ident| $body:expr;) => {
+        $(#[$meta])*
+        #[inline]
+        $vis fn $name(isa: $crate::cpu::isa::CpuIsa, $($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx512f,avx512bw,fma")]
+            unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
+                #[allow(dead_code)]
+                const $isa: $crate::cpu::isa::CpuIsa =
+                    // SAFETY: this function runs only when a `CpuIsa` of this path was given.
+                    unsafe { $crate::cpu::isa::CpuIsa::assume_supported($crate::cpu::isa::Isa::Avx512) };
+                $body
+            }
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
+                #[allow(dead_code)]
+                const $isa: $crate::cpu::isa::CpuIsa =
+                    // SAFETY: this function runs only when a `CpuIsa` of this path was given.
+                    unsafe { $crate::cpu::isa::CpuIsa::assume_supported($crate::cpu::isa::Isa::Avx2) };
+                $body
+            }
+            #[inline(always)]
+            fn scalar($($arg: $ty),*) $(-> $ret)? {
+                #[allow(dead_code)]
+                const $isa: $crate::cpu::isa::CpuIsa = $crate::cpu::isa::CpuIsa::SCALAR;
+                $body
+            }
+            match isa.isa() {
+                // SAFETY: a `CpuIsa` names only a path this CPU supports (checked when it
+                // was made): AVX-512F, AVX-512BW and FMA here.
+                #[cfg(target_arch = "x86_64")]
+                $crate::cpu::isa::Isa::Avx512 => unsafe { avx512($($arg),*) },
+                // SAFETY: as above: AVX2 and FMA.
+                #[cfg(target_arch = "x86_64")]
+                $crate::cpu::isa::Isa::Avx2 => unsafe { avx2($($arg),*) },
+                _ => scalar($($arg),*),
+            }
+        }
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn env_values_select_supported_paths_and_reject_the_rest() {
+        assert_eq!(CpuIsa::from_env_value(None).unwrap(), CpuIsa::detected());
+        assert_eq!(
+            CpuIsa::from_env_value(Some(" ")).unwrap(),
+            CpuIsa::detected()
+        );
+        assert_eq!(
+            CpuIsa::from_env_value(Some("SCALAR")).unwrap().isa(),
+            Isa::Scalar
+        );
+        for isa in Isa::ALL {
+            let got = CpuIsa::from_env_value(Some(isa.name()));
+            assert_eq!(got.is_ok(), isa.supported(), "{isa}");
+            if let Ok(c) = got {
+                assert_eq!(c.isa(), isa);
+            }
+        }
+        assert!(matches!(
+            CpuIsa::from_env_value(Some("sse9")),
+            Err(Error::InvalidArgument { what: ISA_ENV, .. })
+        ));
+        let avail = CpuIsa::available();
+        assert_eq!(avail[0], CpuIsa::detected());
+        assert_eq!(avail.last().map(|c| c.isa()), Some(Isa::Scalar));
+    }
+
+    isa_dispatch! {
+        /// A sum whose path is reported with it.
+        fn path_sum(xs: &[f32]) -> (Isa, f32) =
+            |ISA| (ISA.isa(), xs.iter().fold(0.0, |a, &x| x.mul_add(2.0, a)));
+    }
+
+    #[test]
+    fn dispatch_runs_the_path_asked_for_with_identical_results() {
+        let xs: Vec<f32> = (0..1000).map(|i| (i as f32).sin()).collect();
+        let want = path_sum(CpuIsa::new(Isa::Scalar).unwrap(), &xs);
+        assert_eq!(want.0, Isa::Scalar);
+        for isa in CpuIsa::available() {
+            let got = path_sum(isa, &xs);
+            assert_eq!(got.0, isa.isa());
+            assert_eq!(got.1.to_bits(), want.1.to_bits(), "{:?}", isa.isa());
+        }
+    }
 }

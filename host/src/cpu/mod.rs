@@ -1,9 +1,14 @@
 //! The CPU backend: multi-threaded (rayon), batch-invariant Rust implementations of every
-//! op, over 64-byte-aligned host buffers.
+//! op, over 64-byte-aligned host buffers, compiled for the vector path the backend carries
+//! ([`isa`]).
+//!
+//! One file per op family, lining up with `ops/` and `sparsekit_kernels::kernels`:
+//! `store`, `indexer_logits`, `topk`, `sparse_mla`, `pages`; `gemm` is the register-blocked
+//! matrix core of the indexer and attention, `buffer` the host buffers.
 
 pub mod buffer;
 pub mod gemm;
-pub mod indexer;
+pub mod indexer_logits;
 pub mod isa;
 pub mod pages;
 pub mod sparse_mla;
@@ -14,25 +19,56 @@ use std::sync::Arc;
 
 use half::bf16;
 
-use buffer::host_buffer_methods;
 pub use buffer::CpuBuffer;
+pub use isa::{CpuIsa, Isa};
 
-use crate::backend::Backend;
+use crate::backend::{Backend, StreamKind};
 use crate::error::{Error, Result};
-use crate::ops::{
-    CopyPages, IndexKStore, IndexerLogits, KvStore, Op, PageChecksums, SparseMla, Topk,
-};
+use crate::ops::{CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, SparseMla, Topk};
 
-/// The CPU backend. Runs on rayon's global pool unless built with [`CpuBackend::with_threads`].
-#[derive(Clone, Debug, Default)]
+/// The CPU backend. Runs on rayon's global pool unless built with [`CpuBackend::with_threads`],
+/// on the vector path [`CpuIsa::get`] unless built with [`CpuBackend::with_isa`]. Every op
+/// runs synchronously, on either stream (see [`crate::backend`]).
+#[derive(Clone, Debug)]
 pub struct CpuBackend {
     pool: Option<Arc<rayon::ThreadPool>>,
+    isa: CpuIsa,
+    stream: StreamKind,
+}
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        CpuBackend {
+            pool: None,
+            isa: CpuIsa::get(),
+            stream: StreamKind::Compute,
+        }
+    }
 }
 
 impl CpuBackend {
-    /// A backend on rayon's global thread pool.
+    /// A backend on rayon's global thread pool and the process's default vector path
+    /// (the widest this CPU has, or the one `SPARSEKIT_CPU_ISA` forces).
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A backend on rayon's global thread pool and the vector path `isa`; an error when
+    /// this CPU cannot run it.
+    pub fn with_isa(isa: Isa) -> Result<Self> {
+        Ok(CpuBackend {
+            isa: CpuIsa::new(isa)?,
+            ..Self::default()
+        })
+    }
+
+    /// A backend on the vector path of `SPARSEKIT_CPU_ISA` (or the widest one when unset);
+    /// an unknown name or a path this CPU lacks is an error (the CLI's `--backend cpu`).
+    pub fn from_env() -> Result<Self> {
+        Ok(CpuBackend {
+            isa: CpuIsa::from_env()?,
+            ..Self::default()
+        })
     }
 
     /// A backend with its own pool of `threads` worker threads.
@@ -40,10 +76,16 @@ impl CpuBackend {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .build()
-            .map_err(|e| Error::Device(format!("cannot start CPU thread pool: {e}")))?;
+            .map_err(|e| Error::backend("cpu", "starting the thread pool", e))?;
         Ok(CpuBackend {
             pool: Some(Arc::new(pool)),
+            ..Self::default()
         })
+    }
+
+    /// The vector path this backend's kernels run.
+    pub fn isa(&self) -> Isa {
+        self.isa.isa()
     }
 
     fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
@@ -61,11 +103,7 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
-    fn supports(&self, _op: Op) -> bool {
-        true
-    }
-
-    host_buffer_methods!();
+    buffer::host_memory_methods!();
 
     fn index_k_store(
         &self,
@@ -76,15 +114,11 @@ impl Backend for CpuBackend {
         op.validate(keys.len(), cache.len())?;
         let keys: &[bf16] = keys.typed("keys")?;
         let l = op.layout;
-        let d = l.head_dim();
+        let (d, isa) = (l.head_dim(), self.isa);
         self.run(|| {
-            store::scatter_by_page(
-                cache.bytes_mut(),
-                l.bytes_per_page(),
-                l.page_size(),
-                op.slots,
-                |page, off, t| store::write_index_k_token(&l, page, off, &keys[t * d..(t + 1) * d]),
-            )
+            store::scatter_by_page(cache.bytes_mut(), l.into(), op.slots, |page, off, t| {
+                store::write_index_k_token_on(isa, &l, page, off, &keys[t * d..(t + 1) * d])
+            })
         });
         Ok(())
     }
@@ -93,21 +127,16 @@ impl Backend for CpuBackend {
         op.validate(kv.len(), cache.len())?;
         let kv: &[bf16] = kv.typed("kv")?;
         let l = op.layout;
-        let (d, tb) = (l.d_qk(), l.bytes_per_token());
+        let (d, isa) = (l.d_qk(), self.isa);
         self.run(|| {
-            store::scatter_by_page(
-                cache.bytes_mut(),
-                l.bytes_per_page(),
-                l.page_size(),
-                op.slots,
-                |page, off, t| {
-                    store::write_kv_token(
-                        &l,
-                        &mut page[off * tb..(off + 1) * tb],
-                        &kv[t * d..(t + 1) * d],
-                    )
-                },
-            )
+            store::scatter_by_page(cache.bytes_mut(), l.into(), op.slots, |page, off, t| {
+                store::write_kv_token_on(
+                    isa,
+                    &l,
+                    &mut page[l.token_range(off)],
+                    &kv[t * d..(t + 1) * d],
+                )
+            })
         });
         Ok(())
     }
@@ -123,7 +152,8 @@ impl Backend for CpuBackend {
         op.validate(q.len(), weights.len(), cache.len(), out.len())?;
         let (q, w) = (q.typed::<bf16>("q")?, weights.typed::<f32>("weights")?);
         let out = out.typed_mut::<f32>("logits")?;
-        self.run(|| indexer::indexer_logits(op, q, w, cache.bytes(), out));
+        let isa = self.isa;
+        self.run(|| indexer_logits::indexer_logits(isa, op, q, w, cache.bytes(), out));
         Ok(())
     }
 
@@ -150,7 +180,8 @@ impl Backend for CpuBackend {
         let q = q.typed::<bf16>("q")?;
         let out = out.typed_mut::<bf16>("out")?;
         let lse = lse.typed_mut::<f32>("lse")?;
-        self.run(|| sparse_mla::sparse_mla(op, q, cache.bytes(), indices, out, lse));
+        let isa = self.isa;
+        self.run(|| sparse_mla::sparse_mla(isa, op, q, cache.bytes(), indices, out, lse));
         Ok(())
     }
 

@@ -11,7 +11,7 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::gemm::{gemm_acc, Dims};
-use super::isa::Isa;
+use super::isa::CpuIsa;
 use crate::layout::{KvDtype, KvLayout, FP8_DS_MLA_TILE};
 use crate::ops::SparseMla;
 use sparsekit_kernels::fp8::{bf16_to_f32, e4m3_to_f32};
@@ -21,8 +21,10 @@ const BLOCK: usize = 64;
 /// Heads per task at most.
 const MAX_HEAD_CHUNK: usize = 64;
 
-/// Computes attention. Inputs (including every index) are validated by the caller.
+/// Computes attention on the vector path `isa`. Inputs (including every index) are
+/// validated by the caller.
 pub fn sparse_mla(
+    isa: CpuIsa,
     op: &SparseMla,
     q: &[bf16],
     cache: &[u8],
@@ -45,62 +47,29 @@ pub fn sparse_mla(
             let h0 = (task % chunks_per_token) * hc;
             let qrow = &q[(t * h + h0) * dqk..(t * h + h0 + hc) * dqk];
             let idx = &indices[t * op.topk..(t + 1) * op.topk];
-            attend_dispatch(op, qrow, hc, idx, cache, out, lse);
+            attend_task(isa, op, qrow, hc, idx, cache, out, lse);
         });
 }
 
-/// Runs [`attend`] compiled for the widest vector ISA this CPU has; same operations, same
-/// order, identical results on every path.
-fn attend_dispatch(
-    op: &SparseMla,
-    q: &[bf16],
-    hc: usize,
-    indices: &[i32],
-    cache: &[u8],
-    out: &mut [bf16],
-    lse: &mut [f32],
-) {
-    match Isa::get() {
-        // SAFETY: `Isa::get` detected AVX-512F and FMA.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { attend_avx512(op, q, hc, indices, cache, out, lse) },
-        // SAFETY: `Isa::get` detected AVX2 and FMA.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { attend_avx2(op, q, hc, indices, cache, out, lse) },
-        _ => attend(op, q, hc, indices, cache, out, lse),
-    }
+crate::isa_dispatch! {
+    /// [`attend`] compiled for the task's vector path; same operations, same order,
+    /// identical results on every path.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_task(
+        op: &SparseMla,
+        q: &[bf16],
+        hc: usize,
+        indices: &[i32],
+        cache: &[u8],
+        out: &mut [bf16],
+        lse: &mut [f32],
+    ) = |ISA| attend(ISA, op, q, hc, indices, cache, out, lse);
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn attend_avx2(
-    op: &SparseMla,
-    q: &[bf16],
-    hc: usize,
-    indices: &[i32],
-    cache: &[u8],
-    out: &mut [bf16],
-    lse: &mut [f32],
-) {
-    attend(op, q, hc, indices, cache, out, lse)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,fma")]
-unsafe fn attend_avx512(
-    op: &SparseMla,
-    q: &[bf16],
-    hc: usize,
-    indices: &[i32],
-    cache: &[u8],
-    out: &mut [bf16],
-    lse: &mut [f32],
-) {
-    attend(op, q, hc, indices, cache, out, lse)
-}
-
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn attend(
+    isa: CpuIsa,
     op: &SparseMla,
     q: &[bf16],
     hc: usize,
@@ -140,6 +109,7 @@ fn attend(
         st[..n * hc].fill(0.0);
         // Sᵀ[keys × hc] = K[keys × d_qk] · Qᵀ
         gemm_acc(
+            isa,
             Dims {
                 m: n,
                 n: hc,
@@ -180,6 +150,7 @@ fn attend(
         }
         // O += P · V, V = the first d_v columns of K.
         gemm_acc(
+            isa,
             Dims {
                 m: hc,
                 n: dv,
@@ -211,9 +182,7 @@ fn attend(
 /// Dequantises the token at `slot` into one row `[latent | rope]`.
 #[inline(always)]
 fn load_row(l: &KvLayout, cache: &[u8], slot: usize, row: &mut [f32]) {
-    let ps = l.page_size();
-    let base = (slot / ps) * l.bytes_per_page() + l.token_range(slot % ps).start;
-    let tok = &cache[base..base + l.bytes_per_token()];
+    let tok = &cache[l.slot_token_bytes(slot)];
     let dv = l.nope_dim();
     let (vrow, rope) = row.split_at_mut(dv);
     match l.dtype() {

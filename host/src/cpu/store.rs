@@ -5,14 +5,26 @@ use rayon::prelude::*;
 
 use sparsekit_kernels::fp8::bf16_to_f32;
 
-use super::isa::Isa;
+use super::isa::CpuIsa;
 #[cfg(doc)]
 use crate::dtype::amax_bf16;
 use crate::dtype::{e4m3_encode, index_k_scale, kv_tile_scale};
-use crate::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout, FP8_DS_MLA_TILE};
+use crate::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout, PageLayout, FP8_DS_MLA_TILE};
 
-/// Writes the index key of the token at `offset` of `page` (one whole page of bytes).
+/// Writes the index key of the token at `offset` of `page` (one whole page of bytes), on
+/// the process's default vector path ([`CpuIsa::get`]).
 pub fn write_index_k_token(layout: &IndexKLayout, page: &mut [u8], offset: usize, key: &[bf16]) {
+    write_index_k_token_on(CpuIsa::get(), layout, page, offset, key)
+}
+
+/// [`write_index_k_token`] on the vector path `isa`.
+pub fn write_index_k_token_on(
+    isa: CpuIsa,
+    layout: &IndexKLayout,
+    page: &mut [u8],
+    offset: usize,
+    key: &[bf16],
+) {
     let values = &mut page[layout.value_range(offset)];
     match layout.dtype() {
         IndexKDtype::Bf16 => {
@@ -22,7 +34,7 @@ pub fn write_index_k_token(layout: &IndexKLayout, page: &mut [u8], offset: usize
         }
         IndexKDtype::Fp8E4m3 { scale } => {
             let s = index_k_scale(amax(key), scale);
-            quantize(values, key, s);
+            quantize(isa, values, key, s);
             if let Some(r) = layout.scale_range(offset) {
                 page[r].copy_from_slice(&s.to_le_bytes());
             }
@@ -30,8 +42,14 @@ pub fn write_index_k_token(layout: &IndexKLayout, page: &mut [u8], offset: usize
     }
 }
 
-/// Writes one KV token (`kv` = `[latent | rope]` bf16) into its `bytes_per_token` bytes.
+/// Writes one KV token (`kv` = `[latent | rope]` bf16) into its `bytes_per_token` bytes, on
+/// the process's default vector path ([`CpuIsa::get`]).
 pub fn write_kv_token(layout: &KvLayout, token: &mut [u8], kv: &[bf16]) {
+    write_kv_token_on(CpuIsa::get(), layout, token, kv)
+}
+
+/// [`write_kv_token`] on the vector path `isa`.
+pub fn write_kv_token_on(isa: CpuIsa, layout: &KvLayout, token: &mut [u8], kv: &[bf16]) {
     let (nope, rope) = kv.split_at(layout.nope_dim());
     match layout.dtype() {
         KvDtype::Bf16 => {
@@ -44,6 +62,7 @@ pub fn write_kv_token(layout: &KvLayout, token: &mut [u8], kv: &[bf16]) {
             for (t, tile) in nope.chunks_exact(FP8_DS_MLA_TILE).enumerate() {
                 let s = kv_tile_scale(amax(tile));
                 quantize(
+                    isa,
                     &mut token[t * FP8_DS_MLA_TILE..(t + 1) * FP8_DS_MLA_TILE],
                     tile,
                     s,
@@ -68,46 +87,26 @@ fn amax(xs: &[bf16]) -> f32 {
     bf16_to_f32(m)
 }
 
-/// `dst[i] = e4m3(src[i] / s)`, compiled for the CPU's vector ISA (identical results on
-/// every path: the encoder is branch-free integer/f32 arithmetic).
-#[inline]
-fn quantize(dst: &mut [u8], src: &[bf16], s: f32) {
-    #[inline(always)]
-    fn body(dst: &mut [u8], src: &[bf16], s: f32) {
+crate::isa_dispatch! {
+    /// `dst[i] = e4m3(src[i] / s)`, compiled for the vector path (identical results on
+    /// every path: the encoder is branch-free integer/f32 arithmetic).
+    fn quantize(dst: &mut [u8], src: &[bf16], s: f32) = |ISA| {
         for (d, v) in dst.iter_mut().zip(src) {
             *d = e4m3_encode(bf16_to_f32(v.to_bits()) / s);
         }
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f,avx512bw,fma")]
-    unsafe fn body_avx512(dst: &mut [u8], src: &[bf16], s: f32) {
-        body(dst, src, s)
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn body_avx2(dst: &mut [u8], src: &[bf16], s: f32) {
-        body(dst, src, s)
-    }
-    match Isa::get() {
-        // SAFETY: `Isa::get` detected AVX-512 (F, BW) and FMA.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { body_avx512(dst, src, s) },
-        // SAFETY: `Isa::get` detected AVX2 and FMA.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { body_avx2(dst, src, s) },
-        _ => body(dst, src, s),
-    }
+    };
 }
 
 /// Applies `write(page_bytes, offset_in_page, token)` for every token with a slot, in
-/// parallel over pages. Slots must be validated (in range, unique, or -1).
+/// parallel over the pages of `cache` (laid out as `layout`). Slots must be validated (in
+/// range, unique, or -1).
 pub(crate) fn scatter_by_page(
     cache: &mut [u8],
-    bytes_per_page: usize,
-    page_size: usize,
+    layout: PageLayout,
     slots: &[i64],
     write: impl Fn(&mut [u8], usize, usize) + Sync,
 ) {
+    let bytes_per_page = layout.bytes_per_page();
     let mut order: Vec<(usize, usize)> = slots
         .iter()
         .enumerate()
@@ -119,8 +118,8 @@ pub(crate) fn scatter_by_page(
     let mut groups: Vec<(usize, &[(usize, usize)])> = Vec::new();
     let mut rest = &order[..];
     while let Some(&(slot, _)) = rest.first() {
-        let page = slot / page_size;
-        let n = rest.partition_point(|&(s, _)| s / page_size == page);
+        let page = layout.slot_addr(slot).page;
+        let n = rest.partition_point(|&(s, _)| layout.slot_addr(s).page == page);
         groups.push((page, &rest[..n]));
         rest = &rest[n..];
     }
@@ -139,7 +138,7 @@ pub(crate) fn scatter_by_page(
         .zip(groups.par_iter())
         .for_each(|(page, (_, tokens))| {
             for &(slot, t) in tokens.iter() {
-                write(page, slot % page_size, t);
+                write(page, layout.slot_addr(slot).offset, t);
             }
         });
 }

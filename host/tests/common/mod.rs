@@ -17,7 +17,7 @@ use sparsekit_host::cache::{
 };
 use sparsekit_host::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};
 use sparsekit_host::ops::{
-    CopyPages, IndexKStore, IndexerLogits, KvStore, Op, PageChecksums, SparseMla, Topk,
+    CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, SparseMla, Topk,
 };
 use sparsekit_host::{Backend, CpuBackend, Error, Result};
 
@@ -373,9 +373,6 @@ impl Backend for Flaky {
     type Buffer = <CpuBackend as Backend>::Buffer;
     fn name(&self) -> &str {
         "flaky-cpu"
-    }
-    fn supports(&self, op: Op) -> bool {
-        self.inner.supports(op)
     }
     fn upload(&self, b: &[u8]) -> Result<Self::Buffer> {
         self.inner.upload(b)

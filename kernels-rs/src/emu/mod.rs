@@ -80,6 +80,7 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, OnceLock};
 
+use crate::launch::KernelParams;
 use crate::simt::Simt;
 
 use block::{BlockSync, KernelRef, Next, Stop};
@@ -205,6 +206,26 @@ impl Carrier {
 /// prints it to stderr). Uses [`Carrier::default_for_launch`].
 pub fn launch(cfg: LaunchConfig, kernel: impl Fn() + Sync) -> Result<(), EmuError> {
     launch_with(Carrier::default_for_launch(), cfg, kernel)
+}
+
+/// Runs the kernel that `params` belong to ([`KernelParams`]) with its own launch geometry
+/// (`params.launch()`), as the GPU would: the emulator's typed launcher.
+///
+/// # Safety
+/// The kernel's contract ([`KernelParams::run`]): every pointer in `params` is valid for
+/// what the kernel reads and writes until this function returns, and nothing else
+/// accesses the memory the kernel writes meanwhile.
+pub unsafe fn launch_kernel<P: KernelParams>(params: P) -> Result<(), EmuError> {
+    let l = params.launch();
+    let cfg = LaunchConfig {
+        grid: l.grid,
+        block: l.block,
+        dyn_smem_bytes: l.smem_bytes as usize,
+    };
+    // SAFETY: the caller promises what `Params::new` requires (the GPU launch contract).
+    let p = unsafe { Params::new(params) };
+    // SAFETY: the kernel's contract is the caller's; the geometry is the kernel's own.
+    launch(cfg, || unsafe { P::run::<Emu>(p.get()) })
 }
 
 /// [`launch`] on the given [`Carrier`].

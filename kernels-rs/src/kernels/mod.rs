@@ -1,13 +1,15 @@
 //! The kernels, generic over [`Simt`](crate::Simt). Each is an `unsafe fn` whose contract
 //! is stated on it; launchers establish the contract from validated host descriptors.
 
-mod indexer;
+mod indexer_logits;
 mod pages;
 mod sparse_mla;
 mod store;
 mod topk;
 
-pub use indexer::{indexer_logits, indexer_logits_launch, MAX_HEAD_DIM as INDEXER_MAX_HEAD_DIM};
+pub use indexer_logits::{
+    indexer_logits, indexer_logits_launch, MAX_HEAD_DIM as INDEXER_LOGITS_MAX_HEAD_DIM,
+};
 pub use pages::{copy_pages, page_checksums};
 pub use sparse_mla::{sparse_mla, sparse_mla_launch};
 pub use store::{index_k_store, kv_store};

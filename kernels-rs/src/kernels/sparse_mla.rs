@@ -101,7 +101,8 @@ mod tile;
 
 use crate::kernels::FULL;
 use crate::launch::{Launch, MAX_GRID};
-use crate::params::{kv_format, SparseMlaParams};
+use crate::params::kv_format::{self, FP8_DS_MLA_TILE};
+use crate::params::SparseMlaParams;
 use crate::simt::Simt;
 
 /// Heads per block (the mma M dimension).
@@ -162,7 +163,7 @@ impl Geometry {
     fn new(p: &SparseMlaParams) -> Self {
         let d_qk = p.nope_dim + p.rope_dim;
         let fp8 = p.format == kv_format::FP8_DS_MLA;
-        let tiles = if fp8 { p.nope_dim / 128 } else { 0 };
+        let tiles = if fp8 { p.nope_dim / FP8_DS_MLA_TILE } else { 0 };
         let lat_units = if fp8 { p.nope_dim / 16 } else { p.nope_dim / 8 };
         let row_bytes = (2 * d_qk).div_ceil(128) * 128;
         let ntiles = p.nope_dim / 8;

@@ -5,11 +5,9 @@
 
 use super::warp_max_f32;
 use crate::fp8::{abs, bf16_to_f32, e4m3_encode, index_k_scale, kv_tile_scale};
-use crate::params::{index_k_format, kv_format, IndexKStoreParams, KvStoreParams};
+use crate::params::kv_format::{self, FP8_DS_MLA_TILE as TILE};
+use crate::params::{index_k_format, IndexKStoreParams, KvStoreParams};
 use crate::simt::Simt;
-
-/// Values of one fp8_ds_mla tile.
-const TILE: u32 = 128;
 
 /// Stores index keys.
 ///
@@ -76,7 +74,7 @@ pub unsafe fn index_k_store<S: Simt>(p: IndexKStoreParams) {
 ///
 /// # Safety
 /// Launch with `block_dim` a multiple of 32. `kv` holds `n_tokens × (nope_dim + rope_dim)`
-/// bf16, `slots` unique slots or `-1`, `nope_dim` is a multiple of 128 for fp8_ds_mla, and
+/// bf16, `slots` unique slots or `-1`, `nope_dim` is a multiple of [`kv_format::FP8_DS_MLA_TILE`] for fp8_ds_mla, and
 /// the layout fields describe `cache` exactly (from a `KvLayout`).
 pub unsafe fn kv_store<S: Simt>(p: KvStoreParams) {
     let warps = S::block_dim() / 32;

@@ -12,6 +12,9 @@ use crate::emu::{launch, Emu, LaunchConfig, Params};
 use crate::fp8::{bf16_to_f32, e4m3_decode, e4m3_encode, kv_tile_scale};
 use crate::params::{kv_format, SparseMlaParams};
 
+/// Values per fp8_ds_mla tile.
+const TILE: usize = kv_format::FP8_DS_MLA_TILE as usize;
+
 #[derive(Clone, Copy, Debug)]
 struct Case {
     nope: usize,
@@ -63,7 +66,7 @@ fn normal(rng: &mut StdRng) -> f32 {
 fn run(c: Case, seed: u64) -> (f64, f64) {
     let mut rng = StdRng::seed_from_u64(seed);
     let d_qk = c.nope + c.rope;
-    let tiles = c.nope / 128;
+    let tiles = c.nope / TILE;
     let (token_bytes, scales_offset, rope_offset) = if c.fp8 {
         (c.nope + 4 * tiles + 2 * c.rope, c.nope, c.nope + 4 * tiles)
     } else {
@@ -83,13 +86,13 @@ fn run(c: Case, seed: u64) -> (f64, f64) {
             .collect();
         if c.fp8 {
             for t in 0..tiles {
-                let tile = &row[128 * t..128 * (t + 1)];
+                let tile = &row[TILE * t..TILE * (t + 1)];
                 let amax = tile.iter().fold(0f32, |m, x| m.max(x.abs()));
                 let s = kv_tile_scale(amax) * if c.odd_scales { 1.37 } else { 1.0 };
                 for (i, &x) in tile.iter().enumerate() {
                     let code = e4m3_encode(x / s);
-                    cache[base + 128 * t + i] = code;
-                    keys[slot * d_qk + 128 * t + i] = e4m3_decode(code) as f64 * s as f64;
+                    cache[base + TILE * t + i] = code;
+                    keys[slot * d_qk + TILE * t + i] = e4m3_decode(code) as f64 * s as f64;
                 }
                 cache[base + scales_offset + 4 * t..][..4].copy_from_slice(&s.to_le_bytes());
             }

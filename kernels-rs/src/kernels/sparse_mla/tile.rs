@@ -9,6 +9,7 @@ use super::gather::{load16, V2, V4};
 use super::{Geometry, Role, BN, MAX_NT, PLAIN};
 use crate::kernels::FULL;
 use crate::math::{exp2, fma, log2, LN_2, LOG2_E};
+use crate::params::kv_format::FP8_DS_MLA_TILE;
 use crate::params::SparseMlaParams;
 use crate::simt::Simt;
 
@@ -275,7 +276,7 @@ pub(super) unsafe fn softmax_pv<S: Simt>(
     // fp8: the keys' scales of the tile that holds this warp's columns multiply P.
     let mut vs = [[1f32; 2]; 2];
     if g.fp8 && cols.ntw > 0 {
-        let tile = cols.base / 128;
+        let tile = cols.base / FP8_DS_MLA_TILE;
         unroll!(2, nt, {
             let key = 16 * r.kh + 8 * nt as u32 + 2 * r.t;
             // SAFETY: tile < tiles, key + 1 < 32: two scales of the table, 8-byte aligned

@@ -27,7 +27,7 @@
 use crate::fp8::e4m3_to_f32;
 use crate::launch::{Launch, MAX_GRID};
 use crate::math::fma;
-use crate::params::{index_k_format, IndexerLogitsParams};
+use crate::params::{index_k_format, IndexerLogitsParams, QueryRange};
 use crate::simt::Simt;
 
 /// Columns per (row, chunk) work item.
@@ -95,11 +95,12 @@ pub unsafe fn indexer_logits<S: Simt>(p: IndexerLogitsParams) {
         let r = (item / chunks) as u32;
         let c0 = (item % chunks) as u32 * KEYS_PER_BLOCK;
         let c1 = (c0 + KEYS_PER_BLOCK).min(p.row_stride);
-        // SAFETY: r < n_rows: three u32 per row.
-        let (req, start, end) = unsafe {
-            let row = p.rows.add(3 * r as usize);
-            (*row, *row.add(1), *row.add(2))
-        };
+        // SAFETY: r < n_rows and `rows` holds n_rows ranges.
+        let QueryRange {
+            request: req,
+            start,
+            end,
+        } = unsafe { *p.rows.add(r as usize) };
         // 1. Stage the row's queries (zero-padded to hp heads and the kernel's k-steps) and
         //    weights.
         let dims = 16 * k_steps(p.head_dim);

@@ -12,7 +12,7 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::gemm::{gemm_acc, Dims};
-use super::isa::Isa;
+use super::isa::CpuIsa;
 use crate::layout::{IndexKDtype, IndexKLayout};
 use crate::ops::{IndexerLogits, PageTable, QueryRange};
 use sparsekit_kernels::fp8::{bf16_to_f32, e4m3_to_f32};
@@ -24,8 +24,9 @@ const CHUNK: usize = 32 * BLOCK;
 /// Upper bound on `rows × n_heads` in one group (GEMM `m`).
 const GROUP_ROWS_X_HEADS: usize = 256;
 
-/// Computes the logits. Inputs are validated by the caller.
+/// Computes the logits on the vector path `isa`. Inputs are validated by the caller.
 pub fn indexer_logits(
+    isa: CpuIsa,
     op: &IndexerLogits<'_>,
     q: &[bf16],
     weights: &[f32],
@@ -59,6 +60,7 @@ pub fn indexer_logits(
         }
     }
     let ctx = Ctx {
+        isa,
         layout: op.layout,
         page_table: op.page_table,
         h,
@@ -70,7 +72,7 @@ pub fn indexer_logits(
     };
     tasks
         .into_par_iter()
-        .for_each(|(g, col0, mut cells)| ctx.run_dispatch(g, col0, &mut cells));
+        .for_each(|(g, col0, mut cells)| run_task(isa, &ctx, g, col0, &mut cells));
 }
 
 /// A run of consecutive rows of one request.
@@ -113,6 +115,7 @@ fn group_rows(rows: &[QueryRange], max_rows: usize) -> Vec<Group> {
 }
 
 struct Ctx<'a> {
+    isa: CpuIsa,
     layout: IndexKLayout,
     page_table: PageTable<'a>,
     h: usize,
@@ -123,31 +126,15 @@ struct Ctx<'a> {
     cache: &'a [u8],
 }
 
+crate::isa_dispatch! {
+    /// [`Ctx::run`] compiled for the task's vector path (the epilogue's `mul_add` is
+    /// otherwise a libm `fmaf` call per element). Every path does the same correctly
+    /// rounded operations in the same order: results are identical.
+    fn run_task(ctx: &Ctx<'_>, g: &Group, col0: usize, cells: &mut [&mut [f32]])
+        = |ISA| ctx.run(g, col0, cells);
+}
+
 impl Ctx<'_> {
-    /// Runs [`Self::run`] compiled for the widest vector ISA this CPU has (the epilogue's
-    /// `mul_add` is otherwise a libm `fmaf` call per element). Every path does the same
-    /// correctly rounded operations in the same order: results are identical.
-    fn run_dispatch(&self, g: &Group, col0: usize, cells: &mut [&mut [f32]]) {
-        match Isa::get() {
-            // SAFETY: `Isa::get` detected AVX-512F and FMA.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => unsafe { self.run_avx512(g, col0, cells) },
-            // SAFETY: `Isa::get` detected AVX2 and FMA.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe { self.run_avx2(g, col0, cells) },
-            _ => self.run(g, col0, cells),
-        }
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f,fma")]
-    unsafe fn run_avx512(&self, g: &Group, col0: usize, cells: &mut [&mut [f32]]) {
-        self.run(g, col0, cells)
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn run_avx2(&self, g: &Group, col0: usize, cells: &mut [&mut [f32]]) {
-        self.run(g, col0, cells)
-    }
     #[inline(always)]
     fn run(&self, g: &Group, col0: usize, cells: &mut [&mut [f32]]) {
         let width = cells.first().map_or(0, |c| c.len());
@@ -180,6 +167,7 @@ impl Ctx<'_> {
             c[..m * BLOCK].fill(0.0);
             // Cᵀ[keys × m] = K[keys × d] · Qᵀ[d × m]
             gemm_acc(
+                self.isa,
                 Dims {
                     m: n,
                     n: m,
@@ -232,14 +220,10 @@ impl Ctx<'_> {
     #[inline(always)]
     fn load_rows(&self, request: usize, b0: usize, n: usize, krows: &mut [f32], scale: &mut [f32]) {
         let l = &self.layout;
-        let ps = l.page_size();
-        let bpp = l.bytes_per_page();
         let d = self.d;
         for j in 0..n {
-            let slot = self.page_table.slot(request, b0 + j, ps);
-            let (page, off) = (slot / ps, slot % ps);
-            let page_bytes = &self.cache[page * bpp..(page + 1) * bpp];
-            let vals = &page_bytes[l.value_range(off)];
+            let slot = self.page_table.slot(request, b0 + j, l.page_size());
+            let vals = &self.cache[l.slot_value_bytes(slot)];
             let dst = &mut krows[j * d..(j + 1) * d];
             match l.dtype() {
                 IndexKDtype::Bf16 => {
@@ -252,13 +236,11 @@ impl Ctx<'_> {
                     for (x, &b) in dst.iter_mut().zip(vals) {
                         *x = e4m3_to_f32(b);
                     }
-                    scale[j] = match l.scale_range(off) {
-                        Some(r) => f32::from_le_bytes([
-                            page_bytes[r.start],
-                            page_bytes[r.start + 1],
-                            page_bytes[r.start + 2],
-                            page_bytes[r.start + 3],
-                        ]),
+                    scale[j] = match l.slot_scale_bytes(slot) {
+                        Some(r) => {
+                            let b = &self.cache[r];
+                            f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+                        }
                         None => 1.0,
                     };
                 }

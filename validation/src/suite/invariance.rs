@@ -6,35 +6,23 @@ use rand::Rng;
 use sparsekit_host::dims::ModelDims;
 use sparsekit_host::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};
 use sparsekit_host::ops::{
-    CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, PageTable, QueryRange,
+    CopyPages, IndexKStore, IndexerLogits, KvStore, Op, PageChecksums, PageTable, QueryRange,
     SparseMla, Topk, TopkOutput,
 };
 use sparsekit_host::{Backend, Error};
 
-use crate::fixtures::{self, bytes_of, Paging, SuiteRng};
-use crate::suite::{
-    indexer_inputs, mla_indices, page_layouts, prefill_rows, region, topk_logits, Outcome, Scenario,
+use super::record::Outcome;
+use crate::fixtures::{
+    self, bytes_of, indexer_inputs, mla_indices, page_layouts, prefill_rows, region, topk_logits,
+    Paging, Scenario, SuiteRng,
 };
-use crate::tolerance::ErrorStats;
+use crate::tolerance::{bitwise, ErrorStats, Quantity};
 
 const BATCH: usize = 8;
 
-fn bitwise(stats: &mut ErrorStats, base: usize, got: &[u8], want: &[u8]) {
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        if g == w {
-            stats.count += 1;
-        } else {
-            stats.fail(base + i, *g as f64, *w as f64);
-        }
-    }
-    if got.len() != want.len() {
-        stats.fail(base, got.len() as f64, want.len() as f64);
-    }
-}
-
 fn outcome(stats: ErrorStats, note: &str) -> Outcome {
     Outcome {
-        quantity: "bits",
+        quantity: Quantity::Bits,
         stats,
         tolerance: "bit-identical".into(),
         note: note.into(),
@@ -42,24 +30,20 @@ fn outcome(stats: ErrorStats, note: &str) -> Outcome {
 }
 
 /// Runs the invariance check of `op` at dims `d`.
-pub(crate) fn check<B: Backend>(
+pub(super) fn check<B: Backend>(
     b: &B,
     rng: &mut SuiteRng,
     d: &ModelDims,
-    op: &str,
+    op: Op,
 ) -> Result<Outcome, Error> {
     let ps = d.page_size as u32;
     let lens: Vec<u32> = vec![1, ps + 1, 300, 77, 1000, 5, 2 * ps, 513];
     match op {
-        "index_k_store" | "kv_store" => stores(b, rng, d, op == "kv_store", &lens),
-        "indexer_logits" => indexer(b, rng, d, &lens),
-        "topk" => topk(b, rng, d, &lens),
-        "sparse_mla" => sparse_mla(b, rng, d, &lens),
-        "copy_pages" | "page_checksums" => pages(b, rng, d, op == "page_checksums"),
-        other => Err(Error::InvalidArgument {
-            what: "op",
-            detail: other.to_string(),
-        }),
+        Op::IndexKStore | Op::KvStore => stores(b, rng, d, op == Op::KvStore, &lens),
+        Op::IndexerLogits => indexer_logits(b, rng, d, &lens),
+        Op::Topk => topk(b, rng, d, &lens),
+        Op::SparseMla => sparse_mla(b, rng, d, &lens),
+        Op::CopyPages | Op::PageChecksums => pages(b, rng, d, op == Op::PageChecksums),
     }
 }
 
@@ -146,7 +130,7 @@ fn stores<B: Backend>(
     ))
 }
 
-fn indexer<B: Backend>(
+fn indexer_logits<B: Backend>(
     b: &B,
     rng: &mut SuiteRng,
     d: &ModelDims,

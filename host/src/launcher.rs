@@ -1,0 +1,373 @@
+//! The ops of every backend that runs the GPU kernels of `sparsekit-kernels` (`emu` here,
+//! `cuda` in the root package), written once.
+//!
+//! Such a backend implements [`Backend`]'s buffer and stream methods and [`KernelDevice`]:
+//! where per-call metadata goes (slots, page ids, page tables, query ranges), the
+//! addresses of its buffers and the typed launch of one kernel; its op methods are the
+//! functions below, pasted into its `impl Backend` by [`kernel_backend_ops!`](crate::kernel_backend_ops). Each op
+//! validates the descriptor against the buffers (a rejected call writes nothing), checks
+//! the shapes the kernels support, stages the metadata, fills the kernel's parameter
+//! struct from the layout descriptor (`kernel_params`, the one place layouts become
+//! kernel sizes) and launches it with its own geometry. So the emulator runs exactly the
+//! launches the GPU runs.
+
+use sparsekit_kernels::kernels::INDEXER_LOGITS_MAX_HEAD_DIM;
+use sparsekit_kernels::launch::{KernelParams, MAX_DYN_SMEM};
+use sparsekit_kernels::params::QueryRange;
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::kernel_params;
+use crate::ops::{
+    CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, SparseMla, Topk, TopkOutput,
+};
+
+/// The kernel-visible addresses a launch's parameters are built from: the buffers read
+/// and written (in the order given) and the staged metadata arrays.
+#[derive(Clone, Copy, Debug)]
+pub struct Addrs<'a> {
+    pub read: &'a [u64],
+    pub write: &'a [u64],
+    pub meta: &'a [u64],
+}
+
+/// What a backend that runs the kernels of `sparsekit-kernels` provides; its ops are built
+/// on it (see the [module docs](self)).
+///
+/// # Safety
+/// The safe ops of this module launch kernels through these primitives, so an
+/// implementation must keep their promises: [`Self::stage`] copies the bytes where the
+/// kernels can read them and [`Self::staged_addr`] is their kernel-visible address, valid
+/// while the staged value lives (and, for queued work, until the work reading it has
+/// completed); [`Self::with_addrs`] passes the kernel-visible addresses of exactly the
+/// buffers given, each covering the buffer's [`Backend::buffer_len`] bytes, and orders the
+/// work enqueued inside `f` after earlier writes to them and before later uses (their frees
+/// included); [`Self::enqueue`] runs the kernel of `P` with `params.launch()`'s geometry.
+pub unsafe trait KernelDevice: Backend {
+    /// Per-call metadata placed where the kernels can read it; kept alive until the launch
+    /// that reads it has completed.
+    type Staged<'a>;
+
+    /// Copies `bytes` (host metadata of one call) where the kernels can read them.
+    fn stage<'a>(&self, bytes: &'a [u8]) -> Result<Self::Staged<'a>>;
+    /// The kernel-visible address of staged metadata.
+    fn staged_addr(&self, staged: &Self::Staged<'_>) -> u64;
+
+    /// Calls `f` with the kernel-visible addresses of `reads` and `writes` (in order),
+    /// valid for work enqueued before `f` returns; the backend orders that work after
+    /// earlier writes to those buffers (on any stream), and later work after it.
+    fn with_addrs<R>(
+        &self,
+        reads: &[&Self::Buffer],
+        writes: &mut [&mut Self::Buffer],
+        f: impl FnOnce(&[u64], &[u64]) -> R,
+    ) -> Result<R>;
+
+    /// Enqueues (or runs) the kernel of `params` with its geometry (`params.launch()`,
+    /// already checked against the GPU limits).
+    ///
+    /// # Safety
+    /// The kernel's contract ([`KernelParams::run`]): every address in `params` comes from
+    /// [`Self::with_addrs`] (inside its call) or [`Self::staged_addr`] of metadata alive
+    /// until the launch completes, and describes buffers validated for this launch.
+    unsafe fn enqueue<P: KernelParams>(&self, params: P) -> Result<()>;
+
+    /// Stages `meta`, then builds the parameters from the addresses of `reads`, `writes`
+    /// and the staged metadata and launches their kernel (`P` names it: a kernel can only
+    /// be launched with its own parameter struct).
+    ///
+    /// # Safety
+    /// `build` fills the parameters from the given addresses and from descriptors
+    /// validated against these buffers and metadata, so that the kernel's contract holds.
+    unsafe fn launch<P: KernelParams>(
+        &self,
+        meta: &[&[u8]],
+        reads: &[&Self::Buffer],
+        writes: &mut [&mut Self::Buffer],
+        build: impl FnOnce(Addrs<'_>) -> P,
+    ) -> Result<()> {
+        let staged = meta
+            .iter()
+            .map(|m| self.stage(m))
+            .collect::<Result<Vec<_>>>()?;
+        let meta: Vec<u64> = staged.iter().map(|s| self.staged_addr(s)).collect();
+        self.with_addrs(reads, writes, |read, write| {
+            let params = build(Addrs {
+                read,
+                write,
+                meta: &meta,
+            });
+            check_launch(&params)?;
+            // SAFETY: the caller's contract (see above); the staged metadata is dropped
+            // only after the launch is enqueued.
+            unsafe { self.enqueue(params) }
+        })?
+    }
+}
+
+/// Checks that a kernel's launch fits the GPU limits (dynamic shared memory), so a shape
+/// the kernels cannot run is a clear error on every GPU backend, never a launch failure.
+fn check_launch<P: KernelParams>(params: &P) -> Result<()> {
+    let l = params.launch();
+    if l.smem_bytes > MAX_DYN_SMEM {
+        return Err(Error::InvalidArgument {
+            what: P::ENTRY,
+            detail: format!(
+                "this shape needs {} bytes of shared memory per block, more than the {MAX_DYN_SMEM} the GPU kernels use",
+                l.smem_bytes
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Checks the shapes the GPU indexer supports (`head_dim` up to its maximum).
+fn check_indexer(op: &IndexerLogits<'_>) -> Result<()> {
+    let max = INDEXER_LOGITS_MAX_HEAD_DIM as usize;
+    if op.layout.head_dim() > max {
+        return Err(Error::InvalidArgument {
+            what: "indexer_logits",
+            detail: format!(
+                "head_dim {} above the GPU kernel's {max}",
+                op.layout.head_dim()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// `index_k_store` on a [`KernelDevice`].
+pub fn index_k_store<D: KernelDevice>(
+    d: &D,
+    op: &IndexKStore<'_>,
+    keys: &D::Buffer,
+    cache: &mut D::Buffer,
+) -> Result<()> {
+    op.validate(d.buffer_len(keys), d.buffer_len(cache))?;
+    if op.slots.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: the descriptor was validated against both buffers (slots unique and inside
+    // the cache, keys of the right size).
+    unsafe {
+        d.launch(
+            &[bytemuck::cast_slice(op.slots)],
+            &[keys],
+            &mut [cache],
+            |a| kernel_params::index_k_store(op, a),
+        )
+    }
+}
+
+/// `kv_store` on a [`KernelDevice`].
+pub fn kv_store<D: KernelDevice>(
+    d: &D,
+    op: &KvStore<'_>,
+    kv: &D::Buffer,
+    cache: &mut D::Buffer,
+) -> Result<()> {
+    op.validate(d.buffer_len(kv), d.buffer_len(cache))?;
+    if op.slots.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: as for `index_k_store`.
+    unsafe {
+        d.launch(
+            &[bytemuck::cast_slice(op.slots)],
+            &[kv],
+            &mut [cache],
+            |a| kernel_params::kv_store(op, a),
+        )
+    }
+}
+
+/// `indexer_logits` on a [`KernelDevice`].
+pub fn indexer_logits<D: KernelDevice>(
+    d: &D,
+    op: &IndexerLogits<'_>,
+    q: &D::Buffer,
+    weights: &D::Buffer,
+    cache: &D::Buffer,
+    out: &mut D::Buffer,
+) -> Result<()> {
+    let lens = [q, weights, cache].map(|b| d.buffer_len(b));
+    op.validate(lens[0], lens[1], lens[2], d.buffer_len(out))?;
+    check_indexer(op)?;
+    if op.rows.is_empty() || op.row_stride == 0 {
+        return Ok(());
+    }
+    let meta = [
+        bytemuck::cast_slice(op.page_table.as_slice()),
+        QueryRange::as_bytes(&op.rows),
+    ];
+    // SAFETY: the descriptor was validated against the buffers (every position of every
+    // row mapped to a page of the cache, ranges inside the row stride).
+    unsafe {
+        d.launch(&meta, &[q, weights, cache], &mut [out], |a| {
+            kernel_params::indexer_logits(op, a)
+        })
+    }
+}
+
+/// `topk` on a [`KernelDevice`].
+pub fn topk<D: KernelDevice>(
+    d: &D,
+    op: &Topk<'_>,
+    logits: &D::Buffer,
+    out: &mut D::Buffer,
+) -> Result<()> {
+    op.validate(d.buffer_len(logits), d.buffer_len(out))?;
+    if op.rows.is_empty() {
+        return Ok(());
+    }
+    let mut meta = vec![QueryRange::as_bytes(op.rows)];
+    if let TopkOutput::Slots { page_table, .. } = op.output {
+        meta.push(bytemuck::cast_slice(page_table.as_slice()));
+    }
+    // SAFETY: as for `indexer_logits` (the page table, when slots are written, maps every
+    // position of every row).
+    unsafe { d.launch(&meta, &[logits], &mut [out], |a| kernel_params::topk(op, a)) }
+}
+
+/// `sparse_mla` on a [`KernelDevice`]. The indices are backend data: they are read back
+/// and checked against the cache before the launch (an out-of-range slot is an error,
+/// never a wild read).
+pub fn sparse_mla<D: KernelDevice>(
+    d: &D,
+    op: &SparseMla,
+    inputs: [&D::Buffer; 3],
+    out: &mut D::Buffer,
+    lse: &mut D::Buffer,
+) -> Result<()> {
+    let [q, cache, indices] = inputs;
+    let lens = inputs.map(|b| d.buffer_len(b));
+    let pages = op.validate(
+        lens[0],
+        lens[1],
+        lens[2],
+        d.buffer_len(out),
+        d.buffer_len(lse),
+    )?;
+    let idx: Vec<i32> = bytemuck::pod_collect_to_vec(&d.download(indices)?);
+    op.check_indices(&idx, pages)?;
+    if op.n_tokens == 0 {
+        return Ok(());
+    }
+    // SAFETY: the descriptor was validated against the buffers and every index is `-1`
+    // or a slot of the cache.
+    unsafe {
+        d.launch(&[], &[q, cache, indices], &mut [out, lse], |a| {
+            kernel_params::sparse_mla(op, a)
+        })
+    }
+}
+
+/// `copy_pages` on a [`KernelDevice`].
+pub fn copy_pages<D: KernelDevice>(
+    d: &D,
+    op: &CopyPages<'_>,
+    src: &D::Buffer,
+    dst: &mut D::Buffer,
+) -> Result<()> {
+    op.validate(d.buffer_len(src), d.buffer_len(dst))?;
+    if op.src_ids.is_empty() {
+        return Ok(());
+    }
+    let ids = [op.src_ids, op.dst_ids].map(bytemuck::cast_slice);
+    // SAFETY: ids validated against both regions, destination pages unique; `src` and
+    // `dst` are distinct buffers (one shared and one exclusive borrow).
+    unsafe {
+        d.launch(&ids, &[src], &mut [dst], |a| {
+            kernel_params::copy_pages(op, a)
+        })
+    }
+}
+
+/// `page_checksums` on a [`KernelDevice`].
+pub fn page_checksums<D: KernelDevice>(
+    d: &D,
+    op: &PageChecksums<'_>,
+    pool: &D::Buffer,
+    out: &mut D::Buffer,
+) -> Result<()> {
+    op.validate(d.buffer_len(pool), d.buffer_len(out))?;
+    if op.ids.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: ids validated against the region; `out` holds one u64 per id.
+    unsafe {
+        d.launch(&[bytemuck::cast_slice(op.ids)], &[pool], &mut [out], |a| {
+            kernel_params::page_checksums(op, a)
+        })
+    }
+}
+
+/// The op methods of a `Backend` that implements [`KernelDevice`]: expands inside its
+/// `impl Backend` (next to the buffer and stream methods) into the seven ops of
+/// [`launcher`](crate::launcher).
+#[macro_export]
+macro_rules! kernel_backend_ops {
+    () => {
+        fn index_k_store(
+            &self,
+            op: &$crate::ops::IndexKStore<'_>,
+            keys: &Self::Buffer,
+            cache: &mut Self::Buffer,
+        ) -> $crate::Result<()> {
+            $crate::launcher::index_k_store(self, op, keys, cache)
+        }
+        fn kv_store(
+            &self,
+            op: &$crate::ops::KvStore<'_>,
+            kv: &Self::Buffer,
+            cache: &mut Self::Buffer,
+        ) -> $crate::Result<()> {
+            $crate::launcher::kv_store(self, op, kv, cache)
+        }
+        fn indexer_logits(
+            &self,
+            op: &$crate::ops::IndexerLogits<'_>,
+            q: &Self::Buffer,
+            weights: &Self::Buffer,
+            cache: &Self::Buffer,
+            out: &mut Self::Buffer,
+        ) -> $crate::Result<()> {
+            $crate::launcher::indexer_logits(self, op, q, weights, cache, out)
+        }
+        fn topk(
+            &self,
+            op: &$crate::ops::Topk<'_>,
+            logits: &Self::Buffer,
+            out: &mut Self::Buffer,
+        ) -> $crate::Result<()> {
+            $crate::launcher::topk(self, op, logits, out)
+        }
+        fn sparse_mla(
+            &self,
+            op: &$crate::ops::SparseMla,
+            q: &Self::Buffer,
+            cache: &Self::Buffer,
+            indices: &Self::Buffer,
+            out: &mut Self::Buffer,
+            lse: &mut Self::Buffer,
+        ) -> $crate::Result<()> {
+            $crate::launcher::sparse_mla(self, op, [q, cache, indices], out, lse)
+        }
+        fn copy_pages(
+            &self,
+            op: &$crate::ops::CopyPages<'_>,
+            src: &Self::Buffer,
+            dst: &mut Self::Buffer,
+        ) -> $crate::Result<()> {
+            $crate::launcher::copy_pages(self, op, src, dst)
+        }
+        fn page_checksums(
+            &self,
+            op: &$crate::ops::PageChecksums<'_>,
+            pool: &Self::Buffer,
+            out: &mut Self::Buffer,
+        ) -> $crate::Result<()> {
+            $crate::launcher::page_checksums(self, op, pool, out)
+        }
+    };
+}

@@ -1,0 +1,166 @@
+//! Op descriptors: the host-side half of every op.
+//!
+//! An op call is a descriptor (shapes, layout, and host metadata such as slot mappings,
+//! page tables and key ranges) plus backend buffers for the bulk tensors. Descriptors
+//! validate their metadata and the byte sizes of the buffers here, once, for every backend,
+//! before anything is written: a rejected call leaves every buffer untouched.
+//!
+//! Tensor conventions (all little-endian, row-major, sizes in elements unless stated):
+//! - `keys` (index_k_store): bf16 `[n_tokens, head_dim]`.
+//! - `kv` (kv_store): bf16 `[n_tokens, nope_dim + rope_dim]`, latent first.
+//! - `q` (indexer): bf16 `[n_rows, n_heads, head_dim]`; `weights`: f32 `[n_rows, n_heads]`.
+//! - `logits`: f32 `[n_rows, row_stride]`, column = token position in the row's request.
+//! - top-k output: i32 `[n_rows, k]`.
+//! - `q` (sparse_mla): bf16 `[n_tokens, n_heads, d_qk]`; `indices`: i32 `[n_tokens, topk]`;
+//!   `out`: bf16 `[n_tokens, n_heads, d_v]`; `lse`: f32 `[n_tokens, n_heads]`.
+
+//!
+//! One file per op, lining up with `cpu/` and `sparsekit_kernels::kernels`: `store`
+//! (index_k_store, kv_store), `indexer_logits`, `topk`, `sparse_mla`, `pages`
+//! (copy_pages, page_checksums); `batch` holds the ragged-batch metadata (page tables,
+//! query ranges) they share.
+
+mod batch;
+mod indexer_logits;
+mod pages;
+mod sparse_mla;
+mod store;
+mod topk;
+
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+
+pub use batch::{decode_rows, PageTable, QueryRange};
+pub use indexer_logits::IndexerLogits;
+pub use pages::{CopyPages, PageChecksums, PagedRegion};
+pub use sparse_mla::SparseMla;
+pub use store::{IndexKStore, KvStore};
+pub use topk::{Topk, TopkOutput};
+
+/// The ops every backend implements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Op {
+    IndexKStore,
+    KvStore,
+    IndexerLogits,
+    Topk,
+    SparseMla,
+    CopyPages,
+    PageChecksums,
+}
+
+impl Op {
+    /// Every op, in suite order.
+    pub const ALL: [Op; 7] = [
+        Op::IndexKStore,
+        Op::KvStore,
+        Op::IndexerLogits,
+        Op::Topk,
+        Op::SparseMla,
+        Op::CopyPages,
+        Op::PageChecksums,
+    ];
+
+    /// snake_case name.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::IndexKStore => "index_k_store",
+            Op::KvStore => "kv_store",
+            Op::IndexerLogits => "indexer_logits",
+            Op::Topk => "topk",
+            Op::SparseMla => "sparse_mla",
+            Op::CopyPages => "copy_pages",
+            Op::PageChecksums => "page_checksums",
+        }
+    }
+}
+
+impl std::fmt::Display for Op {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Checks that a buffer holds exactly `expected` bytes.
+pub fn check_bytes(what: &'static str, expected: usize, actual: usize) -> Result<()> {
+    if expected != actual {
+        return Err(Error::BufferSize {
+            what,
+            expected,
+            actual,
+        });
+    }
+    Ok(())
+}
+
+/// Checks that a host array holds exactly `expected` elements.
+pub fn check_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
+    if expected != actual {
+        return Err(Error::Shape {
+            what,
+            expected,
+            actual,
+        });
+    }
+    Ok(())
+}
+
+/// Checks a slot mapping: each slot is `-1` (skip) or below `capacity`, and no slot is
+/// written twice.
+pub fn check_slots(what: &'static str, slots: &[i64], capacity: usize) -> Result<()> {
+    let mut seen = std::collections::HashMap::with_capacity(slots.len());
+    for (i, &s) in slots.iter().enumerate() {
+        if s == -1 {
+            continue;
+        }
+        if s < 0 || s as u64 >= capacity as u64 {
+            return Err(Error::SlotOutOfRange {
+                what,
+                index: i,
+                slot: s,
+                capacity,
+            });
+        }
+        if let Some(first) = seen.insert(s, i) {
+            return Err(Error::DuplicateSlot {
+                what,
+                slot: s,
+                first,
+                second: i,
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slot_checks() {
+        assert!(check_slots("s", &[0, 5, -1, 7, -1], 8).is_ok());
+        assert!(matches!(
+            check_slots("s", &[0, 8], 8),
+            Err(Error::SlotOutOfRange {
+                index: 1,
+                slot: 8,
+                ..
+            })
+        ));
+        assert!(matches!(
+            check_slots("s", &[-2], 8),
+            Err(Error::SlotOutOfRange { slot: -2, .. })
+        ));
+        assert!(matches!(
+            check_slots("s", &[3, 1, 3], 8),
+            Err(Error::DuplicateSlot {
+                first: 0,
+                second: 2,
+                ..
+            })
+        ));
+    }
+}

@@ -1,0 +1,171 @@
+//! Judging a backend's outputs against a file's expected tensors: tolerance widening for
+//! rounded expected values, per-quantity reports, byte comparison of caches, the top-k
+//! tie rule.
+
+use sparsekit_host::ops::{QueryRange, TopkOutput};
+
+use super::{ExpectedFrom, GoldenError, QuantityReport, Result};
+use crate::reference;
+use crate::tolerance::{DataType, ErrorStats, Tolerance};
+
+/// The reference top-k of one row (`row` = the whole logits row), padded with `-1`.
+pub(super) fn topk_want(
+    row: &[f32],
+    range: &QueryRange,
+    k: usize,
+    output: &TopkOutput<'_>,
+) -> Vec<i32> {
+    let (s, e) = (range.start as usize, range.end as usize);
+    let mut want: Vec<i32> = reference::topk_row(&row[s..e], k)
+        .into_iter()
+        .map(|p| encode_position(output, range, s + p))
+        .collect();
+    want.resize(k, -1);
+    want
+}
+
+pub(super) fn encode_position(output: &TopkOutput<'_>, range: &QueryRange, pos: usize) -> i32 {
+    match output {
+        TopkOutput::Positions => pos as i32,
+        TopkOutput::Slots {
+            page_table,
+            page_size,
+        } => page_table.slot(range.request as usize, pos, *page_size) as i32,
+    }
+}
+
+pub(super) fn check_indices(indices: &[i32], capacity: usize) -> Result<()> {
+    match indices
+        .iter()
+        .enumerate()
+        .find(|(_, &s)| s < -1 || (s >= 0 && s as usize >= capacity))
+    {
+        Some((i, &s)) => Err(GoldenError::Rejected(
+            sparsekit_host::Error::SlotOutOfRange {
+                what: "indices",
+                index: i,
+                slot: s as i64,
+                capacity,
+            },
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Widens a tolerance row for expected values rounded to their dtype (`rounding`: the
+/// relative half-ulp, 2^-8 for bf16 and 2^-24 for f32), doubled for kernel-made values.
+pub(super) fn widen(t: &Tolerance, from: ExpectedFrom, rounding: f64) -> Tolerance {
+    let f = match from {
+        ExpectedFrom::Reference => 1.0,
+        ExpectedFrom::Kernel => 2.0,
+    };
+    Tolerance {
+        atol: t.atol * f,
+        rtol: t.rtol * f + rounding,
+        ..*t
+    }
+}
+
+/// Relative half-ulp of bf16 (expected values rounded to bf16).
+pub(super) const BF16_ROUNDING: f64 = 1.0 / 256.0;
+/// Relative half-ulp of f32.
+pub(super) const F32_ROUNDING: f64 = 1.0 / 16_777_216.0;
+
+pub(super) fn quantity(
+    name: &'static str,
+    t: &Tolerance,
+    mut stats: ErrorStats,
+    shape: &[usize],
+) -> QuantityReport {
+    stats.finish();
+    let detail = stats.first_failure.map_or(String::new(), |(i, got, want)| {
+        format!(
+            "{} of {} elements out of tolerance; first at {name}{:?}: got {got}, expected {want}",
+            stats.failures,
+            stats.count,
+            unflatten(i, shape)
+        )
+    });
+    QuantityReport {
+        name,
+        tolerance: t.describe(),
+        pass: stats.pass(),
+        stats,
+        detail,
+    }
+}
+
+/// Row-major coordinates of flat index `i` in `shape`.
+fn unflatten(mut i: usize, shape: &[usize]) -> Vec<usize> {
+    let mut c = vec![0; shape.len()];
+    for (ci, &s) in c.iter_mut().zip(shape).rev() {
+        *ci = i % s.max(1);
+        i /= s.max(1);
+    }
+    c
+}
+
+/// Byte comparison of a whole cache (the pass criterion), with the errors of the
+/// dequantised values at `slots` as figures.
+pub(super) fn compare_cache(
+    t: &Tolerance,
+    got: &[u8],
+    want: &[u8],
+    slots: &[i64],
+    bytes_per_page: usize,
+    read: impl Fn(&[u8], usize) -> Vec<f64>,
+) -> QuantityReport {
+    let mut values = ErrorStats::default();
+    for &s in slots.iter().filter(|&&s| s >= 0) {
+        for (g, w) in read(got, s as usize)
+            .into_iter()
+            .zip(read(want, s as usize))
+        {
+            values.add(0, g, w, 0.0, t);
+        }
+    }
+    values.finish();
+    let mut stats = ErrorStats::default();
+    stats.count = got.len();
+    stats.max_abs_err = values.max_abs_err;
+    stats.max_rel_err = values.max_rel_err;
+    for (i, (g, w)) in got
+        .iter()
+        .zip(want)
+        .enumerate()
+        .filter(|(_, (g, w))| g != w)
+    {
+        stats.failures += 1;
+        stats.first_failure.get_or_insert((i, *g as f64, *w as f64));
+    }
+    stats.worst_ratio = if stats.failures > 0 {
+        f64::INFINITY
+    } else {
+        0.0
+    };
+    let detail = stats.first_failure.map_or(String::new(), |(i, g, w)| {
+        format!(
+            "{} of {} bytes differ; first at page {}, byte {}: got {g:#04x}, expected {w:#04x}",
+            stats.failures,
+            stats.count,
+            i / bytes_per_page,
+            i % bytes_per_page,
+            g = g as u8,
+            w = w as u8
+        )
+    });
+    QuantityReport {
+        name: "cache_out",
+        tolerance: t.describe(),
+        pass: stats.failures == 0 && stats.count > 0,
+        stats,
+        detail,
+    }
+}
+
+/// What one op's check produced.
+pub(super) struct Judged {
+    pub dtype: DataType,
+    pub quantities: Vec<QuantityReport>,
+    pub notes: Vec<String>,
+}

@@ -1,0 +1,146 @@
+//! The `params` of each op's golden files, one struct per op (unknown keys are errors: a
+//! misspelt key must not default), and their mapping to the layout dtypes.
+
+use serde::{Deserialize, Serialize};
+use sparsekit_host::dtype::ScaleFormat;
+use sparsekit_host::layout::{IndexKDtype, KvDtype};
+use sparsekit_host::ops::Op;
+
+use super::{ExpectedFrom, GoldenError, Result};
+
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+pub(super) enum IndexDt {
+    #[serde(rename = "fp8_e4m3")]
+    Fp8E4m3,
+    #[serde(rename = "bf16")]
+    Bf16,
+}
+
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+pub(super) enum KvDt {
+    #[serde(rename = "bf16")]
+    Bf16,
+    #[serde(rename = "fp8_ds_mla")]
+    Fp8DsMla,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum TopkOut {
+    Positions,
+    Slots,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct IndexKStoreParams {
+    pub version: u32,
+    pub dtype: IndexDt,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale: Option<ScaleFormat>,
+    pub head_dim: usize,
+    pub page_size: usize,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct KvStoreParams {
+    pub version: u32,
+    pub dtype: KvDt,
+    pub nope_dim: usize,
+    pub rope_dim: usize,
+    pub page_size: usize,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct IndexerLogitsParams {
+    pub version: u32,
+    pub dtype: IndexDt,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale: Option<ScaleFormat>,
+    pub head_dim: usize,
+    pub page_size: usize,
+    pub n_heads: usize,
+    pub row_stride: usize,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_n: Option<usize>,
+    #[serde(default)]
+    pub expected_from: ExpectedFrom,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct TopkParams {
+    pub version: u32,
+    pub k: usize,
+    pub row_stride: usize,
+    pub output: TopkOut,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub page_size: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_n: Option<usize>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct SparseMlaParams {
+    pub version: u32,
+    pub dtype: KvDt,
+    pub nope_dim: usize,
+    pub rope_dim: usize,
+    pub page_size: usize,
+    pub n_heads: usize,
+    pub topk: usize,
+    pub softmax_scale: f64,
+    #[serde(default)]
+    pub expected_from: ExpectedFrom,
+}
+
+pub(super) fn index_dtype(dt: IndexDt, scale: Option<ScaleFormat>) -> Result<IndexKDtype, String> {
+    match (dt, scale) {
+        (IndexDt::Fp8E4m3, Some(scale)) => Ok(IndexKDtype::Fp8E4m3 { scale }),
+        (IndexDt::Fp8E4m3, None) => {
+            Err("scale (\"fp32\" or \"ue8m0\") is required for fp8_e4m3".into())
+        }
+        (IndexDt::Bf16, None) => Ok(IndexKDtype::Bf16),
+        (IndexDt::Bf16, Some(_)) => Err("scale applies to fp8_e4m3 only".into()),
+    }
+}
+
+pub(super) fn index_dt(d: IndexKDtype) -> (IndexDt, Option<ScaleFormat>) {
+    match d {
+        IndexKDtype::Fp8E4m3 { scale } => (IndexDt::Fp8E4m3, Some(scale)),
+        IndexKDtype::Bf16 => (IndexDt::Bf16, None),
+    }
+}
+
+pub(super) fn kv_dtype(dt: KvDt) -> KvDtype {
+    match dt {
+        KvDt::Bf16 => KvDtype::Bf16,
+        KvDt::Fp8DsMla => KvDtype::Fp8DsMla,
+    }
+}
+
+pub(super) fn kv_dt(d: KvDtype) -> KvDt {
+    match d {
+        KvDtype::Bf16 => KvDt::Bf16,
+        KvDtype::Fp8DsMla => KvDt::Fp8DsMla,
+    }
+}
+
+/// The ops golden files cover.
+const GOLDEN_OPS: [Op; 5] = [
+    Op::IndexKStore,
+    Op::KvStore,
+    Op::IndexerLogits,
+    Op::Topk,
+    Op::SparseMla,
+];
+
+pub(super) fn op_by_name(name: &str) -> Result<Op> {
+    GOLDEN_OPS
+        .into_iter()
+        .find(|o| o.name() == name)
+        .ok_or_else(|| GoldenError::UnknownOp(name.to_string()))
+}

@@ -1,0 +1,246 @@
+//! The plan of a suite run: which cases run, in order, at which sizes.
+
+use sparsekit_host::dims::ModelDims;
+use sparsekit_host::dtype::ScaleFormat;
+use sparsekit_host::layout::{IndexKDtype, KvDtype, PageLayout};
+use sparsekit_host::ops::Op;
+
+use super::{Check, Size, SuiteConfig};
+use crate::fixtures::{page_layouts, Scenario};
+use crate::tolerance::DataType;
+
+/// One planned check.
+#[derive(Clone, Debug)]
+pub struct Case {
+    /// Position in the plan; mixed into the seed.
+    pub id: u64,
+    pub op: Op,
+    pub check: Check,
+    pub config: String,
+    pub dtype: DataType,
+    pub batch: usize,
+    pub(super) kind: Kind,
+}
+
+/// The query form of an indexer case.
+#[derive(Clone, Debug)]
+pub(super) enum Form {
+    /// `next_n` queries per request over its whole context.
+    Decode(usize),
+    /// Prefill rows, some with a window `start > 0`.
+    Prefill,
+}
+
+/// What a case runs, with its parameters.
+#[derive(Clone, Debug)]
+pub(super) enum Kind {
+    IndexKStore(ModelDims, IndexKDtype),
+    KvStore(ModelDims, KvDtype),
+    IndexerLogits(ModelDims, IndexKDtype, Form, Vec<u32>),
+    Topk(usize, usize, Scenario, Vec<u32>),
+    SparseMla(ModelDims, KvDtype, usize, Vec<u32>),
+    CopyPages(PageLayout, bool),
+    PageChecksums(PageLayout),
+    Invariance(ModelDims, Op),
+}
+
+/// Index-K dtypes of the cases (both fp8 scale formats).
+const INDEX_DTYPES: [IndexKDtype; 3] = [
+    IndexKDtype::FP8,
+    IndexKDtype::Fp8E4m3 {
+        scale: ScaleFormat::Ue8m0,
+    },
+    IndexKDtype::Bf16,
+];
+/// KV dtypes of the cases.
+const KV_DTYPES: [KvDtype; 2] = [KvDtype::Bf16, KvDtype::Fp8DsMla];
+
+/// Config-name suffix of an index-K dtype (the ue8m0 scale format is named).
+fn scale_suffix(d: IndexKDtype) -> &'static str {
+    match d {
+        IndexKDtype::Fp8E4m3 {
+            scale: ScaleFormat::Ue8m0,
+        } => " ue8m0",
+        _ => "",
+    }
+}
+
+/// The checks of a suite run, in order.
+pub fn plan(cfg: &SuiteConfig) -> Vec<Case> {
+    let full = cfg.size == Size::Full;
+    let mut cases = Vec::new();
+    let mut push = |op: Op, check, config: String, dtype, batch, kind| {
+        if cfg.ops.is_empty() || cfg.ops.contains(&op) {
+            cases.push(Case {
+                id: cases.len() as u64,
+                op,
+                check,
+                config,
+                dtype,
+                batch,
+                kind,
+            });
+        }
+    };
+    let r = Check::Reference;
+    for dims in ModelDims::ALL {
+        let dsv = dims == ModelDims::DSV32;
+        for dt in INDEX_DTYPES {
+            push(
+                Op::IndexKStore,
+                r,
+                format!("{}{}", dims.name, scale_suffix(dt)),
+                dt.into(),
+                5,
+                Kind::IndexKStore(dims, dt),
+            );
+        }
+        for dt in KV_DTYPES {
+            push(
+                Op::KvStore,
+                r,
+                dims.name.to_string(),
+                dt.into(),
+                5,
+                Kind::KvStore(dims, dt),
+            );
+        }
+        // Indexer: decode next_n 1 and 2, and prefill; contexts 1, page ± 1, 64K+.
+        let ps = dims.page_size as u32;
+        let long = 65536 + 37;
+        let decode1: Vec<u32> = match (dsv, full) {
+            (true, false) => vec![1, ps - 1, ps + 1, 700, 2049],
+            _ => vec![1, ps - 1, ps, ps + 1, 4097, long, 70001],
+        };
+        let decode2: Vec<u32> = match (dsv, full) {
+            (true, false) => vec![2, ps, 2 * ps + 1, 1500],
+            _ => vec![2, ps, 2 * ps + 1, long + 64],
+        };
+        let prefill: Vec<u32> = match (dsv, full) {
+            (true, false) => vec![5, ps, 301, 1000],
+            _ => vec![5, ps, 1001, long],
+        };
+        for dt in INDEX_DTYPES {
+            for (form, lens) in [
+                (Form::Decode(1), &decode1),
+                (Form::Decode(2), &decode2),
+                (Form::Prefill, &prefill),
+            ] {
+                let name = match form {
+                    Form::Decode(n) => {
+                        format!("{} decode next_n={n}{}", dims.name, scale_suffix(dt))
+                    }
+                    Form::Prefill => format!("{} prefill{}", dims.name, scale_suffix(dt)),
+                };
+                push(
+                    Op::IndexerLogits,
+                    r,
+                    name,
+                    dt.into(),
+                    lens.len(),
+                    Kind::IndexerLogits(dims, dt, form, lens.clone()),
+                );
+            }
+        }
+        // Top-k: short rows (padding), k ± 1, 64K+ (128K+ in full), adversarial ties.
+        let k = dims.index_topk as u32;
+        let mut lens = vec![1, k - 1, k, k + 1, 9000, long];
+        if full {
+            lens.push(131072 + 19);
+        }
+        for sc in [
+            Scenario::Random,
+            Scenario::AllEqual,
+            Scenario::ThresholdTies,
+            Scenario::Invalid,
+        ] {
+            push(
+                Op::Topk,
+                r,
+                format!("{} k={k} {sc:?}", dims.name),
+                DataType::Fp32,
+                lens.len(),
+                Kind::Topk(k as usize, dims.page_size, sc, lens.clone()),
+            );
+        }
+        // Sparse MLA.
+        let heads: Vec<usize> = if full || !dsv {
+            dims.q_heads.to_vec()
+        } else {
+            vec![16, 64]
+        };
+        let lens: Vec<u32> = if dsv {
+            vec![1, ps + 1, 2100, 5000]
+        } else {
+            vec![1, ps + 1, 90, 300]
+        };
+        for dt in KV_DTYPES {
+            for &h in &heads {
+                push(
+                    Op::SparseMla,
+                    r,
+                    format!("{} h_q={h}", dims.name),
+                    dt.into(),
+                    6,
+                    Kind::SparseMla(dims, dt, h, lens.clone()),
+                );
+            }
+        }
+        // Page copies (contiguous and page-first regions) and checksums, every layout.
+        for layout in page_layouts(&dims) {
+            let dt = DataType::from(layout);
+            let kind = if matches!(layout, PageLayout::IndexK(_)) {
+                "index_k"
+            } else {
+                "kv"
+            };
+            push(
+                Op::CopyPages,
+                r,
+                format!("{} {kind}", dims.name),
+                dt,
+                24,
+                Kind::CopyPages(layout, false),
+            );
+            push(
+                Op::CopyPages,
+                r,
+                format!("{} {kind} page-first", dims.name),
+                dt,
+                24,
+                Kind::CopyPages(layout, true),
+            );
+            push(
+                Op::PageChecksums,
+                r,
+                format!("{} {kind}", dims.name),
+                dt,
+                24,
+                Kind::PageChecksums(layout),
+            );
+        }
+        // Batch invariance, one per op.
+        for op in Op::ALL {
+            push(
+                op,
+                Check::BatchInvariance,
+                dims.name.to_string(),
+                invariance_dtype(op),
+                8,
+                Kind::Invariance(dims, op),
+            );
+        }
+    }
+    cases
+}
+
+/// The dtype of an op's batch-invariance case.
+fn invariance_dtype(op: Op) -> DataType {
+    match op {
+        Op::IndexKStore | Op::IndexerLogits | Op::CopyPages | Op::PageChecksums => {
+            DataType::Fp8E4m3
+        }
+        Op::KvStore | Op::SparseMla => DataType::Fp8DsMla,
+        Op::Topk => DataType::Fp32,
+    }
+}
