@@ -10,6 +10,7 @@ pub mod emu;
 pub mod error;
 pub mod kernel_params;
 pub mod layout;
+pub mod model_ops;
 pub mod ops;
 
 pub use backend::Backend;
@@ -18,3 +19,4 @@ pub use dims::ModelDims;
 pub use emu::EmuBackend;
 pub use error::{Error, Result};
 pub use layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};
+pub use model_ops::ModelOps;

@@ -2,6 +2,7 @@
 //! op, over 64-byte-aligned host buffers.
 
 pub mod buffer;
+pub mod dense;
 pub mod gemm;
 pub mod indexer;
 pub mod isa;
