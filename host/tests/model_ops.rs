@@ -741,3 +741,41 @@ fn rejected_calls_write_nothing() {
         "a rejected call wrote"
     );
 }
+
+/// The staged path (download, CPU kernel, upload) used by backends without dense kernels
+/// gives the direct path's bits and leaves a rejected call's output untouched.
+#[test]
+fn staged_path_matches_direct() {
+    use sparsekit_host::cpu::dense::staged;
+    let mut rng = rng("staged_path_matches_direct");
+    let b = CpuBackend::new();
+    let (rows, k, n) = (9, 40, 70);
+    let x = buf(&randn(&mut rng, rows * k));
+    let w = buf(&randn(&mut rng, k * n));
+    let init = randn(&mut rng, rows * n);
+    for acc in [Accumulate::Overwrite, Accumulate::Add] {
+        let op = Matmul {
+            accumulate: acc,
+            ..Matmul::dense(rows, k, n)
+        };
+        let (mut d, mut s) = (buf(&init), buf(&init));
+        ModelOps::matmul(&b, &op, &x, &w, &mut d).unwrap();
+        staged::matmul(&b, &op, &x, &w, &mut s).unwrap();
+        assert_eq!(bits(&f32s(&d)), bits(&f32s(&s)));
+    }
+    let gamma = buf(&randn(&mut rng, k));
+    let op = RmsNorm {
+        rows,
+        width: k,
+        eps: 1e-6,
+        x: View::dense(k),
+        out: View::dense(k),
+    };
+    let (mut d, mut s) = (poisoned(rows * k), poisoned(rows * k));
+    ModelOps::rms_norm(&b, &op, &x, &gamma, &mut d).unwrap();
+    staged::rms_norm(&b, &op, &x, &gamma, &mut s).unwrap();
+    assert_eq!(bits(&f32s(&d)), bits(&f32s(&s)));
+    let mut s = poisoned(rows * n);
+    assert!(staged::matmul(&b, &Matmul::dense(rows, k, n + 1), &x, &w, &mut s).is_err());
+    assert!(f32s(&s).iter().all(|v| v.is_nan()));
+}

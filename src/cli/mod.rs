@@ -4,6 +4,7 @@ mod bench;
 mod check;
 mod kernels;
 mod layouts;
+mod serve;
 mod validate;
 
 use std::process::ExitCode;
@@ -30,6 +31,8 @@ enum Command {
     Bench(bench::Args),
     /// List the embedded GPU kernels per arch with registers, spills, shared memory.
     Kernels(kernels::Args),
+    /// Serve the synthetic DSA model over HTTP (OpenAI and SGLang APIs).
+    Serve(serve::Args),
 }
 
 /// An error that ends the command (exit code 2).
@@ -69,5 +72,6 @@ pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
         Command::Check(a) => check::run(a),
         Command::Kernels(a) => kernels::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Serve(a) => serve::run(a),
     }
 }

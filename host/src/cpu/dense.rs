@@ -456,3 +456,120 @@ impl ModelOps for EmuBackend {
         CpuBackend::new().argmax(op, logits, out)
     }
 }
+
+/// Dense ops for a backend without dense kernels of its own: operands are downloaded, the
+/// CPU kernels above run on host copies, and the output buffer is replaced by an upload of
+/// the result. Correct and batch-invariant (the same kernels), but every call moves its
+/// operands (weights included) across the bus: a correctness path for `cuda` until GPU
+/// dense kernels exist, not a fast one. A rejected call (validated by the CPU
+/// implementation before anything is computed) leaves `out` untouched.
+pub mod staged {
+    use super::CpuBackend;
+    use crate::backend::Backend;
+    use crate::cpu::CpuBuffer;
+    use crate::error::Result;
+    use crate::model_ops::{
+        Add, Argmax, Cast, Embed, GatherRows, Matmul, ModelOps, RmsNorm, Rope, SwiGlu,
+    };
+
+    fn stage<B: Backend>(
+        b: &B,
+        inputs: &[&B::Buffer],
+        out: &mut B::Buffer,
+        f: impl FnOnce(&CpuBackend, &[CpuBuffer], &mut CpuBuffer) -> Result<()>,
+    ) -> Result<()> {
+        let host = inputs
+            .iter()
+            .map(|x| Ok(CpuBuffer::from_bytes(&b.download(x)?)))
+            .collect::<Result<Vec<_>>>()?;
+        let mut o = CpuBuffer::from_bytes(&b.download(out)?);
+        f(&CpuBackend::new(), &host, &mut o)?;
+        *out = b.upload(o.bytes())?;
+        Ok(())
+    }
+
+    /// See [`ModelOps::matmul`].
+    pub fn matmul<B: Backend>(
+        b: &B,
+        op: &Matmul,
+        x: &B::Buffer,
+        w: &B::Buffer,
+        out: &mut B::Buffer,
+    ) -> Result<()> {
+        stage(b, &[x, w], out, |c, i, o| c.matmul(op, &i[0], &i[1], o))
+    }
+
+    /// See [`ModelOps::rms_norm`].
+    pub fn rms_norm<B: Backend>(
+        b: &B,
+        op: &RmsNorm,
+        x: &B::Buffer,
+        gamma: &B::Buffer,
+        out: &mut B::Buffer,
+    ) -> Result<()> {
+        stage(b, &[x, gamma], out, |c, i, o| {
+            c.rms_norm(op, &i[0], &i[1], o)
+        })
+    }
+
+    /// See [`ModelOps::rope`].
+    pub fn rope<B: Backend>(
+        b: &B,
+        op: &Rope<'_>,
+        table: &B::Buffer,
+        x: &B::Buffer,
+        out: &mut B::Buffer,
+    ) -> Result<()> {
+        stage(b, &[table, x], out, |c, i, o| c.rope(op, &i[0], &i[1], o))
+    }
+
+    /// See [`ModelOps::swiglu`].
+    pub fn swiglu<B: Backend>(
+        b: &B,
+        op: &SwiGlu,
+        gate_up: &B::Buffer,
+        out: &mut B::Buffer,
+    ) -> Result<()> {
+        stage(b, &[gate_up], out, |c, i, o| c.swiglu(op, &i[0], o))
+    }
+
+    /// See [`ModelOps::embed`].
+    pub fn embed<B: Backend>(
+        b: &B,
+        op: &Embed<'_>,
+        table: &B::Buffer,
+        out: &mut B::Buffer,
+    ) -> Result<()> {
+        stage(b, &[table], out, |c, i, o| c.embed(op, &i[0], o))
+    }
+
+    /// See [`ModelOps::gather_rows`].
+    pub fn gather_rows<B: Backend>(
+        b: &B,
+        op: &GatherRows<'_>,
+        x: &B::Buffer,
+        out: &mut B::Buffer,
+    ) -> Result<()> {
+        stage(b, &[x], out, |c, i, o| c.gather_rows(op, &i[0], o))
+    }
+
+    /// See [`ModelOps::add`].
+    pub fn add<B: Backend>(b: &B, op: &Add, x: &B::Buffer, acc: &mut B::Buffer) -> Result<()> {
+        stage(b, &[x], acc, |c, i, o| c.add(op, &i[0], o))
+    }
+
+    /// See [`ModelOps::cast`].
+    pub fn cast<B: Backend>(b: &B, op: &Cast, x: &B::Buffer, out: &mut B::Buffer) -> Result<()> {
+        stage(b, &[x], out, |c, i, o| c.cast(op, &i[0], o))
+    }
+
+    /// See [`ModelOps::argmax`].
+    pub fn argmax<B: Backend>(
+        b: &B,
+        op: &Argmax,
+        logits: &B::Buffer,
+        out: &mut B::Buffer,
+    ) -> Result<()> {
+        stage(b, &[logits], out, |c, i, o| c.argmax(op, &i[0], o))
+    }
+}
