@@ -7,6 +7,7 @@
 
 pub mod engine;
 pub mod error;
+pub mod harness;
 pub mod http;
 pub mod metrics;
 

@@ -64,20 +64,8 @@ impl Reply {
     }
 }
 
-fn dechunk(mut b: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    loop {
-        let Some(eol) = b.windows(2).position(|w| w == b"\r\n") else {
-            break;
-        };
-        let n = usize::from_str_radix(std::str::from_utf8(&b[..eol]).unwrap().trim(), 16).unwrap();
-        if n == 0 {
-            break;
-        }
-        out.extend_from_slice(&b[eol + 2..eol + 2 + n]);
-        b = &b[eol + 2 + n + 2..];
-    }
-    out
+fn dechunk(b: &[u8]) -> Vec<u8> {
+    sparsekit_server::harness::run::dechunk(b).expect("well-formed chunked body")
 }
 
 /// One raw HTTP/1.1 exchange (`Connection: close`).
