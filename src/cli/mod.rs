@@ -4,6 +4,7 @@ mod bench;
 mod check;
 mod kernels;
 mod layouts;
+mod repro;
 mod serve;
 mod validate;
 
@@ -33,6 +34,8 @@ enum Command {
     Kernels(kernels::Args),
     /// Serve the synthetic DSA model over HTTP (OpenAI and SGLang APIs).
     Serve(serve::Args),
+    /// The integrity harness: concurrent agentic sessions vs the uncached reference.
+    Repro(repro::Args),
 }
 
 /// An error that ends the command (exit code 2).
@@ -73,5 +76,6 @@ pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
         Command::Kernels(a) => kernels::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Serve(a) => serve::run(a),
+        Command::Repro(a) => repro::run(a),
     }
 }

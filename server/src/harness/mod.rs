@@ -8,6 +8,7 @@
 
 pub mod compare;
 pub mod report;
+pub mod repro;
 pub mod run;
 pub mod workload;
 

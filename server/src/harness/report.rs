@@ -215,10 +215,14 @@ pub fn render_table(rows: &[EvidenceRow]) -> String {
     let cols = header.len();
     let mut width = vec![0; cols];
     for l in &lines {
-        if l.len() == cols {
-            for (w, c) in width.iter_mut().zip(l) {
-                *w = (*w).max(c.chars().count());
-            }
+        // Unavailable rows share the first four columns; their note spans the rest.
+        let shared = if l.len() == cols {
+            cols
+        } else {
+            l.len().saturating_sub(1)
+        };
+        for (w, c) in width.iter_mut().zip(l).take(shared) {
+            *w = (*w).max(c.chars().count());
         }
     }
     let mut out = String::new();
