@@ -3,6 +3,8 @@
 //! Throughput is reported per token (criterion's `elements`). Run with
 //! `cargo bench -p sparsekit-server`.
 
+#![allow(clippy::expect_used)] // a bench may panic on setup failure
+
 use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
