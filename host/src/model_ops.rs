@@ -626,7 +626,10 @@ mod tests {
         assert!(o.check_out("o", 2, 4, 8, 64).is_err());
         let o = View::cols(8, 2);
         assert!(o.check_out("o", 4, 1, 6, 32).is_ok());
-        assert!(o.check_out("o", 4, 1, 7, 33).is_err());
+        assert!(o.check_out("o", 4, 1, 7, 33).is_ok());
+        // Rows of 9 elements 8 apart overlap.
+        assert!(o.check("o", 4, 1, 9, 40).is_ok());
+        assert!(o.check_out("o", 4, 1, 9, 40).is_err());
         let huge = View {
             offset: usize::MAX - 3,
             row_stride: 1,
