@@ -421,3 +421,94 @@ fn shutdown_aborts_what_is_left_within_its_grace() {
     assert_eq!(c.finish, FinishReason::Abort);
     assert!(!e.is_healthy());
 }
+
+#[test]
+fn many_threads_submitting_aborting_and_dropping() {
+    let seed = seed();
+    let e = Arc::new(engine(EngineOptions {
+        kv_pages: 48,
+        max_running: 3,
+        max_batch_tokens: 48,
+        prefill_chunk: 16,
+        min_prefill_tokens: 8,
+        ..Default::default()
+    }));
+    let (threads, per_thread) = (6u64, 10usize);
+    std::thread::scope(|scope| {
+        for th in 0..threads {
+            let e = e.clone();
+            scope.spawn(move || {
+                let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ th);
+                for i in 0..per_thread {
+                    let rid = format!("t{th}-{i}");
+                    let max_new = rng.gen_range(1..40);
+                    let prompt: Vec<u32> = (0..rng.gen_range(1..60))
+                        .map(|_| rng.gen_range(0..256))
+                        .collect();
+                    let mut h = e
+                        .submit(GenerateRequest {
+                            id: Some(rid.clone()),
+                            prompt,
+                            sampling: SamplingParams {
+                                max_new_tokens: max_new,
+                                ignore_eos: true,
+                                ..Default::default()
+                            },
+                        })
+                        .unwrap();
+                    match rng.gen_range(0..4) {
+                        0 => {
+                            let c = h.wait(WAIT).unwrap();
+                            assert_eq!(c.finish, FinishReason::Length);
+                            assert_eq!(c.tokens.len(), max_new);
+                        }
+                        1 => {
+                            let first = h.next_event_timeout(WAIT).unwrap();
+                            assert!(first.is_some());
+                            h.abort();
+                            let c = h.wait(WAIT).unwrap();
+                            assert!(matches!(
+                                c.finish,
+                                FinishReason::Abort | FinishReason::Length
+                            ));
+                        }
+                        2 => drop(h),
+                        _ => {
+                            e.abort(&rid);
+                            let c = h.wait(WAIT).unwrap();
+                            assert!(matches!(
+                                c.finish,
+                                FinishReason::Abort | FinishReason::Length
+                            ));
+                        }
+                    }
+                }
+            });
+        }
+    });
+    // Dropped handles abort asynchronously; the engine drains within a bound.
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let st = e.stats();
+        if st.running == 0 && st.waiting == 0 && st.free_pages == st.capacity_pages {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "engine did not drain: {st:?}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    e.shutdown(Duration::from_secs(10)).unwrap();
+    let st = e.stats();
+    assert_eq!(st.leak_check, Some(Ok(())), "{st:?}");
+    use sparsekit_server::metrics::RequestStatus as S;
+    let m = e.metrics();
+    let ended = m.requests_with(S::Ok) + m.requests_with(S::Aborted) + m.requests_with(S::Failed);
+    assert_eq!(
+        ended,
+        threads * per_thread as u64,
+        "every request ends exactly once"
+    );
+    assert_eq!(m.requests_with(S::Failed), 0);
+}

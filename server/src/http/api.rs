@@ -22,6 +22,8 @@ pub struct ApiError {
     pub kind: &'static str,
     pub param: Option<String>,
     pub code: Option<&'static str>,
+    /// Already counted in `sparsekit_requests_total` (the engine counts what it refuses).
+    pub counted: bool,
 }
 
 impl ApiError {
@@ -33,6 +35,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: None,
             code: None,
+            counted: false,
         }
     }
 
@@ -56,6 +59,7 @@ impl ApiError {
             kind,
             param: None,
             code: None,
+            counted: false,
         }
     }
 

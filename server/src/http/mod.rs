@@ -170,7 +170,7 @@ impl App {
     }
 
     fn reject(&self, e: ApiError) -> Resp {
-        if e.status < 500 {
+        if e.status < 500 && !e.counted {
             self.engine.metrics().request(RequestStatus::Rejected);
         }
         error_response(&e)
@@ -210,7 +210,10 @@ impl App {
     }
 
     fn submit(&self, req: GenerateRequest) -> Result<RequestHandle, ApiError> {
-        self.engine.submit(req).map_err(ApiError::from)
+        self.engine.submit(req).map_err(|e| ApiError {
+            counted: true,
+            ..ApiError::from(e)
+        })
     }
 
     async fn route(self: Arc<Self>, req: Request<Incoming>) -> Resp {
