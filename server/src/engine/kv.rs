@@ -69,9 +69,27 @@ pub trait KvSpace<B: Backend> {
     /// Grows `seq` (created on first use) to hold `tokens` tokens. All-or-nothing: on
     /// [`EngineError::OutOfPages`] nothing was allocated.
     fn reserve(&mut self, seq: SeqId, tokens: usize) -> Result<(), EngineError>;
+    /// Admits a request: reserves `total` tokens for `seq` (prompt plus generation
+    /// budget) and returns how many leading tokens of `prompt` already have their KV and
+    /// index keys in the pages now mapped to `seq` — the scheduler computes from there
+    /// (it always recomputes at least the last prompt token, for its logits). A prefix
+    /// cache matches `prompt` here. The default reserves and reports nothing cached.
+    fn admit(&mut self, seq: SeqId, prompt: &[u32], total: usize) -> Result<usize, EngineError> {
+        let _ = prompt;
+        self.reserve(seq, total)?;
+        Ok(0)
+    }
     /// Page ids of `seq` in token order (entry `p` holds tokens `p·page_size ..`).
     fn pages(&self, seq: SeqId) -> Result<&[i32], EngineError>;
-    /// Frees every page of `seq`; returns how many (0 for an unknown sequence).
+    /// Ends `seq` normally: `tokens[..computed]` have valid KV and index keys in its pages,
+    /// which a caching space may keep for reuse. Returns the pages given back to the free
+    /// pool. The default releases everything.
+    fn commit(&mut self, seq: SeqId, tokens: &[u32], computed: usize) -> usize {
+        let _ = (tokens, computed);
+        self.release(seq)
+    }
+    /// Frees every page of `seq` without keeping anything (aborted or failed requests);
+    /// returns how many (0 for an unknown sequence).
     fn release(&mut self, seq: SeqId) -> usize;
     /// Layer `l`'s caches for this step.
     fn layer(&mut self, l: usize) -> Result<Self::Layer<'_>, EngineError>;

@@ -844,9 +844,17 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
         st.capacity_pages = cap;
     }
 
-    /// Ends a sequence: releases its pages, sends its last event, counts it.
+    /// Ends a sequence: commits (normal end) or releases (abort, failure) its pages, sends
+    /// its last event, counts it.
     fn end(&mut self, s: Seq, how: End) {
-        self.space.release(s.id);
+        match &how {
+            End::Done(f) if f.reason != FinishReason::Abort => {
+                self.space.commit(s.id, &s.tokens, s.computed);
+            }
+            _ => {
+                self.space.release(s.id);
+            }
+        }
         s.shared.finished.store(true, Ordering::Release);
         self.inner.forget(&s.rid);
         let status = match &how {
@@ -908,10 +916,12 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
         while self.running.len() < self.opts.max_running {
             let Some(s) = self.waiting.front() else { break };
             let total = s.prompt_len + s.params.max_new_tokens;
-            match self.space.reserve(s.id, total) {
-                Ok(()) => {
-                    if let Some(s) = self.waiting.pop_front() {
+            match self.space.admit(s.id, &s.tokens[..s.prompt_len], total) {
+                Ok(cached) => {
+                    if let Some(mut s) = self.waiting.pop_front() {
                         self.inner.waiting.fetch_sub(1, Ordering::AcqRel);
+                        // The last prompt token is always computed: its logits are needed.
+                        s.computed = cached.min(s.prompt_len - 1);
                         self.running.push(s);
                     }
                 }
