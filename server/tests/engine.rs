@@ -592,7 +592,7 @@ impl sparsekit_server::engine::KvSpace<CpuBackend> for HandoffSpace {
 
 #[test]
 fn a_cached_prefix_continues_bit_identically() {
-    use sparsekit_server::engine::{KvSpace, Model, PagedKvSpace};
+    use sparsekit_server::engine::{Model, PagedKvSpace};
     let backend = Arc::new(CpuBackend::new());
     let model = Model::new(backend.clone(), ModelConfig::TINY, 0).unwrap();
     let opts = EngineOptions {
