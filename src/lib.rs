@@ -7,6 +7,7 @@
 //! live in the workspace crates re-exported here.
 
 pub mod cuda;
+mod cuda_model_ops;
 pub mod kernel_report;
 pub mod ptx;
 pub mod ptxas;

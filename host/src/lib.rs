@@ -24,6 +24,7 @@ pub mod error;
 mod kernel_params;
 pub mod launcher;
 pub mod layout;
+pub mod model_ops;
 pub mod ops;
 mod sync;
 
@@ -33,3 +34,4 @@ pub use dims::ModelDims;
 pub use emu::EmuBackend;
 pub use error::{Error, ErrorKind, Result};
 pub use layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};
+pub use model_ops::ModelOps;

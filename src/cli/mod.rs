@@ -4,6 +4,8 @@ mod bench;
 mod check;
 mod kernels;
 mod layouts;
+mod repro;
+mod serve;
 mod validate;
 
 use std::process::ExitCode;
@@ -30,6 +32,10 @@ enum Command {
     Bench(bench::Args),
     /// List the embedded GPU kernels per arch with registers, spills, shared memory.
     Kernels(kernels::Args),
+    /// Serve the synthetic DSA model over HTTP (OpenAI and SGLang APIs).
+    Serve(serve::Args),
+    /// The integrity harness: concurrent agentic sessions vs the uncached reference.
+    Repro(repro::Args),
 }
 
 /// An error that ends the command (exit code 2).
@@ -74,5 +80,7 @@ pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
         Command::Check(a) => check::run(a),
         Command::Kernels(a) => kernels::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Serve(a) => serve::run(a),
+        Command::Repro(a) => repro::run(a),
     }
 }

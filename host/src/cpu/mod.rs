@@ -7,6 +7,7 @@
 //! matrix core of the indexer and attention, `buffer` the host buffers.
 
 pub mod buffer;
+pub mod dense;
 pub mod gemm;
 pub mod indexer_logits;
 pub mod isa;

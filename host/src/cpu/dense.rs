@@ -1,0 +1,575 @@
+//! CPU kernels of the dense model ops ([`crate::model_ops`]), and the [`ModelOps`]
+//! implementations of the `cpu` backend and (delegating here until GPU dense kernels
+//! exist) the `emu` backend.
+//!
+//! Parallelism never changes a result: rows (or column blocks) are split across rayon
+//! workers, but every output element is computed by the same sequence of f32 operations
+//! wherever it lands. The matmul core is [`super::gemm::gemm_acc`] (one FMA per term, in
+//! order, on every ISA).
+
+use half::bf16;
+use rayon::prelude::*;
+
+use super::buffer::CpuBuffer;
+use super::gemm::{gemm_acc, Dims};
+use super::{CpuBackend, CpuIsa};
+use crate::emu::EmuBackend;
+use crate::error::Result;
+use crate::model_ops::{
+    Accumulate, Add, Argmax, Cast, DenseDtype, Embed, GatherRows, Matmul, ModelOps, RmsNorm, Rope,
+    SwiGlu, View,
+};
+
+/// Rows per parallel task for the cheap row-wise ops.
+const ROW_CHUNK: usize = 32;
+
+/// Below this many rows a matmul splits its columns across workers instead of its rows.
+const MATMUL_ROW_SPLIT: usize = 48;
+
+/// Column block of the column-split matmul (a multiple of every vector tile width).
+const MATMUL_COL_BLOCK: usize = 64;
+
+/// The output rows of `view` as disjoint mutable slices, row `r` starting at element
+/// `(r, 0, 0)`. The view must have passed `check_out` for `rows` rows of `span` elements.
+fn rows_mut<'a>(
+    data: &'a mut [f32],
+    view: &View,
+    rows: usize,
+) -> impl IndexedParallelIterator<Item = &'a mut [f32]> {
+    let start = view.offset.min(data.len());
+    let tail = &mut data[start..];
+    let stride = if rows <= 1 {
+        tail.len().max(1)
+    } else {
+        view.row_stride
+    };
+    tail.par_chunks_mut(stride).take(rows)
+}
+
+/// [`Matmul`] on f32 slices (validated).
+pub fn matmul(isa: CpuIsa, op: &Matmul, x: &[f32], w: &[f32], out: &mut [f32]) {
+    if op.rows == 0 {
+        return;
+    }
+    let (k, n) = (op.k, op.n);
+    let threads = rayon::current_num_threads().max(1);
+    if op.rows >= MATMUL_ROW_SPLIT || n < 2 * MATMUL_COL_BLOCK {
+        // Row split: each task owns whole output rows and runs every group on them.
+        let chunk = op.rows.div_ceil(threads * 4).max(6);
+        let out_tail = &mut out[op.out.offset..];
+        let stride = op.out.row_stride.max(1);
+        let chunk_elems = if op.rows == 1 {
+            out_tail.len().max(1)
+        } else {
+            chunk * stride
+        };
+        out_tail
+            .par_chunks_mut(chunk_elems)
+            .take(op.rows.div_ceil(chunk))
+            .enumerate()
+            .for_each(|(ci, c)| {
+                let r0 = ci * chunk;
+                let m = chunk.min(op.rows - r0);
+                for g in 0..op.groups {
+                    let c = &mut c[g * op.out.group_stride..];
+                    if op.accumulate == Accumulate::Overwrite {
+                        for r in 0..m {
+                            c[r * op.out.row_stride..][..n].fill(0.0);
+                        }
+                    }
+                    let a = &x[op.x.offset + r0 * op.x.row_stride + g * op.x.group_stride..];
+                    let d = Dims {
+                        m,
+                        n,
+                        k,
+                        lda: op.x.row_stride.max(k),
+                        ldb: n,
+                        ldc: op.out.row_stride.max(n),
+                    };
+                    gemm_acc(isa, d, a, &w[g * k * n..], c);
+                }
+            });
+    } else {
+        // Column split for few rows (decode): each task computes one column block of one
+        // group into a private tile, copied into place afterwards.
+        let blocks = n.div_ceil(MATMUL_COL_BLOCK);
+        let tiles: Vec<(usize, usize, Vec<f32>)> = (0..op.groups * blocks)
+            .into_par_iter()
+            .map(|t| {
+                let (g, b) = (t / blocks, t % blocks);
+                let j0 = b * MATMUL_COL_BLOCK;
+                let nb = MATMUL_COL_BLOCK.min(n - j0);
+                let mut tile = vec![0f32; op.rows * nb];
+                if op.accumulate == Accumulate::Add {
+                    for r in 0..op.rows {
+                        let o = op.out.offset + r * op.out.row_stride + g * op.out.group_stride;
+                        tile[r * nb..][..nb].copy_from_slice(&out[o + j0..][..nb]);
+                    }
+                }
+                let d = Dims {
+                    m: op.rows,
+                    n: nb,
+                    k,
+                    lda: op.x.row_stride.max(k),
+                    ldb: n,
+                    ldc: nb,
+                };
+                let a = &x[op.x.offset + g * op.x.group_stride..];
+                gemm_acc(isa, d, a, &w[g * k * n + j0..], &mut tile);
+                (g, j0, tile)
+            })
+            .collect();
+        for (g, j0, tile) in tiles {
+            let nb = tile.len() / op.rows;
+            for r in 0..op.rows {
+                let o = op.out.offset + r * op.out.row_stride + g * op.out.group_stride + j0;
+                out[o..o + nb].copy_from_slice(&tile[r * nb..][..nb]);
+            }
+        }
+    }
+}
+
+/// Sum of squares in the fixed lane order documented on [`RmsNorm`].
+#[inline]
+fn sum_squares(x: &[f32]) -> f32 {
+    const L: usize = 16;
+    let mut acc = [0f32; L];
+    let mut chunks = x.chunks_exact(L);
+    for c in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a = v.mul_add(v, *a);
+        }
+    }
+    for (a, &v) in acc.iter_mut().zip(chunks.remainder()) {
+        *a = v.mul_add(v, *a);
+    }
+    // Fixed pairwise tree: 16 → 8 → 4 → 2 → 1.
+    let mut w = L;
+    while w > 1 {
+        w /= 2;
+        for i in 0..w {
+            acc[i] += acc[i + w];
+        }
+    }
+    acc[0]
+}
+
+/// [`RmsNorm`] on f32 slices (validated).
+pub fn rms_norm(op: &RmsNorm, x: &[f32], gamma: &[f32], out: &mut [f32]) {
+    let width = op.width;
+    rows_mut(out, &op.out, op.rows)
+        .with_min_len(ROW_CHUNK)
+        .enumerate()
+        .for_each(|(r, o)| {
+            let xr = &x[op.x.offset + r * op.x.row_stride..][..width];
+            let inv = 1.0 / (sum_squares(xr) / width as f32 + op.eps).sqrt();
+            for ((o, &v), &g) in o[..width].iter_mut().zip(xr).zip(gamma) {
+                *o = (v * inv) * g;
+            }
+        });
+}
+
+/// [`Rope`] on f32 slices (validated).
+pub fn rope(op: &Rope<'_>, table: &[f32], x: &[f32], out: &mut [f32]) {
+    let h = op.rope_dim / 2;
+    rows_mut(out, &op.out, op.positions.len())
+        .with_min_len(ROW_CHUNK)
+        .enumerate()
+        .for_each(|(r, o)| {
+            let cs = &table[op.positions[r] as usize * op.rope_dim..][..op.rope_dim];
+            for g in 0..op.heads {
+                let xi =
+                    &x[op.x.offset + r * op.x.row_stride + g * op.x.group_stride..][..op.rope_dim];
+                let o = &mut o[g * op.out.group_stride..][..op.rope_dim];
+                for i in 0..h {
+                    let (a, b) = (xi[i], xi[i + h]);
+                    let (c, s) = (cs[2 * i], cs[2 * i + 1]);
+                    o[i] = a * c - b * s;
+                    o[i + h] = a * s + b * c;
+                }
+            }
+        });
+}
+
+/// [`SwiGlu`] on f32 slices (validated).
+pub fn swiglu(op: &SwiGlu, gate_up: &[f32], out: &mut [f32]) {
+    let w = op.width;
+    if w == 0 {
+        return;
+    }
+    out.par_chunks_mut(w)
+        .with_min_len(ROW_CHUNK)
+        .enumerate()
+        .for_each(|(r, o)| {
+            let (g, u) = gate_up[r * 2 * w..(r + 1) * 2 * w].split_at(w);
+            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                *o = g / (1.0 + (-g).exp()) * u;
+            }
+        });
+}
+
+/// [`Embed`] on f32 slices (validated).
+pub fn embed(op: &Embed<'_>, table: &[f32], out: &mut [f32]) {
+    let d = op.dim;
+    if d == 0 {
+        return;
+    }
+    out.par_chunks_mut(d)
+        .with_min_len(ROW_CHUNK)
+        .zip(op.tokens)
+        .for_each(|(o, &t)| o.copy_from_slice(&table[t as usize * d..][..d]));
+}
+
+/// [`GatherRows`] on f32 slices (validated).
+pub fn gather_rows(op: &GatherRows<'_>, x: &[f32], out: &mut [f32]) {
+    let w = op.width;
+    rows_mut(out, &op.out, op.rows.len())
+        .with_min_len(ROW_CHUNK)
+        .zip(op.rows)
+        .for_each(|(o, &r)| {
+            o[..w].copy_from_slice(&x[op.x.offset + r as usize * op.x.row_stride..][..w])
+        });
+}
+
+/// [`Add`] on f32 slices (validated).
+pub fn add(op: &Add, x: &[f32], acc: &mut [f32]) {
+    let w = op.width;
+    rows_mut(acc, &op.acc, op.rows)
+        .with_min_len(ROW_CHUNK)
+        .enumerate()
+        .for_each(|(r, a)| {
+            let xr = &x[op.x.offset + r * op.x.row_stride..][..w];
+            for (a, &v) in a[..w].iter_mut().zip(xr) {
+                *a += v;
+            }
+        });
+}
+
+/// Runs `f(row, group, src, dst)` for every `(row, group)` of a cast.
+fn cast_rows<S: Copy + Sync, D: Copy + Send>(
+    op: &Cast,
+    x: &[S],
+    out: &mut [D],
+    convert: impl Fn(S) -> D + Sync,
+) {
+    if op.rows == 0 {
+        return;
+    }
+    let tail = &mut out[op.out.offset..];
+    let stride = if op.rows == 1 {
+        tail.len().max(1)
+    } else {
+        op.out.row_stride
+    };
+    tail.par_chunks_mut(stride)
+        .take(op.rows)
+        .with_min_len(ROW_CHUNK)
+        .enumerate()
+        .for_each(|(r, o)| {
+            for g in 0..op.groups {
+                let src =
+                    &x[op.x.offset + r * op.x.row_stride + g * op.x.group_stride..][..op.width];
+                let dst = &mut o[g * op.out.group_stride..][..op.width];
+                for (d, &s) in dst.iter_mut().zip(src) {
+                    *d = convert(s);
+                }
+            }
+        });
+}
+
+/// [`Argmax`] on f32 slices (validated).
+pub fn argmax(op: &Argmax, logits: &[f32], out: &mut [u32]) {
+    out.par_iter_mut()
+        .with_min_len(ROW_CHUNK)
+        .enumerate()
+        .for_each(|(r, o)| *o = argmax_row(&logits[r * op.width..(r + 1) * op.width]));
+}
+
+/// Column of the largest value, lowest on ties, NaN above every number.
+pub fn argmax_row(row: &[f32]) -> u32 {
+    let mut best = 0usize;
+    for (i, &v) in row.iter().enumerate().skip(1) {
+        let b = row[best];
+        if b.is_nan() {
+            break;
+        }
+        if v.is_nan() || v > b {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+impl ModelOps for CpuBackend {
+    fn matmul(&self, op: &Matmul, x: &CpuBuffer, w: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
+        op.validate(x.len(), w.len(), out.len())?;
+        let (x, w) = (x.typed::<f32>("x")?, w.typed::<f32>("w")?);
+        let out = out.typed_mut::<f32>("out")?;
+        self.run(|| matmul(self.isa, op, x, w, out));
+        Ok(())
+    }
+
+    fn rms_norm(
+        &self,
+        op: &RmsNorm,
+        x: &CpuBuffer,
+        gamma: &CpuBuffer,
+        out: &mut CpuBuffer,
+    ) -> Result<()> {
+        op.validate(x.len(), gamma.len(), out.len())?;
+        let (x, gamma) = (x.typed::<f32>("x")?, gamma.typed::<f32>("gamma")?);
+        let out = out.typed_mut::<f32>("out")?;
+        self.run(|| rms_norm(op, x, gamma, out));
+        Ok(())
+    }
+
+    fn rope(
+        &self,
+        op: &Rope<'_>,
+        table: &CpuBuffer,
+        x: &CpuBuffer,
+        out: &mut CpuBuffer,
+    ) -> Result<()> {
+        op.validate(table.len(), x.len(), out.len())?;
+        let (table, x) = (table.typed::<f32>("table")?, x.typed::<f32>("x")?);
+        let out = out.typed_mut::<f32>("out")?;
+        self.run(|| rope(op, table, x, out));
+        Ok(())
+    }
+
+    fn swiglu(&self, op: &SwiGlu, gate_up: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
+        op.validate(gate_up.len(), out.len())?;
+        let gate_up = gate_up.typed::<f32>("gate_up")?;
+        let out = out.typed_mut::<f32>("out")?;
+        self.run(|| swiglu(op, gate_up, out));
+        Ok(())
+    }
+
+    fn embed(&self, op: &Embed<'_>, table: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
+        op.validate(table.len(), out.len())?;
+        let table = table.typed::<f32>("table")?;
+        let out = out.typed_mut::<f32>("out")?;
+        self.run(|| embed(op, table, out));
+        Ok(())
+    }
+
+    fn gather_rows(&self, op: &GatherRows<'_>, x: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
+        op.validate(x.len(), out.len())?;
+        let x = x.typed::<f32>("x")?;
+        let out = out.typed_mut::<f32>("out")?;
+        self.run(|| gather_rows(op, x, out));
+        Ok(())
+    }
+
+    fn add(&self, op: &Add, x: &CpuBuffer, acc: &mut CpuBuffer) -> Result<()> {
+        op.validate(x.len(), acc.len())?;
+        let x = x.typed::<f32>("x")?;
+        let acc = acc.typed_mut::<f32>("acc")?;
+        self.run(|| add(op, x, acc));
+        Ok(())
+    }
+
+    fn cast(&self, op: &Cast, x: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
+        op.validate(x.len(), out.len())?;
+        match (op.from, op.to) {
+            (DenseDtype::F32, DenseDtype::Bf16) => {
+                let x = x.typed::<f32>("x")?;
+                let out = out.typed_mut::<bf16>("out")?;
+                self.run(|| cast_rows(op, x, out, bf16::from_f32));
+            }
+            (DenseDtype::Bf16, DenseDtype::F32) => {
+                let x = x.typed::<bf16>("x")?;
+                let out = out.typed_mut::<f32>("out")?;
+                self.run(|| cast_rows(op, x, out, bf16::to_f32));
+            }
+            (DenseDtype::F32, DenseDtype::F32) => {
+                let x = x.typed::<f32>("x")?;
+                let out = out.typed_mut::<f32>("out")?;
+                self.run(|| cast_rows(op, x, out, |v| v));
+            }
+            (DenseDtype::Bf16, DenseDtype::Bf16) => {
+                let x = x.typed::<bf16>("x")?;
+                let out = out.typed_mut::<bf16>("out")?;
+                self.run(|| cast_rows(op, x, out, |v| v));
+            }
+        }
+        Ok(())
+    }
+
+    fn argmax(&self, op: &Argmax, logits: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
+        op.validate(logits.len(), out.len())?;
+        let logits = logits.typed::<f32>("logits")?;
+        let out = out.typed_mut::<u32>("out")?;
+        self.run(|| argmax(op, logits, out));
+        Ok(())
+    }
+}
+
+/// The emulator shares [`CpuBuffer`]; until GPU dense kernels exist its dense ops are the
+/// CPU kernels above (on rayon's global pool).
+impl ModelOps for EmuBackend {
+    fn matmul(&self, op: &Matmul, x: &CpuBuffer, w: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
+        CpuBackend::new().matmul(op, x, w, out)
+    }
+
+    fn rms_norm(
+        &self,
+        op: &RmsNorm,
+        x: &CpuBuffer,
+        gamma: &CpuBuffer,
+        out: &mut CpuBuffer,
+    ) -> Result<()> {
+        CpuBackend::new().rms_norm(op, x, gamma, out)
+    }
+
+    fn rope(
+        &self,
+        op: &Rope<'_>,
+        table: &CpuBuffer,
+        x: &CpuBuffer,
+        out: &mut CpuBuffer,
+    ) -> Result<()> {
+        CpuBackend::new().rope(op, table, x, out)
+    }
+
+    fn swiglu(&self, op: &SwiGlu, gate_up: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
+        CpuBackend::new().swiglu(op, gate_up, out)
+    }
+
+    fn embed(&self, op: &Embed<'_>, table: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
+        CpuBackend::new().embed(op, table, out)
+    }
+
+    fn gather_rows(&self, op: &GatherRows<'_>, x: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
+        CpuBackend::new().gather_rows(op, x, out)
+    }
+
+    fn add(&self, op: &Add, x: &CpuBuffer, acc: &mut CpuBuffer) -> Result<()> {
+        CpuBackend::new().add(op, x, acc)
+    }
+
+    fn cast(&self, op: &Cast, x: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
+        CpuBackend::new().cast(op, x, out)
+    }
+
+    fn argmax(&self, op: &Argmax, logits: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
+        CpuBackend::new().argmax(op, logits, out)
+    }
+}
+
+/// Dense ops for a backend without dense kernels of its own: operands are downloaded, the
+/// CPU kernels above run on host copies, and the output buffer is replaced by an upload of
+/// the result. Correct and batch-invariant (the same kernels), but every call moves its
+/// operands (weights included) across the bus: a correctness path for `cuda` until GPU
+/// dense kernels exist, not a fast one. A rejected call (validated by the CPU
+/// implementation before anything is computed) leaves `out` untouched.
+pub mod staged {
+    use super::CpuBackend;
+    use crate::backend::Backend;
+    use crate::cpu::CpuBuffer;
+    use crate::error::Result;
+    use crate::model_ops::{
+        Add, Argmax, Cast, Embed, GatherRows, Matmul, ModelOps, RmsNorm, Rope, SwiGlu,
+    };
+
+    fn stage<B: Backend>(
+        b: &B,
+        inputs: &[&B::Buffer],
+        out: &mut B::Buffer,
+        f: impl FnOnce(&CpuBackend, &[CpuBuffer], &mut CpuBuffer) -> Result<()>,
+    ) -> Result<()> {
+        let host = inputs
+            .iter()
+            .map(|x| Ok(CpuBuffer::from_bytes(&b.download(x)?)))
+            .collect::<Result<Vec<_>>>()?;
+        let mut o = CpuBuffer::from_bytes(&b.download(out)?);
+        f(&CpuBackend::new(), &host, &mut o)?;
+        *out = b.upload(o.bytes())?;
+        Ok(())
+    }
+
+    /// See [`ModelOps::matmul`].
+    pub fn matmul<B: Backend>(
+        b: &B,
+        op: &Matmul,
+        x: &B::Buffer,
+        w: &B::Buffer,
+        out: &mut B::Buffer,
+    ) -> Result<()> {
+        stage(b, &[x, w], out, |c, i, o| c.matmul(op, &i[0], &i[1], o))
+    }
+
+    /// See [`ModelOps::rms_norm`].
+    pub fn rms_norm<B: Backend>(
+        b: &B,
+        op: &RmsNorm,
+        x: &B::Buffer,
+        gamma: &B::Buffer,
+        out: &mut B::Buffer,
+    ) -> Result<()> {
+        stage(b, &[x, gamma], out, |c, i, o| {
+            c.rms_norm(op, &i[0], &i[1], o)
+        })
+    }
+
+    /// See [`ModelOps::rope`].
+    pub fn rope<B: Backend>(
+        b: &B,
+        op: &Rope<'_>,
+        table: &B::Buffer,
+        x: &B::Buffer,
+        out: &mut B::Buffer,
+    ) -> Result<()> {
+        stage(b, &[table, x], out, |c, i, o| c.rope(op, &i[0], &i[1], o))
+    }
+
+    /// See [`ModelOps::swiglu`].
+    pub fn swiglu<B: Backend>(
+        b: &B,
+        op: &SwiGlu,
+        gate_up: &B::Buffer,
+        out: &mut B::Buffer,
+    ) -> Result<()> {
+        stage(b, &[gate_up], out, |c, i, o| c.swiglu(op, &i[0], o))
+    }
+
+    /// See [`ModelOps::embed`].
+    pub fn embed<B: Backend>(
+        b: &B,
+        op: &Embed<'_>,
+        table: &B::Buffer,
+        out: &mut B::Buffer,
+    ) -> Result<()> {
+        stage(b, &[table], out, |c, i, o| c.embed(op, &i[0], o))
+    }
+
+    /// See [`ModelOps::gather_rows`].
+    pub fn gather_rows<B: Backend>(
+        b: &B,
+        op: &GatherRows<'_>,
+        x: &B::Buffer,
+        out: &mut B::Buffer,
+    ) -> Result<()> {
+        stage(b, &[x], out, |c, i, o| c.gather_rows(op, &i[0], o))
+    }
+
+    /// See [`ModelOps::add`].
+    pub fn add<B: Backend>(b: &B, op: &Add, x: &B::Buffer, acc: &mut B::Buffer) -> Result<()> {
+        stage(b, &[x], acc, |c, i, o| c.add(op, &i[0], o))
+    }
+
+    /// See [`ModelOps::cast`].
+    pub fn cast<B: Backend>(b: &B, op: &Cast, x: &B::Buffer, out: &mut B::Buffer) -> Result<()> {
+        stage(b, &[x], out, |c, i, o| c.cast(op, &i[0], o))
+    }
+
+    /// See [`ModelOps::argmax`].
+    pub fn argmax<B: Backend>(
+        b: &B,
+        op: &Argmax,
+        logits: &B::Buffer,
+        out: &mut B::Buffer,
+    ) -> Result<()> {
+        stage(b, &[logits], out, |c, i, o| c.argmax(op, &i[0], o))
+    }
+}

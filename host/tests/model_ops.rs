@@ -1,0 +1,781 @@
+//! Dense model ops (`ModelOps`) on the cpu and emu backends: against naive f64 references
+//! on random inputs (odd sizes, strided views, outputs poisoned with NaN first), bit-exact
+//! batch invariance (a row alone, inside batches of many sizes, split into chunks, on
+//! different thread counts), and typed errors that leave outputs untouched.
+//!
+//! Seeds are fresh each run and printed; `SPARSEKIT_SEED=N` replays one.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic
+
+use half::bf16;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use sparsekit_host::cpu::CpuBuffer;
+use sparsekit_host::model_ops::{
+    rope_table, Accumulate, Add, Argmax, Cast, DenseDtype, Embed, GatherRows, Matmul, ModelOps,
+    RmsNorm, Rope, SwiGlu, View,
+};
+use sparsekit_host::{Backend, CpuBackend, EmuBackend, Error};
+
+const U: f64 = f32::EPSILON as f64 / 2.0;
+
+fn rng(test: &str) -> ChaCha8Rng {
+    let seed: u64 = std::env::var("SPARSEKIT_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random);
+    eprintln!("{test}: seed {seed} (replay with SPARSEKIT_SEED={seed})");
+    ChaCha8Rng::seed_from_u64(seed)
+}
+
+fn randn(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            let v: f32 = rng.gen_range(-2.0..2.0);
+            if v == 0.0 {
+                0.5
+            } else {
+                v
+            }
+        })
+        .collect()
+}
+
+fn buf(v: &[f32]) -> CpuBuffer {
+    CpuBuffer::from_bytes(bytemuck::cast_slice(v))
+}
+
+fn poisoned(elems: usize) -> CpuBuffer {
+    buf(&vec![f32::NAN; elems])
+}
+
+fn f32s(b: &CpuBuffer) -> Vec<f32> {
+    b.typed::<f32>("t").unwrap().to_vec()
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Backends under test: cpu on rayon's pool, cpu on 1 and 3 threads, emu.
+type MakeBackend = Box<dyn Fn() -> Box<dyn DenseBackend>>;
+
+fn backends() -> Vec<(&'static str, MakeBackend)> {
+    vec![
+        ("cpu", Box::new(|| Box::new(CpuBackend::new()))),
+        (
+            "cpu1",
+            Box::new(|| Box::new(CpuBackend::with_threads(1).unwrap())),
+        ),
+        (
+            "cpu3",
+            Box::new(|| Box::new(CpuBackend::with_threads(3).unwrap())),
+        ),
+        ("emu", Box::new(|| Box::new(EmuBackend::new()))),
+    ]
+}
+
+/// Object-safe slice of `ModelOps` over `CpuBuffer` so one test body covers every backend.
+trait DenseBackend {
+    fn matmul(
+        &self,
+        op: &Matmul,
+        x: &CpuBuffer,
+        w: &CpuBuffer,
+        o: &mut CpuBuffer,
+    ) -> Result<(), Error>;
+    fn rms_norm(
+        &self,
+        op: &RmsNorm,
+        x: &CpuBuffer,
+        g: &CpuBuffer,
+        o: &mut CpuBuffer,
+    ) -> Result<(), Error>;
+    fn rope(
+        &self,
+        op: &Rope<'_>,
+        t: &CpuBuffer,
+        x: &CpuBuffer,
+        o: &mut CpuBuffer,
+    ) -> Result<(), Error>;
+    fn swiglu(&self, op: &SwiGlu, x: &CpuBuffer, o: &mut CpuBuffer) -> Result<(), Error>;
+    fn embed(&self, op: &Embed<'_>, t: &CpuBuffer, o: &mut CpuBuffer) -> Result<(), Error>;
+    fn gather_rows(
+        &self,
+        op: &GatherRows<'_>,
+        x: &CpuBuffer,
+        o: &mut CpuBuffer,
+    ) -> Result<(), Error>;
+    fn add(&self, op: &Add, x: &CpuBuffer, o: &mut CpuBuffer) -> Result<(), Error>;
+    fn cast(&self, op: &Cast, x: &CpuBuffer, o: &mut CpuBuffer) -> Result<(), Error>;
+    fn argmax(&self, op: &Argmax, x: &CpuBuffer, o: &mut CpuBuffer) -> Result<(), Error>;
+}
+
+impl<B: ModelOps + Backend<Buffer = CpuBuffer>> DenseBackend for B {
+    fn matmul(
+        &self,
+        op: &Matmul,
+        x: &CpuBuffer,
+        w: &CpuBuffer,
+        o: &mut CpuBuffer,
+    ) -> Result<(), Error> {
+        ModelOps::matmul(self, op, x, w, o)
+    }
+    fn rms_norm(
+        &self,
+        op: &RmsNorm,
+        x: &CpuBuffer,
+        g: &CpuBuffer,
+        o: &mut CpuBuffer,
+    ) -> Result<(), Error> {
+        ModelOps::rms_norm(self, op, x, g, o)
+    }
+    fn rope(
+        &self,
+        op: &Rope<'_>,
+        t: &CpuBuffer,
+        x: &CpuBuffer,
+        o: &mut CpuBuffer,
+    ) -> Result<(), Error> {
+        ModelOps::rope(self, op, t, x, o)
+    }
+    fn swiglu(&self, op: &SwiGlu, x: &CpuBuffer, o: &mut CpuBuffer) -> Result<(), Error> {
+        ModelOps::swiglu(self, op, x, o)
+    }
+    fn embed(&self, op: &Embed<'_>, t: &CpuBuffer, o: &mut CpuBuffer) -> Result<(), Error> {
+        ModelOps::embed(self, op, t, o)
+    }
+    fn gather_rows(
+        &self,
+        op: &GatherRows<'_>,
+        x: &CpuBuffer,
+        o: &mut CpuBuffer,
+    ) -> Result<(), Error> {
+        ModelOps::gather_rows(self, op, x, o)
+    }
+    fn add(&self, op: &Add, x: &CpuBuffer, o: &mut CpuBuffer) -> Result<(), Error> {
+        ModelOps::add(self, op, x, o)
+    }
+    fn cast(&self, op: &Cast, x: &CpuBuffer, o: &mut CpuBuffer) -> Result<(), Error> {
+        ModelOps::cast(self, op, x, o)
+    }
+    fn argmax(&self, op: &Argmax, x: &CpuBuffer, o: &mut CpuBuffer) -> Result<(), Error> {
+        ModelOps::argmax(self, op, x, o)
+    }
+}
+
+/// f64 reference of a (grouped, strided) matmul plus the rigorous error bound of a
+/// sequential FMA chain: `|err| ≤ γ_k · Σ|x·w|` (+ the init's own magnitude).
+fn matmul_ref(op: &Matmul, x: &[f32], w: &[f32], init: &[f32]) -> Vec<(usize, f64, f64)> {
+    let mut r = Vec::new();
+    for row in 0..op.rows {
+        for g in 0..op.groups {
+            for j in 0..op.n {
+                let o = op.out.offset + row * op.out.row_stride + g * op.out.group_stride + j;
+                let base = match op.accumulate {
+                    Accumulate::Overwrite => 0.0,
+                    Accumulate::Add => init[o] as f64,
+                };
+                let (mut s, mut mag) = (base, base.abs());
+                for p in 0..op.k {
+                    let xv = x[op.x.offset + row * op.x.row_stride + g * op.x.group_stride + p];
+                    let t = xv as f64 * w[g * op.k * op.n + p * op.n + j] as f64;
+                    s += t;
+                    mag += t.abs();
+                }
+                let k = op.k as f64 + 1.0;
+                r.push((o, s, k * U / (1.0 - k * U) * mag + 1e-38));
+            }
+        }
+    }
+    r
+}
+
+#[test]
+fn matmul_matches_f64_reference() {
+    let mut rng = rng("matmul_matches_f64_reference");
+    for (name, make) in backends() {
+        let b = make();
+        // Plain, odd sizes on both paths (row split ≥ 48 rows, column split below).
+        for &(rows, k, n) in &[
+            (1, 7, 129),
+            (5, 33, 200),
+            (4, 64, 640),
+            (61, 17, 19),
+            (100, 130, 70),
+        ] {
+            let mut op = Matmul::dense(rows, k, n);
+            let x = randn(&mut rng, rows * k);
+            let w = randn(&mut rng, k * n);
+            let mut out = poisoned(rows * n);
+            b.matmul(&op, &buf(&x), &buf(&w), &mut out).unwrap();
+            let got = f32s(&out);
+            for (o, want, tol) in matmul_ref(&op, &x, &w, &[]) {
+                let err = (got[o] as f64 - want).abs();
+                assert!(
+                    err <= tol,
+                    "{name} {rows}x{k}x{n} [{o}]: {} vs {want} (tol {tol})",
+                    got[o]
+                );
+            }
+            // Accumulate into existing values.
+            op.accumulate = Accumulate::Add;
+            let init = randn(&mut rng, rows * n);
+            let mut out = buf(&init);
+            b.matmul(&op, &buf(&x), &buf(&w), &mut out).unwrap();
+            let got = f32s(&out);
+            for (o, want, tol) in matmul_ref(&op, &x, &w, &init) {
+                assert!((got[o] as f64 - want).abs() <= tol, "{name} acc [{o}]");
+            }
+        }
+        // Grouped with strided input and output views (per-head projections).
+        for &(rows, groups, k, n) in &[(3, 4, 12, 40), (50, 3, 9, 33), (6, 16, 32, 144)] {
+            let x_view = View {
+                offset: 5,
+                row_stride: groups * (k + 3) + 2,
+                group_stride: k + 3,
+            };
+            let out_view = View {
+                offset: 7,
+                row_stride: groups * (n + 5) + 1,
+                group_stride: n + 5,
+            };
+            let op = Matmul {
+                rows,
+                groups,
+                k,
+                n,
+                x: x_view,
+                out: out_view,
+                accumulate: Accumulate::Overwrite,
+            };
+            let x = randn(&mut rng, 5 + rows * x_view.row_stride);
+            let w = randn(&mut rng, groups * k * n);
+            let total = 7 + rows * out_view.row_stride + 3;
+            let mut out = poisoned(total);
+            b.matmul(&op, &buf(&x), &buf(&w), &mut out).unwrap();
+            let got = f32s(&out);
+            let refs = matmul_ref(&op, &x, &w, &[]);
+            let mut written = vec![false; total];
+            for (o, want, tol) in refs {
+                written[o] = true;
+                assert!((got[o] as f64 - want).abs() <= tol, "{name} grouped [{o}]");
+            }
+            // Elements outside the view stay untouched (still NaN).
+            for (i, w) in written.iter().enumerate() {
+                if !w {
+                    assert!(
+                        got[i].is_nan(),
+                        "{name}: element {i} outside the view written"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_is_batch_invariant() {
+    let mut rng = rng("matmul_is_batch_invariant");
+    let (k, n) = (96, 300);
+    let w = buf(&randn(&mut rng, k * n));
+    let max_rows = 257;
+    let x_all = randn(&mut rng, max_rows * k);
+    let cpu = CpuBackend::new();
+    // Each row alone.
+    let alone: Vec<Vec<u32>> = (0..max_rows)
+        .map(|r| {
+            let mut out = poisoned(n);
+            ModelOps::matmul(
+                &cpu,
+                &Matmul::dense(1, k, n),
+                &buf(&x_all[r * k..(r + 1) * k]),
+                &w,
+                &mut out,
+            )
+            .unwrap();
+            bits(&f32s(&out))
+        })
+        .collect();
+    for (name, make) in backends() {
+        let b = make();
+        for &rows in &[1usize, 2, 3, 7, 47, 48, 49, 100, 257] {
+            let mut out = poisoned(rows * n);
+            b.matmul(
+                &Matmul::dense(rows, k, n),
+                &buf(&x_all[..rows * k]),
+                &w,
+                &mut out,
+            )
+            .unwrap();
+            let got = bits(&f32s(&out));
+            for r in 0..rows {
+                assert_eq!(
+                    &got[r * n..(r + 1) * n],
+                    &alone[r][..],
+                    "{name}: row {r} of {rows}"
+                );
+            }
+        }
+        // The same 257 rows as uneven chunks.
+        let mut r0 = 0;
+        for &c in [5usize, 60, 1, 100, 91].iter() {
+            let mut out = poisoned(c * n);
+            b.matmul(
+                &Matmul::dense(c, k, n),
+                &buf(&x_all[r0 * k..(r0 + c) * k]),
+                &w,
+                &mut out,
+            )
+            .unwrap();
+            let got = bits(&f32s(&out));
+            for r in 0..c {
+                assert_eq!(
+                    &got[r * n..(r + 1) * n],
+                    &alone[r0 + r][..],
+                    "{name}: chunk row {}",
+                    r0 + r
+                );
+            }
+            r0 += c;
+        }
+        assert_eq!(r0, max_rows);
+    }
+}
+
+#[test]
+fn rms_norm_matches_reference_and_is_batch_invariant() {
+    let mut rng = rng("rms_norm");
+    for (name, make) in backends() {
+        let b = make();
+        for &(rows, width) in &[(1, 5), (7, 33), (40, 256), (9, 1000)] {
+            let stride = width + 3;
+            let x = randn(&mut rng, rows * stride);
+            let gamma = randn(&mut rng, width);
+            let op = RmsNorm {
+                rows,
+                width,
+                eps: 1e-6,
+                x: View::cols(stride, 2),
+                out: View::dense(width),
+            };
+            let mut out = poisoned(rows * width);
+            b.rms_norm(&op, &buf(&x), &buf(&gamma), &mut out).unwrap();
+            let got = f32s(&out);
+            for r in 0..rows {
+                let xr = &x[2 + r * stride..][..width];
+                let ms: f64 = xr.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / width as f64;
+                let inv = 1.0 / (ms + 1e-6).sqrt();
+                for c in 0..width {
+                    let want = xr[c] as f64 * inv * gamma[c] as f64;
+                    let tol = (width as f64 + 8.0) * U * want.abs() + 1e-30;
+                    let g = got[r * width + c] as f64;
+                    assert!(
+                        (g - want).abs() <= tol,
+                        "{name} rms r{r} c{c}: {g} vs {want}"
+                    );
+                }
+                // Row alone gives the same bits.
+                let one = RmsNorm {
+                    rows: 1,
+                    x: View::cols(stride, 2 + r * stride),
+                    ..op
+                };
+                let mut o1 = poisoned(width);
+                b.rms_norm(&one, &buf(&x), &buf(&gamma), &mut o1).unwrap();
+                assert_eq!(
+                    bits(&f32s(&o1)),
+                    bits(&got[r * width..(r + 1) * width]),
+                    "{name} rms alone r{r}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn rope_matches_reference() {
+    let mut rng = rng("rope");
+    let (rope_dim, max_pos) = (32, 5000);
+    let table = rope_table(rope_dim, max_pos, 10000.0);
+    for (name, make) in backends() {
+        let b = make();
+        for &(rows, heads) in &[(1, 1), (6, 16), (37, 3)] {
+            let head_stride = 64;
+            let x_view = View {
+                offset: 32,
+                row_stride: heads * head_stride,
+                group_stride: head_stride,
+            };
+            let out_view = View {
+                offset: 1,
+                row_stride: heads * 40,
+                group_stride: 40,
+            };
+            let x = randn(&mut rng, rows * heads * head_stride);
+            let positions: Vec<u32> = (0..rows)
+                .map(|_| rng.gen_range(0..max_pos as u32))
+                .collect();
+            let op = Rope {
+                heads,
+                rope_dim,
+                positions: &positions,
+                max_positions: max_pos,
+                x: x_view,
+                out: out_view,
+            };
+            let mut out = poisoned(1 + rows * heads * 40);
+            b.rope(&op, &buf(&table), &buf(&x), &mut out).unwrap();
+            let got = f32s(&out);
+            let h = rope_dim / 2;
+            for r in 0..rows {
+                for g in 0..heads {
+                    let xi = &x[32 + r * heads * head_stride + g * head_stride..];
+                    let o = &got[1 + r * heads * 40 + g * 40..];
+                    // Independent angle in f64 (the table is checked too).
+                    for i in 0..h {
+                        let theta =
+                            positions[r] as f64 * 10000f64.powf(-2.0 * i as f64 / rope_dim as f64);
+                        let (c, s) = (theta.cos(), theta.sin());
+                        let (a, bb) = (xi[i] as f64, xi[i + h] as f64);
+                        let want = [a * c - bb * s, a * s + bb * c];
+                        let tol = 4.0 * U * (a.abs() + bb.abs()) + 1e-30;
+                        for (j, w) in want.iter().enumerate() {
+                            let g_ = o[i + j * h] as f64;
+                            assert!(
+                                (g_ - w).abs() <= tol,
+                                "{name} rope r{r} g{g} i{i}: {g_} vs {w}"
+                            );
+                        }
+                    }
+                    assert!(
+                        o[rope_dim..40].iter().all(|v| v.is_nan()),
+                        "{name}: rope wrote past its width"
+                    );
+                }
+            }
+        }
+        // A position beyond the table is a typed error and writes nothing.
+        let positions = [0u32, max_pos as u32];
+        let op = Rope {
+            heads: 1,
+            rope_dim,
+            positions: &positions,
+            max_positions: max_pos,
+            x: View::dense(rope_dim),
+            out: View::dense(rope_dim),
+        };
+        let mut out = poisoned(2 * rope_dim);
+        let err = b.rope(
+            &op,
+            &buf(&table),
+            &buf(&randn(&mut rng, 2 * rope_dim)),
+            &mut out,
+        );
+        assert!(
+            matches!(err, Err(Error::InvalidArgument { .. })),
+            "{name}: {err:?}"
+        );
+        assert!(f32s(&out).iter().all(|v| v.is_nan()));
+    }
+}
+
+#[test]
+fn swiglu_embed_gather_add_match_reference() {
+    let mut rng = rng("swiglu_embed_gather_add");
+    for (name, make) in backends() {
+        let b = make();
+        let (rows, width) = (37, 45);
+        let gu = randn(&mut rng, rows * 2 * width);
+        let mut out = poisoned(rows * width);
+        b.swiglu(&SwiGlu { rows, width }, &buf(&gu), &mut out)
+            .unwrap();
+        let got = f32s(&out);
+        for r in 0..rows {
+            for c in 0..width {
+                let (g, u) = (
+                    gu[r * 2 * width + c] as f64,
+                    gu[r * 2 * width + width + c] as f64,
+                );
+                let want = g / (1.0 + (-g).exp()) * u;
+                let v = got[r * width + c] as f64;
+                assert!(
+                    (v - want).abs() <= 16.0 * U * want.abs() + 1e-30,
+                    "{name} swiglu {r},{c}: {v} vs {want}"
+                );
+            }
+        }
+
+        let (vocab, dim) = (300, 24);
+        let table = randn(&mut rng, vocab * dim);
+        let tokens: Vec<u32> = (0..29).map(|_| rng.gen_range(0..vocab as u32)).collect();
+        let mut out = poisoned(tokens.len() * dim);
+        b.embed(
+            &Embed {
+                vocab,
+                dim,
+                tokens: &tokens,
+            },
+            &buf(&table),
+            &mut out,
+        )
+        .unwrap();
+        let got = f32s(&out);
+        for (i, &t) in tokens.iter().enumerate() {
+            assert_eq!(
+                bits(&got[i * dim..(i + 1) * dim]),
+                bits(&table[t as usize * dim..][..dim]),
+                "{name} embed"
+            );
+        }
+        let bad = [1u32, vocab as u32];
+        let mut out = poisoned(2 * dim);
+        assert!(b
+            .embed(
+                &Embed {
+                    vocab,
+                    dim,
+                    tokens: &bad
+                },
+                &buf(&table),
+                &mut out
+            )
+            .is_err());
+        assert!(f32s(&out).iter().all(|v| v.is_nan()));
+
+        let src_rows = 11;
+        let x = randn(&mut rng, src_rows * 30);
+        let pick = [10u32, 0, 3, 3];
+        let op = GatherRows {
+            width: 20,
+            rows: &pick,
+            src_rows,
+            x: View::cols(30, 5),
+            out: View::dense(20),
+        };
+        let mut out = poisoned(4 * 20);
+        b.gather_rows(&op, &buf(&x), &mut out).unwrap();
+        let got = f32s(&out);
+        for (i, &r) in pick.iter().enumerate() {
+            assert_eq!(
+                bits(&got[i * 20..(i + 1) * 20]),
+                bits(&x[5 + r as usize * 30..][..20])
+            );
+        }
+
+        let a = randn(&mut rng, rows * width);
+        let acc0 = randn(&mut rng, rows * width);
+        let mut acc = buf(&acc0);
+        b.add(
+            &Add {
+                rows,
+                width,
+                x: View::dense(width),
+                acc: View::dense(width),
+            },
+            &buf(&a),
+            &mut acc,
+        )
+        .unwrap();
+        let got = f32s(&acc);
+        for i in 0..rows * width {
+            assert_eq!(got[i].to_bits(), (acc0[i] + a[i]).to_bits());
+        }
+    }
+}
+
+/// Round-to-nearest-even f32 → bf16 by integer arithmetic (independent of `half`).
+fn bf16_rne(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return ((b >> 16) as u16) | 0x40;
+    }
+    let lsb = (b >> 16) & 1;
+    ((b + 0x7fff + lsb) >> 16) as u16
+}
+
+#[test]
+fn cast_and_argmax_are_exact() {
+    let mut rng = rng("cast_and_argmax");
+    for (name, make) in backends() {
+        let b = make();
+        let (rows, groups, width) = (9, 3, 21);
+        let mut x = randn(&mut rng, rows * groups * width);
+        x[4] = f32::NAN;
+        x[5] = f32::INFINITY;
+        x[6] = -0.0;
+        x[7] = 1.0 + f32::EPSILON * 64.0; // exactly halfway between two bf16 values
+        x[8] = 3.0e38;
+        let op = Cast {
+            rows,
+            groups,
+            width,
+            from: DenseDtype::F32,
+            to: DenseDtype::Bf16,
+            x: View::grouped(groups, width),
+            out: View::grouped(groups, 32),
+        };
+        let mut out = CpuBuffer::from_bytes(&vec![0xff; rows * groups * 32 * 2]);
+        b.cast(&op, &buf(&x), &mut out).unwrap();
+        let got: Vec<u16> = out.typed::<u16>("o").unwrap().to_vec();
+        for r in 0..rows {
+            for g in 0..groups {
+                for c in 0..32 {
+                    let v = got[r * groups * 32 + g * 32 + c];
+                    if c < width {
+                        let s = x[r * groups * width + g * width + c];
+                        if s.is_nan() {
+                            assert!(bf16::from_bits(v).is_nan(), "{name}: NaN lost");
+                        } else {
+                            assert_eq!(v, bf16_rne(s), "{name}: cast of {s}");
+                        }
+                    } else {
+                        assert_eq!(v, 0xffff, "{name}: cast wrote past its width");
+                    }
+                }
+            }
+        }
+        // And back: exact.
+        let back = Cast {
+            from: DenseDtype::Bf16,
+            to: DenseDtype::F32,
+            x: View::grouped(groups, 32),
+            out: View::grouped(groups, width),
+            ..op
+        };
+        let mut f = poisoned(rows * groups * width);
+        b.cast(&back, &out, &mut f).unwrap();
+        for (i, v) in f32s(&f).iter().enumerate() {
+            let (r, rem) = (i / (groups * width), i % (groups * width));
+            let src = got[r * groups * 32 + (rem / width) * 32 + rem % width];
+            assert_eq!(v.to_bits(), (src as u32) << 16, "{name}: bf16 → f32");
+        }
+
+        // Argmax: ties to the lowest column, NaN wins, -inf rows pick column 0.
+        let width = 37;
+        let mut l = randn(&mut rng, 5 * width);
+        l[width + 3] = 9.0;
+        l[width + 30] = 9.0;
+        l[2 * width + 20] = f32::NAN;
+        l[2 * width + 21] = 100.0;
+        for v in &mut l[3 * width..4 * width] {
+            *v = f32::NEG_INFINITY;
+        }
+        let mut out = CpuBuffer::from_bytes(&[0xaa; 20]);
+        b.argmax(&Argmax { rows: 5, width }, &buf(&l), &mut out)
+            .unwrap();
+        let got = out.typed::<u32>("o").unwrap().to_vec();
+        let naive = |row: &[f32]| {
+            let mut best = 0;
+            for i in 0..row.len() {
+                if row[i].is_nan() {
+                    return i as u32;
+                }
+                if row[i] > row[best] {
+                    best = i;
+                }
+            }
+            best as u32
+        };
+        assert_eq!(got[1], 3, "{name}: tie");
+        assert_eq!(got[2], 20, "{name}: NaN");
+        assert_eq!(got[3], 0, "{name}: -inf row");
+        for r in 0..5 {
+            assert_eq!(
+                got[r],
+                naive(&l[r * width..(r + 1) * width]),
+                "{name}: row {r}"
+            );
+        }
+    }
+}
+
+#[test]
+fn rejected_calls_write_nothing() {
+    let b = CpuBackend::new();
+    let x = buf(&[1.0; 64]);
+    let w = buf(&[1.0; 64]);
+    let mut out = poisoned(64);
+    // Weight of the wrong size.
+    let e = ModelOps::matmul(&b, &Matmul::dense(8, 8, 8), &x, &buf(&[1.0; 63]), &mut out);
+    assert!(matches!(e, Err(Error::BufferSize { .. })), "{e:?}");
+    // Output too small.
+    let e = ModelOps::matmul(&b, &Matmul::dense(9, 8, 8), &buf(&[1.0; 72]), &w, &mut out);
+    assert!(matches!(e, Err(Error::Shape { .. })), "{e:?}");
+    // Overlapping output rows.
+    let mut op = Matmul::dense(4, 8, 8);
+    op.out.row_stride = 4;
+    let e = ModelOps::matmul(&b, &op, &x, &w, &mut out);
+    assert!(matches!(e, Err(Error::InvalidArgument { .. })), "{e:?}");
+    // Input rows overlapping (stride < k) are rejected too.
+    let mut op = Matmul::dense(4, 8, 8);
+    op.x.row_stride = 2;
+    assert!(ModelOps::matmul(&b, &op, &x, &w, &mut out).is_err());
+    // A buffer that is not a whole number of f32.
+    let odd = CpuBuffer::from_bytes(&[0u8; 255]);
+    assert!(ModelOps::matmul(&b, &Matmul::dense(8, 8, 8), &odd, &w, &mut out).is_err());
+    // Norm with eps 0 and gamma of the wrong size.
+    let op = RmsNorm {
+        rows: 8,
+        width: 8,
+        eps: 0.0,
+        x: View::dense(8),
+        out: View::dense(8),
+    };
+    assert!(ModelOps::rms_norm(&b, &op, &x, &buf(&[1.0; 8]), &mut out).is_err());
+    let op = RmsNorm { eps: 1e-6, ..op };
+    assert!(ModelOps::rms_norm(&b, &op, &x, &buf(&[1.0; 7]), &mut out).is_err());
+    assert!(ModelOps::swiglu(&b, &SwiGlu { rows: 8, width: 5 }, &x, &mut out).is_err());
+    assert!(ModelOps::argmax(&b, &Argmax { rows: 2, width: 0 }, &x, &mut out).is_err());
+    let pick = [0u32, 9];
+    let op = GatherRows {
+        width: 4,
+        rows: &pick,
+        src_rows: 8,
+        x: View::dense(8),
+        out: View::dense(4),
+    };
+    assert!(ModelOps::gather_rows(&b, &op, &x, &mut out).is_err());
+    assert!(
+        f32s(&out).iter().all(|v| v.is_nan()),
+        "a rejected call wrote"
+    );
+}
+
+/// The staged path (download, CPU kernel, upload) used by backends without dense kernels
+/// gives the direct path's bits and leaves a rejected call's output untouched.
+#[test]
+fn staged_path_matches_direct() {
+    use sparsekit_host::cpu::dense::staged;
+    let mut rng = rng("staged_path_matches_direct");
+    let b = CpuBackend::new();
+    let (rows, k, n) = (9, 40, 70);
+    let x = buf(&randn(&mut rng, rows * k));
+    let w = buf(&randn(&mut rng, k * n));
+    let init = randn(&mut rng, rows * n);
+    for acc in [Accumulate::Overwrite, Accumulate::Add] {
+        let op = Matmul {
+            accumulate: acc,
+            ..Matmul::dense(rows, k, n)
+        };
+        let (mut d, mut s) = (buf(&init), buf(&init));
+        ModelOps::matmul(&b, &op, &x, &w, &mut d).unwrap();
+        staged::matmul(&b, &op, &x, &w, &mut s).unwrap();
+        assert_eq!(bits(&f32s(&d)), bits(&f32s(&s)));
+    }
+    let gamma = buf(&randn(&mut rng, k));
+    let op = RmsNorm {
+        rows,
+        width: k,
+        eps: 1e-6,
+        x: View::dense(k),
+        out: View::dense(k),
+    };
+    let (mut d, mut s) = (poisoned(rows * k), poisoned(rows * k));
+    ModelOps::rms_norm(&b, &op, &x, &gamma, &mut d).unwrap();
+    staged::rms_norm(&b, &op, &x, &gamma, &mut s).unwrap();
+    assert_eq!(bits(&f32s(&d)), bits(&f32s(&s)));
+    let mut s = poisoned(rows * n);
+    assert!(staged::matmul(&b, &Matmul::dense(rows, k, n + 1), &x, &w, &mut s).is_err());
+    assert!(f32s(&s).iter().all(|v| v.is_nan()));
+}

@@ -1,0 +1,363 @@
+//! The engine's KV space: where each sequence's latent KV and index keys live, page by
+//! page, for every layer.
+//!
+//! [`KvSpace`] is what the scheduler and the forward pass need from a cache: pages per
+//! sequence (allocation, page ids in token order, release) and per-layer access to the
+//! KV and index-K buffers through a [`LayerCache`]. [`PagedKvSpace`] is the plain
+//! implementation: one device pool per layer and kind, no prefix reuse, no host tier — the
+//! harness's reference configuration. The cache-backed space (radix prefix reuse, host
+//! tier, PD transfers) implements the same two traits: its `layer` waits (bounded) for the
+//! layer's ready token and its `store` goes through generation-checked page references.
+
+use std::collections::HashMap;
+
+use sparsekit_host::ops::{IndexKStore, KvStore};
+use sparsekit_host::{Backend, IndexKLayout, KvLayout};
+
+use crate::error::EngineError;
+
+/// A sequence in a KV space (the scheduler uses its request number).
+pub type SeqId = u64;
+
+/// One layer's KV and index-K caches, as the forward pass of one step uses them: first
+/// [`LayerCache::store`] of the step's new tokens, then reads through the buffers.
+pub trait LayerCache<B: Backend> {
+    /// Layout of the KV buffer.
+    fn kv_layout(&self) -> KvLayout;
+    /// Layout of the index-K buffer.
+    fn index_k_layout(&self) -> IndexKLayout;
+    /// Stores the step's new tokens at `slots` (`page · page_size + offset`; every slot a
+    /// page of a sequence in the step, reserved beforehand): `kv` bf16
+    /// `[slots.len(), d_qk]`, `index_k` bf16 `[slots.len(), index_head_dim]`.
+    fn store(
+        &mut self,
+        backend: &B,
+        slots: &[i64],
+        kv: &B::Buffer,
+        index_k: &B::Buffer,
+    ) -> Result<(), EngineError>;
+    /// The KV pages of this layer (whole pool).
+    fn kv(&self) -> &B::Buffer;
+    /// The index-K pages of this layer (whole pool).
+    fn index_k(&self) -> &B::Buffer;
+}
+
+/// Pages per sequence plus per-layer access; see the module docs.
+pub trait KvSpace<B: Backend> {
+    /// The per-layer view handed to the forward pass.
+    type Layer<'a>: LayerCache<B>
+    where
+        Self: 'a;
+
+    /// Layout of every layer's KV buffer.
+    fn kv_layout(&self) -> KvLayout;
+    /// Layout of every layer's index-K buffer.
+    fn index_k_layout(&self) -> IndexKLayout;
+    /// Decoder layers held.
+    fn num_layers(&self) -> usize;
+    /// Pages in the pool (each page holds `page_size` tokens of every layer and kind).
+    fn capacity_pages(&self) -> usize;
+    /// Pages not held by any sequence.
+    fn free_pages(&self) -> usize;
+    /// Pages `seq` would need in all to hold `tokens` tokens beyond what it holds.
+    fn pages_needed(&self, seq: SeqId, tokens: usize) -> usize {
+        let have = self.pages(seq).map_or(0, <[i32]>::len);
+        tokens
+            .div_ceil(self.kv_layout().page_size())
+            .saturating_sub(have)
+    }
+    /// Grows `seq` (created on first use) to hold `tokens` tokens. All-or-nothing: on
+    /// [`EngineError::OutOfPages`] nothing was allocated.
+    fn reserve(&mut self, seq: SeqId, tokens: usize) -> Result<(), EngineError>;
+    /// Admits a request: reserves `total` tokens for `seq` (prompt plus generation
+    /// budget) and returns how many leading tokens of `prompt` already have their KV and
+    /// index keys in the pages now mapped to `seq` — the scheduler computes from there
+    /// (it always recomputes at least the last prompt token, for its logits). A prefix
+    /// cache matches `prompt` here. The default reserves and reports nothing cached.
+    fn admit(&mut self, seq: SeqId, prompt: &[u32], total: usize) -> Result<usize, EngineError> {
+        let _ = prompt;
+        self.reserve(seq, total)?;
+        Ok(0)
+    }
+    /// Page ids of `seq` in token order (entry `p` holds tokens `p·page_size ..`).
+    fn pages(&self, seq: SeqId) -> Result<&[i32], EngineError>;
+    /// Ends `seq` normally: `tokens[..computed]` have valid KV and index keys in its pages,
+    /// which a caching space may keep for reuse. Returns the pages given back to the free
+    /// pool. The default releases everything.
+    fn commit(&mut self, seq: SeqId, tokens: &[u32], computed: usize) -> usize {
+        let _ = (tokens, computed);
+        self.release(seq)
+    }
+    /// Frees every page of `seq` without keeping anything (aborted or failed requests);
+    /// returns how many (0 for an unknown sequence).
+    fn release(&mut self, seq: SeqId) -> usize;
+    /// Layer `l`'s caches for this step.
+    fn layer(&mut self, l: usize) -> Result<Self::Layer<'_>, EngineError>;
+    /// Accounting: every page is free or held by exactly one sequence.
+    fn leak_check(&self) -> Result<(), EngineError>;
+}
+
+/// One layer's pools in a [`PagedKvSpace`].
+#[derive(Debug)]
+struct LayerPools<Buf> {
+    kv: Buf,
+    index_k: Buf,
+}
+
+/// The reference KV space: per layer one KV and one index-K pool of `capacity` pages, a
+/// free list, and each sequence's pages. No prefix reuse, no host tier.
+#[derive(Debug)]
+pub struct PagedKvSpace<B: Backend> {
+    kv_layout: KvLayout,
+    index_k_layout: IndexKLayout,
+    layers: Vec<LayerPools<B::Buffer>>,
+    capacity: usize,
+    free: Vec<i32>,
+    seqs: HashMap<SeqId, Vec<i32>>,
+}
+
+impl<B: Backend> PagedKvSpace<B> {
+    /// Allocates `capacity` pages per layer and kind on `backend`.
+    pub fn new(
+        backend: &B,
+        kv_layout: KvLayout,
+        index_k_layout: IndexKLayout,
+        num_layers: usize,
+        capacity: usize,
+    ) -> Result<Self, EngineError> {
+        if kv_layout.page_size() != index_k_layout.page_size() {
+            return Err(EngineError::InvalidConfig(format!(
+                "KV pages hold {} tokens but index-K pages {}",
+                kv_layout.page_size(),
+                index_k_layout.page_size()
+            )));
+        }
+        if capacity == 0 || capacity > i32::MAX as usize / kv_layout.page_size() {
+            return Err(EngineError::InvalidConfig(format!(
+                "capacity of {capacity} pages is out of range"
+            )));
+        }
+        let layers = (0..num_layers)
+            .map(|_| {
+                Ok(LayerPools {
+                    kv: backend.alloc(kv_layout.buffer_bytes(capacity))?,
+                    index_k: backend.alloc(index_k_layout.buffer_bytes(capacity))?,
+                })
+            })
+            .collect::<Result<Vec<_>, sparsekit_host::Error>>()?;
+        Ok(PagedKvSpace {
+            kv_layout,
+            index_k_layout,
+            layers,
+            capacity,
+            // Popped from the back: page 0 first.
+            free: (0..capacity as i32).rev().collect(),
+            seqs: HashMap::new(),
+        })
+    }
+
+    /// Sequences holding pages.
+    pub fn sequences(&self) -> usize {
+        self.seqs.len()
+    }
+}
+
+/// A layer of a [`PagedKvSpace`].
+#[derive(Debug)]
+pub struct PagedLayer<'a, Buf> {
+    kv_layout: KvLayout,
+    index_k_layout: IndexKLayout,
+    pools: &'a mut LayerPools<Buf>,
+}
+
+impl<B: Backend> LayerCache<B> for PagedLayer<'_, B::Buffer> {
+    fn kv_layout(&self) -> KvLayout {
+        self.kv_layout
+    }
+
+    fn index_k_layout(&self) -> IndexKLayout {
+        self.index_k_layout
+    }
+
+    fn store(
+        &mut self,
+        backend: &B,
+        slots: &[i64],
+        kv: &B::Buffer,
+        index_k: &B::Buffer,
+    ) -> Result<(), EngineError> {
+        backend.kv_store(
+            &KvStore {
+                layout: self.kv_layout,
+                slots,
+            },
+            kv,
+            &mut self.pools.kv,
+        )?;
+        backend.index_k_store(
+            &IndexKStore {
+                layout: self.index_k_layout,
+                slots,
+            },
+            index_k,
+            &mut self.pools.index_k,
+        )?;
+        Ok(())
+    }
+
+    fn kv(&self) -> &B::Buffer {
+        &self.pools.kv
+    }
+
+    fn index_k(&self) -> &B::Buffer {
+        &self.pools.index_k
+    }
+}
+
+impl<B: Backend> KvSpace<B> for PagedKvSpace<B> {
+    type Layer<'a>
+        = PagedLayer<'a, B::Buffer>
+    where
+        Self: 'a;
+
+    fn kv_layout(&self) -> KvLayout {
+        self.kv_layout
+    }
+
+    fn index_k_layout(&self) -> IndexKLayout {
+        self.index_k_layout
+    }
+
+    fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn capacity_pages(&self) -> usize {
+        self.capacity
+    }
+
+    fn free_pages(&self) -> usize {
+        self.free.len()
+    }
+
+    fn reserve(&mut self, seq: SeqId, tokens: usize) -> Result<(), EngineError> {
+        let wanted = tokens.div_ceil(self.kv_layout.page_size());
+        if wanted > self.capacity {
+            return Err(EngineError::TooLarge {
+                wanted,
+                capacity: self.capacity,
+            });
+        }
+        let have = self.seqs.get(&seq).map_or(0, Vec::len);
+        let more = wanted.saturating_sub(have);
+        if more > self.free.len() {
+            return Err(EngineError::OutOfPages {
+                wanted: more,
+                free: self.free.len(),
+            });
+        }
+        let pages = self.seqs.entry(seq).or_default();
+        for _ in 0..more {
+            match self.free.pop() {
+                Some(p) => pages.push(p),
+                None => unreachable!("free count checked above"),
+            }
+        }
+        Ok(())
+    }
+
+    fn pages(&self, seq: SeqId) -> Result<&[i32], EngineError> {
+        self.seqs
+            .get(&seq)
+            .map(Vec::as_slice)
+            .ok_or(EngineError::UnknownSequence(seq))
+    }
+
+    fn release(&mut self, seq: SeqId) -> usize {
+        match self.seqs.remove(&seq) {
+            Some(pages) => {
+                let n = pages.len();
+                self.free.extend(pages.into_iter().rev());
+                n
+            }
+            None => 0,
+        }
+    }
+
+    fn layer(&mut self, l: usize) -> Result<Self::Layer<'_>, EngineError> {
+        let n = self.layers.len();
+        let pools = self.layers.get_mut(l).ok_or_else(|| {
+            EngineError::InvalidRequest(format!("layer {l} out of range ({n} layers)"))
+        })?;
+        Ok(PagedLayer {
+            kv_layout: self.kv_layout,
+            index_k_layout: self.index_k_layout,
+            pools,
+        })
+    }
+
+    fn leak_check(&self) -> Result<(), EngineError> {
+        let mut owner = vec![0u8; self.capacity];
+        for &p in self
+            .free
+            .iter()
+            .chain(self.seqs.values().flat_map(|v| v.iter()))
+        {
+            let slot = owner.get_mut(p as usize).ok_or_else(|| {
+                EngineError::Backend(sparsekit_host::Error::Leak(format!(
+                    "page {p} out of range"
+                )))
+            })?;
+            *slot += 1;
+        }
+        let lost = owner.iter().filter(|&&c| c == 0).count();
+        let twice = owner.iter().filter(|&&c| c > 1).count();
+        if lost + twice > 0 {
+            return Err(EngineError::Backend(sparsekit_host::Error::Leak(format!(
+                "{lost} pages lost, {twice} held twice"
+            ))));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sparsekit_host::{CpuBackend, IndexKDtype, KvDtype};
+
+    fn space(cap: usize) -> PagedKvSpace<CpuBackend> {
+        let kv = KvLayout::new(KvDtype::Bf16, 256, 32, 16).unwrap_or_else(|e| panic!("{e}"));
+        let ik = IndexKLayout::new(IndexKDtype::FP8, 64, 16).unwrap_or_else(|e| panic!("{e}"));
+        PagedKvSpace::new(&CpuBackend::new(), kv, ik, 2, cap).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn reserve_release_account() {
+        let mut s = space(5);
+        assert_eq!(s.pages_needed(1, 33), 3);
+        s.reserve(1, 33).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(s.pages(1).map(<[i32]>::len), Ok(3));
+        s.reserve(1, 40).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(s.free_pages(), 2);
+        // All-or-nothing.
+        assert_eq!(
+            s.reserve(2, 48),
+            Err(EngineError::OutOfPages { wanted: 3, free: 2 })
+        );
+        assert_eq!(s.free_pages(), 2);
+        assert!(matches!(
+            s.reserve(3, 97),
+            Err(EngineError::TooLarge { .. })
+        ));
+        s.leak_check().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(s.release(1), 3);
+        assert_eq!(s.release(1), 0);
+        assert_eq!(s.free_pages(), 5);
+        assert!(s.pages(1).is_err());
+        s.leak_check().unwrap_or_else(|e| panic!("{e}"));
+        // A corrupted free list is reported.
+        s.free.push(0);
+        assert!(s.leak_check().is_err());
+    }
+}

@@ -1,0 +1,21 @@
+//! The engine: a synthetic DSA decoder (config, seeded weights, byte-level tokenizer,
+//! forward pass), its KV space, sampling, and the continuous-batching scheduler.
+
+pub mod batch;
+pub mod config;
+pub mod kv;
+pub mod model;
+pub mod sampling;
+pub mod scheduler;
+pub mod tokenizer;
+pub mod weights;
+
+pub use batch::{SeqChunk, StepBatch};
+pub use config::ModelConfig;
+pub use kv::{KvSpace, LayerCache, PagedKvSpace, SeqId};
+pub use model::{logits_digest, Model, StepLogits};
+pub use sampling::SamplingParams;
+pub use scheduler::{
+    Completion, Engine, EngineInfo, EngineOptions, EngineStats, Event, FinishReason, Finished,
+    GenerateRequest, RequestHandle, TokenEvent,
+};

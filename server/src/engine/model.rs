@@ -1,0 +1,537 @@
+//! The synthetic DSA decoder's forward pass, on any backend with the DSA ops
+//! ([`Backend`]) and the dense ops ([`ModelOps`]).
+//!
+//! One layer, for the rows of a [`StepBatch`] (decode tokens and prefill chunks mixed):
+//!
+//! 1. `x = rms_norm(h)`; query latent `qa = rms_norm(x·Wq_a)`; per head
+//!    `[q_nope | q_rope] = qa·Wq_b`; the absorbed query is `[q_nope·W_uk | rope(q_rope)]`
+//!    (`d_qk` = latent + rope per head), cast to bf16.
+//! 2. Latent KV `[rms_norm(c) | rope(k_rope)] = x·Wkv_a` → bf16 → `kv_store`.
+//! 3. Indexer: queries `rope(qa·Wq_idx)` (rope on the first `rope_dim` dims of each head),
+//!    key `rope(rms_norm(x·Wk_idx))` → bf16 → `index_k_store`; head weights `x·W_heads`.
+//! 4. `indexer_logits` over each row's causal range, exact `topk` → cache slots,
+//!    `sparse_mla` over the selected slots.
+//! 5. Per head `o·W_uv`, then `h += (·)·Wo` (residual fused into the projection).
+//! 6. `h += swiglu(rms_norm(h)·W_gate_up)·W_down`.
+//!
+//! The final norm and the LM head run only on the rows that need logits.
+//!
+//! Every op is batch-invariant and stores happen before any read of the layer, so a
+//! token's KV, index key and logits are bit-identical alone, in any batch, in a prefill
+//! chunk of any size or a decode step (the determinism oracle of SERVING.md).
+
+use std::sync::Arc;
+
+use sparsekit_host::model_ops::{
+    Accumulate, Argmax, Cast, DenseDtype, Embed, GatherRows, Matmul, ModelOps, RmsNorm, Rope, View,
+};
+use sparsekit_host::ops::{IndexerLogits, PageTable, SparseMla, Topk, TopkOutput};
+use sparsekit_host::{Backend, IndexKDtype, IndexKLayout, KvDtype, KvLayout};
+
+use crate::engine::batch::StepBatch;
+use crate::engine::config::ModelConfig;
+use crate::engine::kv::{KvSpace, LayerCache};
+use crate::engine::weights::{LayerWeights, Weights};
+use crate::error::EngineError;
+
+/// Logits of the rows of a step that asked for them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepLogits {
+    /// f32 `[rows, vocab]`, row `i` for `StepBatch::logit_rows[i]`.
+    pub logits: Vec<f32>,
+    /// The backend's argmax of each row (lowest id on ties).
+    pub argmax: Vec<u32>,
+    pub vocab: usize,
+}
+
+impl StepLogits {
+    /// Logits of row `i`.
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.logits[i * self.vocab..(i + 1) * self.vocab]
+    }
+}
+
+/// The model: config, seed, weights on a backend.
+#[derive(Debug)]
+pub struct Model<B: Backend> {
+    backend: Arc<B>,
+    cfg: ModelConfig,
+    seed: u64,
+    weights: Weights<B::Buffer>,
+}
+
+fn alloc_f32<B: Backend>(b: &B, elems: usize) -> Result<B::Buffer, EngineError> {
+    Ok(b.alloc(elems * 4)?)
+}
+
+fn alloc_bf16<B: Backend>(b: &B, elems: usize) -> Result<B::Buffer, EngineError> {
+    Ok(b.alloc(elems * 2)?)
+}
+
+impl<B: Backend + ModelOps> Model<B> {
+    /// Generates the weights of `cfg` under `seed` on `backend`.
+    pub fn new(backend: Arc<B>, cfg: ModelConfig, seed: u64) -> Result<Self, EngineError> {
+        let weights = Weights::generate(&*backend, &cfg, seed)?;
+        Ok(Model {
+            backend,
+            cfg,
+            seed,
+            weights,
+        })
+    }
+
+    /// The config.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// The weight seed.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &Arc<B> {
+        &self.backend
+    }
+
+    /// The KV layout this model's caches must have.
+    pub fn kv_layout(&self, dtype: KvDtype) -> Result<KvLayout, EngineError> {
+        let c = &self.cfg;
+        Ok(KvLayout::new(
+            dtype,
+            c.kv_lora_rank(),
+            c.rope_dim(),
+            c.page_size(),
+        )?)
+    }
+
+    /// The index-K layout this model's caches must have.
+    pub fn index_k_layout(&self, dtype: IndexKDtype) -> Result<IndexKLayout, EngineError> {
+        let c = &self.cfg;
+        Ok(IndexKLayout::new(dtype, c.index_head_dim(), c.page_size())?)
+    }
+
+    fn check_layouts(&self, kv: KvLayout, ik: IndexKLayout) -> Result<(), EngineError> {
+        let c = &self.cfg;
+        let ok = kv.nope_dim() == c.kv_lora_rank()
+            && kv.rope_dim() == c.rope_dim()
+            && kv.page_size() == c.page_size()
+            && ik.head_dim() == c.index_head_dim()
+            && ik.page_size() == c.page_size();
+        if ok {
+            Ok(())
+        } else {
+            Err(EngineError::InvalidConfig(format!(
+                "cache layouts (KV {kv:?}, index-K {ik:?}) do not fit model {}",
+                c.name
+            )))
+        }
+    }
+
+    /// Runs every layer of the step over `space` and returns the logits of the rows that
+    /// asked for them. The sequences' pages must already be reserved in `space`.
+    pub fn forward<S: KvSpace<B>>(
+        &self,
+        batch: &StepBatch,
+        space: &mut S,
+    ) -> Result<StepLogits, EngineError> {
+        let vocab = self.cfg.vocab();
+        if batch.is_empty() {
+            return Ok(StepLogits {
+                logits: Vec::new(),
+                argmax: Vec::new(),
+                vocab,
+            });
+        }
+        let mut h = self.embed(batch)?;
+        for l in 0..self.cfg.n_layers {
+            let mut cache = space.layer(l)?;
+            self.forward_layer(l, batch, &mut h, &mut cache)?;
+        }
+        self.logits(batch, &h)
+    }
+
+    /// The residual stream of the step's rows after the embedding: f32 `[rows, hidden]`.
+    pub fn embed(&self, batch: &StepBatch) -> Result<B::Buffer, EngineError> {
+        let b = &*self.backend;
+        let d = self.cfg.hidden;
+        let mut h = alloc_f32(b, batch.len() * d)?;
+        b.embed(
+            &Embed {
+                vocab: self.cfg.vocab(),
+                dim: d,
+                tokens: &batch.tokens,
+            },
+            &self.weights.embed,
+            &mut h,
+        )?;
+        Ok(h)
+    }
+
+    /// Final norm and LM head on the rows of `batch.logit_rows`; downloads the logits.
+    pub fn logits(&self, batch: &StepBatch, h: &B::Buffer) -> Result<StepLogits, EngineError> {
+        let b = &*self.backend;
+        let (d, vocab, s) = (self.cfg.hidden, self.cfg.vocab(), batch.logit_rows.len());
+        if s == 0 {
+            return Ok(StepLogits {
+                logits: Vec::new(),
+                argmax: Vec::new(),
+                vocab,
+            });
+        }
+        let mut hs = alloc_f32(b, s * d)?;
+        b.gather_rows(
+            &GatherRows {
+                width: d,
+                rows: &batch.logit_rows,
+                src_rows: batch.len(),
+                x: View::dense(d),
+                out: View::dense(d),
+            },
+            h,
+            &mut hs,
+        )?;
+        let mut hn = alloc_f32(b, s * d)?;
+        b.rms_norm(&self.norm(s, d), &hs, &self.weights.final_norm, &mut hn)?;
+        let mut logits = alloc_f32(b, s * vocab)?;
+        b.matmul(
+            &Matmul::dense(s, d, vocab),
+            &hn,
+            &self.weights.lm_head,
+            &mut logits,
+        )?;
+        let mut am = b.alloc(s * 4)?;
+        b.argmax(
+            &Argmax {
+                rows: s,
+                width: vocab,
+            },
+            &logits,
+            &mut am,
+        )?;
+        let logits: Vec<f32> = bytemuck::pod_collect_to_vec(&b.download(&logits)?);
+        let argmax: Vec<u32> = bytemuck::pod_collect_to_vec(&b.download(&am)?);
+        Ok(StepLogits {
+            logits,
+            argmax,
+            vocab,
+        })
+    }
+
+    fn norm(&self, rows: usize, width: usize) -> RmsNorm {
+        RmsNorm {
+            rows,
+            width,
+            eps: self.cfg.norm_eps,
+            x: View::dense(width),
+            out: View::dense(width),
+        }
+    }
+
+    /// One decoder layer for every row of `batch`: reads and updates the residual stream
+    /// `h` (f32 `[rows, hidden]`), stores the rows' KV and index keys through `cache`,
+    /// then attends over `cache`. `cache` must be this layer's caches of the space whose
+    /// pages `batch` was built from.
+    pub fn forward_layer<L: LayerCache<B>>(
+        &self,
+        layer: usize,
+        batch: &StepBatch,
+        h: &mut B::Buffer,
+        cache: &mut L,
+    ) -> Result<(), EngineError> {
+        let (kv_layout, ik_layout) = (cache.kv_layout(), cache.index_k_layout());
+        self.check_layouts(kv_layout, ik_layout)?;
+        let w: &LayerWeights<B::Buffer> = self.weights.layers.get(layer).ok_or_else(|| {
+            EngineError::InvalidRequest(format!("layer {layer} of {}", self.cfg.n_layers))
+        })?;
+        let b = &*self.backend;
+        let c = &self.cfg;
+        let t = batch.len();
+        let (d, r, nh) = (c.hidden, c.q_lora_rank, c.n_heads);
+        let (lat, rope, dqk) = (c.kv_lora_rank(), c.rope_dim(), c.d_qk());
+        let (nope, qhd, vh) = (c.qk_nope_head_dim, c.q_head_dim(), c.v_head_dim);
+        let (ih, id) = (c.index_heads(), c.index_head_dim());
+        let pos = &batch.positions[..];
+        let rope_op = |heads: usize, x: View, out: View| Rope {
+            heads,
+            rope_dim: rope,
+            positions: pos,
+            max_positions: c.max_context,
+            x,
+            out,
+        };
+        let to_bf16 = |width: usize| Cast {
+            rows: t,
+            groups: 1,
+            width,
+            from: DenseDtype::F32,
+            to: DenseDtype::Bf16,
+            x: View::dense(width),
+            out: View::dense(width),
+        };
+
+        // 1. Queries.
+        let mut x = alloc_f32(b, t * d)?;
+        b.rms_norm(&self.norm(t, d), h, &w.attn_norm, &mut x)?;
+        let mut qa = alloc_f32(b, t * r)?;
+        b.matmul(&Matmul::dense(t, d, r), &x, &w.wq_a, &mut qa)?;
+        let mut qan = alloc_f32(b, t * r)?;
+        b.rms_norm(&self.norm(t, r), &qa, &w.q_norm, &mut qan)?;
+        drop(qa);
+        let mut qb = alloc_f32(b, t * nh * qhd)?;
+        b.matmul(&Matmul::dense(t, r, nh * qhd), &qan, &w.wq_b, &mut qb)?;
+        let mut q = alloc_f32(b, t * nh * dqk)?;
+        b.matmul(
+            &Matmul {
+                rows: t,
+                groups: nh,
+                k: nope,
+                n: lat,
+                x: View::grouped(nh, qhd),
+                out: View::grouped(nh, dqk),
+                accumulate: Accumulate::Overwrite,
+            },
+            &qb,
+            &w.w_uk,
+            &mut q,
+        )?;
+        b.rope(
+            &rope_op(
+                nh,
+                View::grouped(nh, qhd).shifted(nope),
+                View::grouped(nh, dqk).shifted(lat),
+            ),
+            &self.weights.rope,
+            &qb,
+            &mut q,
+        )?;
+        drop(qb);
+        let mut q16 = alloc_bf16(b, t * nh * dqk)?;
+        b.cast(&to_bf16(nh * dqk), &q, &mut q16)?;
+        drop(q);
+
+        // 2. Latent KV.
+        let mut kva = alloc_f32(b, t * dqk)?;
+        b.matmul(&Matmul::dense(t, d, dqk), &x, &w.wkv_a, &mut kva)?;
+        let mut kv = alloc_f32(b, t * dqk)?;
+        b.rms_norm(
+            &RmsNorm {
+                x: View::dense(dqk),
+                out: View::dense(dqk),
+                ..self.norm(t, lat)
+            },
+            &kva,
+            &w.kv_norm,
+            &mut kv,
+        )?;
+        b.rope(
+            &rope_op(1, View::cols(dqk, lat), View::cols(dqk, lat)),
+            &self.weights.rope,
+            &kva,
+            &mut kv,
+        )?;
+        drop(kva);
+        let mut kv16 = alloc_bf16(b, t * dqk)?;
+        b.cast(&to_bf16(dqk), &kv, &mut kv16)?;
+        drop(kv);
+
+        // 3. Indexer queries, key, head weights.
+        let mut iq = alloc_f32(b, t * ih * id)?;
+        b.matmul(&Matmul::dense(t, r, ih * id), &qan, &w.wq_index, &mut iq)?;
+        drop(qan);
+        let mut iqr = alloc_f32(b, t * ih * id)?;
+        self.rope_prefix(ih, id, pos, &iq, &mut iqr)?;
+        drop(iq);
+        let mut iq16 = alloc_bf16(b, t * ih * id)?;
+        b.cast(&to_bf16(ih * id), &iqr, &mut iq16)?;
+        drop(iqr);
+        let mut ik = alloc_f32(b, t * id)?;
+        b.matmul(&Matmul::dense(t, d, id), &x, &w.wk_index, &mut ik)?;
+        let mut ikn = alloc_f32(b, t * id)?;
+        b.rms_norm(&self.norm(t, id), &ik, &w.k_norm_index, &mut ikn)?;
+        self.rope_prefix(1, id, pos, &ikn, &mut ik)?;
+        let mut ik16 = alloc_bf16(b, t * id)?;
+        b.cast(&to_bf16(id), &ik, &mut ik16)?;
+        drop((ik, ikn));
+        let mut iw = alloc_f32(b, t * ih)?;
+        b.matmul(&Matmul::dense(t, d, ih), &x, &w.w_index_heads, &mut iw)?;
+        drop(x);
+
+        // 4. Store, select, attend.
+        cache.store(b, &batch.slots, &kv16, &ik16)?;
+        drop((kv16, ik16));
+        let table = PageTable::new(&batch.page_table, batch.max_pages)?;
+        let stride = batch.row_stride;
+        let mut scores = alloc_f32(b, t * stride)?;
+        b.indexer_logits(
+            &IndexerLogits {
+                layout: ik_layout,
+                n_heads: ih,
+                page_table: table,
+                rows: batch.rows.clone(),
+                row_stride: stride,
+            },
+            &iq16,
+            &iw,
+            cache.index_k(),
+            &mut scores,
+        )?;
+        drop((iq16, iw));
+        let k = c.index_topk;
+        let mut slots = b.alloc(t * k * 4)?;
+        b.topk(
+            &Topk {
+                k,
+                row_stride: stride,
+                rows: &batch.rows,
+                output: TopkOutput::Slots {
+                    page_table: table,
+                    page_size: c.page_size(),
+                },
+            },
+            &scores,
+            &mut slots,
+        )?;
+        drop(scores);
+        let mut o16 = alloc_bf16(b, t * nh * lat)?;
+        let mut lse = alloc_f32(b, t * nh)?;
+        b.sparse_mla(
+            &SparseMla {
+                layout: kv_layout,
+                n_tokens: t,
+                n_heads: nh,
+                topk: k,
+                softmax_scale: c.softmax_scale(),
+            },
+            &q16,
+            cache.kv(),
+            &slots,
+            &mut o16,
+            &mut lse,
+        )?;
+        drop((q16, slots, lse));
+
+        // 5. Values and output projection (+ residual).
+        let mut o = alloc_f32(b, t * nh * lat)?;
+        b.cast(
+            &Cast {
+                from: DenseDtype::Bf16,
+                to: DenseDtype::F32,
+                ..to_bf16(nh * lat)
+            },
+            &o16,
+            &mut o,
+        )?;
+        drop(o16);
+        let mut ov = alloc_f32(b, t * nh * vh)?;
+        b.matmul(
+            &Matmul {
+                rows: t,
+                groups: nh,
+                k: lat,
+                n: vh,
+                x: View::grouped(nh, lat),
+                out: View::grouped(nh, vh),
+                accumulate: Accumulate::Overwrite,
+            },
+            &o,
+            &w.w_uv,
+            &mut ov,
+        )?;
+        drop(o);
+        b.matmul(
+            &Matmul {
+                accumulate: Accumulate::Add,
+                ..Matmul::dense(t, nh * vh, d)
+            },
+            &ov,
+            &w.wo,
+            h,
+        )?;
+        drop(ov);
+
+        // 6. MLP (+ residual).
+        let i = c.intermediate;
+        let mut xm = alloc_f32(b, t * d)?;
+        b.rms_norm(&self.norm(t, d), h, &w.mlp_norm, &mut xm)?;
+        let mut gu = alloc_f32(b, t * 2 * i)?;
+        b.matmul(&Matmul::dense(t, d, 2 * i), &xm, &w.w_gate_up, &mut gu)?;
+        drop(xm);
+        let mut act = alloc_f32(b, t * i)?;
+        b.swiglu(
+            &sparsekit_host::model_ops::SwiGlu { rows: t, width: i },
+            &gu,
+            &mut act,
+        )?;
+        drop(gu);
+        b.matmul(
+            &Matmul {
+                accumulate: Accumulate::Add,
+                ..Matmul::dense(t, i, d)
+            },
+            &act,
+            &w.w_down,
+            h,
+        )?;
+        Ok(())
+    }
+
+    /// `out = x` with rope applied to the first `rope_dim` dims of each of `heads` heads
+    /// of width `dim` (the indexer's convention).
+    fn rope_prefix(
+        &self,
+        heads: usize,
+        dim: usize,
+        positions: &[u32],
+        x: &B::Buffer,
+        out: &mut B::Buffer,
+    ) -> Result<(), EngineError> {
+        let b = &*self.backend;
+        let rope = self.cfg.rope_dim();
+        let t = positions.len();
+        let v = View::grouped(heads, dim);
+        b.rope(
+            &Rope {
+                heads,
+                rope_dim: rope,
+                positions,
+                max_positions: self.cfg.max_context,
+                x: v,
+                out: v,
+            },
+            &self.weights.rope,
+            x,
+            out,
+        )?;
+        if dim > rope {
+            b.cast(
+                &Cast {
+                    rows: t,
+                    groups: heads,
+                    width: dim - rope,
+                    from: DenseDtype::F32,
+                    to: DenseDtype::F32,
+                    x: v.shifted(rope),
+                    out: v.shifted(rope),
+                },
+                x,
+                out,
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// 64-bit FNV-1a digest of a logits row's f32 bit patterns (little-endian): the
+/// per-step fingerprint the integrity harness compares.
+pub fn logits_digest(row: &[f32]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for v in row {
+        for byte in v.to_bits().to_le_bytes() {
+            h ^= byte as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
+}

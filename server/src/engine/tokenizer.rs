@@ -1,0 +1,357 @@
+//! Byte-level tokenizer: token `b` (0–255) is the byte `b`; ids from 256 up are special
+//! tokens (begin of sequence, end of turn, chat roles, padding). Text is encoded as its
+//! UTF-8 bytes; special tokens are never produced from text (a user cannot forge a role
+//! marker), only by the chat template or given as ids.
+//!
+//! Chat template: `<|bos|>` then per message `<|role|> content <|end|>`, and
+//! `<|assistant|>` at the end when a reply is wanted. An assistant message's tool calls
+//! follow its content as `<|tool_call|>` + JSON bytes each.
+
+use serde::Serialize;
+
+/// Begin of sequence.
+pub const BOS: u32 = 256;
+/// End of turn: generation stops here unless the request ignores it.
+pub const END: u32 = 257;
+/// Role markers.
+pub const SYSTEM: u32 = 258;
+pub const USER: u32 = 259;
+pub const ASSISTANT: u32 = 260;
+pub const TOOL: u32 = 261;
+/// Precedes each tool call of an assistant message.
+pub const TOOL_CALL: u32 = 262;
+/// Padding (never generated).
+pub const PAD: u32 = 263;
+/// Bytes plus special tokens.
+pub const VOCAB_SIZE: usize = 264;
+
+/// Names of the special tokens, by id − 256.
+const SPECIAL_NAMES: [&str; VOCAB_SIZE - 256] = [
+    "<|bos|>",
+    "<|end|>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|tool|>",
+    "<|tool_call|>",
+    "<|pad|>",
+];
+
+/// Whether a generated token may be sampled: bytes and end-of-turn. Role markers, BOS,
+/// tool-call and padding are masked out of sampling (they are template structure).
+pub fn is_generable(token: u32) -> bool {
+    token < 256 || token == END
+}
+
+/// The printable name of a special token.
+pub fn special_name(token: u32) -> Option<&'static str> {
+    token
+        .checked_sub(256)
+        .and_then(|i| SPECIAL_NAMES.get(i as usize).copied())
+}
+
+/// Text → tokens (its UTF-8 bytes).
+pub fn encode(text: &str) -> Vec<u32> {
+    text.bytes().map(u32::from).collect()
+}
+
+/// Tokens → bytes, special tokens skipped (or written as their names when
+/// `with_specials`).
+pub fn decode_bytes(tokens: &[u32], with_specials: bool) -> Vec<u8> {
+    let mut out = Vec::with_capacity(tokens.len());
+    for &t in tokens {
+        if t < 256 {
+            out.push(t as u8);
+        } else if with_specials {
+            if let Some(n) = special_name(t) {
+                out.extend_from_slice(n.as_bytes());
+            }
+        }
+    }
+    out
+}
+
+/// Tokens → text; invalid UTF-8 (a byte-level model may emit any byte) becomes U+FFFD.
+pub fn decode(tokens: &[u32]) -> String {
+    String::from_utf8_lossy(&decode_bytes(tokens, false)).into_owned()
+}
+
+/// Chat roles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    System,
+    User,
+    Assistant,
+    Tool,
+}
+
+impl Role {
+    /// Parses an OpenAI role name (`developer` is the newer name of `system`).
+    pub fn parse(s: &str) -> Option<Role> {
+        match s {
+            "system" | "developer" => Some(Role::System),
+            "user" => Some(Role::User),
+            "assistant" => Some(Role::Assistant),
+            "tool" => Some(Role::Tool),
+            _ => None,
+        }
+    }
+
+    fn token(&self) -> u32 {
+        match self {
+            Role::System => SYSTEM,
+            Role::User => USER,
+            Role::Assistant => ASSISTANT,
+            Role::Tool => TOOL,
+        }
+    }
+}
+
+/// One chat message, already flattened to text.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChatMessage {
+    pub role: Role,
+    pub content: String,
+    /// JSON text of each tool call (assistant messages).
+    pub tool_calls: Vec<String>,
+}
+
+impl ChatMessage {
+    /// A message without tool calls.
+    pub fn new(role: Role, content: impl Into<String>) -> Self {
+        ChatMessage {
+            role,
+            content: content.into(),
+            tool_calls: Vec::new(),
+        }
+    }
+}
+
+/// Appends one message in template form.
+pub fn push_message(out: &mut Vec<u32>, m: &ChatMessage) {
+    out.push(m.role.token());
+    out.extend(m.content.bytes().map(u32::from));
+    for call in &m.tool_calls {
+        out.push(TOOL_CALL);
+        out.extend(call.bytes().map(u32::from));
+    }
+    out.push(END);
+}
+
+/// The chat template: `<|bos|>`, each message, then `<|assistant|>` when
+/// `add_generation_prompt`.
+pub fn apply_chat_template(messages: &[ChatMessage], add_generation_prompt: bool) -> Vec<u32> {
+    let mut out = vec![BOS];
+    for m in messages {
+        push_message(&mut out, m);
+    }
+    if add_generation_prompt {
+        out.push(ASSISTANT);
+    }
+    out
+}
+
+/// A completion prompt: `<|bos|>` then the text's bytes.
+pub fn completion_prompt(text: &str) -> Vec<u32> {
+    let mut out = Vec::with_capacity(text.len() + 1);
+    out.push(BOS);
+    out.extend(text.bytes().map(u32::from));
+    out
+}
+
+/// Incremental detokenizer with stop strings. Bytes are released as text only when they
+/// are complete UTF-8 and cannot be the start of a stop string; a stop string found in the
+/// generated bytes ends the text right before it.
+#[derive(Debug, Clone)]
+pub struct TextStream {
+    stops: Vec<Vec<u8>>,
+    bytes: Vec<u8>,
+    /// Bytes already released as text.
+    released: usize,
+    /// Where the text ends once a stop string matched.
+    stopped_at: Option<usize>,
+    /// The stop string that matched.
+    matched: Option<Vec<u8>>,
+}
+
+impl TextStream {
+    /// A stream that stops at any of `stops` (empty strings are ignored).
+    pub fn new(stops: &[String]) -> Self {
+        TextStream {
+            stops: stops
+                .iter()
+                .filter(|s| !s.is_empty())
+                .map(|s| s.as_bytes().to_vec())
+                .collect(),
+            bytes: Vec::new(),
+            released: 0,
+            stopped_at: None,
+            matched: None,
+        }
+    }
+
+    /// Adds a generated token; returns `true` when a stop string now matches (the stream
+    /// then ignores further tokens).
+    pub fn push(&mut self, token: u32) -> bool {
+        if self.stopped_at.is_some() {
+            return true;
+        }
+        if token >= 256 {
+            return false;
+        }
+        self.bytes.push(token as u8);
+        // Only a match ending at the new byte can be new.
+        for s in &self.stops {
+            if self.bytes.len() >= s.len() && self.bytes[self.bytes.len() - s.len()..] == s[..] {
+                let at = self.bytes.len() - s.len();
+                if self.stopped_at.is_none_or(|p| at < p) {
+                    self.stopped_at = Some(at);
+                    self.matched = Some(s.clone());
+                }
+            }
+        }
+        self.stopped_at.is_some()
+    }
+
+    /// Whether a stop string matched.
+    pub fn stopped(&self) -> bool {
+        self.stopped_at.is_some()
+    }
+
+    /// The stop string that matched.
+    pub fn matched_stop(&self) -> Option<String> {
+        self.matched
+            .as_ref()
+            .map(|m| String::from_utf8_lossy(m).into_owned())
+    }
+
+    /// Text that became safe to show since the last call.
+    pub fn take_delta(&mut self) -> String {
+        let end = match self.stopped_at {
+            Some(at) => at,
+            None => self.safe_end(),
+        };
+        self.release_to(end)
+    }
+
+    /// Everything not yet released (at the end of generation: nothing is held back any
+    /// more except a matched stop string and what follows it).
+    pub fn finish(&mut self) -> String {
+        let end = self.stopped_at.unwrap_or(self.bytes.len());
+        self.release_to(end)
+    }
+
+    /// The whole text (stop string excluded).
+    pub fn text(&self) -> String {
+        let end = self.stopped_at.unwrap_or(self.bytes.len());
+        String::from_utf8_lossy(&self.bytes[..end]).into_owned()
+    }
+
+    fn release_to(&mut self, end: usize) -> String {
+        if end <= self.released {
+            return String::new();
+        }
+        let s = String::from_utf8_lossy(&self.bytes[self.released..end]).into_owned();
+        self.released = end;
+        s
+    }
+
+    /// End of the bytes that are neither a possible stop-string prefix nor an incomplete
+    /// UTF-8 sequence at the tail.
+    fn safe_end(&self) -> usize {
+        let n = self.bytes.len();
+        let mut end = n;
+        // Hold back a tail that is a proper prefix of some stop string.
+        for s in &self.stops {
+            for l in (1..s.len().min(n + 1)).rev() {
+                if self.bytes[n - l..] == s[..l] {
+                    end = end.min(n - l);
+                    break;
+                }
+            }
+        }
+        // Hold back an incomplete UTF-8 sequence at the end.
+        let tail_start = end.saturating_sub(3).max(self.released);
+        for i in (tail_start..end).rev() {
+            let b = self.bytes[i];
+            if b & 0xC0 == 0x80 {
+                continue; // continuation byte
+            }
+            let need = match b {
+                0xC0..=0xDF => 2,
+                0xE0..=0xEF => 3,
+                0xF0..=0xF7 => 4,
+                _ => 1,
+            };
+            if end - i < need {
+                end = i;
+            }
+            break;
+        }
+        end.max(self.released)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn template_and_roundtrip() {
+        let msgs = [
+            ChatMessage::new(Role::System, "be brief"),
+            ChatMessage::new(Role::User, "hé"),
+        ];
+        let t = apply_chat_template(&msgs, true);
+        assert_eq!(t[0], BOS);
+        assert_eq!(t[1], SYSTEM);
+        assert_eq!(*t.last().unwrap_or(&0), ASSISTANT);
+        assert_eq!(decode(&t), "be briefhé");
+        assert_eq!(
+            String::from_utf8_lossy(&decode_bytes(&t, true)),
+            "<|bos|><|system|>be brief<|end|><|user|>hé<|end|><|assistant|>"
+        );
+        // Role markers in text stay bytes.
+        assert!(encode("<|user|>").iter().all(|&t| t < 256));
+        assert!(is_generable(END) && is_generable(0) && !is_generable(USER));
+    }
+
+    #[test]
+    fn stream_holds_back_stop_prefixes_and_partial_utf8() {
+        let mut s = TextStream::new(&["STOP".to_string()]);
+        for b in "ab".bytes() {
+            assert!(!s.push(b as u32));
+        }
+        assert_eq!(s.take_delta(), "ab");
+        s.push(b'S' as u32);
+        s.push(b'T' as u32);
+        assert_eq!(s.take_delta(), "", "a stop prefix is held back");
+        s.push(b'x' as u32);
+        assert_eq!(s.take_delta(), "STx");
+        // é = C3 A9 arrives byte by byte.
+        s.push(0xC3);
+        assert_eq!(s.take_delta(), "");
+        s.push(0xA9);
+        assert_eq!(s.take_delta(), "é");
+        for b in "zSTOPtail".bytes() {
+            s.push(b as u32);
+        }
+        assert!(s.stopped());
+        assert_eq!(s.matched_stop().as_deref(), Some("STOP"));
+        assert_eq!(s.take_delta(), "z");
+        assert_eq!(s.finish(), "");
+        assert_eq!(s.text(), "abSTxéz");
+    }
+
+    #[test]
+    fn stream_without_stops_releases_everything_at_finish() {
+        let mut s = TextStream::new(&[]);
+        s.push(b'a' as u32);
+        s.push(0xE2); // first byte of a 3-byte sequence, never completed
+        assert_eq!(s.take_delta(), "a");
+        assert_eq!(s.finish(), "\u{FFFD}");
+        s.push(END);
+        assert!(!s.stopped());
+    }
+}

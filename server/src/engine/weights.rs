@@ -1,0 +1,212 @@
+//! Seeded synthetic weights. A weight tensor is a pure function of (seed, config name,
+//! tensor name): it is generated in chunks of [`CHUNK`] elements, each from its own
+//! ChaCha8 stream keyed by those three and the chunk index, so neither the generation
+//! order nor the thread count changes a value. Values are uniform in `±scale` (unit
+//! output variance for projections), rounded to bf16 precision so a GPU path with bf16
+//! weights would read the same numbers.
+
+use half::bf16;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
+use sparsekit_host::model_ops::rope_table;
+use sparsekit_host::Backend;
+
+use crate::engine::config::ModelConfig;
+use crate::error::EngineError;
+
+/// Elements per independently seeded chunk.
+pub const CHUNK: usize = 1 << 16;
+
+/// 64-bit FNV-1a of `bytes`.
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// The splitmix64 finaliser: a bijective mix of 64 bits.
+pub fn splitmix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// The values of tensor `tensor` of config `config` under `seed`: `n` values uniform in
+/// `[-scale, scale)` plus `offset`, rounded to bf16 precision.
+pub fn synth(seed: u64, config: &str, tensor: &str, n: usize, scale: f32, offset: f32) -> Vec<f32> {
+    let key = splitmix64(seed ^ splitmix64(fnv1a(format!("{config}/{tensor}").as_bytes())));
+    let mut v = vec![0f32; n];
+    v.par_chunks_mut(CHUNK).enumerate().for_each(|(c, out)| {
+        let mut rng = ChaCha8Rng::seed_from_u64(splitmix64(key ^ splitmix64(c as u64)));
+        for x in out {
+            let u: f32 = rng.gen_range(-1.0f32..1.0);
+            *x = bf16::from_f32(u * scale + offset).to_f32();
+        }
+    });
+    v
+}
+
+/// One decoder layer's weights on a backend. Matrices are row-major `[in, out]`;
+/// per-head matrices are `[heads, in, out]`.
+#[derive(Debug)]
+pub struct LayerWeights<Buf> {
+    /// RMSNorm gamma before attention, `[hidden]`.
+    pub attn_norm: Buf,
+    /// Query down-projection `[hidden, q_lora]`.
+    pub wq_a: Buf,
+    /// RMSNorm gamma of the query latent `[q_lora]`.
+    pub q_norm: Buf,
+    /// Query up-projection `[q_lora, heads · (nope + rope)]`.
+    pub wq_b: Buf,
+    /// Per-head NoPE query → latent (the absorbed key up-projection) `[heads, nope, kv_lora]`.
+    pub w_uk: Buf,
+    /// Latent KV down-projection `[hidden, kv_lora + rope]`.
+    pub wkv_a: Buf,
+    /// RMSNorm gamma of the latent `[kv_lora]`.
+    pub kv_norm: Buf,
+    /// Indexer query projection from the query latent `[q_lora, index_heads · index_dim]`.
+    pub wq_index: Buf,
+    /// Indexer key projection `[hidden, index_dim]`.
+    pub wk_index: Buf,
+    /// RMSNorm gamma of the indexer key `[index_dim]`.
+    pub k_norm_index: Buf,
+    /// Indexer head weights `[hidden, index_heads]`, with `heads^-1/2 · dim^-1/2` folded in.
+    pub w_index_heads: Buf,
+    /// Per-head latent → value up-projection `[heads, kv_lora, v_head]`.
+    pub w_uv: Buf,
+    /// Output projection `[heads · v_head, hidden]`.
+    pub wo: Buf,
+    /// RMSNorm gamma before the MLP `[hidden]`.
+    pub mlp_norm: Buf,
+    /// Gate and up projections side by side `[hidden, 2 · intermediate]`.
+    pub w_gate_up: Buf,
+    /// Down projection `[intermediate, hidden]`.
+    pub w_down: Buf,
+}
+
+/// All weights of the model on a backend.
+#[derive(Debug)]
+pub struct Weights<Buf> {
+    /// `[vocab, hidden]`.
+    pub embed: Buf,
+    pub layers: Vec<LayerWeights<Buf>>,
+    /// `[hidden]`.
+    pub final_norm: Buf,
+    /// `[hidden, vocab]`.
+    pub lm_head: Buf,
+    /// Rope cos/sin table `[max_context, rope_dim / 2, 2]` (attention and indexer share it).
+    pub rope: Buf,
+}
+
+fn linear(seed: u64, cfg: &ModelConfig, name: &str, fan_in: usize, n: usize) -> Vec<f32> {
+    synth(seed, cfg.name, name, n, (3.0 / fan_in as f32).sqrt(), 0.0)
+}
+
+fn gamma(seed: u64, cfg: &ModelConfig, name: &str, n: usize) -> Vec<f32> {
+    synth(seed, cfg.name, name, n, 0.1, 1.0)
+}
+
+impl<Buf> Weights<Buf> {
+    /// Generates every weight of `cfg` under `seed` and uploads it to `backend`.
+    pub fn generate<B: Backend<Buffer = Buf>>(
+        backend: &B,
+        cfg: &ModelConfig,
+        seed: u64,
+    ) -> Result<Self, EngineError> {
+        cfg.validate()?;
+        let up = |v: Vec<f32>| backend.upload(bytemuck::cast_slice(&v));
+        let (d, r, h) = (cfg.hidden, cfg.q_lora_rank, cfg.n_heads);
+        let (lat, rope) = (cfg.kv_lora_rank(), cfg.rope_dim());
+        let (ih, id) = (cfg.index_heads(), cfg.index_head_dim());
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for l in 0..cfg.n_layers {
+            let t = |s: &str| format!("layers.{l}.{s}");
+            let fold = (1.0 / ((ih * id) as f64).sqrt()) as f32;
+            let heads_w: Vec<f32> = linear(seed, cfg, &t("index.heads"), d, d * ih)
+                .into_iter()
+                .map(|x| x * fold)
+                .collect();
+            layers.push(LayerWeights {
+                attn_norm: up(gamma(seed, cfg, &t("attn_norm"), d))?,
+                wq_a: up(linear(seed, cfg, &t("wq_a"), d, d * r))?,
+                q_norm: up(gamma(seed, cfg, &t("q_norm"), r))?,
+                wq_b: up(linear(seed, cfg, &t("wq_b"), r, r * h * cfg.q_head_dim()))?,
+                w_uk: up(linear(
+                    seed,
+                    cfg,
+                    &t("w_uk"),
+                    cfg.qk_nope_head_dim,
+                    h * cfg.qk_nope_head_dim * lat,
+                ))?,
+                wkv_a: up(linear(seed, cfg, &t("wkv_a"), d, d * (lat + rope)))?,
+                kv_norm: up(gamma(seed, cfg, &t("kv_norm"), lat))?,
+                wq_index: up(linear(seed, cfg, &t("index.wq"), r, r * ih * id))?,
+                wk_index: up(linear(seed, cfg, &t("index.wk"), d, d * id))?,
+                k_norm_index: up(gamma(seed, cfg, &t("index.k_norm"), id))?,
+                w_index_heads: up(heads_w)?,
+                w_uv: up(linear(seed, cfg, &t("w_uv"), lat, h * lat * cfg.v_head_dim))?,
+                wo: up(linear(
+                    seed,
+                    cfg,
+                    &t("wo"),
+                    h * cfg.v_head_dim,
+                    h * cfg.v_head_dim * d,
+                ))?,
+                mlp_norm: up(gamma(seed, cfg, &t("mlp_norm"), d))?,
+                w_gate_up: up(linear(
+                    seed,
+                    cfg,
+                    &t("w_gate_up"),
+                    d,
+                    d * 2 * cfg.intermediate,
+                ))?,
+                w_down: up(linear(
+                    seed,
+                    cfg,
+                    &t("w_down"),
+                    cfg.intermediate,
+                    cfg.intermediate * d,
+                ))?,
+            });
+        }
+        let vocab = cfg.vocab();
+        Ok(Weights {
+            embed: up(synth(seed, cfg.name, "embed", vocab * d, 1.0, 0.0))?,
+            layers,
+            final_norm: up(gamma(seed, cfg, "final_norm", d))?,
+            lm_head: up(linear(seed, cfg, "lm_head", d, d * vocab))?,
+            rope: up(rope_table(rope, cfg.max_context, cfg.rope_theta))?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn synth_is_a_function_of_seed_config_and_name() {
+        let a = synth(7, "tiny", "w", CHUNK + 100, 0.5, 0.0);
+        assert_eq!(a, synth(7, "tiny", "w", CHUNK + 100, 0.5, 0.0));
+        // A prefix is the same tensor's prefix (chunks are independent of length).
+        assert_eq!(a[..50], synth(7, "tiny", "w", 50, 0.5, 0.0)[..]);
+        assert_ne!(a, synth(8, "tiny", "w", CHUNK + 100, 0.5, 0.0));
+        assert_ne!(a, synth(7, "dsv32", "w", CHUNK + 100, 0.5, 0.0));
+        assert_ne!(a, synth(7, "tiny", "v", CHUNK + 100, 0.5, 0.0));
+        assert!(a
+            .iter()
+            .all(|x| x.abs() <= 0.5 && *x == bf16::from_f32(*x).to_f32()));
+        // Not degenerate.
+        let mean = a.iter().map(|&x| x as f64).sum::<f64>() / a.len() as f64;
+        let var = a.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / a.len() as f64;
+        assert!(
+            mean.abs() < 0.01 && (var - 0.25 / 3.0).abs() < 0.005,
+            "{mean} {var}"
+        );
+    }
+}

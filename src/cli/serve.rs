@@ -1,0 +1,199 @@
+//! `sparsekit serve`: the engine behind the HTTP server, until SIGINT/SIGTERM.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sparsekit::host::model_ops::ModelOps;
+use sparsekit::host::{Backend, CpuBackend, EmuBackend, IndexKDtype, KvDtype};
+use sparsekit_server::engine::{Engine, EngineOptions, ModelConfig};
+use sparsekit_server::http::{serve_until_signal, ServerConfig};
+use sparsekit_server::metrics::Metrics;
+
+use super::{CliError, BACKENDS};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Server role: `both` (one process). `prefill` and `decode` (PD disaggregation)
+    /// come with the transfer layer and are refused for now.
+    #[arg(long, default_value = "both")]
+    role: String,
+    /// Address to bind.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to bind (0 picks a free one; the address is printed).
+    #[arg(long, default_value_t = 30000)]
+    port: u16,
+    /// Backend: cpu, emu or cuda.
+    #[arg(long, default_value = "cpu")]
+    backend: String,
+    /// Model config: tiny or dsv32.
+    #[arg(long, default_value = "tiny")]
+    model: String,
+    /// Weight seed (with the model name it determines every weight).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Index-key dtype: fp8 or bf16.
+    #[arg(long, default_value = "fp8")]
+    index_k: String,
+    /// KV dtype: bf16 or fp8_ds_mla.
+    #[arg(long, default_value = "bf16")]
+    kv: String,
+    /// Indexer top-k (the config's value when omitted).
+    #[arg(long)]
+    index_topk: Option<usize>,
+    /// Pages of the KV space (each holds a page of tokens of every layer).
+    #[arg(long, default_value_t = 8192)]
+    kv_pages: usize,
+    /// Rows per engine step.
+    #[arg(long, default_value_t = 512)]
+    max_batch_tokens: usize,
+    /// Prompt tokens of one request per step.
+    #[arg(long, default_value_t = 256)]
+    prefill_chunk: usize,
+    /// Requests holding pages at once.
+    #[arg(long, default_value_t = 128)]
+    max_running: usize,
+    /// CPU worker threads for the cpu backend (all cores when omitted).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Largest request body in bytes.
+    #[arg(long, default_value_t = 4 << 20)]
+    max_body_bytes: usize,
+    /// Seconds a request may run before it is aborted.
+    #[arg(long, default_value_t = 600)]
+    request_timeout_s: u64,
+    /// Seconds in-flight requests get to finish after SIGINT/SIGTERM.
+    #[arg(long, default_value_t = 10)]
+    shutdown_grace_s: u64,
+    /// PD peer URL (for --role prefill|decode; not available yet).
+    #[arg(long)]
+    peer: Option<String>,
+    /// Host cache tier: off (on comes with the cache-backed engine).
+    #[arg(long, default_value = "off")]
+    host_tier: String,
+    /// PD transport: local (nixl comes with PD disaggregation).
+    #[arg(long, default_value = "local")]
+    transport: String,
+}
+
+fn not_yet(what: &str) -> CliError {
+    format!(
+        "{what} is not available in this build: the engine serves with the reference KV \
+         space (role both, no host tier, no PD); the cache-backed engine and PD transfer \
+         come next"
+    )
+    .into()
+}
+
+pub fn run(args: Args) -> Result<ExitCode, CliError> {
+    match args.role.as_str() {
+        "both" => {}
+        "prefill" | "decode" => return Err(not_yet(&format!("--role {}", args.role))),
+        r => return Err(format!("unknown role {r:?} (prefill, decode, both)").into()),
+    }
+    if args.peer.is_some() {
+        return Err(not_yet("--peer"));
+    }
+    match args.host_tier.as_str() {
+        "off" => {}
+        "on" => return Err(not_yet("--host-tier on")),
+        v => return Err(format!("--host-tier must be on or off, got {v:?}").into()),
+    }
+    match args.transport.as_str() {
+        "local" => {}
+        "nixl" => return Err(not_yet("--transport nixl")),
+        v => return Err(format!("unknown transport {v:?} (local, nixl)").into()),
+    }
+    let index_k = match args.index_k.as_str() {
+        "fp8" => IndexKDtype::FP8,
+        "bf16" => IndexKDtype::Bf16,
+        v => return Err(format!("--index-k must be fp8 or bf16, got {v:?}").into()),
+    };
+    let kv = match args.kv.as_str() {
+        "bf16" => KvDtype::Bf16,
+        "fp8_ds_mla" => KvDtype::Fp8DsMla,
+        v => return Err(format!("--kv must be bf16 or fp8_ds_mla, got {v:?}").into()),
+    };
+    let mut cfg = ModelConfig::by_name(&args.model)?;
+    if let Some(k) = args.index_topk {
+        cfg = cfg.with_index_topk(k)?;
+    }
+    let opts = EngineOptions {
+        seed: args.seed,
+        kv_dtype: kv,
+        index_k_dtype: index_k,
+        kv_pages: args.kv_pages,
+        max_batch_tokens: args.max_batch_tokens,
+        prefill_chunk: args.prefill_chunk,
+        max_running: args.max_running,
+        role: "both".into(),
+        ..Default::default()
+    };
+    let addr: SocketAddr = format!("{}:{}", args.host, args.port)
+        .parse()
+        .map_err(|e| format!("bad address {}:{}: {e}", args.host, args.port))?;
+    let server = ServerConfig {
+        max_body_bytes: args.max_body_bytes,
+        request_timeout: Duration::from_secs(args.request_timeout_s),
+        shutdown_grace: Duration::from_secs(args.shutdown_grace_s),
+        model_name: None,
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
+    match args.backend.as_str() {
+        "cpu" => {
+            let b = match args.threads {
+                Some(t) => CpuBackend::with_threads(t)?,
+                None => CpuBackend::new(),
+            };
+            serve_on(Arc::new(b), cfg, opts, addr, server)
+        }
+        "emu" => serve_on(Arc::new(EmuBackend::new()), cfg, opts, addr, server),
+        "cuda" => {
+            let b = sparsekit::cuda::CudaBackend::new(0)
+                .map_err(|e| format!("cuda backend unavailable: {e}"))?;
+            eprintln!("cuda device: {}", b.device());
+            serve_on(Arc::new(b), cfg, opts, addr, server)
+        }
+        other => Err(format!("unknown backend {other:?} (available: {BACKENDS})").into()),
+    }
+}
+
+fn serve_on<B: Backend + ModelOps + 'static>(
+    backend: Arc<B>,
+    cfg: ModelConfig,
+    opts: EngineOptions,
+    addr: SocketAddr,
+    server: ServerConfig,
+) -> Result<ExitCode, CliError> {
+    let engine = Arc::new(Engine::start(
+        backend,
+        cfg,
+        opts,
+        Arc::new(Metrics::new("both")),
+    )?);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(addr).await?;
+        let local = listener.local_addr()?;
+        let info = engine.info();
+        println!(
+            "sparsekit serve: listening on http://{local} (model {}, backend {}, index-K {}, KV {}, {} pages)",
+            info.model, info.backend, info.index_k_dtype, info.kv_dtype, info.kv_pages
+        );
+        serve_until_signal(engine, listener, server).await
+    })?;
+    eprintln!("sparsekit serve: stopped");
+    Ok(ExitCode::SUCCESS)
+}

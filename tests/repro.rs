@@ -1,0 +1,100 @@
+//! `sparsekit repro` at a tiny scale: the no-cache configuration runs and reports clean
+//! sessions with every JSON field of issue 10; the evidence configurations that cannot run
+//! yet are rows without numbers (never zeros); options that need them are refused.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic
+
+use std::process::Command;
+
+use serde_json::Value;
+
+#[test]
+fn repro_json_rows() {
+    let out = Command::new(env!("CARGO_BIN_EXE_sparsekit"))
+        .args([
+            "repro",
+            "--sessions",
+            "2",
+            "--turns",
+            "2",
+            "--index-k",
+            "fp8",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<Value> = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(rows.len(), 1 + 8);
+    let fields = [
+        "config",
+        "index_k",
+        "host_tier",
+        "pd",
+        "sessions",
+        "corrupted",
+        "corrupted_pct",
+        "refused",
+        "wedged",
+        "leaked_pages",
+        "refused_frames",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "health_p99_ms",
+        "host_hit_rate",
+        "ttft_speedup_turn3plus",
+    ];
+    for r in &rows {
+        for f in fields {
+            assert!(r.get(f).is_some(), "missing {f} in {r}");
+        }
+    }
+    let measured = &rows[0];
+    assert_eq!(measured["available"], true);
+    assert_eq!(measured["sessions"], 2);
+    assert_eq!(measured["corrupted"], 0);
+    assert_eq!(measured["wedged"], 0);
+    assert_eq!(measured["leaked_pages"], 0);
+    assert!(measured["ttft_p99_ms"].as_f64().unwrap() > 0.0);
+    assert!(measured["health_p99_ms"].as_f64().unwrap() > 0.0);
+    assert!(
+        measured["host_hit_rate"].is_null(),
+        "no host tier: no hit rate"
+    );
+    for r in &rows[1..] {
+        assert_eq!(r["available"], false);
+        for f in &fields[4..] {
+            assert!(
+                r[f].is_null(),
+                "{f} of an unavailable row must be null: {r}"
+            );
+        }
+    }
+}
+
+#[test]
+fn repro_refuses_what_needs_the_cache_and_pd() {
+    for args in [
+        &["--inject", "skip-index-wait"][..],
+        &["--no-verify"],
+        &["--transport", "nixl"],
+        &["--abort-rate", "0.3"],
+        &["--url", "http://127.0.0.1:1"],
+        &["--configs", "fp8/host-on/pd-on"],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_sparsekit"))
+            .arg("repro")
+            .args(args)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("not available in this build"),
+            "{args:?}"
+        );
+    }
+}
