@@ -581,15 +581,12 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// Splits a byte stream into frames. Push bytes as they arrive; pull decoded messages (or
-/// the error of a frame that was dropped). After a header error it skips one byte and
-/// searches for the next valid header; a payload error drops that frame only.
+/// Splits a byte stream into frames. Push bytes as they arrive; pull frames. After a
+/// header error it skips to the next possible header (resynchronisation); a frame whose
+/// payload is corrupt costs that frame only.
 #[derive(Debug, Default)]
 pub struct FrameReader {
     buf: Vec<u8>,
-    /// Whether the last error was a resync that has not yet found a frame (one error is
-    /// reported per run of garbage, not one per byte).
-    resyncing: bool,
 }
 
 impl FrameReader {
@@ -607,39 +604,39 @@ impl FrameReader {
         self.buf.len()
     }
 
-    /// The next frame: `None` when more bytes are needed; `Some(Err)` for garbage or a
-    /// dropped frame (call again: reading goes on after it).
-    pub fn next_frame(&mut self) -> Option<Result<Message, WireError>> {
-        loop {
-            if self.buf.len() < HEADER_LEN {
-                // Keep what could still be the start of a header.
-                return None;
+    /// The next piece of the stream, undecoded: a whole frame (valid header, payload not
+    /// yet checked), or a run of bytes skipped while resynchronising (which
+    /// [`decode_frame`] refuses, so it is counted like any bad frame). `None` when more
+    /// bytes are needed.
+    pub fn next_raw(&mut self) -> Option<Vec<u8>> {
+        if self.buf.len() < HEADER_LEN {
+            // Keep what could still be the start of a header.
+            return None;
+        }
+        match parse_header(&self.buf) {
+            Err(_) => {
+                // Skip to the next possible magic.
+                let skip = self.buf[1..]
+                    .windows(4)
+                    .position(|w| w == MAGIC)
+                    .map_or(self.buf.len().saturating_sub(3), |p| p + 1)
+                    .max(1);
+                Some(self.buf.drain(..skip).collect())
             }
-            match parse_header(&self.buf) {
-                Err(e) => {
-                    // Skip to the next possible magic.
-                    let skip = self.buf[1..]
-                        .windows(4)
-                        .position(|w| w == MAGIC)
-                        .map_or(self.buf.len().saturating_sub(3), |p| p + 1);
-                    self.buf.drain(..skip.max(1));
-                    if !self.resyncing {
-                        self.resyncing = true;
-                        return Some(Err(e));
-                    }
+            Ok(h) => {
+                let total = HEADER_LEN + h.len;
+                if self.buf.len() < total {
+                    return None;
                 }
-                Ok(h) => {
-                    let total = HEADER_LEN + h.len;
-                    if self.buf.len() < total {
-                        return None;
-                    }
-                    self.resyncing = false;
-                    let r = decode_payload(h, &self.buf[HEADER_LEN..total]);
-                    self.buf.drain(..total);
-                    return Some(r);
-                }
+                Some(self.buf.drain(..total).collect())
             }
         }
+    }
+
+    /// The next frame, decoded: `None` when more bytes are needed; `Some(Err)` for garbage
+    /// or a dropped frame (call again: reading goes on after it).
+    pub fn next_frame(&mut self) -> Option<Result<Message, WireError>> {
+        self.next_raw().map(|raw| decode_frame(&raw))
     }
 }
 

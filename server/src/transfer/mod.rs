@@ -22,6 +22,8 @@ use crate::pd::landing::LandingZone;
 use crate::pd::wire::Hello;
 
 pub mod local;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 
 /// Errors of a transport.
 #[derive(Clone, Debug, Error, PartialEq, Eq)]
