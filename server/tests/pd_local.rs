@@ -814,3 +814,169 @@ fn random_messages_and_mass_aborts_wedge_nothing() {
     assert_eq!((rs.panics, ts.panics), (0, 0));
     assert!(counter.load(Ordering::Relaxed) > 0);
 }
+
+/// What a [`Tracking`] transport saw, in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Seen {
+    /// A write of `req`'s pages landed (logged after it landed).
+    Landed(u64),
+    /// `req`'s end was confirmed to decode (logged before the confirmation is sent).
+    Confirmed(u64),
+}
+
+/// A prefill end that logs every landed write and every confirmation.
+#[derive(Debug)]
+struct Tracking {
+    inner: Arc<sparsekit_server::transfer::local::LocalEnd>,
+    log: parking_lot::Mutex<Vec<Seen>>,
+}
+
+impl Transport for Tracking {
+    fn name(&self) -> &'static str {
+        "tracking"
+    }
+    fn peer(&self) -> &sparsekit_server::pd::Hello {
+        self.inner.peer()
+    }
+    fn send(&self, frame: &[u8]) -> Result<(), sparsekit_server::transfer::TransferError> {
+        if let Ok(
+            Message::Finished { req, .. }
+            | Message::Cancelled { req, .. }
+            | Message::Abort { req, .. },
+        ) = sparsekit_server::pd::wire::decode_frame(frame)
+        {
+            self.log.lock().push(Seen::Confirmed(req));
+        }
+        self.inner.send(frame)
+    }
+    fn recv(
+        &self,
+        t: Duration,
+    ) -> Result<Option<Vec<u8>>, sparsekit_server::transfer::TransferError> {
+        self.inner.recv(t)
+    }
+    fn write(
+        &self,
+        segments: &[Segment<'_>],
+        notification: Option<&[u8]>,
+    ) -> Result<(), sparsekit_server::transfer::TransferError> {
+        self.inner.write(segments, notification)?;
+        if let Some(Ok(Message::Written(w))) =
+            notification.map(sparsekit_server::pd::wire::decode_frame)
+        {
+            self.log.lock().push(Seen::Landed(w.req));
+        }
+        Ok(())
+    }
+    fn landing(&self) -> Option<Arc<sparsekit_server::pd::LandingZone>> {
+        self.inner.landing()
+    }
+    fn close(&self, why: &str) {
+        self.inner.close(why)
+    }
+    fn is_closed(&self) -> bool {
+        self.inner.is_closed()
+    }
+}
+
+/// Writes of each request after its confirmation, in a run of `n` requests over a small
+/// pool (`in_flight` transfers at a time) with aborts from both sides: decode aborts every
+/// third request while prefill is in the middle of it (at a random moment before its
+/// second layer), prefill gives up every 11th.
+fn late_landings(faults: &[sparsekit_server::pd::PdFault], n: u64, in_flight: u64) -> usize {
+    let s = spec(KvDtype::Bf16, IndexKDtype::FP8);
+    // Prompts need 3 pages at most.
+    let pool = 3 * in_flight as usize;
+    let (d, p) = (cache(s, pool, &[]), cache(s, 12, &[]));
+    let (d_end, p_end) = local_ends(&d, &p);
+    let tracking = Arc::new(Tracking {
+        inner: p_end,
+        log: parking_lot::Mutex::new(Vec::new()),
+    });
+    let rx = Arc::new(Receiver::new(d.clone(), d_end, ReceiverConfig::default()).unwrap());
+    let sc = SenderConfig {
+        faults: sparsekit_server::pd::PdFaults::with(faults),
+        ..SenderConfig::default()
+    };
+    let tx = Arc::new(sparsekit_server::pd::Sender::new(p.clone(), tracking.clone(), sc).unwrap());
+    let rx_gate = rx.clone();
+    let gate: Gate = Arc::new(move |req, l| {
+        // Jitter (not synchronisation): some layers take longer.
+        for _ in 0..((req * 7919 + l as u64 * 104_729) % 3000) {
+            std::hint::spin_loop();
+        }
+        if req % 3 == 0 && l == 1 {
+            // Requests decode aborts: the abort hits this transfer in flight (prefill
+            // goes on only once decode considers it ended).
+            until("decode ended the aborted transfer", || {
+                rx_gate.outcome(req).is_some()
+            });
+        }
+        if req % 11 == 0 && l == 1 {
+            Act::Cancel
+        } else {
+            Act::Go
+        }
+    });
+    let _w = Worker::spawn(tx.clone(), p.clone(), gate);
+    let (abort_tx, abort_rx) = mpsc::channel::<u64>();
+    let rx2 = rx.clone();
+    let aborter = std::thread::spawn(move || {
+        while let Ok(req) = abort_rx.recv_timeout(BOUND) {
+            for _ in 0..(req * 2654435761 % 20_000) {
+                std::hint::spin_loop();
+            }
+            rx2.abort(req, "random abort");
+        }
+    });
+    for req in 1..=n {
+        let pr = prompt(req, 5 + (req as usize * 7) % 8);
+        if req > in_flight {
+            let old = req - in_flight;
+            rx.wait(old, BOUND).unwrap();
+            if d.is_live(old) {
+                d.finish(old).unwrap();
+            }
+        }
+        start_on(&d, &rx, req, &pr).unwrap();
+        if req % 3 == 0 {
+            abort_tx.send(req).unwrap();
+        }
+    }
+    drop(abort_tx);
+    aborter.join().unwrap();
+    for req in n.saturating_sub(in_flight).max(1)..=n {
+        rx.wait(req, BOUND).unwrap();
+        if d.is_live(req) {
+            d.finish(req).unwrap();
+        }
+    }
+    until("prefill idle", || {
+        tx.in_flight() == 0 && p.stats().live_requests == 0
+    });
+    assert_eq!(d.leak_check().unwrap().device_free, pool);
+    let log = tracking.log.lock().clone();
+    let mut confirmed = std::collections::HashSet::new();
+    let mut late = 0;
+    for e in log {
+        match e {
+            Seen::Confirmed(r) => {
+                confirmed.insert(r);
+            }
+            Seen::Landed(r) if confirmed.contains(&r) => late += 1,
+            Seen::Landed(_) => {}
+        }
+    }
+    late
+}
+
+/// The quarantine's premise, on the real sender under random aborts from both sides:
+/// once prefill confirms a transfer's end, nothing more of it lands. The same check sees
+/// the `stale-transfer-write` fault break it (one transfer at a time there, so the next
+/// request reuses the aborted one's pages and its writes release the late ones).
+#[test]
+fn nothing_lands_after_a_confirmation() {
+    assert_eq!(late_landings(&[], 60, 4), 0);
+    let fault = [sparsekit_server::pd::PdFault::StaleTransferWrite];
+    assert!(late_landings(&fault, 30, 1) > 0);
+}

@@ -244,12 +244,14 @@ pub fn start_on(
     prompt: &[u32],
 ) -> Result<Vec<PageRef>, PdError> {
     d.begin(req, &[])?;
-    let pages = d.alloc(req, prompt.len().div_ceil(PAGE))?;
-    if let Err(e) = rx.start(req, prompt, &pages) {
+    let started = d
+        .alloc(req, prompt.len().div_ceil(PAGE))
+        .map_err(PdError::from)
+        .and_then(|pages| rx.start(req, prompt, &pages).map(|()| pages));
+    if started.is_err() {
         let _ = d.abort(req);
-        return Err(e);
     }
-    Ok(pages)
+    started
 }
 
 /// What the prefill worker does before pushing a layer.
