@@ -33,7 +33,9 @@ use sparsekit_server::pd::{
     hello, Checks, LandingGeometry, LandingZone, Outcome, PdFault, PdFaults, Receiver,
     ReceiverConfig, Role, Sender, SenderConfig,
 };
-use sparsekit_server::transfer::nixl::{self, NixlAgent, NixlListener, NixlOptions};
+use sparsekit_server::transfer::nixl::{
+    self, NixlAgent, NixlListener, NixlOptions, NixlSide, RegisteredZone,
+};
 use sparsekit_server::transfer::{TransferError, Transport};
 
 const CHILD: &str = "SPARSEKIT_PD_NIXL_CHILD";
@@ -213,14 +215,13 @@ fn decode_process() {
     let d = cache(s, PAGES, &[]);
     let agent = NixlAgent::new(Role::Decode).unwrap();
     let zone = Arc::new(LandingZone::new(LandingGeometry::new(s, PAGES).unwrap()).unwrap());
-    let lis = NixlListener::bind(
+    let side = NixlSide {
+        zone: Some(RegisteredZone::new(&agent, zone).unwrap()),
         agent,
-        "127.0.0.1:0".parse::<SocketAddr>().unwrap(),
-        zone,
-        hello(Role::Decode, &s, PAGES, Vec::new()),
-        opts(),
-    )
-    .unwrap();
+        hello: hello(Role::Decode, &s, PAGES, Vec::new()),
+        opts: opts(),
+    };
+    let lis = NixlListener::bind(side, "127.0.0.1:0".parse::<SocketAddr>().unwrap()).unwrap();
     say(&format!("LISTEN {}", lis.local_addr().unwrap()));
     let end = lis.accept(BOUND).unwrap();
     assert_eq!(end.name(), "nixl");
@@ -292,8 +293,13 @@ fn prefill_process() {
     let p = cache(s, PAGES, &[]);
     let addr: SocketAddr = std::env::var(ADDR).unwrap().parse().unwrap();
     let hold: u64 = std::env::var(HOLD).unwrap().parse().unwrap();
-    let agent = NixlAgent::new(Role::Prefill).unwrap();
-    let end = nixl::connect(agent, addr, hello(Role::Prefill, &s, 0, Vec::new()), opts()).unwrap();
+    let side = NixlSide {
+        agent: NixlAgent::new(Role::Prefill).unwrap(),
+        hello: hello(Role::Prefill, &s, 0, Vec::new()),
+        zone: None,
+        opts: opts(),
+    };
+    let end = nixl::connect(&side, addr).unwrap();
     let tx = Sender::new(p.clone(), end, SenderConfig::default()).unwrap();
     loop {
         let Some(job) = tx.next_job(BOUND) else {
@@ -351,27 +357,31 @@ fn nixl_in_one_process() {
     let s = spec(KvDtype::Bf16, IndexKDtype::FP8);
     let da = NixlAgent::new(Role::Decode).unwrap();
     let pa = NixlAgent::new(Role::Prefill).unwrap();
+    // Here prefill listens and decode connects (as `serve --role decode --peer` does).
     let connect = |d: &Arc<sparsekit_host::cache::HiCache<B>>,
                    rc: ReceiverConfig,
                    p: &Arc<sparsekit_host::cache::HiCache<B>>,
                    sc: SenderConfig| {
+        let prefill = NixlSide {
+            agent: pa.clone(),
+            hello: hello(Role::Prefill, &s, 0, Vec::new()),
+            zone: None,
+            opts: opts(),
+        };
+        let lis =
+            NixlListener::bind(prefill, "127.0.0.1:0".parse::<SocketAddr>().unwrap()).unwrap();
+        let addr = lis.local_addr().unwrap();
         let zone =
             Arc::new(LandingZone::new(LandingGeometry::new(s, d.device_pages()).unwrap()).unwrap());
-        let lis = NixlListener::bind(
-            da.clone(),
-            "127.0.0.1:0".parse::<SocketAddr>().unwrap(),
-            zone,
-            hello(Role::Decode, &s, d.device_pages(), Vec::new()),
-            opts(),
-        )
-        .unwrap();
-        let addr = lis.local_addr().unwrap();
-        let pa = pa.clone();
-        let c = std::thread::spawn(move || {
-            nixl::connect(pa, addr, hello(Role::Prefill, &s, 0, Vec::new()), opts()).unwrap()
-        });
-        let d_end = lis.accept(BOUND).unwrap();
-        let p_end = c.join().unwrap();
+        let decode = NixlSide {
+            zone: Some(RegisteredZone::new(&da, zone).unwrap()),
+            agent: da.clone(),
+            hello: hello(Role::Decode, &s, d.device_pages(), Vec::new()),
+            opts: opts(),
+        };
+        let c = std::thread::spawn(move || nixl::connect(&decode, addr).unwrap());
+        let p_end = lis.accept(BOUND).unwrap();
+        let d_end = c.join().unwrap();
         let rx = Receiver::new(d.clone(), d_end, rc).unwrap();
         let tx = Arc::new(Sender::new(p.clone(), p_end, sc).unwrap());
         (rx, tx)

@@ -236,43 +236,113 @@ struct Staging {
     mem: Vec<u8>,
 }
 
-/// The decode side: an agent, the landing zone registered with it, and a TCP listener for
-/// prefill connections.
+/// The memory a decode endpoint receives into: its landing zone, registered with the
+/// agent. Built once; every connection of that decode endpoint shares it.
+#[derive(Debug, Clone)]
+pub struct RegisteredZone {
+    // Field order: deregister before the zone can be freed.
+    _reg: Arc<nx::RegistrationHandle>,
+    zone: Arc<LandingZone>,
+}
+
+impl RegisteredZone {
+    /// Registers `zone` with `agent`.
+    pub fn new(agent: &NixlAgent, zone: Arc<LandingZone>) -> Result<Self, TransferError> {
+        let (a, l) = zone.raw_parts();
+        // SAFETY: the zone outlives the registration: both are held together here (and by
+        // every end using it), the registration declared first so it drops first.
+        let reg = Arc::new(unsafe { agent.register(a, l)? });
+        Ok(RegisteredZone { _reg: reg, zone })
+    }
+
+    pub fn zone(&self) -> &Arc<LandingZone> {
+        &self.zone
+    }
+}
+
+/// One side's part of a connection: its agent, its handshake, and (decode) its zone.
+#[derive(Debug, Clone)]
+pub struct NixlSide {
+    pub agent: Arc<NixlAgent>,
+    /// The handshake this side announces (its transport data is filled in here).
+    pub hello: Hello,
+    /// Decode's registered landing zone (`None` for prefill).
+    pub zone: Option<RegisteredZone>,
+    pub opts: NixlOptions,
+}
+
+impl NixlSide {
+    fn check(&self) -> Result<(), TransferError> {
+        match (self.hello.role, &self.zone) {
+            (Role::Decode, None) => Err(TransferError::Failed(
+                "a decode endpoint needs a registered landing zone".into(),
+            )),
+            (Role::Prefill, Some(_)) => Err(TransferError::Failed(
+                "a prefill endpoint has no landing zone".into(),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    fn my_hello(&self) -> Result<Vec<u8>, TransferError> {
+        let mut h = self.hello.clone();
+        h.transport = encode_blob(
+            &self.agent.local_md()?,
+            self.zone.as_ref().map(|z| z.zone.raw_parts()),
+        );
+        Message::Hello(h).encode().map_err(wire_err)
+    }
+
+    fn peer_role(&self) -> Role {
+        match self.hello.role {
+            Role::Decode => Role::Prefill,
+            Role::Prefill => Role::Decode,
+        }
+    }
+
+    /// After the handshakes: loads the peer's metadata and starts the end.
+    fn finish(
+        &self,
+        stream: TcpStream,
+        reader: FrameReader,
+        peer: Hello,
+    ) -> Result<Arc<NixlEnd>, TransferError> {
+        let (md, zone) = decode_blob(&peer.transport)?;
+        let remote_zone =
+            match self.hello.role {
+                Role::Prefill => Some(zone.ok_or_else(|| {
+                    TransferError::Failed("decode announced no landing zone".into())
+                })?),
+                Role::Decode => None,
+            };
+        let peer_agent = self.agent.load_md(&md)?;
+        NixlEnd::start(
+            self.hello.role,
+            peer,
+            peer_agent,
+            stream,
+            reader,
+            self.agent.clone(),
+            self.zone.clone(),
+            remote_zone,
+            self.opts.clone(),
+        )
+    }
+}
+
+/// Listens for PD connections (either role may listen; the connector speaks first).
 #[derive(Debug)]
 pub struct NixlListener {
     tcp: TcpListener,
-    hello: Hello,
-    opts: NixlOptions,
-    // Field order: deregister before the zone can be freed.
-    zone_reg: Arc<nx::RegistrationHandle>,
-    zone: Arc<LandingZone>,
-    agent: Arc<NixlAgent>,
+    side: NixlSide,
 }
 
 impl NixlListener {
-    /// Registers `zone` with `agent` and listens on `addr`. `hello` is decode's handshake
-    /// (its transport data is filled in here).
-    pub fn bind(
-        agent: Arc<NixlAgent>,
-        addr: SocketAddr,
-        zone: Arc<LandingZone>,
-        hello: Hello,
-        opts: NixlOptions,
-    ) -> Result<Self, TransferError> {
-        let (a, l) = zone.raw_parts();
-        // SAFETY: the zone outlives the registration: both are held by the listener (and
-        // by every end it accepts) with the registration dropped first.
-        let zone_reg = Arc::new(unsafe { agent.register(a, l)? });
+    pub fn bind(side: NixlSide, addr: SocketAddr) -> Result<Self, TransferError> {
+        side.check()?;
         let tcp = TcpListener::bind(addr)
             .map_err(|e| TransferError::Failed(format!("cannot listen on {addr}: {e}")))?;
-        Ok(NixlListener {
-            tcp,
-            hello,
-            opts,
-            zone_reg,
-            zone,
-            agent,
-        })
+        Ok(NixlListener { tcp, side })
     }
 
     pub fn local_addr(&self) -> Result<SocketAddr, TransferError> {
@@ -281,8 +351,7 @@ impl NixlListener {
             .map_err(|e| TransferError::Failed(e.to_string()))
     }
 
-    /// Accepts one prefill connection (waits at most `timeout`) and completes the
-    /// handshake.
+    /// Accepts one connection (waits at most `timeout`) and completes the handshake.
     pub fn accept(&self, timeout: Duration) -> Result<Arc<NixlEnd>, TransferError> {
         let deadline = Instant::now() + timeout;
         self.tcp
@@ -294,7 +363,7 @@ impl NixlListener {
                 Err(e) if e.kind() == ErrorKind::WouldBlock => {
                     if Instant::now() >= deadline {
                         return Err(TransferError::Timeout(format!(
-                            "no prefill connection within {timeout:?}"
+                            "no PD connection within {timeout:?}"
                         )));
                     }
                     std::thread::sleep(Duration::from_millis(5));
@@ -305,60 +374,25 @@ impl NixlListener {
         stream
             .set_nonblocking(false)
             .map_err(|e| TransferError::Failed(e.to_string()))?;
+        let side = &self.side;
         let mut reader = FrameReader::new();
-        let peer = read_hello(&stream, &mut reader, Role::Prefill, deadline)?;
-        let (md, _) = decode_blob(&peer.transport)?;
-        let peer_agent = self.agent.load_md(&md)?;
-        let mut hello = self.hello.clone();
-        hello.transport = encode_blob(&self.agent.local_md()?, Some(self.zone.raw_parts()));
-        let frame = Message::Hello(hello).encode().map_err(wire_err)?;
-        write_frame(&stream, &frame, self.opts.io_timeout)?;
-        NixlEnd::start(
-            Role::Decode,
-            peer,
-            peer_agent,
-            stream,
-            reader,
-            self.agent.clone(),
-            Some((self.zone.clone(), self.zone_reg.clone())),
-            None,
-            self.opts.clone(),
-        )
+        let peer = read_hello(&stream, &mut reader, side.peer_role(), deadline)?;
+        write_frame(&stream, &side.my_hello()?, side.opts.io_timeout)?;
+        side.finish(stream, reader, peer)
     }
 }
 
-/// Connects a prefill end to the decode listener at `addr` (handshake included, bounded
-/// by `opts.io_timeout`). `hello` is prefill's handshake.
-pub fn connect(
-    agent: Arc<NixlAgent>,
-    addr: SocketAddr,
-    hello: Hello,
-    opts: NixlOptions,
-) -> Result<Arc<NixlEnd>, TransferError> {
-    let deadline = Instant::now() + opts.io_timeout;
-    let stream = TcpStream::connect_timeout(&addr, opts.io_timeout)
-        .map_err(|e| TransferError::Failed(format!("cannot connect to decode at {addr}: {e}")))?;
-    let mut hello = hello;
-    hello.transport = encode_blob(&agent.local_md()?, None);
-    let frame = Message::Hello(hello).encode().map_err(wire_err)?;
-    write_frame(&stream, &frame, opts.io_timeout)?;
+/// Connects to the peer listening at `addr` and completes the handshake (bounded by
+/// `side.opts.io_timeout`).
+pub fn connect(side: &NixlSide, addr: SocketAddr) -> Result<Arc<NixlEnd>, TransferError> {
+    side.check()?;
+    let deadline = Instant::now() + side.opts.io_timeout;
+    let stream = TcpStream::connect_timeout(&addr, side.opts.io_timeout)
+        .map_err(|e| TransferError::Failed(format!("cannot connect to the peer at {addr}: {e}")))?;
+    write_frame(&stream, &side.my_hello()?, side.opts.io_timeout)?;
     let mut reader = FrameReader::new();
-    let peer = read_hello(&stream, &mut reader, Role::Decode, deadline)?;
-    let (md, zone) = decode_blob(&peer.transport)?;
-    let zone =
-        zone.ok_or_else(|| TransferError::Failed("decode announced no landing zone".into()))?;
-    let peer_agent = agent.load_md(&md)?;
-    NixlEnd::start(
-        Role::Prefill,
-        peer,
-        peer_agent,
-        stream,
-        reader,
-        agent,
-        None,
-        Some(zone),
-        opts,
-    )
+    let peer = read_hello(&stream, &mut reader, side.peer_role(), deadline)?;
+    side.finish(stream, reader, peer)
 }
 
 fn wire_err(e: crate::pd::wire::WireError) -> TransferError {
@@ -447,9 +481,8 @@ pub struct NixlEnd {
     /// Prefill: the source memory of writes, and decode's landing zone (address, length).
     staging: Mutex<Staging>,
     remote_zone: Option<(u64, u64)>,
-    /// Decode: the landing zone and its registration (dropped before the zone).
-    _zone_reg: Option<Arc<nx::RegistrationHandle>>,
-    landing: Option<Arc<LandingZone>>,
+    /// Decode: the registered landing zone.
+    zone: Option<RegisteredZone>,
     agent: Arc<NixlAgent>,
 }
 
@@ -462,7 +495,7 @@ impl NixlEnd {
         stream: TcpStream,
         reader: FrameReader,
         agent: Arc<NixlAgent>,
-        zone: Option<(Arc<LandingZone>, Arc<nx::RegistrationHandle>)>,
+        zone: Option<RegisteredZone>,
         remote_zone: Option<(u64, u64)>,
         opts: NixlOptions,
     ) -> Result<Arc<Self>, TransferError> {
@@ -496,10 +529,6 @@ impl NixlEnd {
                     .map_err(failed)?,
             );
         }
-        let (landing, zone_reg) = match zone {
-            Some((z, r)) => (Some(z), Some(r)),
-            None => (None, None),
-        };
         Ok(Arc::new(NixlEnd {
             role,
             peer,
@@ -514,8 +543,7 @@ impl NixlEnd {
                 mem: Vec::new(),
             }),
             remote_zone,
-            _zone_reg: zone_reg,
-            landing,
+            zone,
             agent,
         }))
     }
@@ -758,7 +786,7 @@ impl Transport for NixlEnd {
     }
 
     fn landing(&self) -> Option<Arc<LandingZone>> {
-        self.landing.clone()
+        self.zone.as_ref().map(|z| z.zone.clone())
     }
 
     fn close(&self, why: &str) {
@@ -778,8 +806,8 @@ impl Drop for NixlEnd {
         for t in self.threads.lock().drain(..) {
             let _ = t.join();
         }
-        // Registrations drop before their memory: `Staging::reg` before `Staging::mem`,
-        // `_zone_reg` before `landing` (field order).
+        // Registrations drop before their memory (field order in `Staging` and
+        // `RegisteredZone`).
         self.agent.forget(&self.peer_agent);
     }
 }
