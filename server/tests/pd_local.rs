@@ -365,6 +365,7 @@ fn late_writes_after_abort_never_land_in_reused_pages() {
     let _ = m.bootstrap();
     let (kv, _) = expected(&s, &p1, 0);
     m.notify(&m.land(1, 0, BufferKind::Kv, &pages1, &kv));
+    until("layer 0 KV landed", || rx.stats().kv_bytes > 0);
     assert!(rx.abort(1, "client went away"));
     assert!(!d.is_live(1));
     assert!(matches!(m.recv(), Message::Abort { req: 1, .. }));

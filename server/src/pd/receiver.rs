@@ -457,6 +457,7 @@ impl<B: Backend + 'static> RxShared<B> {
     }
 
     fn run(&self) {
+        let mut last_tick = Instant::now();
         loop {
             if self.shutdown.load(Ordering::Acquire) {
                 return;
@@ -470,7 +471,11 @@ impl<B: Backend + 'static> RxShared<B> {
                     return;
                 }
             }
-            self.tick();
+            // Deadlines are scanned once per tick, not once per frame.
+            if last_tick.elapsed() >= self.config.tick {
+                last_tick = Instant::now();
+                self.tick();
+            }
         }
     }
 

@@ -1,6 +1,22 @@
 //! Counters of a PD endpoint: refused messages by reason, bytes moved by kind, transfers
 //! by outcome, handler panics and task restarts. Cheap to update from any thread;
 //! [`PdStats::snapshot`] gives plain data for metrics, reports and tests.
+//!
+//! Refusal reasons (the `reason` label of `sparsekit_refused_total`):
+//! - frames that do not decode ([`crate::pd::wire::WireError::reason`]): `truncated`,
+//!   `bad_magic`, `bad_version`, `unknown_kind`, `bad_flags`, `too_large`, `corrupt`
+//!   (a CRC), `malformed`, `trailing_bytes`;
+//! - messages that do not fit: `wrong_direction` (a kind this side never receives),
+//!   `unexpected_hello`, `unknown_request` (no transfer with that id), `ended` (its
+//!   transfer already ended: a late message), `after_abort` (a write for a transfer decode
+//!   aborted: a late write), `duplicate` (a page or confirmation again, a second bootstrap
+//!   for a live transfer), `bad_request` (a bootstrap or notification whose shape is wrong:
+//!   pages vs prompt, pages outside the landing zone, a layer out of range);
+//! - data decode refuses: `layout_mismatch` (fingerprint), `not_target` (a page the
+//!   transfer does not own), `stale_generation`, `checksum` (the landed bytes differ from
+//!   the sender's checksums), `cache_refused` (any other refusal of the cache),
+//!   `missing_layers` (prefill finished but layers never arrived);
+//! - `panicked`: handling the message panicked (its request failed, the reader restarted).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
