@@ -23,6 +23,11 @@
 //! mismatch, a checksum mismatch: each is counted by reason ([`PdStats`]), logged and
 //! dropped, and the reader goes on. Refused data fails only its own transfer. A panic while
 //! handling a message fails the request that message was about and restarts the reader.
+//!
+//! **Threads.** `start`, `abort` and the queries may be called from any thread, but not
+//! from one that holds a layer guard of the decode cache: the reader copies landed pages
+//! under the receiver's state lock and waits (bounded by the cache's `wait_timeout`) for
+//! that layer's lock.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
