@@ -7,6 +7,7 @@
 //! the emulator, device or mapped addresses for CUDA), only stored here, never
 //! dereferenced.
 
+use sparsekit_kernels::global::{GlobalMut, GlobalPtr};
 use sparsekit_kernels::params::{
     index_k_format, kv_format, CopyPagesParams, IndexKStoreParams, IndexerLogitsParams,
     KvStoreParams, PageChecksumsParams, SparseMlaParams, TopkParams,
@@ -20,14 +21,14 @@ use crate::ops::{
     TopkOutput,
 };
 
-/// A kernel-visible address as the pointer type a parameter struct stores.
-fn ptr<T>(addr: u64) -> *const T {
-    addr as usize as *const T
+/// A kernel-visible address as the read-only address type a parameter struct stores.
+fn ptr<T>(addr: u64) -> GlobalPtr<T> {
+    GlobalPtr::from_addr(addr)
 }
 
-/// A kernel-visible address as a mutable pointer.
-fn ptr_mut<T>(addr: u64) -> *mut T {
-    addr as usize as *mut T
+/// A kernel-visible address as a writable address.
+fn ptr_mut<T>(addr: u64) -> GlobalMut<T> {
+    GlobalMut::from_addr(addr)
 }
 
 /// The kernels' format code of an index-K layout.
@@ -182,7 +183,7 @@ pub(crate) fn indexer_logits(op: &IndexerLogits<'_>, a: Addrs<'_>) -> IndexerLog
 /// table when `op` outputs slots (null in the parameters for positions).
 pub(crate) fn topk(op: &Topk<'_>, a: Addrs<'_>) -> TopkParams {
     let (page_table, page_size, max_pages) = match op.output {
-        TopkOutput::Positions => (std::ptr::null(), 0, 0),
+        TopkOutput::Positions => (GlobalPtr::null(), 0, 0),
         TopkOutput::Slots {
             page_table,
             page_size,

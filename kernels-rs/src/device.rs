@@ -8,6 +8,7 @@
 use core::arch::asm;
 use core::arch::nvptx;
 
+use crate::global::{GlobalMut, GlobalPtr, Word};
 use crate::simt::Simt;
 
 /// The GPU itself.
@@ -119,19 +120,141 @@ impl Simt for Device {
         r
     }
     #[inline(always)]
-    unsafe fn atomic_add_u32(ptr: *mut u32, value: u32) -> u32 {
+    unsafe fn gld<T: Word>(ptr: GlobalPtr<T>) -> T {
+        let p = ptr.raw();
+        // One `ld.global` of T's width (`Word`: size = alignment ∈ {1, 2, 4, 8, 16}; the
+        // match folds at monomorphisation). The generic address is converted to the
+        // global window first (`cvta.to.global`, free in SASS).
+        // SAFETY (every arm): `p` is an aligned address inside a buffer of the launch
+        // (caller's contract); the asm reads exactly `size_of::<T>()` bytes there and
+        // writes only its output registers; `transmute_copy` reads `size_of::<T>()` bytes
+        // of a value of that size, and every bit pattern is a valid `T` (`Word`).
+        unsafe {
+            match core::mem::size_of::<T>() {
+                1 => {
+                    let r: u32;
+                    asm!(
+                        "{{ .reg .u64 g; cvta.to.global.u64 g, {p}; ld.global.u8 {r}, [g]; }}",
+                        p = in(reg64) p, r = out(reg32) r,
+                        options(pure, readonly, nostack, preserves_flags),
+                    );
+                    core::mem::transmute_copy(&(r as u8))
+                }
+                2 => {
+                    let r: u32;
+                    asm!(
+                        "{{ .reg .u64 g; cvta.to.global.u64 g, {p}; ld.global.u16 {r}, [g]; }}",
+                        p = in(reg64) p, r = out(reg32) r,
+                        options(pure, readonly, nostack, preserves_flags),
+                    );
+                    core::mem::transmute_copy(&(r as u16))
+                }
+                4 => {
+                    let r: u32;
+                    asm!(
+                        "{{ .reg .u64 g; cvta.to.global.u64 g, {p}; ld.global.u32 {r}, [g]; }}",
+                        p = in(reg64) p, r = out(reg32) r,
+                        options(pure, readonly, nostack, preserves_flags),
+                    );
+                    core::mem::transmute_copy(&r)
+                }
+                8 => {
+                    let r: u64;
+                    asm!(
+                        "{{ .reg .u64 g; cvta.to.global.u64 g, {p}; ld.global.u64 {r}, [g]; }}",
+                        p = in(reg64) p, r = out(reg64) r,
+                        options(pure, readonly, nostack, preserves_flags),
+                    );
+                    core::mem::transmute_copy(&r)
+                }
+                _ => {
+                    let (a, b, c, d): (u32, u32, u32, u32);
+                    asm!(
+                        "{{ .reg .u64 g; cvta.to.global.u64 g, {p}; \
+                         ld.global.v4.u32 {{{a}, {b}, {c}, {d}}}, [g]; }}",
+                        p = in(reg64) p,
+                        a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+                        options(pure, readonly, nostack, preserves_flags),
+                    );
+                    core::mem::transmute_copy(&[a, b, c, d])
+                }
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn gst<T: Word>(ptr: GlobalMut<T>, value: T) {
+        let p = ptr.raw();
+        // One `st.global` of T's width (see `gld`).
+        // SAFETY (every arm): `p` is an aligned address inside a buffer the launch writes,
+        // owned by this thread (caller's contract); the asm writes exactly
+        // `size_of::<T>()` bytes there; `transmute_copy` reads a value of that size.
+        unsafe {
+            match core::mem::size_of::<T>() {
+                1 => {
+                    let v: u8 = core::mem::transmute_copy(&value);
+                    asm!(
+                        "{{ .reg .u64 g; cvta.to.global.u64 g, {p}; st.global.u8 [g], {v}; }}",
+                        p = in(reg64) p, v = in(reg32) v as u32,
+                        options(nostack, preserves_flags),
+                    );
+                }
+                2 => {
+                    let v: u16 = core::mem::transmute_copy(&value);
+                    asm!(
+                        "{{ .reg .u64 g; cvta.to.global.u64 g, {p}; st.global.u16 [g], {v}; }}",
+                        p = in(reg64) p, v = in(reg32) v as u32,
+                        options(nostack, preserves_flags),
+                    );
+                }
+                4 => {
+                    let v: u32 = core::mem::transmute_copy(&value);
+                    asm!(
+                        "{{ .reg .u64 g; cvta.to.global.u64 g, {p}; st.global.u32 [g], {v}; }}",
+                        p = in(reg64) p, v = in(reg32) v,
+                        options(nostack, preserves_flags),
+                    );
+                }
+                8 => {
+                    let v: u64 = core::mem::transmute_copy(&value);
+                    asm!(
+                        "{{ .reg .u64 g; cvta.to.global.u64 g, {p}; st.global.u64 [g], {v}; }}",
+                        p = in(reg64) p, v = in(reg64) v,
+                        options(nostack, preserves_flags),
+                    );
+                }
+                _ => {
+                    let v: [u32; 4] = core::mem::transmute_copy(&value);
+                    asm!(
+                        "{{ .reg .u64 g; cvta.to.global.u64 g, {p}; \
+                         st.global.v4.u32 [g], {{{a}, {b}, {c}, {d}}}; }}",
+                        p = in(reg64) p,
+                        a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2], d = in(reg32) v[3],
+                        options(nostack, preserves_flags),
+                    );
+                }
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn atomic_add_u32(ptr: GlobalMut<u32>, value: u32) -> u32 {
         let r: u32;
-        // SAFETY: `ptr` is valid global memory (caller's contract).
+        // SAFETY: `ptr` is an aligned u32 of a buffer the launch writes (caller's
+        // contract).
         unsafe {
             asm!(
-                "atom.global.add.u32 {r}, [{p}], {v};",
+                "{{ .reg .u64 g; cvta.to.global.u64 g, {p}; atom.global.add.u32 {r}, [g], {v}; }}",
                 r = out(reg32) r,
-                p = in(reg64) ptr,
+                p = in(reg64) ptr.raw(),
                 v = in(reg32) value,
                 options(nostack, preserves_flags),
             );
         }
         r
+    }
+    #[inline(always)]
+    fn threadfence() {
+        // SAFETY: a memory fence; no operands.
+        unsafe { asm!("membar.gl;", options(nostack, preserves_flags)) };
     }
     #[inline(always)]
     fn mma_bf16_m16n8k16(a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4] {

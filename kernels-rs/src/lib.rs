@@ -25,6 +25,7 @@
 
 pub mod checksum;
 pub mod fp8;
+pub mod global;
 pub mod kernels;
 pub mod launch;
 pub mod math;
@@ -37,6 +38,7 @@ pub mod device;
 #[cfg(feature = "emu")]
 pub mod emu;
 
+pub use global::{GlobalMut, GlobalPtr, V2, V4};
 pub use launch::{KernelParams, ENTRY_POINTS};
 pub use simt::Simt;
 

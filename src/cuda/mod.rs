@@ -28,7 +28,7 @@ use cudarc::driver::{
     DevicePtrMut, DeviceRepr, DriverError, LaunchConfig, PushKernelArg, SyncOnDrop,
 };
 use sparsekit_host::backend::DeviceEvent;
-use sparsekit_host::launcher::KernelDevice;
+use sparsekit_host::launcher::{KernelDevice, Span};
 use sparsekit_host::{Backend, Error, Event, Result, StreamKind};
 use sparsekit_kernels::launch::{KernelParams, DEFAULT_DYN_SMEM};
 
@@ -391,7 +391,7 @@ unsafe impl KernelDevice for CudaBackend {
         Ok(out)
     }
 
-    unsafe fn enqueue<P: KernelParams>(&self, params: P) -> Result<()> {
+    unsafe fn enqueue<P: KernelParams>(&self, params: P, _spans: &[Span]) -> Result<()> {
         let l = params.launch();
         let f = self.function(P::ENTRY)?;
         if l.smem_bytes > DEFAULT_DYN_SMEM {

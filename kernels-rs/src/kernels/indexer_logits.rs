@@ -25,6 +25,7 @@
 //! rounded up to 16.
 
 use crate::fp8::e4m3_to_f32;
+use crate::global::{GlobalMut, GlobalPtr};
 use crate::launch::{Launch, MAX_GRID};
 use crate::math::fma;
 use crate::params::{index_k_format, IndexerLogitsParams, QueryRange};
@@ -82,6 +83,7 @@ fn e4m3_to_bf16_bits(code: u8) -> u32 {
 /// buffers (see [`IndexerLogitsParams`]): rows within `row_stride`, every position of every
 /// row's range mapped by the page table to a page of `cache`; `head_dim` a multiple of 16
 /// and at most [`MAX_HEAD_DIM`].
+#[inline(always)]
 pub unsafe fn indexer_logits<S: Simt>(p: IndexerLogitsParams) {
     let chunks = p.row_stride.div_ceil(KEYS_PER_BLOCK) as u64;
     let items = p.n_rows as u64 * chunks;
@@ -100,7 +102,7 @@ pub unsafe fn indexer_logits<S: Simt>(p: IndexerLogitsParams) {
             request: req,
             start,
             end,
-        } = unsafe { *p.rows.add(r as usize) };
+        } = unsafe { QueryRange::load::<S>(p.rows, r) };
         // 1. Stage the row's queries (zero-padded to hp heads and the kernel's k-steps) and
         //    weights.
         let dims = 16 * k_steps(p.head_dim);
@@ -109,7 +111,7 @@ pub unsafe fn indexer_logits<S: Simt>(p: IndexerLogitsParams) {
             let (h, d) = (i / dims, i % dims);
             let v = if h < p.n_heads && d < p.head_dim {
                 // SAFETY: r < n_rows, h < n_heads, d < head_dim.
-                unsafe { *p.q.add(((r * p.n_heads + h) * p.head_dim + d) as usize) }
+                unsafe { S::gld(p.q.add(((r * p.n_heads + h) * p.head_dim + d) as usize)) }
             } else {
                 0
             };
@@ -121,7 +123,7 @@ pub unsafe fn indexer_logits<S: Simt>(p: IndexerLogitsParams) {
         while h < hp {
             let w = if h < p.n_heads {
                 // SAFETY: r < n_rows, h < n_heads.
-                unsafe { *p.weights.add((r * p.n_heads + h) as usize) }
+                unsafe { S::gld(p.weights.add((r * p.n_heads + h) as usize)) }
             } else {
                 0.0
             };
@@ -131,12 +133,12 @@ pub unsafe fn indexer_logits<S: Simt>(p: IndexerLogitsParams) {
         }
         S::sync_threads();
         // 2. Columns outside the row's range.
-        let out_row = p.out.wrapping_add(r as usize * p.row_stride as usize);
+        let out_row = p.out.add(r as usize * p.row_stride as usize);
         let mut c = c0 + tid;
         while c < c1 {
             if c < start || c >= end {
                 // SAFETY: c < row_stride.
-                unsafe { *out_row.add(c as usize) = f32::NEG_INFINITY };
+                unsafe { S::gst(out_row.add(c as usize), f32::NEG_INFINITY) };
             }
             c += nthreads;
         }
@@ -169,16 +171,22 @@ pub unsafe fn indexer_logits<S: Simt>(p: IndexerLogitsParams) {
 /// # Safety
 /// `pos` is inside a validated row range of `req`.
 #[inline(always)]
-unsafe fn key_address(p: &IndexerLogitsParams, req: u32, pos: u32) -> (*const u8, *const u8, u32) {
+unsafe fn key_address<S: Simt>(
+    p: &IndexerLogitsParams,
+    req: u32,
+    pos: u32,
+) -> (GlobalPtr<u8>, GlobalPtr<u8>, u32) {
     // SAFETY: the page-table entry of a position inside a validated range exists.
     let page = unsafe {
-        *p.page_table
-            .add((req * p.max_pages + pos / p.page_size) as usize)
+        S::gld(
+            p.page_table
+                .add((req * p.max_pages + pos / p.page_size) as usize),
+        )
     };
     let off = pos % p.page_size;
-    let page_ptr = p.cache.wrapping_add(page as usize * p.page_bytes as usize);
+    let page_ptr = p.cache.byte_add(page as usize * p.page_bytes as usize);
     (
-        page_ptr.wrapping_add((off * p.value_bytes) as usize),
+        page_ptr.byte_add((off * p.value_bytes) as usize),
         page_ptr,
         off,
     )
@@ -186,7 +194,7 @@ unsafe fn key_address(p: &IndexerLogitsParams, req: u32, pos: u32) -> (*const u8
 
 /// Where a warp's 8-key tile is: `(request, first position, end of in-range columns,
 /// output row, padded heads, staged query row bytes, weights offset)`.
-type TileArgs = (u32, u32, u32, *mut f32, u32, usize, usize);
+type TileArgs = (u32, u32, u32, GlobalMut<f32>, u32, usize, usize);
 
 /// The B fragment of k-step `ks` for lane column `t` of a key whose values start at
 /// `vals` (`None`: a position past the tile's end, zeros). Dims past `head_dim` are zero.
@@ -194,7 +202,12 @@ type TileArgs = (u32, u32, u32, *mut f32, u32, usize, usize);
 /// # Safety
 /// `vals` points at a valid token's value bytes.
 #[inline(always)]
-unsafe fn b_frag(p: &IndexerLogitsParams, vals: Option<*const u8>, ks: usize, t: u32) -> [u32; 2] {
+unsafe fn b_frag<S: Simt>(
+    p: &IndexerLogitsParams,
+    vals: Option<GlobalPtr<u8>>,
+    ks: usize,
+    t: u32,
+) -> [u32; 2] {
     let Some(vals) = vals else {
         return [0; 2];
     };
@@ -205,11 +218,12 @@ unsafe fn b_frag(p: &IndexerLogitsParams, vals: Option<*const u8>, ks: usize, t:
             0
         } else if p.format != index_k_format::BF16 {
             // SAFETY: d + 1 < head_dim = the token's value bytes.
-            let (lo, hi) = unsafe { (*vals.add(d), *vals.add(d + 1)) };
+            let (lo, hi) = unsafe { (S::gld(vals.add(d)), S::gld(vals.add(d + 1))) };
             e4m3_to_bf16_bits(lo) | (e4m3_to_bf16_bits(hi) << 16)
         } else {
-            // SAFETY: 2d + 3 < 2·head_dim = the token's value bytes.
-            unsafe { (vals.add(2 * d) as *const u32).read_unaligned() }
+            // SAFETY: 2d + 3 < 2·head_dim = the token's value bytes (4-byte aligned: d is
+            // even, value rows and pages are multiples of 4 bytes).
+            unsafe { S::gld(vals.add(2 * d).cast::<u32>()) }
         };
     }
     b
@@ -270,26 +284,34 @@ unsafe fn key_tile<S: Simt, const KS: usize, const CACHED: bool>(
     let (g, t) = (lane / 4, lane % 4);
     let key = p0 + g;
     // SAFETY: key in [p0, hi) ⊆ the row's range.
-    let vals = (key < hi).then(|| unsafe { key_address(p, req, key).0 });
+    let vals = (key < hi).then(|| unsafe { key_address::<S>(p, req, key).0 });
     let mut cached = [[0u32; 2]; KS];
     if CACHED {
-        for (ks, b) in cached.iter_mut().enumerate() {
-            // SAFETY: `vals` is a valid token's values (or None).
-            *b = unsafe { b_frag(p, vals, ks, t) };
-        }
+        unroll!(16, ks, {
+            if ks < KS {
+                // SAFETY: `vals` is a valid token's values (or None).
+                cached[ks] = unsafe { b_frag::<S>(p, vals, ks, t) };
+            }
+        });
     }
     let mut part = [0f32; 2];
     let mut mt = 0;
     while mt < hp / 16 {
         let mut acc = [0f32; 4];
-        for (ks, c) in cached.iter().enumerate() {
-            // SAFETY: as above; queries staged with KS k-steps.
-            let (a, b) = unsafe {
-                let b = if CACHED { *c } else { b_frag(p, vals, ks, t) };
-                (a_frag::<S>(qrow, mt, ks, g, t), b)
-            };
-            acc = S::mma_bf16_m16n8k16(a, b, acc);
-        }
+        unroll!(16, ks, {
+            if ks < KS {
+                // SAFETY: as above; queries staged with KS k-steps.
+                let (a, b) = unsafe {
+                    let b = if CACHED {
+                        cached[ks]
+                    } else {
+                        b_frag::<S>(p, vals, ks, t)
+                    };
+                    (a_frag::<S>(qrow, mt, ks, g, t), b)
+                };
+                acc = S::mma_bf16_m16n8k16(a, b, acc);
+            }
+        });
         // SAFETY: weights staged; mt < hp / 16.
         unsafe { fold_heads::<S>(w_base, mt, g, acc, &mut part) };
         mt += 1;
@@ -308,15 +330,14 @@ unsafe fn key_tile<S: Simt, const KS: usize, const CACHED: bool>(
                 let scale = if p.format != index_k_format::BF16 {
                     // SAFETY: pos in the row's range; the scale of its token.
                     unsafe {
-                        let (_, page, off) = key_address(p, req, pos);
-                        (page.add((p.scale_offset + 4 * off) as usize) as *const f32)
-                            .read_unaligned()
+                        let (_, page, off) = key_address::<S>(p, req, pos);
+                        S::gld(page.add((p.scale_offset + 4 * off) as usize).cast::<f32>())
                     }
                 } else {
                     1.0
                 };
                 // SAFETY: pos < hi ≤ end ≤ row_stride.
-                unsafe { *out_row.add(pos as usize) = part[j as usize] * scale };
+                unsafe { S::gst(out_row.add(pos as usize), part[j as usize] * scale) };
             }
         }
     }

@@ -1,6 +1,19 @@
 //! The kernels, generic over [`Simt`](crate::Simt). Each is an `unsafe fn` whose contract
 //! is stated on it; launchers establish the contract from validated host descriptors.
 
+/// Repeats `$b` with `$i` bound to `0, 1, .., N - 1` (a literal count): a forced unroll,
+/// so that register arrays are only indexed by constants (no local memory).
+macro_rules! unroll {
+    (2, $i:ident, $b:block) => { unroll!(@ $i, $b, 0 1) };
+    (4, $i:ident, $b:block) => { unroll!(@ $i, $b, 0 1 2 3) };
+    (8, $i:ident, $b:block) => { unroll!(@ $i, $b, 0 1 2 3 4 5 6 7) };
+    (9, $i:ident, $b:block) => { unroll!(@ $i, $b, 0 1 2 3 4 5 6 7 8) };
+    (16, $i:ident, $b:block) => {
+        unroll!(@ $i, $b, 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15)
+    };
+    (@ $i:ident, $b:block, $($n:literal)*) => { $( { let $i: usize = $n; $b } )* };
+}
+
 mod indexer_logits;
 mod pages;
 mod sparse_mla;

@@ -81,19 +81,6 @@
 //! every key block rather than hoisted (`Role::opaque`), so the kernel compiles without
 //! spills or local memory (about 240 registers, 1 block of 8 warps per SM).
 
-/// Repeats `$b` with `$i` bound to `0, 1, .., N - 1` (a literal count): a forced unroll,
-/// so that register arrays are only indexed by constants (no local memory).
-macro_rules! unroll {
-    (2, $i:ident, $b:block) => { unroll!(@ $i, $b, 0 1) };
-    (4, $i:ident, $b:block) => { unroll!(@ $i, $b, 0 1 2 3) };
-    (8, $i:ident, $b:block) => { unroll!(@ $i, $b, 0 1 2 3 4 5 6 7) };
-    (9, $i:ident, $b:block) => { unroll!(@ $i, $b, 0 1 2 3 4 5 6 7 8) };
-    (16, $i:ident, $b:block) => {
-        unroll!(@ $i, $b, 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15)
-    };
-    (@ $i:ident, $b:block, $($n:literal)*) => { $( { let $i: usize = $n; $b } )* };
-}
-
 mod gather;
 #[cfg(all(test, feature = "emu"))]
 mod tests;
@@ -349,7 +336,7 @@ unsafe fn attend<S: Simt>(p: &SparseMlaParams, g: &Geometry, token: u32, h0: u32
         // Global loads of the next block, in flight while this one is computed.
         let pf = if prefetch {
             // SAFETY: `next_slot` is -1 or a validated slot; the layout is prefetchable.
-            unsafe { gather::issue(p, g, &r, next_slot) }
+            unsafe { gather::issue::<S>(p, g, &r, next_slot) }
         } else {
             gather::Prefetch::default()
         };

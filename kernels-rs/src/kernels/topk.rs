@@ -47,6 +47,7 @@
 //! only after another.
 
 use super::FULL;
+use crate::global::{GlobalMut, GlobalPtr};
 use crate::launch::{Launch, MAX_GRID};
 use crate::params::{QueryRange, TopkParams};
 use crate::simt::Simt;
@@ -167,9 +168,9 @@ pub unsafe fn topk<S: Simt>(p: TopkParams) {
             request,
             start,
             end,
-        } = unsafe { *p.rows.add(r as usize) };
-        let row = p.logits.wrapping_add(r as usize * p.row_stride as usize);
-        let out = p.out.wrapping_add(r as usize * p.k as usize);
+        } = unsafe { QueryRange::load::<S>(p.rows, r) };
+        let row = p.logits.add(r as usize * p.row_stride as usize);
+        let out = p.out.add(r as usize * p.k as usize);
         let th = if end.saturating_sub(start) <= p.k {
             Threshold::ALL
         } else {
@@ -192,7 +193,7 @@ pub unsafe fn topk<S: Simt>(p: TopkParams) {
 /// Every thread of the block calls it with the same arguments; `row[start..end]` is
 /// readable; [`SMEM_BYTES`] of shared memory; the previous shared-memory accesses are
 /// separated from this call by a barrier.
-unsafe fn select<S: Simt>(me: Me, row: *const f32, start: u32, end: u32, k: u32) -> Threshold {
+unsafe fn select<S: Simt>(me: Me, row: GlobalPtr<f32>, start: u32, end: u32, k: u32) -> Threshold {
     // Zero both histograms (plain stores; the atomics come after the barrier).
     let mut i = me.tid;
     while i < 2 * BINS {
@@ -279,7 +280,7 @@ const UNROLL: u32 = 4;
 #[inline(always)]
 unsafe fn histogram<S: Simt>(
     me: Me,
-    row: *const f32,
+    row: GlobalPtr<f32>,
     start: u32,
     end: u32,
     hist: usize,
@@ -305,7 +306,7 @@ unsafe fn histogram<S: Simt>(
     let load = |q: u32| {
         if q < end {
             // SAFETY: start <= q < end: inside the row.
-            key_of(unsafe { *row.add(q as usize) })
+            key_of(unsafe { S::gld(row.add(q as usize)) })
         } else {
             INVALID
         }
@@ -452,7 +453,7 @@ unsafe fn cross_warp<S: Simt>(me: Me, buf: usize) -> (u32, u32) {
 /// # Safety
 /// With a page table, it maps `pos` of `request` (contract of [`topk`]).
 #[inline(always)]
-unsafe fn output_of(p: &TopkParams, request: u32, pos: u32) -> i32 {
+unsafe fn output_of<S: Simt>(p: &TopkParams, request: u32, pos: u32) -> i32 {
     if p.page_table.is_null() {
         return pos as i32;
     }
@@ -460,7 +461,7 @@ unsafe fn output_of(p: &TopkParams, request: u32, pos: u32) -> i32 {
     let page_size = p.page_size.max(1);
     let entry = request as usize * p.max_pages as usize + (pos / page_size) as usize;
     // SAFETY: the page table maps every position of the row's range (contract).
-    let page = unsafe { *p.page_table.add(entry) };
+    let page = unsafe { S::gld(p.page_table.add(entry)) };
     // Validated to fit in i32.
     (page as u32)
         .wrapping_mul(page_size)
@@ -478,8 +479,8 @@ unsafe fn output_of(p: &TopkParams, request: u32, pos: u32) -> i32 {
 unsafe fn write_row<S: Simt>(
     me: Me,
     p: &TopkParams,
-    row: *const f32,
-    out: *mut i32,
+    row: GlobalPtr<f32>,
+    out: GlobalMut<i32>,
     request: u32,
     start: u32,
     end: u32,
@@ -498,7 +499,7 @@ unsafe fn write_row<S: Simt>(
     let load = |pos: u32| {
         if pos < end {
             // SAFETY: start <= pos < end (callers pass pos >= start).
-            key_of(unsafe { *row.add(pos as usize) })
+            key_of(unsafe { S::gld(row.add(pos as usize)) })
         } else {
             INVALID
         }
@@ -537,7 +538,7 @@ unsafe fn write_row<S: Simt>(
             let at = written + first_before + eq_before.min(left);
             if at < k {
                 // SAFETY: at < k: inside the row's output; the page table maps pos.
-                unsafe { *out.add(at as usize) = output_of(p, request, pos) };
+                unsafe { S::gst(out.add(at as usize), output_of::<S>(p, request, pos)) };
             }
         }
         written += first_total + eq_total.min(left);
@@ -548,7 +549,7 @@ unsafe fn write_row<S: Simt>(
     let mut j = written + me.tid;
     while j < k {
         // SAFETY: j < k.
-        unsafe { *out.add(j as usize) = -1 };
+        unsafe { S::gst(out.add(j as usize), -1) };
         j += me.block_dim;
     }
 }

@@ -2,19 +2,10 @@
 //! and moving the keys from the paged KV cache into shared memory as bf16.
 
 use super::{Geometry, Role, BN, MAXIT};
+use crate::global::{GlobalPtr, V4};
 use crate::kernels::FULL;
 use crate::params::SparseMlaParams;
 use crate::simt::Simt;
-
-/// A 16-byte vector (`ld/st.v4.u32`).
-#[repr(C, align(16))]
-#[derive(Clone, Copy)]
-pub(super) struct V4(pub [u32; 4]);
-
-/// An 8-byte vector (`ld/st.v2.u32`).
-#[repr(C, align(8))]
-#[derive(Clone, Copy)]
-pub(super) struct V2(pub [u32; 2]);
 
 /// A warp's walk over one token's indices, 32 at a time. Every warp of the block walks
 /// the same indices and therefore finds the same key blocks.
@@ -36,10 +27,10 @@ pub(super) struct Scan {
 /// # Safety
 /// `token < n_tokens`.
 #[inline(always)]
-unsafe fn index(p: &SparseMlaParams, token: u32, i: u32) -> i32 {
+unsafe fn index<S: Simt>(p: &SparseMlaParams, token: u32, i: u32) -> i32 {
     if i < p.topk {
         // SAFETY: token < n_tokens and i < topk: inside `indices`.
-        unsafe { *p.indices.add(token as usize * p.topk as usize + i as usize) }
+        unsafe { S::gld(p.indices.add(token as usize * p.topk as usize + i as usize)) }
     } else {
         -1
     }
@@ -70,7 +61,7 @@ impl Scan {
     #[inline(always)]
     pub(super) unsafe fn start<S: Simt>(p: &SparseMlaParams, token: u32, lane: u32) -> Self {
         // SAFETY: token < n_tokens.
-        let (cur, next) = unsafe { (index(p, token, lane), index(p, token, 32 + lane)) };
+        let (cur, next) = unsafe { (index::<S>(p, token, lane), index::<S>(p, token, 32 + lane)) };
         Scan {
             base: 0,
             cur,
@@ -118,7 +109,7 @@ impl Scan {
                     self.base += 32;
                     self.cur = self.next;
                     // SAFETY: token < n_tokens.
-                    self.next = unsafe { index(p, token, self.base + 32 + lane) };
+                    self.next = unsafe { index::<S>(p, token, self.base + 32 + lane) };
                     self.mask = S::ballot(FULL, self.cur >= 0);
                 }
             } else {
@@ -144,7 +135,7 @@ pub(super) struct Prefetch {
 /// Whether every token row (and `extra`) is aligned to `align` bytes.
 #[inline(always)]
 fn aligned(p: &SparseMlaParams, align: u64, extra: u32) -> bool {
-    (p.cache as u64 | p.page_bytes | p.token_bytes as u64 | extra as u64) % align == 0
+    (p.cache.addr() as u64 | p.page_bytes | p.token_bytes as u64 | extra as u64) % align == 0
 }
 
 /// Whether the prefetch can gather `p`'s keys: token rows, rope and scales 16-byte
@@ -158,16 +149,16 @@ pub(super) fn prefetchable(p: &SparseMlaParams) -> bool {
 
 /// The key row of `slot` (null for `slot < 0`).
 #[inline(always)]
-fn token_row(p: &SparseMlaParams, slot: i32) -> *const u8 {
+fn token_row(p: &SparseMlaParams, slot: i32) -> GlobalPtr<u8> {
     if slot < 0 {
-        return core::ptr::null();
+        return GlobalPtr::null();
     }
     let (page, off) = (
         slot as u64 / p.page_size as u64,
         slot as u64 % p.page_size as u64,
     );
     p.cache
-        .wrapping_add((page * p.page_bytes + off * p.token_bytes as u64) as usize)
+        .byte_add((page * p.page_bytes + off * p.token_bytes as u64) as usize)
 }
 
 /// Byte offset of source unit `u` inside a token row.
@@ -212,7 +203,12 @@ unsafe fn store_unit<S: Simt>(g: &Geometry, key: u32, u: u32, v: [u32; 4]) {
 /// # Safety
 /// `slot` is -1 or a slot of the cache described by `p`; [`prefetchable`]`(p)`.
 #[inline(always)]
-pub(super) unsafe fn issue(p: &SparseMlaParams, g: &Geometry, r: &Role, slot: i32) -> Prefetch {
+pub(super) unsafe fn issue<S: Simt>(
+    p: &SparseMlaParams,
+    g: &Geometry,
+    r: &Role,
+    slot: i32,
+) -> Prefetch {
     let mut pf = Prefetch::default();
     if slot < 0 {
         return pf;
@@ -221,16 +217,18 @@ pub(super) unsafe fn issue(p: &SparseMlaParams, g: &Geometry, r: &Role, slot: i3
     unroll!(9, i, {
         let u = r.sub + 8 * i as u32;
         if u < g.units {
-            let at = tok.wrapping_add(unit_offset(p, g, u)) as *const V4;
+            let at = tok.byte_add(unit_offset(p, g, u)).cast::<V4>();
             // SAFETY: 16 bytes of the token row (u < units), 16-byte aligned
             // (prefetchable layout).
-            pf.v[i] = unsafe { at.read() }.0;
+            pf.v[i] = unsafe { S::gld(at) }.0;
         }
     });
     if r.sub < g.tiles {
-        let at = tok.wrapping_add((p.scales_offset + 4 * r.sub) as usize) as *const f32;
+        let at = tok
+            .byte_add((p.scales_offset + 4 * r.sub) as usize)
+            .cast::<f32>();
         // SAFETY: the f32 scale of a tile of the token (sub < tiles), 4-byte aligned.
-        pf.scale = unsafe { at.read() };
+        pf.scale = unsafe { S::gld(at) };
     }
     pf
 }
@@ -278,7 +276,7 @@ pub(super) unsafe fn store_rest<S: Simt>(
             [0; 4]
         } else {
             // SAFETY: 16 bytes of the token row (u < units).
-            unsafe { load16(tok.wrapping_add(unit_offset(p, g, u)), al16) }
+            unsafe { load16::<S>(tok.byte_add(unit_offset(p, g, u)), al16) }
         };
         // SAFETY: key < 32, u < units (the caller's exclusivity).
         unsafe { store_unit::<S>(g, r.key, u, v) };
@@ -289,9 +287,9 @@ pub(super) unsafe fn store_rest<S: Simt>(
         let scale = if slot < 0 {
             0.0
         } else {
-            let at = tok.wrapping_add((p.scales_offset + 4 * tile) as usize);
+            let at = tok.byte_add((p.scales_offset + 4 * tile) as usize);
             // SAFETY: the f32 scale of a tile of the token (tile < tiles).
-            f32::from_bits(unsafe { word(at) })
+            f32::from_bits(unsafe { word::<S>(at) })
         };
         // SAFETY: tile < tiles, key < 32: inside the scale table; this thread's entry.
         unsafe { S::smem_store((g.scale_off + 4 * (tile * BN + r.key)) as usize, scale) };
@@ -304,13 +302,20 @@ pub(super) unsafe fn store_rest<S: Simt>(
 /// # Safety
 /// Readable.
 #[inline(always)]
-pub(super) unsafe fn load16(at: *const u8, al16: bool) -> [u32; 4] {
+pub(super) unsafe fn load16<S: Simt>(at: GlobalPtr<u8>, al16: bool) -> [u32; 4] {
     if al16 {
         // SAFETY: caller's contract.
-        unsafe { (at as *const V4).read().0 }
+        unsafe { S::gld(at.cast::<V4>()).0 }
     } else {
         // SAFETY: caller's contract.
-        unsafe { [word(at), word(at.add(4)), word(at.add(8)), word(at.add(12))] }
+        unsafe {
+            [
+                word::<S>(at),
+                word::<S>(at.add(4)),
+                word::<S>(at.add(8)),
+                word::<S>(at.add(12)),
+            ]
+        }
     }
 }
 
@@ -319,13 +324,13 @@ pub(super) unsafe fn load16(at: *const u8, al16: bool) -> [u32; 4] {
 /// # Safety
 /// 4 readable bytes.
 #[inline(always)]
-unsafe fn word(at: *const u8) -> u32 {
+unsafe fn word<S: Simt>(at: GlobalPtr<u8>) -> u32 {
     // SAFETY: caller's contract.
     unsafe {
-        *at as u32
-            | (*at.add(1) as u32) << 8
-            | (*at.add(2) as u32) << 16
-            | (*at.add(3) as u32) << 24
+        S::gld(at) as u32
+            | (S::gld(at.add(1)) as u32) << 8
+            | (S::gld(at.add(2)) as u32) << 16
+            | (S::gld(at.add(3)) as u32) << 24
     }
 }
 

@@ -4,12 +4,13 @@
 //! multiple of 8), partial head groups, misaligned buffers, non-power-of-two tile scales,
 //! peaked softmax, odd page sizes, `-1` everywhere.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use super::{sparse_mla, sparse_mla_launch};
-use crate::emu::{launch, Emu, LaunchConfig, Params};
+use crate::emu::{launch_kernel, BufferAccess, GlobalBuffers};
 use crate::fp8::{bf16_to_f32, e4m3_decode, e4m3_encode, kv_tile_scale};
+use crate::global::{GlobalMut, GlobalPtr};
 use crate::params::{kv_format, SparseMlaParams};
 
 /// Values per fp8_ds_mla tile.
@@ -129,12 +130,21 @@ fn run(c: Case, seed: u64) -> (f64, f64) {
     let mut out = vec![0x7fc0u16; olen + qm];
     let mut lse = vec![f32::NAN; c.n_tokens * c.n_heads];
     let scale = 1.0 / (d_qk as f32).sqrt();
+    let mut bufs = GlobalBuffers::new("sparse_mla");
+    bufs.add_slice("q", &q[qm..], BufferAccess::Read).unwrap();
+    bufs.add_slice("cache", &cache[c.misalign..], BufferAccess::Read)
+        .unwrap();
+    bufs.add_slice("indices", &indices, BufferAccess::Read)
+        .unwrap();
+    bufs.add_slice("out", &out[qm..], BufferAccess::Write)
+        .unwrap();
+    bufs.add_slice("lse", &lse, BufferAccess::Write).unwrap();
     let p = SparseMlaParams {
-        q: q[qm..].as_ptr(),
-        cache: cache[c.misalign..].as_ptr(),
-        indices: indices.as_ptr(),
-        out: out[qm..].as_mut_ptr(),
-        lse: lse.as_mut_ptr(),
+        q: GlobalPtr::from_raw(q[qm..].as_ptr()),
+        cache: GlobalPtr::from_raw(cache[c.misalign..].as_ptr()),
+        indices: GlobalPtr::from_raw(indices.as_ptr()),
+        out: GlobalMut::from_raw(out[qm..].as_mut_ptr()),
+        lse: GlobalMut::from_raw(lse.as_mut_ptr()),
         page_bytes: page_bytes as u64,
         n_tokens: c.n_tokens as u32,
         n_heads: c.n_heads as u32,
@@ -153,17 +163,9 @@ fn run(c: Case, seed: u64) -> (f64, f64) {
         softmax_scale: scale,
         _pad: 0,
     };
-    let l = sparse_mla_launch(&p);
-    let cfg = LaunchConfig {
-        grid: l.grid,
-        block: l.block,
-        dyn_smem_bytes: l.smem_bytes as usize,
-    };
-    // SAFETY: every pointer is a live buffer of the sizes in `p`, borrowed for the
-    // (synchronous) launch.
-    let args = unsafe { Params::new(p) };
-    // SAFETY: the kernel's contract holds (buffers above, geometry from the kernel).
-    if let Err(e) = launch(cfg, || unsafe { sparse_mla::<Emu>(args.get()) }) {
+    // SAFETY: every address is a live buffer of the sizes in `p` (registered in `bufs`),
+    // borrowed for the (synchronous) launch; the geometry is the kernel's.
+    if let Err(e) = unsafe { launch_kernel(p, &bufs) } {
         panic!("{c:?}: {e}");
     }
 

@@ -5,8 +5,9 @@
 //! unchanged): lane `t` of an mma group supplies dims `4t, 4t+1` as k `2t, 2t+1` and dims
 //! `4t+2, 4t+3` as k `2t+8, 2t+9`, so each operand register pair is one 8-byte load.
 
-use super::gather::{load16, V2, V4};
+use super::gather::load16;
 use super::{Geometry, Role, BN, MAX_NT, PLAIN};
+use crate::global::{V2, V4};
 use crate::kernels::FULL;
 use crate::math::{exp2, fma, log2, LN_2, LOG2_E};
 use crate::params::kv_format::FP8_DS_MLA_TILE;
@@ -91,7 +92,7 @@ fn round_bf16(x: f32) -> (u32, f32) {
 /// read it since the last one.
 #[inline(always)]
 pub(super) unsafe fn stage_q<S: Simt>(p: &SparseMlaParams, g: &Geometry, token: u32, h0: u32) {
-    let aligned = p.q as usize % 16 == 0;
+    let aligned = p.q.addr() % 16 == 0;
     let total = 16 * g.chunks;
     let mut i = S::thread_idx();
     while i < total {
@@ -102,7 +103,7 @@ pub(super) unsafe fn stage_q<S: Simt>(p: &SparseMlaParams, g: &Geometry, token: 
                 + 8 * c as usize;
             // SAFETY: head < n_heads, 8c + 8 ≤ d_qk: 8 bf16 of the token's query; 16-byte
             // aligned when `aligned` (d_qk is a multiple of 16).
-            unsafe { load16(p.q.wrapping_add(at) as *const u8, aligned) }
+            unsafe { load16::<S>(p.q.add(at).cast::<u8>(), aligned) }
         } else {
             [0; 4]
         };
@@ -474,13 +475,13 @@ pub(super) unsafe fn merge_and_write<S: Simt>(
             });
         }
     });
-    let vector = p.out as usize % 16 == 0;
+    let vector = p.out.addr() % 16 == 0;
     unroll!(2, h, {
         let head = h0 + r.g + 8 * h as u32;
         if head < p.n_heads {
             let row = (token as usize * p.n_heads as usize + head as usize) * g.nope as usize;
             let first = row + (cols.base + 2 * r.t * cols.ntw) as usize;
-            let dst = p.out.wrapping_add(first);
+            let dst = p.out.add(first);
             if vector && cols.ntw == MAX_NT as u32 {
                 unroll!(4, k, {
                     // Words 4k..4k+4: values 8k..8k+8 of (e = k / 2, j = 8(k % 2)..).
@@ -489,17 +490,13 @@ pub(super) unsafe fn merge_and_write<S: Simt>(
                     let w = &ob[h][e][j0 / 2..j0 / 2 + 4];
                     // SAFETY: 8 bf16 of the row's columns (< nope), 16-byte aligned
                     // (`out`, nope and the column are).
-                    unsafe {
-                        (dst.wrapping_add(8 * k) as *mut V4).write(V4([w[0], w[1], w[2], w[3]]))
-                    };
+                    unsafe { S::gst(dst.add(8 * k).cast::<V4>(), V4([w[0], w[1], w[2], w[3]])) };
                 });
             } else if vector && cols.ntw == 8 {
                 unroll!(2, e, {
                     let w = &ob[h][e];
                     // SAFETY: 8 bf16 of the row's columns (< nope), 16-byte aligned.
-                    unsafe {
-                        (dst.wrapping_add(8 * e) as *mut V4).write(V4([w[0], w[1], w[2], w[3]]))
-                    };
+                    unsafe { S::gst(dst.add(8 * e).cast::<V4>(), V4([w[0], w[1], w[2], w[3]])) };
                 });
             } else {
                 unroll!(2, e, {
@@ -508,8 +505,10 @@ pub(super) unsafe fn merge_and_write<S: Simt>(
                             let at = e as u32 * cols.ntw + j as u32;
                             // SAFETY: column base + (2t + e)·ntw + j < nope.
                             unsafe {
-                                *dst.wrapping_add(at as usize) =
-                                    (ob[h][e][j / 2] >> (16 * (j & 1))) as u16
+                                S::gst(
+                                    dst.add(at as usize),
+                                    (ob[h][e][j / 2] >> (16 * (j & 1))) as u16,
+                                )
                             };
                         }
                     });
@@ -518,8 +517,11 @@ pub(super) unsafe fn merge_and_write<S: Simt>(
             if pass == 0 && r.q4 == 0 && r.t == 0 {
                 // SAFETY: head < n_heads, token < n_tokens.
                 unsafe {
-                    *p.lse
-                        .add(token as usize * p.n_heads as usize + head as usize) = lse[h]
+                    S::gst(
+                        p.lse
+                            .add(token as usize * p.n_heads as usize + head as usize),
+                        lse[h],
+                    )
                 };
             }
         }

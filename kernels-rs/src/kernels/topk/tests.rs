@@ -4,7 +4,10 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic
 
 use super::*;
-use crate::emu::{launch, LaunchConfig, Params};
+use crate::emu::{
+    launch_checked, launch_kernel, BufferAccess, GlobalBuffers, LaunchConfig, Params,
+};
+use crate::global::{GlobalMut, GlobalPtr};
 use crate::launch::Launch;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -37,11 +40,16 @@ fn run(rows: &[(usize, Vec<f32>)], k: usize, grid: Option<u32>) -> Vec<i32> {
         });
     }
     let mut out = vec![i32::MIN; rows.len() * k];
+    let mut bufs = GlobalBuffers::new("topk");
+    bufs.add_slice("logits", &logits, BufferAccess::Read)
+        .unwrap();
+    bufs.add_slice("rows", &ranges, BufferAccess::Read).unwrap();
+    bufs.add_slice("out", &out, BufferAccess::Write).unwrap();
     let p = TopkParams {
-        logits: logits.as_ptr(),
-        rows: ranges.as_ptr(),
-        page_table: core::ptr::null(),
-        out: out.as_mut_ptr(),
+        logits: GlobalPtr::from_raw(logits.as_ptr()),
+        rows: GlobalPtr::from_raw(ranges.as_ptr()),
+        page_table: GlobalPtr::null(),
+        out: GlobalMut::from_raw(out.as_mut_ptr()),
         n_rows: rows.len() as u32,
         k: k as u32,
         row_stride: stride as u32,
@@ -58,7 +66,7 @@ fn run(rows: &[(usize, Vec<f32>)], k: usize, grid: Option<u32>) -> Vec<i32> {
     // SAFETY: the buffers outlive the launch; rows write disjoint outputs.
     let p = unsafe { Params::new(p) };
     // SAFETY: the kernel's contract holds for these buffers.
-    launch(cfg, || unsafe { topk::<crate::emu::Emu>(p.get()) }).unwrap();
+    launch_checked(cfg, &bufs, || unsafe { topk::<crate::emu::Emu>(p.get()) }).unwrap();
     out
 }
 
@@ -229,11 +237,17 @@ fn slots_through_the_page_table() {
         end: 100,
     }];
     let mut out = vec![0i32; 10];
+    let mut bufs = GlobalBuffers::new("topk");
+    bufs.add_slice("logits", &row, BufferAccess::Read).unwrap();
+    bufs.add_slice("rows", &ranges, BufferAccess::Read).unwrap();
+    bufs.add_slice("page_table", &pages, BufferAccess::Read)
+        .unwrap();
+    bufs.add_slice("out", &out, BufferAccess::Write).unwrap();
     let p = TopkParams {
-        logits: row.as_ptr(),
-        rows: ranges.as_ptr(),
-        page_table: pages.as_ptr(),
-        out: out.as_mut_ptr(),
+        logits: GlobalPtr::from_raw(row.as_ptr()),
+        rows: GlobalPtr::from_raw(ranges.as_ptr()),
+        page_table: GlobalPtr::from_raw(pages.as_ptr()),
+        out: GlobalMut::from_raw(out.as_mut_ptr()),
         n_rows: 1,
         k: 10,
         row_stride: 100,
@@ -241,16 +255,8 @@ fn slots_through_the_page_table() {
         max_pages: max_pages as u32,
         _pad: 0,
     };
-    let l = topk_launch(&p);
-    let cfg = LaunchConfig {
-        grid: l.grid,
-        block: l.block,
-        dyn_smem_bytes: l.smem_bytes as usize,
-    };
-    // SAFETY: the buffers outlive the launch.
-    let pp = unsafe { Params::new(p) };
-    // SAFETY: the kernel's contract holds.
-    launch(cfg, || unsafe { topk::<crate::emu::Emu>(pp.get()) }).unwrap();
+    // SAFETY: the buffers (registered) outlive the launch; the kernel's contract holds.
+    unsafe { launch_kernel(p, &bufs) }.unwrap();
     let want: Vec<i32> = naive(&row[4..], 4, 10)
         .into_iter()
         .map(|c| {
