@@ -307,12 +307,15 @@ mod tests {
         // 256 threads at 238 registers: 238·32 = 7616 → 7680 per warp, 8 warps = 61440.
         let o = occupancy(h200, 256, 238, 64000);
         assert_eq!((o.blocks_per_sm, o.limiter), (1, Limiter::Registers));
-        // 128 threads, 32 registers, no smem: 16 blocks by threads on sm_90 (2048 / 128),
-        // 12 on sm_120 (1536 / 128).
-        let o = occupancy(h200, 128, 32, 0);
+        // 128 threads, 24 registers (21 blocks' worth), no smem: 16 blocks by threads on
+        // sm_90 (2048 / 128), 12 on sm_120 (1536 / 128).
+        let o = occupancy(h200, 128, 24, 0);
         assert_eq!((o.blocks_per_sm, o.limiter), (16, Limiter::Threads));
-        let o = occupancy(rtx, 128, 32, 0);
+        let o = occupancy(rtx, 128, 24, 0);
         assert_eq!((o.blocks_per_sm, o.warps_per_sm), (12, 48));
+        // 64 registers: 2048 per warp, 8192 per block, 8 blocks.
+        let o = occupancy(h200, 128, 64, 0);
+        assert_eq!((o.blocks_per_sm, o.limiter), (8, Limiter::Registers));
         // Shared memory: 40 KiB blocks, 2 per 100 KiB SM (41 KiB each with the reserve).
         let o = occupancy(rtx, 128, 32, 40 * 1024);
         assert_eq!((o.blocks_per_sm, o.limiter), (2, Limiter::SharedMemory));

@@ -4,6 +4,40 @@
 //! Built by the root build script once per SM arch with `-C target-cpu=sm_XX`; rustc then
 //! sets `cfg(target_feature = "sm_XX")` for that arch and every lower one (sm_90 implies
 //! sm_89), which selects arch-specific code such as the e4m3 mma (sm_89+).
+//!
+//! # Warp-wide instructions and the optimiser
+//!
+//! An instruction every lane of a warp must execute together (`shfl.sync`, `vote.sync`,
+//! `mma.sync.aligned`, `bar.sync`) must never be moved into, or duplicated across,
+//! lane-divergent control flow; LLVM guarantees that only for calls it knows to be
+//! `convergent`. So: barriers, shuffles and votes are the NVVM intrinsics (declared
+//! `convergent` by LLVM); `mma.sync` has no convergent intrinsic (LLVM's mma intrinsics
+//! are plain `memory(none)`), so it is inline asm that (a) is not `pure` (never sunk,
+//! hoisted, speculated or merged) and (b) is marked `convergent` by the root build script
+//! in the unoptimised IR, before any LLVM pass runs (`build.rs`: rustc emits the IR with
+//! `-C no-prepopulate-passes`, the script marks every warp-wide asm call and then runs
+//! the O3 pipeline itself). The build then checks, per function, that every warp-wide
+//! instruction of the PTX is one the optimised IR issues, all of them convergent.
+
+/// The NVVM intrinsics behind the warp collectives (LLVM declares them `convergent`).
+#[allow(improper_ctypes)]
+extern "unadjusted" {
+    #[link_name = "llvm.nvvm.shfl.sync.bfly.i32"]
+    fn shfl_sync_bfly(mask: u32, value: u32, lane_mask: u32, clamp: u32) -> u32;
+    #[link_name = "llvm.nvvm.shfl.sync.idx.i32"]
+    fn shfl_sync_idx(mask: u32, value: u32, src_lane: u32, clamp: u32) -> u32;
+    #[link_name = "llvm.nvvm.shfl.sync.down.i32"]
+    fn shfl_sync_down(mask: u32, value: u32, delta: u32, clamp: u32) -> u32;
+    #[link_name = "llvm.nvvm.vote.ballot.sync"]
+    fn vote_ballot_sync(mask: u32, predicate: bool) -> u32;
+}
+
+/// The block's dynamic shared memory, declared 16-byte aligned (`.extern .shared .align
+/// 16`): the kernels issue 16-byte shared accesses relative to it.
+#[inline(always)]
+fn dyn_smem() -> *mut u8 {
+    core::intrinsics::gpu::gpu_launch_sized_workgroup_mem::<crate::global::V4>().cast::<u8>()
+}
 
 use core::arch::asm;
 use core::arch::nvptx;
@@ -14,25 +48,6 @@ use crate::simt::Simt;
 /// The GPU itself.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Device;
-
-macro_rules! shfl {
-    ($mode:literal, $clamp:literal, $mask:expr, $v:expr, $b:expr) => {{
-        let r: u32;
-        // SAFETY: a warp shuffle has no memory effects; the `.sync` mask contract is the
-        // caller's (see `Simt`).
-        unsafe {
-            asm!(
-                concat!("shfl.sync.", $mode, ".b32 {r}, {v}, {b}, ", $clamp, ", {m};"),
-                r = out(reg32) r,
-                v = in(reg32) $v,
-                b = in(reg32) $b,
-                m = in(reg32) $mask,
-                options(nomem, nostack, preserves_flags),
-            );
-        }
-        r
-    }};
-}
 
 impl Simt for Device {
     const HAS_FP8_MMA: bool = cfg!(target_feature = "sm_89");
@@ -64,20 +79,17 @@ impl Simt for Device {
     }
     #[inline(always)]
     unsafe fn smem_load<T: Copy>(byte_offset: usize) -> T {
-        let base = core::intrinsics::gpu::gpu_launch_sized_workgroup_mem::<u8>();
         // SAFETY: in bounds and aligned (caller's contract).
-        unsafe { base.add(byte_offset).cast::<T>().read() }
+        unsafe { dyn_smem().add(byte_offset).cast::<T>().read() }
     }
     #[inline(always)]
     unsafe fn smem_store<T: Copy>(byte_offset: usize, value: T) {
-        let base = core::intrinsics::gpu::gpu_launch_sized_workgroup_mem::<u8>();
         // SAFETY: in bounds and aligned (caller's contract).
-        unsafe { base.add(byte_offset).cast::<T>().write(value) }
+        unsafe { dyn_smem().add(byte_offset).cast::<T>().write(value) }
     }
     #[inline(always)]
     unsafe fn smem_atomic_add_u32(byte_offset: usize, value: u32) -> u32 {
-        let base = core::intrinsics::gpu::gpu_launch_sized_workgroup_mem::<u8>();
-        let p = base.wrapping_add(byte_offset);
+        let p = dyn_smem().wrapping_add(byte_offset);
         let r: u32;
         // SAFETY: `p` is an aligned u32 inside dynamic shared memory (caller's contract);
         // a generic-address atomic reaches the shared window.
@@ -94,30 +106,24 @@ impl Simt for Device {
     }
     #[inline(always)]
     fn shfl_xor(mask: u32, value: u32, lane_mask: u32) -> u32 {
-        shfl!("bfly", "0x1f", mask, value, lane_mask)
+        // SAFETY: a warp shuffle (convergent intrinsic); the `.sync` mask contract is the
+        // caller's (see `Simt`). Clamp 0x1f: the whole warp is one segment.
+        unsafe { shfl_sync_bfly(mask, value, lane_mask, 0x1f) }
     }
     #[inline(always)]
     fn shfl_idx(mask: u32, value: u32, src_lane: u32) -> u32 {
-        shfl!("idx", "0x1f", mask, value, src_lane)
+        // SAFETY: as `shfl_xor`.
+        unsafe { shfl_sync_idx(mask, value, src_lane, 0x1f) }
     }
     #[inline(always)]
     fn shfl_down(mask: u32, value: u32, delta: u32) -> u32 {
-        shfl!("down", "0x1f", mask, value, delta)
+        // SAFETY: as `shfl_xor`.
+        unsafe { shfl_sync_down(mask, value, delta, 0x1f) }
     }
     #[inline(always)]
     fn ballot(mask: u32, predicate: bool) -> u32 {
-        let r: u32;
-        // SAFETY: a warp vote has no memory effects.
-        unsafe {
-            asm!(
-                "{{ .reg .pred p; setp.ne.u32 p, {x}, 0; vote.sync.ballot.b32 {r}, p, {m}; }}",
-                r = out(reg32) r,
-                x = in(reg32) predicate as u32,
-                m = in(reg32) mask,
-                options(nomem, nostack, preserves_flags),
-            );
-        }
-        r
+        // SAFETY: a warp vote (convergent intrinsic); the mask contract is the caller's.
+        unsafe { vote_ballot_sync(mask, predicate) }
     }
     #[inline(always)]
     unsafe fn gld<T: Word>(ptr: GlobalPtr<T>) -> T {
@@ -269,7 +275,9 @@ impl Simt for Device {
                 a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3],
                 b0 = in(reg32) b[0], b1 = in(reg32) b[1],
                 c0 = in(reg32) c[0], c1 = in(reg32) c[1], c2 = in(reg32) c[2], c3 = in(reg32) c[3],
-                options(pure, nomem, nostack, preserves_flags),
+                // Not `pure`: a warp-wide instruction is never moved or merged (see the
+                // module docs; the build marks it `convergent`).
+                options(nomem, nostack, preserves_flags),
             );
         }
         [d0, d1, d2, d3]
@@ -289,7 +297,8 @@ impl Simt for Device {
                     a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3],
                     b0 = in(reg32) b[0], b1 = in(reg32) b[1],
                     c0 = in(reg32) c[0], c1 = in(reg32) c[1], c2 = in(reg32) c[2], c3 = in(reg32) c[3],
-                    options(pure, nomem, nostack, preserves_flags),
+                    // Not `pure` (see above).
+                    options(nomem, nostack, preserves_flags),
                 );
             }
             [d0, d1, d2, d3]

@@ -18,7 +18,9 @@
         asm_experimental_arch,
         gpu_intrinsics,
         gpu_launch_sized_workgroup_mem,
-        core_intrinsics
+        core_intrinsics,
+        link_llvm_intrinsics,
+        abi_unadjusted
     )
 )]
 #![cfg_attr(target_arch = "nvptx64", allow(internal_features))]

@@ -104,14 +104,17 @@ pub unsafe fn indexer_logits<S: Simt>(p: IndexerLogitsParams) {
             end,
         } = unsafe { QueryRange::load::<S>(p.rows, r) };
         // 1. Stage the row's queries (zero-padded to hp heads and the kernel's k-steps) and
-        //    weights.
+        //    weights. Row offsets in 64 bits: n_rows · n_heads · head_dim may pass 2^32.
+        let q_row =
+            p.q.add(r as usize * p.n_heads as usize * p.head_dim as usize);
+        let w_row = p.weights.add(r as usize * p.n_heads as usize);
         let dims = 16 * k_steps(p.head_dim);
         let mut i = tid;
         while i < hp * dims {
             let (h, d) = (i / dims, i % dims);
             let v = if h < p.n_heads && d < p.head_dim {
                 // SAFETY: r < n_rows, h < n_heads, d < head_dim.
-                unsafe { S::gld(p.q.add(((r * p.n_heads + h) * p.head_dim + d) as usize)) }
+                unsafe { S::gld(q_row.add(h as usize * p.head_dim as usize + d as usize)) }
             } else {
                 0
             };
@@ -123,7 +126,7 @@ pub unsafe fn indexer_logits<S: Simt>(p: IndexerLogitsParams) {
         while h < hp {
             let w = if h < p.n_heads {
                 // SAFETY: r < n_rows, h < n_heads.
-                unsafe { S::gld(p.weights.add((r * p.n_heads + h) as usize)) }
+                unsafe { S::gld(w_row.add(h as usize)) }
             } else {
                 0.0
             };
@@ -180,7 +183,7 @@ unsafe fn key_address<S: Simt>(
     let page = unsafe {
         S::gld(
             p.page_table
-                .add((req * p.max_pages + pos / p.page_size) as usize),
+                .add(req as usize * p.max_pages as usize + (pos / p.page_size) as usize),
         )
     };
     let off = pos % p.page_size;
