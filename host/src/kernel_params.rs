@@ -8,6 +8,7 @@
 //! dereferenced.
 
 use sparsekit_kernels::global::{GlobalMut, GlobalPtr};
+use sparsekit_kernels::kernels::sparse_mla_split;
 use sparsekit_kernels::params::{
     index_k_format, kv_format, CopyPagesParams, IndexKStoreParams, IndexerLogitsParams,
     KvStoreParams, PageChecksumsParams, SparseMlaParams, TopkParams,
@@ -207,7 +208,8 @@ pub(crate) fn topk(op: &Topk<'_>, a: Addrs<'_>) -> TopkParams {
     }
 }
 
-/// `sparse_mla` of `op`: reads `[q, cache, indices]`, writes `[out, lse]`.
+/// `sparse_mla` of `op`: reads `[q, cache, indices]`, writes `[out, lse, workspace,
+/// counters]` (the last two sized by `sparse_mla_workspace`).
 pub(crate) fn sparse_mla(op: &SparseMla, a: Addrs<'_>) -> SparseMlaParams {
     with_kv_layout!(
         &op.layout,
@@ -216,12 +218,14 @@ pub(crate) fn sparse_mla(op: &SparseMla, a: Addrs<'_>) -> SparseMlaParams {
             n_heads: op.n_heads as u32,
             topk: op.topk as u32,
             softmax_scale: op.softmax_scale,
-            _pad: 0,
+            split: sparse_mla_split(op.topk as u32),
             q: ptr(a.read[0]),
             cache: ptr(a.read[1]),
             indices: ptr(a.read[2]),
             out: ptr_mut(a.write[0]),
             lse: ptr_mut(a.write[1]),
+            workspace: ptr_mut(a.write[2]),
+            counters: ptr_mut(a.write[3]),
         }
     )
 }

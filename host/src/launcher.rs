@@ -17,7 +17,7 @@
 //! written), the GPU ignores them.
 
 pub use sparsekit_kernels::emu::BufferAccess;
-use sparsekit_kernels::kernels::INDEXER_LOGITS_MAX_HEAD_DIM;
+use sparsekit_kernels::kernels::{sparse_mla_workspace, INDEXER_LOGITS_MAX_HEAD_DIM};
 use sparsekit_kernels::launch::{KernelParams, MAX_DYN_SMEM};
 use sparsekit_kernels::params::QueryRange;
 
@@ -93,7 +93,9 @@ pub unsafe trait KernelDevice: Backend {
     /// Stages `meta`, then builds the parameters from the addresses of `reads`, `writes`
     /// and the staged metadata and launches their kernel (`P` names it: a kernel can only
     /// be launched with its own parameter struct). Every buffer comes with its name;
-    /// metadata and `reads` are read-only for the kernel, `writes` written only.
+    /// metadata and `reads` are read-only for the kernel, `writes` say how the kernel uses
+    /// them ([`BufferAccess::Write`]: written before read, the outputs;
+    /// [`BufferAccess::ReadWrite`]: scratch it updates in place).
     ///
     /// # Safety
     /// `build` fills the parameters from the given addresses and from descriptors
@@ -102,7 +104,7 @@ pub unsafe trait KernelDevice: Backend {
         &self,
         meta: &[(&'static str, &[u8])],
         reads: &[(&'static str, &Self::Buffer)],
-        writes: &mut [(&'static str, &mut Self::Buffer)],
+        writes: &mut [(&'static str, BufferAccess, &mut Self::Buffer)],
         build: impl FnOnce(Addrs<'_>) -> P,
     ) -> Result<()> {
         let staged = meta
@@ -124,13 +126,13 @@ pub unsafe trait KernelDevice: Backend {
             .iter()
             .map(|&(n, b)| (n, self.buffer_len(b)))
             .collect();
-        let write_named: Vec<(&'static str, usize)> = writes
+        let write_named: Vec<(&'static str, usize, BufferAccess)> = writes
             .iter()
-            .map(|(n, b)| (*n, self.buffer_len(b)))
+            .map(|(n, a, b)| (*n, self.buffer_len(b), *a))
             .collect();
         let read_bufs: Vec<&Self::Buffer> = reads.iter().map(|&(_, b)| b).collect();
         let mut write_bufs: Vec<&mut Self::Buffer> =
-            writes.iter_mut().map(|(_, b)| &mut **b).collect();
+            writes.iter_mut().map(|(_, _, b)| &mut **b).collect();
         self.with_addrs(&read_bufs, &mut write_bufs, |read, write| {
             let params = build(Addrs {
                 read,
@@ -138,19 +140,28 @@ pub unsafe trait KernelDevice: Backend {
                 meta: &meta_addrs,
             });
             check_launch(&params)?;
-            let named = |list: &[(&'static str, usize)], addrs: &[u64], access| {
-                list.iter()
-                    .zip(addrs)
-                    .map(move |(&(name, bytes), &addr)| Span {
+            spans.extend(
+                read_named
+                    .iter()
+                    .zip(read)
+                    .map(|(&(name, bytes), &addr)| Span {
+                        name,
+                        addr,
+                        bytes,
+                        access: BufferAccess::Read,
+                    }),
+            );
+            spans.extend(
+                write_named
+                    .iter()
+                    .zip(write)
+                    .map(|(&(name, bytes, access), &addr)| Span {
                         name,
                         addr,
                         bytes,
                         access,
-                    })
-                    .collect::<Vec<_>>()
-            };
-            spans.extend(named(&read_named, read, BufferAccess::Read));
-            spans.extend(named(&write_named, write, BufferAccess::Write));
+                    }),
+            );
             // SAFETY: the caller's contract (see above); the staged metadata is dropped
             // only after the launch is enqueued; `spans` are the buffers of the addresses.
             unsafe { self.enqueue(params, &spans) }
@@ -206,7 +217,7 @@ pub fn index_k_store<D: KernelDevice>(
         d.launch(
             &[("slots", bytemuck::cast_slice(op.slots))],
             &[("keys", keys)],
-            &mut [("cache", cache)],
+            &mut [("cache", BufferAccess::Write, cache)],
             |a| kernel_params::index_k_store(op, a),
         )
     }
@@ -228,7 +239,7 @@ pub fn kv_store<D: KernelDevice>(
         d.launch(
             &[("slots", bytemuck::cast_slice(op.slots))],
             &[("kv", kv)],
-            &mut [("cache", cache)],
+            &mut [("cache", BufferAccess::Write, cache)],
             |a| kernel_params::kv_store(op, a),
         )
     }
@@ -259,7 +270,7 @@ pub fn indexer_logits<D: KernelDevice>(
         d.launch(
             &meta,
             &[("q", q), ("weights", weights), ("cache", cache)],
-            &mut [("logits", out)],
+            &mut [("logits", BufferAccess::Write, out)],
             |a| kernel_params::indexer_logits(op, a),
         )
     }
@@ -283,9 +294,12 @@ pub fn topk<D: KernelDevice>(
     // SAFETY: as for `indexer_logits` (the page table, when slots are written, maps every
     // position of every row).
     unsafe {
-        d.launch(&meta, &[("logits", logits)], &mut [("topk", out)], |a| {
-            kernel_params::topk(op, a)
-        })
+        d.launch(
+            &meta,
+            &[("logits", logits)],
+            &mut [("topk", BufferAccess::Write, out)],
+            |a| kernel_params::topk(op, a),
+        )
     }
 }
 
@@ -313,13 +327,28 @@ pub fn sparse_mla<D: KernelDevice>(
     if op.n_tokens == 0 {
         return Ok(());
     }
+    // Scratch of the split top-k (partial results and zeroed per-(token, head group)
+    // counters; empty when the top-k fits one split).
+    let (ws_bytes, counter_bytes) = sparse_mla_workspace(
+        op.n_tokens as u32,
+        op.n_heads as u32,
+        op.topk as u32,
+        op.layout.nope_dim() as u32,
+    );
+    let mut workspace = d.alloc(ws_bytes as usize)?;
+    let mut counters = d.alloc(counter_bytes as usize)?;
     // SAFETY: the descriptor was validated against the buffers and every index is `-1`
     // or a slot of the cache.
     unsafe {
         d.launch(
             &[],
             &[("q", q), ("cache", cache), ("indices", indices)],
-            &mut [("out", out), ("lse", lse)],
+            &mut [
+                ("out", BufferAccess::Write, out),
+                ("lse", BufferAccess::Write, lse),
+                ("workspace", BufferAccess::Write, &mut workspace),
+                ("counters", BufferAccess::ReadWrite, &mut counters),
+            ],
             |a| kernel_params::sparse_mla(op, a),
         )
     }
@@ -343,9 +372,12 @@ pub fn copy_pages<D: KernelDevice>(
     // SAFETY: ids validated against both regions, destination pages unique; `src` and
     // `dst` are distinct buffers (one shared and one exclusive borrow).
     unsafe {
-        d.launch(&ids, &[("src", src)], &mut [("dst", dst)], |a| {
-            kernel_params::copy_pages(op, a)
-        })
+        d.launch(
+            &ids,
+            &[("src", src)],
+            &mut [("dst", BufferAccess::Write, dst)],
+            |a| kernel_params::copy_pages(op, a),
+        )
     }
 }
 
@@ -365,7 +397,7 @@ pub fn page_checksums<D: KernelDevice>(
         d.launch(
             &[("ids", bytemuck::cast_slice(op.ids))],
             &[("pool", pool)],
-            &mut [("checksums", out)],
+            &mut [("checksums", BufferAccess::Write, out)],
             |a| kernel_params::page_checksums(op, a),
         )
     }

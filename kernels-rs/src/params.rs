@@ -255,5 +255,14 @@ pub struct SparseMlaParams {
     /// Offset of the bf16 rope inside a token.
     pub rope_offset: u32,
     pub softmax_scale: f32,
-    pub _pad: u32,
+    /// Indices per split: a token's `topk` indices are cut into `ceil(topk / split)`
+    /// consecutive ranges attended by separate blocks and merged in range order (see
+    /// `kernels::sparse_mla_split`); `split ≥ topk`: no split.
+    pub split: u32,
+    /// Per (token, head group, split) partial results, when split
+    /// (`kernels::sparse_mla_workspace` bytes; contents need no initialisation).
+    pub workspace: GlobalMut<f32>,
+    /// Per (token, head group) counts of finished splits, when split: zero before the
+    /// launch, zero again after it.
+    pub counters: GlobalMut<u32>,
 }

@@ -24,6 +24,7 @@ use sparsekit::host::{
 };
 use sparsekit::kernel_report::report;
 use sparsekit::kernels::emu::{Profile, SiteProfile, Space};
+use sparsekit::kernels::kernels::sparse_mla_split;
 use sparsekit::perf_model::{
     occupancy, predict, widths_label, AccessSummary, GridTotals, Prediction, DEVICES,
 };
@@ -279,8 +280,10 @@ fn cases(s: Sizes) -> Result<Vec<Case>, CliError> {
             name: format!("sparse_mla/{tag}/b{batch}"),
             op: "sparse_mla",
             shape: format!("{batch} tokens × {heads} heads, top-k {topk}"),
-            // The head groups of one token share its keys: sample them together.
-            min_blocks: heads.div_ceil(16) as u32,
+            // The head groups of one token share its keys, and the last of its top-k
+            // splits merges them: sample a whole token.
+            min_blocks: (heads.div_ceil(16) * topk.div_ceil(sparse_mla_split(topk as u32) as usize))
+                as u32,
             run: Box::new(move |emu| {
                 let mut r = rng(5);
                 let cache = filled_kv_cache(&CpuBackend::new(), &mut r, layout, pool)?;

@@ -318,6 +318,7 @@ pub fn profile_launch(
         blocks,
     };
     let mut tracer = None;
+    let _traced = TracedLaunch::start();
     run_launch_then(Carrier::Fibers, cfg, setup, kernel, |sync| {
         tracer = sync
             .tracer
@@ -622,6 +623,63 @@ fn trace_shared(
     }
 }
 
+/// Traced launches running in the process (lets untraced launches skip the unroll
+/// bookkeeping cheaply).
+static TRACED_LAUNCHES: AtomicU32 = AtomicU32::new(0);
+
+/// Counts a traced launch while it runs.
+struct TracedLaunch;
+
+impl TracedLaunch {
+    fn start() -> Self {
+        TRACED_LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        TracedLaunch
+    }
+}
+
+impl Drop for TracedLaunch {
+    fn drop(&mut self) {
+        TRACED_LAUNCHES.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Tells the running thread's trace (if traced) that it executed a warp collective or a
+/// barrier.
+fn trace_sync(c: &Ctx) {
+    if let Some(t) = &c.trace {
+        t.borrow_mut().sync();
+    }
+}
+
+/// Enters iteration `i` of a kernel's forced unroll (`unroll!`): the accesses inside are
+/// told apart from the other iterations' in a traced launch. No-op elsewhere.
+pub(crate) fn unroll_enter(i: u32) {
+    if TRACED_LAUNCHES.load(Ordering::Relaxed) == 0 {
+        return;
+    }
+    CTX.with(|c| {
+        if let Some(ctx) = c.borrow().as_ref() {
+            if let Some(t) = &ctx.trace {
+                t.borrow_mut().unroll_enter(i);
+            }
+        }
+    });
+}
+
+/// Leaves the innermost forced unroll iteration (see [`unroll_enter`]).
+pub(crate) fn unroll_exit() {
+    if TRACED_LAUNCHES.load(Ordering::Relaxed) == 0 {
+        return;
+    }
+    CTX.with(|c| {
+        if let Some(ctx) = c.borrow().as_ref() {
+            if let Some(t) = &ctx.trace {
+                t.borrow_mut().unroll_exit();
+            }
+        }
+    });
+}
+
 /// Runs a shuffle or ballot.
 fn word_collective(kind: Kind, mask: u32, word: u32, param: u32) -> u32 {
     let input = Input {
@@ -630,7 +688,9 @@ fn word_collective(kind: Kind, mask: u32, word: u32, param: u32) -> u32 {
         ..Input::default()
     };
     let c = ctx();
-    or_stop(c.sync.collective(c.thread, kind, mask, input)).word
+    let out = or_stop(c.sync.collective(c.thread, kind, mask, input)).word;
+    trace_sync(&c);
+    out
 }
 
 /// Runs an MMA.
@@ -640,7 +700,9 @@ fn mma_collective(kind: Kind, a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4]
         ..Input::default()
     };
     let c = ctx();
-    or_stop(c.sync.collective(c.thread, kind, u32::MAX, input)).d
+    let out = or_stop(c.sync.collective(c.thread, kind, u32::MAX, input)).d;
+    trace_sync(&c);
+    out
 }
 
 /// The emulator's [`Simt`] implementation (use it only inside [`launch`]).
@@ -672,6 +734,7 @@ impl Simt for Emu {
     fn sync_threads() {
         let c = ctx();
         or_stop(c.sync.sync_threads(c.thread));
+        trace_sync(&c);
     }
 
     #[track_caller]

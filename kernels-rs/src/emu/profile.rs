@@ -3,9 +3,12 @@
 //!
 //! Every global ([`Simt::gld`](crate::Simt::gld), `gst`, `atomic_add_u32`) and shared
 //! (`smem_load`, `smem_store`, `smem_atomic_add_u32`) access of a traced launch is recorded
-//! with its call site (`#[track_caller]`), and the lanes of a warp that executed the same
-//! call site for the same time (the n-th execution of that site by each lane) form one
-//! *warp-level instruction*, as on the GPU. Per instruction:
+//! with its static instruction — the call site (`#[track_caller]`) and, inside the
+//! kernels' forced unrolls, the unrolled copy (the iteration indices of the enclosing
+//! `unroll!`s) — and the lanes of a warp that executed the same static instruction for the
+//! same time since their last warp collective or barrier form one *warp-level
+//! instruction*, as on the GPU. (A lane predicated off in one unrolled copy, or leaving a
+//! loop early, thus never shifts the others' grouping.) Per instruction:
 //!
 //! - **global**: requested bytes (Σ lanes × width), the distinct 32-byte sectors touched,
 //!   and the useful bytes `min(requested, 32 · sectors)` (a broadcast counts once); the
@@ -41,7 +44,11 @@ pub enum Space {
 pub(crate) struct Event {
     /// Call site (address of its `Location`).
     site: usize,
-    /// Which execution of the site by this lane (0, 1, ...).
+    /// The unrolled copy (a code of the enclosing `unroll!` iteration indices).
+    copy: u64,
+    /// Warp collectives and barriers the lane had executed before the access.
+    sync: u32,
+    /// Which execution of the static instruction by this lane since then (0, 1, ...).
     occ: u32,
     /// Warp within the block.
     warp: u32,
@@ -55,12 +62,34 @@ pub(crate) struct Event {
 /// One GPU thread's trace (kept in its context while it runs).
 #[derive(Debug, Default)]
 pub(crate) struct ThreadTrace {
-    occ: HashMap<usize, u32>,
+    /// Executions of each static instruction since the last sync.
+    occ: HashMap<(usize, u64), u32>,
     events: Vec<Event>,
     sites: HashMap<usize, &'static Location<'static>>,
+    /// Syncs (warp collectives, barriers) executed so far.
+    sync: u32,
+    /// Iteration indices of the enclosing `unroll!`s, innermost last.
+    unroll: Vec<u32>,
 }
 
 impl ThreadTrace {
+    /// The lane executed a warp collective or a barrier: the lanes of its warp are in step
+    /// again.
+    pub(crate) fn sync(&mut self) {
+        self.sync += 1;
+        self.occ.clear();
+    }
+
+    /// Enters iteration `i` of a forced unroll.
+    pub(crate) fn unroll_enter(&mut self, i: u32) {
+        self.unroll.push(i);
+    }
+
+    /// Leaves the innermost forced unroll iteration.
+    pub(crate) fn unroll_exit(&mut self) {
+        self.unroll.pop();
+    }
+
     /// Records an access by `thread` at `loc`.
     pub(crate) fn record(
         &mut self,
@@ -72,9 +101,14 @@ impl ThreadTrace {
         size: usize,
     ) {
         let site = loc as *const Location<'static> as usize;
-        let occ = self.occ.entry(site).or_insert(0);
+        let copy = self.unroll.iter().fold(0u64, |c, &i| {
+            c.wrapping_mul(0x9E37_79B9).wrapping_add(u64::from(i) + 1)
+        });
+        let occ = self.occ.entry((site, copy)).or_insert(0);
         self.events.push(Event {
             site,
+            copy,
+            sync: self.sync,
             occ: *occ,
             warp: thread / 32,
             lane: thread % 32,
@@ -248,7 +282,18 @@ impl Tracer {
     pub(crate) fn finish_block(&self) {
         let mut events = std::mem::take(&mut *lock(&self.events));
         self.blocks.fetch_add(1, Ordering::Relaxed);
-        events.sort_unstable_by_key(|e| (e.warp, e.site, e.occ, op_code(e.op), e.space, e.lane));
+        events.sort_unstable_by_key(|e| {
+            (
+                e.warp,
+                e.sync,
+                e.site,
+                e.copy,
+                e.occ,
+                op_code(e.op),
+                e.space,
+                e.lane,
+            )
+        });
         let mut acc = lock(&self.acc);
         let mut i = 0;
         while i < events.len() {
@@ -256,7 +301,8 @@ impl Tracer {
             let mut j = i + 1;
             while j < events.len() {
                 let f = &events[j];
-                if (f.warp, f.site, f.occ, f.op, f.space) != (e.warp, e.site, e.occ, e.op, e.space)
+                if (f.warp, f.sync, f.site, f.copy, f.occ, f.op, f.space)
+                    != (e.warp, e.sync, e.site, e.copy, e.occ, e.op, e.space)
                 {
                     break;
                 }
@@ -407,6 +453,8 @@ mod tests {
     fn ev(lane: u32, addr: u64, size: u32, space: Space) -> Event {
         Event {
             site: 1,
+            copy: 0,
+            sync: 0,
             occ: 0,
             warp: 0,
             lane,

@@ -193,7 +193,8 @@ unsafe fn stage_row<S: Simt>(p: &IndexerLogitsParams, r: u32, qrow: usize, w_bas
     let hp = padded_heads(p);
     let (tid, nthreads) = (S::thread_idx(), S::block_dim());
     // Offsets in 64 bits: n_rows · n_heads · head_dim may pass 2^32.
-    let q_row = p.q.add(r as usize * p.n_heads as usize * p.head_dim as usize);
+    let q_row =
+        p.q.add(r as usize * p.n_heads as usize * p.head_dim as usize);
     let w_row = p.weights.add(r as usize * p.n_heads as usize);
     // 16-byte chunks (8 dims) of every padded row; the row is 16-byte aligned when `q` is
     // (head_dim is a multiple of 16).
@@ -316,7 +317,14 @@ unsafe fn piece<S: Simt>(
     } else {
         let w = at.cast::<u32>();
         // SAFETY: as above, 4-byte aligned (pages of odd sizes).
-        unsafe { [S::gld(w), S::gld(w.add(1)), S::gld(w.add(2)), S::gld(w.add(3))] }
+        unsafe {
+            [
+                S::gld(w),
+                S::gld(w.add(1)),
+                S::gld(w.add(2)),
+                S::gld(w.add(3)),
+            ]
+        }
     }
 }
 
@@ -471,7 +479,10 @@ unsafe fn key_pair<S: Simt, const KS: usize, const G: usize, const CACHED: bool>
                 // SAFETY: pos in the row's range; the scale of its token (4-byte aligned).
                 unsafe {
                     let (_, page, off) = key_address::<S>(p, a.req, pos);
-                    S::gld(page.byte_add((p.scale_offset + 4 * off) as usize).cast::<f32>())
+                    S::gld(
+                        page.byte_add((p.scale_offset + 4 * off) as usize)
+                            .cast::<f32>(),
+                    )
                 }
             } else {
                 1.0

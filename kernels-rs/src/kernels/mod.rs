@@ -2,7 +2,9 @@
 //! is stated on it; launchers establish the contract from validated host descriptors.
 
 /// Repeats `$b` with `$i` bound to `0, 1, .., N - 1` (a literal count): a forced unroll,
-/// so that register arrays are only indexed by constants (no local memory).
+/// so that register arrays are only indexed by constants (no local memory). Each copy
+/// holds an [`UnrollScope`], which tells the emulator's access tracing the copies apart
+/// (and is nothing on the GPU).
 macro_rules! unroll {
     (2, $i:ident, $b:block) => { unroll!(@ $i, $b, 0 1) };
     (4, $i:ident, $b:block) => { unroll!(@ $i, $b, 0 1 2 3) };
@@ -11,7 +13,39 @@ macro_rules! unroll {
     (16, $i:ident, $b:block) => {
         unroll!(@ $i, $b, 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15)
     };
-    (@ $i:ident, $b:block, $($n:literal)*) => { $( { let $i: usize = $n; $b } )* };
+    (@ $i:ident, $b:block, $($n:literal)*) => {
+        $( {
+            let $i: usize = $n;
+            let _scope = $crate::kernels::UnrollScope::enter($n);
+            $b
+        } )*
+    };
+}
+
+/// The copy of a forced unroll being executed (see `unroll!`): in the emulator, while a
+/// launch is traced, its accesses are recorded as those of this copy; on the GPU, and in
+/// untraced launches, nothing.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct UnrollScope(());
+
+impl UnrollScope {
+    /// Enters copy `i`.
+    #[inline(always)]
+    pub fn enter(i: u32) -> Self {
+        #[cfg(feature = "emu")]
+        crate::emu::unroll_enter(i);
+        let _ = i;
+        UnrollScope(())
+    }
+}
+
+impl Drop for UnrollScope {
+    #[inline(always)]
+    fn drop(&mut self) {
+        #[cfg(feature = "emu")]
+        crate::emu::unroll_exit();
+    }
 }
 
 mod indexer_logits;
@@ -24,7 +58,7 @@ pub use indexer_logits::{
     indexer_logits, indexer_logits_launch, MAX_HEAD_DIM as INDEXER_LOGITS_MAX_HEAD_DIM,
 };
 pub use pages::{copy_pages, page_checksums};
-pub use sparse_mla::{sparse_mla, sparse_mla_launch};
+pub use sparse_mla::{sparse_mla, sparse_mla_launch, sparse_mla_split, sparse_mla_workspace};
 pub use store::{index_k_store, kv_store};
 pub use topk::{topk, topk_launch};
 

@@ -8,8 +8,9 @@ use crate::kernels::FULL;
 use crate::params::SparseMlaParams;
 use crate::simt::Simt;
 
-/// A warp's walk over one token's indices, 32 at a time. Every warp of the block walks
-/// the same indices and therefore finds the same key blocks.
+/// A warp's walk over one split of a token's indices (see `sparse_mla_split`), 32 at a
+/// time. Every warp of the block walks the same indices and therefore finds the same key
+/// blocks.
 pub(super) struct Scan {
     /// Position of the current chunk in the token's indices.
     base: u32,
@@ -23,13 +24,21 @@ pub(super) struct Scan {
     done: bool,
 }
 
-/// The token's index `i`, or -1 past `topk`.
+/// The end (exclusive) of the split holding index `i` (`i < topk`; a split starts at a
+/// multiple of `p.split`): computed where needed rather than kept in a register.
+#[inline(always)]
+fn split_end(p: &SparseMlaParams, i: u32) -> u32 {
+    let split = p.split.max(1);
+    (i - i % split + split).min(p.topk)
+}
+
+/// The token's index `i`, or -1 at or past `end` (≤ `topk`).
 ///
 /// # Safety
-/// `token < n_tokens`.
+/// `token < n_tokens`, `end ≤ topk`.
 #[inline(always)]
-unsafe fn index<S: Simt>(p: &SparseMlaParams, token: u32, i: u32) -> i32 {
-    if i < p.topk {
+unsafe fn index<S: Simt>(p: &SparseMlaParams, token: u32, i: u32, end: u32) -> i32 {
+    if i < end {
         // SAFETY: token < n_tokens and i < topk: inside `indices`.
         unsafe { S::gld(p.indices.add(token as usize * p.topk as usize + i as usize)) }
     } else {
@@ -55,16 +64,28 @@ fn nth_set_bit(mut m: u32, mut n: u32) -> u32 {
 }
 
 impl Scan {
-    /// Starts at the token's first index (all lanes of a full warp).
+    /// Starts at index `begin` (the first of a split) of the token's indices, walking to
+    /// the split's end (all lanes of a full warp).
     ///
     /// # Safety
-    /// `token < n_tokens`.
+    /// `token < n_tokens`; `begin` is 0 or a split's first index (`begin < topk`).
     #[inline(always)]
-    pub(super) unsafe fn start<S: Simt>(p: &SparseMlaParams, token: u32, lane: u32) -> Self {
-        // SAFETY: token < n_tokens.
-        let (cur, next) = unsafe { (index::<S>(p, token, lane), index::<S>(p, token, 32 + lane)) };
+    pub(super) unsafe fn start<S: Simt>(
+        p: &SparseMlaParams,
+        token: u32,
+        lane: u32,
+        begin: u32,
+    ) -> Self {
+        let end = if p.topk == 0 { 0 } else { split_end(p, begin) };
+        // SAFETY: token < n_tokens, end ≤ topk.
+        let (cur, next) = unsafe {
+            (
+                index::<S>(p, token, begin + lane, end),
+                index::<S>(p, token, begin + 32 + lane, end),
+            )
+        };
         Scan {
-            base: 0,
+            base: begin,
             cur,
             next,
             mask: S::ballot(FULL, cur >= 0),
@@ -103,14 +124,15 @@ impl Scan {
             }
             filled += take;
             if take == c {
-                if self.base + 32 >= p.topk {
+                let end = split_end(p, self.base);
+                if self.base + 32 >= end {
                     self.done = true;
                     self.mask = 0;
                 } else {
                     self.base += 32;
                     self.cur = self.next;
                     // SAFETY: token < n_tokens.
-                    self.next = unsafe { index::<S>(p, token, self.base + 32 + lane) };
+                    self.next = unsafe { index::<S>(p, token, self.base + 32 + lane, end) };
                     self.mask = S::ballot(FULL, self.cur >= 0);
                 }
             } else {
@@ -124,13 +146,22 @@ impl Scan {
     }
 }
 
-/// Global loads of one thread for one key block: source unit `sub + 8i` (`i < MAXIT`)
-/// of its key in `v[i]` (see [`Geometry::units`]), and the key's scale of tile `sub`
-/// (fp8).
+/// Global loads of one thread for one key block: source unit `sub + 8i - shift`
+/// (`i < MAXIT`) of its key in `v[i]` (see [`Geometry::units`]; the fp8 tile scales are
+/// units too). `shift` (0 or 1) aligns the 8 units a key's lanes load together to 32-byte
+/// sectors when the token row starts 16 bytes past one (fp8_ds_mla rows are 656 bytes):
+/// then every load instruction but the token's first covers whole sectors.
 #[derive(Default)]
 pub(super) struct Prefetch {
     v: [[u32; 4]; MAXIT],
-    scale: f32,
+    shift: u32,
+}
+
+/// Unit `8i + sub - shift`, if it exists.
+#[inline(always)]
+fn unit_of(g: &Geometry, sub: u32, i: usize, shift: u32) -> Option<u32> {
+    let k = sub + 8 * i as u32;
+    (k >= shift && k - shift < g.units).then(|| k - shift)
 }
 
 /// Whether every token row (and `extra`) is aligned to `align` bytes.
@@ -142,10 +173,12 @@ fn aligned(p: &SparseMlaParams, align: u64, extra: u32) -> bool {
 /// Whether the prefetch can gather `p`'s keys: token rows, rope and scales 16-byte
 /// aligned (DeepSeek-V3.2 layouts in allocator-aligned buffers), so that it has one load
 /// form only (`ld.v4`; with a fallback form beside it the compiler merges the two into
-/// narrower loads). Other layouts are gathered by [`store_rest`] alone.
+/// narrower loads), and the scale units inside the token row. Other layouts are gathered
+/// by [`store_rest`] alone.
 #[inline(always)]
-pub(super) fn prefetchable(p: &SparseMlaParams) -> bool {
+pub(super) fn prefetchable(p: &SparseMlaParams, g: &Geometry) -> bool {
     aligned(p, 16, p.rope_offset | p.scales_offset)
+        && p.scales_offset + 16 * g.scale_units <= p.token_bytes
 }
 
 /// The key row of `slot` (null for `slot < 0`).
@@ -165,32 +198,58 @@ fn token_row(p: &SparseMlaParams, slot: i32) -> GlobalPtr<u8> {
 /// Byte offset of source unit `u` inside a token row.
 #[inline(always)]
 fn unit_offset(p: &SparseMlaParams, g: &Geometry, u: u32) -> usize {
+    let rope = g.lat_units + g.scale_units;
     if u < g.lat_units {
         16 * u as usize
+    } else if u < rope {
+        (p.scales_offset + 16 * (u - g.lat_units)) as usize
     } else {
-        (p.rope_offset + 16 * (u - g.lat_units)) as usize
+        (p.rope_offset + 16 * (u - rope)) as usize
     }
 }
 
-/// Stores source unit `u` (16 bytes `v`) of key row `key` as bf16 chunks: one, or two
-/// for 16 e4m3 codes.
+/// Stores source unit `u` (16 bytes `v`) of key row `key`: a bf16 chunk, two chunks for
+/// 16 e4m3 codes, or up to 4 tile scales into the scale table.
+///
+/// The two chunks of an e4m3 unit are stored lower-first when `u % 8 < 4` and
+/// upper-first otherwise, so that each store instruction of the 8 lanes of a key (8
+/// consecutive units) hits 8 distinct 16-byte bank groups.
 ///
 /// # Safety
-/// `key < 32`, `u < units`; only this thread touches the chunks between the enclosing
-/// barriers.
+/// `key < 32`, `u < units`; only this thread touches the chunks and scales between the
+/// enclosing barriers.
 #[inline(always)]
 unsafe fn store_unit<S: Simt>(g: &Geometry, key: u32, u: u32, v: [u32; 4]) {
+    let rope = g.lat_units + g.scale_units;
     if g.fp8 && u < g.lat_units {
+        let b = (u >> 2) & 1;
+        // The codes of chunk 2u + b, then of the other one (selected before converting,
+        // so that one chunk's bf16 words are live at a time).
+        let (lo, hi) = if b == 0 { (v[0], v[1]) } else { (v[2], v[3]) };
         // SAFETY: chunks 2u, 2u + 1 < nope/8 of the key row (caller's contract).
-        unsafe {
-            S::smem_store(g.chunk_addr(key, 2 * u), V4(e4m3x8_to_bf16(v[0], v[1])));
-            S::smem_store(g.chunk_addr(key, 2 * u + 1), V4(e4m3x8_to_bf16(v[2], v[3])));
-        }
+        unsafe { S::smem_store(g.chunk_addr(key, 2 * u + b), V4(e4m3x8_to_bf16(lo, hi))) };
+        let (lo, hi) = if b == 0 { (v[2], v[3]) } else { (v[0], v[1]) };
+        // SAFETY: as above.
+        unsafe { S::smem_store(g.chunk_addr(key, 2 * u + 1 - b), V4(e4m3x8_to_bf16(lo, hi))) };
+    } else if u >= g.lat_units && u < rope {
+        let first = 4 * (u - g.lat_units);
+        unroll!(4, i, {
+            let tile = first + i as u32;
+            if tile < g.tiles {
+                // SAFETY: tile < tiles, key < 32: inside the scale table; this key's entry.
+                unsafe {
+                    S::smem_store(
+                        (g.scale_off + 4 * (tile * BN + key)) as usize,
+                        f32::from_bits(v[i]),
+                    )
+                };
+            }
+        });
     } else {
         let c = if u < g.lat_units {
             u
         } else {
-            g.nope_chunks + (u - g.lat_units)
+            g.nope_chunks + (u - rope)
         };
         // SAFETY: c < chunks: inside the key row (caller's contract).
         unsafe { S::smem_store(g.chunk_addr(key, c), V4(v)) };
@@ -215,26 +274,21 @@ pub(super) unsafe fn issue<S: Simt>(
         return pf;
     }
     let tok = token_row(p, slot);
+    if g.shiftable {
+        pf.shift = ((tok.addr() / 16) & 1) as u32;
+    }
     unroll!(9, i, {
-        let u = r.sub + 8 * i as u32;
-        if u < g.units {
+        if let Some(u) = unit_of(g, r.sub, i, pf.shift) {
             let at = tok.byte_add(unit_offset(p, g, u)).cast::<V4>();
-            // SAFETY: 16 bytes of the token row (u < units), 16-byte aligned
-            // (prefetchable layout).
+            // SAFETY: 16 bytes of the token row (u < units; the scale units end inside
+            // it), 16-byte aligned (prefetchable layout).
             pf.v[i] = unsafe { S::gld(at) }.0;
         }
     });
-    if r.sub < g.tiles {
-        let at = tok
-            .byte_add((p.scales_offset + 4 * r.sub) as usize)
-            .cast::<f32>();
-        // SAFETY: the f32 scale of a tile of the token (sub < tiles), 4-byte aligned.
-        pf.scale = unsafe { S::gld(at) };
-    }
     pf
 }
 
-/// Stores what [`issue`] loaded as bf16 key-row chunks (and the tile scale).
+/// Stores what [`issue`] loaded as bf16 key-row chunks and tile scales.
 ///
 /// # Safety
 /// Only this thread touches its key's chunks and scales between the enclosing barriers;
@@ -242,22 +296,17 @@ pub(super) unsafe fn issue<S: Simt>(
 #[inline(always)]
 pub(super) unsafe fn store<S: Simt>(g: &Geometry, r: &Role, pf: &Prefetch) {
     unroll!(9, i, {
-        let u = r.sub + 8 * i as u32;
-        if u < g.units {
+        if let Some(u) = unit_of(g, r.sub, i, pf.shift) {
             // SAFETY: key < 32, u < units (the caller's exclusivity).
             unsafe { store_unit::<S>(g, r.key, u, pf.v[i]) };
         }
     });
-    if r.sub < g.tiles {
-        // SAFETY: tile < tiles, key < 32: inside the scale table.
-        unsafe { S::smem_store((g.scale_off + 4 * (r.sub * BN + r.key)) as usize, pf.scale) };
-    }
 }
 
-/// Gathers (synchronously, one unit at a time) `slot`'s source units `sub + 8k` and tile
-/// scales `sub + 8k'` from `k = from` and `k' = from.min(1)` on (zeros for `slot < 0`):
-/// `from = MAXIT` completes the prefetch for rows wider than it (or more than 8 tiles),
-/// `from = 0` gathers a layout that is not [`prefetchable`], at any alignment.
+/// Gathers (synchronously, one unit at a time) `slot`'s source units `sub + 8k` from
+/// `k = from` on (zeros for `slot < 0`): `from = MAXIT` completes the prefetch for rows
+/// wider than it, `from = 0` gathers a layout that is not [`prefetchable`], at any
+/// alignment (a scale unit reads only the scales that exist).
 ///
 /// # Safety
 /// As [`issue`] (any alignment) and [`store`].
@@ -271,30 +320,29 @@ pub(super) unsafe fn store_rest<S: Simt>(
 ) {
     let tok = token_row(p, slot);
     let al16 = aligned(p, 16, p.rope_offset);
+    let scales = g.lat_units..g.lat_units + g.scale_units;
     let mut u = r.sub + 8 * from;
     while u < g.units {
+        let at = tok.byte_add(unit_offset(p, g, u));
         let v = if slot < 0 {
             [0; 4]
+        } else if scales.contains(&u) {
+            let first = 4 * (u - g.lat_units);
+            let mut v = [0u32; 4];
+            unroll!(4, i, {
+                if first + (i as u32) < g.tiles {
+                    // SAFETY: the f32 scale of tile first + i < tiles of the token.
+                    v[i] = unsafe { word::<S>(at.add(4 * i)) };
+                }
+            });
+            v
         } else {
             // SAFETY: 16 bytes of the token row (u < units).
-            unsafe { load16::<S>(tok.byte_add(unit_offset(p, g, u)), al16) }
+            unsafe { load16::<S>(at, al16) }
         };
         // SAFETY: key < 32, u < units (the caller's exclusivity).
         unsafe { store_unit::<S>(g, r.key, u, v) };
         u += 8;
-    }
-    let mut tile = r.sub + 8 * from.min(1);
-    while tile < g.tiles {
-        let scale = if slot < 0 {
-            0.0
-        } else {
-            let at = tok.byte_add((p.scales_offset + 4 * tile) as usize);
-            // SAFETY: the f32 scale of a tile of the token (tile < tiles).
-            f32::from_bits(unsafe { word::<S>(at) })
-        };
-        // SAFETY: tile < tiles, key < 32: inside the scale table; this thread's entry.
-        unsafe { S::smem_store((g.scale_off + 4 * (tile * BN + r.key)) as usize, scale) };
-        tile += 8;
     }
 }
 
