@@ -8,7 +8,7 @@
 //! dereferenced.
 
 use sparsekit_kernels::global::{GlobalMut, GlobalPtr};
-use sparsekit_kernels::kernels::sparse_mla_split;
+use sparsekit_kernels::kernels::{sparse_mla_split, topk_chunk};
 use sparsekit_kernels::params::{
     index_k_format, kv_format, CopyPagesParams, IndexKStoreParams, IndexerLogitsParams,
     KvStoreParams, PageChecksumsParams, SparseMlaParams, TopkParams,
@@ -180,8 +180,9 @@ pub(crate) fn indexer_logits(op: &IndexerLogits<'_>, a: Addrs<'_>) -> IndexerLog
     )
 }
 
-/// `topk` of `op`: reads `[logits]`, writes `[topk]`, metadata `[rows]`, plus the page
-/// table when `op` outputs slots (null in the parameters for positions).
+/// `topk` of `op`: reads `[logits]`, writes `[topk, workspace, counters]` (the last two
+/// sized by `topk_workspace`), metadata `[rows]`, plus the page table when `op` outputs
+/// slots (null in the parameters for positions).
 pub(crate) fn topk(op: &Topk<'_>, a: Addrs<'_>) -> TopkParams {
     let (page_table, page_size, max_pages) = match op.output {
         TopkOutput::Positions => (GlobalPtr::null(), 0, 0),
@@ -204,7 +205,9 @@ pub(crate) fn topk(op: &Topk<'_>, a: Addrs<'_>) -> TopkParams {
         row_stride: op.row_stride as u32,
         page_size,
         max_pages,
-        _pad: 0,
+        chunk: topk_chunk(op.k as u32),
+        workspace: ptr_mut(a.write[1]),
+        counters: ptr_mut(a.write[2]),
     }
 }
 

@@ -17,7 +17,9 @@
 //! written), the GPU ignores them.
 
 pub use sparsekit_kernels::emu::BufferAccess;
-use sparsekit_kernels::kernels::{sparse_mla_workspace, INDEXER_LOGITS_MAX_HEAD_DIM};
+use sparsekit_kernels::kernels::{
+    sparse_mla_workspace, topk_workspace, INDEXER_LOGITS_MAX_HEAD_DIM,
+};
 use sparsekit_kernels::launch::{KernelParams, MAX_DYN_SMEM};
 use sparsekit_kernels::params::QueryRange;
 
@@ -287,6 +289,12 @@ pub fn topk<D: KernelDevice>(
     if op.rows.is_empty() {
         return Ok(());
     }
+    // Scratch of split rows (candidates and zeroed per-row counters; empty when no row
+    // can be split).
+    let (ws_bytes, counter_bytes) =
+        topk_workspace(op.rows.len() as u32, op.row_stride as u32, op.k as u32);
+    let mut workspace = d.alloc(ws_bytes as usize)?;
+    let mut counters = d.alloc(counter_bytes as usize)?;
     let mut meta = vec![("rows", QueryRange::as_bytes(op.rows))];
     if let TopkOutput::Slots { page_table, .. } = op.output {
         meta.push(("page_table", bytemuck::cast_slice(page_table.as_slice())));
@@ -297,7 +305,11 @@ pub fn topk<D: KernelDevice>(
         d.launch(
             &meta,
             &[("logits", logits)],
-            &mut [("topk", BufferAccess::Write, out)],
+            &mut [
+                ("topk", BufferAccess::Write, out),
+                ("workspace", BufferAccess::Write, &mut workspace),
+                ("counters", BufferAccess::ReadWrite, &mut counters),
+            ],
             |a| kernel_params::topk(op, a),
         )
     }

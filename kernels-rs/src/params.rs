@@ -219,7 +219,15 @@ pub struct TopkParams {
     pub row_stride: u32,
     pub page_size: u32,
     pub max_pages: u32,
-    pub _pad: u32,
+    /// Positions per chunk: a row longer than this is cut into chunks whose top-k are
+    /// found by separate blocks and merged by the last one (`kernels::topk_chunk`).
+    pub chunk: u32,
+    /// Per (row, chunk) candidates, when rows are split (`kernels::topk_workspace` bytes;
+    /// contents need no initialisation).
+    pub workspace: GlobalMut<u32>,
+    /// Per row counts of finished chunks, when rows are split: zero before the launch,
+    /// zero again after it.
+    pub counters: GlobalMut<u32>,
 }
 
 /// `sparse_mla` (see `sparsekit_host::ops::SparseMla`): per token and head, softmax

@@ -24,7 +24,7 @@ use sparsekit::host::{
 };
 use sparsekit::kernel_report::report;
 use sparsekit::kernels::emu::{Profile, SiteProfile, Space};
-use sparsekit::kernels::kernels::sparse_mla_split;
+use sparsekit::kernels::kernels::{sparse_mla_split, topk_chunk};
 use sparsekit::perf_model::{
     occupancy, predict, widths_label, AccessSummary, GridTotals, Prediction, DEVICES,
 };
@@ -246,7 +246,8 @@ fn cases(s: Sizes) -> Result<Vec<Case>, CliError> {
             name: format!("topk/b{batch}"),
             op: "topk",
             shape: format!("{batch} rows × {context}, k {k}"),
-            min_blocks: 1,
+            // A long row's chunks are merged by the last of them: sample a whole row.
+            min_blocks: context.div_ceil(topk_chunk(k as u32) as usize) as u32,
             run: Box::new(move |emu| {
                 let mut r = rng(4);
                 let logits = emu.upload(&f32_bytes(&normal_values(&mut r, batch * context)))?;

@@ -60,7 +60,7 @@ pub use indexer_logits::{
 pub use pages::{copy_pages, page_checksums};
 pub use sparse_mla::{sparse_mla, sparse_mla_launch, sparse_mla_split, sparse_mla_workspace};
 pub use store::{index_k_store, kv_store};
-pub use topk::{topk, topk_launch};
+pub use topk::{topk, topk_chunk, topk_launch, topk_workspace};
 
 /// Full-warp mask.
 pub const FULL: u32 = u32::MAX;
