@@ -613,7 +613,13 @@ unsafe fn find_bin<S: Simt>(me: Me, hist: usize, need: u32) -> Found {
             // SAFETY: lo + j - j % 4 .. + 4 ≤ BINS: bins of the histogram, 16-byte
             // aligned (lo and the histogram offsets are multiples of 4 words).
             let v = unsafe { S::smem_load::<V4>(hist + 4 * (lo + j - j % 4) as usize) }.0;
-            v[(j % 4) as usize]
+            // (A select, not an index: no local-memory copy of the vector.)
+            match j % 4 {
+                0 => v[0],
+                1 => v[1],
+                2 => v[2],
+                _ => v[3],
+            }
         } else {
             // SAFETY: lo + j < BINS: a bin of the histogram.
             unsafe { S::smem_load::<u32>(hist + 4 * (lo + j) as usize) }
