@@ -62,6 +62,15 @@ pub struct Span {
 /// work enqueued inside `f` after earlier writes to them and before later uses (their frees
 /// included); [`Self::enqueue`] runs the kernel of `P` with `params.launch()`'s geometry.
 pub unsafe trait KernelDevice: Backend {
+    /// A launch's scratch buffer of `bytes` bytes, which its kernel writes before it reads
+    /// (a `BufferAccess::Write` span: the emulator reports any read of a byte not yet
+    /// written). Its initial contents are unspecified: the default zeroes it like
+    /// [`Backend::alloc`]; a GPU backend skips the fill (tens of MB for a split
+    /// `sparse_mla` at batch 64, a memset as long as a fifth of the kernel).
+    fn alloc_scratch(&self, bytes: usize) -> Result<Self::Buffer> {
+        self.alloc(bytes)
+    }
+
     /// Per-call metadata placed where the kernels can read it; kept alive until the launch
     /// that reads it has completed.
     type Staged<'a>;
@@ -293,7 +302,7 @@ pub fn topk<D: KernelDevice>(
     // can be split).
     let (ws_bytes, counter_bytes) =
         topk_workspace(op.rows.len() as u32, op.row_stride as u32, op.k as u32);
-    let mut workspace = d.alloc(ws_bytes as usize)?;
+    let mut workspace = d.alloc_scratch(ws_bytes as usize)?;
     let mut counters = d.alloc(counter_bytes as usize)?;
     let mut meta = vec![("rows", QueryRange::as_bytes(op.rows))];
     if let TopkOutput::Slots { page_table, .. } = op.output {
@@ -347,7 +356,7 @@ pub fn sparse_mla<D: KernelDevice>(
         op.topk as u32,
         op.layout.nope_dim() as u32,
     );
-    let mut workspace = d.alloc(ws_bytes as usize)?;
+    let mut workspace = d.alloc_scratch(ws_bytes as usize)?;
     let mut counters = d.alloc(counter_bytes as usize)?;
     // SAFETY: the descriptor was validated against the buffers and every index is `-1`
     // or a slot of the cache.

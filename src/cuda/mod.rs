@@ -438,6 +438,23 @@ impl Backend for CudaBackend {
 unsafe impl KernelDevice for CudaBackend {
     type Staged<'a> = CudaSlice<u8>;
 
+    /// Not filled: the kernels write every scratch byte before reading it (checked by the
+    /// emulator), and the counters that must start at zero come from [`Backend::alloc`].
+    fn alloc_scratch(&self, bytes: usize) -> Result<CudaBuffer> {
+        self.device.alive()?;
+        let stream = self.cuda_stream();
+        let s = if bytes == 0 {
+            stream.null::<u8>()
+        } else {
+            // SAFETY: device bytes of unspecified value (any bit pattern is a valid u8);
+            // what the caller reads before writing is unspecified, never undefined.
+            unsafe { stream.alloc::<u8>(bytes) }
+        };
+        Ok(CudaBuffer(Memory::Device(
+            s.map_err(self.device.err("allocation"))?,
+        )))
+    }
+
     fn stage(&self, bytes: &[u8]) -> Result<CudaSlice<u8>> {
         self.device.alive()?;
         let stream = self.cuda_stream();

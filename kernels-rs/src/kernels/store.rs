@@ -183,9 +183,7 @@ pub unsafe fn kv_store<S: Simt>(p: KvStoreParams) {
                     let mut i = VEC * lane;
                     while i < TILE {
                         // SAFETY: base + i + 4 ≤ nope_dim, 8-byte aligned.
-                        amax = amax.max(amax4(unsafe {
-                            load4::<S>(src.add((base + i) as usize))
-                        }));
+                        amax = amax.max(amax4(unsafe { load4::<S>(src.add((base + i) as usize)) }));
                         i += 32 * VEC;
                     }
                     let s = kv_tile_scale(warp_max_f32::<S>(amax));
