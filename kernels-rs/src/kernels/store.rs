@@ -94,9 +94,9 @@ unsafe fn copy_bf16<S: Simt>(src: GlobalPtr<u16>, dst: GlobalMut<u16>, n: u32) {
 ///
 /// # Safety
 /// Launch with `block_dim` a multiple of 32. `keys` (8-byte aligned, as every allocation
-/// is) holds `n_tokens × head_dim` bf16,
-/// `slots` `n_tokens` entries that are `-1` or unique slots inside `cache`, and the layout
-/// fields describe `cache` exactly (from an `IndexKLayout`).
+/// is) holds `n_tokens × head_dim` bf16, `slots` `n_tokens` entries that are `-1` or
+/// unique slots inside `cache`; `head_dim` is a multiple of 16 and the layout fields
+/// describe `cache` exactly (from an `IndexKLayout`).
 pub unsafe fn index_k_store<S: Simt>(p: IndexKStoreParams) {
     let warps = S::block_dim() / 32;
     let lane = S::lane_id();
@@ -154,9 +154,9 @@ pub unsafe fn index_k_store<S: Simt>(p: IndexKStoreParams) {
 /// Stores KV tokens.
 ///
 /// # Safety
-/// Launch with `block_dim` a multiple of 32. `kv` (8-byte aligned) holds
-/// `n_tokens × (nope_dim + rope_dim)`
-/// bf16, `slots` unique slots or `-1`, `nope_dim` is a multiple of [`kv_format::FP8_DS_MLA_TILE`] for fp8_ds_mla, and
+/// Launch with `block_dim` a multiple of 32. `kv` (8-byte aligned) holds `n_tokens ×
+/// (nope_dim + rope_dim)` bf16, `slots` unique slots or `-1`; `nope_dim` and `rope_dim`
+/// are multiples of 16 (`nope_dim` of [`kv_format::FP8_DS_MLA_TILE`] for fp8_ds_mla), and
 /// the layout fields describe `cache` exactly (from a `KvLayout`).
 pub unsafe fn kv_store<S: Simt>(p: KvStoreParams) {
     let warps = S::block_dim() / 32;
