@@ -1,6 +1,7 @@
 //! The performance model's accounting, pinned on small kernels whose counts are known by
 //! hand: a perfectly coalesced copy, a strided copy, shared-memory accesses with 32-way
-//! and no bank conflicts, a divergent store, barriers and mma counts, block sampling.
+//! and no bank conflicts, a divergent store, barriers and mma counts, block sampling,
+//! sectors counted from each buffer's start.
 #![cfg(feature = "emu")]
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic
 
@@ -57,8 +58,8 @@ unsafe fn one_mma<S: Simt>(_: Args) {
     assert_eq!(d, [16.0; 4]);
 }
 
-/// 64-byte aligned u32 storage (sectors are counted at absolute 32-byte boundaries, as on
-/// the GPU, whose allocations are 256-byte aligned).
+/// 64-byte aligned u32 storage (sectors are counted from each buffer's start, as on the
+/// GPU, whose allocations are 256-byte aligned).
 #[repr(C, align(64))]
 #[derive(Clone, Copy)]
 struct Line([u32; 16]);
@@ -197,4 +198,45 @@ fn profiles_are_deterministic() {
         a.total(Space::Shared, Some(GlobalOp::Load)).ways(),
         Some(4.0)
     );
+}
+
+#[test]
+fn sectors_are_counted_from_each_buffer_start() {
+    // Buffers 4 bytes past a 64-byte boundary on the host (as a staged metadata slice may
+    // be): still 4 sectors per warp of 128 bytes, as for a device allocation (256-byte
+    // aligned) — the counts do not depend on where the heap put the buffers.
+    let src = aligned(0..65);
+    let mut dst = aligned(std::iter::repeat_n(0, 65));
+    let s = src.as_ptr().cast::<u32>().wrapping_add(1);
+    let d = dst.as_mut_ptr().cast::<u32>().wrapping_add(1);
+    let mut bufs = GlobalBuffers::new("offset");
+    bufs.add("src", s as usize, 4 * 64, BufferAccess::Read)
+        .unwrap();
+    bufs.add("dst", d as usize, 4 * 64, BufferAccess::Write)
+        .unwrap();
+    let args = Args {
+        src: GlobalPtr::from_raw(s),
+        dst: GlobalMut::from_raw(d),
+        stride: 1,
+    };
+    // SAFETY: the buffers outlive the launch; 64 u32 from word 1 of each.
+    let p = unsafe { Params::new(args) };
+    let cfg = LaunchConfig {
+        grid: 1,
+        block: 64,
+        dyn_smem_bytes: 0,
+    };
+    // SAFETY: as above.
+    let prof =
+        profile_launch(cfg, &bufs, None, || unsafe { strided_copy::<Emu>(p.get()) }).unwrap();
+    for op in [GlobalOp::Load, GlobalOp::Store] {
+        let t = prof.total(Space::Global, Some(op));
+        assert_eq!((t.instructions, t.sectors), (2, 8), "{op}");
+        assert_eq!(t.efficiency(), Some(1.0), "{op}");
+    }
+    assert_eq!(
+        (prof.unique_load_bytes, prof.unique_store_bytes),
+        (256, 256)
+    );
+    assert_eq!(words(&dst, 65)[1..], (1..65).collect::<Vec<u32>>());
 }

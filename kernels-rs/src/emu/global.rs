@@ -238,6 +238,8 @@ pub(crate) struct GlobalCheck {
     regions: Vec<Region>,
     /// Per region: one bit per byte, set once stored (only for [`BufferAccess::Write`]).
     written: Vec<Option<Box<[AtomicU64]>>>,
+    /// Per region: its position in the launch's registration order.
+    ids: Vec<usize>,
 }
 
 /// A fault before the thread and block are filled in.
@@ -250,13 +252,15 @@ pub(crate) struct Fault {
 impl GlobalCheck {
     /// The check of a launch of `buffers`.
     pub(crate) fn new(buffers: &GlobalBuffers) -> Self {
-        let mut regions: Vec<Region> = buffers
+        let mut regions: Vec<(usize, Region)> = buffers
             .regions
             .iter()
-            .filter(|r| r.len > 0)
-            .cloned()
+            .enumerate()
+            .filter(|(_, r)| r.len > 0)
+            .map(|(i, r)| (i, r.clone()))
             .collect();
-        regions.sort_by_key(|r| r.start);
+        regions.sort_by_key(|(_, r)| r.start);
+        let (ids, regions): (Vec<usize>, Vec<Region>) = regions.into_iter().unzip();
         let written = regions
             .iter()
             .map(|r| {
@@ -268,6 +272,7 @@ impl GlobalCheck {
             kernel: buffers.kernel.clone(),
             regions,
             written,
+            ids,
         }
     }
 
@@ -277,6 +282,21 @@ impl GlobalCheck {
             kernel: "kernel".to_string(),
             regions: Vec::new(),
             written: Vec::new(),
+            ids: Vec::new(),
+        }
+    }
+
+    /// The address the performance model counts sectors at: an access inside a buffer
+    /// keeps its offset in the buffer, and the buffer is placed at a slot of 2^40 bytes
+    /// fixed by its registration order — as if every buffer started on a 256-byte
+    /// boundary like a device allocation, so that the sector counts depend neither on
+    /// where the host heap put the buffers nor on the run. Outside every buffer: `addr`.
+    pub(crate) fn model_addr(&self, addr: usize) -> u64 {
+        match self.region_at(addr) {
+            Some(i) if addr - self.regions[i].start < self.regions[i].len => {
+                ((self.ids[i] as u64 + 1) << 40) + (addr - self.regions[i].start) as u64
+            }
+            _ => addr as u64,
         }
     }
 

@@ -603,8 +603,9 @@ fn global_access(loc: &'static Location<'static>, op: GlobalOp, addr: usize, siz
             stop();
         }
         if let Some(t) = &c.trace {
+            let at = c.sync.global.model_addr(addr);
             t.borrow_mut()
-                .record(loc, c.thread, Space::Global, op, addr as u64, size);
+                .record(loc, c.thread, Space::Global, op, at, size);
         }
     });
 }
