@@ -346,13 +346,26 @@ impl Tracer {
                 s
             })
             .collect();
-        sites.sort_by(|a, b| {
-            (a.space, a.op.map(op_code), &a.location).cmp(&(
-                b.space,
-                b.op.map(op_code),
-                &b.location,
-            ))
-        });
+        // Two sites may share a location (one source access inlined into two callers):
+        // their figures order them, so that the order is the same on every run.
+        let key = |s: &SiteProfile| {
+            (
+                s.space,
+                s.op.map(op_code),
+                s.location.clone(),
+                [
+                    s.instructions,
+                    s.lanes,
+                    s.bytes,
+                    s.useful_bytes,
+                    s.sectors,
+                    s.wavefronts,
+                    s.phases,
+                ],
+                s.widths,
+            )
+        };
+        sites.sort_by_cached_key(key);
         Profile {
             kernel: kernel.to_string(),
             grid,
