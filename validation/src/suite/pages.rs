@@ -3,8 +3,8 @@
 
 use rand::seq::SliceRandom;
 use rand::Rng;
-use sparsekit_host::layout::PageLayout;
-use sparsekit_host::ops::{CopyPages, Op, PageChecksums};
+use sparsekit_host::layout::{IndexKDtype, IndexKLayout, PageLayout};
+use sparsekit_host::ops::{CopyPages, Op, PageChecksums, PagedRegion};
 use sparsekit_host::{Backend, Error};
 
 use super::record::Outcome;
@@ -64,24 +64,38 @@ pub(super) fn page_checksums<B: Backend>(
     rng: &mut SuiteRng,
     layout: PageLayout,
 ) -> Result<Outcome, Error> {
-    let r = region(layout, 31, true, 48);
-    let pool = fixtures::garbage(rng, region_bytes(&r));
-    let ids: Vec<i32> = (0..24).map(|_| rng.gen_range(0..31)).collect();
-    let op = PageChecksums {
-        region: r,
-        ids: &ids,
-    };
-    let mut out = b.upload(&fixtures::poison_f32(ids.len() * 2))?;
-    b.page_checksums(&op, &b.upload(&pool)?, &mut out)?;
-    let got: Vec<u64> = bytemuck::pod_collect_to_vec(&b.download(&out)?);
     let t = tolerance::get(Op::PageChecksums, Quantity::Checksums, DataType::U64)?;
     let mut stats = ErrorStats::default();
-    for (i, (&g, &id)) in got.iter().zip(&ids).enumerate() {
-        let want = reference::page_checksum(&pool[r.page_range(id as usize)]);
-        if g == want {
-            stats.count += 1;
-        } else {
-            stats.fail(i, g as f64, want as f64);
+    // Pages 16-byte aligned (the GPU kernels' vector path), pages 4 mod 16 (their byte
+    // path), and a 60-byte page (16-byte pieces, then a whole and a partial word).
+    let odd = IndexKLayout::new(IndexKDtype::FP8, 16, 3)?.into();
+    let odd_region = PagedRegion {
+        layout: odd,
+        offset: 16,
+        stride: 64,
+        num_pages: 31,
+    };
+    for r in [
+        region(layout, 31, true, 48),
+        region(layout, 31, true, 4),
+        odd_region,
+    ] {
+        let pool = fixtures::garbage(rng, region_bytes(&r));
+        let ids: Vec<i32> = (0..24).map(|_| rng.gen_range(0..31)).collect();
+        let op = PageChecksums {
+            region: r,
+            ids: &ids,
+        };
+        let mut out = b.upload(&fixtures::poison_f32(ids.len() * 2))?;
+        b.page_checksums(&op, &b.upload(&pool)?, &mut out)?;
+        let got: Vec<u64> = bytemuck::pod_collect_to_vec(&b.download(&out)?);
+        for (i, (&g, &id)) in got.iter().zip(&ids).enumerate() {
+            let want = reference::page_checksum(&pool[r.page_range(id as usize)]);
+            if g == want {
+                stats.count += 1;
+            } else {
+                stats.fail(i, g as f64, want as f64);
+            }
         }
     }
     Ok(Outcome::new(Quantity::Checksums, stats, t))
