@@ -239,8 +239,13 @@ pub fn indexer_logits(
                         dot += p;
                         adot += p.abs();
                     }
+                    // ReLU as `fmax`: a NaN dot counts as 0 (as on every backend).
                     acc += wr[h] as f64 * dot.max(0.0);
-                    m += (wr[h] as f64).abs() * adot;
+                    // A non-finite dot is exact after the ReLU (0) or makes the logit
+                    // non-finite (compared exactly): no rounding error to scale.
+                    if dot.is_finite() {
+                        m += (wr[h] as f64).abs() * adot;
+                    }
                 }
                 logits[pos] = acc * s;
                 mag[pos] = m * s;

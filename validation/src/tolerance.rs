@@ -259,6 +259,28 @@ impl ErrorStats {
         }
     }
 
+    /// Compares one element of a case with non-finite inputs: where the reference gives
+    /// NaN the output must be NaN too; otherwise as [`ErrorStats::add`].
+    pub fn add_nonfinite(
+        &mut self,
+        index: usize,
+        got: f64,
+        want: f64,
+        magnitude: f64,
+        t: &Tolerance,
+    ) {
+        if want.is_nan() {
+            self.count += 1;
+            if !got.is_nan() {
+                self.failures += 1;
+                self.worst_ratio = f64::INFINITY;
+                self.first_failure.get_or_insert((index, got, want));
+            }
+        } else {
+            self.add(index, got, want, magnitude, t);
+        }
+    }
+
     /// Records a failure that is not an element comparison (a wrong index, say).
     pub fn fail(&mut self, index: usize, got: f64, want: f64) {
         self.count += 1;
@@ -276,6 +298,17 @@ impl ErrorStats {
             .filter(|(_, r)| *r > floor && *r > 0.0)
             .fold(0.0, |m, (e, r)| m.max(e / r));
         self.rel_pairs = Vec::new();
+    }
+
+    /// One line: failures of count, the first failure, the worst error/tolerance.
+    pub fn summary(&self) -> String {
+        let first = self.first_failure.map_or(String::new(), |(i, g, w)| {
+            format!(", first at {i}: got {g}, expected {w}")
+        });
+        format!(
+            "{} of {} elements out of tolerance{first}, worst err/tol {:.3}",
+            self.failures, self.count, self.worst_ratio
+        )
     }
 
     /// Whether every element passed (and at least one was compared).

@@ -164,9 +164,12 @@ fn attend(
             &mut o,
         );
     }
+    // "No valid slot" is decided by the slots, never by the sum: a NaN or infinite score
+    // makes the sum NaN, and that NaN must reach out and lse (as in the reference), not
+    // pass for the empty-attention values.
     for i in 0..hc {
         let dst = &mut out[i * dv..(i + 1) * dv];
-        if sum[i] > 0.0 {
+        if !valid.is_empty() {
             let inv = 1.0 / sum[i];
             for (d, &x) in dst.iter_mut().zip(&o[i * dv..(i + 1) * dv]) {
                 *d = bf16::from_f32(x * inv);

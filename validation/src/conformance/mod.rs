@@ -9,6 +9,8 @@
 //!   replayable with `SPARSEKIT_SEED`);
 //! - typed errors ([`errors`]): every caller mistake is a typed error and a rejected call
 //!   writes nothing; shapes past a backend's kernels are rejected, never run wrong;
+//! - non-finite inputs ([`nonfinite`]): NaN and infinities in every input give what the
+//!   reference gives (NaN where it gives NaN, never a plausible number);
 //! - empty batches ([`empty_batches`]): every op accepts a batch of nothing and writes
 //!   nothing;
 //! - streams and events ([`streams_and_events`]): page copies on the copy stream, ordered
@@ -18,6 +20,7 @@
 //! well as the tests).
 
 pub mod errors;
+pub mod nonfinite;
 
 use std::fmt;
 
@@ -97,10 +100,58 @@ pub fn run_check<B: Backend>(
             return;
         }
     };
-    if let Err(f) = check(&backend) {
-        panic!("{instance}::{check_name} on {}: {f}", backend.name());
+    let known = KNOWN_DIVERGENCES
+        .iter()
+        .find(|k| k.check == check_name && k.backends.contains(&backend.name()));
+    match (check(&backend), known) {
+        (Ok(()), None) => {}
+        (Err(f), None) => panic!("{instance}::{check_name} on {}: {f}", backend.name()),
+        (Err(f), Some(k)) if f.0.contains(k.failure) => eprintln!(
+            "KNOWN DIVERGENCE {instance}::{check_name} on {} ({}): {f}",
+            backend.name(),
+            k.reason
+        ),
+        (Err(f), Some(k)) => panic!(
+            "{instance}::{check_name} on {}: {f} (besides the known divergence: {})",
+            backend.name(),
+            k.reason
+        ),
+        (Ok(()), Some(k)) => panic!(
+            "{instance}::{check_name} on {} passes: the known divergence ({}) is gone; \
+             remove it from conformance::KNOWN_DIVERGENCES",
+            backend.name(),
+            k.reason
+        ),
     }
 }
+
+/// A check that is known to fail on some backends, in one precise way.
+#[derive(Clone, Copy, Debug)]
+pub struct KnownDivergence {
+    /// The check (its `#[test]` name in [`test_backend!`](crate::test_backend)).
+    pub check: &'static str,
+    /// Backend names ([`Backend::name`]) it fails on.
+    pub backends: &'static [&'static str],
+    /// Text the failure message must contain; any other failure fails the test.
+    pub failure: &'static str,
+    /// Why, and who owns the fix.
+    pub reason: &'static str,
+}
+
+/// Divergences from the reference that are known and owned elsewhere. While one
+/// reproduces exactly (its `failure` text in the message) the test passes and says so on
+/// stderr; it fails when the check fails any other way, and when the check passes (the
+/// entry must then be removed).
+pub const KNOWN_DIVERGENCES: &[KnownDivergence] = &[KnownDivergence {
+    check: "nonfinite_attention",
+    backends: &["emu", "cuda"],
+    failure: nonfinite::EMPTY_FOR_NAN,
+    reason: "the sparse_mla GPU kernel decides \"no valid slot\" by a running max of -inf \
+             (kernels-rs/src/kernels/sparse_mla/tile.rs, merge), so a head whose scores are \
+             all NaN or all -inf gets lse = -inf (and out = 0) instead of NaN; the fix is to \
+             decide it by the token's count of valid slots, as the CPU backend does (issue 8 \
+             item 4, owned by the kernels)",
+}];
 
 /// Says why an instance skips: once per instance and process on stderr itself (not the
 /// test harness's captured output, so `cargo test` shows it), and per check in the
@@ -413,6 +464,26 @@ macro_rules! test_backend {
                     "shapes_past_the_kernels",
                     || $open,
                     |b| c::errors::shapes_past_the_kernels(b),
+                )
+            }
+            #[test]
+            fn nonfinite_stores() {
+                check("nonfinite_stores", || $open, |b| c::nonfinite::stores(b))
+            }
+            #[test]
+            fn nonfinite_indexer() {
+                check("nonfinite_indexer", || $open, |b| c::nonfinite::indexer(b))
+            }
+            #[test]
+            fn nonfinite_topk() {
+                check("nonfinite_topk", || $open, |b| c::nonfinite::topk(b))
+            }
+            #[test]
+            fn nonfinite_attention() {
+                check(
+                    "nonfinite_attention",
+                    || $open,
+                    |b| c::nonfinite::attention(b),
                 )
             }
             #[test]
