@@ -133,12 +133,16 @@ fn tile<const R: usize, const NR: usize>(
         row.copy_from_slice(&c[(i + r) * d.ldc + j..][..NR]);
     }
     for p in 0..d.k {
-        let bp: &[f32; NR] = b[p * d.ldb + j..][..NR]
+        // B's row segment, held in registers for the R rows.
+        let bp: [f32; NR] = b[p * d.ldb + j..][..NR]
             .try_into()
             .unwrap_or_else(|_| unreachable!());
         for (r, row) in acc.iter_mut().enumerate() {
-            let av = a[(i + r) * d.lda + p];
-            for (x, &bv) in row.iter_mut().zip(bp) {
+            debug_assert!((i + r) * d.lda + p < a.len());
+            // SAFETY: `gemm_acc` checked `a.len() >= (m - 1)·lda + k`, and the tiles cover
+            // rows `i + r < m` and `p < k` only.
+            let av = unsafe { *a.get_unchecked((i + r) * d.lda + p) };
+            for (x, &bv) in row.iter_mut().zip(&bp) {
                 *x = av.mul_add(bv, *x);
             }
         }
