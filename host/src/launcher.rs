@@ -74,7 +74,8 @@ pub unsafe trait KernelDevice: Backend {
 
     /// Stages `meta`, then builds the parameters from the addresses of `reads`, `writes`
     /// and the staged metadata and launches their kernel (`P` names it: a kernel can only
-    /// be launched with its own parameter struct).
+    /// be launched with its own parameter struct). A `build` error (a size that does not
+    /// fit the kernel's parameters) launches nothing.
     ///
     /// # Safety
     /// `build` fills the parameters from the given addresses and from descriptors
@@ -84,7 +85,7 @@ pub unsafe trait KernelDevice: Backend {
         meta: &[&[u8]],
         reads: &[&Self::Buffer],
         writes: &mut [&mut Self::Buffer],
-        build: impl FnOnce(Addrs<'_>) -> P,
+        build: impl FnOnce(Addrs<'_>) -> Result<P>,
     ) -> Result<()> {
         let staged = meta
             .iter()
@@ -96,7 +97,7 @@ pub unsafe trait KernelDevice: Backend {
                 read,
                 write,
                 meta: &meta,
-            });
+            })?;
             check_launch(&params)?;
             // SAFETY: the caller's contract (see above); the staged metadata is dropped
             // only after the launch is enqueued.

@@ -99,7 +99,7 @@ struct Scratch {
     hsum: Vec<f32>,
 }
 
-/// A run of consecutive rows of one request.
+/// A run of consecutive rows of one request whose key ranges form one span `lo..hi`.
 #[derive(Clone, Copy, Debug)]
 struct Group {
     first: usize,
@@ -114,7 +114,14 @@ fn group_rows(rows: &[QueryRange], max_rows: usize) -> Vec<Group> {
     for (i, r) in rows.iter().enumerate() {
         let (lo, hi) = (r.start as usize, r.end as usize);
         match groups.last_mut() {
-            Some(g) if g.request == r.request as usize && g.len < max_rows => {
+            // Only rows whose ranges overlap or touch the group's span join it: the span
+            // stays covered by the rows' ranges, so no key outside every row's range
+            // (whose page may be unmapped) is ever read.
+            Some(g)
+                if g.request == r.request as usize
+                    && g.len < max_rows
+                    && (lo >= hi || g.lo >= g.hi || (lo <= g.hi && hi >= g.lo)) =>
+            {
                 g.len += 1;
                 // Empty ranges do not widen the group's key span.
                 if lo < hi {
