@@ -9,6 +9,7 @@
 
 use half::bf16;
 use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
 use sparsekit_host::dtype::ScaleFormat;
 use sparsekit_host::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout, FP8_DS_MLA_TILE};
 use sparsekit_host::ops::{PageTable, QueryRange};
@@ -77,9 +78,46 @@ pub fn pow2_ceil(s: f64) -> f64 {
     p
 }
 
+/// How a quantiser divides by a constant or a scale: ours divides (`x / 448`, `x / s`);
+/// DeepSeek's and SGLang's index-K scales multiply by an f32 reciprocal (`amax * (1/448)`),
+/// DeepGEMM's `kv_cache_cast_to_fp8` quantises values as `x * (1/s)`. The two differ in
+/// the last bit of some results (about a third of bf16 amax values give another scale).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Division {
+    /// `fl32(x / d)`.
+    #[default]
+    Divide,
+    /// `fl32(x · fl32(1 / d))`.
+    Reciprocal,
+}
+
+impl Division {
+    /// `x` divided by `d` under this rule (`x`, `d` f32 values; result an f32 value).
+    pub fn apply(self, x: f64, d: f64) -> f64 {
+        match self {
+            Division::Divide => fl32(x / d),
+            Division::Reciprocal => fl32(x * fl32(1.0 / d)),
+        }
+    }
+}
+
+/// The rules of a quantiser: how the scale is computed from the amax, how values are
+/// divided by it. [`QuantRules::default`] is ours (the kernels').
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct QuantRules {
+    pub scale: Division,
+    pub values: Division,
+}
+
 /// Index-K per-token scale: `fl32(max(amax, fl32(1e-4)) / 448)`, optionally pow2-rounded.
 pub fn index_k_scale(amax: f64, format: ScaleFormat) -> f64 {
-    let s = fl32(amax.max(fl32(1e-4)) / 448.0);
+    index_k_scale_with(amax, format, Division::Divide)
+}
+
+/// [`index_k_scale`] with the division by 448 done by `rule`.
+pub fn index_k_scale_with(amax: f64, format: ScaleFormat, rule: Division) -> f64 {
+    let s = rule.apply(amax.max(fl32(1e-4)), 448.0);
     match format {
         ScaleFormat::Fp32 => s,
         ScaleFormat::Ue8m0 => pow2_ceil(s),
@@ -88,7 +126,12 @@ pub fn index_k_scale(amax: f64, format: ScaleFormat) -> f64 {
 
 /// fp8_ds_mla tile scale: `pow2_ceil(max(fl32(amax / 448), fl32(1e-4)))`.
 pub fn kv_tile_scale(amax: f64) -> f64 {
-    pow2_ceil(fl32(amax / 448.0).max(fl32(1e-4)))
+    kv_tile_scale_with(amax, Division::Divide)
+}
+
+/// [`kv_tile_scale`] with the division by 448 done by `rule`.
+pub fn kv_tile_scale_with(amax: f64, rule: Division) -> f64 {
+    pow2_ceil(rule.apply(amax, 448.0).max(fl32(1e-4)))
 }
 
 fn amax(xs: &[bf16]) -> f64 {
@@ -112,6 +155,17 @@ fn get_f32(src: &[u8], at: usize) -> f64 {
 /// Applies `index_k_store` to `cache` (whole pages): token `t`'s key `keys[t*D..]` goes to
 /// `slots[t]` (`-1` skipped).
 pub fn index_k_store(layout: &IndexKLayout, cache: &mut [u8], keys: &[bf16], slots: &[i64]) {
+    index_k_store_with(layout, cache, keys, slots, QuantRules::default())
+}
+
+/// [`index_k_store`] under another quantiser's `rules`.
+pub fn index_k_store_with(
+    layout: &IndexKLayout,
+    cache: &mut [u8],
+    keys: &[bf16],
+    slots: &[i64],
+    rules: QuantRules,
+) {
     let d = layout.head_dim();
     for (t, &slot) in slots.iter().enumerate() {
         if slot < 0 {
@@ -122,9 +176,9 @@ pub fn index_k_store(layout: &IndexKLayout, cache: &mut [u8], keys: &[bf16], slo
         match layout.dtype() {
             IndexKDtype::Bf16 => put_bf16(&mut cache[values], key),
             IndexKDtype::Fp8E4m3 { scale } => {
-                let s = index_k_scale(amax(key), scale);
+                let s = index_k_scale_with(amax(key), scale, rules.scale);
                 for (i, x) in key.iter().enumerate() {
-                    cache[values.start + i] = e4m3_encode(fl32(x.to_f64() / s));
+                    cache[values.start + i] = e4m3_encode(rules.values.apply(x.to_f64(), s));
                 }
                 if let Some(r) = layout.slot_scale_bytes(slot as usize) {
                     cache[r].copy_from_slice(&(s as f32).to_le_bytes());
@@ -136,6 +190,17 @@ pub fn index_k_store(layout: &IndexKLayout, cache: &mut [u8], keys: &[bf16], slo
 
 /// Applies `kv_store` to `cache`: token `t`'s `[latent | rope]` goes to `slots[t]`.
 pub fn kv_store(layout: &KvLayout, cache: &mut [u8], kv: &[bf16], slots: &[i64]) {
+    kv_store_with(layout, cache, kv, slots, QuantRules::default())
+}
+
+/// [`kv_store`] under another quantiser's `rules`.
+pub fn kv_store_with(
+    layout: &KvLayout,
+    cache: &mut [u8],
+    kv: &[bf16],
+    slots: &[i64],
+    rules: QuantRules,
+) {
     let (d, nope) = (layout.d_qk(), layout.nope_dim());
     for (t, &slot) in slots.iter().enumerate() {
         if slot < 0 {
@@ -148,9 +213,10 @@ pub fn kv_store(layout: &KvLayout, cache: &mut [u8], kv: &[bf16], slots: &[i64])
             KvDtype::Fp8DsMla => {
                 let sr = layout.scales_range();
                 for (ti, tile) in x[..nope].chunks(FP8_DS_MLA_TILE).enumerate() {
-                    let s = kv_tile_scale(amax(tile));
+                    let s = kv_tile_scale_with(amax(tile), rules.scale);
                     for (i, v) in tile.iter().enumerate() {
-                        tok[ti * FP8_DS_MLA_TILE + i] = e4m3_encode(fl32(v.to_f64() / s));
+                        tok[ti * FP8_DS_MLA_TILE + i] =
+                            e4m3_encode(rules.values.apply(v.to_f64(), s));
                     }
                     tok[sr.start + 4 * ti..sr.start + 4 * ti + 4]
                         .copy_from_slice(&(s as f32).to_le_bytes());

@@ -294,22 +294,25 @@ pub fn get(op: Op, quantity: Quantity, dtype: DataType) -> Result<&'static Toler
 /// Running error statistics of one comparison.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct ErrorStats {
-    /// Elements compared.
+    /// Elements compared (each element once, failing or not).
     pub count: usize,
     /// Elements outside tolerance (NaN and infinity mismatches included).
     pub failures: usize,
     /// Largest |got - ref| over finite pairs.
     pub max_abs_err: f64,
-    /// Largest |got - ref| / |ref| over pairs with |ref| above 1e-3 of the largest |ref|.
+    /// Largest |got - ref| / |ref|: over every failing element (infinite when its ref is
+    /// 0), and over passing ones with |ref| above 1e-3 of the largest |ref|.
     pub max_rel_err: f64,
-    /// Largest `|got - ref| / allowed` (≤ 1 passes).
+    /// Largest `|got - ref| / allowed` (≤ 1 passes; infinite for a failing exact
+    /// comparison or a NaN/infinity mismatch).
     pub worst_ratio: f64,
     /// First failing element: (index, got, ref).
     pub first_failure: Option<(usize, f64, f64)>,
     #[serde(skip)]
     ref_max: f64,
+    /// (error, |ref|, failed) of the pairs that differ.
     #[serde(skip)]
-    rel_pairs: Vec<(f64, f64)>,
+    rel_pairs: Vec<(f64, f64, bool)>,
 }
 
 impl ErrorStats {
@@ -326,7 +329,7 @@ impl ErrorStats {
             self.max_abs_err = self.max_abs_err.max(err);
             self.ref_max = self.ref_max.max(want.abs());
             if err > 0.0 {
-                self.rel_pairs.push((err, want.abs()));
+                self.rel_pairs.push((err, want.abs(), err > allowed));
                 let ratio = if allowed > 0.0 {
                     err / allowed
                 } else {
@@ -338,6 +341,9 @@ impl ErrorStats {
         };
         if !ok {
             self.failures += 1;
+            if !(got - want).is_finite() {
+                self.worst_ratio = f64::INFINITY;
+            }
             self.first_failure.get_or_insert((index, got, want));
         }
     }
@@ -364,11 +370,16 @@ impl ErrorStats {
         }
     }
 
-    /// Records a failure that is not an element comparison (a wrong index, say).
+    /// Records one compared element that failed outside an element comparison (a wrong
+    /// index, a length mismatch): err/tol is infinite.
     pub fn fail(&mut self, index: usize, got: f64, want: f64) {
         self.count += 1;
         self.failures += 1;
-        self.max_abs_err = self.max_abs_err.max((got - want).abs());
+        self.worst_ratio = f64::INFINITY;
+        let err = (got - want).abs();
+        if err.is_finite() {
+            self.max_abs_err = self.max_abs_err.max(err);
+        }
         self.first_failure.get_or_insert((index, got, want));
     }
 
@@ -378,8 +389,10 @@ impl ErrorStats {
         self.max_rel_err = self
             .rel_pairs
             .iter()
-            .filter(|(_, r)| *r > floor && *r > 0.0)
-            .fold(0.0, |m, (e, r)| m.max(e / r));
+            .filter(|(_, r, failed)| *failed || (*r > floor && *r > 0.0))
+            .fold(self.max_rel_err, |m, (e, r, _)| {
+                m.max(if *r > 0.0 { e / r } else { f64::INFINITY })
+            });
         self.rel_pairs = Vec::new();
     }
 
@@ -412,19 +425,14 @@ impl ErrorStats {
     }
 }
 
-/// Byte-for-byte comparison: every differing byte is a failure (a length mismatch fails
-/// at index 0); equal bytes are not counted.
+/// Byte-for-byte comparison: every byte is counted, each differing one a failure (a
+/// length mismatch is one failure at index 0).
 pub fn compare_bytes(stats: &mut ErrorStats, got: &[u8], want: &[u8]) {
     if got.len() != want.len() {
         stats.fail(0, got.len() as f64, want.len() as f64);
         return;
     }
-    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
-        let n = got.iter().zip(want).filter(|(a, b)| a != b).count();
-        for _ in 0..n {
-            stats.fail(i, got[i] as f64, want[i] as f64);
-        }
-    }
+    bitwise(stats, 0, got, want);
 }
 
 /// Bit-identity of two outputs: every byte counted, each differing one a failure (index
@@ -442,9 +450,12 @@ pub fn bitwise(stats: &mut ErrorStats, base: usize, got: &[u8], want: &[u8]) {
     }
 }
 
-/// Judges one top-k row: exact positions (ties to the lower position), ascending order,
-/// `-1` padding; the value multisets of the selections are compared too (a failure there
-/// names the wrong value).
+/// Judges one top-k row of `k = got.len()` entries (flat index of entry 0: `base`): the
+/// entries must be exactly the tie rule's `want` (ascending positions, ties to the lower
+/// position, `-1` padding), and the values they select (`got_vals`) the expected
+/// selection's (`want_vals`, as a multiset). The row's `k` entries are counted once each;
+/// the failures are the entries that differ from the rule, or, if more, the selected
+/// values left unmatched by the expected ones. err/tol of a failure is infinite.
 pub fn judge_topk_row(
     stats: &mut ErrorStats,
     base: usize,
@@ -453,26 +464,50 @@ pub fn judge_topk_row(
     got_vals: &[f64],
     want_vals: &[f64],
 ) {
+    let k = got.len();
+    stats.count += k;
     let mut gv = got_vals.to_vec();
     let mut wv = want_vals.to_vec();
     gv.sort_by(f64::total_cmp);
     wv.sort_by(f64::total_cmp);
-    if gv.len() != wv.len() {
-        stats.fail(base, gv.len() as f64, wv.len() as f64);
-    } else {
-        for (i, (g, w)) in gv.iter().zip(&wv).enumerate() {
-            if g != w {
-                stats.fail(base + i, *g, *w);
+    // Multiset intersection of two sorted lists.
+    let (mut i, mut j, mut matched) = (0, 0, 0);
+    while i < gv.len() && j < wv.len() {
+        match gv[i].total_cmp(&wv[j]) {
+            std::cmp::Ordering::Less => i += 1,
+            std::cmp::Ordering::Greater => j += 1,
+            std::cmp::Ordering::Equal => {
+                matched += 1;
+                i += 1;
+                j += 1;
             }
         }
     }
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        if g != w {
-            stats.fail(base + i, *g as f64, *w as f64);
-        } else {
-            stats.count += 1;
+    let unmatched = (gv.len() - matched).max(wv.len() - matched);
+    let wrong: Vec<usize> = (0..k.min(want.len()))
+        .filter(|&e| got[e] != want[e])
+        .collect();
+    let fails = wrong.len().max(unmatched).min(k.max(1));
+    if fails == 0 {
+        return;
+    }
+    stats.failures += fails;
+    stats.worst_ratio = f64::INFINITY;
+    for (g, w) in gv.iter().zip(&wv) {
+        let e = (g - w).abs();
+        if e.is_finite() {
+            stats.max_abs_err = stats.max_abs_err.max(e);
         }
     }
+    let first = match wrong.first() {
+        Some(&e) => (base + e, got[e] as f64, want[e] as f64),
+        None => {
+            let at = gv.iter().zip(&wv).position(|(g, w)| g != w);
+            let (g, w) = at.map_or((gv.len() as f64, wv.len() as f64), |a| (gv[a], wv[a]));
+            (base, g, w)
+        }
+    };
+    stats.first_failure.get_or_insert(first);
 }
 
 #[cfg(test)]
@@ -573,6 +608,10 @@ mod tests {
         compare_bytes(&mut s, &[0; 4], &[0; 5]);
         assert_eq!(s.failures, 1);
         let mut s = ErrorStats::default();
+        compare_bytes(&mut s, &[1, 2, 3, 4], &[1, 9, 3, 8]);
+        assert_eq!((s.count, s.failures), (4, 2), "every byte counted once");
+        assert_eq!(s.worst_ratio, f64::INFINITY);
+        let mut s = ErrorStats::default();
         judge_topk_row(
             &mut s,
             0,
@@ -584,12 +623,40 @@ mod tests {
         assert!(s.pass());
         judge_topk_row(
             &mut s,
-            0,
+            3,
             &[1, 4, -1],
             &[1, 3, -1],
             &[2.0, 1.0],
             &[1.0, 2.0],
         );
         assert!(!s.pass(), "a tie broken the wrong way fails");
+        assert_eq!((s.count, s.failures), (6, 1));
+        assert_eq!(s.first_failure, Some((4, 4.0, 3.0)));
+        assert_eq!(s.worst_ratio, f64::INFINITY);
+        // One expected entry with another value, in a long row: one failure, not one per
+        // shifted position of the sorted values.
+        let mut s = ErrorStats::default();
+        let vals: Vec<f64> = (0..64).map(|v| v as f64).collect();
+        let mut other = vals.clone();
+        other[0] = -5.0;
+        let pos: Vec<i32> = (0..64).collect();
+        judge_topk_row(&mut s, 0, &pos, &pos, &vals, &other);
+        assert_eq!((s.count, s.failures), (64, 1));
+    }
+
+    #[test]
+    fn relative_error_includes_every_failing_element() {
+        let t = get(Op::IndexerLogits, Quantity::Logits, DataType::Bf16).unwrap();
+        let mut s = ErrorStats::default();
+        s.add(0, 1000.0, 1000.0, 1.0, t);
+        // A failing element far below 1e-3 of the largest |ref|: relative error 7.
+        s.add(1, 0.008, 0.001, 1e-9, t);
+        s.finish();
+        assert_eq!(s.failures, 1);
+        assert!((s.max_rel_err - 7.0).abs() < 1e-9, "{}", s.max_rel_err);
+        let mut s = ErrorStats::default();
+        s.add(0, 1e-3, 0.0, 0.0, t);
+        s.finish();
+        assert_eq!(s.max_rel_err, f64::INFINITY);
     }
 }

@@ -452,6 +452,7 @@ fn numpy_ml_dtypes_golden_files_pass() {
     };
     let cpu = CpuBackend::new();
     let mut ops = std::collections::BTreeSet::new();
+    let mut conventions = std::collections::BTreeSet::new();
     for f in &files {
         let report = check_file(&cpu, f).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
         assert!(
@@ -461,9 +462,128 @@ fn numpy_ml_dtypes_golden_files_pass() {
             report.metadata.get("seed")
         );
         ops.insert(report.op);
+        let g = Golden::read_file(f).unwrap();
+        // A corrupted expected output fails, with or without conventions.
+        let mut bad = g.clone();
+        corrupt(&mut bad);
+        let r = bad.check(&cpu);
+        assert!(
+            r.as_ref().map_or(true, |r| !r.pass()),
+            "{}: a corrupted file passed",
+            f.display()
+        );
+        // A file that states conventions needs them: without, it fails or is refused.
+        if let Some(c) = g.params.get("conventions").and_then(|c| c.as_object()) {
+            conventions.extend(c.keys().cloned());
+            let mut bare = g.clone();
+            bare.params.as_object_mut().unwrap().remove("conventions");
+            let r = bare.check(&cpu);
+            assert!(
+                r.as_ref().map_or(true, |r| !r.pass()),
+                "{} passes without its conventions {c:?}",
+                f.display()
+            );
+        }
     }
     assert_eq!(ops.len(), 5, "one file per op at least: {ops:?}");
+    let every: std::collections::BTreeSet<String> = [
+        "scale",
+        "quantize",
+        "key_dequant",
+        "topk_padding",
+        "empty_lse",
+        "lse_layout",
+        "invalid_indices",
+    ]
+    .map(String::from)
+    .into();
+    assert_eq!(conventions, every, "one file per convention");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Corrupts the expected output of a golden file of any op (a written cache byte, the
+/// largest logit, a selected top-k entry, the largest attention output).
+fn corrupt(g: &mut Golden) {
+    match g.op.as_str() {
+        "index_k_store" | "kv_store" => {
+            let slots: Vec<i64> = g.tensors["slots"].values();
+            let bpp = g.tensors["cache_out"].shape[1];
+            let ps = g.params["page_size"].as_u64().unwrap() as usize;
+            let s = *slots.iter().find(|&&s| s >= 0).unwrap() as usize;
+            // The first byte of the token's values (its page's start + its offset's row:
+            // both layouts put values first, token-major within the value section).
+            let per_token = if g.op == "kv_store" {
+                bpp / ps
+            } else if g.params["dtype"] == "bf16" {
+                2 * g.params["head_dim"].as_u64().unwrap() as usize
+            } else {
+                g.params["head_dim"].as_u64().unwrap() as usize
+            };
+            let at = (s / ps) * bpp + (s % ps) * per_token;
+            edit::<u8>(g, "cache_out", |c| c[at] ^= 0x11);
+        }
+        "indexer_logits" => {
+            let t = g.tensors.get_mut("logits").unwrap();
+            if t.dtype == Dtype::BF16 {
+                edit::<bf16>(g, "logits", |l| {
+                    let at = (0..l.len()).find(|&i| l[i].to_f32().is_finite()).unwrap();
+                    l[at] = bf16::from_f32(l[at].to_f32() * 1.5 + 1.0);
+                });
+            } else {
+                edit::<f32>(g, "logits", |l| {
+                    let at = (0..l.len()).find(|&i| l[i].is_finite()).unwrap();
+                    l[at] = l[at] * 1.5 + 1.0;
+                });
+            }
+        }
+        "topk" => {
+            // Push the logit of an expected entry below every other valid logit: the
+            // backend no longer selects it, the file still does.
+            let k = g.params["k"].as_u64().unwrap() as usize;
+            let stride = g.params["row_stride"].as_u64().unwrap() as usize;
+            let want: Vec<i32> = g.tensors["topk"].values();
+            let logits: Vec<f32> = g.tensors["logits"].values();
+            // A row with more than k valid logits (outside a row's range they are -inf).
+            let row = (0..want.len() / k)
+                .find(|&r| {
+                    let valid = logits[r * stride..(r + 1) * stride]
+                        .iter()
+                        .filter(|x| **x > f32::NEG_INFINITY)
+                        .count();
+                    valid > k
+                })
+                .unwrap();
+            let entry = *want[row * k..(row + 1) * k]
+                .iter()
+                .find(|&&v| v >= 0)
+                .unwrap();
+            let pos = match g.params.get("page_size").and_then(|p| p.as_u64()) {
+                None => entry as usize,
+                Some(ps) => {
+                    // Slot → position through the request's page-table row.
+                    let ps = ps as usize;
+                    let table: Vec<i32> = g.tensors["page_table"].values();
+                    let max_pages = g.tensors["page_table"].shape[1];
+                    let request = match g.tensors.get("rows") {
+                        Some(r) => r.values::<i32>()[row * 3] as usize,
+                        None => row / g.params["next_n"].as_u64().unwrap() as usize,
+                    };
+                    let page = entry as usize / ps;
+                    let col = (0..max_pages)
+                        .find(|&c| table[request * max_pages + c] == page as i32)
+                        .unwrap();
+                    col * ps + entry as usize % ps
+                }
+            };
+            edit::<f32>(g, "logits", |l| l[row * stride + pos] = -1e30);
+        }
+        _ => edit::<bf16>(g, "out", |o| {
+            let at = (0..o.len())
+                .max_by(|&a, &b| o[a].to_f32().abs().total_cmp(&o[b].to_f32().abs()))
+                .unwrap();
+            o[at] = -o[at];
+        }),
+    }
 }
 
 /// A small valid `index_k_store` file.

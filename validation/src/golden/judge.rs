@@ -87,9 +87,10 @@ fn unflatten(mut i: usize, shape: &[usize]) -> Vec<usize> {
     c
 }
 
-/// Byte comparison of a whole cache (the pass criterion), with the errors of the
-/// dequantised values at `slots` as figures.
+/// Byte comparison of a whole cache (the pass criterion), reported as `name`, with the
+/// errors of the dequantised values at `slots` as figures.
 pub(super) fn compare_cache(
+    name: &'static str,
     t: &Tolerance,
     got: &[u8],
     want: &[u8],
@@ -137,7 +138,7 @@ pub(super) fn compare_cache(
         )
     });
     QuantityReport {
-        name: "cache_out",
+        name,
         tolerance: t.describe(),
         pass: stats.failures == 0 && stats.count > 0,
         stats,
