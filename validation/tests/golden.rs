@@ -24,7 +24,7 @@ use sparsekit_host::ops::{
     decode_rows, IndexKStore, IndexerLogits, KvStore, Op, PageTable, QueryRange, SparseMla, Topk,
     TopkOutput,
 };
-use sparsekit_host::CpuBackend;
+use sparsekit_host::{CpuBackend, EmuBackend};
 use sparsekit_validation::fixtures::{self, case_rng, Paging, SuiteRng};
 use sparsekit_validation::golden::{check_file, Decode, Dtype, Golden, GoldenError, Tensor};
 use sparsekit_validation::reference;
@@ -498,6 +498,136 @@ fn numpy_ml_dtypes_golden_files_pass() {
     .map(String::from)
     .into();
     assert_eq!(conventions, every, "one file per convention");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Each convention file of `make_golden.py` passes on cpu and emu when it states its
+/// convention, and fails (or is refused) when it states a wrong one; files in our
+/// conventions that claim another's fail too.
+#[test]
+fn files_that_misstate_their_conventions_fail() {
+    let dir = scratch("lies");
+    let Some(files) = python_files(&dir) else {
+        std::fs::remove_dir_all(&dir).unwrap();
+        return;
+    };
+    let (cpu, emu) = (CpuBackend::new(), EmuBackend::new());
+    let file = |stem: &str| {
+        let f = files
+            .iter()
+            .find(|f| f.file_stem().is_some_and(|s| s == stem))
+            .unwrap_or_else(|| panic!("make_golden.py wrote no {stem}"));
+        Golden::read_file(f).unwrap()
+    };
+    // `g` with `params.conventions` replaced by `c` (JSON; `null` removes it).
+    let stating = |g: &Golden, c: serde_json::Value| {
+        let mut g = g.clone();
+        let p = g.params.as_object_mut().unwrap();
+        if c.is_null() {
+            p.remove("conventions");
+        } else {
+            p.insert("conventions".into(), c);
+        }
+        g
+    };
+    let passes = |what: &str, g: &Golden| {
+        for r in [g.check(&cpu), g.check(&emu)] {
+            let r = r.unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert!(r.pass(), "{what}: {r:?}");
+        }
+    };
+    // Fails as a mismatch (`refused`: false) or is refused with an error naming `refused`.
+    let fails = |what: &str, g: &Golden, refused: Option<&str>| match (g.check(&cpu), refused) {
+        (Ok(r), None) => assert!(!r.pass(), "{what} passed"),
+        (Err(e), Some(m)) => assert!(e.to_string().contains(m), "{what}: {e}"),
+        (r, _) => panic!("{what}: {r:?}"),
+    };
+    use serde_json::json;
+
+    // Stores: the scale rule and the value rule are told apart.
+    let recip = file("index_k_store_fp8_e4m3_scale_reciprocal");
+    passes("reciprocal scale", &recip);
+    fails(
+        "reciprocal-scale dump stating reciprocal values",
+        &stating(&recip, json!({"quantize": "reciprocal"})),
+        None,
+    );
+    let deepgemm = file("index_k_store_fp8_e4m3_deepgemm");
+    passes("DeepGEMM values", &deepgemm);
+    fails(
+        "DeepGEMM dump stating the reciprocal scale",
+        &stating(&deepgemm, json!({"scale": "reciprocal"})),
+        None,
+    );
+    fails(
+        "our store stating the reciprocal scale",
+        &stating(
+            &file("index_k_store_fp8_e4m3"),
+            json!({"scale": "reciprocal"}),
+        ),
+        None,
+    );
+    fails(
+        "a store stating a sparse_mla convention",
+        &stating(&recip, json!({"scale": "reciprocal", "empty_lse": "+inf"})),
+        Some("conventions.empty_lse applies to sparse_mla only"),
+    );
+
+    // Indexer: bf16 keys and bf16 logits.
+    let logits = file("indexer_logits_fp8_e4m3_deepgemm");
+    assert_eq!(logits.tensors["logits"].dtype, Dtype::BF16);
+    passes("DeepGEMM logits", &logits);
+    fails(
+        "DeepGEMM logits stating exact keys",
+        &stating(&logits, json!({"key_dequant": "exact"})),
+        None,
+    );
+
+    // Top-k: masked padding.
+    let masked = file("topk_positions_masked_padding");
+    passes("masked padding", &masked);
+    fails(
+        "masked padding stating ours",
+        &stating(&masked, json!({"topk_padding": "minus_one"})),
+        Some("topk_padding"),
+    );
+    fails(
+        "-1 padding stating masked padding",
+        &stating(
+            &file("topk_positions"),
+            json!({"topk_padding": "masked_positions"}),
+        ),
+        Some("never -1"),
+    );
+
+    // Sparse MLA: FlashMLA's lse value, lse layout and invalid indices, each on its own.
+    let flash = file("sparse_mla_bf16_flashmla");
+    passes("FlashMLA", &flash);
+    let all = flash.params["conventions"].clone();
+    let without = |key: &str| {
+        let mut c = all.clone();
+        c.as_object_mut().unwrap().remove(key);
+        stating(&flash, c)
+    };
+    fails("FlashMLA without empty_lse", &without("empty_lse"), None);
+    let mut minus = all.clone();
+    minus["empty_lse"] = json!("-inf");
+    fails("FlashMLA stating -inf", &stating(&flash, minus), None);
+    fails(
+        "FlashMLA without lse_layout",
+        &without("lse_layout"),
+        Some("lse"),
+    );
+    fails(
+        "FlashMLA without invalid_indices",
+        &without("invalid_indices"),
+        Some("slot"),
+    );
+    fails(
+        "our sparse_mla (a token without valid slot) stating +inf",
+        &stating(&file("sparse_mla_bf16"), json!({"empty_lse": "+inf"})),
+        None,
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

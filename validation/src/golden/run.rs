@@ -310,6 +310,11 @@ impl<B: Backend> Run<'_, B> {
                 .map(|v| value(v).unwrap_or(f64::NAN))
                 .collect();
             let mut want_vals = Vec::with_capacity(k);
+            if let Some(j) = fw.iter().position(|&v| v == -1).filter(|_| masked_padding) {
+                return Err(GoldenError::Invalid(format!(
+                    "expected topk[{ri}][{j}] = -1, but the file states conventions.topk_padding = \"masked_positions\" (rows are padded with masked positions, never -1)"
+                )));
+            }
             for (j, v) in fw.iter().enumerate().filter(|(_, &v)| v != -1) {
                 // Under `masked_positions`, entries that select no valid logit (outside the
                 // range, or masked: -inf or NaN) are the row's padding.
@@ -523,13 +528,11 @@ impl<B: Backend> Run<'_, B> {
         let mut sl = ErrorStats::default();
         let plus_inf_empty = c.empty_lse == Some(EmptyLse::PosInf);
         for (i, (g, w)) in got_lse.iter().zip(&want_lse).enumerate() {
-            // FlashMLA writes +inf for a token without a valid slot, we write -inf.
+            // FlashMLA writes +inf for a token without a valid slot, we write -inf: under
+            // its convention the expected value of such a token is negated, so that +inf
+            // matches our -inf and a -inf (a file that misstates its convention) fails.
             let empty = refr.n_valid[i / h] == 0;
-            let w = if plus_inf_empty && empty && *w == f32::INFINITY {
-                f32::NEG_INFINITY
-            } else {
-                *w
-            };
+            let w = if plus_inf_empty && empty { -*w } else { *w };
             sl.add(i, *g as f64, w as f64, refr.lse_magnitude[i], &tl);
         }
         Ok(Judged {
