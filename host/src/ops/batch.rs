@@ -213,7 +213,13 @@ mod tests {
         assert_eq!(rows[1].end, 1);
         let rows = decode_rows(&[5], 2).unwrap();
         assert_eq!((rows[0].end, rows[1].end), (4, 5));
-        assert!(decode_rows(&[1], 2).is_err());
+        // Ordered by request, then j.
+        let rows = decode_rows(&[3, 6], 2).unwrap();
+        let got: Vec<(u32, u32)> = rows.iter().map(|q| (q.request, q.end)).collect();
+        assert_eq!(got, [(0, 2), (0, 3), (1, 5), (1, 6)]);
+        // Every context must hold next_n tokens: the error names the request.
+        let e = decode_rows(&[4, 1], 2).unwrap_err().to_string();
+        assert!(e.contains("request 1 has context 1 < next_n 2"), "{e}");
         assert!(decode_rows(&[1], 0).is_err());
         // Hostile sizes: a typed error, never an overflow or an allocation abort.
         assert!(decode_rows(&[u32::MAX; 2], usize::MAX).is_err());

@@ -65,3 +65,33 @@ impl SparseMla {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::KvDtype;
+
+    /// A bad index is named by `[token][j]`, with the cache's capacity; duplicates pass.
+    #[test]
+    fn index_errors_name_token_and_entry() {
+        let op = SparseMla {
+            layout: KvLayout::new(KvDtype::Bf16, 16, 16, 4).unwrap(),
+            n_tokens: 2,
+            n_heads: 1,
+            topk: 3,
+            softmax_scale: 1.0,
+        };
+        assert!(op.check_indices(&[0, 0, -1, 7, 7, 7], 2).is_ok());
+        let e = op
+            .check_indices(&[0, 1, 2, 3, 4, 8], 2)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("indices[1][2] = 8"), "{e}");
+        assert!(e.contains("cache holds 8 slots"), "{e}");
+        let e = op
+            .check_indices(&[0, -2, 2, 3, 4, 5], 2)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("indices[0][1] = -2"), "{e}");
+    }
+}

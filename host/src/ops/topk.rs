@@ -101,3 +101,49 @@ impl Topk<'_> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A slot past i32 is reported as such, at `[request][column]` of the page table, and
+    /// never as a page "out of range of a pool" (top-k has no pool).
+    #[test]
+    fn slot_output_errors_name_the_cell_and_the_i32_limit() {
+        let rows = [QueryRange {
+            request: 1,
+            start: 3,
+            end: 9,
+        }];
+        // Request 1, column 1 holds positions 4..8: page 2^29 gives slot 2^31 + 1.
+        let pages = [0, 1, 2, 3, 1 << 29, 5];
+        let op = Topk {
+            k: 2,
+            row_stride: 16,
+            rows: &rows,
+            output: TopkOutput::Slots {
+                page_table: PageTable::new(&pages, 3).unwrap(),
+                page_size: 4,
+            },
+        };
+        let e = op.validate(16 * 4, 2 * 4).unwrap_err().to_string();
+        assert!(e.contains("page_table[1][1] = 536870912"), "{e}");
+        assert!(e.contains("does not fit in the i32 top-k output"), "{e}");
+        assert!(!e.contains("pool"), "{e}");
+        // An unmapped page inside the range: named by its cell and the row it serves.
+        let pages = [0, 1, 2, 3, -1, 5];
+        let op = Topk {
+            output: TopkOutput::Slots {
+                page_table: PageTable::new(&pages, 3).unwrap(),
+                page_size: 4,
+            },
+            ..op
+        };
+        let e = op.validate(16 * 4, 2 * 4).unwrap_err().to_string();
+        assert!(
+            e.contains("page_table[1][1] = -1: row 0 sees positions [3, 9)"),
+            "{e}"
+        );
+        assert!(!e.contains("pool"), "{e}");
+    }
+}

@@ -9,6 +9,8 @@
 //!   replayable with `SPARSEKIT_SEED`);
 //! - typed errors ([`errors`]): every caller mistake is a typed error and a rejected call
 //!   writes nothing; shapes past a backend's kernels are rejected, never run wrong;
+//! - documented rules random inputs rarely hit ([`documented`]): top-k's range, `+inf`,
+//!   `±0` ties and padding; duplicate sparse_mla indices counting twice;
 //! - non-finite inputs ([`nonfinite`]): NaN and infinities in every input give what the
 //!   reference gives (NaN where it gives NaN, never a plausible number);
 //! - windows over evicted pages ([`windows_over_evicted_pages`]): page-table entries
@@ -21,6 +23,7 @@
 //! A check returns a [`Failure`] describing what went wrong (so the CLI can run them as
 //! well as the tests).
 
+pub mod documented;
 pub mod errors;
 pub mod nonfinite;
 
@@ -569,6 +572,22 @@ macro_rules! test_backend {
                     "shapes_past_the_kernels",
                     || $open,
                     |b| c::errors::shapes_past_the_kernels(b),
+                )
+            }
+            #[test]
+            fn documented_topk_rules() {
+                check(
+                    "documented_topk_rules",
+                    || $open,
+                    |b| c::documented::topk_rules(b),
+                )
+            }
+            #[test]
+            fn documented_duplicate_indices() {
+                check(
+                    "documented_duplicate_indices",
+                    || $open,
+                    |b| c::documented::duplicate_indices(b),
                 )
             }
             #[test]
