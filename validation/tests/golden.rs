@@ -365,6 +365,24 @@ fn topk_round_trip() {
     round_trip("topk_slots", seed, &g, |g| {
         edit::<i32>(g, "topk", |t| t[k + 3] = spare)
     });
+    // The report of that one wrong entry: one failure among n·k entries, each counted
+    // once, err/tol infinite (an exact op), named by its row.
+    let mut one = g.clone();
+    edit::<i32>(&mut one, "topk", |t| t[k + 3] = spare);
+    let report = one.check(&CpuBackend::new()).unwrap();
+    let q = &report.quantities[0];
+    assert!(!q.pass);
+    assert_eq!(
+        (q.stats.count, q.stats.failures),
+        (rows.len() * k, 1),
+        "{q:#?}"
+    );
+    assert_eq!(q.stats.worst_ratio, f64::INFINITY);
+    assert!(
+        q.detail.starts_with("1 failures; first at row 1"),
+        "{}",
+        q.detail
+    );
 }
 
 #[test]
