@@ -437,7 +437,8 @@ def topk_files(rng, out_dir, seed):
                       dict(logits=logits, context_lens=np.array(lens, dtype=np.int32),
                            page_table=paging.table, topk=out), seed))
     # DeepSeek-V3.2 prefill: torch.topk over causally masked rows lists masked positions
-    # (logit -inf) where a row has fewer than k valid entries.
+    # (logit -inf) where a row has fewer than k valid entries; logits and top-k keep its
+    # [batch, seq_len, ...] shape.
     n_rows, row_stride = 9, 3 * k
     rows = [(0, 0, e) for e in [1, 5, k - 1, k, k + 1, 2 * k, 3, 17, 3 * k]]
     logits = np.full((n_rows, row_stride), -np.inf, dtype=F32)
@@ -450,7 +451,8 @@ def topk_files(rng, out_dir, seed):
     params = dict(version=1, k=k, row_stride=row_stride, output="positions",
                   conventions={"topk_padding": "masked_positions"})
     paths.append(save(out_dir, "topk_positions_masked_padding", "topk", params,
-                      dict(logits=logits, rows=np.array(rows, dtype=np.int32), topk=out), seed))
+                      dict(logits=logits[None], rows=np.array(rows, dtype=np.int32), topk=out[None]),
+                      seed))
     return paths
 
 

@@ -603,6 +603,7 @@ fn files_that_misstate_their_conventions_fail() {
 
     // Top-k: masked padding.
     let masked = file("topk_positions_masked_padding");
+    assert_eq!(masked.tensors["topk"].shape.len(), 3, "[batch, seq_len, k]");
     passes("masked padding", &masked);
     fails(
         "masked padding stating ours",
@@ -620,6 +621,7 @@ fn files_that_misstate_their_conventions_fail() {
 
     // Sparse MLA: FlashMLA's lse value, lse layout and invalid indices, each on its own.
     let flash = file("sparse_mla_bf16_flashmla");
+    assert_eq!(flash.tensors["q"].shape.len(), 4, "[batch, s_q, h, d]");
     passes("FlashMLA", &flash);
     let all = flash.params["conventions"].clone();
     let without = |key: &str| {

@@ -250,12 +250,15 @@ impl<B: Backend> Run<'_, B> {
         r.conventions(&p.conventions)?;
         r.sizes(&[("k", p.k), ("row_stride", p.row_stride)])?;
         let (k, stride) = (p.k, p.row_stride);
-        let logits_t = r.tensor(
+        // Leading dimensions are rows: ours `[n_rows, ..]`, DeepSeek-V3.2's `[batch,
+        // seq_len, ..]`.
+        let logits_t = r.tensor_of(
             "logits",
-            Dtype::F32,
+            &[Dtype::F32],
             &[("n_rows", None), ("row_stride", Some(stride))],
+            true,
         )?;
-        let n = logits_t.shape[0];
+        let n = Reader::leading(logits_t, 1);
         let (rows, n_req) = r.rows(n, p.next_n)?;
         let table = match (p.output, p.page_size) {
             (TopkOut::Slots, Some(ps)) => {
@@ -270,7 +273,12 @@ impl<B: Backend> Run<'_, B> {
             }
             (TopkOut::Positions, None) => None,
         };
-        let want_t = r.tensor("topk", Dtype::I32, &[("n_rows", Some(n)), ("k", Some(k))])?;
+        let want_t = r.tensor_of(
+            "topk",
+            &[Dtype::I32],
+            &[("n_rows", Some(n)), ("k", Some(k))],
+            true,
+        )?;
         let (logits, file_want) = (logits_t.values::<f32>(), want_t.values::<i32>());
         let output = match &table {
             Some(((t, max_pages), ps)) => TopkOutput::Slots {
