@@ -565,6 +565,20 @@ fn files_that_misstate_their_conventions_fail() {
     // Stores: the scale rule and the value rule are told apart.
     let recip = file("index_k_store_fp8_e4m3_scale_reciprocal");
     passes("reciprocal scale", &recip);
+    let report = recip.check(&cpu).unwrap();
+    let names: Vec<&str> = report.quantities.iter().map(|q| q.name).collect();
+    assert_eq!(names, ["cache_out", "cache_ours"]);
+    let differ: usize = report
+        .notes
+        .iter()
+        .find_map(|n| n.strip_suffix("stored tokens differ between the two conventions"))
+        .and_then(|n| n.split(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("{:?}", report.notes));
+    assert!(
+        differ > 0,
+        "the convention changes no token: {:?}",
+        report.notes
+    );
     fails(
         "reciprocal-scale dump stating reciprocal values",
         &stating(&recip, json!({"quantize": "reciprocal"})),

@@ -583,9 +583,13 @@ fn judge_store(
     let (mut ours, mut theirs) = (cache_in.to_vec(), cache_in.to_vec());
     store(QuantRules::default(), &mut ours);
     store(rules, &mut theirs);
+    // Bitwise, so that a token holding NaN differs only if its values do.
+    let bits = |c: &[u8], s: i64| -> Vec<u64> {
+        read(c, s as usize).iter().map(|x| x.to_bits()).collect()
+    };
     let differ = slots
         .iter()
-        .filter(|&&s| s >= 0 && read(&ours, s as usize) != read(&theirs, s as usize))
+        .filter(|&&s| s >= 0 && bits(&ours, s) != bits(&theirs, s))
         .count();
     let mut notes = vec![format!(
         "conventions {}: the file is judged against the reference under its convention, our backend against ours",
