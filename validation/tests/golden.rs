@@ -1,7 +1,7 @@
 //! Golden files: a round trip per op (inputs from the fixtures, expected outputs from the
 //! f64 references, written, read back, checked on the CPU backend) that must pass and,
 //! with one expected value corrupted, must fail; the files of
-//! `validation/python/make_golden.py` (NumPy + ml_dtypes) must pass; malformed files give
+//! `validation/python/make_golden.py` (NumPy + ml_dtypes) must pass on cpu and emu; malformed files give
 //! typed errors.
 //!
 //! The Python part needs `python3` with the packages of
@@ -479,6 +479,9 @@ fn numpy_ml_dtypes_golden_files_pass() {
             f.display(),
             report.metadata.get("seed")
         );
+        let on_emu = check_file(&EmuBackend::new(), f)
+            .unwrap_or_else(|e| panic!("emu: {}: {e}", f.display()));
+        assert!(on_emu.pass(), "emu: {}: {on_emu:#?}", f.display());
         ops.insert(report.op);
         let g = Golden::read_file(f).unwrap();
         // A corrupted expected output fails, with or without conventions.
