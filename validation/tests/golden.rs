@@ -1,7 +1,8 @@
 //! Golden files: a round trip per op (inputs from the fixtures, expected outputs from the
 //! f64 references, written, read back, checked on the CPU backend) that must pass and,
 //! with one expected value corrupted, must fail; the files of
-//! `validation/python/make_golden.py` (NumPy + ml_dtypes) must pass on cpu and emu; malformed files give
+//! `validation/python/make_golden.py` (NumPy + ml_dtypes) must pass on cpu and emu, those
+//! of other deployments' conventions only when they state them; malformed files give
 //! typed errors.
 //!
 //! The Python part needs `python3` with the packages of
