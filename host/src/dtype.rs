@@ -10,6 +10,15 @@
 //!   power of two ([`ScaleFormat::Ue8m0`]).
 //! - fp8_ds_mla per-tile scale: `2^ceil(log2(max(amax / 448, 1e-4)))` in f32.
 //! - A value is quantized as `e4m3_encode(x / scale)` with an f32 division.
+//! - The amax ignores NaN. **A token (index-K) or tile (fp8_ds_mla) holding ±inf** has
+//!   amax `inf`, hence scale `inf` (ue8m0 and power-of-two scales too): its finite values
+//!   quantize to `x / inf = ±0` (code `0x00`/`0x80`) and its ±inf to `inf / inf = NaN`
+//!   (a NaN code, `0x7f` or `0xff`: the sign of that NaN is the platform's — x86 sets it,
+//!   NVIDIA GPUs do not), and every value of it reads back as NaN (`0 · inf`), as with
+//!   DeepSeek's quantiser; the saturation to ±448 above applies to the encoder alone, never
+//!   to a scaled store. A NaN value stores the NaN code and leaves the others as they are.
+//!   bf16 index keys and the bf16 parts of KV (all of bf16 KV, the fp8_ds_mla rope) store
+//!   ±inf and NaN as they are.
 
 pub use half::bf16;
 use serde::{Deserialize, Serialize};

@@ -1,8 +1,9 @@
 //! `sparsekit check --golden FILE…`: runs the op stored in each golden file on a backend
 //! and compares with the file's expected outputs (format: `docs/golden.md`).
 //!
-//! Exit status: 0 when every file matches, 1 when an output is out of tolerance, 2 when a
-//! file is malformed or cannot be run (the message names the file and the problem).
+//! Exit status: 0 when every file matches, 1 when an output of some file is out of
+//! tolerance, 2 when a file is malformed or cannot be run (the message names the file and
+//! the problem), 3 when both happened (one file fails, another is malformed).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -16,7 +17,8 @@ use super::{on_backend, CliError, OnBackend};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Golden files (.safetensors) to check.
+    /// Golden files (.safetensors) to check. Exit status: 0 all match, 1 an output is out
+    /// of tolerance, 2 a file is malformed, 3 both.
     #[arg(long, required = true, num_args = 1..)]
     golden: Vec<PathBuf>,
     /// Backend to run the ops on: cpu, emu or cuda.
@@ -76,13 +78,14 @@ fn check<B: Backend>(backend: &B, args: &Args) -> Result<ExitCode, CliError> {
     } else {
         print_table(backend.name(), &entries);
     }
-    Ok(if entries.iter().any(|e| e.error.is_some()) {
-        ExitCode::from(2)
-    } else if entries.iter().all(|e| e.pass) {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    })
+    Ok(ExitCode::from(exit_status(&entries)))
+}
+
+/// 1 if an output is out of tolerance, plus 2 if a file could not be checked.
+fn exit_status(entries: &[Entry]) -> u8 {
+    let mismatch = entries.iter().any(|e| e.report.is_some() && !e.pass);
+    let malformed = entries.iter().any(|e| e.error.is_some());
+    u8::from(mismatch) | (u8::from(malformed) << 1)
 }
 
 fn print_table(backend: &str, entries: &[Entry]) {
@@ -204,8 +207,13 @@ mod tests {
             format!("{:?}", ExitCode::FAILURE)
         );
         assert_eq!(
-            code(vec![good, bad, malformed]),
+            code(vec![good.clone(), malformed.clone()]),
             format!("{:?}", ExitCode::from(2))
+        );
+        // A failing file next to a malformed one: neither hides the other.
+        assert_eq!(
+            code(vec![good, bad, malformed]),
+            format!("{:?}", ExitCode::from(3))
         );
         assert!(run(Args {
             backend: "gpu9".into(),

@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """Writes sparsekit golden files (format: docs/golden.md) from an implementation of every
-op in NumPy + ml_dtypes that shares no code with sparsekit.
+op in NumPy + ml_dtypes that shares no code with sparsekit, in sparsekit's conventions and,
+for each convention a real dump may follow (docs/golden.md), one file that states it:
+DeepSeek/SGLang index-K scales, DeepGEMM quantisation and bf16 logits, DeepSeek-V3.2
+prefill top-k padding, FlashMLA decode lse and indices.
 
     python3 make_golden.py OUT_DIR [--seed N]
 
@@ -107,10 +110,13 @@ def store_batch(rng, page_size):
 
 class IndexK:
     """Paged index-K: fp8 pages hold all e4m3 values, then one f32 scale per token;
-    bf16 pages hold bf16 values only."""
+    bf16 pages hold bf16 values only. `scale_rule` / `quantize`: "divide" (sparsekit's
+    amax / 448, x / s) or "reciprocal" (DeepSeek's and SGLang's amax * f32(1/448),
+    DeepGEMM's x * (1/s))."""
 
-    def __init__(self, dtype, scale, head_dim, page_size):
+    def __init__(self, dtype, scale, head_dim, page_size, scale_rule="divide", quantize="divide"):
         self.dtype, self.scale, self.d, self.ps = dtype, scale, head_dim, page_size
+        self.scale_rule, self.quantize = scale_rule, quantize
         self.value_bytes = head_dim if dtype == "fp8_e4m3" else 2 * head_dim
         self.bytes_per_page = page_size * (self.value_bytes + (4 if dtype == "fp8_e4m3" else 0))
 
@@ -118,6 +124,10 @@ class IndexK:
         p = dict(version=1, dtype=self.dtype, head_dim=self.d, page_size=self.ps)
         if self.dtype == "fp8_e4m3":
             p["scale"] = self.scale
+        conventions = {k: v for k, v in [("scale", self.scale_rule), ("quantize", self.quantize)]
+                       if v != "divide"}
+        if conventions:
+            p["conventions"] = conventions
         return p
 
     def store(self, cache, keys, slots):
@@ -130,10 +140,17 @@ class IndexK:
                 cache[page, values] = keys[t].view(np.uint8)
                 continue
             k = keys[t].astype(F32)
-            s = np.maximum(np.abs(k).max(), F32(1e-4)) / F32(448)
+            amax = np.maximum(np.abs(k).max(), F32(1e-4))
+            if self.scale_rule == "reciprocal":
+                s = F32(amax * (F32(1) / F32(448)))
+            else:
+                s = F32(amax / F32(448))
             if self.scale == "ue8m0":
                 s = pow2_ceil(s)
-            cache[page, values] = encode_e4m3(k / F32(s))
+            if self.quantize == "reciprocal":
+                cache[page, values] = encode_e4m3(k * (F32(1) / F32(s)))
+            else:
+                cache[page, values] = encode_e4m3(k / F32(s))
             at = self.ps * self.d + 4 * off
             cache[page, at:at + 4] = bytes_f32(s)
 
@@ -215,9 +232,10 @@ def prefill_rows(rng, lens):
     return rows
 
 
-def indexer_logits(index_k, cache, paging, rows, q, w, row_stride):
+def indexer_logits(index_k, cache, paging, rows, q, w, row_stride, bf16_keys=False):
     """I[t, s] = sum_h w[t,h] * relu(q[t,h] . k[s]) * scale[s] in float64, -inf outside
-    the row's range."""
+    the row's range. With `bf16_keys` (DeepGEMM's reference), each key is dequantised as
+    bf16(e4m3 * scale) first and used with scale 1."""
     out = np.full((len(rows), row_stride), -np.inf)
     for i, (r, start, end) in enumerate(rows):
         keys = [index_k.read(cache, paging.slot(r, p)) for p in range(start, end)]
@@ -225,9 +243,12 @@ def indexer_logits(index_k, cache, paging, rows, q, w, row_stride):
             continue
         k = np.stack([v for v, _ in keys])
         s = np.array([sc for _, sc in keys])
+        if bf16_keys:
+            k = (k * s[:, None]).astype(F32).astype(BF16).astype(np.float64)
+            s = np.ones_like(s)
         dots = q[i].astype(np.float64) @ k.T  # [heads, positions]
         out[i, start:end] = (w[i].astype(np.float64)[:, None] * np.maximum(dots, 0)).sum(0) * s
-    return out.astype(F32)
+    return out
 
 
 def topk(logits, rows, k, to_entry):
@@ -242,14 +263,18 @@ def topk(logits, rows, k, to_entry):
     return out
 
 
-def sparse_mla(kv, cache, q, indices, softmax_scale):
+def sparse_mla(kv, cache, q, indices, softmax_scale, capacity=None, empty_lse=-np.inf):
     """Per token and head, softmax(scale * q.k) over the valid slots, in float64:
-    out = sum_j p_j v_j, lse = ln sum_j exp(scale * q.k_j); no slot: out 0, lse -inf."""
+    out = sum_j p_j v_j, lse = ln sum_j exp(scale * q.k_j); no slot: out 0, lse
+    `empty_lse`. Valid: >= 0, and below `capacity` when given (FlashMLA skips the rest)."""
     t_n, h, _ = q.shape
     out = np.zeros((t_n, h, kv.nope))
-    lse = np.full((t_n, h), -np.inf)
+    lse = np.full((t_n, h), empty_lse)
     for t in range(t_n):
-        slots = indices[t][indices[t] >= 0]
+        ok = indices[t] >= 0
+        if capacity is not None:
+            ok &= indices[t] < capacity
+        slots = indices[t][ok]
         if len(slots) == 0:
             continue
         keys = np.stack([kv.read(cache, s) for s in slots])
@@ -294,6 +319,24 @@ def store_files(rng, out_dir, seed):
         layout.store(cache_out, kv, slots)
         paths.append(save(out_dir, f"kv_store_{dtype}", "kv_store", layout.params(),
                           dict(kv=kv, slots=slots, cache_in=cache_in, cache_out=cache_out), seed))
+    # Dumps of other deployments' quantisers, stating their conventions: DeepSeek-V3.2's
+    # and SGLang's index-K scale amax * f32(1/448); DeepGEMM's kv_cache_cast_to_fp8 values
+    # x * (1/s). 600 tokens, so that the rule changes some bytes.
+    for name, scale_rule, quantize in [("scale_reciprocal", "reciprocal", "divide"),
+                                       ("deepgemm", "divide", "reciprocal")]:
+        layout = IndexK("fp8_e4m3", "fp32", d["index_head_dim"], d["page_size"], scale_rule, quantize)
+        pages = 12
+        slots = rng.permutation(pages * layout.ps)[:600].astype(np.int64)
+        slots[::97] = -1
+        cache_in = garbage(rng, pages, layout.bytes_per_page)
+        keys = token_rows(rng, len(slots), layout.d)
+        cache_out = cache_in.copy()
+        layout.store(cache_out, keys, slots)
+        ours = cache_in.copy()
+        IndexK("fp8_e4m3", "fp32", d["index_head_dim"], d["page_size"]).store(ours, keys, slots)
+        assert not np.array_equal(ours, cache_out), "the convention changes no byte"
+        paths.append(save(out_dir, f"index_k_store_fp8_e4m3_{name}", "index_k_store", layout.params(),
+                          dict(keys=keys, slots=slots, cache_in=cache_in, cache_out=cache_out), seed))
     return paths
 
 
@@ -327,9 +370,27 @@ def indexer_files(rng, out_dir, seed):
         q = rng.standard_normal((n, h, layout.d)).astype(BF16)
         w = (rng.standard_normal((n, h)) / math.sqrt(h * layout.d)).astype(F32)
         params.update(n_heads=h, row_stride=row_stride)
-        tensors.update(q=q, weights=w, logits=indexer_logits(layout, cache, paging, rows, q, w, row_stride))
+        logits = indexer_logits(layout, cache, paging, rows, q, w, row_stride).astype(F32)
+        tensors.update(q=q, weights=w, logits=logits)
         name = f"indexer_logits_{dtype}" + ("_ue8m0" if scale == "ue8m0" else "") + f"_{form}"
         paths.append(save(out_dir, name, "indexer_logits", params, tensors, seed))
+    # A DeepGEMM-style dump: keys dequantised to bf16 before the dots, logits in bf16.
+    layout = IndexK("fp8_e4m3", "fp32", d["index_head_dim"], d["page_size"])
+    lens = ragged_lens(rng, layout.ps, 300)
+    paging = Paging(rng, layout.ps, lens, spare=3)
+    cache = garbage(rng, paging.num_pages, layout.bytes_per_page)
+    layout.store(cache, token_rows(rng, sum(lens), layout.d), paging.all_slots())
+    rows = decode_rows(lens, 1)
+    h, n = d["index_heads"], len(rows)
+    row_stride = max(lens) + 5
+    q = rng.standard_normal((n, h, layout.d)).astype(BF16)
+    w = (rng.standard_normal((n, h)) / math.sqrt(h * layout.d)).astype(F32)
+    logits = indexer_logits(layout, cache, paging, rows, q, w, row_stride, bf16_keys=True).astype(BF16)
+    params = layout.params()
+    params.update(n_heads=h, row_stride=row_stride, next_n=1, conventions={"key_dequant": "bf16"})
+    paths.append(save(out_dir, "indexer_logits_fp8_e4m3_deepgemm", "indexer_logits", params,
+                      dict(cache=cache, page_table=paging.table, context_lens=np.array(lens, dtype=np.int32),
+                           q=q, weights=w, logits=logits), seed))
     return paths
 
 
@@ -375,6 +436,23 @@ def topk_files(rng, out_dir, seed):
     paths.append(save(out_dir, "topk_slots", "topk", params,
                       dict(logits=logits, context_lens=np.array(lens, dtype=np.int32),
                            page_table=paging.table, topk=out), seed))
+    # DeepSeek-V3.2 prefill: torch.topk over causally masked rows lists masked positions
+    # (logit -inf) where a row has fewer than k valid entries; logits and top-k keep its
+    # [batch, seq_len, ...] shape.
+    n_rows, row_stride = 9, 3 * k
+    rows = [(0, 0, e) for e in [1, 5, k - 1, k, k + 1, 2 * k, 3, 17, 3 * k]]
+    logits = np.full((n_rows, row_stride), -np.inf, dtype=F32)
+    for i, (_, _, e) in enumerate(rows):
+        logits[i, :e] = rng.standard_normal(e).astype(F32)
+    out = np.empty((n_rows, k), dtype=np.int32)
+    for i in range(n_rows):
+        order = np.argsort(-logits[i], kind="stable")  # -inf last, in position order
+        out[i] = order[:k]
+    params = dict(version=1, k=k, row_stride=row_stride, output="positions",
+                  conventions={"topk_padding": "masked_positions"})
+    paths.append(save(out_dir, "topk_positions_masked_padding", "topk", params,
+                      dict(logits=logits[None], rows=np.array(rows, dtype=np.int32), topk=out[None]),
+                      seed))
     return paths
 
 
@@ -409,6 +487,33 @@ def sparse_mla_files(rng, out_dir, seed):
         params.update(n_heads=h, topk=topk_n, softmax_scale=float(scale))
         paths.append(save(out_dir, f"sparse_mla_{dtype}", "sparse_mla", params,
                           dict(q=q, cache=cache, indices=indices, out=out, lse=lse), seed))
+    # A FlashMLA decode dump: q/indices/out [batch, s_q, ...], lse [batch, h_q, s_q], +inf
+    # lse for a token without a valid slot, invalid indices other than -1.
+    layout = Kv("bf16", d["nope"], d["rope"], d["page_size"])
+    lens = [1, layout.ps + 1, 90, 300]
+    paging = Paging(rng, layout.ps, lens)
+    cache = garbage(rng, paging.num_pages, layout.bytes_per_page)
+    layout.store(cache, token_rows(rng, sum(lens), layout.nope + layout.rope), paging.all_slots())
+    capacity = paging.num_pages * layout.ps
+    batch, s_q, h, topk_n = 3, 2, d["q_heads"], d["topk"]
+    indices = mla_indices(rng, paging, batch * s_q, topk_n)
+    for t in range(1, batch * s_q):
+        bad = rng.integers(0, topk_n, 4)
+        indices[t, bad] = [-7, capacity, capacity + 100, 2**31 - 1]
+    indices[0, :3] = [-2, capacity, -(2**31)]  # token 0: only invalid entries
+    q = rng.standard_normal((batch * s_q, h, layout.nope + layout.rope)).astype(BF16)
+    scale = F32(1 / math.sqrt(layout.nope + layout.rope))
+    out, lse = sparse_mla(layout, cache, q, indices, scale, capacity=capacity, empty_lse=np.inf)
+    assert np.isposinf(lse[0]).all()
+    params = layout.params()
+    params.update(n_heads=h, topk=topk_n, softmax_scale=float(scale),
+                  conventions={"empty_lse": "+inf", "lse_layout": "batch_heads_seq",
+                               "invalid_indices": "out_of_range"})
+    tensors = dict(q=q.reshape(batch, s_q, h, -1), cache=cache,
+                   indices=indices.reshape(batch, s_q, topk_n),
+                   out=out.reshape(batch, s_q, h, -1),
+                   lse=np.ascontiguousarray(lse.reshape(batch, s_q, h).transpose(0, 2, 1)))
+    paths.append(save(out_dir, "sparse_mla_bf16_flashmla", "sparse_mla", params, tensors, seed))
     return paths
 
 

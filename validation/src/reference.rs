@@ -9,6 +9,7 @@
 
 use half::bf16;
 use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
 use sparsekit_host::dtype::ScaleFormat;
 use sparsekit_host::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout, FP8_DS_MLA_TILE};
 use sparsekit_host::ops::{PageTable, QueryRange};
@@ -77,9 +78,46 @@ pub fn pow2_ceil(s: f64) -> f64 {
     p
 }
 
+/// How a quantiser divides by a constant or a scale: ours divides (`x / 448`, `x / s`);
+/// DeepSeek's and SGLang's index-K scales multiply by an f32 reciprocal (`amax * (1/448)`),
+/// DeepGEMM's `kv_cache_cast_to_fp8` quantises values as `x * (1/s)`. The two differ in
+/// the last bit of some results (about a third of bf16 amax values give another scale).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Division {
+    /// `fl32(x / d)`.
+    #[default]
+    Divide,
+    /// `fl32(x · fl32(1 / d))`.
+    Reciprocal,
+}
+
+impl Division {
+    /// `x` divided by `d` under this rule (`x`, `d` f32 values; result an f32 value).
+    pub fn apply(self, x: f64, d: f64) -> f64 {
+        match self {
+            Division::Divide => fl32(x / d),
+            Division::Reciprocal => fl32(x * fl32(1.0 / d)),
+        }
+    }
+}
+
+/// The rules of a quantiser: how the scale is computed from the amax, how values are
+/// divided by it. [`QuantRules::default`] is ours (the kernels').
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct QuantRules {
+    pub scale: Division,
+    pub values: Division,
+}
+
 /// Index-K per-token scale: `fl32(max(amax, fl32(1e-4)) / 448)`, optionally pow2-rounded.
 pub fn index_k_scale(amax: f64, format: ScaleFormat) -> f64 {
-    let s = fl32(amax.max(fl32(1e-4)) / 448.0);
+    index_k_scale_with(amax, format, Division::Divide)
+}
+
+/// [`index_k_scale`] with the division by 448 done by `rule`.
+pub fn index_k_scale_with(amax: f64, format: ScaleFormat, rule: Division) -> f64 {
+    let s = rule.apply(amax.max(fl32(1e-4)), 448.0);
     match format {
         ScaleFormat::Fp32 => s,
         ScaleFormat::Ue8m0 => pow2_ceil(s),
@@ -88,7 +126,12 @@ pub fn index_k_scale(amax: f64, format: ScaleFormat) -> f64 {
 
 /// fp8_ds_mla tile scale: `pow2_ceil(max(fl32(amax / 448), fl32(1e-4)))`.
 pub fn kv_tile_scale(amax: f64) -> f64 {
-    pow2_ceil(fl32(amax / 448.0).max(fl32(1e-4)))
+    kv_tile_scale_with(amax, Division::Divide)
+}
+
+/// [`kv_tile_scale`] with the division by 448 done by `rule`.
+pub fn kv_tile_scale_with(amax: f64, rule: Division) -> f64 {
+    pow2_ceil(rule.apply(amax, 448.0).max(fl32(1e-4)))
 }
 
 fn amax(xs: &[bf16]) -> f64 {
@@ -112,6 +155,17 @@ fn get_f32(src: &[u8], at: usize) -> f64 {
 /// Applies `index_k_store` to `cache` (whole pages): token `t`'s key `keys[t*D..]` goes to
 /// `slots[t]` (`-1` skipped).
 pub fn index_k_store(layout: &IndexKLayout, cache: &mut [u8], keys: &[bf16], slots: &[i64]) {
+    index_k_store_with(layout, cache, keys, slots, QuantRules::default())
+}
+
+/// [`index_k_store`] under another quantiser's `rules`.
+pub fn index_k_store_with(
+    layout: &IndexKLayout,
+    cache: &mut [u8],
+    keys: &[bf16],
+    slots: &[i64],
+    rules: QuantRules,
+) {
     let d = layout.head_dim();
     for (t, &slot) in slots.iter().enumerate() {
         if slot < 0 {
@@ -122,9 +176,9 @@ pub fn index_k_store(layout: &IndexKLayout, cache: &mut [u8], keys: &[bf16], slo
         match layout.dtype() {
             IndexKDtype::Bf16 => put_bf16(&mut cache[values], key),
             IndexKDtype::Fp8E4m3 { scale } => {
-                let s = index_k_scale(amax(key), scale);
+                let s = index_k_scale_with(amax(key), scale, rules.scale);
                 for (i, x) in key.iter().enumerate() {
-                    cache[values.start + i] = e4m3_encode(fl32(x.to_f64() / s));
+                    cache[values.start + i] = e4m3_encode(rules.values.apply(x.to_f64(), s));
                 }
                 if let Some(r) = layout.slot_scale_bytes(slot as usize) {
                     cache[r].copy_from_slice(&(s as f32).to_le_bytes());
@@ -136,6 +190,17 @@ pub fn index_k_store(layout: &IndexKLayout, cache: &mut [u8], keys: &[bf16], slo
 
 /// Applies `kv_store` to `cache`: token `t`'s `[latent | rope]` goes to `slots[t]`.
 pub fn kv_store(layout: &KvLayout, cache: &mut [u8], kv: &[bf16], slots: &[i64]) {
+    kv_store_with(layout, cache, kv, slots, QuantRules::default())
+}
+
+/// [`kv_store`] under another quantiser's `rules`.
+pub fn kv_store_with(
+    layout: &KvLayout,
+    cache: &mut [u8],
+    kv: &[bf16],
+    slots: &[i64],
+    rules: QuantRules,
+) {
     let (d, nope) = (layout.d_qk(), layout.nope_dim());
     for (t, &slot) in slots.iter().enumerate() {
         if slot < 0 {
@@ -148,9 +213,10 @@ pub fn kv_store(layout: &KvLayout, cache: &mut [u8], kv: &[bf16], slots: &[i64])
             KvDtype::Fp8DsMla => {
                 let sr = layout.scales_range();
                 for (ti, tile) in x[..nope].chunks(FP8_DS_MLA_TILE).enumerate() {
-                    let s = kv_tile_scale(amax(tile));
+                    let s = kv_tile_scale_with(amax(tile), rules.scale);
                     for (i, v) in tile.iter().enumerate() {
-                        tok[ti * FP8_DS_MLA_TILE + i] = e4m3_encode(fl32(v.to_f64() / s));
+                        tok[ti * FP8_DS_MLA_TILE + i] =
+                            e4m3_encode(rules.values.apply(v.to_f64(), s));
                     }
                     tok[sr.start + 4 * ti..sr.start + 4 * ti + 4]
                         .copy_from_slice(&(s as f32).to_le_bytes());
@@ -239,8 +305,13 @@ pub fn indexer_logits(
                         dot += p;
                         adot += p.abs();
                     }
+                    // ReLU as `fmax`: a NaN dot counts as 0 (as on every backend).
                     acc += wr[h] as f64 * dot.max(0.0);
-                    m += (wr[h] as f64).abs() * adot;
+                    // A non-finite dot is exact after the ReLU (0) or makes the logit
+                    // non-finite (compared exactly): no rounding error to scale.
+                    if dot.is_finite() {
+                        m += (wr[h] as f64).abs() * adot;
+                    }
                 }
                 logits[pos] = acc * s;
                 mag[pos] = m * s;
@@ -276,15 +347,41 @@ pub fn topk_row(row: &[f32], k: usize) -> Vec<usize> {
     idx
 }
 
-/// Reference sparse MLA for one token: per head `(out[d_v], lse, out_magnitude,
-/// lse_magnitude)`. `out_magnitude` is the largest |v| over the valid slots;
-/// `lse_magnitude = scale · max_j Σ_d |q_d k_jd|` bounds the score rounding error.
+/// Reference sparse MLA: per element and head, the f64 result and the inputs of its error
+/// scales (see [`crate::tolerance::mla_out_magnitude`] for how they make the bound).
 #[derive(Debug)]
 pub struct MlaRef {
+    /// `[n_tokens, n_heads, d_v]`.
     pub out: Vec<f64>,
+    /// `[n_tokens, n_heads]`, natural log.
     pub lse: Vec<f64>,
-    pub out_magnitude: Vec<f64>,
+    /// `A = Σ_j w_j·|v_jc|` per output element: the softmax-weighted mean of the absolute
+    /// values its sum is made of (the scale of every error in the weights).
+    pub out_abs: Vec<f64>,
+    /// `softmax_scale · max_j Σ_d |q_d·k_jd|` per head: bounds the score rounding error.
     pub lse_magnitude: Vec<f64>,
+    /// Valid slots per token (duplicates counted).
+    pub n_valid: Vec<usize>,
+    /// Largest |latent| over each token's valid slots.
+    pub v_max: Vec<f64>,
+    pub n_heads: usize,
+    pub d_v: usize,
+}
+
+impl MlaRef {
+    /// The tolerance magnitude of output element `i` (row-major `[token, head, d_v]`):
+    /// [`crate::tolerance::mla_out_magnitude`] of its `A`, its head's score scale and its
+    /// token's slot count.
+    pub fn out_magnitude(&self, i: usize) -> f64 {
+        let head = i / self.d_v;
+        let token = head / self.n_heads;
+        crate::tolerance::mla_out_magnitude(
+            self.out_abs[i],
+            self.lse_magnitude[head],
+            self.n_valid[token],
+            self.v_max[token],
+        )
+    }
 }
 
 /// Reference `sparse_mla` for all tokens (parallel over tokens; naive inside).
@@ -301,7 +398,7 @@ pub fn sparse_mla(
 ) -> MlaRef {
     let (dqk, dv) = (layout.d_qk(), layout.nope_dim());
     let scale = softmax_scale as f64;
-    type TokenRef = (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>);
+    type TokenRef = (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, usize, f64);
     let per_token: Vec<TokenRef> = (0..n_tokens)
         .into_par_iter()
         .map(|t| {
@@ -315,6 +412,7 @@ pub fn sparse_mla(
                 .flat_map(|k| k[..dv].iter())
                 .fold(0.0f64, |m, x| m.max(x.abs()));
             let mut out = vec![0.0; n_heads * dv];
+            let mut abs = vec![0.0; n_heads * dv];
             let mut lse = vec![f64::NEG_INFINITY; n_heads];
             let mut lmag = vec![0.0; n_heads];
             for h in 0..n_heads {
@@ -340,26 +438,34 @@ pub fn sparse_mla(
                 let sum: f64 = w.iter().sum();
                 lse[h] = mx + sum.ln();
                 let o = &mut out[h * dv..(h + 1) * dv];
+                let a = &mut abs[h * dv..(h + 1) * dv];
                 for (wj, k) in w.iter().zip(&keys) {
-                    for (x, v) in o.iter_mut().zip(&k[..dv]) {
+                    for ((x, y), v) in o.iter_mut().zip(a.iter_mut()).zip(&k[..dv]) {
                         *x += wj / sum * v;
+                        *y += wj / sum * v.abs();
                     }
                 }
             }
-            (out, lse, vec![vmax; n_heads], lmag)
+            (out, lse, abs, lmag, keys.len(), vmax)
         })
         .collect();
     let mut r = MlaRef {
         out: Vec::new(),
         lse: Vec::new(),
-        out_magnitude: Vec::new(),
+        out_abs: Vec::new(),
         lse_magnitude: Vec::new(),
+        n_valid: Vec::new(),
+        v_max: Vec::new(),
+        n_heads,
+        d_v: dv,
     };
-    for (o, l, om, lm) in per_token {
+    for (o, l, a, lm, n, vm) in per_token {
+        r.v_max.push(vm);
         r.out.extend(o);
         r.lse.extend(l);
-        r.out_magnitude.extend(om);
+        r.out_abs.extend(a);
         r.lse_magnitude.extend(lm);
+        r.n_valid.push(n);
     }
     r
 }

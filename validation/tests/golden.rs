@@ -1,7 +1,8 @@
 //! Golden files: a round trip per op (inputs from the fixtures, expected outputs from the
 //! f64 references, written, read back, checked on the CPU backend) that must pass and,
 //! with one expected value corrupted, must fail; the files of
-//! `validation/python/make_golden.py` (NumPy + ml_dtypes) must pass; malformed files give
+//! `validation/python/make_golden.py` (NumPy + ml_dtypes) must pass on cpu and emu, those
+//! of other deployments' conventions only when they state them; malformed files give
 //! typed errors.
 //!
 //! The Python part needs `python3` with the packages of
@@ -24,7 +25,7 @@ use sparsekit_host::ops::{
     decode_rows, IndexKStore, IndexerLogits, KvStore, Op, PageTable, QueryRange, SparseMla, Topk,
     TopkOutput,
 };
-use sparsekit_host::CpuBackend;
+use sparsekit_host::{CpuBackend, EmuBackend};
 use sparsekit_validation::fixtures::{self, case_rng, Paging, SuiteRng};
 use sparsekit_validation::golden::{check_file, Decode, Dtype, Golden, GoldenError, Tensor};
 use sparsekit_validation::reference;
@@ -365,6 +366,24 @@ fn topk_round_trip() {
     round_trip("topk_slots", seed, &g, |g| {
         edit::<i32>(g, "topk", |t| t[k + 3] = spare)
     });
+    // The report of that one wrong entry: one failure among n·k entries, each counted
+    // once, err/tol infinite (an exact op), named by its row.
+    let mut one = g.clone();
+    edit::<i32>(&mut one, "topk", |t| t[k + 3] = spare);
+    let report = one.check(&CpuBackend::new()).unwrap();
+    let q = &report.quantities[0];
+    assert!(!q.pass);
+    assert_eq!(
+        (q.stats.count, q.stats.failures),
+        (rows.len() * k, 1),
+        "{q:#?}"
+    );
+    assert_eq!(q.stats.worst_ratio, f64::INFINITY);
+    assert!(
+        q.detail.starts_with("1 failures; first at row 1"),
+        "{}",
+        q.detail
+    );
 }
 
 #[test]
@@ -452,6 +471,7 @@ fn numpy_ml_dtypes_golden_files_pass() {
     };
     let cpu = CpuBackend::new();
     let mut ops = std::collections::BTreeSet::new();
+    let mut conventions = std::collections::BTreeSet::new();
     for f in &files {
         let report = check_file(&cpu, f).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
         assert!(
@@ -460,10 +480,278 @@ fn numpy_ml_dtypes_golden_files_pass() {
             f.display(),
             report.metadata.get("seed")
         );
+        let on_emu = check_file(&EmuBackend::new(), f)
+            .unwrap_or_else(|e| panic!("emu: {}: {e}", f.display()));
+        assert!(on_emu.pass(), "emu: {}: {on_emu:#?}", f.display());
         ops.insert(report.op);
+        let g = Golden::read_file(f).unwrap();
+        // A corrupted expected output fails, with or without conventions.
+        let mut bad = g.clone();
+        corrupt(&mut bad);
+        let r = bad.check(&cpu);
+        assert!(
+            r.as_ref().map_or(true, |r| !r.pass()),
+            "{}: a corrupted file passed",
+            f.display()
+        );
+        // A file that states conventions needs them: without, it fails or is refused.
+        if let Some(c) = g.params.get("conventions").and_then(|c| c.as_object()) {
+            conventions.extend(c.keys().cloned());
+            let mut bare = g.clone();
+            bare.params.as_object_mut().unwrap().remove("conventions");
+            let r = bare.check(&cpu);
+            assert!(
+                r.as_ref().map_or(true, |r| !r.pass()),
+                "{} passes without its conventions {c:?}",
+                f.display()
+            );
+        }
     }
     assert_eq!(ops.len(), 5, "one file per op at least: {ops:?}");
+    let every: std::collections::BTreeSet<String> = [
+        "scale",
+        "quantize",
+        "key_dequant",
+        "topk_padding",
+        "empty_lse",
+        "lse_layout",
+        "invalid_indices",
+    ]
+    .map(String::from)
+    .into();
+    assert_eq!(conventions, every, "one file per convention");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Each convention file of `make_golden.py` passes on cpu and emu when it states its
+/// convention, and fails (or is refused) when it states a wrong one; files in our
+/// conventions that claim another's fail too.
+#[test]
+fn files_that_misstate_their_conventions_fail() {
+    let dir = scratch("lies");
+    let Some(files) = python_files(&dir) else {
+        std::fs::remove_dir_all(&dir).unwrap();
+        return;
+    };
+    let (cpu, emu) = (CpuBackend::new(), EmuBackend::new());
+    let file = |stem: &str| {
+        let f = files
+            .iter()
+            .find(|f| f.file_stem().is_some_and(|s| s == stem))
+            .unwrap_or_else(|| panic!("make_golden.py wrote no {stem}"));
+        Golden::read_file(f).unwrap()
+    };
+    // `g` with `params.conventions` replaced by `c` (JSON; `null` removes it).
+    let stating = |g: &Golden, c: serde_json::Value| {
+        let mut g = g.clone();
+        let p = g.params.as_object_mut().unwrap();
+        if c.is_null() {
+            p.remove("conventions");
+        } else {
+            p.insert("conventions".into(), c);
+        }
+        g
+    };
+    let passes = |what: &str, g: &Golden| {
+        for r in [g.check(&cpu), g.check(&emu)] {
+            let r = r.unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert!(r.pass(), "{what}: {r:?}");
+        }
+    };
+    // Fails as a mismatch (`refused`: false) or is refused with an error naming `refused`.
+    let fails = |what: &str, g: &Golden, refused: Option<&str>| match (g.check(&cpu), refused) {
+        (Ok(r), None) => assert!(!r.pass(), "{what} passed"),
+        (Err(e), Some(m)) => assert!(e.to_string().contains(m), "{what}: {e}"),
+        (r, _) => panic!("{what}: {r:?}"),
+    };
+    use serde_json::json;
+
+    // Stores: the scale rule and the value rule are told apart.
+    let recip = file("index_k_store_fp8_e4m3_scale_reciprocal");
+    passes("reciprocal scale", &recip);
+    let report = recip.check(&cpu).unwrap();
+    let names: Vec<&str> = report.quantities.iter().map(|q| q.name).collect();
+    assert_eq!(names, ["cache_out", "cache_ours"]);
+    let differ: usize = report
+        .notes
+        .iter()
+        .find_map(|n| n.strip_suffix("stored tokens differ between the two conventions"))
+        .and_then(|n| n.split(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("{:?}", report.notes));
+    assert!(
+        differ > 0,
+        "the convention changes no token: {:?}",
+        report.notes
+    );
+    fails(
+        "reciprocal-scale dump stating reciprocal values",
+        &stating(&recip, json!({"quantize": "reciprocal"})),
+        None,
+    );
+    let deepgemm = file("index_k_store_fp8_e4m3_deepgemm");
+    passes("DeepGEMM values", &deepgemm);
+    fails(
+        "DeepGEMM dump stating the reciprocal scale",
+        &stating(&deepgemm, json!({"scale": "reciprocal"})),
+        None,
+    );
+    fails(
+        "our store stating the reciprocal scale",
+        &stating(
+            &file("index_k_store_fp8_e4m3"),
+            json!({"scale": "reciprocal"}),
+        ),
+        None,
+    );
+    fails(
+        "a store stating a sparse_mla convention",
+        &stating(&recip, json!({"scale": "reciprocal", "empty_lse": "+inf"})),
+        Some("conventions.empty_lse applies to sparse_mla only"),
+    );
+
+    // Indexer: bf16 keys and bf16 logits.
+    let logits = file("indexer_logits_fp8_e4m3_deepgemm");
+    assert_eq!(logits.tensors["logits"].dtype, Dtype::BF16);
+    passes("DeepGEMM logits", &logits);
+    fails(
+        "DeepGEMM logits stating exact keys",
+        &stating(&logits, json!({"key_dequant": "exact"})),
+        None,
+    );
+
+    // Top-k: masked padding.
+    let masked = file("topk_positions_masked_padding");
+    assert_eq!(masked.tensors["topk"].shape.len(), 3, "[batch, seq_len, k]");
+    passes("masked padding", &masked);
+    fails(
+        "masked padding stating ours",
+        &stating(&masked, json!({"topk_padding": "minus_one"})),
+        Some("topk_padding"),
+    );
+    fails(
+        "-1 padding stating masked padding",
+        &stating(
+            &file("topk_positions"),
+            json!({"topk_padding": "masked_positions"}),
+        ),
+        Some("never -1"),
+    );
+
+    // Sparse MLA: FlashMLA's lse value, lse layout and invalid indices, each on its own.
+    let flash = file("sparse_mla_bf16_flashmla");
+    assert_eq!(flash.tensors["q"].shape.len(), 4, "[batch, s_q, h, d]");
+    passes("FlashMLA", &flash);
+    let all = flash.params["conventions"].clone();
+    let without = |key: &str| {
+        let mut c = all.clone();
+        c.as_object_mut().unwrap().remove(key);
+        stating(&flash, c)
+    };
+    fails("FlashMLA without empty_lse", &without("empty_lse"), None);
+    let mut minus = all.clone();
+    minus["empty_lse"] = json!("-inf");
+    fails("FlashMLA stating -inf", &stating(&flash, minus), None);
+    fails(
+        "FlashMLA without lse_layout",
+        &without("lse_layout"),
+        Some("lse"),
+    );
+    fails(
+        "FlashMLA without invalid_indices",
+        &without("invalid_indices"),
+        Some("slot"),
+    );
+    fails(
+        "our sparse_mla (a token without valid slot) stating +inf",
+        &stating(&file("sparse_mla_bf16"), json!({"empty_lse": "+inf"})),
+        None,
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Corrupts the expected output of a golden file of any op (a written cache byte, the
+/// largest logit, a selected top-k entry, the largest attention output).
+fn corrupt(g: &mut Golden) {
+    match g.op.as_str() {
+        "index_k_store" | "kv_store" => {
+            let slots: Vec<i64> = g.tensors["slots"].values();
+            let bpp = g.tensors["cache_out"].shape[1];
+            let ps = g.params["page_size"].as_u64().unwrap() as usize;
+            let s = *slots.iter().find(|&&s| s >= 0).unwrap() as usize;
+            // The first byte of the token's values (its page's start + its offset's row:
+            // both layouts put values first, token-major within the value section).
+            let per_token = if g.op == "kv_store" {
+                bpp / ps
+            } else if g.params["dtype"] == "bf16" {
+                2 * g.params["head_dim"].as_u64().unwrap() as usize
+            } else {
+                g.params["head_dim"].as_u64().unwrap() as usize
+            };
+            let at = (s / ps) * bpp + (s % ps) * per_token;
+            edit::<u8>(g, "cache_out", |c| c[at] ^= 0x11);
+        }
+        "indexer_logits" => {
+            let t = g.tensors.get_mut("logits").unwrap();
+            if t.dtype == Dtype::BF16 {
+                edit::<bf16>(g, "logits", |l| {
+                    let at = (0..l.len()).find(|&i| l[i].to_f32().is_finite()).unwrap();
+                    l[at] = bf16::from_f32(l[at].to_f32() * 1.5 + 1.0);
+                });
+            } else {
+                edit::<f32>(g, "logits", |l| {
+                    let at = (0..l.len()).find(|&i| l[i].is_finite()).unwrap();
+                    l[at] = l[at] * 1.5 + 1.0;
+                });
+            }
+        }
+        "topk" => {
+            // Push the logit of an expected entry below every other valid logit: the
+            // backend no longer selects it, the file still does.
+            let k = g.params["k"].as_u64().unwrap() as usize;
+            let stride = g.params["row_stride"].as_u64().unwrap() as usize;
+            let want: Vec<i32> = g.tensors["topk"].values();
+            let logits: Vec<f32> = g.tensors["logits"].values();
+            // A row with more than k valid logits (outside a row's range they are -inf).
+            let row = (0..want.len() / k)
+                .find(|&r| {
+                    let valid = logits[r * stride..(r + 1) * stride]
+                        .iter()
+                        .filter(|x| **x > f32::NEG_INFINITY)
+                        .count();
+                    valid > k
+                })
+                .unwrap();
+            let entry = *want[row * k..(row + 1) * k]
+                .iter()
+                .find(|&&v| v >= 0)
+                .unwrap();
+            let pos = match g.params.get("page_size").and_then(|p| p.as_u64()) {
+                None => entry as usize,
+                Some(ps) => {
+                    // Slot → position through the request's page-table row.
+                    let ps = ps as usize;
+                    let table: Vec<i32> = g.tensors["page_table"].values();
+                    let max_pages = g.tensors["page_table"].shape[1];
+                    let request = match g.tensors.get("rows") {
+                        Some(r) => r.values::<i32>()[row * 3] as usize,
+                        None => row / g.params["next_n"].as_u64().unwrap() as usize,
+                    };
+                    let page = entry as usize / ps;
+                    let col = (0..max_pages)
+                        .find(|&c| table[request * max_pages + c] == page as i32)
+                        .unwrap();
+                    col * ps + entry as usize % ps
+                }
+            };
+            edit::<f32>(g, "logits", |l| l[row * stride + pos] = -1e30);
+        }
+        _ => edit::<bf16>(g, "out", |o| {
+            let at = (0..o.len())
+                .max_by(|&a, &b| o[a].to_f32().abs().total_cmp(&o[b].to_f32().abs()))
+                .unwrap();
+            o[at] = -o[at];
+        }),
+    }
 }
 
 /// A small valid `index_k_store` file.

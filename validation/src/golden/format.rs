@@ -14,7 +14,7 @@ use sparsekit_host::ops::{
     TopkOutput,
 };
 
-use super::judge::{check_indices, topk_want};
+use super::judge::topk_want;
 use super::params::{
     index_dt, kv_dt, IndexKStoreParams, IndexerLogitsParams, KvStoreParams, SparseMlaParams,
     TopkOut, TopkParams,
@@ -216,6 +216,7 @@ impl Golden {
             scale,
             head_dim: l.head_dim(),
             page_size: l.page_size(),
+            conventions: Default::default(),
         };
         let mut g = Golden::default();
         g.set_params(Op::IndexKStore, &p)?;
@@ -242,6 +243,7 @@ impl Golden {
             nope_dim: l.nope_dim(),
             rope_dim: l.rope_dim(),
             page_size: l.page_size(),
+            conventions: Default::default(),
         };
         let mut g = Golden::default();
         g.set_params(Op::KvStore, &p)?;
@@ -287,6 +289,7 @@ impl Golden {
             row_stride: stride,
             next_n,
             expected_from: ExpectedFrom::Reference,
+            conventions: Default::default(),
         };
         let want =
             reference::indexer_logits(&l, cache, &op.page_table, &op.rows, h, q, weights, stride);
@@ -325,6 +328,7 @@ impl Golden {
             output,
             page_size,
             next_n,
+            conventions: Default::default(),
         };
         let mut out = vec![-1i32; n * k];
         for (r, range) in op.rows.iter().enumerate() {
@@ -352,7 +356,8 @@ impl Golden {
                 t * h * 4,
             )
             .map_err(GoldenError::Rejected)?;
-        check_indices(indices, pages * l.page_size())?;
+        op.check_indices(indices, pages)
+            .map_err(GoldenError::Rejected)?;
         let p = SparseMlaParams {
             version: VERSION,
             dtype: kv_dt(l.dtype()),
@@ -363,6 +368,7 @@ impl Golden {
             topk: op.topk,
             softmax_scale: op.softmax_scale as f64,
             expected_from: ExpectedFrom::Reference,
+            conventions: Default::default(),
         };
         let mut g = Golden::default();
         g.set_params(Op::SparseMla, &p)?;

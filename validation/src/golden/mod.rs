@@ -26,6 +26,7 @@
 //! constructors), `reader` (one op's tensors out of a file), `judge` (comparisons and
 //! reports), `run` (running the op on a backend).
 
+mod conventions;
 mod format;
 mod judge;
 mod params;
@@ -40,6 +41,9 @@ use serde_json::Value;
 use sparsekit_host::ops::Op;
 use sparsekit_host::Backend;
 
+pub use conventions::{
+    Conventions, Division, EmptyLse, InvalidIndices, KeyDequant, LseLayout, TopkPadding,
+};
 pub use format::Tensor;
 pub use safetensors::Dtype;
 

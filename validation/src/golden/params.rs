@@ -6,6 +6,7 @@ use sparsekit_host::dtype::ScaleFormat;
 use sparsekit_host::layout::{IndexKDtype, KvDtype};
 use sparsekit_host::ops::Op;
 
+use super::conventions::Conventions;
 use super::{ExpectedFrom, GoldenError, Result};
 
 #[derive(Clone, Copy, Debug, Serialize, Deserialize)]
@@ -40,6 +41,8 @@ pub(super) struct IndexKStoreParams {
     pub scale: Option<ScaleFormat>,
     pub head_dim: usize,
     pub page_size: usize,
+    #[serde(default, skip_serializing_if = "is_ours")]
+    pub conventions: Conventions,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -50,6 +53,8 @@ pub(super) struct KvStoreParams {
     pub nope_dim: usize,
     pub rope_dim: usize,
     pub page_size: usize,
+    #[serde(default, skip_serializing_if = "is_ours")]
+    pub conventions: Conventions,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -67,6 +72,8 @@ pub(super) struct IndexerLogitsParams {
     pub next_n: Option<usize>,
     #[serde(default)]
     pub expected_from: ExpectedFrom,
+    #[serde(default, skip_serializing_if = "is_ours")]
+    pub conventions: Conventions,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -80,6 +87,8 @@ pub(super) struct TopkParams {
     pub page_size: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub next_n: Option<usize>,
+    #[serde(default, skip_serializing_if = "is_ours")]
+    pub conventions: Conventions,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -95,6 +104,12 @@ pub(super) struct SparseMlaParams {
     pub softmax_scale: f64,
     #[serde(default)]
     pub expected_from: ExpectedFrom,
+    #[serde(default, skip_serializing_if = "is_ours")]
+    pub conventions: Conventions,
+}
+
+fn is_ours(c: &Conventions) -> bool {
+    *c == Conventions::default()
 }
 
 pub(super) fn index_dtype(dt: IndexDt, scale: Option<ScaleFormat>) -> Result<IndexKDtype, String> {

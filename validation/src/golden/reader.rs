@@ -7,6 +7,7 @@ use serde::de::DeserializeOwned;
 use serde_json::Value;
 use sparsekit_host::ops::{decode_rows, Op, QueryRange};
 
+use super::conventions::Conventions;
 use super::{Dtype, Golden, GoldenError, Result, Tensor, VERSION};
 
 /// Largest value accepted for a size parameter (keeps every size product in range).
@@ -59,6 +60,11 @@ impl<'g> Reader<'g> {
         serde_json::from_value(self.g.params.clone()).map_err(|e| self.bad(e.to_string()))
     }
 
+    /// Checks that every convention the file states applies to this op.
+    pub(super) fn conventions(&self, c: &Conventions) -> Result<()> {
+        c.check_applies(self.op).map_err(|e| self.bad(e))
+    }
+
     /// Checks that size parameters are in `1..=2^24`.
     pub(super) fn sizes(&self, sizes: &[(&str, usize)]) -> Result<()> {
         match sizes.iter().find(|(_, v)| *v == 0 || *v > MAX_PARAM) {
@@ -78,29 +84,57 @@ impl<'g> Reader<'g> {
         dtype: Dtype,
         dims: &[Dim],
     ) -> Result<&'g Tensor> {
+        self.tensor_of(name, &[dtype], dims, false)
+    }
+
+    /// The tensor `name` with one of `dtypes` and `dims`, or, with `lead`, any number of
+    /// leading dimensions before `dims[1..]` whose product is `dims[0]` (e.g. FlashMLA's
+    /// `[batch, s_q, h, d]` for our `[n_tokens, h, d]`).
+    pub(super) fn tensor_of(
+        &mut self,
+        name: &'static str,
+        dtypes: &[Dtype],
+        dims: &[Dim],
+        lead: bool,
+    ) -> Result<&'g Tensor> {
         self.used.insert(name);
         let t = self.g.tensors.get(name).ok_or(GoldenError::MissingTensor {
             op: self.op.name(),
             name: name.to_string(),
         })?;
-        if t.dtype != dtype {
+        if !dtypes.contains(&t.dtype) {
             return Err(GoldenError::WrongDtype {
                 name: name.into(),
-                expected: dtype,
+                expected: dtypes[0],
                 actual: t.dtype,
             });
         }
-        let fits = t.shape.len() == dims.len()
-            && t.shape
-                .iter()
-                .zip(dims)
-                .all(|(s, (_, d))| d.is_none_or(|d| d == *s));
+        let fits_dims = |shape: &[usize]| {
+            shape.len() == dims.len()
+                && shape
+                    .iter()
+                    .zip(dims)
+                    .all(|(s, (_, d))| d.is_none_or(|d| d == *s))
+        };
+        let fits = fits_dims(&t.shape)
+            || (lead && t.shape.len() > dims.len() && {
+                let k = t.shape.len() + 1 - dims.len();
+                let leading = t.shape[..k]
+                    .iter()
+                    .try_fold(1usize, |a, &s| a.checked_mul(s));
+                let mut flat = vec![leading.unwrap_or(usize::MAX)];
+                flat.extend_from_slice(&t.shape[k..]);
+                leading.is_some() && fits_dims(&flat)
+            });
         let elems = t.shape.iter().try_fold(1usize, |a, &s| a.checked_mul(s));
-        if !fits || elems.and_then(|n| n.checked_mul(dtype.size())) != Some(t.data.len()) {
-            let expected: Vec<String> = dims
+        if !fits || elems.and_then(|n| n.checked_mul(t.dtype.size())) != Some(t.data.len()) {
+            let mut expected: Vec<String> = dims
                 .iter()
                 .map(|(n, d)| d.map_or(n.to_string(), |d| format!("{n}={d}")))
                 .collect();
+            if lead {
+                expected[0] = format!("{} (or leading dims of that product)", expected[0]);
+            }
             return Err(GoldenError::WrongShape {
                 name: name.into(),
                 expected: format!("[{}]", expected.join(", ")),
@@ -108,6 +142,13 @@ impl<'g> Reader<'g> {
             });
         }
         Ok(t)
+    }
+
+    /// The product of a tensor's leading dimensions (all but the last `trailing`).
+    pub(super) fn leading(t: &Tensor, trailing: usize) -> usize {
+        t.shape[..t.shape.len().saturating_sub(trailing)]
+            .iter()
+            .product()
     }
 
     /// A paged cache: U8 `[num_pages, bytes_per_page]`.
