@@ -3,11 +3,21 @@
 //!
 //! Pipeline (per arch):
 //!   nightly cargo rustc --target nvptx64-nvidia-cuda -Zbuild-std=core
-//!       -- -Ctarget-cpu=sm_XX -Ccodegen-units=1 --emit=llvm-bc=...   (own target dir)
+//!       -- -Ctarget-cpu=sm_XX -Ccodegen-units=1 -Cno-prepopulate-passes
+//!          --emit=llvm-bc=...   (own target dir; the IR is not optimised yet)
 //!   llvm-link kernel.bc --only-needed sys.bc   (sys.bc = core + compiler_builtins bitcode)
-//!   opt -passes=internalize,globaldce -internalize-public-api-list=<#[no_mangle] exports>
+//!   llvm-dis | mark every warp-wide inline asm call `convergent` | llvm-as
+//!   opt -passes=internalize,globaldce,default<O3> -internalize-public-api-list=<exports>
 //!   llc -march=nvptx64 -mcpu=sm_XX -mattr=+ptxNN -O3  ->  OUT_DIR/sparsekit_kernels.sm_XX.ptx
-//!   ptxas -arch=sm_XX -v (only if ptxas is found; errors fail the build)
+//!   check: per function, the warp-wide instructions of the PTX (mma/shfl/vote/bar) are
+//!          exactly the convergent calls of the optimised IR
+//!   ptxas -arch=sm_XX -v -o sparsekit_kernels.sm_XX.cubin (only if ptxas is found; errors
+//!          and spills at sm_90/sm_120 fail the build); the cubins are embedded too
+//!
+//! Why the IR is optimised here and not by rustc: LLVM may move or duplicate a call into
+//! lane-divergent control flow unless the call is `convergent`, and Rust cannot mark an
+//! `asm!` block convergent. `mma.sync` has no convergent NVVM intrinsic, so the script
+//! marks its asm calls in the unoptimised IR, and every LLVM pass then honours it.
 //!
 //! Env knobs: SPARSEKIT_REQUIRE_PTX=1 (missing toolchain is an error),
 //! SPARSEKIT_SKIP_PTX=1 (never build PTX), SPARSEKIT_NIGHTLY (toolchain name,
@@ -31,10 +41,28 @@ use std::time::Instant;
 #[path = "src/ptxas.rs"]
 mod ptxas;
 
-/// (arch, PTX ISA feature for llc). LLVM already raises `.version` to the
-/// minimum the SM needs (sm_80 -> 7.0, sm_90 -> 7.8, sm_120 -> 8.7), but it
-/// cannot see inline asm: the e4m3 `mma.sync ... m16n8k32` needs PTX 8.4.
-const ARCHS: &[(&str, &str)] = &[("sm_80", "ptx70"), ("sm_90", "ptx84"), ("sm_120", "ptx87")];
+/// (arch, lowest PTX ISA version the arch needs, as an llc feature): sm_80 -> 7.0, sm_90 ->
+/// 7.8, sm_120 -> 8.7, so that drivers as old as the arch accept the module. LLVM cannot
+/// see inline asm: a kernel using the e4m3 `mma.sync ... m16n8k32` needs PTX 8.4, and the
+/// build raises the version for an arch whose PTX contains it ([`E4M3_PTX`]).
+const ARCHS: &[(&str, &str)] = &[("sm_80", "ptx70"), ("sm_90", "ptx78"), ("sm_120", "ptx87")];
+
+/// PTX ISA version the e4m3 `mma.sync` needs.
+const E4M3_PTX: &str = "ptx84";
+
+/// Mnemonics of the instructions all (named) lanes of a warp must execute together: an
+/// inline asm call containing one is marked `convergent`.
+const WARP_WIDE_ASM: &[&str] = &[
+    "mma.sync",
+    "shfl.sync",
+    "vote.sync",
+    "bar.sync",
+    "barrier.sync",
+    "bar.warp.sync",
+    "ldmatrix",
+    "match.sync",
+    "redux.sync",
+];
 
 const NVPTX: &str = "nvptx64-nvidia-cuda";
 const KERNEL_CRATE: &str = "sparsekit_kernels";
@@ -226,35 +254,44 @@ fn build_all(manifest_dir: &Path, kernels_dir: &Path, out_dir: &Path) -> Result<
                 .arg(&linked),
             "llvm-link",
         );
+        let marked = bc_dir.join(format!("{KERNEL_CRATE}.{arch}.convergent.bc"));
+        mark_warp_wide_convergent(&nightly, &linked, &marked);
         let internal = bc_dir.join(format!("{KERNEL_CRATE}.{arch}.final.bc"));
         run(
             Command::new(nightly.llvm_bin.join(exe("opt")))
-                .arg("-passes=internalize,globaldce")
+                .arg("-passes=internalize,globaldce,default<O3>")
                 .arg(format!(
                     "-internalize-public-api-list={}",
                     exports.join(",")
                 ))
-                .arg(&linked)
+                .arg(&marked)
                 .arg("-o")
                 .arg(&internal),
-            "opt (internalize)",
+            "opt (internalize, O3)",
         );
 
-        // 4. llc -> PTX
+        // 4. llc -> PTX, at the arch's lowest PTX version (raised for the e4m3 mma).
         let ptx = out_dir.join(format!("{KERNEL_CRATE}.{arch}.ptx"));
-        run(
-            Command::new(nightly.llvm_bin.join(exe("llc")))
-                .args([
-                    "-march=nvptx64",
-                    &format!("-mcpu={arch}"),
-                    &format!("-mattr=+{ptx_feature}"),
-                ])
-                .arg("-O3")
-                .arg(&internal)
-                .arg("-o")
-                .arg(&ptx),
-            "llc",
-        );
+        let llc = |feature: &str| {
+            run(
+                Command::new(nightly.llvm_bin.join(exe("llc")))
+                    .args([
+                        "-march=nvptx64",
+                        &format!("-mcpu={arch}"),
+                        &format!("-mattr=+{feature}"),
+                    ])
+                    .arg("-O3")
+                    .arg(&internal)
+                    .arg("-o")
+                    .arg(&ptx),
+                "llc",
+            )
+        };
+        llc(ptx_feature);
+        if fs::read_to_string(&ptx).unwrap().contains(".e4m3.e4m3") && ptx_feature < E4M3_PTX {
+            llc(E4M3_PTX);
+        }
+        check_warp_wide(&nightly, &internal, &ptx, arch, out_dir);
 
         // 5. ptxas: assemble (errors and spills at sm_90+ fail the build), then summarise
         //    the SASS tensor-core instructions per kernel when cuobjdump is available.
@@ -263,6 +300,8 @@ fn build_all(manifest_dir: &Path, kernels_dir: &Path, out_dir: &Path) -> Result<
             ptx: ptx.clone(),
             ptxas_log: None,
             sass: None,
+            cubin: None,
+            warp_ops: out_dir.join(format!("warp_ops.{arch}.tsv")),
         };
         if let Some(ptxas) = &ptxas {
             let cubin = out_dir.join(format!("{KERNEL_CRATE}.{arch}.cubin"));
@@ -295,6 +334,7 @@ fn build_all(manifest_dir: &Path, kernels_dir: &Path, out_dir: &Path) -> Result<
                 }
             }
             built.ptxas_log = Some(log_path);
+            built.cubin = Some(cubin.clone());
             if let Some(sass) = sass_summary(ptxas, &cubin) {
                 let path = out_dir.join(format!("sass.{arch}.tsv"));
                 fs::write(&path, sass).unwrap();
@@ -378,6 +418,9 @@ fn inner_cargo(nightly: &Nightly, kernels_dir: &Path, target_dir: &Path, arch: &
             .arg("--")
             .arg(format!("-Ctarget-cpu={arch}"))
             .arg("-Ccodegen-units=1")
+            // Unoptimised IR: the warp-wide asm is marked convergent before any LLVM pass
+            // (see the file docs); `opt` runs the O3 pipeline afterwards.
+            .arg("-Cno-prepopulate-passes")
             .arg(format!("--emit=llvm-bc={}", bc.display()));
         let _ = fs::remove_file(bc);
         run(
@@ -532,6 +575,10 @@ struct Built {
     ptxas_log: Option<PathBuf>,
     /// Per-kernel SASS tensor-core counts (`name\tHMMA\tQMMA` lines), when cuobjdump ran.
     sass: Option<PathBuf>,
+    /// The SASS ptxas assembled for the arch, when ptxas ran.
+    cubin: Option<PathBuf>,
+    /// Per-function warp-wide instruction counts (`name\tmma\tshfl\tvote\tbar`).
+    warp_ops: PathBuf,
 }
 
 /// `cuobjdump --dump-sass` of a cubin summarised per function: `name\tHMMA\tQMMA`.
@@ -591,6 +638,24 @@ fn write_generated(out_dir: &Path, entries: &[Built], info: &str) {
         }
     }
     s.push_str("];\n");
+    s.push_str("/// `(arch, cubin)`: the SASS ptxas built for every arch it assembled.\n");
+    s.push_str("pub static CUBINS: &[(&str, &[u8])] = &[\n");
+    for b in entries {
+        if let Some(c) = &b.cubin {
+            let p = c.to_str().expect("non-UTF-8 OUT_DIR");
+            writeln!(s, "    ({:?}, include_bytes!({p:?})),", b.arch).unwrap();
+        }
+    }
+    s.push_str("];\n");
+    s.push_str(
+        "/// `(arch, lines of `function\\tmma\\tshfl\\tvote\\tbar`)`: warp-wide instructions per function.\n",
+    );
+    s.push_str("pub static WARP_OPS: &[(&str, &str)] = &[\n");
+    for b in entries {
+        let p = b.warp_ops.to_str().expect("non-UTF-8 OUT_DIR");
+        writeln!(s, "    ({:?}, include_str!({p:?})),", b.arch).unwrap();
+    }
+    s.push_str("];\n");
     s.push_str("/// `(arch, lines of `kernel\\tHMMA\\tQMMA`)` from the SASS of every arch.\n");
     s.push_str("pub static SASS_TENSOR_OPS: &[(&str, &str)] = &[\n");
     for b in entries {
@@ -610,4 +675,101 @@ fn write_generated(out_dir: &Path, entries: &[Built], info: &str) {
     if fs::read_to_string(&path).ok().as_deref() != Some(s.as_str()) {
         fs::write(&path, s).unwrap();
     }
+}
+
+/// Marks every inline asm call of a warp-wide instruction in `input` (bitcode) as
+/// `convergent` (llvm-dis, text edit, llvm-as) into `output`. Fails the build when none is
+/// found (the kernels use `mma.sync`: a change of rustc's asm syntax must not silently
+/// disable the marking).
+fn mark_warp_wide_convergent(nightly: &Nightly, input: &Path, output: &Path) {
+    let dis = Command::new(nightly.llvm_bin.join(exe("llvm-dis")))
+        .arg(input)
+        .arg("-o")
+        .arg("-")
+        .output()
+        .expect("llvm-dis");
+    assert!(
+        dis.status.success(),
+        "llvm-dis failed on {}",
+        input.display()
+    );
+    let ll = String::from_utf8(dis.stdout).expect("LLVM IR is UTF-8");
+    let (marked, n) = ptxas::mark_convergent(&ll, WARP_WIDE_ASM);
+    assert!(
+        n > 0,
+        "no warp-wide inline asm found to mark convergent in {}",
+        input.display()
+    );
+    let ll_path = output.with_extension("ll");
+    fs::write(&ll_path, marked).unwrap();
+    run(
+        Command::new(nightly.llvm_bin.join(exe("llvm-as")))
+            .arg(&ll_path)
+            .arg("-o")
+            .arg(output),
+        "llvm-as (convergent warp-wide asm)",
+    );
+}
+
+/// The build-time check of the warp-wide instructions: per function, the `mma.sync`,
+/// `shfl.sync`, `vote.sync` and barrier instructions of the PTX are exactly the warp-wide
+/// calls of the optimised IR that llc compiled, and every one of those calls is
+/// `convergent` (so no LLVM pass could move or duplicate it into divergent control flow).
+/// Writes the counts (`warp_ops.<arch>.tsv`, embedded for `sparsekit kernels`).
+fn check_warp_wide(nightly: &Nightly, final_bc: &Path, ptx: &Path, arch: &str, out_dir: &Path) {
+    let dis = Command::new(nightly.llvm_bin.join(exe("llvm-dis")))
+        .arg(final_bc)
+        .arg("-o")
+        .arg("-")
+        .output()
+        .expect("llvm-dis");
+    assert!(
+        dis.status.success(),
+        "llvm-dis failed on {}",
+        final_bc.display()
+    );
+    let ll = String::from_utf8(dis.stdout).expect("LLVM IR is UTF-8");
+    let ir = ptxas::ir_warp_ops(&ll, WARP_WIDE_ASM);
+    if let Some(f) = ir.iter().find(|f| f.non_convergent > 0) {
+        panic!(
+            "{arch}: {} warp-wide call(s) of {} are not convergent in the optimised IR",
+            f.non_convergent, f.name
+        );
+    }
+    let ptx_text = fs::read_to_string(ptx).unwrap();
+    let ptx_ops = ptxas::ptx_warp_ops(&ptx_text);
+    let mut tsv = String::new();
+    for p in &ptx_ops {
+        let want = ir
+            .iter()
+            .find(|f| f.name == p.name)
+            .map(|f| f.ops)
+            .unwrap_or_default();
+        if want != p.ops {
+            panic!(
+                "{arch}: function {} has warp-wide instructions {:?} in the PTX but issues \
+                 {:?} in the IR llc compiled: llc moved, merged or duplicated a warp-wide \
+                 instruction (see {})",
+                p.name,
+                p.ops,
+                want,
+                ptx.display()
+            );
+        }
+        writeln!(
+            tsv,
+            "{}\t{}\t{}\t{}\t{}",
+            p.name, p.ops.mma, p.ops.shfl, p.ops.vote, p.ops.bar
+        )
+        .unwrap();
+    }
+    for f in &ir {
+        if f.ops != ptxas::WarpOps::default() && !ptx_ops.iter().any(|p| p.name == f.name) {
+            panic!(
+                "{arch}: {} issues warp-wide calls but is missing from the PTX",
+                f.name
+            );
+        }
+    }
+    fs::write(out_dir.join(format!("warp_ops.{arch}.tsv")), tsv).unwrap();
 }

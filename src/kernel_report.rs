@@ -1,10 +1,11 @@
 //! Per-kernel resource usage at each arch, parsed from the embedded `ptxas -v` logs and
-//! SASS summaries (what `sparsekit kernels` prints).
+//! SASS summaries, with the warp-wide instructions the build checked (what `sparsekit
+//! kernels` prints).
 
 use serde::Serialize;
 
-use crate::ptx::{PTX, PTXAS_LOGS, SASS_TENSOR_OPS};
-use crate::ptxas::{parse_ptxas_log, sass_from_tsv};
+use crate::ptx::{PTX, PTXAS_LOGS, SASS_TENSOR_OPS, WARP_OPS};
+use crate::ptxas::{parse_ptxas_log, sass_from_tsv, warp_ops_from_tsv};
 
 /// One kernel at one arch.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -21,6 +22,18 @@ pub struct KernelResources {
     pub barriers: u32,
     /// Whether the SASS holds HMMA/QMMA instructions; `None` when no SASS was available.
     pub tensor_core: Option<bool>,
+    /// Warp-wide instructions of the kernel's PTX (`mma.sync`, `shfl.sync`, `vote.sync`,
+    /// barriers), all convergent in the IR they came from (checked by the build).
+    pub warp_ops: Option<WarpOpsCounts>,
+}
+
+/// [`crate::ptxas::WarpOps`] for the report.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct WarpOpsCounts {
+    pub mma: u32,
+    pub shfl: u32,
+    pub vote: u32,
+    pub bar: u32,
 }
 
 /// The kernels (entry functions) of one `ptxas -v` log (tensor_core unset).
@@ -37,6 +50,7 @@ pub fn kernels_of_log(arch: &str, log: &str) -> Vec<KernelResources> {
             stack_bytes: f.stack_bytes,
             barriers: f.barriers,
             tensor_core: None,
+            warp_ops: None,
         })
         .collect()
 }
@@ -50,10 +64,24 @@ pub fn report() -> Vec<KernelResources> {
             .filter(|(a, _)| a == arch)
             .flat_map(|(_, s)| sass_from_tsv(s))
             .collect();
+        let warp: Vec<_> = WARP_OPS
+            .iter()
+            .filter(|(a, _)| a == arch)
+            .flat_map(|(_, t)| warp_ops_from_tsv(t))
+            .collect();
         for mut k in kernels_of_log(arch, log) {
             if !sass.is_empty() {
                 k.tensor_core = Some(sass.iter().any(|(n, h, q)| *n == k.kernel && h + q > 0));
             }
+            k.warp_ops = warp
+                .iter()
+                .find(|w| w.name == k.kernel)
+                .map(|w| WarpOpsCounts {
+                    mma: w.ops.mma,
+                    shfl: w.ops.shfl,
+                    vote: w.ops.vote,
+                    bar: w.ops.bar,
+                });
             all.push(k);
         }
     }

@@ -9,6 +9,7 @@
 pub mod cuda;
 mod cuda_model_ops;
 pub mod kernel_report;
+pub mod perf_model;
 pub mod ptx;
 pub mod ptxas;
 pub mod table;

@@ -1,10 +1,11 @@
 //! The PTX of `kernels-rs`, built by `build.rs` for sm_80, sm_90 and sm_120 and embedded in
-//! the binary, with what `ptxas` and the SASS said about each kernel.
+//! the binary, with the cubins ptxas assembled from it, what `ptxas` and the SASS said about
+//! each kernel, and the warp-wide instructions of each function (the build checked them).
 
 mod generated {
     include!(concat!(env!("OUT_DIR"), "/ptx_kernels.rs"));
 }
-pub use generated::{PTX, PTXAS_LOGS, PTX_BUILD_INFO, SASS_TENSOR_OPS};
+pub use generated::{CUBINS, PTX, PTXAS_LOGS, PTX_BUILD_INFO, SASS_TENSOR_OPS, WARP_OPS};
 
 /// The PTX to load on a device of compute capability `major.minor`: the newest built arch
 /// not newer than the device (PTX for `sm_XY` JIT-compiles for any later SM).
@@ -15,6 +16,32 @@ pub fn ptx_for_device(major: u32, minor: u32) -> Option<(&'static str, &'static 
         .filter(|&(n, _, _)| n <= dev)
         .max_by_key(|&(n, _, _)| n)
         .map(|(_, a, p)| (a, p))
+}
+
+/// `(major, minor)` of an `sm_XY` arch name (`sm_120` → (12, 0)).
+fn arch_cc(arch: &str) -> Option<(u32, u32)> {
+    let n: u32 = arch.strip_prefix("sm_")?.parse().ok()?;
+    Some((n / 10, n % 10))
+}
+
+/// The cubin to load on a device of compute capability `major.minor`: SASS runs on devices
+/// of its major version with an equal or higher minor, so the newest embedded cubin of the
+/// device's major whose minor is not above the device's.
+pub fn cubin_for_device(major: u32, minor: u32) -> Option<(&'static str, &'static [u8])> {
+    cubin_in(CUBINS, major, minor)
+}
+
+fn cubin_in(
+    cubins: &[(&'static str, &'static [u8])],
+    major: u32,
+    minor: u32,
+) -> Option<(&'static str, &'static [u8])> {
+    cubins
+        .iter()
+        .filter_map(|&(a, c)| Some((arch_cc(a)?, a, c)))
+        .filter(|&((ma, mi), _, _)| ma == major && mi <= minor)
+        .max_by_key(|&((_, mi), _, _)| mi)
+        .map(|(_, a, c)| (a, c))
 }
 
 #[cfg(test)]
@@ -47,5 +74,64 @@ mod tests {
         assert_eq!(ptx_for_device(10, 0).map(|p| p.0), Some("sm_90"));
         assert_eq!(ptx_for_device(12, 0).map(|p| p.0), Some("sm_120"));
         assert!(ptx_for_device(7, 5).is_none());
+        if required {
+            let cubin_archs: Vec<&str> = CUBINS.iter().map(|(a, _)| *a).collect();
+            assert_eq!(cubin_archs, ["sm_80", "sm_90", "sm_120"]);
+            for (_, c) in CUBINS {
+                assert_eq!(&c[..4], b"\x7fELF", "a cubin is an ELF image");
+            }
+            assert_eq!(WARP_OPS.len(), 3);
+        }
+    }
+
+    #[test]
+    fn cubins_match_the_exact_major() {
+        const FAKE: &[(&str, &[u8])] = &[("sm_80", b"a"), ("sm_90", b"b"), ("sm_120", b"c")];
+        let pick = |ma, mi| cubin_in(FAKE, ma, mi).map(|x| x.0);
+        assert_eq!(pick(9, 0), Some("sm_90"));
+        assert_eq!(pick(8, 9), Some("sm_80"), "sm_80 SASS runs on 8.x");
+        assert_eq!(pick(12, 0), Some("sm_120"));
+        assert_eq!(pick(12, 1), Some("sm_120"));
+        assert_eq!(
+            pick(10, 0),
+            None,
+            "no SASS for 10.x: the PTX is JIT-compiled"
+        );
+        assert_eq!(pick(7, 5), None);
+    }
+
+    /// Every arch's PTX declares the lowest `.version` the arch needs (older drivers accept
+    /// it), and dynamic shared memory is 16-byte aligned (the kernels issue 16-byte shared
+    /// accesses).
+    #[test]
+    fn ptx_versions_and_shared_alignment() {
+        for (arch, ptx) in PTX {
+            let want = match *arch {
+                "sm_80" => ".version 7.0",
+                "sm_90" => ".version 7.8",
+                _ => ".version 8.7",
+            };
+            assert!(ptx.contains(want), "{arch}: want {want}");
+            assert!(
+                ptx.contains(".extern .shared .align 16 .b8 gpu_launch_sized_workgroup_mem[]"),
+                "{arch}: dynamic shared memory must be 16-byte aligned"
+            );
+        }
+    }
+
+    /// The warp-wide instruction counts the build checked are embedded for every kernel.
+    #[test]
+    fn warp_ops_cover_every_kernel() {
+        for (arch, tsv) in WARP_OPS {
+            let ops = crate::ptxas::warp_ops_from_tsv(tsv);
+            for k in sparsekit_kernels::ENTRY_POINTS {
+                assert!(ops.iter().any(|o| o.name == *k), "{arch}: {k}");
+            }
+            let mla = ops.iter().find(|o| o.name == "sparse_mla");
+            assert!(
+                mla.is_some_and(|o| o.ops.mma > 0 && o.ops.bar > 0),
+                "{arch}"
+            );
+        }
     }
 }

@@ -48,3 +48,81 @@ fn cpu_isa_override_forces_the_path() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("SPARSEKIT_CPU_ISA"));
 }
+
+/// `sparsekit profile --quick --json`: every kernel is profiled, the figures are in range,
+/// the model states its devices, and with the PTX embedded every launch gets a prediction
+/// per device.
+#[test]
+fn profile_reports_every_kernel() {
+    let out = Command::new(env!("CARGO_BIN_EXE_sparsekit"))
+        .args(["profile", "--backend", "emu", "--quick", "--json"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let devices = v["devices"].as_array().unwrap();
+    let names: Vec<&str> = devices
+        .iter()
+        .map(|d| d["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["H200", "RTX 5090", "RTX PRO 6000 Blackwell"]);
+    assert!(devices
+        .iter()
+        .all(|d| !d["source"].as_str().unwrap().is_empty()));
+    let kernels = v["kernels"].as_array().unwrap();
+    for k in sparsekit::kernels::ENTRY_POINTS {
+        assert!(
+            kernels.iter().any(|r| r["kernel"] == *k),
+            "{k} not profiled"
+        );
+    }
+    let with_ptx = !sparsekit::ptx::PTXAS_LOGS.is_empty();
+    for r in kernels {
+        let a = &r["access"];
+        for key in ["load_efficiency", "store_efficiency", "active_lanes"] {
+            if let Some(x) = a[key].as_f64() {
+                assert!(x > 0.0 && x <= 1.0, "{}: {key} {x}", r["case"]);
+            }
+        }
+        if let Some(w) = a["smem_ways"].as_f64() {
+            assert!((1.0..=32.0).contains(&w), "{}: ways {w}", r["case"]);
+        }
+        assert!(r["blocks_emulated"].as_u64().unwrap() >= 1);
+        let preds = r["predictions"].as_array().unwrap();
+        if with_ptx {
+            assert_eq!(preds.len(), 3, "{}", r["case"]);
+            assert!(preds.iter().all(|p| p["time_us"].as_f64().unwrap() > 0.0));
+        }
+    }
+    // The same run twice gives the same figures (deterministic).
+    let again = Command::new(env!("CARGO_BIN_EXE_sparsekit"))
+        .args(["profile", "--quick", "--json", "--op", "topk,sparse_mla"])
+        .output()
+        .unwrap();
+    let w: serde_json::Value = serde_json::from_slice(&again.stdout).unwrap();
+    let pick = |v: &serde_json::Value, case: &str| {
+        v["kernels"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["case"] == case)
+            .cloned()
+            .unwrap()
+    };
+    for case in ["topk/b4", "sparse_mla/fp8/b1"] {
+        assert_eq!(pick(&v, case), pick(&w, case), "{case}");
+    }
+    // Other backends and unknown ops are refused with a clear error.
+    let bad = Command::new(env!("CARGO_BIN_EXE_sparsekit"))
+        .args(["profile", "--backend", "cpu"])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--backend emu"));
+    let bad = Command::new(env!("CARGO_BIN_EXE_sparsekit"))
+        .args(["profile", "--op", "gemm"])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+}

@@ -6,19 +6,37 @@
 //! parameters and launch geometry as the CUDA backend); this module only provides the
 //! primitives: host buffers, metadata read in place, and a synchronous typed launch. Both
 //! streams run synchronously (every op has completed when its call returns).
+//!
+//! Every launch checks the kernel's global accesses against the buffers of the op (the
+//! launcher's [`Span`]s): an access out of bounds, misaligned, storing to an input or
+//! reading an output byte not yet written fails the op with the emulator's report
+//! (kernel, block, thread, buffer, byte offset). A *profiling* backend
+//! ([`EmuBackend::profiling`]) also traces the accesses of a sample of each launch's
+//! blocks for the performance model and keeps the [`Profile`]s.
 
-use sparsekit_kernels::emu::launch_kernel;
+use std::sync::{Arc, Mutex};
+
+use sparsekit_kernels::emu::{launch_kernel, profile_kernel, GlobalBuffers, Profile};
 use sparsekit_kernels::launch::KernelParams;
 
 use crate::backend::{Backend, StreamKind};
 use crate::cpu::{buffer::host_memory_methods, CpuBuffer};
 use crate::error::{Error, Result};
-use crate::launcher::KernelDevice;
+use crate::launcher::{KernelDevice, Span};
 
 /// The emulator backend.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct EmuBackend {
     stream: StreamKind,
+    profiler: Option<Arc<Profiler>>,
+}
+
+/// The profiles a profiling [`EmuBackend`] collected.
+#[derive(Debug)]
+struct Profiler {
+    /// Blocks traced per launch (the first ones of the grid).
+    sample_blocks: u32,
+    profiles: Mutex<Vec<Profile>>,
 }
 
 impl EmuBackend {
@@ -26,6 +44,38 @@ impl EmuBackend {
     pub fn new() -> Self {
         EmuBackend::default()
     }
+
+    /// A backend that traces every launch for the performance model: it runs only the
+    /// first `sample_blocks` blocks of each grid (the grid keeps its real size, so
+    /// grid-stride loops behave as on the GPU) and keeps each launch's [`Profile`]. Blocks
+    /// not sampled do not run: outputs are incomplete, so use it for profiling only.
+    pub fn profiling(sample_blocks: u32) -> Self {
+        EmuBackend {
+            stream: StreamKind::default(),
+            profiler: Some(Arc::new(Profiler {
+                sample_blocks: sample_blocks.max(1),
+                profiles: Mutex::new(Vec::new()),
+            })),
+        }
+    }
+
+    /// The profiles of the launches so far (oldest first), emptied; empty unless the
+    /// backend is [`EmuBackend::profiling`].
+    pub fn take_profiles(&self) -> Vec<Profile> {
+        self.profiler.as_ref().map_or_else(Vec::new, |p| {
+            std::mem::take(&mut *p.profiles.lock().unwrap_or_else(|e| e.into_inner()))
+        })
+    }
+}
+
+/// The emulator's view of a launch's spans.
+fn global_buffers<P: KernelParams>(spans: &[Span]) -> Result<GlobalBuffers> {
+    let mut b = GlobalBuffers::new(P::ENTRY);
+    for s in spans {
+        b.add(s.name, s.addr as usize, s.bytes, s.access)
+            .map_err(|e| Error::backend("emu", format!("kernel {}", P::ENTRY), e))?;
+    }
+    Ok(b)
 }
 
 impl Backend for EmuBackend {
@@ -68,10 +118,28 @@ unsafe impl KernelDevice for EmuBackend {
         Ok(f(&read, &write))
     }
 
-    unsafe fn enqueue<P: KernelParams>(&self, params: P) -> Result<()> {
-        // SAFETY: the caller's contract: the addresses in `params` are those of buffers
-        // and staged metadata borrowed for this call, and the launch is synchronous.
-        unsafe { launch_kernel(params) }
-            .map_err(|e| Error::backend("emu", format!("kernel {}", P::ENTRY), e))
+    unsafe fn enqueue<P: KernelParams>(&self, params: P, spans: &[Span]) -> Result<()> {
+        let buffers = global_buffers::<P>(spans)?;
+        let fail = |e| Error::backend("emu", format!("kernel {}", P::ENTRY), e);
+        match &self.profiler {
+            None => {
+                // SAFETY: the caller's contract: the addresses in `params` are those of
+                // buffers and staged metadata borrowed for this call (`spans`), and the
+                // launch is synchronous.
+                unsafe { launch_kernel(params, &buffers) }.map_err(fail)
+            }
+            Some(prof) => {
+                let grid = params.launch().grid;
+                let blocks: Vec<u32> = (0..prof.sample_blocks.min(grid)).collect();
+                // SAFETY: as above.
+                let profile =
+                    unsafe { profile_kernel(params, &buffers, Some(&blocks)) }.map_err(fail)?;
+                prof.profiles
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(profile);
+                Ok(())
+            }
+        }
     }
 }

@@ -7,6 +7,8 @@
 //! the emulator, device or mapped addresses for CUDA), only stored here, never
 //! dereferenced.
 
+use sparsekit_kernels::global::{GlobalMut, GlobalPtr};
+use sparsekit_kernels::kernels::{sparse_mla_split, topk_chunk};
 use sparsekit_kernels::params::{
     index_k_format, kv_format, CopyPagesParams, IndexKStoreParams, IndexerLogitsParams,
     KvStoreParams, PageChecksumsParams, SparseMlaParams, TopkParams,
@@ -20,14 +22,14 @@ use crate::ops::{
     TopkOutput,
 };
 
-/// A kernel-visible address as the pointer type a parameter struct stores.
-fn ptr<T>(addr: u64) -> *const T {
-    addr as usize as *const T
+/// A kernel-visible address as the read-only address type a parameter struct stores.
+fn ptr<T>(addr: u64) -> GlobalPtr<T> {
+    GlobalPtr::from_addr(addr)
 }
 
-/// A kernel-visible address as a mutable pointer.
-fn ptr_mut<T>(addr: u64) -> *mut T {
-    addr as usize as *mut T
+/// A kernel-visible address as a writable address.
+fn ptr_mut<T>(addr: u64) -> GlobalMut<T> {
+    GlobalMut::from_addr(addr)
 }
 
 /// The kernels' format code of an index-K layout.
@@ -178,11 +180,12 @@ pub(crate) fn indexer_logits(op: &IndexerLogits<'_>, a: Addrs<'_>) -> IndexerLog
     )
 }
 
-/// `topk` of `op`: reads `[logits]`, writes `[topk]`, metadata `[rows]`, plus the page
-/// table when `op` outputs slots (null in the parameters for positions).
+/// `topk` of `op`: reads `[logits]`, writes `[topk, workspace, counters]` (the last two
+/// sized by `topk_workspace`), metadata `[rows]`, plus the page table when `op` outputs
+/// slots (null in the parameters for positions).
 pub(crate) fn topk(op: &Topk<'_>, a: Addrs<'_>) -> TopkParams {
     let (page_table, page_size, max_pages) = match op.output {
-        TopkOutput::Positions => (std::ptr::null(), 0, 0),
+        TopkOutput::Positions => (GlobalPtr::null(), 0, 0),
         TopkOutput::Slots {
             page_table,
             page_size,
@@ -202,11 +205,14 @@ pub(crate) fn topk(op: &Topk<'_>, a: Addrs<'_>) -> TopkParams {
         row_stride: op.row_stride as u32,
         page_size,
         max_pages,
-        _pad: 0,
+        chunk: topk_chunk(op.k as u32),
+        workspace: ptr_mut(a.write[1]),
+        counters: ptr_mut(a.write[2]),
     }
 }
 
-/// `sparse_mla` of `op`: reads `[q, cache, indices]`, writes `[out, lse]`.
+/// `sparse_mla` of `op`: reads `[q, cache, indices]`, writes `[out, lse, workspace,
+/// counters]` (the last two sized by `sparse_mla_workspace`).
 pub(crate) fn sparse_mla(op: &SparseMla, a: Addrs<'_>) -> SparseMlaParams {
     with_kv_layout!(
         &op.layout,
@@ -215,12 +221,14 @@ pub(crate) fn sparse_mla(op: &SparseMla, a: Addrs<'_>) -> SparseMlaParams {
             n_heads: op.n_heads as u32,
             topk: op.topk as u32,
             softmax_scale: op.softmax_scale,
-            _pad: 0,
+            split: sparse_mla_split(op.topk as u32),
             q: ptr(a.read[0]),
             cache: ptr(a.read[1]),
             indices: ptr(a.read[2]),
             out: ptr_mut(a.write[0]),
             lse: ptr_mut(a.write[1]),
+            workspace: ptr_mut(a.write[2]),
+            counters: ptr_mut(a.write[3]),
         }
     )
 }

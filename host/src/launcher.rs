@@ -10,8 +10,16 @@
 //! struct from the layout descriptor (`kernel_params`, the one place layouts become
 //! kernel sizes) and launches it with its own geometry. So the emulator runs exactly the
 //! launches the GPU runs.
+//!
+//! Every launch names its buffers (inputs, outputs, staged metadata) and hands them to
+//! [`KernelDevice::enqueue`] as [`Span`]s: the emulator checks every global access of the
+//! kernel against them (bounds, alignment, writes to inputs, reads of outputs not yet
+//! written), the GPU ignores them.
 
-use sparsekit_kernels::kernels::INDEXER_LOGITS_MAX_HEAD_DIM;
+pub use sparsekit_kernels::emu::BufferAccess;
+use sparsekit_kernels::kernels::{
+    sparse_mla_workspace, topk_workspace, INDEXER_LOGITS_MAX_HEAD_DIM,
+};
 use sparsekit_kernels::launch::{KernelParams, MAX_DYN_SMEM};
 use sparsekit_kernels::params::QueryRange;
 
@@ -29,6 +37,16 @@ pub struct Addrs<'a> {
     pub read: &'a [u64],
     pub write: &'a [u64],
     pub meta: &'a [u64],
+}
+
+/// One buffer of a launch as the kernel sees it: its name (in reports), kernel-visible
+/// address, length in bytes and how the kernel uses it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Span {
+    pub name: &'static str,
+    pub addr: u64,
+    pub bytes: usize,
+    pub access: BufferAccess,
 }
 
 /// What a backend that runs the kernels of `sparsekit-kernels` provides; its ops are built
@@ -64,43 +82,91 @@ pub unsafe trait KernelDevice: Backend {
     ) -> Result<R>;
 
     /// Enqueues (or runs) the kernel of `params` with its geometry (`params.launch()`,
-    /// already checked against the GPU limits).
+    /// already checked against the GPU limits). `spans` are every buffer the parameters
+    /// address (the emulator checks the kernel's accesses against them).
     ///
     /// # Safety
     /// The kernel's contract ([`KernelParams::run`]): every address in `params` comes from
     /// [`Self::with_addrs`] (inside its call) or [`Self::staged_addr`] of metadata alive
-    /// until the launch completes, and describes buffers validated for this launch.
-    unsafe fn enqueue<P: KernelParams>(&self, params: P) -> Result<()>;
+    /// until the launch completes, and describes buffers validated for this launch;
+    /// `spans` describe exactly those buffers.
+    unsafe fn enqueue<P: KernelParams>(&self, params: P, spans: &[Span]) -> Result<()>;
 
     /// Stages `meta`, then builds the parameters from the addresses of `reads`, `writes`
     /// and the staged metadata and launches their kernel (`P` names it: a kernel can only
-    /// be launched with its own parameter struct).
+    /// be launched with its own parameter struct). Every buffer comes with its name;
+    /// metadata and `reads` are read-only for the kernel, `writes` say how the kernel uses
+    /// them ([`BufferAccess::Write`]: written before read, the outputs;
+    /// [`BufferAccess::ReadWrite`]: scratch it updates in place).
     ///
     /// # Safety
     /// `build` fills the parameters from the given addresses and from descriptors
     /// validated against these buffers and metadata, so that the kernel's contract holds.
     unsafe fn launch<P: KernelParams>(
         &self,
-        meta: &[&[u8]],
-        reads: &[&Self::Buffer],
-        writes: &mut [&mut Self::Buffer],
+        meta: &[(&'static str, &[u8])],
+        reads: &[(&'static str, &Self::Buffer)],
+        writes: &mut [(&'static str, BufferAccess, &mut Self::Buffer)],
         build: impl FnOnce(Addrs<'_>) -> P,
     ) -> Result<()> {
         let staged = meta
             .iter()
-            .map(|m| self.stage(m))
+            .map(|(_, m)| self.stage(m))
             .collect::<Result<Vec<_>>>()?;
-        let meta: Vec<u64> = staged.iter().map(|s| self.staged_addr(s)).collect();
-        self.with_addrs(reads, writes, |read, write| {
+        let meta_addrs: Vec<u64> = staged.iter().map(|s| self.staged_addr(s)).collect();
+        let mut spans: Vec<Span> = meta
+            .iter()
+            .zip(&meta_addrs)
+            .map(|(&(name, m), &addr)| Span {
+                name,
+                addr,
+                bytes: m.len(),
+                access: BufferAccess::Read,
+            })
+            .collect();
+        let read_named: Vec<(&'static str, usize)> = reads
+            .iter()
+            .map(|&(n, b)| (n, self.buffer_len(b)))
+            .collect();
+        let write_named: Vec<(&'static str, usize, BufferAccess)> = writes
+            .iter()
+            .map(|(n, a, b)| (*n, self.buffer_len(b), *a))
+            .collect();
+        let read_bufs: Vec<&Self::Buffer> = reads.iter().map(|&(_, b)| b).collect();
+        let mut write_bufs: Vec<&mut Self::Buffer> =
+            writes.iter_mut().map(|(_, _, b)| &mut **b).collect();
+        self.with_addrs(&read_bufs, &mut write_bufs, |read, write| {
             let params = build(Addrs {
                 read,
                 write,
-                meta: &meta,
+                meta: &meta_addrs,
             });
             check_launch(&params)?;
+            spans.extend(
+                read_named
+                    .iter()
+                    .zip(read)
+                    .map(|(&(name, bytes), &addr)| Span {
+                        name,
+                        addr,
+                        bytes,
+                        access: BufferAccess::Read,
+                    }),
+            );
+            spans.extend(
+                write_named
+                    .iter()
+                    .zip(write)
+                    .map(|(&(name, bytes, access), &addr)| Span {
+                        name,
+                        addr,
+                        bytes,
+                        access,
+                    }),
+            );
             // SAFETY: the caller's contract (see above); the staged metadata is dropped
-            // only after the launch is enqueued.
-            unsafe { self.enqueue(params) }
+            // only after the launch is enqueued; `spans` are the buffers of the addresses.
+            unsafe { self.enqueue(params, &spans) }
         })?
     }
 }
@@ -151,9 +217,9 @@ pub fn index_k_store<D: KernelDevice>(
     // the cache, keys of the right size).
     unsafe {
         d.launch(
-            &[bytemuck::cast_slice(op.slots)],
-            &[keys],
-            &mut [cache],
+            &[("slots", bytemuck::cast_slice(op.slots))],
+            &[("keys", keys)],
+            &mut [("cache", BufferAccess::Write, cache)],
             |a| kernel_params::index_k_store(op, a),
         )
     }
@@ -173,9 +239,9 @@ pub fn kv_store<D: KernelDevice>(
     // SAFETY: as for `index_k_store`.
     unsafe {
         d.launch(
-            &[bytemuck::cast_slice(op.slots)],
-            &[kv],
-            &mut [cache],
+            &[("slots", bytemuck::cast_slice(op.slots))],
+            &[("kv", kv)],
+            &mut [("cache", BufferAccess::Write, cache)],
             |a| kernel_params::kv_store(op, a),
         )
     }
@@ -197,15 +263,18 @@ pub fn indexer_logits<D: KernelDevice>(
         return Ok(());
     }
     let meta = [
-        bytemuck::cast_slice(op.page_table.as_slice()),
-        QueryRange::as_bytes(&op.rows),
+        ("page_table", bytemuck::cast_slice(op.page_table.as_slice())),
+        ("rows", QueryRange::as_bytes(&op.rows)),
     ];
     // SAFETY: the descriptor was validated against the buffers (every position of every
     // row mapped to a page of the cache, ranges inside the row stride).
     unsafe {
-        d.launch(&meta, &[q, weights, cache], &mut [out], |a| {
-            kernel_params::indexer_logits(op, a)
-        })
+        d.launch(
+            &meta,
+            &[("q", q), ("weights", weights), ("cache", cache)],
+            &mut [("logits", BufferAccess::Write, out)],
+            |a| kernel_params::indexer_logits(op, a),
+        )
     }
 }
 
@@ -220,13 +289,30 @@ pub fn topk<D: KernelDevice>(
     if op.rows.is_empty() {
         return Ok(());
     }
-    let mut meta = vec![QueryRange::as_bytes(op.rows)];
+    // Scratch of split rows (candidates and zeroed per-row counters; empty when no row
+    // can be split).
+    let (ws_bytes, counter_bytes) =
+        topk_workspace(op.rows.len() as u32, op.row_stride as u32, op.k as u32);
+    let mut workspace = d.alloc(ws_bytes as usize)?;
+    let mut counters = d.alloc(counter_bytes as usize)?;
+    let mut meta = vec![("rows", QueryRange::as_bytes(op.rows))];
     if let TopkOutput::Slots { page_table, .. } = op.output {
-        meta.push(bytemuck::cast_slice(page_table.as_slice()));
+        meta.push(("page_table", bytemuck::cast_slice(page_table.as_slice())));
     }
     // SAFETY: as for `indexer_logits` (the page table, when slots are written, maps every
     // position of every row).
-    unsafe { d.launch(&meta, &[logits], &mut [out], |a| kernel_params::topk(op, a)) }
+    unsafe {
+        d.launch(
+            &meta,
+            &[("logits", logits)],
+            &mut [
+                ("topk", BufferAccess::Write, out),
+                ("workspace", BufferAccess::Write, &mut workspace),
+                ("counters", BufferAccess::ReadWrite, &mut counters),
+            ],
+            |a| kernel_params::topk(op, a),
+        )
+    }
 }
 
 /// `sparse_mla` on a [`KernelDevice`]. The indices are backend data: they are read back
@@ -253,12 +339,30 @@ pub fn sparse_mla<D: KernelDevice>(
     if op.n_tokens == 0 {
         return Ok(());
     }
+    // Scratch of the split top-k (partial results and zeroed per-(token, head group)
+    // counters; empty when the top-k fits one split).
+    let (ws_bytes, counter_bytes) = sparse_mla_workspace(
+        op.n_tokens as u32,
+        op.n_heads as u32,
+        op.topk as u32,
+        op.layout.nope_dim() as u32,
+    );
+    let mut workspace = d.alloc(ws_bytes as usize)?;
+    let mut counters = d.alloc(counter_bytes as usize)?;
     // SAFETY: the descriptor was validated against the buffers and every index is `-1`
     // or a slot of the cache.
     unsafe {
-        d.launch(&[], &[q, cache, indices], &mut [out, lse], |a| {
-            kernel_params::sparse_mla(op, a)
-        })
+        d.launch(
+            &[],
+            &[("q", q), ("cache", cache), ("indices", indices)],
+            &mut [
+                ("out", BufferAccess::Write, out),
+                ("lse", BufferAccess::Write, lse),
+                ("workspace", BufferAccess::Write, &mut workspace),
+                ("counters", BufferAccess::ReadWrite, &mut counters),
+            ],
+            |a| kernel_params::sparse_mla(op, a),
+        )
     }
 }
 
@@ -273,13 +377,19 @@ pub fn copy_pages<D: KernelDevice>(
     if op.src_ids.is_empty() {
         return Ok(());
     }
-    let ids = [op.src_ids, op.dst_ids].map(bytemuck::cast_slice);
+    let ids = [
+        ("src_ids", bytemuck::cast_slice(op.src_ids)),
+        ("dst_ids", bytemuck::cast_slice(op.dst_ids)),
+    ];
     // SAFETY: ids validated against both regions, destination pages unique; `src` and
     // `dst` are distinct buffers (one shared and one exclusive borrow).
     unsafe {
-        d.launch(&ids, &[src], &mut [dst], |a| {
-            kernel_params::copy_pages(op, a)
-        })
+        d.launch(
+            &ids,
+            &[("src", src)],
+            &mut [("dst", BufferAccess::Write, dst)],
+            |a| kernel_params::copy_pages(op, a),
+        )
     }
 }
 
@@ -296,9 +406,12 @@ pub fn page_checksums<D: KernelDevice>(
     }
     // SAFETY: ids validated against the region; `out` holds one u64 per id.
     unsafe {
-        d.launch(&[bytemuck::cast_slice(op.ids)], &[pool], &mut [out], |a| {
-            kernel_params::page_checksums(op, a)
-        })
+        d.launch(
+            &[("ids", bytemuck::cast_slice(op.ids))],
+            &[("pool", pool)],
+            &mut [("checksums", BufferAccess::Write, out)],
+            |a| kernel_params::page_checksums(op, a),
+        )
     }
 }
 

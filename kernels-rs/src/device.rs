@@ -4,34 +4,50 @@
 //! Built by the root build script once per SM arch with `-C target-cpu=sm_XX`; rustc then
 //! sets `cfg(target_feature = "sm_XX")` for that arch and every lower one (sm_90 implies
 //! sm_89), which selects arch-specific code such as the e4m3 mma (sm_89+).
+//!
+//! # Warp-wide instructions and the optimiser
+//!
+//! An instruction every lane of a warp must execute together (`shfl.sync`, `vote.sync`,
+//! `mma.sync.aligned`, `bar.sync`) must never be moved into, or duplicated across,
+//! lane-divergent control flow; LLVM guarantees that only for calls it knows to be
+//! `convergent`. So: barriers, shuffles and votes are the NVVM intrinsics (declared
+//! `convergent` by LLVM); `mma.sync` has no convergent intrinsic (LLVM's mma intrinsics
+//! are plain `memory(none)`), so it is inline asm that (a) is not `pure` (never sunk,
+//! hoisted, speculated or merged) and (b) is marked `convergent` by the root build script
+//! in the unoptimised IR, before any LLVM pass runs (`build.rs`: rustc emits the IR with
+//! `-C no-prepopulate-passes`, the script marks every warp-wide asm call and then runs
+//! the O3 pipeline itself). The build then checks, per function, that every warp-wide
+//! instruction of the PTX is one the optimised IR issues, all of them convergent.
+
+/// The NVVM intrinsics behind the warp collectives (LLVM declares them `convergent`).
+#[allow(improper_ctypes)]
+extern "unadjusted" {
+    #[link_name = "llvm.nvvm.shfl.sync.bfly.i32"]
+    fn shfl_sync_bfly(mask: u32, value: u32, lane_mask: u32, clamp: u32) -> u32;
+    #[link_name = "llvm.nvvm.shfl.sync.idx.i32"]
+    fn shfl_sync_idx(mask: u32, value: u32, src_lane: u32, clamp: u32) -> u32;
+    #[link_name = "llvm.nvvm.shfl.sync.down.i32"]
+    fn shfl_sync_down(mask: u32, value: u32, delta: u32, clamp: u32) -> u32;
+    #[link_name = "llvm.nvvm.vote.ballot.sync"]
+    fn vote_ballot_sync(mask: u32, predicate: bool) -> u32;
+}
+
+/// The block's dynamic shared memory, declared 16-byte aligned (`.extern .shared .align
+/// 16`): the kernels issue 16-byte shared accesses relative to it.
+#[inline(always)]
+fn dyn_smem() -> *mut u8 {
+    core::intrinsics::gpu::gpu_launch_sized_workgroup_mem::<crate::global::V4>().cast::<u8>()
+}
 
 use core::arch::asm;
 use core::arch::nvptx;
 
+use crate::global::{GlobalMut, GlobalPtr, Word};
 use crate::simt::Simt;
 
 /// The GPU itself.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Device;
-
-macro_rules! shfl {
-    ($mode:literal, $clamp:literal, $mask:expr, $v:expr, $b:expr) => {{
-        let r: u32;
-        // SAFETY: a warp shuffle has no memory effects; the `.sync` mask contract is the
-        // caller's (see `Simt`).
-        unsafe {
-            asm!(
-                concat!("shfl.sync.", $mode, ".b32 {r}, {v}, {b}, ", $clamp, ", {m};"),
-                r = out(reg32) r,
-                v = in(reg32) $v,
-                b = in(reg32) $b,
-                m = in(reg32) $mask,
-                options(nomem, nostack, preserves_flags),
-            );
-        }
-        r
-    }};
-}
 
 impl Simt for Device {
     const HAS_FP8_MMA: bool = cfg!(target_feature = "sm_89");
@@ -63,20 +79,17 @@ impl Simt for Device {
     }
     #[inline(always)]
     unsafe fn smem_load<T: Copy>(byte_offset: usize) -> T {
-        let base = core::intrinsics::gpu::gpu_launch_sized_workgroup_mem::<u8>();
         // SAFETY: in bounds and aligned (caller's contract).
-        unsafe { base.add(byte_offset).cast::<T>().read() }
+        unsafe { dyn_smem().add(byte_offset).cast::<T>().read() }
     }
     #[inline(always)]
     unsafe fn smem_store<T: Copy>(byte_offset: usize, value: T) {
-        let base = core::intrinsics::gpu::gpu_launch_sized_workgroup_mem::<u8>();
         // SAFETY: in bounds and aligned (caller's contract).
-        unsafe { base.add(byte_offset).cast::<T>().write(value) }
+        unsafe { dyn_smem().add(byte_offset).cast::<T>().write(value) }
     }
     #[inline(always)]
     unsafe fn smem_atomic_add_u32(byte_offset: usize, value: u32) -> u32 {
-        let base = core::intrinsics::gpu::gpu_launch_sized_workgroup_mem::<u8>();
-        let p = base.wrapping_add(byte_offset);
+        let p = dyn_smem().wrapping_add(byte_offset);
         let r: u32;
         // SAFETY: `p` is an aligned u32 inside dynamic shared memory (caller's contract);
         // a generic-address atomic reaches the shared window.
@@ -93,45 +106,161 @@ impl Simt for Device {
     }
     #[inline(always)]
     fn shfl_xor(mask: u32, value: u32, lane_mask: u32) -> u32 {
-        shfl!("bfly", "0x1f", mask, value, lane_mask)
+        // SAFETY: a warp shuffle (convergent intrinsic); the `.sync` mask contract is the
+        // caller's (see `Simt`). Clamp 0x1f: the whole warp is one segment.
+        unsafe { shfl_sync_bfly(mask, value, lane_mask, 0x1f) }
     }
     #[inline(always)]
     fn shfl_idx(mask: u32, value: u32, src_lane: u32) -> u32 {
-        shfl!("idx", "0x1f", mask, value, src_lane)
+        // SAFETY: as `shfl_xor`.
+        unsafe { shfl_sync_idx(mask, value, src_lane, 0x1f) }
     }
     #[inline(always)]
     fn shfl_down(mask: u32, value: u32, delta: u32) -> u32 {
-        shfl!("down", "0x1f", mask, value, delta)
+        // SAFETY: as `shfl_xor`.
+        unsafe { shfl_sync_down(mask, value, delta, 0x1f) }
     }
     #[inline(always)]
     fn ballot(mask: u32, predicate: bool) -> u32 {
-        let r: u32;
-        // SAFETY: a warp vote has no memory effects.
-        unsafe {
-            asm!(
-                "{{ .reg .pred p; setp.ne.u32 p, {x}, 0; vote.sync.ballot.b32 {r}, p, {m}; }}",
-                r = out(reg32) r,
-                x = in(reg32) predicate as u32,
-                m = in(reg32) mask,
-                options(nomem, nostack, preserves_flags),
-            );
-        }
-        r
+        // SAFETY: a warp vote (convergent intrinsic); the mask contract is the caller's.
+        unsafe { vote_ballot_sync(mask, predicate) }
     }
     #[inline(always)]
-    unsafe fn atomic_add_u32(ptr: *mut u32, value: u32) -> u32 {
+    unsafe fn gld<T: Word>(ptr: GlobalPtr<T>) -> T {
+        let p = ptr.raw();
+        // One `ld.global` of T's width (`Word`: size = alignment ∈ {1, 2, 4, 8, 16}; the
+        // match folds at monomorphisation). The generic address is converted to the
+        // global window first (`cvta.to.global`, free in SASS).
+        // SAFETY (every arm): `p` is an aligned address inside a buffer of the launch
+        // (caller's contract); the asm reads exactly `size_of::<T>()` bytes there and
+        // writes only its output registers; `transmute_copy` reads `size_of::<T>()` bytes
+        // of a value of that size, and every bit pattern is a valid `T` (`Word`).
+        unsafe {
+            match core::mem::size_of::<T>() {
+                1 => {
+                    let r: u32;
+                    asm!(
+                        "{{ .reg .u64 g; cvta.to.global.u64 g, {p}; ld.global.u8 {r}, [g]; }}",
+                        p = in(reg64) p, r = out(reg32) r,
+                        options(pure, readonly, nostack, preserves_flags),
+                    );
+                    core::mem::transmute_copy(&(r as u8))
+                }
+                2 => {
+                    let r: u32;
+                    asm!(
+                        "{{ .reg .u64 g; cvta.to.global.u64 g, {p}; ld.global.u16 {r}, [g]; }}",
+                        p = in(reg64) p, r = out(reg32) r,
+                        options(pure, readonly, nostack, preserves_flags),
+                    );
+                    core::mem::transmute_copy(&(r as u16))
+                }
+                4 => {
+                    let r: u32;
+                    asm!(
+                        "{{ .reg .u64 g; cvta.to.global.u64 g, {p}; ld.global.u32 {r}, [g]; }}",
+                        p = in(reg64) p, r = out(reg32) r,
+                        options(pure, readonly, nostack, preserves_flags),
+                    );
+                    core::mem::transmute_copy(&r)
+                }
+                8 => {
+                    let r: u64;
+                    asm!(
+                        "{{ .reg .u64 g; cvta.to.global.u64 g, {p}; ld.global.u64 {r}, [g]; }}",
+                        p = in(reg64) p, r = out(reg64) r,
+                        options(pure, readonly, nostack, preserves_flags),
+                    );
+                    core::mem::transmute_copy(&r)
+                }
+                _ => {
+                    let (a, b, c, d): (u32, u32, u32, u32);
+                    asm!(
+                        "{{ .reg .u64 g; cvta.to.global.u64 g, {p}; \
+                         ld.global.v4.u32 {{{a}, {b}, {c}, {d}}}, [g]; }}",
+                        p = in(reg64) p,
+                        a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+                        options(pure, readonly, nostack, preserves_flags),
+                    );
+                    core::mem::transmute_copy(&[a, b, c, d])
+                }
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn gst<T: Word>(ptr: GlobalMut<T>, value: T) {
+        let p = ptr.raw();
+        // One `st.global` of T's width (see `gld`).
+        // SAFETY (every arm): `p` is an aligned address inside a buffer the launch writes,
+        // owned by this thread (caller's contract); the asm writes exactly
+        // `size_of::<T>()` bytes there; `transmute_copy` reads a value of that size.
+        unsafe {
+            match core::mem::size_of::<T>() {
+                1 => {
+                    let v: u8 = core::mem::transmute_copy(&value);
+                    asm!(
+                        "{{ .reg .u64 g; cvta.to.global.u64 g, {p}; st.global.u8 [g], {v}; }}",
+                        p = in(reg64) p, v = in(reg32) v as u32,
+                        options(nostack, preserves_flags),
+                    );
+                }
+                2 => {
+                    let v: u16 = core::mem::transmute_copy(&value);
+                    asm!(
+                        "{{ .reg .u64 g; cvta.to.global.u64 g, {p}; st.global.u16 [g], {v}; }}",
+                        p = in(reg64) p, v = in(reg32) v as u32,
+                        options(nostack, preserves_flags),
+                    );
+                }
+                4 => {
+                    let v: u32 = core::mem::transmute_copy(&value);
+                    asm!(
+                        "{{ .reg .u64 g; cvta.to.global.u64 g, {p}; st.global.u32 [g], {v}; }}",
+                        p = in(reg64) p, v = in(reg32) v,
+                        options(nostack, preserves_flags),
+                    );
+                }
+                8 => {
+                    let v: u64 = core::mem::transmute_copy(&value);
+                    asm!(
+                        "{{ .reg .u64 g; cvta.to.global.u64 g, {p}; st.global.u64 [g], {v}; }}",
+                        p = in(reg64) p, v = in(reg64) v,
+                        options(nostack, preserves_flags),
+                    );
+                }
+                _ => {
+                    let v: [u32; 4] = core::mem::transmute_copy(&value);
+                    asm!(
+                        "{{ .reg .u64 g; cvta.to.global.u64 g, {p}; \
+                         st.global.v4.u32 [g], {{{a}, {b}, {c}, {d}}}; }}",
+                        p = in(reg64) p,
+                        a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2], d = in(reg32) v[3],
+                        options(nostack, preserves_flags),
+                    );
+                }
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn atomic_add_u32(ptr: GlobalMut<u32>, value: u32) -> u32 {
         let r: u32;
-        // SAFETY: `ptr` is valid global memory (caller's contract).
+        // SAFETY: `ptr` is an aligned u32 of a buffer the launch writes (caller's
+        // contract).
         unsafe {
             asm!(
-                "atom.global.add.u32 {r}, [{p}], {v};",
+                "{{ .reg .u64 g; cvta.to.global.u64 g, {p}; atom.global.add.u32 {r}, [g], {v}; }}",
                 r = out(reg32) r,
-                p = in(reg64) ptr,
+                p = in(reg64) ptr.raw(),
                 v = in(reg32) value,
                 options(nostack, preserves_flags),
             );
         }
         r
+    }
+    #[inline(always)]
+    fn threadfence() {
+        // SAFETY: a memory fence; no operands.
+        unsafe { asm!("membar.gl;", options(nostack, preserves_flags)) };
     }
     #[inline(always)]
     fn mma_bf16_m16n8k16(a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4] {
@@ -146,7 +275,9 @@ impl Simt for Device {
                 a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3],
                 b0 = in(reg32) b[0], b1 = in(reg32) b[1],
                 c0 = in(reg32) c[0], c1 = in(reg32) c[1], c2 = in(reg32) c[2], c3 = in(reg32) c[3],
-                options(pure, nomem, nostack, preserves_flags),
+                // Not `pure`: a warp-wide instruction is never moved or merged (see the
+                // module docs; the build marks it `convergent`).
+                options(nomem, nostack, preserves_flags),
             );
         }
         [d0, d1, d2, d3]
@@ -166,7 +297,8 @@ impl Simt for Device {
                     a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3],
                     b0 = in(reg32) b[0], b1 = in(reg32) b[1],
                     c0 = in(reg32) c[0], c1 = in(reg32) c[1], c2 = in(reg32) c[2], c3 = in(reg32) c[3],
-                    options(pure, nomem, nostack, preserves_flags),
+                    // Not `pure` (see above).
+                    options(nomem, nostack, preserves_flags),
                 );
             }
             [d0, d1, d2, d3]

@@ -140,6 +140,67 @@ pub fn abs(x: f32) -> f32 {
     f32::from_bits(x.to_bits() & 0x7fff_ffff)
 }
 
+/// bf16 bits of one e4m3fn code (exact; NaN stays NaN), branch-free: the code's
+/// exponent and mantissa placed in an f32 (a subnormal one for exponent 0) times 2^120
+/// is the code's value exactly (needs subnormal f32 arithmetic, which PTX `mul.rn.f32`
+/// without `.ftz` has), and it has at most 4 significant bits, so its top 16 bits are it.
+#[inline(always)]
+pub fn e4m3_to_bf16(code: u32) -> u32 {
+    let x = code & 0x7f;
+    let v = f32::from_bits(x << 20) * f32::from_bits(0x7b80_0000); // 2^120
+    let mag = if x == 0x7f { 0x7fc0 } else { v.to_bits() >> 16 };
+    mag | ((code & 0x80) << 8)
+}
+
+/// Two e4m3 codes (bytes 0 and 2 of `w`) with nonzero exponents and no NaN to two bf16
+/// (low, high half-word): exponent field e (bias 7) → e + 120 (bias 127), the 3 mantissa
+/// bits on top; no carry crosses the halves (each stays below 0x4400).
+#[inline(always)]
+fn normal_e4m3x2_to_bf16x2(w: u32) -> u32 {
+    (((w & 0x007f_007f) << 4) + 0x3c00_3c00) | ((w & 0x0080_0080) << 8)
+}
+
+/// Whether all 4 codes of `w` are normal numbers (exponent ≠ 0, not NaN), bytewise.
+#[inline(always)]
+fn all_normal(w: u32) -> bool {
+    let nonzero_exp = ((w & 0x7878_7878) + 0x7878_7878) & 0x8080_8080;
+    let nan = ((w & 0x7f7f_7f7f) + 0x0101_0101) & 0x8080_8080;
+    nonzero_exp == 0x8080_8080 && nan == 0
+}
+
+/// 8 e4m3 codes (little-endian in `lo`, `hi`) to 8 bf16 (exact).
+#[inline(always)]
+pub fn e4m3x8_to_bf16(lo: u32, hi: u32) -> [u32; 4] {
+    if all_normal(lo) && all_normal(hi) {
+        let spread_lo = |w: u32| (w & 0xff) | ((w & 0xff00) << 8);
+        let spread_hi = |w: u32| ((w >> 16) & 0xff) | ((w >> 8) & 0x00ff_0000);
+        [
+            normal_e4m3x2_to_bf16x2(spread_lo(lo)),
+            normal_e4m3x2_to_bf16x2(spread_hi(lo)),
+            normal_e4m3x2_to_bf16x2(spread_lo(hi)),
+            normal_e4m3x2_to_bf16x2(spread_hi(hi)),
+        ]
+    } else {
+        let pair = |w: u32| e4m3_to_bf16(w & 0xff) | (e4m3_to_bf16((w >> 8) & 0xff) << 16);
+        [pair(lo), pair(lo >> 16), pair(hi), pair(hi >> 16)]
+    }
+}
+
+/// 4 e4m3 codes (little-endian in `w`) to 4 bf16 (exact), packed two per word (low
+/// half-word = lower code).
+#[inline(always)]
+pub fn e4m3x4_to_bf16(w: u32) -> [u32; 2] {
+    if all_normal(w) {
+        [
+            normal_e4m3x2_to_bf16x2((w & 0xff) | ((w & 0xff00) << 8)),
+            normal_e4m3x2_to_bf16x2(((w >> 16) & 0xff) | ((w >> 8) & 0x00ff_0000)),
+        ]
+    } else {
+        let pair = |w: u32| e4m3_to_bf16(w & 0xff) | (e4m3_to_bf16((w >> 8) & 0xff) << 16);
+        [pair(w), pair(w >> 16)]
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -193,6 +254,42 @@ mod tests {
                 f32::from_bits(mid.to_bits() - 1),
             ] {
                 assert_eq!(e4m3_encode(x), encode_reference(x), "{x:e}");
+            }
+        }
+    }
+    #[test]
+    fn e4m3_to_bf16_is_exact_for_every_code() {
+        let bf = |b: u32| f32::from_bits(b << 16);
+        let same = |got: f32, want: f32| {
+            if want.is_nan() {
+                got.is_nan()
+            } else {
+                got.to_bits() == want.to_bits()
+            }
+        };
+        for code in 0..256u32 {
+            let want = e4m3_decode(code as u8);
+            assert!(same(bf(e4m3_to_bf16(code)), want), "{code:#x}");
+        }
+        // Every code in every byte position, next to normal, zero and NaN neighbours.
+        for code in 0..256u32 {
+            for other in [0x38u32, 0x00, 0x80, 0x7f, 0x01, 0xc5] {
+                for pos in 0..8 {
+                    let mut bytes = [other; 8];
+                    bytes[pos] = code;
+                    let word = |b: &[u32]| b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24;
+                    let out = e4m3x8_to_bf16(word(&bytes[..4]), word(&bytes[4..]));
+                    let lo4 = e4m3x4_to_bf16(word(&bytes[..4]));
+                    let hi4 = e4m3x4_to_bf16(word(&bytes[4..]));
+                    assert_eq!(out, [lo4[0], lo4[1], hi4[0], hi4[1]]);
+                    for (k, &b) in bytes.iter().enumerate() {
+                        let got = bf((out[k / 2] >> (16 * (k % 2))) & 0xffff);
+                        assert!(
+                            same(got, e4m3_decode(b as u8)),
+                            "{code:#x} {other:#x} {pos}"
+                        );
+                    }
+                }
             }
         }
     }

@@ -18,13 +18,16 @@
         asm_experimental_arch,
         gpu_intrinsics,
         gpu_launch_sized_workgroup_mem,
-        core_intrinsics
+        core_intrinsics,
+        link_llvm_intrinsics,
+        abi_unadjusted
     )
 )]
 #![cfg_attr(target_arch = "nvptx64", allow(internal_features))]
 
 pub mod checksum;
 pub mod fp8;
+pub mod global;
 pub mod kernels;
 pub mod launch;
 pub mod math;
@@ -37,6 +40,7 @@ pub mod device;
 #[cfg(feature = "emu")]
 pub mod emu;
 
+pub use global::{GlobalMut, GlobalPtr, V2, V4};
 pub use launch::{KernelParams, ENTRY_POINTS};
 pub use simt::Simt;
 

@@ -3,8 +3,14 @@
 //! all use them. Byte sizes and offsets in them come from the host's layout descriptors
 //! (`sparsekit_host::layout`): the kernels compute none of their own.
 //!
+//! Global memory is named by typed addresses ([`GlobalPtr`] read, [`GlobalMut`] written),
+//! which kernels can only access through [`Simt::gld`](crate::Simt::gld) and
+//! [`Simt::gst`](crate::Simt::gst).
+//!
 //! Units: fields named `*_bytes`/`*_offset`/`*_stride` are bytes; `n_*`, `*_dim` and
 //! `page_size` are elements or tokens.
+
+use crate::global::{GlobalMut, GlobalPtr};
 
 /// Index-K element format for [`IndexKStoreParams::format`].
 pub mod index_k_format {
@@ -43,6 +49,23 @@ pub struct QueryRange {
 }
 
 impl QueryRange {
+    /// Loads row `i` of `rows` (three 4-byte loads).
+    ///
+    /// # Safety
+    /// `rows` holds at least `i + 1` ranges (4-byte aligned).
+    #[inline(always)]
+    pub unsafe fn load<S: crate::Simt>(rows: GlobalPtr<QueryRange>, i: u32) -> Self {
+        let w = rows.add(i as usize).cast::<u32>();
+        // SAFETY: the three words of row i (caller's contract).
+        unsafe {
+            QueryRange {
+                request: S::gld(w),
+                start: S::gld(w.add(1)),
+                end: S::gld(w.add(2)),
+            }
+        }
+    }
+
     /// The bytes of a slice of rows, as the kernels read them (for uploads).
     pub fn as_bytes(rows: &[QueryRange]) -> &[u8] {
         // SAFETY: `QueryRange` is `#[repr(C)]` of three u32: size 12, alignment 4, no
@@ -59,11 +82,11 @@ impl QueryRange {
 #[derive(Clone, Copy, Debug)]
 pub struct IndexKStoreParams {
     /// bf16 bits `[n_tokens, head_dim]`.
-    pub keys: *const u16,
+    pub keys: GlobalPtr<u16>,
     /// `[n_tokens]` slots (`page * page_size + offset`) or `-1`; unique.
-    pub slots: *const i64,
+    pub slots: GlobalPtr<i64>,
     /// The paged index-K buffer.
-    pub cache: *mut u8,
+    pub cache: GlobalMut<u8>,
     pub n_tokens: u32,
     pub head_dim: u32,
     pub page_size: u32,
@@ -82,11 +105,11 @@ pub struct IndexKStoreParams {
 #[derive(Clone, Copy, Debug)]
 pub struct KvStoreParams {
     /// bf16 bits `[n_tokens, nope_dim + rope_dim]`.
-    pub kv: *const u16,
+    pub kv: GlobalPtr<u16>,
     /// `[n_tokens]` slots or `-1`; unique.
-    pub slots: *const i64,
+    pub slots: GlobalPtr<i64>,
     /// The paged KV buffer.
-    pub cache: *mut u8,
+    pub cache: GlobalMut<u8>,
     pub n_tokens: u32,
     pub nope_dim: u32,
     pub rope_dim: u32,
@@ -109,12 +132,12 @@ pub struct KvStoreParams {
 #[derive(Clone, Copy, Debug)]
 pub struct CopyPagesParams {
     /// Address of page 0 of the source pool.
-    pub src: *const u8,
+    pub src: GlobalPtr<u8>,
     /// Address of page 0 of the destination pool.
-    pub dst: *mut u8,
-    pub src_ids: *const i32,
+    pub dst: GlobalMut<u8>,
+    pub src_ids: GlobalPtr<i32>,
     /// Unique (no two copies write the same page).
-    pub dst_ids: *const i32,
+    pub dst_ids: GlobalPtr<i32>,
     /// Bytes between consecutive source pages.
     pub src_stride: u64,
     /// Bytes between consecutive destination pages.
@@ -130,10 +153,10 @@ pub struct CopyPagesParams {
 #[derive(Clone, Copy, Debug)]
 pub struct PageChecksumsParams {
     /// Address of page 0 of the pool.
-    pub pool: *const u8,
-    pub ids: *const i32,
+    pub pool: GlobalPtr<u8>,
+    pub ids: GlobalPtr<i32>,
     /// `[n_pages]` checksums.
-    pub out: *mut u64,
+    pub out: GlobalMut<u64>,
     /// Bytes between consecutive pages.
     pub stride: u64,
     /// Bytes checksummed per page.
@@ -149,17 +172,17 @@ pub struct PageChecksumsParams {
 #[derive(Clone, Copy, Debug)]
 pub struct IndexerLogitsParams {
     /// bf16 bits `[n_rows, n_heads, head_dim]`.
-    pub q: *const u16,
+    pub q: GlobalPtr<u16>,
     /// `[n_rows, n_heads]`.
-    pub weights: *const f32,
+    pub weights: GlobalPtr<f32>,
     /// The paged index-K buffer.
-    pub cache: *const u8,
+    pub cache: GlobalPtr<u8>,
     /// `[n_requests, max_pages]` page ids (`-1` unmapped; never reached by a valid row).
-    pub page_table: *const i32,
+    pub page_table: GlobalPtr<i32>,
     /// `[n_rows]` (validated: end ≤ row_stride, every position mapped).
-    pub rows: *const QueryRange,
+    pub rows: GlobalPtr<QueryRange>,
     /// `[n_rows, row_stride]`.
-    pub out: *mut f32,
+    pub out: GlobalMut<f32>,
     /// Bytes per page.
     pub page_bytes: u64,
     pub n_rows: u32,
@@ -184,19 +207,27 @@ pub struct IndexerLogitsParams {
 #[derive(Clone, Copy, Debug)]
 pub struct TopkParams {
     /// `[n_rows, row_stride]`.
-    pub logits: *const f32,
+    pub logits: GlobalPtr<f32>,
     /// `[n_rows]` (validated: start ≤ end ≤ row_stride).
-    pub rows: *const QueryRange,
+    pub rows: GlobalPtr<QueryRange>,
     /// `[n_requests, max_pages]`, or null to output positions.
-    pub page_table: *const i32,
+    pub page_table: GlobalPtr<i32>,
     /// `[n_rows, k]`.
-    pub out: *mut i32,
+    pub out: GlobalMut<i32>,
     pub n_rows: u32,
     pub k: u32,
     pub row_stride: u32,
     pub page_size: u32,
     pub max_pages: u32,
-    pub _pad: u32,
+    /// Positions per chunk: a row longer than this is cut into chunks whose top-k are
+    /// found by separate blocks and merged by the last one (`kernels::topk_chunk`).
+    pub chunk: u32,
+    /// Per (row, chunk) candidates, when rows are split (`kernels::topk_workspace` bytes;
+    /// contents need no initialisation).
+    pub workspace: GlobalMut<u32>,
+    /// Per row counts of finished chunks, when rows are split: zero before the launch,
+    /// zero again after it.
+    pub counters: GlobalMut<u32>,
 }
 
 /// `sparse_mla` (see `sparsekit_host::ops::SparseMla`): per token and head, softmax
@@ -206,15 +237,15 @@ pub struct TopkParams {
 #[derive(Clone, Copy, Debug)]
 pub struct SparseMlaParams {
     /// bf16 bits `[n_tokens, n_heads, nope_dim + rope_dim]`.
-    pub q: *const u16,
+    pub q: GlobalPtr<u16>,
     /// The paged KV buffer.
-    pub cache: *const u8,
+    pub cache: GlobalPtr<u8>,
     /// `[n_tokens, topk]` slots or `-1` (validated in range).
-    pub indices: *const i32,
+    pub indices: GlobalPtr<i32>,
     /// bf16 bits `[n_tokens, n_heads, nope_dim]`.
-    pub out: *mut u16,
+    pub out: GlobalMut<u16>,
     /// `[n_tokens, n_heads]`.
-    pub lse: *mut f32,
+    pub lse: GlobalMut<f32>,
     /// Bytes per page.
     pub page_bytes: u64,
     pub n_tokens: u32,
@@ -232,5 +263,14 @@ pub struct SparseMlaParams {
     /// Offset of the bf16 rope inside a token.
     pub rope_offset: u32,
     pub softmax_scale: f32,
-    pub _pad: u32,
+    /// Indices per split: a token's `topk` indices are cut into `ceil(topk / split)`
+    /// consecutive ranges attended by separate blocks and merged in range order (see
+    /// `kernels::sparse_mla_split`); `split ≥ topk`: no split.
+    pub split: u32,
+    /// Per (token, head group, split) partial results, when split
+    /// (`kernels::sparse_mla_workspace` bytes; contents need no initialisation).
+    pub workspace: GlobalMut<f32>,
+    /// Per (token, head group) counts of finished splits, when split: zero before the
+    /// launch, zero again after it.
+    pub counters: GlobalMut<u32>,
 }

@@ -2,13 +2,17 @@
 //!
 //! All methods are associated functions: an implementation is a zero-sized marker type
 //! (`Device` on nvptx64, `Emu` in the host emulator), so everything inlines. Launches
-//! are one-dimensional (`x` only). Kernels reach global memory through raw pointers in
-//! their `#[repr(C)]` parameter structs and shared memory only through
+//! are one-dimensional (`x` only). Kernels reach global memory only through the typed
+//! addresses of their `#[repr(C)]` parameter structs ([`GlobalPtr`], [`GlobalMut`]) and
+//! [`Simt::gld`]/[`Simt::gst`], which the emulator bounds-, alignment- and init-checks
+//! against the launch's buffers; and shared memory only through
 //! [`Simt::smem_load`]/[`Simt::smem_store`], which the emulator bounds- and race-checks.
 //!
 //! Warp collectives (`shfl_*`, `ballot`, `mma_*`) follow PTX `.sync` semantics: every lane
 //! named in `mask` must execute the same collective, and `mask` must name only lanes that
 //! are still running. The emulator reports violations instead of hanging.
+
+use crate::global::{GlobalMut, GlobalPtr, Word};
 
 /// One GPU thread's view of the machine.
 pub trait Simt {
@@ -58,11 +62,33 @@ pub trait Simt {
     /// `vote.sync.ballot.b32`: bit `i` set when lane `i` passed `true`.
     fn ballot(mask: u32, predicate: bool) -> u32;
 
+    /// Loads one `T` from global memory: a single `ld.global` of `size_of::<T>()` bytes
+    /// (`.u8`, `.u16`, `.u32`, `.u64` or `.v4.u32`).
+    ///
+    /// # Safety
+    /// `ptr` is a `size_of::<T>()`-aligned address inside a buffer of the launch, whose
+    /// bytes hold a `T` and are not written by another thread of the launch (without an
+    /// ordering atomic in between).
+    unsafe fn gld<T: Word>(ptr: GlobalPtr<T>) -> T;
+
+    /// Stores one `T` to global memory: a single `st.global` of `size_of::<T>()` bytes.
+    ///
+    /// # Safety
+    /// `ptr` is a `size_of::<T>()`-aligned address inside a buffer the launch writes, and
+    /// no other thread of the launch accesses the same bytes (without an ordering atomic
+    /// in between).
+    unsafe fn gst<T: Word>(ptr: GlobalMut<T>, value: T);
+
     /// `atom.global.add.u32`; returns the old value.
     ///
     /// # Safety
-    /// `ptr` must be valid, aligned global memory.
-    unsafe fn atomic_add_u32(ptr: *mut u32, value: u32) -> u32;
+    /// `ptr` is a 4-byte aligned address inside a buffer the launch writes; between
+    /// launches' orderings, the word is only accessed atomically.
+    unsafe fn atomic_add_u32(ptr: GlobalMut<u32>, value: u32) -> u32;
+
+    /// `membar.gl` (`__threadfence()`): this thread's global writes before it are seen by
+    /// every thread of the GPU before its global writes after it.
+    fn threadfence();
 
     /// `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32` on this lane's fragments
     /// (PTX ISA fragment layout: `g = lane / 4`, `t = lane % 4`; A regs = rows {g, g+8} ×

@@ -8,6 +8,7 @@
 use std::time::{Duration, Instant};
 
 use sparsekit_kernels::emu::{launch, Emu, LaunchConfig, Params};
+use sparsekit_kernels::global::{GlobalMut, GlobalPtr};
 use sparsekit_kernels::kernels;
 use sparsekit_kernels::params::PageChecksumsParams;
 use sparsekit_kernels::simt::Simt;
@@ -122,9 +123,9 @@ fn emu_launch_and_collective_timings() {
     // SAFETY: pages lie in `pool`, one output per page; all outlive the launches.
     let p = unsafe {
         Params::new(PageChecksumsParams {
-            pool: pool.as_ptr(),
-            ids: ids.as_ptr(),
-            out: sums.as_mut_ptr(),
+            pool: GlobalPtr::from_raw(pool.as_ptr()),
+            ids: GlobalPtr::from_raw(ids.as_ptr()),
+            out: GlobalMut::from_raw(sums.as_mut_ptr()),
             stride: page as u64,
             bytes: page as u64,
             n_pages,

@@ -10,6 +10,7 @@ use std::thread;
 use std::time::Duration;
 
 use sparsekit_kernels::emu::{launch_with, Carrier, Emu, EmuError, LaunchConfig, Params, RaceKind};
+use sparsekit_kernels::global::GlobalMut;
 use sparsekit_kernels::simt::{warp_mask, Simt};
 
 const CARRIERS: [Carrier; 2] = [Carrier::Fibers, Carrier::Threads];
@@ -258,7 +259,7 @@ struct FlagArgs {
 /// `flags` holds one u32 per block, accessed only atomically.
 unsafe fn spin_kernel<S: Simt>(p: FlagArgs) {
     // SAFETY: one flag per block.
-    let flag = unsafe { p.flags.add(S::block_idx() as usize) };
+    let flag = GlobalMut::from_raw(unsafe { p.flags.add(S::block_idx() as usize) });
     if S::thread_idx() == S::block_dim() - 1 {
         // SAFETY: valid, only accessed atomically.
         unsafe { S::atomic_add_u32(flag, 1) };

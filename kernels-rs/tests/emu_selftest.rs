@@ -13,6 +13,7 @@ use rand::{Rng, SeedableRng};
 use sparsekit_kernels::emu::{
     launch, Emu, EmuError, LaunchConfig, Params, RaceKind, SHFL_UNDEFINED, SMEM_POISON,
 };
+use sparsekit_kernels::global::GlobalMut;
 use sparsekit_kernels::simt::{warp_mask, Simt};
 
 /// Runs a launch on its own thread and fails the test instead of hanging.
@@ -476,7 +477,7 @@ unsafe fn indices_kernel<S: Simt>(p: OutArgs) {
     // SAFETY: own byte.
     unsafe { S::smem_store(t as usize, t as u8) };
     // SAFETY: the counter is only accessed atomically.
-    unsafe { S::atomic_add_u32(p.out, 1) };
+    unsafe { S::atomic_add_u32(GlobalMut::from_raw(p.out), 1) };
     let report =
         u32::from(before) | S::block_idx() << 8 | S::grid_dim() << 16 | S::block_dim() << 24;
     // SAFETY: own slot.

@@ -1,5 +1,6 @@
 //! `sparsekit kernels`: every embedded kernel × arch with its register, spill, shared
-//! memory and stack use (from `ptxas -v`) and whether its SASS uses tensor cores.
+//! memory and stack use (from `ptxas -v`), whether its SASS uses tensor cores, and its
+//! warp-wide instructions (checked convergent by the build).
 
 use std::process::ExitCode;
 
@@ -36,6 +37,7 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
             "stack_bytes",
             "barriers",
             "tensor_core",
+            "mma/shfl/vote/bar",
         ]);
         for k in &rows {
             t.row([
@@ -47,6 +49,9 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
                 k.stack_bytes.to_string(),
                 k.barriers.to_string(),
                 k.tensor_core.map_or("?".into(), |b| b.to_string()),
+                k.warp_ops.map_or("?".into(), |w| {
+                    format!("{}/{}/{}/{}", w.mma, w.shfl, w.vote, w.bar)
+                }),
             ]);
         }
         print!("{}", t.render());

@@ -4,6 +4,7 @@ mod bench;
 mod check;
 mod kernels;
 mod layouts;
+mod profile;
 mod repro;
 mod serve;
 mod validate;
@@ -32,6 +33,8 @@ enum Command {
     Bench(bench::Args),
     /// List the embedded GPU kernels per arch with registers, spills, shared memory.
     Kernels(kernels::Args),
+    /// Model the GPU kernels' performance from an emulated, traced run (no GPU needed).
+    Profile(profile::Args),
     /// Serve the synthetic DSA model over HTTP (OpenAI and SGLang APIs).
     Serve(serve::Args),
     /// The integrity harness: concurrent agentic sessions vs the uncached reference.
@@ -79,6 +82,7 @@ pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
         Command::Layouts(a) => layouts::run(a),
         Command::Check(a) => check::run(a),
         Command::Kernels(a) => kernels::run(a),
+        Command::Profile(a) => profile::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Serve(a) => serve::run(a),
         Command::Repro(a) => repro::run(a),

@@ -98,7 +98,7 @@ impl HostBuffer {
     /// `sparsekit_host::Event::DEFAULT_TIMEOUT`).
     pub(super) fn read(&self) -> Result<Vec<u8>> {
         if let Some(e) = self.last_use()? {
-            super::wait_host(&e)?;
+            super::wait_host(&e, cuda("host buffer wait"))?;
         }
         Ok(self
             .slice

@@ -3,8 +3,14 @@
 //!
 //! One context per device with two non-blocking streams, compute and copy
 //! ([`StreamKind`]); a [`CudaBackend`] value is a handle on one of them
-//! ([`Backend::on_stream`]). The module for the device's compute capability is loaded
-//! lazily on first use and its functions cached.
+//! ([`Backend::on_stream`]). The kernels are loaded on first use (`module.rs`: the cubin
+//! ptxas built for the device's exact arch, else its PTX, else the sm_80 PTX, with the
+//! JIT log of any failure) and their functions cached.
+//!
+//! A kernel fault (illegal or misaligned address, trap, ...) leaves the CUDA context
+//! unusable: every later driver call would report the same old error. The first call that
+//! sees one says so once (on stderr and in its error) and from then on every call of the
+//! device fails at once with that one message, touching the driver no more.
 //!
 //! Its ops are the shared GPU-backend ops of `sparsekit_host::launcher` (the same
 //! validation, parameters and geometry as the emulator); this module provides the
@@ -16,23 +22,24 @@
 //! events.
 
 mod buffer;
+mod module;
 
 use std::any::Any;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use cudarc::driver::sys::{CUevent_flags, CUfunction_attribute_enum};
+use cudarc::driver::sys::{CUevent_flags, CUfunction_attribute_enum, CUresult};
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
     DevicePtrMut, DeviceRepr, DriverError, LaunchConfig, PushKernelArg, SyncOnDrop,
 };
 use sparsekit_host::backend::DeviceEvent;
-use sparsekit_host::launcher::KernelDevice;
+use sparsekit_host::launcher::{KernelDevice, Span};
 use sparsekit_host::{Backend, Error, Event, Result, StreamKind};
 use sparsekit_kernels::launch::{KernelParams, DEFAULT_DYN_SMEM};
 
-use crate::ptx::{ptx_for_device, PTX, PTX_BUILD_INFO};
+use crate::ptx::{PTX, PTX_BUILD_INFO};
 
 pub use buffer::CudaBuffer;
 use buffer::{HostBuffer, Memory};
@@ -60,11 +67,11 @@ pub fn driver_present() -> bool {
 }
 
 /// Waits on the host for `e`, at most [`Event::DEFAULT_TIMEOUT`] (polling, so the wait is
-/// bounded whatever the event's flags).
-fn wait_host(e: &CudaEvent) -> Result<()> {
+/// bounded whatever the event's flags); driver errors go through `err`.
+fn wait_host(e: &CudaEvent, err: impl Fn(DriverError) -> Error) -> Result<()> {
     let start = Instant::now();
     let mut pause = Duration::from_micros(2);
-    while !e.try_is_complete().map_err(cuda("event query"))? {
+    while !e.try_is_complete().map_err(&err)? {
         if start.elapsed() >= Event::DEFAULT_TIMEOUT {
             return Err(Error::Timeout {
                 what: "cuda event",
@@ -96,11 +103,68 @@ struct Device {
     ctx: Arc<CudaContext>,
     /// Indexed by [`StreamKind::index`].
     streams: [Arc<CudaStream>; 2],
-    arch: &'static str,
-    ptx: &'static str,
+    /// Compute capability.
+    cc: (u32, u32),
     name: String,
-    module: OnceLock<Arc<CudaModule>>,
+    /// The loaded kernels and what was loaded (`cubin sm_90`, `PTX sm_80, after: ...`).
+    module: OnceLock<(Arc<CudaModule>, String)>,
     functions: Mutex<HashMap<&'static str, CudaFunction>>,
+    /// Set by the first sticky (context-destroying) error: its message.
+    fault: OnceLock<String>,
+}
+
+/// Driver errors after which the context is unusable (a fault in a kernel).
+fn is_sticky(e: &DriverError) -> bool {
+    use CUresult::*;
+    matches!(
+        e.0,
+        CUDA_ERROR_ILLEGAL_ADDRESS
+            | CUDA_ERROR_LAUNCH_TIMEOUT
+            | CUDA_ERROR_ASSERT
+            | CUDA_ERROR_HARDWARE_STACK_ERROR
+            | CUDA_ERROR_ILLEGAL_INSTRUCTION
+            | CUDA_ERROR_MISALIGNED_ADDRESS
+            | CUDA_ERROR_INVALID_ADDRESS_SPACE
+            | CUDA_ERROR_INVALID_PC
+            | CUDA_ERROR_LAUNCH_FAILED
+            | CUDA_ERROR_ECC_UNCORRECTABLE
+            | CUDA_ERROR_CONTEXT_IS_DESTROYED
+    )
+}
+
+impl Device {
+    /// `Err` once the context has faulted (without calling the driver).
+    fn alive(&self) -> Result<()> {
+        match self.fault.get() {
+            None => Ok(()),
+            Some(first) => Err(Error::Device(format!(
+                "the CUDA context is unusable since an earlier kernel fault ({first}); \
+                 restart the process"
+            ))),
+        }
+    }
+
+    /// Maps a driver error; a sticky one marks the context faulted and is reported once.
+    fn err(&self, context: &'static str) -> impl Fn(DriverError) -> Error + '_ {
+        move |e| {
+            if is_sticky(&e) {
+                let mut first = false;
+                self.fault.get_or_init(|| {
+                    first = true;
+                    format!("{e} at {context}")
+                });
+                if first {
+                    eprintln!(
+                        "sparsekit cuda: a kernel faulted ({e}, seen at {context}); the CUDA \
+                         context of {} is unusable: every later call fails, restart the \
+                         process",
+                        self.name
+                    );
+                }
+            }
+            Error::backend("cuda", context, e)
+        }
+    }
 }
 
 /// The CUDA backend on one device: a handle on its compute or copy stream. Cheap to clone;
@@ -115,8 +179,8 @@ impl std::fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "CudaBackend({}, {}, {:?} stream)",
-            self.device.name, self.device.arch, self.stream
+            "CudaBackend({}, {:?} stream)",
+            self.device.name, self.stream
         )
     }
 }
@@ -139,11 +203,12 @@ impl CudaBackend {
         let (major, minor) = ctx
             .compute_capability()
             .map_err(cuda("compute capability"))?;
-        let (arch, ptx) = ptx_for_device(major as u32, minor as u32).ok_or_else(|| {
-            Error::Device(format!(
-                "no PTX for compute capability {major}.{minor} (need sm_80+)"
-            ))
-        })?;
+        let (major, minor) = (major as u32, minor as u32);
+        if module::candidates(major, minor).is_empty() {
+            return Err(Error::Device(format!(
+                "no kernels for compute capability {major}.{minor} (need sm_80+)"
+            )));
+        }
         let name = ctx.name().map_err(cuda("device name"))?;
         let streams = [
             ctx.new_stream().map_err(cuda("stream creation"))?,
@@ -153,19 +218,37 @@ impl CudaBackend {
             device: Arc::new(Device {
                 ctx,
                 streams,
-                arch,
-                ptx,
-                name: format!("{name} (sm_{major}{minor}, PTX {arch})"),
+                cc: (major, minor),
+                name: format!("{name} (sm_{major}{minor})"),
                 module: OnceLock::new(),
                 functions: Mutex::new(HashMap::new()),
+                fault: OnceLock::new(),
             }),
             stream: StreamKind::Compute,
         })
     }
 
-    /// Device name, compute capability and the PTX arch in use.
+    /// Device name and compute capability.
     pub fn device(&self) -> &str {
         &self.device.name
+    }
+
+    /// What the kernels were loaded from (`cubin sm_90`, or the PTX and why), loading them
+    /// first if needed.
+    pub fn kernel_image(&self) -> Result<String> {
+        self.module().map(|(_, what)| what)
+    }
+
+    /// The kernels, loaded on first use.
+    fn module(&self) -> Result<(Arc<CudaModule>, String)> {
+        self.device.alive()?;
+        if let Some((m, what)) = self.device.module.get() {
+            return Ok((m.clone(), what.clone()));
+        }
+        let (major, minor) = self.device.cc;
+        let loaded = module::load(&self.device.ctx, major, minor)?;
+        let (m, what) = self.device.module.get_or_init(|| loaded);
+        Ok((m.clone(), what.clone()))
     }
 
     /// The CUDA stream this handle enqueues on.
@@ -182,6 +265,7 @@ impl CudaBackend {
     }
 
     fn function(&self, name: &'static str) -> Result<CudaFunction> {
+        let (module, _) = self.module()?;
         let mut cache = self
             .device
             .functions
@@ -190,18 +274,9 @@ impl CudaBackend {
         if let Some(f) = cache.get(name) {
             return Ok(f.clone());
         }
-        let module = match self.device.module.get() {
-            Some(m) => m.clone(),
-            None => {
-                let m = self
-                    .device
-                    .ctx
-                    .load_module(cudarc::nvrtc::Ptx::from_src(self.device.ptx))
-                    .map_err(cuda("module load"))?;
-                self.device.module.get_or_init(|| m).clone()
-            }
-        };
-        let f = module.load_function(name).map_err(cuda("function load"))?;
+        let f = module
+            .load_function(name)
+            .map_err(self.device.err("function load"))?;
         cache.insert(name, f.clone());
         Ok(f)
     }
@@ -241,28 +316,37 @@ impl Backend for CudaBackend {
     }
 
     fn upload(&self, bytes: &[u8]) -> Result<CudaBuffer> {
+        self.device.alive()?;
         if bytes.is_empty() {
             return self.alloc(0);
         }
         let s = self
             .cuda_stream()
             .clone_htod(bytes)
-            .map_err(cuda("upload"))?;
+            .map_err(self.device.err("upload"))?;
         Ok(CudaBuffer(Memory::Device(s)))
     }
 
     fn alloc(&self, bytes: usize) -> Result<CudaBuffer> {
+        self.device.alive()?;
         let stream = self.cuda_stream();
         let s = if bytes == 0 {
             stream.null::<u8>()
         } else {
             stream.alloc_zeros::<u8>(bytes)
         };
-        Ok(CudaBuffer(Memory::Device(s.map_err(cuda("allocation"))?)))
+        Ok(CudaBuffer(Memory::Device(
+            s.map_err(self.device.err("allocation"))?,
+        )))
     }
 
     fn alloc_host(&self, bytes: usize) -> Result<CudaBuffer> {
         use cudarc::driver::sys::{CU_MEMHOSTALLOC_DEVICEMAP, CU_MEMHOSTALLOC_PORTABLE};
+        self.device.alive()?;
+        if bytes == 0 {
+            // No 0-byte pinned allocation (the driver refuses it): an empty buffer.
+            return self.alloc(0);
+        }
         // SAFETY: the memory is zeroed below before anyone reads it.
         let mut s = unsafe {
             self.device.ctx.alloc_pinned_with_flags::<u8>(
@@ -280,7 +364,12 @@ impl Backend for CudaBackend {
             Memory::Device(s) if s.is_empty() => Ok(Vec::new()),
             // Pageable destination: returns once the copy (queued behind the buffer's last
             // write, on any stream) has completed.
-            Memory::Device(s) => self.cuda_stream().clone_dtoh(s).map_err(cuda("download")),
+            Memory::Device(s) => {
+                self.device.alive()?;
+                self.cuda_stream()
+                    .clone_dtoh(s)
+                    .map_err(self.device.err("download"))
+            }
             Memory::Host(h) => h.read(),
         }
     }
@@ -301,10 +390,11 @@ impl Backend for CudaBackend {
     }
 
     fn record_event(&self) -> Result<Event> {
+        self.device.alive()?;
         let e = self
             .cuda_stream()
             .record_event(None)
-            .map_err(cuda("event record"))?;
+            .map_err(self.device.err("event record"))?;
         Ok(Event::pending(Arc::new(CudaMarker(e))))
     }
 
@@ -314,7 +404,10 @@ impl Backend for CudaBackend {
         };
         match d.as_any().downcast_ref::<CudaMarker>() {
             Some(m) if *m.0.context() == self.device.ctx => {
-                self.cuda_stream().wait(&m.0).map_err(cuda("event wait"))
+                self.device.alive()?;
+                self.cuda_stream()
+                    .wait(&m.0)
+                    .map_err(self.device.err("event wait"))
             }
             // Another device's or backend's event: the host waits for it.
             _ => event.wait(Event::DEFAULT_TIMEOUT),
@@ -322,12 +415,16 @@ impl Backend for CudaBackend {
     }
 
     fn synchronize(&self) -> Result<()> {
+        self.device.alive()?;
         let e = self
             .cuda_stream()
             .record_event(None)
-            .map_err(cuda("event record"))?;
-        wait_host(&e)?;
-        self.device.ctx.check_err().map_err(cuda("deferred error"))
+            .map_err(self.device.err("event record"))?;
+        wait_host(&e, self.device.err("synchronize"))?;
+        self.device
+            .ctx
+            .check_err()
+            .map_err(self.device.err("deferred error"))
     }
 
     sparsekit_host::kernel_backend_ops!();
@@ -342,12 +439,17 @@ unsafe impl KernelDevice for CudaBackend {
     type Staged<'a> = CudaSlice<u8>;
 
     fn stage(&self, bytes: &[u8]) -> Result<CudaSlice<u8>> {
+        self.device.alive()?;
         let stream = self.cuda_stream();
         if bytes.is_empty() {
-            return stream.null::<u8>().map_err(cuda("metadata upload"));
+            return stream
+                .null::<u8>()
+                .map_err(self.device.err("metadata upload"));
         }
         // Freed (stream-ordered, after the launch that reads it) when dropped.
-        stream.clone_htod(bytes).map_err(cuda("metadata upload"))
+        stream
+            .clone_htod(bytes)
+            .map_err(self.device.err("metadata upload"))
     }
 
     fn staged_addr(&self, staged: &CudaSlice<u8>) -> u64 {
@@ -361,6 +463,7 @@ unsafe impl KernelDevice for CudaBackend {
         writes: &mut [&mut CudaBuffer],
         f: impl FnOnce(&[u64], &[u64]) -> R,
     ) -> Result<R> {
+        self.device.alive()?;
         let stream = self.cuda_stream();
         // Device buffers: the stream waits for the buffer's last write (a read) or for
         // every earlier use (a write), and the guard records this use once the launch is
@@ -391,7 +494,8 @@ unsafe impl KernelDevice for CudaBackend {
         Ok(out)
     }
 
-    unsafe fn enqueue<P: KernelParams>(&self, params: P) -> Result<()> {
+    unsafe fn enqueue<P: KernelParams>(&self, params: P, _spans: &[Span]) -> Result<()> {
+        self.device.alive()?;
         let l = params.launch();
         let f = self.function(P::ENTRY)?;
         if l.smem_bytes > DEFAULT_DYN_SMEM {
@@ -400,7 +504,7 @@ unsafe impl KernelDevice for CudaBackend {
                 CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 l.smem_bytes as i32,
             )
-            .map_err(cuda("shared memory attribute"))?;
+            .map_err(self.device.err("shared memory attribute"))?;
         }
         let p = Param(params);
         let mut b = self.cuda_stream().launch_builder(&f);
@@ -415,7 +519,31 @@ unsafe impl KernelDevice for CudaBackend {
         // ordered after their recorded uses; staged metadata is freed on this stream after
         // the launch), filled from validated descriptors; the geometry is the kernel's own
         // (`P::launch`), with the shared memory limit raised above the default.
-        unsafe { b.launch(cfg) }.map_err(cuda("launch"))?;
+        unsafe { b.launch(cfg) }.map_err(self.device.err("launch"))?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_faults_are_sticky_other_errors_are_not() {
+        for c in [
+            CUresult::CUDA_ERROR_ILLEGAL_ADDRESS,
+            CUresult::CUDA_ERROR_MISALIGNED_ADDRESS,
+            CUresult::CUDA_ERROR_LAUNCH_FAILED,
+            CUresult::CUDA_ERROR_ASSERT,
+        ] {
+            assert!(is_sticky(&DriverError(c)), "{c:?}");
+        }
+        for c in [
+            CUresult::CUDA_ERROR_OUT_OF_MEMORY,
+            CUresult::CUDA_ERROR_INVALID_VALUE,
+            CUresult::CUDA_ERROR_NOT_READY,
+        ] {
+            assert!(!is_sticky(&DriverError(c)), "{c:?}");
+        }
     }
 }

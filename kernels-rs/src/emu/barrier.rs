@@ -25,6 +25,9 @@ impl BlockSync {
             st.barrier_waiting += 1;
             if st.barrier_waiting == st.block_dim {
                 self.epoch.fetch_add(1, Ordering::AcqRel);
+                if let Some(t) = &self.tracer {
+                    t.barriers.fetch_add(1, Ordering::Relaxed);
+                }
                 st.barrier_waiting = 0;
                 for t in 0..st.block_dim {
                     if t != thread {

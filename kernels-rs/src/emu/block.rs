@@ -45,7 +45,9 @@ use std::time::Duration;
 
 use super::error::EmuError;
 use super::fiber;
+use super::global::GlobalCheck;
 use super::pool::{self, lock, Job, Waker, Worker};
+use super::profile::Tracer;
 use super::smem::Smem;
 use super::warp::{describe_lanes, Output, WarpState};
 use super::LaunchConfig;
@@ -144,8 +146,6 @@ pub(crate) struct State {
     pub block: u32,
     /// `blockDim.x`.
     pub block_dim: u32,
-    /// `gridDim.x`.
-    grid_dim: u32,
     /// One entry per thread of the block.
     pub status: Vec<Status>,
     /// Threads with [`Status::Running`] (started or not).
@@ -162,6 +162,10 @@ pub(crate) struct State {
     error: Option<EmuError>,
     /// Number of finished blocks.
     blocks_done: u32,
+    /// Blocks to run: the whole grid, or the sample of `order`.
+    to_run: u32,
+    /// The blocks to run, in order (a sample of the grid), or `None` for `0..grid_dim`.
+    order: Option<Vec<u32>>,
     /// Threads `next_claim..block_dim` of the block have not started.
     next_claim: u32,
     /// Threads released from a wait whose workers have not been woken yet, in order.
@@ -201,6 +205,20 @@ pub(crate) struct BlockSync {
     pub grid_dim: u32,
     /// Whether the workers are fibers on the launching thread (else pool threads).
     fibers: bool,
+    /// The launch's global buffers (bounds, alignment and init checks).
+    pub global: GlobalCheck,
+    /// Access tracing, when the launch is profiled.
+    pub tracer: Option<Tracer>,
+}
+
+/// What a launch runs besides its kernel: the global-memory check, tracing, and which
+/// blocks of the grid (all, or a sample).
+#[derive(Debug)]
+pub(crate) struct LaunchSetup {
+    pub global: GlobalCheck,
+    pub tracer: Option<Tracer>,
+    /// Sorted, unique block indices below the grid size; `None`: every block.
+    pub blocks: Option<Vec<u32>>,
 }
 
 /// Wake-ups and worker dispatches decided under the state lock, performed when this value
@@ -272,13 +290,19 @@ fn parallelism() -> u32 {
 impl BlockSync {
     /// State for a launch of `cfg` running `kernel` on fibers of the launching thread
     /// (`fibers`) or on pool threads; the first block is 0 and no thread has started.
-    pub(crate) fn new(cfg: LaunchConfig, kernel: KernelRef, fibers: bool) -> Self {
+    pub(crate) fn new(
+        cfg: LaunchConfig,
+        kernel: KernelRef,
+        fibers: bool,
+        setup: LaunchSetup,
+    ) -> Self {
         let warps = cfg.block.div_ceil(32);
+        let to_run = setup.blocks.as_ref().map_or(cfg.grid, |b| b.len() as u32);
+        let first = setup.blocks.as_ref().and_then(|b| b.first().copied());
         Self {
             state: Mutex::new(State {
-                block: 0,
+                block: first.unwrap_or(0),
                 block_dim: cfg.block,
-                grid_dim: cfg.grid,
                 status: vec![Status::Running; cfg.block as usize],
                 running: cfg.block,
                 exited: 0,
@@ -289,6 +313,8 @@ impl BlockSync {
                 next_round: 0,
                 error: None,
                 blocks_done: 0,
+                to_run,
+                order: setup.blocks,
                 next_claim: 0,
                 ready: VecDeque::new(),
                 active: 0,
@@ -306,6 +332,8 @@ impl BlockSync {
             block_dim: cfg.block,
             grid_dim: cfg.grid,
             fibers,
+            global: setup.global,
+            tracer: setup.tracer,
         }
     }
 
@@ -375,7 +403,7 @@ impl BlockSync {
 
     /// Whether the launch is over: failed, or every block done.
     fn over(st: &State) -> bool {
-        st.error.is_some() || st.blocks_done == st.grid_dim
+        st.error.is_some() || st.blocks_done == st.to_run
     }
 
     /// Marks `thread` as blocked with `status`, fails the launch if that leaves the block
@@ -592,7 +620,10 @@ impl BlockSync {
         }
         if st.exited == st.block_dim {
             st.blocks_done += 1;
-            if st.blocks_done == st.grid_dim {
+            if let Some(t) = &self.tracer {
+                t.finish_block();
+            }
+            if st.blocks_done == st.to_run {
                 self.end_launch(&mut st);
                 return Next::Leave;
             }
@@ -617,7 +648,10 @@ impl BlockSync {
 
     /// Resets everything for the next block (all threads have returned).
     fn next_block(&self, st: &mut State) {
-        st.block += 1;
+        st.block = match &st.order {
+            Some(order) => order[st.blocks_done as usize],
+            None => st.block + 1,
+        };
         st.status.fill(Status::Running);
         st.running = st.block_dim;
         st.exited = 0;

@@ -2,6 +2,8 @@
 
 use std::fmt;
 
+use super::global::GlobalAccessError;
+
 /// Which pair of shared-memory accesses raced (two threads touched the same byte between
 /// the same two barriers, at least one of them writing).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,6 +92,9 @@ pub enum EmuError {
         /// Which accesses raced.
         kind: RaceKind,
     },
+    /// A global memory access failed a check (out of bounds, misaligned, a store to a
+    /// read-only buffer, an uninitialised read): see [`GlobalAccessError`].
+    GlobalMemory(Box<GlobalAccessError>),
     /// A kernel thread panicked (for instance an index out of bounds in kernel code).
     KernelPanic {
         /// `blockIdx.x`.
@@ -148,6 +153,7 @@ impl fmt::Display for EmuError {
                 "block {block}: shared memory race ({kind}) at byte offset {offset} between \
                  thread {first_thread} and thread {second_thread} with no sync_threads between"
             ),
+            Self::GlobalMemory(e) => write!(f, "{e}"),
             Self::KernelPanic {
                 block,
                 thread,

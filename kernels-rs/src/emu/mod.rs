@@ -68,25 +68,32 @@ mod barrier;
 mod block;
 mod error;
 mod fiber;
+mod global;
 mod mma;
 mod pool;
+mod profile;
 mod smem;
 mod warp;
 
 use std::cell::{Cell, RefCell};
 use std::mem::{size_of, MaybeUninit};
-use std::panic::{self, AssertUnwindSafe};
+use std::panic::{self, AssertUnwindSafe, Location};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, OnceLock};
 
+use crate::global::{GlobalMut, GlobalPtr, Word};
 use crate::launch::KernelParams;
 use crate::simt::Simt;
 
-use block::{BlockSync, KernelRef, Next, Stop};
+use block::{BlockSync, KernelRef, LaunchSetup, Next, Stop};
 pub use error::{EmuError, RaceKind};
+use global::GlobalCheck;
+pub use global::{BufferAccess, GlobalAccessError, GlobalBuffers, GlobalFault, GlobalOp};
 use mma::MmaFragments;
 use pool::{Job, Worker};
+pub use profile::{Profile, SiteProfile, Space};
+use profile::{ThreadTrace, Tracer};
 use smem::Accessor;
 pub use smem::SMEM_POISON;
 pub use warp::SHFL_UNDEFINED;
@@ -208,31 +215,151 @@ pub fn launch(cfg: LaunchConfig, kernel: impl Fn() + Sync) -> Result<(), EmuErro
     launch_with(Carrier::default_for_launch(), cfg, kernel)
 }
 
-/// Runs the kernel that `params` belong to ([`KernelParams`]) with its own launch geometry
-/// (`params.launch()`), as the GPU would: the emulator's typed launcher.
-///
-/// # Safety
-/// The kernel's contract ([`KernelParams::run`]): every pointer in `params` is valid for
-/// what the kernel reads and writes until this function returns, and nothing else
-/// accesses the memory the kernel writes meanwhile.
-pub unsafe fn launch_kernel<P: KernelParams>(params: P) -> Result<(), EmuError> {
+/// The launch geometry of `params`' kernel.
+fn kernel_config<P: KernelParams>(params: &P) -> LaunchConfig {
     let l = params.launch();
-    let cfg = LaunchConfig {
+    LaunchConfig {
         grid: l.grid,
         block: l.block,
         dyn_smem_bytes: l.smem_bytes as usize,
-    };
-    // SAFETY: the caller promises what `Params::new` requires (the GPU launch contract).
-    let p = unsafe { Params::new(params) };
-    // SAFETY: the kernel's contract is the caller's; the geometry is the kernel's own.
-    launch(cfg, || unsafe { P::run::<Emu>(p.get()) })
+    }
 }
 
-/// [`launch`] on the given [`Carrier`].
+/// Runs the kernel that `params` belong to ([`KernelParams`]) with its own launch geometry
+/// (`params.launch()`), as the GPU would: the emulator's typed launcher. Every global
+/// access is checked against `buffers` (which should name `P::ENTRY`).
+///
+/// # Safety
+/// The kernel's contract ([`KernelParams::run`]): every address in `params` is valid for
+/// what the kernel reads and writes until this function returns, and nothing else
+/// accesses the memory the kernel writes meanwhile. Accesses outside `buffers` are
+/// reported before they happen, so `buffers` must describe live memory.
+pub unsafe fn launch_kernel<P: KernelParams>(
+    params: P,
+    buffers: &GlobalBuffers,
+) -> Result<(), EmuError> {
+    let cfg = kernel_config(&params);
+    // SAFETY: the caller promises what `Params::new` requires (the GPU launch contract).
+    let p = unsafe { Params::new(params) };
+    let setup = LaunchSetup {
+        global: GlobalCheck::new(buffers),
+        tracer: None,
+        blocks: None,
+    };
+    // SAFETY: the kernel's contract is the caller's; the geometry is the kernel's own.
+    run_launch(Carrier::default_for_launch(), cfg, setup, || unsafe {
+        P::run::<Emu>(p.get())
+    })
+}
+
+/// [`launch_kernel`] with access tracing (see [`Profile`]): runs the blocks `blocks` of
+/// the kernel's grid (all when `None`; a sample keeps the real grid size, so grid-stride
+/// loops and `grid_dim` see the launch the GPU would run) on fibers, checked against
+/// `buffers`, and returns what the trace measured. Blocks not in the sample do not run,
+/// so their outputs are not written.
+///
+/// # Safety
+/// As [`launch_kernel`].
+pub unsafe fn profile_kernel<P: KernelParams>(
+    params: P,
+    buffers: &GlobalBuffers,
+    blocks: Option<&[u32]>,
+) -> Result<Profile, EmuError> {
+    let cfg = kernel_config(&params);
+    // SAFETY: as for `launch_kernel`.
+    let p = unsafe { Params::new(params) };
+    // SAFETY: as for `launch_kernel`.
+    profile_launch(cfg, buffers, blocks, || unsafe { P::run::<Emu>(p.get()) })
+}
+
+/// [`launch`] with every global access checked against `buffers` (see
+/// [`GlobalBuffers`]).
+pub fn launch_checked(
+    cfg: LaunchConfig,
+    buffers: &GlobalBuffers,
+    kernel: impl Fn() + Sync,
+) -> Result<(), EmuError> {
+    let setup = LaunchSetup {
+        global: GlobalCheck::new(buffers),
+        tracer: None,
+        blocks: None,
+    };
+    run_launch(Carrier::default_for_launch(), cfg, setup, kernel)
+}
+
+/// [`launch_checked`] with access tracing, on fibers, over the blocks `blocks` (all when
+/// `None`): see [`profile_kernel`].
+pub fn profile_launch(
+    cfg: LaunchConfig,
+    buffers: &GlobalBuffers,
+    blocks: Option<&[u32]>,
+    kernel: impl Fn() + Sync,
+) -> Result<Profile, EmuError> {
+    let blocks = match blocks {
+        None => None,
+        Some(b) => {
+            let mut b = b.to_vec();
+            b.sort_unstable();
+            b.dedup();
+            if b.is_empty() || b.iter().any(|&x| x >= cfg.grid) {
+                return Err(EmuError::InvalidConfig {
+                    detail: format!(
+                        "block sample {b:?} must be non-empty and below the grid of {}",
+                        cfg.grid
+                    ),
+                });
+            }
+            Some(b)
+        }
+    };
+    let setup = LaunchSetup {
+        global: GlobalCheck::new(buffers),
+        tracer: Some(Tracer::default()),
+        blocks,
+    };
+    let mut tracer = None;
+    let _traced = TracedLaunch::start();
+    run_launch_then(Carrier::Fibers, cfg, setup, kernel, |sync| {
+        tracer = sync
+            .tracer
+            .as_ref()
+            .map(|t| t.profile(buffers.kernel(), cfg.grid, cfg.block, cfg.dyn_smem_bytes));
+    })?;
+    Ok(tracer.unwrap_or_default())
+}
+
+/// [`launch`] on the given [`Carrier`] (global accesses are checked for alignment only:
+/// no buffers are registered; see [`launch_checked`]).
 pub fn launch_with(
     carrier: Carrier,
     cfg: LaunchConfig,
     kernel: impl Fn() + Sync,
+) -> Result<(), EmuError> {
+    let setup = LaunchSetup {
+        global: GlobalCheck::unregistered(),
+        tracer: None,
+        blocks: None,
+    };
+    run_launch(carrier, cfg, setup, kernel)
+}
+
+/// Runs a launch set up by `setup`.
+fn run_launch(
+    carrier: Carrier,
+    cfg: LaunchConfig,
+    setup: LaunchSetup,
+    kernel: impl Fn() + Sync,
+) -> Result<(), EmuError> {
+    run_launch_then(carrier, cfg, setup, kernel, |_| {})
+}
+
+/// Runs a launch set up by `setup`, then hands its final state to `after` (on success).
+fn run_launch_then(
+    carrier: Carrier,
+    cfg: LaunchConfig,
+    setup: LaunchSetup,
+    kernel: impl Fn() + Sync,
+    after: impl FnOnce(&BlockSync),
 ) -> Result<(), EmuError> {
     cfg.validate()?;
     let fibers = carrier == Carrier::Fibers && fiber::SUPPORTED;
@@ -252,6 +379,7 @@ pub fn launch_with(
         cfg,
         unsafe { KernelRef::new(kernel) },
         fibers,
+        setup,
     ));
     if fibers {
         fiber::run(&sync);
@@ -261,7 +389,9 @@ pub fn launch_with(
         sync.supervise();
         std::mem::forget(abandon);
     }
-    sync.take_error().map_or(Ok(()), Err)
+    sync.take_error().map_or(Ok(()), Err)?;
+    after(&sync);
+    Ok(())
 }
 
 /// Fails a launch whose driver unwinds, and waits until no worker can call its kernel.
@@ -301,6 +431,8 @@ pub(crate) struct Ctx {
     sync: Arc<BlockSync>,
     /// `atomic_add_u32` calls so far (fibers yield every [`YIELD_EVERY_ATOMICS`]).
     atomics: Cell<u32>,
+    /// This thread's accesses, when the launch is traced.
+    trace: Option<RefCell<ThreadTrace>>,
 }
 
 /// With fibers, a GPU thread lets the others run every this many atomics (so that a
@@ -412,13 +544,19 @@ fn run_item(launch: &Arc<BlockSync>, me: &Worker, block: u32, thread: u32) -> bo
         grid_dim: launch.grid_dim,
         sync: Arc::clone(launch),
         atomics: Cell::new(0),
+        trace: launch.tracer.as_ref().map(|_| RefCell::default()),
     };
     let outer = CTX.with(|c| c.replace(Some(Rc::new(ctx))));
     let kernel = launch.kernel();
     // SAFETY: this worker is attached to the launch (it was handed this GPU thread and
     // detaches only when `serve` returns), so the kernel closure is alive.
     let result = panic::catch_unwind(AssertUnwindSafe(|| unsafe { kernel.call() }));
-    CTX.with(|c| c.replace(outer));
+    let mine = CTX.with(|c| c.replace(outer));
+    if let (Some(tracer), Some(ctx)) = (&launch.tracer, mine) {
+        if let Some(trace) = &ctx.trace {
+            tracer.hand_in(trace.take());
+        }
+    }
     match result {
         Ok(()) => true,
         Err(payload) => {
@@ -452,6 +590,96 @@ fn accessor(ctx: &Ctx) -> Accessor {
     }
 }
 
+/// Checks (and, when the launch is traced, records) a global access of the running
+/// thread; stops it when the access fails a check.
+fn global_access(loc: &'static Location<'static>, op: GlobalOp, addr: usize, size: usize) {
+    with_ctx(|c| {
+        if c.sync.is_poisoned() {
+            stop();
+        }
+        if let Err(f) = c.sync.global.access(op, addr, size) {
+            let err = c.sync.global.error(f, (c.block, c.thread), op, addr, size);
+            c.sync.fail_unlocked(err);
+            stop();
+        }
+        if let Some(t) = &c.trace {
+            t.borrow_mut()
+                .record(loc, c.thread, Space::Global, op, addr as u64, size);
+        }
+    });
+}
+
+/// Records a shared-memory access of the running thread when the launch is traced.
+fn trace_shared(
+    c: &Ctx,
+    loc: &'static Location<'static>,
+    op: GlobalOp,
+    offset: usize,
+    size: usize,
+) {
+    if let Some(t) = &c.trace {
+        t.borrow_mut()
+            .record(loc, c.thread, Space::Shared, op, offset as u64, size);
+    }
+}
+
+/// Traced launches running in the process (lets untraced launches skip the unroll
+/// bookkeeping cheaply).
+static TRACED_LAUNCHES: AtomicU32 = AtomicU32::new(0);
+
+/// Counts a traced launch while it runs.
+struct TracedLaunch;
+
+impl TracedLaunch {
+    fn start() -> Self {
+        TRACED_LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        TracedLaunch
+    }
+}
+
+impl Drop for TracedLaunch {
+    fn drop(&mut self) {
+        TRACED_LAUNCHES.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Tells the running thread's trace (if traced) that it executed a warp collective or a
+/// barrier.
+fn trace_sync(c: &Ctx) {
+    if let Some(t) = &c.trace {
+        t.borrow_mut().sync();
+    }
+}
+
+/// Enters iteration `i` of a kernel's forced unroll (`unroll!`): the accesses inside are
+/// told apart from the other iterations' in a traced launch. No-op elsewhere.
+pub(crate) fn unroll_enter(i: u32) {
+    if TRACED_LAUNCHES.load(Ordering::Relaxed) == 0 {
+        return;
+    }
+    CTX.with(|c| {
+        if let Some(ctx) = c.borrow().as_ref() {
+            if let Some(t) = &ctx.trace {
+                t.borrow_mut().unroll_enter(i);
+            }
+        }
+    });
+}
+
+/// Leaves the innermost forced unroll iteration (see [`unroll_enter`]).
+pub(crate) fn unroll_exit() {
+    if TRACED_LAUNCHES.load(Ordering::Relaxed) == 0 {
+        return;
+    }
+    CTX.with(|c| {
+        if let Some(ctx) = c.borrow().as_ref() {
+            if let Some(t) = &ctx.trace {
+                t.borrow_mut().unroll_exit();
+            }
+        }
+    });
+}
+
 /// Runs a shuffle or ballot.
 fn word_collective(kind: Kind, mask: u32, word: u32, param: u32) -> u32 {
     let input = Input {
@@ -460,7 +688,9 @@ fn word_collective(kind: Kind, mask: u32, word: u32, param: u32) -> u32 {
         ..Input::default()
     };
     let c = ctx();
-    or_stop(c.sync.collective(c.thread, kind, mask, input)).word
+    let out = or_stop(c.sync.collective(c.thread, kind, mask, input)).word;
+    trace_sync(&c);
+    out
 }
 
 /// Runs an MMA.
@@ -470,7 +700,9 @@ fn mma_collective(kind: Kind, a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4]
         ..Input::default()
     };
     let c = ctx();
-    or_stop(c.sync.collective(c.thread, kind, u32::MAX, input)).d
+    let out = or_stop(c.sync.collective(c.thread, kind, u32::MAX, input)).d;
+    trace_sync(&c);
+    out
 }
 
 /// The emulator's [`Simt`] implementation (use it only inside [`launch`]).
@@ -502,9 +734,12 @@ impl Simt for Emu {
     fn sync_threads() {
         let c = ctx();
         or_stop(c.sync.sync_threads(c.thread));
+        trace_sync(&c);
     }
 
+    #[track_caller]
     unsafe fn smem_load<T: Copy>(byte_offset: usize) -> T {
+        let loc = Location::caller();
         let mut value = MaybeUninit::<T>::uninit();
         // SAFETY: the slice covers exactly the bytes of `value`; `MaybeUninit<u8>` has no
         // validity requirement, so viewing uninitialised bytes this way is sound.
@@ -527,13 +762,16 @@ impl Simt for Emu {
                 c.sync.fail_unlocked(err);
                 stop();
             }
+            trace_shared(c, loc, GlobalOp::Load, byte_offset, size_of::<T>());
         });
         // SAFETY: every byte of `value` was copied from shared memory; the caller promises
         // that they were written as a valid `T`.
         unsafe { value.assume_init() }
     }
 
+    #[track_caller]
     unsafe fn smem_store<T: Copy>(byte_offset: usize, value: T) {
+        let loc = Location::caller();
         let value = MaybeUninit::new(value);
         // SAFETY: the slice covers exactly the bytes of `value` (padding included, hence
         // `MaybeUninit<u8>`), which lives until the end of this function.
@@ -553,10 +791,13 @@ impl Simt for Emu {
                 c.sync.fail_unlocked(err);
                 stop();
             }
+            trace_shared(c, loc, GlobalOp::Store, byte_offset, size_of::<T>());
         });
     }
 
+    #[track_caller]
     unsafe fn smem_atomic_add_u32(byte_offset: usize, value: u32) -> u32 {
+        let loc = Location::caller();
         with_ctx(|c| {
             if c.sync.is_poisoned() {
                 stop();
@@ -564,7 +805,10 @@ impl Simt for Emu {
             let who = accessor(c);
             let result = c.sync.lock_smem().atomic_add_u32(who, byte_offset, value);
             match result {
-                Ok(old) => old,
+                Ok(old) => {
+                    trace_shared(c, loc, GlobalOp::Atomic, byte_offset, 4);
+                    old
+                }
                 Err(err) => {
                     c.sync.fail_unlocked(err);
                     stop()
@@ -589,10 +833,45 @@ impl Simt for Emu {
         word_collective(Kind::Ballot, mask, u32::from(predicate), 0)
     }
 
-    unsafe fn atomic_add_u32(ptr: *mut u32, value: u32) -> u32 {
-        // SAFETY: the caller guarantees `ptr` is valid and aligned; every emulated access
-        // to it that may overlap goes through atomics (as on the GPU).
-        let atomic = unsafe { AtomicU32::from_ptr(ptr) };
+    #[track_caller]
+    unsafe fn gld<T: Word>(ptr: GlobalPtr<T>) -> T {
+        global_access(
+            Location::caller(),
+            GlobalOp::Load,
+            ptr.addr(),
+            size_of::<T>(),
+        );
+        // SAFETY: checked against the launch's buffers (in bounds and aligned when the
+        // launcher registered them; aligned always); the caller guarantees the rest.
+        unsafe { ptr.raw().read() }
+    }
+
+    #[track_caller]
+    unsafe fn gst<T: Word>(ptr: GlobalMut<T>, value: T) {
+        global_access(
+            Location::caller(),
+            GlobalOp::Store,
+            ptr.addr(),
+            size_of::<T>(),
+        );
+        // SAFETY: as for `gld`; the caller guarantees that this thread owns the bytes.
+        unsafe { ptr.raw().write(value) }
+    }
+
+    fn threadfence() {
+        std::sync::atomic::fence(Ordering::SeqCst);
+    }
+
+    #[track_caller]
+    unsafe fn atomic_add_u32(ptr: GlobalMut<u32>, value: u32) -> u32 {
+        let in_launch = CTX.with(|c| c.borrow().is_some());
+        if in_launch {
+            global_access(Location::caller(), GlobalOp::Atomic, ptr.addr(), 4);
+        }
+        // SAFETY: the caller guarantees `ptr` is valid and aligned (checked against the
+        // launch's buffers inside a launch); every emulated access to it that may overlap
+        // goes through atomics (as on the GPU).
+        let atomic = unsafe { AtomicU32::from_ptr(ptr.raw()) };
         let old = atomic.fetch_add(value, Ordering::SeqCst);
         // (Works outside a launch too, as it always has: only yielding needs a context.)
         let Some(c) = CTX.with(|c| c.borrow().clone()) else {

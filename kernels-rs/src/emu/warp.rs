@@ -244,6 +244,15 @@ impl BlockSync {
         if complete {
             // Last to arrive: compute everyone's result and release the others.
             let round = st.warps[w].open.swap_remove(idx);
+            if let Some(t) = &self.tracer {
+                let counter = match round.kind {
+                    Kind::MmaBf16 => &t.mma_bf16,
+                    Kind::MmaE4m3 => &t.mma_e4m3,
+                    Kind::Ballot => &t.ballots,
+                    _ => &t.shuffles,
+                };
+                counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
             let outputs = match compute(&round) {
                 Ok(outputs) => outputs,
                 Err(detail) => {

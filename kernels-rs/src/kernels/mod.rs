@@ -1,6 +1,53 @@
 //! The kernels, generic over [`Simt`](crate::Simt). Each is an `unsafe fn` whose contract
 //! is stated on it; launchers establish the contract from validated host descriptors.
 
+/// Repeats `$b` with `$i` bound to `0, 1, .., N - 1` (a literal count): a forced unroll,
+/// so that register arrays are only indexed by constants (no local memory). Each copy
+/// holds an [`UnrollScope`], which tells the emulator's access tracing the copies apart
+/// (and is nothing on the GPU).
+macro_rules! unroll {
+    (2, $i:ident, $b:block) => { unroll!(@ $i, $b, 0 1) };
+    (4, $i:ident, $b:block) => { unroll!(@ $i, $b, 0 1 2 3) };
+    (8, $i:ident, $b:block) => { unroll!(@ $i, $b, 0 1 2 3 4 5 6 7) };
+    (9, $i:ident, $b:block) => { unroll!(@ $i, $b, 0 1 2 3 4 5 6 7 8) };
+    (16, $i:ident, $b:block) => {
+        unroll!(@ $i, $b, 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15)
+    };
+    (@ $i:ident, $b:block, $($n:literal)*) => {
+        $( {
+            let $i: usize = $n;
+            let _scope = $crate::kernels::UnrollScope::enter($n);
+            $b
+        } )*
+    };
+}
+
+/// The copy of a forced unroll being executed (see `unroll!`): in the emulator, while a
+/// launch is traced, its accesses are recorded as those of this copy; on the GPU, and in
+/// untraced launches, nothing.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct UnrollScope(());
+
+impl UnrollScope {
+    /// Enters copy `i`.
+    #[inline(always)]
+    pub fn enter(i: u32) -> Self {
+        #[cfg(feature = "emu")]
+        crate::emu::unroll_enter(i);
+        let _ = i;
+        UnrollScope(())
+    }
+}
+
+impl Drop for UnrollScope {
+    #[inline(always)]
+    fn drop(&mut self) {
+        #[cfg(feature = "emu")]
+        crate::emu::unroll_exit();
+    }
+}
+
 mod indexer_logits;
 mod pages;
 mod sparse_mla;
@@ -11,9 +58,9 @@ pub use indexer_logits::{
     indexer_logits, indexer_logits_launch, MAX_HEAD_DIM as INDEXER_LOGITS_MAX_HEAD_DIM,
 };
 pub use pages::{copy_pages, page_checksums};
-pub use sparse_mla::{sparse_mla, sparse_mla_launch};
+pub use sparse_mla::{sparse_mla, sparse_mla_launch, sparse_mla_split, sparse_mla_workspace};
 pub use store::{index_k_store, kv_store};
-pub use topk::{topk, topk_launch};
+pub use topk::{topk, topk_chunk, topk_launch, topk_workspace};
 
 /// Full-warp mask.
 pub const FULL: u32 = u32::MAX;

@@ -3,13 +3,9 @@
 
 use super::warp_sum_u64;
 use crate::checksum::{finish, word_term};
+use crate::global::V4;
 use crate::params::{CopyPagesParams, PageChecksumsParams};
 use crate::simt::Simt;
-
-/// A 16-byte vector (one `ld/st.v4.u32`).
-#[repr(C, align(16))]
-#[derive(Clone, Copy)]
-struct V4([u32; 4]);
 
 /// Copies pages between pools.
 ///
@@ -17,27 +13,32 @@ struct V4([u32; 4]);
 /// Every `src_ids[i]`/`dst_ids[i]` (`i < n_pages`) names a page whose `bytes` bytes lie in
 /// its pool; `dst_ids` are unique; source and destination pages do not overlap.
 pub unsafe fn copy_pages<S: Simt>(p: CopyPagesParams) {
-    let vector = (p.src as usize | p.dst as usize) % 16 == 0
+    let vector = (p.src.addr() | p.dst.addr()) % 16 == 0
         && (p.src_stride | p.dst_stride | p.bytes) % 16 == 0;
     let mut i = S::block_idx();
     while i < p.n_pages {
         // SAFETY: i < n_pages (contract).
-        let (s, d) = unsafe { (*p.src_ids.add(i as usize), *p.dst_ids.add(i as usize)) };
-        let src = p.src.wrapping_add(s as usize * p.src_stride as usize);
-        let dst = p.dst.wrapping_add(d as usize * p.dst_stride as usize);
+        let (s, d) = unsafe {
+            (
+                S::gld(p.src_ids.add(i as usize)),
+                S::gld(p.dst_ids.add(i as usize)),
+            )
+        };
+        let src = p.src.byte_add(s as usize * p.src_stride as usize);
+        let dst = p.dst.byte_add(d as usize * p.dst_stride as usize);
         if vector {
-            let (src, dst) = (src as *const V4, dst as *mut V4);
+            let (src, dst) = (src.cast::<V4>(), dst.cast::<V4>());
             let mut j = S::thread_idx() as u64;
             while j < p.bytes / 16 {
                 // SAFETY: 16-byte aligned (checked) and j < bytes/16: inside both pages.
-                unsafe { *dst.add(j as usize) = *src.add(j as usize) };
+                unsafe { S::gst(dst.add(j as usize), S::gld(src.add(j as usize))) };
                 j += S::block_dim() as u64;
             }
         } else {
             let mut j = S::thread_idx() as u64;
             while j < p.bytes {
                 // SAFETY: j < bytes: inside both pages.
-                unsafe { *dst.add(j as usize) = *src.add(j as usize) };
+                unsafe { S::gst(dst.add(j as usize), S::gld(src.add(j as usize))) };
                 j += S::block_dim() as u64;
             }
         }
@@ -57,8 +58,8 @@ pub unsafe fn page_checksums<S: Simt>(p: PageChecksumsParams) {
     let mut i = S::block_idx();
     while i < p.n_pages {
         // SAFETY: i < n_pages (contract).
-        let id = unsafe { *p.ids.add(i as usize) };
-        let page = p.pool.wrapping_add(id as usize * p.stride as usize);
+        let id = unsafe { S::gld(p.ids.add(i as usize)) };
+        let page = p.pool.byte_add(id as usize * p.stride as usize);
         let mut sum = 0u64;
         let mut w = S::thread_idx() as u64;
         while w < words {
@@ -72,7 +73,7 @@ pub unsafe fn page_checksums<S: Simt>(p: PageChecksumsParams) {
             let mut b = 0;
             while b < n {
                 // SAFETY: w*8 + b < bytes: inside the page.
-                word |= (unsafe { *page.add(w as usize * 8 + b) } as u64) << (8 * b);
+                word |= (unsafe { S::gld(page.add(w as usize * 8 + b)) } as u64) << (8 * b);
                 b += 1;
             }
             sum = sum.wrapping_add(word_term(word, w));
@@ -93,7 +94,7 @@ pub unsafe fn page_checksums<S: Simt>(p: PageChecksumsParams) {
                 k += 1;
             }
             // SAFETY: i < n_pages.
-            unsafe { *p.out.add(i as usize) = finish(total, p.bytes) };
+            unsafe { S::gst(p.out.add(i as usize), finish(total, p.bytes)) };
         }
         // Shared partials are rewritten for the next page only after everyone is done.
         S::sync_threads();

@@ -81,24 +81,12 @@
 //! every key block rather than hoisted (`Role::opaque`), so the kernel compiles without
 //! spills or local memory (about 240 registers, 1 block of 8 warps per SM).
 
-/// Repeats `$b` with `$i` bound to `0, 1, .., N - 1` (a literal count): a forced unroll,
-/// so that register arrays are only indexed by constants (no local memory).
-macro_rules! unroll {
-    (2, $i:ident, $b:block) => { unroll!(@ $i, $b, 0 1) };
-    (4, $i:ident, $b:block) => { unroll!(@ $i, $b, 0 1 2 3) };
-    (8, $i:ident, $b:block) => { unroll!(@ $i, $b, 0 1 2 3 4 5 6 7) };
-    (9, $i:ident, $b:block) => { unroll!(@ $i, $b, 0 1 2 3 4 5 6 7 8) };
-    (16, $i:ident, $b:block) => {
-        unroll!(@ $i, $b, 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15)
-    };
-    (@ $i:ident, $b:block, $($n:literal)*) => { $( { let $i: usize = $n; $b } )* };
-}
-
 mod gather;
 #[cfg(all(test, feature = "emu"))]
 mod tests;
 mod tile;
 
+use crate::global::GlobalPtr;
 use crate::kernels::FULL;
 use crate::launch::{Launch, MAX_GRID};
 use crate::params::kv_format::{self, FP8_DS_MLA_TILE};
@@ -123,6 +111,40 @@ const MAXIT: usize = 9;
 const PART_BYTES: u32 = 4 * 2 * 2 * 32 * 16;
 /// Segment id of dims without a tile scale (rope, or any bf16 KV dim).
 const PLAIN: u32 = u32::MAX;
+/// Top-k indices per split (the smallest split; see [`sparse_mla_split`]).
+pub const SPLIT: u32 = 512;
+/// Most splits of a token's indices (bounds the merge's reads per output).
+const MAX_SPLITS: usize = 16;
+/// Floats of a split record's row statistics (16 rows × m, l, l̃, pad).
+const STAT_FLOATS: u32 = 16 * 4;
+
+/// Indices per split of a token's `topk` indices: `topk` itself up to [`SPLIT`] (no
+/// split), else [`SPLIT`] or, past 16 splits, `⌈topk / 16⌉` rounded up to 32. Each split
+/// is attended by its own block and the splits are merged in index order, so more blocks
+/// fill the GPU at small batches; the split depends on `topk` only, so a token's result
+/// is the same in any batch.
+pub fn sparse_mla_split(topk: u32) -> u32 {
+    if topk <= SPLIT {
+        topk.max(1)
+    } else {
+        SPLIT.max(topk.div_ceil(MAX_SPLITS as u32).div_ceil(32) * 32)
+    }
+}
+
+/// Bytes of the workspace (partial records) and of the counters a launch needs (both 0
+/// without split): one record of `passes · 8192 + 64` f32 per (token, head group, split),
+/// one u32 counter per (token, head group).
+pub fn sparse_mla_workspace(n_tokens: u32, n_heads: u32, topk: u32, nope_dim: u32) -> (u64, u64) {
+    let splits = topk.div_ceil(sparse_mla_split(topk)).max(1) as u64;
+    if splits == 1 {
+        return (0, 0);
+    }
+    let groups = n_heads.div_ceil(HEADS) as u64;
+    let passes = (nope_dim / 8).div_ceil(PASS_TILES).max(1) as u64;
+    let record = passes * tile::PASS_FLOATS as u64 + STAT_FLOATS as u64;
+    let units = n_tokens as u64 * groups;
+    (4 * units * splits * record, 4 * units)
+}
 
 // The `unroll!` counts below are written for these values.
 const _: () = assert!(MAXIT == 9 && MAX_NT == 16);
@@ -142,7 +164,10 @@ struct Geometry {
     /// 16-byte source units of the latent in a token row: `nope / 16` (16 e4m3 codes,
     /// two chunks each) for fp8, `nope / 8` (8 bf16, one chunk) for bf16.
     lat_units: u32,
-    /// 16-byte source units of a token row: the latent's, then `rope / 8` of rope.
+    /// 16-byte source units of the fp8 tile scales (4 f32 each; 0 for bf16).
+    scale_units: u32,
+    /// 16-byte source units of a token row: the latent's, the scales', then `rope / 8` of
+    /// rope.
     units: u32,
     /// Shared-memory bytes per key row.
     row_bytes: u32,
@@ -153,6 +178,14 @@ struct Geometry {
     ntiles: u32,
     /// Column passes.
     passes: u32,
+    /// Splits of a token's indices (1: no split).
+    splits: u32,
+    /// Whether the prefetch may shift its units to 32-byte sectors: unit `u` of a token
+    /// row is at byte `16u` (latent, scales and rope back to back, as in fp8_ds_mla and
+    /// bf16 rows) and one more unit still fits the prefetch.
+    shiftable: bool,
+    /// Shared-memory byte offset of the split-completion flag.
+    flag_off: u32,
     q_off: u32,
     part_off: u32,
     scale_off: u32,
@@ -165,6 +198,7 @@ impl Geometry {
         let fp8 = p.format == kv_format::FP8_DS_MLA;
         let tiles = if fp8 { p.nope_dim / FP8_DS_MLA_TILE } else { 0 };
         let lat_units = if fp8 { p.nope_dim / 16 } else { p.nope_dim / 8 };
+        let scale_units = (4 * tiles).div_ceil(16);
         let row_bytes = (2 * d_qk).div_ceil(128) * 128;
         let ntiles = p.nope_dim / 8;
         let q_off = BN * row_bytes;
@@ -177,17 +211,28 @@ impl Geometry {
             chunks: d_qk / 8,
             nope_chunks: p.nope_dim / 8,
             lat_units,
-            units: lat_units + p.rope_dim / 8,
+            scale_units,
+            units: lat_units + scale_units + p.rope_dim / 8,
             row_bytes,
             tiles,
             fp8,
             ntiles,
             passes: ntiles.div_ceil(PASS_TILES),
+            splits: p.topk.div_ceil(p.split.max(1)).max(1),
+            shiftable: p.rope_offset == 16 * (lat_units + scale_units)
+                && (!fp8 || p.scales_offset == 16 * lat_units)
+                && lat_units + scale_units + p.rope_dim / 8 < 8 * MAXIT as u32,
+            flag_off: scale_off + (BN * tiles * 4).div_ceil(16) * 16,
             q_off,
             part_off,
             scale_off,
-            smem: scale_off + (BN * tiles * 4).div_ceil(16) * 16,
+            smem: scale_off + (BN * tiles * 4).div_ceil(16) * 16 + 16,
         }
+    }
+
+    /// Floats of one split's partial record (every pass, then the row statistics).
+    fn record_floats(&self) -> u32 {
+        self.passes * tile::PASS_FLOATS + STAT_FLOATS
     }
 
     /// Tile-scale segment of k-step `ks` (its tile, or [`PLAIN`]).
@@ -267,11 +312,12 @@ impl Role {
 
 /// Launch geometry of [`sparse_mla`] (see the module docs).
 pub fn sparse_mla_launch(p: &SparseMlaParams) -> Launch {
-    let items = p.n_tokens as u64 * p.n_heads.div_ceil(HEADS) as u64;
+    let g = Geometry::new(p);
+    let items = p.n_tokens as u64 * g.splits as u64 * p.n_heads.div_ceil(HEADS) as u64;
     Launch {
         grid: items.clamp(1, MAX_GRID as u64) as u32,
         block: THREADS,
-        smem_bytes: Geometry::new(p).smem,
+        smem_bytes: g.smem,
     }
 }
 
@@ -283,38 +329,128 @@ pub fn sparse_mla_launch(p: &SparseMlaParams) -> Launch {
 /// rope_dim)` bf16, `indices` `n_tokens × topk` entries that are `-1` or slots of the
 /// cache, `out` `n_tokens × n_heads × nope_dim` bf16, `lse` `n_tokens × n_heads` f32;
 /// `nope_dim` and `rope_dim` are multiples of 16 (`nope_dim` of 128 for fp8_ds_mla) and
-/// the layout fields describe `cache` exactly (from a `KvLayout`).
+/// the layout fields describe `cache` exactly (from a `KvLayout`); when `split < topk`,
+/// `workspace` and `counters` hold [`sparse_mla_workspace`] bytes (16-byte aligned) and
+/// the counters are zero.
 #[inline(always)]
 pub unsafe fn sparse_mla<S: Simt>(p: SparseMlaParams) {
     let g = Geometry::new(&p);
-    let groups = p.n_heads.div_ceil(HEADS) as u64;
-    let items = p.n_tokens as u64 * groups;
     let mut item = S::block_idx() as u64;
-    while item < items {
-        let token = (item / groups) as u32;
-        let h0 = (item % groups) as u32 * HEADS;
+    loop {
+        // The item count, recomputed from an opaque zero (see `Role::opaque`) every time,
+        // is not held in registers through the attention.
+        let z = S::ballot(FULL, false) as u64;
+        let per_token = (g.splits as u64 + z) * p.n_heads.div_ceil(HEADS) as u64;
+        if item >= p.n_tokens as u64 * per_token {
+            break;
+        }
         let mut pass = 0;
         while pass < g.passes {
-            // SAFETY: token < n_tokens, h0 < n_heads, pass < passes (the contract holds).
-            unsafe { attend::<S>(&p, &g, token, h0, pass) };
+            // SAFETY: item < items, pass < passes (the contract holds).
+            unsafe { attend::<S>(&p, &g, item, pass) };
             pass += 1;
+        }
+        if g.splits > 1 {
+            let it = Item::of(&g, &p, item);
+            let recs = p.workspace.add(it.record(&g, 0));
+            // SAFETY: this item's record is complete; the counter is this unit's.
+            unsafe { finish_split::<S>(&p, &g, it.token, it.h0, it.unit, recs.as_const()) };
         }
         item += S::grid_dim() as u64;
     }
 }
 
-/// One column pass of one (token, head group).
+/// What work item `item` of the grid is: token-major, then split, then head group (the
+/// blocks of one split of a token are neighbours and share its keys in L2).
+#[derive(Clone, Copy)]
+struct Item {
+    token: u32,
+    h0: u32,
+    split: u32,
+    /// (token, head group) index: of the counters and the records.
+    unit: usize,
+}
+
+impl Item {
+    #[inline(always)]
+    fn of(g: &Geometry, p: &SparseMlaParams, item: u64) -> Self {
+        let groups = p.n_heads.div_ceil(HEADS) as u64;
+        let per_token = g.splits as u64 * groups;
+        let token = (item / per_token) as u32;
+        let rem = item % per_token;
+        let group = (rem % groups) as u32;
+        Item {
+            token,
+            h0: group * HEADS,
+            split: (rem / groups) as u32,
+            unit: token as usize * groups as usize + group as usize,
+        }
+    }
+
+    /// The first index of this item's split.
+    #[inline(always)]
+    fn begin(&self, p: &SparseMlaParams) -> u32 {
+        self.split * p.split
+    }
+
+    /// Float offset of split `split`'s record of this item's (token, head group).
+    #[inline(always)]
+    fn record(&self, g: &Geometry, split: u32) -> usize {
+        (self.unit * g.splits as usize + split as usize) * g.record_floats() as usize
+    }
+}
+
+/// Counts this split of a (token, head group) as finished; the last one merges them all.
 ///
 /// # Safety
-/// As [`sparse_mla`], with `token < n_tokens`, `h0 < n_heads`, `pass < g.passes`; every
-/// thread of the block calls it with the same arguments.
+/// Every thread of the block calls it after storing its part of this split's record;
+/// `unit` indexes the counters, `recs` is the unit's first record.
 #[inline(always)]
-unsafe fn attend<S: Simt>(p: &SparseMlaParams, g: &Geometry, token: u32, h0: u32, pass: u32) {
-    let r = Role::new::<S>();
-    let kr = tile::KRange {
-        lo: g.ksteps * r.q4 / 4,
-        hi: g.ksteps * (r.q4 + 1) / 4,
-    };
+unsafe fn finish_split<S: Simt>(
+    p: &SparseMlaParams,
+    g: &Geometry,
+    token: u32,
+    h0: u32,
+    unit: usize,
+    recs: GlobalPtr<f32>,
+) {
+    // Every thread's record stores are visible GPU-wide before the count says so.
+    S::threadfence();
+    S::sync_threads();
+    if S::thread_idx() == 0 {
+        let counter = p.counters.add(unit);
+        // SAFETY: this unit's counter, only accessed atomically during the launch.
+        let done = unsafe { S::atomic_add_u32(counter, 1) } + 1;
+        let last = done == g.splits;
+        if last {
+            // Back to zero for the next launch (every split has counted).
+            // SAFETY: as above.
+            unsafe { S::atomic_add_u32(counter, 0u32.wrapping_sub(g.splits)) };
+        }
+        // SAFETY: the flag word, read by everyone after the barrier below.
+        unsafe { S::smem_store::<u32>(g.flag_off as usize, last as u32) };
+    }
+    S::sync_threads();
+    // SAFETY: stored before the barrier.
+    let last = unsafe { S::smem_load::<u32>(g.flag_off as usize) } != 0;
+    if last {
+        // The other splits' stores (fenced before their counts) are visible now.
+        S::threadfence();
+        // Opaque lane roles (see `Role::opaque`): nothing of the merge is hoisted out of
+        // the item loop to stay live through the attention (block-uniform branch: every
+        // lane runs the vote).
+        let z = S::ballot(FULL, false);
+        let r = Role::new::<S>().opaque(z);
+        // SAFETY: every split has counted, so every record is complete.
+        unsafe { tile::merge_splits::<S>(p, g, &r, token, h0, recs) };
+    }
+    // The flag is rewritten by the next item only after everyone has read it.
+    S::sync_threads();
+}
+
+/// This warp's output columns of column pass `pass`.
+#[inline(always)]
+fn pass_cols(g: &Geometry, r: &Role, pass: u32) -> tile::Cols {
     let t0 = pass * PASS_TILES;
     let cnt = PASS_TILES.min(g.ntiles - t0);
     let (first, end) = if g.fp8 && !(cnt % 4 == 0 && 16 % (cnt / 4) == 0) {
@@ -324,17 +460,35 @@ unsafe fn attend<S: Simt>(p: &SparseMlaParams, g: &Geometry, token: u32, h0: u32
     } else {
         (cnt * r.q4 / 4, cnt * (r.q4 + 1) / 4)
     };
-    let cols = tile::Cols {
+    tile::Cols {
         first,
         ntw: end - first,
         base: 8 * (t0 + first),
+    }
+}
+
+/// One column pass of one (token, head group, split): writes `out`/`lse` (no split), or
+/// this split's partial record.
+///
+/// # Safety
+/// As [`sparse_mla`], with `item` a work item of the launch and `pass < g.passes`; every
+/// thread of the block calls it with the same arguments.
+#[inline(always)]
+unsafe fn attend<S: Simt>(p: &SparseMlaParams, g: &Geometry, item: u64, pass: u32) {
+    let it = Item::of(g, p, item);
+    let token = it.token;
+    let r = Role::new::<S>();
+    let kr = tile::KRange {
+        lo: g.ksteps * r.q4 / 4,
+        hi: g.ksteps * (r.q4 + 1) / 4,
     };
+    let cols = pass_cols(g, &r, pass);
     // SAFETY: token < n_tokens; the Q area was last read before the previous attend's
     // final barriers, and is next read after the loop's first barrier.
-    unsafe { tile::stage_q::<S>(p, g, token, h0) };
-    let prefetch = gather::prefetchable(p);
+    unsafe { tile::stage_q::<S>(p, g, token, it.h0) };
+    let prefetch = gather::prefetchable(p, g);
     // SAFETY: token < n_tokens.
-    let mut scan = unsafe { gather::Scan::start::<S>(p, token, r.lane) };
+    let mut scan = unsafe { gather::Scan::start::<S>(p, token, r.lane, it.begin(p)) };
     // Block b + 1 (slot, size) while block b (n keys) is computed; n = 0 before block 0.
     // SAFETY: as above.
     let (mut next_slot, mut next_n) = unsafe { scan.next_block::<S>(p, token, r.key, r.lane) };
@@ -349,7 +503,7 @@ unsafe fn attend<S: Simt>(p: &SparseMlaParams, g: &Geometry, token: u32, h0: u32
         // Global loads of the next block, in flight while this one is computed.
         let pf = if prefetch {
             // SAFETY: `next_slot` is -1 or a validated slot; the layout is prefetchable.
-            unsafe { gather::issue(p, g, &r, next_slot) }
+            unsafe { gather::issue::<S>(p, g, &r, next_slot) }
         } else {
             gather::Prefetch::default()
         };
@@ -370,7 +524,7 @@ unsafe fn attend<S: Simt>(p: &SparseMlaParams, g: &Geometry, token: u32, h0: u32
             // SAFETY: this epoch, each key-row chunk and scale is stored by its one owner.
             unsafe { gather::store::<S>(g, &r, &pf) };
         }
-        if !prefetch || (MAXIT as u32) * 8 < g.units || g.tiles > 8 {
+        if !prefetch || (MAXIT as u32) * 8 < g.units {
             let from = if prefetch { MAXIT as u32 } else { 0 };
             // SAFETY: as above (what the prefetch did not load).
             unsafe { gather::store_rest::<S>(p, g, &r, next_slot, from) };
@@ -382,6 +536,17 @@ unsafe fn attend<S: Simt>(p: &SparseMlaParams, g: &Geometry, token: u32, h0: u32
     }
     // Everyone is done with the key rows: they now carry the half-1 accumulators.
     S::sync_threads();
+    // The item decoded again from an opaque copy (see `Role::opaque`): its fields are not
+    // kept in registers through the key loop.
+    let it = Item::of(g, p, item + S::ballot(FULL, false) as u64);
+    let (token, h0) = (it.token, it.h0);
     // SAFETY: the barrier above and the one inside order the merge's stores and loads.
-    unsafe { tile::merge_and_write::<S>(p, g, &r, &cols, token, h0, pass, &soft, &o) };
+    unsafe {
+        if g.splits == 1 {
+            tile::merge_and_write::<S>(p, g, &r, &cols, token, h0, pass, &soft, &o)
+        } else {
+            let rec = p.workspace.add(it.record(g, it.split));
+            tile::merge_and_store_partial::<S>(g, &r, &cols, pass, &soft, &o, rec)
+        }
+    }
 }

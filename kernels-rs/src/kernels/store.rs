@@ -21,23 +21,25 @@ pub unsafe fn index_k_store<S: Simt>(p: IndexKStoreParams) {
     let mut t = S::block_idx() * warps + S::warp_id();
     while t < p.n_tokens {
         // SAFETY: t < n_tokens and `slots` holds n_tokens entries (contract).
-        let slot = unsafe { *p.slots.add(t as usize) };
+        let slot = unsafe { S::gld(p.slots.add(t as usize)) };
         if slot >= 0 {
             let (page, off) = (
                 slot as u64 / p.page_size as u64,
                 slot as u64 % p.page_size as u64,
             );
-            let page_ptr = p.cache.wrapping_add((page * p.page_bytes) as usize);
-            let values = page_ptr.wrapping_add((off * p.value_bytes as u64) as usize);
-            let key = p.keys.wrapping_add(t as usize * p.head_dim as usize);
+            let page_ptr = p.cache.byte_add((page * p.page_bytes) as usize);
+            let values = page_ptr.byte_add((off * p.value_bytes as u64) as usize);
+            let key = p.keys.add(t as usize * p.head_dim as usize);
             if p.format == index_k_format::BF16 {
                 let mut i = lane;
                 while i < p.head_dim {
-                    // SAFETY: i < head_dim: inside the token's key and its value bytes.
+                    // SAFETY: i < head_dim: inside the token's key and its value bytes
+                    // (2-byte aligned: every layout size is even).
                     unsafe {
-                        (values as *mut u16)
-                            .add(i as usize)
-                            .write_unaligned(*key.add(i as usize))
+                        S::gst(
+                            values.cast::<u16>().add(i as usize),
+                            S::gld(key.add(i as usize)),
+                        )
                     };
                     i += 32;
                 }
@@ -46,7 +48,7 @@ pub unsafe fn index_k_store<S: Simt>(p: IndexKStoreParams) {
                 let mut i = lane;
                 while i < p.head_dim {
                     // SAFETY: i < head_dim.
-                    amax = amax.max(abs(bf16_to_f32(unsafe { *key.add(i as usize) })));
+                    amax = amax.max(abs(bf16_to_f32(unsafe { S::gld(key.add(i as usize)) })));
                     i += 32;
                 }
                 let amax = warp_max_f32::<S>(amax);
@@ -55,14 +57,16 @@ pub unsafe fn index_k_store<S: Simt>(p: IndexKStoreParams) {
                 while i < p.head_dim {
                     // SAFETY: i < head_dim = value bytes of an fp8 token.
                     unsafe {
-                        *values.add(i as usize) = e4m3_encode(bf16_to_f32(*key.add(i as usize)) / s)
+                        let code = e4m3_encode(bf16_to_f32(S::gld(key.add(i as usize))) / s);
+                        S::gst(values.add(i as usize), code)
                     };
                     i += 32;
                 }
                 if lane == 0 {
-                    let at = page_ptr.wrapping_add(p.scale_offset as usize + 4 * off as usize);
-                    // SAFETY: the scale of token `off` lies inside its page (layout contract).
-                    unsafe { (at as *mut u32).write_unaligned(s.to_bits()) };
+                    let at = page_ptr.byte_add(p.scale_offset as usize + 4 * off as usize);
+                    // SAFETY: the scale of token `off` lies inside its page, 4-byte aligned
+                    // (layout contract).
+                    unsafe { S::gst(at.cast::<u32>(), s.to_bits()) };
                 }
             }
         }
@@ -83,7 +87,7 @@ pub unsafe fn kv_store<S: Simt>(p: KvStoreParams) {
     let mut t = S::block_idx() * warps + S::warp_id();
     while t < p.n_tokens {
         // SAFETY: t < n_tokens (contract).
-        let slot = unsafe { *p.slots.add(t as usize) };
+        let slot = unsafe { S::gld(p.slots.add(t as usize)) };
         if slot >= 0 {
             let (page, off) = (
                 slot as u64 / p.page_size as u64,
@@ -91,8 +95,8 @@ pub unsafe fn kv_store<S: Simt>(p: KvStoreParams) {
             );
             let tok = p
                 .cache
-                .wrapping_add((page * p.page_bytes + off * p.token_bytes as u64) as usize);
-            let src = p.kv.wrapping_add(t as usize * dqk as usize);
+                .byte_add((page * p.page_bytes + off * p.token_bytes as u64) as usize);
+            let src = p.kv.add(t as usize * dqk as usize);
             if p.format == kv_format::FP8_DS_MLA {
                 let mut tile = 0;
                 while tile < p.nope_dim / TILE {
@@ -101,7 +105,9 @@ pub unsafe fn kv_store<S: Simt>(p: KvStoreParams) {
                     let mut i = lane;
                     while i < TILE {
                         // SAFETY: base + i < nope_dim.
-                        amax = amax.max(abs(bf16_to_f32(unsafe { *src.add((base + i) as usize) })));
+                        amax = amax.max(abs(bf16_to_f32(unsafe {
+                            S::gld(src.add((base + i) as usize))
+                        })));
                         i += 32;
                     }
                     let s = kv_tile_scale(warp_max_f32::<S>(amax));
@@ -109,15 +115,17 @@ pub unsafe fn kv_store<S: Simt>(p: KvStoreParams) {
                     while i < TILE {
                         // SAFETY: base + i < nope_dim = the token's e4m3 bytes.
                         unsafe {
-                            *tok.add((base + i) as usize) =
-                                e4m3_encode(bf16_to_f32(*src.add((base + i) as usize)) / s)
+                            let code =
+                                e4m3_encode(bf16_to_f32(S::gld(src.add((base + i) as usize))) / s);
+                            S::gst(tok.add((base + i) as usize), code)
                         };
                         i += 32;
                     }
                     if lane == 0 {
-                        let at = tok.wrapping_add((p.scales_offset + 4 * tile) as usize);
-                        // SAFETY: tile scales lie inside the token (layout contract).
-                        unsafe { (at as *mut u32).write_unaligned(s.to_bits()) };
+                        let at = tok.byte_add((p.scales_offset + 4 * tile) as usize);
+                        // SAFETY: tile scales lie inside the token, 4-byte aligned (layout
+                        // contract).
+                        unsafe { S::gst(at.cast::<u32>(), s.to_bits()) };
                     }
                     tile += 1;
                 }
@@ -126,20 +134,23 @@ pub unsafe fn kv_store<S: Simt>(p: KvStoreParams) {
                 while i < p.nope_dim {
                     // SAFETY: i < nope_dim: bf16 latent of the token.
                     unsafe {
-                        (tok as *mut u16)
-                            .add(i as usize)
-                            .write_unaligned(*src.add(i as usize))
+                        S::gst(
+                            tok.cast::<u16>().add(i as usize),
+                            S::gld(src.add(i as usize)),
+                        )
                     };
                     i += 32;
                 }
             }
-            let rope = tok.wrapping_add(p.rope_offset as usize) as *mut u16;
+            let rope = tok.byte_add(p.rope_offset as usize).cast::<u16>();
             let mut i = lane;
             while i < p.rope_dim {
-                // SAFETY: i < rope_dim: the token's bf16 rope.
+                // SAFETY: i < rope_dim: the token's bf16 rope (2-byte aligned).
                 unsafe {
-                    rope.add(i as usize)
-                        .write_unaligned(*src.add((p.nope_dim + i) as usize))
+                    S::gst(
+                        rope.add(i as usize),
+                        S::gld(src.add((p.nope_dim + i) as usize)),
+                    )
                 };
                 i += 32;
             }

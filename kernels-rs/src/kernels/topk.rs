@@ -1,4 +1,14 @@
-//! `topk` on the GPU: an exact radix select, one block per row, grid-stride over rows.
+//! `topk` on the GPU: an exact radix select, one block per row (or per chunk of a long
+//! row), grid-stride over the work.
+//!
+//! A row longer than [`topk_chunk`] positions is cut into chunks of that many: one block
+//! finds the exact top-`k'` (`k' = min(k, chunk)`) of each chunk and stores them as
+//! candidates (keys and positions, in position order, padded with invalid keys to `k'`);
+//! the last block of the row to finish (a counter, with fences) runs the same selection
+//! over the row's candidates and writes the output. Every entry of the row's top-k is in
+//! its chunk's top-`k'` (the order — key, then lower position — is total), so the result
+//! is the same set in the same order as one block over the whole row: exact and
+//! independent of the batch and of the split (the chunk size depends on `k` only).
 //!
 //! Every logit maps to an order-preserving u32 key ([`key_of`]: `-0.0` folded into
 //! `+0.0`, so the two tie); `-inf` and NaN map to [`INVALID`] (0), below every valid key
@@ -39,7 +49,8 @@
 //! - `[16384, 16640)` `SCAN`: two buffers of 32 u32 per-warp totals for the block scans
 //!   (the output walk alternates between them so that one barrier per tile suffices);
 //! - `[16640, 16652)` `RESULT`: the bin found (`bin`, `need`, `count`), written by the one
-//!   thread whose chunk holds it.
+//!   thread whose chunk holds it;
+//! - `[16652, 16656)` `FLAG`: whether this block is the last of its row's chunks.
 //!
 //! Race discipline (the emulator's model): histograms are zeroed with plain stores, a
 //! barrier, then updated with atomics only, a barrier, then read with plain loads; every
@@ -47,6 +58,7 @@
 //! only after another.
 
 use super::FULL;
+use crate::global::{GlobalMut, GlobalPtr, V4};
 use crate::launch::{Launch, MAX_GRID};
 use crate::params::{QueryRange, TopkParams};
 use crate::simt::Simt;
@@ -65,17 +77,52 @@ const SCAN: usize = HIST_B + 4 * BINS as usize;
 const SCAN_BUF: usize = 4 * 32;
 /// Byte offset of the bin found: `bin`, `need`, `count` (u32 each).
 const RESULT: usize = SCAN + 2 * SCAN_BUF;
+/// Byte offset of the last-chunk flag.
+const FLAG: usize = RESULT + 12;
 /// Dynamic shared memory of a block.
-pub const SMEM_BYTES: u32 = (RESULT + 12) as u32;
+pub const SMEM_BYTES: u32 = (FLAG + 4) as u32;
+
+/// Positions per chunk of a long row: `max(8192, 4k)` rounded up to a multiple of
+/// [`TOPK_BLOCK`]. A chunk's candidates are at most a quarter of it, so the merge reads
+/// at most a quarter of the row again; the size depends on `k` only.
+pub fn topk_chunk(k: u32) -> u32 {
+    8192u32
+        .max(k.saturating_mul(4))
+        .div_ceil(TOPK_BLOCK)
+        .saturating_mul(TOPK_BLOCK)
+}
+
+/// Chunks of a row stride of `row_stride` (1: rows are never split).
+fn max_chunks(row_stride: u32, chunk: u32) -> u32 {
+    if row_stride > chunk {
+        row_stride.div_ceil(chunk)
+    } else {
+        1
+    }
+}
+
+/// Bytes of the workspace (candidates) and of the counters a launch needs (both 0 when
+/// no row can be split): per row, `chunks · k'` candidate keys then as many positions
+/// (u32), and one u32 counter.
+pub fn topk_workspace(n_rows: u32, row_stride: u32, k: u32) -> (u64, u64) {
+    let chunk = topk_chunk(k);
+    let chunks = max_chunks(row_stride, chunk) as u64;
+    if chunks == 1 {
+        return (0, 0);
+    }
+    let kc = k.min(chunk) as u64;
+    (4 * n_rows as u64 * 2 * chunks * kc, 4 * n_rows as u64)
+}
 
 /// The key of an invalid (`-inf` or NaN) entry; every valid key is larger.
 const INVALID: u32 = 0;
 
-/// Launch geometry: one block of `TOPK_BLOCK` threads per row (at most [`MAX_GRID`]
-/// blocks, which stride over the rows), `SMEM_BYTES` of dynamic shared memory.
+/// Launch geometry: one block of `TOPK_BLOCK` threads per (row, chunk) (at most
+/// [`MAX_GRID`] blocks, which stride over them), `SMEM_BYTES` of dynamic shared memory.
 pub fn topk_launch(p: &TopkParams) -> Launch {
+    let items = p.n_rows as u64 * max_chunks(p.row_stride, p.chunk.max(1)) as u64;
     Launch {
-        grid: p.n_rows.clamp(1, MAX_GRID),
+        grid: items.clamp(1, MAX_GRID as u64) as u32,
         block: TOPK_BLOCK,
         smem_bytes: SMEM_BYTES,
     }
@@ -141,6 +188,118 @@ struct Me {
     warps: u32,
 }
 
+/// Where a selection reads its keys.
+trait Keys: Copy {
+    /// The key of position `q`.
+    ///
+    /// # Safety
+    /// `q` is inside the range the caller's contract names.
+    unsafe fn key<S: Simt>(self, q: u32) -> u32;
+}
+
+/// A row of logits.
+#[derive(Clone, Copy)]
+struct Logits(GlobalPtr<f32>);
+
+impl Keys for Logits {
+    #[inline(always)]
+    unsafe fn key<S: Simt>(self, q: u32) -> u32 {
+        // SAFETY: q inside the row (caller's contract).
+        key_of(unsafe { S::gld(self.0.add(q as usize)) })
+    }
+}
+
+/// A row's chunk candidates: keys (invalid for padding).
+#[derive(Clone, Copy)]
+struct Candidates(GlobalPtr<u32>);
+
+impl Keys for Candidates {
+    #[inline(always)]
+    unsafe fn key<S: Simt>(self, q: u32) -> u32 {
+        // SAFETY: q < chunks · k' (caller's contract).
+        unsafe { S::gld(self.0.add(q as usize)) }
+    }
+}
+
+/// Where a selection's entries go, in ascending position order.
+trait Sink: Copy {
+    /// Output `at` is the entry at position `q` (key `key`).
+    ///
+    /// # Safety
+    /// `at` below the sink's length, `q` a selected position.
+    unsafe fn put<S: Simt>(self, at: u32, q: u32, key: u32);
+    /// Output `j` holds no entry.
+    ///
+    /// # Safety
+    /// `j` below the sink's length.
+    unsafe fn pad<S: Simt>(self, j: u32);
+}
+
+/// The op's output row: positions, or slots through the page table.
+#[derive(Clone, Copy)]
+struct Output {
+    out: GlobalMut<i32>,
+    /// Where positions become slots ([`TopkParams`]' page table fields).
+    slots: Slots,
+    request: u32,
+    /// Candidate positions (the selection runs over candidates), or `None` (over the row).
+    pos: Option<GlobalPtr<u32>>,
+}
+
+/// The page table fields of [`TopkParams`] (null table: output positions).
+#[derive(Clone, Copy)]
+struct Slots {
+    page_table: GlobalPtr<i32>,
+    page_size: u32,
+    max_pages: u32,
+}
+
+impl Sink for Output {
+    #[inline(always)]
+    unsafe fn put<S: Simt>(self, at: u32, q: u32, _key: u32) {
+        let pos = match self.pos {
+            None => q,
+            // SAFETY: a selected candidate's position was stored with it.
+            Some(pp) => unsafe { S::gld(pp.add(q as usize)) },
+        };
+        // SAFETY: at < k; the page table maps pos (contract of `topk`).
+        unsafe {
+            S::gst(
+                self.out.add(at as usize),
+                output_of::<S>(self.slots, self.request, pos),
+            )
+        };
+    }
+    #[inline(always)]
+    unsafe fn pad<S: Simt>(self, j: u32) {
+        // SAFETY: j < k.
+        unsafe { S::gst(self.out.add(j as usize), -1) };
+    }
+}
+
+/// A chunk's candidates: `k'` keys and positions.
+#[derive(Clone, Copy)]
+struct Chunk {
+    keys: GlobalMut<u32>,
+    pos: GlobalMut<u32>,
+}
+
+impl Sink for Chunk {
+    #[inline(always)]
+    unsafe fn put<S: Simt>(self, at: u32, q: u32, key: u32) {
+        // SAFETY: at < k': this chunk's candidate slots.
+        unsafe {
+            S::gst(self.keys.add(at as usize), key);
+            S::gst(self.pos.add(at as usize), q);
+        }
+    }
+    #[inline(always)]
+    unsafe fn pad<S: Simt>(self, j: u32) {
+        // SAFETY: j < k'.
+        unsafe { S::gst(self.keys.add(j as usize), INVALID) };
+    }
+}
+
 /// Exact top-k.
 ///
 /// # Safety
@@ -149,7 +308,9 @@ struct Me {
 /// and size in `p` describes validated buffers (see [`TopkParams`]): `logits` holds
 /// `n_rows × row_stride` f32, `rows` `n_rows` ranges with `start ≤ end ≤ row_stride <
 /// 2^31`, `out` `n_rows × k` i32, and when `page_table` is not null it maps every position
-/// of every row's range to a page whose slots fit in i32.
+/// of every row's range to a page whose slots fit in i32; `chunk` is [`topk_chunk`]`(k)`
+/// (or at least `row_stride`: no split) and, when rows are split, `workspace` and
+/// `counters` hold [`topk_workspace`] bytes with the counters zero.
 pub unsafe fn topk<S: Simt>(p: TopkParams) {
     let tid = S::thread_idx();
     let block_dim = S::block_dim();
@@ -160,29 +321,128 @@ pub unsafe fn topk<S: Simt>(p: TopkParams) {
         block_dim,
         warps: block_dim / 32,
     };
-    let mut r = S::block_idx();
-    while r < p.n_rows {
+    let chunk = p.chunk.max(1);
+    let chunks = max_chunks(p.row_stride, chunk);
+    let items = p.n_rows as u64 * chunks as u64;
+    let mut item = S::block_idx() as u64;
+    while item < items {
+        let r = (item / chunks as u64) as u32;
+        let c = (item % chunks as u64) as u32;
         // SAFETY: r < n_rows and `rows` holds n_rows ranges.
         let QueryRange {
             request,
             start,
             end,
-        } = unsafe { *p.rows.add(r as usize) };
-        let row = p.logits.wrapping_add(r as usize * p.row_stride as usize);
-        let out = p.out.wrapping_add(r as usize * p.k as usize);
-        let th = if end.saturating_sub(start) <= p.k {
-            Threshold::ALL
-        } else {
-            // SAFETY: [start, end) lies in the row (contract); the launch provides the
-            // shared memory; every thread of the block takes this branch (uniform).
-            unsafe { select::<S>(me, row, start, end, p.k) }
+        } = unsafe { QueryRange::load::<S>(p.rows, r) };
+        let n = end.saturating_sub(start);
+        let row_chunks = if n > chunk { n.div_ceil(chunk) } else { 1 };
+        let row = Logits(p.logits.add(r as usize * p.row_stride as usize));
+        let out = Output {
+            out: p.out.add(r as usize * p.k as usize),
+            slots: Slots {
+                page_table: p.page_table,
+                page_size: p.page_size,
+                max_pages: p.max_pages,
+            },
+            request,
+            pos: None,
         };
-        // SAFETY: as above; `out` holds the row's k outputs.
-        unsafe { write_row::<S>(me, &p, row, out, request, start, end, th) };
-        // The next row's shared-memory stores come after everyone's last loads.
+        if row_chunks == 1 && c == 0 {
+            let th = if n <= p.k {
+                Threshold::ALL
+            } else {
+                // SAFETY: [start, end) lies in the row (contract); the launch provides
+                // the shared memory; every thread of the block takes this branch
+                // (uniform).
+                unsafe { select::<S>(me, row, start, end, p.k) }
+            };
+            // SAFETY: as above; `out` holds the row's k outputs.
+            unsafe { write_row::<S>(me, p.k, row, out, start, end, th) };
+        } else if c < row_chunks {
+            // SAFETY: c < row_chunks ≤ chunks; the workspace and counters are sized for
+            // the launch (contract).
+            unsafe { chunk_and_merge::<S>(me, &p, row, out, r, c, (start, end), row_chunks) };
+        }
+        // The next item's shared-memory stores come after everyone's last loads.
         S::sync_threads();
-        r += S::grid_dim();
+        item += S::grid_dim() as u64;
     }
+}
+
+/// Chunk `c` of row `r` (positions `range`, `row_chunks` chunks): its top-k' into the
+/// workspace, then, in the last of the row's blocks to finish, the row's top-k over the
+/// candidates into `out`.
+///
+/// # Safety
+/// As [`topk`]; every thread of the block calls it with the same arguments.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn chunk_and_merge<S: Simt>(
+    me: Me,
+    p: &TopkParams,
+    row: Logits,
+    out: Output,
+    r: u32,
+    c: u32,
+    range: (u32, u32),
+    row_chunks: u32,
+) {
+    let chunk = p.chunk.max(1);
+    let chunks = max_chunks(p.row_stride, chunk) as usize;
+    let kc = p.k.min(chunk);
+    let region = p.workspace.add(r as usize * 2 * chunks * kc as usize);
+    let (keys, pos) = (region, region.add(chunks * kc as usize));
+    let sink = Chunk {
+        keys: keys.add(c as usize * kc as usize),
+        pos: pos.add(c as usize * kc as usize),
+    };
+    let c0 = range.0 + c * chunk;
+    let c1 = (c0 + chunk).min(range.1);
+    let th = if c1 - c0 <= kc {
+        Threshold::ALL
+    } else {
+        // SAFETY: [c0, c1) lies in the row; uniform.
+        unsafe { select::<S>(me, row, c0, c1, kc) }
+    };
+    // SAFETY: the chunk's kc candidate slots.
+    unsafe { write_row::<S>(me, kc, row, sink, c0, c1, th) };
+    // Count the chunk as done; the last one merges. Every thread's candidate stores are
+    // visible GPU-wide before the count says so.
+    S::threadfence();
+    S::sync_threads();
+    if me.tid == 0 {
+        let counter = p.counters.add(r as usize);
+        // SAFETY: the row's counter, only accessed atomically during the launch.
+        let done = unsafe { S::atomic_add_u32(counter, 1) } + 1;
+        let last = done == row_chunks;
+        if last {
+            // Back to zero for the next launch (every chunk has counted).
+            // SAFETY: as above.
+            unsafe { S::atomic_add_u32(counter, 0u32.wrapping_sub(row_chunks)) };
+        }
+        // SAFETY: the flag word, read by everyone after the barrier below.
+        unsafe { S::smem_store::<u32>(FLAG, last as u32) };
+    }
+    S::sync_threads();
+    // SAFETY: stored before the barrier.
+    if unsafe { S::smem_load::<u32>(FLAG) } == 0 {
+        return;
+    }
+    // The other chunks' stores (fenced before their counts) are visible now.
+    S::threadfence();
+    let cands = Candidates(keys.as_const());
+    let n = row_chunks * kc;
+    let out = Output {
+        pos: Some(pos.as_const()),
+        ..out
+    };
+    // SAFETY: every chunk of the row wrote its kc candidate keys (and the positions of
+    // the selected ones) before counting; n > k (two or more chunks of k' ≥ ... entries,
+    // or all invalid padding past the valid ones); the last barrier separates the
+    // previous shared-memory accesses.
+    let th = unsafe { select::<S>(me, cands, 0, n, p.k) };
+    // SAFETY: as above; `out` holds the row's k outputs.
+    unsafe { write_row::<S>(me, p.k, cands, out, 0, n, th) };
 }
 
 /// Finds the exact threshold of a row with more than `k` positions (up to three histogram
@@ -192,7 +452,8 @@ pub unsafe fn topk<S: Simt>(p: TopkParams) {
 /// Every thread of the block calls it with the same arguments; `row[start..end]` is
 /// readable; [`SMEM_BYTES`] of shared memory; the previous shared-memory accesses are
 /// separated from this call by a barrier.
-unsafe fn select<S: Simt>(me: Me, row: *const f32, start: u32, end: u32, k: u32) -> Threshold {
+#[inline(always)]
+unsafe fn select<S: Simt>(me: Me, row: impl Keys, start: u32, end: u32, k: u32) -> Threshold {
     // Zero both histograms (plain stores; the atomics come after the barrier).
     let mut i = me.tid;
     while i < 2 * BINS {
@@ -279,7 +540,7 @@ const UNROLL: u32 = 4;
 #[inline(always)]
 unsafe fn histogram<S: Simt>(
     me: Me,
-    row: *const f32,
+    row: impl Keys,
     start: u32,
     end: u32,
     hist: usize,
@@ -305,7 +566,7 @@ unsafe fn histogram<S: Simt>(
     let load = |q: u32| {
         if q < end {
             // SAFETY: start <= q < end: inside the row.
-            key_of(unsafe { *row.add(q as usize) })
+            unsafe { row.key::<S>(q) }
         } else {
             INVALID
         }
@@ -345,12 +606,31 @@ unsafe fn histogram<S: Simt>(
 unsafe fn find_bin<S: Simt>(me: Me, hist: usize, need: u32) -> Found {
     let chunk = BINS / me.block_dim;
     let lo = me.tid * chunk;
+    // Bins `lo + j`; four at a time (one 16-byte load: conflict-free, where a lane's
+    // stride of `chunk` words would be a `chunk`-way conflict) when the chunk allows.
+    let bin_at = |j: u32| -> u32 {
+        if chunk % 4 == 0 {
+            // SAFETY: lo + j - j % 4 .. + 4 ≤ BINS: bins of the histogram, 16-byte
+            // aligned (lo and the histogram offsets are multiples of 4 words).
+            let v = unsafe { S::smem_load::<V4>(hist + 4 * (lo + j - j % 4) as usize) }.0;
+            v[(j % 4) as usize]
+        } else {
+            // SAFETY: lo + j < BINS: a bin of the histogram.
+            unsafe { S::smem_load::<u32>(hist + 4 * (lo + j) as usize) }
+        }
+    };
     let mut sum = 0u32;
     let mut j = 0;
     while j < chunk {
-        // SAFETY: lo + j < BINS: a bin of the histogram.
-        sum += unsafe { S::smem_load::<u32>(hist + 4 * (lo + j) as usize) };
-        j += 1;
+        if chunk % 4 == 0 {
+            // SAFETY: as in `bin_at`.
+            let v = unsafe { S::smem_load::<V4>(hist + 4 * (lo + j) as usize) }.0;
+            sum += v[0] + v[1] + v[2] + v[3];
+            j += 4;
+        } else {
+            sum += bin_at(j);
+            j += 1;
+        }
     }
     // SAFETY: same arguments in every thread; SCAN[0] is free (contract).
     let (before, total) = unsafe { block_scan::<S>(me, sum, SCAN) };
@@ -360,8 +640,7 @@ unsafe fn find_bin<S: Simt>(me: Me, hist: usize, need: u32) -> Found {
     while j > 0 {
         j -= 1;
         let bin = lo + j;
-        // SAFETY: bin < BINS.
-        let h = unsafe { S::smem_load::<u32>(hist + 4 * bin as usize) };
+        let h = bin_at(j);
         if above < need && above + h >= need {
             // SAFETY: exactly one bin satisfies this (cumulative counts from the top
             // cross `need` once), so RESULT has one writer; nobody loads it before the
@@ -452,7 +731,7 @@ unsafe fn cross_warp<S: Simt>(me: Me, buf: usize) -> (u32, u32) {
 /// # Safety
 /// With a page table, it maps `pos` of `request` (contract of [`topk`]).
 #[inline(always)]
-unsafe fn output_of(p: &TopkParams, request: u32, pos: u32) -> i32 {
+unsafe fn output_of<S: Simt>(p: Slots, request: u32, pos: u32) -> i32 {
     if p.page_table.is_null() {
         return pos as i32;
     }
@@ -460,7 +739,7 @@ unsafe fn output_of(p: &TopkParams, request: u32, pos: u32) -> i32 {
     let page_size = p.page_size.max(1);
     let entry = request as usize * p.max_pages as usize + (pos / page_size) as usize;
     // SAFETY: the page table maps every position of the row's range (contract).
-    let page = unsafe { *p.page_table.add(entry) };
+    let page = unsafe { S::gld(p.page_table.add(entry)) };
     // Validated to fit in i32.
     (page as u32)
         .wrapping_mul(page_size)
@@ -468,24 +747,23 @@ unsafe fn output_of(p: &TopkParams, request: u32, pos: u32) -> i32 {
 }
 
 /// Writes the selection `th` of `row[start..end]` to `out[..k]` in ascending position
-/// order, then `-1` padding (see the module documentation).
+/// order, then padding (`-1` for the op's output, invalid keys for candidates; see the
+/// module documentation).
 ///
 /// # Safety
 /// Every thread of the block calls it with the same arguments; `row[start..end]` is
-/// readable, `out` holds `k` i32; both `SCAN` buffers were last accessed before the
+/// readable, `out` holds `k` entries; both `SCAN` buffers were last accessed before the
 /// previous barrier or one before it (the first tile uses buffer 0).
 #[allow(clippy::too_many_arguments)]
 unsafe fn write_row<S: Simt>(
     me: Me,
-    p: &TopkParams,
-    row: *const f32,
-    out: *mut i32,
-    request: u32,
+    k: u32,
+    row: impl Keys,
+    out: impl Sink,
     start: u32,
     end: u32,
     th: Threshold,
 ) {
-    let k = p.k;
     let lanes_below = (1u32 << me.lane) - 1;
     // Entries written so far, equal entries seen so far (counted while taking part of
     // them), and whether all equal entries are taken.
@@ -498,7 +776,7 @@ unsafe fn write_row<S: Simt>(
     let load = |pos: u32| {
         if pos < end {
             // SAFETY: start <= pos < end (callers pass pos >= start).
-            key_of(unsafe { *row.add(pos as usize) })
+            unsafe { row.key::<S>(pos) }
         } else {
             INVALID
         }
@@ -536,8 +814,8 @@ unsafe fn write_row<S: Simt>(
         if first || (partial && eq && eq_before < left) {
             let at = written + first_before + eq_before.min(left);
             if at < k {
-                // SAFETY: at < k: inside the row's output; the page table maps pos.
-                unsafe { *out.add(at as usize) = output_of(p, request, pos) };
+                // SAFETY: at < k: inside the sink; pos is selected.
+                unsafe { out.put::<S>(at, pos, key) };
             }
         }
         written += first_total + eq_total.min(left);
@@ -548,7 +826,7 @@ unsafe fn write_row<S: Simt>(
     let mut j = written + me.tid;
     while j < k {
         // SAFETY: j < k.
-        unsafe { *out.add(j as usize) = -1 };
+        unsafe { out.pad::<S>(j) };
         j += me.block_dim;
     }
 }

@@ -2,22 +2,15 @@
 //! and moving the keys from the paged KV cache into shared memory as bf16.
 
 use super::{Geometry, Role, BN, MAXIT};
+use crate::fp8::e4m3x8_to_bf16;
+use crate::global::{GlobalPtr, V4};
 use crate::kernels::FULL;
 use crate::params::SparseMlaParams;
 use crate::simt::Simt;
 
-/// A 16-byte vector (`ld/st.v4.u32`).
-#[repr(C, align(16))]
-#[derive(Clone, Copy)]
-pub(super) struct V4(pub [u32; 4]);
-
-/// An 8-byte vector (`ld/st.v2.u32`).
-#[repr(C, align(8))]
-#[derive(Clone, Copy)]
-pub(super) struct V2(pub [u32; 2]);
-
-/// A warp's walk over one token's indices, 32 at a time. Every warp of the block walks
-/// the same indices and therefore finds the same key blocks.
+/// A warp's walk over one split of a token's indices (see `sparse_mla_split`), 32 at a
+/// time. Every warp of the block walks the same indices and therefore finds the same key
+/// blocks.
 pub(super) struct Scan {
     /// Position of the current chunk in the token's indices.
     base: u32,
@@ -31,15 +24,23 @@ pub(super) struct Scan {
     done: bool,
 }
 
-/// The token's index `i`, or -1 past `topk`.
+/// The end (exclusive) of the split holding index `i` (`i < topk`; a split starts at a
+/// multiple of `p.split`): computed where needed rather than kept in a register.
+#[inline(always)]
+fn split_end(p: &SparseMlaParams, i: u32) -> u32 {
+    let split = p.split.max(1);
+    (i - i % split + split).min(p.topk)
+}
+
+/// The token's index `i`, or -1 at or past `end` (≤ `topk`).
 ///
 /// # Safety
-/// `token < n_tokens`.
+/// `token < n_tokens`, `end ≤ topk`.
 #[inline(always)]
-unsafe fn index(p: &SparseMlaParams, token: u32, i: u32) -> i32 {
-    if i < p.topk {
+unsafe fn index<S: Simt>(p: &SparseMlaParams, token: u32, i: u32, end: u32) -> i32 {
+    if i < end {
         // SAFETY: token < n_tokens and i < topk: inside `indices`.
-        unsafe { *p.indices.add(token as usize * p.topk as usize + i as usize) }
+        unsafe { S::gld(p.indices.add(token as usize * p.topk as usize + i as usize)) }
     } else {
         -1
     }
@@ -63,16 +64,28 @@ fn nth_set_bit(mut m: u32, mut n: u32) -> u32 {
 }
 
 impl Scan {
-    /// Starts at the token's first index (all lanes of a full warp).
+    /// Starts at index `begin` (the first of a split) of the token's indices, walking to
+    /// the split's end (all lanes of a full warp).
     ///
     /// # Safety
-    /// `token < n_tokens`.
+    /// `token < n_tokens`; `begin` is 0 or a split's first index (`begin < topk`).
     #[inline(always)]
-    pub(super) unsafe fn start<S: Simt>(p: &SparseMlaParams, token: u32, lane: u32) -> Self {
-        // SAFETY: token < n_tokens.
-        let (cur, next) = unsafe { (index(p, token, lane), index(p, token, 32 + lane)) };
+    pub(super) unsafe fn start<S: Simt>(
+        p: &SparseMlaParams,
+        token: u32,
+        lane: u32,
+        begin: u32,
+    ) -> Self {
+        let end = if p.topk == 0 { 0 } else { split_end(p, begin) };
+        // SAFETY: token < n_tokens, end ≤ topk.
+        let (cur, next) = unsafe {
+            (
+                index::<S>(p, token, begin + lane, end),
+                index::<S>(p, token, begin + 32 + lane, end),
+            )
+        };
         Scan {
-            base: 0,
+            base: begin,
             cur,
             next,
             mask: S::ballot(FULL, cur >= 0),
@@ -111,14 +124,15 @@ impl Scan {
             }
             filled += take;
             if take == c {
-                if self.base + 32 >= p.topk {
+                let end = split_end(p, self.base);
+                if self.base + 32 >= end {
                     self.done = true;
                     self.mask = 0;
                 } else {
                     self.base += 32;
                     self.cur = self.next;
                     // SAFETY: token < n_tokens.
-                    self.next = unsafe { index(p, token, self.base + 32 + lane) };
+                    self.next = unsafe { index::<S>(p, token, self.base + 32 + lane, end) };
                     self.mask = S::ballot(FULL, self.cur >= 0);
                 }
             } else {
@@ -132,73 +146,110 @@ impl Scan {
     }
 }
 
-/// Global loads of one thread for one key block: source unit `sub + 8i` (`i < MAXIT`)
-/// of its key in `v[i]` (see [`Geometry::units`]), and the key's scale of tile `sub`
-/// (fp8).
+/// Global loads of one thread for one key block: source unit `sub + 8i - shift`
+/// (`i < MAXIT`) of its key in `v[i]` (see [`Geometry::units`]; the fp8 tile scales are
+/// units too). `shift` (0 or 1) aligns the 8 units a key's lanes load together to 32-byte
+/// sectors when the token row starts 16 bytes past one (fp8_ds_mla rows are 656 bytes):
+/// then every load instruction but the token's first covers whole sectors.
 #[derive(Default)]
 pub(super) struct Prefetch {
     v: [[u32; 4]; MAXIT],
-    scale: f32,
+    shift: u32,
+}
+
+/// Unit `8i + sub - shift`, if it exists.
+#[inline(always)]
+fn unit_of(g: &Geometry, sub: u32, i: usize, shift: u32) -> Option<u32> {
+    let k = sub + 8 * i as u32;
+    (k >= shift && k - shift < g.units).then(|| k - shift)
 }
 
 /// Whether every token row (and `extra`) is aligned to `align` bytes.
 #[inline(always)]
 fn aligned(p: &SparseMlaParams, align: u64, extra: u32) -> bool {
-    (p.cache as u64 | p.page_bytes | p.token_bytes as u64 | extra as u64) % align == 0
+    (p.cache.addr() as u64 | p.page_bytes | p.token_bytes as u64 | extra as u64) % align == 0
 }
 
 /// Whether the prefetch can gather `p`'s keys: token rows, rope and scales 16-byte
 /// aligned (DeepSeek-V3.2 layouts in allocator-aligned buffers), so that it has one load
 /// form only (`ld.v4`; with a fallback form beside it the compiler merges the two into
-/// narrower loads). Other layouts are gathered by [`store_rest`] alone.
+/// narrower loads), and the scale units inside the token row. Other layouts are gathered
+/// by [`store_rest`] alone.
 #[inline(always)]
-pub(super) fn prefetchable(p: &SparseMlaParams) -> bool {
+pub(super) fn prefetchable(p: &SparseMlaParams, g: &Geometry) -> bool {
     aligned(p, 16, p.rope_offset | p.scales_offset)
+        && p.scales_offset + 16 * g.scale_units <= p.token_bytes
 }
 
 /// The key row of `slot` (null for `slot < 0`).
 #[inline(always)]
-fn token_row(p: &SparseMlaParams, slot: i32) -> *const u8 {
+fn token_row(p: &SparseMlaParams, slot: i32) -> GlobalPtr<u8> {
     if slot < 0 {
-        return core::ptr::null();
+        return GlobalPtr::null();
     }
     let (page, off) = (
         slot as u64 / p.page_size as u64,
         slot as u64 % p.page_size as u64,
     );
     p.cache
-        .wrapping_add((page * p.page_bytes + off * p.token_bytes as u64) as usize)
+        .byte_add((page * p.page_bytes + off * p.token_bytes as u64) as usize)
 }
 
 /// Byte offset of source unit `u` inside a token row.
 #[inline(always)]
 fn unit_offset(p: &SparseMlaParams, g: &Geometry, u: u32) -> usize {
+    let rope = g.lat_units + g.scale_units;
     if u < g.lat_units {
         16 * u as usize
+    } else if u < rope {
+        (p.scales_offset + 16 * (u - g.lat_units)) as usize
     } else {
-        (p.rope_offset + 16 * (u - g.lat_units)) as usize
+        (p.rope_offset + 16 * (u - rope)) as usize
     }
 }
 
-/// Stores source unit `u` (16 bytes `v`) of key row `key` as bf16 chunks: one, or two
-/// for 16 e4m3 codes.
+/// Stores source unit `u` (16 bytes `v`) of key row `key`: a bf16 chunk, two chunks for
+/// 16 e4m3 codes, or up to 4 tile scales into the scale table.
+///
+/// The two chunks of an e4m3 unit are stored lower-first when `u % 8 < 4` and
+/// upper-first otherwise, so that each store instruction of the 8 lanes of a key (8
+/// consecutive units) hits 8 distinct 16-byte bank groups.
 ///
 /// # Safety
-/// `key < 32`, `u < units`; only this thread touches the chunks between the enclosing
-/// barriers.
+/// `key < 32`, `u < units`; only this thread touches the chunks and scales between the
+/// enclosing barriers.
 #[inline(always)]
 unsafe fn store_unit<S: Simt>(g: &Geometry, key: u32, u: u32, v: [u32; 4]) {
+    let rope = g.lat_units + g.scale_units;
     if g.fp8 && u < g.lat_units {
+        let b = (u >> 2) & 1;
+        // The codes of chunk 2u + b, then of the other one (selected before converting,
+        // so that one chunk's bf16 words are live at a time).
+        let (lo, hi) = if b == 0 { (v[0], v[1]) } else { (v[2], v[3]) };
         // SAFETY: chunks 2u, 2u + 1 < nope/8 of the key row (caller's contract).
-        unsafe {
-            S::smem_store(g.chunk_addr(key, 2 * u), V4(e4m3x8_to_bf16(v[0], v[1])));
-            S::smem_store(g.chunk_addr(key, 2 * u + 1), V4(e4m3x8_to_bf16(v[2], v[3])));
-        }
+        unsafe { S::smem_store(g.chunk_addr(key, 2 * u + b), V4(e4m3x8_to_bf16(lo, hi))) };
+        let (lo, hi) = if b == 0 { (v[2], v[3]) } else { (v[0], v[1]) };
+        // SAFETY: as above.
+        unsafe { S::smem_store(g.chunk_addr(key, 2 * u + 1 - b), V4(e4m3x8_to_bf16(lo, hi))) };
+    } else if u >= g.lat_units && u < rope {
+        let first = 4 * (u - g.lat_units);
+        unroll!(4, i, {
+            let tile = first + i as u32;
+            if tile < g.tiles {
+                // SAFETY: tile < tiles, key < 32: inside the scale table; this key's entry.
+                unsafe {
+                    S::smem_store(
+                        (g.scale_off + 4 * (tile * BN + key)) as usize,
+                        f32::from_bits(v[i]),
+                    )
+                };
+            }
+        });
     } else {
         let c = if u < g.lat_units {
             u
         } else {
-            g.nope_chunks + (u - g.lat_units)
+            g.nope_chunks + (u - rope)
         };
         // SAFETY: c < chunks: inside the key row (caller's contract).
         unsafe { S::smem_store(g.chunk_addr(key, c), V4(v)) };
@@ -212,30 +263,32 @@ unsafe fn store_unit<S: Simt>(g: &Geometry, key: u32, u: u32, v: [u32; 4]) {
 /// # Safety
 /// `slot` is -1 or a slot of the cache described by `p`; [`prefetchable`]`(p)`.
 #[inline(always)]
-pub(super) unsafe fn issue(p: &SparseMlaParams, g: &Geometry, r: &Role, slot: i32) -> Prefetch {
+pub(super) unsafe fn issue<S: Simt>(
+    p: &SparseMlaParams,
+    g: &Geometry,
+    r: &Role,
+    slot: i32,
+) -> Prefetch {
     let mut pf = Prefetch::default();
     if slot < 0 {
         return pf;
     }
     let tok = token_row(p, slot);
+    if g.shiftable {
+        pf.shift = ((tok.addr() / 16) & 1) as u32;
+    }
     unroll!(9, i, {
-        let u = r.sub + 8 * i as u32;
-        if u < g.units {
-            let at = tok.wrapping_add(unit_offset(p, g, u)) as *const V4;
-            // SAFETY: 16 bytes of the token row (u < units), 16-byte aligned
-            // (prefetchable layout).
-            pf.v[i] = unsafe { at.read() }.0;
+        if let Some(u) = unit_of(g, r.sub, i, pf.shift) {
+            let at = tok.byte_add(unit_offset(p, g, u)).cast::<V4>();
+            // SAFETY: 16 bytes of the token row (u < units; the scale units end inside
+            // it), 16-byte aligned (prefetchable layout).
+            pf.v[i] = unsafe { S::gld(at) }.0;
         }
     });
-    if r.sub < g.tiles {
-        let at = tok.wrapping_add((p.scales_offset + 4 * r.sub) as usize) as *const f32;
-        // SAFETY: the f32 scale of a tile of the token (sub < tiles), 4-byte aligned.
-        pf.scale = unsafe { at.read() };
-    }
     pf
 }
 
-/// Stores what [`issue`] loaded as bf16 key-row chunks (and the tile scale).
+/// Stores what [`issue`] loaded as bf16 key-row chunks and tile scales.
 ///
 /// # Safety
 /// Only this thread touches its key's chunks and scales between the enclosing barriers;
@@ -243,22 +296,17 @@ pub(super) unsafe fn issue(p: &SparseMlaParams, g: &Geometry, r: &Role, slot: i3
 #[inline(always)]
 pub(super) unsafe fn store<S: Simt>(g: &Geometry, r: &Role, pf: &Prefetch) {
     unroll!(9, i, {
-        let u = r.sub + 8 * i as u32;
-        if u < g.units {
+        if let Some(u) = unit_of(g, r.sub, i, pf.shift) {
             // SAFETY: key < 32, u < units (the caller's exclusivity).
             unsafe { store_unit::<S>(g, r.key, u, pf.v[i]) };
         }
     });
-    if r.sub < g.tiles {
-        // SAFETY: tile < tiles, key < 32: inside the scale table.
-        unsafe { S::smem_store((g.scale_off + 4 * (r.sub * BN + r.key)) as usize, pf.scale) };
-    }
 }
 
-/// Gathers (synchronously, one unit at a time) `slot`'s source units `sub + 8k` and tile
-/// scales `sub + 8k'` from `k = from` and `k' = from.min(1)` on (zeros for `slot < 0`):
-/// `from = MAXIT` completes the prefetch for rows wider than it (or more than 8 tiles),
-/// `from = 0` gathers a layout that is not [`prefetchable`], at any alignment.
+/// Gathers (synchronously, one unit at a time) `slot`'s source units `sub + 8k` from
+/// `k = from` on (zeros for `slot < 0`): `from = MAXIT` completes the prefetch for rows
+/// wider than it, `from = 0` gathers a layout that is not [`prefetchable`], at any
+/// alignment (a scale unit reads only the scales that exist).
 ///
 /// # Safety
 /// As [`issue`] (any alignment) and [`store`].
@@ -272,30 +320,29 @@ pub(super) unsafe fn store_rest<S: Simt>(
 ) {
     let tok = token_row(p, slot);
     let al16 = aligned(p, 16, p.rope_offset);
+    let scales = g.lat_units..g.lat_units + g.scale_units;
     let mut u = r.sub + 8 * from;
     while u < g.units {
+        let at = tok.byte_add(unit_offset(p, g, u));
         let v = if slot < 0 {
             [0; 4]
+        } else if scales.contains(&u) {
+            let first = 4 * (u - g.lat_units);
+            let mut v = [0u32; 4];
+            unroll!(4, i, {
+                if first + (i as u32) < g.tiles {
+                    // SAFETY: the f32 scale of tile first + i < tiles of the token.
+                    v[i] = unsafe { word::<S>(at.add(4 * i)) };
+                }
+            });
+            v
         } else {
             // SAFETY: 16 bytes of the token row (u < units).
-            unsafe { load16(tok.wrapping_add(unit_offset(p, g, u)), al16) }
+            unsafe { load16::<S>(at, al16) }
         };
         // SAFETY: key < 32, u < units (the caller's exclusivity).
         unsafe { store_unit::<S>(g, r.key, u, v) };
         u += 8;
-    }
-    let mut tile = r.sub + 8 * from.min(1);
-    while tile < g.tiles {
-        let scale = if slot < 0 {
-            0.0
-        } else {
-            let at = tok.wrapping_add((p.scales_offset + 4 * tile) as usize);
-            // SAFETY: the f32 scale of a tile of the token (tile < tiles).
-            f32::from_bits(unsafe { word(at) })
-        };
-        // SAFETY: tile < tiles, key < 32: inside the scale table; this thread's entry.
-        unsafe { S::smem_store((g.scale_off + 4 * (tile * BN + r.key)) as usize, scale) };
-        tile += 8;
     }
 }
 
@@ -304,13 +351,20 @@ pub(super) unsafe fn store_rest<S: Simt>(
 /// # Safety
 /// Readable.
 #[inline(always)]
-pub(super) unsafe fn load16(at: *const u8, al16: bool) -> [u32; 4] {
+pub(super) unsafe fn load16<S: Simt>(at: GlobalPtr<u8>, al16: bool) -> [u32; 4] {
     if al16 {
         // SAFETY: caller's contract.
-        unsafe { (at as *const V4).read().0 }
+        unsafe { S::gld(at.cast::<V4>()).0 }
     } else {
         // SAFETY: caller's contract.
-        unsafe { [word(at), word(at.add(4)), word(at.add(8)), word(at.add(12))] }
+        unsafe {
+            [
+                word::<S>(at),
+                word::<S>(at.add(4)),
+                word::<S>(at.add(8)),
+                word::<S>(at.add(12)),
+            ]
+        }
     }
 }
 
@@ -319,100 +373,19 @@ pub(super) unsafe fn load16(at: *const u8, al16: bool) -> [u32; 4] {
 /// # Safety
 /// 4 readable bytes.
 #[inline(always)]
-unsafe fn word(at: *const u8) -> u32 {
+unsafe fn word<S: Simt>(at: GlobalPtr<u8>) -> u32 {
     // SAFETY: caller's contract.
     unsafe {
-        *at as u32
-            | (*at.add(1) as u32) << 8
-            | (*at.add(2) as u32) << 16
-            | (*at.add(3) as u32) << 24
-    }
-}
-
-/// bf16 bits of one e4m3fn code (exact; NaN stays NaN), branch-free: the code's
-/// exponent and mantissa placed in an f32 (a subnormal one for exponent 0) times 2^120
-/// is the code's value exactly (needs subnormal f32 arithmetic, which PTX `mul.rn.f32`
-/// without `.ftz` has), and it has at most 4 significant bits, so its top 16 bits are it.
-#[inline(always)]
-fn e4m3_to_bf16(code: u32) -> u32 {
-    let x = code & 0x7f;
-    let v = f32::from_bits(x << 20) * f32::from_bits(0x7b80_0000); // 2^120
-    let mag = if x == 0x7f { 0x7fc0 } else { v.to_bits() >> 16 };
-    mag | ((code & 0x80) << 8)
-}
-
-/// Two e4m3 codes (bytes 0 and 2 of `w`) with nonzero exponents and no NaN to two bf16
-/// (low, high half-word): exponent field e (bias 7) → e + 120 (bias 127), the 3 mantissa
-/// bits on top; no carry crosses the halves (each stays below 0x4400).
-#[inline(always)]
-fn normal_e4m3x2_to_bf16x2(w: u32) -> u32 {
-    (((w & 0x007f_007f) << 4) + 0x3c00_3c00) | ((w & 0x0080_0080) << 8)
-}
-
-/// Whether all 4 codes of `w` are normal numbers (exponent ≠ 0, not NaN), bytewise.
-#[inline(always)]
-fn all_normal(w: u32) -> bool {
-    let nonzero_exp = ((w & 0x7878_7878) + 0x7878_7878) & 0x8080_8080;
-    let nan = ((w & 0x7f7f_7f7f) + 0x0101_0101) & 0x8080_8080;
-    nonzero_exp == 0x8080_8080 && nan == 0
-}
-
-/// 8 e4m3 codes (little-endian in `lo`, `hi`) to 8 bf16 (exact).
-#[inline(always)]
-pub(super) fn e4m3x8_to_bf16(lo: u32, hi: u32) -> [u32; 4] {
-    if all_normal(lo) && all_normal(hi) {
-        let spread_lo = |w: u32| (w & 0xff) | ((w & 0xff00) << 8);
-        let spread_hi = |w: u32| ((w >> 16) & 0xff) | ((w >> 8) & 0x00ff_0000);
-        [
-            normal_e4m3x2_to_bf16x2(spread_lo(lo)),
-            normal_e4m3x2_to_bf16x2(spread_hi(lo)),
-            normal_e4m3x2_to_bf16x2(spread_lo(hi)),
-            normal_e4m3x2_to_bf16x2(spread_hi(hi)),
-        ]
-    } else {
-        let pair = |w: u32| e4m3_to_bf16(w & 0xff) | (e4m3_to_bf16((w >> 8) & 0xff) << 16);
-        [pair(lo), pair(lo >> 16), pair(hi), pair(hi >> 16)]
+        S::gld(at) as u32
+            | (S::gld(at.add(1)) as u32) << 8
+            | (S::gld(at.add(2)) as u32) << 16
+            | (S::gld(at.add(3)) as u32) << 24
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fp8::e4m3_decode;
-
-    #[test]
-    fn e4m3_to_bf16_is_exact_for_every_code() {
-        let bf = |b: u32| f32::from_bits(b << 16);
-        let same = |got: f32, want: f32| {
-            if want.is_nan() {
-                got.is_nan()
-            } else {
-                got.to_bits() == want.to_bits()
-            }
-        };
-        for code in 0..256u32 {
-            let want = e4m3_decode(code as u8);
-            assert!(same(bf(e4m3_to_bf16(code)), want), "{code:#x}");
-        }
-        // Every code in every byte position, next to normal, zero and NaN neighbours.
-        for code in 0..256u32 {
-            for other in [0x38u32, 0x00, 0x80, 0x7f, 0x01, 0xc5] {
-                for pos in 0..8 {
-                    let mut bytes = [other; 8];
-                    bytes[pos] = code;
-                    let word = |b: &[u32]| b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24;
-                    let out = e4m3x8_to_bf16(word(&bytes[..4]), word(&bytes[4..]));
-                    for (k, &b) in bytes.iter().enumerate() {
-                        let got = bf((out[k / 2] >> (16 * (k % 2))) & 0xffff);
-                        assert!(
-                            same(got, e4m3_decode(b as u8)),
-                            "{code:#x} {other:#x} {pos}"
-                        );
-                    }
-                }
-            }
-        }
-    }
 
     #[test]
     fn nth_set_bit_matches_a_scan() {

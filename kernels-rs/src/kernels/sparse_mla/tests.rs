@@ -4,12 +4,14 @@
 //! multiple of 8), partial head groups, misaligned buffers, non-power-of-two tile scales,
 //! peaked softmax, odd page sizes, `-1` everywhere.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use super::{sparse_mla, sparse_mla_launch};
-use crate::emu::{launch, Emu, LaunchConfig, Params};
+use super::{sparse_mla_split, sparse_mla_workspace};
+use crate::emu::{launch_kernel, BufferAccess, GlobalBuffers};
 use crate::fp8::{bf16_to_f32, e4m3_decode, e4m3_encode, kv_tile_scale};
+use crate::global::{GlobalMut, GlobalPtr};
 use crate::params::{kv_format, SparseMlaParams};
 
 /// Values per fp8_ds_mla tile.
@@ -129,12 +131,40 @@ fn run(c: Case, seed: u64) -> (f64, f64) {
     let mut out = vec![0x7fc0u16; olen + qm];
     let mut lse = vec![f32::NAN; c.n_tokens * c.n_heads];
     let scale = 1.0 / (d_qk as f32).sqrt();
+    let split = sparse_mla_split(c.topk as u32);
+    let (ws_bytes, cnt_bytes) = sparse_mla_workspace(
+        c.n_tokens as u32,
+        c.n_heads as u32,
+        c.topk as u32,
+        c.nope as u32,
+    );
+    // 16-byte aligned workspace (its partial records are stored 16 bytes at a time).
+    let mut ws = vec![crate::global::V4::default(); (ws_bytes as usize).div_ceil(16)];
+    let mut counters = vec![0u32; cnt_bytes as usize / 4];
+    let mut bufs = GlobalBuffers::new("sparse_mla");
+    bufs.add(
+        "workspace",
+        ws.as_ptr() as usize,
+        ws_bytes as usize,
+        BufferAccess::Write,
+    )
+    .unwrap();
+    bufs.add_slice("counters", &counters, BufferAccess::ReadWrite)
+        .unwrap();
+    bufs.add_slice("q", &q[qm..], BufferAccess::Read).unwrap();
+    bufs.add_slice("cache", &cache[c.misalign..], BufferAccess::Read)
+        .unwrap();
+    bufs.add_slice("indices", &indices, BufferAccess::Read)
+        .unwrap();
+    bufs.add_slice("out", &out[qm..], BufferAccess::Write)
+        .unwrap();
+    bufs.add_slice("lse", &lse, BufferAccess::Write).unwrap();
     let p = SparseMlaParams {
-        q: q[qm..].as_ptr(),
-        cache: cache[c.misalign..].as_ptr(),
-        indices: indices.as_ptr(),
-        out: out[qm..].as_mut_ptr(),
-        lse: lse.as_mut_ptr(),
+        q: GlobalPtr::from_raw(q[qm..].as_ptr()),
+        cache: GlobalPtr::from_raw(cache[c.misalign..].as_ptr()),
+        indices: GlobalPtr::from_raw(indices.as_ptr()),
+        out: GlobalMut::from_raw(out[qm..].as_mut_ptr()),
+        lse: GlobalMut::from_raw(lse.as_mut_ptr()),
         page_bytes: page_bytes as u64,
         n_tokens: c.n_tokens as u32,
         n_heads: c.n_heads as u32,
@@ -151,21 +181,19 @@ fn run(c: Case, seed: u64) -> (f64, f64) {
         scales_offset: scales_offset as u32,
         rope_offset: rope_offset as u32,
         softmax_scale: scale,
-        _pad: 0,
+        split,
+        workspace: GlobalMut::from_raw(ws.as_mut_ptr().cast::<f32>()),
+        counters: GlobalMut::from_raw(counters.as_mut_ptr()),
     };
-    let l = sparse_mla_launch(&p);
-    let cfg = LaunchConfig {
-        grid: l.grid,
-        block: l.block,
-        dyn_smem_bytes: l.smem_bytes as usize,
-    };
-    // SAFETY: every pointer is a live buffer of the sizes in `p`, borrowed for the
-    // (synchronous) launch.
-    let args = unsafe { Params::new(p) };
-    // SAFETY: the kernel's contract holds (buffers above, geometry from the kernel).
-    if let Err(e) = launch(cfg, || unsafe { sparse_mla::<Emu>(args.get()) }) {
+    // SAFETY: every address is a live buffer of the sizes in `p` (registered in `bufs`),
+    // borrowed for the (synchronous) launch; the geometry is the kernel's.
+    if let Err(e) = unsafe { launch_kernel(p, &bufs) } {
         panic!("{c:?}: {e}");
     }
+    assert!(
+        counters.iter().all(|&x| x == 0),
+        "{c:?}: the split counters are back to zero"
+    );
 
     let (mut worst_out, mut worst_lse) = (0f64, 0f64);
     for t in 0..c.n_tokens {
@@ -349,4 +377,56 @@ fn few_and_no_valid_slots() {
             12,
         );
     }
+}
+
+/// Top-k past one split: several blocks per (token, head group), merged in index order by
+/// the last one to finish (a partial last split, several head groups, two column passes,
+/// 16 splits, and splits with no valid slot at all).
+#[test]
+fn split_top_k_merges_in_order() {
+    for fp8 in [false, true] {
+        // 3 splits (512, 512, 76), two head groups.
+        run(
+            Case {
+                topk: 1100,
+                n_heads: 32,
+                invalid: 0.3,
+                ..Case::new(512, 64, fp8)
+            },
+            15,
+        );
+        // Two column passes with 2 splits.
+        run(
+            Case {
+                topk: 600,
+                n_tokens: 2,
+                ..Case::new(1152, 32, fp8)
+            },
+            16,
+        );
+    }
+    // 16 splits of 576 (9000 indices); most splits empty of valid slots.
+    run(
+        Case {
+            topk: 9000,
+            n_tokens: 2,
+            invalid: 0.995,
+            ..Case::new(128, 16, true)
+        },
+        17,
+    );
+    // Every slot invalid: out 0, lse -inf through the merge.
+    run(
+        Case {
+            topk: 1030,
+            invalid: 1.0,
+            ..Case::new(256, 32, false)
+        },
+        18,
+    );
+    assert_eq!(super::sparse_mla_split(512), 512);
+    assert_eq!(super::sparse_mla_split(513), 512);
+    assert_eq!(super::sparse_mla_split(2048), 512);
+    assert_eq!(super::sparse_mla_split(9000), 576);
+    assert_eq!(super::sparse_mla_workspace(4, 128, 512, 512), (0, 0));
 }

@@ -5,8 +5,9 @@
 //! unchanged): lane `t` of an mma group supplies dims `4t, 4t+1` as k `2t, 2t+1` and dims
 //! `4t+2, 4t+3` as k `2t+8, 2t+9`, so each operand register pair is one 8-byte load.
 
-use super::gather::{load16, V2, V4};
-use super::{Geometry, Role, BN, MAX_NT, PLAIN};
+use super::gather::load16;
+use super::{pass_cols, Geometry, Role, BN, MAX_NT, PLAIN};
+use crate::global::{GlobalMut, GlobalPtr, V2, V4};
 use crate::kernels::FULL;
 use crate::math::{exp2, fma, log2, LN_2, LOG2_E};
 use crate::params::kv_format::FP8_DS_MLA_TILE;
@@ -91,7 +92,7 @@ fn round_bf16(x: f32) -> (u32, f32) {
 /// read it since the last one.
 #[inline(always)]
 pub(super) unsafe fn stage_q<S: Simt>(p: &SparseMlaParams, g: &Geometry, token: u32, h0: u32) {
-    let aligned = p.q as usize % 16 == 0;
+    let aligned = p.q.addr() % 16 == 0;
     let total = 16 * g.chunks;
     let mut i = S::thread_idx();
     while i < total {
@@ -102,7 +103,7 @@ pub(super) unsafe fn stage_q<S: Simt>(p: &SparseMlaParams, g: &Geometry, token: 
                 + 8 * c as usize;
             // SAFETY: head < n_heads, 8c + 8 ≤ d_qk: 8 bf16 of the token's query; 16-byte
             // aligned when `aligned` (d_qk is a multiple of 16).
-            unsafe { load16(p.q.wrapping_add(at) as *const u8, aligned) }
+            unsafe { load16::<S>(p.q.add(at).cast::<u8>(), aligned) }
         } else {
             [0; 4]
         };
@@ -388,24 +389,30 @@ pub(super) unsafe fn softmax_pv<S: Simt>(
     }
 }
 
-/// Merges the two key halves, writes `out` (bf16) and, in pass 0, `lse`.
+/// Unnormalised values of this warp's output columns (`o[j][i]`: rows g (i < 2) and g + 8,
+/// as the mma accumulators) and the row statistics (base 2) they go with.
+pub(super) struct Merged {
+    pub o: [[f32; 4]; MAX_NT],
+    pub m: [f32; 2],
+    pub l: [f32; 2],
+    pub lt: [f32; 2],
+}
+
+/// Merges the two key halves of every quarter (fixed order: `m = max(m₀, m₁)`, weights
+/// `2^(mᵢ - m)`) through shared memory; `Some` for the key-half-0 warps, which hold the
+/// merged values, `None` for the others.
 ///
 /// # Safety
 /// Every thread calls it after a barrier that follows the last read of the key block and
-/// partial areas; `token < n_tokens`, `h0 < n_heads`.
-#[allow(clippy::too_many_arguments)]
+/// partial areas.
 #[inline(always)]
-pub(super) unsafe fn merge_and_write<S: Simt>(
-    p: &SparseMlaParams,
+unsafe fn merge_halves<S: Simt>(
     g: &Geometry,
     r: &Role,
     cols: &Cols,
-    token: u32,
-    h0: u32,
-    pass: u32,
     st: &Softmax,
     o: &[[f32; 4]; MAX_NT],
-) {
+) -> Option<Merged> {
     let acc_at = |j: usize| ((cols.first as usize + j) * 32 + r.lane as usize) * 16;
     let stat_at = |row: u32, k: u32| (g.part_off + 4 * (4 * row + k)) as usize;
     if r.kh == 1 {
@@ -430,12 +437,16 @@ pub(super) unsafe fn merge_and_write<S: Simt>(
     }
     S::sync_threads();
     if r.kh == 1 {
-        return;
+        return None;
     }
     let mut c0 = [0f32; 2];
     let mut c1 = [0f32; 2];
-    let mut inv = [0f32; 2];
-    let mut lse = [0f32; 2];
+    let mut out = Merged {
+        o: [[0f32; 4]; MAX_NT],
+        m: [0f32; 2],
+        l: [0f32; 2],
+        lt: [0f32; 2],
+    };
     unroll!(2, h, {
         let row = r.g + 8 * h as u32;
         // SAFETY: stored by warp (0, 1) before the barrier.
@@ -451,36 +462,240 @@ pub(super) unsafe fn merge_and_write<S: Simt>(
         let mu = if m == f32::NEG_INFINITY { 0.0 } else { m };
         c0[h] = exp2(m0 - mu);
         c1[h] = exp2(m1 - mu);
-        let l = fma(l1, c1[h], st.l[h] * c0[h]);
-        let lt = fma(lt1, c1[h], st.lt[h] * c0[h]);
-        inv[h] = if lt > 0.0 { 1.0 / lt } else { 0.0 };
-        lse[h] = if m == f32::NEG_INFINITY {
-            f32::NEG_INFINITY
-        } else {
-            (mu + log2(l)) * LN_2
-        };
+        out.m[h] = m;
+        out.l[h] = fma(l1, c1[h], st.l[h] * c0[h]);
+        out.lt[h] = fma(lt1, c1[h], st.lt[h] * c0[h]);
     });
-    // Final values as packed bf16: half-word j % 2 of ob[h][e][j / 2] = row g + 8h,
-    // column base + (2t + e)·ntw + j.
-    let mut ob = [[[0u32; MAX_NT / 2]; 2]; 2];
     unroll!(16, j, {
         if (j as u32) < cols.ntw {
             // SAFETY: stored by warp (q4, 1) before the barrier.
             let o1 = unsafe { S::smem_load::<V4>(acc_at(j)) }.0;
             unroll!(4, i, {
                 let h = i / 2;
-                let v = fma(f32::from_bits(o1[i]), c1[h], o[j][i] * c0[h]);
-                ob[h][i & 1][j / 2] |= bf16_rne(v * inv[h]) << (16 * (j & 1));
+                out.o[j][i] = fma(f32::from_bits(o1[i]), c1[h], o[j][i] * c0[h]);
             });
         }
     });
-    let vector = p.out as usize % 16 == 0;
+    Some(out)
+}
+
+/// `1 / l̃` (0 for an empty row) and the natural-log lse (`-inf` for an empty row) of row
+/// statistics (base 2).
+#[inline(always)]
+fn finish(m: f32, l: f32, lt: f32) -> (f32, f32) {
+    let inv = if lt > 0.0 { 1.0 / lt } else { 0.0 };
+    let lse = if m == f32::NEG_INFINITY {
+        f32::NEG_INFINITY
+    } else {
+        (m + log2(l)) * LN_2
+    };
+    (inv, lse)
+}
+
+/// Merges the two key halves, writes `out` (bf16) and, in pass 0, `lse`.
+///
+/// # Safety
+/// Every thread calls it after a barrier that follows the last read of the key block and
+/// partial areas; `token < n_tokens`, `h0 < n_heads`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) unsafe fn merge_and_write<S: Simt>(
+    p: &SparseMlaParams,
+    g: &Geometry,
+    r: &Role,
+    cols: &Cols,
+    token: u32,
+    h0: u32,
+    pass: u32,
+    st: &Softmax,
+    o: &[[f32; 4]; MAX_NT],
+) {
+    // SAFETY: forwarded.
+    let Some(mg) = (unsafe { merge_halves::<S>(g, r, cols, st, o) }) else {
+        return;
+    };
+    let mut inv = [0f32; 2];
+    let mut lse = [0f32; 2];
+    unroll!(2, h, {
+        (inv[h], lse[h]) = finish(mg.m[h], mg.l[h], mg.lt[h]);
+    });
+    // SAFETY: forwarded.
+    unsafe { write_out::<S>(p, g, r, cols, token, h0, pass, &mg.o, inv, lse) };
+}
+
+/// Floats of one pass of a split's partial record: 4 quarters × [`MAX_NT`] n-tiles × 32
+/// lanes × 4 accumulators, in lane order (so that each warp's stores and loads are 512
+/// contiguous bytes).
+pub(super) const PASS_FLOATS: u32 = 4 * MAX_NT as u32 * 32 * 4;
+
+/// Float offset of the accumulators of quarter `q4`, n-tile `j`, lane `lane` in a pass.
+#[inline(always)]
+fn lane_slot(q4: u32, j: usize, lane: u32) -> usize {
+    ((q4 as usize * MAX_NT + j) * 32 + lane as usize) * 4
+}
+
+/// Merges the two key halves and stores this split's unnormalised output columns of pass
+/// `pass` and (in pass 0) the row statistics into its workspace record `rec`.
+///
+/// # Safety
+/// As [`merge_and_write`]; `rec` is this (token, group, split)'s record of
+/// [`Geometry::record_floats`] floats, written by no other block.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub(super) unsafe fn merge_and_store_partial<S: Simt>(
+    g: &Geometry,
+    r: &Role,
+    cols: &Cols,
+    pass: u32,
+    st: &Softmax,
+    o: &[[f32; 4]; MAX_NT],
+    rec: GlobalMut<f32>,
+) {
+    // SAFETY: forwarded.
+    let Some(mg) = (unsafe { merge_halves::<S>(g, r, cols, st, o) }) else {
+        return;
+    };
+    let base = rec.add((pass * PASS_FLOATS) as usize);
+    unroll!(16, j, {
+        if (j as u32) < cols.ntw {
+            let at = base.add(lane_slot(r.q4, j, r.lane)).cast::<V4>();
+            // SAFETY: inside this record's pass block, 16-byte aligned (records and
+            // slots are multiples of 4 floats, the workspace 16-byte aligned).
+            unsafe { S::gst(at, V4(mg.o[j].map(f32::to_bits))) };
+        }
+    });
+    if pass == 0 && r.q4 == 0 && r.t == 0 {
+        let stats = rec.add((g.passes * PASS_FLOATS) as usize);
+        unroll!(2, h, {
+            let row = (r.g + 8 * h as u32) as usize;
+            // SAFETY: the record's 16 rows × 4 stats floats; stored once per row.
+            unsafe {
+                S::gst(stats.add(4 * row), mg.m[h]);
+                S::gst(stats.add(4 * row + 1), mg.l[h]);
+                S::gst(stats.add(4 * row + 2), mg.lt[h]);
+            }
+        });
+    }
+}
+
+/// The last split of a (token, head group) to finish merges all splits' records (fixed
+/// order: split 0, 1, ...; `m = max mₛ`, weights `2^(mₛ - m)`) and writes `out` and `lse`,
+/// pass by pass. Key-half-0 warps do the work, with the same lanes and columns as
+/// [`merge_and_write`].
+///
+/// # Safety
+/// Every split's record of this (token, group) is complete and visible (the caller's
+/// counter and fences); `recs` is split 0's record, the others follow at
+/// [`Geometry::record_floats`] strides; `token < n_tokens`, `h0 < n_heads`.
+#[inline(always)]
+pub(super) unsafe fn merge_splits<S: Simt>(
+    p: &SparseMlaParams,
+    g: &Geometry,
+    r: &Role,
+    token: u32,
+    h0: u32,
+    recs: GlobalPtr<f32>,
+) {
+    if r.kh == 1 {
+        return;
+    }
+    let stride = g.record_floats() as usize;
+    let stats = (g.passes * PASS_FLOATS) as usize;
+    let stat = |s: usize, row: u32, k: usize| {
+        let at = recs.add(s * stride + stats + 4 * row as usize + k);
+        // SAFETY: the stats of split s (s < splits), written before the count.
+        unsafe { S::gld(at) }
+    };
+    let rows = [r.g, r.g + 8];
+    // Row statistics over the splits (runtime loops over the splits: each split's
+    // weight is recomputed where it is used, identically, rather than kept).
+    let mut mu = [0f32; 2];
+    let mut inv = [0f32; 2];
+    let mut lse = [0f32; 2];
+    unroll!(2, h, {
+        let mut m = f32::NEG_INFINITY;
+        let mut s = 0;
+        while s < g.splits as usize {
+            m = m.max(stat(s, rows[h], 0));
+            s += 1;
+        }
+        mu[h] = if m == f32::NEG_INFINITY { 0.0 } else { m };
+        let (mut l, mut lt) = (0f32, 0f32);
+        let mut s = 0;
+        while s < g.splits as usize {
+            let w = exp2(stat(s, rows[h], 0) - mu[h]);
+            l = fma(stat(s, rows[h], 1), w, l);
+            lt = fma(stat(s, rows[h], 2), w, lt);
+            s += 1;
+        }
+        (inv[h], lse[h]) = finish(m, l, lt);
+    });
+    let mut pass = 0;
+    while pass < g.passes {
+        let cols = pass_cols(g, r, pass);
+        let mut acc = [[0f32; 4]; MAX_NT];
+        let mut s = 0;
+        while s < g.splits as usize {
+            let w = [
+                exp2(stat(s, rows[0], 0) - mu[0]),
+                exp2(stat(s, rows[1], 0) - mu[1]),
+            ];
+            let base = recs.add(s * stride + (pass * PASS_FLOATS) as usize);
+            unroll!(16, j, {
+                if (j as u32) < cols.ntw {
+                    let at = base.add(lane_slot(r.q4, j, r.lane)).cast::<V4>();
+                    // SAFETY: the slot stored by this lane's counterpart in split s.
+                    let v = unsafe { S::gld(at) }.0;
+                    unroll!(4, i, {
+                        acc[j][i] = fma(f32::from_bits(v[i]), w[i / 2], acc[j][i]);
+                    });
+                }
+            });
+            s += 1;
+        }
+        // SAFETY: forwarded (token, h0 in range).
+        unsafe { write_out::<S>(p, g, r, &cols, token, h0, pass, &acc, inv, lse) };
+        pass += 1;
+    }
+}
+
+/// Writes this lane's output columns (values `o`, scaled by `inv` and rounded to bf16,
+/// nearest even) and, in pass 0, `lse`.
+///
+/// # Safety
+/// `token < n_tokens`, `h0 < n_heads`; `cols` are this warp's columns of `pass`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn write_out<S: Simt>(
+    p: &SparseMlaParams,
+    g: &Geometry,
+    r: &Role,
+    cols: &Cols,
+    token: u32,
+    h0: u32,
+    pass: u32,
+    o: &[[f32; 4]; MAX_NT],
+    inv: [f32; 2],
+    lse: [f32; 2],
+) {
+    // Final values as packed bf16: half-word j % 2 of ob[h][e][j / 2] = row g + 8h,
+    // column base + (2t + e)·ntw + j.
+    let mut ob = [[[0u32; MAX_NT / 2]; 2]; 2];
+    unroll!(16, j, {
+        if (j as u32) < cols.ntw {
+            unroll!(4, i, {
+                let h = i / 2;
+                ob[h][i & 1][j / 2] |= bf16_rne(o[j][i] * inv[h]) << (16 * (j & 1));
+            });
+        }
+    });
+    let vector = p.out.addr() % 16 == 0;
     unroll!(2, h, {
         let head = h0 + r.g + 8 * h as u32;
         if head < p.n_heads {
             let row = (token as usize * p.n_heads as usize + head as usize) * g.nope as usize;
             let first = row + (cols.base + 2 * r.t * cols.ntw) as usize;
-            let dst = p.out.wrapping_add(first);
+            let dst = p.out.add(first);
             if vector && cols.ntw == MAX_NT as u32 {
                 unroll!(4, k, {
                     // Words 4k..4k+4: values 8k..8k+8 of (e = k / 2, j = 8(k % 2)..).
@@ -489,17 +704,13 @@ pub(super) unsafe fn merge_and_write<S: Simt>(
                     let w = &ob[h][e][j0 / 2..j0 / 2 + 4];
                     // SAFETY: 8 bf16 of the row's columns (< nope), 16-byte aligned
                     // (`out`, nope and the column are).
-                    unsafe {
-                        (dst.wrapping_add(8 * k) as *mut V4).write(V4([w[0], w[1], w[2], w[3]]))
-                    };
+                    unsafe { S::gst(dst.add(8 * k).cast::<V4>(), V4([w[0], w[1], w[2], w[3]])) };
                 });
             } else if vector && cols.ntw == 8 {
                 unroll!(2, e, {
                     let w = &ob[h][e];
                     // SAFETY: 8 bf16 of the row's columns (< nope), 16-byte aligned.
-                    unsafe {
-                        (dst.wrapping_add(8 * e) as *mut V4).write(V4([w[0], w[1], w[2], w[3]]))
-                    };
+                    unsafe { S::gst(dst.add(8 * e).cast::<V4>(), V4([w[0], w[1], w[2], w[3]])) };
                 });
             } else {
                 unroll!(2, e, {
@@ -508,8 +719,10 @@ pub(super) unsafe fn merge_and_write<S: Simt>(
                             let at = e as u32 * cols.ntw + j as u32;
                             // SAFETY: column base + (2t + e)·ntw + j < nope.
                             unsafe {
-                                *dst.wrapping_add(at as usize) =
-                                    (ob[h][e][j / 2] >> (16 * (j & 1))) as u16
+                                S::gst(
+                                    dst.add(at as usize),
+                                    (ob[h][e][j / 2] >> (16 * (j & 1))) as u16,
+                                )
                             };
                         }
                     });
@@ -518,8 +731,11 @@ pub(super) unsafe fn merge_and_write<S: Simt>(
             if pass == 0 && r.q4 == 0 && r.t == 0 {
                 // SAFETY: head < n_heads, token < n_tokens.
                 unsafe {
-                    *p.lse
-                        .add(token as usize * p.n_heads as usize + head as usize) = lse[h]
+                    S::gst(
+                        p.lse
+                            .add(token as usize * p.n_heads as usize + head as usize),
+                        lse[h],
+                    )
                 };
             }
         }

@@ -4,7 +4,10 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic
 
 use super::*;
-use crate::emu::{launch, LaunchConfig, Params};
+use crate::emu::{
+    launch_checked, launch_kernel, BufferAccess, GlobalBuffers, LaunchConfig, Params,
+};
+use crate::global::{GlobalMut, GlobalPtr};
 use crate::launch::Launch;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -37,17 +40,31 @@ fn run(rows: &[(usize, Vec<f32>)], k: usize, grid: Option<u32>) -> Vec<i32> {
         });
     }
     let mut out = vec![i32::MIN; rows.len() * k];
+    let (ws_bytes, cnt_bytes) = topk_workspace(rows.len() as u32, stride as u32, k as u32);
+    let mut ws = vec![0u32; ws_bytes as usize / 4];
+    let mut counters = vec![0u32; cnt_bytes as usize / 4];
+    let mut bufs = GlobalBuffers::new("topk");
+    bufs.add_slice("workspace", &ws, BufferAccess::Write)
+        .unwrap();
+    bufs.add_slice("counters", &counters, BufferAccess::ReadWrite)
+        .unwrap();
+    bufs.add_slice("logits", &logits, BufferAccess::Read)
+        .unwrap();
+    bufs.add_slice("rows", &ranges, BufferAccess::Read).unwrap();
+    bufs.add_slice("out", &out, BufferAccess::Write).unwrap();
     let p = TopkParams {
-        logits: logits.as_ptr(),
-        rows: ranges.as_ptr(),
-        page_table: core::ptr::null(),
-        out: out.as_mut_ptr(),
+        logits: GlobalPtr::from_raw(logits.as_ptr()),
+        rows: GlobalPtr::from_raw(ranges.as_ptr()),
+        page_table: GlobalPtr::null(),
+        out: GlobalMut::from_raw(out.as_mut_ptr()),
         n_rows: rows.len() as u32,
         k: k as u32,
         row_stride: stride as u32,
         page_size: 0,
         max_pages: 0,
-        _pad: 0,
+        chunk: topk_chunk(k as u32),
+        workspace: GlobalMut::from_raw(ws.as_mut_ptr()),
+        counters: GlobalMut::from_raw(counters.as_mut_ptr()),
     };
     let l: Launch = topk_launch(&p);
     let cfg = LaunchConfig {
@@ -58,7 +75,8 @@ fn run(rows: &[(usize, Vec<f32>)], k: usize, grid: Option<u32>) -> Vec<i32> {
     // SAFETY: the buffers outlive the launch; rows write disjoint outputs.
     let p = unsafe { Params::new(p) };
     // SAFETY: the kernel's contract holds for these buffers.
-    launch(cfg, || unsafe { topk::<crate::emu::Emu>(p.get()) }).unwrap();
+    launch_checked(cfg, &bufs, || unsafe { topk::<crate::emu::Emu>(p.get()) }).unwrap();
+    assert!(counters.iter().all(|&c| c == 0), "counters back to zero");
     out
 }
 
@@ -229,28 +247,28 @@ fn slots_through_the_page_table() {
         end: 100,
     }];
     let mut out = vec![0i32; 10];
+    let mut bufs = GlobalBuffers::new("topk");
+    bufs.add_slice("logits", &row, BufferAccess::Read).unwrap();
+    bufs.add_slice("rows", &ranges, BufferAccess::Read).unwrap();
+    bufs.add_slice("page_table", &pages, BufferAccess::Read)
+        .unwrap();
+    bufs.add_slice("out", &out, BufferAccess::Write).unwrap();
     let p = TopkParams {
-        logits: row.as_ptr(),
-        rows: ranges.as_ptr(),
-        page_table: pages.as_ptr(),
-        out: out.as_mut_ptr(),
+        logits: GlobalPtr::from_raw(row.as_ptr()),
+        rows: GlobalPtr::from_raw(ranges.as_ptr()),
+        page_table: GlobalPtr::from_raw(pages.as_ptr()),
+        out: GlobalMut::from_raw(out.as_mut_ptr()),
         n_rows: 1,
         k: 10,
         row_stride: 100,
         page_size: ps as u32,
         max_pages: max_pages as u32,
-        _pad: 0,
+        chunk: topk_chunk(10),
+        workspace: GlobalMut::null(),
+        counters: GlobalMut::null(),
     };
-    let l = topk_launch(&p);
-    let cfg = LaunchConfig {
-        grid: l.grid,
-        block: l.block,
-        dyn_smem_bytes: l.smem_bytes as usize,
-    };
-    // SAFETY: the buffers outlive the launch.
-    let pp = unsafe { Params::new(p) };
-    // SAFETY: the kernel's contract holds.
-    launch(cfg, || unsafe { topk::<crate::emu::Emu>(pp.get()) }).unwrap();
+    // SAFETY: the buffers (registered) outlive the launch; the kernel's contract holds.
+    unsafe { launch_kernel(p, &bufs) }.unwrap();
     let want: Vec<i32> = naive(&row[4..], 4, 10)
         .into_iter()
         .map(|c| {
@@ -259,4 +277,38 @@ fn slots_through_the_page_table() {
         })
         .collect();
     assert_eq!(out, want);
+}
+
+/// Rows past one chunk (split, merged by the last block): ties across chunk boundaries,
+/// valid entries only in some chunks, a start that is not chunk-aligned, a partial last
+/// chunk, k larger than a chunk's valid entries.
+#[test]
+fn split_rows_merge_exactly() {
+    let mut g = rng();
+    let n = 3 * 8192 + 777;
+    let all_equal = vec![1.5f32; n];
+    let mut sparse = vec![f32::NEG_INFINITY; n];
+    for i in (2 * 8192..n).step_by(97) {
+        sparse[i] = g.gen_range(-1.0f32..1.0);
+    }
+    let mut boundary_ties: Vec<f32> = (0..n).map(|_| g.gen_range(-3.0f32..0.0)).collect();
+    for c in 1..4 {
+        for d in 0..40 {
+            boundary_ties[c * 8192 - 20 + d] = 2.0;
+        }
+    }
+    let mut with_nan: Vec<f32> = (0..n).map(|_| g.gen_range(-1.0f32..1.0)).collect();
+    for i in (0..n).step_by(5) {
+        with_nan[i] = f32::NAN;
+    }
+    let rows = vec![
+        (0, all_equal),
+        (13, sparse),
+        (5000, boundary_ties),
+        (1, with_nan),
+    ];
+    for k in [100, 300, 2048] {
+        check(&rows, k, None);
+        check(&rows, k, Some(3));
+    }
 }
