@@ -39,7 +39,12 @@ pub struct Suite {
 impl Suite {
     /// DSV32 dims: indexer batch 8 × context 65536 (both index-K dtypes, next_n 1); top-k
     /// 64 rows × 65536, k 2048; sparse_mla 8 tokens × 64 heads × top-k 2048 (both KV dtypes)
-    /// over a pool of 65536 tokens. [`Scale::Smoke`] shrinks batch and context.
+    /// over a pool of 65536 tokens. Then the serving engine's tiny model
+    /// ([`ModelDims::TINY`]) at the shapes of its forward bench: an indexer decode step of
+    /// 32 requests at context 2048 and a prefill chunk of 256 rows at the end of a 2048
+    /// context (the decode form with `next_n = 256` gives exactly a chunk's causal rows),
+    /// fp8 index keys; sparse_mla (16 heads, top-k 64, bf16 KV) for 32 and 256 tokens.
+    /// [`Scale::Smoke`] shrinks batch and context.
     pub fn new(scale: Scale) -> Result<Suite> {
         let d = ModelDims::DSV32;
         let (batch, context, topk_rows, mla_tokens, mla_topk, pool_tokens) = match scale {
@@ -56,6 +61,21 @@ impl Suite {
                 next_n: 1,
             });
         }
+        let t = ModelDims::TINY;
+        let (tiny_batch, tiny_ctx, tiny_chunk) = match scale {
+            Scale::Full => (32, 2048, 256),
+            Scale::Smoke => (4, 256, 32),
+        };
+        let tiny_ik = IndexKLayout::new(IndexKDtype::FP8, t.index_head_dim, t.page_size)?;
+        for (batch, next_n) in [(tiny_batch, 1), (1, tiny_chunk)] {
+            indexer_logits.push(IndexerLogitsShape {
+                layout: tiny_ik,
+                n_heads: t.index_n_heads,
+                batch,
+                context: tiny_ctx,
+                next_n,
+            });
+        }
         let topk = vec![TopkShape {
             rows: topk_rows,
             context,
@@ -70,6 +90,16 @@ impl Suite {
                 n_heads: 64,
                 topk: mla_topk,
                 pool_pages: pool_tokens / d.page_size,
+            });
+        }
+        let tiny_kv = KvLayout::new(KvDtype::Bf16, t.kv_lora_rank, t.qk_rope_dim, t.page_size)?;
+        for n_tokens in [tiny_batch, tiny_chunk] {
+            sparse_mla.push(SparseMlaShape {
+                layout: tiny_kv,
+                n_tokens,
+                n_heads: t.q_heads[0],
+                topk: t.index_topk,
+                pool_pages: tiny_batch * tiny_ctx / t.page_size,
             });
         }
         // Cache ops of one layer: a prefill chunk of new tokens, and host⇄device moves of
@@ -129,10 +159,15 @@ impl Suite {
     }
 }
 
-/// Bench id of an indexer shape, e.g. `fp8_e4m3/b8_ctx65536_h64_n1`.
+/// Bench id of an indexer shape, e.g. `fp8_e4m3/b8_ctx65536_h64_n1` (`d64` added when the
+/// head dim is not DeepSeek-V3.2's 128).
 pub fn indexer_logits_id(s: &IndexerLogitsShape) -> String {
+    let d = match s.layout.head_dim() {
+        128 => String::new(),
+        d => format!("_d{d}"),
+    };
     format!(
-        "{}/b{}_ctx{}_h{}_n{}",
+        "{}/b{}_ctx{}_h{}{d}_n{}",
         s.layout.dtype().name(),
         s.batch,
         s.context,
@@ -146,10 +181,15 @@ pub fn topk_id(s: &TopkShape) -> String {
     format!("rows{}_ctx{}_k{}", s.rows, s.context, s.k)
 }
 
-/// Bench id of a sparse_mla shape, e.g. `bf16/t8_h64_topk2048`.
+/// Bench id of a sparse_mla shape, e.g. `bf16/t8_h64_topk2048` (`dqk288` added when
+/// `d_qk` is not DeepSeek-V3.2's 576).
 pub fn sparse_mla_id(s: &SparseMlaShape) -> String {
+    let d = match s.layout.d_qk() {
+        576 => String::new(),
+        d => format!("_dqk{d}"),
+    };
     format!(
-        "{}/t{}_h{}_topk{}",
+        "{}/t{}_h{}{d}_topk{}",
         s.layout.dtype().name(),
         s.n_tokens,
         s.n_heads,

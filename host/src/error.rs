@@ -32,6 +32,44 @@ pub enum ErrorKind {
     Device,
 }
 
+/// Where an entry sits in a host array: `[i]` of a list, or `[row][col]` of a row-major
+/// table (page tables, per-token slot lists). Displays with its brackets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Index {
+    /// Entry `i` of a list.
+    Flat(usize),
+    /// Row `row`, column `col` of a row-major table.
+    Cell { row: usize, col: usize },
+}
+
+impl Index {
+    /// Entry `flat` of a row-major table whose rows are `row_len` long.
+    pub fn cell(flat: usize, row_len: usize) -> Index {
+        match row_len {
+            0 => Index::Flat(flat),
+            n => Index::Cell {
+                row: flat / n,
+                col: flat % n,
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for Index {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Index::Flat(i) => write!(f, "[{i}]"),
+            Index::Cell { row, col } => write!(f, "[{row}][{col}]"),
+        }
+    }
+}
+
+impl From<usize> for Index {
+    fn from(i: usize) -> Self {
+        Index::Flat(i)
+    }
+}
+
 /// Errors returned by layouts, backends, ops and the cache.
 #[derive(Debug, Error, Clone)]
 #[non_exhaustive]
@@ -58,10 +96,10 @@ pub enum Error {
     #[error("invalid argument {what}: {detail}")]
     InvalidArgument { what: &'static str, detail: String },
     /// A token slot is neither `-1` nor inside the cache.
-    #[error("{what}[{index}] = {slot} is out of range (cache holds {capacity} slots)")]
+    #[error("{what}{index} = {slot} is out of range (cache holds {capacity} slots)")]
     SlotOutOfRange {
         what: &'static str,
-        index: usize,
+        index: Index,
         slot: i64,
         capacity: usize,
     },
@@ -82,10 +120,10 @@ pub enum Error {
         second: usize,
     },
     /// A page id is outside the pool.
-    #[error("{what}[{index}] = page {page} is out of range (pool holds {num_pages} pages)")]
+    #[error("{what}{index} = page {page} is out of range (pool holds {num_pages} pages)")]
     PageOutOfRange {
         what: &'static str,
-        index: usize,
+        index: Index,
         page: i64,
         num_pages: usize,
     },

@@ -6,6 +6,11 @@
 //! metadata, in the order its doc states): kernel-visible addresses (host addresses for
 //! the emulator, device or mapped addresses for CUDA), only stored here, never
 //! dereferenced.
+//!
+//! Counts and in-page offsets are u32 in the parameter structs. The op descriptors
+//! ([`crate::ops::MAX_COUNT`]) and layouts ([`crate::layout::MAX_PAGE_BYTES`]) keep them in
+//! range; every conversion here is still checked, and one that does not fit is an error
+//! (nothing launched), never a truncated value.
 
 use sparsekit_kernels::global::{GlobalMut, GlobalPtr};
 use sparsekit_kernels::kernels::{sparse_mla_split, topk_chunk};
@@ -15,6 +20,7 @@ use sparsekit_kernels::params::{
 };
 
 use crate::dtype::ScaleFormat;
+use crate::error::{Error, Result};
 use crate::launcher::Addrs;
 use crate::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};
 use crate::ops::{
@@ -30,6 +36,14 @@ fn ptr<T>(addr: u64) -> GlobalPtr<T> {
 /// A kernel-visible address as a writable address.
 fn ptr_mut<T>(addr: u64) -> GlobalMut<T> {
     GlobalMut::from_addr(addr)
+}
+
+/// `x` as a u32 kernel parameter, or an error naming it.
+fn u32_of(what: &'static str, x: usize) -> Result<u32> {
+    u32::try_from(x).map_err(|_| Error::InvalidArgument {
+        what,
+        detail: format!("{x} does not fit the GPU kernels' 32-bit parameter"),
+    })
 }
 
 /// The kernels' format code of an index-K layout.
@@ -60,12 +74,12 @@ macro_rules! with_index_k_layout {
         let l: &IndexKLayout = $layout;
         $params {
             $($field: $value,)*
-            head_dim: l.head_dim() as u32,
-            page_size: l.page_size() as u32,
+            head_dim: u32_of("head_dim", l.head_dim())?,
+            page_size: u32_of("page_size", l.page_size())?,
             format: index_k_format(l),
             page_bytes: l.bytes_per_page() as u64,
-            value_bytes: l.value_bytes_per_token() as u32,
-            scale_offset: l.scale_section_offset().unwrap_or(0) as u32,
+            value_bytes: u32_of("value bytes per token", l.value_bytes_per_token())?,
+            scale_offset: u32_of("scale section offset", l.scale_section_offset().unwrap_or(0))?,
         }
     }};
 }
@@ -77,14 +91,14 @@ macro_rules! with_kv_layout {
         let l: &KvLayout = $layout;
         $params {
             $($field: $value,)*
-            nope_dim: l.nope_dim() as u32,
-            rope_dim: l.rope_dim() as u32,
-            page_size: l.page_size() as u32,
+            nope_dim: u32_of("nope_dim", l.nope_dim())?,
+            rope_dim: u32_of("rope_dim", l.rope_dim())?,
+            page_size: u32_of("page_size", l.page_size())?,
             format: kv_format(l),
-            token_bytes: l.bytes_per_token() as u32,
+            token_bytes: u32_of("bytes per token", l.bytes_per_token())?,
             page_bytes: l.bytes_per_page() as u64,
-            scales_offset: l.scales_range().start as u32,
-            rope_offset: l.rope_range().start as u32,
+            scales_offset: u32_of("scales offset", l.scales_range().start)?,
+            rope_offset: u32_of("rope offset", l.rope_range().start)?,
         }
     }};
 }
@@ -110,28 +124,34 @@ macro_rules! store_params {
                 $source: ptr($a.read[0]),
                 slots: ptr($a.meta[0]),
                 cache: ptr_mut($a.write[0]),
-                n_tokens: $op.slots.len() as u32,
+                n_tokens: u32_of("tokens", $op.slots.len())?,
             }
         )
     };
 }
 
 /// `index_k_store` of `op`: reads `[keys]`, writes `[cache]`, metadata `[slots]`.
-pub(crate) fn index_k_store(op: &IndexKStore<'_>, a: Addrs<'_>) -> IndexKStoreParams {
-    store_params!(with_index_k_layout, op, a, IndexKStoreParams, keys)
+pub(crate) fn index_k_store(op: &IndexKStore<'_>, a: Addrs<'_>) -> Result<IndexKStoreParams> {
+    Ok(store_params!(
+        with_index_k_layout,
+        op,
+        a,
+        IndexKStoreParams,
+        keys
+    ))
 }
 
 /// `kv_store` of `op`: reads `[kv]`, writes `[cache]`, metadata `[slots]`.
-pub(crate) fn kv_store(op: &KvStore<'_>, a: Addrs<'_>) -> KvStoreParams {
-    store_params!(with_kv_layout, op, a, KvStoreParams, kv)
+pub(crate) fn kv_store(op: &KvStore<'_>, a: Addrs<'_>) -> Result<KvStoreParams> {
+    Ok(store_params!(with_kv_layout, op, a, KvStoreParams, kv))
 }
 
 /// `copy_pages` of `op`: reads `[src]`, writes `[dst]` (buffer starts: the regions'
 /// offsets are applied here), metadata `[src_ids, dst_ids]`.
-pub(crate) fn copy_pages(op: &CopyPages<'_>, a: Addrs<'_>) -> CopyPagesParams {
+pub(crate) fn copy_pages(op: &CopyPages<'_>, a: Addrs<'_>) -> Result<CopyPagesParams> {
     let (src, src_stride, bytes) = region(&op.src, a.read[0]);
     let (dst, dst_stride, _) = region(&op.dst, a.write[0]);
-    CopyPagesParams {
+    Ok(CopyPagesParams {
         src: ptr(src),
         dst: ptr_mut(dst),
         src_ids: ptr(a.meta[0]),
@@ -139,30 +159,30 @@ pub(crate) fn copy_pages(op: &CopyPages<'_>, a: Addrs<'_>) -> CopyPagesParams {
         src_stride,
         dst_stride,
         bytes,
-        n_pages: op.src_ids.len() as u32,
+        n_pages: u32_of("pages copied", op.src_ids.len())?,
         _pad: 0,
-    }
+    })
 }
 
 /// `page_checksums` of `op`: reads `[pool]` (buffer start), writes `[checksums]`, metadata
 /// `[ids]`.
-pub(crate) fn page_checksums(op: &PageChecksums<'_>, a: Addrs<'_>) -> PageChecksumsParams {
+pub(crate) fn page_checksums(op: &PageChecksums<'_>, a: Addrs<'_>) -> Result<PageChecksumsParams> {
     let (pool, stride, bytes) = region(&op.region, a.read[0]);
-    PageChecksumsParams {
+    Ok(PageChecksumsParams {
         pool: ptr(pool),
         ids: ptr(a.meta[0]),
         out: ptr_mut(a.write[0]),
         stride,
         bytes,
-        n_pages: op.ids.len() as u32,
+        n_pages: u32_of("pages", op.ids.len())?,
         _pad: 0,
-    }
+    })
 }
 
 /// `indexer_logits` of `op`: reads `[q, weights, cache]`, writes `[logits]`, metadata
 /// `[page_table, rows]`.
-pub(crate) fn indexer_logits(op: &IndexerLogits<'_>, a: Addrs<'_>) -> IndexerLogitsParams {
-    with_index_k_layout!(
+pub(crate) fn indexer_logits(op: &IndexerLogits<'_>, a: Addrs<'_>) -> Result<IndexerLogitsParams> {
+    Ok(with_index_k_layout!(
         &op.layout,
         IndexerLogitsParams {
             q: ptr(a.read[0]),
@@ -171,19 +191,19 @@ pub(crate) fn indexer_logits(op: &IndexerLogits<'_>, a: Addrs<'_>) -> IndexerLog
             page_table: ptr(a.meta[0]),
             rows: ptr(a.meta[1]),
             out: ptr_mut(a.write[0]),
-            n_rows: op.rows.len() as u32,
-            n_heads: op.n_heads as u32,
-            max_pages: op.page_table.max_pages() as u32,
-            row_stride: op.row_stride as u32,
+            n_rows: u32_of("rows", op.rows.len())?,
+            n_heads: u32_of("n_heads", op.n_heads)?,
+            max_pages: u32_of("page_table columns", op.page_table.max_pages())?,
+            row_stride: u32_of("row_stride", op.row_stride)?,
             _pad: 0,
         }
-    )
+    ))
 }
 
 /// `topk` of `op`: reads `[logits]`, writes `[topk, workspace, counters]` (the last two
 /// sized by `topk_workspace`), metadata `[rows]`, plus the page table when `op` outputs
 /// slots (null in the parameters for positions).
-pub(crate) fn topk(op: &Topk<'_>, a: Addrs<'_>) -> TopkParams {
+pub(crate) fn topk(op: &Topk<'_>, a: Addrs<'_>) -> Result<TopkParams> {
     let (page_table, page_size, max_pages) = match op.output {
         TopkOutput::Positions => (GlobalPtr::null(), 0, 0),
         TopkOutput::Slots {
@@ -191,37 +211,37 @@ pub(crate) fn topk(op: &Topk<'_>, a: Addrs<'_>) -> TopkParams {
             page_size,
         } => (
             ptr(a.meta[1]),
-            page_size as u32,
-            page_table.max_pages() as u32,
+            u32_of("page_size", page_size)?,
+            u32_of("page_table columns", page_table.max_pages())?,
         ),
     };
-    TopkParams {
+    Ok(TopkParams {
         logits: ptr(a.read[0]),
         rows: ptr(a.meta[0]),
         page_table,
         out: ptr_mut(a.write[0]),
-        n_rows: op.rows.len() as u32,
-        k: op.k as u32,
-        row_stride: op.row_stride as u32,
+        n_rows: u32_of("rows", op.rows.len())?,
+        k: u32_of("k", op.k)?,
+        row_stride: u32_of("row_stride", op.row_stride)?,
         page_size,
         max_pages,
-        chunk: topk_chunk(op.k as u32),
+        chunk: topk_chunk(u32_of("k", op.k)?),
         workspace: ptr_mut(a.write[1]),
         counters: ptr_mut(a.write[2]),
-    }
+    })
 }
 
 /// `sparse_mla` of `op`: reads `[q, cache, indices]`, writes `[out, lse, workspace,
 /// counters]` (the last two sized by `sparse_mla_workspace`).
-pub(crate) fn sparse_mla(op: &SparseMla, a: Addrs<'_>) -> SparseMlaParams {
-    with_kv_layout!(
+pub(crate) fn sparse_mla(op: &SparseMla, a: Addrs<'_>) -> Result<SparseMlaParams> {
+    Ok(with_kv_layout!(
         &op.layout,
         SparseMlaParams {
-            n_tokens: op.n_tokens as u32,
-            n_heads: op.n_heads as u32,
-            topk: op.topk as u32,
+            n_tokens: u32_of("n_tokens", op.n_tokens)?,
+            n_heads: u32_of("n_heads", op.n_heads)?,
+            topk: u32_of("topk", op.topk)?,
             softmax_scale: op.softmax_scale,
-            split: sparse_mla_split(op.topk as u32),
+            split: sparse_mla_split(u32_of("topk", op.topk)?),
             q: ptr(a.read[0]),
             cache: ptr(a.read[1]),
             indices: ptr(a.read[2]),
@@ -230,5 +250,49 @@ pub(crate) fn sparse_mla(op: &SparseMla, a: Addrs<'_>) -> SparseMlaParams {
             workspace: ptr_mut(a.write[2]),
             counters: ptr_mut(a.write[3]),
         }
-    )
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_largest_layouts_fit_the_parameters_exactly() {
+        let a = Addrs {
+            read: &[0x1000],
+            write: &[0x2000],
+            meta: &[0x3000],
+        };
+        // The largest fp8 index-K page the layout accepts: its scale section starts
+        // above 2^31, and must arrive unchanged.
+        let l = IndexKLayout::new(IndexKDtype::FP8, (1 << 20) - 16, 4095).unwrap();
+        assert!(l.bytes_per_page() <= crate::layout::MAX_PAGE_BYTES);
+        let p = index_k_store(
+            &IndexKStore {
+                layout: l,
+                slots: &[0],
+            },
+            a,
+        )
+        .unwrap();
+        assert_eq!(p.scale_offset as usize, l.scale_section_offset().unwrap());
+        assert_eq!(p.page_bytes as usize, l.bytes_per_page());
+        let kv = KvLayout::new(KvDtype::Fp8DsMla, 1 << 18, 64, 4096).unwrap();
+        let p = kv_store(
+            &KvStore {
+                layout: kv,
+                slots: &[0],
+            },
+            a,
+        )
+        .unwrap();
+        assert_eq!(p.rope_offset as usize, kv.rope_range().start);
+        assert_eq!(p.token_bytes as usize, kv.bytes_per_token());
+        assert!(u32_of("x", u32::MAX as usize).is_ok());
+        assert!(matches!(
+            u32_of("x", u32::MAX as usize + 1),
+            Err(Error::InvalidArgument { what: "x", .. })
+        ));
+    }
 }

@@ -97,7 +97,8 @@ pub unsafe trait KernelDevice: Backend {
     /// be launched with its own parameter struct). Every buffer comes with its name;
     /// metadata and `reads` are read-only for the kernel, `writes` say how the kernel uses
     /// them ([`BufferAccess::Write`]: written before read, the outputs;
-    /// [`BufferAccess::ReadWrite`]: scratch it updates in place).
+    /// [`BufferAccess::ReadWrite`]: scratch it updates in place). A `build` error (a size
+    /// that does not fit the kernel's parameters) launches nothing.
     ///
     /// # Safety
     /// `build` fills the parameters from the given addresses and from descriptors
@@ -107,7 +108,7 @@ pub unsafe trait KernelDevice: Backend {
         meta: &[(&'static str, &[u8])],
         reads: &[(&'static str, &Self::Buffer)],
         writes: &mut [(&'static str, BufferAccess, &mut Self::Buffer)],
-        build: impl FnOnce(Addrs<'_>) -> P,
+        build: impl FnOnce(Addrs<'_>) -> Result<P>,
     ) -> Result<()> {
         let staged = meta
             .iter()
@@ -140,7 +141,7 @@ pub unsafe trait KernelDevice: Backend {
                 read,
                 write,
                 meta: &meta_addrs,
-            });
+            })?;
             check_launch(&params)?;
             spans.extend(
                 read_named

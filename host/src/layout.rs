@@ -18,6 +18,27 @@ use serde::Serialize;
 use crate::dtype::ScaleFormat;
 use crate::error::{Error, Result};
 
+/// Largest page a layout may describe, in bytes: the GPU kernels take in-page offsets
+/// (the scale section, a token's rope, ...) as u32, so a larger page is refused when the
+/// descriptor is built rather than truncated at a launch.
+pub const MAX_PAGE_BYTES: usize = u32::MAX as usize;
+
+/// Checks a page size computed as `Π factors` bytes against [`MAX_PAGE_BYTES`] (checked
+/// arithmetic).
+fn check_page_bytes(kind: &str, factors: &[usize]) -> Result<()> {
+    match factors.iter().try_fold(1usize, |a, &f| a.checked_mul(f)) {
+        Some(b) if b <= MAX_PAGE_BYTES => Ok(()),
+        _ => Err(Error::InvalidLayout(format!(
+            "{kind} page of {} bytes is above the limit of {MAX_PAGE_BYTES} bytes",
+            factors
+                .iter()
+                .map(|f| f.to_string())
+                .collect::<Vec<_>>()
+                .join(" × ")
+        ))),
+    }
+}
+
 /// Values per fp8_ds_mla quantization tile (one f32 scale each), as the kernels define it.
 pub const FP8_DS_MLA_TILE: usize = sparsekit_kernels::params::kv_format::FP8_DS_MLA_TILE as usize;
 
@@ -82,7 +103,7 @@ pub struct IndexKLayout {
 
 impl IndexKLayout {
     /// Builds a descriptor. `head_dim` must be a positive multiple of 16 (vector loads on
-    /// the GPU), `page_size` positive.
+    /// the GPU), `page_size` in `1..=4096`, and a page at most [`MAX_PAGE_BYTES`].
     pub fn new(dtype: IndexKDtype, head_dim: usize, page_size: usize) -> Result<Self> {
         if head_dim == 0 || head_dim % 16 != 0 {
             return Err(Error::InvalidLayout(format!(
@@ -94,6 +115,12 @@ impl IndexKLayout {
                 "page_size {page_size} must be in 1..=4096"
             )));
         }
+        let per_token = match dtype {
+            IndexKDtype::Fp8E4m3 { .. } => head_dim.checked_add(4),
+            IndexKDtype::Bf16 => head_dim.checked_mul(2),
+        }
+        .unwrap_or(usize::MAX);
+        check_page_bytes("index-K", &[per_token, page_size])?;
         Ok(IndexKLayout {
             dtype,
             head_dim,
@@ -258,7 +285,8 @@ pub struct KvLayout {
 
 impl KvLayout {
     /// Builds a descriptor. `nope_dim` (the latent, = d_v) must be a positive multiple of
-    /// 128 for fp8_ds_mla and of 16 for bf16; `rope_dim` a positive multiple of 16.
+    /// 128 for fp8_ds_mla and of 16 for bf16; `rope_dim` a positive multiple of 16;
+    /// `page_size` in `1..=4096`; a page at most [`MAX_PAGE_BYTES`].
     pub fn new(dtype: KvDtype, nope_dim: usize, rope_dim: usize, page_size: usize) -> Result<Self> {
         let nope_multiple = match dtype {
             KvDtype::Bf16 => 16,
@@ -280,6 +308,16 @@ impl KvLayout {
                 "page_size {page_size} must be in 1..=4096"
             )));
         }
+        let rope_bytes = rope_dim.checked_mul(2);
+        let per_token = match dtype {
+            KvDtype::Bf16 => nope_dim.checked_mul(2),
+            // e4m3 values, then one f32 scale per tile.
+            KvDtype::Fp8DsMla => nope_dim.checked_add(nope_dim / FP8_DS_MLA_TILE * 4),
+        }
+        .zip(rope_bytes)
+        .and_then(|(a, b)| a.checked_add(b))
+        .unwrap_or(usize::MAX);
+        check_page_bytes("KV", &[per_token, page_size])?;
         Ok(KvLayout {
             dtype,
             nope_dim,
@@ -627,6 +665,30 @@ mod tests {
         ));
         assert!(matches!(
             KvLayout::new(KvDtype::Bf16, 512, 0, 64),
+            Err(Error::InvalidLayout(_))
+        ));
+        // Pages above 4 GiB (the kernels' u32 in-page offsets) are refused, never
+        // truncated; the product itself never overflows.
+        for (head_dim, page_size) in [(1 << 20, 4096), (usize::MAX / 16 * 16, 64)] {
+            for dt in [IndexKDtype::FP8, IndexKDtype::Bf16] {
+                assert!(
+                    matches!(
+                        IndexKLayout::new(dt, head_dim, page_size),
+                        Err(Error::InvalidLayout(_))
+                    ),
+                    "{head_dim} × {page_size}"
+                );
+            }
+        }
+        assert!(IndexKLayout::new(IndexKDtype::Bf16, (1 << 19) - 16, 4096).is_ok());
+        assert!(IndexKLayout::new(IndexKDtype::Bf16, 1 << 19, 4096).is_err());
+        assert!(IndexKLayout::new(IndexKDtype::FP8, 1 << 19, 4096).is_ok());
+        assert!(matches!(
+            KvLayout::new(KvDtype::Bf16, 1 << 20, 16, 4096),
+            Err(Error::InvalidLayout(_))
+        ));
+        assert!(matches!(
+            KvLayout::new(KvDtype::Fp8DsMla, usize::MAX / 128 * 128, 16, 1),
             Err(Error::InvalidLayout(_))
         ));
         let l = IndexKLayout::new(IndexKDtype::FP8, 128, 64).unwrap();

@@ -239,8 +239,13 @@ pub fn indexer_logits(
                         dot += p;
                         adot += p.abs();
                     }
+                    // ReLU as `fmax`: a NaN dot counts as 0 (as on every backend).
                     acc += wr[h] as f64 * dot.max(0.0);
-                    m += (wr[h] as f64).abs() * adot;
+                    // A non-finite dot is exact after the ReLU (0) or makes the logit
+                    // non-finite (compared exactly): no rounding error to scale.
+                    if dot.is_finite() {
+                        m += (wr[h] as f64).abs() * adot;
+                    }
                 }
                 logits[pos] = acc * s;
                 mag[pos] = m * s;
@@ -276,15 +281,41 @@ pub fn topk_row(row: &[f32], k: usize) -> Vec<usize> {
     idx
 }
 
-/// Reference sparse MLA for one token: per head `(out[d_v], lse, out_magnitude,
-/// lse_magnitude)`. `out_magnitude` is the largest |v| over the valid slots;
-/// `lse_magnitude = scale · max_j Σ_d |q_d k_jd|` bounds the score rounding error.
+/// Reference sparse MLA: per element and head, the f64 result and the inputs of its error
+/// scales (see [`crate::tolerance::mla_out_magnitude`] for how they make the bound).
 #[derive(Debug)]
 pub struct MlaRef {
+    /// `[n_tokens, n_heads, d_v]`.
     pub out: Vec<f64>,
+    /// `[n_tokens, n_heads]`, natural log.
     pub lse: Vec<f64>,
-    pub out_magnitude: Vec<f64>,
+    /// `A = Σ_j w_j·|v_jc|` per output element: the softmax-weighted mean of the absolute
+    /// values its sum is made of (the scale of every error in the weights).
+    pub out_abs: Vec<f64>,
+    /// `softmax_scale · max_j Σ_d |q_d·k_jd|` per head: bounds the score rounding error.
     pub lse_magnitude: Vec<f64>,
+    /// Valid slots per token (duplicates counted).
+    pub n_valid: Vec<usize>,
+    /// Largest |latent| over each token's valid slots.
+    pub v_max: Vec<f64>,
+    pub n_heads: usize,
+    pub d_v: usize,
+}
+
+impl MlaRef {
+    /// The tolerance magnitude of output element `i` (row-major `[token, head, d_v]`):
+    /// [`crate::tolerance::mla_out_magnitude`] of its `A`, its head's score scale and its
+    /// token's slot count.
+    pub fn out_magnitude(&self, i: usize) -> f64 {
+        let head = i / self.d_v;
+        let token = head / self.n_heads;
+        crate::tolerance::mla_out_magnitude(
+            self.out_abs[i],
+            self.lse_magnitude[head],
+            self.n_valid[token],
+            self.v_max[token],
+        )
+    }
 }
 
 /// Reference `sparse_mla` for all tokens (parallel over tokens; naive inside).
@@ -301,7 +332,7 @@ pub fn sparse_mla(
 ) -> MlaRef {
     let (dqk, dv) = (layout.d_qk(), layout.nope_dim());
     let scale = softmax_scale as f64;
-    type TokenRef = (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>);
+    type TokenRef = (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, usize, f64);
     let per_token: Vec<TokenRef> = (0..n_tokens)
         .into_par_iter()
         .map(|t| {
@@ -315,6 +346,7 @@ pub fn sparse_mla(
                 .flat_map(|k| k[..dv].iter())
                 .fold(0.0f64, |m, x| m.max(x.abs()));
             let mut out = vec![0.0; n_heads * dv];
+            let mut abs = vec![0.0; n_heads * dv];
             let mut lse = vec![f64::NEG_INFINITY; n_heads];
             let mut lmag = vec![0.0; n_heads];
             for h in 0..n_heads {
@@ -340,26 +372,34 @@ pub fn sparse_mla(
                 let sum: f64 = w.iter().sum();
                 lse[h] = mx + sum.ln();
                 let o = &mut out[h * dv..(h + 1) * dv];
+                let a = &mut abs[h * dv..(h + 1) * dv];
                 for (wj, k) in w.iter().zip(&keys) {
-                    for (x, v) in o.iter_mut().zip(&k[..dv]) {
+                    for ((x, y), v) in o.iter_mut().zip(a.iter_mut()).zip(&k[..dv]) {
                         *x += wj / sum * v;
+                        *y += wj / sum * v.abs();
                     }
                 }
             }
-            (out, lse, vec![vmax; n_heads], lmag)
+            (out, lse, abs, lmag, keys.len(), vmax)
         })
         .collect();
     let mut r = MlaRef {
         out: Vec::new(),
         lse: Vec::new(),
-        out_magnitude: Vec::new(),
+        out_abs: Vec::new(),
         lse_magnitude: Vec::new(),
+        n_valid: Vec::new(),
+        v_max: Vec::new(),
+        n_heads,
+        d_v: dv,
     };
-    for (o, l, om, lm) in per_token {
+    for (o, l, a, lm, n, vm) in per_token {
+        r.v_max.push(vm);
         r.out.extend(o);
         r.lse.extend(l);
-        r.out_magnitude.extend(om);
+        r.out_abs.extend(a);
         r.lse_magnitude.extend(lm);
+        r.n_valid.push(n);
     }
     r
 }

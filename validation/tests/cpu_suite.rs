@@ -24,3 +24,106 @@ fn the_default_backend_runs_the_process_default_path() {
         assert_eq!(CpuBackend::with_isa(isa).is_ok(), isa.supported(), "{isa}");
     }
 }
+
+/// Every vector path (and a one-thread pool) gives the same bits as the portable path for
+/// the ops with vector kernels: indexer (decode and long prefill chunks, both index-K
+/// dtypes, DeepSeek-V3.2 and tiny dims) and sparse MLA (both KV dtypes, 16 and 64 heads).
+#[test]
+fn every_vector_path_gives_identical_bits() {
+    use sparsekit_host::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};
+    use sparsekit_host::ops::{IndexerLogits, PageTable, QueryRange, SparseMla};
+    use sparsekit_host::{Backend, ModelDims};
+    use sparsekit_validation::conformance::seed;
+    use sparsekit_validation::fixtures::{self, bytes_of, case_rng, Paging};
+
+    let seed = seed();
+    let mut backends: Vec<CpuBackend> = CpuIsa::available()
+        .into_iter()
+        .map(|i| CpuBackend::with_isa(i.isa()).unwrap())
+        .collect();
+    backends.push(CpuBackend::with_threads(1).unwrap());
+    let scalar = CpuBackend::with_isa(Isa::Scalar).unwrap();
+    let same = |what: &str, run: &dyn Fn(&CpuBackend) -> Vec<u8>| {
+        let want = run(&scalar);
+        for b in &backends {
+            assert!(
+                run(b) == want,
+                "{what}: the {} path differs from the portable one (SPARSEKIT_SEED={seed})",
+                b.isa()
+            );
+        }
+    };
+    for (i, d) in ModelDims::ALL.iter().enumerate() {
+        let rng = &mut case_rng(seed, 0x1500 + i as u64);
+        let lens = [300u32, 1, 77, 130];
+        let paging = Paging::new(rng, d.page_size, &lens, 1);
+        let pt = PageTable::new(&paging.table, paging.max_pages).unwrap();
+        // Decode rows, then a 40-row prefill chunk of request 0.
+        let mut rows = sparsekit_host::ops::decode_rows(&lens, 1).unwrap();
+        rows.extend((0..40).map(|j| QueryRange {
+            request: 0,
+            start: 0,
+            end: 261 + j,
+        }));
+        for dt in [IndexKDtype::FP8, IndexKDtype::Bf16] {
+            let l = IndexKLayout::new(dt, d.index_head_dim, d.page_size).unwrap();
+            let pool = fixtures::index_k_pool(rng, &l, &paging);
+            let h = d.index_n_heads;
+            let (q, w) = fixtures::indexer_inputs(rng, rows.len(), h, l.head_dim());
+            let op = IndexerLogits {
+                layout: l,
+                n_heads: h,
+                page_table: pt,
+                rows: rows.clone(),
+                row_stride: 301,
+            };
+            same(&format!("indexer_logits {} {dt:?}", d.name), &|b| {
+                let mut out = b.upload(&fixtures::poison_f32(rows.len() * 301)).unwrap();
+                b.indexer_logits(
+                    &op,
+                    &b.upload(bytes_of(&q)).unwrap(),
+                    &b.upload(bytes_of(&w)).unwrap(),
+                    &b.upload(&pool).unwrap(),
+                    &mut out,
+                )
+                .unwrap();
+                b.download(&out).unwrap()
+            });
+        }
+        for dt in [KvDtype::Bf16, KvDtype::Fp8DsMla] {
+            let l = KvLayout::new(dt, d.kv_lora_rank, d.qk_rope_dim, d.page_size).unwrap();
+            let pool = fixtures::kv_pool(rng, &l, &paging);
+            let topk = d.index_topk.min(150);
+            let n_tokens = 5;
+            let indices = fixtures::mla_indices(rng, &paging, n_tokens, topk);
+            for h in [16, 64] {
+                let q = fixtures::bf16_normal(rng, n_tokens * h * l.d_qk(), 1.0);
+                let op = SparseMla {
+                    layout: l,
+                    n_tokens,
+                    n_heads: h,
+                    topk,
+                    softmax_scale: 1.0 / (l.d_qk() as f32).sqrt(),
+                };
+                same(&format!("sparse_mla {} {dt:?} h{h}", d.name), &|b| {
+                    let mut out = b
+                        .upload(&fixtures::poison_bf16(n_tokens * h * l.nope_dim()))
+                        .unwrap();
+                    let mut lse = b.upload(&fixtures::poison_f32(n_tokens * h)).unwrap();
+                    b.sparse_mla(
+                        &op,
+                        &b.upload(bytes_of(&q)).unwrap(),
+                        &b.upload(&pool).unwrap(),
+                        &b.upload(bytes_of(&indices)).unwrap(),
+                        &mut out,
+                        &mut lse,
+                    )
+                    .unwrap();
+                    let mut bytes = b.download(&out).unwrap();
+                    bytes.extend(b.download(&lse).unwrap());
+                    bytes
+                });
+            }
+        }
+    }
+}

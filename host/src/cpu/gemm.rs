@@ -52,8 +52,10 @@ crate::isa_dispatch! {
         = |ISA| gemm_generic::<{ nr(ISA.isa()) }>(d, a, b, c);
 }
 
-/// Tiles C into `MR × NR` register blocks; leftovers use narrower tiles with the same
-/// per-element operation order.
+/// Tiles C into `MR × NR` register blocks; leftover columns (and a C narrower than one
+/// tile, as in the key-score GEMMs of few heads) use tiles of 16 and 8 columns that are
+/// taller than `MR` (enough independent accumulators to hide the FMA latency), then
+/// scalars; every element keeps the same per-element operation order.
 #[inline(always)]
 fn gemm_generic<const NR: usize>(d: Dims, a: &[f32], b: &[f32], c: &mut [f32]) {
     let n_full = d.n / NR * NR;
@@ -76,27 +78,45 @@ fn gemm_generic<const NR: usize>(d: Dims, a: &[f32], b: &[f32], c: &mut [f32]) {
             }
             j += NR;
         }
-        // Narrower vector tiles for the leftover columns, then scalars.
-        let mut j = n_full;
-        if NR > 16 && d.n - j >= 16 {
-            for r in i..i + rows {
-                tile::<1, 16>(d, a, b, c, r, j);
-            }
-            j += 16;
-        }
-        if d.n - j >= 8 {
-            for r in i..i + rows {
-                tile::<1, 8>(d, a, b, c, r, j);
-            }
-            j += 8;
-        }
-        if j < d.n {
-            for r in i..i + rows {
-                edge(d, a, b, c, r, j);
-            }
-        }
         i += rows;
     }
+    let mut j = n_full;
+    if NR > 16 && d.n - j >= 16 {
+        // One vector per row: 12 rows in flight.
+        narrow::<16, 12>(d, a, b, c, j);
+        j += 16;
+    }
+    if d.n - j >= 8 {
+        narrow::<8, 12>(d, a, b, c, j);
+        j += 8;
+    }
+    if j < d.n {
+        for r in 0..d.m {
+            edge(d, a, b, c, r, j);
+        }
+    }
+}
+
+/// Columns `j .. j + W` of every row, in tiles of `R` rows (then 8, 4, 2, 1).
+#[inline(always)]
+fn narrow<const W: usize, const R: usize>(d: Dims, a: &[f32], b: &[f32], c: &mut [f32], j: usize) {
+    let mut i = 0;
+    while d.m - i >= R {
+        tile::<R, W>(d, a, b, c, i, j);
+        i += R;
+    }
+    for step in [8, 4, 2, 1] {
+        if step < R && d.m - i >= step {
+            match step {
+                8 => tile::<8, W>(d, a, b, c, i, j),
+                4 => tile::<4, W>(d, a, b, c, i, j),
+                2 => tile::<2, W>(d, a, b, c, i, j),
+                _ => tile::<1, W>(d, a, b, c, i, j),
+            }
+            i += step;
+        }
+    }
+    debug_assert_eq!(i, d.m);
 }
 
 #[inline(always)]
@@ -113,12 +133,16 @@ fn tile<const R: usize, const NR: usize>(
         row.copy_from_slice(&c[(i + r) * d.ldc + j..][..NR]);
     }
     for p in 0..d.k {
-        let bp: &[f32; NR] = b[p * d.ldb + j..][..NR]
+        // B's row segment, held in registers for the R rows.
+        let bp: [f32; NR] = b[p * d.ldb + j..][..NR]
             .try_into()
             .unwrap_or_else(|_| unreachable!());
         for (r, row) in acc.iter_mut().enumerate() {
-            let av = a[(i + r) * d.lda + p];
-            for (x, &bv) in row.iter_mut().zip(bp) {
+            debug_assert!((i + r) * d.lda + p < a.len());
+            // SAFETY: `gemm_acc` checked `a.len() >= (m - 1)·lda + k`, and the tiles cover
+            // rows `i + r < m` and `p < k` only.
+            let av = unsafe { *a.get_unchecked((i + r) * d.lda + p) };
+            for (x, &bv) in row.iter_mut().zip(&bp) {
                 *x = av.mul_add(bv, *x);
             }
         }
@@ -165,6 +189,13 @@ mod tests {
             (13, 70, 129),
             (6, 32, 64),
             (64, 64, 128),
+            // Narrow C (key scores of few heads): tall 16- and 8-column tiles.
+            (64, 16, 288),
+            (64, 8, 64),
+            (37, 24, 10),
+            (100, 56, 7),
+            (29, 61, 33),
+            (11, 16, 3),
         ] {
             let d = Dims {
                 m,

@@ -2,17 +2,20 @@
 //!
 //! Rows are grouped (consecutive rows of one request, up to `GROUP_ROWS_X_HEADS` query
 //! heads in all) so a block of keys is decoded once for the group; each (group, column
-//! chunk) is one parallel task. Per block, the keys are dequantised to f32 rows and
-//! `Cᵀ[keys × heads] = K · Qᵀ` runs on [`gemm_acc`] (Qᵀ built once per task); the
-//! weighted ReLU head reduction then runs in head order, 16 keys at a time, compiled for
-//! the CPU's vector ISA. Every logit is computed with the same operations whatever the
-//! grouping: batch-invariant.
+//! chunk) is one parallel task, and the tasks of a rayon job share one set of working
+//! buffers. Per block, the keys are dequantised to f32 rows (the next block's pages are
+//! prefetched meanwhile) and `Cᵀ[keys × heads] = K · Qᵀ` runs on [`gemm_acc`] (Qᵀ built
+//! once per task, head-major: a head's rows are adjacent). The weighted ReLU head sum then
+//! runs in head order, vectorised over 16 keys (groups of few rows: decode) or over 16 rows
+//! (long prefill groups), compiled for the CPU's vector ISA. Every logit is computed with
+//! the same operations in the same order whatever the grouping or the vectorisation:
+//! batch-invariant, and identical on every path.
 
 use half::bf16;
 use rayon::prelude::*;
 
 use super::gemm::{gemm_acc, Dims};
-use super::isa::CpuIsa;
+use super::isa::{prefetch, CpuIsa};
 use crate::layout::{IndexKDtype, IndexKLayout};
 use crate::ops::{IndexerLogits, PageTable, QueryRange};
 use sparsekit_kernels::fp8::{bf16_to_f32, e4m3_to_f32};
@@ -23,6 +26,9 @@ const BLOCK: usize = 64;
 const CHUNK: usize = 32 * BLOCK;
 /// Upper bound on `rows × n_heads` in one group (GEMM `m`).
 const GROUP_ROWS_X_HEADS: usize = 256;
+/// Groups of at least this many rows vectorise the head sums over rows, smaller ones over
+/// keys.
+const ROW_VECTOR: usize = 16;
 
 /// Computes the logits on the vector path `isa`. Inputs are validated by the caller.
 pub fn indexer_logits(
@@ -72,10 +78,28 @@ pub fn indexer_logits(
     };
     tasks
         .into_par_iter()
-        .for_each(|(g, col0, mut cells)| run_task(isa, &ctx, g, col0, &mut cells));
+        .for_each_init(Scratch::default, |scratch, (g, col0, mut cells)| {
+            run_task(isa, &ctx, g, col0, &mut cells, scratch)
+        });
 }
 
-/// A run of consecutive rows of one request.
+/// The working buffers of one task, reused by the tasks a rayon job runs (no allocation
+/// per task once sized).
+#[derive(Default)]
+struct Scratch {
+    /// Qᵀ `[d × m]` of the group's `m = rows × heads` query heads.
+    qt: Vec<f32>,
+    /// Dequantised keys `[BLOCK × d]`.
+    krows: Vec<f32>,
+    /// `Cᵀ [BLOCK × m]`.
+    c: Vec<f32>,
+    /// Weights head-major `[heads × rows]` (row-vectorised head sums).
+    wt: Vec<f32>,
+    /// A block's head sums `[BLOCK × rows]` (row-vectorised head sums).
+    hsum: Vec<f32>,
+}
+
+/// A run of consecutive rows of one request whose key ranges form one span `lo..hi`.
 #[derive(Clone, Copy, Debug)]
 struct Group {
     first: usize,
@@ -90,7 +114,14 @@ fn group_rows(rows: &[QueryRange], max_rows: usize) -> Vec<Group> {
     for (i, r) in rows.iter().enumerate() {
         let (lo, hi) = (r.start as usize, r.end as usize);
         match groups.last_mut() {
-            Some(g) if g.request == r.request as usize && g.len < max_rows => {
+            // Only rows whose ranges overlap or touch the group's span join it: the span
+            // stays covered by the rows' ranges, so no key outside every row's range
+            // (whose page may be unmapped) is ever read.
+            Some(g)
+                if g.request == r.request as usize
+                    && g.len < max_rows
+                    && (lo >= hi || g.lo >= g.hi || (lo <= g.hi && hi >= g.lo)) =>
+            {
                 g.len += 1;
                 // Empty ranges do not widen the group's key span.
                 if lo < hi {
@@ -130,13 +161,18 @@ crate::isa_dispatch! {
     /// [`Ctx::run`] compiled for the task's vector path (the epilogue's `mul_add` is
     /// otherwise a libm `fmaf` call per element). Every path does the same correctly
     /// rounded operations in the same order: results are identical.
-    fn run_task(ctx: &Ctx<'_>, g: &Group, col0: usize, cells: &mut [&mut [f32]])
-        = |ISA| ctx.run(g, col0, cells);
+    fn run_task(
+        ctx: &Ctx<'_>,
+        g: &Group,
+        col0: usize,
+        cells: &mut [&mut [f32]],
+        scratch: &mut Scratch,
+    ) = |ISA| ctx.run(g, col0, cells, scratch);
 }
 
 impl Ctx<'_> {
     #[inline(always)]
-    fn run(&self, g: &Group, col0: usize, cells: &mut [&mut [f32]]) {
+    fn run(&self, g: &Group, col0: usize, cells: &mut [&mut [f32]], scratch: &mut Scratch) {
         let width = cells.first().map_or(0, |c| c.len());
         let col_end = col0 + width;
         for cell in cells.iter_mut() {
@@ -146,24 +182,50 @@ impl Ctx<'_> {
         if lo >= hi {
             return;
         }
-        let (h, d) = (self.h, self.d);
-        let m = g.len * h;
-        // Qᵀ [d × m], once per task.
-        let qs = &self.q[g.first * h * d..(g.first + g.len) * h * d];
-        let mut qt = vec![0f32; d * m];
-        for i in 0..m {
-            for p in 0..d {
-                qt[p * m + i] = bf16_to_f32(qs[i * d + p].to_bits());
+        let (h, d, rr) = (self.h, self.d, g.len);
+        let m = rr * h;
+        // Qᵀ [d × m], once per task; column `hh·rr + r` is head `hh` of the group's row `r`
+        // (head-major: one head's rows are adjacent in a row of Cᵀ).
+        let qs = &self.q[g.first * h * d..(g.first + rr) * h * d];
+        let Scratch {
+            qt,
+            krows,
+            c,
+            wt,
+            hsum,
+        } = scratch;
+        qt.resize(d * m, 0.0);
+        krows.resize(BLOCK * d, 0.0);
+        c.resize(BLOCK * m, 0.0);
+        for r in 0..rr {
+            for hh in 0..h {
+                let q = &qs[(r * h + hh) * d..][..d];
+                for (p, x) in q.iter().enumerate() {
+                    qt[p * m + hh * rr + r] = bf16_to_f32(x.to_bits());
+                }
             }
         }
-        let mut krows = vec![0f32; BLOCK * d];
+        let by_rows = rr >= ROW_VECTOR;
+        if by_rows {
+            // Weights head-major too: `wt[hh·rr + r]`.
+            wt.resize(m, 0.0);
+            hsum.resize(BLOCK * rr, 0.0);
+            let w = &self.weights[g.first * h..(g.first + rr) * h];
+            for r in 0..rr {
+                for hh in 0..h {
+                    wt[hh * rr + r] = w[r * h + hh];
+                }
+            }
+        }
         let mut scale = [1f32; BLOCK];
-        let mut c = vec![0f32; BLOCK * m];
         let mut acc = [0f32; BLOCK];
         let mut b0 = lo;
+        self.prefetch_keys(g.request, lo, hi.min(lo + BLOCK));
         while b0 < hi {
             let n = BLOCK.min(hi - b0);
-            self.load_rows(g.request, b0, n, &mut krows, &mut scale);
+            // The next block's keys (scattered pages) come in while this one is computed.
+            self.prefetch_keys(g.request, b0 + n, hi.min(b0 + n + BLOCK));
+            self.load_rows(g.request, b0, n, krows, &mut scale);
             c[..m * BLOCK].fill(0.0);
             // Cᵀ[keys × m] = K[keys × d] · Qᵀ[d × m]
             gemm_acc(
@@ -176,43 +238,108 @@ impl Ctx<'_> {
                     ldb: m,
                     ldc: m,
                 },
-                &krows,
-                &qt,
-                &mut c,
+                krows,
+                qt,
+                c,
             );
-            for (r, cell) in cells.iter_mut().enumerate() {
-                let row = &self.rows[g.first + r];
-                let w = &self.weights[(g.first + r) * h..(g.first + r + 1) * h];
-                let mut j0 = 0;
-                while j0 < n {
-                    let cnt = 16.min(n - j0);
-                    let mut a16 = [0f32; 16];
-                    let base = &c[j0 * m + r * h..];
-                    if cnt == 16 {
-                        for (hh, &wh) in w.iter().enumerate() {
-                            for (jj, a) in a16.iter_mut().enumerate() {
-                                *a = wh.mul_add(base[jj * m + hh].max(0.0), *a);
+            // The weighted ReLU head sum of every (row, key): `Σ_hh w·max(c, 0)` with one
+            // FMA per head in head order, vectorised over the group's rows (many rows) or
+            // over 16 keys (few rows): the same operations either way.
+            if by_rows {
+                // hs[j·rr + r]: head sums of this block, 16 rows at a time in registers.
+                for (crow, hs) in c[..n * m].chunks_exact(m).zip(hsum.chunks_exact_mut(rr)) {
+                    let mut r0 = 0;
+                    while r0 < rr {
+                        let cnt = 16.min(rr - r0);
+                        let mut a16 = [0f32; 16];
+                        let heads = wt.chunks_exact(rr).zip(crow.chunks_exact(rr));
+                        if cnt == 16 {
+                            for (wv, cv) in heads {
+                                let (wv, cv) = (&wv[r0..r0 + 16], &cv[r0..r0 + 16]);
+                                for ((a, &w), &cx) in a16.iter_mut().zip(wv).zip(cv) {
+                                    *a = w.mul_add(cx.max(0.0), *a);
+                                }
+                            }
+                        } else {
+                            for (wv, cv) in heads {
+                                let (wv, cv) = (&wv[r0..r0 + cnt], &cv[r0..r0 + cnt]);
+                                for ((a, &w), &cx) in a16.iter_mut().zip(wv).zip(cv) {
+                                    *a = w.mul_add(cx.max(0.0), *a);
+                                }
                             }
                         }
-                    } else {
-                        for (hh, &wh) in w.iter().enumerate() {
-                            for (jj, a) in a16[..cnt].iter_mut().enumerate() {
-                                *a = wh.mul_add(base[jj * m + hh].max(0.0), *a);
-                            }
-                        }
+                        hs[r0..r0 + cnt].copy_from_slice(&a16[..cnt]);
+                        r0 += cnt;
                     }
-                    acc[j0..j0 + cnt].copy_from_slice(&a16[..cnt]);
-                    j0 += cnt;
                 }
-                let (rs, re) = (row.start as usize, row.end as usize);
-                for j in 0..n {
-                    let pos = b0 + j;
-                    if pos >= rs && pos < re {
-                        cell[pos - col0] = acc[j] * scale[j];
+                for (r, (cell, row)) in cells
+                    .iter_mut()
+                    .zip(&self.rows[g.first..g.first + rr])
+                    .enumerate()
+                {
+                    let from = (row.start as usize).max(b0);
+                    let to = (row.end as usize).min(b0 + n);
+                    for pos in from..to {
+                        let j = pos - b0;
+                        cell[pos - col0] = hsum[j * rr + r] * scale[j];
+                    }
+                }
+            } else {
+                for (r, cell) in cells.iter_mut().enumerate() {
+                    let row = &self.rows[g.first + r];
+                    let w = &self.weights[(g.first + r) * h..(g.first + r + 1) * h];
+                    let mut j0 = 0;
+                    while j0 < n {
+                        let cnt = 16.min(n - j0);
+                        let mut a16 = [0f32; 16];
+                        let base = &c[j0 * m + r..];
+                        if cnt == 16 {
+                            for (hh, &wh) in w.iter().enumerate() {
+                                for (jj, a) in a16.iter_mut().enumerate() {
+                                    *a = wh.mul_add(base[jj * m + hh * rr].max(0.0), *a);
+                                }
+                            }
+                        } else {
+                            for (hh, &wh) in w.iter().enumerate() {
+                                for (jj, a) in a16[..cnt].iter_mut().enumerate() {
+                                    *a = wh.mul_add(base[jj * m + hh * rr].max(0.0), *a);
+                                }
+                            }
+                        }
+                        acc[j0..j0 + cnt].copy_from_slice(&a16[..cnt]);
+                        j0 += cnt;
+                    }
+                    let (rs, re) = (row.start as usize, row.end as usize);
+                    for j in 0..n {
+                        let pos = b0 + j;
+                        if pos >= rs && pos < re {
+                            cell[pos - col0] = acc[j] * scale[j];
+                        }
                     }
                 }
             }
             b0 += n;
+        }
+    }
+
+    /// Prefetches the key bytes (values and scales) of positions `from..to` of `request`.
+    #[inline(always)]
+    fn prefetch_keys(&self, request: usize, from: usize, to: usize) {
+        let l = &self.layout;
+        let ps = l.page_size();
+        let mut pos = from;
+        while pos < to {
+            let end = to.min((pos / ps + 1) * ps);
+            let (first, last) = (
+                self.page_table.slot(request, pos, ps),
+                self.page_table.slot(request, end - 1, ps),
+            );
+            let values = l.slot_value_bytes(first).start..l.slot_value_bytes(last).end;
+            prefetch(&self.cache[values]);
+            if let (Some(a), Some(b)) = (l.slot_scale_bytes(first), l.slot_scale_bytes(last)) {
+                prefetch(&self.cache[a.start..b.end]);
+            }
+            pos = end;
         }
     }
 

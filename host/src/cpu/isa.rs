@@ -222,6 +222,25 @@ macro_rules! isa_dispatch {
     };
 }
 
+/// Asks the CPU to bring `bytes` into its caches (L2 and closer) ahead of use: a hint
+/// for gathers of scattered cache rows. It changes no result and never faults.
+#[inline(always)]
+pub fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for off in (0..bytes.len()).step_by(64) {
+        let p = bytes[off..].as_ptr().cast::<i8>();
+        // SAFETY: a prefetch is a hint: it reads nothing the program can observe and never
+        // faults (here the address is inside `bytes` anyway); SSE is part of the x86_64
+        // baseline. (`unsafe` only for toolchains where the intrinsic is still unsafe.)
+        #[allow(unused_unsafe)]
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p)
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,17 +1,20 @@
 //! CPU sparse MLA attention (decode/prefill alike: one query token at a time).
 //!
 //! Per (token, head chunk) task: the token's valid slots are processed in blocks of
-//! `BLOCK` in the order given. Each token of a block is dequantised once into a row
-//! `[latent | rope]` (V is the latent columns of the same rows); `Sᵀ = K · Qᵀ` and
-//! `O += P · V` run on [`gemm_acc`]; the softmax is online (running max and sum per head,
-//! in slot order). The operation sequence of a head depends only on its token's slots,
-//! never on the batch or head chunking.
+//! `BLOCK` in the order given (each block's scattered cache rows prefetched before it is
+//! gathered). Each token of a block is dequantised once into a row `[latent | rope]` (V is
+//! the latent columns of the same rows); `Sᵀ = K · Qᵀ` and `O += P · V` run on
+//! [`gemm_acc`] (whose tall narrow tiles keep `Sᵀ` fast when heads are few); the softmax
+//! is online (running max and sum per head, in slot order). The tasks of a rayon job share
+//! one set of working buffers. The operation sequence of a head depends only on its
+//! token's slots, never on the batch or head chunking; a head of a token with no valid
+//! slot gets `out = 0`, `lse = -inf`, decided by the slots (a NaN score gives NaN).
 
 use half::bf16;
 use rayon::prelude::*;
 
 use super::gemm::{gemm_acc, Dims};
-use super::isa::CpuIsa;
+use super::isa::{prefetch, CpuIsa};
 use crate::layout::{KvDtype, KvLayout, FP8_DS_MLA_TILE};
 use crate::ops::SparseMla;
 use sparsekit_kernels::fp8::{bf16_to_f32, e4m3_to_f32};
@@ -42,13 +45,59 @@ pub fn sparse_mla(
     out.par_chunks_mut(hc * dv)
         .zip(lse.par_chunks_mut(hc))
         .enumerate()
-        .for_each(|(task, (out, lse))| {
+        .for_each_init(Scratch::default, |scratch, (task, (out, lse))| {
             let t = task / chunks_per_token;
             let h0 = (task % chunks_per_token) * hc;
             let qrow = &q[(t * h + h0) * dqk..(t * h + h0 + hc) * dqk];
             let idx = &indices[t * op.topk..(t + 1) * op.topk];
-            attend_task(isa, op, qrow, hc, idx, cache, out, lse);
+            scratch.size(dqk, dv, hc);
+            attend_task(isa, op, qrow, hc, idx, cache, out, lse, scratch);
         });
+}
+
+/// The working buffers of one task, reused by the tasks a rayon job runs (no allocation
+/// per task once sized).
+#[derive(Default)]
+struct Scratch {
+    /// Qᵀ `[d_qk × hc]`.
+    qt: Vec<f32>,
+    /// Dequantised key block `[BLOCK × d_qk]` (V = its first d_v columns).
+    k: Vec<f32>,
+    /// Scores `Sᵀ [BLOCK × hc]`.
+    st: Vec<f32>,
+    /// Probabilities `[hc × BLOCK]`.
+    p: Vec<f32>,
+    /// Output accumulators `[hc × d_v]`.
+    o: Vec<f32>,
+    /// Per head: running max, running sum, block max, block sum, correction.
+    m: Vec<f32>,
+    sum: Vec<f32>,
+    mx: Vec<f32>,
+    bsum: Vec<f32>,
+    corr: Vec<f32>,
+    /// The token's valid slots.
+    valid: Vec<usize>,
+}
+
+impl Scratch {
+    /// Sizes every buffer for `d_qk`, `d_v` and `hc` heads (contents are reset by
+    /// [`attend`]).
+    fn size(&mut self, dqk: usize, dv: usize, hc: usize) {
+        self.qt.resize(dqk * hc, 0.0);
+        self.k.resize(BLOCK * dqk, 0.0);
+        self.st.resize(BLOCK * hc, 0.0);
+        self.p.resize(hc * BLOCK, 0.0);
+        self.o.resize(hc * dv, 0.0);
+        for v in [
+            &mut self.m,
+            &mut self.sum,
+            &mut self.mx,
+            &mut self.bsum,
+            &mut self.corr,
+        ] {
+            v.resize(hc, 0.0);
+        }
+    }
 }
 
 crate::isa_dispatch! {
@@ -63,7 +112,8 @@ crate::isa_dispatch! {
         cache: &[u8],
         out: &mut [bf16],
         lse: &mut [f32],
-    ) = |ISA| attend(ISA, op, q, hc, indices, cache, out, lse);
+        scratch: &mut Scratch,
+    ) = |ISA| attend(ISA, op, q, hc, indices, cache, out, lse, scratch);
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -77,32 +127,47 @@ fn attend(
     cache: &[u8],
     out: &mut [bf16],
     lse: &mut [f32],
+    scratch: &mut Scratch,
 ) {
     let l = &op.layout;
     let (dqk, dv) = (l.d_qk(), l.nope_dim());
-    // Qᵀ [d_qk × hc], once per task.
-    let mut qt = vec![0f32; dqk * hc];
-    for i in 0..hc {
-        for p in 0..dqk {
-            qt[p * hc + i] = bf16_to_f32(q[i * dqk + p].to_bits());
+    let Scratch {
+        qt,
+        k,
+        st,
+        p,
+        o,
+        m,
+        sum,
+        mx,
+        bsum,
+        corr,
+        valid,
+    } = scratch;
+    valid.clear();
+    valid.extend(indices.iter().filter(|&&i| i >= 0).map(|&i| i as usize));
+    // The keys are scattered cache rows: ask for a block before it is gathered (the
+    // first one now, each next one while the current one is computed).
+    let fetch = |block: &[usize]| {
+        for &slot in block {
+            prefetch(&cache[l.slot_token_bytes(slot)]);
+        }
+    };
+    fetch(&valid[..valid.len().min(BLOCK)]);
+    // Qᵀ [d_qk × hc], once per task (rows of Qᵀ written whole).
+    for (pp, row) in qt.chunks_exact_mut(hc).enumerate() {
+        for (i, x) in row.iter_mut().enumerate() {
+            *x = bf16_to_f32(q[i * dqk + pp].to_bits());
         }
     }
-    let mut k = vec![0f32; BLOCK * dqk];
-    let mut st = vec![0f32; BLOCK * hc];
-    let mut p = vec![0f32; hc * BLOCK];
-    let mut o = vec![0f32; hc * dv];
-    let mut m = vec![f32::NEG_INFINITY; hc];
-    let mut sum = vec![0f32; hc];
-    let mut mx = vec![0f32; hc];
-    let mut bsum = vec![0f32; hc];
-    let mut corr = vec![0f32; hc];
-    let valid: Vec<usize> = indices
-        .iter()
-        .filter(|&&i| i >= 0)
-        .map(|&i| i as usize)
-        .collect();
-    for block in valid.chunks(BLOCK) {
+    o.fill(0.0);
+    m.fill(f32::NEG_INFINITY);
+    sum.fill(0.0);
+    for (b, block) in valid.chunks(BLOCK).enumerate() {
         let n = block.len();
+        if let Some(next) = valid.get((b + 1) * BLOCK..) {
+            fetch(&next[..next.len().min(BLOCK)]);
+        }
         for (j, &slot) in block.iter().enumerate() {
             load_row(l, cache, slot, &mut k[j * dqk..(j + 1) * dqk]);
         }
@@ -118,11 +183,11 @@ fn attend(
                 ldb: hc,
                 ldc: hc,
             },
-            &k,
-            &qt,
-            &mut st,
+            k,
+            qt,
+            st,
         );
-        mx.copy_from_slice(&m);
+        mx.copy_from_slice(m);
         for row in st[..n * hc].chunks_exact_mut(hc) {
             for (x, mxi) in row.iter_mut().zip(mx.iter_mut()) {
                 *x *= op.softmax_scale;
@@ -159,14 +224,17 @@ fn attend(
                 ldb: dqk,
                 ldc: dv,
             },
-            &p,
-            &k,
-            &mut o,
+            p,
+            k,
+            o,
         );
     }
+    // "No valid slot" is decided by the slots, never by the sum: a NaN or infinite score
+    // makes the sum NaN, and that NaN must reach out and lse (as in the reference), not
+    // pass for the empty-attention values.
     for i in 0..hc {
         let dst = &mut out[i * dv..(i + 1) * dv];
-        if sum[i] > 0.0 {
+        if !valid.is_empty() {
             let inv = 1.0 / sum[i];
             for (d, &x) in dst.iter_mut().zip(&o[i * dv..(i + 1) * dv]) {
                 *d = bf16::from_f32(x * inv);

@@ -1,7 +1,7 @@
 //! `indexer_logits`: the lightning indexer's logits over paged index keys.
 
 use super::batch::check_rows;
-use super::{check_bytes, check_len, decode_rows, PageTable, QueryRange};
+use super::{check_count, check_len, check_size, decode_rows, PageTable, QueryRange};
 use crate::error::{Error, Result};
 use crate::layout::IndexKLayout;
 
@@ -43,6 +43,8 @@ impl<'a> IndexerLogits<'a> {
     }
 
     /// Validates the call against the buffer sizes (bytes); returns the pages in the cache.
+    /// Page-table entries outside every row's `[start, end)` are not read and need not be
+    /// mapped.
     pub fn validate(
         &self,
         q_bytes: usize,
@@ -54,9 +56,14 @@ impl<'a> IndexerLogits<'a> {
             return Err(Error::invalid("n_heads", "must be positive"));
         }
         let n = self.rows.len();
-        check_bytes("q", n * self.n_heads * self.layout.head_dim() * 2, q_bytes)?;
-        check_bytes("weights", n * self.n_heads * 4, weights_bytes)?;
-        check_bytes("logits", n * self.row_stride * 4, out_bytes)?;
+        check_count("rows", n)?;
+        check_count("n_heads", self.n_heads)?;
+        check_count("row_stride", self.row_stride)?;
+        check_count("page_table columns", self.page_table.max_pages())?;
+        let d = self.layout.head_dim();
+        check_size("q", &[n, self.n_heads, d, 2], q_bytes)?;
+        check_size("weights", &[n, self.n_heads, 4], weights_bytes)?;
+        check_size("logits", &[n, self.row_stride, 4], out_bytes)?;
         let pages = self.layout.pages_in("index-K cache", cache_bytes)?;
         check_rows(
             &self.rows,

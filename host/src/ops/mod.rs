@@ -15,6 +15,14 @@
 //!   `out`: bf16 `[n_tokens, n_heads, d_v]`; `lse`: f32 `[n_tokens, n_heads]`.
 
 //!
+//! Sizes (checked arithmetic throughout: a product that overflows is an error, never a
+//! wrapped size that happens to match a small buffer): every count of a call — tokens,
+//! rows, heads, `k`, slots per token, page-table columns, pages copied — is at most
+//! [`MAX_COUNT`] (`u32::MAX`), and a page at most
+//! [`MAX_PAGE_BYTES`](crate::layout::MAX_PAGE_BYTES) bytes: the GPU kernels take them as
+//! 32-bit parameters, and every backend enforces the same limits so that a call valid on
+//! one backend is valid on all. Top-k slot outputs must fit in i32.
+//!
 //! One file per op, lining up with `cpu/` and `sparsekit_kernels::kernels`: `store`
 //! (index_k_store, kv_store), `indexer_logits`, `topk`, `sparse_mla`, `pages`
 //! (copy_pages, page_checksums); `batch` holds the ragged-batch metadata (page tables,
@@ -29,7 +37,7 @@ mod topk;
 
 use serde::Serialize;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Index, Result};
 
 pub use batch::{decode_rows, PageTable, QueryRange};
 pub use indexer_logits::IndexerLogits;
@@ -83,6 +91,41 @@ impl std::fmt::Display for Op {
     }
 }
 
+/// Largest count of anything in one call (tokens, rows, heads, `k`, slots per token,
+/// page-table columns, pages): the GPU kernels take counts as u32.
+pub const MAX_COUNT: usize = u32::MAX as usize;
+
+/// Checks that `count` is at most [`MAX_COUNT`].
+pub fn check_count(what: &'static str, count: usize) -> Result<()> {
+    if count > MAX_COUNT {
+        return Err(Error::invalid(
+            what,
+            format!("{count} is above the limit of {MAX_COUNT} (32-bit kernel parameters)"),
+        ));
+    }
+    Ok(())
+}
+
+/// The product of `factors` (a byte or element count), or an error naming `what` when it
+/// overflows `usize`.
+pub fn checked_size(what: &'static str, factors: &[usize]) -> Result<usize> {
+    factors
+        .iter()
+        .try_fold(1usize, |acc, &f| acc.checked_mul(f))
+        .ok_or_else(|| {
+            let shown: Vec<String> = factors.iter().map(|f| f.to_string()).collect();
+            Error::invalid(
+                what,
+                format!("size {} overflows the address space", shown.join(" × ")),
+            )
+        })
+}
+
+/// Checks that a buffer holds exactly `Π factors` bytes (checked product).
+pub fn check_size(what: &'static str, factors: &[usize], actual: usize) -> Result<()> {
+    check_bytes(what, checked_size(what, factors)?, actual)
+}
+
 /// Checks that a buffer holds exactly `expected` bytes.
 pub fn check_bytes(what: &'static str, expected: usize, actual: usize) -> Result<()> {
     if expected != actual {
@@ -118,7 +161,7 @@ pub fn check_slots(what: &'static str, slots: &[i64], capacity: usize) -> Result
         if s < 0 || s as u64 >= capacity as u64 {
             return Err(Error::SlotOutOfRange {
                 what,
-                index: i,
+                index: Index::Flat(i),
                 slot: s,
                 capacity,
             });
@@ -145,7 +188,7 @@ mod tests {
         assert!(matches!(
             check_slots("s", &[0, 8], 8),
             Err(Error::SlotOutOfRange {
-                index: 1,
+                index: Index::Flat(1),
                 slot: 8,
                 ..
             })

@@ -1,7 +1,7 @@
 //! `copy_pages` and `page_checksums`: whole pages between pools, and their checksums.
 
-use super::{check_bytes, check_len};
-use crate::error::{Error, Result};
+use super::{check_count, check_len, check_size};
+use crate::error::{Error, Index, Result};
 use crate::layout::PageLayout;
 
 /// Where the pages of one layout sit in a buffer: page `i` occupies bytes
@@ -30,7 +30,8 @@ impl PagedRegion {
         }
     }
 
-    /// Checks the region fits a buffer of `buffer_bytes` bytes.
+    /// Checks the region fits a buffer of `buffer_bytes` bytes (checked arithmetic: a
+    /// region whose end overflows is an error, never a wrapped small end).
     pub fn check(&self, what: &'static str, buffer_bytes: usize) -> Result<()> {
         let page = self.layout.bytes_per_page();
         if self.stride < page {
@@ -42,9 +43,22 @@ impl PagedRegion {
                 ),
             ));
         }
+        check_count("num_pages", self.num_pages)?;
         let end = match self.num_pages {
-            0 => self.offset,
-            n => self.offset + (n - 1) * self.stride + page,
+            0 => Some(self.offset),
+            n => (n - 1)
+                .checked_mul(self.stride)
+                .and_then(|x| x.checked_add(page))
+                .and_then(|x| x.checked_add(self.offset)),
+        };
+        let Some(end) = end else {
+            return Err(Error::invalid(
+                what,
+                format!(
+                    "region end {} + ({} - 1) × {} + {page} overflows the address space",
+                    self.offset, self.num_pages, self.stride
+                ),
+            ));
         };
         if end > buffer_bytes {
             return Err(Error::BufferSize {
@@ -67,7 +81,7 @@ impl PagedRegion {
             if p < 0 || p as usize >= self.num_pages {
                 return Err(Error::PageOutOfRange {
                     what,
-                    index: i,
+                    index: Index::Flat(i),
                     page: p as i64,
                     num_pages: self.num_pages,
                 });
@@ -100,6 +114,7 @@ impl CopyPages<'_> {
             });
         }
         check_len("dst_ids", self.src_ids.len(), self.dst_ids.len())?;
+        check_count("pages copied", self.src_ids.len())?;
         self.src.check("copy_pages source", src_bytes)?;
         self.dst.check("copy_pages destination", dst_bytes)?;
         self.src.check_ids("src_ids", self.src_ids)?;
@@ -131,8 +146,9 @@ impl PageChecksums<'_> {
     /// Validates the call against the buffer sizes (bytes).
     pub fn validate(&self, pool_bytes: usize, out_bytes: usize) -> Result<()> {
         self.region.check("page_checksums pool", pool_bytes)?;
+        check_count("ids", self.ids.len())?;
         self.region.check_ids("ids", self.ids)?;
-        check_bytes("checksums", self.ids.len() * 8, out_bytes)
+        check_size("checksums", &[self.ids.len(), 8], out_bytes)
     }
 }
 
@@ -213,6 +229,49 @@ mod tests {
         assert!(narrow
             .validate(a.buffer_bytes(4), a.buffer_bytes(3))
             .is_err());
+    }
+
+    #[test]
+    fn region_ends_never_wrap() {
+        let a = IndexKLayout::new(IndexKDtype::FP8, 128, 64).unwrap();
+        let page = a.bytes_per_page();
+        let wraps = [
+            PagedRegion {
+                offset: usize::MAX - 99,
+                ..PagedRegion::contiguous(a, 1)
+            },
+            PagedRegion {
+                stride: 1 << 63,
+                ..PagedRegion::contiguous(a, 3)
+            },
+            PagedRegion {
+                num_pages: usize::MAX,
+                ..PagedRegion::contiguous(a, 1)
+            },
+        ];
+        for r in wraps {
+            assert!(
+                matches!(r.check("x", 4 * page), Err(Error::InvalidArgument { .. })),
+                "{r:?}"
+            );
+        }
+        let op = CopyPages {
+            src: PagedRegion::contiguous(a, 2),
+            dst: PagedRegion {
+                offset: usize::MAX - 99,
+                ..PagedRegion::contiguous(a, 2)
+            },
+            src_ids: &[0],
+            dst_ids: &[1],
+        };
+        assert!(op.validate(2 * page, 2 * page).is_err());
+        let e = PageChecksums {
+            region: PagedRegion::contiguous(a, 2),
+            ids: &[0, 5],
+        }
+        .validate(2 * page, 16)
+        .unwrap_err();
+        assert!(e.to_string().contains("ids[1] = page 5"), "{e}");
     }
 
     #[test]

@@ -1,13 +1,14 @@
 //! `sparse_mla`: sparse MLA attention over each token's top-k cache slots.
 
-use super::check_bytes;
-use crate::error::{Error, Result};
+use super::{check_count, check_size};
+use crate::error::{Error, Index, Result};
 use crate::layout::KvLayout;
 
 /// `sparse_mla`: per token and head, softmax attention over the token's `topk` cache slots
 /// (`-1` skipped): `out = Σ_j softmax(scale · q·k_j) v_j`, `lse = ln Σ_j exp(scale · q·k_j)`
 /// (natural log). `k_j` is the token's dequantised `[latent | rope]`, `v_j` its latent. A
-/// token with no valid slot gets `out = 0` and `lse = -inf`.
+/// token with no valid slot gets `out = 0` and `lse = -inf`; a head whose scores include
+/// NaN, or have no finite maximum, gets NaN. A slot listed twice counts twice.
 #[derive(Clone, Copy, Debug)]
 pub struct SparseMla {
     pub layout: KvLayout,
@@ -33,17 +34,22 @@ impl SparseMla {
         if !self.softmax_scale.is_finite() {
             return Err(Error::invalid("softmax_scale", "must be finite"));
         }
-        let (t, h) = (self.n_tokens, self.n_heads);
-        check_bytes("q", t * h * self.layout.d_qk() * 2, q_bytes)?;
-        check_bytes("indices", t * self.topk * 4, indices_bytes)?;
-        check_bytes("out", t * h * self.layout.nope_dim() * 2, out_bytes)?;
-        check_bytes("lse", t * h * 4, lse_bytes)?;
-        self.layout.pages_in("KV cache", cache_bytes)
+        let (t, h, l) = (self.n_tokens, self.n_heads, &self.layout);
+        check_count("n_tokens", t)?;
+        check_count("n_heads", h)?;
+        check_count("topk", self.topk)?;
+        check_size("q", &[t, h, l.d_qk(), 2], q_bytes)?;
+        check_size("indices", &[t, self.topk, 4], indices_bytes)?;
+        check_size("out", &[t, h, l.nope_dim(), 2], out_bytes)?;
+        check_size("lse", &[t, h, 4], lse_bytes)?;
+        l.pages_in("KV cache", cache_bytes)
     }
 
-    /// Checks that every index is `-1` or a slot of a cache of `pages` pages.
+    /// Checks that every index is `-1` or a slot of a cache of `pages` pages (any other
+    /// negative value, or a slot at or past the cache's end, is an error naming its
+    /// `[token][j]`). Duplicate indices are allowed: a slot listed twice counts twice.
     pub fn check_indices(&self, indices: &[i32], pages: usize) -> Result<()> {
-        let capacity = pages * self.layout.page_size();
+        let capacity = pages.saturating_mul(self.layout.page_size());
         match indices
             .iter()
             .enumerate()
@@ -51,7 +57,7 @@ impl SparseMla {
         {
             Some((i, &s)) => Err(Error::SlotOutOfRange {
                 what: "indices",
-                index: i,
+                index: Index::cell(i, self.topk),
                 slot: s as i64,
                 capacity,
             }),

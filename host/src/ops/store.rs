@@ -1,6 +1,6 @@
 //! `index_k_store` and `kv_store`: new tokens into their cache pages.
 
-use super::{check_bytes, check_slots};
+use super::{check_count, check_size, check_slots};
 use crate::error::Result;
 use crate::layout::{IndexKLayout, KvLayout};
 
@@ -15,9 +15,10 @@ pub struct IndexKStore<'a> {
 impl IndexKStore<'_> {
     /// Validates the call; returns the number of pages in the cache.
     pub fn validate(&self, keys_bytes: usize, cache_bytes: usize) -> Result<usize> {
-        check_bytes(
+        check_count("slots", self.slots.len())?;
+        check_size(
             "keys",
-            self.slots.len() * self.layout.head_dim() * 2,
+            &[self.slots.len(), self.layout.head_dim(), 2],
             keys_bytes,
         )?;
         let pages = self.layout.pages_in("index-K cache", cache_bytes)?;
@@ -36,7 +37,8 @@ pub struct KvStore<'a> {
 impl KvStore<'_> {
     /// Validates the call; returns the number of pages in the cache.
     pub fn validate(&self, kv_bytes: usize, cache_bytes: usize) -> Result<usize> {
-        check_bytes("kv", self.slots.len() * self.layout.d_qk() * 2, kv_bytes)?;
+        check_count("slots", self.slots.len())?;
+        check_size("kv", &[self.slots.len(), self.layout.d_qk(), 2], kv_bytes)?;
         let pages = self.layout.pages_in("KV cache", cache_bytes)?;
         check_slots("slots", self.slots, pages * self.layout.page_size())?;
         Ok(pages)

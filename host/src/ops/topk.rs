@@ -1,7 +1,8 @@
 //! `topk`: exact top-k per query row.
 
-use super::{check_bytes, PageTable, QueryRange};
-use crate::error::{Error, Result};
+use super::batch::check_row;
+use super::{check_count, check_size, PageTable, QueryRange};
+use crate::error::{Error, Index, Result};
 
 /// What top-k writes for each selected position.
 #[derive(Clone, Copy, Debug)]
@@ -15,9 +16,11 @@ pub enum TopkOutput<'a> {
     },
 }
 
-/// `topk`: exact top-`k` per row over the columns in the row's range, ignoring `-inf` and
-/// NaN entries; ties broken by lower position. The selected entries are written in
-/// ascending position order, followed by `-1` padding when fewer than `k` are valid.
+/// `topk`: exact top-`k` per row over the columns in the row's range `[start, end)` (the
+/// other columns are not read), ignoring `-inf` and NaN entries (`+inf` is a value like
+/// any other; `-0.0` and `+0.0` are equal, a tie); ties broken by lower position. The
+/// selected entries are written in ascending position order, followed by `-1` padding
+/// when fewer than `k` are valid.
 #[derive(Clone, Copy, Debug)]
 pub struct Topk<'a> {
     pub k: usize,
@@ -27,29 +30,35 @@ pub struct Topk<'a> {
 }
 
 impl Topk<'_> {
-    /// Validates the call against the buffer sizes (bytes).
+    /// Validates the call against the buffer sizes (bytes). With slot output, every
+    /// position of every row's `[start, end)` must map to a page (entries outside those
+    /// ranges are not read) whose slots fit in the i32 output; top-k reads no pool, so
+    /// page ids are not checked against one (the consumer of the slots does that).
     pub fn validate(&self, logits_bytes: usize, out_bytes: usize) -> Result<()> {
         if self.k == 0 {
             return Err(Error::invalid("k", "must be positive"));
         }
+        check_count("k", self.k)?;
+        check_count("rows", self.rows.len())?;
         if self.row_stride > i32::MAX as usize {
-            return Err(Error::invalid("row_stride", "positions must fit in i32"));
+            return Err(Error::invalid(
+                "row_stride",
+                format!(
+                    "{} is above {}: positions must fit in i32",
+                    self.row_stride,
+                    i32::MAX
+                ),
+            ));
         }
         let n = self.rows.len();
-        check_bytes("logits", n * self.row_stride * 4, logits_bytes)?;
-        check_bytes("topk", n * self.k * 4, out_bytes)?;
+        check_size("logits", &[n, self.row_stride, 4], logits_bytes)?;
+        check_size("topk", &[n, self.k, 4], out_bytes)?;
+        let n_requests = match self.output {
+            TopkOutput::Positions => usize::MAX,
+            TopkOutput::Slots { page_table, .. } => page_table.num_requests(),
+        };
         for (i, q) in self.rows.iter().enumerate() {
-            if q.start > q.end || q.end as usize > self.row_stride {
-                return Err(Error::InvalidRange {
-                    row: i,
-                    start: q.start as i64,
-                    end: q.end as i64,
-                    reason: format!(
-                        "must satisfy start <= end <= row_stride {}",
-                        self.row_stride
-                    ),
-                });
-            }
+            check_row(i, q, n_requests, self.row_stride)?;
         }
         if let TopkOutput::Slots {
             page_table,
@@ -59,22 +68,34 @@ impl Topk<'_> {
             if page_size == 0 {
                 return Err(Error::invalid("page_size", "must be positive"));
             }
+            check_count("page_size", page_size)?;
+            check_count("page_table columns", page_table.max_pages())?;
             for (i, q) in self.rows.iter().enumerate() {
-                if q.request as usize >= page_table.num_requests() {
-                    return Err(Error::InvalidRange {
-                        row: i,
-                        start: q.start as i64,
-                        end: q.end as i64,
-                        reason: format!("request {} not in page table", q.request),
-                    });
+                let (r, start, end) = (q.request as usize, q.start as usize, q.end as usize);
+                for (c, page) in page_table.entries(r, start, end, page_size)? {
+                    let at = Index::Cell { row: r, col: c };
+                    if page < 0 {
+                        return Err(Error::invalid(
+                            "page_table",
+                            format!(
+                                "page_table{at} = {page}: row {i} sees positions [{start}, {end}) of request {r}, and the slot output needs a page for each"
+                            ),
+                        ));
+                    }
+                    // The largest slot this entry gives a position of the row.
+                    let last = end.min((c + 1) * page_size) - 1 - c * page_size;
+                    let slot = (page as usize)
+                        .checked_mul(page_size)
+                        .and_then(|s| s.checked_add(last));
+                    if slot.is_none_or(|s| s > i32::MAX as usize) {
+                        return Err(Error::invalid(
+                            "page_table",
+                            format!(
+                                "page_table{at} = {page}: slot {page}·{page_size} + {last} does not fit in the i32 top-k output"
+                            ),
+                        ));
+                    }
                 }
-                // Slots must fit in i32; pages beyond the pool are the consumer's check.
-                page_table.check_covers(
-                    q.request as usize,
-                    q.end as usize,
-                    page_size,
-                    i32::MAX as usize / page_size,
-                )?;
             }
         }
         Ok(())

@@ -9,6 +9,10 @@
 //!   replayable with `SPARSEKIT_SEED`);
 //! - typed errors ([`errors`]): every caller mistake is a typed error and a rejected call
 //!   writes nothing; shapes past a backend's kernels are rejected, never run wrong;
+//! - non-finite inputs ([`nonfinite`]): NaN and infinities in every input give what the
+//!   reference gives (NaN where it gives NaN, never a plausible number);
+//! - windows over evicted pages ([`windows_over_evicted_pages`]): page-table entries
+//!   before a row's window are never read, and may be `-1`;
 //! - empty batches ([`empty_batches`]): every op accepts a batch of nothing and writes
 //!   nothing;
 //! - streams and events ([`streams_and_events`]): page copies on the copy stream, ordered
@@ -18,6 +22,7 @@
 //! well as the tests).
 
 pub mod errors;
+pub mod nonfinite;
 
 use std::fmt;
 
@@ -25,13 +30,14 @@ use sparsekit_host::layout::{IndexKDtype, IndexKLayout, PageLayout};
 pub use sparsekit_host::ops::Op;
 use sparsekit_host::ops::{
     CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, PageTable, PagedRegion,
-    SparseMla, Topk, TopkOutput,
+    QueryRange, SparseMla, Topk, TopkOutput,
 };
 use sparsekit_host::{Backend, KvDtype, KvLayout, StreamKind};
 
 use crate::fixtures::{self, case_rng};
 use crate::reference;
 use crate::suite::{run, Size, Status, SuiteConfig};
+use crate::tolerance::{self, ErrorStats, Quantity};
 
 /// Why a backend failed a check.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -97,10 +103,58 @@ pub fn run_check<B: Backend>(
             return;
         }
     };
-    if let Err(f) = check(&backend) {
-        panic!("{instance}::{check_name} on {}: {f}", backend.name());
+    let known = KNOWN_DIVERGENCES
+        .iter()
+        .find(|k| k.check == check_name && k.backends.contains(&backend.name()));
+    match (check(&backend), known) {
+        (Ok(()), None) => {}
+        (Err(f), None) => panic!("{instance}::{check_name} on {}: {f}", backend.name()),
+        (Err(f), Some(k)) if f.0.contains(k.failure) => eprintln!(
+            "KNOWN DIVERGENCE {instance}::{check_name} on {} ({}): {f}",
+            backend.name(),
+            k.reason
+        ),
+        (Err(f), Some(k)) => panic!(
+            "{instance}::{check_name} on {}: {f} (besides the known divergence: {})",
+            backend.name(),
+            k.reason
+        ),
+        (Ok(()), Some(k)) => panic!(
+            "{instance}::{check_name} on {} passes: the known divergence ({}) is gone; \
+             remove it from conformance::KNOWN_DIVERGENCES",
+            backend.name(),
+            k.reason
+        ),
     }
 }
+
+/// A check that is known to fail on some backends, in one precise way.
+#[derive(Clone, Copy, Debug)]
+pub struct KnownDivergence {
+    /// The check (its `#[test]` name in [`test_backend!`](crate::test_backend)).
+    pub check: &'static str,
+    /// Backend names ([`Backend::name`]) it fails on.
+    pub backends: &'static [&'static str],
+    /// Text the failure message must contain; any other failure fails the test.
+    pub failure: &'static str,
+    /// Why, and who owns the fix.
+    pub reason: &'static str,
+}
+
+/// Divergences from the reference that are known and owned elsewhere. While one
+/// reproduces exactly (its `failure` text in the message) the test passes and says so on
+/// stderr; it fails when the check fails any other way, and when the check passes (the
+/// entry must then be removed).
+pub const KNOWN_DIVERGENCES: &[KnownDivergence] = &[KnownDivergence {
+    check: "nonfinite_attention",
+    backends: &["emu", "cuda"],
+    failure: nonfinite::EMPTY_FOR_NAN,
+    reason: "the sparse_mla GPU kernel decides \"no valid slot\" by a running max of -inf \
+             (kernels-rs/src/kernels/sparse_mla/tile.rs, merge), so a head whose scores are \
+             all NaN or all -inf gets lse = -inf (and out = 0) instead of NaN; the fix is to \
+             decide it by the token's count of valid slots, as the CPU backend does (issue 8 \
+             item 4, owned by the kernels)",
+}];
 
 /// Says why an instance skips: once per instance and process on stderr itself (not the
 /// test harness's captured output, so `cargo test` shows it), and per check in the
@@ -232,6 +286,108 @@ pub fn empty_batches<B: Backend>(b: &B) -> Outcome {
     ensure(b.download(&out)?.is_empty(), || {
         "empty outputs grew".to_string()
     })
+}
+
+/// Rows whose window starts past evicted pages (page-table entries `-1` before the
+/// window): the indexer and slot-output top-k read only `[start, end)`, so such a call is
+/// valid and must equal the reference (whose table holds the pages).
+pub fn windows_over_evicted_pages<B: Backend>(b: &B) -> Outcome {
+    let seed = seed();
+    let mut rng = case_rng(seed, 0xe71c);
+    let ps = 16;
+    let lens = [200u32, 90, 41, 300];
+    let paging = fixtures::Paging::new(&mut rng, ps, &lens, 1);
+    let l = IndexKLayout::new(IndexKDtype::FP8, 64, ps)?;
+    let pool = b.upload(&fixtures::index_k_pool(&mut rng, &l, &paging))?;
+    // Windows: request r sees [start_r, len_r); pages wholly before start_r are evicted.
+    let starts = [100u32, 16, 0, 257];
+    let mut rows: Vec<QueryRange> = lens
+        .iter()
+        .zip(&starts)
+        .enumerate()
+        .flat_map(|(r, (&len, &start))| {
+            (0..3).map(move |j| QueryRange {
+                request: r as u32,
+                start,
+                end: len - j,
+            })
+        })
+        .collect();
+    // Request 3 also has a row over its first 5 tokens, between its windows: page 0 is
+    // mapped, pages 1..16 are not (a backend must not read the gap between the two).
+    rows.insert(
+        10,
+        QueryRange {
+            request: 3,
+            start: 0,
+            end: 5,
+        },
+    );
+    let mut evicted = paging.table.clone();
+    for (r, &start) in starts.iter().enumerate() {
+        for p in usize::from(r == 3)..start as usize / ps {
+            evicted[r * paging.max_pages + p] = -1;
+        }
+    }
+    let full = PageTable::new(&paging.table, paging.max_pages)?;
+    let cut = PageTable::new(&evicted, paging.max_pages)?;
+    let h = 8;
+    let stride = 301;
+    let (q, w) = fixtures::indexer_inputs(&mut rng, rows.len(), h, 64);
+    let op = IndexerLogits {
+        layout: l,
+        n_heads: h,
+        page_table: cut,
+        rows: rows.clone(),
+        row_stride: stride,
+    };
+    let mut out = b.upload(&fixtures::poison_f32(rows.len() * stride))?;
+    b.indexer_logits(
+        &op,
+        &b.upload(fixtures::bytes_of(&q))?,
+        &b.upload(fixtures::bytes_of(&w))?,
+        &pool,
+        &mut out,
+    )?;
+    let got: Vec<f32> = bytemuck::pod_collect_to_vec(&b.download(&out)?);
+    let want = reference::indexer_logits(&l, &b.download(&pool)?, &full, &rows, h, &q, &w, stride);
+    let t = tolerance::get(Op::IndexerLogits, Quantity::Logits, l.dtype().into())?;
+    let mut stats = ErrorStats::default();
+    for (i, g) in got.iter().enumerate() {
+        stats.add(i, *g as f64, want.logits[i], want.magnitude[i], t);
+    }
+    ensure(stats.pass(), || {
+        format!(
+            "indexer over evicted prefixes: {} (SPARSEKIT_SEED={seed})",
+            stats.summary()
+        )
+    })?;
+    // Top-k of those logits as slots through the cut table.
+    let k = 20;
+    let op = Topk {
+        k,
+        row_stride: stride,
+        rows: &rows,
+        output: TopkOutput::Slots {
+            page_table: cut,
+            page_size: ps,
+        },
+    };
+    let mut slots = b.upload(&fixtures::poison_i32(rows.len() * k))?;
+    b.topk(&op, &b.upload(fixtures::bytes_of(&got))?, &mut slots)?;
+    let got_slots: Vec<i32> = bytemuck::pod_collect_to_vec(&b.download(&slots)?);
+    for (r, range) in rows.iter().enumerate() {
+        let (s, e) = (range.start as usize, range.end as usize);
+        let mut want: Vec<i32> = reference::topk_row(&got[r * stride + s..r * stride + e], k)
+            .into_iter()
+            .map(|p| full.slot(range.request as usize, s + p, ps) as i32)
+            .collect();
+        want.resize(k, -1);
+        ensure(got_slots[r * k..(r + 1) * k] == want[..], || {
+            format!("top-k row {r} over an evicted prefix (SPARSEKIT_SEED={seed})")
+        })?;
+    }
+    Ok(())
 }
 
 /// Page copies on the copy stream, ordered with events: device pool → host tier on the
@@ -413,6 +569,34 @@ macro_rules! test_backend {
                     "shapes_past_the_kernels",
                     || $open,
                     |b| c::errors::shapes_past_the_kernels(b),
+                )
+            }
+            #[test]
+            fn nonfinite_stores() {
+                check("nonfinite_stores", || $open, |b| c::nonfinite::stores(b))
+            }
+            #[test]
+            fn nonfinite_indexer() {
+                check("nonfinite_indexer", || $open, |b| c::nonfinite::indexer(b))
+            }
+            #[test]
+            fn nonfinite_topk() {
+                check("nonfinite_topk", || $open, |b| c::nonfinite::topk(b))
+            }
+            #[test]
+            fn nonfinite_attention() {
+                check(
+                    "nonfinite_attention",
+                    || $open,
+                    |b| c::nonfinite::attention(b),
+                )
+            }
+            #[test]
+            fn windows_over_evicted_pages() {
+                check(
+                    "windows_over_evicted_pages",
+                    || $open,
+                    |b| c::windows_over_evicted_pages(b),
                 )
             }
             #[test]

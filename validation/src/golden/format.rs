@@ -14,7 +14,7 @@ use sparsekit_host::ops::{
     TopkOutput,
 };
 
-use super::judge::{check_indices, topk_want};
+use super::judge::topk_want;
 use super::params::{
     index_dt, kv_dt, IndexKStoreParams, IndexerLogitsParams, KvStoreParams, SparseMlaParams,
     TopkOut, TopkParams,
@@ -352,7 +352,8 @@ impl Golden {
                 t * h * 4,
             )
             .map_err(GoldenError::Rejected)?;
-        check_indices(indices, pages * l.page_size())?;
+        op.check_indices(indices, pages)
+            .map_err(GoldenError::Rejected)?;
         let p = SparseMlaParams {
             version: VERSION,
             dtype: kv_dt(l.dtype()),

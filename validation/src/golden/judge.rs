@@ -4,7 +4,7 @@
 
 use sparsekit_host::ops::{QueryRange, TopkOutput};
 
-use super::{ExpectedFrom, GoldenError, QuantityReport, Result};
+use super::{ExpectedFrom, QuantityReport};
 use crate::reference;
 use crate::tolerance::{DataType, ErrorStats, Tolerance};
 
@@ -31,24 +31,6 @@ pub(super) fn encode_position(output: &TopkOutput<'_>, range: &QueryRange, pos: 
             page_table,
             page_size,
         } => page_table.slot(range.request as usize, pos, *page_size) as i32,
-    }
-}
-
-pub(super) fn check_indices(indices: &[i32], capacity: usize) -> Result<()> {
-    match indices
-        .iter()
-        .enumerate()
-        .find(|(_, &s)| s < -1 || (s >= 0 && s as usize >= capacity))
-    {
-        Some((i, &s)) => Err(GoldenError::Rejected(
-            sparsekit_host::Error::SlotOutOfRange {
-                what: "indices",
-                index: i,
-                slot: s as i64,
-                capacity,
-            },
-        )),
-        None => Ok(()),
     }
 }
 

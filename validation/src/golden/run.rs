@@ -11,8 +11,7 @@ use sparsekit_host::ops::{
 use sparsekit_host::Backend;
 
 use super::judge::{
-    check_indices, compare_cache, encode_position, quantity, topk_want, widen, Judged,
-    BF16_ROUNDING, F32_ROUNDING,
+    compare_cache, encode_position, quantity, topk_want, widen, Judged, BF16_ROUNDING, F32_ROUNDING,
 };
 use super::params::{
     index_dtype, kv_dtype, IndexKStoreParams, IndexerLogitsParams, KvStoreParams, SparseMlaParams,
@@ -374,7 +373,8 @@ impl<B: Backend> Run<'_, B> {
             )
             .map_err(GoldenError::Rejected)?;
         let indices = idx_t.values::<i32>();
-        check_indices(&indices, pages * layout.page_size())?;
+        op.check_indices(&indices, pages)
+            .map_err(GoldenError::Rejected)?;
         let mut out = self.up(&poison_bf16(n * h * dv))?;
         let mut lse = self.up(&poison_f32(n * h))?;
         self.b
@@ -403,7 +403,7 @@ impl<B: Backend> Run<'_, B> {
         let tl = widen(table(Quantity::Lse)?, p.expected_from, F32_ROUNDING);
         let mut so = ErrorStats::default();
         for (i, (g, w)) in got_out.iter().zip(&want_out).enumerate() {
-            so.add(i, g.to_f64(), w.to_f64(), refr.out_magnitude[i / dv], &to);
+            so.add(i, g.to_f64(), w.to_f64(), refr.out_magnitude(i), &to);
         }
         let mut sl = ErrorStats::default();
         for (i, (g, w)) in got_lse.iter().zip(&want_lse).enumerate() {

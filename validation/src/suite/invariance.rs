@@ -139,7 +139,16 @@ fn indexer_logits<B: Backend>(
     let layout = IndexKLayout::new(IndexKDtype::FP8, d.index_head_dim, d.page_size)?;
     let paging = Paging::new(rng, d.page_size, lens, 2);
     let cache = b.upload(&fixtures::index_k_pool(rng, &layout, &paging))?;
-    let rows = prefill_rows(rng, lens);
+    let mut rows = prefill_rows(rng, lens);
+    // A long prefill chunk (40 causal rows of the 1000-token request): large row groups,
+    // whose head sums the CPU backend vectorises over rows instead of keys.
+    let long = lens.iter().position(|&l| l >= 40).unwrap_or(0);
+    let len = lens[long];
+    rows.extend((0..40.min(len)).map(|i| QueryRange {
+        request: long as u32,
+        start: 0,
+        end: len - 40.min(len) + i + 1,
+    }));
     let stride = *lens.iter().max().unwrap_or(&1) as usize + 3;
     let h = d.index_n_heads;
     let hd = layout.head_dim();

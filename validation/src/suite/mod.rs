@@ -75,6 +75,7 @@ pub fn run_case<B: Backend>(backend: &B, case: &Case, seed: u64) -> Vec<Record> 
         }
         Kind::Topk(k, ps, sc, lens) => topk::topk(b, rng, *k, *ps, *sc, lens).map(one),
         Kind::SparseMla(d, dt, h, lens) => sparse_mla::sparse_mla(b, rng, d, *dt, *h, lens),
+        Kind::SparseMlaCancel(d, dt) => sparse_mla::cancellation(b, rng, d, *dt),
         Kind::CopyPages(l, page_first) => pages::copy_pages(b, rng, *l, *page_first).map(one),
         Kind::PageChecksums(l) => pages::page_checksums(b, rng, *l).map(one),
         Kind::Invariance(d, op) => invariance::check(b, rng, d, *op).map(one),

@@ -39,6 +39,8 @@ pub(super) enum Kind {
     IndexerLogits(ModelDims, IndexKDtype, Form, Vec<u32>),
     Topk(usize, usize, Scenario, Vec<u32>),
     SparseMla(ModelDims, KvDtype, usize, Vec<u32>),
+    /// The near-cancellation case of the derived `out` bound.
+    SparseMlaCancel(ModelDims, KvDtype),
     CopyPages(PageLayout, bool),
     PageChecksums(PageLayout),
     Invariance(ModelDims, Op),
@@ -185,6 +187,16 @@ pub fn plan(cfg: &SuiteConfig) -> Vec<Case> {
                     Kind::SparseMla(dims, dt, h, lens.clone()),
                 );
             }
+        }
+        for dt in KV_DTYPES {
+            push(
+                Op::SparseMla,
+                r,
+                format!("{} h_q=16 near-cancellation", dims.name),
+                dt.into(),
+                4,
+                Kind::SparseMlaCancel(dims, dt),
+            );
         }
         // Page copies (contiguous and page-first regions) and checksums, every layout.
         for layout in page_layouts(&dims) {
