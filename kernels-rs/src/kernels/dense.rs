@@ -29,8 +29,10 @@ use super::FULL;
 pub const ELEMENTWISE_BLOCK: u32 = 256;
 /// Output rows per matmul tile (each thread keeps one accumulator per row).
 pub const MATMUL_TILE_ROWS: u32 = 8;
-/// Output columns per matmul tile (one per thread).
-pub const MATMUL_TILE_COLS: u32 = 128;
+/// Output columns per matmul tile (one per thread; one warp per block). Narrow tiles
+/// spread a decode-sized matmul over many SMs: without split-K (which would change each
+/// element's FMA chain) columns × row tiles are all the parallelism there is.
+pub const MATMUL_TILE_COLS: u32 = 32;
 /// `k` values of the `x` rows staged in shared memory at a time.
 const MATMUL_K_CHUNK: u32 = 128;
 /// Warps (rows) per block of the row-wise kernels.
@@ -122,17 +124,19 @@ pub unsafe fn dense_matmul<S: Simt>(p: DenseMatmulParams) {
         while p0 < p.k {
             let kc = MATMUL_K_CHUNK.min(p.k - p0);
             // Stage x[r0 .. r0+m, g, p0 .. p0+kc] (row i at smem word i·K_CHUNK).
-            if t < kc {
-                let mut i = 0;
-                while i < m {
-                    // SAFETY: r0 + i < rows, p0 + t < k: inside the x view; the smem word
-                    // i·K_CHUNK + t < TILE_ROWS·K_CHUNK (the launch's shared memory).
+            let mut i = 0;
+            while i < m {
+                let mut c = t;
+                while c < kc {
+                    // SAFETY: r0 + i < rows, p0 + c < k: inside the x view; the smem word
+                    // i·K_CHUNK + c < TILE_ROWS·K_CHUNK (the launch's shared memory).
                     unsafe {
-                        let v = S::gld(p.x.add(p.x_view.at(r0 + i, g, p0 + t)));
-                        S::smem_store::<f32>(4 * (i * MATMUL_K_CHUNK + t) as usize, v);
+                        let v = S::gld(p.x.add(p.x_view.at(r0 + i, g, p0 + c)));
+                        S::smem_store::<f32>(4 * (i * MATMUL_K_CHUNK + c) as usize, v);
                     }
-                    i += 1;
+                    c += MATMUL_TILE_COLS;
                 }
+                i += 1;
             }
             S::sync_threads();
             if live {
