@@ -185,9 +185,7 @@ const D_VOCAB: usize = 1000;
 impl DenseInputs {
     fn new(rng: &mut fixtures::SuiteRng) -> Self {
         let mut v = |n: usize, s: f64| -> Vec<f32> {
-            (0..n)
-                .map(|_| (fixtures::normal(rng) * s) as f32)
-                .collect()
+            (0..n).map(|_| (fixtures::normal(rng) * s) as f32).collect()
         };
         let x = v(D_ROWS * D_K, 1.0);
         let w = v(D_K * D_N, 0.1);
@@ -198,7 +196,9 @@ impl DenseInputs {
         logits[7] = 50.0;
         logits[900] = 50.0;
         logits[D_VOCAB + 500] = f32::NAN;
-        let tokens = (0..2 * D_ROWS as u32).map(|i| (i * 7) % D_ROWS as u32).collect();
+        let tokens = (0..2 * D_ROWS as u32)
+            .map(|i| (i * 7) % D_ROWS as u32)
+            .collect();
         DenseInputs {
             x,
             w,

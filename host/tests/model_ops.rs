@@ -692,28 +692,32 @@ fn cast_and_argmax_are_exact() {
 
 #[test]
 fn rejected_calls_write_nothing() {
-    let b = CpuBackend::new();
+    rejected_calls_write_nothing_on(&CpuBackend::new());
+    rejected_calls_write_nothing_on(&EmuBackend::new());
+}
+
+fn rejected_calls_write_nothing_on<B: ModelOps<Buffer = CpuBuffer>>(b: &B) {
     let x = buf(&[1.0; 64]);
     let w = buf(&[1.0; 64]);
     let mut out = poisoned(64);
     // Weight of the wrong size.
-    let e = ModelOps::matmul(&b, &Matmul::dense(8, 8, 8), &x, &buf(&[1.0; 63]), &mut out);
+    let e = ModelOps::matmul(b, &Matmul::dense(8, 8, 8), &x, &buf(&[1.0; 63]), &mut out);
     assert!(matches!(e, Err(Error::BufferSize { .. })), "{e:?}");
     // Output too small.
-    let e = ModelOps::matmul(&b, &Matmul::dense(9, 8, 8), &buf(&[1.0; 72]), &w, &mut out);
+    let e = ModelOps::matmul(b, &Matmul::dense(9, 8, 8), &buf(&[1.0; 72]), &w, &mut out);
     assert!(matches!(e, Err(Error::Shape { .. })), "{e:?}");
     // Overlapping output rows.
     let mut op = Matmul::dense(4, 8, 8);
     op.out.row_stride = 4;
-    let e = ModelOps::matmul(&b, &op, &x, &w, &mut out);
+    let e = ModelOps::matmul(b, &op, &x, &w, &mut out);
     assert!(matches!(e, Err(Error::InvalidArgument { .. })), "{e:?}");
     // Input rows overlapping (stride < k) are rejected too.
     let mut op = Matmul::dense(4, 8, 8);
     op.x.row_stride = 2;
-    assert!(ModelOps::matmul(&b, &op, &x, &w, &mut out).is_err());
+    assert!(ModelOps::matmul(b, &op, &x, &w, &mut out).is_err());
     // A buffer that is not a whole number of f32.
     let odd = CpuBuffer::from_bytes(&[0u8; 255]);
-    assert!(ModelOps::matmul(&b, &Matmul::dense(8, 8, 8), &odd, &w, &mut out).is_err());
+    assert!(ModelOps::matmul(b, &Matmul::dense(8, 8, 8), &odd, &w, &mut out).is_err());
     // Norm with eps 0 and gamma of the wrong size.
     let op = RmsNorm {
         rows: 8,
@@ -722,11 +726,11 @@ fn rejected_calls_write_nothing() {
         x: View::dense(8),
         out: View::dense(8),
     };
-    assert!(ModelOps::rms_norm(&b, &op, &x, &buf(&[1.0; 8]), &mut out).is_err());
+    assert!(ModelOps::rms_norm(b, &op, &x, &buf(&[1.0; 8]), &mut out).is_err());
     let op = RmsNorm { eps: 1e-6, ..op };
-    assert!(ModelOps::rms_norm(&b, &op, &x, &buf(&[1.0; 7]), &mut out).is_err());
-    assert!(ModelOps::swiglu(&b, &SwiGlu { rows: 8, width: 5 }, &x, &mut out).is_err());
-    assert!(ModelOps::argmax(&b, &Argmax { rows: 2, width: 0 }, &x, &mut out).is_err());
+    assert!(ModelOps::rms_norm(b, &op, &x, &buf(&[1.0; 7]), &mut out).is_err());
+    assert!(ModelOps::swiglu(b, &SwiGlu { rows: 8, width: 5 }, &x, &mut out).is_err());
+    assert!(ModelOps::argmax(b, &Argmax { rows: 2, width: 0 }, &x, &mut out).is_err());
     let pick = [0u32, 9];
     let op = GatherRows {
         width: 4,
@@ -735,7 +739,7 @@ fn rejected_calls_write_nothing() {
         x: View::dense(8),
         out: View::dense(4),
     };
-    assert!(ModelOps::gather_rows(&b, &op, &x, &mut out).is_err());
+    assert!(ModelOps::gather_rows(b, &op, &x, &mut out).is_err());
     assert!(
         f32s(&out).iter().all(|v| v.is_nan()),
         "a rejected call wrote"
@@ -817,7 +821,10 @@ fn gpu_kernels_give_the_cpu_bits() {
         x: v,
         out: View::grouped(heads, rope_dim),
     };
-    let (mut a, mut b) = (poisoned(7 * heads * rope_dim), poisoned(7 * heads * rope_dim));
+    let (mut a, mut b) = (
+        poisoned(7 * heads * rope_dim),
+        poisoned(7 * heads * rope_dim),
+    );
     ModelOps::rope(&cpu, &op, &table, &x, &mut a).unwrap();
     ModelOps::rope(&emu, &op, &table, &x, &mut b).unwrap();
     same("rope", &a, &b);

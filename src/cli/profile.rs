@@ -15,13 +15,13 @@ use std::process::ExitCode;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use sparsekit::host::layout::PageLayout;
-use sparsekit::host::ops::{
-    decode_rows, CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, PageTable,
-    PagedRegion, SparseMla, Topk, TopkOutput,
-};
 use sparsekit::host::model_ops::{
     rope_table, Accumulate, Add, Argmax, Cast, DenseDtype, GatherRows, Matmul, RmsNorm, Rope,
     SwiGlu, View,
+};
+use sparsekit::host::ops::{
+    decode_rows, CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, PageTable,
+    PagedRegion, SparseMla, Topk, TopkOutput,
 };
 use sparsekit::host::{
     Backend, CpuBackend, EmuBackend, IndexKDtype, IndexKLayout, KvDtype, KvLayout, ModelDims,

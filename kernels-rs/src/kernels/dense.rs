@@ -119,7 +119,8 @@ pub unsafe fn dense_matmul<S: Simt>(p: DenseMatmulParams) {
                 i += 1;
             }
         }
-        let w = p.w.add(g as usize * p.k as usize * p.n as usize + j as usize);
+        let w =
+            p.w.add(g as usize * p.k as usize * p.n as usize + j as usize);
         let mut p0 = 0;
         while p0 < p.k {
             let kc = MATMUL_K_CHUNK.min(p.k - p0);
