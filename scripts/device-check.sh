@@ -203,8 +203,11 @@ run_step peers 60 60 "$RAW/peers.json" "$PYTHON" "$HERE/device/peers.py" "${PEER
 # 6. ncu ---------------------------------------------------------------------------------
 : >"$RAW/ncu.csv"
 NCU_METRICS="gpu__time_duration.sum,dram__bytes_read.sum.per_second,dram__bytes_write.sum.per_second,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__occupancy_limit_registers"
-for k in index_k_store kv_store copy_pages page_checksums indexer_logits topk sparse_mla; do
-    bop="$k"   # each kernel's bench op has the kernel's name
+# The DSA kernels each have a bench op of their name; the dense model kernels run in the
+# carried suite binary's dense_ops_give_the_cpu_bits test.
+DSA_KERNELS="index_k_store kv_store copy_pages page_checksums indexer_logits topk sparse_mla"
+DENSE_KERNELS="dense_matmul dense_rms_norm dense_rope dense_swiglu dense_gather_rows dense_add dense_cast dense_argmax"
+for k in $DSA_KERNELS $DENSE_KERNELS; do
     if [[ $DRY == 1 ]]; then
         skip_step "ncu_$k" "dry run"
         continue
@@ -213,10 +216,18 @@ for k in index_k_store kv_store copy_pages page_checksums indexer_logits topk sp
         skip_step "ncu_$k" "ncu not found"
         continue
     fi
+    if [[ " $DENSE_KERNELS " == *" $k "* ]]; then
+        if [[ -z "$SUITE_BIN" ]]; then
+            skip_step "ncu_$k" "no carried test binary (the dense kernels run in it)"
+            continue
+        fi
+        target=("$SUITE_BIN" --exact dense_ops_give_the_cpu_bits --test-threads 1)
+    else
+        target=("$BIN" bench --backend "$BACKEND" --quick --samples 1 --op "$k")
+    fi
     run_step "ncu_$k" 25 25 "$RAW/ncu_$k.csv" \
         ncu --clock-control none --target-processes all -k "regex:^${k}\$" -c 1 \
-        --metrics "$NCU_METRICS" --csv \
-        "$BIN" bench --backend "$BACKEND" --quick --samples 1 --op "$bop"
+        --metrics "$NCU_METRICS" --csv "${target[@]}"
     cat "$RAW/ncu_$k.csv" >>"$RAW/ncu.csv"
 done
 

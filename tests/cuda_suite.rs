@@ -144,3 +144,157 @@ fn overlap(b: &CudaBackend) -> Outcome {
         format!("no overlap: two streams took {overlapped:.3} ms for {dk:.3} + {dc:.3} ms of work")
     })
 }
+
+/// The GPU dense kernels of the model give the CPU backend's bits for every op (the same
+/// operation sequence per element; see `sparsekit_host::model_ops`), at sizes that cut
+/// the matmul's tiles mid-way and cross its staged `k` chunks.
+#[test]
+fn dense_ops_give_the_cpu_bits() {
+    conformance::run_check(
+        "cuda",
+        "dense_ops_give_the_cpu_bits",
+        || CudaBackend::new(0),
+        |cuda| {
+            let mut rng = fixtures::case_rng(conformance::seed(), 91);
+            let inputs = DenseInputs::new(&mut rng);
+            let want = dense_outputs(&sparsekit::host::CpuBackend::new(), &inputs)?;
+            let got = dense_outputs(cuda, &inputs)?;
+            for ((name, w), (_, g)) in want.iter().zip(&got) {
+                ensure(w == g, || format!("{name}: cuda differs from cpu"))?;
+            }
+            Ok(())
+        },
+    );
+}
+
+/// Random operands of [`dense_outputs`] (non-finite values where the op defines them).
+struct DenseInputs {
+    x: Vec<f32>,
+    w: Vec<f32>,
+    gu: Vec<f32>,
+    logits: Vec<f32>,
+    /// Rows of the `[D_ROWS, D_VOCAB]` logits gathered as embeddings.
+    tokens: Vec<u32>,
+}
+
+const D_ROWS: usize = 13;
+const D_K: usize = 300;
+const D_N: usize = 130;
+const D_VOCAB: usize = 1000;
+
+impl DenseInputs {
+    fn new(rng: &mut fixtures::SuiteRng) -> Self {
+        let mut v = |n: usize, s: f64| -> Vec<f32> {
+            (0..n).map(|_| (fixtures::normal(rng) * s) as f32).collect()
+        };
+        let x = v(D_ROWS * D_K, 1.0);
+        let w = v(D_K * D_N, 0.1);
+        let mut gu = v(D_ROWS * 2 * D_N, 30.0);
+        gu[0] = f32::NAN;
+        gu[1] = f32::INFINITY;
+        let mut logits = v(D_ROWS * D_VOCAB, 1.0);
+        logits[7] = 50.0;
+        logits[900] = 50.0;
+        logits[D_VOCAB + 500] = f32::NAN;
+        let tokens = (0..2 * D_ROWS as u32)
+            .map(|i| (i * 7) % D_ROWS as u32)
+            .collect();
+        DenseInputs {
+            x,
+            w,
+            gu,
+            logits,
+            tokens,
+        }
+    }
+}
+
+/// Runs each dense op once on `b` and returns each output's bytes by op name.
+fn dense_outputs<B: sparsekit::host::ModelOps>(
+    b: &B,
+    i: &DenseInputs,
+) -> Result<Vec<(&'static str, Vec<u8>)>, sparsekit::host::Error> {
+    use sparsekit::host::model_ops::{
+        rope_table, Accumulate, Add, Argmax, Cast, DenseDtype, Embed, Matmul, RmsNorm, Rope,
+        SwiGlu, View,
+    };
+    let f = |v: &[f32]| b.upload(fixtures::bytes_of(v));
+    let (rows, k, n) = (D_ROWS, D_K, D_N);
+    let x = f(&i.x)?;
+    let mut out = Vec::new();
+    let mut mm = b.upload(&vec![0x7f; rows * n * 4])?;
+    b.matmul(&Matmul::dense(rows, k, n), &x, &f(&i.w)?, &mut mm)?;
+    out.push(("matmul", b.download(&mm)?));
+    let acc = Matmul {
+        accumulate: Accumulate::Add,
+        ..Matmul::dense(rows, k, n)
+    };
+    b.matmul(&acc, &x, &f(&i.w)?, &mut mm)?;
+    out.push(("matmul add", b.download(&mm)?));
+    let mut nrm = b.alloc(rows * k * 4)?;
+    let norm = RmsNorm {
+        rows,
+        width: k,
+        eps: 1e-6,
+        x: View::dense(k),
+        out: View::dense(k),
+    };
+    b.rms_norm(&norm, &x, &f(&i.w[..k])?, &mut nrm)?;
+    out.push(("rms_norm", b.download(&nrm)?));
+    let positions: Vec<u32> = (0..rows as u32).map(|r| r * 11).collect();
+    let rope = Rope {
+        heads: 5,
+        rope_dim: 60,
+        positions: &positions,
+        max_positions: 200,
+        x: View::grouped(5, 60),
+        out: View::grouped(5, 60),
+    };
+    let mut ro = b.alloc(rows * 300 * 4)?;
+    b.rope(&rope, &f(&rope_table(60, 200, 10000.0))?, &x, &mut ro)?;
+    out.push(("rope", b.download(&ro)?));
+    let mut sw = b.alloc(rows * n * 4)?;
+    b.swiglu(&SwiGlu { rows, width: n }, &f(&i.gu)?, &mut sw)?;
+    out.push(("swiglu", b.download(&sw)?));
+    // The logits as a [rows, vocab] embedding table.
+    let embed = Embed {
+        vocab: rows,
+        dim: D_VOCAB,
+        tokens: &i.tokens,
+    };
+    let mut em = b.alloc(i.tokens.len() * D_VOCAB * 4)?;
+    b.embed(&embed, &f(&i.logits)?, &mut em)?;
+    out.push(("embed", b.download(&em)?));
+    let mut ad = f(&i.x)?;
+    let add = Add {
+        rows,
+        width: k,
+        x: View::dense(k),
+        acc: View::dense(k),
+    };
+    b.add(&add, &nrm, &mut ad)?;
+    out.push(("add", b.download(&ad)?));
+    let cast = Cast {
+        rows,
+        groups: 1,
+        width: k,
+        from: DenseDtype::F32,
+        to: DenseDtype::Bf16,
+        x: View::dense(k),
+        out: View::dense(k),
+    };
+    let mut c16 = b.alloc(rows * k * 2)?;
+    b.cast(&cast, &ad, &mut c16)?;
+    out.push(("cast", b.download(&c16)?));
+    let mut am = b.alloc(rows * 4)?;
+    b.argmax(
+        &Argmax {
+            rows,
+            width: D_VOCAB,
+        },
+        &f(&i.logits)?,
+        &mut am,
+    )?;
+    out.push(("argmax", b.download(&am)?));
+    Ok(out)
+}

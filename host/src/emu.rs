@@ -143,3 +143,9 @@ unsafe impl KernelDevice for EmuBackend {
         }
     }
 }
+
+/// The dense model ops run as the GPU's dense kernels in the emulator
+/// ([`crate::launcher::dense`]).
+impl crate::model_ops::ModelOps for EmuBackend {
+    crate::kernel_model_ops!();
+}

@@ -39,7 +39,7 @@ fn ptr_mut<T>(addr: u64) -> GlobalMut<T> {
 }
 
 /// `x` as a u32 kernel parameter, or an error naming it.
-fn u32_of(what: &'static str, x: usize) -> Result<u32> {
+pub(crate) fn u32_of(what: &'static str, x: usize) -> Result<u32> {
     u32::try_from(x).map_err(|_| Error::InvalidArgument {
         what,
         detail: format!("{x} does not fit the GPU kernels' 32-bit parameter"),

@@ -16,6 +16,8 @@
 //! kernel against them (bounds, alignment, writes to inputs, reads of outputs not yet
 //! written), the GPU ignores them.
 
+pub mod dense;
+
 pub use sparsekit_kernels::emu::BufferAccess;
 use sparsekit_kernels::kernels::{
     sparse_mla_workspace, topk_workspace, INDEXER_LOGITS_MAX_HEAD_DIM,

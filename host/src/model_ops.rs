@@ -14,10 +14,11 @@
 //! and strides, never bytes). Every op validates its descriptor against the buffer sizes
 //! first; a rejected call writes nothing.
 //!
-//! Backends: `cpu` runs the rayon kernels of [`crate::cpu::dense`]. `emu` shares
-//! [`crate::cpu::CpuBuffer`] and delegates to the same CPU code for now: there are no GPU
-//! dense kernels yet (they come with the CUDA engine work), so `emu` validates the DSA
-//! kernels inside a model but not dense GPU code.
+//! Backends: `cpu` runs the rayon kernels of [`crate::cpu::dense`]; `emu` and `cuda` launch
+//! the GPU dense kernels (`sparsekit_kernels::kernels::dense_*`, through
+//! [`crate::launcher::dense`]). Both follow the same per-element operation sequence
+//! (correctly rounded f32 ops only), so every backend gives the **same bits**: beyond
+//! batch invariance within a backend, a model's tokens and logits agree across backends.
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
@@ -354,7 +355,8 @@ pub fn rope_table(rope_dim: usize, max_positions: usize, base: f64) -> Vec<f32> 
 }
 
 /// `swiglu`: `out[r, c] = silu(gu[r, c]) · gu[r, width + c]` with
-/// `silu(g) = g / (1 + exp(−g))`. `gate_up`: f32 `[rows, 2·width]` (gate columns first, as
+/// `silu(g) = g / (1 + exp(−g))`, `exp` being `sparsekit_kernels::math::exp_portable`
+/// (≤ 2 ulp, the same bits on every backend). `gate_up`: f32 `[rows, 2·width]` (gate columns first, as
 /// one matmul with the gate and up matrices side by side produces); `out`: f32
 /// `[rows, width]`.
 #[derive(Clone, Copy, Debug)]

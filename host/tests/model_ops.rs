@@ -692,28 +692,32 @@ fn cast_and_argmax_are_exact() {
 
 #[test]
 fn rejected_calls_write_nothing() {
-    let b = CpuBackend::new();
+    rejected_calls_write_nothing_on(&CpuBackend::new());
+    rejected_calls_write_nothing_on(&EmuBackend::new());
+}
+
+fn rejected_calls_write_nothing_on<B: ModelOps<Buffer = CpuBuffer>>(b: &B) {
     let x = buf(&[1.0; 64]);
     let w = buf(&[1.0; 64]);
     let mut out = poisoned(64);
     // Weight of the wrong size.
-    let e = ModelOps::matmul(&b, &Matmul::dense(8, 8, 8), &x, &buf(&[1.0; 63]), &mut out);
+    let e = ModelOps::matmul(b, &Matmul::dense(8, 8, 8), &x, &buf(&[1.0; 63]), &mut out);
     assert!(matches!(e, Err(Error::BufferSize { .. })), "{e:?}");
     // Output too small.
-    let e = ModelOps::matmul(&b, &Matmul::dense(9, 8, 8), &buf(&[1.0; 72]), &w, &mut out);
+    let e = ModelOps::matmul(b, &Matmul::dense(9, 8, 8), &buf(&[1.0; 72]), &w, &mut out);
     assert!(matches!(e, Err(Error::Shape { .. })), "{e:?}");
     // Overlapping output rows.
     let mut op = Matmul::dense(4, 8, 8);
     op.out.row_stride = 4;
-    let e = ModelOps::matmul(&b, &op, &x, &w, &mut out);
+    let e = ModelOps::matmul(b, &op, &x, &w, &mut out);
     assert!(matches!(e, Err(Error::InvalidArgument { .. })), "{e:?}");
     // Input rows overlapping (stride < k) are rejected too.
     let mut op = Matmul::dense(4, 8, 8);
     op.x.row_stride = 2;
-    assert!(ModelOps::matmul(&b, &op, &x, &w, &mut out).is_err());
+    assert!(ModelOps::matmul(b, &op, &x, &w, &mut out).is_err());
     // A buffer that is not a whole number of f32.
     let odd = CpuBuffer::from_bytes(&[0u8; 255]);
-    assert!(ModelOps::matmul(&b, &Matmul::dense(8, 8, 8), &odd, &w, &mut out).is_err());
+    assert!(ModelOps::matmul(b, &Matmul::dense(8, 8, 8), &odd, &w, &mut out).is_err());
     // Norm with eps 0 and gamma of the wrong size.
     let op = RmsNorm {
         rows: 8,
@@ -722,11 +726,11 @@ fn rejected_calls_write_nothing() {
         x: View::dense(8),
         out: View::dense(8),
     };
-    assert!(ModelOps::rms_norm(&b, &op, &x, &buf(&[1.0; 8]), &mut out).is_err());
+    assert!(ModelOps::rms_norm(b, &op, &x, &buf(&[1.0; 8]), &mut out).is_err());
     let op = RmsNorm { eps: 1e-6, ..op };
-    assert!(ModelOps::rms_norm(&b, &op, &x, &buf(&[1.0; 7]), &mut out).is_err());
-    assert!(ModelOps::swiglu(&b, &SwiGlu { rows: 8, width: 5 }, &x, &mut out).is_err());
-    assert!(ModelOps::argmax(&b, &Argmax { rows: 2, width: 0 }, &x, &mut out).is_err());
+    assert!(ModelOps::rms_norm(b, &op, &x, &buf(&[1.0; 7]), &mut out).is_err());
+    assert!(ModelOps::swiglu(b, &SwiGlu { rows: 8, width: 5 }, &x, &mut out).is_err());
+    assert!(ModelOps::argmax(b, &Argmax { rows: 2, width: 0 }, &x, &mut out).is_err());
     let pick = [0u32, 9];
     let op = GatherRows {
         width: 4,
@@ -735,47 +739,197 @@ fn rejected_calls_write_nothing() {
         x: View::dense(8),
         out: View::dense(4),
     };
-    assert!(ModelOps::gather_rows(&b, &op, &x, &mut out).is_err());
+    assert!(ModelOps::gather_rows(b, &op, &x, &mut out).is_err());
     assert!(
         f32s(&out).iter().all(|v| v.is_nan()),
         "a rejected call wrote"
     );
 }
 
-/// The staged path (download, CPU kernel, upload) used by backends without dense kernels
-/// gives the direct path's bits and leaves a rejected call's output untouched.
+/// The GPU dense kernels (run by the emulator) give the CPU backend's bits for every op:
+/// the same operation sequence per element, so a model's outputs agree across backends.
+/// Inputs include extreme and non-finite values where the op is defined on them.
 #[test]
-fn staged_path_matches_direct() {
-    use sparsekit_host::cpu::dense::staged;
-    let mut rng = rng("staged_path_matches_direct");
-    let b = CpuBackend::new();
-    let (rows, k, n) = (9, 40, 70);
-    let x = buf(&randn(&mut rng, rows * k));
-    let w = buf(&randn(&mut rng, k * n));
-    let init = randn(&mut rng, rows * n);
-    for acc in [Accumulate::Overwrite, Accumulate::Add] {
-        let op = Matmul {
-            accumulate: acc,
-            ..Matmul::dense(rows, k, n)
-        };
-        let (mut d, mut s) = (buf(&init), buf(&init));
-        ModelOps::matmul(&b, &op, &x, &w, &mut d).unwrap();
-        staged::matmul(&b, &op, &x, &w, &mut s).unwrap();
-        assert_eq!(bits(&f32s(&d)), bits(&f32s(&s)));
-    }
-    let gamma = buf(&randn(&mut rng, k));
-    let op = RmsNorm {
-        rows,
-        width: k,
-        eps: 1e-6,
-        x: View::dense(k),
-        out: View::dense(k),
+fn gpu_kernels_give_the_cpu_bits() {
+    let mut rng = rng("gpu_kernels_give_the_cpu_bits");
+    let cpu = CpuBackend::new();
+    let emu = EmuBackend::new();
+    let same = |what: &str, a: &CpuBuffer, b: &CpuBuffer| {
+        assert_eq!(a.bytes(), b.bytes(), "{what}: emu differs from cpu");
     };
-    let (mut d, mut s) = (poisoned(rows * k), poisoned(rows * k));
-    ModelOps::rms_norm(&b, &op, &x, &gamma, &mut d).unwrap();
-    staged::rms_norm(&b, &op, &x, &gamma, &mut s).unwrap();
-    assert_eq!(bits(&f32s(&d)), bits(&f32s(&s)));
-    let mut s = poisoned(rows * n);
-    assert!(staged::matmul(&b, &Matmul::dense(rows, k, n + 1), &x, &w, &mut s).is_err());
-    assert!(f32s(&s).iter().all(|v| v.is_nan()));
+    // Matmul: tiles cut mid-way in rows and columns, k across several staged chunks,
+    // grouped strided views, both accumulate modes.
+    for &(rows, groups, k, n) in &[(13, 1, 300, 130), (9, 3, 129, 257), (1, 2, 5, 1)] {
+        let xv = View {
+            offset: 3,
+            row_stride: groups * (k + 1) + 2,
+            group_stride: k + 1,
+        };
+        let ov = View {
+            offset: 1,
+            row_stride: groups * (n + 2),
+            group_stride: n + 2,
+        };
+        let x = buf(&randn(&mut rng, 3 + rows * xv.row_stride));
+        let w = buf(&randn(&mut rng, groups * k * n));
+        let init = randn(&mut rng, 1 + rows * ov.row_stride);
+        for accumulate in [Accumulate::Overwrite, Accumulate::Add] {
+            let op = Matmul {
+                rows,
+                groups,
+                k,
+                n,
+                x: xv,
+                out: ov,
+                accumulate,
+            };
+            let (mut a, mut b) = (buf(&init), buf(&init));
+            ModelOps::matmul(&cpu, &op, &x, &w, &mut a).unwrap();
+            ModelOps::matmul(&emu, &op, &x, &w, &mut b).unwrap();
+            same("matmul", &a, &b);
+        }
+    }
+    // RMSNorm over widths below, at and above the 16 lanes, huge values included.
+    for &(rows, width) in &[(6, 7), (5, 16), (3, 1001)] {
+        let mut xs = randn(&mut rng, rows * width);
+        xs[1] = 3.0e19;
+        let x = buf(&xs);
+        let gamma = buf(&randn(&mut rng, width));
+        let op = RmsNorm {
+            rows,
+            width,
+            eps: 1e-6,
+            x: View::dense(width),
+            out: View::dense(width),
+        };
+        let (mut a, mut b) = (poisoned(rows * width), poisoned(rows * width));
+        ModelOps::rms_norm(&cpu, &op, &x, &gamma, &mut a).unwrap();
+        ModelOps::rms_norm(&emu, &op, &x, &gamma, &mut b).unwrap();
+        same("rms_norm", &a, &b);
+    }
+    // Rope on grouped views.
+    let (heads, rope_dim, max_pos) = (3, 10, 64);
+    let table = buf(&rope_table(rope_dim, max_pos, 10000.0));
+    let positions: Vec<u32> = (0..7).map(|_| rng.gen_range(0..max_pos as u32)).collect();
+    let v = View::grouped(heads, rope_dim + 2);
+    let x = buf(&randn(&mut rng, 7 * heads * (rope_dim + 2)));
+    let op = Rope {
+        heads,
+        rope_dim,
+        positions: &positions,
+        max_positions: max_pos,
+        x: v,
+        out: View::grouped(heads, rope_dim),
+    };
+    let (mut a, mut b) = (
+        poisoned(7 * heads * rope_dim),
+        poisoned(7 * heads * rope_dim),
+    );
+    ModelOps::rope(&cpu, &op, &table, &x, &mut a).unwrap();
+    ModelOps::rope(&emu, &op, &table, &x, &mut b).unwrap();
+    same("rope", &a, &b);
+    // SwiGLU with gates across exp's whole range (under- and overflow, NaN, ±inf).
+    let (rows, width) = (5, 67);
+    let mut gu: Vec<f32> = (0..rows * 2 * width)
+        .map(|_| rng.gen_range(-120.0f32..120.0))
+        .collect();
+    gu[0] = f32::NAN;
+    gu[1] = f32::INFINITY;
+    gu[2] = f32::NEG_INFINITY;
+    gu[3] = -0.0;
+    let op = SwiGlu { rows, width };
+    let (mut a, mut b) = (poisoned(rows * width), poisoned(rows * width));
+    ModelOps::swiglu(&cpu, &op, &buf(&gu), &mut a).unwrap();
+    ModelOps::swiglu(&emu, &op, &buf(&gu), &mut b).unwrap();
+    same("swiglu", &a, &b);
+    // Embedding and row gathers.
+    let (vocab, dim) = (50, 19);
+    let table = buf(&randn(&mut rng, vocab * dim));
+    let tokens: Vec<u32> = (0..11).map(|_| rng.gen_range(0..vocab as u32)).collect();
+    let op = Embed {
+        vocab,
+        dim,
+        tokens: &tokens,
+    };
+    let (mut a, mut b) = (poisoned(11 * dim), poisoned(11 * dim));
+    ModelOps::embed(&cpu, &op, &table, &mut a).unwrap();
+    ModelOps::embed(&emu, &op, &table, &mut b).unwrap();
+    same("embed", &a, &b);
+    let op = GatherRows {
+        width: dim - 2,
+        rows: &tokens,
+        src_rows: vocab,
+        x: View::cols(dim, 1),
+        out: View::cols(dim, 0),
+    };
+    let (mut a, mut b) = (poisoned(11 * dim), poisoned(11 * dim));
+    ModelOps::gather_rows(&cpu, &op, &table, &mut a).unwrap();
+    ModelOps::gather_rows(&emu, &op, &table, &mut b).unwrap();
+    same("gather_rows", &a, &b);
+    // Residual add into a strided accumulator.
+    let x = buf(&randn(&mut rng, 8 * 40));
+    let init = randn(&mut rng, 8 * 45);
+    let op = Add {
+        rows: 8,
+        width: 40,
+        x: View::dense(40),
+        acc: View::cols(45, 3),
+    };
+    let (mut a, mut b) = (buf(&init), buf(&init));
+    ModelOps::add(&cpu, &op, &x, &mut a).unwrap();
+    ModelOps::add(&emu, &op, &x, &mut b).unwrap();
+    same("add", &a, &b);
+    // Casts both ways, NaN payloads and rounding ties included.
+    let mut xs = randn(&mut rng, 4 * 2 * 33);
+    xs[0] = f32::from_bits(0x7fc1_2345);
+    xs[1] = f32::from_bits(0xff80_0001);
+    xs[2] = 1.0 + f32::EPSILON * 64.0;
+    xs[3] = f32::MAX;
+    let op = Cast {
+        rows: 4,
+        groups: 2,
+        width: 33,
+        from: DenseDtype::F32,
+        to: DenseDtype::Bf16,
+        x: View::grouped(2, 33),
+        out: View::grouped(2, 33),
+    };
+    let (mut a, mut b) = (
+        CpuBuffer::from_bytes(&[0xee; 4 * 2 * 33 * 2]),
+        CpuBuffer::from_bytes(&[0xee; 4 * 2 * 33 * 2]),
+    );
+    ModelOps::cast(&cpu, &op, &buf(&xs), &mut a).unwrap();
+    ModelOps::cast(&emu, &op, &buf(&xs), &mut b).unwrap();
+    same("cast f32→bf16", &a, &b);
+    let back = Cast {
+        from: DenseDtype::Bf16,
+        to: DenseDtype::F32,
+        ..op
+    };
+    let (mut c, mut d) = (poisoned(4 * 2 * 33), poisoned(4 * 2 * 33));
+    ModelOps::cast(&cpu, &back, &a, &mut c).unwrap();
+    ModelOps::cast(&emu, &back, &a, &mut d).unwrap();
+    same("cast bf16→f32", &c, &d);
+    // Argmax over rows wider than a warp: ties across lanes, NaNs in several lanes.
+    let width = 1000;
+    let mut l = randn(&mut rng, 6 * width);
+    l[5] = 7.0;
+    l[700] = 7.0;
+    l[width + 900] = f32::NAN;
+    l[width + 33] = f32::NAN;
+    l[2 * width + 64] = f32::INFINITY;
+    l[3 * width + 10] = -0.0;
+    for v in &mut l[4 * width..5 * width] {
+        *v = f32::NEG_INFINITY;
+    }
+    let op = Argmax { rows: 6, width };
+    let (mut a, mut b) = (
+        CpuBuffer::from_bytes(&[0xaa; 24]),
+        CpuBuffer::from_bytes(&[0xaa; 24]),
+    );
+    ModelOps::argmax(&cpu, &op, &buf(&l), &mut a).unwrap();
+    ModelOps::argmax(&emu, &op, &buf(&l), &mut b).unwrap();
+    same("argmax", &a, &b);
+    let got = b.typed::<u32>("o").unwrap().to_vec();
+    assert_eq!((got[0], got[1], got[2]), (5, 33, 64));
 }

@@ -134,6 +134,23 @@ pub fn bf16_to_f32(bits: u16) -> f32 {
     f32::from_bits((bits as u32) << 16)
 }
 
+/// f32 to bf16 bits: round to nearest, ties to even; NaN stays NaN (its top bits kept,
+/// the quiet bit set); overflow rounds to ±inf. The same bits as `half::bf16::from_f32`,
+/// which the CPU backend uses.
+#[inline(always)]
+pub fn f32_to_bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    if b & 0x7fff_ffff > 0x7f80_0000 {
+        return ((b >> 16) | 0x0040) as u16;
+    }
+    let round = 0x8000u32;
+    if b & round != 0 && b & (3 * round - 1) != 0 {
+        (b >> 16) as u16 + 1
+    } else {
+        (b >> 16) as u16
+    }
+}
+
 /// |x| of an f32 (clears the sign bit).
 #[inline(always)]
 pub fn abs(x: f32) -> f32 {

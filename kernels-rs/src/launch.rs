@@ -47,13 +47,14 @@
 //! use sparsekit_kernels::params::{CopyPagesParams, IndexKStoreParams};
 //! assert_eq!(IndexKStoreParams::ENTRY, "index_k_store");
 //! assert_eq!(CopyPagesParams::ENTRY, "copy_pages");
-//! assert_eq!(sparsekit_kernels::ENTRY_POINTS.len(), 7);
+//! assert_eq!(sparsekit_kernels::ENTRY_POINTS.len(), 15);
 //! ```
 
 use crate::kernels;
 use crate::params::{
-    CopyPagesParams, IndexKStoreParams, IndexerLogitsParams, KvStoreParams, PageChecksumsParams,
-    SparseMlaParams, TopkParams,
+    CopyPagesParams, DenseAddParams, DenseArgmaxParams, DenseCastParams, DenseGatherRowsParams,
+    DenseMatmulParams, DenseRmsNormParams, DenseRopeParams, DenseSwiGluParams, IndexKStoreParams,
+    IndexerLogitsParams, KvStoreParams, PageChecksumsParams, SparseMlaParams, TopkParams,
 };
 use crate::simt::Simt;
 
@@ -191,6 +192,22 @@ kernels! {
     indexer_logits(IndexerLogitsParams) => kernels::indexer_logits_launch;
     topk(TopkParams) => kernels::topk_launch;
     sparse_mla(SparseMlaParams) => kernels::sparse_mla_launch;
+    dense_matmul(DenseMatmulParams) => kernels::matmul_launch;
+    dense_rms_norm(DenseRmsNormParams) => |p| kernels::row_launch(p.rows);
+    dense_rope(DenseRopeParams) => |p| kernels::elementwise_launch(
+        p.rows as u64 * p.heads as u64 * (p.rope_dim / 2) as u64
+    );
+    dense_swiglu(DenseSwiGluParams) => |p| kernels::elementwise_launch(
+        p.rows as u64 * p.width as u64
+    );
+    dense_gather_rows(DenseGatherRowsParams) => |p| kernels::elementwise_launch(
+        p.n_rows as u64 * p.width as u64
+    );
+    dense_add(DenseAddParams) => |p| kernels::elementwise_launch(p.rows as u64 * p.width as u64);
+    dense_cast(DenseCastParams) => |p| kernels::elementwise_launch(
+        p.rows as u64 * p.groups as u64 * p.width as u64
+    );
+    dense_argmax(DenseArgmaxParams) => |p| kernels::row_launch(p.rows);
 }
 
 #[cfg(test)]
@@ -209,11 +226,19 @@ mod tests {
                 IndexerLogitsParams::ENTRY,
                 TopkParams::ENTRY,
                 SparseMlaParams::ENTRY,
+                DenseMatmulParams::ENTRY,
+                DenseRmsNormParams::ENTRY,
+                DenseRopeParams::ENTRY,
+                DenseSwiGluParams::ENTRY,
+                DenseGatherRowsParams::ENTRY,
+                DenseAddParams::ENTRY,
+                DenseCastParams::ENTRY,
+                DenseArgmaxParams::ENTRY,
             ]
         );
         let mut names = ENTRY_POINTS.to_vec();
         names.sort_unstable();
         names.dedup();
-        assert_eq!(names.len(), 7, "entry names are unique");
+        assert_eq!(names.len(), 15, "entry names are unique");
     }
 }

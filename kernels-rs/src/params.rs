@@ -12,6 +12,9 @@
 
 use crate::global::{GlobalMut, GlobalPtr};
 
+mod dense;
+pub use dense::*;
+
 /// Index-K element format for [`IndexKStoreParams::format`].
 pub mod index_k_format {
     /// bf16 values, no scale.

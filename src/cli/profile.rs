@@ -15,12 +15,17 @@ use std::process::ExitCode;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use sparsekit::host::layout::PageLayout;
+use sparsekit::host::model_ops::{
+    rope_table, Accumulate, Add, Argmax, Cast, DenseDtype, GatherRows, Matmul, RmsNorm, Rope,
+    SwiGlu, View,
+};
 use sparsekit::host::ops::{
     decode_rows, CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, PageTable,
     PagedRegion, SparseMla, Topk, TopkOutput,
 };
 use sparsekit::host::{
     Backend, CpuBackend, EmuBackend, IndexKDtype, IndexKLayout, KvDtype, KvLayout, ModelDims,
+    ModelOps,
 };
 use sparsekit::kernel_report::report;
 use sparsekit::kernels::emu::{Profile, SiteProfile, Space};
@@ -37,7 +42,7 @@ use sparsekit_benches::inputs::{
 use super::CliError;
 
 /// Op names `--op` accepts.
-const OPS: [&str; 7] = [
+const OPS: [&str; 15] = [
     "index_k_store",
     "kv_store",
     "indexer_logits",
@@ -45,6 +50,14 @@ const OPS: [&str; 7] = [
     "sparse_mla",
     "copy_pages",
     "page_checksums",
+    "dense_matmul",
+    "dense_rms_norm",
+    "dense_rope",
+    "dense_swiglu",
+    "dense_gather_rows",
+    "dense_add",
+    "dense_cast",
+    "dense_argmax",
 ];
 
 #[derive(Debug, clap::Args)]
@@ -53,7 +66,9 @@ pub struct Args {
     #[arg(long, default_value = "emu")]
     backend: String,
     /// Only these ops (comma-separated): index_k_store, kv_store, indexer_logits, topk,
-    /// sparse_mla, copy_pages, page_checksums.
+    /// sparse_mla, copy_pages, page_checksums, and the dense kernels dense_matmul,
+    /// dense_rms_norm, dense_rope, dense_swiglu, dense_gather_rows, dense_add, dense_cast,
+    /// dense_argmax.
     #[arg(long, value_delimiter = ',')]
     op: Vec<String>,
     /// Print JSON records instead of tables.
@@ -96,6 +111,8 @@ struct Sizes {
     store_tokens: usize,
     pool_pages: usize,
     copy_pages: usize,
+    /// Divisor of DeepSeek-V3.2's dense dims for the dense kernels' cases.
+    dense_divisor: usize,
 }
 
 impl Sizes {
@@ -109,6 +126,7 @@ impl Sizes {
                 store_tokens: 16,
                 pool_pages: 16,
                 copy_pages: 8,
+                dense_divisor: 4,
             }
         } else {
             Sizes {
@@ -119,6 +137,7 @@ impl Sizes {
                 store_tokens: 64,
                 pool_pages: 64,
                 copy_pages: 64,
+                dense_divisor: 1,
             }
         }
     }
@@ -362,7 +381,169 @@ fn cases(s: Sizes) -> Result<Vec<Case>, CliError> {
             }),
         });
     }
+    dense_cases(s, &mut out);
     Ok(out)
+}
+
+/// The dense kernels of the model at DeepSeek-V3.2's dense shapes (hidden 7168, q rank
+/// 1536, SwiGLU width 2048, 128 rope heads of 64, vocabulary 129280; `--quick`: a quarter
+/// of each), for the decode batches of the run.
+fn dense_cases(s: Sizes, out: &mut Vec<Case>) {
+    let q = s.dense_divisor;
+    let (hidden, q_rank, inter, heads, rope, vocab) =
+        (7168 / q, 1536 / q, 2048 / q, 128 / q, 64, 129_280 / q);
+    for &rows in s.batches {
+        out.push(Case {
+            name: format!("dense_matmul/b{rows}"),
+            op: "dense_matmul",
+            shape: format!("{rows} × {hidden} · {hidden} × {q_rank}"),
+            min_blocks: 1,
+            run: Box::new(move |emu| {
+                let mut r = rng(20);
+                let x = emu.upload(&f32_bytes(&f32_values(&mut r, rows * hidden, 1.0)))?;
+                let w = emu.upload(&f32_bytes(&f32_values(&mut r, hidden * q_rank, 0.02)))?;
+                let mut o = emu.alloc(rows * q_rank * 4)?;
+                let op = Matmul {
+                    accumulate: Accumulate::Overwrite,
+                    ..Matmul::dense(rows, hidden, q_rank)
+                };
+                emu.matmul(&op, &x, &w, &mut o)?;
+                Ok(())
+            }),
+        });
+        out.push(Case {
+            name: format!("dense_rms_norm/b{rows}"),
+            op: "dense_rms_norm",
+            shape: format!("{rows} × {hidden}"),
+            min_blocks: 1,
+            run: Box::new(move |emu| {
+                let mut r = rng(21);
+                let x = emu.upload(&f32_bytes(&f32_values(&mut r, rows * hidden, 1.0)))?;
+                let g = emu.upload(&f32_bytes(&f32_values(&mut r, hidden, 1.0)))?;
+                let mut o = emu.alloc(rows * hidden * 4)?;
+                let op = RmsNorm {
+                    rows,
+                    width: hidden,
+                    eps: 1e-6,
+                    x: View::dense(hidden),
+                    out: View::dense(hidden),
+                };
+                emu.rms_norm(&op, &x, &g, &mut o)?;
+                Ok(())
+            }),
+        });
+        out.push(Case {
+            name: format!("dense_rope/b{rows}"),
+            op: "dense_rope",
+            shape: format!("{rows} × {heads} heads × {rope}"),
+            min_blocks: 1,
+            run: Box::new(move |emu| {
+                let mut r = rng(22);
+                let table = emu.upload(&f32_bytes(&rope_table(rope, 4096, 10000.0)))?;
+                let x = emu.upload(&f32_bytes(&f32_values(&mut r, rows * heads * rope, 1.0)))?;
+                let mut o = emu.alloc(rows * heads * rope * 4)?;
+                let positions: Vec<u32> = (0..rows as u32).map(|i| 4000 - 7 * i).collect();
+                let op = Rope {
+                    heads,
+                    rope_dim: rope,
+                    positions: &positions,
+                    max_positions: 4096,
+                    x: View::grouped(heads, rope),
+                    out: View::grouped(heads, rope),
+                };
+                emu.rope(&op, &table, &x, &mut o)?;
+                Ok(())
+            }),
+        });
+        out.push(Case {
+            name: format!("dense_swiglu/b{rows}"),
+            op: "dense_swiglu",
+            shape: format!("{rows} × {inter}"),
+            min_blocks: 1,
+            run: Box::new(move |emu| {
+                let mut r = rng(23);
+                let gu = emu.upload(&f32_bytes(&f32_values(&mut r, rows * 2 * inter, 4.0)))?;
+                let mut o = emu.alloc(rows * inter * 4)?;
+                emu.swiglu(&SwiGlu { rows, width: inter }, &gu, &mut o)?;
+                Ok(())
+            }),
+        });
+        out.push(Case {
+            name: format!("dense_gather_rows/b{rows}"),
+            op: "dense_gather_rows",
+            shape: format!("{rows} rows of {hidden} (embedding lookup)"),
+            min_blocks: 1,
+            run: Box::new(move |emu| {
+                let mut r = rng(24);
+                let table = emu.upload(&f32_bytes(&f32_values(&mut r, 1024 * hidden, 1.0)))?;
+                let ids: Vec<u32> = (0..rows as u32).map(|i| (i * 389) % 1024).collect();
+                let mut o = emu.alloc(rows * hidden * 4)?;
+                let op = GatherRows {
+                    width: hidden,
+                    rows: &ids,
+                    src_rows: 1024,
+                    x: View::dense(hidden),
+                    out: View::dense(hidden),
+                };
+                emu.gather_rows(&op, &table, &mut o)?;
+                Ok(())
+            }),
+        });
+        out.push(Case {
+            name: format!("dense_add/b{rows}"),
+            op: "dense_add",
+            shape: format!("{rows} × {hidden}"),
+            min_blocks: 1,
+            run: Box::new(move |emu| {
+                let mut r = rng(25);
+                let x = emu.upload(&f32_bytes(&f32_values(&mut r, rows * hidden, 1.0)))?;
+                let mut acc = emu.upload(&f32_bytes(&f32_values(&mut r, rows * hidden, 1.0)))?;
+                let op = Add {
+                    rows,
+                    width: hidden,
+                    x: View::dense(hidden),
+                    acc: View::dense(hidden),
+                };
+                emu.add(&op, &x, &mut acc)?;
+                Ok(())
+            }),
+        });
+        out.push(Case {
+            name: format!("dense_cast/b{rows}"),
+            op: "dense_cast",
+            shape: format!("{rows} × {heads} heads × {rope} f32 → bf16"),
+            min_blocks: 1,
+            run: Box::new(move |emu| {
+                let mut r = rng(26);
+                let x = emu.upload(&f32_bytes(&f32_values(&mut r, rows * heads * rope, 1.0)))?;
+                let mut o = emu.alloc(rows * heads * rope * 2)?;
+                let op = Cast {
+                    rows,
+                    groups: heads,
+                    width: rope,
+                    from: DenseDtype::F32,
+                    to: DenseDtype::Bf16,
+                    x: View::grouped(heads, rope),
+                    out: View::grouped(heads, rope),
+                };
+                emu.cast(&op, &x, &mut o)?;
+                Ok(())
+            }),
+        });
+        out.push(Case {
+            name: format!("dense_argmax/b{rows}"),
+            op: "dense_argmax",
+            shape: format!("{rows} × {vocab} logits"),
+            min_blocks: 1,
+            run: Box::new(move |emu| {
+                let mut r = rng(27);
+                let l = emu.upload(&f32_bytes(&f32_values(&mut r, rows * vocab, 1.0)))?;
+                let mut o = emu.alloc(rows * 4)?;
+                emu.argmax(&Argmax { rows, width: vocab }, &l, &mut o)?;
+                Ok(())
+            }),
+        });
+    }
 }
 
 /// Registers per thread of `kernel` at `arch`, from the embedded ptxas logs.

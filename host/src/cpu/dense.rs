@@ -1,6 +1,6 @@
-//! CPU kernels of the dense model ops ([`crate::model_ops`]), and the [`ModelOps`]
-//! implementations of the `cpu` backend and (delegating here until GPU dense kernels
-//! exist) the `emu` backend.
+//! CPU kernels of the dense model ops ([`crate::model_ops`]) and the `cpu` backend's
+//! [`ModelOps`]. The GPU backends run the same arithmetic as kernels
+//! (`crate::launcher::dense`): the bits agree.
 //!
 //! Parallelism never changes a result: rows (or column blocks) are split across rayon
 //! workers, but every output element is computed by the same sequence of f32 operations
@@ -9,11 +9,11 @@
 
 use half::bf16;
 use rayon::prelude::*;
+use sparsekit_kernels::math::exp_portable;
 
 use super::buffer::CpuBuffer;
 use super::gemm::{gemm_acc, Dims};
 use super::{CpuBackend, CpuIsa};
-use crate::emu::EmuBackend;
 use crate::error::Result;
 use crate::model_ops::{
     Accumulate, Add, Argmax, Cast, DenseDtype, Embed, GatherRows, Matmul, ModelOps, RmsNorm, Rope,
@@ -203,7 +203,7 @@ pub fn swiglu(op: &SwiGlu, gate_up: &[f32], out: &mut [f32]) {
         .for_each(|(r, o)| {
             let (g, u) = gate_up[r * 2 * w..(r + 1) * 2 * w].split_at(w);
             for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                *o = g / (1.0 + (-g).exp()) * u;
+                *o = g / (1.0 + exp_portable(-g)) * u;
             }
         });
 }
@@ -402,174 +402,5 @@ impl ModelOps for CpuBackend {
         let out = out.typed_mut::<u32>("out")?;
         self.run(|| argmax(op, logits, out));
         Ok(())
-    }
-}
-
-/// The emulator shares [`CpuBuffer`]; until GPU dense kernels exist its dense ops are the
-/// CPU kernels above (on rayon's global pool).
-impl ModelOps for EmuBackend {
-    fn matmul(&self, op: &Matmul, x: &CpuBuffer, w: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
-        CpuBackend::new().matmul(op, x, w, out)
-    }
-
-    fn rms_norm(
-        &self,
-        op: &RmsNorm,
-        x: &CpuBuffer,
-        gamma: &CpuBuffer,
-        out: &mut CpuBuffer,
-    ) -> Result<()> {
-        CpuBackend::new().rms_norm(op, x, gamma, out)
-    }
-
-    fn rope(
-        &self,
-        op: &Rope<'_>,
-        table: &CpuBuffer,
-        x: &CpuBuffer,
-        out: &mut CpuBuffer,
-    ) -> Result<()> {
-        CpuBackend::new().rope(op, table, x, out)
-    }
-
-    fn swiglu(&self, op: &SwiGlu, gate_up: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
-        CpuBackend::new().swiglu(op, gate_up, out)
-    }
-
-    fn embed(&self, op: &Embed<'_>, table: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
-        CpuBackend::new().embed(op, table, out)
-    }
-
-    fn gather_rows(&self, op: &GatherRows<'_>, x: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
-        CpuBackend::new().gather_rows(op, x, out)
-    }
-
-    fn add(&self, op: &Add, x: &CpuBuffer, acc: &mut CpuBuffer) -> Result<()> {
-        CpuBackend::new().add(op, x, acc)
-    }
-
-    fn cast(&self, op: &Cast, x: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
-        CpuBackend::new().cast(op, x, out)
-    }
-
-    fn argmax(&self, op: &Argmax, logits: &CpuBuffer, out: &mut CpuBuffer) -> Result<()> {
-        CpuBackend::new().argmax(op, logits, out)
-    }
-}
-
-/// Dense ops for a backend without dense kernels of its own: operands are downloaded, the
-/// CPU kernels above run on host copies, and the output buffer is replaced by an upload of
-/// the result. Correct and batch-invariant (the same kernels), but every call moves its
-/// operands (weights included) across the bus: a correctness path for `cuda` until GPU
-/// dense kernels exist, not a fast one. A rejected call (validated by the CPU
-/// implementation before anything is computed) leaves `out` untouched.
-pub mod staged {
-    use super::CpuBackend;
-    use crate::backend::Backend;
-    use crate::cpu::CpuBuffer;
-    use crate::error::Result;
-    use crate::model_ops::{
-        Add, Argmax, Cast, Embed, GatherRows, Matmul, ModelOps, RmsNorm, Rope, SwiGlu,
-    };
-
-    fn stage<B: Backend>(
-        b: &B,
-        inputs: &[&B::Buffer],
-        out: &mut B::Buffer,
-        f: impl FnOnce(&CpuBackend, &[CpuBuffer], &mut CpuBuffer) -> Result<()>,
-    ) -> Result<()> {
-        let host = inputs
-            .iter()
-            .map(|x| Ok(CpuBuffer::from_bytes(&b.download(x)?)))
-            .collect::<Result<Vec<_>>>()?;
-        let mut o = CpuBuffer::from_bytes(&b.download(out)?);
-        f(&CpuBackend::new(), &host, &mut o)?;
-        *out = b.upload(o.bytes())?;
-        Ok(())
-    }
-
-    /// See [`ModelOps::matmul`].
-    pub fn matmul<B: Backend>(
-        b: &B,
-        op: &Matmul,
-        x: &B::Buffer,
-        w: &B::Buffer,
-        out: &mut B::Buffer,
-    ) -> Result<()> {
-        stage(b, &[x, w], out, |c, i, o| c.matmul(op, &i[0], &i[1], o))
-    }
-
-    /// See [`ModelOps::rms_norm`].
-    pub fn rms_norm<B: Backend>(
-        b: &B,
-        op: &RmsNorm,
-        x: &B::Buffer,
-        gamma: &B::Buffer,
-        out: &mut B::Buffer,
-    ) -> Result<()> {
-        stage(b, &[x, gamma], out, |c, i, o| {
-            c.rms_norm(op, &i[0], &i[1], o)
-        })
-    }
-
-    /// See [`ModelOps::rope`].
-    pub fn rope<B: Backend>(
-        b: &B,
-        op: &Rope<'_>,
-        table: &B::Buffer,
-        x: &B::Buffer,
-        out: &mut B::Buffer,
-    ) -> Result<()> {
-        stage(b, &[table, x], out, |c, i, o| c.rope(op, &i[0], &i[1], o))
-    }
-
-    /// See [`ModelOps::swiglu`].
-    pub fn swiglu<B: Backend>(
-        b: &B,
-        op: &SwiGlu,
-        gate_up: &B::Buffer,
-        out: &mut B::Buffer,
-    ) -> Result<()> {
-        stage(b, &[gate_up], out, |c, i, o| c.swiglu(op, &i[0], o))
-    }
-
-    /// See [`ModelOps::embed`].
-    pub fn embed<B: Backend>(
-        b: &B,
-        op: &Embed<'_>,
-        table: &B::Buffer,
-        out: &mut B::Buffer,
-    ) -> Result<()> {
-        stage(b, &[table], out, |c, i, o| c.embed(op, &i[0], o))
-    }
-
-    /// See [`ModelOps::gather_rows`].
-    pub fn gather_rows<B: Backend>(
-        b: &B,
-        op: &GatherRows<'_>,
-        x: &B::Buffer,
-        out: &mut B::Buffer,
-    ) -> Result<()> {
-        stage(b, &[x], out, |c, i, o| c.gather_rows(op, &i[0], o))
-    }
-
-    /// See [`ModelOps::add`].
-    pub fn add<B: Backend>(b: &B, op: &Add, x: &B::Buffer, acc: &mut B::Buffer) -> Result<()> {
-        stage(b, &[x], acc, |c, i, o| c.add(op, &i[0], o))
-    }
-
-    /// See [`ModelOps::cast`].
-    pub fn cast<B: Backend>(b: &B, op: &Cast, x: &B::Buffer, out: &mut B::Buffer) -> Result<()> {
-        stage(b, &[x], out, |c, i, o| c.cast(op, &i[0], o))
-    }
-
-    /// See [`ModelOps::argmax`].
-    pub fn argmax<B: Backend>(
-        b: &B,
-        op: &Argmax,
-        logits: &B::Buffer,
-        out: &mut B::Buffer,
-    ) -> Result<()> {
-        stage(b, &[logits], out, |c, i, o| c.argmax(op, &i[0], o))
     }
 }

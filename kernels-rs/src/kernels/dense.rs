@@ -1,0 +1,415 @@
+//! The dense ops of the synthetic model: matmul, RMSNorm, rope, SwiGLU, row gathers
+//! (embedding lookups), residual add, casts and argmax.
+//!
+//! **Batch invariance and CPU equality are the contract.** Every output element is
+//! computed by the same sequence of correctly rounded f32 operations as the CPU backend's
+//! dense kernels (`sparsekit_host::cpu::dense`), independent of the row count, the row's
+//! position in the batch and the launch geometry: the matmul is one FMA chain per element
+//! in `k` order (never split-K), the RMSNorm sum uses the CPU's 16 lanes and pairwise tree,
+//! SwiGLU's `exp` is [`exp_portable`]. Plain Rust `*`, `+`, `/` compile to `mul.rn`,
+//! `add.rn`, `div.rn` (never contracted into FMAs), so the GPU, the emulator and the CPU
+//! give the same bits.
+//!
+//! Geometry: element-wise kernels run grid-stride over elements ([`ELEMENTWISE_BLOCK`]
+//! threads per block); RMSNorm and argmax one warp per row; the matmul one block per tile
+//! of [`MATMUL_TILE_ROWS`] rows × [`MATMUL_TILE_COLS`] columns of one group.
+
+use crate::fp8::{bf16_to_f32, f32_to_bf16};
+use crate::launch::{Launch, MAX_GRID};
+use crate::math::{exp_portable, fma, sqrt};
+use crate::params::{
+    dense_dtype, DenseAddParams, DenseArgmaxParams, DenseCastParams, DenseGatherRowsParams,
+    DenseMatmulParams, DenseRmsNormParams, DenseRopeParams, DenseSwiGluParams,
+};
+use crate::simt::Simt;
+
+use super::FULL;
+
+/// Threads per block of the element-wise kernels.
+pub const ELEMENTWISE_BLOCK: u32 = 256;
+/// Output rows per matmul tile (each thread keeps one accumulator per row).
+pub const MATMUL_TILE_ROWS: u32 = 8;
+/// Output columns per matmul tile (one per thread; one warp per block). Narrow tiles
+/// spread a decode-sized matmul over many SMs: without split-K (which would change each
+/// element's FMA chain) columns × row tiles are all the parallelism there is.
+pub const MATMUL_TILE_COLS: u32 = 32;
+/// `k` values of the `x` rows staged in shared memory at a time.
+const MATMUL_K_CHUNK: u32 = 128;
+/// Warps (rows) per block of the row-wise kernels.
+pub const ROW_WARPS: u32 = 4;
+
+/// Grid-stride launch over `elements` elements.
+pub fn elementwise_launch(elements: u64) -> Launch {
+    Launch {
+        grid: elements
+            .div_ceil(ELEMENTWISE_BLOCK as u64)
+            .clamp(1, MAX_GRID as u64) as u32,
+        block: ELEMENTWISE_BLOCK,
+        smem_bytes: 0,
+    }
+}
+
+/// One warp per row, [`ROW_WARPS`] rows per block.
+pub fn row_launch(rows: u32) -> Launch {
+    Launch {
+        grid: rows.div_ceil(ROW_WARPS).clamp(1, MAX_GRID),
+        block: 32 * ROW_WARPS,
+        smem_bytes: 0,
+    }
+}
+
+/// Tiles of a matmul: `(row tiles, column tiles)`.
+fn matmul_tiles(p: &DenseMatmulParams) -> (u64, u64) {
+    (
+        p.rows.div_ceil(MATMUL_TILE_ROWS) as u64,
+        p.n.div_ceil(MATMUL_TILE_COLS) as u64,
+    )
+}
+
+/// `dense_matmul`: one block per (group, row tile, column tile), grid-stride; the tile's
+/// `x` rows are staged in shared memory `MATMUL_K_CHUNK` values at a time.
+pub fn matmul_launch(p: &DenseMatmulParams) -> Launch {
+    let (rt, ct) = matmul_tiles(p);
+    Launch {
+        grid: (p.groups as u64 * rt * ct).clamp(1, MAX_GRID as u64) as u32,
+        block: MATMUL_TILE_COLS,
+        smem_bytes: MATMUL_TILE_ROWS * MATMUL_K_CHUNK * 4,
+    }
+}
+
+/// The linear index of this thread and the grid's thread count.
+#[inline(always)]
+fn grid_stride<S: Simt>() -> (u64, u64) {
+    (
+        S::block_idx() as u64 * S::block_dim() as u64 + S::thread_idx() as u64,
+        S::grid_dim() as u64 * S::block_dim() as u64,
+    )
+}
+
+/// Matmul (see [`DenseMatmulParams`]).
+///
+/// # Safety
+/// Launch with [`matmul_launch`]. `x` and `out` hold every element their views address for
+/// `rows × groups × (k | n)`; `w` holds `groups·k·n` f32; output views of distinct
+/// `(row, group)` pairs do not overlap and `out` does not overlap `x` or `w`.
+pub unsafe fn dense_matmul<S: Simt>(p: DenseMatmulParams) {
+    let (row_tiles, col_tiles) = matmul_tiles(&p);
+    let tiles = p.groups as u64 * row_tiles * col_tiles;
+    let t = S::thread_idx();
+    let mut tile = S::block_idx() as u64;
+    while tile < tiles {
+        let ct = (tile % col_tiles) as u32;
+        let rt = ((tile / col_tiles) % row_tiles) as u32;
+        let g = (tile / (col_tiles * row_tiles)) as u32;
+        let r0 = rt * MATMUL_TILE_ROWS;
+        let m = MATMUL_TILE_ROWS.min(p.rows - r0);
+        let j = ct * MATMUL_TILE_COLS + t;
+        let live = j < p.n;
+        let mut acc = [0f32; MATMUL_TILE_ROWS as usize];
+        // Loops over the tile's rows run to the constant MATMUL_TILE_ROWS with `i < m` as a
+        // predicate, so they unroll and `acc` stays in registers.
+        if p.accumulate != 0 && live {
+            let mut i = 0;
+            while i < MATMUL_TILE_ROWS {
+                if i < m {
+                    // SAFETY: r0 + i < rows, g < groups, j < n: inside the output view.
+                    acc[i as usize] =
+                        unsafe { S::gld(p.out.as_const().add(p.out_view.at(r0 + i, g, j))) };
+                }
+                i += 1;
+            }
+        }
+        let w =
+            p.w.add(g as usize * p.k as usize * p.n as usize + j as usize);
+        let mut p0 = 0;
+        while p0 < p.k {
+            let kc = MATMUL_K_CHUNK.min(p.k - p0);
+            // Stage x[r0 .. r0+m, g, p0 .. p0+kc] (row i at smem word i·K_CHUNK).
+            let mut i = 0;
+            while i < m {
+                let mut c = t;
+                while c < kc {
+                    // SAFETY: r0 + i < rows, p0 + c < k: inside the x view; the smem word
+                    // i·K_CHUNK + c < TILE_ROWS·K_CHUNK (the launch's shared memory).
+                    unsafe {
+                        let v = S::gld(p.x.add(p.x_view.at(r0 + i, g, p0 + c)));
+                        S::smem_store::<f32>(4 * (i * MATMUL_K_CHUNK + c) as usize, v);
+                    }
+                    c += MATMUL_TILE_COLS;
+                }
+                i += 1;
+            }
+            S::sync_threads();
+            if live {
+                let mut q = 0;
+                while q < kc {
+                    // SAFETY: p0 + q < k, j < n: inside w[g].
+                    let wv = unsafe { S::gld(w.add((p0 + q) as usize * p.n as usize)) };
+                    let mut i = 0;
+                    while i < MATMUL_TILE_ROWS {
+                        if i < m {
+                            // SAFETY: staged above (i < m, q < kc).
+                            let xv = unsafe {
+                                S::smem_load::<f32>(4 * (i * MATMUL_K_CHUNK + q) as usize)
+                            };
+                            acc[i as usize] = fma(xv, wv, acc[i as usize]);
+                        }
+                        i += 1;
+                    }
+                    q += 1;
+                }
+            }
+            // The stage is rewritten for the next chunk only after every thread used it.
+            S::sync_threads();
+            p0 += kc;
+        }
+        if live {
+            let mut i = 0;
+            while i < MATMUL_TILE_ROWS {
+                if i < m {
+                    // SAFETY: as for the accumulator load.
+                    unsafe { S::gst(p.out.add(p.out_view.at(r0 + i, g, j)), acc[i as usize]) };
+                }
+                i += 1;
+            }
+        }
+        tile += S::grid_dim() as u64;
+    }
+}
+
+/// RMSNorm (see [`DenseRmsNormParams`]): one warp per row; lanes 0–15 hold the CPU's 16
+/// partial sums (lane `l`: columns `c ≡ l mod 16` in increasing order, one FMA each).
+///
+/// # Safety
+/// Launch with [`row_launch`]. `x`/`out` hold `rows × width` elements through their views,
+/// `gamma` `width` f32; rows of `out` do not overlap each other or `x`.
+pub unsafe fn dense_rms_norm<S: Simt>(p: DenseRmsNormParams) {
+    let lane = S::lane_id();
+    let mut r = S::block_idx() * ROW_WARPS + S::warp_id();
+    while r < p.rows {
+        let mut acc = 0f32;
+        if lane < 16 {
+            let mut c = lane;
+            while c < p.width {
+                // SAFETY: c < width: inside row r of the x view.
+                let v = unsafe { S::gld(p.x.add(p.x_view.at(r, 0, c))) };
+                acc = fma(v, v, acc);
+                c += 16;
+            }
+        }
+        // Pairwise tree 16 → 8 → 4 → 2 → 1: lane i adds lane i + w.
+        let mut w = 8;
+        while w > 0 {
+            let other = f32::from_bits(S::shfl_down(FULL, acc.to_bits(), w));
+            acc += other;
+            w /= 2;
+        }
+        let sum = f32::from_bits(S::shfl_idx(FULL, acc.to_bits(), 0));
+        let inv = 1.0 / sqrt(sum / p.width as f32 + p.eps);
+        let mut c = lane;
+        while c < p.width {
+            // SAFETY: c < width: inside row r of both views and of gamma.
+            unsafe {
+                let v = S::gld(p.x.add(p.x_view.at(r, 0, c)));
+                let g = S::gld(p.gamma.add(c as usize));
+                S::gst(p.out.add(p.out_view.at(r, 0, c)), (v * inv) * g);
+            }
+            c += 32;
+        }
+        r += S::grid_dim() * ROW_WARPS;
+    }
+}
+
+/// Rope (see [`DenseRopeParams`]): one thread per (row, head, pair `i < rope_dim/2`).
+///
+/// # Safety
+/// Launch with [`elementwise_launch`] of `rows·heads·rope_dim/2`. `positions` holds `rows`
+/// entries inside the table; `x`/`out` hold `rows × heads × rope_dim` through their views;
+/// `out` overlaps neither `x` nor itself across (row, head).
+pub unsafe fn dense_rope<S: Simt>(p: DenseRopeParams) {
+    let h = p.rope_dim / 2;
+    let total = p.rows as u64 * p.heads as u64 * h as u64;
+    let (mut e, step) = grid_stride::<S>();
+    while e < total {
+        let i = (e % h as u64) as u32;
+        let rh = e / h as u64;
+        let g = (rh % p.heads as u64) as u32;
+        let r = (rh / p.heads as u64) as u32;
+        // SAFETY: r < rows; the position is inside the table and i < h (contract), so
+        // both table entries and both x/out elements are inside their buffers.
+        unsafe {
+            let pos = S::gld(p.positions.add(r as usize)) as usize;
+            let cs = p.table.add((pos * h as usize + i as usize) * 2);
+            let (c, s) = (S::gld(cs), S::gld(cs.add(1)));
+            let a = S::gld(p.x.add(p.x_view.at(r, g, i)));
+            let b = S::gld(p.x.add(p.x_view.at(r, g, i + h)));
+            S::gst(p.out.add(p.out_view.at(r, g, i)), a * c - b * s);
+            S::gst(p.out.add(p.out_view.at(r, g, i + h)), a * s + b * c);
+        }
+        e += step;
+    }
+}
+
+/// SwiGLU (see [`DenseSwiGluParams`]): one thread per output element.
+///
+/// # Safety
+/// Launch with [`elementwise_launch`] of `rows·width`. `gate_up` holds `rows·2·width` f32,
+/// `out` `rows·width`; they do not overlap.
+pub unsafe fn dense_swiglu<S: Simt>(p: DenseSwiGluParams) {
+    let w = p.width as u64;
+    let total = p.rows as u64 * w;
+    let (mut e, step) = grid_stride::<S>();
+    while e < total {
+        let (r, c) = (e / w, e % w);
+        // SAFETY: r < rows, c < width (contract sizes).
+        unsafe {
+            let g = S::gld(p.gate_up.add((r * 2 * w + c) as usize));
+            let u = S::gld(p.gate_up.add((r * 2 * w + w + c) as usize));
+            S::gst(p.out.add(e as usize), g / (1.0 + exp_portable(-g)) * u);
+        }
+        e += step;
+    }
+}
+
+/// Row gather (see [`DenseGatherRowsParams`]): one thread per output element.
+///
+/// # Safety
+/// Launch with [`elementwise_launch`] of `n_rows·width`. Every `src[i]` is a row of the
+/// source view; `out` holds `n_rows × width` through its view, rows not overlapping each
+/// other or `x`.
+pub unsafe fn dense_gather_rows<S: Simt>(p: DenseGatherRowsParams) {
+    let w = p.width as u64;
+    let total = p.n_rows as u64 * w;
+    let (mut e, step) = grid_stride::<S>();
+    while e < total {
+        let (i, c) = ((e / w) as u32, (e % w) as u32);
+        // SAFETY: i < n_rows, c < width, src[i] a source row (contract).
+        unsafe {
+            let s = S::gld(p.src.add(i as usize));
+            let v = S::gld(p.x.add(p.x_view.at(s, 0, c)));
+            S::gst(p.out.add(p.out_view.at(i, 0, c)), v);
+        }
+        e += step;
+    }
+}
+
+/// Residual add (see [`DenseAddParams`]): one thread per element.
+///
+/// # Safety
+/// Launch with [`elementwise_launch`] of `rows·width`. Both views hold `rows × width`;
+/// `acc` rows do not overlap each other or `x`.
+pub unsafe fn dense_add<S: Simt>(p: DenseAddParams) {
+    let w = p.width as u64;
+    let total = p.rows as u64 * w;
+    let (mut e, step) = grid_stride::<S>();
+    while e < total {
+        let (r, c) = ((e / w) as u32, (e % w) as u32);
+        // SAFETY: r < rows, c < width: inside both views.
+        unsafe {
+            let a = p.acc.add(p.acc_view.at(r, 0, c));
+            let v = S::gld(a.as_const()) + S::gld(p.x.add(p.x_view.at(r, 0, c)));
+            S::gst(a, v);
+        }
+        e += step;
+    }
+}
+
+/// Cast (see [`DenseCastParams`]): one thread per element.
+///
+/// # Safety
+/// Launch with [`elementwise_launch`] of `rows·groups·width`. `from`/`to` are
+/// [`dense_dtype`] codes; both views (in elements of their own dtype) hold
+/// `rows × groups × width`; output elements of distinct (row, group) do not overlap and
+/// `out` does not overlap `x`.
+pub unsafe fn dense_cast<S: Simt>(p: DenseCastParams) {
+    let w = p.width as u64;
+    let total = p.rows as u64 * p.groups as u64 * w;
+    let (mut e, step) = grid_stride::<S>();
+    while e < total {
+        let c = (e % w) as u32;
+        let rg = e / w;
+        let g = (rg % p.groups as u64) as u32;
+        let r = (rg / p.groups as u64) as u32;
+        let (src, dst) = (p.x_view.at(r, g, c), p.out_view.at(r, g, c));
+        // SAFETY: (r, g, c) inside both views, each in elements of its own dtype (4 or 2
+        // bytes, aligned: the buffers are).
+        unsafe {
+            if p.from == dense_dtype::F32 {
+                let v = S::gld(p.x.cast::<f32>().add(src));
+                if p.to == dense_dtype::F32 {
+                    S::gst(p.out.cast::<f32>().add(dst), v);
+                } else {
+                    S::gst(p.out.cast::<u16>().add(dst), f32_to_bf16(v));
+                }
+            } else {
+                let v = S::gld(p.x.cast::<u16>().add(src));
+                if p.to == dense_dtype::F32 {
+                    S::gst(p.out.cast::<f32>().add(dst), bf16_to_f32(v));
+                } else {
+                    S::gst(p.out.cast::<u16>().add(dst), v);
+                }
+            }
+        }
+        e += step;
+    }
+}
+
+/// The better of two argmax candidates `(value, column)`: a NaN beats every number (the
+/// lower column among NaNs), else the larger value, the lower column on ties (`±0` tie).
+/// Commutative and associative, so any combining order gives the CPU's first-maximum (or
+/// first-NaN) column.
+#[inline(always)]
+fn better(a: (f32, u32), b: (f32, u32)) -> (f32, u32) {
+    match (a.0.is_nan(), b.0.is_nan()) {
+        (true, false) => a,
+        (false, true) => b,
+        (true, true) => {
+            if a.1 < b.1 {
+                a
+            } else {
+                b
+            }
+        }
+        (false, false) => {
+            if a.0 > b.0 || (a.0 == b.0 && a.1 < b.1) {
+                a
+            } else {
+                b
+            }
+        }
+    }
+}
+
+/// Argmax (see [`DenseArgmaxParams`]): one warp per row; lane `l` scans columns
+/// `l, l+32, …`, the lanes' candidates combined by a butterfly of [`better`].
+///
+/// # Safety
+/// Launch with [`row_launch`]; `width ≥ 1`; `logits` holds `rows·width` f32, `out` `rows`
+/// u32.
+pub unsafe fn dense_argmax<S: Simt>(p: DenseArgmaxParams) {
+    let lane = S::lane_id();
+    let mut r = S::block_idx() * ROW_WARPS + S::warp_id();
+    while r < p.rows {
+        let row = p.logits.add(r as usize * p.width as usize);
+        let mut best = (f32::NEG_INFINITY, u32::MAX);
+        let mut c = lane;
+        while c < p.width {
+            // SAFETY: c < width: inside row r.
+            let v = unsafe { S::gld(row.add(c as usize)) };
+            best = better(best, (v, c));
+            c += 32;
+        }
+        let mut m = 16;
+        while m > 0 {
+            let v = f32::from_bits(S::shfl_xor(FULL, best.0.to_bits(), m));
+            let i = S::shfl_xor(FULL, best.1, m);
+            best = better(best, (v, i));
+            m /= 2;
+        }
+        if lane == 0 {
+            // SAFETY: r < rows.
+            unsafe { S::gst(p.out.add(r as usize), best.1) };
+        }
+        r += S::grid_dim() * ROW_WARPS;
+    }
+}
