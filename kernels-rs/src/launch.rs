@@ -207,7 +207,7 @@ kernels! {
     dense_cast(DenseCastParams) => |p| kernels::elementwise_launch(
         p.rows as u64 * p.groups as u64 * p.width as u64
     );
-    dense_argmax(DenseArgmaxParams) => |p| kernels::row_launch(p.rows);
+    dense_argmax(DenseArgmaxParams) => |p| kernels::argmax_launch(p.rows);
 }
 
 #[cfg(test)]

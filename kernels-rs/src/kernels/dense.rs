@@ -11,8 +11,8 @@
 //! give the same bits.
 //!
 //! Geometry: element-wise kernels run grid-stride over elements ([`ELEMENTWISE_BLOCK`]
-//! threads per block); RMSNorm and argmax one warp per row; the matmul one block per tile
-//! of [`MATMUL_TILE_ROWS`] rows × [`MATMUL_TILE_COLS`] columns of one group.
+//! threads per block); RMSNorm one warp per row, argmax one block per row; the matmul one
+//! block per tile of [`MATMUL_TILE_ROWS`] rows × [`MATMUL_TILE_COLS`] columns of one group.
 
 use crate::fp8::{bf16_to_f32, f32_to_bf16};
 use crate::launch::{Launch, MAX_GRID};
@@ -380,36 +380,83 @@ fn better(a: (f32, u32), b: (f32, u32)) -> (f32, u32) {
     }
 }
 
-/// Argmax (see [`DenseArgmaxParams`]): one warp per row; lane `l` scans columns
-/// `l, l+32, …`, the lanes' candidates combined by a butterfly of [`better`].
+/// Threads per block of `dense_argmax` (one block per row).
+pub const ARGMAX_BLOCK: u32 = 512;
+
+/// `dense_argmax`: one block of [`ARGMAX_BLOCK`] threads per row (a vocabulary-wide row
+/// is too long for one warp), grid-stride over rows; one candidate per warp in shared
+/// memory.
+pub fn argmax_launch(rows: u32) -> Launch {
+    Launch {
+        grid: rows.clamp(1, MAX_GRID),
+        block: ARGMAX_BLOCK,
+        smem_bytes: ARGMAX_BLOCK / 32 * 8,
+    }
+}
+
+/// Butterfly of [`better`] over the 32 lanes: every lane ends with the warp's best.
+#[inline(always)]
+fn warp_best<S: Simt>(mut best: (f32, u32)) -> (f32, u32) {
+    let mut m = 16;
+    while m > 0 {
+        let v = f32::from_bits(S::shfl_xor(FULL, best.0.to_bits(), m));
+        let i = S::shfl_xor(FULL, best.1, m);
+        best = better(best, (v, i));
+        m /= 2;
+    }
+    best
+}
+
+/// Argmax (see [`DenseArgmaxParams`]): thread `t` of a row's block scans columns
+/// `t, t + block, …`; candidates are combined by [`better`] across lanes (butterfly), then
+/// across warps (through shared memory). `better` is a selection by a total order, so the
+/// result does not depend on how the row is split.
 ///
 /// # Safety
-/// Launch with [`row_launch`]; `width ≥ 1`; `logits` holds `rows·width` f32, `out` `rows`
+/// Launch with [`argmax_launch`]; `width ≥ 1`; `logits` holds `rows·width` f32, `out` `rows`
 /// u32.
 pub unsafe fn dense_argmax<S: Simt>(p: DenseArgmaxParams) {
-    let lane = S::lane_id();
-    let mut r = S::block_idx() * ROW_WARPS + S::warp_id();
+    let (t, lane, warp) = (S::thread_idx(), S::lane_id(), S::warp_id());
+    let warps = S::block_dim() / 32;
+    let mut r = S::block_idx();
     while r < p.rows {
         let row = p.logits.add(r as usize * p.width as usize);
         let mut best = (f32::NEG_INFINITY, u32::MAX);
-        let mut c = lane;
+        let mut c = t;
         while c < p.width {
             // SAFETY: c < width: inside row r.
             let v = unsafe { S::gld(row.add(c as usize)) };
             best = better(best, (v, c));
-            c += 32;
+            c += S::block_dim();
         }
-        let mut m = 16;
-        while m > 0 {
-            let v = f32::from_bits(S::shfl_xor(FULL, best.0.to_bits(), m));
-            let i = S::shfl_xor(FULL, best.1, m);
-            best = better(best, (v, i));
-            m /= 2;
-        }
+        let best = warp_best::<S>(best);
         if lane == 0 {
-            // SAFETY: r < rows.
-            unsafe { S::gst(p.out.add(r as usize), best.1) };
+            // SAFETY: warp < warps; the launch gives 8 bytes per warp.
+            unsafe {
+                S::smem_store::<u32>(8 * warp as usize, best.0.to_bits());
+                S::smem_store::<u32>(8 * warp as usize + 4, best.1);
+            }
         }
-        r += S::grid_dim() * ROW_WARPS;
+        S::sync_threads();
+        if warp == 0 {
+            let mut b = (f32::NEG_INFINITY, u32::MAX);
+            if lane < warps {
+                // SAFETY: written by warp `lane`'s lane 0 before the barrier.
+                b = unsafe {
+                    (
+                        f32::from_bits(S::smem_load::<u32>(8 * lane as usize)),
+                        S::smem_load::<u32>(8 * lane as usize + 4),
+                    )
+                };
+            }
+            let b = warp_best::<S>(b);
+            if lane == 0 {
+                // SAFETY: r < rows.
+                unsafe { S::gst(p.out.add(r as usize), b.1) };
+            }
+        }
+        // The candidates are rewritten for the next row only after warp 0 read them.
+        S::sync_threads();
+        r += S::grid_dim();
     }
 }

@@ -56,9 +56,9 @@ mod store;
 mod topk;
 
 pub use dense::{
-    dense_add, dense_argmax, dense_cast, dense_gather_rows, dense_matmul, dense_rms_norm,
-    dense_rope, dense_swiglu, elementwise_launch, matmul_launch, row_launch, ELEMENTWISE_BLOCK,
-    MATMUL_TILE_COLS, MATMUL_TILE_ROWS, ROW_WARPS,
+    argmax_launch, dense_add, dense_argmax, dense_cast, dense_gather_rows, dense_matmul,
+    dense_rms_norm, dense_rope, dense_swiglu, elementwise_launch, matmul_launch, row_launch,
+    ARGMAX_BLOCK, ELEMENTWISE_BLOCK, MATMUL_TILE_COLS, MATMUL_TILE_ROWS, ROW_WARPS,
 };
 pub use indexer_logits::{
     indexer_logits, indexer_logits_launch, MAX_HEAD_DIM as INDEXER_LOGITS_MAX_HEAD_DIM,
