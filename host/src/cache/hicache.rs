@@ -165,6 +165,9 @@ pub(crate) struct LoadRec {
     pub dependents: u32,
     pub cancel: Arc<AtomicBool>,
     pub queued: bool,
+    /// Steps' layer requests counted when the load was queued (the `loads-trail-readers`
+    /// fault; empty otherwise).
+    pub reads_at_queue: Vec<u64>,
 }
 
 /// One page moving device → host.
@@ -229,6 +232,12 @@ pub(crate) struct Shared<B: Backend> {
     pub work_cv: Condvar,
     pub config: CacheConfig,
     next_id: AtomicU64,
+    /// Per layer, how many times a step asked for it (kept under the
+    /// `loads-trail-readers` fault only) and the condvar loads wait on for it.
+    pub reads: Mutex<Vec<u64>>,
+    pub reads_cv: Condvar,
+    /// The `late-write` fault's writer (empty otherwise).
+    pub late: Mutex<super::late::LateWrites>,
 }
 
 static NEXT_CACHE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -315,6 +324,9 @@ impl<B: Backend + 'static> HiCache<B> {
             state: Mutex::new(state),
             space_cv: Condvar::new(),
             work_cv: Condvar::new(),
+            reads: Mutex::new(vec![0; spec.num_layers]),
+            reads_cv: Condvar::new(),
+            late: Mutex::new(super::late::LateWrites::default()),
             config,
             next_id: AtomicU64::new(1),
         });
@@ -360,8 +372,19 @@ impl<B: Backend + 'static> HiCache<B> {
     /// its host-only pages (sharing loads already in flight). May wait (bounded) for
     /// device room. `req` must not be live already.
     pub fn begin(&self, req: RequestId, tokens: &[u32]) -> Result<Prefix> {
+        self.begin_until(req, tokens, self.shared.deadline())
+    }
+
+    /// [`HiCache::begin`] without waiting: when the prefix's loads need device room that is
+    /// not free now, the evictions (and backups) that make it are started and the call
+    /// returns `OutOfPages` at once, leaving nothing behind; a later try finds the room.
+    /// For a caller that must not block, such as an engine thread admitting requests.
+    pub fn try_begin(&self, req: RequestId, tokens: &[u32]) -> Result<Prefix> {
+        self.begin_until(req, tokens, Instant::now())
+    }
+
+    fn begin_until(&self, req: RequestId, tokens: &[u32], deadline: Instant) -> Result<Prefix> {
         let sh = &*self.shared;
-        let deadline = sh.deadline();
         let mut st = sh.state.lock();
         loop {
             if st.requests.contains_key(&req) {
@@ -404,8 +427,18 @@ impl<B: Backend + 'static> HiCache<B> {
     /// `n` fresh device pages owned by `req`, evicting cached pages if needed (waits,
     /// bounded, for backups to make room).
     pub fn alloc(&self, req: RequestId, n: usize) -> Result<Vec<PageRef>> {
+        self.alloc_until(req, n, self.shared.deadline())
+    }
+
+    /// [`HiCache::alloc`] without waiting: when `n` pages are not free now, the evictions
+    /// (and backups) that make room are started and the call returns `OutOfPages` at once,
+    /// allocating nothing; a later try finds the room.
+    pub fn try_alloc(&self, req: RequestId, n: usize) -> Result<Vec<PageRef>> {
+        self.alloc_until(req, n, Instant::now())
+    }
+
+    fn alloc_until(&self, req: RequestId, n: usize, deadline: Instant) -> Result<Vec<PageRef>> {
         let sh = &*self.shared;
-        let deadline = sh.deadline();
         let mut st = sh.state.lock();
         loop {
             if !st.requests.contains_key(&req) {
@@ -804,6 +837,11 @@ fn start_load<B: Backend>(
     }
     let nodes: Vec<NodeId> = pages.iter().map(|p| p.node).collect();
     st.tree.lock(&nodes);
+    let reads_at_queue = if sh.fault(Fault::LoadsTrailReaders) {
+        sh.reads.lock().clone()
+    } else {
+        Vec::new()
+    };
     st.loads.insert(
         id,
         LoadRec {
@@ -812,6 +850,7 @@ fn start_load<B: Backend>(
             dependents: 1,
             cancel: Arc::new(AtomicBool::new(false)),
             queued: true,
+            reads_at_queue,
         },
     );
     st.queue.push_back(Job::Load(id));
@@ -842,6 +881,9 @@ fn end_request<B: Backend>(sh: &Shared<B>, st: &mut State, req: RequestId, why: 
         f.fail(Error::Cancelled(format!("inbound transfer: {why}")));
     }
     st.tree.unlock(&r.path);
+    if sh.fault(Fault::LateWrite) {
+        sh.late.lock().orphan(&r.own);
+    }
     for p in r.own {
         let _ = st.device.release(p);
     }

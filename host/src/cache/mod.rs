@@ -87,6 +87,7 @@ mod fence_core;
 mod hicache;
 mod inbound;
 mod io;
+mod late;
 mod pool;
 mod radix;
 mod step;

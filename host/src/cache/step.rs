@@ -23,7 +23,7 @@ use super::alloc::PageRef;
 use super::faults::Fault;
 use super::fence::{Fence, ReadyToken};
 use super::hicache::{invalid, HiCache, RequestId};
-use super::pool::LayerBuffers;
+use super::pool::{BufferKind, LayerBuffers};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::ops::{IndexKStore, KvStore};
@@ -57,6 +57,17 @@ pub struct Step<'c, B: Backend + 'static> {
     members: Vec<Member>,
     /// Own pages of the members: the only store targets.
     writable: HashMap<u32, PageRef>,
+}
+
+/// Under the `loads-trail-readers` fault: counts a step reaching `layer` and wakes the
+/// loads waiting for one.
+fn note_read<B: Backend>(sh: &super::hicache::Shared<B>, layer: usize) {
+    if sh.fault(Fault::LoadsTrailReaders) {
+        if let Some(r) = sh.reads.lock().get_mut(layer) {
+            *r += 1;
+        }
+        sh.reads_cv.notify_all();
+    }
 }
 
 fn failed(req: RequestId, cause: Error) -> Error {
@@ -196,6 +207,8 @@ impl<'c, B: Backend + 'static> Step<'c, B> {
         self.check_layer(layer)?;
         let sh = &*self.cache.shared;
         if !sh.fault(Fault::SkipIndexWait) {
+            // About to wait for the layer: a load trailing readers may go now.
+            note_read(sh, layer);
             let started = Instant::now();
             let deadline = sh.deadline();
             for m in self.live_members() {
@@ -234,6 +247,8 @@ impl<'c, B: Backend + 'static> Step<'c, B> {
         };
         let bufs = sh.device.lock(token.layer, deadline)?;
         crate::sync::add_held_layers(1);
+        // Holding the layer: a load trailing readers may go now (it will wait for the lock).
+        note_read(sh, token.layer);
         let g = LayerGuard {
             step: self,
             bufs,
@@ -387,31 +402,74 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
         }
     }
 
+    /// Runs the store op of `kind` for slot numbers `ids` (checked by [`Self::slots`]).
+    fn run_store(&mut self, kind: BufferKind, ids: &[i64], rows: &B::Buffer) -> Result<()> {
+        let sh = &*self.step.cache.shared;
+        let spec = sh.device.spec();
+        match kind {
+            BufferKind::Kv => sh.backend.kv_store(
+                &KvStore {
+                    layout: spec.kv,
+                    slots: ids,
+                },
+                rows,
+                &mut self.bufs.kv,
+            ),
+            BufferKind::IndexK => sh.backend.index_k_store(
+                &IndexKStore {
+                    layout: spec.index_k,
+                    slots: ids,
+                },
+                rows,
+                &mut self.bufs.index_k,
+            ),
+        }
+    }
+
+    fn store(&mut self, kind: BufferKind, slots: &[SlotRef], rows: &B::Buffer) -> Result<()> {
+        let ids = self.slots(slots)?;
+        self.run_store(kind, &ids, rows)?;
+        self.stamp(slots);
+        if self.step.cache.shared.fault(Fault::LateWrite) && !slots.is_empty() {
+            self.late_writes(kind, slots, rows)?;
+        }
+        Ok(())
+    }
+
+    /// The `late-write` fault: remembers this store's rows, then writes the late rows due
+    /// on these slots through their old references, by the same checked path as any store
+    /// (a refused one is counted by [`Self::slots`] and dropped).
+    fn late_writes(&mut self, kind: BufferKind, slots: &[SlotRef], rows: &B::Buffer) -> Result<()> {
+        let sh = &*self.step.cache.shared;
+        let bytes = sh.backend.download(rows)?;
+        let row_bytes = bytes.len() / slots.len();
+        if row_bytes == 0 {
+            return Ok(());
+        }
+        let due = {
+            let mut late = sh.late.lock();
+            late.record(self.layer, kind, slots, &bytes, row_bytes);
+            late.due(self.layer, kind, slots)
+        };
+        for (slot, row) in due {
+            let Ok(ids) = self.slots(&[slot]) else {
+                continue;
+            };
+            let buf = sh.backend.upload(&row)?;
+            self.run_store(kind, &ids, &buf)?;
+            self.stamp(&[slot]);
+        }
+        Ok(())
+    }
+
     /// Stores `kv` (bf16 `[slots.len(), d_qk]`) into `slots` of this layer's KV buffer.
     pub fn kv_store(&mut self, slots: &[SlotRef], kv: &B::Buffer) -> Result<()> {
-        let ids = self.slots(slots)?;
-        let sh = &*self.step.cache.shared;
-        let op = KvStore {
-            layout: sh.device.spec().kv,
-            slots: &ids,
-        };
-        sh.backend.kv_store(&op, kv, &mut self.bufs.kv)?;
-        self.stamp(slots);
-        Ok(())
+        self.store(BufferKind::Kv, slots, kv)
     }
 
     /// Stores index keys (bf16 `[slots.len(), head_dim]`) into `slots` of this layer's
     /// index-K buffer (quantized as the layout says).
     pub fn index_k_store(&mut self, slots: &[SlotRef], keys: &B::Buffer) -> Result<()> {
-        let ids = self.slots(slots)?;
-        let sh = &*self.step.cache.shared;
-        let op = IndexKStore {
-            layout: sh.device.spec().index_k,
-            slots: &ids,
-        };
-        sh.backend
-            .index_k_store(&op, keys, &mut self.bufs.index_k)?;
-        self.stamp(slots);
-        Ok(())
+        self.store(BufferKind::IndexK, slots, keys)
     }
 }
