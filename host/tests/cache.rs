@@ -600,7 +600,10 @@ fn fault_host_bit_flip_is_caught_by_checksums() {
                 "{cause:?}"
             );
             let s = c.leak_check().unwrap();
-            assert_eq!((s.integrity_failures, s.host_cached), (1, 0));
+            assert_eq!(
+                (s.integrity_failures, s.host_integrity_failures, s.host_cached),
+                (1, 1, 0)
+            );
             assert_eq!(e.request(&c, 3, &a, false).unwrap(), 0, "recomputed");
         } else {
             assert!(
@@ -930,7 +933,8 @@ fn inbound_failures_are_typed_and_contained() {
     );
     drop(rx);
     c.abort(1).unwrap();
-    c.leak_check().unwrap();
+    let s = c.leak_check().unwrap();
+    assert_eq!((s.integrity_failures, s.host_integrity_failures), (1, 0));
     // A dropped (never completed) handle fails a waiting reader.
     c.begin(2, &[]).unwrap();
     let pages = c.alloc(2, 2).unwrap();

@@ -125,6 +125,9 @@ pub struct CacheStats {
     pub backups: u64,
     pub backup_failures: u64,
     pub integrity_failures: u64,
+    /// Of the integrity failures, those of host → device loads (the rest: inbound
+    /// transfers).
+    pub host_integrity_failures: u64,
     pub stale_writes_refused: u64,
 }
 

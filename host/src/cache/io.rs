@@ -195,7 +195,10 @@ pub(crate) fn finalize_load<B: Backend>(sh: &Shared<B>, st: &mut State, id: u64,
         Err(e) => {
             rec.fence.fail(e.clone());
             match e {
-                Error::Integrity { .. } => st.stats.integrity_failures += 1,
+                Error::Integrity { .. } => {
+                    st.stats.integrity_failures += 1;
+                    st.stats.host_integrity_failures += 1;
+                }
                 _ if rec.cancel.load(Ordering::Acquire) => st.stats.cancelled_loads += 1,
                 _ => st.stats.load_failures += 1,
             }
