@@ -601,7 +601,11 @@ fn fault_host_bit_flip_is_caught_by_checksums() {
             );
             let s = c.leak_check().unwrap();
             assert_eq!(
-                (s.integrity_failures, s.host_integrity_failures, s.host_cached),
+                (
+                    s.integrity_failures,
+                    s.host_integrity_failures,
+                    s.host_cached
+                ),
                 (1, 1, 0)
             );
             assert_eq!(e.request(&c, 3, &a, false).unwrap(), 0, "recomputed");
@@ -1124,7 +1128,11 @@ fn fault_no_layout_check_lets_the_fp8_host_pool_corrupt_and_checksums_catch_it()
             let e = Expect::default();
             let a = prompt(1, 3 * PAGE);
             e.request(&c, 1, &a, false).unwrap();
-            assert_eq!(c.evict_device(3).unwrap(), 3, "{faults:?}: backups went through");
+            assert_eq!(
+                c.evict_device(3).unwrap(),
+                3,
+                "{faults:?}: backups went through"
+            );
             let got = e.request(&c, 2, &a, false);
             let what = |err: &Error| match err {
                 Error::RequestFailed { cause, .. } => match **cause {
@@ -1218,12 +1226,21 @@ fn fault_late_write_is_refused_by_generations_then_caught_by_landed_stamps() {
     let truth = Expect::default();
     let b = prompt(2, 2 * PAGE);
     truth
-        .request(&cache(spec(BF.0, BF.1), CacheConfig::new(4, 0)), 1, &b, false)
+        .request(
+            &cache(spec(BF.0, BF.1), CacheConfig::new(4, 0)),
+            1,
+            &b,
+            false,
+        )
         .unwrap();
     for faults in [
         vec![Fault::LateWrite],
         vec![Fault::LateWrite, Fault::NoGenerationCheck],
-        vec![Fault::LateWrite, Fault::NoGenerationCheck, Fault::NoLandedCheck],
+        vec![
+            Fault::LateWrite,
+            Fault::NoGenerationCheck,
+            Fault::NoLandedCheck,
+        ],
     ] {
         let mut cfg = CacheConfig::new(2, 0);
         cfg.faults = Faults::with(&faults);
@@ -1250,7 +1267,13 @@ fn fault_late_write_is_refused_by_generations_then_caught_by_landed_stamps() {
             _ => {
                 let err = got.unwrap_err();
                 assert!(
-                    matches!(&err, Error::Integrity { what: "recomputed page differs", .. }),
+                    matches!(
+                        &err,
+                        Error::Integrity {
+                            what: "recomputed page differs",
+                            ..
+                        }
+                    ),
                     "{err:?}"
                 );
             }
@@ -1295,10 +1318,7 @@ fn try_alloc_and_try_begin_answer_at_once_and_make_room_for_later() {
     let c2 = c.clone();
     bounded(move || {
         let _step = c2.step(&[3]).unwrap();
-        assert!(matches!(
-            c2.try_begin(5, &a),
-            Err(Error::OutOfPages { .. })
-        ));
+        assert!(matches!(c2.try_begin(5, &a), Err(Error::OutOfPages { .. })));
         assert!(!c2.is_live(5));
         c2.leak_check().unwrap();
     });

@@ -85,15 +85,15 @@ pub struct Metrics {
     itl: Histogram,
     pages: Family<PageLabels, Gauge>,
     cache_hits: Labelled<Counter>,
-    cache_lookups: Labelled<Counter>,
+    cache_lookups: Counter,
     loads: Labelled<Counter>,
     backups: Labelled<Counter>,
     transfer_bytes: Labelled<Counter>,
     checksum_failures: Labelled<Counter>,
     refused: Labelled<Counter>,
     quarantined: Labelled<Gauge>,
-    leaked: Labelled<Gauge>,
-    idle_checks: Labelled<Counter>,
+    leaked: Gauge,
+    idle_checks: Counter,
     in_engine: Labelled<Gauge>,
 }
 
@@ -142,10 +142,6 @@ impl Metrics {
             "sparsekit_cache_hits",
             "Prompt pages found in the prefix cache, by the tier their bytes came from",
         );
-        let cache_lookups = family(
-            "sparsekit_cache_lookups",
-            "Prompt pages looked up in the prefix cache (the denominator of the hit rates)",
-        );
         let loads = family(
             "sparsekit_loads",
             "Host-to-device prefix loads (jobs), by how they ended",
@@ -166,10 +162,6 @@ impl Metrics {
             "sparsekit_refused",
             "Writes, reads, frames or requests refused by an integrity check, by reason",
         );
-        let idle_checks = family(
-            "sparsekit_idle_checks",
-            "Accounting checks run while the engine was idle",
-        );
         let mut gauge = |name: &str, help: &str| {
             let f = Labelled::<Gauge>::default();
             registry.register(name, help, f.clone());
@@ -179,13 +171,27 @@ impl Metrics {
             "sparsekit_quarantined_pages",
             "Pages released but still pinned by an in-flight copy, step or transfer",
         );
-        let leaked = gauge(
-            "sparsekit_leaked_pages",
-            "Pages held by no live request, cache entry or copy at the last idle check",
-        );
         let in_engine = gauge(
             "sparsekit_requests_in_engine",
             "Requests in the engine now: running (holding pages) or waiting for admission",
+        );
+        let cache_lookups = Counter::default();
+        registry.register(
+            "sparsekit_cache_lookups",
+            "Prompt pages looked up in the prefix cache (the denominator of the hit rates)",
+            cache_lookups.clone(),
+        );
+        let idle_checks = Counter::default();
+        registry.register(
+            "sparsekit_idle_checks",
+            "Accounting checks run while the engine was idle",
+            idle_checks.clone(),
+        );
+        let leaked = Gauge::default();
+        registry.register(
+            "sparsekit_leaked_pages",
+            "Pages held for no request the engine knows, at the last idle check",
+            leaked.clone(),
         );
         Metrics {
             role: role.to_string(),
@@ -250,12 +256,14 @@ impl Metrics {
 
     /// Counts `pages` prompt pages found in `tier` (`device`, `host`).
     pub fn cache_hits(&self, tier: &str, pages: u64) {
-        self.cache_hits.get_or_create(&label("tier", tier)).inc_by(pages);
+        self.cache_hits
+            .get_or_create(&label("tier", tier))
+            .inc_by(pages);
     }
 
     /// Counts prompt pages looked up in the prefix cache.
     pub fn cache_lookups(&self, pages: u64) {
-        self.cache_lookups.get_or_create(&Vec::new()).inc_by(pages);
+        self.cache_lookups.inc_by(pages);
     }
 
     /// Counts load jobs that ended with `status` (`ok`, `failed`, `cancelled`).
@@ -265,7 +273,9 @@ impl Metrics {
 
     /// Counts backups (`ok`: pages; `failed`: batches).
     pub fn backups(&self, status: &str, n: u64) {
-        self.backups.get_or_create(&label("status", status)).inc_by(n);
+        self.backups
+            .get_or_create(&label("status", status))
+            .inc_by(n);
     }
 
     /// Counts transfer bytes of `kind` (`kv`, `index_k`).
@@ -285,7 +295,9 @@ impl Metrics {
     /// Counts refusals by an integrity check for `reason` (`stale_write`, `not_landed`,
     /// `load_failed`, `fingerprint`, ...).
     pub fn refused(&self, reason: &str, n: u64) {
-        self.refused.get_or_create(&label("reason", reason)).inc_by(n);
+        self.refused
+            .get_or_create(&label("reason", reason))
+            .inc_by(n);
     }
 
     /// Sets `sparsekit_quarantined_pages{pool}`.
@@ -297,8 +309,8 @@ impl Metrics {
 
     /// Records an idle accounting check and the pages it found leaked.
     pub fn idle_check(&self, leaked: usize) {
-        self.leaked.get_or_create(&Vec::new()).set(leaked as i64);
-        self.idle_checks.get_or_create(&Vec::new()).inc();
+        self.leaked.set(leaked as i64);
+        self.idle_checks.inc();
     }
 
     /// Sets `sparsekit_requests_in_engine{state}`.

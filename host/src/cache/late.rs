@@ -135,13 +135,25 @@ mod tests {
     #[test]
     fn rows_of_released_pages_land_once_on_the_next_owner() {
         let mut l = LateWrites::default();
-        l.record(0, BufferKind::Kv, &[slot(3, 1, 0), slot(3, 1, 1)], &[7, 7, 8, 8], 2);
+        l.record(
+            0,
+            BufferKind::Kv,
+            &[slot(3, 1, 0), slot(3, 1, 1)],
+            &[7, 7, 8, 8],
+            2,
+        );
         l.record(0, BufferKind::Kv, &[slot(4, 0, 0)], &[9, 9], 2);
         // A stale release of page 3 (wrong generation) orphans nothing.
-        l.orphan(&[PageRef { id: 3, generation: 0 }]);
+        l.orphan(&[PageRef {
+            id: 3,
+            generation: 0,
+        }]);
         assert_eq!(l.pending(), 0);
         l.record(0, BufferKind::Kv, &[slot(3, 1, 0)], &[6, 6], 2);
-        l.orphan(&[PageRef { id: 3, generation: 1 }]);
+        l.orphan(&[PageRef {
+            id: 3,
+            generation: 1,
+        }]);
         assert_eq!(l.pending(), 2);
         // The same generation (the owner itself) or another layer / kind: nothing due.
         assert!(l.due(0, BufferKind::Kv, &[slot(3, 1, 0)]).is_empty());
@@ -152,7 +164,10 @@ mod tests {
             due,
             vec![(slot(3, 1, 1), vec![8, 8]), (slot(3, 1, 0), vec![6, 6])]
         );
-        assert!(l.due(0, BufferKind::Kv, &[slot(3, 2, 0)]).is_empty(), "once");
+        assert!(
+            l.due(0, BufferKind::Kv, &[slot(3, 2, 0)]).is_empty(),
+            "once"
+        );
         assert_eq!(l.pending(), 0);
     }
 

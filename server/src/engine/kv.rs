@@ -128,6 +128,11 @@ pub trait KvSpace<B: Backend> {
     }
     /// Accounting: every page is free or held by exactly one sequence (or the cache).
     fn leak_check(&self) -> Result<(), EngineError>;
+    /// Pages held for requests the engine does not know (read when the engine is idle:
+    /// nothing should be held then but what a cache keeps for reuse).
+    fn leaked_pages(&self) -> usize {
+        0
+    }
     /// Publishes the space's gauges and counters (`sparsekit_pages`, cache hits, loads…).
     fn publish(&mut self, metrics: &Metrics) {
         let (free, cap) = (self.free_pages(), self.capacity_pages());

@@ -2,6 +2,7 @@
 //! forward pass), its KV space, sampling, and the continuous-batching scheduler.
 
 pub mod batch;
+pub mod cache_space;
 pub mod config;
 pub mod kv;
 pub mod model;
@@ -11,8 +12,9 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use batch::{SeqChunk, StepBatch};
+pub use cache_space::{CacheHandle, CacheKvSpace, CacheSpaceOptions};
 pub use config::ModelConfig;
-pub use kv::{KvSpace, LayerCache, PagedKvSpace, SeqId};
+pub use kv::{KvSpace, KvStep, LayerCache, PagedKvSpace, ReceivedPages, SeqId};
 pub use model::{logits_digest, Model, StepLogits};
 pub use sampling::SamplingParams;
 pub use scheduler::{

@@ -27,11 +27,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
+use sparsekit_host::cache::{CacheConfig, CacheSpec, Faults, HiCache, HostLayout};
 use sparsekit_host::{Backend, IndexKDtype, KvDtype, ModelOps};
 
 use crate::engine::batch::{SeqChunk, StepBatch};
+use crate::engine::cache_space::{CacheKvSpace, CacheSpaceOptions};
 use crate::engine::config::ModelConfig;
-use crate::engine::kv::{KvSpace, PagedKvSpace, SeqId};
+use crate::engine::kv::{KvSpace, PagedKvSpace, ReceivedPages, SeqId};
 use crate::engine::model::{logits_digest, Model};
 use crate::engine::sampling::{sample, SamplingParams};
 use crate::engine::tokenizer::{TextStream, END, VOCAB_SIZE};
@@ -45,6 +47,36 @@ pub const IDLE_WAIT: Duration = Duration::from_millis(50);
 /// sequences in the step; a panic in it is a panicking step.
 pub type StepFault = Arc<dyn Fn(&[SeqId]) + Send + Sync>;
 
+/// The prefix cache and host tier of an engine ([`EngineOptions::cache`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct CacheOptions {
+    /// Pages of the host tier (0: none; evicted pages leave the cache).
+    pub host_pages: usize,
+    /// Back committed pages up to the host tier at once (so eviction rarely waits).
+    pub write_through: bool,
+    /// Verify the checksums of pages loaded from the host tier (off only for the
+    /// harness's `--no-verify`).
+    pub verify: bool,
+    pub host_layout: HostLayout,
+    /// Bound of every wait in the cache (a load's layer, a layer lock).
+    pub wait_timeout: Duration,
+    /// Fault injections (none in production).
+    pub faults: Faults,
+}
+
+impl Default for CacheOptions {
+    fn default() -> Self {
+        CacheOptions {
+            host_pages: 0,
+            write_through: true,
+            verify: true,
+            host_layout: HostLayout::LayerFirst,
+            wait_timeout: Duration::from_secs(10),
+            faults: Faults::none(),
+        }
+    }
+}
+
 /// Engine settings besides the model.
 #[derive(Clone)]
 pub struct EngineOptions {
@@ -52,8 +84,12 @@ pub struct EngineOptions {
     pub seed: u64,
     pub kv_dtype: KvDtype,
     pub index_k_dtype: IndexKDtype,
-    /// Pages of the KV space (each holds `page_size` tokens of every layer and kind).
+    /// Pages of the KV space (each holds `page_size` tokens of every layer and kind): the
+    /// device pool.
     pub kv_pages: usize,
+    /// The prefix cache (radix reuse on the device pool, host tier): `None` serves with
+    /// the reference space ([`PagedKvSpace`]: no reuse).
+    pub cache: Option<CacheOptions>,
     /// Rows (tokens) per step at most.
     pub max_batch_tokens: usize,
     /// Prompt tokens of one sequence per step at most.
@@ -77,6 +113,7 @@ impl std::fmt::Debug for EngineOptions {
             .field("kv_dtype", &self.kv_dtype)
             .field("index_k_dtype", &self.index_k_dtype)
             .field("kv_pages", &self.kv_pages)
+            .field("cache", &self.cache)
             .field("max_batch_tokens", &self.max_batch_tokens)
             .field("prefill_chunk", &self.prefill_chunk)
             .field("min_prefill_tokens", &self.min_prefill_tokens)
@@ -95,6 +132,7 @@ impl Default for EngineOptions {
             kv_dtype: KvDtype::Bf16,
             index_k_dtype: IndexKDtype::FP8,
             kv_pages: 4096,
+            cache: None,
             max_batch_tokens: 512,
             prefill_chunk: 256,
             min_prefill_tokens: 32,
@@ -128,6 +166,21 @@ pub struct GenerateRequest {
     /// Prompt token ids (non-empty, each below the vocabulary size).
     pub prompt: Vec<u32>,
     pub sampling: SamplingParams,
+    /// The prompt's KV arrived by transfer (PD decode side): adopt these pages instead
+    /// of computing them (see [`ReceivedPages`]); needs a cache-backed engine.
+    pub received: Option<ReceivedPages>,
+}
+
+impl GenerateRequest {
+    /// A request for `prompt` with `sampling` (generated id, prompt computed here).
+    pub fn new(prompt: Vec<u32>, sampling: SamplingParams) -> Self {
+        GenerateRequest {
+            id: None,
+            prompt,
+            sampling,
+            received: None,
+        }
+    }
 }
 
 /// Why generation ended.
@@ -229,6 +282,11 @@ pub struct EngineStats {
     pub capacity_pages: usize,
     /// Result of the last KV accounting check (run whenever the engine goes idle).
     pub leak_check: Option<Result<(), String>>,
+    /// Pages held for no request the engine knows, at the last idle check.
+    pub leaked_pages: usize,
+    /// Requests failed alone by a KV cache check or a failed load (the rest of their
+    /// step went on).
+    pub failed_seqs: u64,
     /// Largest number of rows in one step.
     pub max_step_rows: usize,
     /// Largest number of sequences in one step.
@@ -449,14 +507,27 @@ impl Engine {
     ) -> Result<Engine, EngineError> {
         opts.validate()?;
         let model = Model::new(backend.clone(), cfg, opts.seed)?;
-        let space = PagedKvSpace::new(
-            &*backend,
+        let (kv, ik) = (
             model.kv_layout(opts.kv_dtype)?,
             model.index_k_layout(opts.index_k_dtype)?,
-            cfg.n_layers,
-            opts.kv_pages,
-        )?;
-        Self::start_with(model, space, opts, metrics)
+        );
+        match &opts.cache {
+            None => {
+                let space = PagedKvSpace::new(&*backend, kv, ik, cfg.n_layers, opts.kv_pages)?;
+                Self::start_with(model, space, opts, metrics)
+            }
+            Some(c) => {
+                let mut config = CacheConfig::new(opts.kv_pages, c.host_pages);
+                config.write_through = c.write_through;
+                config.verify = c.verify;
+                config.host_layout = c.host_layout;
+                config.wait_timeout = c.wait_timeout;
+                config.faults = c.faults.clone();
+                let cache = HiCache::new(backend, CacheSpec::new(kv, ik, cfg.n_layers)?, config)?;
+                let space = CacheKvSpace::new(Arc::new(cache), CacheSpaceOptions::default());
+                Self::start_with(model, space, opts, metrics)
+            }
+        }
     }
 
     /// Starts the engine thread over a given model and KV space (the cache-backed space
@@ -647,6 +718,8 @@ impl Engine {
             tokens: req.prompt,
             computed: 0,
             params: req.sampling,
+            received: req.received,
+            admitted: false,
             events: tx,
             shared: shared.clone(),
             arrival: now,
@@ -733,6 +806,10 @@ struct Seq {
     prompt_len: usize,
     /// Tokens whose KV and index keys are in the cache.
     computed: usize,
+    /// Pages received for the prompt (PD decode side).
+    received: Option<ReceivedPages>,
+    /// Admitted by the KV space (holds its pages).
+    admitted: bool,
     params: SamplingParams,
     text: TextStream,
     events: flume::Sender<Event>,
@@ -830,13 +907,20 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
 
     fn note_idle(&mut self) {
         let check = self.space.leak_check().map_err(|e| e.to_string());
+        let leaked = self.space.leaked_pages();
+        self.space.publish(&self.inner.metrics);
+        self.inner.metrics.idle_check(leaked);
         let mut st = lock(&self.inner.stats);
         st.leak_check = Some(check);
+        st.leaked_pages = leaked;
     }
 
-    fn publish_stats(&self) {
+    fn publish_stats(&mut self) {
         let (free, cap) = (self.space.free_pages(), self.space.capacity_pages());
-        self.inner.metrics.pages("device", free, cap - free);
+        self.space.publish(&self.inner.metrics);
+        self.inner
+            .metrics
+            .in_engine(self.running.len(), self.waiting.len());
         let mut st = lock(&self.inner.stats);
         st.waiting = self.waiting.len();
         st.running = self.running.len();
@@ -848,11 +932,15 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
     /// its last event, counts it.
     fn end(&mut self, s: Seq, how: End) {
         match &how {
-            End::Done(f) if f.reason != FinishReason::Abort => {
+            End::Done(f) if f.reason != FinishReason::Abort && s.admitted => {
                 self.space.commit(s.id, &s.tokens, s.computed);
             }
             _ => {
+                // Admitted, or waiting with a prefix the space already holds for it.
                 self.space.release(s.id);
+                if let (false, Some(r)) = (s.admitted, &s.received) {
+                    self.space.release_received(r);
+                }
             }
         }
         s.shared.finished.store(true, Ordering::Release);
@@ -916,12 +1004,16 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
         while self.running.len() < self.opts.max_running {
             let Some(s) = self.waiting.front() else { break };
             let total = s.prompt_len + s.params.max_new_tokens;
-            match self.space.admit(s.id, &s.tokens[..s.prompt_len], total) {
+            match self
+                .space
+                .admit(s.id, &s.tokens[..s.prompt_len], total, s.received.as_ref())
+            {
                 Ok(cached) => {
                     if let Some(mut s) = self.waiting.pop_front() {
                         self.inner.waiting.fetch_sub(1, Ordering::AcqRel);
                         // The last prompt token is always computed: its logits are needed.
                         s.computed = cached.min(s.prompt_len - 1);
+                        s.admitted = true;
                         self.running.push(s);
                     }
                 }
@@ -1004,6 +1096,17 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
         }
         let logits = match result {
             Ok(Ok(l)) => l,
+            Ok(Err(EngineError::SeqFailed { seq, cause })) if ids.contains(&seq) => {
+                // One member failed in the cache: it alone ends; the others rerun the
+                // step next time round (bit-identically: the pass is deterministic).
+                lock(&self.inner.stats).failed_seqs += 1;
+                tracing::warn!(seq, error = %cause, "request failed in the KV cache");
+                if let Some(pos) = self.running.iter().position(|s| s.id == seq) {
+                    let s = self.running.remove(pos);
+                    self.end(s, End::Failed(EngineError::SeqFailed { seq, cause }));
+                }
+                return;
+            }
             Ok(Err(e)) => return self.fail_step(&ids, e),
             Err(p) => {
                 let msg = format!("panic: {}", panic_message(&*p));

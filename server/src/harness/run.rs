@@ -76,6 +76,7 @@ impl Target for EngineTarget {
                 id: Some(rid.to_string()),
                 prompt: prompt.to_vec(),
                 sampling: sampling.clone(),
+                received: None,
             })
             .map_err(|e| TurnFailure::Refused(e.to_string()))?;
         match h.wait(deadline) {

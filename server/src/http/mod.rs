@@ -371,6 +371,7 @@ impl App {
             id: b.rid.clone(),
             prompt: b.tokens()?,
             sampling: b.params()?,
+            received: None,
         };
         let prompt_tokens = req.prompt.len();
         let h = self.submit(req)?;
@@ -426,11 +427,7 @@ impl App {
         let max_context = self.engine.info().max_context;
         let sampling = r.sampling.to_params(prompt.len(), max_context)?;
         let prompt_tokens = prompt.len();
-        let h = self.submit(GenerateRequest {
-            id: None,
-            prompt,
-            sampling,
-        })?;
+        let h = self.submit(GenerateRequest::new(prompt, sampling))?;
         let id = format!("cmpl-{}", h.rid());
         let (model, created) = (self.model.clone(), unix_now());
         if r.stream {
@@ -482,11 +479,7 @@ impl App {
         let max_context = self.engine.info().max_context;
         let sampling = r.sampling.to_params(prompt.len(), max_context)?;
         let prompt_tokens = prompt.len();
-        let h = self.submit(GenerateRequest {
-            id: None,
-            prompt,
-            sampling,
-        })?;
+        let h = self.submit(GenerateRequest::new(prompt, sampling))?;
         let id = format!("chatcmpl-{}", h.rid());
         let (model, created) = (self.model.clone(), unix_now());
         if r.stream {
