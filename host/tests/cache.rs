@@ -1329,3 +1329,42 @@ fn try_alloc_and_try_begin_answer_at_once_and_make_room_for_later() {
     c.wait_idle().unwrap();
     c.leak_check().unwrap();
 }
+
+/// A try that cannot succeed even after evicting every unlocked cached page evicts
+/// nothing: a request that cannot start must not empty the cache (with no host tier the
+/// evicted pages would be lost for nothing).
+#[test]
+fn an_impossible_try_evicts_nothing() {
+    let c = cache(spec(BF.0, BF.1), CacheConfig::new(4, 0));
+    let e = Expect::default();
+    let a = prompt(1, 2 * PAGE);
+    e.request(&c, 1, &a, false).unwrap(); // 2 cached pages
+    c.begin(2, &[]).unwrap();
+    assert!(matches!(c.try_alloc(2, 5), Err(Error::OutOfPages { .. })));
+    let s = c.leak_check().unwrap();
+    assert_eq!((s.device_cached, s.device_free), (2, 2), "nothing evicted");
+    // A possible one evicts what it needs (no host tier: at once).
+    assert_eq!(c.try_alloc(2, 3).unwrap().len(), 3);
+    assert_eq!(c.leak_check().unwrap().device_cached, 1);
+    c.abort(2).unwrap();
+    c.leak_check().unwrap();
+}
+
+/// Regression: `commit` ticked each new node on its own, so a committed path's parents
+/// looked older than their children and LRU eviction took the parent first, cutting the
+/// path (with no host tier, the children's pages stayed on the device, unreachable). A
+/// path now empties from its leaf.
+#[test]
+fn eviction_empties_a_committed_path_from_its_leaf() {
+    let c = cache(spec(BF.0, BF.1), CacheConfig::new(6, 0));
+    let e = Expect::default();
+    let a = prompt(1, 3 * PAGE);
+    e.request(&c, 1, &a, false).unwrap();
+    assert_eq!(c.evict_device(1).unwrap(), 1);
+    assert_eq!(
+        e.request(&c, 2, &a, false).unwrap(),
+        2 * PAGE,
+        "the two leading pages are still reachable"
+    );
+    c.leak_check().unwrap();
+}

@@ -381,6 +381,8 @@ impl<B: Backend + 'static> HiCache<B> {
     /// [`HiCache::begin`] without waiting: when the prefix's loads need device room that is
     /// not free now, the evictions (and backups) that make it are started and the call
     /// returns `OutOfPages` at once, leaving nothing behind; a later try finds the room.
+    /// When even evicting every unlocked cached page would not make the room, nothing is
+    /// evicted (a request that cannot start must not empty the cache).
     /// For a caller that must not block, such as an engine thread admitting requests.
     pub fn try_begin(&self, req: RequestId, tokens: &[u32]) -> Result<Prefix> {
         self.begin_until(req, tokens, Instant::now())
@@ -410,6 +412,15 @@ impl<B: Backend + 'static> HiCache<B> {
                 .filter(|&n| st.tree.get(n).is_some_and(|n| n.device.is_none()))
                 .collect();
             if missing.len() > st.device.num_free() {
+                if Instant::now() >= deadline && !could_make_room(&st, missing.len()) {
+                    // A try that cannot succeed now changes nothing (evicts nothing).
+                    st.tree.unlock(&path);
+                    return Err(Error::OutOfPages {
+                        what: "device",
+                        wanted: missing.len(),
+                        free: st.device.num_free(),
+                    });
+                }
                 make_room(sh, &mut st, missing.len());
             }
             if missing.len() > st.device.num_free() {
@@ -435,7 +446,8 @@ impl<B: Backend + 'static> HiCache<B> {
 
     /// [`HiCache::alloc`] without waiting: when `n` pages are not free now, the evictions
     /// (and backups) that make room are started and the call returns `OutOfPages` at once,
-    /// allocating nothing; a later try finds the room.
+    /// allocating nothing; a later try finds the room. When even evicting every unlocked
+    /// cached page would not make the room, nothing is evicted.
     pub fn try_alloc(&self, req: RequestId, n: usize) -> Result<Vec<PageRef>> {
         self.alloc_until(req, n, Instant::now())
     }
@@ -448,6 +460,14 @@ impl<B: Backend + 'static> HiCache<B> {
                 return Err(not_live(req));
             }
             if n > st.device.num_free() {
+                if Instant::now() >= deadline && !could_make_room(&st, n) {
+                    // A try that cannot succeed now changes nothing (evicts nothing).
+                    return Err(Error::OutOfPages {
+                        what: "device",
+                        wanted: n,
+                        free: st.device.num_free(),
+                    });
+                }
                 make_room(sh, &mut st, n);
             }
             if n <= st.device.num_free() {
@@ -604,6 +624,10 @@ impl<B: Backend + 'static> HiCache<B> {
             cur = node;
         }
         st.tree.lock(&new_nodes);
+        // One tick for the whole path: a parent must never look older than its child, or
+        // eviction would cut the path at the parent and strand the child's page.
+        let whole: Vec<NodeId> = old_path.iter().chain(&new_nodes).copied().collect();
+        st.tree.touch(&whole);
         if let Some(r) = st.requests.get_mut(&req) {
             r.own.retain(|p| !adopted.contains(p));
             r.path.extend(new_nodes);
@@ -891,6 +915,13 @@ fn end_request<B: Backend>(sh: &Shared<B>, st: &mut State, req: RequestId, why: 
         let _ = st.device.release(p);
     }
     sh.space_cv.notify_all();
+}
+
+/// Whether `want` device pages could be free once the evictions possible now (and those
+/// already waiting for their backup) are done.
+fn could_make_room(st: &State, want: usize) -> bool {
+    let pending = st.tree.live().filter(|(_, n)| n.evict_after_backup).count();
+    st.device.num_free() + pending + st.tree.device_victim_count() >= want
 }
 
 /// Frees device room without waiting: victims with a host copy (or without a host tier)

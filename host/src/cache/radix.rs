@@ -141,6 +141,17 @@ impl RadixTree {
         path
     }
 
+    /// Marks `nodes` used now, all with the same tick (a path touched together keeps its
+    /// ancestors at least as recent as its descendants, so LRU empties it from the leaf).
+    pub fn touch(&mut self, nodes: &[NodeId]) {
+        let now = self.tick();
+        for &id in nodes {
+            if let Some(n) = self.get_mut(id) {
+                n.last_use = now;
+            }
+        }
+    }
+
     /// The child of `parent` for `key`, created (empty) if missing; touches it.
     pub fn child_or_insert(&mut self, parent: NodeId, key: &[u32]) -> Option<NodeId> {
         let now = self.tick();
@@ -231,6 +242,15 @@ impl RadixTree {
             .collect();
         v.sort_unstable();
         v.into_iter().map(|(_, _, id)| id).collect()
+    }
+
+    /// How many nodes [`RadixTree::device_victims`] would return (without sorting them).
+    pub fn device_victim_count(&self) -> usize {
+        self.live()
+            .filter(|&(_, n)| {
+                n.locks == 0 && n.device.is_some_and(|d| d.load.is_none()) && n.backup.is_none()
+            })
+            .count()
     }
 
     /// Nodes that may leave the cache entirely, least recently used first: unlocked
