@@ -18,6 +18,6 @@ pub use kv::{KvSpace, KvStep, LayerCache, PagedKvSpace, ReceivedPages, SeqId};
 pub use model::{logits_digest, Model, StepLogits};
 pub use sampling::SamplingParams;
 pub use scheduler::{
-    Completion, Engine, EngineInfo, EngineOptions, EngineStats, Event, FinishReason, Finished,
-    GenerateRequest, RequestHandle, TokenEvent,
+    CacheInfo, CacheOptions, Completion, Engine, EngineInfo, EngineOptions, EngineStats, Event,
+    FinishReason, Finished, GenerateRequest, RequestHandle, TokenEvent,
 };

@@ -269,6 +269,21 @@ pub struct EngineInfo {
     pub index_k_dtype: &'static str,
     pub index_topk: usize,
     pub n_layers: usize,
+    /// Weight seed (with the model name it determines every weight).
+    pub seed: u64,
+    /// The prefix cache: `None` for the reference space.
+    pub cache: Option<CacheInfo>,
+}
+
+/// The cache settings an engine serves with ([`EngineInfo::cache`]).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CacheInfo {
+    /// Host tier pages (0: none).
+    pub host_pages: usize,
+    pub write_through: bool,
+    pub verify: bool,
+    /// Injected faults (empty in production).
+    pub faults: Vec<&'static str>,
 }
 
 /// Counters of the engine thread (read from any thread).
@@ -563,6 +578,13 @@ impl Engine {
             index_k_dtype: space.index_k_layout().dtype().name(),
             index_topk: cfg.index_topk,
             n_layers: cfg.n_layers,
+            seed: opts.seed,
+            cache: opts.cache.as_ref().map(|c| CacheInfo {
+                host_pages: c.host_pages,
+                write_through: c.write_through,
+                verify: c.verify,
+                faults: c.faults.list().iter().map(|f| f.name()).collect(),
+            }),
         };
         let (tx, rx) = flume::unbounded();
         let inner = Arc::new(Inner {

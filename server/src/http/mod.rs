@@ -1,6 +1,8 @@
 //! The HTTP server (tokio + hyper 1.x, HTTP/1.1): OpenAI's `/v1/completions`,
 //! `/v1/chat/completions` (both with SSE streaming) and `/v1/models`, SGLang's
-//! `/generate` and `/abort_request`, `/health` and `/metrics`.
+//! `/generate` and `/abort_request`, `/health`, `/metrics` and `/server_info` (the
+//! engine's model, seed, dtypes and cache settings: what a harness needs to compute the
+//! reference of a running server).
 //!
 //! - Bad input (malformed JSON, wrong types, unknown model, prompt over the context
 //!   limit, oversized body, unsupported options) gets a JSON 4xx in OpenAI's error shape;
@@ -235,6 +237,13 @@ impl App {
         match path.as_str() {
             "/health" | "/health_generate" => match post(is_get) {
                 Ok(()) => self.health(),
+                Err(e) => error_response(&e),
+            },
+            "/server_info" | "/get_server_info" => match post(is_get) {
+                Ok(()) => json_response(
+                    200,
+                    &serde_json::to_value(self.engine.info()).unwrap_or(Value::Null),
+                ),
                 Err(e) => error_response(&e),
             },
             "/metrics" => match post(is_get) {
