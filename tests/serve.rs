@@ -69,6 +69,20 @@ fn post(addr: &str, path: &str, body: &str) -> (u16, String) {
     (status, out)
 }
 
+fn get(addr: &str, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let status = out.split(' ').nth(1).unwrap().parse().unwrap();
+    (status, out)
+}
+
 fn wait_exit(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
     let deadline = Instant::now() + limit;
     loop {
@@ -172,8 +186,8 @@ fn pd_flags_are_refused_clearly() {
     for args in [
         &["--role", "decode"][..],
         &["--peer", "http://127.0.0.1:1"],
-        &["--host-tier", "on"],
         &["--transport", "nixl"],
+        &["--inject", "pd-fp8-frame"],
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_sparsekit"))
             .arg("serve")
@@ -187,4 +201,49 @@ fn pd_flags_are_refused_clearly() {
             "{args:?}: {err}"
         );
     }
+}
+
+/// `--host-tier on` serves with the prefix cache and a host tier of `--host-pages`;
+/// `/server_info` says so, `/metrics` carries the cache series, and a repeated prompt is
+/// served from the cache bit-identically.
+#[test]
+fn serve_with_the_host_tier() {
+    let server = start(&[
+        "--host-tier",
+        "on",
+        "--host-pages",
+        "256",
+        "--index-k",
+        "bf16",
+    ]);
+    let (status, info) = get(&server.addr, "/server_info");
+    assert_eq!(status, 200, "{info}");
+    assert!(info.contains("\"host_pages\":256"), "{info}");
+    assert!(info.contains("\"index_k_dtype\":\"bf16\""), "{info}");
+    let prompt: Vec<u32> = (0..100).map(|i| (i * 7 % 256) as u32).collect();
+    let body = serde_json::json!({
+        "input_ids": prompt, "return_logits_digest": true,
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0}
+    })
+    .to_string();
+    let (s1, a) = post(&server.addr, "/generate", &body);
+    let (s2, b) = post(&server.addr, "/generate", &body);
+    assert_eq!((s1, s2), (200, 200));
+    let digests = |r: &str| {
+        r.split("\"logits_digests\":")
+            .nth(1)
+            .map(|x| x[..80].to_string())
+    };
+    assert_eq!(
+        digests(&a),
+        digests(&b),
+        "served from the cache, bit-identically"
+    );
+    let (_, metrics) = get(&server.addr, "/metrics");
+    assert!(
+        metrics.contains("sparsekit_cache_hits_total{tier=\"device\"} 6"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("sparsekit_pages{pool=\"host\",state=\"cached\"}"));
+    assert!(metrics.contains("sparsekit_backups_total{status=\"ok\"}"));
 }

@@ -1368,3 +1368,33 @@ fn eviction_empties_a_committed_path_from_its_leaf() {
     );
     c.leak_check().unwrap();
 }
+
+/// `room` answers what a request would find without changing anything: its prefix by
+/// tier and the device pages it could get (its own prefix's pages excluded).
+#[test]
+fn room_reports_without_touching() {
+    let c = cache(spec(BF.0, BF.1), CacheConfig::new(6, 8));
+    let e = Expect::default();
+    let a = prompt(1, 3 * PAGE);
+    e.request(&c, 1, &a, false).unwrap(); // 3 cached device pages
+    c.wait_idle().unwrap();
+    let r = c.room(&a);
+    assert_eq!((r.device_pages, r.host_pages, r.available), (3, 0, 3));
+    let b = prompt(2, 2 * PAGE);
+    assert_eq!(
+        c.room(&b).available,
+        6,
+        "another prompt could evict all three"
+    );
+    assert_eq!(c.evict_device(3).unwrap(), 3);
+    let r = c.room(&a);
+    assert_eq!((r.device_pages, r.host_pages, r.available), (0, 3, 6));
+    let before = c.leak_check().unwrap();
+    c.room(&a);
+    assert_eq!(c.leak_check().unwrap(), before, "asking changed nothing");
+    c.begin(2, &[]).unwrap();
+    c.alloc(2, 4).unwrap();
+    assert_eq!(c.room(&a).available, 2);
+    c.abort(2).unwrap();
+    c.leak_check().unwrap();
+}

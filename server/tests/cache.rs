@@ -475,3 +475,28 @@ fn aborts_from_other_threads_leave_nothing_behind() {
     assert!(st.hits_device_pages + st.hits_host_pages > 0, "{st:?}");
     assert!(aborted > 0, "no abort took effect");
 }
+
+/// The engine under `skip-index-wait` (+ `loads-trail-readers`, which makes the early read
+/// certain): the landed stamps refuse the request; with them off its output is wrong.
+#[test]
+fn an_early_read_is_refused_by_landed_stamps_and_corrupts_without_them() {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed());
+    let s = Session::new(&mut rng, &[], 150, 6, "early");
+    for stamps in [true, false] {
+        let mut config = CacheConfig::new(64, 64);
+        let mut faults = vec![Fault::SkipIndexWait, Fault::LoadsTrailReaders];
+        if !stamps {
+            faults.push(Fault::NoLandedCheck);
+        }
+        config.faults = Faults::with(&faults);
+        let (e, _h, _ctl, turn2, r2) = host_only_session(&s, config);
+        match (stamps, run(&e, &turn2)) {
+            (true, Err(EngineError::SeqFailed { cause, .. })) => {
+                assert!(matches!(cause, HostError::NotLanded { .. }), "{cause:?}")
+            }
+            (false, Ok(c)) => assert_ne!(c.digests, r2.digests, "the early read corrupts"),
+            (_, other) => panic!("stamps {stamps}: {other:?}"),
+        }
+        assert_idle_and_clean(&e);
+    }
+}

@@ -14,7 +14,10 @@ pub enum Fault {
     HostPoolFp8Layout,
     /// Hand out a layer's guard (its index-K and KV views) without waiting for the layer's
     /// ready token (the historical bug: the index-K read path was not gated on the
-    /// "load finished" signal). Caught by the landed-stamp check of the guard.
+    /// "load finished" signal). Caught by the landed-stamp check of the guard. The bytes of
+    /// a page whose load has not landed are undefined: under this fault the guard fills
+    /// them with a pattern first, rather than leave what the page held before (which may
+    /// be the same bytes by chance), so an early read is always a wrong read.
     SkipIndexWait,
     /// Address the host side of index-K copies with the KV page size (one item size for
     /// both buffer kinds: the historical io-copy bug). Caught by the load checksums.

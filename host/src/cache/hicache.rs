@@ -100,6 +100,21 @@ pub struct Prefix {
     pub shared_in_flight_pages: usize,
 }
 
+/// What [`HiCache::try_begin`] and [`HiCache::try_alloc`] would find for a request now
+/// ([`HiCache::room`]); nothing is locked or changed by asking.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Room {
+    /// Pages of the matched prefix held in the device tier (ready or loading): no new
+    /// device page needed.
+    pub device_pages: usize,
+    /// Pages of the matched prefix held only in the host tier (each needs a device page
+    /// to load into).
+    pub host_pages: usize,
+    /// Device pages that could be free for the request now: free, leaving (eviction
+    /// waiting for its backup), or evictable (unlocked cached pages outside its prefix).
+    pub available: usize,
+}
+
 /// Page accounting and counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct CacheStats {
@@ -435,6 +450,34 @@ impl<B: Backend + 'static> HiCache<B> {
                 continue;
             }
             return Ok(start_request(sh, &mut st, req, path, &missing));
+        }
+    }
+
+    /// What a request for `tokens` would find now (see [`Room`]): a caller that must not
+    /// block compares `available` with the device pages the request needs (its pages in
+    /// all, less `device_pages`) before it begins anything.
+    pub fn room(&self, tokens: &[u32]) -> Room {
+        let st = self.shared.state.lock();
+        let path = st.tree.peek_prefix(tokens);
+        let on_device = |n: &super::radix::Node| n.device.is_some();
+        let device_pages = path
+            .iter()
+            .filter(|&&id| st.tree.get(id).is_some_and(on_device))
+            .count();
+        let victims_on_path = path
+            .iter()
+            .filter(|&&id| {
+                st.tree.get(id).is_some_and(|n| {
+                    n.locks == 0 && n.device.is_some_and(|d| d.load.is_none()) && n.backup.is_none()
+                })
+            })
+            .count();
+        let pending = st.tree.live().filter(|(_, n)| n.evict_after_backup).count();
+        Room {
+            device_pages,
+            host_pages: path.len() - device_pages,
+            available: st.device.num_free() + pending + st.tree.device_victim_count()
+                - victims_on_path,
         }
     }
 

@@ -501,21 +501,33 @@ fn run_backup<B: Backend>(sh: &Shared<B>, items: &[BackupItem]) -> Result<Vec<Ve
         let host_len = sh.backend.buffer_len(&host_buf);
         for (ki, kind) in BufferKind::ALL.into_iter().enumerate() {
             let src = sh.device.region(kind);
-            let dst = backup_geometry(sh, kind, host.region(l, kind), host_len);
-            copy_host(
-                sh,
-                Side {
-                    region: src,
-                    ids: &dev_ids,
-                },
-                dev.get(kind),
-                Side {
-                    region: dst,
-                    ids: &host_ids,
-                },
-                &mut host_buf,
-                false,
-            )?;
+            let dst = host.region(l, kind);
+            if sh.fault(Fault::SharedItemSize) && kind == BufferKind::IndexK {
+                for (&d, &h) in dev_ids.iter().zip(&host_ids) {
+                    let op = CopyPages {
+                        src,
+                        dst: shared_item_size_page(sh, dst, h, host_len),
+                        src_ids: &[d],
+                        dst_ids: &[0],
+                    };
+                    sh.backend.copy_pages(&op, dev.get(kind), &mut host_buf)?;
+                }
+            } else {
+                copy_host(
+                    sh,
+                    Side {
+                        region: src,
+                        ids: &dev_ids,
+                    },
+                    dev.get(kind),
+                    Side {
+                        region: dst,
+                        ids: &host_ids,
+                    },
+                    &mut host_buf,
+                    false,
+                )?;
+            }
             for (i, c) in checksums(&*sh.backend, src, dev.get(kind), &dev_ids)?
                 .into_iter()
                 .enumerate()
@@ -535,26 +547,23 @@ fn run_backup<B: Backend>(sh: &Shared<B>, items: &[BackupItem]) -> Result<Vec<Ve
     Ok(sums)
 }
 
-/// The host-side geometry of a backup copy: `dst`, or under the `shared-item-size` fault,
-/// for index-K, the KV page size as the page stride (one item size for both kinds: the
-/// historical io-copy bug), kept inside the host buffer.
-fn backup_geometry<B: Backend>(
+/// Under the `shared-item-size` fault, where index-K host page `host_id` of `dst` lands:
+/// addressed with the KV page size (one item size for both kinds: the historical io-copy
+/// bug), wrapped to stay inside the host buffer — so every layer, the last included, gets
+/// its pages at wrong offsets.
+fn shared_item_size_page<B: Backend>(
     sh: &Shared<B>,
-    kind: BufferKind,
     dst: PagedRegion,
+    host_id: i32,
     host_len: usize,
 ) -> PagedRegion {
-    if !sh.fault(Fault::SharedItemSize) || kind != BufferKind::IndexK {
-        return dst;
-    }
     let wrong = sh.device.spec().kv.bytes_per_page();
     let page = dst.layout.bytes_per_page();
-    let fit = match dst.num_pages {
-        0 | 1 => wrong,
-        n => host_len.saturating_sub(dst.offset + page) / (n - 1),
-    };
+    let span = host_len.saturating_sub(dst.offset + page) + 1;
     PagedRegion {
-        stride: wrong.min(fit).max(page),
+        offset: dst.offset + (host_id.max(0) as usize * wrong) % span,
+        stride: page,
+        num_pages: 1,
         ..dst
     }
 }

@@ -95,7 +95,7 @@ mod step;
 pub use alloc::PageRef;
 pub use faults::{Fault, Faults};
 pub use fence::ReadyToken;
-pub use hicache::{CacheConfig, CacheStats, HiCache, Prefix, RequestId};
+pub use hicache::{CacheConfig, CacheStats, HiCache, Prefix, RequestId, Room};
 pub use inbound::Inbound;
 pub use pool::{BufferKind, CacheSpec, HostLayout};
 pub use step::{LayerGuard, SlotRef, Step};

@@ -119,7 +119,13 @@ impl RadixTree {
     /// The longest prefix of `tokens` in whole pages whose every node holds its page in
     /// some tier (device, ready or loading, or host); touches the nodes (LRU).
     pub fn match_prefix(&mut self, tokens: &[u32]) -> Vec<NodeId> {
-        let now = self.tick();
+        let path = self.peek_prefix(tokens);
+        self.touch(&path);
+        path
+    }
+
+    /// [`RadixTree::match_prefix`] without touching anything.
+    pub fn peek_prefix(&self, tokens: &[u32]) -> Vec<NodeId> {
         let mut path = Vec::new();
         let mut cur = ROOT;
         for key in tokens.chunks_exact(self.page_size) {
@@ -132,11 +138,6 @@ impl RadixTree {
             }
             path.push(next);
             cur = next;
-        }
-        for &id in &path {
-            if let Some(n) = self.get_mut(id) {
-                n.last_use = now;
-            }
         }
         path
     }

@@ -26,7 +26,7 @@ use super::hicache::{invalid, HiCache, RequestId};
 use super::pool::{BufferKind, LayerBuffers};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
-use crate::ops::{IndexKStore, KvStore};
+use crate::ops::{CopyPages, IndexKStore, KvStore, PagedRegion};
 use crate::sync::{AtomicBool, MutexGuard, Ordering};
 
 /// One token slot: `offset` (tokens, `< page_size`) inside `page`.
@@ -245,8 +245,14 @@ impl<'c, B: Backend + 'static> Step<'c, B> {
         } else {
             sh.deadline()
         };
-        let bufs = sh.device.lock(token.layer, deadline)?;
+        let mut bufs = sh.device.lock(token.layer, deadline)?;
         crate::sync::add_held_layers(1);
+        if sh.fault(Fault::SkipIndexWait) {
+            if let Err(e) = self.poison_unlanded(&mut bufs, token.layer) {
+                crate::sync::add_held_layers(-1);
+                return Err(e);
+            }
+        }
         // Holding the layer: a load trailing readers may go now (it will wait for the lock).
         note_read(sh, token.layer);
         let g = LayerGuard {
@@ -256,6 +262,36 @@ impl<'c, B: Backend + 'static> Step<'c, B> {
         };
         g.verify_landed()?;
         Ok(g)
+    }
+
+    /// Under the `skip-index-wait` fault: the bytes of a page whose load has not landed are
+    /// undefined; this makes them so (a fixed pattern, finite in every dtype) instead of
+    /// leaving what the page's previous owner wrote, which may by chance be the same
+    /// bytes — so a read that skipped the wait reads wrong bytes every time.
+    fn poison_unlanded(&self, bufs: &mut LayerBuffers<B>, layer: usize) -> Result<()> {
+        let sh = &*self.cache.shared;
+        let ids: Vec<i32> = self
+            .live_members()
+            .flat_map(|m| m.landed.iter())
+            .filter(|p| sh.device.stamp(layer, p.id) != Some(p.generation))
+            .map(|p| p.id as i32)
+            .collect();
+        if ids.is_empty() {
+            return Ok(());
+        }
+        for kind in BufferKind::ALL {
+            let region = sh.device.region(kind);
+            let page = region.layout.bytes_per_page();
+            let src = sh.backend.upload(&vec![0x3c; page])?;
+            let op = CopyPages {
+                src: PagedRegion::contiguous(region.layout, 1),
+                dst: region,
+                src_ids: &vec![0; ids.len()],
+                dst_ids: &ids,
+            };
+            sh.backend.copy_pages(&op, &src, bufs.get_mut(kind))?;
+        }
+        Ok(())
     }
 
     /// [`Step::wait`] then [`Step::layer`].

@@ -1,14 +1,16 @@
 //! The cache-backed KV space: [`KvSpace`] over a [`HiCache`] (radix prefix reuse on the
 //! device pool, the host tier, pages received by PD transfers).
 //!
-//! - **Admission** ([`KvSpace::admit`]) matches the prompt (all but its last token, whose
-//!   logits must be computed) against the prefix tree with [`HiCache::try_begin`] —
-//!   device hits are mapped at once, host hits start a layer-wise load — then allocates
-//!   the rest of the request's budget with [`HiCache::try_alloc`]. Neither waits: when the
-//!   device pool has no room now the scheduler tries again after its next step, and a
-//!   request that got its prefix but not its pages keeps the prefix (locked, loading) for
-//!   that next try. A request with [`ReceivedPages`] adopts the cache request its pages
-//!   were received under instead.
+//! - **Admission** ([`KvSpace::admit`]) first asks [`HiCache::room`] whether the device
+//!   pages the request needs (its budget less its prefix already on the device) could be
+//!   had now; only then it matches the prompt (all but its last token, whose logits must
+//!   be computed) with [`HiCache::try_begin`] — device hits are mapped at once, host hits
+//!   start a layer-wise load — and allocates the rest of the budget with
+//!   [`HiCache::try_alloc`]. Nothing waits: without room the scheduler tries again after
+//!   its next step (so the match is made with whatever the requests ahead committed
+//!   meanwhile); a request whose room is only waiting for evictions' backups keeps its
+//!   prefix (locked, loading) for that next try. A request with [`ReceivedPages`] adopts
+//!   the cache request its pages were received under instead.
 //! - **Steps** are `HiCache` steps: layer `l` is handed to the forward pass only through
 //!   [`Step::wait_layer`] (bounded wait for every member's loads of that layer, then the
 //!   layer's lock), stores go through generation-checked [`SlotRef`]s and every read
@@ -190,14 +192,25 @@ impl<B: Backend + 'static> CacheKvSpace<B> {
         }
     }
 
-    /// Matches `prompt` and locks the prefix for a new cache request.
-    fn begin(&mut self, prompt: &[u32]) -> Result<SeqPages, EngineError> {
-        let req = self.ids.fetch_add(1, Ordering::Relaxed);
+    /// Matches `prompt` and locks the prefix for a new cache request of `want` pages in
+    /// all — only when the device pages it needs could be had now (else `OutOfPages` and
+    /// nothing begun: a request that waits must not freeze a prefix match made before the
+    /// requests ahead of it committed theirs).
+    fn begin(&mut self, prompt: &[u32], want: usize) -> Result<SeqPages, EngineError> {
         let key: &[u32] = if self.opts.prefix_reuse {
             &prompt[..prompt.len().saturating_sub(1)]
         } else {
             &[]
         };
+        let room = self.cache.room(key);
+        let need = want.saturating_sub(room.device_pages);
+        if need > room.available {
+            return Err(EngineError::OutOfPages {
+                wanted: need,
+                free: room.available,
+            });
+        }
+        let req = self.ids.fetch_add(1, Ordering::Relaxed);
         let prefix = self.cache.try_begin(req, key).map_err(out_of_pages)?;
         let host = (prefix.loaded_pages + prefix.shared_in_flight_pages) as u64;
         let c = &self.counts;
@@ -430,7 +443,7 @@ impl<B: Backend + 'static> KvSpace<B> for CacheKvSpace<B> {
         if !self.seqs.contains_key(&seq) {
             let s = match received {
                 Some(r) => self.adopt(prompt, r)?,
-                None => self.begin(prompt)?,
+                None => self.begin(prompt, want)?,
             };
             self.req_seq.insert(s.req, seq);
             self.seqs.insert(seq, s);

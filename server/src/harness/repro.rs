@@ -7,8 +7,8 @@
 //!    by every configuration and round.
 //! 2. **Sizing** from the references: the working set is every distinct full page of every
 //!    session's sequences; the device pool gets about a quarter of it (at least room for
-//!    two of the largest requests), the host tier all of it — so reuse must go through the
-//!    host tier, as in production.
+//!    the largest request), the host tier all of it — so reuse must go through the host
+//!    tier, as in production.
 //! 3. **Each configuration** is started by the first [`ConfigRunner`] that can serve it and
 //!    kept up for all `--rounds`; per round: the sessions run concurrently (with client
 //!    aborts at `--abort-rate`) while `/health` is probed; then the harness waits for the
@@ -151,9 +151,15 @@ pub fn reference_runs<B: Backend + ModelOps + 'static>(
     Ok(out)
 }
 
-/// Pool sizes from the workload as the reference ran it (see the module docs).
+/// Pool sizes from the workload as the reference ran it (see the module docs): the device
+/// pool a quarter of the working set, but never less than the largest request (a single
+/// request must fit) plus a little.
 pub fn sizing(w: &Workload, references: &[&[SessionTrace]], page_size: usize) -> Sizing {
-    let mut largest = 1;
+    let largest = session_budgets(w)
+        .into_iter()
+        .map(|b| b.div_ceil(page_size))
+        .max()
+        .unwrap_or(1);
     let mut working_set = 0;
     for r in references {
         let mut pages: HashSet<u64> = HashSet::new();
@@ -161,8 +167,6 @@ pub fn sizing(w: &Workload, references: &[&[SessionTrace]], page_size: usize) ->
             let replies: Vec<Vec<u32>> = trace.turns.iter().map(|t| t.tokens.clone()).collect();
             for (t, turn) in trace.turns.iter().enumerate() {
                 let mut seq = plan.prompt(w, t, &replies);
-                largest = largest
-                    .max((seq.len() + plan.turns[t].sampling.max_new_tokens).div_ceil(page_size));
                 seq.extend(&turn.tokens);
                 let mut h: u64 = 0xcbf2_9ce4_8422_2325;
                 for (i, &tok) in seq.iter().enumerate() {
@@ -176,7 +180,7 @@ pub fn sizing(w: &Workload, references: &[&[SessionTrace]], page_size: usize) ->
         working_set = working_set.max(pages.len());
     }
     Sizing {
-        device_pages: working_set.div_ceil(4).max(2 * largest + 8),
+        device_pages: working_set.div_ceil(4).max(largest + 8),
         host_pages: working_set + working_set / 4 + 64,
     }
 }
