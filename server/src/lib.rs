@@ -10,5 +10,7 @@ pub mod error;
 pub mod harness;
 pub mod http;
 pub mod metrics;
+pub mod pd;
+pub mod transfer;
 
 pub use error::EngineError;

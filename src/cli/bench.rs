@@ -28,6 +28,10 @@ pub struct Args {
     /// Timed calls per case.
     #[arg(long, default_value_t = 10)]
     samples: usize,
+    /// Only these ops (indexer_logits, topk, sparse_mla, index_k_store, kv_store,
+    /// copy_pages, page_checksums); the copy ceiling is measured whatever the filter.
+    #[arg(long, value_delimiter = ',')]
+    op: Vec<String>,
 }
 
 pub fn run(args: Args) -> Result<ExitCode, CliError> {
@@ -47,7 +51,8 @@ fn bench<B: Backend>(backend: &B, args: &Args) -> Result<ExitCode, CliError> {
     } else {
         Scale::Full
     };
-    let suite = Suite::new(scale)?;
+    let full = Suite::new(scale)?;
+    let suite = only_ops(full.clone(), &args.op)?;
     let spinner = ProgressBar::new_spinner();
     spinner.set_style(
         ProgressStyle::with_template("{spinner} {elapsed} {msg}").map_err(|e| e.to_string())?,
@@ -60,7 +65,7 @@ fn bench<B: Backend>(backend: &B, args: &Args) -> Result<ExitCode, CliError> {
         Effort::Full
     };
     let roof = if backend.name() == "cuda" {
-        runner::backend_copy_roofline(backend, &suite)?
+        runner::backend_copy_roofline(backend, &full)?
     } else {
         roofline::measure(effort)
     };
@@ -86,4 +91,47 @@ fn bench<B: Backend>(backend: &B, args: &Args) -> Result<ExitCode, CliError> {
         println!("{}", report.table());
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `suite` reduced to the named ops (all of it when `ops` is empty).
+fn only_ops(mut suite: Suite, ops: &[String]) -> Result<Suite, CliError> {
+    const KNOWN: [&str; 7] = [
+        "indexer_logits",
+        "topk",
+        "sparse_mla",
+        "index_k_store",
+        "kv_store",
+        "copy_pages",
+        "page_checksums",
+    ];
+    if let Some(bad) = ops.iter().find(|o| !KNOWN.contains(&o.as_str())) {
+        return Err(format!("unknown op {bad:?} (known: {})", KNOWN.join(", ")).into());
+    }
+    if ops.is_empty() {
+        return Ok(suite);
+    }
+    let want = |name: &str| ops.iter().any(|o| o == name);
+    if !want("indexer_logits") {
+        suite.indexer_logits.clear();
+    }
+    if !want("topk") {
+        suite.topk.clear();
+    }
+    if !want("sparse_mla") {
+        suite.sparse_mla.clear();
+    }
+    if !want("copy_pages") {
+        suite.copies.clear();
+    }
+    if !want("page_checksums") {
+        suite.checksums.clear();
+    }
+    suite.stores.retain(|s| {
+        let name = match s {
+            sparsekit_benches::pages::StoreShape::IndexK { .. } => "index_k_store",
+            sparsekit_benches::pages::StoreShape::Kv { .. } => "kv_store",
+        };
+        want(name)
+    });
+    Ok(suite)
 }

@@ -28,6 +28,10 @@ pub struct Args {
     /// copy_pages, page_checksums).
     #[arg(long, value_delimiter = ',')]
     op: Vec<String>,
+    /// Only the checks whose config name contains this text (e.g. `tiny`, `h_q=16`):
+    /// small runs for tools that slow every launch down (compute-sanitizer).
+    #[arg(long)]
+    config: Option<String>,
 }
 
 fn parse_ops(names: &[String]) -> Result<Vec<Op>, CliError> {
@@ -48,18 +52,37 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
         seed: args.seed.unwrap_or_else(rand::random),
         ops: parse_ops(&args.op)?,
     };
-    struct Suite<'a>(&'a SuiteConfig, bool);
+    struct Suite<'a>(&'a SuiteConfig, bool, Option<&'a str>);
     impl OnBackend for Suite<'_> {
         type Output = ExitCode;
         fn run<B: Backend>(self, b: &B) -> Result<ExitCode, CliError> {
-            suite(b, self.0, self.1)
+            suite(b, self.0, self.1, self.2)
         }
     }
-    on_backend(&args.backend, Suite(&cfg, args.json))
+    on_backend(
+        &args.backend,
+        Suite(&cfg, args.json, args.config.as_deref()),
+    )
 }
 
-fn suite<B: Backend>(backend: &B, cfg: &SuiteConfig, json: bool) -> Result<ExitCode, CliError> {
-    let cases = plan(cfg);
+fn suite<B: Backend>(
+    backend: &B,
+    cfg: &SuiteConfig,
+    json: bool,
+    config: Option<&str>,
+) -> Result<ExitCode, CliError> {
+    let cases: Vec<_> = plan(cfg)
+        .into_iter()
+        .filter(|c| config.is_none_or(|want| c.config.contains(want)))
+        .collect();
+    if cases.is_empty() {
+        return Err(format!(
+            "no check matches --op {:?} --config {:?}",
+            cfg.ops.iter().map(|o| o.name()).collect::<Vec<_>>(),
+            config.unwrap_or("")
+        )
+        .into());
+    }
     let bar = ProgressBar::new(cases.len() as u64);
     bar.set_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} {elapsed} {msg}")

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Builds what scripts/device-check.sh runs on a bare GPU machine, here, into out/device/
+# (git-ignored): the release `sparsekit` binary with the PTX (and ptxas-built cubins)
+# embedded, and the conformance suite's cuda test binary (tests/cuda_suite.rs).
+# cudarc loads the driver at run time, so nothing CUDA is needed to build.
+#
+#   bash scripts/device-bundle.sh            # then carry out/device and scripts/
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+bash scripts/setup-gpu-tools.sh >/dev/null
+export SPARSEKIT_REQUIRE_PTX=1
+cargo build --release --bin sparsekit
+suite="$(cargo test --release -p sparsekit --test cuda_suite --no-run --message-format=json 2>/dev/null \
+    | python3 -c 'import json,sys
+for line in sys.stdin:
+    try: m = json.loads(line)
+    except ValueError: continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "cuda_suite":
+        print(m["executable"])')"
+[[ -x "$suite" ]] || { echo "cuda_suite test binary not found" >&2; exit 1; }
+mkdir -p out/device
+cp target/release/sparsekit out/device/sparsekit
+cp "$suite" out/device/cuda_suite
+ls -la out/device
+du -sh out/device

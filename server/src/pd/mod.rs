@@ -1,0 +1,103 @@
+//! Prefill/decode disaggregation (`SERVING.md`, "Prefill/decode disaggregation").
+//!
+//! Decode allocates a request's prompt pages in its cache and sends prefill a bootstrap
+//! (request, prompt, destination pages with their generations, layout fingerprints of KV
+//! and index-K). Prefill checks the fingerprints (a mismatch is refused, never adapted),
+//! serves the prompt from its cache or computes it, and pushes each layer's pages of both
+//! kinds into decode's landing zone, each followed by a notification (request, layer,
+//! kind, fingerprint, pages, per-page checksums). Decode verifies fingerprint, request,
+//! generations and the checksums of the bytes that landed before it publishes the layer;
+//! the destination pages stay quarantined until prefill confirms the end. Aborts go both
+//! ways; every malformed or unexpected message is counted, logged and dropped.
+//!
+//! - [`wire`]: the versioned, checksummed frame format and the messages.
+//! - [`receiver`]: the decode endpoint, over `HiCache::inbound`.
+//! - [`sender`]: the prefill endpoint, reading pages through the cache's layer guards.
+//! - [`landing`]: decode's landing zone (what prefill writes into), from the layouts.
+//! - [`faults`]: the PD fault injections and the receiver's checks.
+//! - [`stage`], [`stats`], [`error`]: page staging, counters, errors.
+//!
+//! Transports (in-process, NIXL) are in [`crate::transfer`].
+
+use std::sync::Arc;
+
+use sparsekit_host::cache::CacheSpec;
+
+pub mod error;
+pub mod faults;
+pub mod landing;
+pub mod receiver;
+pub mod sender;
+pub mod stage;
+pub mod stats;
+pub mod wire;
+
+pub use error::PdError;
+pub use faults::{Checks, PdFault, PdFaults};
+pub use landing::{LandingGeometry, LandingZone};
+pub use receiver::{Outcome, Receiver, ReceiverConfig};
+pub use sender::{Job, Sender, SenderConfig, StagedLayer};
+pub use stats::{PdStats, PdStatsSnapshot};
+pub use wire::{Hello, Message, Role};
+
+/// A test hook called with every decoded message before an endpoint handles it (a panic
+/// in it is a panicking reader task).
+pub type MessageHook = Arc<dyn Fn(&Message) + Send + Sync>;
+
+/// The handshake an endpoint with `spec` announces (`landing_pages`: decode's landing zone
+/// size; 0 for prefill).
+pub fn hello(role: Role, spec: &CacheSpec, landing_pages: usize, transport: Vec<u8>) -> Hello {
+    Hello {
+        role,
+        kv_fingerprint: spec.kv.fingerprint(),
+        index_k_fingerprint: spec.index_k.fingerprint(),
+        num_layers: spec.num_layers as u32,
+        page_size: spec.page_size() as u32,
+        landing_pages: landing_pages.min(u32::MAX as usize) as u32,
+        transport,
+    }
+}
+
+/// Checks a peer's handshake against our `spec`: the expected role, the same layouts of
+/// both kinds, layers and page size (and a landing zone when the peer is decode).
+pub fn check_peer(spec: &CacheSpec, peer: &Hello, role: Role) -> Result<(), PdError> {
+    let mut bad = Vec::new();
+    if peer.role != role {
+        bad.push(format!(
+            "role {} (expected {})",
+            peer.role.name(),
+            role.name()
+        ));
+    }
+    if peer.kv_fingerprint != spec.kv.fingerprint() {
+        bad.push(format!(
+            "KV layout {:#018x} (ours {:#018x})",
+            peer.kv_fingerprint,
+            spec.kv.fingerprint()
+        ));
+    }
+    if peer.index_k_fingerprint != spec.index_k.fingerprint() {
+        bad.push(format!(
+            "index-K layout {:#018x} (ours {:#018x})",
+            peer.index_k_fingerprint,
+            spec.index_k.fingerprint()
+        ));
+    }
+    if peer.num_layers as usize != spec.num_layers || peer.page_size as usize != spec.page_size() {
+        bad.push(format!(
+            "{} layers of {}-token pages (ours {} of {})",
+            peer.num_layers,
+            peer.page_size,
+            spec.num_layers,
+            spec.page_size()
+        ));
+    }
+    if role == Role::Decode && peer.landing_pages == 0 {
+        bad.push("no landing zone".into());
+    }
+    if bad.is_empty() {
+        Ok(())
+    } else {
+        Err(PdError::Incompatible(bad.join("; ")))
+    }
+}

@@ -1,0 +1,857 @@
+//! The decode side of PD: receives each request's prompt pages into the decode cache.
+//!
+//! [`Receiver::start`] opens `HiCache::inbound` over the pages decode allocated for the
+//! prompt and sends prefill the bootstrap. A supervised reader thread then handles what
+//! prefill sends. For every write notification it checks, before anything reaches the
+//! cache: that the request has a live transfer (not aborted, not ended), that the layout
+//! fingerprint is ours for that kind, that every page is one of the transfer's targets at
+//! the generation decode handed out, that it did not land already; then it copies the
+//! landed bytes through `Inbound::write`, which re-checks generations and compares the
+//! bytes' checksums with the sender's. A layer is published (its ready token minted for
+//! the request) only when all its pages of both kinds landed and verified.
+//!
+//! **Quarantine.** A transfer's target pages stay pinned by its `Inbound` until prefill
+//! confirms that nothing more will land (`Finished`, `Cancelled`, or its own `Abort`) or
+//! the connection is torn down. Aborting a transfer from decode aborts the request in the
+//! cache at once (every reference to its pages goes stale, readers fail) and sends prefill
+//! an `Abort`, but keeps the pins until the confirmation: the pages are never reused while
+//! a write may still land. A confirmation that never comes within
+//! [`ReceiverConfig::confirm_timeout`] tears the connection down.
+//!
+//! **Every message is survivable.** A frame that does not decode, a message for an
+//! unknown, aborted or ended request, a duplicate, a stale or foreign page, a layout
+//! mismatch, a checksum mismatch: each is counted by reason ([`PdStats`]), logged and
+//! dropped, and the reader goes on. Refused data fails only its own transfer. A panic while
+//! handling a message fails the request that message was about and restarts the reader.
+//!
+//! **Threads.** `start`, `abort` and the queries may be called from any thread, but not
+//! from one that holds a layer guard of the decode cache: the reader copies landed pages
+//! under the receiver's state lock and waits (bounded by the cache's `wait_timeout`) for
+//! that layer's lock.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+use sparsekit_host::cache::{BufferKind, HiCache, Inbound, PageRef};
+use sparsekit_host::ops::PagedRegion;
+use sparsekit_host::{Backend, Error as HostError};
+
+use crate::pd::error::PdError;
+use crate::pd::faults::Checks;
+use crate::pd::landing::LandingZone;
+use crate::pd::stage::checksums;
+use crate::pd::stats::{Ended, PdStats, PdStatsSnapshot};
+use crate::pd::wire::{decode_frame, Bootstrap, Message, Role, Written};
+use crate::pd::{check_peer, MessageHook};
+use crate::transfer::{TransferError, Transport};
+
+/// Settings of a [`Receiver`].
+#[derive(Clone)]
+pub struct ReceiverConfig {
+    pub checks: Checks,
+    /// Longest the reader blocks on the transport before it looks at its deadlines.
+    pub tick: Duration,
+    /// After prefill's `Finished`, how long notifications it sent earlier may still be on
+    /// their way (transports may deliver notifications and control frames out of order).
+    pub finish_grace: Duration,
+    /// An active transfer without progress for this long is aborted.
+    pub stall_timeout: Duration,
+    /// An aborted transfer whose confirmation does not come within this bound tears the
+    /// connection down (the only safe way to release its pages).
+    pub confirm_timeout: Duration,
+    /// Ended transfers remembered (to tell a late message from an unknown one).
+    pub remember_ended: usize,
+    /// Fault injection for tests: called with each decoded message before it is handled;
+    /// a panic in it is a panicking reader.
+    pub hook: Option<MessageHook>,
+}
+
+impl Default for ReceiverConfig {
+    fn default() -> Self {
+        ReceiverConfig {
+            checks: Checks::all(),
+            tick: Duration::from_millis(20),
+            finish_grace: Duration::from_secs(5),
+            stall_timeout: Duration::from_secs(60),
+            confirm_timeout: Duration::from_secs(30),
+            remember_ended: 4096,
+            hook: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for ReceiverConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReceiverConfig")
+            .field("checks", &self.checks)
+            .field("tick", &self.tick)
+            .field("finish_grace", &self.finish_grace)
+            .field("stall_timeout", &self.stall_timeout)
+            .field("confirm_timeout", &self.confirm_timeout)
+            .field("remember_ended", &self.remember_ended)
+            .field("hook", &self.hook.is_some())
+            .finish()
+    }
+}
+
+/// How a transfer ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Every layer landed, verified and was published; prefill confirmed the end.
+    Ready,
+    /// Aborted (by decode, or by prefill) before it finished.
+    Cancelled(String),
+    /// Refused data, a protocol violation, a stall or a lost connection.
+    Failed(String),
+}
+
+#[derive(Debug)]
+enum Phase {
+    Active,
+    /// Aborted; the pins are held until prefill confirms. `outcome` is what the transfer
+    /// ends as.
+    Aborting {
+        since: Instant,
+        outcome: Outcome,
+    },
+}
+
+#[derive(Debug)]
+struct Transfer<B: Backend + 'static> {
+    inbound: Inbound<B>,
+    targets: Vec<PageRef>,
+    index: HashMap<u32, usize>,
+    prompt_tokens: usize,
+    /// `[layer · targets + i][kind]`: that page landed (verified) for that kind.
+    landed: Vec<[bool; 2]>,
+    phase: Phase,
+    finished_at: Option<Instant>,
+    progress: Instant,
+}
+
+#[derive(Debug)]
+struct RxState<B: Backend + 'static> {
+    transfers: HashMap<u64, Transfer<B>>,
+    ended: HashMap<u64, Outcome>,
+    ended_order: VecDeque<u64>,
+    closed: Option<String>,
+}
+
+#[derive(Debug)]
+struct RxShared<B: Backend + 'static> {
+    cache: Arc<HiCache<B>>,
+    transport: Arc<dyn Transport>,
+    landing: Arc<LandingZone>,
+    config: ReceiverConfig,
+    state: Mutex<RxState<B>>,
+    changed: Condvar,
+    stats: PdStats,
+    /// The request of the message being handled (failed if the handler panics).
+    handling: Mutex<Option<u64>>,
+    shutdown: AtomicBool,
+}
+
+/// The decode side's PD endpoint (see the module docs).
+#[derive(Debug)]
+pub struct Receiver<B: Backend + 'static> {
+    shared: Arc<RxShared<B>>,
+    reader: Option<JoinHandle<()>>,
+}
+
+/// Frames to send once the state lock is released.
+type Outbox = Vec<Message>;
+
+fn kind_index(kind: BufferKind) -> usize {
+    match kind {
+        BufferKind::Kv => 0,
+        BufferKind::IndexK => 1,
+    }
+}
+
+impl<B: Backend + 'static> Receiver<B> {
+    /// A receiver writing into `cache` what arrives over `transport` (a decode end, whose
+    /// landing zone mirrors `cache`'s device pool). Refuses a peer that is not a prefill
+    /// endpoint with our layouts.
+    pub fn new(
+        cache: Arc<HiCache<B>>,
+        transport: Arc<dyn Transport>,
+        config: ReceiverConfig,
+    ) -> Result<Self, PdError> {
+        let spec = *cache.spec();
+        let landing = transport.landing().ok_or_else(|| {
+            PdError::Invalid("the transport is not a decode end (no landing zone)".into())
+        })?;
+        let g = landing.geometry();
+        if *g.spec() != spec || g.num_pages() != cache.device_pages() {
+            return Err(PdError::Invalid(format!(
+                "the landing zone ({} pages) does not mirror the cache's device pool ({} pages)",
+                g.num_pages(),
+                cache.device_pages()
+            )));
+        }
+        if let Err(e) = check_peer(&spec, transport.peer(), Role::Prefill) {
+            transport.close(&e.to_string());
+            return Err(e);
+        }
+        let shared = Arc::new(RxShared {
+            cache,
+            transport,
+            landing,
+            config,
+            state: Mutex::new(RxState {
+                transfers: HashMap::new(),
+                ended: HashMap::new(),
+                ended_order: VecDeque::new(),
+                closed: None,
+            }),
+            changed: Condvar::new(),
+            stats: PdStats::new(),
+            handling: Mutex::new(None),
+            shutdown: AtomicBool::new(false),
+        });
+        let sh = shared.clone();
+        let reader = std::thread::Builder::new()
+            .name("sparsekit-pd-decode".into())
+            .spawn(move || supervise(&sh))
+            .map_err(|e| PdError::Invalid(format!("cannot start the PD reader: {e}")))?;
+        Ok(Receiver {
+            shared,
+            reader: Some(reader),
+        })
+    }
+
+    /// The decode cache.
+    pub fn cache(&self) -> &Arc<HiCache<B>> {
+        &self.shared.cache
+    }
+
+    /// Starts receiving `prompt`'s pages into `pages` (owned by live request `req` of the
+    /// cache, `ceil(prompt.len() / page_size)` of them, in token order) and sends prefill
+    /// the bootstrap.
+    pub fn start(&self, req: u64, prompt: &[u32], pages: &[PageRef]) -> Result<(), PdError> {
+        let sh = &*self.shared;
+        let ps = sh.cache.spec().page_size();
+        if prompt.is_empty() || pages.len() != prompt.len().div_ceil(ps) {
+            return Err(PdError::Invalid(format!(
+                "{} pages for a prompt of {} tokens ({ps} per page)",
+                pages.len(),
+                prompt.len()
+            )));
+        }
+        {
+            let mut st = sh.state.lock();
+            if let Some(why) = &st.closed {
+                return Err(TransferError::Closed(why.clone()).into());
+            }
+            if st.transfers.contains_key(&req) {
+                return Err(PdError::Duplicate(req));
+            }
+            let inbound = sh.cache.inbound(req, pages)?;
+            let layers = sh.cache.spec().num_layers;
+            let now = Instant::now();
+            st.transfers.insert(
+                req,
+                Transfer {
+                    inbound,
+                    targets: pages.to_vec(),
+                    index: pages.iter().enumerate().map(|(i, p)| (p.id, i)).collect(),
+                    prompt_tokens: prompt.len(),
+                    landed: vec![[false; 2]; layers * pages.len()],
+                    phase: Phase::Active,
+                    finished_at: None,
+                    progress: now,
+                },
+            );
+            st.ended.remove(&req);
+            sh.stats.started();
+        }
+        let spec = sh.cache.spec();
+        let boot = Message::Bootstrap(Bootstrap {
+            req,
+            kv_fingerprint: spec.kv.fingerprint(),
+            index_k_fingerprint: spec.index_k.fingerprint(),
+            prompt: prompt.to_vec(),
+            pages: pages.to_vec(),
+        });
+        if let Err(e) = sh.send(&boot) {
+            let mut st = sh.state.lock();
+            // Nothing was sent: nothing can land. Release at once.
+            sh.end(
+                &mut st,
+                req,
+                Outcome::Failed(format!("bootstrap not sent: {e}")),
+            );
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Aborts `req`'s transfer: the request is aborted in the cache (its readers fail, its
+    /// page references go stale), prefill is told, and the pages stay quarantined until it
+    /// confirms. Returns whether there was an active transfer.
+    pub fn abort(&self, req: u64, reason: &str) -> bool {
+        let sh = &*self.shared;
+        let mut out = Outbox::new();
+        let found = {
+            let mut st = sh.state.lock();
+            let active = st
+                .transfers
+                .get(&req)
+                .is_some_and(|t| matches!(t.phase, Phase::Active));
+            if active {
+                sh.begin_abort(
+                    &mut st,
+                    req,
+                    Outcome::Cancelled(reason.to_owned()),
+                    &mut out,
+                );
+            }
+            active
+        };
+        sh.flush(out);
+        found
+    }
+
+    /// Whether every layer of `req`'s transfer has been published (decode may run it).
+    pub fn is_ready(&self, req: u64) -> bool {
+        let st = self.shared.state.lock();
+        match st.transfers.get(&req) {
+            Some(t) => {
+                matches!(t.phase, Phase::Active)
+                    && (0..self.shared.cache.spec().num_layers).all(|l| t.inbound.is_layer_ready(l))
+            }
+            None => st.ended.get(&req) == Some(&Outcome::Ready),
+        }
+    }
+
+    /// How `req`'s transfer ended (`None` while it is in flight or unknown).
+    pub fn outcome(&self, req: u64) -> Option<Outcome> {
+        self.shared.state.lock().ended.get(&req).cloned()
+    }
+
+    /// Waits (at most `timeout`) until `req`'s transfer ended, and returns how.
+    pub fn wait(&self, req: u64, timeout: Duration) -> Result<Outcome, PdError> {
+        let deadline = Instant::now() + timeout;
+        let mut st = self.shared.state.lock();
+        loop {
+            if let Some(o) = st.ended.get(&req) {
+                return Ok(o.clone());
+            }
+            if !st.transfers.contains_key(&req) {
+                return Err(PdError::UnknownRequest(req));
+            }
+            if self
+                .shared
+                .changed
+                .wait_until(&mut st, deadline)
+                .timed_out()
+            {
+                return Err(PdError::Timeout(format!(
+                    "transfer of request {req} still in flight after {timeout:?}"
+                )));
+            }
+        }
+    }
+
+    /// Transfers not ended yet (active or waiting for their confirmation).
+    pub fn in_flight(&self) -> usize {
+        self.shared.state.lock().transfers.len()
+    }
+
+    /// Pages held for aborted transfers until prefill confirms (the quarantine).
+    pub fn quarantined_pages(&self) -> usize {
+        self.shared
+            .state
+            .lock()
+            .transfers
+            .values()
+            .filter(|t| matches!(t.phase, Phase::Aborting { .. }))
+            .map(|t| t.targets.len())
+            .sum()
+    }
+
+    /// Whether the connection is gone.
+    pub fn is_closed(&self) -> bool {
+        self.shared.state.lock().closed.is_some()
+    }
+
+    pub fn stats(&self) -> PdStatsSnapshot {
+        self.shared.stats.snapshot()
+    }
+
+    /// Closes the connection and ends every transfer (failed), releasing their pages.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        let sh = &*self.shared;
+        sh.shutdown.store(true, Ordering::Release);
+        sh.transport.close("decode receiver shut down");
+        if let Some(t) = self.reader.take() {
+            let _ = t.join();
+        }
+        let mut st = sh.state.lock();
+        sh.teardown(&mut st, "decode receiver shut down");
+    }
+}
+
+impl<B: Backend + 'static> Drop for Receiver<B> {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The reader thread: runs [`RxShared::run`]; a panic fails the request whose message was
+/// being handled and restarts it.
+fn supervise<B: Backend + 'static>(sh: &Arc<RxShared<B>>) {
+    loop {
+        match catch_unwind(AssertUnwindSafe(|| sh.run())) {
+            Ok(()) => return,
+            Err(_) => {
+                sh.stats.panicked();
+                let req = sh.handling.lock().take();
+                tracing::error!(request = ?req, "PD decode reader panicked; restarting it");
+                if let Some(req) = req {
+                    sh.stats.refuse("panicked");
+                    let mut out = Outbox::new();
+                    {
+                        let mut st = sh.state.lock();
+                        sh.begin_abort(
+                            &mut st,
+                            req,
+                            Outcome::Failed("the PD reader panicked handling it".into()),
+                            &mut out,
+                        );
+                    }
+                    sh.flush(out);
+                }
+                if sh.shutdown.load(Ordering::Acquire) {
+                    return;
+                }
+                sh.stats.restarted();
+            }
+        }
+    }
+}
+
+impl<B: Backend + 'static> RxShared<B> {
+    fn send(&self, m: &Message) -> Result<(), PdError> {
+        let f = m.encode()?;
+        self.transport.send(&f)?;
+        Ok(())
+    }
+
+    /// Sends what the handlers queued (a failed send surfaces as a closed connection).
+    fn flush(&self, out: Outbox) {
+        for m in out {
+            if let Err(e) = self.send(&m) {
+                tracing::warn!(error = %e, message = m.name(), "PD send failed");
+            }
+        }
+    }
+
+    fn refuse(&self, reason: &'static str, req: Option<u64>, detail: &dyn std::fmt::Display) {
+        self.stats.refuse(reason);
+        tracing::warn!(reason, request = ?req, %detail, "PD decode refused a message");
+    }
+
+    fn run(&self) {
+        let mut last_tick = Instant::now();
+        loop {
+            if self.shutdown.load(Ordering::Acquire) {
+                return;
+            }
+            match self.transport.recv(self.config.tick) {
+                Ok(Some(frame)) => self.handle(&frame),
+                Ok(None) => {}
+                Err(e) => {
+                    let mut st = self.state.lock();
+                    self.teardown(&mut st, &e.to_string());
+                    return;
+                }
+            }
+            // Deadlines are scanned once per tick, not once per frame.
+            if last_tick.elapsed() >= self.config.tick {
+                last_tick = Instant::now();
+                self.tick();
+            }
+        }
+    }
+
+    fn handle(&self, frame: &[u8]) {
+        let msg = match decode_frame(frame) {
+            Ok(m) => m,
+            Err(e) => return self.refuse(e.reason(), None, &e),
+        };
+        *self.handling.lock() = msg.request();
+        if let Some(h) = &self.config.hook {
+            h(&msg);
+        }
+        let mut out = Outbox::new();
+        {
+            let mut st = self.state.lock();
+            self.dispatch(&mut st, msg, &mut out);
+        }
+        *self.handling.lock() = None;
+        self.flush(out);
+    }
+
+    fn dispatch(&self, st: &mut RxState<B>, msg: Message, out: &mut Outbox) {
+        let req = msg.request();
+        if !msg.valid_towards(Role::Decode) {
+            return self.refuse("wrong_direction", req, &msg.name());
+        }
+        match msg {
+            Message::Hello(_) => self.refuse("unexpected_hello", None, &"second handshake"),
+            Message::Written(w) => self.on_written(st, w, out),
+            Message::Finished { req, tokens } => self.on_finished(st, req, tokens),
+            Message::Cancelled { req, reason } => {
+                self.on_confirmation(st, req, Outcome::Cancelled(reason))
+            }
+            Message::Abort { req, reason } => self.on_confirmation(
+                st,
+                req,
+                Outcome::Cancelled(format!("prefill aborted: {reason}")),
+            ),
+            Message::Bootstrap(_) => self.refuse("wrong_direction", req, &"bootstrap"),
+        }
+    }
+
+    /// Refusal reason for a message about a request without a live transfer.
+    fn missing(&self, st: &RxState<B>, req: u64, what: &str) {
+        if st.ended.contains_key(&req) {
+            self.refuse(
+                "ended",
+                Some(req),
+                &format!("{what} after the transfer ended"),
+            );
+        } else {
+            self.refuse("unknown_request", Some(req), &what);
+        }
+    }
+
+    fn on_written(&self, st: &mut RxState<B>, w: Written, out: &mut Outbox) {
+        let req = w.req;
+        let spec = *self.cache.spec();
+        let Some(t) = st.transfers.get_mut(&req) else {
+            return self.missing(st, req, "write notification");
+        };
+        if let Phase::Aborting { .. } = t.phase {
+            return self.refuse("after_abort", Some(req), &"late write after abort");
+        }
+        let layer = w.layer as usize;
+        if layer >= spec.num_layers {
+            return self.refuse(
+                "bad_request",
+                Some(req),
+                &format!("layer {layer} of {}", spec.num_layers),
+            );
+        }
+        let want = spec.layout(w.kind).fingerprint();
+        if self.config.checks.fingerprints && w.fingerprint != want {
+            self.refuse(
+                "layout_mismatch",
+                Some(req),
+                &format!(
+                    "{} pages framed with layout {:#018x}, ours is {want:#018x}",
+                    w.kind.name(),
+                    w.fingerprint
+                ),
+            );
+            return self.begin_abort(
+                st,
+                req,
+                Outcome::Failed(format!("{} layout mismatch", w.kind.name())),
+                out,
+            );
+        }
+        let n = t.targets.len();
+        let k = kind_index(w.kind);
+        let mut seen = HashSet::new();
+        for p in &w.pages {
+            match t.index.get(&p.id) {
+                None => {
+                    return self.refuse(
+                        "not_target",
+                        Some(req),
+                        &format!("page {} is not a target of the transfer", p.id),
+                    )
+                }
+                Some(&i) if t.targets[i].generation != p.generation => {
+                    return self.refuse(
+                        "stale_generation",
+                        Some(req),
+                        &format!(
+                            "page {} generation {} (the transfer's is {})",
+                            p.id, p.generation, t.targets[i].generation
+                        ),
+                    )
+                }
+                Some(&i) if !seen.insert(i) || t.landed[layer * n + i][k] => {
+                    return self.refuse(
+                        "duplicate",
+                        Some(req),
+                        &format!("page {} of layer {layer} {} again", p.id, w.kind.name()),
+                    )
+                }
+                Some(_) => {}
+            }
+        }
+        let ids: Vec<u32> = w.pages.iter().map(|p| p.id).collect();
+        let result = self.land(t, layer, w.kind, &w.pages, &ids, &w.checksums);
+        match result {
+            Ok(bytes) => {
+                self.stats.bytes(w.kind, bytes);
+                for p in &w.pages {
+                    if let Some(&i) = t.index.get(&p.id) {
+                        t.landed[layer * n + i][k] = true;
+                    }
+                }
+                t.progress = Instant::now();
+                if t.finished_at.is_some() && self.all_published(t) {
+                    self.complete(st, req);
+                }
+            }
+            Err(PdError::Cache(HostError::StalePage { .. })) => self.refuse(
+                "stale_generation",
+                Some(req),
+                &"the cache refused a stale page",
+            ),
+            Err(PdError::Cache(e @ HostError::Integrity { .. })) => {
+                self.refuse("checksum", Some(req), &e);
+                self.begin_abort(
+                    st,
+                    req,
+                    Outcome::Failed(format!("refused landed bytes: {e}")),
+                    out,
+                );
+            }
+            Err(e) => {
+                self.refuse("cache_refused", Some(req), &e);
+                self.begin_abort(st, req, Outcome::Failed(e.to_string()), out);
+            }
+        }
+    }
+
+    /// Copies the landed pages into the cache through the transfer's inbound (generation
+    /// and checksum checks there). Returns the bytes copied.
+    fn land(
+        &self,
+        t: &mut Transfer<B>,
+        layer: usize,
+        kind: BufferKind,
+        pages: &[PageRef],
+        ids: &[u32],
+        sent_sums: &[u64],
+    ) -> Result<usize, PdError> {
+        let b = self.cache.backend();
+        let bytes = self.landing.read_pages(layer, kind, ids)?;
+        let buf = b.upload(&bytes)?;
+        let region = PagedRegion::contiguous(self.cache.spec().layout(kind), pages.len());
+        let src_ids: Vec<i32> = (0..pages.len() as i32).collect();
+        // Checks off: trust whatever landed (its own checksums always match).
+        let sums = if self.config.checks.checksums {
+            sent_sums.to_vec()
+        } else {
+            checksums(b, region, &buf, &src_ids)?
+        };
+        t.inbound
+            .write(layer, kind, pages, &buf, region, &src_ids, &sums)?;
+        Ok(bytes.len())
+    }
+
+    fn all_published(&self, t: &Transfer<B>) -> bool {
+        (0..self.cache.spec().num_layers).all(|l| t.inbound.is_layer_ready(l))
+    }
+
+    fn on_finished(&self, st: &mut RxState<B>, req: u64, tokens: u32) {
+        let Some(t) = st.transfers.get_mut(&req) else {
+            return self.missing(st, req, "finished");
+        };
+        match t.phase {
+            // Our abort crossed prefill's end: nothing more lands either way.
+            Phase::Aborting { ref outcome, .. } => {
+                let o = outcome.clone();
+                self.end(st, req, o)
+            }
+            Phase::Active if t.finished_at.is_some() => {
+                self.refuse("duplicate", Some(req), &"second finished")
+            }
+            Phase::Active if tokens as usize != t.prompt_tokens => {
+                let detail = format!(
+                    "prefill finished {tokens} tokens of a {}-token prompt",
+                    t.prompt_tokens
+                );
+                self.refuse("bad_request", Some(req), &detail);
+                // Prefill says nothing more lands: release at once.
+                let _ = self.cache.abort(req);
+                self.end(st, req, Outcome::Failed(detail));
+            }
+            Phase::Active => {
+                t.finished_at = Some(Instant::now());
+                if self.all_published(t) {
+                    self.complete(st, req);
+                }
+            }
+        }
+    }
+
+    /// Prefill says nothing more will land for `req` (`Cancelled`, or its own `Abort`).
+    fn on_confirmation(&self, st: &mut RxState<B>, req: u64, peer: Outcome) {
+        let Some(t) = st.transfers.get(&req) else {
+            return self.missing(st, req, "cancellation");
+        };
+        let outcome = match &t.phase {
+            Phase::Aborting { outcome, .. } => outcome.clone(),
+            Phase::Active => {
+                // Prefill gave up on its own: the request cannot be served.
+                let _ = self.cache.abort(req);
+                peer
+            }
+        };
+        self.end(st, req, outcome);
+    }
+
+    /// Aborts an active transfer: the cache request is aborted (readers fail, references go
+    /// stale; the inbound keeps the pages pinned) and prefill is asked to stop.
+    fn begin_abort(&self, st: &mut RxState<B>, req: u64, outcome: Outcome, out: &mut Outbox) {
+        let Some(t) = st.transfers.get_mut(&req) else {
+            return;
+        };
+        if !matches!(t.phase, Phase::Active) {
+            return;
+        }
+        let reason = match &outcome {
+            Outcome::Cancelled(r) | Outcome::Failed(r) => r.clone(),
+            Outcome::Ready => String::new(),
+        };
+        t.phase = Phase::Aborting {
+            since: Instant::now(),
+            outcome,
+        };
+        let _ = self.cache.abort(req);
+        tracing::info!(request = req, %reason, "PD transfer aborted; pages quarantined until prefill confirms");
+        out.push(Message::Abort { req, reason });
+        self.changed.notify_all();
+    }
+
+    /// Every layer published and prefill finished: the transfer completes.
+    fn complete(&self, st: &mut RxState<B>, req: u64) {
+        self.end(st, req, Outcome::Ready);
+    }
+
+    /// Ends a transfer for good: its inbound ends (pins released), the outcome is kept.
+    fn end(&self, st: &mut RxState<B>, req: u64, outcome: Outcome) {
+        let Some(t) = st.transfers.remove(&req) else {
+            return;
+        };
+        let outcome = match outcome {
+            Outcome::Ready => match t.inbound.complete() {
+                Ok(()) => Outcome::Ready,
+                Err(e) => Outcome::Failed(e.to_string()),
+            },
+            o => {
+                let e = match &o {
+                    Outcome::Cancelled(r) => HostError::Cancelled(r.clone()),
+                    _ => HostError::Cancelled(format!("PD transfer failed: {o:?}")),
+                };
+                t.inbound.fail(e);
+                o
+            }
+        };
+        self.stats.ended(match outcome {
+            Outcome::Ready => Ended::Finished,
+            Outcome::Cancelled(_) => Ended::Cancelled,
+            Outcome::Failed(_) => Ended::Failed,
+        });
+        st.ended.insert(req, outcome);
+        st.ended_order.push_back(req);
+        while st.ended_order.len() > self.config.remember_ended {
+            if let Some(old) = st.ended_order.pop_front() {
+                if !st.transfers.contains_key(&old) {
+                    st.ended.remove(&old);
+                }
+            }
+        }
+        self.changed.notify_all();
+    }
+
+    /// The connection is gone: nothing more can land; every transfer ends.
+    fn teardown(&self, st: &mut RxState<B>, why: &str) {
+        if st.closed.is_none() {
+            st.closed = Some(why.to_owned());
+            tracing::warn!(%why, transfers = st.transfers.len(), "PD connection to prefill closed");
+        }
+        let reqs: Vec<u64> = st.transfers.keys().copied().collect();
+        for req in reqs {
+            let outcome = match st.transfers.get(&req).map(|t| &t.phase) {
+                Some(Phase::Aborting { outcome, .. }) => outcome.clone(),
+                _ => {
+                    let _ = self.cache.abort(req);
+                    Outcome::Failed(format!("connection closed: {why}"))
+                }
+            };
+            self.end(st, req, outcome);
+        }
+        self.changed.notify_all();
+    }
+
+    /// Deadlines: finished transfers whose notifications never came, stalled transfers,
+    /// unconfirmed aborts.
+    fn tick(&self) {
+        let now = Instant::now();
+        let c = &self.config;
+        let mut out = Outbox::new();
+        let mut close = None;
+        {
+            let mut st = self.state.lock();
+            let mut late_finish = Vec::new();
+            let mut stalled = Vec::new();
+            for (&req, t) in &st.transfers {
+                match &t.phase {
+                    Phase::Active => {
+                        if t.finished_at.is_some_and(|f| now - f > c.finish_grace) {
+                            late_finish.push(req);
+                        } else if now - t.progress > c.stall_timeout {
+                            stalled.push(req);
+                        }
+                    }
+                    Phase::Aborting { since, .. } => {
+                        if now - *since > c.confirm_timeout {
+                            close = Some(req);
+                        }
+                    }
+                }
+            }
+            for req in late_finish {
+                self.refuse("missing_layers", Some(req), &"finished with layers missing");
+                let _ = self.cache.abort(req);
+                self.end(
+                    &mut st,
+                    req,
+                    Outcome::Failed("prefill finished with layers missing".into()),
+                );
+            }
+            for req in stalled {
+                self.begin_abort(
+                    &mut st,
+                    req,
+                    Outcome::Failed(format!("no progress for {:?}", c.stall_timeout)),
+                    &mut out,
+                );
+            }
+        }
+        self.flush(out);
+        if let Some(req) = close {
+            let why = format!("prefill did not confirm the abort of request {req}");
+            tracing::error!(%why, "tearing the PD connection down");
+            self.transport.close(&why);
+        }
+    }
+}

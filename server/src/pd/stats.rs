@@ -1,0 +1,136 @@
+//! Counters of a PD endpoint: refused messages by reason, bytes moved by kind, transfers
+//! by outcome, handler panics and task restarts. Cheap to update from any thread;
+//! [`PdStats::snapshot`] gives plain data for metrics, reports and tests.
+//!
+//! Refusal reasons (the `reason` label of `sparsekit_refused_total`):
+//! - frames that do not decode ([`crate::pd::wire::WireError::reason`]): `truncated`,
+//!   `bad_magic`, `bad_version`, `unknown_kind`, `bad_flags`, `too_large`, `corrupt`
+//!   (a CRC), `malformed`, `trailing_bytes`;
+//! - messages that do not fit: `wrong_direction` (a kind this side never receives),
+//!   `unexpected_hello`, `unknown_request` (no transfer with that id), `ended` (its
+//!   transfer already ended: a late message), `after_abort` (a write for a transfer decode
+//!   aborted: a late write), `duplicate` (a page or confirmation again, a second bootstrap
+//!   for a live transfer), `bad_request` (a bootstrap or notification whose shape is wrong:
+//!   pages vs prompt, pages outside the landing zone, a layer out of range);
+//! - data decode refuses: `layout_mismatch` (fingerprint), `not_target` (a page the
+//!   transfer does not own), `stale_generation`, `checksum` (the landed bytes differ from
+//!   the sender's checksums), `cache_refused` (any other refusal of the cache),
+//!   `missing_layers` (prefill finished but layers never arrived);
+//! - `panicked`: handling the message panicked (its request failed, the reader restarted).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+use serde::Serialize;
+use sparsekit_host::cache::BufferKind;
+
+/// Live counters (see the module docs).
+#[derive(Debug, Default)]
+pub struct PdStats {
+    refused: Mutex<BTreeMap<&'static str, u64>>,
+    bytes: [AtomicU64; 2],
+    started: AtomicU64,
+    finished: AtomicU64,
+    cancelled: AtomicU64,
+    failed: AtomicU64,
+    panics: AtomicU64,
+    restarts: AtomicU64,
+}
+
+/// A copy of the counters at one moment.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct PdStatsSnapshot {
+    /// Refused (counted, logged, dropped) messages and writes, by reason.
+    pub refused: BTreeMap<String, u64>,
+    pub kv_bytes: u64,
+    pub index_k_bytes: u64,
+    /// Transfers started, and how they ended.
+    pub started: u64,
+    pub finished: u64,
+    pub cancelled: u64,
+    pub failed: u64,
+    /// Message handlers that panicked (each failed the request it was handling).
+    pub panics: u64,
+    /// Reader/worker threads restarted after a panic outside a message handler.
+    pub restarts: u64,
+}
+
+impl PdStatsSnapshot {
+    /// Refusals with `reason` (0 if none).
+    pub fn refused(&self, reason: &str) -> u64 {
+        self.refused.get(reason).copied().unwrap_or(0)
+    }
+
+    /// All refusals.
+    pub fn refused_total(&self) -> u64 {
+        self.refused.values().sum()
+    }
+}
+
+/// How a transfer ended, for [`PdStats::ended`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Ended {
+    Finished,
+    Cancelled,
+    Failed,
+}
+
+impl PdStats {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Counts one refusal.
+    pub fn refuse(&self, reason: &'static str) {
+        *self.refused.lock().entry(reason).or_insert(0) += 1;
+    }
+
+    pub(crate) fn bytes(&self, kind: BufferKind, n: usize) {
+        let i = match kind {
+            BufferKind::Kv => 0,
+            BufferKind::IndexK => 1,
+        };
+        self.bytes[i].fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    pub(crate) fn started(&self) {
+        self.started.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn ended(&self, how: Ended) {
+        let c = match how {
+            Ended::Finished => &self.finished,
+            Ended::Cancelled => &self.cancelled,
+            Ended::Failed => &self.failed,
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn panicked(&self) {
+        self.panics.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn restarted(&self) {
+        self.restarts.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn snapshot(&self) -> PdStatsSnapshot {
+        PdStatsSnapshot {
+            refused: self
+                .refused
+                .lock()
+                .iter()
+                .map(|(k, v)| (k.to_string(), *v))
+                .collect(),
+            kv_bytes: self.bytes[0].load(Ordering::Relaxed),
+            index_k_bytes: self.bytes[1].load(Ordering::Relaxed),
+            started: self.started.load(Ordering::Relaxed),
+            finished: self.finished.load(Ordering::Relaxed),
+            cancelled: self.cancelled.load(Ordering::Relaxed),
+            failed: self.failed.load(Ordering::Relaxed),
+            panics: self.panics.load(Ordering::Relaxed),
+            restarts: self.restarts.load(Ordering::Relaxed),
+        }
+    }
+}

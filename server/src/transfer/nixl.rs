@@ -1,0 +1,839 @@
+//! The NIXL transport (cargo feature `nixl`): prefill and decode in two processes (or
+//! machines). Page bytes move as NIXL one-sided writes (UCX backend) from prefill's
+//! registered staging memory into decode's registered landing zone; each write carries its
+//! PD `Written` frame as the NIXL notification message, delivered only after the bytes
+//! landed. Control frames (handshake, bootstrap, abort, finished, cancelled) travel over one
+//! TCP connection, whose end — a peer that closed or died — tears the PD connection down on
+//! both sides.
+//!
+//! Setup, following the sequence that works on these machines (`DESIGN.md`):
+//! `nixl_sys::is_stub()` first (without the runtime any NIXL call aborts the process:
+//! [`check_runtime`] turns that into a typed error) → `Agent::new_configured` → UCX plugin
+//! parameters with `ucx_error_handling_mode=none` (needed for the shared-memory transports)
+//! → `create_backend` → `register_memory` (decode: the landing zone; prefill: its staging
+//! memory) → the handshake over TCP carries each side's `get_local_md()` (and decode's
+//! landing zone address) in `Hello::transport` → `load_remote_md`. A write builds two
+//! descriptor lists (local staging ranges, remote landing ranges — offsets from the layout
+//! descriptors, computed by the PD sender), `create_xfer_req(Write, …, notification)`,
+//! `post_xfer_req`, then polls `get_xfer_status` until done or the bound. Decode polls
+//! `get_notifications` on its own thread (the agents run without NIXL's progress thread:
+//! polling progresses them). Metadata goes over our TCP connection, so NIXL's listener
+//! thread is not used.
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use nixl_sys as nx;
+use parking_lot::Mutex;
+
+use crate::pd::landing::LandingZone;
+use crate::pd::wire::{decode_frame, FrameReader, Hello, Message, Role};
+use crate::transfer::{Segment, TransferError, Transport, IO_TIMEOUT};
+
+/// The environment variable naming the directory with the NIXL runtime libraries
+/// (`<site>/.nixl_cu12.mesonpy.libs` of the `nixl-cu12` wheel).
+pub const LIB_ENV: &str = "SPARSEKIT_NIXL_LIB";
+
+/// Whether the NIXL runtime can be used in this process. Without it every NIXL call would
+/// abort the process, so this is checked before any.
+pub fn check_runtime() -> Result<(), TransferError> {
+    if nx::is_stub() {
+        return Err(TransferError::Unavailable(format!(
+            "the NIXL runtime is not available (libnixl_capi.so not found): install it with \
+             `bash scripts/setup-nixl.sh` and run with \
+             LD_LIBRARY_PATH=<dir>/.nixl_cu12.mesonpy.libs (or set {LIB_ENV} for the tests)"
+        )));
+    }
+    Ok(())
+}
+
+fn nixl_err(what: &str, e: nx::NixlError) -> TransferError {
+    TransferError::Failed(format!("NIXL {what}: {e}"))
+}
+
+/// Settings of NIXL connections.
+#[derive(Clone, Debug)]
+pub struct NixlOptions {
+    /// Bound of one write, one control send, and the handshake.
+    pub io_timeout: Duration,
+    /// How often decode polls NIXL for notifications when none came.
+    pub poll: Duration,
+}
+
+impl Default for NixlOptions {
+    fn default() -> Self {
+        NixlOptions {
+            io_timeout: IO_TIMEOUT,
+            poll: Duration::from_micros(500),
+        }
+    }
+}
+
+/// A NIXL agent with its UCX backend. Creating one costs ~250 ms; one per process serves
+/// every connection of that process. Calls into it are serialised.
+#[derive(Debug)]
+pub struct NixlAgent {
+    name: String,
+    lock: Mutex<()>,
+    backend: nx::Backend,
+    agent: nx::Agent,
+}
+
+static NEXT_AGENT: AtomicU64 = AtomicU64::new(1);
+
+impl NixlAgent {
+    /// A fresh agent named after `role`, this process and a counter.
+    pub fn new(role: Role) -> Result<Arc<Self>, TransferError> {
+        check_runtime()?;
+        let name = format!(
+            "sparsekit-{}-{}-{}",
+            role.name(),
+            std::process::id(),
+            NEXT_AGENT.fetch_add(1, Ordering::Relaxed)
+        );
+        let cfg = nx::AgentConfig {
+            enable_prog_thread: false,
+            enable_listen_thread: false,
+            ..nx::AgentConfig::default()
+        };
+        let agent = nx::Agent::new_configured(&name, &cfg).map_err(|e| nixl_err("agent", e))?;
+        let (_mems, mut params) = agent
+            .get_plugin_params("UCX")
+            .map_err(|e| nixl_err("UCX plugin parameters", e))?;
+        params
+            .set("ucx_error_handling_mode", "none")
+            .map_err(|e| nixl_err("UCX parameters", e))?;
+        let backend = agent
+            .create_backend("UCX", &params)
+            .map_err(|e| nixl_err("UCX backend", e))?;
+        Ok(Arc::new(NixlAgent {
+            name,
+            lock: Mutex::new(()),
+            backend,
+            agent,
+        }))
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn opts(&self) -> Result<nx::OptArgs, TransferError> {
+        let mut o = nx::OptArgs::new().map_err(|e| nixl_err("options", e))?;
+        o.add_backend(&self.backend)
+            .map_err(|e| nixl_err("options", e))?;
+        Ok(o)
+    }
+
+    /// Registers `len` bytes at `addr` (host memory) with the agent. Deregistered when the
+    /// handle drops.
+    ///
+    /// # Safety
+    /// The memory must stay allocated until the returned handle is dropped.
+    unsafe fn register(
+        &self,
+        addr: usize,
+        len: usize,
+    ) -> Result<nx::RegistrationHandle, TransferError> {
+        let _g = self.lock.lock();
+        let o = self.opts()?;
+        self.agent
+            .register_memory(&Dram { addr, len }, Some(&o))
+            .map_err(|e| nixl_err("memory registration", e))
+    }
+
+    fn local_md(&self) -> Result<Vec<u8>, TransferError> {
+        let _g = self.lock.lock();
+        self.agent
+            .get_local_md()
+            .map_err(|e| nixl_err("local metadata", e))
+    }
+
+    fn load_md(&self, md: &[u8]) -> Result<String, TransferError> {
+        let _g = self.lock.lock();
+        self.agent
+            .load_remote_md(md)
+            .map_err(|e| nixl_err("remote metadata", e))
+    }
+
+    fn forget(&self, peer: &str) {
+        let _g = self.lock.lock();
+        let _ = self.agent.invalidate_remote_md(peer);
+    }
+}
+
+/// Host memory given by address and length, as NIXL descriptors see it.
+#[derive(Debug)]
+struct Dram {
+    addr: usize,
+    len: usize,
+}
+
+impl nx::MemoryRegion for Dram {
+    unsafe fn as_ptr(&self) -> *const u8 {
+        self.addr as *const u8
+    }
+    fn size(&self) -> usize {
+        self.len
+    }
+}
+
+impl nx::NixlDescriptor for Dram {
+    fn mem_type(&self) -> nx::MemType {
+        nx::MemType::Dram
+    }
+    fn device_id(&self) -> u64 {
+        0
+    }
+}
+
+/// What `Hello::transport` carries for NIXL: the agent's metadata and, from decode, the
+/// landing zone's address and length.
+fn encode_blob(md: &[u8], zone: Option<(usize, usize)>) -> Vec<u8> {
+    let mut v = Vec::with_capacity(md.len() + 21);
+    v.extend_from_slice(&(md.len() as u32).to_le_bytes());
+    v.extend_from_slice(md);
+    match zone {
+        Some((a, l)) => {
+            v.push(1);
+            v.extend_from_slice(&(a as u64).to_le_bytes());
+            v.extend_from_slice(&(l as u64).to_le_bytes());
+        }
+        None => v.push(0),
+    }
+    v
+}
+
+/// A peer's NIXL handshake data: its agent metadata, and decode's landing zone
+/// `(address, length)`.
+type Blob = (Vec<u8>, Option<(u64, u64)>);
+
+fn decode_blob(b: &[u8]) -> Result<Blob, TransferError> {
+    let bad = || TransferError::Failed("malformed NIXL handshake data".into());
+    let n = u32::from_le_bytes(b.get(..4).ok_or_else(bad)?.try_into().map_err(|_| bad())?) as usize;
+    let md = b.get(4..4 + n).ok_or_else(bad)?.to_vec();
+    let rest = &b[4 + n..];
+    match rest.first() {
+        Some(0) if rest.len() == 1 => Ok((md, None)),
+        Some(1) if rest.len() == 17 => {
+            let a = u64::from_le_bytes(rest[1..9].try_into().map_err(|_| bad())?);
+            let l = u64::from_le_bytes(rest[9..17].try_into().map_err(|_| bad())?);
+            Ok((md, Some((a, l))))
+        }
+        _ => Err(bad()),
+    }
+}
+
+/// Prefill's registered source memory for writes (grown on demand).
+#[derive(Debug)]
+struct Staging {
+    // Field order: deregister before the memory is freed.
+    reg: Option<nx::RegistrationHandle>,
+    mem: Vec<u8>,
+}
+
+/// The memory a decode endpoint receives into: its landing zone, registered with the
+/// agent. Built once; every connection of that decode endpoint shares it.
+#[derive(Debug, Clone)]
+pub struct RegisteredZone {
+    // Field order: deregister before the zone can be freed.
+    _reg: Arc<nx::RegistrationHandle>,
+    zone: Arc<LandingZone>,
+}
+
+impl RegisteredZone {
+    /// Registers `zone` with `agent`.
+    pub fn new(agent: &NixlAgent, zone: Arc<LandingZone>) -> Result<Self, TransferError> {
+        let (a, l) = zone.raw_parts();
+        // SAFETY: the zone outlives the registration: both are held together here (and by
+        // every end using it), the registration declared first so it drops first.
+        let reg = Arc::new(unsafe { agent.register(a, l)? });
+        Ok(RegisteredZone { _reg: reg, zone })
+    }
+
+    pub fn zone(&self) -> &Arc<LandingZone> {
+        &self.zone
+    }
+}
+
+/// One side's part of a connection: its agent, its handshake, and (decode) its zone.
+#[derive(Debug, Clone)]
+pub struct NixlSide {
+    pub agent: Arc<NixlAgent>,
+    /// The handshake this side announces (its transport data is filled in here).
+    pub hello: Hello,
+    /// Decode's registered landing zone (`None` for prefill).
+    pub zone: Option<RegisteredZone>,
+    pub opts: NixlOptions,
+}
+
+impl NixlSide {
+    fn check(&self) -> Result<(), TransferError> {
+        match (self.hello.role, &self.zone) {
+            (Role::Decode, None) => Err(TransferError::Failed(
+                "a decode endpoint needs a registered landing zone".into(),
+            )),
+            (Role::Prefill, Some(_)) => Err(TransferError::Failed(
+                "a prefill endpoint has no landing zone".into(),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    fn my_hello(&self) -> Result<Vec<u8>, TransferError> {
+        let mut h = self.hello.clone();
+        h.transport = encode_blob(
+            &self.agent.local_md()?,
+            self.zone.as_ref().map(|z| z.zone.raw_parts()),
+        );
+        Message::Hello(h).encode().map_err(wire_err)
+    }
+
+    fn peer_role(&self) -> Role {
+        match self.hello.role {
+            Role::Decode => Role::Prefill,
+            Role::Prefill => Role::Decode,
+        }
+    }
+
+    /// After the handshakes: loads the peer's metadata and starts the end.
+    fn finish(
+        &self,
+        stream: TcpStream,
+        reader: FrameReader,
+        peer: Hello,
+    ) -> Result<Arc<NixlEnd>, TransferError> {
+        let (md, zone) = decode_blob(&peer.transport)?;
+        let remote_zone =
+            match self.hello.role {
+                Role::Prefill => Some(zone.ok_or_else(|| {
+                    TransferError::Failed("decode announced no landing zone".into())
+                })?),
+                Role::Decode => None,
+            };
+        let peer_agent = self.agent.load_md(&md)?;
+        NixlEnd::start(
+            self.hello.role,
+            peer,
+            peer_agent,
+            stream,
+            reader,
+            self.agent.clone(),
+            self.zone.clone(),
+            remote_zone,
+            self.opts.clone(),
+        )
+    }
+}
+
+/// Listens for PD connections (either role may listen; the connector speaks first).
+#[derive(Debug)]
+pub struct NixlListener {
+    tcp: TcpListener,
+    side: NixlSide,
+}
+
+impl NixlListener {
+    pub fn bind(side: NixlSide, addr: SocketAddr) -> Result<Self, TransferError> {
+        side.check()?;
+        let tcp = TcpListener::bind(addr)
+            .map_err(|e| TransferError::Failed(format!("cannot listen on {addr}: {e}")))?;
+        Ok(NixlListener { tcp, side })
+    }
+
+    pub fn local_addr(&self) -> Result<SocketAddr, TransferError> {
+        self.tcp
+            .local_addr()
+            .map_err(|e| TransferError::Failed(e.to_string()))
+    }
+
+    /// Accepts one connection (waits at most `timeout`) and completes the handshake.
+    pub fn accept(&self, timeout: Duration) -> Result<Arc<NixlEnd>, TransferError> {
+        let deadline = Instant::now() + timeout;
+        self.tcp
+            .set_nonblocking(true)
+            .map_err(|e| TransferError::Failed(e.to_string()))?;
+        let stream = loop {
+            match self.tcp.accept() {
+                Ok((s, _)) => break s,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        return Err(TransferError::Timeout(format!(
+                            "no PD connection within {timeout:?}"
+                        )));
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(e) => return Err(TransferError::Failed(format!("accept: {e}"))),
+            }
+        };
+        stream
+            .set_nonblocking(false)
+            .map_err(|e| TransferError::Failed(e.to_string()))?;
+        let side = &self.side;
+        let mut reader = FrameReader::new();
+        let peer = read_hello(&stream, &mut reader, side.peer_role(), deadline)?;
+        write_frame(&stream, &side.my_hello()?, side.opts.io_timeout)?;
+        side.finish(stream, reader, peer)
+    }
+}
+
+/// Connects to the peer listening at `addr` and completes the handshake (bounded by
+/// `side.opts.io_timeout`).
+pub fn connect(side: &NixlSide, addr: SocketAddr) -> Result<Arc<NixlEnd>, TransferError> {
+    side.check()?;
+    let deadline = Instant::now() + side.opts.io_timeout;
+    let stream = TcpStream::connect_timeout(&addr, side.opts.io_timeout)
+        .map_err(|e| TransferError::Failed(format!("cannot connect to the peer at {addr}: {e}")))?;
+    write_frame(&stream, &side.my_hello()?, side.opts.io_timeout)?;
+    let mut reader = FrameReader::new();
+    let peer = read_hello(&stream, &mut reader, side.peer_role(), deadline)?;
+    side.finish(stream, reader, peer)
+}
+
+fn wire_err(e: crate::pd::wire::WireError) -> TransferError {
+    TransferError::Failed(format!("handshake: {e}"))
+}
+
+fn write_frame(mut s: &TcpStream, frame: &[u8], timeout: Duration) -> Result<(), TransferError> {
+    s.set_write_timeout(Some(timeout))
+        .map_err(|e| TransferError::Failed(e.to_string()))?;
+    s.write_all(frame)
+        .map_err(|e| TransferError::Closed(format!("control connection: {e}")))
+}
+
+/// Reads the peer's handshake (the first frame) before `deadline`.
+fn read_hello(
+    mut s: &TcpStream,
+    reader: &mut FrameReader,
+    role: Role,
+    deadline: Instant,
+) -> Result<Hello, TransferError> {
+    let mut buf = [0u8; 4096];
+    loop {
+        if let Some(raw) = reader.next_raw() {
+            return match decode_frame(&raw) {
+                Ok(Message::Hello(h)) if h.role == role => Ok(h),
+                Ok(m) => Err(TransferError::Failed(format!(
+                    "expected the {} handshake, got {}",
+                    role.name(),
+                    m.name()
+                ))),
+                Err(e) => Err(wire_err(e)),
+            };
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(TransferError::Timeout("handshake".into()));
+        }
+        s.set_read_timeout(Some(left))
+            .map_err(|e| TransferError::Failed(e.to_string()))?;
+        match s.read(&mut buf) {
+            Ok(0) => {
+                return Err(TransferError::Closed(
+                    "peer closed during the handshake".into(),
+                ))
+            }
+            Ok(n) => reader.push(&buf[..n]),
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(e) => return Err(TransferError::Closed(format!("handshake: {e}"))),
+        }
+    }
+}
+
+/// What an end's threads share.
+#[derive(Debug)]
+struct Link {
+    closed: AtomicBool,
+    why: Mutex<String>,
+    wake: flume::Sender<Vec<u8>>,
+}
+
+impl Link {
+    fn close(&self, why: &str) -> bool {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return false;
+        }
+        *self.why.lock() = why.to_owned();
+        let _ = self.wake.send(Vec::new());
+        true
+    }
+    fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+}
+
+/// One end of a NIXL connection.
+#[derive(Debug)]
+pub struct NixlEnd {
+    role: Role,
+    peer: Hello,
+    peer_agent: String,
+    link: Arc<Link>,
+    inbox: flume::Receiver<Vec<u8>>,
+    stream: Mutex<TcpStream>,
+    opts: NixlOptions,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    /// Prefill: the source memory of writes, and decode's landing zone (address, length).
+    staging: Mutex<Staging>,
+    remote_zone: Option<(u64, u64)>,
+    /// Decode: the registered landing zone.
+    zone: Option<RegisteredZone>,
+    agent: Arc<NixlAgent>,
+}
+
+impl NixlEnd {
+    #[allow(clippy::too_many_arguments)]
+    fn start(
+        role: Role,
+        peer: Hello,
+        peer_agent: String,
+        stream: TcpStream,
+        reader: FrameReader,
+        agent: Arc<NixlAgent>,
+        zone: Option<RegisteredZone>,
+        remote_zone: Option<(u64, u64)>,
+        opts: NixlOptions,
+    ) -> Result<Arc<Self>, TransferError> {
+        let (tx, inbox) = flume::unbounded();
+        let link = Arc::new(Link {
+            closed: AtomicBool::new(false),
+            why: Mutex::new(String::new()),
+            wake: tx.clone(),
+        });
+        let failed = |e: std::io::Error| TransferError::Failed(e.to_string());
+        let rd = stream.try_clone().map_err(failed)?;
+        rd.set_read_timeout(Some(Duration::from_millis(100)))
+            .map_err(failed)?;
+        let mut threads = Vec::new();
+        {
+            let (tx, link) = (tx.clone(), link.clone());
+            threads.push(
+                std::thread::Builder::new()
+                    .name("sparsekit-nixl-tcp".into())
+                    .spawn(move || tcp_reader(rd, reader, tx, link))
+                    .map_err(failed)?,
+            );
+        }
+        if role == Role::Decode {
+            let (tx, link, agent) = (tx.clone(), link.clone(), agent.clone());
+            let (peer_name, poll) = (peer_agent.clone(), opts.poll);
+            threads.push(
+                std::thread::Builder::new()
+                    .name("sparsekit-nixl-notif".into())
+                    .spawn(move || notif_poller(agent, peer_name, tx, link, poll))
+                    .map_err(failed)?,
+            );
+        }
+        Ok(Arc::new(NixlEnd {
+            role,
+            peer,
+            peer_agent,
+            link,
+            inbox,
+            stream: Mutex::new(stream),
+            opts,
+            threads: Mutex::new(threads),
+            staging: Mutex::new(Staging {
+                reg: None,
+                mem: Vec::new(),
+            }),
+            remote_zone,
+            zone,
+            agent,
+        }))
+    }
+
+    fn closed_err(&self) -> TransferError {
+        TransferError::Closed(self.link.why.lock().clone())
+    }
+
+    /// Fails the connection (and returns `e`): after a failed or timed-out write nothing
+    /// about the peer's memory can be assumed, so the connection ends.
+    fn fail(&self, e: TransferError) -> TransferError {
+        self.close(&e.to_string());
+        e
+    }
+
+    fn xfer(
+        &self,
+        segments: &[Segment<'_>],
+        notification: Option<&[u8]>,
+    ) -> Result<(), TransferError> {
+        let (zone_addr, zone_len) = self
+            .remote_zone
+            .ok_or(TransferError::Unsupported("the decode end does not write"))?;
+        let total: usize = segments.iter().map(|s| s.bytes.len()).sum();
+        for s in segments {
+            if s.offset
+                .checked_add(s.bytes.len())
+                .is_none_or(|e| e as u64 > zone_len)
+            {
+                return Err(TransferError::OutOfBounds {
+                    offset: s.offset,
+                    len: s.bytes.len(),
+                    zone: zone_len as usize,
+                });
+            }
+        }
+        let ag = &self.agent;
+        let mut st = self.staging.lock();
+        if st.mem.len() < total {
+            st.reg = None;
+            st.mem = vec![0u8; total.next_power_of_two().max(1 << 16)];
+            // SAFETY: `st.mem` is not reallocated while registered: it is replaced only
+            // after the registration is dropped (above), and `reg` is declared first so it
+            // is dropped before `mem`.
+            st.reg = Some(unsafe { ag.register(st.mem.as_ptr() as usize, st.mem.len())? });
+        }
+        let base = st.mem.as_ptr() as usize;
+        let mut local =
+            nx::XferDescList::new(nx::MemType::Dram).map_err(|e| nixl_err("descriptors", e))?;
+        let mut remote =
+            nx::XferDescList::new(nx::MemType::Dram).map_err(|e| nixl_err("descriptors", e))?;
+        let mut at = 0;
+        for s in segments {
+            st.mem[at..at + s.bytes.len()].copy_from_slice(s.bytes);
+            local.add_desc(base + at, s.bytes.len(), 0);
+            remote.add_desc(zone_addr as usize + s.offset, s.bytes.len(), 0);
+            at += s.bytes.len();
+        }
+        let _g = ag.lock.lock();
+        let mut o = ag.opts()?;
+        if let Some(n) = notification {
+            o.set_has_notification(true)
+                .map_err(|e| nixl_err("notification", e))?;
+            o.set_notification_message(n)
+                .map_err(|e| nixl_err("notification", e))?;
+        }
+        if segments.is_empty() {
+            if let Some(n) = notification {
+                ag.agent
+                    .send_notification(&self.peer_agent, n, Some(&ag.backend))
+                    .map_err(|e| nixl_err("notification", e))?;
+            }
+            return Ok(());
+        }
+        let req = ag
+            .agent
+            .create_xfer_req(
+                nx::XferOp::Write,
+                &local,
+                &remote,
+                &self.peer_agent,
+                Some(&o),
+            )
+            .map_err(|e| nixl_err("transfer request", e))?;
+        ag.agent
+            .post_xfer_req(&req, None)
+            .map_err(|e| nixl_err("post", e))?;
+        let deadline = Instant::now() + self.opts.io_timeout;
+        loop {
+            match ag.agent.get_xfer_status(&req) {
+                Ok(nx::XferStatus::Success) => return Ok(()),
+                Ok(nx::XferStatus::InProgress) => {
+                    if self.link.is_closed() {
+                        return Err(self.closed_err());
+                    }
+                    if Instant::now() >= deadline {
+                        return Err(TransferError::Timeout(format!(
+                            "NIXL write of {total} bytes not complete after {:?}",
+                            self.opts.io_timeout
+                        )));
+                    }
+                    std::thread::yield_now();
+                }
+                Err(e) => return Err(nixl_err("transfer", e)),
+            }
+        }
+    }
+}
+
+/// Reads control frames off the TCP connection into the inbox until it ends.
+fn tcp_reader(
+    mut s: TcpStream,
+    mut reader: FrameReader,
+    tx: flume::Sender<Vec<u8>>,
+    link: Arc<Link>,
+) {
+    let mut buf = vec![0u8; 64 << 10];
+    // Frames that arrived with the handshake.
+    while let Some(raw) = reader.next_raw() {
+        let _ = tx.send(raw);
+    }
+    while !link.is_closed() {
+        match s.read(&mut buf) {
+            Ok(0) => {
+                link.close("the peer closed the connection");
+                return;
+            }
+            Ok(n) => {
+                reader.push(&buf[..n]);
+                while let Some(raw) = reader.next_raw() {
+                    if tx.send(raw).is_err() {
+                        return;
+                    }
+                }
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+                ) => {}
+            Err(e) => {
+                link.close(&format!("control connection: {e}"));
+                return;
+            }
+        }
+    }
+}
+
+/// Decode: moves NIXL notifications from the peer agent into the inbox.
+fn notif_poller(
+    agent: Arc<NixlAgent>,
+    peer: String,
+    tx: flume::Sender<Vec<u8>>,
+    link: Arc<Link>,
+    poll: Duration,
+) {
+    while !link.is_closed() {
+        let mut got = Vec::new();
+        {
+            let _g = agent.lock.lock();
+            let mut map = match nx::NotificationMap::new() {
+                Ok(m) => m,
+                Err(e) => {
+                    link.close(&format!("NIXL notifications: {e}"));
+                    return;
+                }
+            };
+            if let Err(e) = agent.agent.get_notifications(&mut map, None) {
+                link.close(&format!("NIXL notifications: {e}"));
+                return;
+            }
+            if let Ok(n) = map.get_notifications_size(&peer) {
+                for i in 0..n {
+                    if let Ok(b) = map.get_notification_bytes(&peer, i) {
+                        got.push(b);
+                    }
+                }
+            }
+        }
+        if got.is_empty() {
+            std::thread::sleep(poll);
+        }
+        for b in got {
+            // An empty notification would read as the close marker: never forward one.
+            if !b.is_empty() && tx.send(b).is_err() {
+                return;
+            }
+        }
+    }
+}
+
+impl Transport for NixlEnd {
+    fn name(&self) -> &'static str {
+        "nixl"
+    }
+
+    fn peer(&self) -> &Hello {
+        &self.peer
+    }
+
+    fn send(&self, frame: &[u8]) -> Result<(), TransferError> {
+        if self.link.is_closed() {
+            return Err(self.closed_err());
+        }
+        let s = self.stream.lock();
+        write_frame(&s, frame, self.opts.io_timeout).map_err(|e| self.fail(e))
+    }
+
+    fn recv(&self, timeout: Duration) -> Result<Option<Vec<u8>>, TransferError> {
+        let got = match self.inbox.try_recv() {
+            Ok(f) => Some(f),
+            Err(_) if self.link.is_closed() => return Err(self.closed_err()),
+            Err(_) => match self.inbox.recv_timeout(timeout) {
+                Ok(f) => Some(f),
+                Err(flume::RecvTimeoutError::Timeout) => None,
+                Err(flume::RecvTimeoutError::Disconnected) => return Err(self.closed_err()),
+            },
+        };
+        match got {
+            Some(f) if f.is_empty() => Err(self.closed_err()),
+            other => Ok(other),
+        }
+    }
+
+    fn write(
+        &self,
+        segments: &[Segment<'_>],
+        notification: Option<&[u8]>,
+    ) -> Result<(), TransferError> {
+        if self.role != Role::Prefill {
+            return Err(TransferError::Unsupported("the decode end does not write"));
+        }
+        if self.link.is_closed() {
+            return Err(self.closed_err());
+        }
+        self.xfer(segments, notification).map_err(|e| match e {
+            e @ TransferError::OutOfBounds { .. } => e,
+            e => self.fail(e),
+        })
+    }
+
+    fn landing(&self) -> Option<Arc<LandingZone>> {
+        self.zone.as_ref().map(|z| z.zone.clone())
+    }
+
+    fn close(&self, why: &str) {
+        if self.link.close(why) {
+            let _ = self.stream.lock().shutdown(Shutdown::Both);
+        }
+    }
+
+    fn is_closed(&self) -> bool {
+        self.link.is_closed()
+    }
+}
+
+impl Drop for NixlEnd {
+    fn drop(&mut self) {
+        self.close(&format!("{} end dropped", self.role.name()));
+        for t in self.threads.lock().drain(..) {
+            let _ = t.join();
+        }
+        // Registrations drop before their memory (field order in `Staging` and
+        // `RegisteredZone`).
+        self.agent.forget(&self.peer_agent);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The handshake data decodes strictly: round trip, and every truncation or extension
+    /// refused (no NIXL call involved).
+    #[test]
+    fn blob_round_trip_and_strictness() {
+        for zone in [None, Some((0x7f00_dead_b000usize, 123_456usize))] {
+            let b = encode_blob(b"agent metadata", zone);
+            let (md, z) = decode_blob(&b).unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(md, b"agent metadata");
+            assert_eq!(z, zone.map(|(a, l)| (a as u64, l as u64)));
+            for n in 0..b.len() {
+                assert!(decode_blob(&b[..n]).is_err(), "{n} bytes accepted");
+            }
+            let mut long = b.clone();
+            long.push(0);
+            assert!(decode_blob(&long).is_err());
+        }
+        let mut bad = encode_blob(b"x", None);
+        *bad.last_mut().unwrap_or(&mut 0) = 7;
+        assert!(decode_blob(&bad).is_err());
+    }
+}
