@@ -91,6 +91,7 @@ pub struct Metrics {
     transfer_bytes: Labelled<Counter>,
     checksum_failures: Labelled<Counter>,
     refused: Labelled<Counter>,
+    refused_frames: Labelled<Counter>,
     quarantined: Labelled<Gauge>,
     leaked: Gauge,
     idle_checks: Counter,
@@ -162,6 +163,10 @@ impl Metrics {
             "sparsekit_refused",
             "Writes, reads, frames or requests refused by an integrity check, by reason",
         );
+        let refused_frames = family(
+            "sparsekit_refused_frames",
+            "PD messages and page writes the decode receiver refused, by reason",
+        );
         let mut gauge = |name: &str, help: &str| {
             let f = Labelled::<Gauge>::default();
             registry.register(name, help, f.clone());
@@ -208,6 +213,7 @@ impl Metrics {
             transfer_bytes,
             checksum_failures,
             refused,
+            refused_frames,
             quarantined,
             leaked,
             idle_checks,
@@ -296,6 +302,14 @@ impl Metrics {
     /// `load_failed`, `fingerprint`, ...).
     pub fn refused(&self, reason: &str, n: u64) {
         self.refused
+            .get_or_create(&label("reason", reason))
+            .inc_by(n);
+    }
+
+    /// Counts PD frames (messages, page writes) refused by the decode receiver for
+    /// `reason` (`fingerprint`, `checksum`, `stale`, ...).
+    pub fn refused_frames(&self, reason: &str, n: u64) {
+        self.refused_frames
             .get_or_create(&label("reason", reason))
             .inc_by(n);
     }

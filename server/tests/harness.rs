@@ -155,9 +155,33 @@ fn the_pd_off_configs_are_clean_and_reuse_through_the_host_tier() {
             assert!(r.host_hit_rate.is_none() && r.ttft_speedup_turn3plus.is_none());
         }
     }
-    // PD rows without a PD runner: unavailable, no numbers.
-    let pd = run(s, "fp8/host-on/pd-on", None, true, 0.0, 1);
-    assert!(!pd[0].available && pd[0].corrupted.is_none(), "{:?}", pd[0]);
+}
+
+/// The four PD-on configurations through an in-process prefill/decode pair: every prompt
+/// page of both kinds crosses the transfer, sessions match the reference bit for bit,
+/// prefill's host tier is used, nothing is left leaked or quarantined.
+#[test]
+fn the_pd_on_configs_are_clean_through_a_prefill_decode_pair() {
+    let s = three_turns();
+    let rows = run(s, "pd-on", None, true, 0.0, 1);
+    assert_eq!(rows.len(), 4);
+    for r in &rows {
+        assert_clean(r);
+        assert_eq!(r.sessions, Some(3));
+        assert_eq!(r.refused_frames, Some(0), "{}", r.config);
+        if r.host_tier == "on" {
+            assert!(
+                r.host_hit_rate.is_some_and(|x| x > 0.0),
+                "{}: prefill reused through its host tier",
+                r.config
+            );
+        }
+        assert!(r
+            .note
+            .as_deref()
+            .unwrap_or("")
+            .contains("prefill/decode pair"));
+    }
 }
 
 #[test]

@@ -304,6 +304,7 @@ fn run_urls<B: Backend + ModelOps + 'static>(
         sizing: Sizing {
             device_pages: 0,
             host_pages: 0,
+            decode_pages: 0,
         },
         max_running: opts.workload.sessions,
         injection: opts.injection,

@@ -535,6 +535,52 @@ impl<B: Backend + 'static> KvSpace<B> for CacheKvSpace<B> {
         self.cache.stats().device_free.saturating_sub(before)
     }
 
+    fn commit_held(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        computed: usize,
+    ) -> Option<ReceivedPages> {
+        let s = self.seqs.get(&seq)?;
+        if !(self.opts.prefix_reuse && s.admitted) {
+            self.commit(seq, tokens, computed);
+            return None;
+        }
+        let req = s.req;
+        let full = computed.min(tokens.len()) / self.page_size * self.page_size;
+        let s = self.forget(seq)?;
+        let held = match self
+            .cache
+            .commit(req, &tokens[..computed.min(tokens.len())], &s.refs)
+        {
+            Ok(()) => {
+                // The committed path is locked by `req`: a new request matches all of it
+                // at once (nothing to load, nothing evicted in between) and holds it.
+                let h = self.ids.fetch_add(1, Ordering::Relaxed);
+                match self.cache.begin(h, &tokens[..full]) {
+                    Ok(p) => Some(ReceivedPages {
+                        cache_request: h,
+                        pages: p.pages,
+                        tokens: p.tokens,
+                    }),
+                    Err(e) => {
+                        tracing::warn!(seq, error = %e, "cannot hold committed pages");
+                        None
+                    }
+                }
+            }
+            Err(e) => {
+                self.counts.commit_refused.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(seq, error = %e, "the cache refused a commit; pages released");
+                None
+            }
+        };
+        if self.cache.finish(req).is_err() {
+            let _ = self.cache.abort(req);
+        }
+        held
+    }
+
     fn release(&mut self, seq: SeqId) -> usize {
         let Some(s) = self.forget(seq) else {
             return 0;

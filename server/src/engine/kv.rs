@@ -70,6 +70,28 @@ pub struct ReceivedPages {
     pub tokens: usize,
 }
 
+/// Where a request's prompt KV can come from instead of being computed by the engine
+/// (the decode side of a PD pair: [`crate::pd::pair::DecodeSource`]). Set with
+/// [`crate::engine::Engine::set_prompt_source`]; the engine then calls
+/// [`PromptSource::fetch`] for every submitted request on a thread of its own (never the
+/// engine thread) and queues the request once it returns.
+pub trait PromptSource: Send + Sync {
+    /// Brings the KV and index keys of a leading part of `prompt` into the engine's cache
+    /// and returns the pages to adopt, or `None` to compute the whole prompt here (a prompt
+    /// too short to transfer). Every wait inside is bounded. When `aborted` turns true (the
+    /// client went away) it gives up, releases what it holds (or leaves it quarantined
+    /// until nothing can land in it) and returns [`EngineError::Aborted`].
+    fn fetch(
+        &self,
+        prompt: &[u32],
+        aborted: &std::sync::atomic::AtomicBool,
+    ) -> Result<Option<ReceivedPages>, EngineError>;
+
+    /// Gives back pages a successful `fetch` returned for a request the engine could not
+    /// take after all (it stopped).
+    fn release(&self, received: &ReceivedPages);
+}
+
 /// Pages per sequence plus per-step layer access; see the module docs.
 pub trait KvSpace<B: Backend> {
     /// A forward step's access to the layers.
@@ -118,6 +140,20 @@ pub trait KvSpace<B: Backend> {
     fn commit(&mut self, seq: SeqId, tokens: &[u32], computed: usize) -> usize {
         let _ = (tokens, computed);
         self.release(seq)
+    }
+    /// [`KvSpace::commit`] for a PD prefill: the committed full pages of `tokens[..computed]`
+    /// stay locked for the caller as a live cache request of their own (returned as
+    /// [`ReceivedPages`]; the caller ends it, or gives it back with
+    /// [`KvSpace::release_received`]). `None` where the space cannot hold pages (it then
+    /// committed as `commit`).
+    fn commit_held(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        computed: usize,
+    ) -> Option<ReceivedPages> {
+        self.commit(seq, tokens, computed);
+        None
     }
     /// Frees every page of `seq` without keeping anything (aborted or failed requests,
     /// admitted or still waiting); returns how many (0 for an unknown sequence).

@@ -14,7 +14,7 @@ pub mod weights;
 pub use batch::{SeqChunk, StepBatch};
 pub use cache_space::{CacheHandle, CacheKvSpace, CacheSpaceOptions};
 pub use config::ModelConfig;
-pub use kv::{KvSpace, KvStep, LayerCache, PagedKvSpace, ReceivedPages, SeqId};
+pub use kv::{KvSpace, KvStep, LayerCache, PagedKvSpace, PromptSource, ReceivedPages, SeqId};
 pub use model::{logits_digest, Model, StepLogits};
 pub use sampling::SamplingParams;
 pub use scheduler::{

@@ -23,7 +23,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -31,9 +31,10 @@ use sparsekit_host::cache::{CacheConfig, CacheSpec, Faults, HiCache, HostLayout}
 use sparsekit_host::{Backend, IndexKDtype, KvDtype, ModelOps};
 
 use crate::engine::batch::{SeqChunk, StepBatch};
+use crate::engine::cache_space::CacheHandle;
 use crate::engine::cache_space::{CacheKvSpace, CacheSpaceOptions};
 use crate::engine::config::ModelConfig;
-use crate::engine::kv::{KvSpace, PagedKvSpace, ReceivedPages, SeqId};
+use crate::engine::kv::{KvSpace, PagedKvSpace, PromptSource, ReceivedPages, SeqId};
 use crate::engine::model::{logits_digest, Model};
 use crate::engine::sampling::{sample, SamplingParams};
 use crate::engine::tokenizer::{TextStream, END, VOCAB_SIZE};
@@ -330,6 +331,10 @@ struct Inner {
     metrics: Arc<Metrics>,
     info: EngineInfo,
     max_waiting: usize,
+    /// Where prompts' KV comes from (PD decode side); see [`PromptSource`].
+    prompt_source: OnceLock<Arc<dyn PromptSource>>,
+    /// Requests whose prompt is being fetched from the source (not queued yet).
+    fetching: AtomicUsize,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -531,18 +536,57 @@ impl Engine {
                 let space = PagedKvSpace::new(&*backend, kv, ik, cfg.n_layers, opts.kv_pages)?;
                 Self::start_with(model, space, opts, metrics)
             }
-            Some(c) => {
-                let mut config = CacheConfig::new(opts.kv_pages, c.host_pages);
-                config.write_through = c.write_through;
-                config.verify = c.verify;
-                config.host_layout = c.host_layout;
-                config.wait_timeout = c.wait_timeout;
-                config.faults = c.faults.clone();
-                let cache = HiCache::new(backend, CacheSpec::new(kv, ik, cfg.n_layers)?, config)?;
-                let space = CacheKvSpace::new(Arc::new(cache), CacheSpaceOptions::default());
-                Self::start_with(model, space, opts, metrics)
+            Some(_) => {
+                Self::start_cached(backend, cfg, opts, metrics, CacheSpaceOptions::default())
+                    .map(|(e, _)| e)
             }
         }
+    }
+
+    /// [`Engine::start`] over the cache-backed space (`opts.cache` must be set), with the
+    /// space's switches; also returns the [`CacheHandle`] a PD receiver works through.
+    pub fn start_cached<B: Backend + ModelOps + 'static>(
+        backend: Arc<B>,
+        cfg: ModelConfig,
+        opts: EngineOptions,
+        metrics: Arc<Metrics>,
+        space_opts: CacheSpaceOptions,
+    ) -> Result<(Engine, CacheHandle<B>), EngineError> {
+        opts.validate()?;
+        let Some(c) = &opts.cache else {
+            return Err(EngineError::InvalidConfig(
+                "a cache-backed engine needs cache options".into(),
+            ));
+        };
+        let model = Model::new(backend.clone(), cfg, opts.seed)?;
+        let (kv, ik) = (
+            model.kv_layout(opts.kv_dtype)?,
+            model.index_k_layout(opts.index_k_dtype)?,
+        );
+        let mut config = CacheConfig::new(opts.kv_pages, c.host_pages);
+        config.write_through = c.write_through;
+        config.verify = c.verify;
+        config.host_layout = c.host_layout;
+        config.wait_timeout = c.wait_timeout;
+        config.faults = c.faults.clone();
+        let cache = HiCache::new(backend, CacheSpec::new(kv, ik, cfg.n_layers)?, config)?;
+        let space = CacheKvSpace::new(Arc::new(cache), space_opts);
+        let handle = space.handle();
+        Ok((Self::start_with(model, space, opts, metrics)?, handle))
+    }
+
+    /// Makes `source` provide every later request's prompt KV (the PD decode side); once
+    /// only (`InvalidConfig` after that).
+    pub fn set_prompt_source(&self, source: Arc<dyn PromptSource>) -> Result<(), EngineError> {
+        self.inner
+            .prompt_source
+            .set(source)
+            .map_err(|_| EngineError::InvalidConfig("the prompt source is already set".into()))
+    }
+
+    /// Requests whose prompt KV is being fetched from the prompt source now.
+    pub fn fetching(&self) -> usize {
+        self.inner.fetching.load(Ordering::Acquire)
     }
 
     /// Starts the engine thread over a given model and KV space (the cache-backed space
@@ -602,6 +646,8 @@ impl Engine {
             metrics,
             info,
             max_waiting: opts.max_waiting,
+            prompt_source: OnceLock::new(),
+            fetching: AtomicUsize::new(0),
         });
         let (exit_tx, exit_rx) = flume::bounded(1);
         let thread_inner = inner.clone();
@@ -697,6 +743,28 @@ impl Engine {
 
     /// Queues a request; its handle receives the events.
     pub fn submit(&self, req: GenerateRequest) -> Result<RequestHandle, EngineError> {
+        self.submit_inner(req, None)
+    }
+
+    /// [`Engine::submit`] for a PD prefill: when the request ends normally, the full pages
+    /// of its prompt stay locked in the engine's cache as a live cache request of their
+    /// own, sent to the returned channel before the handle's `Done` (nothing is sent by a
+    /// space without a prefix cache, or when the request did not end normally). The
+    /// receiver of the pages ends that cache request; if the channel is gone by then, the
+    /// engine ends it.
+    pub fn submit_held(
+        &self,
+        req: GenerateRequest,
+    ) -> Result<(RequestHandle, flume::Receiver<ReceivedPages>), EngineError> {
+        let (tx, rx) = flume::bounded(1);
+        Ok((self.submit_inner(req, Some(tx))?, rx))
+    }
+
+    fn submit_inner(
+        &self,
+        req: GenerateRequest,
+        hold: Option<flume::Sender<ReceivedPages>>,
+    ) -> Result<RequestHandle, EngineError> {
         let inner = &self.inner;
         let rejected = |e: EngineError| {
             inner.metrics.request(RequestStatus::Rejected);
@@ -741,6 +809,7 @@ impl Engine {
             computed: 0,
             params: req.sampling,
             received: req.received,
+            hold,
             admitted: false,
             events: tx,
             shared: shared.clone(),
@@ -748,7 +817,21 @@ impl Engine {
             last_token: None,
         };
         inner.waiting.fetch_add(1, Ordering::AcqRel);
-        if inner.commands.send(Command::Submit(Box::new(s))).is_err() {
+        if let (Some(src), None) = (inner.prompt_source.get(), &s.received) {
+            let (src, fetch_inner) = (src.clone(), inner.clone());
+            inner.fetching.fetch_add(1, Ordering::AcqRel);
+            let spawned = std::thread::Builder::new()
+                .name("sparsekit-fetch".into())
+                .spawn(move || fetch_then_queue(&fetch_inner, &*src, s));
+            if let Err(e) = spawned {
+                inner.fetching.fetch_sub(1, Ordering::AcqRel);
+                inner.waiting.fetch_sub(1, Ordering::AcqRel);
+                inner.forget(&rid);
+                return rejected(EngineError::Unavailable(format!(
+                    "cannot start the prompt fetch: {e}"
+                )));
+            }
+        } else if inner.commands.send(Command::Submit(Box::new(s))).is_err() {
             inner.waiting.fetch_sub(1, Ordering::AcqRel);
             inner.forget(&rid);
             return rejected(EngineError::Unavailable(
@@ -819,6 +902,62 @@ impl Drop for ExitGuard {
     }
 }
 
+/// The thread of one request's prompt fetch ([`PromptSource::fetch`]): queues the
+/// request with what was fetched, or ends it (aborted, failed) without the engine.
+fn fetch_then_queue(inner: &Inner, src: &dyn PromptSource, mut s: Seq) {
+    let fetched = catch_unwind(AssertUnwindSafe(|| {
+        src.fetch(&s.tokens[..s.prompt_len], &s.shared.aborted)
+    }))
+    .unwrap_or_else(|p| {
+        Err(EngineError::StepFailed(format!(
+            "the prompt fetch panicked: {}",
+            panic_message(&*p)
+        )))
+    });
+    let err = match fetched {
+        Ok(received) => {
+            s.received = received;
+            match inner.commands.send(Command::Submit(Box::new(s))) {
+                Ok(()) => {
+                    inner.fetching.fetch_sub(1, Ordering::AcqRel);
+                    return;
+                }
+                Err(flume::SendError(cmd)) => {
+                    let Command::Submit(back) = cmd else {
+                        inner.fetching.fetch_sub(1, Ordering::AcqRel);
+                        return;
+                    };
+                    s = *back;
+                    if let Some(r) = &s.received {
+                        src.release(r);
+                    }
+                    EngineError::Unavailable("the engine thread has stopped".into())
+                }
+            }
+        }
+        Err(e) => e,
+    };
+    inner.waiting.fetch_sub(1, Ordering::AcqRel);
+    s.shared.finished.store(true, Ordering::Release);
+    inner.forget(&s.rid);
+    let (status, ev) = match err {
+        EngineError::Aborted(_) => (
+            RequestStatus::Aborted,
+            Event::Done(Finished {
+                reason: FinishReason::Abort,
+                matched: None,
+                text: String::new(),
+                prompt_tokens: s.prompt_len,
+                completion_tokens: 0,
+            }),
+        ),
+        e => (RequestStatus::Failed, Event::Error(e)),
+    };
+    inner.metrics.request(status);
+    let _ = s.events.send(ev);
+    inner.fetching.fetch_sub(1, Ordering::AcqRel);
+}
+
 /// A request inside the engine thread.
 struct Seq {
     id: SeqId,
@@ -830,6 +969,8 @@ struct Seq {
     computed: usize,
     /// Pages received for the prompt (PD decode side).
     received: Option<ReceivedPages>,
+    /// Hold the committed prompt pages for this channel ([`Engine::submit_held`]).
+    hold: Option<flume::Sender<ReceivedPages>>,
     /// Admitted by the KV space (holds its pages).
     admitted: bool,
     params: SamplingParams,
@@ -928,6 +1069,11 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
     }
 
     fn note_idle(&mut self) {
+        if self.inner.fetching.load(Ordering::Acquire) > 0 {
+            // Pages of fetches in flight are held for requests not queued yet: the
+            // accounting is checked once they are.
+            return;
+        }
         let check = self.space.leak_check().map_err(|e| e.to_string());
         let leaked = self.space.leaked_pages();
         self.space.publish(&self.inner.metrics);
@@ -940,9 +1086,10 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
     fn publish_stats(&mut self) {
         let (free, cap) = (self.space.free_pages(), self.space.capacity_pages());
         self.space.publish(&self.inner.metrics);
+        let fetching = self.inner.fetching.load(Ordering::Acquire);
         self.inner
             .metrics
-            .in_engine(self.running.len(), self.waiting.len());
+            .in_engine(self.running.len(), self.waiting.len() + fetching);
         let mut st = lock(&self.inner.stats);
         st.waiting = self.waiting.len();
         st.running = self.running.len();
@@ -954,9 +1101,19 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
     /// its last event, counts it.
     fn end(&mut self, s: Seq, how: End) {
         match &how {
-            End::Done(f) if f.reason != FinishReason::Abort && s.admitted => {
-                self.space.commit(s.id, &s.tokens, s.computed);
-            }
+            End::Done(f) if f.reason != FinishReason::Abort && s.admitted => match &s.hold {
+                Some(tx) => {
+                    let computed = s.computed.min(s.prompt_len);
+                    if let Some(h) = self.space.commit_held(s.id, &s.tokens, computed) {
+                        if let Err(flume::SendError(h)) = tx.send(h) {
+                            self.space.release_received(&h);
+                        }
+                    }
+                }
+                None => {
+                    self.space.commit(s.id, &s.tokens, s.computed);
+                }
+            },
             _ => {
                 // Admitted, or waiting with a prefix the space already holds for it.
                 self.space.release(s.id);

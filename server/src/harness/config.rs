@@ -213,6 +213,8 @@ impl Injection {
             Injection::HostPoolFp8Layout => c.host_tier && c.index_k == IndexKDtype::Bf16,
             Injection::SharedItemSize | Injection::SkipIndexWait => c.host_tier,
             Injection::NoGenerationCheck => true,
+            // The fp8 frame of an fp8 index-K page is the right frame.
+            Injection::PdFp8Frame => c.pd && c.index_k == IndexKDtype::Bf16,
             _ => c.pd,
         }
     }

@@ -23,6 +23,8 @@ use crate::harness::config::{no_verify_faults, ConfigKey, Injection};
 use crate::harness::run::{http_exchange, HttpTarget};
 use crate::harness::scrape::Scrape;
 use crate::metrics::Metrics;
+use crate::pd::pair::{PdOptions, PdPair};
+use crate::pd::{Checks, PdFault, PdFaults};
 
 /// Pool sizes of a run (pages of `page_size` tokens of every layer and kind).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,6 +33,8 @@ pub struct Sizing {
     pub device_pages: usize,
     /// The host tier (when on): the whole working set.
     pub host_pages: usize,
+    /// A PD decode side's pool (no prefix reuse: room for the requests it runs at once).
+    pub decode_pages: usize,
 }
 
 /// Everything a runner needs besides the configuration.
@@ -91,6 +95,46 @@ impl RunPlan {
             ..Default::default()
         }
     }
+
+    /// The PD settings under this plan (a PD injection's fault; the receiver's checks off
+    /// for `--no-verify`).
+    pub fn pd_options(&self) -> PdOptions {
+        let fault = match self.injection {
+            Some(Injection::PdFp8Frame) => Some(PdFault::Fp8Frame),
+            Some(Injection::PdReadBeforeLanded) => Some(PdFault::ReadBeforeLanded),
+            Some(Injection::StaleTransferWrite) => Some(PdFault::StaleTransferWrite),
+            _ => None,
+        };
+        PdOptions {
+            faults: PdFaults::with(&fault.into_iter().collect::<Vec<_>>()),
+            checks: if self.verify {
+                Checks::all()
+            } else {
+                Checks::none()
+            },
+            workers: self.max_running.clamp(1, 16),
+            timeout: Duration::from_secs(120),
+        }
+    }
+
+    /// The engine options of the two sides of PD configuration `c`: prefill as
+    /// [`RunPlan::engine_options`] (prefix cache, host tier), decode with a pool for the
+    /// requests it runs and no host tier (its prompts arrive by transfer).
+    pub fn pd_engine_options(&self, c: &ConfigKey) -> (EngineOptions, EngineOptions) {
+        let prefill = EngineOptions {
+            role: "prefill".into(),
+            ..self.engine_options(c)
+        };
+        let mut cache = self.cache_options(c);
+        cache.host_pages = 0;
+        let decode = EngineOptions {
+            role: "decode".into(),
+            kv_pages: self.sizing.decode_pages.max(self.sizing.device_pages),
+            cache: Some(cache),
+            ..self.engine_options(c)
+        };
+        (prefill, decode)
+    }
 }
 
 /// The servers of one configuration, up for all rounds of a run.
@@ -126,8 +170,9 @@ pub fn get(addr: SocketAddr, path: &str, deadline: Duration) -> Result<String, S
     }
 }
 
-/// The PD-off configurations in this process: the engine (cache-backed space) behind the
-/// HTTP server on a loopback port.
+/// Every configuration in this process: PD off, the engine (cache-backed space) behind the
+/// HTTP server on a loopback port; PD on, a prefill/decode pair ([`PdPair`], in-process
+/// transport) with an HTTP server each (requests go to decode).
 #[derive(Debug)]
 pub struct LocalRunner<B> {
     pub backend: Arc<B>,
@@ -157,14 +202,99 @@ impl Deployment for LocalDeployment {
     }
 }
 
+/// A PD pair in this process, each engine behind its own HTTP server.
+struct PdDeployment<B: Backend + 'static> {
+    rt: tokio::runtime::Runtime,
+    servers: Vec<crate::http::ServerHandle>,
+    pair: Option<PdPair<B>>,
+    target: HttpTarget,
+    prefill_addr: SocketAddr,
+}
+
+impl<B: Backend + ModelOps + 'static> Deployment for PdDeployment<B> {
+    fn target(&self) -> &HttpTarget {
+        &self.target
+    }
+    fn health_addrs(&self) -> Vec<SocketAddr> {
+        vec![self.target.addr, self.prefill_addr]
+    }
+    fn scrape(&self) -> Result<Scrape, String> {
+        let mut s = Scrape::default();
+        for a in self.health_addrs() {
+            s.merge(get(a, "/metrics", Duration::from_secs(10)).map(|t| Scrape::parse(&t))?);
+        }
+        Ok(s)
+    }
+    fn note(&self) -> Option<String> {
+        Some("prefill/decode pair in process, local transport".into())
+    }
+    fn close(mut self: Box<Self>) -> Result<(), EngineError> {
+        let mut r = Ok(());
+        for s in self.servers.drain(..) {
+            let x = self.rt.block_on(s.shutdown(Duration::from_secs(10)));
+            r = r.and(x);
+        }
+        if let Some(p) = self.pair.take() {
+            r = r.and(p.shutdown(Duration::from_secs(10)));
+        }
+        r
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, EngineError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| EngineError::Unavailable(format!("tokio runtime: {e}")))
+}
+
+impl<B: Backend + ModelOps + 'static> LocalRunner<B> {
+    fn start_pd(&self, c: &ConfigKey, plan: &RunPlan) -> Result<Box<dyn Deployment>, EngineError> {
+        let (p_opts, d_opts) = plan.pd_engine_options(c);
+        let pair = PdPair::start_local(
+            self.backend.clone(),
+            plan.model,
+            p_opts,
+            d_opts,
+            plan.pd_options(),
+            Arc::new(Metrics::new("prefill")),
+            Arc::new(Metrics::new("decode")),
+        )?;
+        let rt = runtime()?;
+        let mut servers = Vec::new();
+        for e in [pair.decode.clone(), pair.prefill.clone()] {
+            let s = rt
+                .block_on(crate::http::spawn(
+                    e,
+                    ([127, 0, 0, 1], 0).into(),
+                    Default::default(),
+                ))
+                .map_err(|e| EngineError::Unavailable(format!("cannot bind the server: {e}")))?;
+            servers.push(s);
+        }
+        let target = HttpTarget {
+            addr: servers[0].addr,
+        };
+        let prefill_addr = servers[1].addr;
+        Ok(Box::new(PdDeployment {
+            rt,
+            servers,
+            pair: Some(pair),
+            target,
+            prefill_addr,
+        }))
+    }
+}
+
 impl<B: Backend + ModelOps + 'static> ConfigRunner for LocalRunner<B> {
-    fn unavailable(&self, c: &ConfigKey) -> Option<String> {
-        c.pd.then(|| "needs the PD transfer (prefill/decode pair)".to_string())
+    fn unavailable(&self, _c: &ConfigKey) -> Option<String> {
+        None
     }
 
     fn start(&self, c: &ConfigKey, plan: &RunPlan) -> Result<Box<dyn Deployment>, EngineError> {
-        if let Some(why) = self.unavailable(c) {
-            return Err(EngineError::Unavailable(why));
+        if c.pd {
+            return self.start_pd(c, plan);
         }
         let engine = Arc::new(Engine::start(
             self.backend.clone(),

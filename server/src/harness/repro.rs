@@ -34,7 +34,7 @@ use crate::harness::deploy::{wait_idle, ConfigRunner, Deployment, RunPlan, Sizin
 use crate::harness::report::{ConfigLabel, EvidenceRow, Verdict};
 use crate::harness::run::{
     probe_health, run_concurrent, run_reference, AbortingTarget, EngineTarget, Progress,
-    SessionTrace, Target,
+    SessionTrace, Target, TurnFailure,
 };
 use crate::harness::scrape::Scrape;
 use crate::harness::workload::{Workload, WorkloadConfig};
@@ -151,6 +151,10 @@ pub fn reference_runs<B: Backend + ModelOps + 'static>(
     Ok(out)
 }
 
+/// Requests a PD decode pool holds at once at most (its pool is sized for that many of the
+/// largest; more wait, bounded, for room before their transfer starts).
+pub const DECODE_RUNNING: usize = 24;
+
 /// Pool sizes from the workload as the reference ran it (see the module docs): the device
 /// pool a quarter of the working set, but never less than the largest request (a single
 /// request must fit) plus a little.
@@ -182,6 +186,7 @@ pub fn sizing(w: &Workload, references: &[&[SessionTrace]], page_size: usize) ->
     Sizing {
         device_pages: working_set.div_ceil(4).max(largest + 8),
         host_pages: working_set + working_set / 4 + 64,
+        decode_pages: DECODE_RUNNING.min(w.sessions.len()).max(1) * largest + 8,
     }
 }
 
@@ -263,6 +268,12 @@ fn run_rounds(
         row.verify = opts.verify;
         cache_numbers(&mut row, c, &before, &idle.scrape);
         let mut notes: Vec<String> = dep.note().into_iter().collect();
+        if let Some(why) = served.iter().find_map(|t| match &t.failure {
+            Some((turn, TurnFailure::Refused(why))) => Some(format!("turn {}: {why}", turn + 1)),
+            _ => None,
+        }) {
+            notes.push(format!("first refusal: {why}"));
+        }
         if !idle.idle {
             row.wedged = Some(row.wedged.unwrap_or(0) + 1);
             notes.push(format!(
