@@ -94,6 +94,7 @@ pub struct Metrics {
     refused_frames: Labelled<Counter>,
     quarantined: Labelled<Gauge>,
     leaked: Gauge,
+    transfers: Gauge,
     idle_checks: Counter,
     in_engine: Labelled<Gauge>,
 }
@@ -198,6 +199,12 @@ impl Metrics {
             "Pages held for no request the engine knows, at the last idle check",
             leaked.clone(),
         );
+        let transfers = Gauge::default();
+        registry.register(
+            "sparsekit_pd_transfers_in_flight",
+            "PD transfers not ended yet (decode's, including those waiting for a confirmation) plus prefill's jobs",
+            transfers.clone(),
+        );
         Metrics {
             role: role.to_string(),
             registry: Mutex::new(registry),
@@ -214,6 +221,7 @@ impl Metrics {
             checksum_failures,
             refused,
             refused_frames,
+            transfers,
             quarantined,
             leaked,
             idle_checks,
@@ -319,6 +327,11 @@ impl Metrics {
         self.quarantined
             .get_or_create(&label("pool", pool))
             .set(n as i64);
+    }
+
+    /// Sets `sparsekit_pd_transfers_in_flight`.
+    pub fn transfers_in_flight(&self, n: usize) {
+        self.transfers.set(n as i64);
     }
 
     /// Records an idle accounting check and the pages it found leaked.

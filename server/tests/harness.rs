@@ -232,13 +232,47 @@ fn each_injection_is_caught_with_checks_on_and_corrupts_with_them_off() {
     assert_eq!(rows[0].corrupted, Some(0));
 }
 
+/// The PD injections on the bf16 PD config with the host tier (pd-fp8-frame bites only
+/// bf16 index keys): caught by the receiver's frame checks / the landed stamps with the
+/// checks on, corrupting with `--no-verify`; nothing leaked either way.
+#[test]
+fn pd_injections_are_caught_with_checks_on_and_corrupt_with_them_off() {
+    let s = two_turns();
+    for inj in [Injection::PdFp8Frame, Injection::PdReadBeforeLanded] {
+        for verify in [true, false] {
+            let rows = run(s, "bf16/host-on/pd-on", Some(inj), verify, 0.0, 1);
+            let r = &rows[0];
+            let want = if verify {
+                Verdict::Caught
+            } else {
+                Verdict::Reproduced
+            };
+            assert_eq!(
+                r.verdict,
+                Some(want),
+                "{} verify={verify}: corrupted {:?} refused {:?} detected {:?} frames {:?} {:?}",
+                inj.name(),
+                r.corrupted,
+                r.refused,
+                r.detected,
+                r.refused_frames,
+                r.note
+            );
+            if verify {
+                assert_eq!(r.corrupted, Some(0));
+            }
+            assert_eq!(r.leaked_pages, Some(0), "{} verify={verify}", inj.name());
+        }
+    }
+}
+
 #[test]
 fn client_aborts_over_rounds_leave_nothing_behind() {
-    let rows = run(two_turns(), "bf16/host-on/pd-off", None, true, 0.4, 2);
-    assert_eq!(rows.len(), 2);
+    let rows = run(two_turns(), "bf16/host-on", None, true, 0.4, 2);
+    assert_eq!(rows.len(), 4, "PD off and on, two rounds each");
     assert_eq!(
         rows.iter().map(|r| r.round).collect::<Vec<_>>(),
-        [Some(1), Some(2)]
+        [Some(1), Some(2), Some(1), Some(2)]
     );
     let aborted: usize = rows.iter().map(|r| r.aborted.unwrap_or(0)).sum();
     assert!(aborted > 0, "some sessions were aborted");

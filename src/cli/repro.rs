@@ -89,7 +89,15 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
         return Err(format!("--abort-rate must be in [0, 1], got {}", args.abort_rate).into());
     }
     match args.transport.as_str() {
-        "local" | "nixl" => {}
+        "local" => {}
+        "nixl" => {
+            return Err(
+                "--transport nixl is not wired into repro yet: the PD-on rows run \
+                        over the local transport (the NIXL transport itself is tested by \
+                        sparsekit-server's pd_nixl tests)"
+                    .into(),
+            )
+        }
         t => return Err(format!("unknown transport {t:?} (local, nixl)").into()),
     }
     let injection: Option<Injection> = args.inject.as_deref().map(str::parse).transpose()?;
@@ -195,19 +203,18 @@ fn run_on<B: Backend + ModelOps + 'static>(
     let local = LocalRunner {
         backend: backend.clone(),
     };
-    // The PD-on rows get the PD runner beside this one once it lands; until then the
-    // in-process runner reports them unavailable.
+    // PD-on rows run through an in-process prefill/decode pair (local transport).
     let runners: [&dyn ConfigRunner; 1] = [&local];
     let refs = {
         let mut d = Vec::new();
         for c in &opts.configs {
-            if !c.pd && !d.contains(&c.index_k) {
+            if !d.contains(&c.index_k) {
                 d.push(c.index_k);
             }
         }
         d.len()
     };
-    let runnable = opts.configs.iter().filter(|c| !c.pd).count();
+    let runnable = opts.configs.len();
     let bar = progress_bar(total_turns(&opts, refs, runnable), args.json)?;
     let report = run_repro(backend, &opts, &runners, &|| bar.inc(1), &|phase| {
         bar.set_message(phase.to_string())

@@ -12,13 +12,16 @@ use sparsekit_server::engine::{CacheOptions, Engine, EngineOptions, ModelConfig}
 use sparsekit_server::harness::config::{no_verify_faults, Injection};
 use sparsekit_server::http::{serve_until_signal, ServerConfig};
 use sparsekit_server::metrics::Metrics;
+use sparsekit_server::pd::pair::{PdOptions, PdPair};
+use sparsekit_server::pd::{Checks, PdFaults};
 
 use super::{CliError, BACKENDS};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Server role: `both` (one process). `prefill` and `decode` (PD disaggregation)
-    /// come with the transfer layer and are refused for now.
+    /// Server role: `both` (one process; with `--pd on`, a prefill/decode pair inside it
+    /// over the local transport). `prefill` and `decode` as separate processes need a
+    /// network transport (nixl), which `serve` does not wire yet: refused.
     #[arg(long, default_value = "both")]
     role: String,
     /// Address to bind.
@@ -92,9 +95,14 @@ pub struct Args {
     /// Host cache tier (device pool ⇄ host mirror, layer-wise loads): on or off.
     #[arg(long, default_value = "off")]
     host_tier: String,
-    /// PD transport: local (nixl comes with PD disaggregation).
+    /// PD transport: local (in process, `--role both --pd on`); nixl is refused for now.
     #[arg(long, default_value = "local")]
     transport: String,
+    /// Prefill/decode disaggregation inside this process (`--role both`): on or off. With
+    /// on, requests go to a decode engine whose prompt pages a prefill engine (prefix
+    /// cache, host tier) computes and pushes over the local transport.
+    #[arg(long, default_value = "off")]
+    pd: String,
 }
 
 fn not_yet(what: &str) -> CliError {
@@ -116,12 +124,18 @@ fn on_off(flag: &str, v: &str) -> Result<bool, CliError> {
 pub fn run(args: Args) -> Result<ExitCode, CliError> {
     match args.role.as_str() {
         "both" => {}
-        "prefill" | "decode" => return Err(not_yet(&format!("--role {}", args.role))),
+        "prefill" | "decode" => {
+            return Err(not_yet(&format!(
+                "--role {} (separate processes need --transport nixl)",
+                args.role
+            )))
+        }
         r => return Err(format!("unknown role {r:?} (prefill, decode, both)").into()),
     }
     if args.peer.is_some() {
         return Err(not_yet("--peer"));
     }
+    let pd = on_off("pd", &args.pd)?;
     let host_tier = on_off("host-tier", &args.host_tier)?;
     let prefix_cache = on_off("prefix-cache", &args.prefix_cache)?;
     let write_through = on_off("write-through", &args.write_through)?;
@@ -129,12 +143,17 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
         return Err("--host-tier on needs --prefix-cache on".into());
     }
     let mut faults = Faults::none();
+    let mut pd_faults = Vec::new();
     if let Some(name) = &args.inject {
         let i: Injection = name.parse()?;
-        if i.needs_pd() {
-            return Err(not_yet(&format!("--inject {name}")));
+        if i.needs_pd() && !pd {
+            return Err(format!("--inject {name} needs --pd on").into());
         }
         i.cache_faults().into_iter().for_each(|f| faults.insert(f));
+        pd_faults.extend(i.pd_fault());
+    }
+    if pd && !prefix_cache {
+        return Err("--pd on needs --prefix-cache on (the pages move between caches)".into());
     }
     if args.no_verify {
         no_verify_faults()
@@ -157,7 +176,11 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
     });
     match args.transport.as_str() {
         "local" => {}
-        "nixl" => return Err(not_yet("--transport nixl")),
+        "nixl" => {
+            return Err(not_yet(
+                "--transport nixl (serve wires the local transport)",
+            ))
+        }
         v => return Err(format!("unknown transport {v:?} (local, nixl)").into()),
     }
     let index_k = match args.index_k.as_str() {
@@ -186,6 +209,16 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
         role: "both".into(),
         ..Default::default()
     };
+    let pd = pd.then(|| PdOptions {
+        faults: PdFaults::with(&pd_faults),
+        checks: if args.no_verify {
+            Checks::none()
+        } else {
+            Checks::all()
+        },
+        workers: args.max_running.clamp(1, 16),
+        ..Default::default()
+    });
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()
         .map_err(|e| format!("bad address {}:{}: {e}", args.host, args.port))?;
@@ -209,14 +242,14 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
                 Some(t) => CpuBackend::with_threads(t)?,
                 None => CpuBackend::new(),
             };
-            serve_on(Arc::new(b), cfg, opts, addr, server)
+            serve_on(Arc::new(b), cfg, opts, pd, addr, server)
         }
-        "emu" => serve_on(Arc::new(EmuBackend::new()), cfg, opts, addr, server),
+        "emu" => serve_on(Arc::new(EmuBackend::new()), cfg, opts, pd, addr, server),
         "cuda" => {
             let b = sparsekit::cuda::CudaBackend::new(0)
                 .map_err(|e| format!("cuda backend unavailable: {e}"))?;
             eprintln!("cuda device: {}", b.device());
-            serve_on(Arc::new(b), cfg, opts, addr, server)
+            serve_on(Arc::new(b), cfg, opts, pd, addr, server)
         }
         other => Err(format!("unknown backend {other:?} (available: {BACKENDS})").into()),
     }
@@ -226,19 +259,48 @@ fn serve_on<B: Backend + ModelOps + 'static>(
     backend: Arc<B>,
     cfg: ModelConfig,
     opts: EngineOptions,
+    pd: Option<PdOptions>,
     addr: SocketAddr,
     server: ServerConfig,
 ) -> Result<ExitCode, CliError> {
-    let engine = Arc::new(Engine::start(
-        backend,
-        cfg,
-        opts,
-        Arc::new(Metrics::new("both")),
-    )?);
+    let mut pair = None;
+    let engine = match pd {
+        None => Arc::new(Engine::start(
+            backend,
+            cfg,
+            opts,
+            Arc::new(Metrics::new("both")),
+        )?),
+        Some(pd) => {
+            let mut decode = EngineOptions {
+                role: "decode".into(),
+                ..opts.clone()
+            };
+            if let Some(c) = decode.cache.as_mut() {
+                c.host_pages = 0;
+            }
+            let p = PdPair::start_local(
+                backend,
+                cfg,
+                EngineOptions {
+                    role: "prefill".into(),
+                    ..opts
+                },
+                decode,
+                pd,
+                Arc::new(Metrics::new("prefill")),
+                Arc::new(Metrics::new("decode")),
+            )?;
+            let d = p.decode.clone();
+            pair = Some(p);
+            d
+        }
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
+    let with_pd = pair.is_some();
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(addr).await?;
         let local = listener.local_addr()?;
@@ -252,8 +314,14 @@ fn serve_on<B: Backend + ModelOps + 'static>(
             "sparsekit serve: listening on http://{local} (model {}, backend {}, index-K {}, KV {}, {} device pages, {cache})",
             info.model, info.backend, info.index_k_dtype, info.kv_dtype, info.kv_pages
         );
+        if with_pd {
+            println!("sparsekit serve: prefill/decode pair in this process (local transport)");
+        }
         serve_until_signal(engine, listener, server).await
     })?;
+    if let Some(p) = pair {
+        p.shutdown(Duration::from_secs(5))?;
+    }
     eprintln!("sparsekit serve: stopped");
     Ok(ExitCode::SUCCESS)
 }

@@ -28,6 +28,7 @@ use sparsekit_host::cache::Fault;
 use sparsekit_host::IndexKDtype;
 
 use crate::error::EngineError;
+use crate::pd::PdFault;
 
 /// One configuration of the evidence table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -216,6 +217,16 @@ impl Injection {
             // The fp8 frame of an fp8 index-K page is the right frame.
             Injection::PdFp8Frame => c.pd && c.index_k == IndexKDtype::Bf16,
             _ => c.pd,
+        }
+    }
+
+    /// The PD fault that re-creates it in a prefill/decode pair (`None` for the others).
+    pub fn pd_fault(&self) -> Option<PdFault> {
+        match self {
+            Injection::PdFp8Frame => Some(PdFault::Fp8Frame),
+            Injection::PdReadBeforeLanded => Some(PdFault::ReadBeforeLanded),
+            Injection::StaleTransferWrite => Some(PdFault::StaleTransferWrite),
+            _ => None,
         }
     }
 

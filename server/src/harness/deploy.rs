@@ -24,7 +24,7 @@ use crate::harness::run::{http_exchange, HttpTarget};
 use crate::harness::scrape::Scrape;
 use crate::metrics::Metrics;
 use crate::pd::pair::{PdOptions, PdPair};
-use crate::pd::{Checks, PdFault, PdFaults};
+use crate::pd::{Checks, PdFaults};
 
 /// Pool sizes of a run (pages of `page_size` tokens of every layer and kind).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -99,12 +99,7 @@ impl RunPlan {
     /// The PD settings under this plan (a PD injection's fault; the receiver's checks off
     /// for `--no-verify`).
     pub fn pd_options(&self) -> PdOptions {
-        let fault = match self.injection {
-            Some(Injection::PdFp8Frame) => Some(PdFault::Fp8Frame),
-            Some(Injection::PdReadBeforeLanded) => Some(PdFault::ReadBeforeLanded),
-            Some(Injection::StaleTransferWrite) => Some(PdFault::StaleTransferWrite),
-            _ => None,
-        };
+        let fault = self.injection.and_then(|i| i.pd_fault());
         PdOptions {
             faults: PdFaults::with(&fault.into_iter().collect::<Vec<_>>()),
             checks: if self.verify {
@@ -467,7 +462,8 @@ pub fn wait_idle(d: &dyn Deployment, bound: Duration) -> IdleState {
     let servers = d.health_addrs().len().max(1) as f64;
     loop {
         let s = d.scrape().unwrap_or_default();
-        let busy = s.value("sparsekit_requests_in_engine", &[]);
+        let busy = s.value("sparsekit_requests_in_engine", &[])
+            + s.value("sparsekit_pd_transfers_in_flight", &[]);
         let checks = s.value("sparsekit_idle_checks_total", &[]);
         let idle = busy == 0.0 && checks >= checks0 + 2.0 * servers;
         if idle || started.elapsed() >= bound {

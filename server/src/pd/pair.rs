@@ -242,6 +242,7 @@ impl Drop for PrefillWorkers {
 fn compute<B: Backend + 'static>(
     job: &Job<B>,
     engine: &Engine,
+    handle: &CacheHandle<B>,
     deadline: Instant,
 ) -> Result<Option<ReceivedPages>, String> {
     let sampling = SamplingParams {
@@ -251,13 +252,27 @@ fn compute<B: Backend + 'static>(
     let (mut h, held) = engine
         .submit_held(GenerateRequest::new(job.prompt().to_vec(), sampling))
         .map_err(|e| format!("prefill engine: {e}"))?;
+    // Gives up the engine request; pages it may already hold for us are released.
+    let give_up = |h: &mut crate::engine::scheduler::RequestHandle| {
+        h.abort();
+        let until = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < until {
+            match h.next_event_timeout(Duration::from_millis(20)) {
+                Ok(Some(Event::Token(_))) | Err(EngineError::Timeout(_)) => {}
+                _ => break,
+            }
+        }
+        if let Ok(p) = held.try_recv() {
+            let _ = handle.cache().abort(p.cache_request);
+        }
+    };
     loop {
         if job.is_cancelled() {
-            h.abort();
+            give_up(&mut h);
             return Ok(None);
         }
         if Instant::now() >= deadline {
-            h.abort();
+            give_up(&mut h);
             return Err("prefill did not finish in time".into());
         }
         match h.next_event_timeout(Duration::from_millis(20)) {
@@ -283,7 +298,7 @@ fn serve_job<B: Backend + 'static>(
 ) {
     let deadline = Instant::now() + timeout;
     let cache = handle.cache();
-    let held = match compute(&job, engine, deadline) {
+    let held = match compute(&job, engine, handle, deadline) {
         Ok(Some(h)) => h,
         Ok(None) => return, // dropping the cancelled job confirms
         Err(why) => return job.cancel(&why),
@@ -469,6 +484,7 @@ impl<B: Backend + ModelOps + 'static> PdPair<B> {
                     loop {
                         publish(&m, &rx.stats(), &tx.stats(), &mut seen);
                         m.quarantined("pd", rx.quarantined_pages());
+                        m.transfers_in_flight(rx.in_flight() + tx.in_flight());
                         if stop.load(Ordering::Acquire) {
                             return;
                         }
