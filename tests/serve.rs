@@ -187,7 +187,6 @@ fn pd_flags_are_refused_clearly() {
         &["--role", "decode"][..],
         &["--peer", "http://127.0.0.1:1"],
         &["--transport", "nixl"],
-        &["--inject", "pd-fp8-frame"],
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_sparsekit"))
             .arg("serve")
@@ -201,6 +200,50 @@ fn pd_flags_are_refused_clearly() {
             "{args:?}: {err}"
         );
     }
+    let out = Command::new(env!("CARGO_BIN_EXE_sparsekit"))
+        .args(["serve", "--inject", "pd-fp8-frame"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("needs --pd on"));
+}
+
+/// `--pd on`: requests go to a decode engine whose prompt pages a prefill engine in the
+/// same process computes and pushes over the local transport; the output is bit-identical
+/// to a server without PD, and `/metrics` counts the bytes of both kinds that crossed.
+#[test]
+fn serve_with_an_in_process_prefill_decode_pair() {
+    let plain = start(&["--index-k", "bf16", "--prefix-cache", "off"]);
+    let pd = start(&["--index-k", "bf16", "--pd", "on", "--host-tier", "on"]);
+    let prompt: Vec<u32> = (0..150).map(|i| (i * 13 % 256) as u32).collect();
+    let body = serde_json::json!({
+        "input_ids": prompt, "return_logits_digest": true,
+        "sampling_params": {"max_new_tokens": 6, "temperature": 0}
+    })
+    .to_string();
+    let (s1, a) = post(&plain.addr, "/generate", &body);
+    let (s2, b) = post(&pd.addr, "/generate", &body);
+    assert_eq!((s1, s2), (200, 200), "{a}\n{b}");
+    let field = |r: &str, f: &str| r.split(f).nth(1).map(|x| x[..60.min(x.len())].to_string());
+    assert_eq!(
+        field(&a, "\"logits_digests\":"),
+        field(&b, "\"logits_digests\":")
+    );
+    assert_eq!(field(&a, "\"output_ids\":"), field(&b, "\"output_ids\":"));
+    let (_, metrics) = get(&pd.addr, "/metrics");
+    for kind in ["kv", "index_k"] {
+        let line = metrics
+            .lines()
+            .find(|l| {
+                l.starts_with(&format!(
+                    "sparsekit_transfer_bytes_total{{kind=\"{kind}\"}}"
+                ))
+            })
+            .unwrap_or_else(|| panic!("no {kind} transfer bytes: {metrics}"));
+        let n: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+        assert!(n > 0.0, "{line}");
+    }
+    assert!(metrics.contains("sparsekit_quarantined_pages{pool=\"pd\"} 0"));
 }
 
 /// `--host-tier on` serves with the prefix cache and a host tier of `--host-pages`;
