@@ -33,7 +33,7 @@ enum Command {
     /// List the embedded GPU kernels per arch with registers, spills, shared memory.
     Kernels(kernels::Args),
     /// Serve the synthetic DSA model over HTTP (OpenAI and SGLang APIs).
-    Serve(serve::Args),
+    Serve(Box<serve::Args>),
     /// The integrity harness: concurrent agentic sessions vs the uncached reference.
     Repro(repro::Args),
 }
@@ -80,7 +80,7 @@ pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
         Command::Check(a) => check::run(a),
         Command::Kernels(a) => kernels::run(a),
         Command::Bench(a) => bench::run(a),
-        Command::Serve(a) => serve::run(a),
+        Command::Serve(a) => serve::run(*a),
         Command::Repro(a) => repro::run(a),
     }
 }

@@ -176,7 +176,7 @@ mod tests {
         let mut l = LateWrites::default();
         for id in 0..(MAX_PENDING as u32 / 16 + 10) {
             let slots: Vec<SlotRef> = (0..16).map(|o| slot(id, 0, o)).collect();
-            l.record(0, BufferKind::Kv, &slots, &vec![1; 16], 1);
+            l.record(0, BufferKind::Kv, &slots, &[1; 16], 1);
             l.orphan(&[PageRef { id, generation: 0 }]);
         }
         assert_eq!(l.pending(), MAX_PENDING);

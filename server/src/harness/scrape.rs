@@ -4,10 +4,13 @@
 
 use std::collections::HashMap;
 
+/// One sample: its labels (name, value) and its value.
+type Sample = (Vec<(String, String)>, f64);
+
 /// One scrape: every sample by name with its labels.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Scrape {
-    samples: HashMap<String, Vec<(Vec<(String, String)>, f64)>>,
+    samples: HashMap<String, Vec<Sample>>,
 }
 
 fn parse_labels(s: &str) -> Option<Vec<(String, String)>> {
@@ -51,7 +54,7 @@ fn parse_labels(s: &str) -> Option<Vec<(String, String)>> {
 impl Scrape {
     /// Parses exposition text; comment lines and lines it cannot read are skipped.
     pub fn parse(text: &str) -> Scrape {
-        let mut samples: HashMap<String, Vec<(Vec<(String, String)>, f64)>> = HashMap::new();
+        let mut samples: HashMap<String, Vec<Sample>> = HashMap::new();
         for line in text.lines() {
             let line = line.trim();
             if line.is_empty() || line.starts_with('#') {
