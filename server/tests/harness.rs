@@ -64,6 +64,7 @@ fn prepare(turns: usize, dtypes: &[IndexKDtype]) -> Shared {
             injection: None,
             verify: true,
             cache_wait: o.cache_wait,
+            deadline: o.deadline,
         };
         eprintln!("sizing: {:?}", plan.sizing);
         Shared { w, refs, plan }

@@ -317,6 +317,7 @@ fn run_urls<B: Backend + ModelOps + 'static>(
         injection: opts.injection,
         verify: opts.verify,
         cache_wait: opts.cache_wait,
+        deadline: opts.deadline,
     };
     let rows = run_configs(
         &[&runner],

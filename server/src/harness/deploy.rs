@@ -51,6 +51,8 @@ pub struct RunPlan {
     pub verify: bool,
     /// Bound of every wait in the cache.
     pub cache_wait: Duration,
+    /// How long a request may take (the harness's `--deadline-s`).
+    pub deadline: Duration,
 }
 
 impl RunPlan {
@@ -108,7 +110,8 @@ impl RunPlan {
                 Checks::none()
             },
             workers: self.max_running.clamp(1, 16),
-            timeout: Duration::from_secs(120),
+            // A transfer may wait for prefill as long as the request may take.
+            timeout: self.deadline,
         }
     }
 

@@ -151,10 +151,6 @@ pub fn reference_runs<B: Backend + ModelOps + 'static>(
     Ok(out)
 }
 
-/// Requests a PD decode pool holds at once at most (its pool is sized for that many of the
-/// largest; more wait, bounded, for room before their transfer starts).
-pub const DECODE_RUNNING: usize = 24;
-
 /// Pool sizes from the workload as the reference ran it (see the module docs): the device
 /// pool a quarter of the working set, but never less than the largest request (a single
 /// request must fit) plus a little.
@@ -186,7 +182,10 @@ pub fn sizing(w: &Workload, references: &[&[SessionTrace]], page_size: usize) ->
     Sizing {
         device_pages: working_set.div_ceil(4).max(largest + 8),
         host_pages: working_set + working_set / 4 + 64,
-        decode_pages: DECODE_RUNNING.min(w.sessions.len()).max(1) * largest + 8,
+        // Decode holds a request's pages from its bootstrap on, while prefill computes:
+        // room for every session at once, so no request waits for decode pages behind
+        // transfers that wait for prefill.
+        decode_pages: w.sessions.len().max(1) * largest + 8,
     }
 }
 
@@ -410,6 +409,7 @@ pub fn run_repro<B: Backend + ModelOps + 'static>(
         injection: opts.injection,
         verify: opts.verify,
         cache_wait: opts.cache_wait,
+        deadline: opts.deadline,
     };
     let rows = run_configs(runners, opts, &plan, &w, &references, progress, &|c| {
         on_phase(&c.name())
