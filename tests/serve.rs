@@ -230,7 +230,18 @@ fn serve_with_an_in_process_prefill_decode_pair() {
         field(&b, "\"logits_digests\":")
     );
     assert_eq!(field(&a, "\"output_ids\":"), field(&b, "\"output_ids\":"));
-    let (_, metrics) = get(&pd.addr, "/metrics");
+    // The PD counters reach /metrics through a publisher that runs every 20 ms: look
+    // again (bounded) until they are there.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let metrics = loop {
+        let (_, m) = get(&pd.addr, "/metrics");
+        if m.contains("sparsekit_transfer_bytes_total{kind=\"index_k\"}")
+            || Instant::now() > deadline
+        {
+            break m;
+        }
+        std::thread::yield_now();
+    };
     for kind in ["kv", "index_k"] {
         let line = metrics
             .lines()
