@@ -1,6 +1,6 @@
-//! `sparsekit repro` at a tiny scale: the no-cache configuration runs and reports clean
-//! sessions with every JSON field of issue 10; the evidence configurations that cannot run
-//! yet are rows without numbers (never zeros); options that need them are refused.
+//! `sparsekit repro` as a process at a tiny scale: a PD-off and a PD-on configuration
+//! report clean sessions with every JSON field of issue 10; bad options are refused with a
+//! clear error.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic
 
@@ -17,8 +17,8 @@ fn repro_json_rows() {
             "2",
             "--turns",
             "2",
-            "--index-k",
-            "fp8",
+            "--configs",
+            "bf16/host-on/pd-off,bf16/host-on/pd-on",
             "--json",
         ])
         .output()
@@ -29,7 +29,7 @@ fn repro_json_rows() {
         String::from_utf8_lossy(&out.stderr)
     );
     let rows: Vec<Value> = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(rows.len(), 1 + 8);
+    assert_eq!(rows.len(), 2);
     let fields = [
         "config",
         "index_k",
@@ -61,30 +61,32 @@ fn repro_json_rows() {
     assert_eq!(measured["leaked_pages"], 0);
     assert!(measured["ttft_p99_ms"].as_f64().unwrap() > 0.0);
     assert!(measured["health_p99_ms"].as_f64().unwrap() > 0.0);
-    assert!(
-        measured["host_hit_rate"].is_null(),
-        "no host tier: no hit rate"
+    assert_eq!(measured["config"], "bf16/host-on/pd-off");
+    assert!(measured["host_hit_rate"].as_f64().is_some(), "{measured}");
+    assert!(measured["refused_frames"].is_null(), "no PD: no frames");
+    let pd = &rows[1];
+    assert_eq!(pd["config"], "bf16/host-on/pd-on");
+    assert_eq!(pd["available"], true, "{pd}");
+    assert_eq!(
+        (pd["corrupted"].as_u64(), pd["leaked_pages"].as_u64()),
+        (Some(0), Some(0))
     );
-    for r in &rows[1..] {
-        assert_eq!(r["available"], false);
-        for f in &fields[4..] {
-            assert!(
-                r[f].is_null(),
-                "{f} of an unavailable row must be null: {r}"
-            );
-        }
-    }
+    assert_eq!(
+        pd["refused_frames"], 0,
+        "PD on: frames counted, none refused"
+    );
 }
 
 #[test]
-fn repro_refuses_what_needs_the_cache_and_pd() {
-    for args in [
-        &["--inject", "skip-index-wait"][..],
-        &["--no-verify"],
-        &["--transport", "nixl"],
-        &["--abort-rate", "0.3"],
-        &["--url", "http://127.0.0.1:1"],
-        &["--configs", "fp8/host-on/pd-on"],
+fn repro_refuses_bad_options_clearly() {
+    for (args, says) in [
+        (&["--inject", "nope"][..], "unknown injection"),
+        (&["--abort-rate", "1.5"], "--abort-rate"),
+        (&["--configs", "fp9"], "unknown config part"),
+        (&["--transport", "carrier-pigeon"], "unknown transport"),
+        (&["--transport", "nixl"], "not wired into repro"),
+        (&["--url", "http://127.0.0.1:1"], "127.0.0.1:1"),
+        (&["--sessions", "0"], "positive"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_sparsekit"))
             .arg("repro")
@@ -92,9 +94,7 @@ fn repro_refuses_what_needs_the_cache_and_pd() {
             .output()
             .unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}");
-        assert!(
-            String::from_utf8_lossy(&out.stderr).contains("not available in this build"),
-            "{args:?}"
-        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{args:?}: {err}");
     }
 }

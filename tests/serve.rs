@@ -69,6 +69,20 @@ fn post(addr: &str, path: &str, body: &str) -> (u16, String) {
     (status, out)
 }
 
+fn get(addr: &str, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let status = out.split(' ').nth(1).unwrap().parse().unwrap();
+    (status, out)
+}
+
 fn wait_exit(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
     let deadline = Instant::now() + limit;
     loop {
@@ -172,7 +186,6 @@ fn pd_flags_are_refused_clearly() {
     for args in [
         &["--role", "decode"][..],
         &["--peer", "http://127.0.0.1:1"],
-        &["--host-tier", "on"],
         &["--transport", "nixl"],
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_sparsekit"))
@@ -187,4 +200,104 @@ fn pd_flags_are_refused_clearly() {
             "{args:?}: {err}"
         );
     }
+    let out = Command::new(env!("CARGO_BIN_EXE_sparsekit"))
+        .args(["serve", "--inject", "pd-fp8-frame"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("needs --pd on"));
+}
+
+/// `--pd on`: requests go to a decode engine whose prompt pages a prefill engine in the
+/// same process computes and pushes over the local transport; the output is bit-identical
+/// to a server without PD, and `/metrics` counts the bytes of both kinds that crossed.
+#[test]
+fn serve_with_an_in_process_prefill_decode_pair() {
+    let plain = start(&["--index-k", "bf16", "--prefix-cache", "off"]);
+    let pd = start(&["--index-k", "bf16", "--pd", "on", "--host-tier", "on"]);
+    let prompt: Vec<u32> = (0..150).map(|i| (i * 13 % 256) as u32).collect();
+    let body = serde_json::json!({
+        "input_ids": prompt, "return_logits_digest": true,
+        "sampling_params": {"max_new_tokens": 6, "temperature": 0}
+    })
+    .to_string();
+    let (s1, a) = post(&plain.addr, "/generate", &body);
+    let (s2, b) = post(&pd.addr, "/generate", &body);
+    assert_eq!((s1, s2), (200, 200), "{a}\n{b}");
+    let field = |r: &str, f: &str| r.split(f).nth(1).map(|x| x[..60.min(x.len())].to_string());
+    assert_eq!(
+        field(&a, "\"logits_digests\":"),
+        field(&b, "\"logits_digests\":")
+    );
+    assert_eq!(field(&a, "\"output_ids\":"), field(&b, "\"output_ids\":"));
+    // The PD counters reach /metrics through a publisher that runs every 20 ms: look
+    // again (bounded) until they are there.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let metrics = loop {
+        let (_, m) = get(&pd.addr, "/metrics");
+        if m.contains("sparsekit_transfer_bytes_total{kind=\"index_k\"}")
+            || Instant::now() > deadline
+        {
+            break m;
+        }
+        std::thread::yield_now();
+    };
+    for kind in ["kv", "index_k"] {
+        let line = metrics
+            .lines()
+            .find(|l| {
+                l.starts_with(&format!(
+                    "sparsekit_transfer_bytes_total{{kind=\"{kind}\"}}"
+                ))
+            })
+            .unwrap_or_else(|| panic!("no {kind} transfer bytes: {metrics}"));
+        let n: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+        assert!(n > 0.0, "{line}");
+    }
+    assert!(metrics.contains("sparsekit_quarantined_pages{pool=\"pd\"} 0"));
+}
+
+/// `--host-tier on` serves with the prefix cache and a host tier of `--host-pages`;
+/// `/server_info` says so, `/metrics` carries the cache series, and a repeated prompt is
+/// served from the cache bit-identically.
+#[test]
+fn serve_with_the_host_tier() {
+    let server = start(&[
+        "--host-tier",
+        "on",
+        "--host-pages",
+        "256",
+        "--index-k",
+        "bf16",
+    ]);
+    let (status, info) = get(&server.addr, "/server_info");
+    assert_eq!(status, 200, "{info}");
+    assert!(info.contains("\"host_pages\":256"), "{info}");
+    assert!(info.contains("\"index_k_dtype\":\"bf16\""), "{info}");
+    let prompt: Vec<u32> = (0..100).map(|i| (i * 7 % 256) as u32).collect();
+    let body = serde_json::json!({
+        "input_ids": prompt, "return_logits_digest": true,
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0}
+    })
+    .to_string();
+    let (s1, a) = post(&server.addr, "/generate", &body);
+    let (s2, b) = post(&server.addr, "/generate", &body);
+    assert_eq!((s1, s2), (200, 200));
+    let digests = |r: &str| {
+        r.split("\"logits_digests\":")
+            .nth(1)
+            .map(|x| x[..80].to_string())
+    };
+    assert_eq!(
+        digests(&a),
+        digests(&b),
+        "served from the cache, bit-identically"
+    );
+    let (_, metrics) = get(&server.addr, "/metrics");
+    assert!(
+        metrics.contains("sparsekit_cache_hits_total{tier=\"device\"} 6"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("sparsekit_pages{pool=\"host\",state=\"cached\"}"));
+    assert!(metrics.contains("sparsekit_backups_total{status=\"ok\"}"));
 }

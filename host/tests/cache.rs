@@ -600,7 +600,14 @@ fn fault_host_bit_flip_is_caught_by_checksums() {
                 "{cause:?}"
             );
             let s = c.leak_check().unwrap();
-            assert_eq!((s.integrity_failures, s.host_cached), (1, 0));
+            assert_eq!(
+                (
+                    s.integrity_failures,
+                    s.host_integrity_failures,
+                    s.host_cached
+                ),
+                (1, 1, 0)
+            );
             assert_eq!(e.request(&c, 3, &a, false).unwrap(), 0, "recomputed");
         } else {
             assert!(
@@ -930,7 +937,8 @@ fn inbound_failures_are_typed_and_contained() {
     );
     drop(rx);
     c.abort(1).unwrap();
-    c.leak_check().unwrap();
+    let s = c.leak_check().unwrap();
+    assert_eq!((s.integrity_failures, s.host_integrity_failures), (1, 0));
     // A dropped (never completed) handle fails a waiting reader.
     c.begin(2, &[]).unwrap();
     let pages = c.alloc(2, 2).unwrap();
@@ -1098,4 +1106,295 @@ fn prefix_reuse_on_the_emulator_backend() {
         let s = c.leak_check().unwrap();
         assert!(s.backups > 0 && s.hits_host_pages >= 3, "{s:?}");
     }
+}
+
+/// `no-layout-check` with `host-pool-fp8-layout`: the host copies skip the descriptor
+/// comparison (device-sized index-K pages at fp8-sized host addresses, overlapping their
+/// neighbours: the historical bug in full). The load checksums catch it; with them off the
+/// corrupted bytes are served. `no-layout-check` alone (one descriptor) changes nothing.
+#[test]
+fn fault_no_layout_check_lets_the_fp8_host_pool_corrupt_and_checksums_catch_it() {
+    for (faults, verify) in [
+        (vec![Fault::HostPoolFp8Layout, Fault::NoLayoutCheck], true),
+        (vec![Fault::HostPoolFp8Layout, Fault::NoLayoutCheck], false),
+        (vec![Fault::NoLayoutCheck], true),
+    ] {
+        for layout in [HostLayout::LayerFirst, HostLayout::PageFirst] {
+            let mut cfg = CacheConfig::new(4, 8);
+            cfg.faults = Faults::with(&faults);
+            cfg.verify = verify;
+            cfg.host_layout = layout;
+            let c = cache(spec(BF.0, BF.1), cfg);
+            let e = Expect::default();
+            let a = prompt(1, 3 * PAGE);
+            e.request(&c, 1, &a, false).unwrap();
+            assert_eq!(
+                c.evict_device(3).unwrap(),
+                3,
+                "{faults:?}: backups went through"
+            );
+            let got = e.request(&c, 2, &a, false);
+            let what = |err: &Error| match err {
+                Error::RequestFailed { cause, .. } => match **cause {
+                    Error::Integrity { what, .. } => what,
+                    _ => "other",
+                },
+                Error::Integrity { what, .. } => what,
+                _ => "other",
+            };
+            match (faults.len(), verify) {
+                (1, _) => assert_eq!(got.unwrap(), 3 * PAGE, "{layout:?}: a clean host hit"),
+                (_, true) => {
+                    let err = got.unwrap_err();
+                    assert_eq!(what(&err), "host→device", "{layout:?}: {err:?}");
+                    assert_eq!(c.stats().integrity_failures, 1);
+                }
+                (_, false) => {
+                    let err = got.unwrap_err();
+                    assert_eq!(what(&err), "served page", "{layout:?}: {err:?}");
+                }
+            }
+            c.leak_check().unwrap();
+        }
+    }
+}
+
+/// `loads-trail-readers` makes `skip-index-wait`'s race deterministic: the reader holds
+/// the layer before the load's bytes land, every time. The landed stamps refuse it; with
+/// them off the bytes read are not the committed ones. Without `skip-index-wait` the
+/// reader waits at the fence and reads the right bytes.
+#[test]
+fn fault_loads_trail_readers_makes_the_early_read_certain() {
+    for faults in [
+        vec![Fault::SkipIndexWait, Fault::LoadsTrailReaders],
+        vec![
+            Fault::SkipIndexWait,
+            Fault::LoadsTrailReaders,
+            Fault::NoLandedCheck,
+        ],
+        vec![Fault::LoadsTrailReaders],
+    ] {
+        let mut cfg = CacheConfig::new(4, 8);
+        cfg.faults = Faults::with(&faults);
+        let (c, _ctl, e, a) = host_only_prefix(cfg);
+        let c2 = c.clone();
+        let faults2 = faults.clone();
+        bounded(move || {
+            let c = c2;
+            let p = c.begin(2, &a).unwrap();
+            assert_eq!(p.loaded_pages, 2);
+            let mut step = c.step(&[2]).unwrap();
+            if faults2.contains(&Fault::SkipIndexWait) {
+                for l in 0..LAYERS {
+                    let t = step.wait(l).unwrap();
+                    match step.layer(t) {
+                        Err(Error::RequestFailed { cause, .. }) => {
+                            assert!(matches!(*cause, Error::NotLanded { .. }), "{cause:?}");
+                            assert!(!faults2.contains(&Fault::NoLandedCheck));
+                        }
+                        Ok(g) => {
+                            assert!(faults2.contains(&Fault::NoLandedCheck));
+                            let got = read_pages(&*c, &g, &p.pages).unwrap();
+                            assert!(
+                                e.check(&a, 0, l, &got[0]).is_err(),
+                                "layer {l} was read before its load, every time"
+                            );
+                        }
+                        Err(other) => panic!("{other:?}"),
+                    }
+                }
+                drop(step);
+                c.abort(2).unwrap();
+            } else {
+                e.forward(&c, &mut step, &a, &p, &p.pages.clone()).unwrap();
+                drop(step);
+                c.finish(2).unwrap();
+            }
+            c.wait_idle().unwrap();
+            c.leak_check().unwrap();
+        });
+    }
+}
+
+/// `late-write`: the rows a request stored into a page it released are written again
+/// through their old references when the page's next owner stores the same slots. The
+/// generation check refuses every one (counted); with `no-generation-check` they land and
+/// the new owner's landed stamps catch them; with both checks off the owner's page is
+/// corrupted.
+#[test]
+fn fault_late_write_is_refused_by_generations_then_caught_by_landed_stamps() {
+    let truth = Expect::default();
+    let b = prompt(2, 2 * PAGE);
+    truth
+        .request(
+            &cache(spec(BF.0, BF.1), CacheConfig::new(4, 0)),
+            1,
+            &b,
+            false,
+        )
+        .unwrap();
+    for faults in [
+        vec![Fault::LateWrite],
+        vec![Fault::LateWrite, Fault::NoGenerationCheck],
+        vec![
+            Fault::LateWrite,
+            Fault::NoGenerationCheck,
+            Fault::NoLandedCheck,
+        ],
+    ] {
+        let mut cfg = CacheConfig::new(2, 0);
+        cfg.faults = Faults::with(&faults);
+        let c = cache(spec(BF.0, BF.1), cfg);
+        // Request 1 fills both pages, then is aborted: its rows become late writes.
+        truth.request(&c, 1, &prompt(1, 2 * PAGE), true).unwrap();
+        let got = truth.request(&c, 2, &b, false);
+        match faults.len() {
+            1 => {
+                got.unwrap();
+                assert_eq!(
+                    c.stats().stale_writes_refused,
+                    (2 * PAGE * 2 * LAYERS) as u64,
+                    "every late row refused by its generation"
+                );
+            }
+            2 => {
+                let err = got.unwrap_err();
+                assert!(
+                    matches!(&err, Error::RequestFailed { cause, .. } if matches!(**cause, Error::NotLanded { .. })),
+                    "{err:?}"
+                );
+            }
+            _ => {
+                let err = got.unwrap_err();
+                assert!(
+                    matches!(
+                        &err,
+                        Error::Integrity {
+                            what: "recomputed page differs",
+                            ..
+                        }
+                    ),
+                    "{err:?}"
+                );
+            }
+        }
+        c.leak_check().unwrap();
+    }
+}
+
+/// `try_alloc` / `try_begin` never wait: with a step in flight (what makes `alloc` wait
+/// for room) they answer `OutOfPages` at once, after starting the evictions that make
+/// room, and a later try gets it.
+#[test]
+fn try_alloc_and_try_begin_answer_at_once_and_make_room_for_later() {
+    let mut cfg = CacheConfig::new(4, 8);
+    cfg.wait_timeout = std::time::Duration::from_secs(600);
+    let c = Arc::new(cache(spec(BF.0, BF.1), cfg));
+    let e = Expect::default();
+    let a = prompt(1, 2 * PAGE);
+    e.request(&*c, 1, &a, false).unwrap(); // 2 cached device pages, no host copy yet
+    c.begin(3, &[]).unwrap();
+    c.alloc(3, 2).unwrap();
+    let c2 = c.clone();
+    bounded(move || {
+        let c = c2;
+        let _step = c.step(&[3]).unwrap(); // in flight: a blocking alloc would wait
+        c.begin(4, &[]).unwrap();
+        assert!(matches!(
+            c.try_alloc(4, 2),
+            Err(Error::OutOfPages { wanted: 2, .. })
+        ));
+        assert_eq!(c.stats().device_in_use, 2, "nothing allocated");
+        c.leak_check().unwrap();
+    });
+    c.wait_idle().unwrap();
+    // The evictions it started (backups, then release) made the room.
+    assert_eq!(c.try_alloc(4, 2).unwrap().len(), 2);
+    c.abort(4).unwrap();
+    // try_begin: the prefix is host-only now and its load needs 2 pages; none free.
+    c.alloc(3, 2).unwrap();
+    let s = c.leak_check().unwrap();
+    assert_eq!((s.device_free, s.host_cached), (0, 2), "{s:?}");
+    let c2 = c.clone();
+    bounded(move || {
+        let _step = c2.step(&[3]).unwrap();
+        assert!(matches!(c2.try_begin(5, &a), Err(Error::OutOfPages { .. })));
+        assert!(!c2.is_live(5));
+        c2.leak_check().unwrap();
+    });
+    c.abort(3).unwrap();
+    let p = c.try_begin(5, &prompt(1, 2 * PAGE)).unwrap();
+    assert_eq!(p.loaded_pages, 2);
+    c.abort(5).unwrap();
+    c.wait_idle().unwrap();
+    c.leak_check().unwrap();
+}
+
+/// A try that cannot succeed even after evicting every unlocked cached page evicts
+/// nothing: a request that cannot start must not empty the cache (with no host tier the
+/// evicted pages would be lost for nothing).
+#[test]
+fn an_impossible_try_evicts_nothing() {
+    let c = cache(spec(BF.0, BF.1), CacheConfig::new(4, 0));
+    let e = Expect::default();
+    let a = prompt(1, 2 * PAGE);
+    e.request(&c, 1, &a, false).unwrap(); // 2 cached pages
+    c.begin(2, &[]).unwrap();
+    assert!(matches!(c.try_alloc(2, 5), Err(Error::OutOfPages { .. })));
+    let s = c.leak_check().unwrap();
+    assert_eq!((s.device_cached, s.device_free), (2, 2), "nothing evicted");
+    // A possible one evicts what it needs (no host tier: at once).
+    assert_eq!(c.try_alloc(2, 3).unwrap().len(), 3);
+    assert_eq!(c.leak_check().unwrap().device_cached, 1);
+    c.abort(2).unwrap();
+    c.leak_check().unwrap();
+}
+
+/// Regression: `commit` ticked each new node on its own, so a committed path's parents
+/// looked older than their children and LRU eviction took the parent first, cutting the
+/// path (with no host tier, the children's pages stayed on the device, unreachable). A
+/// path now empties from its leaf.
+#[test]
+fn eviction_empties_a_committed_path_from_its_leaf() {
+    let c = cache(spec(BF.0, BF.1), CacheConfig::new(6, 0));
+    let e = Expect::default();
+    let a = prompt(1, 3 * PAGE);
+    e.request(&c, 1, &a, false).unwrap();
+    assert_eq!(c.evict_device(1).unwrap(), 1);
+    assert_eq!(
+        e.request(&c, 2, &a, false).unwrap(),
+        2 * PAGE,
+        "the two leading pages are still reachable"
+    );
+    c.leak_check().unwrap();
+}
+
+/// `room` answers what a request would find without changing anything: its prefix by
+/// tier and the device pages it could get (its own prefix's pages excluded).
+#[test]
+fn room_reports_without_touching() {
+    let c = cache(spec(BF.0, BF.1), CacheConfig::new(6, 8));
+    let e = Expect::default();
+    let a = prompt(1, 3 * PAGE);
+    e.request(&c, 1, &a, false).unwrap(); // 3 cached device pages
+    c.wait_idle().unwrap();
+    let r = c.room(&a);
+    assert_eq!((r.device_pages, r.host_pages, r.available), (3, 0, 3));
+    let b = prompt(2, 2 * PAGE);
+    assert_eq!(
+        c.room(&b).available,
+        6,
+        "another prompt could evict all three"
+    );
+    assert_eq!(c.evict_device(3).unwrap(), 3);
+    let r = c.room(&a);
+    assert_eq!((r.device_pages, r.host_pages, r.available), (0, 3, 6));
+    let before = c.leak_check().unwrap();
+    c.room(&a);
+    assert_eq!(c.leak_check().unwrap(), before, "asking changed nothing");
+    c.begin(2, &[]).unwrap();
+    c.alloc(2, 4).unwrap();
+    assert_eq!(c.room(&a).available, 2);
+    c.abort(2).unwrap();
+    c.leak_check().unwrap();
 }

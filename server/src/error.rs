@@ -54,6 +54,13 @@ pub enum EngineError {
     /// A request id already in flight.
     #[error("duplicate request id {0:?}")]
     DuplicateId(String),
+    /// One sequence of a step failed in the KV cache (its load or transfer failed or timed
+    /// out, or a page it was about to read had not landed): that request alone fails.
+    #[error("request failed in the KV cache: {cause}")]
+    SeqFailed {
+        seq: u64,
+        cause: sparsekit_host::Error,
+    },
     /// A bounded wait ran out.
     #[error("timed out: {0}")]
     Timeout(String),

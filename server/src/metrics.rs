@@ -1,12 +1,17 @@
 //! Prometheus metrics (names from SERVING.md), one registry per server instance through
 //! the `prometheus-client` crate, exposed as OpenMetrics text on `/metrics`.
 //!
-//! Registered now: `sparsekit_requests_total{role,status}`, `sparsekit_tokens_total{kind}`,
-//! `sparsekit_ttft_seconds`, `sparsekit_itl_seconds`, `sparsekit_pages{pool,state}`.
-//! The cache, transfer and integrity counters (`cache_hits_total`, `loads_total`,
-//! `backups_total`, `transfer_bytes_total`, `checksum_failures_total`, `refused_total`,
-//! `quarantined_pages`) are registered by the cache-backed engine and the PD transfer,
-//! which are what can move them; this engine's reference KV space has none of those.
+//! Every name of SERVING.md is registered: `sparsekit_requests_total{role,status}`,
+//! `sparsekit_tokens_total{kind}`, `sparsekit_ttft_seconds`, `sparsekit_itl_seconds`,
+//! `sparsekit_pages{pool,state}`, `sparsekit_cache_hits_total{tier}` (pages),
+//! `sparsekit_loads_total{status}` (load jobs), `sparsekit_backups_total{status}` (pages),
+//! `sparsekit_transfer_bytes_total{kind}`, `sparsekit_checksum_failures_total{where}`,
+//! `sparsekit_refused_total{reason}`, `sparsekit_quarantined_pages{pool}`; plus
+//! `sparsekit_cache_lookups_total` (prompt pages looked up: the hit rates' denominator),
+//! `sparsekit_leaked_pages` and `sparsekit_idle_checks_total` (the accounting check the
+//! engine runs whenever it is idle), `sparsekit_requests_in_engine{state}` (running,
+//! waiting). Label families only show the series something set: a measure a server
+//! cannot have (no host tier, no transfer) is absent, never a made-up zero.
 
 use std::sync::Mutex;
 
@@ -42,6 +47,13 @@ pub struct PageLabels {
     pub state: String,
 }
 
+/// A family labelled by whatever label set its users name.
+type Labelled<M> = Family<Vec<(String, String)>, M>;
+
+fn label(name: &str, value: &str) -> Vec<(String, String)> {
+    vec![(name.to_string(), value.to_string())]
+}
+
 /// How a request ended, for `sparsekit_requests_total{status}`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RequestStatus {
@@ -72,6 +84,19 @@ pub struct Metrics {
     ttft: Histogram,
     itl: Histogram,
     pages: Family<PageLabels, Gauge>,
+    cache_hits: Labelled<Counter>,
+    cache_lookups: Counter,
+    loads: Labelled<Counter>,
+    backups: Labelled<Counter>,
+    transfer_bytes: Labelled<Counter>,
+    checksum_failures: Labelled<Counter>,
+    refused: Labelled<Counter>,
+    refused_frames: Labelled<Counter>,
+    quarantined: Labelled<Gauge>,
+    leaked: Gauge,
+    transfers: Gauge,
+    idle_checks: Counter,
+    in_engine: Labelled<Gauge>,
 }
 
 impl Metrics {
@@ -110,6 +135,76 @@ impl Metrics {
             "KV pages by pool and state",
             pages.clone(),
         );
+        let mut family = |name: &str, help: &str| {
+            let f = Labelled::<Counter>::default();
+            registry.register(name, help, f.clone());
+            f
+        };
+        let cache_hits = family(
+            "sparsekit_cache_hits",
+            "Prompt pages found in the prefix cache, by the tier their bytes came from",
+        );
+        let loads = family(
+            "sparsekit_loads",
+            "Host-to-device prefix loads (jobs), by how they ended",
+        );
+        let backups = family(
+            "sparsekit_backups",
+            "Pages backed up from the device tier to the host tier, by how they ended",
+        );
+        let transfer_bytes = family(
+            "sparsekit_transfer_bytes",
+            "Bytes moved by prefill/decode transfers, by buffer kind",
+        );
+        let checksum_failures = family(
+            "sparsekit_checksum_failures",
+            "Pages whose checksum did not match what was written, by where it was checked",
+        );
+        let refused = family(
+            "sparsekit_refused",
+            "Writes, reads, frames or requests refused by an integrity check, by reason",
+        );
+        let refused_frames = family(
+            "sparsekit_refused_frames",
+            "PD messages and page writes the decode receiver refused, by reason",
+        );
+        let mut gauge = |name: &str, help: &str| {
+            let f = Labelled::<Gauge>::default();
+            registry.register(name, help, f.clone());
+            f
+        };
+        let quarantined = gauge(
+            "sparsekit_quarantined_pages",
+            "Pages released but still pinned by an in-flight copy, step or transfer",
+        );
+        let in_engine = gauge(
+            "sparsekit_requests_in_engine",
+            "Requests in the engine now: running (holding pages) or waiting for admission",
+        );
+        let cache_lookups = Counter::default();
+        registry.register(
+            "sparsekit_cache_lookups",
+            "Prompt pages looked up in the prefix cache (the denominator of the hit rates)",
+            cache_lookups.clone(),
+        );
+        let idle_checks = Counter::default();
+        registry.register(
+            "sparsekit_idle_checks",
+            "Accounting checks run while the engine was idle",
+            idle_checks.clone(),
+        );
+        let leaked = Gauge::default();
+        registry.register(
+            "sparsekit_leaked_pages",
+            "Pages held for no request the engine knows, at the last idle check",
+            leaked.clone(),
+        );
+        let transfers = Gauge::default();
+        registry.register(
+            "sparsekit_pd_transfers_in_flight",
+            "PD transfers not ended yet (decode's, including those waiting for a confirmation) plus prefill's jobs",
+            transfers.clone(),
+        );
         Metrics {
             role: role.to_string(),
             registry: Mutex::new(registry),
@@ -118,6 +213,19 @@ impl Metrics {
             ttft,
             itl,
             pages,
+            cache_hits,
+            cache_lookups,
+            loads,
+            backups,
+            transfer_bytes,
+            checksum_failures,
+            refused,
+            refused_frames,
+            transfers,
+            quarantined,
+            leaked,
+            idle_checks,
+            in_engine,
         }
     }
 
@@ -150,15 +258,94 @@ impl Metrics {
         self.itl.observe(seconds);
     }
 
-    /// Sets the page gauges of `pool`.
-    pub fn pages(&self, pool: &str, free: usize, held: usize) {
-        for (state, v) in [("free", free), ("held", held)] {
-            self.pages
-                .get_or_create(&PageLabels {
-                    pool: pool.to_string(),
-                    state: state.to_string(),
-                })
-                .set(v as i64);
+    /// Sets `sparsekit_pages{pool,state}`.
+    pub fn pages(&self, pool: &str, state: &str, n: usize) {
+        self.pages
+            .get_or_create(&PageLabels {
+                pool: pool.to_string(),
+                state: state.to_string(),
+            })
+            .set(n as i64);
+    }
+
+    /// Counts `pages` prompt pages found in `tier` (`device`, `host`).
+    pub fn cache_hits(&self, tier: &str, pages: u64) {
+        self.cache_hits
+            .get_or_create(&label("tier", tier))
+            .inc_by(pages);
+    }
+
+    /// Counts prompt pages looked up in the prefix cache.
+    pub fn cache_lookups(&self, pages: u64) {
+        self.cache_lookups.inc_by(pages);
+    }
+
+    /// Counts load jobs that ended with `status` (`ok`, `failed`, `cancelled`).
+    pub fn loads(&self, status: &str, n: u64) {
+        self.loads.get_or_create(&label("status", status)).inc_by(n);
+    }
+
+    /// Counts backups (`ok`: pages; `failed`: batches).
+    pub fn backups(&self, status: &str, n: u64) {
+        self.backups
+            .get_or_create(&label("status", status))
+            .inc_by(n);
+    }
+
+    /// Counts transfer bytes of `kind` (`kv`, `index_k`).
+    pub fn transfer_bytes(&self, kind: &str, n: u64) {
+        self.transfer_bytes
+            .get_or_create(&label("kind", kind))
+            .inc_by(n);
+    }
+
+    /// Counts checksum failures detected at `place` (`host_load`, `inbound`...).
+    pub fn checksum_failures(&self, place: &str, n: u64) {
+        self.checksum_failures
+            .get_or_create(&label("where", place))
+            .inc_by(n);
+    }
+
+    /// Counts refusals by an integrity check for `reason` (`stale_write`, `not_landed`,
+    /// `load_failed`, `fingerprint`, ...).
+    pub fn refused(&self, reason: &str, n: u64) {
+        self.refused
+            .get_or_create(&label("reason", reason))
+            .inc_by(n);
+    }
+
+    /// Counts PD frames (messages, page writes) refused by the decode receiver for
+    /// `reason` (`fingerprint`, `checksum`, `stale`, ...).
+    pub fn refused_frames(&self, reason: &str, n: u64) {
+        self.refused_frames
+            .get_or_create(&label("reason", reason))
+            .inc_by(n);
+    }
+
+    /// Sets `sparsekit_quarantined_pages{pool}`.
+    pub fn quarantined(&self, pool: &str, n: usize) {
+        self.quarantined
+            .get_or_create(&label("pool", pool))
+            .set(n as i64);
+    }
+
+    /// Sets `sparsekit_pd_transfers_in_flight`.
+    pub fn transfers_in_flight(&self, n: usize) {
+        self.transfers.set(n as i64);
+    }
+
+    /// Records an idle accounting check and the pages it found leaked.
+    pub fn idle_check(&self, leaked: usize) {
+        self.leaked.set(leaked as i64);
+        self.idle_checks.inc();
+    }
+
+    /// Sets `sparsekit_requests_in_engine{state}`.
+    pub fn in_engine(&self, running: usize, waiting: usize) {
+        for (state, n) in [("running", running), ("waiting", waiting)] {
+            self.in_engine
+                .get_or_create(&label("state", state))
+                .set(n as i64);
         }
     }
 
@@ -196,7 +383,17 @@ mod tests {
         m.tokens("generated", 5);
         m.ttft(0.01);
         m.itl(0.001);
-        m.pages("device", 3, 1);
+        m.pages("device", "free", 3);
+        let before = m.encode();
+        assert!(
+            !before.contains("sparsekit_cache_hits_total{"),
+            "no series before something counts: {before}"
+        );
+        m.cache_hits("host", 4);
+        m.checksum_failures("host_load", 1);
+        m.refused("stale_write", 2);
+        m.quarantined("device", 5);
+        m.idle_check(0);
         let text = m.encode();
         for needle in [
             "sparsekit_requests_total{role=\"both\",status=\"ok\"} 1",
@@ -204,6 +401,12 @@ mod tests {
             "sparsekit_ttft_seconds_bucket",
             "sparsekit_itl_seconds_count 1",
             "sparsekit_pages{pool=\"device\",state=\"free\"} 3",
+            "sparsekit_cache_hits_total{tier=\"host\"} 4",
+            "sparsekit_checksum_failures_total{where=\"host_load\"} 1",
+            "sparsekit_refused_total{reason=\"stale_write\"} 2",
+            "sparsekit_quarantined_pages{pool=\"device\"} 5",
+            "sparsekit_leaked_pages 0",
+            "sparsekit_idle_checks_total 1",
         ] {
             assert!(text.contains(needle), "missing {needle:?} in\n{text}");
         }

@@ -39,6 +39,7 @@ fn reqs(lens: &[usize], new: usize) -> Vec<GenerateRequest> {
         .enumerate()
         .map(|(i, &n)| GenerateRequest {
             id: None,
+            received: None,
             prompt: (0..n).map(|j| ((j * 31 + i * 7) % 256) as u32).collect(),
             sampling: SamplingParams {
                 max_new_tokens: new,

@@ -56,6 +56,7 @@ fn requests(seed: u64) -> Vec<GenerateRequest> {
             }
             GenerateRequest {
                 id: Some(format!("r{i}")),
+                received: None,
                 prompt,
                 sampling: SamplingParams {
                     max_new_tokens: 12 + i,
@@ -178,6 +179,7 @@ fn abort_from_another_thread_releases_pages() {
     let h = e
         .submit(GenerateRequest {
             id: Some("long".into()),
+            received: None,
             prompt: vec![256, 1, 2, 3],
             sampling: SamplingParams {
                 max_new_tokens: 900,
@@ -205,6 +207,7 @@ fn abort_from_another_thread_releases_pages() {
     let h = e
         .submit(GenerateRequest {
             id: Some("dropped".into()),
+            received: None,
             prompt: vec![256, 9],
             sampling: SamplingParams {
                 max_new_tokens: 900,
@@ -218,6 +221,7 @@ fn abort_from_another_thread_releases_pages() {
     let c = e
         .submit(GenerateRequest {
             id: None,
+            received: None,
             prompt: vec![256, 5],
             sampling: SamplingParams::greedy(3),
         })
@@ -304,6 +308,7 @@ fn stop_strings_tokens_and_limits() {
     // Find some text the model produces, then stop on a piece of it.
     let base = GenerateRequest {
         id: None,
+        received: None,
         prompt: sparsekit_server::engine::tokenizer::completion_prompt("hello, world"),
         sampling: SamplingParams {
             max_new_tokens: 40,
@@ -357,6 +362,7 @@ fn typed_rejections() {
     });
     let ok = GenerateRequest {
         id: Some("dup".into()),
+        received: None,
         prompt: vec![256, 1],
         sampling: SamplingParams::greedy(200),
     };
@@ -406,6 +412,7 @@ fn shutdown_aborts_what_is_left_within_its_grace() {
     let h = e
         .submit(GenerateRequest {
             id: None,
+            received: None,
             prompt: vec![256, 1],
             sampling: SamplingParams {
                 max_new_tokens: 1000,
@@ -448,6 +455,7 @@ fn many_threads_submitting_aborting_and_dropping() {
                     let mut h = e
                         .submit(GenerateRequest {
                             id: Some(rid.clone()),
+                            received: None,
                             prompt,
                             sampling: SamplingParams {
                                 max_new_tokens: max_new,
@@ -511,139 +519,4 @@ fn many_threads_submitting_aborting_and_dropping() {
         "every request ends exactly once"
     );
     assert_eq!(m.requests_with(S::Failed), 0);
-}
-
-/// A toy single-use prefix cache: a finished sequence's pages are kept with the tokens
-/// whose KV they hold, and a later prompt that starts with those tokens takes them over
-/// (by aliasing its sequence id to the old one). Enough to drive the scheduler's
-/// cached-prefix path, the plug-in point of the cache-backed space.
-struct HandoffSpace {
-    inner: sparsekit_server::engine::PagedKvSpace<CpuBackend>,
-    kept: Vec<(Vec<u32>, u64)>,
-    alias: std::collections::HashMap<u64, u64>,
-    hits: Arc<std::sync::atomic::AtomicUsize>,
-}
-
-impl HandoffSpace {
-    fn id(&self, seq: u64) -> u64 {
-        *self.alias.get(&seq).unwrap_or(&seq)
-    }
-}
-
-impl sparsekit_server::engine::KvSpace<CpuBackend> for HandoffSpace {
-    type Layer<'a> =
-        <sparsekit_server::engine::PagedKvSpace<CpuBackend> as sparsekit_server::engine::KvSpace<
-            CpuBackend,
-        >>::Layer<'a>;
-    fn kv_layout(&self) -> sparsekit_host::KvLayout {
-        self.inner.kv_layout()
-    }
-    fn index_k_layout(&self) -> sparsekit_host::IndexKLayout {
-        self.inner.index_k_layout()
-    }
-    fn num_layers(&self) -> usize {
-        self.inner.num_layers()
-    }
-    fn capacity_pages(&self) -> usize {
-        self.inner.capacity_pages()
-    }
-    fn free_pages(&self) -> usize {
-        self.inner.free_pages()
-    }
-    fn reserve(&mut self, seq: u64, tokens: usize) -> Result<(), EngineError> {
-        let id = self.id(seq);
-        self.inner.reserve(id, tokens)
-    }
-    fn admit(&mut self, seq: u64, prompt: &[u32], total: usize) -> Result<usize, EngineError> {
-        let hit = self
-            .kept
-            .iter()
-            .position(|(t, _)| t.len() <= prompt.len() && prompt[..t.len()] == t[..]);
-        let cached = match hit {
-            Some(i) => {
-                let (t, old) = self.kept.remove(i);
-                self.alias.insert(seq, old);
-                self.hits.fetch_add(1, Ordering::SeqCst);
-                t.len()
-            }
-            None => 0,
-        };
-        self.reserve(seq, total)?;
-        Ok(cached)
-    }
-    fn pages(&self, seq: u64) -> Result<&[i32], EngineError> {
-        self.inner.pages(self.id(seq))
-    }
-    fn commit(&mut self, seq: u64, tokens: &[u32], computed: usize) -> usize {
-        self.kept.push((tokens[..computed].to_vec(), self.id(seq)));
-        0
-    }
-    fn release(&mut self, seq: u64) -> usize {
-        let id = self.id(seq);
-        self.inner.release(id)
-    }
-    fn layer(&mut self, l: usize) -> Result<Self::Layer<'_>, EngineError> {
-        self.inner.layer(l)
-    }
-    fn leak_check(&self) -> Result<(), EngineError> {
-        self.inner.leak_check()
-    }
-}
-
-#[test]
-fn a_cached_prefix_continues_bit_identically() {
-    use sparsekit_server::engine::{Model, PagedKvSpace};
-    let backend = Arc::new(CpuBackend::new());
-    let model = Model::new(backend.clone(), ModelConfig::TINY, 0).unwrap();
-    let opts = EngineOptions {
-        kv_pages: 64,
-        prefill_chunk: 40,
-        ..Default::default()
-    };
-    let inner = PagedKvSpace::new(
-        &*backend,
-        model.kv_layout(opts.kv_dtype).unwrap(),
-        model.index_k_layout(opts.index_k_dtype).unwrap(),
-        ModelConfig::TINY.n_layers,
-        opts.kv_pages,
-    )
-    .unwrap();
-    let hits = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let space = HandoffSpace {
-        inner,
-        kept: Vec::new(),
-        alias: Default::default(),
-        hits: hits.clone(),
-    };
-    let e = Engine::start_with(model, space, opts.clone(), Arc::new(Metrics::new("both"))).unwrap();
-    let first = requests(5)[2].clone(); // 150 tokens
-    let a = e.submit(first.clone()).unwrap().wait(WAIT).unwrap();
-    // The next turn: the previous prompt, the reply, a new message.
-    let mut prompt = first.prompt.clone();
-    prompt.extend_from_slice(&a.tokens);
-    prompt.extend((0..37).map(|i| (i * 5 % 256) as u32));
-    let second = GenerateRequest {
-        id: Some("turn2".into()),
-        prompt,
-        sampling: SamplingParams {
-            max_new_tokens: 9,
-            temperature: 0.7,
-            seed: 77,
-            ignore_eos: true,
-            ..Default::default()
-        },
-    };
-    let b = e.submit(second.clone()).unwrap().wait(WAIT).unwrap();
-    assert_eq!(
-        hits.load(Ordering::SeqCst),
-        1,
-        "the second turn reused the first's pages"
-    );
-    // The same request computed from scratch on a plain space.
-    let fresh = alone(&opts, std::slice::from_ref(&second));
-    same(
-        &fresh,
-        std::slice::from_ref(&b),
-        "cached prefix vs recompute",
-    );
 }

@@ -1,78 +1,307 @@
-//! The harness end to end at a small scale: the agentic workload served concurrently
-//! through the HTTP server (continuous batching, small prefill chunks) matches the
-//! one-at-a-time reference bit for bit; and a KV space with an injected fault (index keys
-//! of some tokens never stored: the indexer reads what the page held before) is reported
-//! as corrupted sessions with their first diverging turn and step.
+//! The integrity harness end to end at a small scale (the tiny model, 3 sessions of 3
+//! turns, the device pool a fraction of the working set so reuse goes through the host
+//! tier), through the HTTP server, against references computed once:
+//!
+//! - the four PD-off configurations serve every session bit-identically, reuse prefixes
+//!   through both tiers, and leave no page leaked or quarantined;
+//! - each non-PD injection is caught with the checks on (0 corrupted, detections > 0) and
+//!   corrupts sessions with `--no-verify`; an unaffected configuration stays clean;
+//! - client aborts over two rounds leave nothing behind;
+//! - a running server is measured through its URL like an in-process one.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic
 
-use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use sparsekit_host::{Backend, CpuBackend, IndexKLayout, KvLayout};
-use sparsekit_server::engine::{
-    Engine, EngineOptions, KvSpace, LayerCache, Model, ModelConfig, PagedKvSpace, SeqId,
-};
-use sparsekit_server::harness::report::{ConfigLabel, EvidenceRow};
-use sparsekit_server::harness::{
-    run_concurrent, run_reference, EngineTarget, HttpTarget, Tally, Verdict, Workload,
-    WorkloadConfig,
-};
+use sparsekit_host::{CpuBackend, IndexKDtype};
+use sparsekit_server::engine::{Engine, ModelConfig};
+use sparsekit_server::harness::config::{select, ConfigKey, Injection};
+use sparsekit_server::harness::deploy::{remote_info, LocalRunner, RunPlan, UrlRunner};
+use sparsekit_server::harness::report::{EvidenceRow, Verdict};
+use sparsekit_server::harness::repro::{reference_runs, run_configs, sizing, ReproOptions};
+use sparsekit_server::harness::{SessionTrace, Workload, WorkloadConfig};
 use sparsekit_server::metrics::Metrics;
-use sparsekit_server::EngineError;
 
-const DEADLINE: Duration = Duration::from_secs(120);
-
-fn workload() -> Workload {
-    Workload::generate(&WorkloadConfig {
-        sessions: 3,
-        turns: 2,
-        contexts: 2,
-        max_jitter_ms: 5,
-        seed: 11,
-    })
-}
-
-/// The reference run, computed once for both tests.
-fn reference() -> &'static [sparsekit_server::harness::SessionTrace] {
-    static REF: std::sync::OnceLock<Vec<sparsekit_server::harness::SessionTrace>> =
-        std::sync::OnceLock::new();
-    REF.get_or_init(|| run_reference(&EngineTarget(start(opts())), &workload(), DEADLINE, &|| {}))
-}
-
-fn opts() -> EngineOptions {
-    EngineOptions {
-        kv_pages: 2048,
+fn options(turns: usize) -> ReproOptions {
+    ReproOptions {
+        workload: WorkloadConfig {
+            sessions: 3,
+            turns,
+            contexts: 2,
+            max_jitter_ms: 5,
+            seed: 3,
+        },
+        // Two layers: an early read in layer 0 shows in layer 1's stored keys (with one
+        // layer it shows only if that step computes logits).
+        model: ModelConfig::TINY,
+        deadline: Duration::from_secs(120),
+        idle_bound: Duration::from_secs(30),
+        health_every: Duration::from_millis(20),
         ..Default::default()
     }
 }
 
-fn start(o: EngineOptions) -> Arc<Engine> {
-    Arc::new(
-        Engine::start(
-            Arc::new(CpuBackend::new()),
-            ModelConfig::TINY,
-            o,
-            Arc::new(Metrics::new("both")),
-        )
-        .unwrap(),
-    )
+struct Shared {
+    w: Workload,
+    refs: HashMap<&'static str, Vec<SessionTrace>>,
+    plan: RunPlan,
+}
+
+fn prepare(turns: usize, dtypes: &[IndexKDtype]) -> Shared {
+    let o = options(turns);
+    let w = Workload::generate(&o.workload);
+    let refs = reference_runs(Arc::new(CpuBackend::new()), &o, &w, dtypes, &|| {}).unwrap();
+    {
+        let all: Vec<&[SessionTrace]> = refs.values().map(Vec::as_slice).collect();
+        let plan = RunPlan {
+            model: o.model,
+            seed: o.seed,
+            kv_dtype: o.kv_dtype,
+            sizing: sizing(&w, &all, o.model.page_size()),
+            max_running: o.workload.sessions,
+            injection: None,
+            verify: true,
+            cache_wait: o.cache_wait,
+            deadline: o.deadline,
+        };
+        eprintln!("sizing: {:?}", plan.sizing);
+        Shared { w, refs, plan }
+    }
+}
+
+/// Three turns (turns ≥ 3 give the speed-up), both dtypes: computed once.
+fn three_turns() -> &'static Shared {
+    static S: OnceLock<Shared> = OnceLock::new();
+    S.get_or_init(|| prepare(3, &[IndexKDtype::FP8, IndexKDtype::Bf16]))
+}
+
+/// Two turns (the second reuses the first through the host tier), bf16: computed once.
+fn two_turns() -> &'static Shared {
+    static S: OnceLock<Shared> = OnceLock::new();
+    S.get_or_init(|| prepare(2, &[IndexKDtype::Bf16]))
+}
+
+fn run(
+    s: &Shared,
+    configs: &str,
+    injection: Option<Injection>,
+    verify: bool,
+    abort_rate: f64,
+    rounds: usize,
+) -> Vec<EvidenceRow> {
+    let opts = ReproOptions {
+        configs: select(&[configs.to_string()]).unwrap(),
+        injection,
+        verify,
+        abort_rate,
+        rounds,
+        ..options(s.w.config.turns)
+    };
+    let plan = RunPlan {
+        injection,
+        verify,
+        ..s.plan.clone()
+    };
+    let local = LocalRunner {
+        backend: Arc::new(CpuBackend::new()),
+    };
+    let rows = run_configs(&[&local], &opts, &plan, &s.w, &s.refs, &|| {}, &|_| {});
+    eprint!("{}", sparsekit_server::harness::render_table(&rows));
+    rows
+}
+
+fn assert_clean(r: &EvidenceRow) {
+    assert!(r.available, "{r:?}");
+    assert_eq!(
+        r.corrupted,
+        Some(0),
+        "{}: corrupted {:?}",
+        r.config,
+        r.first_divergences
+    );
+    assert_eq!(r.refused, Some(0), "{}", r.config);
+    assert_eq!(r.detected, Some(0), "{}", r.config);
+    assert_eq!(r.wedged, Some(0), "{}", r.config);
+    assert_eq!(r.leaked_pages, Some(0), "{}", r.config);
+    assert_eq!(r.quarantined_pages, Some(0), "{}", r.config);
 }
 
 #[test]
-fn served_sessions_match_the_reference() {
-    let w = workload();
-    let reference = reference();
-    assert!(reference
-        .iter()
-        .all(|s| s.failure.is_none() && s.turns.len() == 2));
-    let served_engine = start(EngineOptions {
-        prefill_chunk: 100,
-        max_batch_tokens: 160,
-        min_prefill_tokens: 16,
-        ..opts()
-    });
+fn the_pd_off_configs_are_clean_and_reuse_through_the_host_tier() {
+    let s = three_turns();
+    let ws = (s.plan.sizing.host_pages - 64) * 4 / 5;
+    assert!(
+        s.plan.sizing.device_pages < ws,
+        "the device pool must be smaller than the working set: {:?}",
+        s.plan.sizing
+    );
+    let rows = run(s, "pd-off", None, true, 0.0, 1);
+    assert_eq!(rows.len(), 4);
+    for r in &rows {
+        assert_clean(r);
+        assert_eq!(r.sessions, Some(3));
+        assert!(r.ttft_p99_ms.is_some() && r.health_p99_ms.is_some());
+        assert_eq!(r.ttft_by_turn_ms.len(), 3);
+        assert!(r.device_hit_rate.is_some_and(|x| x > 0.0), "{}", r.config);
+        if r.host_tier == "on" {
+            assert!(
+                r.host_hit_rate.is_some_and(|x| x > 0.0),
+                "{}: reuse went through the host tier",
+                r.config
+            );
+            assert!(r.ttft_speedup_turn3plus.is_some(), "{}", r.config);
+        } else {
+            assert!(r.host_hit_rate.is_none() && r.ttft_speedup_turn3plus.is_none());
+        }
+    }
+}
+
+/// The four PD-on configurations through an in-process prefill/decode pair: every prompt
+/// page of both kinds crosses the transfer, sessions match the reference bit for bit,
+/// prefill's host tier is used, nothing is left leaked or quarantined.
+#[test]
+fn the_pd_on_configs_are_clean_through_a_prefill_decode_pair() {
+    let s = three_turns();
+    let rows = run(s, "pd-on", None, true, 0.0, 1);
+    assert_eq!(rows.len(), 4);
+    for r in &rows {
+        assert_clean(r);
+        assert_eq!(r.sessions, Some(3));
+        assert_eq!(r.refused_frames, Some(0), "{}", r.config);
+        if r.host_tier == "on" {
+            assert!(
+                r.host_hit_rate.is_some_and(|x| x > 0.0),
+                "{}: prefill reused through its host tier",
+                r.config
+            );
+        }
+        assert!(r
+            .note
+            .as_deref()
+            .unwrap_or("")
+            .contains("prefill/decode pair"));
+    }
+}
+
+#[test]
+fn each_injection_is_caught_with_checks_on_and_corrupts_with_them_off() {
+    let s = two_turns();
+    for inj in [
+        Injection::HostPoolFp8Layout,
+        Injection::SharedItemSize,
+        Injection::SkipIndexWait,
+        Injection::NoGenerationCheck,
+    ] {
+        for verify in [true, false] {
+            let rows = run(s, "bf16/host-on/pd-off", Some(inj), verify, 0.0, 1);
+            let r = &rows[0];
+            let want = if verify {
+                Verdict::Caught
+            } else {
+                Verdict::Reproduced
+            };
+            assert_eq!(
+                r.verdict,
+                Some(want),
+                "{} verify={verify}: corrupted {:?} refused {:?} detected {:?}",
+                inj.name(),
+                r.corrupted,
+                r.refused,
+                r.detected
+            );
+            if verify {
+                assert_eq!(r.corrupted, Some(0));
+            } else {
+                assert!(r.corrupted.unwrap_or(0) > 0);
+            }
+            assert_eq!(r.leaked_pages, Some(0), "{} verify={verify}", inj.name());
+        }
+    }
+    // Where an injection cannot bite (no host tier: no loads to overtake), it stays clean
+    // and says so.
+    let rows = run(
+        s,
+        "bf16/host-off/pd-off",
+        Some(Injection::SkipIndexWait),
+        false,
+        0.0,
+        1,
+    );
+    assert_eq!(rows[0].verdict, Some(Verdict::NotAffected));
+    assert_eq!(rows[0].corrupted, Some(0));
+}
+
+/// The PD injections on the bf16 PD config with the host tier (pd-fp8-frame bites only
+/// bf16 index keys): caught by the receiver's frame checks / the landed stamps with the
+/// checks on, corrupting with `--no-verify`; nothing leaked either way.
+#[test]
+fn pd_injections_are_caught_with_checks_on_and_corrupt_with_them_off() {
+    let s = two_turns();
+    for inj in [Injection::PdFp8Frame, Injection::PdReadBeforeLanded] {
+        for verify in [true, false] {
+            let rows = run(s, "bf16/host-on/pd-on", Some(inj), verify, 0.0, 1);
+            let r = &rows[0];
+            let want = if verify {
+                Verdict::Caught
+            } else {
+                Verdict::Reproduced
+            };
+            assert_eq!(
+                r.verdict,
+                Some(want),
+                "{} verify={verify}: corrupted {:?} refused {:?} detected {:?} frames {:?} {:?}",
+                inj.name(),
+                r.corrupted,
+                r.refused,
+                r.detected,
+                r.refused_frames,
+                r.note
+            );
+            if verify {
+                assert_eq!(r.corrupted, Some(0));
+            }
+            assert_eq!(r.leaked_pages, Some(0), "{} verify={verify}", inj.name());
+        }
+    }
+}
+
+#[test]
+fn client_aborts_over_rounds_leave_nothing_behind() {
+    let rows = run(two_turns(), "bf16/host-on", None, true, 0.4, 2);
+    assert_eq!(rows.len(), 4, "PD off and on, two rounds each");
+    assert_eq!(
+        rows.iter().map(|r| r.round).collect::<Vec<_>>(),
+        [Some(1), Some(2), Some(1), Some(2)]
+    );
+    let aborted: usize = rows.iter().map(|r| r.aborted.unwrap_or(0)).sum();
+    assert!(aborted > 0, "some sessions were aborted");
+    for r in &rows {
+        assert_eq!(r.corrupted, Some(0), "{:?}", r.first_divergences);
+        assert_eq!((r.leaked_pages, r.quarantined_pages), (Some(0), Some(0)));
+        assert_eq!(r.wedged, Some(0));
+        assert!(r.health_p99_ms.is_some());
+    }
+}
+
+#[test]
+fn a_running_server_is_measured_through_its_url() {
+    let s = two_turns();
+    let key = ConfigKey {
+        index_k: IndexKDtype::Bf16,
+        host_tier: true,
+        pd: false,
+    };
+    let engine = Arc::new(
+        Engine::start(
+            Arc::new(CpuBackend::new()),
+            s.plan.model,
+            s.plan.engine_options(&key),
+            Arc::new(Metrics::new("both")),
+        )
+        .unwrap(),
+    );
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -80,177 +309,36 @@ fn served_sessions_match_the_reference() {
         .unwrap();
     let server = rt
         .block_on(sparsekit_server::http::spawn(
-            served_engine.clone(),
+            engine,
             "127.0.0.1:0".parse().unwrap(),
             Default::default(),
         ))
         .unwrap();
-    let target = HttpTarget { addr: server.addr };
-    let running = AtomicBool::new(true);
-    let (served, health) = std::thread::scope(|s| {
-        let probe = s.spawn(|| {
-            sparsekit_server::harness::run::probe_health(
-                server.addr,
-                Duration::from_millis(20),
-                &running,
-            )
-        });
-        let served = run_concurrent(&target, &w, DEADLINE, &|| {});
-        running.store(false, std::sync::atomic::Ordering::Relaxed);
-        (served, probe.join().unwrap())
-    });
-    let (tally, verdicts) = Tally::of(reference, &served);
-    assert!(
-        verdicts.iter().all(|v| *v == Verdict::Clean),
-        "{verdicts:?}"
-    );
-    assert_eq!((tally.sessions, tally.clean), (3, 3));
-    assert!(
-        served_engine.stats().max_step_seqs >= 2,
-        "sessions were never batched together"
-    );
-    let st = served_engine.stats();
-    let row = EvidenceRow::measured(
-        &ConfigLabel::new("no-cache", "fp8_e4m3", "off", "off"),
-        &tally,
-        &served,
-        &health,
-        Some(st.capacity_pages - st.free_pages),
-    );
-    assert_eq!(row.corrupted, Some(0));
-    assert_eq!(row.leaked_pages, Some(0));
-    assert!(row.ttft_p99_ms.is_some() && row.health_p99_ms.is_some());
-    assert_eq!(row.ttft_by_turn_ms.len(), 2);
-    rt.block_on(server.shutdown(Duration::from_secs(5)))
+    let info = remote_info(server.addr).unwrap();
+    assert_eq!(info.key, key);
+    assert_eq!((info.model, info.seed), (s.plan.model, s.plan.seed));
+    let runner = UrlRunner {
+        servers: vec![info],
+    };
+    let opts = ReproOptions {
+        configs: vec![key],
+        ..options(2)
+    };
+    let rows = run_configs(&[&runner], &opts, &s.plan, &s.w, &s.refs, &|| {}, &|_| {});
+    assert_eq!(rows.len(), 1);
+    assert_clean(&rows[0]);
+    assert!(rows[0]
+        .note
+        .as_deref()
+        .unwrap_or("")
+        .contains("running server"));
+    // A configuration no server serves is unavailable.
+    let opts = ReproOptions {
+        configs: vec![key.without_host_tier()],
+        ..options(2)
+    };
+    let rows = run_configs(&[&runner], &opts, &s.plan, &s.w, &s.refs, &|| {}, &|_| {});
+    assert!(!rows[0].available);
+    rt.block_on(server.shutdown(Duration::from_secs(10)))
         .unwrap();
-}
-
-/// A reference space whose layer-0 store drops the index key of every row whose slot is
-/// ≡ 5 (mod 7): those keys stay zero, as if their copy never landed, and the indexer
-/// scores them anyway.
-struct DropsIndexKeys(PagedKvSpace<CpuBackend>);
-
-struct DroppingLayer<'a, L> {
-    inner: L,
-    drop_rows: bool,
-    _space: std::marker::PhantomData<&'a ()>,
-}
-
-impl<L: LayerCache<CpuBackend>> LayerCache<CpuBackend> for DroppingLayer<'_, L> {
-    fn kv_layout(&self) -> KvLayout {
-        self.inner.kv_layout()
-    }
-    fn index_k_layout(&self) -> IndexKLayout {
-        self.inner.index_k_layout()
-    }
-    fn store(
-        &mut self,
-        b: &CpuBackend,
-        slots: &[i64],
-        kv: &<CpuBackend as Backend>::Buffer,
-        index_k: &<CpuBackend as Backend>::Buffer,
-    ) -> Result<(), EngineError> {
-        if !self.drop_rows {
-            return self.inner.store(b, slots, kv, index_k);
-        }
-        // Store KV for every row, index keys only for the rows that are kept (the others
-        // are redirected to slot -1, which stores skip).
-        let kept: Vec<i64> = slots
-            .iter()
-            .map(|&s| if s % 7 == 5 { -1 } else { s })
-            .collect();
-        let everything_kv = slots.to_vec();
-        self.inner
-            .store(b, &everything_kv, kv, &b.alloc(b.buffer_len(index_k))?)?;
-        self.inner.store(b, &kept, kv, index_k)
-    }
-    fn kv(&self) -> &<CpuBackend as Backend>::Buffer {
-        self.inner.kv()
-    }
-    fn index_k(&self) -> &<CpuBackend as Backend>::Buffer {
-        self.inner.index_k()
-    }
-}
-
-impl KvSpace<CpuBackend> for DropsIndexKeys {
-    type Layer<'a> =
-        DroppingLayer<'a, <PagedKvSpace<CpuBackend> as KvSpace<CpuBackend>>::Layer<'a>>;
-    fn kv_layout(&self) -> KvLayout {
-        self.0.kv_layout()
-    }
-    fn index_k_layout(&self) -> IndexKLayout {
-        self.0.index_k_layout()
-    }
-    fn num_layers(&self) -> usize {
-        self.0.num_layers()
-    }
-    fn capacity_pages(&self) -> usize {
-        self.0.capacity_pages()
-    }
-    fn free_pages(&self) -> usize {
-        self.0.free_pages()
-    }
-    fn reserve(&mut self, seq: SeqId, tokens: usize) -> Result<(), EngineError> {
-        self.0.reserve(seq, tokens)
-    }
-    fn pages(&self, seq: SeqId) -> Result<&[i32], EngineError> {
-        self.0.pages(seq)
-    }
-    fn release(&mut self, seq: SeqId) -> usize {
-        self.0.release(seq)
-    }
-    fn layer(&mut self, l: usize) -> Result<Self::Layer<'_>, EngineError> {
-        Ok(DroppingLayer {
-            inner: self.0.layer(l)?,
-            drop_rows: l == 0,
-            _space: std::marker::PhantomData,
-        })
-    }
-    fn leak_check(&self) -> Result<(), EngineError> {
-        self.0.leak_check()
-    }
-}
-
-#[test]
-fn an_injected_cache_fault_is_reported_as_corruption() {
-    let w = workload();
-    let reference = reference();
-    let backend = Arc::new(CpuBackend::new());
-    let model = Model::new(backend.clone(), ModelConfig::TINY, 0).unwrap();
-    let o = opts();
-    let space = PagedKvSpace::new(
-        &*backend,
-        model.kv_layout(o.kv_dtype).unwrap(),
-        model.index_k_layout(o.index_k_dtype).unwrap(),
-        ModelConfig::TINY.n_layers,
-        o.kv_pages,
-    )
-    .unwrap();
-    let faulty = Arc::new(
-        Engine::start_with(
-            model,
-            DropsIndexKeys(space),
-            o,
-            Arc::new(Metrics::new("both")),
-        )
-        .unwrap(),
-    );
-    let served = run_concurrent(&EngineTarget(faulty), &w, DEADLINE, &|| {});
-    let (tally, verdicts) = Tally::of(reference, &served);
-    assert_eq!(tally.corrupted, 3, "{verdicts:?}");
-    for v in &verdicts {
-        // The prompt is computed wrongly from its first positions on, so the very first
-        // logits already differ.
-        assert!(
-            matches!(
-                v,
-                Verdict::Corrupted {
-                    turn: 0,
-                    step: 0,
-                    ..
-                }
-            ),
-            "{v:?}"
-        );
-    }
 }

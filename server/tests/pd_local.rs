@@ -981,3 +981,46 @@ fn nothing_lands_after_a_confirmation() {
     let fault = [sparsekit_server::pd::PdFault::StaleTransferWrite];
     assert!(late_landings(&fault, 30, 1) > 0);
 }
+
+/// A decode request that ends while its transfer is in flight (failed by the engine, or
+/// served without waiting) is noticed at prefill's next write: the transfer is aborted
+/// (not left active until the stall timeout), its pages are held until prefill confirms,
+/// then released; nothing leaks.
+#[test]
+fn a_transfer_whose_decode_request_ended_is_aborted_at_the_next_write() {
+    let s = spec(KvDtype::Bf16, IndexKDtype::Bf16);
+    let pd = pd(
+        cache(s, 16, &[]),
+        cache(s, 16, &[]),
+        ReceiverConfig::default(),
+        SenderConfig::default(),
+    );
+    let (held_tx, held_rx) = mpsc::channel::<()>();
+    let (go_tx, go_rx) = mpsc::channel::<()>();
+    let held_tx = parking_lot::Mutex::new(held_tx);
+    let go_rx = parking_lot::Mutex::new(go_rx);
+    let gate: Gate = Arc::new(move |_, l| {
+        if l == 0 {
+            held_tx.lock().send(()).unwrap();
+            go_rx.lock().recv_timeout(BOUND).unwrap();
+        }
+        Act::Go
+    });
+    let _w = Worker::spawn(pd.tx.clone(), pd.p.clone(), gate);
+    let p = prompt(5, 20);
+    start(&pd, 1, &p).unwrap();
+    held_rx.recv_timeout(BOUND).unwrap();
+    // The decode side ends the request on its own (as the engine does when a step fails).
+    pd.d.abort(1).unwrap();
+    go_tx.send(()).unwrap();
+    match pd.rx.wait(1, BOUND).unwrap() {
+        Outcome::Cancelled(why) => assert!(why.contains("decode request ended"), "{why}"),
+        o => panic!("{o:?}"),
+    }
+    assert!(pd.rx.stats().refused("stale_generation") >= 1);
+    until("the transfer is forgotten", || pd.rx.in_flight() == 0);
+    assert_eq!(pd.rx.quarantined_pages(), 0);
+    until("decode pages are free", || {
+        pd.d.leak_check().is_ok_and(|s| s.device_in_use == 0)
+    });
+}

@@ -36,7 +36,7 @@ enum Command {
     /// Model the GPU kernels' performance from an emulated, traced run (no GPU needed).
     Profile(profile::Args),
     /// Serve the synthetic DSA model over HTTP (OpenAI and SGLang APIs).
-    Serve(serve::Args),
+    Serve(Box<serve::Args>),
     /// The integrity harness: concurrent agentic sessions vs the uncached reference.
     Repro(repro::Args),
 }
@@ -84,7 +84,7 @@ pub fn run(cli: Cli) -> Result<ExitCode, CliError> {
         Command::Kernels(a) => kernels::run(a),
         Command::Profile(a) => profile::run(a),
         Command::Bench(a) => bench::run(a),
-        Command::Serve(a) => serve::run(a),
+        Command::Serve(a) => serve::run(*a),
         Command::Repro(a) => repro::run(a),
     }
 }

@@ -1,45 +1,75 @@
-//! `sparsekit repro`: the integrity harness. Today it runs the `no-cache` configuration
-//! (concurrent agentic sessions through the HTTP server vs the one-at-a-time reference,
-//! per index-K dtype) and lists the eight evidence configurations as unavailable until
-//! the cache-backed engine and PD transfer land; options that need them are refused.
+//! `sparsekit repro`: the integrity harness. Concurrent multi-turn agentic sessions served
+//! to each configuration of the evidence table ({fp8, bf16} index keys × host tier × PD),
+//! every token and logits digest compared with the uncached one-at-a-time reference; the
+//! table, or `--json`. The PD-on rows are listed as unavailable until the PD transfer's
+//! runner lands. Exit status 1 when a row shows a problem (or, with `--inject`, when an
+//! injection was not caught with the checks on / did not corrupt with them off).
 
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use sparsekit::host::model_ops::ModelOps;
-use sparsekit::host::{Backend, CpuBackend, EmuBackend, IndexKDtype};
+use sparsekit::host::{Backend, CpuBackend, EmuBackend, KvDtype};
 use sparsekit_server::engine::ModelConfig;
+use sparsekit_server::harness::config::{select, Injection};
+use sparsekit_server::harness::deploy::{
+    parse_url, remote_info, ConfigRunner, LocalRunner, RunPlan, Sizing, UrlRunner,
+};
 use sparsekit_server::harness::report::{render_table, EvidenceRow};
 use sparsekit_server::harness::repro::{
-    evidence_configs, run_no_cache, total_turns, ReproOptions, UNAVAILABLE,
+    reference_runs, run_configs, run_repro, total_turns, ReproOptions,
 };
-use sparsekit_server::harness::WorkloadConfig;
+use sparsekit_server::harness::{Workload, WorkloadConfig};
 
 use super::{CliError, BACKENDS};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Concurrent agentic sessions (16 by default: about 3 minutes on 2 cores for both
-    /// index-K dtypes; the reference recomputes every prompt, ~1 M tokens for 80 × 4).
-    #[arg(long, default_value_t = 16)]
+    /// Concurrent agentic sessions.
+    #[arg(long, default_value_t = 8)]
     sessions: usize,
     /// Turns per session.
     #[arg(long, default_value_t = 4)]
     turns: usize,
-    /// Served runs against the same server without a restart.
+    /// Served runs against the same servers without a restart (one row per round).
     #[arg(long, default_value_t = 1)]
     rounds: usize,
-    /// Index-K dtypes to run: fp8, bf16 (comma-separated).
-    #[arg(long, value_delimiter = ',', default_value = "fp8,bf16")]
-    index_k: Vec<String>,
-    /// Backend: cpu, emu or cuda.
+    /// Configurations to run: `/`-separated parts (fp8, bf16, host-on, host-off, pd-on,
+    /// pd-off), comma-separated filters, e.g. `bf16/host-on,fp8/host-off/pd-off`. All
+    /// eight by default.
+    #[arg(long, value_delimiter = ',')]
+    configs: Vec<String>,
+    /// Fault injection: host-pool-fp8-layout, shared-item-size, skip-index-wait,
+    /// no-generation-check (pd-fp8-frame, pd-read-before-landed, stale-transfer-write
+    /// need PD).
+    #[arg(long)]
+    inject: Option<String>,
+    /// Turn the second integrity checks off (load checksums, landed stamps): with an
+    /// injection, the historical corruption must show.
+    #[arg(long)]
+    no_verify: bool,
+    /// Fraction of requests the clients abort mid-flight (0 to 1).
+    #[arg(long, default_value_t = 0.0)]
+    abort_rate: f64,
+    /// PD transport: local or nixl (for the PD-on rows).
+    #[arg(long, default_value = "local")]
+    transport: String,
+    /// Run against servers already running (`sparsekit serve`), comma-separated
+    /// `http://host:port`; one row per server, its config read from `/server_info`.
+    #[arg(long, value_delimiter = ',')]
+    url: Vec<String>,
+    /// Backend: cpu, emu or cuda (the reference runs here; with --url it must be the
+    /// servers' backend).
     #[arg(long, default_value = "cpu")]
     backend: String,
     /// Model config.
     #[arg(long, default_value = "tiny")]
     model: String,
+    /// KV dtype: bf16 or fp8_ds_mla.
+    #[arg(long, default_value = "bf16")]
+    kv: String,
     /// Workload and weight seed.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -49,62 +79,33 @@ pub struct Args {
     /// Print the rows as JSON.
     #[arg(long)]
     json: bool,
-    /// Evidence configurations to run (needs the cache-backed engine; refused for now).
-    #[arg(long, value_delimiter = ',')]
-    configs: Vec<String>,
-    /// Fault injection (needs the cache and PD layers; refused for now).
-    #[arg(long)]
-    inject: Option<String>,
-    /// Turn the integrity checks off (needs the cache and PD layers; refused for now).
-    #[arg(long)]
-    no_verify: bool,
-    /// Fraction of requests aborted mid-flight (not available yet).
-    #[arg(long)]
-    abort_rate: Option<f64>,
-    /// PD transport (not available yet).
-    #[arg(long)]
-    transport: Option<String>,
-    /// Run against servers already running (not available yet).
-    #[arg(long)]
-    url: Option<String>,
-}
-
-fn not_yet(what: &str) -> CliError {
-    format!("{what} is not available in this build: {UNAVAILABLE}").into()
 }
 
 pub fn run(args: Args) -> Result<ExitCode, CliError> {
-    if !args.configs.is_empty() {
-        return Err(not_yet("--configs"));
-    }
-    if let Some(i) = &args.inject {
-        return Err(not_yet(&format!("--inject {i}")));
-    }
-    if args.no_verify {
-        return Err(not_yet("--no-verify"));
-    }
-    if args.abort_rate.is_some() {
-        return Err(not_yet("--abort-rate"));
-    }
-    if let Some(t) = &args.transport {
-        return Err(not_yet(&format!("--transport {t}")));
-    }
-    if args.url.is_some() {
-        return Err(not_yet("--url"));
-    }
     if args.sessions == 0 || args.turns == 0 || args.rounds == 0 {
         return Err("--sessions, --turns and --rounds must be positive".into());
     }
-    let dtypes = args
-        .index_k
-        .iter()
-        .map(|d| match d.as_str() {
-            "fp8" => Ok(IndexKDtype::FP8),
-            "bf16" => Ok(IndexKDtype::Bf16),
-            other => Err(format!("--index-k takes fp8 and bf16, not {other:?}")),
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let cfg = ModelConfig::by_name(&args.model)?;
+    if !(0.0..=1.0).contains(&args.abort_rate) {
+        return Err(format!("--abort-rate must be in [0, 1], got {}", args.abort_rate).into());
+    }
+    match args.transport.as_str() {
+        "local" => {}
+        "nixl" => {
+            return Err(
+                "--transport nixl is not wired into repro yet: the PD-on rows run \
+                        over the local transport (the NIXL transport itself is tested by \
+                        sparsekit-server's pd_nixl tests)"
+                    .into(),
+            )
+        }
+        t => return Err(format!("unknown transport {t:?} (local, nixl)").into()),
+    }
+    let injection: Option<Injection> = args.inject.as_deref().map(str::parse).transpose()?;
+    let kv_dtype = match args.kv.as_str() {
+        "bf16" => KvDtype::Bf16,
+        "fp8_ds_mla" => KvDtype::Fp8DsMla,
+        v => return Err(format!("--kv must be bf16 or fp8_ds_mla, got {v:?}").into()),
+    };
     let opts = ReproOptions {
         workload: WorkloadConfig {
             sessions: args.sessions,
@@ -115,36 +116,53 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
         deadline: Duration::from_secs(args.deadline_s),
         rounds: args.rounds,
         seed: args.seed,
+        model: ModelConfig::by_name(&args.model)?,
+        kv_dtype,
+        configs: select(&args.configs)?,
+        injection,
+        verify: !args.no_verify,
+        abort_rate: args.abort_rate,
         ..Default::default()
     };
-    let rows = match args.backend.as_str() {
-        "cpu" => run_all(Arc::new(CpuBackend::new()), cfg, &dtypes, &opts, args.json)?,
-        "emu" => run_all(Arc::new(EmuBackend::new()), cfg, &dtypes, &opts, args.json)?,
+    let started = Instant::now();
+    let (rows, sizing) = match args.backend.as_str() {
+        "cpu" => run_on(Arc::new(CpuBackend::from_env()?), &args, opts.clone())?,
+        "emu" => run_on(Arc::new(EmuBackend::new()), &args, opts.clone())?,
         "cuda" => {
             let b = sparsekit::cuda::CudaBackend::new(0)
                 .map_err(|e| format!("cuda backend unavailable: {e}"))?;
-            run_all(Arc::new(b), cfg, &dtypes, &opts, args.json)?
+            run_on(Arc::new(b), &args, opts.clone())?
         }
         other => return Err(format!("unknown backend {other:?} (available: {BACKENDS})").into()),
     };
+    let wall = started.elapsed();
     if args.json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
         print!("{}", render_table(&rows));
-        for r in rows.iter().filter(|r| !r.first_divergences.is_empty()) {
+        if let Some(s) = sizing {
             println!(
-                "{}: first divergences (session, turn, step): {:?}",
-                r.config, r.first_divergences
+                "device pool {} pages, host tier {} pages (working set ≈ {} pages)",
+                s.device_pages,
+                s.host_pages,
+                s.host_pages.saturating_sub(64) * 4 / 5
             );
         }
+        println!(
+            "{} sessions × {} turns, {} round(s): {:.1} s",
+            args.sessions,
+            args.turns,
+            args.rounds,
+            wall.as_secs_f64()
+        );
     }
-    let bad = rows.iter().any(|r| {
-        r.available
-            && (r.corrupted.unwrap_or(0) > 0
-                || r.wedged.unwrap_or(0) > 0
-                || r.refused.unwrap_or(0) > 0
-                || r.leaked_pages.unwrap_or(0) > 0)
-    });
+    let bad = rows
+        .iter()
+        .filter(|r| r.available)
+        .any(|r| match r.verdict {
+            Some(v) => !v.is_expected(r),
+            None => !(r.is_clean() || args.abort_rate > 0.0 && clean_but_aborts(r)),
+        });
     Ok(if bad {
         ExitCode::from(1)
     } else {
@@ -152,32 +170,164 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
     })
 }
 
-fn run_all<B: Backend + ModelOps + 'static>(
-    backend: Arc<B>,
-    cfg: ModelConfig,
-    dtypes: &[IndexKDtype],
-    opts: &ReproOptions,
-    quiet: bool,
-) -> Result<Vec<EvidenceRow>, CliError> {
+/// Aborted sessions are no problem; anything else is.
+fn clean_but_aborts(r: &EvidenceRow) -> bool {
+    r.corrupted.unwrap_or(0) == 0
+        && r.refused.unwrap_or(0) == 0
+        && r.detected.unwrap_or(0) == 0
+        && r.wedged.unwrap_or(0) == 0
+        && r.leaked_pages.unwrap_or(0) == 0
+}
+
+fn progress_bar(total: u64, quiet: bool) -> Result<ProgressBar, CliError> {
     let bar = if quiet {
         ProgressBar::hidden()
     } else {
-        ProgressBar::new(total_turns(opts) * dtypes.len() as u64)
+        ProgressBar::new(total)
     };
     bar.set_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} turns {elapsed} (eta {eta}) {msg}")
             .map_err(|e| e.to_string())?,
     );
-    let mut rows = Vec::new();
-    for &ik in dtypes {
-        bar.set_message(format!("no-cache, index-K {}", ik.name()));
-        rows.extend(run_no_cache(backend.clone(), cfg, ik, opts, &|| {
-            bar.inc(1)
-        })?);
+    Ok(bar)
+}
+
+fn run_on<B: Backend + ModelOps + 'static>(
+    backend: Arc<B>,
+    args: &Args,
+    opts: ReproOptions,
+) -> Result<(Vec<EvidenceRow>, Option<Sizing>), CliError> {
+    if !args.url.is_empty() {
+        return run_urls(backend, args, opts).map(|r| (r, None));
     }
+    let local = LocalRunner {
+        backend: backend.clone(),
+    };
+    // PD-on rows run through an in-process prefill/decode pair (local transport).
+    let runners: [&dyn ConfigRunner; 1] = [&local];
+    let refs = {
+        let mut d = Vec::new();
+        for c in &opts.configs {
+            if !d.contains(&c.index_k) {
+                d.push(c.index_k);
+            }
+        }
+        d.len()
+    };
+    let runnable = opts.configs.len();
+    let bar = progress_bar(total_turns(&opts, refs, runnable), args.json)?;
+    let report = run_repro(backend, &opts, &runners, &|| bar.inc(1), &|phase| {
+        bar.set_message(phase.to_string())
+    })?;
     bar.finish_and_clear();
-    for c in evidence_configs() {
-        rows.push(EvidenceRow::unavailable(&c, UNAVAILABLE));
+    Ok((report.rows, Some(report.sizing)))
+}
+
+/// `--url`: the rows of running servers against references computed here.
+fn run_urls<B: Backend + ModelOps + 'static>(
+    backend: Arc<B>,
+    args: &Args,
+    mut opts: ReproOptions,
+) -> Result<Vec<EvidenceRow>, CliError> {
+    let servers = args
+        .url
+        .iter()
+        .map(|u| parse_url(u).and_then(remote_info))
+        .collect::<Result<Vec<_>, _>>()?;
+    let first = &servers[0];
+    for s in &servers {
+        if s.backend != backend.name() {
+            return Err(format!(
+                "{} serves on the {} backend; the reference must run on the same backend \
+                 (--backend {})",
+                s.addr, s.backend, s.backend
+            )
+            .into());
+        }
+        if (s.model, s.seed, s.kv_dtype) != (first.model, first.seed, first.kv_dtype) {
+            return Err(format!(
+                "{} serves another model, seed or KV dtype than {}: one reference cannot cover both",
+                s.addr, first.addr
+            )
+            .into());
+        }
+        if let Some(i) = opts.injection {
+            let missing: Vec<_> = i
+                .cache_faults()
+                .into_iter()
+                .filter(|f| !s.faults.iter().any(|x| x == f.name()))
+                .collect();
+            if !missing.is_empty() {
+                return Err(format!(
+                    "{} was not started with --inject {} (missing faults {missing:?})",
+                    s.addr,
+                    i.name()
+                )
+                .into());
+            }
+        }
+        if s.verify == opts.verify {
+            continue;
+        }
+        return Err(format!(
+            "{} runs with verification {}, the harness was told {}",
+            s.addr,
+            if s.verify { "on" } else { "off" },
+            if opts.verify {
+                "on"
+            } else {
+                "off (--no-verify)"
+            }
+        )
+        .into());
     }
+    opts.model = first.model;
+    opts.seed = first.seed;
+    opts.kv_dtype = first.kv_dtype;
+    let wanted = select(&args.configs)?;
+    opts.configs = servers
+        .iter()
+        .map(|s| s.key)
+        .filter(|k| wanted.contains(k))
+        .collect();
+    let mut dtypes = Vec::new();
+    for c in &opts.configs {
+        if !dtypes.contains(&c.index_k) {
+            dtypes.push(c.index_k);
+        }
+    }
+    let bar = progress_bar(
+        total_turns(&opts, dtypes.len(), opts.configs.len()),
+        args.json,
+    )?;
+    bar.set_message("reference runs");
+    let w = Workload::generate(&opts.workload);
+    let references = reference_runs(backend, &opts, &w, &dtypes, &|| bar.inc(1))?;
+    let runner = UrlRunner { servers };
+    let plan = RunPlan {
+        model: opts.model,
+        seed: opts.seed,
+        kv_dtype: opts.kv_dtype,
+        sizing: Sizing {
+            device_pages: 0,
+            host_pages: 0,
+            decode_pages: 0,
+        },
+        max_running: opts.workload.sessions,
+        injection: opts.injection,
+        verify: opts.verify,
+        cache_wait: opts.cache_wait,
+        deadline: opts.deadline,
+    };
+    let rows = run_configs(
+        &[&runner],
+        &opts,
+        &plan,
+        &w,
+        &references,
+        &|| bar.inc(1),
+        &|c| bar.set_message(c.name()),
+    );
+    bar.finish_and_clear();
     Ok(rows)
 }

@@ -5,18 +5,23 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
+use sparsekit::host::cache::Faults;
 use sparsekit::host::model_ops::ModelOps;
 use sparsekit::host::{Backend, CpuBackend, EmuBackend, IndexKDtype, KvDtype};
-use sparsekit_server::engine::{Engine, EngineOptions, ModelConfig};
+use sparsekit_server::engine::{CacheOptions, Engine, EngineOptions, ModelConfig};
+use sparsekit_server::harness::config::{no_verify_faults, Injection};
 use sparsekit_server::http::{serve_until_signal, ServerConfig};
 use sparsekit_server::metrics::Metrics;
+use sparsekit_server::pd::pair::{PdOptions, PdPair};
+use sparsekit_server::pd::{Checks, PdFaults};
 
 use super::{CliError, BACKENDS};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Server role: `both` (one process). `prefill` and `decode` (PD disaggregation)
-    /// come with the transfer layer and are refused for now.
+    /// Server role: `both` (one process; with `--pd on`, a prefill/decode pair inside it
+    /// over the local transport). `prefill` and `decode` as separate processes need a
+    /// network transport (nixl), which `serve` does not wire yet: refused.
     #[arg(long, default_value = "both")]
     role: String,
     /// Address to bind.
@@ -43,9 +48,26 @@ pub struct Args {
     /// Indexer top-k (the config's value when omitted).
     #[arg(long)]
     index_topk: Option<usize>,
-    /// Pages of the KV space (each holds a page of tokens of every layer).
-    #[arg(long, default_value_t = 8192)]
-    kv_pages: usize,
+    /// Pages of the device pool (each holds a page of tokens of every layer and kind).
+    #[arg(long, alias = "kv-pages", default_value_t = 8192)]
+    device_pages: usize,
+    /// Prefix cache (radix reuse of prompt pages): on, or off for the reference space.
+    #[arg(long, default_value = "on")]
+    prefix_cache: String,
+    /// Pages of the host tier when it is on (4 × the device pool when omitted).
+    #[arg(long)]
+    host_pages: Option<usize>,
+    /// Back committed pages up to the host tier at once: on or off.
+    #[arg(long, default_value = "on")]
+    write_through: String,
+    /// Fault injection for the integrity harness (`sparsekit repro --url ... --inject`):
+    /// host-pool-fp8-layout, shared-item-size, skip-index-wait, no-generation-check.
+    #[arg(long)]
+    inject: Option<String>,
+    /// Turn the second integrity checks off (load checksums, landed stamps): for the
+    /// harness's `--no-verify` only.
+    #[arg(long)]
+    no_verify: bool,
     /// Rows per engine step.
     #[arg(long, default_value_t = 512)]
     max_batch_tokens: usize,
@@ -70,40 +92,95 @@ pub struct Args {
     /// PD peer URL (for --role prefill|decode; not available yet).
     #[arg(long)]
     peer: Option<String>,
-    /// Host cache tier: off (on comes with the cache-backed engine).
+    /// Host cache tier (device pool ⇄ host mirror, layer-wise loads): on or off.
     #[arg(long, default_value = "off")]
     host_tier: String,
-    /// PD transport: local (nixl comes with PD disaggregation).
+    /// PD transport: local (in process, `--role both --pd on`); nixl is refused for now.
     #[arg(long, default_value = "local")]
     transport: String,
+    /// Prefill/decode disaggregation inside this process (`--role both`): on or off. With
+    /// on, requests go to a decode engine whose prompt pages a prefill engine (prefix
+    /// cache, host tier) computes and pushes over the local transport.
+    #[arg(long, default_value = "off")]
+    pd: String,
 }
 
 fn not_yet(what: &str) -> CliError {
     format!(
-        "{what} is not available in this build: the engine serves with the reference KV \
-         space (role both, no host tier, no PD); the cache-backed engine and PD transfer \
-         come next"
+        "{what} is not available in this build: this engine serves role both (prefix cache \
+         and host tier in one process); PD disaggregation comes with the transfer layer"
     )
     .into()
+}
+
+fn on_off(flag: &str, v: &str) -> Result<bool, CliError> {
+    match v {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        v => Err(format!("--{flag} must be on or off, got {v:?}").into()),
+    }
 }
 
 pub fn run(args: Args) -> Result<ExitCode, CliError> {
     match args.role.as_str() {
         "both" => {}
-        "prefill" | "decode" => return Err(not_yet(&format!("--role {}", args.role))),
+        "prefill" | "decode" => {
+            return Err(not_yet(&format!(
+                "--role {} (separate processes need --transport nixl)",
+                args.role
+            )))
+        }
         r => return Err(format!("unknown role {r:?} (prefill, decode, both)").into()),
     }
     if args.peer.is_some() {
         return Err(not_yet("--peer"));
     }
-    match args.host_tier.as_str() {
-        "off" => {}
-        "on" => return Err(not_yet("--host-tier on")),
-        v => return Err(format!("--host-tier must be on or off, got {v:?}").into()),
+    let pd = on_off("pd", &args.pd)?;
+    let host_tier = on_off("host-tier", &args.host_tier)?;
+    let prefix_cache = on_off("prefix-cache", &args.prefix_cache)?;
+    let write_through = on_off("write-through", &args.write_through)?;
+    if host_tier && !prefix_cache {
+        return Err("--host-tier on needs --prefix-cache on".into());
     }
+    let mut faults = Faults::none();
+    let mut pd_faults = Vec::new();
+    if let Some(name) = &args.inject {
+        let i: Injection = name.parse()?;
+        if i.needs_pd() && !pd {
+            return Err(format!("--inject {name} needs --pd on").into());
+        }
+        i.cache_faults().into_iter().for_each(|f| faults.insert(f));
+        pd_faults.extend(i.pd_fault());
+    }
+    if pd && !prefix_cache {
+        return Err("--pd on needs --prefix-cache on (the pages move between caches)".into());
+    }
+    if args.no_verify {
+        no_verify_faults()
+            .into_iter()
+            .for_each(|f| faults.insert(f));
+    }
+    if !prefix_cache && (!faults.is_empty() || args.host_pages.is_some()) {
+        return Err("--inject, --no-verify and --host-pages need --prefix-cache on".into());
+    }
+    let cache = prefix_cache.then(|| CacheOptions {
+        host_pages: if host_tier {
+            args.host_pages.unwrap_or(4 * args.device_pages)
+        } else {
+            0
+        },
+        write_through,
+        verify: !args.no_verify,
+        faults,
+        ..Default::default()
+    });
     match args.transport.as_str() {
         "local" => {}
-        "nixl" => return Err(not_yet("--transport nixl")),
+        "nixl" => {
+            return Err(not_yet(
+                "--transport nixl (serve wires the local transport)",
+            ))
+        }
         v => return Err(format!("unknown transport {v:?} (local, nixl)").into()),
     }
     let index_k = match args.index_k.as_str() {
@@ -124,13 +201,24 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
         seed: args.seed,
         kv_dtype: kv,
         index_k_dtype: index_k,
-        kv_pages: args.kv_pages,
+        kv_pages: args.device_pages,
+        cache,
         max_batch_tokens: args.max_batch_tokens,
         prefill_chunk: args.prefill_chunk,
         max_running: args.max_running,
         role: "both".into(),
         ..Default::default()
     };
+    let pd = pd.then(|| PdOptions {
+        faults: PdFaults::with(&pd_faults),
+        checks: if args.no_verify {
+            Checks::none()
+        } else {
+            Checks::all()
+        },
+        workers: args.max_running.clamp(1, 16),
+        ..Default::default()
+    });
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()
         .map_err(|e| format!("bad address {}:{}: {e}", args.host, args.port))?;
@@ -154,14 +242,14 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
                 Some(t) => CpuBackend::with_threads(t)?,
                 None => CpuBackend::new(),
             };
-            serve_on(Arc::new(b), cfg, opts, addr, server)
+            serve_on(Arc::new(b), cfg, opts, pd, addr, server)
         }
-        "emu" => serve_on(Arc::new(EmuBackend::new()), cfg, opts, addr, server),
+        "emu" => serve_on(Arc::new(EmuBackend::new()), cfg, opts, pd, addr, server),
         "cuda" => {
             let b = sparsekit::cuda::CudaBackend::new(0)
                 .map_err(|e| format!("cuda backend unavailable: {e}"))?;
             eprintln!("cuda device: {}", b.device());
-            serve_on(Arc::new(b), cfg, opts, addr, server)
+            serve_on(Arc::new(b), cfg, opts, pd, addr, server)
         }
         other => Err(format!("unknown backend {other:?} (available: {BACKENDS})").into()),
     }
@@ -171,29 +259,69 @@ fn serve_on<B: Backend + ModelOps + 'static>(
     backend: Arc<B>,
     cfg: ModelConfig,
     opts: EngineOptions,
+    pd: Option<PdOptions>,
     addr: SocketAddr,
     server: ServerConfig,
 ) -> Result<ExitCode, CliError> {
-    let engine = Arc::new(Engine::start(
-        backend,
-        cfg,
-        opts,
-        Arc::new(Metrics::new("both")),
-    )?);
+    let mut pair = None;
+    let engine = match pd {
+        None => Arc::new(Engine::start(
+            backend,
+            cfg,
+            opts,
+            Arc::new(Metrics::new("both")),
+        )?),
+        Some(pd) => {
+            let mut decode = EngineOptions {
+                role: "decode".into(),
+                ..opts.clone()
+            };
+            if let Some(c) = decode.cache.as_mut() {
+                c.host_pages = 0;
+            }
+            let p = PdPair::start_local(
+                backend,
+                cfg,
+                EngineOptions {
+                    role: "prefill".into(),
+                    ..opts
+                },
+                decode,
+                pd,
+                Arc::new(Metrics::new("prefill")),
+                Arc::new(Metrics::new("decode")),
+            )?;
+            let d = p.decode.clone();
+            pair = Some(p);
+            d
+        }
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
+    let with_pd = pair.is_some();
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(addr).await?;
         let local = listener.local_addr()?;
         let info = engine.info();
+        let cache = match &info.cache {
+            None => "no prefix cache".to_string(),
+            Some(c) if c.host_pages > 0 => format!("prefix cache, host tier {} pages", c.host_pages),
+            Some(_) => "prefix cache, no host tier".to_string(),
+        };
         println!(
-            "sparsekit serve: listening on http://{local} (model {}, backend {}, index-K {}, KV {}, {} pages)",
+            "sparsekit serve: listening on http://{local} (model {}, backend {}, index-K {}, KV {}, {} device pages, {cache})",
             info.model, info.backend, info.index_k_dtype, info.kv_dtype, info.kv_pages
         );
+        if with_pd {
+            println!("sparsekit serve: prefill/decode pair in this process (local transport)");
+        }
         serve_until_signal(engine, listener, server).await
     })?;
+    if let Some(p) = pair {
+        p.shutdown(Duration::from_secs(5))?;
+    }
     eprintln!("sparsekit serve: stopped");
     Ok(ExitCode::SUCCESS)
 }

@@ -14,7 +14,10 @@ pub enum Fault {
     HostPoolFp8Layout,
     /// Hand out a layer's guard (its index-K and KV views) without waiting for the layer's
     /// ready token (the historical bug: the index-K read path was not gated on the
-    /// "load finished" signal). Caught by the landed-stamp check of the guard.
+    /// "load finished" signal). Caught by the landed-stamp check of the guard. The bytes of
+    /// a page whose load has not landed are undefined: under this fault the guard fills
+    /// them with a pattern first, rather than leave what the page held before (which may
+    /// be the same bytes by chance), so an early read is always a wrong read.
     SkipIndexWait,
     /// Address the host side of index-K copies with the KV page size (one item size for
     /// both buffer kinds: the historical io-copy bug). Caught by the load checksums.
@@ -29,16 +32,37 @@ pub enum Fault {
     /// Flip one bit of every page backed up to the host tier (last layer, index-K), after
     /// its checksums were taken: host memory corruption. Caught by the load checksums.
     HostBitFlip,
+    /// The io worker's host copies skip the layout-descriptor comparison: each host page
+    /// is addressed with the host layout's page size but moved with the device layout's
+    /// bytes (one item size for both sides, as the historical code did). Harmless while
+    /// both sides share a descriptor; with `host-pool-fp8-layout` the device-sized pages
+    /// overlap their neighbours in the host tier. Caught by the load checksums.
+    NoLayoutCheck,
+    /// Each layer of a host load starts only after a step reached that layer since the
+    /// load was queued — took its guard, or began waiting for its ready token — (bounded
+    /// by the cache's wait bound): with `skip-index-wait` the reader holds the layer
+    /// before its bytes land every time, instead of by chance. Without it the reader
+    /// waits at the fence as always, so this only orders loads after their readers.
+    LoadsTrailReaders,
+    /// A writer that outlives its request: the rows a request stored into a page it then
+    /// released are written again, late, through their old references, right after a
+    /// later owner of that page stores the same slot. Refused by the generation check
+    /// (`stale_writes_refused`); with `no-generation-check` it lands and the new owner's
+    /// landed stamps catch it.
+    LateWrite,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 6] = [
+    pub const ALL: [Fault; 9] = [
         Fault::HostPoolFp8Layout,
         Fault::SkipIndexWait,
         Fault::SharedItemSize,
         Fault::NoGenerationCheck,
         Fault::NoLandedCheck,
         Fault::HostBitFlip,
+        Fault::NoLayoutCheck,
+        Fault::LoadsTrailReaders,
+        Fault::LateWrite,
     ];
 
     /// The fault's name on the command line and in configs.
@@ -50,6 +74,9 @@ impl Fault {
             Fault::NoGenerationCheck => "no-generation-check",
             Fault::NoLandedCheck => "no-landed-check",
             Fault::HostBitFlip => "host-bit-flip",
+            Fault::NoLayoutCheck => "no-layout-check",
+            Fault::LoadsTrailReaders => "loads-trail-readers",
+            Fault::LateWrite => "late-write",
         }
     }
 }
@@ -86,5 +113,17 @@ impl Faults {
     /// Whether `f` is injected.
     pub fn active(&self, f: Fault) -> bool {
         self.0.contains(&f)
+    }
+    /// Adds `f`.
+    pub fn insert(&mut self, f: Fault) {
+        self.0.insert(f);
+    }
+    /// Whether no fault is injected.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+    /// The injected faults, in [`Fault::ALL`] order.
+    pub fn list(&self) -> Vec<Fault> {
+        Fault::ALL.into_iter().filter(|f| self.active(*f)).collect()
     }
 }

@@ -100,6 +100,21 @@ pub struct Prefix {
     pub shared_in_flight_pages: usize,
 }
 
+/// What [`HiCache::try_begin`] and [`HiCache::try_alloc`] would find for a request now
+/// ([`HiCache::room`]); nothing is locked or changed by asking.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Room {
+    /// Pages of the matched prefix held in the device tier (ready or loading): no new
+    /// device page needed.
+    pub device_pages: usize,
+    /// Pages of the matched prefix held only in the host tier (each needs a device page
+    /// to load into).
+    pub host_pages: usize,
+    /// Device pages that could be free for the request now: free, leaving (eviction
+    /// waiting for its backup), or evictable (unlocked cached pages outside its prefix).
+    pub available: usize,
+}
+
 /// Page accounting and counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct CacheStats {
@@ -125,6 +140,9 @@ pub struct CacheStats {
     pub backups: u64,
     pub backup_failures: u64,
     pub integrity_failures: u64,
+    /// Of the integrity failures, those of host → device loads (the rest: inbound
+    /// transfers).
+    pub host_integrity_failures: u64,
     pub stale_writes_refused: u64,
 }
 
@@ -165,6 +183,9 @@ pub(crate) struct LoadRec {
     pub dependents: u32,
     pub cancel: Arc<AtomicBool>,
     pub queued: bool,
+    /// Steps' layer requests counted when the load was queued (the `loads-trail-readers`
+    /// fault; empty otherwise).
+    pub reads_at_queue: Vec<u64>,
 }
 
 /// One page moving device → host.
@@ -229,6 +250,12 @@ pub(crate) struct Shared<B: Backend> {
     pub work_cv: Condvar,
     pub config: CacheConfig,
     next_id: AtomicU64,
+    /// Per layer, how many times a step asked for it (kept under the
+    /// `loads-trail-readers` fault only) and the condvar loads wait on for it.
+    pub reads: Mutex<Vec<u64>>,
+    pub reads_cv: Condvar,
+    /// The `late-write` fault's writer (empty otherwise).
+    pub late: Mutex<super::late::LateWrites>,
 }
 
 static NEXT_CACHE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -315,6 +342,9 @@ impl<B: Backend + 'static> HiCache<B> {
             state: Mutex::new(state),
             space_cv: Condvar::new(),
             work_cv: Condvar::new(),
+            reads: Mutex::new(vec![0; spec.num_layers]),
+            reads_cv: Condvar::new(),
+            late: Mutex::new(super::late::LateWrites::default()),
             config,
             next_id: AtomicU64::new(1),
         });
@@ -360,8 +390,21 @@ impl<B: Backend + 'static> HiCache<B> {
     /// its host-only pages (sharing loads already in flight). May wait (bounded) for
     /// device room. `req` must not be live already.
     pub fn begin(&self, req: RequestId, tokens: &[u32]) -> Result<Prefix> {
+        self.begin_until(req, tokens, self.shared.deadline())
+    }
+
+    /// [`HiCache::begin`] without waiting: when the prefix's loads need device room that is
+    /// not free now, the evictions (and backups) that make it are started and the call
+    /// returns `OutOfPages` at once, leaving nothing behind; a later try finds the room.
+    /// When even evicting every unlocked cached page would not make the room, nothing is
+    /// evicted (a request that cannot start must not empty the cache).
+    /// For a caller that must not block, such as an engine thread admitting requests.
+    pub fn try_begin(&self, req: RequestId, tokens: &[u32]) -> Result<Prefix> {
+        self.begin_until(req, tokens, Instant::now())
+    }
+
+    fn begin_until(&self, req: RequestId, tokens: &[u32], deadline: Instant) -> Result<Prefix> {
         let sh = &*self.shared;
-        let deadline = sh.deadline();
         let mut st = sh.state.lock();
         loop {
             if st.requests.contains_key(&req) {
@@ -384,6 +427,15 @@ impl<B: Backend + 'static> HiCache<B> {
                 .filter(|&n| st.tree.get(n).is_some_and(|n| n.device.is_none()))
                 .collect();
             if missing.len() > st.device.num_free() {
+                if Instant::now() >= deadline && !could_make_room(&st, missing.len()) {
+                    // A try that cannot succeed now changes nothing (evicts nothing).
+                    st.tree.unlock(&path);
+                    return Err(Error::OutOfPages {
+                        what: "device",
+                        wanted: missing.len(),
+                        free: st.device.num_free(),
+                    });
+                }
                 make_room(sh, &mut st, missing.len());
             }
             if missing.len() > st.device.num_free() {
@@ -401,17 +453,64 @@ impl<B: Backend + 'static> HiCache<B> {
         }
     }
 
+    /// What a request for `tokens` would find now (see [`Room`]): a caller that must not
+    /// block compares `available` with the device pages the request needs (its pages in
+    /// all, less `device_pages`) before it begins anything.
+    pub fn room(&self, tokens: &[u32]) -> Room {
+        let st = self.shared.state.lock();
+        let path = st.tree.peek_prefix(tokens);
+        let on_device = |n: &super::radix::Node| n.device.is_some();
+        let device_pages = path
+            .iter()
+            .filter(|&&id| st.tree.get(id).is_some_and(on_device))
+            .count();
+        let victims_on_path = path
+            .iter()
+            .filter(|&&id| {
+                st.tree.get(id).is_some_and(|n| {
+                    n.locks == 0 && n.device.is_some_and(|d| d.load.is_none()) && n.backup.is_none()
+                })
+            })
+            .count();
+        let pending = st.tree.live().filter(|(_, n)| n.evict_after_backup).count();
+        Room {
+            device_pages,
+            host_pages: path.len() - device_pages,
+            available: st.device.num_free() + pending + st.tree.device_victim_count()
+                - victims_on_path,
+        }
+    }
+
     /// `n` fresh device pages owned by `req`, evicting cached pages if needed (waits,
     /// bounded, for backups to make room).
     pub fn alloc(&self, req: RequestId, n: usize) -> Result<Vec<PageRef>> {
+        self.alloc_until(req, n, self.shared.deadline())
+    }
+
+    /// [`HiCache::alloc`] without waiting: when `n` pages are not free now, the evictions
+    /// (and backups) that make room are started and the call returns `OutOfPages` at once,
+    /// allocating nothing; a later try finds the room. When even evicting every unlocked
+    /// cached page would not make the room, nothing is evicted.
+    pub fn try_alloc(&self, req: RequestId, n: usize) -> Result<Vec<PageRef>> {
+        self.alloc_until(req, n, Instant::now())
+    }
+
+    fn alloc_until(&self, req: RequestId, n: usize, deadline: Instant) -> Result<Vec<PageRef>> {
         let sh = &*self.shared;
-        let deadline = sh.deadline();
         let mut st = sh.state.lock();
         loop {
             if !st.requests.contains_key(&req) {
                 return Err(not_live(req));
             }
             if n > st.device.num_free() {
+                if Instant::now() >= deadline && !could_make_room(&st, n) {
+                    // A try that cannot succeed now changes nothing (evicts nothing).
+                    return Err(Error::OutOfPages {
+                        what: "device",
+                        wanted: n,
+                        free: st.device.num_free(),
+                    });
+                }
                 make_room(sh, &mut st, n);
             }
             if n <= st.device.num_free() {
@@ -568,6 +667,10 @@ impl<B: Backend + 'static> HiCache<B> {
             cur = node;
         }
         st.tree.lock(&new_nodes);
+        // One tick for the whole path: a parent must never look older than its child, or
+        // eviction would cut the path at the parent and strand the child's page.
+        let whole: Vec<NodeId> = old_path.iter().chain(&new_nodes).copied().collect();
+        st.tree.touch(&whole);
         if let Some(r) = st.requests.get_mut(&req) {
             r.own.retain(|p| !adopted.contains(p));
             r.path.extend(new_nodes);
@@ -804,6 +907,11 @@ fn start_load<B: Backend>(
     }
     let nodes: Vec<NodeId> = pages.iter().map(|p| p.node).collect();
     st.tree.lock(&nodes);
+    let reads_at_queue = if sh.fault(Fault::LoadsTrailReaders) {
+        sh.reads.lock().clone()
+    } else {
+        Vec::new()
+    };
     st.loads.insert(
         id,
         LoadRec {
@@ -812,6 +920,7 @@ fn start_load<B: Backend>(
             dependents: 1,
             cancel: Arc::new(AtomicBool::new(false)),
             queued: true,
+            reads_at_queue,
         },
     );
     st.queue.push_back(Job::Load(id));
@@ -842,10 +951,20 @@ fn end_request<B: Backend>(sh: &Shared<B>, st: &mut State, req: RequestId, why: 
         f.fail(Error::Cancelled(format!("inbound transfer: {why}")));
     }
     st.tree.unlock(&r.path);
+    if sh.fault(Fault::LateWrite) {
+        sh.late.lock().orphan(&r.own);
+    }
     for p in r.own {
         let _ = st.device.release(p);
     }
     sh.space_cv.notify_all();
+}
+
+/// Whether `want` device pages could be free once the evictions possible now (and those
+/// already waiting for their backup) are done.
+fn could_make_room(st: &State, want: usize) -> bool {
+    let pending = st.tree.live().filter(|(_, n)| n.evict_after_backup).count();
+    st.device.num_free() + pending + st.tree.device_victim_count() >= want
 }
 
 /// Frees device room without waiting: victims with a host copy (or without a host tier)

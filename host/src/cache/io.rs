@@ -94,16 +94,23 @@ pub(crate) fn worker<B: Backend>(sh: Arc<Shared<B>>) {
         };
         match job {
             Job::Load(id) => {
-                let Some((pages, fence, cancel)) = ({
+                let Some((pages, fence, cancel, reads)) = ({
                     let st = sh.state.lock();
-                    st.loads
-                        .get(&id)
-                        .map(|r| (r.pages.clone(), r.fence.clone(), r.cancel.clone()))
+                    st.loads.get(&id).map(|r| {
+                        (
+                            r.pages.clone(),
+                            r.fence.clone(),
+                            r.cancel.clone(),
+                            r.reads_at_queue.clone(),
+                        )
+                    })
                 }) else {
                     continue;
                 };
-                let res = catch_unwind(AssertUnwindSafe(|| run_load(&sh, &pages, &fence, &cancel)))
-                    .unwrap_or_else(|p| Err(panic_error(p)));
+                let res = catch_unwind(AssertUnwindSafe(|| {
+                    run_load(&sh, &pages, &fence, &cancel, &reads)
+                }))
+                .unwrap_or_else(|p| Err(panic_error(p)));
                 let mut st = sh.state.lock();
                 finalize_load(&sh, &mut st, id, res);
             }
@@ -188,7 +195,10 @@ pub(crate) fn finalize_load<B: Backend>(sh: &Shared<B>, st: &mut State, id: u64,
         Err(e) => {
             rec.fence.fail(e.clone());
             match e {
-                Error::Integrity { .. } => st.stats.integrity_failures += 1,
+                Error::Integrity { .. } => {
+                    st.stats.integrity_failures += 1;
+                    st.stats.host_integrity_failures += 1;
+                }
                 _ if rec.cancel.load(Ordering::Acquire) => st.stats.cancelled_loads += 1,
                 _ => st.stats.load_failures += 1,
             }
@@ -307,12 +317,111 @@ fn load_ids(pages: &[LoadPage]) -> (Vec<i32>, Vec<i32>) {
     )
 }
 
+/// Under the `loads-trail-readers` fault: waits (bounded, re-checking `cancel`) until a
+/// step asked for `layer` since the load was queued (`reads_at_queue`).
+fn trail_readers<B: Backend>(
+    sh: &Shared<B>,
+    layer: usize,
+    reads_at_queue: &[u64],
+    cancel: &AtomicBool,
+) -> Result<()> {
+    let Some(&seen) = reads_at_queue.get(layer) else {
+        return Ok(());
+    };
+    let deadline = sh.deadline();
+    let mut reads = sh.reads.lock();
+    while reads.get(layer).is_some_and(|&r| r <= seen) {
+        if cancel.load(Ordering::Acquire) {
+            return Err(Error::Cancelled("load cancelled".into()));
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            break;
+        }
+        // Slices of 10 ms: a cancellation is noticed without a notification of its own.
+        let _ = sh
+            .reads_cv
+            .wait_until(&mut reads, deadline.min(now + Duration::from_millis(10)));
+    }
+    Ok(())
+}
+
+/// Where host page `host_id` of `region` sits when addressed with the host layout's page
+/// size but moved with `device`'s bytes (the `no-layout-check` fault): a one-page region
+/// in the device layout, kept inside the host buffer.
+fn host_page_as_device(
+    region: PagedRegion,
+    host_id: i32,
+    device: crate::layout::PageLayout,
+    host_len: usize,
+) -> PagedRegion {
+    let page = device.bytes_per_page();
+    let start = region.page_range(host_id.max(0) as usize).start;
+    PagedRegion {
+        layout: device,
+        offset: start.min(host_len.saturating_sub(page)),
+        stride: page,
+        num_pages: 1,
+    }
+}
+
+/// One side of a page copy: a region of a buffer and the page ids in it.
+struct Side<'a> {
+    region: PagedRegion,
+    ids: &'a [i32],
+}
+
+/// Copies pages `src` → `dst`; `host` says which side is the host tier. Under the
+/// `no-layout-check` fault with differing descriptors, page by page with the host side
+/// readdressed by [`host_page_as_device`] (the historical copy that never compared them).
+fn copy_host<B: Backend>(
+    sh: &Shared<B>,
+    src: Side<'_>,
+    src_buf: &B::Buffer,
+    dst: Side<'_>,
+    dst_buf: &mut B::Buffer,
+    host_is_src: bool,
+) -> Result<()> {
+    let bypass = sh.fault(Fault::NoLayoutCheck)
+        && src.region.layout.fingerprint() != dst.region.layout.fingerprint();
+    if !bypass {
+        let op = CopyPages {
+            src: src.region,
+            dst: dst.region,
+            src_ids: src.ids,
+            dst_ids: dst.ids,
+        };
+        return sh.backend.copy_pages(&op, src_buf, dst_buf);
+    }
+    let host_len = sh
+        .backend
+        .buffer_len(if host_is_src { src_buf } else { &*dst_buf });
+    for (&s, &d) in src.ids.iter().zip(dst.ids) {
+        let (src_region, dst_region, s, d) = if host_is_src {
+            let one = host_page_as_device(src.region, s, dst.region.layout, host_len);
+            (one, dst.region, 0, d)
+        } else {
+            let one = host_page_as_device(dst.region, d, src.region.layout, host_len);
+            (src.region, one, s, 0)
+        };
+        let op = CopyPages {
+            src: src_region,
+            dst: dst_region,
+            src_ids: &[s],
+            dst_ids: &[d],
+        };
+        sh.backend.copy_pages(&op, src_buf, dst_buf)?;
+    }
+    Ok(())
+}
+
 /// One load, layer by layer; publishes each layer after both kinds landed and verified.
 fn run_load<B: Backend>(
     sh: &Shared<B>,
     pages: &[LoadPage],
     fence: &Fence,
     cancel: &AtomicBool,
+    reads_at_queue: &[u64],
 ) -> Result<()> {
     let host = sh
         .host
@@ -323,6 +432,9 @@ fn run_load<B: Backend>(
         if cancel.load(Ordering::Acquire) {
             return Err(Error::Cancelled("load cancelled".into()));
         }
+        if sh.fault(Fault::LoadsTrailReaders) {
+            trail_readers(sh, l, reads_at_queue, cancel)?;
+        }
         let mut dev = sh.device.lock(l, sh.deadline())?;
         let host_buf = host.buffer();
         for (ki, kind) in BufferKind::ALL.into_iter().enumerate() {
@@ -330,13 +442,20 @@ fn run_load<B: Backend>(
                 return Err(Error::Cancelled("load cancelled".into()));
             }
             let dst = sh.device.region(kind);
-            let op = CopyPages {
-                src: host.region(l, kind),
-                dst,
-                src_ids: &host_ids,
-                dst_ids: &dev_ids,
-            };
-            sh.backend.copy_pages(&op, &host_buf, dev.get_mut(kind))?;
+            copy_host(
+                sh,
+                Side {
+                    region: host.region(l, kind),
+                    ids: &host_ids,
+                },
+                &host_buf,
+                Side {
+                    region: dst,
+                    ids: &dev_ids,
+                },
+                dev.get_mut(kind),
+                true,
+            )?;
             if sh.config.verify {
                 let got = checksums(&*sh.backend, dst, dev.get(kind), &dev_ids)?;
                 for (p, g) in pages.iter().zip(got) {
@@ -382,14 +501,33 @@ fn run_backup<B: Backend>(sh: &Shared<B>, items: &[BackupItem]) -> Result<Vec<Ve
         let host_len = sh.backend.buffer_len(&host_buf);
         for (ki, kind) in BufferKind::ALL.into_iter().enumerate() {
             let src = sh.device.region(kind);
-            let dst = backup_geometry(sh, kind, host.region(l, kind), host_len);
-            let op = CopyPages {
-                src,
-                dst,
-                src_ids: &dev_ids,
-                dst_ids: &host_ids,
-            };
-            sh.backend.copy_pages(&op, dev.get(kind), &mut host_buf)?;
+            let dst = host.region(l, kind);
+            if sh.fault(Fault::SharedItemSize) && kind == BufferKind::IndexK {
+                for (&d, &h) in dev_ids.iter().zip(&host_ids) {
+                    let op = CopyPages {
+                        src,
+                        dst: shared_item_size_page(sh, dst, h, host_len),
+                        src_ids: &[d],
+                        dst_ids: &[0],
+                    };
+                    sh.backend.copy_pages(&op, dev.get(kind), &mut host_buf)?;
+                }
+            } else {
+                copy_host(
+                    sh,
+                    Side {
+                        region: src,
+                        ids: &dev_ids,
+                    },
+                    dev.get(kind),
+                    Side {
+                        region: dst,
+                        ids: &host_ids,
+                    },
+                    &mut host_buf,
+                    false,
+                )?;
+            }
             for (i, c) in checksums(&*sh.backend, src, dev.get(kind), &dev_ids)?
                 .into_iter()
                 .enumerate()
@@ -409,26 +547,23 @@ fn run_backup<B: Backend>(sh: &Shared<B>, items: &[BackupItem]) -> Result<Vec<Ve
     Ok(sums)
 }
 
-/// The host-side geometry of a backup copy: `dst`, or under the `shared-item-size` fault,
-/// for index-K, the KV page size as the page stride (one item size for both kinds: the
-/// historical io-copy bug), kept inside the host buffer.
-fn backup_geometry<B: Backend>(
+/// Under the `shared-item-size` fault, where index-K host page `host_id` of `dst` lands:
+/// addressed with the KV page size (one item size for both kinds: the historical io-copy
+/// bug), wrapped to stay inside the host buffer — so every layer, the last included, gets
+/// its pages at wrong offsets.
+fn shared_item_size_page<B: Backend>(
     sh: &Shared<B>,
-    kind: BufferKind,
     dst: PagedRegion,
+    host_id: i32,
     host_len: usize,
 ) -> PagedRegion {
-    if !sh.fault(Fault::SharedItemSize) || kind != BufferKind::IndexK {
-        return dst;
-    }
     let wrong = sh.device.spec().kv.bytes_per_page();
     let page = dst.layout.bytes_per_page();
-    let fit = match dst.num_pages {
-        0 | 1 => wrong,
-        n => host_len.saturating_sub(dst.offset + page) / (n - 1),
-    };
+    let span = host_len.saturating_sub(dst.offset + page) + 1;
     PagedRegion {
-        stride: wrong.min(fit).max(page),
+        offset: dst.offset + (host_id.max(0) as usize * wrong) % span,
+        stride: page,
+        num_pages: 1,
         ..dst
     }
 }

@@ -119,7 +119,13 @@ impl RadixTree {
     /// The longest prefix of `tokens` in whole pages whose every node holds its page in
     /// some tier (device, ready or loading, or host); touches the nodes (LRU).
     pub fn match_prefix(&mut self, tokens: &[u32]) -> Vec<NodeId> {
-        let now = self.tick();
+        let path = self.peek_prefix(tokens);
+        self.touch(&path);
+        path
+    }
+
+    /// [`RadixTree::match_prefix`] without touching anything.
+    pub fn peek_prefix(&self, tokens: &[u32]) -> Vec<NodeId> {
         let mut path = Vec::new();
         let mut cur = ROOT;
         for key in tokens.chunks_exact(self.page_size) {
@@ -133,12 +139,18 @@ impl RadixTree {
             path.push(next);
             cur = next;
         }
-        for &id in &path {
+        path
+    }
+
+    /// Marks `nodes` used now, all with the same tick (a path touched together keeps its
+    /// ancestors at least as recent as its descendants, so LRU empties it from the leaf).
+    pub fn touch(&mut self, nodes: &[NodeId]) {
+        let now = self.tick();
+        for &id in nodes {
             if let Some(n) = self.get_mut(id) {
                 n.last_use = now;
             }
         }
-        path
     }
 
     /// The child of `parent` for `key`, created (empty) if missing; touches it.
@@ -231,6 +243,15 @@ impl RadixTree {
             .collect();
         v.sort_unstable();
         v.into_iter().map(|(_, _, id)| id).collect()
+    }
+
+    /// How many nodes [`RadixTree::device_victims`] would return (without sorting them).
+    pub fn device_victim_count(&self) -> usize {
+        self.live()
+            .filter(|&(_, n)| {
+                n.locks == 0 && n.device.is_some_and(|d| d.load.is_none()) && n.backup.is_none()
+            })
+            .count()
     }
 
     /// Nodes that may leave the cache entirely, least recently used first: unlocked

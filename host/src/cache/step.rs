@@ -23,10 +23,10 @@ use super::alloc::PageRef;
 use super::faults::Fault;
 use super::fence::{Fence, ReadyToken};
 use super::hicache::{invalid, HiCache, RequestId};
-use super::pool::LayerBuffers;
+use super::pool::{BufferKind, LayerBuffers};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
-use crate::ops::{IndexKStore, KvStore};
+use crate::ops::{CopyPages, IndexKStore, KvStore, PagedRegion};
 use crate::sync::{AtomicBool, MutexGuard, Ordering};
 
 /// One token slot: `offset` (tokens, `< page_size`) inside `page`.
@@ -57,6 +57,17 @@ pub struct Step<'c, B: Backend + 'static> {
     members: Vec<Member>,
     /// Own pages of the members: the only store targets.
     writable: HashMap<u32, PageRef>,
+}
+
+/// Under the `loads-trail-readers` fault: counts a step reaching `layer` and wakes the
+/// loads waiting for one.
+fn note_read<B: Backend>(sh: &super::hicache::Shared<B>, layer: usize) {
+    if sh.fault(Fault::LoadsTrailReaders) {
+        if let Some(r) = sh.reads.lock().get_mut(layer) {
+            *r += 1;
+        }
+        sh.reads_cv.notify_all();
+    }
 }
 
 fn failed(req: RequestId, cause: Error) -> Error {
@@ -196,6 +207,8 @@ impl<'c, B: Backend + 'static> Step<'c, B> {
         self.check_layer(layer)?;
         let sh = &*self.cache.shared;
         if !sh.fault(Fault::SkipIndexWait) {
+            // About to wait for the layer: a load trailing readers may go now.
+            note_read(sh, layer);
             let started = Instant::now();
             let deadline = sh.deadline();
             for m in self.live_members() {
@@ -232,8 +245,16 @@ impl<'c, B: Backend + 'static> Step<'c, B> {
         } else {
             sh.deadline()
         };
-        let bufs = sh.device.lock(token.layer, deadline)?;
+        let mut bufs = sh.device.lock(token.layer, deadline)?;
         crate::sync::add_held_layers(1);
+        if sh.fault(Fault::SkipIndexWait) {
+            if let Err(e) = self.poison_unlanded(&mut bufs, token.layer) {
+                crate::sync::add_held_layers(-1);
+                return Err(e);
+            }
+        }
+        // Holding the layer: a load trailing readers may go now (it will wait for the lock).
+        note_read(sh, token.layer);
         let g = LayerGuard {
             step: self,
             bufs,
@@ -241,6 +262,36 @@ impl<'c, B: Backend + 'static> Step<'c, B> {
         };
         g.verify_landed()?;
         Ok(g)
+    }
+
+    /// Under the `skip-index-wait` fault: the bytes of a page whose load has not landed are
+    /// undefined; this makes them so (a fixed pattern, finite in every dtype) instead of
+    /// leaving what the page's previous owner wrote, which may by chance be the same
+    /// bytes — so a read that skipped the wait reads wrong bytes every time.
+    fn poison_unlanded(&self, bufs: &mut LayerBuffers<B>, layer: usize) -> Result<()> {
+        let sh = &*self.cache.shared;
+        let ids: Vec<i32> = self
+            .live_members()
+            .flat_map(|m| m.landed.iter())
+            .filter(|p| sh.device.stamp(layer, p.id) != Some(p.generation))
+            .map(|p| p.id as i32)
+            .collect();
+        if ids.is_empty() {
+            return Ok(());
+        }
+        for kind in BufferKind::ALL {
+            let region = sh.device.region(kind);
+            let page = region.layout.bytes_per_page();
+            let src = sh.backend.upload(&vec![0x3c; page])?;
+            let op = CopyPages {
+                src: PagedRegion::contiguous(region.layout, 1),
+                dst: region,
+                src_ids: &vec![0; ids.len()],
+                dst_ids: &ids,
+            };
+            sh.backend.copy_pages(&op, &src, bufs.get_mut(kind))?;
+        }
+        Ok(())
     }
 
     /// [`Step::wait`] then [`Step::layer`].
@@ -387,31 +438,74 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
         }
     }
 
+    /// Runs the store op of `kind` for slot numbers `ids` (checked by [`Self::slots`]).
+    fn run_store(&mut self, kind: BufferKind, ids: &[i64], rows: &B::Buffer) -> Result<()> {
+        let sh = &*self.step.cache.shared;
+        let spec = sh.device.spec();
+        match kind {
+            BufferKind::Kv => sh.backend.kv_store(
+                &KvStore {
+                    layout: spec.kv,
+                    slots: ids,
+                },
+                rows,
+                &mut self.bufs.kv,
+            ),
+            BufferKind::IndexK => sh.backend.index_k_store(
+                &IndexKStore {
+                    layout: spec.index_k,
+                    slots: ids,
+                },
+                rows,
+                &mut self.bufs.index_k,
+            ),
+        }
+    }
+
+    fn store(&mut self, kind: BufferKind, slots: &[SlotRef], rows: &B::Buffer) -> Result<()> {
+        let ids = self.slots(slots)?;
+        self.run_store(kind, &ids, rows)?;
+        self.stamp(slots);
+        if self.step.cache.shared.fault(Fault::LateWrite) && !slots.is_empty() {
+            self.late_writes(kind, slots, rows)?;
+        }
+        Ok(())
+    }
+
+    /// The `late-write` fault: remembers this store's rows, then writes the late rows due
+    /// on these slots through their old references, by the same checked path as any store
+    /// (a refused one is counted by [`Self::slots`] and dropped).
+    fn late_writes(&mut self, kind: BufferKind, slots: &[SlotRef], rows: &B::Buffer) -> Result<()> {
+        let sh = &*self.step.cache.shared;
+        let bytes = sh.backend.download(rows)?;
+        let row_bytes = bytes.len() / slots.len();
+        if row_bytes == 0 {
+            return Ok(());
+        }
+        let due = {
+            let mut late = sh.late.lock();
+            late.record(self.layer, kind, slots, &bytes, row_bytes);
+            late.due(self.layer, kind, slots)
+        };
+        for (slot, row) in due {
+            let Ok(ids) = self.slots(&[slot]) else {
+                continue;
+            };
+            let buf = sh.backend.upload(&row)?;
+            self.run_store(kind, &ids, &buf)?;
+            self.stamp(&[slot]);
+        }
+        Ok(())
+    }
+
     /// Stores `kv` (bf16 `[slots.len(), d_qk]`) into `slots` of this layer's KV buffer.
     pub fn kv_store(&mut self, slots: &[SlotRef], kv: &B::Buffer) -> Result<()> {
-        let ids = self.slots(slots)?;
-        let sh = &*self.step.cache.shared;
-        let op = KvStore {
-            layout: sh.device.spec().kv,
-            slots: &ids,
-        };
-        sh.backend.kv_store(&op, kv, &mut self.bufs.kv)?;
-        self.stamp(slots);
-        Ok(())
+        self.store(BufferKind::Kv, slots, kv)
     }
 
     /// Stores index keys (bf16 `[slots.len(), head_dim]`) into `slots` of this layer's
     /// index-K buffer (quantized as the layout says).
     pub fn index_k_store(&mut self, slots: &[SlotRef], keys: &B::Buffer) -> Result<()> {
-        let ids = self.slots(slots)?;
-        let sh = &*self.step.cache.shared;
-        let op = IndexKStore {
-            layout: sh.device.spec().index_k,
-            slots: &ids,
-        };
-        sh.backend
-            .index_k_store(&op, keys, &mut self.bufs.index_k)?;
-        self.stamp(slots);
-        Ok(())
+        self.store(BufferKind::IndexK, slots, keys)
     }
 }

@@ -1,26 +1,31 @@
 //! The engine's KV space: where each sequence's latent KV and index keys live, page by
 //! page, for every layer.
 //!
-//! [`KvSpace`] is what the scheduler and the forward pass need from a cache: pages per
-//! sequence (allocation, page ids in token order, release) and per-layer access to the
-//! KV and index-K buffers through a [`LayerCache`]. [`PagedKvSpace`] is the plain
-//! implementation: one device pool per layer and kind, no prefix reuse, no host tier — the
-//! harness's reference configuration. The cache-backed space (radix prefix reuse, host
-//! tier, PD transfers) implements the same two traits: its `layer` waits (bounded) for the
-//! layer's ready token and its `store` goes through generation-checked page references.
+//! [`KvSpace`] is what the scheduler and the forward pass need from a cache: admission
+//! (pages for a request, and how much of its prompt is already cached), page ids per
+//! sequence in token order, the end of a sequence (commit or release), and per forward
+//! step a [`KvStep`] over the step's sequences that hands out each layer's caches as a
+//! [`LayerCache`]. [`PagedKvSpace`] is the plain implementation: one device pool per layer
+//! and kind, no prefix reuse, no host tier — the harness's reference configuration.
+//! [`crate::engine::CacheKvSpace`] is the cache-backed one (radix prefix reuse, host
+//! tier, pages received by PD transfers): its step is a `HiCache` step, its layer a
+//! `LayerGuard`, so a layer is reachable only after it landed.
 
 use std::collections::HashMap;
 
+use sparsekit_host::cache::PageRef;
 use sparsekit_host::ops::{IndexKStore, KvStore};
 use sparsekit_host::{Backend, IndexKLayout, KvLayout};
 
 use crate::error::EngineError;
+use crate::metrics::Metrics;
 
 /// A sequence in a KV space (the scheduler uses its request number).
 pub type SeqId = u64;
 
 /// One layer's KV and index-K caches, as the forward pass of one step uses them: first
-/// [`LayerCache::store`] of the step's new tokens, then reads through the buffers.
+/// [`LayerCache::store`] of the step's new tokens, then reads through
+/// [`LayerCache::views`].
 pub trait LayerCache<B: Backend> {
     /// Layout of the KV buffer.
     fn kv_layout(&self) -> KvLayout;
@@ -36,16 +41,61 @@ pub trait LayerCache<B: Backend> {
         kv: &B::Buffer,
         index_k: &B::Buffer,
     ) -> Result<(), EngineError>;
-    /// The KV pages of this layer (whole pool).
-    fn kv(&self) -> &B::Buffer;
-    /// The index-K pages of this layer (whole pool).
-    fn index_k(&self) -> &B::Buffer;
+    /// This layer's pages (whole pools): `(kv, index_k)`. A cache re-checks here that every
+    /// page the step's sequences read holds the bytes it should (landed stamps).
+    fn views(&self) -> Result<(&B::Buffer, &B::Buffer), EngineError>;
 }
 
-/// Pages per sequence plus per-layer access; see the module docs.
-pub trait KvSpace<B: Backend> {
+/// One forward step over a set of sequences: layer by layer access to their caches.
+pub trait KvStep<B: Backend> {
     /// The per-layer view handed to the forward pass.
     type Layer<'a>: LayerCache<B>
+    where
+        Self: 'a;
+    /// Layer `l`'s caches for this step (a cache waits, bounded, until layer `l` of every
+    /// sequence of the step landed). Layers are taken in order, one at a time.
+    fn layer(&mut self, l: usize) -> Result<Self::Layer<'_>, EngineError>;
+}
+
+/// Pages a request brings along instead of computing its prompt (the decode side of a PD
+/// pair): live in the space's cache as request `cache_request` — begun and allocated by
+/// the receiver, written through `HiCache::inbound`, the transfer completed — holding the
+/// KV and index keys of the prompt's first `tokens` tokens. The engine adopts them: the
+/// request's pages are `pages` (in token order) plus what its generation budget needs, and
+/// it computes from `tokens` on (at least the last prompt token, for its logits).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReceivedPages {
+    pub cache_request: u64,
+    pub pages: Vec<PageRef>,
+    pub tokens: usize,
+}
+
+/// Where a request's prompt KV can come from instead of being computed by the engine
+/// (the decode side of a PD pair: [`crate::pd::pair::DecodeSource`]). Set with
+/// [`crate::engine::Engine::set_prompt_source`]; the engine then calls
+/// [`PromptSource::fetch`] for every submitted request on a thread of its own (never the
+/// engine thread) and queues the request once it returns.
+pub trait PromptSource: Send + Sync {
+    /// Brings the KV and index keys of a leading part of `prompt` into the engine's cache
+    /// and returns the pages to adopt, or `None` to compute the whole prompt here (a prompt
+    /// too short to transfer). Every wait inside is bounded. When `aborted` turns true (the
+    /// client went away) it gives up, releases what it holds (or leaves it quarantined
+    /// until nothing can land in it) and returns [`EngineError::Aborted`].
+    fn fetch(
+        &self,
+        prompt: &[u32],
+        aborted: &std::sync::atomic::AtomicBool,
+    ) -> Result<Option<ReceivedPages>, EngineError>;
+
+    /// Gives back pages a successful `fetch` returned for a request the engine could not
+    /// take after all (it stopped).
+    fn release(&self, received: &ReceivedPages);
+}
+
+/// Pages per sequence plus per-step layer access; see the module docs.
+pub trait KvSpace<B: Backend> {
+    /// A forward step's access to the layers.
+    type Step<'a>: KvStep<B>
     where
         Self: 'a;
 
@@ -57,7 +107,7 @@ pub trait KvSpace<B: Backend> {
     fn num_layers(&self) -> usize;
     /// Pages in the pool (each page holds `page_size` tokens of every layer and kind).
     fn capacity_pages(&self) -> usize;
-    /// Pages not held by any sequence.
+    /// Pages free now.
     fn free_pages(&self) -> usize;
     /// Pages `seq` would need in all to hold `tokens` tokens beyond what it holds.
     fn pages_needed(&self, seq: SeqId, tokens: usize) -> usize {
@@ -66,21 +116,24 @@ pub trait KvSpace<B: Backend> {
             .div_ceil(self.kv_layout().page_size())
             .saturating_sub(have)
     }
-    /// Grows `seq` (created on first use) to hold `tokens` tokens. All-or-nothing: on
-    /// [`EngineError::OutOfPages`] nothing was allocated.
-    fn reserve(&mut self, seq: SeqId, tokens: usize) -> Result<(), EngineError>;
-    /// Admits a request: reserves `total` tokens for `seq` (prompt plus generation
-    /// budget) and returns how many leading tokens of `prompt` already have their KV and
-    /// index keys in the pages now mapped to `seq` — the scheduler computes from there
-    /// (it always recomputes at least the last prompt token, for its logits). A prefix
-    /// cache matches `prompt` here. The default reserves and reports nothing cached.
-    fn admit(&mut self, seq: SeqId, prompt: &[u32], total: usize) -> Result<usize, EngineError> {
-        let _ = prompt;
-        self.reserve(seq, total)?;
-        Ok(0)
-    }
+    /// Admits a request: pages for `seq` to hold `total` tokens (prompt plus generation
+    /// budget), and how many leading tokens of `prompt` already have their KV and index
+    /// keys in the pages now mapped to `seq` — the scheduler computes from there (it
+    /// always recomputes at least the last prompt token, for its logits). A prefix cache
+    /// matches `prompt` here; `received` adopts pages a transfer filled. Never blocks: on
+    /// [`EngineError::OutOfPages`] the scheduler tries again later (a space may keep what
+    /// it started, e.g. a prefix load, for that next try; [`KvSpace::release`] ends it).
+    fn admit(
+        &mut self,
+        seq: SeqId,
+        prompt: &[u32],
+        total: usize,
+        received: Option<&ReceivedPages>,
+    ) -> Result<usize, EngineError>;
     /// Page ids of `seq` in token order (entry `p` holds tokens `p·page_size ..`).
     fn pages(&self, seq: SeqId) -> Result<&[i32], EngineError>;
+    /// Opens a forward step over `seqs` (admitted, distinct).
+    fn step(&mut self, seqs: &[SeqId]) -> Result<Self::Step<'_>, EngineError>;
     /// Ends `seq` normally: `tokens[..computed]` have valid KV and index keys in its pages,
     /// which a caching space may keep for reuse. Returns the pages given back to the free
     /// pool. The default releases everything.
@@ -88,13 +141,40 @@ pub trait KvSpace<B: Backend> {
         let _ = (tokens, computed);
         self.release(seq)
     }
-    /// Frees every page of `seq` without keeping anything (aborted or failed requests);
-    /// returns how many (0 for an unknown sequence).
+    /// [`KvSpace::commit`] for a PD prefill: the committed full pages of `tokens[..computed]`
+    /// stay locked for the caller as a live cache request of their own (returned as
+    /// [`ReceivedPages`]; the caller ends it, or gives it back with
+    /// [`KvSpace::release_received`]). `None` where the space cannot hold pages (it then
+    /// committed as `commit`).
+    fn commit_held(
+        &mut self,
+        seq: SeqId,
+        tokens: &[u32],
+        computed: usize,
+    ) -> Option<ReceivedPages> {
+        self.commit(seq, tokens, computed);
+        None
+    }
+    /// Frees every page of `seq` without keeping anything (aborted or failed requests,
+    /// admitted or still waiting); returns how many (0 for an unknown sequence).
     fn release(&mut self, seq: SeqId) -> usize;
-    /// Layer `l`'s caches for this step.
-    fn layer(&mut self, l: usize) -> Result<Self::Layer<'_>, EngineError>;
-    /// Accounting: every page is free or held by exactly one sequence.
+    /// Gives back pages received for a request that ended before it was admitted.
+    fn release_received(&mut self, received: &ReceivedPages) {
+        let _ = received;
+    }
+    /// Accounting: every page is free or held by exactly one sequence (or the cache).
     fn leak_check(&self) -> Result<(), EngineError>;
+    /// Pages held for requests the engine does not know (read when the engine is idle:
+    /// nothing should be held then but what a cache keeps for reuse).
+    fn leaked_pages(&self) -> usize {
+        0
+    }
+    /// Publishes the space's gauges and counters (`sparsekit_pages`, cache hits, loads…).
+    fn publish(&mut self, metrics: &Metrics) {
+        let (free, cap) = (self.free_pages(), self.capacity_pages());
+        metrics.pages("device", "free", free);
+        metrics.pages("device", "in_use", cap - free);
+    }
 }
 
 /// One layer's pools in a [`PagedKvSpace`].
@@ -160,6 +240,64 @@ impl<B: Backend> PagedKvSpace<B> {
     pub fn sequences(&self) -> usize {
         self.seqs.len()
     }
+
+    /// Grows `seq` (created on first use) to hold `tokens` tokens. All-or-nothing: on
+    /// [`EngineError::OutOfPages`] nothing was allocated.
+    pub fn reserve(&mut self, seq: SeqId, tokens: usize) -> Result<(), EngineError> {
+        let wanted = tokens.div_ceil(self.kv_layout.page_size());
+        if wanted > self.capacity {
+            return Err(EngineError::TooLarge {
+                wanted,
+                capacity: self.capacity,
+            });
+        }
+        let have = self.seqs.get(&seq).map_or(0, Vec::len);
+        let more = wanted.saturating_sub(have);
+        if more > self.free.len() {
+            return Err(EngineError::OutOfPages {
+                wanted: more,
+                free: self.free.len(),
+            });
+        }
+        let pages = self.seqs.entry(seq).or_default();
+        for _ in 0..more {
+            match self.free.pop() {
+                Some(p) => pages.push(p),
+                None => unreachable!("free count checked above"),
+            }
+        }
+        Ok(())
+    }
+
+    /// Layer `l`'s pools (outside a step: tests and benches).
+    pub fn layer(&mut self, l: usize) -> Result<PagedLayer<'_, B::Buffer>, EngineError> {
+        let n = self.layers.len();
+        let pools = self.layers.get_mut(l).ok_or_else(|| {
+            EngineError::InvalidRequest(format!("layer {l} out of range ({n} layers)"))
+        })?;
+        Ok(PagedLayer {
+            kv_layout: self.kv_layout,
+            index_k_layout: self.index_k_layout,
+            pools,
+        })
+    }
+}
+
+/// A step of a [`PagedKvSpace`]: its layers, no waiting.
+#[derive(Debug)]
+pub struct PagedStep<'a, B: Backend> {
+    space: &'a mut PagedKvSpace<B>,
+}
+
+impl<B: Backend> KvStep<B> for PagedStep<'_, B> {
+    type Layer<'a>
+        = PagedLayer<'a, B::Buffer>
+    where
+        Self: 'a;
+
+    fn layer(&mut self, l: usize) -> Result<Self::Layer<'_>, EngineError> {
+        self.space.layer(l)
+    }
 }
 
 /// A layer of a [`PagedKvSpace`].
@@ -205,18 +343,14 @@ impl<B: Backend> LayerCache<B> for PagedLayer<'_, B::Buffer> {
         Ok(())
     }
 
-    fn kv(&self) -> &B::Buffer {
-        &self.pools.kv
-    }
-
-    fn index_k(&self) -> &B::Buffer {
-        &self.pools.index_k
+    fn views(&self) -> Result<(&B::Buffer, &B::Buffer), EngineError> {
+        Ok((&self.pools.kv, &self.pools.index_k))
     }
 }
 
 impl<B: Backend> KvSpace<B> for PagedKvSpace<B> {
-    type Layer<'a>
-        = PagedLayer<'a, B::Buffer>
+    type Step<'a>
+        = PagedStep<'a, B>
     where
         Self: 'a;
 
@@ -240,30 +374,21 @@ impl<B: Backend> KvSpace<B> for PagedKvSpace<B> {
         self.free.len()
     }
 
-    fn reserve(&mut self, seq: SeqId, tokens: usize) -> Result<(), EngineError> {
-        let wanted = tokens.div_ceil(self.kv_layout.page_size());
-        if wanted > self.capacity {
-            return Err(EngineError::TooLarge {
-                wanted,
-                capacity: self.capacity,
-            });
+    fn admit(
+        &mut self,
+        seq: SeqId,
+        prompt: &[u32],
+        total: usize,
+        received: Option<&ReceivedPages>,
+    ) -> Result<usize, EngineError> {
+        let _ = prompt;
+        if received.is_some() {
+            return Err(EngineError::InvalidRequest(
+                "this KV space cannot adopt received pages (it has no cache)".into(),
+            ));
         }
-        let have = self.seqs.get(&seq).map_or(0, Vec::len);
-        let more = wanted.saturating_sub(have);
-        if more > self.free.len() {
-            return Err(EngineError::OutOfPages {
-                wanted: more,
-                free: self.free.len(),
-            });
-        }
-        let pages = self.seqs.entry(seq).or_default();
-        for _ in 0..more {
-            match self.free.pop() {
-                Some(p) => pages.push(p),
-                None => unreachable!("free count checked above"),
-            }
-        }
-        Ok(())
+        self.reserve(seq, total)?;
+        Ok(0)
     }
 
     fn pages(&self, seq: SeqId) -> Result<&[i32], EngineError> {
@@ -284,16 +409,13 @@ impl<B: Backend> KvSpace<B> for PagedKvSpace<B> {
         }
     }
 
-    fn layer(&mut self, l: usize) -> Result<Self::Layer<'_>, EngineError> {
-        let n = self.layers.len();
-        let pools = self.layers.get_mut(l).ok_or_else(|| {
-            EngineError::InvalidRequest(format!("layer {l} out of range ({n} layers)"))
-        })?;
-        Ok(PagedLayer {
-            kv_layout: self.kv_layout,
-            index_k_layout: self.index_k_layout,
-            pools,
-        })
+    fn step(&mut self, seqs: &[SeqId]) -> Result<Self::Step<'_>, EngineError> {
+        for s in seqs {
+            if !self.seqs.contains_key(s) {
+                return Err(EngineError::UnknownSequence(*s));
+            }
+        }
+        Ok(PagedStep { space: self })
     }
 
     fn leak_check(&self) -> Result<(), EngineError> {

@@ -2,6 +2,7 @@
 //! forward pass), its KV space, sampling, and the continuous-batching scheduler.
 
 pub mod batch;
+pub mod cache_space;
 pub mod config;
 pub mod kv;
 pub mod model;
@@ -11,11 +12,12 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use batch::{SeqChunk, StepBatch};
+pub use cache_space::{CacheHandle, CacheKvSpace, CacheSpaceOptions};
 pub use config::ModelConfig;
-pub use kv::{KvSpace, LayerCache, PagedKvSpace, SeqId};
+pub use kv::{KvSpace, KvStep, LayerCache, PagedKvSpace, PromptSource, ReceivedPages, SeqId};
 pub use model::{logits_digest, Model, StepLogits};
 pub use sampling::SamplingParams;
 pub use scheduler::{
-    Completion, Engine, EngineInfo, EngineOptions, EngineStats, Event, FinishReason, Finished,
-    GenerateRequest, RequestHandle, TokenEvent,
+    CacheInfo, CacheOptions, Completion, Engine, EngineInfo, EngineOptions, EngineStats, Event,
+    FinishReason, Finished, GenerateRequest, RequestHandle, TokenEvent,
 };

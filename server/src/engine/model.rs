@@ -30,7 +30,7 @@ use sparsekit_host::{Backend, IndexKDtype, IndexKLayout, KvDtype, KvLayout};
 
 use crate::engine::batch::StepBatch;
 use crate::engine::config::ModelConfig;
-use crate::engine::kv::{KvSpace, LayerCache};
+use crate::engine::kv::{KvSpace, KvStep, LayerCache};
 use crate::engine::weights::{LayerWeights, Weights};
 use crate::error::EngineError;
 
@@ -130,7 +130,9 @@ impl<B: Backend + ModelOps> Model<B> {
     }
 
     /// Runs every layer of the step over `space` and returns the logits of the rows that
-    /// asked for them. The sequences' pages must already be reserved in `space`.
+    /// asked for them. The sequences' pages must already be reserved in `space`. Layer
+    /// `l` is taken from the space's step only when its computation starts, so a cache
+    /// that is still loading layer `l + 1` keeps loading while layer `l` computes.
     pub fn forward<S: KvSpace<B>>(
         &self,
         batch: &StepBatch,
@@ -144,11 +146,14 @@ impl<B: Backend + ModelOps> Model<B> {
                 vocab,
             });
         }
+        let seqs: Vec<_> = batch.chunks.iter().map(|c| c.seq).collect();
+        let mut step = space.step(&seqs)?;
         let mut h = self.embed(batch)?;
         for l in 0..self.cfg.n_layers {
-            let mut cache = space.layer(l)?;
+            let mut cache = step.layer(l)?;
             self.forward_layer(l, batch, &mut h, &mut cache)?;
         }
+        drop(step);
         self.logits(batch, &h)
     }
 
@@ -361,6 +366,7 @@ impl<B: Backend + ModelOps> Model<B> {
         // 4. Store, select, attend.
         cache.store(b, &batch.slots, &kv16, &ik16)?;
         drop((kv16, ik16));
+        let (kv_cache, ik_cache) = cache.views()?;
         let table = PageTable::new(&batch.page_table, batch.max_pages)?;
         let stride = batch.row_stride;
         let mut scores = alloc_f32(b, t * stride)?;
@@ -374,7 +380,7 @@ impl<B: Backend + ModelOps> Model<B> {
             },
             &iq16,
             &iw,
-            cache.index_k(),
+            ik_cache,
             &mut scores,
         )?;
         drop((iq16, iw));
@@ -405,7 +411,7 @@ impl<B: Backend + ModelOps> Model<B> {
                 softmax_scale: c.softmax_scale(),
             },
             &q16,
-            cache.kv(),
+            kv_cache,
             &slots,
             &mut o16,
             &mut lse,

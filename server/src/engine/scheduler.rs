@@ -23,15 +23,18 @@
 use std::collections::{HashMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
+use sparsekit_host::cache::{CacheConfig, CacheSpec, Faults, HiCache, HostLayout};
 use sparsekit_host::{Backend, IndexKDtype, KvDtype, ModelOps};
 
 use crate::engine::batch::{SeqChunk, StepBatch};
+use crate::engine::cache_space::CacheHandle;
+use crate::engine::cache_space::{CacheKvSpace, CacheSpaceOptions};
 use crate::engine::config::ModelConfig;
-use crate::engine::kv::{KvSpace, PagedKvSpace, SeqId};
+use crate::engine::kv::{KvSpace, PagedKvSpace, PromptSource, ReceivedPages, SeqId};
 use crate::engine::model::{logits_digest, Model};
 use crate::engine::sampling::{sample, SamplingParams};
 use crate::engine::tokenizer::{TextStream, END, VOCAB_SIZE};
@@ -45,6 +48,36 @@ pub const IDLE_WAIT: Duration = Duration::from_millis(50);
 /// sequences in the step; a panic in it is a panicking step.
 pub type StepFault = Arc<dyn Fn(&[SeqId]) + Send + Sync>;
 
+/// The prefix cache and host tier of an engine ([`EngineOptions::cache`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct CacheOptions {
+    /// Pages of the host tier (0: none; evicted pages leave the cache).
+    pub host_pages: usize,
+    /// Back committed pages up to the host tier at once (so eviction rarely waits).
+    pub write_through: bool,
+    /// Verify the checksums of pages loaded from the host tier (off only for the
+    /// harness's `--no-verify`).
+    pub verify: bool,
+    pub host_layout: HostLayout,
+    /// Bound of every wait in the cache (a load's layer, a layer lock).
+    pub wait_timeout: Duration,
+    /// Fault injections (none in production).
+    pub faults: Faults,
+}
+
+impl Default for CacheOptions {
+    fn default() -> Self {
+        CacheOptions {
+            host_pages: 0,
+            write_through: true,
+            verify: true,
+            host_layout: HostLayout::LayerFirst,
+            wait_timeout: Duration::from_secs(10),
+            faults: Faults::none(),
+        }
+    }
+}
+
 /// Engine settings besides the model.
 #[derive(Clone)]
 pub struct EngineOptions {
@@ -52,8 +85,12 @@ pub struct EngineOptions {
     pub seed: u64,
     pub kv_dtype: KvDtype,
     pub index_k_dtype: IndexKDtype,
-    /// Pages of the KV space (each holds `page_size` tokens of every layer and kind).
+    /// Pages of the KV space (each holds `page_size` tokens of every layer and kind): the
+    /// device pool.
     pub kv_pages: usize,
+    /// The prefix cache (radix reuse on the device pool, host tier): `None` serves with
+    /// the reference space ([`PagedKvSpace`]: no reuse).
+    pub cache: Option<CacheOptions>,
     /// Rows (tokens) per step at most.
     pub max_batch_tokens: usize,
     /// Prompt tokens of one sequence per step at most.
@@ -77,6 +114,7 @@ impl std::fmt::Debug for EngineOptions {
             .field("kv_dtype", &self.kv_dtype)
             .field("index_k_dtype", &self.index_k_dtype)
             .field("kv_pages", &self.kv_pages)
+            .field("cache", &self.cache)
             .field("max_batch_tokens", &self.max_batch_tokens)
             .field("prefill_chunk", &self.prefill_chunk)
             .field("min_prefill_tokens", &self.min_prefill_tokens)
@@ -95,6 +133,7 @@ impl Default for EngineOptions {
             kv_dtype: KvDtype::Bf16,
             index_k_dtype: IndexKDtype::FP8,
             kv_pages: 4096,
+            cache: None,
             max_batch_tokens: 512,
             prefill_chunk: 256,
             min_prefill_tokens: 32,
@@ -128,6 +167,21 @@ pub struct GenerateRequest {
     /// Prompt token ids (non-empty, each below the vocabulary size).
     pub prompt: Vec<u32>,
     pub sampling: SamplingParams,
+    /// The prompt's KV arrived by transfer (PD decode side): adopt these pages instead
+    /// of computing them (see [`ReceivedPages`]); needs a cache-backed engine.
+    pub received: Option<ReceivedPages>,
+}
+
+impl GenerateRequest {
+    /// A request for `prompt` with `sampling` (generated id, prompt computed here).
+    pub fn new(prompt: Vec<u32>, sampling: SamplingParams) -> Self {
+        GenerateRequest {
+            id: None,
+            prompt,
+            sampling,
+            received: None,
+        }
+    }
 }
 
 /// Why generation ended.
@@ -216,6 +270,21 @@ pub struct EngineInfo {
     pub index_k_dtype: &'static str,
     pub index_topk: usize,
     pub n_layers: usize,
+    /// Weight seed (with the model name it determines every weight).
+    pub seed: u64,
+    /// The prefix cache: `None` for the reference space.
+    pub cache: Option<CacheInfo>,
+}
+
+/// The cache settings an engine serves with ([`EngineInfo::cache`]).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct CacheInfo {
+    /// Host tier pages (0: none).
+    pub host_pages: usize,
+    pub write_through: bool,
+    pub verify: bool,
+    /// Injected faults (empty in production).
+    pub faults: Vec<&'static str>,
 }
 
 /// Counters of the engine thread (read from any thread).
@@ -229,6 +298,11 @@ pub struct EngineStats {
     pub capacity_pages: usize,
     /// Result of the last KV accounting check (run whenever the engine goes idle).
     pub leak_check: Option<Result<(), String>>,
+    /// Pages held for no request the engine knows, at the last idle check.
+    pub leaked_pages: usize,
+    /// Requests failed alone by a KV cache check or a failed load (the rest of their
+    /// step went on).
+    pub failed_seqs: u64,
     /// Largest number of rows in one step.
     pub max_step_rows: usize,
     /// Largest number of sequences in one step.
@@ -257,6 +331,10 @@ struct Inner {
     metrics: Arc<Metrics>,
     info: EngineInfo,
     max_waiting: usize,
+    /// Where prompts' KV comes from (PD decode side); see [`PromptSource`].
+    prompt_source: OnceLock<Arc<dyn PromptSource>>,
+    /// Requests whose prompt is being fetched from the source (not queued yet).
+    fetching: AtomicUsize,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -449,14 +527,66 @@ impl Engine {
     ) -> Result<Engine, EngineError> {
         opts.validate()?;
         let model = Model::new(backend.clone(), cfg, opts.seed)?;
-        let space = PagedKvSpace::new(
-            &*backend,
+        let (kv, ik) = (
             model.kv_layout(opts.kv_dtype)?,
             model.index_k_layout(opts.index_k_dtype)?,
-            cfg.n_layers,
-            opts.kv_pages,
-        )?;
-        Self::start_with(model, space, opts, metrics)
+        );
+        match &opts.cache {
+            None => {
+                let space = PagedKvSpace::new(&*backend, kv, ik, cfg.n_layers, opts.kv_pages)?;
+                Self::start_with(model, space, opts, metrics)
+            }
+            Some(_) => {
+                Self::start_cached(backend, cfg, opts, metrics, CacheSpaceOptions::default())
+                    .map(|(e, _)| e)
+            }
+        }
+    }
+
+    /// [`Engine::start`] over the cache-backed space (`opts.cache` must be set), with the
+    /// space's switches; also returns the [`CacheHandle`] a PD receiver works through.
+    pub fn start_cached<B: Backend + ModelOps + 'static>(
+        backend: Arc<B>,
+        cfg: ModelConfig,
+        opts: EngineOptions,
+        metrics: Arc<Metrics>,
+        space_opts: CacheSpaceOptions,
+    ) -> Result<(Engine, CacheHandle<B>), EngineError> {
+        opts.validate()?;
+        let Some(c) = &opts.cache else {
+            return Err(EngineError::InvalidConfig(
+                "a cache-backed engine needs cache options".into(),
+            ));
+        };
+        let model = Model::new(backend.clone(), cfg, opts.seed)?;
+        let (kv, ik) = (
+            model.kv_layout(opts.kv_dtype)?,
+            model.index_k_layout(opts.index_k_dtype)?,
+        );
+        let mut config = CacheConfig::new(opts.kv_pages, c.host_pages);
+        config.write_through = c.write_through;
+        config.verify = c.verify;
+        config.host_layout = c.host_layout;
+        config.wait_timeout = c.wait_timeout;
+        config.faults = c.faults.clone();
+        let cache = HiCache::new(backend, CacheSpec::new(kv, ik, cfg.n_layers)?, config)?;
+        let space = CacheKvSpace::new(Arc::new(cache), space_opts);
+        let handle = space.handle();
+        Ok((Self::start_with(model, space, opts, metrics)?, handle))
+    }
+
+    /// Makes `source` provide every later request's prompt KV (the PD decode side); once
+    /// only (`InvalidConfig` after that).
+    pub fn set_prompt_source(&self, source: Arc<dyn PromptSource>) -> Result<(), EngineError> {
+        self.inner
+            .prompt_source
+            .set(source)
+            .map_err(|_| EngineError::InvalidConfig("the prompt source is already set".into()))
+    }
+
+    /// Requests whose prompt KV is being fetched from the prompt source now.
+    pub fn fetching(&self) -> usize {
+        self.inner.fetching.load(Ordering::Acquire)
     }
 
     /// Starts the engine thread over a given model and KV space (the cache-backed space
@@ -492,6 +622,13 @@ impl Engine {
             index_k_dtype: space.index_k_layout().dtype().name(),
             index_topk: cfg.index_topk,
             n_layers: cfg.n_layers,
+            seed: opts.seed,
+            cache: opts.cache.as_ref().map(|c| CacheInfo {
+                host_pages: c.host_pages,
+                write_through: c.write_through,
+                verify: c.verify,
+                faults: c.faults.list().iter().map(|f| f.name()).collect(),
+            }),
         };
         let (tx, rx) = flume::unbounded();
         let inner = Arc::new(Inner {
@@ -509,6 +646,8 @@ impl Engine {
             metrics,
             info,
             max_waiting: opts.max_waiting,
+            prompt_source: OnceLock::new(),
+            fetching: AtomicUsize::new(0),
         });
         let (exit_tx, exit_rx) = flume::bounded(1);
         let thread_inner = inner.clone();
@@ -604,6 +743,28 @@ impl Engine {
 
     /// Queues a request; its handle receives the events.
     pub fn submit(&self, req: GenerateRequest) -> Result<RequestHandle, EngineError> {
+        self.submit_inner(req, None)
+    }
+
+    /// [`Engine::submit`] for a PD prefill: when the request ends normally, the full pages
+    /// of its prompt stay locked in the engine's cache as a live cache request of their
+    /// own, sent to the returned channel before the handle's `Done` (nothing is sent by a
+    /// space without a prefix cache, or when the request did not end normally). The
+    /// receiver of the pages ends that cache request; if the channel is gone by then, the
+    /// engine ends it.
+    pub fn submit_held(
+        &self,
+        req: GenerateRequest,
+    ) -> Result<(RequestHandle, flume::Receiver<ReceivedPages>), EngineError> {
+        let (tx, rx) = flume::bounded(1);
+        Ok((self.submit_inner(req, Some(tx))?, rx))
+    }
+
+    fn submit_inner(
+        &self,
+        req: GenerateRequest,
+        hold: Option<flume::Sender<ReceivedPages>>,
+    ) -> Result<RequestHandle, EngineError> {
         let inner = &self.inner;
         let rejected = |e: EngineError| {
             inner.metrics.request(RequestStatus::Rejected);
@@ -647,13 +808,30 @@ impl Engine {
             tokens: req.prompt,
             computed: 0,
             params: req.sampling,
+            received: req.received,
+            hold,
+            admitted: false,
             events: tx,
             shared: shared.clone(),
             arrival: now,
             last_token: None,
         };
         inner.waiting.fetch_add(1, Ordering::AcqRel);
-        if inner.commands.send(Command::Submit(Box::new(s))).is_err() {
+        if let (Some(src), None) = (inner.prompt_source.get(), &s.received) {
+            let (src, fetch_inner) = (src.clone(), inner.clone());
+            inner.fetching.fetch_add(1, Ordering::AcqRel);
+            let spawned = std::thread::Builder::new()
+                .name("sparsekit-fetch".into())
+                .spawn(move || fetch_then_queue(&fetch_inner, &*src, s));
+            if let Err(e) = spawned {
+                inner.fetching.fetch_sub(1, Ordering::AcqRel);
+                inner.waiting.fetch_sub(1, Ordering::AcqRel);
+                inner.forget(&rid);
+                return rejected(EngineError::Unavailable(format!(
+                    "cannot start the prompt fetch: {e}"
+                )));
+            }
+        } else if inner.commands.send(Command::Submit(Box::new(s))).is_err() {
             inner.waiting.fetch_sub(1, Ordering::AcqRel);
             inner.forget(&rid);
             return rejected(EngineError::Unavailable(
@@ -724,6 +902,62 @@ impl Drop for ExitGuard {
     }
 }
 
+/// The thread of one request's prompt fetch ([`PromptSource::fetch`]): queues the
+/// request with what was fetched, or ends it (aborted, failed) without the engine.
+fn fetch_then_queue(inner: &Inner, src: &dyn PromptSource, mut s: Seq) {
+    let fetched = catch_unwind(AssertUnwindSafe(|| {
+        src.fetch(&s.tokens[..s.prompt_len], &s.shared.aborted)
+    }))
+    .unwrap_or_else(|p| {
+        Err(EngineError::StepFailed(format!(
+            "the prompt fetch panicked: {}",
+            panic_message(&*p)
+        )))
+    });
+    let err = match fetched {
+        Ok(received) => {
+            s.received = received;
+            match inner.commands.send(Command::Submit(Box::new(s))) {
+                Ok(()) => {
+                    inner.fetching.fetch_sub(1, Ordering::AcqRel);
+                    return;
+                }
+                Err(flume::SendError(cmd)) => {
+                    let Command::Submit(back) = cmd else {
+                        inner.fetching.fetch_sub(1, Ordering::AcqRel);
+                        return;
+                    };
+                    s = *back;
+                    if let Some(r) = &s.received {
+                        src.release(r);
+                    }
+                    EngineError::Unavailable("the engine thread has stopped".into())
+                }
+            }
+        }
+        Err(e) => e,
+    };
+    inner.waiting.fetch_sub(1, Ordering::AcqRel);
+    s.shared.finished.store(true, Ordering::Release);
+    inner.forget(&s.rid);
+    let (status, ev) = match err {
+        EngineError::Aborted(_) => (
+            RequestStatus::Aborted,
+            Event::Done(Finished {
+                reason: FinishReason::Abort,
+                matched: None,
+                text: String::new(),
+                prompt_tokens: s.prompt_len,
+                completion_tokens: 0,
+            }),
+        ),
+        e => (RequestStatus::Failed, Event::Error(e)),
+    };
+    inner.metrics.request(status);
+    let _ = s.events.send(ev);
+    inner.fetching.fetch_sub(1, Ordering::AcqRel);
+}
+
 /// A request inside the engine thread.
 struct Seq {
     id: SeqId,
@@ -733,6 +967,12 @@ struct Seq {
     prompt_len: usize,
     /// Tokens whose KV and index keys are in the cache.
     computed: usize,
+    /// Pages received for the prompt (PD decode side).
+    received: Option<ReceivedPages>,
+    /// Hold the committed prompt pages for this channel ([`Engine::submit_held`]).
+    hold: Option<flume::Sender<ReceivedPages>>,
+    /// Admitted by the KV space (holds its pages).
+    admitted: bool,
     params: SamplingParams,
     text: TextStream,
     events: flume::Sender<Event>,
@@ -829,14 +1069,27 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
     }
 
     fn note_idle(&mut self) {
+        if self.inner.fetching.load(Ordering::Acquire) > 0 {
+            // Pages of fetches in flight are held for requests not queued yet: the
+            // accounting is checked once they are.
+            return;
+        }
         let check = self.space.leak_check().map_err(|e| e.to_string());
+        let leaked = self.space.leaked_pages();
+        self.space.publish(&self.inner.metrics);
+        self.inner.metrics.idle_check(leaked);
         let mut st = lock(&self.inner.stats);
         st.leak_check = Some(check);
+        st.leaked_pages = leaked;
     }
 
-    fn publish_stats(&self) {
+    fn publish_stats(&mut self) {
         let (free, cap) = (self.space.free_pages(), self.space.capacity_pages());
-        self.inner.metrics.pages("device", free, cap - free);
+        self.space.publish(&self.inner.metrics);
+        let fetching = self.inner.fetching.load(Ordering::Acquire);
+        self.inner
+            .metrics
+            .in_engine(self.running.len(), self.waiting.len() + fetching);
         let mut st = lock(&self.inner.stats);
         st.waiting = self.waiting.len();
         st.running = self.running.len();
@@ -848,11 +1101,25 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
     /// its last event, counts it.
     fn end(&mut self, s: Seq, how: End) {
         match &how {
-            End::Done(f) if f.reason != FinishReason::Abort => {
-                self.space.commit(s.id, &s.tokens, s.computed);
-            }
+            End::Done(f) if f.reason != FinishReason::Abort && s.admitted => match &s.hold {
+                Some(tx) => {
+                    let computed = s.computed.min(s.prompt_len);
+                    if let Some(h) = self.space.commit_held(s.id, &s.tokens, computed) {
+                        if let Err(flume::SendError(h)) = tx.send(h) {
+                            self.space.release_received(&h);
+                        }
+                    }
+                }
+                None => {
+                    self.space.commit(s.id, &s.tokens, s.computed);
+                }
+            },
             _ => {
+                // Admitted, or waiting with a prefix the space already holds for it.
                 self.space.release(s.id);
+                if let (false, Some(r)) = (s.admitted, &s.received) {
+                    self.space.release_received(r);
+                }
             }
         }
         s.shared.finished.store(true, Ordering::Release);
@@ -916,12 +1183,16 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
         while self.running.len() < self.opts.max_running {
             let Some(s) = self.waiting.front() else { break };
             let total = s.prompt_len + s.params.max_new_tokens;
-            match self.space.admit(s.id, &s.tokens[..s.prompt_len], total) {
+            match self
+                .space
+                .admit(s.id, &s.tokens[..s.prompt_len], total, s.received.as_ref())
+            {
                 Ok(cached) => {
                     if let Some(mut s) = self.waiting.pop_front() {
                         self.inner.waiting.fetch_sub(1, Ordering::AcqRel);
                         // The last prompt token is always computed: its logits are needed.
                         s.computed = cached.min(s.prompt_len - 1);
+                        s.admitted = true;
                         self.running.push(s);
                     }
                 }
@@ -1004,6 +1275,17 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
         }
         let logits = match result {
             Ok(Ok(l)) => l,
+            Ok(Err(EngineError::SeqFailed { seq, cause })) if ids.contains(&seq) => {
+                // One member failed in the cache: it alone ends; the others rerun the
+                // step next time round (bit-identically: the pass is deterministic).
+                lock(&self.inner.stats).failed_seqs += 1;
+                tracing::warn!(seq, error = %cause, "request failed in the KV cache");
+                if let Some(pos) = self.running.iter().position(|s| s.id == seq) {
+                    let s = self.running.remove(pos);
+                    self.end(s, End::Failed(EngineError::SeqFailed { seq, cause }));
+                }
+                return;
+            }
             Ok(Err(e)) => return self.fail_step(&ids, e),
             Err(p) => {
                 let msg = format!("panic: {}", panic_message(&*p));

@@ -1,5 +1,7 @@
-//! The integrity harness's pieces: the agentic workload, the reference and served runs,
-//! the per-session comparison (first diverging turn and step) and the evidence table.
+//! The integrity harness's pieces: the agentic workload, the configurations and fault
+//! injections, who serves a configuration (in process, or running servers), the reference
+//! and served runs, the per-session comparison (first diverging turn and step), metrics
+//! scraping and the evidence table.
 //!
 //! The determinism oracle makes the comparison exact: a served session is corrupted iff
 //! any generated token or any step's logits digest differs from the reference run (the
@@ -7,15 +9,21 @@
 //! backend).
 
 pub mod compare;
+pub mod config;
+pub mod deploy;
 pub mod report;
 pub mod repro;
 pub mod run;
+pub mod scrape;
 pub mod workload;
 
 pub use compare::{compare, Divergence, Tally, Verdict};
+pub use config::{ConfigKey, Injection};
+pub use deploy::{ConfigRunner, Deployment, LocalRunner, RunPlan, Sizing, UrlRunner};
 pub use report::{render_table, EvidenceRow};
+pub use repro::{run_repro, ReproOptions, ReproReport};
 pub use run::{
-    run_concurrent, run_reference, EngineTarget, HttpTarget, SessionTrace, Target, TurnFailure,
-    TurnTrace,
+    run_concurrent, run_reference, AbortingTarget, EngineTarget, HttpTarget, SessionTrace, Target,
+    TurnFailure, TurnTrace,
 };
 pub use workload::{SessionPlan, TurnKind, TurnPlan, Workload, WorkloadConfig};

@@ -1,17 +1,19 @@
-//! The evidence table: one row per harness configuration, printed for people or as JSON
-//! (`--json`) with the fields of issue 10: `config`, `index_k`, `host_tier`, `pd`,
-//! `sessions`, `corrupted`, `corrupted_pct`, `refused`, `wedged`, `leaked_pages`,
+//! The evidence table: one row per harness configuration (and round), printed for people
+//! or as JSON (`--json`) with the fields of issue 10 — `config`, `index_k`, `host_tier`,
+//! `pd`, `sessions`, `corrupted`, `corrupted_pct`, `refused`, `wedged`, `leaked_pages`,
 //! `refused_frames`, `ttft_p50_ms`, `ttft_p99_ms`, `health_p99_ms`, `host_hit_rate`,
-//! `ttft_speedup_turn3plus`.
+//! `ttft_speedup_turn3plus` — plus the round, what the checks detected, aborted sessions,
+//! quarantined pages, the device hit rate, TTFT by turn, the injection and its verdict.
 //!
 //! A measure that a configuration cannot have (no host tier → no host hit rate, no PD →
 //! no refused frames) or that was not measured is `null` in JSON and `-` in the table,
-//! never a made-up zero. A configuration that cannot run yet is a row with
-//! `available: false` and a note saying why, and no numbers at all.
+//! never a made-up zero. A configuration that cannot run is a row with `available: false`
+//! and a note saying why, and no numbers at all.
 
 use serde::Serialize;
 
 use crate::harness::compare::Tally;
+use crate::harness::config::{index_k_name, ConfigKey, Injection};
 use crate::harness::run::SessionTrace;
 
 /// Which configuration a row describes.
@@ -35,6 +37,67 @@ impl ConfigLabel {
             pd: pd.into(),
         }
     }
+
+    /// The label of an evidence configuration.
+    pub fn of(c: &ConfigKey) -> Self {
+        ConfigLabel::new(
+            &c.name(),
+            index_k_name(c.index_k),
+            c.host_tier_label(),
+            c.pd_label(),
+        )
+    }
+}
+
+/// What an injection did to a row's configuration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Verdict {
+    /// Checks on: the injection was detected and nothing was corrupted.
+    Caught,
+    /// Checks off: the injection corrupted sessions (the historical bug reproduced).
+    Reproduced,
+    /// Neither detected nor corrupting: the injection did not bite (a harness defect).
+    Silent,
+    /// Checks on and still corrupted sessions.
+    Escaped,
+    /// The injection cannot bite this configuration (it must stay clean).
+    NotAffected,
+}
+
+impl Verdict {
+    /// The verdict of an injection on a measured row.
+    pub fn judge(inj: Injection, c: &ConfigKey, verify: bool, row: &EvidenceRow) -> Verdict {
+        let corrupted = row.corrupted.unwrap_or(0);
+        let detected = row.detected.unwrap_or(0) + row.refused.unwrap_or(0) as u64;
+        match (inj.affects(c), verify) {
+            (false, _) => Verdict::NotAffected,
+            (true, true) if corrupted > 0 => Verdict::Escaped,
+            (true, true) if detected > 0 => Verdict::Caught,
+            (true, false) if corrupted > 0 => Verdict::Reproduced,
+            _ => Verdict::Silent,
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Verdict::Caught => "caught",
+            Verdict::Reproduced => "reproduced",
+            Verdict::Silent => "SILENT",
+            Verdict::Escaped => "ESCAPED",
+            Verdict::NotAffected => "n/a",
+        }
+    }
+
+    /// Whether the verdict is what the evidence needs (caught with checks on, reproduced
+    /// with them off, or an unaffected configuration that stayed clean).
+    pub fn is_expected(&self, row: &EvidenceRow) -> bool {
+        match self {
+            Verdict::Caught | Verdict::Reproduced => true,
+            Verdict::NotAffected => row.corrupted.unwrap_or(0) == 0,
+            Verdict::Silent | Verdict::Escaped => false,
+        }
+    }
 }
 
 /// One row of the evidence table.
@@ -46,57 +109,88 @@ pub struct EvidenceRow {
     pub host_tier: String,
     /// `on`, `off`.
     pub pd: String,
+    /// Round (1-based) when the run had several.
+    pub round: Option<usize>,
     /// Whether this configuration ran.
     pub available: bool,
     /// Why not, or what the row covers.
     pub note: Option<String>,
+    /// The fault injected (`--inject`) and whether the checks were on.
+    pub injection: Option<String>,
+    pub verify: bool,
     pub sessions: Option<usize>,
     pub corrupted: Option<usize>,
     pub corrupted_pct: Option<f64>,
+    /// Sessions stopped by a refused request (a check failed it cleanly).
     pub refused: Option<usize>,
+    /// Integrity events the checks counted (`sparsekit_refused_total` and
+    /// `sparsekit_checksum_failures_total` over the run).
+    pub detected: Option<u64>,
+    /// Sessions stopped by a client abort (`--abort-rate`).
+    pub aborted: Option<usize>,
+    /// Sessions stopped by a request past its deadline, plus failed `/health` probes.
     pub wedged: Option<usize>,
     pub leaked_pages: Option<usize>,
+    pub quarantined_pages: Option<usize>,
     pub refused_frames: Option<u64>,
     pub ttft_p50_ms: Option<f64>,
     pub ttft_p99_ms: Option<f64>,
+    /// TTFT p50 of turns 3 and later (the speed-up's measure).
+    pub ttft_turn3plus_p50_ms: Option<f64>,
     pub health_p99_ms: Option<f64>,
+    /// Prompt pages served from the host tier / device tier, of those looked up.
     pub host_hit_rate: Option<f64>,
+    pub device_hit_rate: Option<f64>,
+    /// TTFT p50 at turns ≥ 3 of the same configuration with the host tier off, divided by
+    /// this row's (host tier on rows only).
     pub ttft_speedup_turn3plus: Option<f64>,
     /// TTFT p50 and p99 (ms) per turn, turn 1 first.
     pub ttft_by_turn_ms: Vec<(Option<f64>, Option<f64>)>,
     /// `(session, turn, step)` of the first divergence of each corrupted session.
     pub first_divergences: Vec<(usize, usize, usize)>,
+    /// What the injection did here (with `--inject`).
+    pub verdict: Option<Verdict>,
 }
 
 impl EvidenceRow {
-    /// A configuration that cannot run yet: no numbers, a note saying why.
+    /// A configuration that cannot run: no numbers, a note saying why.
     pub fn unavailable(label: &ConfigLabel, why: &str) -> Self {
         EvidenceRow {
             config: label.config.clone(),
             index_k: label.index_k.clone(),
             host_tier: label.host_tier.clone(),
             pd: label.pd.clone(),
+            round: None,
             available: false,
             note: Some(why.into()),
+            injection: None,
+            verify: true,
             sessions: None,
             corrupted: None,
             corrupted_pct: None,
             refused: None,
+            detected: None,
+            aborted: None,
             wedged: None,
             leaked_pages: None,
+            quarantined_pages: None,
             refused_frames: None,
             ttft_p50_ms: None,
             ttft_p99_ms: None,
+            ttft_turn3plus_p50_ms: None,
             health_p99_ms: None,
             host_hit_rate: None,
+            device_hit_rate: None,
             ttft_speedup_turn3plus: None,
             ttft_by_turn_ms: Vec::new(),
             first_divergences: Vec::new(),
+            verdict: None,
         }
     }
 
     /// A row from a finished run: the tally, the served traces (for TTFT), `/health`
-    /// latencies (seconds; empty when not probed) and the leaked pages (when counted).
+    /// latencies (seconds, `INFINITY` for a failed probe; empty when not probed) and the
+    /// leaked pages (when counted).
     pub fn measured(
         label: &ConfigLabel,
         tally: &Tally,
@@ -121,6 +215,7 @@ impl EvidenceRow {
             })
             .collect();
         let health_ms: Vec<f64> = health.iter().map(|x| x * 1e3).collect();
+        let health_failures = health.iter().filter(|x| !x.is_finite()).count();
         EvidenceRow {
             available: true,
             note: None,
@@ -128,15 +223,28 @@ impl EvidenceRow {
             corrupted: Some(tally.corrupted),
             corrupted_pct: Some(tally.corrupted_pct()),
             refused: Some(tally.refused),
-            wedged: Some(tally.wedged),
+            aborted: Some(tally.aborted),
+            wedged: Some(tally.wedged + health_failures),
             leaked_pages,
             ttft_p50_ms: percentile(&all, 50.0),
             ttft_p99_ms: percentile(&all, 99.0),
+            ttft_turn3plus_p50_ms: percentile(&ttft_ms(&|t| t >= 2), 50.0),
             health_p99_ms: percentile(&health_ms, 99.0),
             ttft_by_turn_ms: by_turn,
             first_divergences: tally.first_divergences.clone(),
             ..Self::unavailable(label, "")
         }
+    }
+
+    /// Whether the row shows a problem without an injection to explain it: corruption, a
+    /// refused request or a detection, a wedge, a leak.
+    pub fn is_clean(&self) -> bool {
+        !self.available
+            || (self.corrupted.unwrap_or(0) == 0
+                && self.refused.unwrap_or(0) == 0
+                && self.detected.unwrap_or(0) == 0
+                && self.wedged.unwrap_or(0) == 0
+                && self.leaked_pages.unwrap_or(0) == 0)
     }
 }
 
@@ -159,63 +267,12 @@ fn cell_f(v: Option<f64>, digits: usize) -> String {
     v.map_or_else(|| "-".to_string(), |x| format!("{x:.digits$}"))
 }
 
-/// The table for people: one line per row, unavailable rows with their note.
-pub fn render_table(rows: &[EvidenceRow]) -> String {
-    let header = [
-        "config",
-        "index-K",
-        "host tier",
-        "PD",
-        "sessions",
-        "corrupted",
-        "refused",
-        "wedged",
-        "leaked pages",
-        "refused frames",
-        "TTFT p50 ms",
-        "TTFT p99 ms",
-        "health p99 ms",
-        "host hits",
-        "speed-up t3+",
-    ];
-    let mut lines: Vec<Vec<String>> = vec![header.iter().map(|s| s.to_string()).collect()];
-    for r in rows {
-        let corrupted = match (r.corrupted, r.corrupted_pct) {
-            (Some(c), Some(p)) => format!("{c} ({p:.1}%)"),
-            _ => "-".into(),
-        };
-        if !r.available {
-            lines.push(vec![
-                r.config.clone(),
-                r.index_k.clone(),
-                r.host_tier.clone(),
-                r.pd.clone(),
-                format!("unavailable: {}", r.note.clone().unwrap_or_default()),
-            ]);
-            continue;
-        }
-        lines.push(vec![
-            r.config.clone(),
-            r.index_k.clone(),
-            r.host_tier.clone(),
-            r.pd.clone(),
-            cell(r.sessions),
-            corrupted,
-            cell(r.refused),
-            cell(r.wedged),
-            cell(r.leaked_pages),
-            cell(r.refused_frames),
-            cell_f(r.ttft_p50_ms, 1),
-            cell_f(r.ttft_p99_ms, 1),
-            cell_f(r.health_p99_ms, 2),
-            cell_f(r.host_hit_rate.map(|x| x * 100.0), 1),
-            cell_f(r.ttft_speedup_turn3plus, 2),
-        ]);
-    }
-    let cols = header.len();
+/// Lays out `lines` (the first is the header) in aligned columns; a line shorter than
+/// the header lets its last cell run on.
+fn layout(lines: &[Vec<String>]) -> String {
+    let cols = lines.first().map_or(0, Vec::len);
     let mut width = vec![0; cols];
-    for l in &lines {
-        // Unavailable rows share the first four columns; their note spans the rest.
+    for l in lines {
         let shared = if l.len() == cols {
             cols
         } else {
@@ -241,9 +298,101 @@ pub fn render_table(rows: &[EvidenceRow]) -> String {
         out.push_str(cells.join("  ").trim_end());
         out.push('\n');
         if i == 0 {
-            let total: usize = width.iter().sum::<usize>() + 2 * (cols - 1);
+            let total: usize = width.iter().sum::<usize>() + 2 * cols.saturating_sub(1);
             out.push_str(&"-".repeat(total));
             out.push('\n');
+        }
+    }
+    out
+}
+
+/// The table for people: one line per row, unavailable rows with their note; then TTFT by
+/// turn per measured row.
+pub fn render_table(rows: &[EvidenceRow]) -> String {
+    let header = [
+        "config",
+        "round",
+        "sessions",
+        "corrupted",
+        "refused",
+        "detected",
+        "aborted",
+        "wedged",
+        "leaked",
+        "quarant.",
+        "ref. frames",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "health p99 ms",
+        "dev hits %",
+        "host hits %",
+        "speed-up t3+",
+        "verdict",
+    ];
+    let mut lines: Vec<Vec<String>> = vec![header.iter().map(|s| s.to_string()).collect()];
+    for r in rows {
+        if !r.available {
+            lines.push(vec![
+                r.config.clone(),
+                format!("unavailable: {}", r.note.clone().unwrap_or_default()),
+            ]);
+            continue;
+        }
+        let corrupted = match (r.corrupted, r.corrupted_pct) {
+            (Some(c), Some(p)) => format!("{c} ({p:.1}%)"),
+            _ => "-".into(),
+        };
+        lines.push(vec![
+            r.config.clone(),
+            cell(r.round),
+            cell(r.sessions),
+            corrupted,
+            cell(r.refused),
+            cell(r.detected),
+            cell(r.aborted),
+            cell(r.wedged),
+            cell(r.leaked_pages),
+            cell(r.quarantined_pages),
+            cell(r.refused_frames),
+            cell_f(r.ttft_p50_ms, 1),
+            cell_f(r.ttft_p99_ms, 1),
+            cell_f(r.health_p99_ms, 2),
+            cell_f(r.device_hit_rate.map(|x| x * 100.0), 1),
+            cell_f(r.host_hit_rate.map(|x| x * 100.0), 1),
+            cell_f(r.ttft_speedup_turn3plus, 2),
+            r.verdict.map_or("-", |v| v.name()).to_string(),
+        ]);
+    }
+    let mut out = layout(&lines);
+    let turns = rows
+        .iter()
+        .map(|r| r.ttft_by_turn_ms.len())
+        .max()
+        .unwrap_or(0);
+    if turns > 0 {
+        let mut header = vec!["TTFT p50/p99 ms by turn".to_string(), "round".to_string()];
+        header.extend((1..=turns).map(|t| format!("turn {t}")));
+        let mut lines = vec![header];
+        for r in rows.iter().filter(|r| r.available) {
+            let mut l = vec![r.config.clone(), cell(r.round)];
+            l.extend((0..turns).map(|t| match r.ttft_by_turn_ms.get(t) {
+                Some((a, b)) => format!("{}/{}", cell_f(*a, 0), cell_f(*b, 0)),
+                None => "-".into(),
+            }));
+            lines.push(l);
+        }
+        out.push('\n');
+        out.push_str(&layout(&lines));
+    }
+    for r in rows.iter().filter(|r| r.available) {
+        if let Some(n) = &r.note {
+            out.push_str(&format!("{}: {n}\n", r.config));
+        }
+        if !r.first_divergences.is_empty() {
+            out.push_str(&format!(
+                "{}: first divergences (session, turn, step): {:?}\n",
+                r.config, r.first_divergences
+            ));
         }
     }
     out
@@ -268,27 +417,59 @@ mod tests {
             ..Default::default()
         };
         let row = EvidenceRow::measured(
-            &ConfigLabel::new("no-cache", "fp8", "off", "off"),
+            &ConfigLabel::new("fp8/host-off/pd-off", "fp8", "off", "off"),
             &tally,
             &[],
-            &[0.002],
+            &[0.002, f64::INFINITY],
             Some(0),
         );
+        assert_eq!(row.wedged, Some(1), "a failed /health probe is a wedge");
+        assert!(!row.is_clean());
         let na = EvidenceRow::unavailable(
-            &ConfigLabel::new("fp8+host+pd", "fp8", "on", "on"),
-            "needs the cache-backed engine",
+            &ConfigLabel::new("fp8/host-on/pd-on", "fp8", "on", "on"),
+            "needs PD transfer",
         );
         let text = render_table(&[row.clone(), na.clone()]);
         assert!(text.contains("1 (25.0%)"), "{text}");
-        assert!(
-            text.contains("unavailable: needs the cache-backed engine"),
-            "{text}"
-        );
+        assert!(text.contains("unavailable: needs PD transfer"), "{text}");
+        assert!(text.contains("(2, 1, 5)"), "{text}");
         let json = serde_json::to_value(&na).unwrap_or_default();
         assert!(json["corrupted"].is_null() && json["ttft_p99_ms"].is_null());
         let json = serde_json::to_value(&row).unwrap_or_default();
         assert_eq!(json["corrupted"], 1);
         assert!(json["host_hit_rate"].is_null(), "no host tier, no hit rate");
-        assert_eq!(json["health_p99_ms"], 2.0);
+        assert_eq!(
+            json["health_p99_ms"],
+            serde_json::Value::Null,
+            "inf is not JSON"
+        );
+    }
+
+    #[test]
+    fn verdicts() {
+        let c = ConfigKey {
+            index_k: sparsekit_host::IndexKDtype::Bf16,
+            host_tier: true,
+            pd: false,
+        };
+        let mut r = EvidenceRow::unavailable(&ConfigLabel::of(&c), "");
+        r.available = true;
+        r.corrupted = Some(0);
+        r.refused = Some(0);
+        r.detected = Some(0);
+        let inj = Injection::SharedItemSize;
+        assert_eq!(Verdict::judge(inj, &c, true, &r), Verdict::Silent);
+        assert_eq!(Verdict::judge(inj, &c, false, &r), Verdict::Silent);
+        r.detected = Some(3);
+        assert_eq!(Verdict::judge(inj, &c, true, &r), Verdict::Caught);
+        r.corrupted = Some(2);
+        assert_eq!(Verdict::judge(inj, &c, true, &r), Verdict::Escaped);
+        assert_eq!(Verdict::judge(inj, &c, false, &r), Verdict::Reproduced);
+        let off = c.without_host_tier();
+        assert_eq!(Verdict::judge(inj, &off, true, &r), Verdict::NotAffected);
+        assert!(
+            !Verdict::NotAffected.is_expected(&r),
+            "unaffected yet corrupted"
+        );
     }
 }

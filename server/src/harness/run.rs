@@ -76,6 +76,7 @@ impl Target for EngineTarget {
                 id: Some(rid.to_string()),
                 prompt: prompt.to_vec(),
                 sampling: sampling.clone(),
+                received: None,
             })
             .map_err(|e| TurnFailure::Refused(e.to_string()))?;
         match h.wait(deadline) {
@@ -153,6 +154,49 @@ pub fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {
     }
 }
 
+/// The `/generate` body of a harness request (token ids in, logits digests out).
+fn generate_body(rid: &str, prompt: &[u32], s: &SamplingParams) -> Value {
+    json!({
+        "input_ids": prompt, "rid": rid, "return_logits_digest": true,
+        "sampling_params": {
+            "max_new_tokens": s.max_new_tokens, "temperature": s.temperature,
+            "top_p": s.top_p, "top_k": s.top_k, "sampling_seed": s.seed,
+            "ignore_eos": s.ignore_eos, "stop": s.stop, "stop_token_ids": s.stop_token_ids,
+        }
+    })
+}
+
+/// A finished `/generate` reply as a turn (an aborted one as `Aborted`).
+fn parse_generate(v: &Value, prompt_tokens: usize) -> Result<TurnTrace, TurnFailure> {
+    let meta = &v["meta_info"];
+    if meta["finish_reason"]["type"] == "abort" {
+        return Err(TurnFailure::Aborted);
+    }
+    let bad = |what: &str| TurnFailure::Refused(format!("malformed /generate reply: {what}"));
+    let tokens = v["output_ids"]
+        .as_array()
+        .ok_or_else(|| bad("output_ids"))?
+        .iter()
+        .map(|t| t.as_u64().map(|t| t as u32).ok_or_else(|| bad("output id")))
+        .collect::<Result<Vec<_>, _>>()?;
+    let digests = meta["logits_digests"]
+        .as_array()
+        .ok_or_else(|| bad("logits_digests"))?
+        .iter()
+        .map(|d| {
+            d.as_str()
+                .and_then(|s| u64::from_str_radix(s, 16).ok())
+                .ok_or_else(|| bad("digest"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(TurnTrace {
+        prompt_tokens,
+        tokens,
+        digests,
+        ttft: meta["ttft_seconds"].as_f64(),
+    })
+}
+
 impl Target for HttpTarget {
     fn generate(
         &self,
@@ -161,14 +205,7 @@ impl Target for HttpTarget {
         s: &SamplingParams,
         deadline: Duration,
     ) -> Result<TurnTrace, TurnFailure> {
-        let body = json!({
-            "input_ids": prompt, "rid": rid, "return_logits_digest": true,
-            "sampling_params": {
-                "max_new_tokens": s.max_new_tokens, "temperature": s.temperature,
-                "top_p": s.top_p, "top_k": s.top_k, "sampling_seed": s.seed,
-                "ignore_eos": s.ignore_eos, "stop": s.stop, "stop_token_ids": s.stop_token_ids,
-            }
-        });
+        let body = generate_body(rid, prompt, s);
         let (status, body) = http_exchange(
             self.addr,
             "POST",
@@ -190,33 +227,190 @@ impl Target for HttpTarget {
                 v["error"]["message"]
             )));
         }
-        let meta = &v["meta_info"];
-        if meta["finish_reason"]["type"] == "abort" {
-            return Err(TurnFailure::Aborted);
+        parse_generate(&v, prompt.len())
+    }
+}
+
+/// Client aborts (`--abort-rate`): a fraction `rate` of the requests is sent streaming and
+/// the connection is closed after `k` tokens (`k` uniform in `0..max_new_tokens`, so some
+/// go before their first token, while waiting, prefilling or loading), which aborts the
+/// request server-side. Which requests and where is a pure function of `seed` and the
+/// request id. The other requests go through `inner` unchanged.
+#[derive(Debug, Clone)]
+pub struct AbortingTarget {
+    pub inner: HttpTarget,
+    pub rate: f64,
+    pub seed: u64,
+}
+
+fn mix(mut x: u64) -> u64 {
+    x ^= x >> 30;
+    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x ^= x >> 27;
+    x = x.wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+impl AbortingTarget {
+    /// Whether request `rid` is aborted, and after how many tokens.
+    pub fn plan(&self, rid: &str, max_new_tokens: usize) -> Option<usize> {
+        let h = rid.bytes().fold(mix(self.seed), |h, b| mix(h ^ b as u64));
+        let u = (h >> 11) as f64 / (1u64 << 53) as f64;
+        (u < self.rate).then(|| (mix(h) % max_new_tokens.max(1) as u64) as usize)
+    }
+}
+
+impl Target for AbortingTarget {
+    fn generate(
+        &self,
+        rid: &str,
+        prompt: &[u32],
+        s: &SamplingParams,
+        deadline: Duration,
+    ) -> Result<TurnTrace, TurnFailure> {
+        let Some(after) = self.plan(rid, s.max_new_tokens) else {
+            return self.inner.generate(rid, prompt, s, deadline);
+        };
+        let mut body = generate_body(rid, prompt, s);
+        body["stream"] = json!(true);
+        match stream_until(self.inner.addr, &body.to_string(), deadline, after) {
+            Ok(StreamEnd::ClosedEarly) => Err(TurnFailure::Aborted),
+            Ok(StreamEnd::Finished { last, ttft }) => {
+                let mut t = parse_generate(&last, prompt.len())?;
+                t.ttft = ttft;
+                Ok(t)
+            }
+            Ok(StreamEnd::Status(status, body)) => Err(TurnFailure::Refused(format!(
+                "status {status}: {}",
+                String::from_utf8_lossy(&body)
+            ))),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                Err(TurnFailure::Wedged(format!(
+                    "no response within {deadline:?}"
+                )))
+            }
+            Err(e) => Err(TurnFailure::Refused(format!("transport: {e}"))),
         }
-        let bad = |what: &str| TurnFailure::Refused(format!("malformed /generate reply: {what}"));
-        let tokens = v["output_ids"]
-            .as_array()
-            .ok_or_else(|| bad("output_ids"))?
-            .iter()
-            .map(|t| t.as_u64().map(|t| t as u32).ok_or_else(|| bad("output id")))
-            .collect::<Result<Vec<_>, _>>()?;
-        let digests = meta["logits_digests"]
-            .as_array()
-            .ok_or_else(|| bad("logits_digests"))?
-            .iter()
-            .map(|d| {
-                d.as_str()
-                    .and_then(|s| u64::from_str_radix(s, 16).ok())
-                    .ok_or_else(|| bad("digest"))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(TurnTrace {
-            prompt_tokens: prompt.len(),
-            tokens,
-            digests,
-            ttft: meta["ttft_seconds"].as_f64(),
-        })
+    }
+}
+
+/// How a streamed `/generate` ended.
+enum StreamEnd {
+    /// The client closed the connection after the planned tokens.
+    ClosedEarly,
+    /// The server finished first: the last event and the client-side TTFT (seconds).
+    Finished { last: Value, ttft: Option<f64> },
+    /// A non-200 answer.
+    Status(u16, Vec<u8>),
+}
+
+/// Streams `/generate` and closes the connection once `stop_after` tokens arrived (at
+/// once when 0). The socket reads are bounded by `deadline`.
+fn stream_until(
+    addr: SocketAddr,
+    body: &str,
+    deadline: Duration,
+    stop_after: usize,
+) -> std::io::Result<StreamEnd> {
+    let started = Instant::now();
+    let mut s = TcpStream::connect_timeout(&addr, deadline)?;
+    s.set_read_timeout(Some(deadline))?;
+    s.set_write_timeout(Some(deadline))?;
+    let req = format!(
+        "POST /generate HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes())?;
+    if stop_after == 0 {
+        return Ok(StreamEnd::ClosedEarly);
+    }
+    let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, "malformed HTTP stream");
+    let mut raw: Vec<u8> = Vec::new();
+    let mut buf = [0u8; 8192];
+    let mut head: Option<(u16, bool)> = None;
+    let mut pos = 0; // start of the undecoded body bytes in `raw`
+    let mut events: Vec<u8> = Vec::new();
+    let mut last = Value::Null;
+    let mut ttft = None;
+    loop {
+        let n = s.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        raw.extend_from_slice(&buf[..n]);
+        if head.is_none() {
+            let Some(split) = raw.windows(4).position(|w| w == b"\r\n\r\n") else {
+                continue;
+            };
+            let h = String::from_utf8_lossy(&raw[..split]).to_ascii_lowercase();
+            let status: u16 = h
+                .split(' ')
+                .nth(1)
+                .and_then(|x| x.parse().ok())
+                .ok_or_else(bad)?;
+            head = Some((status, h.contains("transfer-encoding: chunked")));
+            pos = split + 4;
+        }
+        let Some((status, chunked)) = head else {
+            continue;
+        };
+        if status != 200 {
+            continue;
+        }
+        // Decode whole chunks into the event buffer.
+        if chunked {
+            loop {
+                let rest = &raw[pos..];
+                let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") else {
+                    break;
+                };
+                let size = std::str::from_utf8(&rest[..eol])
+                    .ok()
+                    .and_then(|x| usize::from_str_radix(x.trim(), 16).ok())
+                    .ok_or_else(bad)?;
+                if rest.len() < eol + 2 + size + 2 {
+                    break;
+                }
+                events.extend_from_slice(&rest[eol + 2..eol + 2 + size]);
+                pos += eol + 2 + size + 2;
+            }
+        } else {
+            events.extend_from_slice(&raw[pos..]);
+            pos = raw.len();
+        }
+        while let Some(end) = events.windows(2).position(|w| w == b"\n\n") {
+            let ev: Vec<u8> = events.drain(..end + 2).collect();
+            let text = String::from_utf8_lossy(&ev);
+            let Some(data) = text.trim().strip_prefix("data:") else {
+                continue;
+            };
+            let data = data.trim();
+            if data == "[DONE]" {
+                return Ok(StreamEnd::Finished { last, ttft });
+            }
+            let v: Value = serde_json::from_str(data).map_err(|_| bad())?;
+            let tokens = v["output_ids"].as_array().map_or(0, Vec::len);
+            if tokens > 0 && ttft.is_none() {
+                ttft = Some(started.elapsed().as_secs_f64());
+            }
+            if !v["error"].is_null() {
+                return Ok(StreamEnd::Status(500, data.as_bytes().to_vec()));
+            }
+            last = v;
+            if tokens >= stop_after && last["meta_info"]["finish_reason"].is_null() {
+                return Ok(StreamEnd::ClosedEarly);
+            }
+        }
+    }
+    match head {
+        Some((status, _)) if status != 200 => Ok(StreamEnd::Status(status, raw[pos..].to_vec())),
+        Some(_) if !last.is_null() => Ok(StreamEnd::Finished { last, ttft }),
+        _ => Err(bad()),
     }
 }
 
@@ -297,17 +491,18 @@ pub fn run_reference(
 }
 
 /// The served run: every session on its own thread, all concurrently, turns paced by
-/// their jitter; each request waits at most `deadline`.
+/// their jitter; each request waits at most `deadline`. Request ids start with `tag`.
 pub fn run_concurrent(
     target: &dyn Target,
     w: &Workload,
     deadline: Duration,
+    tag: &str,
     progress: Progress<'_>,
 ) -> Vec<SessionTrace> {
     let stop = AtomicBool::new(false);
     let mode = Mode {
         deadline,
-        tag: "srv",
+        tag,
         jitter: true,
         progress,
         stop: &stop,

@@ -1,6 +1,8 @@
 //! The HTTP server (tokio + hyper 1.x, HTTP/1.1): OpenAI's `/v1/completions`,
 //! `/v1/chat/completions` (both with SSE streaming) and `/v1/models`, SGLang's
-//! `/generate` and `/abort_request`, `/health` and `/metrics`.
+//! `/generate` and `/abort_request`, `/health`, `/metrics` and `/server_info` (the
+//! engine's model, seed, dtypes and cache settings: what a harness needs to compute the
+//! reference of a running server).
 //!
 //! - Bad input (malformed JSON, wrong types, unknown model, prompt over the context
 //!   limit, oversized body, unsupported options) gets a JSON 4xx in OpenAI's error shape;
@@ -237,6 +239,13 @@ impl App {
                 Ok(()) => self.health(),
                 Err(e) => error_response(&e),
             },
+            "/server_info" | "/get_server_info" => match post(is_get) {
+                Ok(()) => json_response(
+                    200,
+                    &serde_json::to_value(self.engine.info()).unwrap_or(Value::Null),
+                ),
+                Err(e) => error_response(&e),
+            },
             "/metrics" => match post(is_get) {
                 Ok(()) => text_response(
                     200,
@@ -371,6 +380,7 @@ impl App {
             id: b.rid.clone(),
             prompt: b.tokens()?,
             sampling: b.params()?,
+            received: None,
         };
         let prompt_tokens = req.prompt.len();
         let h = self.submit(req)?;
@@ -426,11 +436,7 @@ impl App {
         let max_context = self.engine.info().max_context;
         let sampling = r.sampling.to_params(prompt.len(), max_context)?;
         let prompt_tokens = prompt.len();
-        let h = self.submit(GenerateRequest {
-            id: None,
-            prompt,
-            sampling,
-        })?;
+        let h = self.submit(GenerateRequest::new(prompt, sampling))?;
         let id = format!("cmpl-{}", h.rid());
         let (model, created) = (self.model.clone(), unix_now());
         if r.stream {
@@ -482,11 +488,7 @@ impl App {
         let max_context = self.engine.info().max_context;
         let sampling = r.sampling.to_params(prompt.len(), max_context)?;
         let prompt_tokens = prompt.len();
-        let h = self.submit(GenerateRequest {
-            id: None,
-            prompt,
-            sampling,
-        })?;
+        let h = self.submit(GenerateRequest::new(prompt, sampling))?;
         let id = format!("chatcmpl-{}", h.rid());
         let (model, created) = (self.model.clone(), unix_now());
         if r.stream {

@@ -13,6 +13,8 @@
 //! - [`wire`]: the versioned, checksummed frame format and the messages.
 //! - [`receiver`]: the decode endpoint, over `HiCache::inbound`.
 //! - [`sender`]: the prefill endpoint, reading pages through the cache's layer guards.
+//! - [`pair`]: a prefill/decode pair of engines over the protocol (`--role both`, the
+//!   harness).
 //! - [`landing`]: decode's landing zone (what prefill writes into), from the layouts.
 //! - [`faults`]: the PD fault injections and the receiver's checks.
 //! - [`stage`], [`stats`], [`error`]: page staging, counters, errors.
@@ -26,6 +28,7 @@ use sparsekit_host::cache::CacheSpec;
 pub mod error;
 pub mod faults;
 pub mod landing;
+pub mod pair;
 pub mod receiver;
 pub mod sender;
 pub mod stage;

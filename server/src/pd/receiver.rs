@@ -618,11 +618,24 @@ impl<B: Backend + 'static> RxShared<B> {
                     self.complete(st, req);
                 }
             }
-            Err(PdError::Cache(HostError::StalePage { .. })) => self.refuse(
-                "stale_generation",
-                Some(req),
-                &"the cache refused a stale page",
-            ),
+            Err(PdError::Cache(HostError::StalePage { .. })) => {
+                self.refuse(
+                    "stale_generation",
+                    Some(req),
+                    &"the cache refused a stale page",
+                );
+                if !self.cache.is_live(req) {
+                    // The decode request ended (failed, or served without waiting for
+                    // its pages): nothing will read this transfer; stop it, keeping the
+                    // pages quarantined until prefill confirms.
+                    self.begin_abort(
+                        st,
+                        req,
+                        Outcome::Cancelled("the decode request ended".into()),
+                        out,
+                    );
+                }
+            }
             Err(PdError::Cache(e @ HostError::Integrity { .. })) => {
                 self.refuse("checksum", Some(req), &e);
                 self.begin_abort(

@@ -1,0 +1,305 @@
+//! The evidence table's configurations and the harness-level fault injections.
+//!
+//! A [`ConfigKey`] is one row kind of the table: index-K dtype × host tier × PD. Which
+//! of them a run covers is chosen with [`select`] (`--configs`), who runs each is a
+//! [`crate::harness::deploy::ConfigRunner`] (the in-process runner covers PD off; the PD
+//! runner plugs in beside it).
+//!
+//! An [`Injection`] re-creates one historical bug through the cache's fault injections,
+//! paired so that it bypasses one check and leaves the next one to catch it:
+//!
+//! | injection | bypasses | caught by (on unless `--no-verify`) | affects |
+//! |---|---|---|---|
+//! | `host-pool-fp8-layout` | layout fingerprints (`host-pool-fp8-layout` + `no-layout-check`) | load checksums | bf16, host tier on |
+//! | `shared-item-size` | — (fingerprints cannot see strides) | load checksums | host tier on |
+//! | `skip-index-wait` | layer fences (`skip-index-wait` + `loads-trail-readers`) | landed stamps | host tier on |
+//! | `no-generation-check` | generations (`no-generation-check` + `late-write`) | landed stamps | every cache config |
+//!
+//! `--no-verify` turns the second checks off (load checksums, landed stamps); with it each
+//! injection must corrupt sessions, without it each must be caught with 0 corrupted.
+//! The PD injections (`pd-fp8-frame`, `pd-read-before-landed`, `stale-transfer-write`)
+//! affect PD configs only and are the PD runner's to apply.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::Serialize;
+use sparsekit_host::cache::Fault;
+use sparsekit_host::IndexKDtype;
+
+use crate::error::EngineError;
+use crate::pd::PdFault;
+
+/// One configuration of the evidence table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ConfigKey {
+    pub index_k: IndexKDtype,
+    pub host_tier: bool,
+    pub pd: bool,
+}
+
+/// `fp8` or `bf16`.
+pub fn index_k_name(d: IndexKDtype) -> &'static str {
+    match d {
+        IndexKDtype::Bf16 => "bf16",
+        IndexKDtype::Fp8E4m3 { .. } => "fp8",
+    }
+}
+
+fn on_off(b: bool) -> &'static str {
+    if b {
+        "on"
+    } else {
+        "off"
+    }
+}
+
+impl ConfigKey {
+    /// The eight configurations, in table order.
+    pub fn all() -> Vec<ConfigKey> {
+        let mut v = Vec::new();
+        for index_k in [IndexKDtype::FP8, IndexKDtype::Bf16] {
+            for host_tier in [false, true] {
+                for pd in [false, true] {
+                    v.push(ConfigKey {
+                        index_k,
+                        host_tier,
+                        pd,
+                    });
+                }
+            }
+        }
+        v
+    }
+
+    /// `fp8/host-off/pd-off` and so on.
+    pub fn name(&self) -> String {
+        format!(
+            "{}/host-{}/pd-{}",
+            index_k_name(self.index_k),
+            on_off(self.host_tier),
+            on_off(self.pd)
+        )
+    }
+
+    /// The same configuration with the host tier off (the speed-up's baseline).
+    pub fn without_host_tier(&self) -> ConfigKey {
+        ConfigKey {
+            host_tier: false,
+            ..*self
+        }
+    }
+
+    pub fn host_tier_label(&self) -> &'static str {
+        on_off(self.host_tier)
+    }
+
+    pub fn pd_label(&self) -> &'static str {
+        on_off(self.pd)
+    }
+}
+
+impl fmt::Display for ConfigKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.name())
+    }
+}
+
+/// The configurations `filters` select: each filter is `/`-separated parts (`fp8`,
+/// `bf16`, `host-on`, `host-off`, `pd-on`, `pd-off`, or `all`), and a configuration is
+/// selected when every part of some filter names it. An empty list selects all eight.
+pub fn select(filters: &[String]) -> Result<Vec<ConfigKey>, EngineError> {
+    let all = ConfigKey::all();
+    if filters.is_empty() {
+        return Ok(all);
+    }
+    let mut chosen = Vec::new();
+    for f in filters {
+        let parts: Vec<&str> = f
+            .split('/')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+            .collect();
+        for p in &parts {
+            if !matches!(
+                *p,
+                "all" | "fp8" | "bf16" | "host-on" | "host-off" | "pd-on" | "pd-off"
+            ) {
+                return Err(EngineError::InvalidRequest(format!(
+                    "unknown config part {p:?} in {f:?} (parts: fp8, bf16, host-on, \
+                     host-off, pd-on, pd-off, all; e.g. bf16/host-on/pd-off)"
+                )));
+            }
+        }
+        let mut hit = false;
+        for c in &all {
+            let name = c.name();
+            let names: Vec<&str> = name.split('/').collect();
+            if parts.iter().all(|p| *p == "all" || names.contains(p)) {
+                hit = true;
+                if !chosen.contains(c) {
+                    chosen.push(*c);
+                }
+            }
+        }
+        if !hit {
+            return Err(EngineError::InvalidRequest(format!(
+                "--configs {f:?} selects no configuration"
+            )));
+        }
+    }
+    chosen.sort_by_key(|c| all.iter().position(|a| a == c));
+    Ok(chosen)
+}
+
+/// A harness-level fault injection (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Injection {
+    HostPoolFp8Layout,
+    SharedItemSize,
+    SkipIndexWait,
+    NoGenerationCheck,
+    PdFp8Frame,
+    PdReadBeforeLanded,
+    StaleTransferWrite,
+}
+
+impl Injection {
+    pub const ALL: [Injection; 7] = [
+        Injection::HostPoolFp8Layout,
+        Injection::SharedItemSize,
+        Injection::SkipIndexWait,
+        Injection::NoGenerationCheck,
+        Injection::PdFp8Frame,
+        Injection::PdReadBeforeLanded,
+        Injection::StaleTransferWrite,
+    ];
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Injection::HostPoolFp8Layout => "host-pool-fp8-layout",
+            Injection::SharedItemSize => "shared-item-size",
+            Injection::SkipIndexWait => "skip-index-wait",
+            Injection::NoGenerationCheck => "no-generation-check",
+            Injection::PdFp8Frame => "pd-fp8-frame",
+            Injection::PdReadBeforeLanded => "pd-read-before-landed",
+            Injection::StaleTransferWrite => "stale-transfer-write",
+        }
+    }
+
+    /// Whether it needs PD (a transfer between two engines) to exist at all.
+    pub fn needs_pd(&self) -> bool {
+        matches!(
+            self,
+            Injection::PdFp8Frame | Injection::PdReadBeforeLanded | Injection::StaleTransferWrite
+        )
+    }
+
+    /// The cache faults that re-create it in one engine's cache (empty for the PD ones,
+    /// which live in the transfer).
+    pub fn cache_faults(&self) -> Vec<Fault> {
+        match self {
+            Injection::HostPoolFp8Layout => vec![Fault::HostPoolFp8Layout, Fault::NoLayoutCheck],
+            Injection::SharedItemSize => vec![Fault::SharedItemSize],
+            Injection::SkipIndexWait => vec![Fault::SkipIndexWait, Fault::LoadsTrailReaders],
+            Injection::NoGenerationCheck => vec![Fault::NoGenerationCheck, Fault::LateWrite],
+            _ => Vec::new(),
+        }
+    }
+
+    /// Whether it can bite configuration `c` (the others run it and must stay clean).
+    pub fn affects(&self, c: &ConfigKey) -> bool {
+        match self {
+            Injection::HostPoolFp8Layout => c.host_tier && c.index_k == IndexKDtype::Bf16,
+            Injection::SharedItemSize | Injection::SkipIndexWait => c.host_tier,
+            Injection::NoGenerationCheck => true,
+            // The fp8 frame of an fp8 index-K page is the right frame.
+            Injection::PdFp8Frame => c.pd && c.index_k == IndexKDtype::Bf16,
+            _ => c.pd,
+        }
+    }
+
+    /// The PD fault that re-creates it in a prefill/decode pair (`None` for the others).
+    pub fn pd_fault(&self) -> Option<PdFault> {
+        match self {
+            Injection::PdFp8Frame => Some(PdFault::Fp8Frame),
+            Injection::PdReadBeforeLanded => Some(PdFault::ReadBeforeLanded),
+            Injection::StaleTransferWrite => Some(PdFault::StaleTransferWrite),
+            _ => None,
+        }
+    }
+
+    /// The check that catches it while the checks are on.
+    pub fn caught_by(&self) -> &'static str {
+        match self {
+            Injection::HostPoolFp8Layout | Injection::SharedItemSize => "load checksums",
+            Injection::SkipIndexWait | Injection::NoGenerationCheck => "landed stamps",
+            Injection::PdFp8Frame => "frame fingerprints",
+            Injection::PdReadBeforeLanded => "landed stamps",
+            Injection::StaleTransferWrite => "generations and quarantine",
+        }
+    }
+}
+
+impl FromStr for Injection {
+    type Err = EngineError;
+    fn from_str(s: &str) -> Result<Self, EngineError> {
+        Injection::ALL
+            .into_iter()
+            .find(|i| i.name() == s)
+            .ok_or_else(|| {
+                EngineError::InvalidRequest(format!(
+                    "unknown injection {s:?} (known: {})",
+                    Injection::ALL.map(|i| i.name()).join(", ")
+                ))
+            })
+    }
+}
+
+/// The cache faults that turn the second checks off (`--no-verify`, with the load
+/// checksums off as well: `CacheOptions::verify = false`).
+pub fn no_verify_faults() -> Vec<Fault> {
+    vec![Fault::NoLandedCheck]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn selection_by_parts() {
+        assert_eq!(select(&[]).unwrap_or_default().len(), 8);
+        let v = select(&["bf16/host-on".into()]).unwrap_or_default();
+        assert_eq!(
+            v.iter().map(ConfigKey::name).collect::<Vec<_>>(),
+            ["bf16/host-on/pd-off", "bf16/host-on/pd-on"]
+        );
+        let v = select(&["pd-off".into(), "fp8/host-off/pd-off".into()]).unwrap_or_default();
+        assert_eq!(v.len(), 4, "duplicates once, table order");
+        assert_eq!(v[0].name(), "fp8/host-off/pd-off");
+        assert!(select(&["fp9".into()]).is_err());
+        assert!(select(&["fp8/bf16".into()]).is_err(), "selects nothing");
+    }
+
+    #[test]
+    fn injections_parse_and_pair() {
+        for i in Injection::ALL {
+            assert_eq!(i.name().parse::<Injection>().ok(), Some(i));
+            assert_eq!(i.cache_faults().is_empty(), i.needs_pd());
+        }
+        assert!("nope".parse::<Injection>().is_err());
+        let bf16_host = ConfigKey {
+            index_k: IndexKDtype::Bf16,
+            host_tier: true,
+            pd: false,
+        };
+        assert!(Injection::HostPoolFp8Layout.affects(&bf16_host));
+        assert!(!Injection::HostPoolFp8Layout.affects(&ConfigKey {
+            index_k: IndexKDtype::FP8,
+            ..bf16_host
+        }));
+        assert!(!Injection::SkipIndexWait.affects(&bf16_host.without_host_tier()));
+        assert!(!Injection::PdFp8Frame.affects(&bf16_host));
+    }
+}
