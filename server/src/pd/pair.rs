@@ -158,7 +158,10 @@ impl<B: Backend + 'static> DecodeSource<B> {
                     tracing::warn!(request = req, "stale-transfer-write: late writes not held");
                 }
             } else {
-                tracing::warn!(request = req, "stale-transfer-write: the decoy ended before its writes");
+                tracing::warn!(
+                    request = req,
+                    "stale-transfer-write: the decoy ended before its writes"
+                );
             }
         }
         barrier.forget(req);
