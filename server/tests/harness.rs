@@ -297,7 +297,7 @@ fn pd_injections_are_caught_with_checks_on_and_corrupt_with_them_off() {
 /// Every page of the decode pool is back (free) once the pair is idle after
 /// `pd-read-before-landed`, with the checks on and off.
 #[test]
-#[ignore = "open defect: decode device pages stay quarantined after pd-read-before-landed"]
+#[ignore = "open defect (intermittent at this scale): decode device pages stay quarantined after pd-read-before-landed"]
 fn pd_read_before_landed_leaves_nothing_quarantined() {
     let s = two_turns();
     for verify in [true, false] {
