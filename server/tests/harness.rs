@@ -217,6 +217,17 @@ fn each_injection_is_caught_with_checks_on_and_corrupts_with_them_off() {
                 assert!(r.corrupted.unwrap_or(0) > 0);
             }
             assert_eq!(r.leaked_pages, Some(0), "{} verify={verify}", inj.name());
+            // pd-read-before-landed still leaves decode pages quarantined (open defect,
+            // asserted by the ignored test below).
+            if inj != Injection::PdReadBeforeLanded {
+                assert_eq!(
+                    r.quarantined_pages,
+                    Some(0),
+                    "{} verify={verify}: pages left quarantined at the idle check",
+                    inj.name()
+                );
+            }
+            assert_eq!(r.wedged, Some(0), "{} verify={verify}", inj.name());
         }
     }
     // Where an injection cannot bite (no host tier: no loads to overtake), it stays clean
@@ -234,12 +245,17 @@ fn each_injection_is_caught_with_checks_on_and_corrupts_with_them_off() {
 }
 
 /// The PD injections on the bf16 PD config with the host tier (pd-fp8-frame bites only
-/// bf16 index keys): caught by the receiver's frame checks / the landed stamps with the
-/// checks on, corrupting with `--no-verify`; nothing leaked either way.
+/// bf16 index keys): caught by the receiver's frame checks / the landed stamps / the
+/// reusing transfer's checksums with the checks on, corrupting with `--no-verify`; nothing
+/// leaked or left quarantined either way.
 #[test]
 fn pd_injections_are_caught_with_checks_on_and_corrupt_with_them_off() {
     let s = two_turns();
-    for inj in [Injection::PdFp8Frame, Injection::PdReadBeforeLanded] {
+    for inj in [
+        Injection::PdFp8Frame,
+        Injection::PdReadBeforeLanded,
+        Injection::StaleTransferWrite,
+    ] {
         for verify in [true, false] {
             let rows = run(s, "bf16/host-on/pd-on", Some(inj), verify, 0.0, 1);
             let r = &rows[0];
@@ -263,7 +279,38 @@ fn pd_injections_are_caught_with_checks_on_and_corrupt_with_them_off() {
                 assert_eq!(r.corrupted, Some(0));
             }
             assert_eq!(r.leaked_pages, Some(0), "{} verify={verify}", inj.name());
+            // pd-read-before-landed still leaves decode pages quarantined (open defect,
+            // asserted by the ignored test below).
+            if inj != Injection::PdReadBeforeLanded {
+                assert_eq!(
+                    r.quarantined_pages,
+                    Some(0),
+                    "{} verify={verify}: pages left quarantined at the idle check",
+                    inj.name()
+                );
+            }
+            assert_eq!(r.wedged, Some(0), "{} verify={verify}", inj.name());
         }
+    }
+}
+
+/// Every page of the decode pool is back (free) once the pair is idle after
+/// `pd-read-before-landed`, with the checks on and off.
+#[test]
+#[ignore = "open defect (intermittent at this scale): decode device pages stay quarantined after pd-read-before-landed"]
+fn pd_read_before_landed_leaves_nothing_quarantined() {
+    let s = two_turns();
+    for verify in [true, false] {
+        let rows = run(
+            s,
+            "bf16/host-on/pd-on",
+            Some(Injection::PdReadBeforeLanded),
+            verify,
+            0.0,
+            1,
+        );
+        assert_eq!(rows[0].leaked_pages, Some(0), "verify={verify}");
+        assert_eq!(rows[0].quarantined_pages, Some(0), "verify={verify}");
     }
 }
 

@@ -1077,6 +1077,9 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
         let check = self.space.leak_check().map_err(|e| e.to_string());
         let leaked = self.space.leaked_pages();
         self.space.publish(&self.inner.metrics);
+        // Idle: nothing running, waiting or fetching (a request that failed in its fetch
+        // leaves no step behind to publish this).
+        self.inner.metrics.in_engine(0, 0);
         self.inner.metrics.idle_check(leaked);
         let mut st = lock(&self.inner.stats);
         st.leak_check = Some(check);

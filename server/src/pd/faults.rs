@@ -11,6 +11,11 @@
 //! | `pd-read-before-landed` | decode reads a layer before its notification was verified (the step skips the transfer's ready token) | the guard's landed stamps (a page is stamped only after its bytes were verified) | the step reads bytes that were never sent |
 //! | `stale-transfer-write` | prefill confirms an aborted transfer as cancelled while its writes are still in flight; they land late, in pages decode already reused | generations (the late notification is stale) and the checksums of the reusing transfer (its landed bytes were overwritten) | the reusing request is served the aborted one's bytes |
 //!
+//! In a [`crate::pd::pair::PdPair`] the race of `stale-transfer-write` is made
+//! deterministic by a [`StaleWriteBarrier`]: decode starts a decoy transfer before every
+//! fourth request, aborts it exactly while prefill's writes are in flight, and allocates
+//! the request's pages (the decoy's, just freed) only after every late write is held.
+//!
 //! `pd-read-before-landed` lives in the decode cache: it maps to the cache fault
 //! `skip-index-wait` ([`PdFault::cache_faults`]); `--no-verify` adds `no-landed-check`.
 
@@ -122,5 +127,114 @@ impl Checks {
 impl Default for Checks {
     fn default() -> Self {
         Self::all()
+    }
+}
+
+/// Where a decoy transfer of the `stale-transfer-write` injection stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum DecoyStage {
+    /// Bootstrapped; prefill has not reached its first write.
+    Expected,
+    /// Prefill staged its first write and waits: its writes are in flight.
+    InFlight,
+    /// Decode aborted the transfer and prefill confirmed the cancel: the pages are free.
+    Cancelled,
+    /// Prefill went on writing after its confirmation: every late write is held.
+    Held,
+}
+
+/// The rendezvous that makes `stale-transfer-write` deterministic in a PD pair: decode
+/// starts a decoy transfer, prefill stops before its first write
+/// ([`StaleWriteBarrier::writes_in_flight`]), decode aborts it in exactly that window,
+/// prefill (with the fault) confirms the cancel and goes on writing; decode waits until
+/// every late write is held ([`StaleWriteBarrier::wait`] for [`StaleWriteBarrier::all_held`])
+/// before it allocates the next request's pages, which are the decoy's just-freed ones.
+/// Every wait is bounded; a party that gives up leaves the other to time out.
+#[derive(Debug, Default)]
+pub struct StaleWriteBarrier {
+    decoys: parking_lot::Mutex<std::collections::HashMap<u64, DecoyStage>>,
+    changed: parking_lot::Condvar,
+}
+
+impl StaleWriteBarrier {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn set(&self, req: u64, stage: DecoyStage) {
+        let mut d = self.decoys.lock();
+        if let Some(s) = d.get_mut(&req) {
+            *s = stage;
+            self.changed.notify_all();
+        }
+    }
+
+    /// Waits (at most `timeout`) until `req`'s decoy reached `stage`.
+    fn wait_for(&self, req: u64, stage: DecoyStage, timeout: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut d = self.decoys.lock();
+        loop {
+            match d.get(&req) {
+                Some(&s) if s == stage => return true,
+                None => return false,
+                Some(_) => {}
+            }
+            if self.changed.wait_until(&mut d, deadline).timed_out() {
+                return false;
+            }
+        }
+    }
+
+    /// Decode: `req` is a decoy (before its bootstrap is sent).
+    pub fn expect(&self, req: u64) {
+        self.decoys.lock().insert(req, DecoyStage::Expected);
+    }
+
+    /// Decode: waits (bounded) until prefill's writes of decoy `req` are in flight.
+    pub fn wait_in_flight(&self, req: u64, timeout: std::time::Duration) -> bool {
+        self.wait_for(req, DecoyStage::InFlight, timeout)
+    }
+
+    /// Decode: prefill confirmed the cancel of decoy `req` (its pages are free again).
+    pub fn cancelled(&self, req: u64) {
+        self.set(req, DecoyStage::Cancelled);
+    }
+
+    /// Decode: waits (bounded) until every late write of decoy `req` is held.
+    pub fn wait_held(&self, req: u64, timeout: std::time::Duration) -> bool {
+        self.wait_for(req, DecoyStage::Held, timeout)
+    }
+
+    /// Decode: `req` is done with (a prefill write still waiting gives up at once).
+    pub fn forget(&self, req: u64) {
+        self.decoys.lock().remove(&req);
+        self.changed.notify_all();
+    }
+
+    /// Prefill, before a write of `req`: for a decoy's first write, says the writes are in
+    /// flight and waits (bounded) until decode aborted and prefill confirmed. Returns
+    /// whether `req` is a decoy.
+    pub fn writes_in_flight(&self, req: u64, timeout: std::time::Duration) -> bool {
+        let first = {
+            let mut d = self.decoys.lock();
+            match d.get_mut(&req) {
+                None => return false,
+                Some(s) if *s == DecoyStage::Expected => {
+                    *s = DecoyStage::InFlight;
+                    self.changed.notify_all();
+                    true
+                }
+                Some(_) => false,
+            }
+        };
+        if first {
+            self.wait_for(req, DecoyStage::Cancelled, timeout);
+        }
+        true
+    }
+
+    /// Prefill: every layer of decoy `req` was written (held late).
+    pub fn all_held(&self, req: u64) {
+        self.set(req, DecoyStage::Held);
     }
 }

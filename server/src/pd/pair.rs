@@ -20,7 +20,7 @@
 
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -34,7 +34,7 @@ use crate::engine::{CacheHandle, CacheSpaceOptions, ModelConfig, PromptSource, R
 use crate::error::EngineError;
 use crate::metrics::Metrics;
 use crate::pd::error::PdError;
-use crate::pd::faults::{Checks, PdFault, PdFaults};
+use crate::pd::faults::{Checks, PdFault, PdFaults, StaleWriteBarrier};
 use crate::pd::hello;
 use crate::pd::landing::{LandingGeometry, LandingZone};
 use crate::pd::receiver::{Outcome, Receiver, ReceiverConfig};
@@ -81,13 +81,21 @@ pub struct DecodeSource<B: Backend + 'static> {
     /// started (the engine's steps then skip the ready tokens: the decode cache carries
     /// the `skip-index-wait` fault).
     read_before_landed: bool,
+    /// `stale-transfer-write`: the rendezvous with prefill for the decoy transfers, and
+    /// the fetches seen (every [`DECOY_EVERY`]th is preceded by a decoy).
+    stale_write: Option<Arc<StaleWriteBarrier>>,
+    fetches: AtomicU64,
 }
+
+/// Under `stale-transfer-write`, one fetch in this many starts with a decoy transfer.
+const DECOY_EVERY: u64 = 4;
 
 impl<B: Backend + 'static> std::fmt::Debug for DecodeSource<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DecodeSource")
             .field("page_size", &self.page_size)
             .field("read_before_landed", &self.read_before_landed)
+            .field("stale_write", &self.stale_write.is_some())
             .finish()
     }
 }
@@ -107,6 +115,58 @@ impl<B: Backend + 'static> DecodeSource<B> {
             let _ = cache.abort(req);
         }
     }
+
+    /// `stale-transfer-write`, made deterministic: a decoy transfer of the same number of
+    /// pages (the prompt reversed, so its bytes differ) is started, aborted exactly while
+    /// prefill's writes are in flight, confirmed by prefill (the fault: its writes go on
+    /// and are held late), and its pages freed, on top of the free list, just before the
+    /// real request allocates: the real request's transfer gets the decoy's pages, and the
+    /// late writes land in them between its bytes and its notification. With the checks
+    /// on its checksums refuse what landed; without them the request is served the
+    /// decoy's bytes. Gives up quietly (bounded waits) where the decoy cannot run.
+    fn decoy(&self, barrier: &StaleWriteBarrier, prompt: &[u32], pages_n: usize) {
+        let cache = self.handle.cache();
+        let req = self.handle.next_request_id();
+        if cache.begin(req, &[]).is_err() {
+            return;
+        }
+        let Ok(pages) = cache.try_alloc(req, pages_n) else {
+            self.drop_request(req);
+            return;
+        };
+        let decoy: Vec<u32> = prompt.iter().rev().copied().collect();
+        barrier.expect(req);
+        if self.receiver.start(req, &decoy, &pages).is_ok() {
+            // Prefill may give the decoy up before writing (the transfer then ends).
+            let deadline = Instant::now() + self.timeout;
+            let in_flight = loop {
+                if barrier.wait_in_flight(req, POLL * 10) {
+                    break true;
+                }
+                if self.receiver.outcome(req).is_some() || Instant::now() >= deadline {
+                    break false;
+                }
+            };
+            self.receiver.abort(
+                req,
+                "stale-transfer-write: decode cancels the transfer while its writes are in flight",
+            );
+            if in_flight && self.receiver.wait(req, self.timeout).is_ok() {
+                // Prefill confirmed: the decoy's pages are free again.
+                barrier.cancelled(req);
+                if !barrier.wait_held(req, self.timeout) {
+                    tracing::warn!(request = req, "stale-transfer-write: late writes not held");
+                }
+            } else {
+                tracing::warn!(
+                    request = req,
+                    "stale-transfer-write: the decoy ended before its writes"
+                );
+            }
+        }
+        barrier.forget(req);
+        self.drop_request(req);
+    }
 }
 
 impl<B: Backend + 'static> PromptSource for DecodeSource<B> {
@@ -121,6 +181,11 @@ impl<B: Backend + 'static> PromptSource for DecodeSource<B> {
             return Ok(None);
         }
         let tokens = pages_n * ps;
+        if let Some(b) = &self.stale_write {
+            if self.fetches.fetch_add(1, Ordering::Relaxed) % DECOY_EVERY == 0 {
+                self.decoy(b, &prompt[..tokens], pages_n);
+            }
+        }
         let cache = self.handle.cache();
         let req = self.handle.next_request_id();
         let deadline = Instant::now() + self.timeout;
@@ -395,6 +460,10 @@ impl<B: Backend + ModelOps + 'static> PdPair<B> {
         decode_metrics: Arc<Metrics>,
     ) -> Result<Self, EngineError> {
         let read_before_landed = pd.faults.active(PdFault::ReadBeforeLanded);
+        let stale_write = pd
+            .faults
+            .active(PdFault::StaleTransferWrite)
+            .then(|| Arc::new(StaleWriteBarrier::new()));
         if let Some(c) = decode_opts.cache.as_mut() {
             for f in PdFault::ALL
                 .into_iter()
@@ -450,6 +519,7 @@ impl<B: Backend + ModelOps + 'static> PdPair<B> {
                 p_end,
                 SenderConfig {
                     faults: pd.faults.clone(),
+                    stale_barrier: stale_write.clone(),
                     ..Default::default()
                 },
             )
@@ -468,6 +538,8 @@ impl<B: Backend + ModelOps + 'static> PdPair<B> {
             page_size: cfg.page_size(),
             timeout: pd.timeout,
             read_before_landed,
+            stale_write,
+            fetches: AtomicU64::new(0),
         }))?;
         let stop = Arc::new(AtomicBool::new(false));
         let publisher = {

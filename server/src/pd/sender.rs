@@ -37,7 +37,7 @@ use sparsekit_host::ops::PagedRegion;
 use sparsekit_host::Backend;
 
 use crate::pd::error::PdError;
-use crate::pd::faults::{PdFault, PdFaults};
+use crate::pd::faults::{PdFault, PdFaults, StaleWriteBarrier};
 use crate::pd::landing::LandingGeometry;
 use crate::pd::stage::{stage, StagedPages};
 use crate::pd::stats::{Ended, PdStats, PdStatsSnapshot};
@@ -56,6 +56,11 @@ pub struct SenderConfig {
     pub abort_wait: Duration,
     /// Late writes held back under the `stale-transfer-write` fault, at most.
     pub max_late: usize,
+    /// Under `stale-transfer-write`: the rendezvous with decode's decoy transfers (a
+    /// decoy's first write waits, bounded, until decode aborted it; see
+    /// [`StaleWriteBarrier`]). `None`: the fault bites only where an abort happens to
+    /// arrive while writes are in flight.
+    pub stale_barrier: Option<Arc<StaleWriteBarrier>>,
     /// Fault injection for tests: called with each decoded message before it is handled;
     /// a panic in it is a panicking reader.
     pub hook: Option<MessageHook>,
@@ -68,6 +73,7 @@ impl Default for SenderConfig {
             tick: Duration::from_millis(20),
             abort_wait: Duration::from_secs(2),
             max_late: 64,
+            stale_barrier: None,
             hook: None,
         }
     }
@@ -80,10 +86,14 @@ impl std::fmt::Debug for SenderConfig {
             .field("tick", &self.tick)
             .field("abort_wait", &self.abort_wait)
             .field("max_late", &self.max_late)
+            .field("stale_barrier", &self.stale_barrier.is_some())
             .field("hook", &self.hook.is_some())
             .finish()
     }
 }
+
+/// Longest a decoy's first write waits for decode's abort (`stale-transfer-write`).
+const DECOY_WAIT: Duration = Duration::from_secs(30);
 
 /// A job's mutable state; its mutex is the job's write lock.
 #[derive(Debug, Default)]
@@ -597,6 +607,14 @@ impl<B: Backend + 'static> Job<B> {
     pub fn write(&self, staged: StagedLayer) -> Result<(), PdError> {
         let sh = &*self.shared;
         let core = &*self.core;
+        // `stale-transfer-write` in a pair: a decoy's first write waits (outside the write
+        // lock, which the reader takes to answer decode's abort) until decode aborted it.
+        let decoy = sh.config.faults.active(PdFault::StaleTransferWrite)
+            && sh
+                .config
+                .stale_barrier
+                .as_ref()
+                .is_some_and(|b| b.writes_in_flight(core.req, DECOY_WAIT));
         let mut st = core.state.lock();
         if core.cancel.load(Ordering::Acquire) {
             sh.confirm_or_end(core, &mut st);
@@ -643,6 +661,11 @@ impl<B: Backend + 'static> Job<B> {
                 .bytes(kind, segments.iter().map(|s| s.bytes.len()).sum());
         }
         st.written[layer] = true;
+        if decoy && st.zombie && st.written.iter().all(|w| *w) {
+            if let Some(b) = &sh.config.stale_barrier {
+                b.all_held(core.req);
+            }
+        }
         Ok(())
     }
 
