@@ -29,12 +29,12 @@ use crate::ops::{
 };
 
 /// A kernel-visible address as the read-only address type a parameter struct stores.
-fn ptr<T>(addr: u64) -> GlobalPtr<T> {
+pub(crate) fn ptr<T>(addr: u64) -> GlobalPtr<T> {
     GlobalPtr::from_addr(addr)
 }
 
 /// A kernel-visible address as a writable address.
-fn ptr_mut<T>(addr: u64) -> GlobalMut<T> {
+pub(crate) fn ptr_mut<T>(addr: u64) -> GlobalMut<T> {
     GlobalMut::from_addr(addr)
 }
 

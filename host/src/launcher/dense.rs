@@ -17,12 +17,11 @@ use sparsekit_kernels::params::{
 
 use super::{BufferAccess, KernelDevice};
 use crate::error::Result;
-use crate::kernel_params::u32_of;
+use crate::kernel_params::{ptr, ptr_mut, u32_of};
 use crate::model_ops::{
     Accumulate, Add, Argmax, Cast, DenseDtype, Embed, GatherRows, Matmul, RmsNorm, Rope, SwiGlu,
     View,
 };
-use sparsekit_kernels::{GlobalMut, GlobalPtr};
 
 /// A view as the kernels' element view (validated views fit a buffer, so they fit u64).
 fn view(v: &View) -> DenseView {
@@ -31,14 +30,6 @@ fn view(v: &View) -> DenseView {
         row_stride: v.row_stride as u64,
         group_stride: v.group_stride as u64,
     }
-}
-
-fn ptr<T>(addr: u64) -> GlobalPtr<T> {
-    GlobalPtr::from_addr(addr)
-}
-
-fn ptr_mut<T>(addr: u64) -> GlobalMut<T> {
-    GlobalMut::from_addr(addr)
 }
 
 /// The access of a buffer the kernel overwrites (`Write`) or reads first (`ReadWrite`).
