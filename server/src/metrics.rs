@@ -94,7 +94,7 @@ pub struct Metrics {
     refused_frames: Labelled<Counter>,
     quarantined: Labelled<Gauge>,
     leaked: Gauge,
-    transfers: Gauge,
+    transfers: Labelled<Gauge>,
     idle_checks: Counter,
     in_engine: Labelled<Gauge>,
 }
@@ -199,10 +199,10 @@ impl Metrics {
             "Pages held for no request the engine knows, at the last idle check",
             leaked.clone(),
         );
-        let transfers = Gauge::default();
+        let transfers = Labelled::<Gauge>::default();
         registry.register(
             "sparsekit_pd_transfers_in_flight",
-            "PD transfers not ended yet (decode's, including those waiting for a confirmation) plus prefill's jobs",
+            "PD transfers not ended yet, by side: decode's (including those waiting for a confirmation) and prefill's jobs",
             transfers.clone(),
         );
         Metrics {
@@ -329,9 +329,11 @@ impl Metrics {
             .set(n as i64);
     }
 
-    /// Sets `sparsekit_pd_transfers_in_flight`.
-    pub fn transfers_in_flight(&self, n: usize) {
-        self.transfers.set(n as i64);
+    /// Sets `sparsekit_pd_transfers_in_flight{side}` (`decode`, `prefill`).
+    pub fn transfers_in_flight(&self, side: &str, n: usize) {
+        self.transfers
+            .get_or_create(&label("side", side))
+            .set(n as i64);
     }
 
     /// Records an idle accounting check and the pages it found leaked.

@@ -8,20 +8,26 @@ use std::time::Duration;
 use sparsekit::host::cache::Faults;
 use sparsekit::host::model_ops::ModelOps;
 use sparsekit::host::{Backend, CpuBackend, EmuBackend, IndexKDtype, KvDtype};
+use sparsekit_server::engine::scheduler::PdInfo;
 use sparsekit_server::engine::{CacheOptions, Engine, EngineOptions, ModelConfig};
 use sparsekit_server::harness::config::{no_verify_faults, Injection};
 use sparsekit_server::http::{serve_until_signal, ServerConfig};
 use sparsekit_server::metrics::Metrics;
-use sparsekit_server::pd::pair::{PdOptions, PdPair};
-use sparsekit_server::pd::{Checks, PdFaults};
+use sparsekit_server::pd::decode::{DecodeNode, PeerLink};
+use sparsekit_server::pd::pair::PdPair;
+use sparsekit_server::pd::prefill::PrefillNode;
+use sparsekit_server::pd::remote::{nixl_connector, PrefillListener};
+use sparsekit_server::pd::{Checks, PdFaults, PdOptions};
+use sparsekit_server::transfer::IO_TIMEOUT;
 
 use super::{CliError, BACKENDS};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Server role: `both` (one process; with `--pd on`, a prefill/decode pair inside it
-    /// over the local transport). `prefill` and `decode` as separate processes need a
-    /// network transport (nixl), which `serve` does not wire yet: refused.
+    /// over the local transport), or one side of a pair in two processes over NIXL:
+    /// `prefill` (listens for decode on `--pd-port`) or `decode` (`--peer` names the
+    /// prefill server; clients send their requests here).
     #[arg(long, default_value = "both")]
     role: String,
     /// Address to bind.
@@ -89,13 +95,25 @@ pub struct Args {
     /// Seconds in-flight requests get to finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 10)]
     shutdown_grace_s: u64,
-    /// PD peer URL (for --role prefill|decode; not available yet).
+    /// The prefill server's URL, `http://host:port` (--role decode): decode reads its PD
+    /// port from the prefill server's `/server_info` and connects (again whenever the
+    /// connection closes).
     #[arg(long)]
     peer: Option<String>,
-    /// Host cache tier (device pool ⇄ host mirror, layer-wise loads): on or off.
+    /// Seconds decode waits at start for the prefill server to come up.
+    #[arg(long, default_value_t = 60)]
+    peer_wait_s: u64,
+    /// Port prefill listens on for decode's PD connection (--role prefill; 0 picks a free
+    /// one, shown by `/server_info` as `pd.bootstrap_port`).
+    #[arg(long, default_value_t = 0)]
+    pd_port: u16,
+    /// Host cache tier (device pool ⇄ host mirror, layer-wise loads): on or off. On the
+    /// prefill side of a pair (decode's prompt pages arrive by transfer).
     #[arg(long, default_value = "off")]
     host_tier: String,
-    /// PD transport: local (in process, `--role both --pd on`); nixl is refused for now.
+    /// PD transport: local (in process, `--role both --pd on`) or nixl (`--role
+    /// prefill|decode`, two processes; needs a build with `--features nixl` and the NIXL
+    /// runtime on LD_LIBRARY_PATH, see scripts/setup-nixl.sh).
     #[arg(long, default_value = "local")]
     transport: String,
     /// Prefill/decode disaggregation inside this process (`--role both`): on or off. With
@@ -103,14 +121,6 @@ pub struct Args {
     /// cache, host tier) computes and pushes over the local transport.
     #[arg(long, default_value = "off")]
     pd: String,
-}
-
-fn not_yet(what: &str) -> CliError {
-    format!(
-        "{what} is not available in this build: this engine serves role both (prefix cache \
-         and host tier in one process); PD disaggregation comes with the transfer layer"
-    )
-    .into()
 }
 
 fn on_off(flag: &str, v: &str) -> Result<bool, CliError> {
@@ -121,21 +131,65 @@ fn on_off(flag: &str, v: &str) -> Result<bool, CliError> {
     }
 }
 
+/// What this process serves.
+#[derive(Clone, Debug)]
+enum Mode {
+    /// One engine.
+    Single,
+    /// A prefill/decode pair in this process (local transport).
+    Pair,
+    /// The prefill side, listening for decode at this address.
+    Prefill(SocketAddr),
+    /// The decode side of the prefill server at this URL.
+    Decode(String),
+}
+
 pub fn run(args: Args) -> Result<ExitCode, CliError> {
-    match args.role.as_str() {
-        "both" => {}
-        "prefill" | "decode" => {
-            return Err(not_yet(&format!(
-                "--role {} (separate processes need --transport nixl)",
-                args.role
-            )))
+    let pd_on = on_off("pd", &args.pd)?;
+    let nixl = match args.transport.as_str() {
+        "local" => false,
+        "nixl" => true,
+        v => return Err(format!("unknown transport {v:?} (local, nixl)").into()),
+    };
+    let mode = match (args.role.as_str(), &args.peer) {
+        ("both", Some(_)) => {
+            return Err("--peer is for --role decode (the prefill server's URL)".into())
         }
-        r => return Err(format!("unknown role {r:?} (prefill, decode, both)").into()),
+        ("both", None) if nixl => {
+            return Err(
+                "--transport nixl joins two processes: run one `serve --role prefill \
+                 --transport nixl` and one `serve --role decode --transport nixl --peer URL` \
+                 (--role both --pd on pairs the sides in process over the local transport)"
+                    .into(),
+            )
+        }
+        ("both", None) if pd_on => Mode::Pair,
+        ("both", None) => Mode::Single,
+        ("prefill" | "decode", _) if !nixl => {
+            return Err(format!(
+                "--role {} runs one side of a pair in its own process: it needs --transport nixl",
+                args.role
+            )
+            .into())
+        }
+        ("prefill", Some(_)) => {
+            return Err("--peer is for --role decode; prefill waits for decode on --pd-port".into())
+        }
+        ("prefill", None) => Mode::Prefill(
+            format!("{}:{}", args.host, args.pd_port)
+                .parse()
+                .map_err(|e| format!("bad PD address {}:{}: {e}", args.host, args.pd_port))?,
+        ),
+        ("decode", Some(url)) => Mode::Decode(url.clone()),
+        ("decode", None) => {
+            return Err("--role decode needs --peer http://host:port (the prefill server)".into())
+        }
+        (r, _) => return Err(format!("unknown role {r:?} (prefill, decode, both)").into()),
+    };
+    if matches!(mode, Mode::Prefill(_) | Mode::Decode(_)) && args.pd == "on" {
+        return Err("--pd on is for --role both; --role prefill|decode is PD already".into());
     }
-    if args.peer.is_some() {
-        return Err(not_yet("--peer"));
-    }
-    let pd = on_off("pd", &args.pd)?;
+    let pd = !matches!(mode, Mode::Single);
     let host_tier = on_off("host-tier", &args.host_tier)?;
     let prefix_cache = on_off("prefix-cache", &args.prefix_cache)?;
     let write_through = on_off("write-through", &args.write_through)?;
@@ -147,13 +201,23 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
     if let Some(name) = &args.inject {
         let i: Injection = name.parse()?;
         if i.needs_pd() && !pd {
-            return Err(format!("--inject {name} needs --pd on").into());
+            return Err(
+                format!("--inject {name} needs PD (--pd on, or --role prefill/decode)").into(),
+            );
+        }
+        if i == Injection::StaleTransferWrite && matches!(mode, Mode::Prefill(_) | Mode::Decode(_))
+        {
+            return Err(format!(
+                "--inject {name} needs both PD sides in one process (--role both --pd on): \
+                 its decoy transfer is synchronised between them in process"
+            )
+            .into());
         }
         i.cache_faults().into_iter().for_each(|f| faults.insert(f));
         pd_faults.extend(i.pd_fault());
     }
     if pd && !prefix_cache {
-        return Err("--pd on needs --prefix-cache on (the pages move between caches)".into());
+        return Err("PD needs --prefix-cache on (the pages move between caches)".into());
     }
     if args.no_verify {
         no_verify_faults()
@@ -174,14 +238,8 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
         faults,
         ..Default::default()
     });
-    match args.transport.as_str() {
-        "local" => {}
-        "nixl" => {
-            return Err(not_yet(
-                "--transport nixl (serve wires the local transport)",
-            ))
-        }
-        v => return Err(format!("unknown transport {v:?} (local, nixl)").into()),
+    if matches!(mode, Mode::Decode(_)) && host_tier {
+        return Err("--host-tier is prefill's (decode's prompt pages arrive by transfer)".into());
     }
     let index_k = match args.index_k.as_str() {
         "fp8" => IndexKDtype::FP8,
@@ -209,7 +267,7 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
         role: "both".into(),
         ..Default::default()
     };
-    let pd = pd.then(|| PdOptions {
+    let pd = PdOptions {
         faults: PdFaults::with(&pd_faults),
         checks: if args.no_verify {
             Checks::none()
@@ -217,8 +275,16 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
             Checks::all()
         },
         workers: args.max_running.clamp(1, 16),
-        ..Default::default()
-    });
+        // A transfer may wait for prefill as long as the request may take.
+        timeout: Duration::from_secs(args.request_timeout_s),
+    };
+    let setup = Setup {
+        cfg,
+        opts,
+        pd,
+        mode,
+        peer_wait: Duration::from_secs(args.peer_wait_s),
+    };
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()
         .map_err(|e| format!("bad address {}:{}: {e}", args.host, args.port))?;
@@ -242,65 +308,179 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
                 Some(t) => CpuBackend::with_threads(t)?,
                 None => CpuBackend::new(),
             };
-            serve_on(Arc::new(b), cfg, opts, pd, addr, server)
+            serve_on(Arc::new(b), setup, addr, server)
         }
-        "emu" => serve_on(Arc::new(EmuBackend::new()), cfg, opts, pd, addr, server),
+        "emu" => serve_on(Arc::new(EmuBackend::new()), setup, addr, server),
         "cuda" => {
             let b = sparsekit::cuda::CudaBackend::new(0)
                 .map_err(|e| format!("cuda backend unavailable: {e}"))?;
             eprintln!("cuda device: {}", b.device());
-            serve_on(Arc::new(b), cfg, opts, pd, addr, server)
+            serve_on(Arc::new(b), setup, addr, server)
         }
         other => Err(format!("unknown backend {other:?} (available: {BACKENDS})").into()),
     }
 }
 
-fn serve_on<B: Backend + ModelOps + 'static>(
-    backend: Arc<B>,
+/// Everything `serve_on` starts from.
+struct Setup {
     cfg: ModelConfig,
     opts: EngineOptions,
-    pd: Option<PdOptions>,
-    addr: SocketAddr,
-    server: ServerConfig,
-) -> Result<ExitCode, CliError> {
-    let mut pair = None;
-    let engine = match pd {
-        None => Arc::new(Engine::start(
-            backend,
-            cfg,
-            opts,
-            Arc::new(Metrics::new("both")),
-        )?),
-        Some(pd) => {
-            let mut decode = EngineOptions {
-                role: "decode".into(),
-                ..opts.clone()
-            };
-            if let Some(c) = decode.cache.as_mut() {
-                c.host_pages = 0;
+    pd: PdOptions,
+    mode: Mode,
+    peer_wait: Duration,
+}
+
+/// What keeps the PD side(s) of this process up (dropped after the HTTP server stopped).
+enum Running<B: Backend + 'static> {
+    Single,
+    Pair(PdPair<B>),
+    Prefill(Arc<PrefillNode<B>>, PrefillListener),
+    Decode(DecodeNode<B>),
+}
+
+impl<B: Backend + 'static> Running<B> {
+    fn shutdown(self, grace: Duration) -> Result<(), CliError> {
+        match self {
+            Running::Single => {}
+            Running::Pair(p) => p.shutdown(grace)?,
+            Running::Prefill(node, listener) => {
+                drop(listener);
+                node.shutdown(grace)?;
             }
+            Running::Decode(node) => node.shutdown(grace)?,
+        }
+        Ok(())
+    }
+}
+
+/// The engine the HTTP server serves, what keeps the PD side(s) up, and a line to print.
+type Started<B> = (Arc<Engine>, Running<B>, Option<String>);
+
+fn start<B: Backend + ModelOps + 'static>(
+    backend: Arc<B>,
+    setup: Setup,
+) -> Result<Started<B>, CliError> {
+    let Setup {
+        cfg,
+        opts,
+        pd,
+        mode,
+        peer_wait,
+    } = setup;
+    let decode_opts = |opts: &EngineOptions| {
+        let mut d = EngineOptions {
+            role: "decode".into(),
+            ..opts.clone()
+        };
+        if let Some(c) = d.cache.as_mut() {
+            c.host_pages = 0;
+        }
+        d
+    };
+    let prefill_opts = |opts: EngineOptions| EngineOptions {
+        role: "prefill".into(),
+        ..opts
+    };
+    Ok(match mode {
+        Mode::Single => (
+            Arc::new(Engine::start(
+                backend,
+                cfg,
+                opts,
+                Arc::new(Metrics::new("both")),
+            )?),
+            Running::Single,
+            None,
+        ),
+        Mode::Pair => {
             let p = PdPair::start_local(
                 backend,
                 cfg,
-                EngineOptions {
-                    role: "prefill".into(),
-                    ..opts
-                },
-                decode,
+                prefill_opts(opts.clone()),
+                decode_opts(&opts),
                 pd,
                 Arc::new(Metrics::new("prefill")),
                 Arc::new(Metrics::new("decode")),
             )?;
             let d = p.decode.clone();
-            pair = Some(p);
-            d
+            d.set_pd_info(PdInfo {
+                role: "both".into(),
+                transport: "local".into(),
+                bootstrap_port: None,
+                peer: None,
+            })?;
+            (
+                d,
+                Running::Pair(p),
+                Some("prefill/decode pair in this process (local transport)".into()),
+            )
         }
-    };
+        Mode::Prefill(pd_addr) => {
+            let node = Arc::new(PrefillNode::start(
+                backend,
+                cfg,
+                prefill_opts(opts),
+                &pd,
+                Arc::new(Metrics::new("prefill")),
+                None,
+            )?);
+            let listener = PrefillListener::start(node.clone(), pd_addr)?;
+            let at = listener.local_addr();
+            let e = node.engine.clone();
+            e.set_pd_info(PdInfo {
+                role: "prefill".into(),
+                transport: "nixl".into(),
+                bootstrap_port: Some(at.port()),
+                peer: None,
+            })?;
+            (
+                e,
+                Running::Prefill(node, listener),
+                Some(format!("PD prefill: waiting for decode (NIXL) on {at}")),
+            )
+        }
+        Mode::Decode(url) => {
+            let node = DecodeNode::start(
+                backend,
+                cfg,
+                decode_opts(&opts),
+                &pd,
+                Arc::new(Metrics::new("decode")),
+                PeerLink {
+                    connector: nixl_connector(&url, IO_TIMEOUT)?,
+                    connect_wait: peer_wait,
+                },
+                None,
+            )?;
+            let e = node.engine.clone();
+            e.set_pd_info(PdInfo {
+                role: "decode".into(),
+                transport: "nixl".into(),
+                bootstrap_port: None,
+                peer: Some(url.clone()),
+            })?;
+            (
+                e,
+                Running::Decode(node),
+                Some(format!(
+                    "PD decode: connected to the prefill server {url} (NIXL)"
+                )),
+            )
+        }
+    })
+}
+
+fn serve_on<B: Backend + ModelOps + 'static>(
+    backend: Arc<B>,
+    setup: Setup,
+    addr: SocketAddr,
+    server: ServerConfig,
+) -> Result<ExitCode, CliError> {
+    let (engine, running, note) = start(backend, setup)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let with_pd = pair.is_some();
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(addr).await?;
         let local = listener.local_addr()?;
@@ -314,14 +494,12 @@ fn serve_on<B: Backend + ModelOps + 'static>(
             "sparsekit serve: listening on http://{local} (model {}, backend {}, index-K {}, KV {}, {} device pages, {cache})",
             info.model, info.backend, info.index_k_dtype, info.kv_dtype, info.kv_pages
         );
-        if with_pd {
-            println!("sparsekit serve: prefill/decode pair in this process (local transport)");
+        if let Some(n) = note {
+            println!("sparsekit serve: {n}");
         }
         serve_until_signal(engine, listener, server).await
     })?;
-    if let Some(p) = pair {
-        p.shutdown(Duration::from_secs(5))?;
-    }
+    running.shutdown(Duration::from_secs(5))?;
     eprintln!("sparsekit serve: stopped");
     Ok(ExitCode::SUCCESS)
 }

@@ -71,7 +71,7 @@ pub struct ReceivedPages {
 }
 
 /// Where a request's prompt KV can come from instead of being computed by the engine
-/// (the decode side of a PD pair: [`crate::pd::pair::DecodeSource`]). Set with
+/// (the decode side of PD: [`crate::pd::decode::DecodeSource`]). Set with
 /// [`crate::engine::Engine::set_prompt_source`]; the engine then calls
 /// [`PromptSource::fetch`] for every submitted request on a thread of its own (never the
 /// engine thread) and queues the request once it returns.

@@ -276,6 +276,20 @@ pub struct EngineInfo {
     pub cache: Option<CacheInfo>,
 }
 
+/// How an engine takes part in prefill/decode disaggregation (`/server_info`'s `pd`): what
+/// a peer or a harness needs to find and check its counterpart.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct PdInfo {
+    /// `prefill`, `decode`, or `both` (a pair in one process; this is its decode engine).
+    pub role: String,
+    /// `local` or `nixl`.
+    pub transport: String,
+    /// Prefill: the TCP port decode's PD connection goes to (on the server's host).
+    pub bootstrap_port: Option<u16>,
+    /// Decode: the prefill server's URL.
+    pub peer: Option<String>,
+}
+
 /// The cache settings an engine serves with ([`EngineInfo::cache`]).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct CacheInfo {
@@ -335,6 +349,8 @@ struct Inner {
     prompt_source: OnceLock<Arc<dyn PromptSource>>,
     /// Requests whose prompt is being fetched from the source (not queued yet).
     fetching: AtomicUsize,
+    /// How the engine takes part in PD, once set; see [`PdInfo`].
+    pd_info: OnceLock<PdInfo>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -584,6 +600,20 @@ impl Engine {
             .map_err(|_| EngineError::InvalidConfig("the prompt source is already set".into()))
     }
 
+    /// Records how this engine takes part in PD (shown by `/server_info`); once only
+    /// (`InvalidConfig` after that).
+    pub fn set_pd_info(&self, info: PdInfo) -> Result<(), EngineError> {
+        self.inner
+            .pd_info
+            .set(info)
+            .map_err(|_| EngineError::InvalidConfig("the PD info is already set".into()))
+    }
+
+    /// How this engine takes part in PD (`None`: it does not).
+    pub fn pd_info(&self) -> Option<&PdInfo> {
+        self.inner.pd_info.get()
+    }
+
     /// Requests whose prompt KV is being fetched from the prompt source now.
     pub fn fetching(&self) -> usize {
         self.inner.fetching.load(Ordering::Acquire)
@@ -647,6 +677,7 @@ impl Engine {
             info,
             max_waiting: opts.max_waiting,
             prompt_source: OnceLock::new(),
+            pd_info: OnceLock::new(),
             fetching: AtomicUsize::new(0),
         });
         let (exit_tx, exit_rx) = flume::bounded(1);

@@ -23,8 +23,8 @@ use crate::harness::config::{no_verify_faults, ConfigKey, Injection};
 use crate::harness::run::{http_exchange, HttpTarget};
 use crate::harness::scrape::Scrape;
 use crate::metrics::Metrics;
-use crate::pd::pair::{PdOptions, PdPair};
-use crate::pd::{Checks, PdFaults};
+use crate::pd::pair::PdPair;
+use crate::pd::{Checks, PdFaults, PdOptions};
 
 /// Pool sizes of a run (pages of `page_size` tokens of every layer and kind).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

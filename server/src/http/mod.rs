@@ -240,10 +240,13 @@ impl App {
                 Err(e) => error_response(&e),
             },
             "/server_info" | "/get_server_info" => match post(is_get) {
-                Ok(()) => json_response(
-                    200,
-                    &serde_json::to_value(self.engine.info()).unwrap_or(Value::Null),
-                ),
+                Ok(()) => {
+                    let mut v = serde_json::to_value(self.engine.info()).unwrap_or(Value::Null);
+                    if let Some(pd) = self.engine.pd_info() {
+                        v["pd"] = serde_json::to_value(pd).unwrap_or(Value::Null);
+                    }
+                    json_response(200, &v)
+                }
                 Err(e) => error_response(&e),
             },
             "/metrics" => match post(is_get) {

@@ -13,8 +13,12 @@
 //! - [`wire`]: the versioned, checksummed frame format and the messages.
 //! - [`receiver`]: the decode endpoint, over `HiCache::inbound`.
 //! - [`sender`]: the prefill endpoint, reading pages through the cache's layer guards.
-//! - [`pair`]: a prefill/decode pair of engines over the protocol (`--role both`, the
+//! - [`prefill`], [`decode`]: the two sides as nodes (an engine and its endpoint per
+//!   connection), each usable alone (`serve --role prefill|decode`, two processes).
+//! - [`pair`]: both nodes in one process over the local transport (`--role both`, the
 //!   harness).
+//! - [`remote`]: the nodes as two processes over NIXL (`--transport nixl`): prefill's
+//!   listener, decode's connector, finding prefill from its URL.
 //! - [`landing`]: decode's landing zone (what prefill writes into), from the layouts.
 //! - [`faults`]: the PD fault injections and the receiver's checks.
 //! - [`stage`], [`stats`], [`error`]: page staging, counters, errors.
@@ -22,14 +26,18 @@
 //! Transports (in-process, NIXL) are in [`crate::transfer`].
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use sparsekit_host::cache::CacheSpec;
 
+pub mod decode;
 pub mod error;
 pub mod faults;
 pub mod landing;
 pub mod pair;
+pub mod prefill;
 pub mod receiver;
+pub mod remote;
 pub mod sender;
 pub mod stage;
 pub mod stats;
@@ -42,6 +50,31 @@ pub use receiver::{Outcome, Receiver, ReceiverConfig};
 pub use sender::{Job, Sender, SenderConfig, StagedLayer};
 pub use stats::{PdStats, PdStatsSnapshot};
 pub use wire::{Hello, Message, Role};
+
+/// Settings of a PD deployment, shared by both sides.
+#[derive(Clone, Debug)]
+pub struct PdOptions {
+    /// Injected PD faults (none in production); each side applies the ones it owns.
+    pub faults: PdFaults,
+    /// The receiver's checks (all but for `--no-verify`).
+    pub checks: Checks,
+    /// Prefill threads serving jobs per connection (each waits on the prefill engine,
+    /// which batches).
+    pub workers: usize,
+    /// Bound of one request's transfer (allocation included), and of a prefill job.
+    pub timeout: Duration,
+}
+
+impl Default for PdOptions {
+    fn default() -> Self {
+        PdOptions {
+            faults: PdFaults::none(),
+            checks: Checks::all(),
+            workers: 8,
+            timeout: Duration::from_secs(120),
+        }
+    }
+}
 
 /// A test hook called with every decoded message before an endpoint handles it (a panic
 /// in it is a panicking reader task).

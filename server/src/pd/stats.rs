@@ -19,11 +19,17 @@
 //! - `panicked`: handling the message panicked (its request failed, the reader restarted).
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
 
 use parking_lot::Mutex;
 use serde::Serialize;
 use sparsekit_host::cache::BufferKind;
+
+use crate::error::EngineError;
+use crate::metrics::Metrics;
 
 /// Live counters (see the module docs).
 #[derive(Debug, Default)]
@@ -65,6 +71,93 @@ impl PdStatsSnapshot {
     /// All refusals.
     pub fn refused_total(&self) -> u64 {
         self.refused.values().sum()
+    }
+
+    /// Adds `other`'s counters to these (several connections of one endpoint).
+    pub fn add(&mut self, other: &PdStatsSnapshot) {
+        for (k, v) in &other.refused {
+            *self.refused.entry(k.clone()).or_insert(0) += v;
+        }
+        self.kv_bytes += other.kv_bytes;
+        self.index_k_bytes += other.index_k_bytes;
+        self.started += other.started;
+        self.finished += other.finished;
+        self.cancelled += other.cancelled;
+        self.failed += other.failed;
+        self.panics += other.panics;
+        self.restarts += other.restarts;
+    }
+}
+
+/// Copies an endpoint's counters into `m`: what grew since `seen` (updated). `side`
+/// (`decode`, `prefill`) keys `seen`. Bytes go to `sparsekit_transfer_bytes_total{kind}`
+/// (decode: bytes that landed; prefill: bytes it wrote), refusals to
+/// `sparsekit_refused_frames_total{reason}` and `sparsekit_refused_total{reason="pd_*"}`.
+pub fn publish(m: &Metrics, side: &str, snap: &PdStatsSnapshot, seen: &mut BTreeMap<String, u64>) {
+    let mut grow = |key: String, now: u64| {
+        let was = seen.entry(key).or_insert(0);
+        let d = now.saturating_sub(*was);
+        *was = (*was).max(now);
+        d
+    };
+    for (kind, bytes) in [
+        (BufferKind::Kv, snap.kv_bytes),
+        (BufferKind::IndexK, snap.index_k_bytes),
+    ] {
+        let d = grow(format!("{side}:bytes:{}", kind.name()), bytes);
+        if d > 0 {
+            m.transfer_bytes(kind.name(), d);
+        }
+    }
+    for (reason, &n) in &snap.refused {
+        let d = grow(format!("{side}:{reason}"), n);
+        if d > 0 {
+            m.refused_frames(reason, d);
+            m.refused(&format!("pd_{reason}"), d);
+        }
+    }
+}
+
+/// A thread calling a closure every [`Publisher::EVERY`] (an endpoint copying its counters
+/// into its metrics), a last time when stopped; stopped and joined on drop.
+#[derive(Debug)]
+pub struct Publisher {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Publisher {
+    /// How often the closure runs.
+    pub const EVERY: Duration = Duration::from_millis(20);
+
+    /// Starts a thread named after `side` running `tick` until dropped. A panic in `tick`
+    /// ends the thread (the metrics stop moving; nothing else depends on it).
+    pub fn start(side: &str, mut tick: impl FnMut() + Send + 'static) -> Result<Self, EngineError> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("sparsekit-pd-metrics-{side}"))
+            .spawn(move || loop {
+                tick();
+                if s.load(Ordering::Acquire) {
+                    return;
+                }
+                std::thread::sleep(Self::EVERY);
+            })
+            .map_err(|e| EngineError::Unavailable(format!("PD metrics thread: {e}")))?;
+        Ok(Publisher {
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for Publisher {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
     }
 }
 

@@ -1,0 +1,283 @@
+//! The two PD nodes in two processes over NIXL (`serve --role prefill|decode --transport
+//! nixl`): prefill listens for decode's control connection on its bootstrap port (shown
+//! by its `/server_info` as `pd.bootstrap_port`); decode finds that port from prefill's
+//! URL (`--peer`), connects, and reconnects the same way when the connection closes.
+//! Page bytes then move as NIXL writes into decode's registered landing zone
+//! ([`crate::transfer::nixl`]).
+//!
+//! Built without the cargo feature `nixl`, every entry point here returns
+//! [`EngineError::Unavailable`] saying how to get it ([`NIXL_BUILT`] tells beforehand).
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::Arc;
+use std::time::Duration;
+
+#[cfg(feature = "nixl")]
+use std::sync::atomic::{AtomicBool, Ordering};
+#[cfg(feature = "nixl")]
+use std::thread::JoinHandle;
+
+use serde_json::Value;
+use sparsekit_host::Backend;
+
+use crate::error::EngineError;
+use crate::pd::decode::Connector;
+use crate::pd::prefill::PrefillNode;
+
+/// Whether this build includes the NIXL transport (cargo feature `nixl`).
+pub const NIXL_BUILT: bool = cfg!(feature = "nixl");
+
+#[cfg(not(feature = "nixl"))]
+fn not_built() -> EngineError {
+    EngineError::Unavailable(
+        "this build has no NIXL transport: rebuild with `--features nixl` (building it needs \
+         libclang; running it the runtime from `bash scripts/setup-nixl.sh`)"
+            .into(),
+    )
+}
+
+/// Splits `http://host:port` (or `host:port`) into host and port.
+fn host_port(url: &str) -> Result<(String, u16), EngineError> {
+    let bad = || EngineError::InvalidRequest(format!("--peer takes http://host:port, got {url:?}"));
+    let t = url.trim();
+    if t.starts_with("https://") {
+        return Err(bad());
+    }
+    let hp = t.trim_start_matches("http://").trim_end_matches('/');
+    if hp.contains('/') {
+        return Err(bad());
+    }
+    let (h, p) = hp.rsplit_once(':').ok_or_else(bad)?;
+    let port = p.parse::<u16>().map_err(|_| bad())?;
+    if h.is_empty() {
+        return Err(bad());
+    }
+    Ok((h.trim_matches(|c| c == '[' || c == ']').to_string(), port))
+}
+
+fn resolve(host: &str, port: u16) -> Result<SocketAddr, EngineError> {
+    (host, port)
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+        .ok_or_else(|| EngineError::Unavailable(format!("cannot resolve {host}:{port}")))
+}
+
+/// Prefill's PD address from its server URL: its `/server_info` must say it is a prefill
+/// server on the NIXL transport; the address is the URL's host with its bootstrap port.
+/// Bounded by `timeout`.
+pub fn discover(url: &str, timeout: Duration) -> Result<SocketAddr, EngineError> {
+    let (host, port) = host_port(url)?;
+    let http = resolve(&host, port)?;
+    let body = crate::harness::deploy::get(http, "/server_info", timeout)
+        .map_err(|e| EngineError::Unavailable(format!("prefill at {url}: {e}")))?;
+    let v: Value = serde_json::from_str(&body)
+        .map_err(|e| EngineError::Unavailable(format!("prefill at {url}: /server_info: {e}")))?;
+    let pd = &v["pd"];
+    if pd["role"].as_str() != Some("prefill") {
+        return Err(EngineError::Unavailable(format!(
+            "the server at {url} is not a prefill server (its /server_info has pd.role {})",
+            pd["role"]
+        )));
+    }
+    if pd["transport"].as_str() != Some("nixl") {
+        return Err(EngineError::Unavailable(format!(
+            "the prefill server at {url} does not serve the NIXL transport (pd.transport {})",
+            pd["transport"]
+        )));
+    }
+    let bp = pd["bootstrap_port"]
+        .as_u64()
+        .and_then(|p| u16::try_from(p).ok())
+        .ok_or_else(|| {
+            EngineError::Unavailable(format!("prefill at {url}: no pd.bootstrap_port"))
+        })?;
+    resolve(&host, bp)
+}
+
+/// Accepts decode connections on prefill's bootstrap port and attaches each to the
+/// prefill node (see the module docs). A handshake that fails (wrong role, other layouts,
+/// garbage) is logged and dropped; the listener goes on. Stopped on drop.
+#[derive(Debug)]
+pub struct PrefillListener {
+    addr: SocketAddr,
+    #[cfg(feature = "nixl")]
+    stop: Arc<AtomicBool>,
+    #[cfg(feature = "nixl")]
+    thread: Option<JoinHandle<()>>,
+}
+
+impl PrefillListener {
+    /// Listens at `addr` (port 0: any free port; see [`PrefillListener::local_addr`]).
+    #[cfg(feature = "nixl")]
+    pub fn start<B: Backend + 'static>(
+        node: Arc<PrefillNode<B>>,
+        addr: SocketAddr,
+    ) -> Result<Self, EngineError> {
+        use crate::pd::wire::Role;
+        use crate::transfer::nixl::{NixlAgent, NixlListener, NixlOptions, NixlSide};
+
+        let unavailable = |e: crate::transfer::TransferError| {
+            EngineError::Unavailable(format!("NIXL prefill listener: {e}"))
+        };
+        let side = NixlSide {
+            agent: NixlAgent::new(Role::Prefill).map_err(unavailable)?,
+            hello: node.hello(),
+            zone: None,
+            opts: NixlOptions::default(),
+        };
+        let listener = NixlListener::bind(side, addr).map_err(unavailable)?;
+        let addr = listener.local_addr().map_err(unavailable)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("sparsekit-pd-listener".into())
+            .spawn(move || {
+                while !s.load(Ordering::Acquire) {
+                    match listener.accept(Duration::from_millis(200)) {
+                        Ok(end) => match node.attach(end) {
+                            Ok(()) => tracing::info!("PD: decode connected"),
+                            Err(e) => tracing::warn!("PD: refused a decode connection: {e}"),
+                        },
+                        Err(crate::transfer::TransferError::Timeout(_)) => {}
+                        Err(e) => tracing::warn!("PD: a connection attempt failed: {e}"),
+                    }
+                }
+            })
+            .map_err(|e| EngineError::Unavailable(format!("PD listener thread: {e}")))?;
+        Ok(PrefillListener {
+            addr,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Listens at `addr` (this build has no NIXL transport: always unavailable).
+    #[cfg(not(feature = "nixl"))]
+    pub fn start<B: Backend + 'static>(
+        _node: Arc<PrefillNode<B>>,
+        _addr: SocketAddr,
+    ) -> Result<Self, EngineError> {
+        Err(not_built())
+    }
+
+    /// Where decode connects.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+#[cfg(feature = "nixl")]
+impl Drop for PrefillListener {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Decode's [`Connector`] to the prefill server at `peer_url`: each call finds prefill's
+/// bootstrap port (a restarted prefill may have another) and opens a NIXL connection;
+/// the landing zone is registered with decode's agent on the first call. Every step is
+/// bounded (`io_timeout` each).
+#[cfg(feature = "nixl")]
+pub fn nixl_connector(peer_url: &str, io_timeout: Duration) -> Result<Connector, EngineError> {
+    use crate::pd::error::PdError;
+    use crate::pd::wire::Role;
+    use crate::transfer::nixl::{self, NixlAgent, NixlOptions, NixlSide, RegisteredZone};
+    use crate::transfer::{TransferError, Transport};
+    use parking_lot::Mutex;
+
+    host_port(peer_url)?;
+    let agent = NixlAgent::new(Role::Decode)
+        .map_err(|e| EngineError::Unavailable(format!("NIXL decode agent: {e}")))?;
+    let url = peer_url.to_string();
+    let registered: Mutex<Option<RegisteredZone>> = Mutex::new(None);
+    let opts = NixlOptions {
+        io_timeout,
+        ..Default::default()
+    };
+    Ok(Arc::new(move |zone, hello| {
+        let zone = {
+            let mut r = registered.lock();
+            match &*r {
+                Some(z) if Arc::ptr_eq(z.zone(), zone) => z.clone(),
+                Some(_) => {
+                    return Err(PdError::Invalid(
+                        "one decode connector serves one landing zone".into(),
+                    ))
+                }
+                None => {
+                    let z = RegisteredZone::new(&agent, zone.clone())?;
+                    *r = Some(z.clone());
+                    z
+                }
+            }
+        };
+        let addr = discover(&url, io_timeout).map_err(|e| {
+            let m = match e {
+                EngineError::Unavailable(m) | EngineError::InvalidRequest(m) => m,
+                e => e.to_string(),
+            };
+            PdError::Transfer(TransferError::Unavailable(m))
+        })?;
+        let side = NixlSide {
+            agent: agent.clone(),
+            hello: hello.clone(),
+            zone: Some(zone),
+            opts: opts.clone(),
+        };
+        let end: Arc<dyn Transport> = nixl::connect(&side, addr)?;
+        Ok(end)
+    }))
+}
+
+/// Decode's connector to prefill at `peer_url` (this build has no NIXL transport: always
+/// unavailable).
+#[cfg(not(feature = "nixl"))]
+pub fn nixl_connector(_peer_url: &str, _io_timeout: Duration) -> Result<Connector, EngineError> {
+    Err(not_built())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peer_urls_parse_or_are_refused() {
+        assert_eq!(
+            host_port("http://127.0.0.1:30001").unwrap(),
+            ("127.0.0.1".into(), 30001)
+        );
+        assert_eq!(host_port("localhost:8/").unwrap(), ("localhost".into(), 8));
+        assert_eq!(host_port("http://[::1]:9").unwrap(), ("::1".into(), 9));
+        for bad in [
+            "https://x:1",
+            "http://x",
+            "http://x:1/path",
+            "http://:1",
+            "x:99999",
+            "",
+        ] {
+            assert!(
+                matches!(host_port(bad), Err(EngineError::InvalidRequest(_))),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn discovery_of_a_server_that_is_not_there_fails_in_time() {
+        // A port nothing listens on (bound, then closed).
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let t = std::time::Instant::now();
+        let e = discover(&format!("http://127.0.0.1:{port}"), Duration::from_secs(2));
+        assert!(matches!(e, Err(EngineError::Unavailable(_))), "{e:?}");
+        assert!(t.elapsed() < Duration::from_secs(5));
+    }
+}
