@@ -84,7 +84,14 @@ fn repro_refuses_bad_options_clearly() {
         (&["--abort-rate", "1.5"], "--abort-rate"),
         (&["--configs", "fp9"], "unknown config part"),
         (&["--transport", "carrier-pigeon"], "unknown transport"),
-        (&["--transport", "nixl"], "not wired into repro"),
+        (
+            &["--transport", "nixl", "--url", "http://127.0.0.1:1"],
+            "starts its own servers",
+        ),
+        (
+            &["--transport", "nixl", "--inject", "stale-transfer-write"],
+            "one process",
+        ),
         (&["--url", "http://127.0.0.1:1"], "127.0.0.1:1"),
         (&["--sessions", "0"], "positive"),
     ] {

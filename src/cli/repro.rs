@@ -1,9 +1,11 @@
 //! `sparsekit repro`: the integrity harness. Concurrent multi-turn agentic sessions served
 //! to each configuration of the evidence table ({fp8, bf16} index keys × host tier × PD),
 //! every token and logits digest compared with the uncached one-at-a-time reference; the
-//! table, or `--json`. The PD-on rows are listed as unavailable until the PD transfer's
-//! runner lands. Exit status 1 when a row shows a problem (or, with `--inject`, when an
-//! injection was not caught with the checks on / did not corrupt with them off).
+//! table, or `--json`. The PD-on rows run through a prefill/decode pair in this process
+//! (local transport) or, with `--transport nixl`, two `serve` processes of this binary
+//! joined by NIXL over loopback. Exit status 1 when a row shows a problem or a
+//! configuration failed to start (or, with `--inject`, when an injection was not caught
+//! with the checks on / did not corrupt with them off).
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -17,11 +19,14 @@ use sparsekit_server::harness::config::{select, Injection};
 use sparsekit_server::harness::deploy::{
     parse_url, remote_info, ConfigRunner, LocalRunner, RunPlan, Sizing, UrlRunner,
 };
+use sparsekit_server::harness::process::ProcessRunner;
 use sparsekit_server::harness::report::{render_table, EvidenceRow};
 use sparsekit_server::harness::repro::{
     reference_runs, run_configs, run_repro, total_turns, ReproOptions,
 };
 use sparsekit_server::harness::{Workload, WorkloadConfig};
+use sparsekit_server::pd::remote::NIXL_BUILT;
+use sparsekit_server::transfer::{nixl_runtime_dir, NIXL_LIB_ENV};
 
 use super::{CliError, BACKENDS};
 
@@ -53,7 +58,9 @@ pub struct Args {
     /// Fraction of requests the clients abort mid-flight (0 to 1).
     #[arg(long, default_value_t = 0.0)]
     abort_rate: f64,
-    /// PD transport: local or nixl (for the PD-on rows).
+    /// PD transport for the PD-on rows: local (a pair in this process) or nixl (a prefill
+    /// and a decode `serve` process of this binary over loopback; needs a build with
+    /// `--features nixl` and the runtime from scripts/setup-nixl.sh).
     #[arg(long, default_value = "local")]
     transport: String,
     /// Run against servers already running (`sparsekit serve`), comma-separated
@@ -88,17 +95,24 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
     if !(0.0..=1.0).contains(&args.abort_rate) {
         return Err(format!("--abort-rate must be in [0, 1], got {}", args.abort_rate).into());
     }
-    match args.transport.as_str() {
-        "local" => {}
-        "nixl" => {
-            return Err(
-                "--transport nixl is not wired into repro yet: the PD-on rows run \
-                        over the local transport (the NIXL transport itself is tested by \
-                        sparsekit-server's pd_nixl tests)"
-                    .into(),
-            )
-        }
+    let nixl = match args.transport.as_str() {
+        "local" => false,
+        "nixl" => true,
         t => return Err(format!("unknown transport {t:?} (local, nixl)").into()),
+    };
+    if nixl && args.inject.as_deref() == Some("stale-transfer-write") {
+        return Err(
+            "--inject stale-transfer-write needs both PD sides in one process (its \
+                    decoy transfer is synchronised in process): use --transport local"
+                .into(),
+        );
+    }
+    if nixl && !args.url.is_empty() {
+        return Err(
+            "--transport nixl starts its own servers; with --url the servers are \
+                    already running (start them with `serve --transport nixl`)"
+                .into(),
+        );
     }
     let injection: Option<Injection> = args.inject.as_deref().map(str::parse).transpose()?;
     let kv_dtype = match args.kv.as_str() {
@@ -156,13 +170,17 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
             wall.as_secs_f64()
         );
     }
-    let bad = rows
-        .iter()
-        .filter(|r| r.available)
-        .any(|r| match r.verdict {
-            Some(v) => !v.is_expected(r),
-            None => !(r.is_clean() || args.abort_rate > 0.0 && clean_but_aborts(r)),
-        });
+    // Without --url every selected configuration is served here: an unavailable row is
+    // one that failed to start.
+    let failed_start = args.url.is_empty() && rows.iter().any(|r| !r.available);
+    let bad = failed_start
+        || rows
+            .iter()
+            .filter(|r| r.available)
+            .any(|r| match r.verdict {
+                Some(v) => !v.is_expected(r),
+                None => !(r.is_clean() || args.abort_rate > 0.0 && clean_but_aborts(r)),
+            });
     Ok(if bad {
         ExitCode::from(1)
     } else {
@@ -203,8 +221,17 @@ fn run_on<B: Backend + ModelOps + 'static>(
     let local = LocalRunner {
         backend: backend.clone(),
     };
-    // PD-on rows run through an in-process prefill/decode pair (local transport).
-    let runners: [&dyn ConfigRunner; 1] = [&local];
+    // PD-on rows: an in-process prefill/decode pair (local transport), or with
+    // `--transport nixl` two server processes joined by NIXL.
+    let process = match args.transport.as_str() {
+        "nixl" => Some(process_runner(backend.name())?),
+        _ => None,
+    };
+    let mut runners: Vec<&dyn ConfigRunner> = Vec::new();
+    if let Some(p) = &process {
+        runners.push(p);
+    }
+    runners.push(&local);
     let refs = {
         let mut d = Vec::new();
         for c in &opts.configs {
@@ -221,6 +248,43 @@ fn run_on<B: Backend + ModelOps + 'static>(
     })?;
     bar.finish_and_clear();
     Ok((report.rows, Some(report.sizing)))
+}
+
+/// `--transport nixl`: PD-on rows served by `sparsekit serve` processes (this binary) with
+/// the NIXL runtime on their library path.
+fn process_runner(backend: &str) -> Result<ProcessRunner, CliError> {
+    if !NIXL_BUILT {
+        return Err(
+            "--transport nixl: this binary has no NIXL transport; build it with \
+                    `cargo build --release --features nixl` (needs libclang) and install the \
+                    runtime with `bash scripts/setup-nixl.sh`"
+                .into(),
+        );
+    }
+    let exe = std::env::current_exe().map_err(|e| format!("cannot find this binary: {e}"))?;
+    let lib = nixl_runtime_dir(Some(&exe)).ok_or_else(|| {
+        format!(
+            "--transport nixl: the NIXL runtime (libnixl_capi.so) was not found: run \
+             `bash scripts/setup-nixl.sh` (installs it under .tools/nixl) or set {NIXL_LIB_ENV}"
+        )
+    })?;
+    let mut path = lib.into_os_string();
+    if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
+        path.push(":");
+        path.push(old);
+    }
+    let log_dir = std::env::temp_dir().join(format!("sparsekit-repro-{}", std::process::id()));
+    std::fs::create_dir_all(&log_dir)
+        .map_err(|e| format!("cannot create {}: {e}", log_dir.display()))?;
+    Ok(ProcessRunner {
+        exe,
+        env: vec![(
+            "LD_LIBRARY_PATH".into(),
+            path.to_string_lossy().into_owned(),
+        )],
+        backend: backend.to_string(),
+        log_dir,
+    })
 }
 
 /// `--url`: the rows of running servers against references computed here.

@@ -83,6 +83,13 @@ pub struct Args {
     /// Requests holding pages at once.
     #[arg(long, default_value_t = 128)]
     max_running: usize,
+    /// Requests queued for admission at most (more are refused with 503).
+    #[arg(long, default_value_t = 4096)]
+    max_waiting: usize,
+    /// Milliseconds a wait in the cache (a page's layer to land, a load) may take before
+    /// the request fails.
+    #[arg(long, default_value_t = 10_000)]
+    cache_wait_ms: u64,
     /// CPU worker threads for the cpu backend (all cores when omitted).
     #[arg(long)]
     threads: Option<usize>,
@@ -235,6 +242,7 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
         },
         write_through,
         verify: !args.no_verify,
+        wait_timeout: Duration::from_millis(args.cache_wait_ms),
         faults,
         ..Default::default()
     });
@@ -264,6 +272,7 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
         max_batch_tokens: args.max_batch_tokens,
         prefill_chunk: args.prefill_chunk,
         max_running: args.max_running,
+        max_waiting: args.max_waiting,
         role: "both".into(),
         ..Default::default()
     };

@@ -11,6 +11,7 @@
 pub mod compare;
 pub mod config;
 pub mod deploy;
+pub mod process;
 pub mod report;
 pub mod repro;
 pub mod run;

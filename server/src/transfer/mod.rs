@@ -100,3 +100,25 @@ pub trait Transport: Send + Sync + Debug {
 /// The default bound of a transport's blocking operations (a write to a dead peer, a
 /// send into a full socket).
 pub const IO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The environment variable naming the directory with the NIXL runtime libraries
+/// (`<site>/.nixl_cu12.mesonpy.libs` of the `nixl-cu12` wheel).
+pub const NIXL_LIB_ENV: &str = "SPARSEKIT_NIXL_LIB";
+
+/// Where the NIXL runtime (`libnixl_capi.so`) is: `$SPARSEKIT_NIXL_LIB`, else
+/// `.tools/nixl/.nixl_cu12.mesonpy.libs` (what `scripts/setup-nixl.sh` installs) under the
+/// working directory or any directory above `near` (e.g. the running binary). A process
+/// that uses NIXL needs this directory on its `LD_LIBRARY_PATH` when it starts.
+pub fn nixl_runtime_dir(near: Option<&std::path::Path>) -> Option<std::path::PathBuf> {
+    use std::path::PathBuf;
+    let has = |d: &PathBuf| d.join("libnixl_capi.so").is_file();
+    if let Some(d) = std::env::var_os(NIXL_LIB_ENV).map(PathBuf::from) {
+        return has(&d).then_some(d);
+    }
+    let rel = std::path::Path::new(".tools/nixl/.nixl_cu12.mesonpy.libs");
+    let mut roots: Vec<PathBuf> = std::env::current_dir().into_iter().collect();
+    if let Some(p) = near {
+        roots.extend(p.ancestors().map(PathBuf::from));
+    }
+    roots.into_iter().map(|r| r.join(rel)).find(has)
+}

@@ -34,9 +34,7 @@ use crate::pd::landing::LandingZone;
 use crate::pd::wire::{decode_frame, FrameReader, Hello, Message, Role};
 use crate::transfer::{Segment, TransferError, Transport, IO_TIMEOUT};
 
-/// The environment variable naming the directory with the NIXL runtime libraries
-/// (`<site>/.nixl_cu12.mesonpy.libs` of the `nixl-cu12` wheel).
-pub const LIB_ENV: &str = "SPARSEKIT_NIXL_LIB";
+pub use crate::transfer::NIXL_LIB_ENV as LIB_ENV;
 
 /// Whether the NIXL runtime can be used in this process. Without it every NIXL call would
 /// abort the process, so this is checked before any.

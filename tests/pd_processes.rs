@@ -1,0 +1,346 @@
+//! Prefill and decode as two `sparsekit serve` processes joined by NIXL over loopback
+//! (`--role prefill|decode --transport nixl`), and `sparsekit repro --transport nixl`
+//! running its PD-on rows through such pairs.
+//!
+//! - Two servers give the tokens and logits digests of a plain server; `/server_info`
+//!   shows how they are joined; decode's `/metrics` counts the bytes that landed. A
+//!   killed prefill fails decode's requests with a JSON 503 (decode stays healthy); a
+//!   prefill restarted on the same port is found again and serves the same bits; SIGTERM
+//!   stops both with status 0.
+//! - The harness over NIXL: four PD-on configurations clean (0 corrupted, wedged, leaked,
+//!   quarantined); `pd-fp8-frame` caught with the checks on, reproduced with them off.
+//!
+//! The servers need the NIXL runtime (`bash scripts/setup-nixl.sh`, or
+//! `SPARSEKIT_NIXL_LIB`). Without it these tests say so and pass, unless
+//! `SPARSEKIT_REQUIRE_NIXL=1` (CI) makes that a failure.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic
+
+use std::ffi::OsString;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use sparsekit_server::transfer::{nixl_runtime_dir, NIXL_LIB_ENV};
+
+/// The runtime directory, or `None` after saying why the test does not run (a failure
+/// where `SPARSEKIT_REQUIRE_NIXL=1`).
+fn runtime_or_skip(test: &str) -> Option<PathBuf> {
+    let dir = nixl_runtime_dir(Some(std::path::Path::new(env!("CARGO_MANIFEST_DIR"))));
+    if dir.is_none() {
+        let msg = format!(
+            "{test}: the NIXL runtime is not installed (run `bash scripts/setup-nixl.sh` or set {NIXL_LIB_ENV})"
+        );
+        assert!(
+            std::env::var("SPARSEKIT_REQUIRE_NIXL").as_deref() != Ok("1"),
+            "{msg}, and SPARSEKIT_REQUIRE_NIXL=1"
+        );
+        let _ = writeln!(std::io::stderr(), "SKIPPED {msg}");
+    }
+    dir
+}
+
+fn library_path(lib: &PathBuf) -> OsString {
+    let mut p = lib.clone().into_os_string();
+    if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
+        p.push(":");
+        p.push(old);
+    }
+    p
+}
+
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `sparsekit serve ARGS` with the runtime on its library path; waits (bounded) for the
+/// address it prints.
+fn serve(lib: &PathBuf, args: &[&str]) -> Server {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sparsekit"))
+        .arg("serve")
+        .args(args)
+        .env("LD_LIBRARY_PATH", library_path(lib))
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for l in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if l.contains("listening on") {
+                let _ = tx.send(l);
+            }
+        }
+    });
+    let line = rx
+        .recv_timeout(Duration::from_secs(120))
+        .expect("the server prints its address");
+    let addr = line
+        .split("http://")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .unwrap()
+        .to_string();
+    Server { child, addr }
+}
+
+fn exchange(addr: &str, req: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    s.write_all(req.as_bytes()).unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let status = out.split(' ').nth(1).unwrap().parse().unwrap();
+    let body = out.split("\r\n\r\n").nth(1).unwrap_or_default().to_string();
+    (status, body)
+}
+
+fn post(addr: &str, path: &str, body: &str) -> (u16, String) {
+    exchange(
+        addr,
+        &format!(
+            "POST {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        ),
+    )
+}
+
+fn get(addr: &str, path: &str) -> (u16, String) {
+    exchange(
+        addr,
+        &format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"),
+    )
+}
+
+/// Output ids and logits digests of a greedy request for `prompt`.
+fn generate(addr: &str, prompt: &[u32]) -> (u16, Value) {
+    let body = serde_json::json!({
+        "input_ids": prompt, "return_logits_digest": true,
+        "sampling_params": {"max_new_tokens": 6, "temperature": 0}
+    })
+    .to_string();
+    let (status, body) = post(addr, "/generate", &body);
+    let v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
+    (status, v)
+}
+
+fn bits(v: &Value) -> (Value, Value) {
+    (
+        v["output_ids"].clone(),
+        v["meta_info"]["logits_digests"].clone(),
+    )
+}
+
+fn wait_exit(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            return st;
+        }
+        assert!(Instant::now() < deadline, "did not exit within {limit:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn prefill_and_decode_as_two_processes_over_nixl() {
+    let Some(lib) = runtime_or_skip("prefill_and_decode_as_two_processes_over_nixl") else {
+        return;
+    };
+    let common = ["--port", "0", "--kv-pages", "1024", "--index-k", "bf16"];
+    let plain = serve(&lib, &[&common[..], &["--prefix-cache", "off"]].concat());
+    let prefill = serve(
+        &lib,
+        &[
+            &common[..],
+            &[
+                "--role",
+                "prefill",
+                "--transport",
+                "nixl",
+                "--host-tier",
+                "on",
+            ],
+        ]
+        .concat(),
+    );
+    let peer = format!("http://{}", prefill.addr);
+    let decode = serve(
+        &lib,
+        &[
+            &common[..],
+            &["--role", "decode", "--transport", "nixl", "--peer", &peer],
+        ]
+        .concat(),
+    );
+    let (_, info) = get(&prefill.addr, "/server_info");
+    let info: Value = serde_json::from_str(&info).unwrap();
+    assert_eq!(info["pd"]["role"], "prefill", "{info}");
+    assert!(info["pd"]["bootstrap_port"].as_u64().unwrap() > 0);
+    let (_, info) = get(&decode.addr, "/server_info");
+    let info: Value = serde_json::from_str(&info).unwrap();
+    assert_eq!(
+        (&info["pd"]["role"], &info["pd"]["peer"]),
+        (&Value::from("decode"), &Value::from(peer.clone()))
+    );
+
+    // A prompt of several full pages (moved by NIXL) plus a partial one.
+    let prompt: Vec<u32> = (0..150).map(|i| (i * 13 % 256) as u32).collect();
+    let (s0, want) = generate(&plain.addr, &prompt);
+    let (s1, got) = generate(&decode.addr, &prompt);
+    assert_eq!((s0, s1), (200, 200), "{want}\n{got}");
+    assert!(want["output_ids"].as_array().is_some_and(|a| a.len() == 6));
+    assert_eq!(bits(&want), bits(&got));
+    // The counters reach /metrics through a publisher (every 20 ms): bounded look.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, m) = get(&decode.addr, "/metrics");
+        let landed = m
+            .lines()
+            .find(|l| l.starts_with("sparsekit_transfer_bytes_total{kind=\"index_k\"}"))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(0.0);
+        if landed > 0.0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no index-K bytes landed: {m}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    // Prefill dies: decode answers with a JSON error and stays healthy.
+    let prefill_port = prefill.addr.rsplit(':').next().unwrap().to_string();
+    drop(prefill);
+    let other: Vec<u32> = prompt.iter().map(|t| (t + 1) % 256).collect();
+    let (status, err) = generate(&decode.addr, &other);
+    // 503 when decode already saw the connection close, 500 when the transfer was
+    // started on it first; either way a JSON error naming the PD side.
+    assert!(matches!(status, 500 | 503), "{status}: {err}");
+    assert!(
+        err["error"]["message"].as_str().unwrap().contains("PD"),
+        "{err}"
+    );
+    assert_eq!(get(&decode.addr, "/health").0, 200);
+
+    // A prefill restarted on the same port is found again (decode reconnects on a later
+    // request, at most one attempt a second) and serves the same bits.
+    let prefill = serve(
+        &lib,
+        &[
+            &[
+                "--port",
+                &prefill_port,
+                "--kv-pages",
+                "1024",
+                "--index-k",
+                "bf16",
+            ][..],
+            &[
+                "--role",
+                "prefill",
+                "--transport",
+                "nixl",
+                "--host-tier",
+                "on",
+            ],
+        ]
+        .concat(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let again = loop {
+        let (status, v) = generate(&decode.addr, &prompt);
+        if status == 200 {
+            break v;
+        }
+        assert!(matches!(status, 500 | 503), "{status}: {v}");
+        assert!(Instant::now() < deadline, "decode did not reconnect: {v}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(bits(&want), bits(&again));
+
+    // SIGTERM: both stop cleanly.
+    for mut s in [decode, prefill] {
+        let st = Command::new("kill")
+            .args(["-TERM", &s.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(st.success());
+        let st = wait_exit(&mut s.child, Duration::from_secs(30));
+        assert!(st.success(), "{st}");
+    }
+}
+
+fn repro(args: &[&str]) -> Vec<Value> {
+    let out = Command::new(env!("CARGO_BIN_EXE_sparsekit"))
+        .args(["repro", "--transport", "nixl", "--json"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn the_harness_over_nixl_processes() {
+    if runtime_or_skip("the_harness_over_nixl_processes").is_none() {
+        return;
+    }
+    let rows = repro(&["--sessions", "3", "--turns", "2", "--configs", "pd-on"]);
+    assert_eq!(rows.len(), 4);
+    for r in &rows {
+        assert_eq!(r["available"], true, "{r}");
+        assert_eq!(r["pd"], "on", "{r}");
+        assert!(
+            r["note"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("two processes"),
+            "{r}"
+        );
+        assert_eq!(r["sessions"], 3);
+        for f in [
+            "corrupted",
+            "wedged",
+            "leaked_pages",
+            "quarantined_pages",
+            "refused",
+            "refused_frames",
+        ] {
+            assert_eq!(r[f], 0, "{f}: {r}");
+        }
+        assert!(r["ttft_p99_ms"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    for (extra, verdict) in [(None, "caught"), (Some("--no-verify"), "reproduced")] {
+        let mut args = vec![
+            "--sessions",
+            "3",
+            "--turns",
+            "2",
+            "--configs",
+            "bf16/host-on/pd-on",
+            "--inject",
+            "pd-fp8-frame",
+        ];
+        args.extend(extra);
+        let rows = repro(&args);
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0]["verdict"], verdict, "{}", rows[0]);
+        assert_eq!(rows[0]["leaked_pages"], 0, "{}", rows[0]);
+    }
+}
