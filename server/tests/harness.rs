@@ -217,16 +217,12 @@ fn each_injection_is_caught_with_checks_on_and_corrupts_with_them_off() {
                 assert!(r.corrupted.unwrap_or(0) > 0);
             }
             assert_eq!(r.leaked_pages, Some(0), "{} verify={verify}", inj.name());
-            // pd-read-before-landed still leaves decode pages quarantined (open defect,
-            // asserted by the ignored test below).
-            if inj != Injection::PdReadBeforeLanded {
-                assert_eq!(
-                    r.quarantined_pages,
-                    Some(0),
-                    "{} verify={verify}: pages left quarantined at the idle check",
-                    inj.name()
-                );
-            }
+            assert_eq!(
+                r.quarantined_pages,
+                Some(0),
+                "{} verify={verify}: pages left quarantined at the idle check",
+                inj.name()
+            );
             assert_eq!(r.wedged, Some(0), "{} verify={verify}", inj.name());
         }
     }
@@ -279,25 +275,24 @@ fn pd_injections_are_caught_with_checks_on_and_corrupt_with_them_off() {
                 assert_eq!(r.corrupted, Some(0));
             }
             assert_eq!(r.leaked_pages, Some(0), "{} verify={verify}", inj.name());
-            // pd-read-before-landed still leaves decode pages quarantined (open defect,
-            // asserted by the ignored test below).
-            if inj != Injection::PdReadBeforeLanded {
-                assert_eq!(
-                    r.quarantined_pages,
-                    Some(0),
-                    "{} verify={verify}: pages left quarantined at the idle check",
-                    inj.name()
-                );
-            }
+            assert_eq!(
+                r.quarantined_pages,
+                Some(0),
+                "{} verify={verify}: pages left quarantined at the idle check",
+                inj.name()
+            );
             assert_eq!(r.wedged, Some(0), "{} verify={verify}", inj.name());
         }
     }
 }
 
 /// Every page of the decode pool is back (free) once the pair is idle after
-/// `pd-read-before-landed`, with the checks on and off.
+/// `pd-read-before-landed`, with the checks on and off. The decode requests end (failed
+/// by the landed stamps, or served without waiting) while prefill is still computing and
+/// sending their prompts: their pages are rightly quarantined until each transfer is
+/// confirmed ended, which the receiver asks for as soon as the request ends; the idle
+/// state is read from accounting checks made after the last transfer ended.
 #[test]
-#[ignore = "open defect (intermittent at this scale): decode device pages stay quarantined after pd-read-before-landed"]
 fn pd_read_before_landed_leaves_nothing_quarantined() {
     let s = two_turns();
     for verify in [true, false] {

@@ -983,11 +983,11 @@ fn nothing_lands_after_a_confirmation() {
 }
 
 /// A decode request that ends while its transfer is in flight (failed by the engine, or
-/// served without waiting) is noticed at prefill's next write: the transfer is aborted
-/// (not left active until the stall timeout), its pages are held until prefill confirms,
-/// then released; nothing leaks.
+/// served without waiting) gets its transfer aborted — by the reader's next tick or at
+/// prefill's next write, whichever comes first — not left active until the stall
+/// timeout; its pages are held until prefill confirms, then released; nothing leaks.
 #[test]
-fn a_transfer_whose_decode_request_ended_is_aborted_at_the_next_write() {
+fn a_transfer_whose_decode_request_ended_is_aborted_and_released() {
     let s = spec(KvDtype::Bf16, IndexKDtype::Bf16);
     let pd = pd(
         cache(s, 16, &[]),
@@ -1017,10 +1017,64 @@ fn a_transfer_whose_decode_request_ended_is_aborted_at_the_next_write() {
         Outcome::Cancelled(why) => assert!(why.contains("decode request ended"), "{why}"),
         o => panic!("{o:?}"),
     }
-    assert!(pd.rx.stats().refused("stale_generation") >= 1);
     until("the transfer is forgotten", || pd.rx.in_flight() == 0);
     assert_eq!(pd.rx.quarantined_pages(), 0);
     until("decode pages are free", || {
         pd.d.leak_check().is_ok_and(|s| s.device_in_use == 0)
     });
+}
+
+/// The mechanism behind `pd-read-before-landed`'s long quarantine: the decode request
+/// ends (its early read failed) while prefill is still computing the prompt and has sent
+/// nothing. The receiver aborts the transfer on its own — prefill hears `Abort` without
+/// having written a byte —; the pages stay quarantined (pinned, never handed out) until
+/// prefill confirms, and are free right after.
+#[test]
+fn a_transfer_whose_decode_request_ended_is_aborted_before_any_write() {
+    let s = spec(KvDtype::Bf16, IndexKDtype::Bf16);
+    let d = cache(s, 6, &[]);
+    let (d_end, p_end) = local_ends(&d, &d);
+    let rx = Receiver::new(d.clone(), d_end, ReceiverConfig::default()).unwrap();
+    let m = Manual {
+        end: &*p_end,
+        geometry: LandingGeometry::new(s, 6).unwrap(),
+    };
+    let p = prompt(7, 3 * PAGE);
+    let pages = start_on(&d, &rx, 7, &p).unwrap();
+    assert_eq!(m.bootstrap().req, 7);
+    // The engine ends the request (as it does when a step finds its pages not landed).
+    d.abort(7).unwrap();
+    assert_eq!(d.leak_check().unwrap().device_quarantined, pages.len());
+    match m.recv() {
+        Message::Abort { req, reason } => {
+            assert_eq!(req, 7);
+            assert!(reason.contains("decode request ended"), "{reason}");
+        }
+        other => panic!("expected decode's abort, got {other:?}"),
+    }
+    // Until prefill confirms, a write may still land: the pages stay held.
+    assert_eq!(rx.outcome(7), None);
+    assert_eq!(rx.quarantined_pages(), pages.len());
+    let st = d.leak_check().unwrap();
+    assert_eq!(
+        (st.device_quarantined, st.device_free),
+        (pages.len(), 6 - pages.len())
+    );
+    d.begin(8, &[]).unwrap();
+    assert!(d.try_alloc(8, 6 - pages.len() + 1).is_err());
+    d.abort(8).unwrap();
+    send(
+        m.end,
+        &Message::Cancelled {
+            req: 7,
+            reason: "decode asked".into(),
+        },
+    );
+    match rx.wait(7, BOUND).unwrap() {
+        Outcome::Cancelled(why) => assert!(why.contains("decode request ended"), "{why}"),
+        o => panic!("{o:?}"),
+    }
+    assert_eq!((rx.in_flight(), rx.quarantined_pages()), (0, 0));
+    assert_eq!(d.leak_check().unwrap().device_free, 6);
+    assert_eq!(rx.stats().refused_total(), 0, "{:?}", rx.stats());
 }

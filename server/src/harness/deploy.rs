@@ -143,6 +143,11 @@ pub trait Deployment: Send + Sync {
     fn health_addrs(&self) -> Vec<SocketAddr>;
     /// `/metrics` of every server of the deployment, merged.
     fn scrape(&self) -> Result<Scrape, String>;
+    /// `/metrics` of each server of the deployment, one scrape per server (what
+    /// [`wait_idle`] needs: each server's own accounting checks). One server: its scrape.
+    fn scrape_each(&self) -> Result<Vec<Scrape>, String> {
+        self.scrape().map(|s| vec![s])
+    }
     /// A note for the table (what serves the row).
     fn note(&self) -> Option<String> {
         None
@@ -217,11 +222,13 @@ impl<B: Backend + ModelOps + 'static> Deployment for PdDeployment<B> {
         vec![self.target.addr, self.prefill_addr]
     }
     fn scrape(&self) -> Result<Scrape, String> {
-        let mut s = Scrape::default();
-        for a in self.health_addrs() {
-            s.merge(get(a, "/metrics", Duration::from_secs(10)).map(|t| Scrape::parse(&t))?);
-        }
-        Ok(s)
+        Ok(merged(self.scrape_each()?))
+    }
+    fn scrape_each(&self) -> Result<Vec<Scrape>, String> {
+        self.health_addrs()
+            .into_iter()
+            .map(|a| get(a, "/metrics", Duration::from_secs(10)).map(|t| Scrape::parse(&t)))
+            .collect()
     }
     fn note(&self) -> Option<String> {
         Some("prefill/decode pair in process, local transport".into())
@@ -456,20 +463,59 @@ pub struct IdleState {
     pub idle: bool,
 }
 
-/// Waits (bounded by `bound`) until every server of `d` is idle and ran its accounting
-/// check twice since the call, then reads leaked and quarantined pages.
+/// The scrapes of several servers as one.
+fn merged(each: Vec<Scrape>) -> Scrape {
+    let mut s = Scrape::default();
+    for one in each {
+        s.merge(one);
+    }
+    s
+}
+
+/// Whether a server's scrape shows work in flight: requests in its engine, or PD
+/// transfers not ended (their target pages are still pinned: quarantined while released).
+fn busy(s: &Scrape) -> bool {
+    s.value("sparsekit_requests_in_engine", &[]) + s.value("sparsekit_pd_transfers_in_flight", &[])
+        > 0.0
+}
+
+/// Waits (bounded by `bound`) until every server of `d` is idle and each ran its
+/// accounting check twice since the deployment was first seen idle, then reads leaked and
+/// quarantined pages.
+///
+/// The checks are counted from the first scrape that finds *every* server idle, not from
+/// the call: a server's engine runs its idle checks (and publishes its pools' page states)
+/// while PD transfers are still in flight, and a transfer that ends afterwards unpins its
+/// pages on another thread; the gauges the engine published before that still count them
+/// as quarantined. Any sight of work in flight starts the count again. Two checks, not
+/// one: the first counted may have published its numbers just before that scrape (an
+/// idle check publishes, then counts itself); the second published after it.
 pub fn wait_idle(d: &dyn Deployment, bound: Duration) -> IdleState {
     let started = Instant::now();
-    let first = d.scrape().unwrap_or_default();
-    let checks0 = first.value("sparsekit_idle_checks_total", &[]);
-    let servers = d.health_addrs().len().max(1) as f64;
+    // Each server's idle checks when the whole deployment was first seen idle.
+    let mut since: Option<Vec<f64>> = None;
     loop {
-        let s = d.scrape().unwrap_or_default();
-        let busy = s.value("sparsekit_requests_in_engine", &[])
-            + s.value("sparsekit_pd_transfers_in_flight", &[]);
-        let checks = s.value("sparsekit_idle_checks_total", &[]);
-        let idle = busy == 0.0 && checks >= checks0 + 2.0 * servers;
+        let each = d.scrape_each().unwrap_or_default();
+        let checks: Vec<f64> = each
+            .iter()
+            .map(|s| s.value("sparsekit_idle_checks_total", &[]))
+            .collect();
+        let idle = if each.is_empty() || each.iter().any(busy) {
+            since = None;
+            false
+        } else {
+            match &since {
+                Some(base) if base.len() == checks.len() => {
+                    base.iter().zip(&checks).all(|(b, c)| *c >= b + 2.0)
+                }
+                _ => {
+                    since = Some(checks);
+                    false
+                }
+            }
+        };
         if idle || started.elapsed() >= bound {
+            let s = merged(each);
             return IdleState {
                 leaked_pages: s.value("sparsekit_leaked_pages", &[]) as usize,
                 quarantined_pages: s.value("sparsekit_quarantined_pages", &[]) as usize,
@@ -479,5 +525,127 @@ pub fn wait_idle(d: &dyn Deployment, bound: Duration) -> IdleState {
         }
         // Polling a server over HTTP; the engine's idle check runs every 50 ms.
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// One server's `/metrics` as the engine and the PD publisher write them.
+    fn server(in_engine: u32, transfers: u32, checks: u32, device_q: u32, pd_q: u32) -> Scrape {
+        Scrape::parse(&format!(
+            "sparsekit_requests_in_engine {in_engine}\n\
+             sparsekit_pd_transfers_in_flight {transfers}\n\
+             sparsekit_idle_checks_total {checks}\n\
+             sparsekit_leaked_pages 0\n\
+             sparsekit_quarantined_pages{{pool=\"device\"}} {device_q}\n\
+             sparsekit_quarantined_pages{{pool=\"pd\"}} {pd_q}\n"
+        ))
+    }
+
+    /// A deployment whose servers' scrapes follow a script (the last one repeats).
+    struct Scripted {
+        target: HttpTarget,
+        script: Vec<Vec<Scrape>>,
+        next: Mutex<usize>,
+    }
+
+    impl Scripted {
+        fn new(script: Vec<Vec<Scrape>>) -> Self {
+            Scripted {
+                target: HttpTarget {
+                    addr: ([127, 0, 0, 1], 9).into(),
+                },
+                script,
+                next: Mutex::new(0),
+            }
+        }
+
+        fn scrapes_taken(&self) -> usize {
+            *self.next.lock().unwrap()
+        }
+    }
+
+    impl Deployment for Scripted {
+        fn target(&self) -> &HttpTarget {
+            &self.target
+        }
+        fn health_addrs(&self) -> Vec<SocketAddr> {
+            vec![self.target.addr; self.script[0].len()]
+        }
+        fn scrape(&self) -> Result<Scrape, String> {
+            Ok(merged(self.scrape_each()?))
+        }
+        fn scrape_each(&self) -> Result<Vec<Scrape>, String> {
+            let mut i = self.next.lock().unwrap();
+            let s = self.script[(*i).min(self.script.len() - 1)].clone();
+            *i += 1;
+            Ok(s)
+        }
+        fn close(self: Box<Self>) -> Result<(), EngineError> {
+            Ok(())
+        }
+    }
+
+    /// The PD pair after a round under `pd-read-before-landed`: the decode requests ended
+    /// early, their transfers are still in flight (prefill still computing), and the idle
+    /// decode engine keeps publishing its device pool with their pages quarantined. When
+    /// the transfers end, the device gauge is stale until decode's next idle checks. The
+    /// idle state must be read from checks made after that, not from checks counted since
+    /// the call (which grew while the transfers were in flight).
+    #[test]
+    fn idle_is_read_from_checks_made_after_the_last_transfer_ended() {
+        let (pages, q) = (171, 171);
+        let d = Scripted::new(vec![
+            // The call: prefill computing, decode's transfers in flight.
+            vec![server(0, 2, 10, q, 0), server(1, 0, 10, 0, 0)],
+            // Many idle checks later, still in flight (one transfer aborted: pd quarantine).
+            vec![server(0, 2, 50, q, pages), server(1, 0, 40, 0, 0)],
+            // The transfers ended (pins gone); decode's device gauge not republished yet.
+            vec![server(0, 0, 50, q, 0), server(0, 0, 40, 0, 0)],
+            // Decode's next check published before the transfers ended (stale).
+            vec![server(0, 0, 51, q, 0), server(0, 0, 41, 0, 0)],
+            // Work again: the count starts over.
+            vec![server(0, 1, 52, 0, 0), server(0, 0, 42, 0, 0)],
+            vec![server(0, 0, 53, 0, 0), server(0, 0, 43, 0, 0)],
+            vec![server(0, 0, 54, 0, 0), server(0, 0, 44, 0, 0)],
+            // Two checks on each server since the deployment was last seen idle.
+            vec![server(0, 0, 55, 0, 0), server(0, 0, 45, 0, 0)],
+        ]);
+        let s = wait_idle(&d, Duration::from_secs(30));
+        assert!(s.idle);
+        assert_eq!((s.quarantined_pages, s.leaked_pages), (0, 0));
+        assert_eq!(
+            d.scrapes_taken(),
+            8,
+            "idle only at the last scripted scrape"
+        );
+    }
+
+    /// Each server must have run two checks: one busy-free server checking fast does not
+    /// stand for another that has not checked yet.
+    #[test]
+    fn every_server_must_check_twice() {
+        let d = Scripted::new(vec![
+            vec![server(0, 0, 5, 3, 0), server(0, 0, 5, 0, 0)],
+            vec![server(0, 0, 5, 3, 0), server(0, 0, 9, 0, 0)],
+            vec![server(0, 0, 6, 3, 0), server(0, 0, 12, 0, 0)],
+            vec![server(0, 0, 7, 0, 0), server(0, 0, 13, 0, 0)],
+        ]);
+        let s = wait_idle(&d, Duration::from_secs(30));
+        assert!(s.idle);
+        assert_eq!(s.quarantined_pages, 0);
+        assert_eq!(d.scrapes_taken(), 4);
+    }
+
+    /// A deployment that never goes idle is given up at the bound, and says so.
+    #[test]
+    fn a_deployment_that_stays_busy_is_not_idle_at_the_bound() {
+        let d = Scripted::new(vec![vec![server(0, 1, 5, 7, 7)]]);
+        let s = wait_idle(&d, Duration::from_millis(100));
+        assert!(!s.idle);
+        assert_eq!(s.quarantined_pages, 14);
     }
 }

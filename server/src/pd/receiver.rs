@@ -16,7 +16,10 @@
 //! cache at once (every reference to its pages goes stale, readers fail) and sends prefill
 //! an `Abort`, but keeps the pins until the confirmation: the pages are never reused while
 //! a write may still land. A confirmation that never comes within
-//! [`ReceiverConfig::confirm_timeout`] tears the connection down.
+//! [`ReceiverConfig::confirm_timeout`] tears the connection down. A transfer whose decode
+//! request ends while it is in flight (the engine failed it, or served it without waiting
+//! for its pages) is aborted the same way at the reader's next tick: nothing will read
+//! what lands, so prefill is stopped at once instead of computing and sending the rest.
 //!
 //! **Every message is survivable.** A frame that does not decode, a message for an
 //! unknown, aborted or ended request, a duplicate, a stale or foreign page, a layout
@@ -815,8 +818,8 @@ impl<B: Backend + 'static> RxShared<B> {
         self.changed.notify_all();
     }
 
-    /// Deadlines: finished transfers whose notifications never came, stalled transfers,
-    /// unconfirmed aborts.
+    /// Deadlines and orphans: transfers whose decode request ended, finished transfers
+    /// whose notifications never came, stalled transfers, unconfirmed aborts.
     fn tick(&self) {
         let now = Instant::now();
         let c = &self.config;
@@ -826,10 +829,13 @@ impl<B: Backend + 'static> RxShared<B> {
             let mut st = self.state.lock();
             let mut late_finish = Vec::new();
             let mut stalled = Vec::new();
+            let mut orphaned = Vec::new();
             for (&req, t) in &st.transfers {
                 match &t.phase {
                     Phase::Active => {
-                        if t.finished_at.is_some_and(|f| now - f > c.finish_grace) {
+                        if !self.cache.is_live(req) {
+                            orphaned.push(req);
+                        } else if t.finished_at.is_some_and(|f| now - f > c.finish_grace) {
                             late_finish.push(req);
                         } else if now - t.progress > c.stall_timeout {
                             stalled.push(req);
@@ -849,6 +855,18 @@ impl<B: Backend + 'static> RxShared<B> {
                     &mut st,
                     req,
                     Outcome::Failed("prefill finished with layers missing".into()),
+                );
+            }
+            for req in orphaned {
+                // The decode request ended while its transfer was in flight (failed, or
+                // served without waiting for its pages): nothing will read what lands.
+                // Stop prefill now rather than at its next write, which may be a whole
+                // prompt's compute away; the pages stay quarantined until it confirms.
+                self.begin_abort(
+                    &mut st,
+                    req,
+                    Outcome::Cancelled("the decode request ended".into()),
+                    &mut out,
                 );
             }
             for req in stalled {
