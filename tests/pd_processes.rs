@@ -19,7 +19,7 @@
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -29,7 +29,7 @@ use sparsekit_server::transfer::{nixl_runtime_dir, NIXL_LIB_ENV};
 /// The runtime directory, or `None` after saying why the test does not run (a failure
 /// where `SPARSEKIT_REQUIRE_NIXL=1`).
 fn runtime_or_skip(test: &str) -> Option<PathBuf> {
-    let dir = nixl_runtime_dir(Some(std::path::Path::new(env!("CARGO_MANIFEST_DIR"))));
+    let dir = nixl_runtime_dir(Some(Path::new(env!("CARGO_MANIFEST_DIR"))));
     if dir.is_none() {
         let msg = format!(
             "{test}: the NIXL runtime is not installed (run `bash scripts/setup-nixl.sh` or set {NIXL_LIB_ENV})"
@@ -43,8 +43,8 @@ fn runtime_or_skip(test: &str) -> Option<PathBuf> {
     dir
 }
 
-fn library_path(lib: &PathBuf) -> OsString {
-    let mut p = lib.clone().into_os_string();
+fn library_path(lib: &Path) -> OsString {
+    let mut p = lib.as_os_str().to_owned();
     if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
         p.push(":");
         p.push(old);
@@ -66,7 +66,7 @@ impl Drop for Server {
 
 /// `sparsekit serve ARGS` with the runtime on its library path; waits (bounded) for the
 /// address it prints.
-fn serve(lib: &PathBuf, args: &[&str]) -> Server {
+fn serve(lib: &Path, args: &[&str]) -> Server {
     let mut child = Command::new(env!("CARGO_BIN_EXE_sparsekit"))
         .arg("serve")
         .args(args)

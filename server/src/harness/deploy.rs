@@ -142,11 +142,16 @@ pub trait Deployment: Send + Sync {
     /// The servers whose `/health` is probed during the run.
     fn health_addrs(&self) -> Vec<SocketAddr>;
     /// `/metrics` of every server of the deployment, merged.
-    fn scrape(&self) -> Result<Scrape, String>;
-    /// `/metrics` of each server of the deployment, one scrape per server (what
-    /// [`wait_idle`] needs: each server's own accounting checks). One server: its scrape.
+    fn scrape(&self) -> Result<Scrape, String> {
+        Ok(merged(self.scrape_each()?))
+    }
+    /// `/metrics` of each server of the deployment ([`Deployment::health_addrs`]), one
+    /// scrape per server (what [`wait_idle`] needs: each server's own accounting checks).
     fn scrape_each(&self) -> Result<Vec<Scrape>, String> {
-        self.scrape().map(|s| vec![s])
+        self.health_addrs()
+            .into_iter()
+            .map(|a| get(a, "/metrics", Duration::from_secs(10)).map(|t| Scrape::parse(&t)))
+            .collect()
     }
     /// A note for the table (what serves the row).
     fn note(&self) -> Option<String> {
@@ -194,9 +199,6 @@ impl Deployment for LocalDeployment {
     fn health_addrs(&self) -> Vec<SocketAddr> {
         vec![self.target.addr]
     }
-    fn scrape(&self) -> Result<Scrape, String> {
-        get(self.target.addr, "/metrics", Duration::from_secs(10)).map(|t| Scrape::parse(&t))
-    }
     fn close(mut self: Box<Self>) -> Result<(), EngineError> {
         match self.server.take() {
             Some(s) => self.rt.block_on(s.shutdown(Duration::from_secs(10))),
@@ -220,15 +222,6 @@ impl<B: Backend + ModelOps + 'static> Deployment for PdDeployment<B> {
     }
     fn health_addrs(&self) -> Vec<SocketAddr> {
         vec![self.target.addr, self.prefill_addr]
-    }
-    fn scrape(&self) -> Result<Scrape, String> {
-        Ok(merged(self.scrape_each()?))
-    }
-    fn scrape_each(&self) -> Result<Vec<Scrape>, String> {
-        self.health_addrs()
-            .into_iter()
-            .map(|a| get(a, "/metrics", Duration::from_secs(10)).map(|t| Scrape::parse(&t)))
-            .collect()
     }
     fn note(&self) -> Option<String> {
         Some("prefill/decode pair in process, local transport".into())
@@ -424,9 +417,6 @@ impl Deployment for UrlDeployment {
     }
     fn health_addrs(&self) -> Vec<SocketAddr> {
         vec![self.target.addr]
-    }
-    fn scrape(&self) -> Result<Scrape, String> {
-        get(self.target.addr, "/metrics", Duration::from_secs(10)).map(|t| Scrape::parse(&t))
     }
     fn note(&self) -> Option<String> {
         Some(format!("running server {}", self.target.addr))

@@ -18,9 +18,8 @@ use std::time::{Duration, Instant};
 
 use crate::error::EngineError;
 use crate::harness::config::{index_k_name, ConfigKey, Injection};
-use crate::harness::deploy::{get, parse_url, ConfigRunner, Deployment, RunPlan};
+use crate::harness::deploy::{parse_url, ConfigRunner, Deployment, RunPlan};
 use crate::harness::run::HttpTarget;
-use crate::harness::scrape::Scrape;
 
 /// How long a server may take to print its address (model weights, NIXL agent, the
 /// decode side's connection to prefill).
@@ -258,13 +257,6 @@ impl Deployment for ProcessDeployment {
     }
     fn health_addrs(&self) -> Vec<SocketAddr> {
         vec![self.target.addr, self.prefill_addr]
-    }
-    fn scrape(&self) -> Result<Scrape, String> {
-        let mut s = Scrape::default();
-        for a in self.health_addrs() {
-            s.merge(get(a, "/metrics", Duration::from_secs(10)).map(|t| Scrape::parse(&t))?);
-        }
-        Ok(s)
     }
     fn note(&self) -> Option<String> {
         Some("prefill and decode as two processes, NIXL over loopback".into())
