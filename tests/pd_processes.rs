@@ -16,12 +16,15 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic
 
+mod common;
+
 use std::ffi::OsString;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
+
+use common::{get, post, signal, wait_exit, Server};
 
 use serde_json::Value;
 use sparsekit_server::transfer::{nixl_runtime_dir, NIXL_LIB_ENV};
@@ -52,76 +55,14 @@ fn library_path(lib: &Path) -> OsString {
     p
 }
 
-struct Server {
-    child: Child,
-    addr: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// `sparsekit serve ARGS` with the runtime on its library path; waits (bounded) for the
-/// address it prints.
+/// `sparsekit serve ARGS` with the NIXL runtime on its library path.
 fn serve(lib: &Path, args: &[&str]) -> Server {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_sparsekit"))
-        .arg("serve")
-        .args(args)
-        .env("LD_LIBRARY_PATH", library_path(lib))
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for l in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if l.contains("listening on") {
-                let _ = tx.send(l);
-            }
-        }
-    });
-    let line = rx
-        .recv_timeout(Duration::from_secs(120))
-        .expect("the server prints its address");
-    let addr = line
-        .split("http://")
-        .nth(1)
-        .and_then(|s| s.split_whitespace().next())
-        .unwrap()
-        .to_string();
-    Server { child, addr }
-}
-
-fn exchange(addr: &str, req: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    s.write_all(req.as_bytes()).unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    let status = out.split(' ').nth(1).unwrap().parse().unwrap();
-    let body = out.split("\r\n\r\n").nth(1).unwrap_or_default().to_string();
-    (status, body)
-}
-
-fn post(addr: &str, path: &str, body: &str) -> (u16, String) {
-    exchange(
-        addr,
-        &format!(
-            "POST {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        ),
-    )
-}
-
-fn get(addr: &str, path: &str) -> (u16, String) {
-    exchange(
-        addr,
-        &format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"),
+    common::serve(
+        args,
+        &[
+            ("LD_LIBRARY_PATH", library_path(lib)),
+            ("RUST_LOG", "warn".into()),
+        ],
     )
 }
 
@@ -132,8 +73,8 @@ fn generate(addr: &str, prompt: &[u32]) -> (u16, Value) {
         "sampling_params": {"max_new_tokens": 6, "temperature": 0}
     })
     .to_string();
-    let (status, body) = post(addr, "/generate", &body);
-    let v: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
+    let (status, response) = post(addr, "/generate", &body);
+    let v: Value = serde_json::from_str(common::body(&response)).unwrap_or(Value::Null);
     (status, v)
 }
 
@@ -142,17 +83,6 @@ fn bits(v: &Value) -> (Value, Value) {
         v["output_ids"].clone(),
         v["meta_info"]["logits_digests"].clone(),
     )
-}
-
-fn wait_exit(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            return st;
-        }
-        assert!(Instant::now() < deadline, "did not exit within {limit:?}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 #[test]
@@ -187,11 +117,11 @@ fn prefill_and_decode_as_two_processes_over_nixl() {
         .concat(),
     );
     let (_, info) = get(&prefill.addr, "/server_info");
-    let info: Value = serde_json::from_str(&info).unwrap();
+    let info: Value = serde_json::from_str(common::body(&info)).unwrap();
     assert_eq!(info["pd"]["role"], "prefill", "{info}");
     assert!(info["pd"]["bootstrap_port"].as_u64().unwrap() > 0);
     let (_, info) = get(&decode.addr, "/server_info");
-    let info: Value = serde_json::from_str(&info).unwrap();
+    let info: Value = serde_json::from_str(common::body(&info)).unwrap();
     assert_eq!(
         (&info["pd"]["role"], &info["pd"]["peer"]),
         (&Value::from("decode"), &Value::from(peer.clone()))
@@ -272,11 +202,7 @@ fn prefill_and_decode_as_two_processes_over_nixl() {
 
     // SIGTERM: both stop cleanly.
     for mut s in [decode, prefill] {
-        let st = Command::new("kill")
-            .args(["-TERM", &s.child.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(st.success());
+        signal(&s.child, "-TERM");
         let st = wait_exit(&mut s.child, Duration::from_secs(30));
         assert!(st.success(), "{st}");
     }
