@@ -33,7 +33,6 @@
 //! that layer's lock.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -410,37 +409,29 @@ impl<B: Backend + 'static> Drop for Receiver<B> {
     }
 }
 
-/// The reader thread: runs [`RxShared::run`]; a panic fails the request whose message was
-/// being handled and restarts it.
+/// The reader thread: [`RxShared::run`] under [`crate::pd::stats::supervise`] (a panic
+/// fails the request whose message was being handled and restarts it).
 fn supervise<B: Backend + 'static>(sh: &Arc<RxShared<B>>) {
-    loop {
-        match catch_unwind(AssertUnwindSafe(|| sh.run())) {
-            Ok(()) => return,
-            Err(_) => {
-                sh.stats.panicked();
-                let req = sh.handling.lock().take();
-                tracing::error!(request = ?req, "PD decode reader panicked; restarting it");
-                if let Some(req) = req {
-                    sh.stats.refuse("panicked");
-                    let mut out = Outbox::new();
-                    {
-                        let mut st = sh.state.lock();
-                        sh.begin_abort(
-                            &mut st,
-                            req,
-                            Outcome::Failed("the PD reader panicked handling it".into()),
-                            &mut out,
-                        );
-                    }
-                    sh.flush(out);
-                }
-                if sh.shutdown.load(Ordering::Acquire) {
-                    return;
-                }
-                sh.stats.restarted();
+    crate::pd::stats::supervise(
+        "decode",
+        &sh.stats,
+        &sh.handling,
+        &sh.shutdown,
+        || sh.run(),
+        |req| {
+            let mut out = Outbox::new();
+            {
+                let mut st = sh.state.lock();
+                sh.begin_abort(
+                    &mut st,
+                    req,
+                    Outcome::Failed("the PD reader panicked handling it".into()),
+                    &mut out,
+                );
             }
-        }
-    }
+            sh.flush(out);
+        },
+    )
 }
 
 impl<B: Backend + 'static> RxShared<B> {

@@ -24,7 +24,6 @@
 //! a panic while handling a message fails that message's request and restarts the reader.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -267,25 +266,17 @@ impl<B: Backend + 'static> Drop for Sender<B> {
     }
 }
 
+/// The reader thread: [`TxShared::run`] under [`crate::pd::stats::supervise`] (a panic
+/// fails the request whose message was being handled and restarts it).
 fn supervise<B: Backend + 'static>(sh: &Arc<TxShared<B>>) {
-    loop {
-        match catch_unwind(AssertUnwindSafe(|| sh.run())) {
-            Ok(()) => return,
-            Err(_) => {
-                sh.stats.panicked();
-                let req = sh.handling.lock().take();
-                tracing::error!(request = ?req, "PD prefill reader panicked; restarting it");
-                if let Some(req) = req {
-                    sh.stats.refuse("panicked");
-                    sh.fail_request(req, "the prefill PD reader panicked handling it");
-                }
-                if sh.shutdown.load(Ordering::Acquire) {
-                    return;
-                }
-                sh.stats.restarted();
-            }
-        }
-    }
+    crate::pd::stats::supervise(
+        "prefill",
+        &sh.stats,
+        &sh.handling,
+        &sh.shutdown,
+        || sh.run(),
+        |req| sh.fail_request(req, "the prefill PD reader panicked handling it"),
+    )
 }
 
 impl<B: Backend + 'static> TxShared<B> {

@@ -118,6 +118,38 @@ pub fn publish(m: &Metrics, side: &str, snap: &PdStatsSnapshot, seen: &mut BTree
     }
 }
 
+/// The body of an endpoint's reader thread: runs `run` until it returns. A panic in it
+/// is counted; the request whose message was being handled (taken from `handling`) is
+/// counted as refused (`panicked`) and failed with `fail`; then `run` starts again unless
+/// `shutdown` is set. `side` names the reader in the log.
+pub(crate) fn supervise(
+    side: &str,
+    stats: &PdStats,
+    handling: &Mutex<Option<u64>>,
+    shutdown: &AtomicBool,
+    run: impl Fn(),
+    fail: impl Fn(u64),
+) {
+    loop {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(&run)) {
+            Ok(()) => return,
+            Err(_) => {
+                stats.panicked();
+                let req = handling.lock().take();
+                tracing::error!(request = ?req, "PD {side} reader panicked; restarting it");
+                if let Some(req) = req {
+                    stats.refuse("panicked");
+                    fail(req);
+                }
+                if shutdown.load(Ordering::Acquire) {
+                    return;
+                }
+                stats.restarted();
+            }
+        }
+    }
+}
+
 /// A thread calling a closure every [`Publisher::EVERY`] (an endpoint copying its counters
 /// into its metrics), a last time when stopped; stopped and joined on drop.
 #[derive(Debug)]
