@@ -150,6 +150,34 @@ fn prefill_and_decode_as_two_processes_over_nixl() {
         std::thread::sleep(Duration::from_millis(20));
     }
 
+    // The harness measures the running pair through decode's URL, as the PD-on,
+    // host-tier-on configuration it is (read from /server_info and prefill's).
+    let out = Command::new(env!("CARGO_BIN_EXE_sparsekit"))
+        .args([
+            "repro",
+            "--sessions",
+            "2",
+            "--turns",
+            "2",
+            "--json",
+            "--url",
+        ])
+        .arg(format!("http://{}", decode.addr))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<Value> = serde_json::from_slice(&out.stdout).unwrap();
+    let row = rows.iter().find(|r| r["available"] == true).unwrap();
+    assert_eq!(row["config"], "bf16/host-on/pd-on", "{row}");
+    assert_eq!(
+        (&row["corrupted"], &row["wedged"]),
+        (&Value::from(0), &Value::from(0))
+    );
+
     // Prefill dies: decode answers with a JSON error and stays healthy.
     let prefill_port = prefill.addr.rsplit(':').next().unwrap().to_string();
     drop(prefill);

@@ -376,6 +376,7 @@ fn start<B: Backend + ModelOps + 'static>(
         mode,
         peer_wait,
     } = setup;
+    let host_pages = opts.cache.as_ref().map_or(0, |c| c.host_pages);
     let decode_opts = |opts: &EngineOptions| {
         let mut d = EngineOptions {
             role: "decode".into(),
@@ -417,6 +418,7 @@ fn start<B: Backend + ModelOps + 'static>(
                 transport: "local".into(),
                 bootstrap_port: None,
                 peer: None,
+                prefill_host_pages: Some(host_pages),
             })?;
             (
                 d,
@@ -441,6 +443,7 @@ fn start<B: Backend + ModelOps + 'static>(
                 transport: "nixl".into(),
                 bootstrap_port: Some(at.port()),
                 peer: None,
+                prefill_host_pages: Some(host_pages),
             })?;
             (
                 e,
@@ -467,6 +470,7 @@ fn start<B: Backend + ModelOps + 'static>(
                 transport: "nixl".into(),
                 bootstrap_port: None,
                 peer: Some(url.clone()),
+                prefill_host_pages: None,
             })?;
             (
                 e,

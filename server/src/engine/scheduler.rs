@@ -288,6 +288,9 @@ pub struct PdInfo {
     pub bootstrap_port: Option<u16>,
     /// Decode: the prefill server's URL.
     pub peer: Option<String>,
+    /// Host tier pages of the prefill side, where this server knows them (`prefill`, and
+    /// `both`, whose engine behind the HTTP server is decode's, without a host tier).
+    pub prefill_host_pages: Option<usize>,
 }
 
 /// The cache settings an engine serves with ([`EngineInfo::cache`]).

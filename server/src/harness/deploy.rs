@@ -354,6 +354,28 @@ pub fn parse_url(url: &str) -> Result<SocketAddr, EngineError> {
         .ok_or_else(|| EngineError::InvalidRequest(format!("cannot resolve {url:?}")))
 }
 
+/// The host tier pages behind a server's `/server_info` `v`: its own, or its prefill
+/// side's under PD (a decode server's, read from its peer).
+fn host_pages(v: &Value) -> Result<u64, EngineError> {
+    let own = v["cache"]["host_pages"].as_u64().unwrap_or(0);
+    let pd = &v["pd"];
+    if let Some(n) = pd["prefill_host_pages"].as_u64() {
+        return Ok(n);
+    }
+    match (pd["role"].as_str(), pd["peer"].as_str()) {
+        (Some("decode"), Some(peer)) => {
+            let addr = parse_url(peer)?;
+            let body = get(addr, "/server_info", Duration::from_secs(10))
+                .map_err(|e| EngineError::Unavailable(format!("decode's peer {peer}: {e}")))?;
+            let p: Value = serde_json::from_str(&body).map_err(|e| {
+                EngineError::Unavailable(format!("decode's peer {peer}: /server_info: {e}"))
+            })?;
+            Ok(p["cache"]["host_pages"].as_u64().unwrap_or(0))
+        }
+        _ => Ok(own),
+    }
+}
+
 /// Asks a running server what it serves.
 pub fn remote_info(addr: SocketAddr) -> Result<RemoteInfo, EngineError> {
     let body = get(addr, "/server_info", Duration::from_secs(10))
@@ -385,8 +407,9 @@ pub fn remote_info(addr: SocketAddr) -> Result<RemoteInfo, EngineError> {
         kv_dtype,
         key: ConfigKey {
             index_k,
-            host_tier: cache["host_pages"].as_u64().unwrap_or(0) > 0,
-            pd: false,
+            host_tier: host_pages(&v)? > 0,
+            // A decode server (or a pair in one process) serves a PD-on configuration.
+            pd: matches!(v["pd"]["role"].as_str(), Some("decode" | "both")),
         },
         device_pages: n("kv_pages")?,
         faults: cache["faults"]
