@@ -89,6 +89,8 @@ pub struct DecodeSource<B: Backend + 'static> {
     connector: Connector,
     receiver_config: ReceiverConfig,
     link: Mutex<Link<B>>,
+    /// Held by the one caller connecting now.
+    connecting: Mutex<()>,
     /// `pd-read-before-landed`: hand the pages to the engine as soon as the transfer
     /// started (the engine's steps then skip the ready tokens: the decode cache carries
     /// the `skip-index-wait` fault).
@@ -119,29 +121,38 @@ pub(crate) fn pd_error(e: PdError) -> EngineError {
 
 impl<B: Backend + 'static> DecodeSource<B> {
     /// The receiver of the live connection; reconnects when the connection closed (see
-    /// the module docs).
+    /// the module docs). The link's lock is not held while connecting (bounded, but up
+    /// to seconds): one caller connects, the others fail at once meanwhile.
     fn receiver(&self) -> Result<Arc<Receiver<B>>, PdError> {
-        let mut l = self.link.lock();
-        match &l.receiver {
-            Some(r) if !r.is_closed() => return Ok(r.clone()),
-            Some(r) => {
-                // Its transfers ended (failed) with the connection; requests still holding
-                // it see that; the receiver stops when the last of them lets go.
-                let s = r.stats();
-                l.retired.add(&s);
-                l.receiver = None;
-                tracing::warn!("PD: the connection to prefill closed; reconnecting");
+        let closed = |why: String| {
+            PdError::Transfer(crate::transfer::TransferError::Closed(format!(
+                "no connection to prefill ({why})"
+            )))
+        };
+        {
+            let mut l = self.link.lock();
+            match &l.receiver {
+                Some(r) if !r.is_closed() => return Ok(r.clone()),
+                Some(r) => {
+                    // Its transfers ended (failed) with the connection; requests still
+                    // holding it see that; the receiver stops when the last of them lets go.
+                    let s = r.stats();
+                    l.retired.add(&s);
+                    l.receiver = None;
+                    tracing::warn!("PD: the connection to prefill closed; reconnecting");
+                }
+                None => {}
             }
-            None => {}
-        }
-        if let Some(t) = l.last_attempt {
-            if t.elapsed() < RECONNECT_EVERY {
-                return Err(PdError::Transfer(crate::transfer::TransferError::Closed(
-                    format!("no connection to prefill ({})", l.last_error),
-                )));
+            if l.last_attempt
+                .is_some_and(|t| t.elapsed() < RECONNECT_EVERY)
+            {
+                return Err(closed(l.last_error.clone()));
             }
+            l.last_attempt = Some(Instant::now());
         }
-        l.last_attempt = Some(Instant::now());
+        let Some(_connecting) = self.connecting.try_lock() else {
+            return Err(closed("connecting now".into()));
+        };
         let r = (self.connector)(&self.zone, &self.hello).and_then(|end| {
             Receiver::new(
                 self.handle.cache().clone(),
@@ -149,6 +160,7 @@ impl<B: Backend + 'static> DecodeSource<B> {
                 self.receiver_config.clone(),
             )
         });
+        let mut l = self.link.lock();
         match r {
             Ok(r) => {
                 let r = Arc::new(r);
@@ -407,6 +419,7 @@ impl<B: Backend + ModelOps + 'static> DecodeNode<B> {
                 retired: PdStatsSnapshot::default(),
                 connections: 0,
             }),
+            connecting: Mutex::new(()),
             read_before_landed: pd.faults.active(PdFault::ReadBeforeLanded),
             stale_write,
             fetches: AtomicU64::new(0),
