@@ -349,7 +349,9 @@ impl NixlListener {
             .map_err(|e| TransferError::Failed(e.to_string()))
     }
 
-    /// Accepts one connection (waits at most `timeout`) and completes the handshake.
+    /// Accepts one connection (waits at most `timeout` for it) and completes the
+    /// handshake (bounded by the side's `io_timeout` from the moment it was accepted).
+    /// `Timeout` only when no connection came.
     pub fn accept(&self, timeout: Duration) -> Result<Arc<NixlEnd>, TransferError> {
         let deadline = Instant::now() + timeout;
         self.tcp
@@ -374,7 +376,14 @@ impl NixlListener {
             .map_err(|e| TransferError::Failed(e.to_string()))?;
         let side = &self.side;
         let mut reader = FrameReader::new();
-        let peer = read_hello(&stream, &mut reader, side.peer_role(), deadline)?;
+        let handshake = Instant::now() + side.opts.io_timeout;
+        let peer = read_hello(&stream, &mut reader, side.peer_role(), handshake).map_err(
+            |e| match e {
+                // Not "no connection came": the caller must not take it for that.
+                TransferError::Timeout(m) => TransferError::Failed(format!("handshake: {m}")),
+                e => e,
+            },
+        )?;
         write_frame(&stream, &side.my_hello()?, side.opts.io_timeout)?;
         side.finish(stream, reader, peer)
     }
