@@ -4,9 +4,11 @@
 //! `/health`, and reads its `/metrics` — the same for servers in this process and servers
 //! running elsewhere (`--url`).
 //!
-//! [`LocalRunner`] serves the PD-off configurations in this process (the engine over the
-//! cache-backed KV space behind the HTTP server); [`UrlRunner`] points at running servers.
-//! The PD runner plugs in beside them for the PD-on rows.
+//! [`LocalRunner`] serves every configuration in this process (PD off: the engine over the
+//! cache-backed KV space behind the HTTP server; PD on: a prefill/decode pair over the
+//! local transport); [`UrlRunner`] points at running servers;
+//! [`crate::harness::process::ProcessRunner`] serves the PD-on rows by two `serve`
+//! processes joined by NIXL.
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;

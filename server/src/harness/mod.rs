@@ -1,5 +1,6 @@
 //! The integrity harness's pieces: the agentic workload, the configurations and fault
-//! injections, who serves a configuration (in process, or running servers), the reference
+//! injections, who serves a configuration (in process, server processes over NIXL, or
+//! running servers), the reference
 //! and served runs, the per-session comparison (first diverging turn and step), metrics
 //! scraping and the evidence table.
 //!

@@ -377,13 +377,12 @@ impl NixlListener {
         let side = &self.side;
         let mut reader = FrameReader::new();
         let handshake = Instant::now() + side.opts.io_timeout;
-        let peer = read_hello(&stream, &mut reader, side.peer_role(), handshake).map_err(
-            |e| match e {
+        let peer =
+            read_hello(&stream, &mut reader, side.peer_role(), handshake).map_err(|e| match e {
                 // Not "no connection came": the caller must not take it for that.
                 TransferError::Timeout(m) => TransferError::Failed(format!("handshake: {m}")),
                 e => e,
-            },
-        )?;
+            })?;
         write_frame(&stream, &side.my_hello()?, side.opts.io_timeout)?;
         side.finish(stream, reader, peer)
     }
