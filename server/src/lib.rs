@@ -14,3 +14,12 @@ pub mod pd;
 pub mod transfer;
 
 pub use error::EngineError;
+
+/// `now + d` as a deadline; where that overflows (a caller's huge bound), a year from now,
+/// or now where even that does: a caller's bound never panics.
+pub(crate) fn deadline_after(d: std::time::Duration) -> std::time::Instant {
+    let now = std::time::Instant::now();
+    now.checked_add(d)
+        .or_else(|| now.checked_add(std::time::Duration::from_secs(365 * 24 * 3600)))
+        .unwrap_or(now)
+}

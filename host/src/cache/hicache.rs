@@ -567,6 +567,13 @@ impl<B: Backend + 'static> HiCache<B> {
                 format!("request {req} is in a live step"),
             ));
         }
+        if r.inbound.is_some() {
+            // Its pages would be shared while the transfer can still write them.
+            return Err(invalid(
+                "commit",
+                format!("request {req} has a transfer still open"),
+            ));
+        }
         if let Some(e) = r.fences.iter().find_map(|f| f.failure()) {
             return Err(Error::RequestFailed {
                 request: req,
@@ -715,6 +722,26 @@ impl<B: Backend + 'static> HiCache<B> {
     /// Whether `req` is live.
     pub fn is_live(&self, req: RequestId) -> bool {
         self.shared.state.lock().requests.contains_key(&req)
+    }
+
+    /// Checks that `pages` are pages request `req` received through an inbound transfer
+    /// ([`HiCache::inbound`]): live, owned by it, current, and targets of its transfer —
+    /// what a caller must show before treating them as the request's prompt (whether each
+    /// layer landed is then gated by the transfer's fence and the landed stamps, as for
+    /// every read). `Err(InvalidArgument)` naming the first page that is not.
+    pub fn check_received(&self, req: RequestId, pages: &[PageRef]) -> Result<()> {
+        let st = self.shared.state.lock();
+        let r = st.requests.get(&req).ok_or_else(|| not_live(req))?;
+        match pages
+            .iter()
+            .find(|p| !r.received.contains(p) || !r.own.contains(p) || !st.device.is_current(**p))
+        {
+            Some(p) => Err(invalid(
+                "received pages",
+                format!("{p:?} was not received by request {req} (or is stale)"),
+            )),
+            None => Ok(()),
+        }
     }
 
     /// Moves up to `n` cached device pages out of the device tier (to the host tier, or
@@ -1055,6 +1082,10 @@ pub(crate) fn schedule_backups<B: Backend>(
     nodes: &[NodeId],
     evict: bool,
 ) -> Vec<(Arc<Fence>, usize)> {
+    if !st.worker_alive {
+        // Nobody would run the batch: its pins and backing-up marks would stay forever.
+        return Vec::new();
+    }
     let short = nodes.len().saturating_sub(st.host.num_free());
     if short > 0 {
         for v in st.tree.host_victims().into_iter().take(short) {

@@ -67,6 +67,14 @@ impl<B: Backend + 'static> Inbound<B> {
                 format!("request {req} already has a transfer in flight"),
             ));
         }
+        if r.users > 0 {
+            // A live step copied the request's fences when it opened: it would not wait
+            // for this transfer's, and would read (or write) pages still landing.
+            return Err(invalid(
+                "inbound",
+                format!("request {req} is in a live step"),
+            ));
+        }
         if let Some(p) = pages.iter().find(|p| !r.own.contains(p)) {
             return Err(invalid(
                 "inbound pages",
@@ -149,6 +157,11 @@ impl<B: Backend + 'static> Inbound<B> {
         }
         crate::ops::check_len("src_ids", pages.len(), src_ids.len())?;
         crate::ops::check_len("checksums", pages.len(), checksums_in.len())?;
+        let bit = match kind {
+            BufferKind::Kv => 1,
+            BufferKind::IndexK => 2,
+        };
+        let n = self.targets.len();
         let mut slots = Vec::with_capacity(pages.len());
         for p in pages {
             let Some(&i) = self.index.get(&p.id) else {
@@ -158,6 +171,14 @@ impl<B: Backend + 'static> Inbound<B> {
                     format!("page {} is not a target of this transfer", p.id),
                 ));
             };
+            if self.landed[layer * n + i] & bit != 0 || slots.contains(&i) {
+                // Landed (and maybe published and read) already: never overwritten.
+                sh.state.lock().stats.stale_writes_refused += 1;
+                return Err(invalid(
+                    "inbound pages",
+                    format!("page {} layer {layer} {} landed already", p.id, kind.name()),
+                ));
+            }
             slots.push(i);
         }
         {
@@ -208,11 +229,6 @@ impl<B: Backend + 'static> Inbound<B> {
             sh.state.lock().stats.integrity_failures += 1;
             return Err(e);
         }
-        let bit = match kind {
-            BufferKind::Kv => 1,
-            BufferKind::IndexK => 2,
-        };
-        let n = self.targets.len();
         for (p, &i) in pages.iter().zip(&slots) {
             let l = &mut self.landed[layer * n + i];
             *l |= bit;

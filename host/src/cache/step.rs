@@ -377,6 +377,40 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
         Ok(())
     }
 
+    /// Checks that `pages` may be read out of this layer: each is a page of a live member
+    /// of the step (its prefix, received or own pages, at their current generation) whose
+    /// bytes were written for that generation in this layer (the landed stamp; not checked
+    /// under the `no-landed-check` fault). What a caller copying pages out of
+    /// [`LayerGuard::views`] by id (a PD sender) must check first.
+    pub fn check_pages(&self, pages: &[PageRef]) -> Result<()> {
+        let sh = &*self.step.cache.shared;
+        for p in pages {
+            let member = self
+                .step
+                .live_members()
+                .find(|m| m.landed.contains(p) || m.own.contains(p));
+            let Some(m) = member else {
+                return Err(invalid(
+                    "pages",
+                    format!("{p:?} is not a page of this step's live requests"),
+                ));
+            };
+            let stamp = sh.device.stamp(self.layer, p.id);
+            if stamp != Some(p.generation) && !sh.fault(Fault::NoLandedCheck) {
+                return Err(failed(
+                    m.req,
+                    Error::NotLanded {
+                        page: p.id,
+                        layer: self.layer,
+                        generation: p.generation,
+                        stamp,
+                    },
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Both views of the layer: `(kv, index_k)`, whole buffers in the device regions'
     /// geometry ([`HiCache::device_region`]). Re-checks the landed stamps.
     pub fn views(&self) -> Result<(&B::Buffer, &B::Buffer)> {

@@ -254,6 +254,9 @@ impl<B: Backend + 'static> CacheKvSpace<B> {
                 prompt.len()
             ));
         }
+        if let Err(e) = self.cache.check_received(r.cache_request, &r.pages) {
+            return bad(format!("cannot adopt: {e}"));
+        }
         self.set_owner(&r.pages, true);
         Ok(SeqPages {
             req: r.cache_request,

@@ -485,7 +485,7 @@ impl RequestHandle {
     /// Waits for the whole result; the request is aborted if it has not ended within
     /// `timeout`.
     pub fn wait(mut self, timeout: Duration) -> Result<Completion, EngineError> {
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::deadline_after(timeout);
         let mut c = self.empty();
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -900,7 +900,7 @@ impl Engine {
     pub fn shutdown(&self, grace: Duration) -> Result<(), EngineError> {
         self.inner.accepting.store(false, Ordering::Release);
         let _ = self.inner.commands.send(Command::Shutdown {
-            drain_until: Instant::now() + grace,
+            drain_until: crate::deadline_after(grace),
         });
         match self.exited.recv_timeout(grace + Duration::from_secs(5)) {
             Ok(()) | Err(flume::RecvTimeoutError::Disconnected) => {

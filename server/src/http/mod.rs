@@ -346,7 +346,7 @@ impl App {
         let (tx, rx) = mpsc::channel::<Bytes>(64);
         let timeout = self.cfg.request_timeout;
         tokio::spawn(async move {
-            let deadline = tokio::time::Instant::now() + timeout;
+            let deadline = tokio::time::Instant::from_std(crate::deadline_after(timeout));
             loop {
                 let ev = tokio::select! {
                     ev = h.next_event() => ev,

@@ -35,7 +35,7 @@ use crate::pd::landing::{LandingGeometry, LandingZone};
 use crate::pd::receiver::{Outcome, Receiver, ReceiverConfig};
 use crate::pd::stats::{PdStatsSnapshot, Publisher};
 use crate::pd::wire::{Hello, Role};
-use crate::pd::{hello, PdOptions};
+use crate::pd::{hello, PdOptions, RequestGuard};
 use crate::transfer::Transport;
 
 /// Opens a connection to prefill: given decode's landing zone and the handshake decode
@@ -237,7 +237,7 @@ impl<B: Backend + 'static> DecodeSource<B> {
         barrier.expect(req);
         if receiver.start(req, &decoy, &pages).is_ok() {
             // Prefill may give the decoy up before writing (the transfer then ends).
-            let deadline = Instant::now() + self.timeout;
+            let deadline = crate::deadline_after(self.timeout);
             let in_flight = loop {
                 if barrier.wait_in_flight(req, POLL * 10) {
                     break true;
@@ -288,8 +288,11 @@ impl<B: Backend + 'static> PromptSource for DecodeSource<B> {
         }
         let cache = self.handle.cache();
         let req = self.handle.next_request_id();
-        let deadline = Instant::now() + self.timeout;
+        let deadline = crate::deadline_after(self.timeout);
         cache.begin(req, &[])?;
+        // Ends the request on every way out but a hand-over (a panic included); where the
+        // receiver aborted the transfer it ended the request itself (pages quarantined).
+        let guard = RequestGuard::new(cache, req);
         let pages = loop {
             if aborted.load(Ordering::Acquire) {
                 self.drop_request(req);
@@ -317,6 +320,7 @@ impl<B: Backend + 'static> PromptSource for DecodeSource<B> {
             tokens,
         };
         if self.read_before_landed {
+            guard.keep();
             return Ok(Some(received));
         }
         loop {
@@ -325,7 +329,10 @@ impl<B: Backend + 'static> PromptSource for DecodeSource<B> {
                 return Err(EngineError::Aborted("aborted during its transfer".into()));
             }
             match receiver.wait(req, Duration::from_millis(20)) {
-                Ok(Outcome::Ready) => return Ok(Some(received)),
+                Ok(Outcome::Ready) => {
+                    guard.keep();
+                    return Ok(Some(received));
+                }
                 Ok(Outcome::Cancelled(why)) | Ok(Outcome::Failed(why)) => {
                     self.drop_request(req);
                     return Err(EngineError::StepFailed(format!(
@@ -424,7 +431,7 @@ impl<B: Backend + ModelOps + 'static> DecodeNode<B> {
             stale_write,
             fetches: AtomicU64::new(0),
         });
-        let until = Instant::now() + peer.connect_wait;
+        let until = crate::deadline_after(peer.connect_wait);
         loop {
             match source.receiver() {
                 Ok(_) => break,

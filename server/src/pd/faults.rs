@@ -171,7 +171,7 @@ impl StaleWriteBarrier {
 
     /// Waits (at most `timeout`) until `req`'s decoy reached `stage`.
     fn wait_for(&self, req: u64, stage: DecoyStage, timeout: std::time::Duration) -> bool {
-        let deadline = std::time::Instant::now() + timeout;
+        let deadline = crate::deadline_after(timeout);
         let mut d = self.decoys.lock();
         loop {
             match d.get(&req) {

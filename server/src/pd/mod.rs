@@ -51,6 +51,37 @@ pub use sender::{Job, Sender, SenderConfig, StagedLayer};
 pub use stats::{PdStats, PdStatsSnapshot};
 pub use wire::{Hello, Message, Role};
 
+/// Ends a cache request when dropped, unless [`RequestGuard::keep`] handed it over: a
+/// request a PD side began is never left live by an early return or a panic.
+pub(crate) struct RequestGuard<'c, B: sparsekit_host::Backend + 'static> {
+    cache: &'c sparsekit_host::cache::HiCache<B>,
+    req: u64,
+    armed: bool,
+}
+
+impl<'c, B: sparsekit_host::Backend + 'static> RequestGuard<'c, B> {
+    pub(crate) fn new(cache: &'c sparsekit_host::cache::HiCache<B>, req: u64) -> Self {
+        RequestGuard {
+            cache,
+            req,
+            armed: true,
+        }
+    }
+
+    /// The request is someone else's to end now.
+    pub(crate) fn keep(mut self) {
+        self.armed = false;
+    }
+}
+
+impl<B: sparsekit_host::Backend + 'static> Drop for RequestGuard<'_, B> {
+    fn drop(&mut self) {
+        if self.armed && self.cache.is_live(self.req) {
+            let _ = self.cache.abort(self.req);
+        }
+    }
+}
+
 /// Settings of a PD deployment, shared by both sides.
 #[derive(Clone, Debug)]
 pub struct PdOptions {

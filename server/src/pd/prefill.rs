@@ -31,7 +31,7 @@ use crate::pd::faults::StaleWriteBarrier;
 use crate::pd::sender::{Job, Sender, SenderConfig};
 use crate::pd::stats::{PdStatsSnapshot, Publisher};
 use crate::pd::wire::{Hello, Role};
-use crate::pd::{hello, PdOptions};
+use crate::pd::{hello, PdOptions, RequestGuard};
 use crate::transfer::Transport;
 
 /// Prefill's job threads for one connection (see the module docs); stopped on drop.
@@ -114,7 +114,7 @@ fn compute<B: Backend + 'static>(
     // Gives up the engine request; pages it may already hold for us are released.
     let give_up = |h: &mut crate::engine::scheduler::RequestHandle| {
         h.abort();
-        let until = Instant::now() + Duration::from_secs(5);
+        let until = crate::deadline_after(Duration::from_secs(5));
         while Instant::now() < until {
             match h.next_event_timeout(Duration::from_millis(20)) {
                 Ok(Some(Event::Token(_))) | Err(EngineError::Timeout(_)) => {}
@@ -155,7 +155,7 @@ fn serve_job<B: Backend + 'static>(
     handle: &CacheHandle<B>,
     timeout: Duration,
 ) {
-    let deadline = Instant::now() + timeout;
+    let deadline = crate::deadline_after(timeout);
     let cache = handle.cache();
     let held = match compute(&job, engine, handle, deadline) {
         Ok(Some(h)) => h,
@@ -163,6 +163,8 @@ fn serve_job<B: Backend + 'static>(
         Err(why) => return job.cancel(&why),
     };
     let req = held.cache_request;
+    // Ends the held request if anything below panics (each path ends it otherwise).
+    let _guard = RequestGuard::new(cache, req);
     if held.tokens < job.prompt().len() {
         let _ = cache.abort(req);
         let why = format!(

@@ -338,7 +338,7 @@ impl<B: Backend + 'static> Receiver<B> {
 
     /// Waits (at most `timeout`) until `req`'s transfer ended, and returns how.
     pub fn wait(&self, req: u64, timeout: Duration) -> Result<Outcome, PdError> {
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::deadline_after(timeout);
         let mut st = self.shared.state.lock();
         loop {
             if let Some(o) = st.ended.get(&req) {
@@ -744,7 +744,10 @@ impl<B: Backend + 'static> RxShared<B> {
         };
         let _ = self.cache.abort(req);
         tracing::info!(request = req, %reason, "PD transfer aborted; pages quarantined until prefill confirms");
-        out.push(Message::Abort { req, reason });
+        out.push(Message::Abort {
+            req,
+            reason: crate::pd::wire::fit_reason(reason),
+        });
         self.changed.notify_all();
     }
 

@@ -40,7 +40,7 @@ use crate::pd::faults::{PdFault, PdFaults, StaleWriteBarrier};
 use crate::pd::landing::LandingGeometry;
 use crate::pd::stage::{stage, StagedPages};
 use crate::pd::stats::{Ended, PdStats, PdStatsSnapshot};
-use crate::pd::wire::{decode_frame, Bootstrap, Message, Role, Written};
+use crate::pd::wire::{decode_frame, fit_reason, Bootstrap, Message, Role, Written};
 use crate::pd::{check_peer, MessageHook};
 use crate::transfer::{Segment, Transport};
 
@@ -217,7 +217,7 @@ impl<B: Backend + 'static> Sender<B> {
     /// The next bootstrapped request (waits at most `timeout`). Jobs cancelled while queued
     /// are skipped (already confirmed).
     pub fn next_job(&self, timeout: Duration) -> Option<Job<B>> {
-        let deadline = std::time::Instant::now() + timeout;
+        let deadline = crate::deadline_after(timeout);
         loop {
             let core = self.shared.queue_rx.recv_deadline(deadline).ok()?;
             if !core.state.lock().ended {
@@ -343,7 +343,7 @@ impl<B: Backend + 'static> TxShared<B> {
             self.refuse(reason, Some(req), &detail);
             self.send_logged(&Message::Abort {
                 req,
-                reason: format!("bootstrap refused: {detail}"),
+                reason: fit_reason(format!("bootstrap refused: {detail}")),
             });
         };
         if (b.kv_fingerprint, b.index_k_fingerprint)
@@ -434,7 +434,7 @@ impl<B: Backend + 'static> TxShared<B> {
                 self.stats.ended(Ended::Cancelled);
                 self.send_logged(&Message::Cancelled {
                     req,
-                    reason: reason.to_owned(),
+                    reason: fit_reason(reason.to_owned()),
                 });
             }
             return;
@@ -458,7 +458,7 @@ impl<B: Backend + 'static> TxShared<B> {
         let reason = core.cancel_reason.lock().clone();
         self.send_logged(&Message::Cancelled {
             req: core.req,
-            reason,
+            reason: fit_reason(reason),
         });
     }
 
@@ -474,7 +474,7 @@ impl<B: Backend + 'static> TxShared<B> {
             }
             None => self.send_logged(&Message::Abort {
                 req,
-                reason: why.to_owned(),
+                reason: fit_reason(why.to_owned()),
             }),
         }
     }
@@ -492,7 +492,7 @@ impl<B: Backend + 'static> TxShared<B> {
         self.stats.ended(Ended::Failed);
         self.send_logged(&Message::Abort {
             req: core.req,
-            reason: why.to_owned(),
+            reason: fit_reason(why.to_owned()),
         });
     }
 
@@ -583,6 +583,8 @@ impl<B: Backend + 'static> Job<B> {
             )));
         }
         let cache = &self.shared.cache;
+        // Only pages the guard's step holds, written for their generation in this layer.
+        guard.check_pages(src)?;
         let (kv, index_k) = guard.views()?;
         let ids: Vec<i32> = src.iter().map(|p| p.id as i32).collect();
         let b = cache.backend();

@@ -38,6 +38,19 @@ pub const HEADER_LEN: usize = 20;
 pub const MAX_PAYLOAD: usize = 16 << 20;
 /// Longest reason string in `Cancelled` / `Abort` (bytes of UTF-8).
 pub const MAX_REASON: usize = 1024;
+
+/// `reason` cut to at most [`MAX_REASON`] bytes at a char boundary: what the `Abort` and
+/// `Cancelled` senders pass, so a long reason never makes the message unsendable.
+pub fn fit_reason(mut reason: String) -> String {
+    if reason.len() > MAX_REASON {
+        let mut end = MAX_REASON;
+        while !reason.is_char_boundary(end) {
+            end -= 1;
+        }
+        reason.truncate(end);
+    }
+    reason
+}
 /// Longest opaque transport blob in `Hello` (bytes).
 pub const MAX_TRANSPORT_INFO: usize = 1 << 20;
 

@@ -353,7 +353,7 @@ impl NixlListener {
     /// handshake (bounded by the side's `io_timeout` from the moment it was accepted).
     /// `Timeout` only when no connection came.
     pub fn accept(&self, timeout: Duration) -> Result<Arc<NixlEnd>, TransferError> {
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::deadline_after(timeout);
         self.tcp
             .set_nonblocking(true)
             .map_err(|e| TransferError::Failed(e.to_string()))?;
@@ -376,7 +376,7 @@ impl NixlListener {
             .map_err(|e| TransferError::Failed(e.to_string()))?;
         let side = &self.side;
         let mut reader = FrameReader::new();
-        let handshake = Instant::now() + side.opts.io_timeout;
+        let handshake = crate::deadline_after(side.opts.io_timeout);
         let peer =
             read_hello(&stream, &mut reader, side.peer_role(), handshake).map_err(|e| match e {
                 // Not "no connection came": the caller must not take it for that.
@@ -392,7 +392,7 @@ impl NixlListener {
 /// `side.opts.io_timeout`).
 pub fn connect(side: &NixlSide, addr: SocketAddr) -> Result<Arc<NixlEnd>, TransferError> {
     side.check()?;
-    let deadline = Instant::now() + side.opts.io_timeout;
+    let deadline = crate::deadline_after(side.opts.io_timeout);
     let stream = TcpStream::connect_timeout(&addr, side.opts.io_timeout)
         .map_err(|e| TransferError::Failed(format!("cannot connect to the peer at {addr}: {e}")))?;
     write_frame(&stream, &side.my_hello()?, side.opts.io_timeout)?;
@@ -637,7 +637,7 @@ impl NixlEnd {
         ag.agent
             .post_xfer_req(&req, None)
             .map_err(|e| nixl_err("post", e))?;
-        let deadline = Instant::now() + self.opts.io_timeout;
+        let deadline = crate::deadline_after(self.opts.io_timeout);
         loop {
             match ag.agent.get_xfer_status(&req) {
                 Ok(nx::XferStatus::Success) => return Ok(()),

@@ -1,0 +1,70 @@
+//! The PD endpoints' public API used wrongly on purpose (found by a hostile-caller
+//! review): prefill cannot stage pages its step does not hold, and an abort with a reason
+//! too long for the wire still reaches prefill (cut to fit).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic
+
+#[path = "pd_common/mod.rs"]
+mod pd_common;
+
+use std::time::Duration;
+
+use pd_common::*;
+use sparsekit_host::layout::{IndexKDtype, KvDtype};
+use sparsekit_server::pd::{ReceiverConfig, SenderConfig};
+
+/// `Job::stage` copies pages by id out of whole-buffer views: pages the guard's step does
+/// not hold (here a released request's) are refused.
+#[test]
+fn a_job_stages_only_pages_its_step_holds() {
+    let s = spec(KvDtype::Bf16, IndexKDtype::Bf16);
+    let pd = pd(
+        cache(s, 16, &[]),
+        cache(s, 16, &[]),
+        ReceiverConfig::default(),
+        SenderConfig::default(),
+    );
+    let prompt = prompt(3, 2 * PAGE);
+    start(&pd, 1, &prompt).unwrap();
+    let job = pd
+        .tx
+        .next_job(Duration::from_secs(10))
+        .expect("bootstrap reached prefill");
+    // Prefill: request 10 holds the real pages; request 11's pages are released (stale).
+    let real = fill(&pd.p, 10, &prompt);
+    let stale = fill(&pd.p, 11, &prompt);
+    pd.p.abort(11).unwrap();
+    let mut step = pd.p.step(&[10]).unwrap();
+    let g = step.wait_layer(0).unwrap();
+    assert!(job.stage(&g, &real).is_ok(), "the step's own pages stage");
+    let r = job.stage(&g, &stale);
+    assert!(r.is_err(), "stale pages of an aborted request were staged");
+}
+
+/// A reason longer than `wire::MAX_REASON` is cut to fit: the `Abort` still reaches
+/// prefill (else prefill would go on writing into quarantined pages).
+#[test]
+fn an_abort_with_a_long_reason_reaches_prefill() {
+    let s = spec(KvDtype::Bf16, IndexKDtype::Bf16);
+    let pd = pd(
+        cache(s, 16, &[]),
+        cache(s, 16, &[]),
+        ReceiverConfig::default(),
+        SenderConfig::default(),
+    );
+    let prompt = prompt(4, 2 * PAGE);
+    start(&pd, 1, &prompt).unwrap();
+    let job = pd
+        .tx
+        .next_job(Duration::from_secs(10))
+        .expect("bootstrap reached prefill");
+    assert!(pd.rx.abort(1, &"x".repeat(2000)), "the transfer was active");
+    let t = std::time::Instant::now();
+    while !job.is_cancelled() && t.elapsed() < Duration::from_secs(3) {
+        std::thread::yield_now();
+    }
+    assert!(
+        job.is_cancelled(),
+        "decode aborted the transfer but prefill was never told"
+    );
+}
