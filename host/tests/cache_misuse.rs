@@ -50,7 +50,7 @@ fn an_inbound_is_refused_while_its_request_is_in_a_live_step() {
     );
     c.begin(1, &[]).unwrap();
     let pages = c.alloc(1, 2).unwrap();
-    let mut step = c.step(&[1]).unwrap();
+    let step = c.step(&[1]).unwrap();
     let rx = c.inbound(1, &pages);
     assert!(
         rx.as_ref()

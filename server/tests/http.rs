@@ -517,3 +517,27 @@ async fn shutdown_finishes_or_aborts_in_flight_requests() {
     // The port no longer accepts.
     assert!(TcpStream::connect(a).await.is_err());
 }
+
+/// A body that stops arriving gets a JSON 408 once `body_timeout` passed (the connection
+/// does not hold a task forever), and the server stays healthy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_stops_arriving_gets_408() {
+    let (engine, server) = start(ServerConfig {
+        body_timeout: Duration::from_millis(300),
+        ..Default::default()
+    })
+    .await;
+    let a = server.addr;
+    let started = std::time::Instant::now();
+    let r = raw(
+        a,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\nConnection: close\r\n\r\n{\"model\": \"ti"
+            .to_vec(),
+    )
+    .await;
+    assert_eq!(r.status, 408, "{}", r.json());
+    assert_eq!(r.json()["error"]["code"], "request_timeout", "{}", r.json());
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    assert!(engine.is_healthy());
+    server.shutdown(Duration::from_secs(5)).await.unwrap();
+}

@@ -302,6 +302,7 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
         request_timeout: Duration::from_secs(args.request_timeout_s),
         shutdown_grace: Duration::from_secs(args.shutdown_grace_s),
         model_name: None,
+        ..Default::default()
     };
     let _ = tracing_subscriber::fmt()
         .with_env_filter(

@@ -42,6 +42,12 @@ use api::{
     digest_hex, parse, AbortBody, ApiError, ChatRequest, CompletionRequest, GenerateBody, Usage,
 };
 
+/// Connections open at once at most; more are closed as they come.
+pub const MAX_CONNECTIONS: usize = 4096;
+
+/// Pause after a failed accept (file descriptors exhausted) before the next.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
 /// Server settings.
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
@@ -55,6 +61,9 @@ pub struct ServerConfig {
     pub shutdown_grace: Duration,
     /// Name `/v1/models` lists and requests must name (the engine's model by default).
     pub model_name: Option<String>,
+    /// Longest a request body may take to arrive once the headers did (they have their
+    /// own 30 s bound); slower bodies get a 408.
+    pub body_timeout: Duration,
 }
 
 impl Default for ServerConfig {
@@ -64,6 +73,7 @@ impl Default for ServerConfig {
             request_timeout: Duration::from_secs(600),
             shutdown_grace: Duration::from_secs(10),
             model_name: None,
+            body_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -197,7 +207,17 @@ impl App {
                 _ => {}
             }
         }
-        match Limited::new(req.into_body(), max).collect().await {
+        let limit = self.cfg.body_timeout;
+        let body = tokio::time::timeout(limit, Limited::new(req.into_body(), max).collect());
+        let Ok(body) = body.await else {
+            return Err(ApiError::status(
+                408,
+                "invalid_request_error",
+                format!("the request body did not arrive within {limit:?}"),
+            )
+            .with_code("request_timeout"));
+        };
+        match body {
             Ok(c) => Ok(c.to_bytes()),
             Err(e)
                 if e.downcast_ref::<http_body_util::LengthLimitError>()
@@ -619,6 +639,7 @@ pub async fn serve(
         created: unix_now(),
     });
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let connections = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -626,9 +647,17 @@ pub async fn serve(
                 let (stream, _) = match accepted {
                     Ok(s) => s,
                     Err(e) => {
+                        // Out of file descriptors, say: back off instead of spinning.
                         tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(ACCEPT_BACKOFF).await;
                         continue;
                     }
+                };
+                // At the connection cap a new connection is closed at once.
+                let Ok(permit) = connections.clone().try_acquire_owned() else {
+                    tracing::warn!("connection refused: {MAX_CONNECTIONS} connections open");
+                    drop(stream);
+                    continue;
                 };
                 let _ = stream.set_nodelay(true);
                 let app = app.clone();
@@ -645,6 +674,7 @@ pub async fn serve(
                     if let Err(e) = fut.await {
                         tracing::debug!(error = %e, "connection ended with an error");
                     }
+                    drop(permit);
                 });
             }
             _ = &mut shutdown => break,
