@@ -68,3 +68,34 @@ fn an_abort_with_a_long_reason_reaches_prefill() {
         "decode aborted the transfer but prefill was never told"
     );
 }
+
+/// A peer cannot queue transfers without bound: past `max_jobs` a bootstrap is refused
+/// (`overloaded`) and decode's transfer fails with that reason; the jobs already taken
+/// are untouched.
+#[test]
+fn bootstraps_beyond_max_jobs_are_refused() {
+    let s = spec(KvDtype::Bf16, IndexKDtype::Bf16);
+    let pd = pd(
+        cache(s, 16, &[]),
+        cache(s, 16, &[]),
+        ReceiverConfig::default(),
+        SenderConfig {
+            max_jobs: 1,
+            ..Default::default()
+        },
+    );
+    start(&pd, 1, &prompt(5, 2 * PAGE)).unwrap();
+    start(&pd, 2, &prompt(6, 2 * PAGE)).unwrap();
+    let out = pd.rx.wait(2, Duration::from_secs(10)).unwrap();
+    match out {
+        sparsekit_server::pd::Outcome::Failed(why)
+        | sparsekit_server::pd::Outcome::Cancelled(why) => {
+            assert!(why.contains("overloaded") || why.contains("in flight"), "{why}")
+        }
+        o => panic!("the second transfer was not refused: {o:?}"),
+    }
+    assert_eq!(pd.tx.stats().refused("overloaded"), 1);
+    assert!(pd.rx.outcome(1).is_none(), "the first transfer is still live");
+    let job = pd.tx.next_job(Duration::from_secs(10)).expect("the first job");
+    assert_eq!(job.request(), 1);
+}

@@ -66,6 +66,9 @@ pub const RECONNECT_EVERY: Duration = Duration::from_secs(1);
 /// How long a polling loop below sleeps between looks (room in the decode pool).
 const POLL: Duration = Duration::from_millis(2);
 
+/// Longest a fetch waiting for room in the decode pool sleeps between looks.
+const MAX_NAP: Duration = Duration::from_millis(50);
+
 /// Under `stale-transfer-write`, one fetch in this many starts with a decoy transfer.
 const DECOY_EVERY: u64 = 4;
 
@@ -293,6 +296,7 @@ impl<B: Backend + 'static> PromptSource for DecodeSource<B> {
         // Ends the request on every way out but a hand-over (a panic included); where the
         // receiver aborted the transfer it ended the request itself (pages quarantined).
         let guard = RequestGuard::new(cache, req);
+        let mut nap = POLL;
         let pages = loop {
             if aborted.load(Ordering::Acquire) {
                 self.drop_request(req);
@@ -301,8 +305,11 @@ impl<B: Backend + 'static> PromptSource for DecodeSource<B> {
             match cache.try_alloc(req, pages_n) {
                 Ok(p) => break p,
                 Err(HostError::OutOfPages { .. }) if Instant::now() < deadline => {
-                    // Room comes back as decode requests end; look again shortly.
-                    std::thread::sleep(POLL);
+                    // Room comes back as decode requests end; look again shortly, less
+                    // often the longer it takes (many waiting fetches must not hammer
+                    // the cache's lock).
+                    std::thread::sleep(nap);
+                    nap = (nap * 2).min(MAX_NAP);
                 }
                 Err(e) => {
                     self.drop_request(req);

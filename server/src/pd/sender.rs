@@ -55,6 +55,10 @@ pub struct SenderConfig {
     pub abort_wait: Duration,
     /// Late writes held back under the `stale-transfer-write` fault, at most.
     pub max_late: usize,
+    /// Jobs (bootstrapped transfers not ended) at most; more bootstraps are refused
+    /// (`overloaded`, an `Abort` back to decode): a peer cannot queue prompts without
+    /// bound.
+    pub max_jobs: usize,
     /// Under `stale-transfer-write`: the rendezvous with decode's decoy transfers (a
     /// decoy's first write waits, bounded, until decode aborted it; see
     /// [`StaleWriteBarrier`]). `None`: the fault bites only where an abort happens to
@@ -72,6 +76,7 @@ impl Default for SenderConfig {
             tick: Duration::from_millis(20),
             abort_wait: Duration::from_secs(2),
             max_late: 64,
+            max_jobs: 4096,
             stale_barrier: None,
             hook: None,
         }
@@ -392,6 +397,13 @@ impl<B: Backend + 'static> TxShared<B> {
             if jobs.contains_key(&req) {
                 drop(jobs);
                 return self.refuse("duplicate", Some(req), &"bootstrap for a live transfer");
+            }
+            if jobs.len() >= self.config.max_jobs {
+                drop(jobs);
+                return refuse(
+                    "overloaded",
+                    format!("{} transfers in flight already", self.config.max_jobs),
+                );
             }
             let core = Arc::new(JobCore {
                 req,

@@ -11,7 +11,8 @@
 //!   transfer already ended: a late message), `after_abort` (a write for a transfer decode
 //!   aborted: a late write), `duplicate` (a page or confirmation again, a second bootstrap
 //!   for a live transfer), `bad_request` (a bootstrap or notification whose shape is wrong:
-//!   pages vs prompt, pages outside the landing zone, a layer out of range);
+//!   pages vs prompt, pages outside the landing zone, a layer out of range), `overloaded`
+//!   (a bootstrap beyond prefill's jobs in flight);
 //! - data decode refuses: `layout_mismatch` (fingerprint), `not_target` (a page the
 //!   transfer does not own), `stale_generation`, `checksum` (the landed bytes differ from
 //!   the sender's checksums), `cache_refused` (any other refusal of the cache),
