@@ -90,12 +90,21 @@ fn bootstraps_beyond_max_jobs_are_refused() {
     match out {
         sparsekit_server::pd::Outcome::Failed(why)
         | sparsekit_server::pd::Outcome::Cancelled(why) => {
-            assert!(why.contains("overloaded") || why.contains("in flight"), "{why}")
+            assert!(
+                why.contains("overloaded") || why.contains("in flight"),
+                "{why}"
+            )
         }
         o => panic!("the second transfer was not refused: {o:?}"),
     }
     assert_eq!(pd.tx.stats().refused("overloaded"), 1);
-    assert!(pd.rx.outcome(1).is_none(), "the first transfer is still live");
-    let job = pd.tx.next_job(Duration::from_secs(10)).expect("the first job");
+    assert!(
+        pd.rx.outcome(1).is_none(),
+        "the first transfer is still live"
+    );
+    let job = pd
+        .tx
+        .next_job(Duration::from_secs(10))
+        .expect("the first job");
     assert_eq!(job.request(), 1);
 }
