@@ -92,11 +92,17 @@ fn prefill_and_decode_as_two_processes_over_nixl() {
     };
     let common = ["--port", "0", "--kv-pages", "1024", "--index-k", "bf16"];
     let plain = serve(&lib, &[&common[..], &["--prefix-cache", "off"]].concat());
-    let prefill = serve(
-        &lib,
-        &[
-            &common[..],
+    // The prefill side, on `port` (0: any free one).
+    let start_prefill = |port: &str| {
+        serve(
+            &lib,
             &[
+                "--port",
+                port,
+                "--kv-pages",
+                "1024",
+                "--index-k",
+                "bf16",
                 "--role",
                 "prefill",
                 "--transport",
@@ -104,9 +110,9 @@ fn prefill_and_decode_as_two_processes_over_nixl() {
                 "--host-tier",
                 "on",
             ],
-        ]
-        .concat(),
-    );
+        )
+    };
+    let prefill = start_prefill("0");
     let peer = format!("http://{}", prefill.addr);
     let decode = serve(
         &lib,
@@ -194,28 +200,7 @@ fn prefill_and_decode_as_two_processes_over_nixl() {
 
     // A prefill restarted on the same port is found again (decode reconnects on a later
     // request, at most one attempt a second) and serves the same bits.
-    let prefill = serve(
-        &lib,
-        &[
-            &[
-                "--port",
-                &prefill_port,
-                "--kv-pages",
-                "1024",
-                "--index-k",
-                "bf16",
-            ][..],
-            &[
-                "--role",
-                "prefill",
-                "--transport",
-                "nixl",
-                "--host-tier",
-                "on",
-            ],
-        ]
-        .concat(),
-    );
+    let prefill = start_prefill(&prefill_port);
     let deadline = Instant::now() + Duration::from_secs(30);
     let again = loop {
         let (status, v) = generate(&decode.addr, &prompt);

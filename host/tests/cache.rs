@@ -12,11 +12,11 @@ use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 
 use common::{
-    cache, cache_on, prompt, read_pages, spec, store_layer, Expect, Flaky, BOUND, LAYERS, PAGE,
+    cache, cache_on, prompt, read_pages, source, spec, store_layer, Expect, Flaky, BOUND, LAYERS,
+    PAGE,
 };
 use sparsekit_host::cache::{BufferKind, CacheConfig, Fault, Faults, HiCache, HostLayout, SlotRef};
 use sparsekit_host::layout::{IndexKDtype, KvDtype};
-use sparsekit_host::ops::{PageChecksums, PagedRegion};
 use sparsekit_host::{Backend, EmuBackend, Error};
 
 const BF: (KvDtype, IndexKDtype) = (KvDtype::Bf16, IndexKDtype::Bf16);
@@ -805,32 +805,6 @@ fn write_through_backs_up_on_commit() {
         e.request(&c, 2, &prompt(1, 3 * PAGE), false).unwrap(),
         3 * PAGE
     );
-}
-
-/// Source pages for an inbound transfer: `n` pages of `layout` with seeded bytes, and
-/// their checksums.
-fn source<B: Backend>(
-    b: &B,
-    layout: impl Into<sparsekit_host::layout::PageLayout>,
-    n: usize,
-    seed: u8,
-) -> (B::Buffer, PagedRegion, Vec<u64>) {
-    let region = PagedRegion::contiguous(layout, n);
-    let bytes: Vec<u8> = (0..region.layout.bytes_per_page() * n)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
-        .collect();
-    let buf = b.upload(&bytes).unwrap();
-    let ids: Vec<i32> = (0..n as i32).collect();
-    let mut out = b.alloc(n * 8).unwrap();
-    b.page_checksums(&PageChecksums { region, ids: &ids }, &buf, &mut out)
-        .unwrap();
-    let sums = b
-        .download(&out)
-        .unwrap()
-        .chunks_exact(8)
-        .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
-        .collect();
-    (buf, region, sums)
 }
 
 /// PD receive: layer readiness is published only when every page of the layer landed in

@@ -7,37 +7,9 @@
 
 mod common;
 
-use common::{cache, read_pages, spec, LAYERS};
+use common::{cache, read_pages, source, spec, LAYERS};
 use sparsekit_host::cache::{BufferKind, CacheConfig};
 use sparsekit_host::layout::{IndexKDtype, KvDtype};
-use sparsekit_host::ops::{PageChecksums, PagedRegion};
-use sparsekit_host::Backend;
-
-/// Source pages for an inbound transfer: `n` pages of `layout` with seeded bytes, and
-/// their checksums (same helper as tests/cache.rs).
-fn source<B: Backend>(
-    b: &B,
-    layout: impl Into<sparsekit_host::layout::PageLayout>,
-    n: usize,
-    seed: u8,
-) -> (B::Buffer, PagedRegion, Vec<u64>) {
-    let region = PagedRegion::contiguous(layout, n);
-    let bytes: Vec<u8> = (0..region.layout.bytes_per_page() * n)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
-        .collect();
-    let buf = b.upload(&bytes).unwrap();
-    let ids: Vec<i32> = (0..n as i32).collect();
-    let mut out = b.alloc(n * 8).unwrap();
-    b.page_checksums(&PageChecksums { region, ids: &ids }, &buf, &mut out)
-        .unwrap();
-    let sums = b
-        .download(&out)
-        .unwrap()
-        .chunks_exact(8)
-        .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
-        .collect();
-    (buf, region, sums)
-}
 
 /// A step opened before `HiCache::inbound` copied the request's fences without the
 /// transfer's: the inbound is refused while the request is in a live step (else the step

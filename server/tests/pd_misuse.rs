@@ -13,17 +13,22 @@ use pd_common::*;
 use sparsekit_host::layout::{IndexKDtype, KvDtype};
 use sparsekit_server::pd::{ReceiverConfig, SenderConfig};
 
+/// A PD pair over two 16-page bf16 caches, the receiver's defaults, sender `sc`.
+fn pair(sc: SenderConfig) -> Pd {
+    let s = spec(KvDtype::Bf16, IndexKDtype::Bf16);
+    pd(
+        cache(s, 16, &[]),
+        cache(s, 16, &[]),
+        ReceiverConfig::default(),
+        sc,
+    )
+}
+
 /// `Job::stage` copies pages by id out of whole-buffer views: pages the guard's step does
 /// not hold (here a released request's) are refused.
 #[test]
 fn a_job_stages_only_pages_its_step_holds() {
-    let s = spec(KvDtype::Bf16, IndexKDtype::Bf16);
-    let pd = pd(
-        cache(s, 16, &[]),
-        cache(s, 16, &[]),
-        ReceiverConfig::default(),
-        SenderConfig::default(),
-    );
+    let pd = pair(SenderConfig::default());
     let prompt = prompt(3, 2 * PAGE);
     start(&pd, 1, &prompt).unwrap();
     let job = pd
@@ -45,13 +50,7 @@ fn a_job_stages_only_pages_its_step_holds() {
 /// prefill (else prefill would go on writing into quarantined pages).
 #[test]
 fn an_abort_with_a_long_reason_reaches_prefill() {
-    let s = spec(KvDtype::Bf16, IndexKDtype::Bf16);
-    let pd = pd(
-        cache(s, 16, &[]),
-        cache(s, 16, &[]),
-        ReceiverConfig::default(),
-        SenderConfig::default(),
-    );
+    let pd = pair(SenderConfig::default());
     let prompt = prompt(4, 2 * PAGE);
     start(&pd, 1, &prompt).unwrap();
     let job = pd
@@ -74,16 +73,10 @@ fn an_abort_with_a_long_reason_reaches_prefill() {
 /// are untouched.
 #[test]
 fn bootstraps_beyond_max_jobs_are_refused() {
-    let s = spec(KvDtype::Bf16, IndexKDtype::Bf16);
-    let pd = pd(
-        cache(s, 16, &[]),
-        cache(s, 16, &[]),
-        ReceiverConfig::default(),
-        SenderConfig {
-            max_jobs: 1,
-            ..Default::default()
-        },
-    );
+    let pd = pair(SenderConfig {
+        max_jobs: 1,
+        ..Default::default()
+    });
     start(&pd, 1, &prompt(5, 2 * PAGE)).unwrap();
     start(&pd, 2, &prompt(6, 2 * PAGE)).unwrap();
     let out = pd.rx.wait(2, Duration::from_secs(10)).unwrap();

@@ -349,6 +349,19 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
         self.step.is_aborted(req)
     }
 
+    /// Request `req` fails: page `p` of this layer is stamped `stamp`, not its generation.
+    fn not_landed(&self, req: RequestId, p: &PageRef, stamp: Option<u32>) -> Error {
+        failed(
+            req,
+            Error::NotLanded {
+                page: p.id,
+                layer: self.layer,
+                generation: p.generation,
+                stamp,
+            },
+        )
+    }
+
     /// The landed-stamp check, for every (non-aborted) member: its prefix and received
     /// pages were last written for their current generation in this layer; its other own
     /// pages were not written yet or written for their generation.
@@ -362,15 +375,7 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
             for (p, may_be_empty) in strict.chain(m.own.iter().map(|p| (p, true))) {
                 let stamp = sh.device.stamp(self.layer, p.id);
                 if stamp != Some(p.generation) && !(may_be_empty && stamp.is_none()) {
-                    return Err(failed(
-                        m.req,
-                        Error::NotLanded {
-                            page: p.id,
-                            layer: self.layer,
-                            generation: p.generation,
-                            stamp,
-                        },
-                    ));
+                    return Err(self.not_landed(m.req, p, stamp));
                 }
             }
         }
@@ -397,15 +402,7 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
             };
             let stamp = sh.device.stamp(self.layer, p.id);
             if stamp != Some(p.generation) && !sh.fault(Fault::NoLandedCheck) {
-                return Err(failed(
-                    m.req,
-                    Error::NotLanded {
-                        page: p.id,
-                        layer: self.layer,
-                        generation: p.generation,
-                        stamp,
-                    },
-                ));
+                return Err(self.not_landed(m.req, p, stamp));
             }
         }
         Ok(())

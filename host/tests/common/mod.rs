@@ -17,7 +17,7 @@ use sparsekit_host::cache::{
 };
 use sparsekit_host::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};
 use sparsekit_host::ops::{
-    CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, SparseMla, Topk,
+    CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, PagedRegion, SparseMla, Topk,
 };
 use sparsekit_host::{Backend, CpuBackend, Error, Result};
 
@@ -451,4 +451,30 @@ pub fn seed(test: &str) -> u64 {
         });
     eprintln!("{test}: seed {s} (replay with SPARSEKIT_SEED={s})");
     s
+}
+
+/// Source pages for an inbound transfer: `n` pages of `layout` with seeded bytes, and
+/// their checksums.
+pub fn source<B: Backend>(
+    b: &B,
+    layout: impl Into<sparsekit_host::layout::PageLayout>,
+    n: usize,
+    seed: u8,
+) -> (B::Buffer, PagedRegion, Vec<u64>) {
+    let region = PagedRegion::contiguous(layout, n);
+    let bytes: Vec<u8> = (0..region.layout.bytes_per_page() * n)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect();
+    let buf = b.upload(&bytes).unwrap();
+    let ids: Vec<i32> = (0..n as i32).collect();
+    let mut out = b.alloc(n * 8).unwrap();
+    b.page_checksums(&PageChecksums { region, ids: &ids }, &buf, &mut out)
+        .unwrap();
+    let sums = b
+        .download(&out)
+        .unwrap()
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    (buf, region, sums)
 }

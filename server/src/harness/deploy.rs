@@ -346,7 +346,7 @@ pub fn parse_url(url: &str) -> Result<SocketAddr, EngineError> {
         .trim_end_matches('/');
     if hostport.contains('/') || url.trim().starts_with("https://") {
         return Err(EngineError::InvalidRequest(format!(
-            "--url takes http://host:port, got {url:?}"
+            "expected http://host:port, got {url:?}"
         )));
     }
     hostport

@@ -29,7 +29,7 @@ use crate::engine::scheduler::{Engine, EngineOptions};
 use crate::engine::{CacheHandle, CacheSpaceOptions, ModelConfig, PromptSource, ReceivedPages};
 use crate::error::EngineError;
 use crate::metrics::Metrics;
-use crate::pd::error::PdError;
+use crate::pd::error::{pd_error, PdError};
 use crate::pd::faults::{PdFault, StaleWriteBarrier};
 use crate::pd::landing::{LandingGeometry, LandingZone};
 use crate::pd::receiver::{Outcome, Receiver, ReceiverConfig};
@@ -111,14 +111,6 @@ impl<B: Backend + 'static> std::fmt::Debug for DecodeSource<B> {
             .field("read_before_landed", &self.read_before_landed)
             .field("stale_write", &self.stale_write.is_some())
             .finish()
-    }
-}
-
-pub(crate) fn pd_error(e: PdError) -> EngineError {
-    match e {
-        PdError::Timeout(m) => EngineError::Timeout(m),
-        PdError::Transfer(e) => EngineError::Unavailable(format!("PD peer: {e}")),
-        e => EngineError::StepFailed(format!("PD transfer: {e}")),
     }
 }
 

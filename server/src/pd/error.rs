@@ -2,6 +2,7 @@
 
 use thiserror::Error;
 
+use crate::error::EngineError;
 use crate::pd::wire::WireError;
 use crate::transfer::TransferError;
 
@@ -39,4 +40,14 @@ pub enum PdError {
     /// A bounded wait ran out.
     #[error("timed out: {0}")]
     Timeout(String),
+}
+
+/// The engine's error for a PD failure: a timeout stays a timeout, a transport failure
+/// (the peer is away) is `Unavailable`, anything else fails the request's step.
+pub(crate) fn pd_error(e: PdError) -> EngineError {
+    match e {
+        PdError::Timeout(m) => EngineError::Timeout(m),
+        PdError::Transfer(e) => EngineError::Unavailable(format!("PD peer: {e}")),
+        e => EngineError::StepFailed(format!("PD transfer: {e}")),
+    }
 }

@@ -27,7 +27,7 @@ pub struct PdPair<B: Backend + 'static> {
     pub prefill: Arc<Engine>,
     pub decode: Arc<Engine>,
     // Drop order: decode first.
-    decode_node: Option<DecodeNode<B>>,
+    decode_node: DecodeNode<B>,
     prefill_node: Arc<PrefillNode<B>>,
 }
 
@@ -97,7 +97,7 @@ impl<B: Backend + ModelOps + 'static> PdPair<B> {
             prefill: prefill_node.engine.clone(),
             decode: decode_node.engine.clone(),
             prefill_node,
-            decode_node: Some(decode_node),
+            decode_node,
         })
     }
 }
@@ -105,37 +105,29 @@ impl<B: Backend + ModelOps + 'static> PdPair<B> {
 impl<B: Backend + 'static> PdPair<B> {
     /// Decode's transfers not ended yet.
     pub fn transfers_in_flight(&self) -> usize {
-        self.decode_node
-            .as_ref()
-            .map_or(0, DecodeNode::transfers_in_flight)
+        self.decode_node.transfers_in_flight()
     }
 
     /// Pages decode holds for aborted transfers until prefill confirms.
     pub fn quarantined_pages(&self) -> usize {
-        self.decode_node
-            .as_ref()
-            .map_or(0, DecodeNode::quarantined_pages)
+        self.decode_node.quarantined_pages()
     }
 
     /// The endpoints' counters (decode's receiver, prefill's sender).
     pub fn stats(&self) -> (PdStatsSnapshot, PdStatsSnapshot) {
-        (
-            self.decode_node
-                .as_ref()
-                .map(DecodeNode::stats)
-                .unwrap_or_default(),
-            self.prefill_node.stats(),
-        )
+        (self.decode_node.stats(), self.prefill_node.stats())
     }
 
     /// Stops both engines (up to `grace` each for what is in flight), the prefill
     /// workers and the metrics threads.
-    pub fn shutdown(mut self, grace: Duration) -> Result<(), EngineError> {
-        let d = match self.decode_node.take() {
-            Some(d) => d.shutdown(grace),
-            None => Ok(()),
-        };
-        let p = self.prefill_node.shutdown(grace);
+    pub fn shutdown(self, grace: Duration) -> Result<(), EngineError> {
+        let PdPair {
+            decode_node,
+            prefill_node,
+            ..
+        } = self;
+        let d = decode_node.shutdown(grace);
+        let p = prefill_node.shutdown(grace);
         d.and(p)
     }
 }

@@ -313,7 +313,7 @@ impl<B: Backend + 'static> PrefillNode<B> {
         drop(closed);
         let sender = Arc::new(
             Sender::new(self.handle.cache().clone(), end, self.sender_config.clone())
-                .map_err(crate::pd::decode::pd_error)?,
+                .map_err(crate::pd::error::pd_error)?,
         );
         let workers = PrefillWorkers::start(
             self.workers,

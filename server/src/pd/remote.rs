@@ -8,7 +8,7 @@
 //! Built without the cargo feature `nixl`, every entry point here returns
 //! [`EngineError::Unavailable`] saying how to get it ([`NIXL_BUILT`] tells beforehand).
 
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,6 +21,7 @@ use serde_json::Value;
 use sparsekit_host::Backend;
 
 use crate::error::EngineError;
+use crate::harness::deploy::parse_url;
 use crate::pd::decode::Connector;
 use crate::pd::prefill::PrefillNode;
 
@@ -36,39 +37,11 @@ fn not_built() -> EngineError {
     )
 }
 
-/// Splits `http://host:port` (or `host:port`) into host and port.
-fn host_port(url: &str) -> Result<(String, u16), EngineError> {
-    let bad = || EngineError::InvalidRequest(format!("--peer takes http://host:port, got {url:?}"));
-    let t = url.trim();
-    if t.starts_with("https://") {
-        return Err(bad());
-    }
-    let hp = t.trim_start_matches("http://").trim_end_matches('/');
-    if hp.contains('/') {
-        return Err(bad());
-    }
-    let (h, p) = hp.rsplit_once(':').ok_or_else(bad)?;
-    let port = p.parse::<u16>().map_err(|_| bad())?;
-    if h.is_empty() {
-        return Err(bad());
-    }
-    Ok((h.trim_matches(|c| c == '[' || c == ']').to_string(), port))
-}
-
-fn resolve(host: &str, port: u16) -> Result<SocketAddr, EngineError> {
-    (host, port)
-        .to_socket_addrs()
-        .ok()
-        .and_then(|mut a| a.next())
-        .ok_or_else(|| EngineError::Unavailable(format!("cannot resolve {host}:{port}")))
-}
-
 /// Prefill's PD address from its server URL: its `/server_info` must say it is a prefill
 /// server on the NIXL transport; the address is the URL's host with its bootstrap port.
 /// Bounded by `timeout`.
 pub fn discover(url: &str, timeout: Duration) -> Result<SocketAddr, EngineError> {
-    let (host, port) = host_port(url)?;
-    let http = resolve(&host, port)?;
+    let http = parse_url(url)?;
     let body = crate::harness::deploy::get(http, "/server_info", timeout)
         .map_err(|e| EngineError::Unavailable(format!("prefill at {url}: {e}")))?;
     let v: Value = serde_json::from_str(&body)
@@ -92,7 +65,9 @@ pub fn discover(url: &str, timeout: Duration) -> Result<SocketAddr, EngineError>
         .ok_or_else(|| {
             EngineError::Unavailable(format!("prefill at {url}: no pd.bootstrap_port"))
         })?;
-    resolve(&host, bp)
+    let mut at = http;
+    at.set_port(bp);
+    Ok(at)
 }
 
 /// Accepts decode connections on prefill's bootstrap port and attaches each to the
@@ -189,7 +164,7 @@ pub fn nixl_connector(peer_url: &str, io_timeout: Duration) -> Result<Connector,
     use crate::transfer::{TransferError, Transport};
     use parking_lot::Mutex;
 
-    host_port(peer_url)?;
+    parse_url(peer_url)?;
     let agent = NixlAgent::new(Role::Decode)
         .map_err(|e| EngineError::Unavailable(format!("NIXL decode agent: {e}")))?;
     let url = peer_url.to_string();
@@ -247,11 +222,14 @@ mod tests {
     #[test]
     fn peer_urls_parse_or_are_refused() {
         assert_eq!(
-            host_port("http://127.0.0.1:30001").unwrap(),
-            ("127.0.0.1".into(), 30001)
+            parse_url("http://127.0.0.1:30001").unwrap(),
+            SocketAddr::from(([127, 0, 0, 1], 30001))
         );
-        assert_eq!(host_port("localhost:8/").unwrap(), ("localhost".into(), 8));
-        assert_eq!(host_port("http://[::1]:9").unwrap(), ("::1".into(), 9));
+        assert_eq!(parse_url("localhost:8/").unwrap().port(), 8);
+        assert_eq!(
+            parse_url("http://[::1]:9").unwrap(),
+            "[::1]:9".parse::<SocketAddr>().unwrap()
+        );
         for bad in [
             "https://x:1",
             "http://x",
@@ -261,7 +239,7 @@ mod tests {
             "",
         ] {
             assert!(
-                matches!(host_port(bad), Err(EngineError::InvalidRequest(_))),
+                matches!(parse_url(bad), Err(EngineError::InvalidRequest(_))),
                 "{bad}"
             );
         }
