@@ -46,21 +46,12 @@ fn runtime_or_skip(test: &str) -> Option<PathBuf> {
     dir
 }
 
-fn library_path(lib: &Path) -> OsString {
-    let mut p = lib.as_os_str().to_owned();
-    if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
-        p.push(":");
-        p.push(old);
-    }
-    p
-}
-
-/// `sparsekit serve ARGS` with the NIXL runtime on its library path.
+/// `sparsekit serve ARGS`, told where the NIXL runtime is.
 fn serve(lib: &Path, args: &[&str]) -> Server {
     common::serve(
         args,
         &[
-            ("LD_LIBRARY_PATH", library_path(lib)),
+            (NIXL_LIB_ENV, lib.as_os_str().to_owned()),
             ("RUST_LOG", "warn".into()),
         ],
     )

@@ -1,11 +1,11 @@
-//! PD over NIXL (feature `nixl`): the same endpoints and checks as over the local
+//! PD over NIXL: the same endpoints and checks as over the local
 //! transport, with page bytes moved by NIXL writes (UCX over loopback) into decode's
 //! registered landing zone and notifications carrying the `Written` frames.
 //!
-//! The NIXL runtime must be on the library path of the process that uses it, so these
-//! tests run their NIXL parts in child processes of this test binary (re-executed with
-//! `LD_LIBRARY_PATH` pointing at the runtime): `SPARSEKIT_NIXL_LIB`, or `.tools/nixl/`
-//! (installed by `scripts/setup-nixl.sh`). Without it they say so and pass, unless
+//! The NIXL runtime is opened once per process, so these tests run their NIXL parts in
+//! child processes of this test binary (re-executed with `SPARSEKIT_NIXL_LIB` naming the
+//! runtime's directory): `SPARSEKIT_NIXL_LIB`, or `.tools/nixl/` (installed by
+//! `scripts/setup-nixl.sh`). Without it they say so and pass, unless
 //! `SPARSEKIT_REQUIRE_NIXL=1` (CI) makes that a failure.
 //!
 //! - prefill and decode as two processes: ragged transfers bit-exact, an abort, then a
@@ -15,7 +15,6 @@
 //!   over NIXL;
 //! - without the runtime, NIXL says so instead of aborting the process.
 
-#![cfg(feature = "nixl")]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod pd_common;
@@ -77,8 +76,8 @@ fn runtime_or_skip(test: &str) -> Option<PathBuf> {
     dir
 }
 
-/// This test binary, running only `test`, as child `role`, with `lib` on its library path
-/// (or none), stdin/stdout piped.
+/// This test binary, running only `test`, as child `role`, told that the NIXL runtime is
+/// in `lib` (or nowhere), stdin/stdout piped.
 fn child(test: &str, role: &str, lib: Option<&PathBuf>, env: &[(&str, String)]) -> Child {
     let mut c = Command::new(std::env::current_exe().unwrap());
     c.args([test, "--exact", "--nocapture", "--test-threads=1"])
@@ -88,15 +87,12 @@ fn child(test: &str, role: &str, lib: Option<&PathBuf>, env: &[(&str, String)]) 
         .stderr(Stdio::inherit());
     match lib {
         Some(d) => {
-            let mut p = d.as_os_str().to_owned();
-            if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
-                p.push(":");
-                p.push(old);
-            }
-            c.env("LD_LIBRARY_PATH", p);
+            c.env(nixl::LIB_ENV, d);
         }
         None => {
-            c.env_remove("LD_LIBRARY_PATH");
+            // A directory without the runtime, and no loader path that could hold one.
+            c.env(nixl::LIB_ENV, "/nonexistent/sparsekit-no-nixl")
+                .env_remove("LD_LIBRARY_PATH");
         }
     }
     for (k, v) in env {
@@ -451,14 +447,14 @@ fn without_the_runtime_nixl_says_so() {
         assert!(finish(c).success());
         return;
     }
-    if !nixl_sys::is_stub() {
+    if nixl::check_runtime().is_ok() {
         eprintln!("SKIPPED {name}: a NIXL runtime is installed system-wide");
         return;
     }
     match NixlAgent::new(Role::Decode) {
         Err(TransferError::Unavailable(m)) => {
             assert!(
-                m.contains("setup-nixl.sh") && m.contains("LD_LIBRARY_PATH"),
+                m.contains("setup-nixl.sh") && m.contains(nixl::LIB_ENV),
                 "{m}"
             )
         }

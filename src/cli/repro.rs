@@ -25,7 +25,6 @@ use sparsekit_server::harness::repro::{
     reference_runs, run_configs, run_repro, total_turns, ReproOptions,
 };
 use sparsekit_server::harness::{Workload, WorkloadConfig};
-use sparsekit_server::pd::remote::NIXL_BUILT;
 use sparsekit_server::transfer::{nixl_runtime_dir, NIXL_LIB_ENV};
 
 use super::{CliError, BACKENDS};
@@ -59,8 +58,8 @@ pub struct Args {
     #[arg(long, default_value_t = 0.0)]
     abort_rate: f64,
     /// PD transport for the PD-on rows: local (a pair in this process) or nixl (a prefill
-    /// and a decode `serve` process of this binary over loopback; needs a build with
-    /// `--features nixl` and the runtime from scripts/setup-nixl.sh).
+    /// and a decode `serve` process of this binary over loopback; needs the NIXL runtime
+    /// from scripts/setup-nixl.sh).
     #[arg(long, default_value = "local")]
     transport: String,
     /// Run against servers already running (`sparsekit serve`), comma-separated
@@ -250,17 +249,9 @@ fn run_on<B: Backend + ModelOps + 'static>(
     Ok((report.rows, Some(report.sizing)))
 }
 
-/// `--transport nixl`: PD-on rows served by `sparsekit serve` processes (this binary) with
-/// the NIXL runtime on their library path.
+/// `--transport nixl`: PD-on rows served by `sparsekit serve` processes (this binary),
+/// told where the NIXL runtime is.
 fn process_runner(backend: &str) -> Result<ProcessRunner, CliError> {
-    if !NIXL_BUILT {
-        return Err(
-            "--transport nixl: this binary has no NIXL transport; build it with \
-                    `cargo build --release --features nixl` (needs libclang) and install the \
-                    runtime with `bash scripts/setup-nixl.sh`"
-                .into(),
-        );
-    }
     let exe = std::env::current_exe().map_err(|e| format!("cannot find this binary: {e}"))?;
     let lib = nixl_runtime_dir(Some(&exe)).ok_or_else(|| {
         format!(
@@ -268,20 +259,12 @@ fn process_runner(backend: &str) -> Result<ProcessRunner, CliError> {
              `bash scripts/setup-nixl.sh` (installs it under .tools/nixl) or set {NIXL_LIB_ENV}"
         )
     })?;
-    let mut path = lib.into_os_string();
-    if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
-        path.push(":");
-        path.push(old);
-    }
     let log_dir = std::env::temp_dir().join(format!("sparsekit-repro-{}", std::process::id()));
     std::fs::create_dir_all(&log_dir)
         .map_err(|e| format!("cannot create {}: {e}", log_dir.display()))?;
     Ok(ProcessRunner {
         exe,
-        env: vec![(
-            "LD_LIBRARY_PATH".into(),
-            path.to_string_lossy().into_owned(),
-        )],
+        env: vec![(NIXL_LIB_ENV.into(), lib.to_string_lossy().into_owned())],
         backend: backend.to_string(),
         log_dir,
     })

@@ -119,8 +119,8 @@ pub struct Args {
     #[arg(long, default_value = "off")]
     host_tier: String,
     /// PD transport: local (in process, `--role both --pd on`) or nixl (`--role
-    /// prefill|decode`, two processes; needs a build with `--features nixl` and the NIXL
-    /// runtime on LD_LIBRARY_PATH, see scripts/setup-nixl.sh).
+    /// prefill|decode`, two processes; needs the NIXL runtime: `bash
+    /// scripts/setup-nixl.sh`, found under .tools/nixl or through SPARSEKIT_NIXL_LIB).
     #[arg(long, default_value = "local")]
     transport: String,
     /// Prefill/decode disaggregation inside this process (`--role both`): on or off. With

@@ -31,9 +31,9 @@ const STOP_BOUND: Duration = Duration::from_secs(20);
 /// Starts PD-on configurations as two server processes (see the module docs).
 #[derive(Clone, Debug)]
 pub struct ProcessRunner {
-    /// The `sparsekit` binary (built with the `nixl` feature).
+    /// The `sparsekit` binary.
     pub exe: PathBuf,
-    /// Environment added for the servers (`LD_LIBRARY_PATH` with the NIXL runtime).
+    /// Environment added for the servers (`SPARSEKIT_NIXL_LIB`: where the NIXL runtime is).
     pub env: Vec<(String, String)>,
     /// The servers' backend (`cpu`, `emu`, `cuda`): the reference's.
     pub backend: String,

@@ -5,16 +5,14 @@
 //! Page bytes then move as NIXL writes into decode's registered landing zone
 //! ([`crate::transfer::nixl`]).
 //!
-//! Built without the cargo feature `nixl`, every entry point here returns
-//! [`EngineError::Unavailable`] saying how to get it ([`NIXL_BUILT`] tells beforehand).
+//! Without the NIXL runtime every entry point here returns [`EngineError::Unavailable`]
+//! saying how to install it.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-#[cfg(feature = "nixl")]
 use std::sync::atomic::{AtomicBool, Ordering};
-#[cfg(feature = "nixl")]
 use std::thread::JoinHandle;
 
 use serde_json::Value;
@@ -24,18 +22,6 @@ use crate::error::EngineError;
 use crate::harness::deploy::parse_url;
 use crate::pd::decode::Connector;
 use crate::pd::prefill::PrefillNode;
-
-/// Whether this build includes the NIXL transport (cargo feature `nixl`).
-pub const NIXL_BUILT: bool = cfg!(feature = "nixl");
-
-#[cfg(not(feature = "nixl"))]
-fn not_built() -> EngineError {
-    EngineError::Unavailable(
-        "this build has no NIXL transport: rebuild with `--features nixl` (building it needs \
-         libclang; running it the runtime from `bash scripts/setup-nixl.sh`)"
-            .into(),
-    )
-}
 
 /// Prefill's PD address from its server URL: its `/server_info` must say it is a prefill
 /// server on the NIXL transport; the address is the URL's host with its bootstrap port.
@@ -76,15 +62,12 @@ pub fn discover(url: &str, timeout: Duration) -> Result<SocketAddr, EngineError>
 #[derive(Debug)]
 pub struct PrefillListener {
     addr: SocketAddr,
-    #[cfg(feature = "nixl")]
     stop: Arc<AtomicBool>,
-    #[cfg(feature = "nixl")]
     thread: Option<JoinHandle<()>>,
 }
 
 impl PrefillListener {
     /// Listens at `addr` (port 0: any free port; see [`PrefillListener::local_addr`]).
-    #[cfg(feature = "nixl")]
     pub fn start<B: Backend + 'static>(
         node: Arc<PrefillNode<B>>,
         addr: SocketAddr,
@@ -127,22 +110,12 @@ impl PrefillListener {
         })
     }
 
-    /// Listens at `addr` (this build has no NIXL transport: always unavailable).
-    #[cfg(not(feature = "nixl"))]
-    pub fn start<B: Backend + 'static>(
-        _node: Arc<PrefillNode<B>>,
-        _addr: SocketAddr,
-    ) -> Result<Self, EngineError> {
-        Err(not_built())
-    }
-
     /// Where decode connects.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
     }
 }
 
-#[cfg(feature = "nixl")]
 impl Drop for PrefillListener {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
@@ -156,7 +129,6 @@ impl Drop for PrefillListener {
 /// bootstrap port (a restarted prefill may have another) and opens a NIXL connection;
 /// the landing zone is registered with decode's agent on the first call. Every step is
 /// bounded (`io_timeout` each).
-#[cfg(feature = "nixl")]
 pub fn nixl_connector(peer_url: &str, io_timeout: Duration) -> Result<Connector, EngineError> {
     use crate::pd::error::PdError;
     use crate::pd::wire::Role;
@@ -206,13 +178,6 @@ pub fn nixl_connector(peer_url: &str, io_timeout: Duration) -> Result<Connector,
         let end: Arc<dyn Transport> = nixl::connect(&side, addr)?;
         Ok(end)
     }))
-}
-
-/// Decode's connector to prefill at `peer_url` (this build has no NIXL transport: always
-/// unavailable).
-#[cfg(not(feature = "nixl"))]
-pub fn nixl_connector(_peer_url: &str, _io_timeout: Duration) -> Result<Connector, EngineError> {
-    Err(not_built())
 }
 
 #[cfg(test)]

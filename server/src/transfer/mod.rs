@@ -9,8 +9,9 @@
 //!
 //! - [`local`]: in-process (the default for `--role both` and the harness): channels and a
 //!   shared landing zone.
-//! - `nixl` (cargo feature `nixl`): NIXL agents over UCX in two processes; frames over a
-//!   TCP control connection, notifications attached to the NIXL writes.
+//! - [`nixl`]: NIXL agents over UCX in two processes; frames over a TCP control
+//!   connection, notifications attached to the NIXL writes. Always built: the NIXL runtime
+//!   is opened at run time, and its absence is a typed error.
 
 use std::fmt::Debug;
 use std::sync::Arc;
@@ -22,7 +23,6 @@ use crate::pd::landing::LandingZone;
 use crate::pd::wire::Hello;
 
 pub mod local;
-#[cfg(feature = "nixl")]
 pub mod nixl;
 
 /// Errors of a transport.

@@ -27,7 +27,6 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use nixl_sys as nx;
 use parking_lot::Mutex;
 
 use crate::pd::landing::LandingZone;
@@ -36,20 +35,15 @@ use crate::transfer::{Segment, TransferError, Transport, IO_TIMEOUT};
 
 pub use crate::transfer::NIXL_LIB_ENV as LIB_ENV;
 
-/// Whether the NIXL runtime can be used in this process. Without it every NIXL call would
-/// abort the process, so this is checked before any.
+mod capi;
+
+/// Whether the NIXL runtime can be used in this process: its C API library is found and
+/// opened on the first call (see [`capi`]); without it this says how to install it.
 pub fn check_runtime() -> Result<(), TransferError> {
-    if nx::is_stub() {
-        return Err(TransferError::Unavailable(format!(
-            "the NIXL runtime is not available (libnixl_capi.so not found): install it with \
-             `bash scripts/setup-nixl.sh` and run with \
-             LD_LIBRARY_PATH=<dir>/.nixl_cu12.mesonpy.libs (or set {LIB_ENV} for the tests)"
-        )));
-    }
-    Ok(())
+    capi::api().map(|_| ()).map_err(TransferError::Unavailable)
 }
 
-fn nixl_err(what: &str, e: nx::NixlError) -> TransferError {
+fn nixl_err(what: &str, e: capi::CallError) -> TransferError {
     TransferError::Failed(format!("NIXL {what}: {e}"))
 }
 
@@ -72,13 +66,13 @@ impl Default for NixlOptions {
 }
 
 /// A NIXL agent with its UCX backend. Creating one costs ~250 ms; one per process serves
-/// every connection of that process. Calls into it are serialised.
+/// every connection of that process. Each NIXL call locks the agent for that call only
+/// (a transfer's polling loop takes it per poll), so a slow peer does not stall the
+/// others.
 #[derive(Debug)]
 pub struct NixlAgent {
     name: String,
-    lock: Mutex<()>,
-    backend: nx::Backend,
-    agent: nx::Agent,
+    agent: Mutex<capi::Agent>,
 }
 
 static NEXT_AGENT: AtomicU64 = AtomicU64::new(1);
@@ -86,33 +80,19 @@ static NEXT_AGENT: AtomicU64 = AtomicU64::new(1);
 impl NixlAgent {
     /// A fresh agent named after `role`, this process and a counter.
     pub fn new(role: Role) -> Result<Arc<Self>, TransferError> {
-        check_runtime()?;
+        let api = capi::api().map_err(TransferError::Unavailable)?;
         let name = format!(
             "sparsekit-{}-{}-{}",
             role.name(),
             std::process::id(),
             NEXT_AGENT.fetch_add(1, Ordering::Relaxed)
         );
-        let cfg = nx::AgentConfig {
-            enable_prog_thread: false,
-            enable_listen_thread: false,
-            ..nx::AgentConfig::default()
-        };
-        let agent = nx::Agent::new_configured(&name, &cfg).map_err(|e| nixl_err("agent", e))?;
-        let (_mems, mut params) = agent
-            .get_plugin_params("UCX")
-            .map_err(|e| nixl_err("UCX plugin parameters", e))?;
-        params
-            .set("ucx_error_handling_mode", "none")
-            .map_err(|e| nixl_err("UCX parameters", e))?;
-        let backend = agent
-            .create_backend("UCX", &params)
-            .map_err(|e| nixl_err("UCX backend", e))?;
+        // `ucx_error_handling_mode=none` is needed for UCX's shared-memory transports.
+        let agent = capi::Agent::with_ucx(api, &name, &[("ucx_error_handling_mode", "none")])
+            .map_err(|e| nixl_err("agent with a UCX backend", e))?;
         Ok(Arc::new(NixlAgent {
             name,
-            lock: Mutex::new(()),
-            backend,
-            agent,
+            agent: Mutex::new(agent),
         }))
     }
 
@@ -120,72 +100,59 @@ impl NixlAgent {
         &self.name
     }
 
-    fn opts(&self) -> Result<nx::OptArgs, TransferError> {
-        let mut o = nx::OptArgs::new().map_err(|e| nixl_err("options", e))?;
-        o.add_backend(&self.backend)
-            .map_err(|e| nixl_err("options", e))?;
-        Ok(o)
-    }
-
-    /// Registers `len` bytes at `addr` (host memory) with the agent. Deregistered when the
-    /// handle drops.
+    /// Registers `len` bytes at `addr` (host memory) with the agent; deregistered when
+    /// the returned value drops.
     ///
     /// # Safety
-    /// The memory must stay allocated until the returned handle is dropped.
+    /// The memory must stay allocated until the returned registration is dropped.
     unsafe fn register(
-        &self,
+        self: &Arc<Self>,
         addr: usize,
         len: usize,
-    ) -> Result<nx::RegistrationHandle, TransferError> {
-        let _g = self.lock.lock();
-        let o = self.opts()?;
-        self.agent
-            .register_memory(&Dram { addr, len }, Some(&o))
-            .map_err(|e| nixl_err("memory registration", e))
+    ) -> Result<Registration, TransferError> {
+        // SAFETY: forwarded: the caller keeps the memory until the registration drops,
+        // and `Registration::drop` deregisters exactly this range.
+        unsafe { self.agent.lock().register(addr, len) }
+            .map_err(|e| nixl_err("memory registration", e))?;
+        Ok(Registration {
+            agent: self.clone(),
+            addr,
+            len,
+        })
     }
 
     fn local_md(&self) -> Result<Vec<u8>, TransferError> {
-        let _g = self.lock.lock();
         self.agent
-            .get_local_md()
+            .lock()
+            .local_md()
             .map_err(|e| nixl_err("local metadata", e))
     }
 
     fn load_md(&self, md: &[u8]) -> Result<String, TransferError> {
-        let _g = self.lock.lock();
         self.agent
+            .lock()
             .load_remote_md(md)
             .map_err(|e| nixl_err("remote metadata", e))
     }
 
     fn forget(&self, peer: &str) {
-        let _g = self.lock.lock();
-        let _ = self.agent.invalidate_remote_md(peer);
+        self.agent.lock().forget(peer);
     }
 }
 
-/// Host memory given by address and length, as NIXL descriptors see it.
+/// Host memory registered with an agent; deregistered on drop.
 #[derive(Debug)]
-struct Dram {
+struct Registration {
+    agent: Arc<NixlAgent>,
     addr: usize,
     len: usize,
 }
 
-impl nx::MemoryRegion for Dram {
-    unsafe fn as_ptr(&self) -> *const u8 {
-        self.addr as *const u8
-    }
-    fn size(&self) -> usize {
-        self.len
-    }
-}
-
-impl nx::NixlDescriptor for Dram {
-    fn mem_type(&self) -> nx::MemType {
-        nx::MemType::Dram
-    }
-    fn device_id(&self) -> u64 {
-        0
+impl Drop for Registration {
+    fn drop(&mut self) {
+        if let Err(e) = self.agent.agent.lock().deregister(self.addr, self.len) {
+            tracing::warn!("NIXL: {e}");
+        }
     }
 }
 
@@ -230,7 +197,7 @@ fn decode_blob(b: &[u8]) -> Result<Blob, TransferError> {
 #[derive(Debug)]
 struct Staging {
     // Field order: deregister before the memory is freed.
-    reg: Option<nx::RegistrationHandle>,
+    reg: Option<Registration>,
     mem: Vec<u8>,
 }
 
@@ -239,13 +206,13 @@ struct Staging {
 #[derive(Debug, Clone)]
 pub struct RegisteredZone {
     // Field order: deregister before the zone can be freed.
-    _reg: Arc<nx::RegistrationHandle>,
+    _reg: Arc<Registration>,
     zone: Arc<LandingZone>,
 }
 
 impl RegisteredZone {
     /// Registers `zone` with `agent`.
-    pub fn new(agent: &NixlAgent, zone: Arc<LandingZone>) -> Result<Self, TransferError> {
+    pub fn new(agent: &Arc<NixlAgent>, zone: Arc<LandingZone>) -> Result<Self, TransferError> {
         let (a, l) = zone.raw_parts();
         // SAFETY: the zone outlives the registration: both are held together here (and by
         // every end using it), the registration declared first so it drops first.
@@ -597,65 +564,60 @@ impl NixlEnd {
             st.reg = Some(unsafe { ag.register(st.mem.as_ptr() as usize, st.mem.len())? });
         }
         let base = st.mem.as_ptr() as usize;
-        let mut local =
-            nx::XferDescList::new(nx::MemType::Dram).map_err(|e| nixl_err("descriptors", e))?;
-        let mut remote =
-            nx::XferDescList::new(nx::MemType::Dram).map_err(|e| nixl_err("descriptors", e))?;
+        let api = capi::api().map_err(TransferError::Unavailable)?;
+        let descriptors = |e| nixl_err("descriptors", e);
+        let mut local = capi::XferList::new(api).map_err(descriptors)?;
+        let mut remote = capi::XferList::new(api).map_err(descriptors)?;
         let mut at = 0;
         for s in segments {
             st.mem[at..at + s.bytes.len()].copy_from_slice(s.bytes);
-            local.add_desc(base + at, s.bytes.len(), 0);
-            remote.add_desc(zone_addr as usize + s.offset, s.bytes.len(), 0);
+            local.push(base + at, s.bytes.len()).map_err(descriptors)?;
+            remote
+                .push(zone_addr as usize + s.offset, s.bytes.len())
+                .map_err(descriptors)?;
             at += s.bytes.len();
-        }
-        let _g = ag.lock.lock();
-        let mut o = ag.opts()?;
-        if let Some(n) = notification {
-            o.set_has_notification(true)
-                .map_err(|e| nixl_err("notification", e))?;
-            o.set_notification_message(n)
-                .map_err(|e| nixl_err("notification", e))?;
         }
         if segments.is_empty() {
             if let Some(n) = notification {
                 ag.agent
-                    .send_notification(&self.peer_agent, n, Some(&ag.backend))
+                    .lock()
+                    .notify(&self.peer_agent, n)
                     .map_err(|e| nixl_err("notification", e))?;
             }
             return Ok(());
         }
-        let req = ag
-            .agent
-            .create_xfer_req(
-                nx::XferOp::Write,
-                &local,
-                &remote,
-                &self.peer_agent,
-                Some(&o),
-            )
-            .map_err(|e| nixl_err("transfer request", e))?;
-        ag.agent
-            .post_xfer_req(&req, None)
-            .map_err(|e| nixl_err("post", e))?;
+        // The agent is locked per call, never across the polling loop.
+        let req = {
+            let mut a = ag.agent.lock();
+            let mut o = a.transfer_opts().map_err(|e| nixl_err("options", e))?;
+            if let Some(n) = notification {
+                o.notify(n).map_err(|e| nixl_err("notification", e))?;
+            }
+            a.post_write(&local, &remote, &self.peer_agent, &o)
+                .map_err(|e| nixl_err("write", e))?
+        };
         let deadline = crate::deadline_after(self.opts.io_timeout);
-        loop {
-            match ag.agent.get_xfer_status(&req) {
-                Ok(nx::XferStatus::Success) => return Ok(()),
-                Ok(nx::XferStatus::InProgress) => {
+        let outcome = loop {
+            let state = ag.agent.lock().status(&req);
+            match state {
+                Ok(capi::XferState::Done) => break Ok(()),
+                Ok(capi::XferState::InProgress) => {
                     if self.link.is_closed() {
-                        return Err(self.closed_err());
+                        break Err(self.closed_err());
                     }
                     if Instant::now() >= deadline {
-                        return Err(TransferError::Timeout(format!(
+                        break Err(TransferError::Timeout(format!(
                             "NIXL write of {total} bytes not complete after {:?}",
                             self.opts.io_timeout
                         )));
                     }
                     std::thread::yield_now();
                 }
-                Err(e) => return Err(nixl_err("transfer", e)),
+                Err(e) => break Err(nixl_err("transfer", e)),
             }
-        }
+        };
+        ag.agent.lock().release(req);
+        outcome
     }
 }
 
@@ -707,28 +669,14 @@ fn notif_poller(
     poll: Duration,
 ) {
     while !link.is_closed() {
-        let mut got = Vec::new();
-        {
-            let _g = agent.lock.lock();
-            let mut map = match nx::NotificationMap::new() {
-                Ok(m) => m,
-                Err(e) => {
-                    link.close(&format!("NIXL notifications: {e}"));
-                    return;
-                }
-            };
-            if let Err(e) = agent.agent.get_notifications(&mut map, None) {
+        let taken = agent.agent.lock().take_notifications(&peer);
+        let got = match taken {
+            Ok(got) => got,
+            Err(e) => {
                 link.close(&format!("NIXL notifications: {e}"));
                 return;
             }
-            if let Ok(n) = map.get_notifications_size(&peer) {
-                for i in 0..n {
-                    if let Ok(b) = map.get_notification_bytes(&peer, i) {
-                        got.push(b);
-                    }
-                }
-            }
-        }
+        };
         if got.is_empty() {
             std::thread::sleep(poll);
         }
