@@ -176,14 +176,29 @@ pub enum Error {
     /// A cache operation was cancelled (request aborted, worker stopped).
     #[error("cancelled: {0}")]
     Cancelled(String),
-    /// A page's bytes in a layer were not written for the reference's generation (never
-    /// landed, or overwritten by a stale write): the landed-stamp check of a read guard.
-    #[error("page {page} layer {layer}: not landed for generation {generation} (stamp {stamp:?})")]
+    /// A page's bytes of one kind in a layer were not written for the reference's
+    /// generation (never landed, or overwritten by a stale write): the landed-stamp check
+    /// of a read guard, per buffer kind.
+    #[error(
+        "page {page} layer {layer} {kind}: not landed for generation {generation} (stamp {stamp:?})"
+    )]
     NotLanded {
         page: u32,
         layer: usize,
+        kind: &'static str,
         generation: u32,
         stamp: Option<u32>,
+    },
+    /// A token slot that was never written for the page's generation: a read past what a
+    /// request's stores, loads and transfers filled, a store that would leave a gap, or a
+    /// commit of a page not filled in every layer and kind.
+    #[error("page {page} layer {layer} {kind}: slot {slot} was never written (slots 0..{filled} were)")]
+    Unwritten {
+        page: u32,
+        layer: usize,
+        kind: &'static str,
+        slot: u32,
+        filled: u32,
     },
     /// One request of a batch cannot be served (its load or transfer failed, it was
     /// aborted, ...): `cause` says why; drop the request from the batch and go on.
@@ -252,6 +267,7 @@ impl Error {
             | Error::Leak(_)
             | Error::Cancelled(_)
             | Error::NotLanded { .. }
+            | Error::Unwritten { .. }
             | Error::RequestFailed { .. } => ErrorKind::Cache,
             Error::Backend { .. } | Error::Timeout { .. } | Error::Device(_) => ErrorKind::Device,
         }

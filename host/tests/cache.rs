@@ -309,7 +309,7 @@ fn d5_tokens_are_bound_to_their_step_and_stores_to_owned_current_pages() {
         .backend()
         .upload(&vec![0u8; c.spec().kv.d_qk() * 2])
         .unwrap();
-    let slot = |page| [SlotRef { page, offset: 1 }];
+    let slot = |page| [SlotRef { page, offset: 0 }];
     assert!(
         matches!(
             g.kv_store(&slot(other[0]), &kv),
@@ -336,6 +336,18 @@ fn d5_tokens_are_bound_to_their_step_and_stores_to_owned_current_pages() {
         Err(Error::InvalidArgument { .. })
     ));
     g.kv_store(&slot(own[0]), &kv).unwrap();
+    // A page fills in token order: slot 2 before slot 1 would leave a gap nobody fills.
+    let gap = [SlotRef {
+        page: own[0],
+        offset: 2,
+    }];
+    match g.kv_store(&gap, &kv) {
+        Err(Error::RequestFailed { request: 2, cause }) => assert!(
+            matches!(*cause, Error::Unwritten { slot: 1, filled: 1, .. }),
+            "{cause:?}"
+        ),
+        other => panic!("a gap must be refused: {other:?}"),
+    }
     drop(g);
     drop((s2, s3));
     assert_eq!(c.stats().stale_writes_refused, 1);
@@ -479,10 +491,22 @@ fn fault_host_pool_fp8_layout_is_refused_by_the_descriptor_check() {
     assert_eq!(c.evict_device(3).unwrap(), 3);
 }
 
+/// Polls `cond` until it holds or the test's bound passes (a bounded wait for another
+/// thread to reach a state that only counters show).
+fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + BOUND;
+    while !cond() {
+        assert!(std::time::Instant::now() < deadline, "{what}: not within {BOUND:?}");
+        std::thread::yield_now();
+    }
+}
+
 /// `skip-index-wait`: the step hands out the layer without waiting for the load. The
-/// landed-stamp check refuses the read; with that check also off (`no-landed-check`) the
-/// bytes read are not the committed ones (the corruption is real); without the fault the
-/// same read waits and is right.
+/// guard's landed stamps see the pages have not landed: it releases the layer, waits
+/// (bounded) for the load and serves the committed bytes (counted as a landing wait); a
+/// load that does not land within the bound fails the request with `NotLanded`. With the
+/// stamps also off (`no-landed-check`) the bytes read are not the committed ones (the
+/// corruption is real); without the fault the same read waits at the fence and is right.
 #[test]
 fn fault_skip_index_wait_is_caught_by_the_landed_stamps() {
     for faults in [
@@ -494,48 +518,62 @@ fn fault_skip_index_wait_is_caught_by_the_landed_stamps() {
         let mut cfg = CacheConfig::new(4, 8);
         cfg.faults = Faults::with(&faults);
         let (c, ctl, e, a) = host_only_prefix(cfg);
+        ctl.gate_io_only.store(true, std::sync::atomic::Ordering::SeqCst);
         ctl.close_gate();
         let p = c.begin(2, &a).unwrap();
         ctl.wait_held(1);
         let skip = faults.contains(&Fault::SkipIndexWait);
         let stamps = !faults.contains(&Fault::NoLandedCheck);
-        let mut step = c.step(&[2]).unwrap();
-        if skip {
-            let t = step.wait(LAYERS - 1).expect("the fault skips the wait");
-            match step.layer(t) {
-                Err(Error::RequestFailed { cause, .. }) => {
-                    assert!(
-                        stamps && matches!(*cause, Error::NotLanded { .. }),
-                        "{faults:?}"
-                    );
-                }
-                Ok(g) => {
-                    assert!(!stamps, "{faults:?}");
-                    let got = read_pages(&*c, &g, &p.pages).unwrap();
-                    assert!(
-                        e.check(&a, 0, LAYERS - 1, &got[0]).is_err(),
-                        "without both checks the bytes read are not the committed ones"
-                    );
-                }
-                Err(other) => panic!("{other:?}"),
-            }
-            drop(step);
+        let (c2, e2, a2, p2) = (c.clone(), e.clone(), a.clone(), p.clone());
+        let reader = std::thread::spawn(move || {
+            let mut step = c2.step(&[2]).unwrap();
+            let t = step.wait(LAYERS - 1)?;
+            let g = step.layer(t)?;
+            let got = read_pages(&*c2, &g, &p2.pages)?;
+            Ok::<bool, Error>(e2.check(&a2, 0, LAYERS - 1, &got[0]).is_ok())
+        });
+        if skip && !stamps {
+            let right = reader.join().unwrap().unwrap();
+            assert!(!right, "without both checks the bytes read are not the committed ones");
             ctl.open_gate();
         } else {
-            assert!(!step.ready(LAYERS - 1).unwrap());
-            let (c2, e2, a2, p2) = (c.clone(), e.clone(), a.clone(), p.clone());
-            drop(step);
-            let reader = std::thread::spawn(move || {
-                let mut step = c2.step(&[2]).unwrap();
-                e2.forward(&c2, &mut step, &a2, &p2, &p2.pages.clone())
-            });
+            if skip {
+                eventually("the guard waits for the load", || {
+                    c.stats().landing_waits == 1
+                });
+            }
             ctl.open_gate();
-            reader.join().unwrap().unwrap();
+            assert!(reader.join().unwrap().unwrap(), "{faults:?}: the committed bytes");
         }
+        assert_eq!(c.stats().landing_waits, u64::from(skip && stamps), "{faults:?}");
         c.abort(2).unwrap();
+        c.wait_idle().unwrap();
         c.leak_check().unwrap();
     }
+    // A load that never lands within the bound: the guard's wait runs out, NotLanded.
+    let mut cfg = CacheConfig::new(4, 8);
+    cfg.faults = Faults::with(&[Fault::SkipIndexWait]);
+    cfg.wait_timeout = std::time::Duration::from_millis(200);
+    let (c, ctl, _e, a) = host_only_prefix(cfg);
+    ctl.gate_io_only.store(true, std::sync::atomic::Ordering::SeqCst);
+    ctl.close_gate();
+    c.begin(2, &a).unwrap();
+    ctl.wait_held(1);
+    let mut step = c.step(&[2]).unwrap();
+    let t = step.wait(LAYERS - 1).unwrap();
+    match step.layer(t) {
+        Err(Error::RequestFailed { cause, .. }) => {
+            assert!(matches!(*cause, Error::NotLanded { stamp: None, .. }), "{cause:?}")
+        }
+        other => panic!("expected NotLanded, got {other:?}"),
+    }
+    drop(step);
+    ctl.open_gate();
+    c.abort(2).unwrap();
+    c.wait_idle().unwrap();
+    c.leak_check().unwrap();
 }
+
 
 /// `shared-item-size` (the KV page size used for index-K host copies) corrupts the host
 /// tier in both layouts; load verification catches it, and with verification off the
@@ -1134,9 +1172,10 @@ fn fault_no_layout_check_lets_the_fp8_host_pool_corrupt_and_checksums_catch_it()
 }
 
 /// `loads-trail-readers` makes `skip-index-wait`'s race deterministic: the reader holds
-/// the layer before the load's bytes land, every time. The landed stamps refuse it; with
-/// them off the bytes read are not the committed ones. Without `skip-index-wait` the
-/// reader waits at the fence and reads the right bytes.
+/// the layer before the load's bytes land, every time. The landed stamps see it: the
+/// guard waits for the load (which goes once the reader reached the layer) and reads the
+/// committed bytes; with the stamps off the bytes read are not the committed ones.
+/// Without `skip-index-wait` the reader waits at the fence and reads the right bytes.
 #[test]
 fn fault_loads_trail_readers_makes_the_early_read_certain() {
     for faults in [
@@ -1158,31 +1197,27 @@ fn fault_loads_trail_readers_makes_the_early_read_certain() {
             let p = c.begin(2, &a).unwrap();
             assert_eq!(p.loaded_pages, 2);
             let mut step = c.step(&[2]).unwrap();
-            if faults2.contains(&Fault::SkipIndexWait) {
+            let skip = faults2.contains(&Fault::SkipIndexWait);
+            let stamps = !faults2.contains(&Fault::NoLandedCheck);
+            if skip {
                 for l in 0..LAYERS {
                     let t = step.wait(l).unwrap();
-                    match step.layer(t) {
-                        Err(Error::RequestFailed { cause, .. }) => {
-                            assert!(matches!(*cause, Error::NotLanded { .. }), "{cause:?}");
-                            assert!(!faults2.contains(&Fault::NoLandedCheck));
-                        }
-                        Ok(g) => {
-                            assert!(faults2.contains(&Fault::NoLandedCheck));
-                            let got = read_pages(&*c, &g, &p.pages).unwrap();
-                            assert!(
-                                e.check(&a, 0, l, &got[0]).is_err(),
-                                "layer {l} was read before its load, every time"
-                            );
-                        }
-                        Err(other) => panic!("{other:?}"),
-                    }
+                    let g = step.layer(t).unwrap();
+                    let got = read_pages(&*c, &g, &p.pages).unwrap();
+                    assert_eq!(
+                        e.check(&a, 0, l, &got[0]).is_ok(),
+                        stamps,
+                        "layer {l}: read early every time; right only when the stamps waited"
+                    );
                 }
+                assert_eq!(c.stats().landing_waits, if stamps { LAYERS as u64 } else { 0 });
                 drop(step);
                 c.abort(2).unwrap();
             } else {
                 e.forward(&c, &mut step, &a, &p, &p.pages.clone()).unwrap();
                 drop(step);
                 c.finish(2).unwrap();
+                assert_eq!(c.stats().landing_waits, 0);
             }
             c.wait_idle().unwrap();
             c.leak_check().unwrap();

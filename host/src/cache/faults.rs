@@ -25,9 +25,11 @@ pub enum Fault {
     /// Accept writes into pages whose generation changed (stale transfers after abort).
     /// Caught by the landed-stamp check of the reader's guard.
     NoGenerationCheck,
-    /// The read guard skips its landed-stamp check (the check behind the fences). Alone it
-    /// changes nothing; with `skip-index-wait` or `no-generation-check` it lets their
-    /// corruption through, which shows that each of the two checks is real.
+    /// The read guard skips its landed-stamp and written-slot checks (the checks behind
+    /// the fences), and stores no longer refuse gaps. Alone it changes nothing; with
+    /// `skip-index-wait`, `no-generation-check`, `index-k-after-publish` or
+    /// `radix-overreach` it lets their corruption through, which shows that each check is
+    /// real.
     NoLandedCheck,
     /// Flip one bit of every page backed up to the host tier (last layer, index-K), after
     /// its checksums were taken: host memory corruption. Caught by the load checksums.
@@ -50,10 +52,22 @@ pub enum Fault {
     /// (`stale_writes_refused`); with `no-generation-check` it lands and the new owner's
     /// landed stamps catch it.
     LateWrite,
+    /// A host → device load that stamps and publishes each layer once its KV landed and
+    /// copies the layer's index-K only afterwards — after a reader reached the layer
+    /// (bounded by the cache's wait bound); the index-K bytes meanwhile are undefined (a
+    /// fixed pattern). The story's read-before-ready, for index-K behind a published
+    /// fence. Caught by the per-kind landed stamps of the reader's guard (which then waits
+    /// for the late copy); with `no-landed-check` the reader reads the pattern.
+    IndexKAfterPublish,
+    /// The radix match reports one token more than it matched (when it matched at least
+    /// one page and the key goes on): the request believes the first slot of its first
+    /// own page is cached, though nobody wrote it. Caught by the written-slot tracking:
+    /// the request's first store would leave that slot a gap, and a read of it is refused.
+    RadixOverreach,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 9] = [
+    pub const ALL: [Fault; 11] = [
         Fault::HostPoolFp8Layout,
         Fault::SkipIndexWait,
         Fault::SharedItemSize,
@@ -63,6 +77,8 @@ impl Fault {
         Fault::NoLayoutCheck,
         Fault::LoadsTrailReaders,
         Fault::LateWrite,
+        Fault::IndexKAfterPublish,
+        Fault::RadixOverreach,
     ];
 
     /// The fault's name on the command line and in configs.
@@ -77,6 +93,8 @@ impl Fault {
             Fault::NoLayoutCheck => "no-layout-check",
             Fault::LoadsTrailReaders => "loads-trail-readers",
             Fault::LateWrite => "late-write",
+            Fault::IndexKAfterPublish => "index-k-after-publish",
+            Fault::RadixOverreach => "radix-overreach",
         }
     }
 }

@@ -139,6 +139,10 @@ pub struct CacheStats {
     pub cancelled_loads: u64,
     pub backups: u64,
     pub backup_failures: u64,
+    /// Reads that found a layer's pages not landed behind a published (or skipped) fence
+    /// and waited for them to land instead of reading them: each is a fence that was not
+    /// honoured, caught by the landed stamps.
+    pub landing_waits: u64,
     pub integrity_failures: u64,
     /// Of the integrity failures, those of host → device loads (the rest: inbound
     /// transfers).
@@ -256,6 +260,11 @@ pub(crate) struct Shared<B: Backend> {
     pub reads_cv: Condvar,
     /// The `late-write` fault's writer (empty otherwise).
     pub late: Mutex<super::late::LateWrites>,
+    /// Signalled (under `landed`) after pages were stamped landed by a load or a
+    /// transfer, or one of those failed: what a reader that found pages not landed yet
+    /// behind a published fence waits on ([`super::Step::layer`]).
+    pub landed: Mutex<()>,
+    pub landed_cv: Condvar,
 }
 
 static NEXT_CACHE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -265,8 +274,17 @@ impl<B: Backend> Shared<B> {
         self.next_id.fetch_add(1, Ordering::Relaxed)
     }
 
+    /// Now plus the cache's wait bound (saturating: a bound too far to represent means
+    /// about a century).
     pub fn deadline(&self) -> Instant {
-        Instant::now() + self.config.wait_timeout
+        deadline_after(self.config.wait_timeout)
+    }
+
+    /// Wakes readers waiting for pages to land (call after stamping, or after a load or
+    /// transfer failed).
+    pub fn notify_landed(&self) {
+        let _g = self.landed.lock();
+        self.landed_cv.notify_all();
     }
 
     pub fn fault(&self, f: Fault) -> bool {
@@ -276,6 +294,15 @@ impl<B: Backend> Shared<B> {
     pub fn num_layers(&self) -> usize {
         self.device.spec().num_layers
     }
+}
+
+/// `Instant::now() + d`, saturating at about a century from now (`Duration::MAX` as a
+/// bound must not overflow).
+pub(crate) fn deadline_after(d: std::time::Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(d)
+        .or_else(|| now.checked_add(std::time::Duration::from_secs(100 * 365 * 24 * 3600)))
+        .unwrap_or(now)
 }
 
 pub(crate) fn invalid(what: &'static str, detail: impl Into<String>) -> Error {
@@ -342,9 +369,11 @@ impl<B: Backend + 'static> HiCache<B> {
             state: Mutex::new(state),
             space_cv: Condvar::new(),
             work_cv: Condvar::new(),
-            reads: Mutex::new(vec![0; spec.num_layers]),
+            reads: Mutex::new(vec![0; spec.num_layers * 2]),
             reads_cv: Condvar::new(),
             late: Mutex::new(super::late::LateWrites::default()),
+            landed: Mutex::new(()),
+            landed_cv: Condvar::new(),
             config,
             next_id: AtomicU64::new(1),
         });
@@ -449,7 +478,12 @@ impl<B: Backend + 'static> HiCache<B> {
                 }
                 continue;
             }
-            return Ok(start_request(sh, &mut st, req, path, &missing));
+            let mut prefix = start_request(sh, &mut st, req, path, &missing);
+            if sh.fault(Fault::RadixOverreach) && prefix.tokens > 0 && prefix.tokens < tokens.len()
+            {
+                prefix.tokens += 1;
+            }
+            return Ok(prefix);
         }
     }
 
@@ -527,7 +561,7 @@ impl<B: Backend + 'static> HiCache<B> {
         let pages = st.device.alloc(n)?;
         for p in &pages {
             // Nothing landed yet: the owner's stores (or a transfer) stamp them.
-            sh.device.stamp_all_layers(p.id, None);
+            sh.device.clear_landed(p.id);
         }
         if let Some(r) = st.requests.get_mut(&req) {
             r.own.extend(&pages);
@@ -638,20 +672,34 @@ impl<B: Backend + 'static> HiCache<B> {
                 format!("pages[{i}] = {bad:?} is not a page the request owns"),
             ));
         }
-        // Pages entering the tree must have been written in every layer.
-        for (i, p) in pages.iter().enumerate().skip(old_path.len()) {
+        // Pages entering the tree must be full: every slot written for their generation,
+        // in every layer and both kinds.
+        for p in pages.iter().skip(old_path.len()) {
             for l in 0..sh.num_layers() {
-                let stamp = sh.device.stamp(l, p.id);
-                if stamp != Some(p.generation) {
-                    return Err(Error::NotLanded {
-                        page: p.id,
-                        layer: l,
-                        generation: p.generation,
-                        stamp,
-                    });
+                for kind in BufferKind::ALL {
+                    let landed = sh.device.landed(l, kind, p.id);
+                    let stamp = landed.map(|x| x.generation);
+                    if stamp != Some(p.generation) {
+                        return Err(Error::NotLanded {
+                            page: p.id,
+                            layer: l,
+                            kind: kind.name(),
+                            generation: p.generation,
+                            stamp,
+                        });
+                    }
+                    let filled = landed.map_or(0, |x| x.filled);
+                    if filled < ps as u32 {
+                        return Err(Error::Unwritten {
+                            page: p.id,
+                            layer: l,
+                            kind: kind.name(),
+                            slot: filled,
+                            filled,
+                        });
+                    }
                 }
             }
-            let _ = i;
         }
         // All checked: insert.
         let mut new_nodes = Vec::new();
@@ -916,7 +964,7 @@ fn start_load<B: Backend>(
             continue;
         };
         let device = got.remove(0);
-        sh.device.stamp_all_layers(device.id, None);
+        sh.device.clear_landed(device.id);
         let _ = st.device.pin(device);
         let _ = st.host.pin(copy.page);
         if let Some(n) = st.tree.get_mut(node) {
@@ -934,7 +982,8 @@ fn start_load<B: Backend>(
     }
     let nodes: Vec<NodeId> = pages.iter().map(|p| p.node).collect();
     st.tree.lock(&nodes);
-    let reads_at_queue = if sh.fault(Fault::LoadsTrailReaders) {
+    let reads_at_queue = if sh.fault(Fault::LoadsTrailReaders) || sh.fault(Fault::IndexKAfterPublish)
+    {
         sh.reads.lock().clone()
     } else {
         Vec::new()
@@ -1396,7 +1445,11 @@ mod tests {
         c.begin(1, &toks).unwrap();
         let pages = c.alloc(1, 3).unwrap();
         for p in &pages {
-            c.shared.device.stamp_all_layers(p.id, Some(p.generation));
+            for l in 0..c.shared.num_layers() {
+                for kind in BufferKind::ALL {
+                    c.shared.device.set_page_landed(l, kind, p.id, p.generation);
+                }
+            }
         }
         c.commit(1, &toks, &pages).unwrap();
         c.leak_check().unwrap();

@@ -6,7 +6,8 @@
 //! transfer's targets at its current generation (a late write after an abort is refused:
 //! the abort made every reference stale), the bytes that landed must match the sender's
 //! checksums, and only when every target page of a layer has both kinds does it publish
-//! that layer's ready token into the request's fence (and stamp the pages landed). Its
+//! that layer's ready token into the request's fence (each kind of each page is stamped
+//! landed as its bytes are verified). Its
 //! target pages stay pinned (quarantined if released meanwhile) until the handle is
 //! completed, failed or dropped: nothing can be reused while a write may still land.
 
@@ -86,7 +87,7 @@ impl<B: Backend + 'static> Inbound<B> {
         for p in pages {
             // Owned and current (checked above): the pin cannot fail.
             let _ = st.device.pin(*p);
-            sh.device.stamp_all_layers(p.id, None);
+            sh.device.clear_landed(p.id);
         }
         if let Some(r) = st.requests.get_mut(&req) {
             r.fences.push(fence.clone());
@@ -230,12 +231,11 @@ impl<B: Backend + 'static> Inbound<B> {
             return Err(e);
         }
         for (p, &i) in pages.iter().zip(&slots) {
-            let l = &mut self.landed[layer * n + i];
-            *l |= bit;
-            if *l == 3 {
-                sh.device.set_stamp(layer, p.id, p.generation);
-            }
+            self.landed[layer * n + i] |= bit;
+            // Whole pages move: every slot of this kind landed for the page's generation.
+            sh.device.set_page_landed(layer, kind, p.id, p.generation);
         }
+        sh.notify_landed();
         drop(dev);
         if !self.published[layer]
             && self.landed[layer * n..(layer + 1) * n]

@@ -146,6 +146,7 @@ pub(crate) fn cancel_load<B: Backend>(sh: &Shared<B>, st: &mut State, id: u64, w
     rec.cancel.store(true, Ordering::Release);
     let e = Error::Cancelled(format!("load cancelled: {why}"));
     rec.fence.fail(e.clone());
+    sh.notify_landed();
     let queued = rec.queued;
     let pages: Vec<(super::radix::NodeId, crate::cache::PageRef)> =
         rec.pages.iter().map(|p| (p.node, p.device)).collect();
@@ -194,6 +195,7 @@ pub(crate) fn finalize_load<B: Backend>(sh: &Shared<B>, st: &mut State, id: u64,
         }
         Err(e) => {
             rec.fence.fail(e.clone());
+            sh.notify_landed();
             match e {
                 Error::Integrity { .. } => {
                     st.stats.integrity_failures += 1;
@@ -317,20 +319,23 @@ fn load_ids(pages: &[LoadPage]) -> (Vec<i32>, Vec<i32>) {
     )
 }
 
-/// Under the `loads-trail-readers` fault: waits (bounded, re-checking `cancel`) until a
-/// step asked for `layer` since the load was queued (`reads_at_queue`).
+/// Under the `loads-trail-readers` / `index-k-after-publish` faults: waits (bounded,
+/// re-checking `cancel`) until a step asked for `layer` (`guards`: took its guard) since
+/// the load was queued (`reads_at_queue`, counted as in `step::note_read`).
 fn trail_readers<B: Backend>(
     sh: &Shared<B>,
     layer: usize,
+    guards: bool,
     reads_at_queue: &[u64],
     cancel: &AtomicBool,
 ) -> Result<()> {
-    let Some(&seen) = reads_at_queue.get(layer) else {
+    let i = layer * 2 + usize::from(guards);
+    let Some(&seen) = reads_at_queue.get(i) else {
         return Ok(());
     };
     let deadline = sh.deadline();
     let mut reads = sh.reads.lock();
-    while reads.get(layer).is_some_and(|&r| r <= seen) {
+    while reads.get(i).is_some_and(|&r| r <= seen) {
         if cancel.load(Ordering::Acquire) {
             return Err(Error::Cancelled("load cancelled".into()));
         }
@@ -415,7 +420,9 @@ fn copy_host<B: Backend>(
     Ok(())
 }
 
-/// One load, layer by layer; publishes each layer after both kinds landed and verified.
+/// One load, layer by layer; publishes each layer after both kinds landed and verified
+/// (under the `index-k-after-publish` fault: after its KV only — the index-K copy follows
+/// once a reader reached the layer).
 fn run_load<B: Backend>(
     sh: &Shared<B>,
     pages: &[LoadPage],
@@ -428,59 +435,123 @@ fn run_load<B: Backend>(
         .as_ref()
         .ok_or_else(|| Error::Device("load without a host tier".into()))?;
     let (host_ids, dev_ids) = load_ids(pages);
-    for l in 0..sh.num_layers() {
+    let late_index_k = sh.fault(Fault::IndexKAfterPublish);
+    let cancelled = || {
         if cancel.load(Ordering::Acquire) {
-            return Err(Error::Cancelled("load cancelled".into()));
+            Err(Error::Cancelled("load cancelled".into()))
+        } else {
+            Ok(())
         }
+    };
+    for l in 0..sh.num_layers() {
+        cancelled()?;
         if sh.fault(Fault::LoadsTrailReaders) {
-            trail_readers(sh, l, reads_at_queue, cancel)?;
+            trail_readers(sh, l, false, reads_at_queue, cancel)?;
         }
-        let mut dev = sh.device.lock(l, sh.deadline())?;
-        let host_buf = host.buffer();
-        for (ki, kind) in BufferKind::ALL.into_iter().enumerate() {
-            if cancel.load(Ordering::Acquire) {
-                return Err(Error::Cancelled("load cancelled".into()));
-            }
-            let dst = sh.device.region(kind);
-            copy_host(
-                sh,
-                Side {
-                    region: host.region(l, kind),
-                    ids: &host_ids,
-                },
-                &host_buf,
-                Side {
-                    region: dst,
-                    ids: &dev_ids,
-                },
-                dev.get_mut(kind),
-                true,
-            )?;
-            if sh.config.verify {
-                let got = checksums(&*sh.backend, dst, dev.get(kind), &dev_ids)?;
-                for (p, g) in pages.iter().zip(got) {
-                    let want = p.checksums.get(l).map_or(0, |c| c[ki]);
-                    if g != want {
-                        return Err(Error::Integrity {
-                            what: "host→device",
-                            page: p.host.id,
-                            layer: l,
-                            kind: kind.name(),
-                            expected: want,
-                            actual: g,
-                        });
-                    }
+        {
+            let mut dev = sh.device.lock(l, sh.deadline())?;
+            let host_buf = host.buffer();
+            for kind in BufferKind::ALL {
+                cancelled()?;
+                if late_index_k && kind == BufferKind::IndexK {
+                    // Undefined until the late copy: a pattern, so an early read is wrong.
+                    let region = sh.device.region(kind);
+                    poison_pages(&*sh.backend, region, dev.get_mut(kind), &dev_ids)?;
+                    continue;
                 }
+                load_kind(sh, host, &host_buf, &mut dev, l, kind, pages, (&host_ids, &dev_ids))?;
             }
         }
-        for p in pages {
-            sh.device.set_stamp(l, p.device.id, p.device.generation);
-        }
-        drop(host_buf);
-        drop(dev);
         fence.publish(l);
+        if late_index_k {
+            // After a reader took the layer's guard: it holds the layer until it waits
+            // for the index-K stamps (or, unchecked, has read the pattern).
+            trail_readers(sh, l, true, reads_at_queue, cancel)?;
+            cancelled()?;
+            let mut dev = sh.device.lock(l, sh.deadline())?;
+            let host_buf = host.buffer();
+            let kind = BufferKind::IndexK;
+            load_kind(sh, host, &host_buf, &mut dev, l, kind, pages, (&host_ids, &dev_ids))?;
+        }
     }
     Ok(())
+}
+
+/// Copies `kind` of layer `l` of a load's pages from the host tier, verifies the landed
+/// bytes against the checksums recorded at backup (`verify`), then stamps the pages
+/// landed for that kind and wakes waiting readers.
+#[allow(clippy::too_many_arguments)]
+fn load_kind<B: Backend>(
+    sh: &Shared<B>,
+    host: &super::pool::HostPool<B>,
+    host_buf: &B::Buffer,
+    dev: &mut super::pool::LayerBuffers<B>,
+    l: usize,
+    kind: BufferKind,
+    pages: &[LoadPage],
+    (host_ids, dev_ids): (&[i32], &[i32]),
+) -> Result<()> {
+    let ki = kind as usize;
+    let dst = sh.device.region(kind);
+    copy_host(
+        sh,
+        Side {
+            region: host.region(l, kind),
+            ids: host_ids,
+        },
+        host_buf,
+        Side {
+            region: dst,
+            ids: dev_ids,
+        },
+        dev.get_mut(kind),
+        true,
+    )?;
+    if sh.config.verify {
+        let got = checksums(&*sh.backend, dst, dev.get(kind), dev_ids)?;
+        for (p, g) in pages.iter().zip(got) {
+            let want = p.checksums.get(l).map_or(0, |c| c[ki]);
+            if g != want {
+                return Err(Error::Integrity {
+                    what: "host→device",
+                    page: p.host.id,
+                    layer: l,
+                    kind: kind.name(),
+                    expected: want,
+                    actual: g,
+                });
+            }
+        }
+    }
+    // This kind of this layer landed (and verified): stamp it, kind by kind.
+    for p in pages {
+        sh.device
+            .set_page_landed(l, kind, p.device.id, p.device.generation);
+    }
+    sh.notify_landed();
+    Ok(())
+}
+
+/// Fills pages `ids` of `region` in `buf` with a fixed pattern (finite in every dtype):
+/// the stand-in for bytes that are undefined under a fault injection, so that reading
+/// them is a wrong read every time rather than by chance.
+pub(crate) fn poison_pages<B: Backend>(
+    backend: &B,
+    region: PagedRegion,
+    buf: &mut B::Buffer,
+    ids: &[i32],
+) -> Result<()> {
+    if ids.is_empty() {
+        return Ok(());
+    }
+    let src = backend.upload(&vec![0x3c; region.layout.bytes_per_page()])?;
+    let op = CopyPages {
+        src: PagedRegion::contiguous(region.layout, 1),
+        dst: region,
+        src_ids: &vec![0; ids.len()],
+        dst_ids: ids,
+    };
+    backend.copy_pages(&op, &src, buf)
 }
 
 /// One backup batch; returns each item's checksums `[layer][kind]` (taken on the device

@@ -98,4 +98,4 @@ pub use fence::ReadyToken;
 pub use hicache::{CacheConfig, CacheStats, HiCache, Prefix, RequestId, Room};
 pub use inbound::Inbound;
 pub use pool::{BufferKind, CacheSpec, HostLayout};
-pub use step::{LayerGuard, SlotRef, Step};
+pub use step::{LayerGuard, ReadExtent, SlotRef, Step};

@@ -10,12 +10,13 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+use super::alloc::PageRef;
 use super::faults::{Fault, Faults};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::layout::{IndexKDtype, IndexKLayout, KvLayout, PageLayout};
 use crate::ops::PagedRegion;
-use crate::sync::{AtomicU32, Mutex, MutexGuard, Ordering};
+use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering};
 
 /// The two buffers every layer has.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
@@ -108,17 +109,48 @@ impl<B: Backend> LayerBuffers<B> {
     }
 }
 
+/// What the device pool knows about one (layer, kind, page): the generation of the page
+/// allocation its bytes were last written for, and how many leading token slots of the
+/// page hold bytes written for that generation (a page is filled in token order: by its
+/// owner's stores, or whole by a load or a transfer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Landed {
+    pub generation: u32,
+    /// Leading slots written (`0..=page_size`).
+    pub filled: u32,
+}
+
+/// `Landed` packed into one atomic word: `(generation + 1) << 32 | filled` (0: nothing).
+fn pack(l: Landed) -> u64 {
+    ((l.generation as u64 + 1) << 32) | l.filled as u64
+}
+
+fn unpack(v: u64) -> Option<Landed> {
+    (v != 0).then(|| Landed {
+        generation: ((v >> 32) - 1) as u32,
+        filled: v as u32,
+    })
+}
+
 /// The device tier: per layer, a KV and an index-K buffer of `num_pages` pages each, behind
 /// **one** mutex per layer (a guard over both kinds: no second lock of the same layer is
 /// ever needed, so there is no lock-order hazard between a reader and the io worker), plus
-/// a landed stamp per (layer, page): the generation (+1) of the page allocation whose bytes
-/// were last written into that layer (0: none).
+/// the landed state of every (layer, kind, page) ([`Landed`]): what a reader checks behind
+/// the fences, per kind, so that one kind having landed says nothing about the other.
 #[derive(Debug)]
 pub(crate) struct DevicePool<B: Backend> {
     spec: CacheSpec,
     num_pages: usize,
     layers: Vec<Mutex<LayerBuffers<B>>>,
-    stamps: Vec<AtomicU32>,
+    /// `[(layer * 2 + kind) * num_pages + page]`, packed by [`pack`].
+    landed: Vec<AtomicU64>,
+}
+
+fn kind_index(kind: BufferKind) -> usize {
+    match kind {
+        BufferKind::Kv => 0,
+        BufferKind::IndexK => 1,
+    }
 }
 
 impl<B: Backend> DevicePool<B> {
@@ -136,8 +168,8 @@ impl<B: Backend> DevicePool<B> {
             spec,
             num_pages,
             layers,
-            stamps: (0..spec.num_layers * num_pages)
-                .map(|_| AtomicU32::new(0))
+            landed: (0..spec.num_layers * BufferKind::ALL.len() * num_pages)
+                .map(|_| AtomicU64::new(0))
                 .collect(),
         })
     }
@@ -168,42 +200,51 @@ impl<B: Backend> DevicePool<B> {
         })
     }
 
-    fn stamp_slot(&self, layer: usize, page: u32) -> Option<&AtomicU32> {
+    fn slot(&self, layer: usize, kind: BufferKind, page: u32) -> Option<&AtomicU64> {
         if (page as usize) < self.num_pages {
-            self.stamps.get(layer * self.num_pages + page as usize)
+            self.landed
+                .get((layer * 2 + kind_index(kind)) * self.num_pages + page as usize)
         } else {
             None
         }
     }
 
-    /// Records that `page`'s bytes of `layer` were written for `generation`. Call with the
-    /// layer's lock held, after the bytes.
-    pub fn set_stamp(&self, layer: usize, page: u32, generation: u32) {
-        if let Some(s) = self.stamp_slot(layer, page) {
-            s.store(generation.wrapping_add(1).max(1), Ordering::Release);
+    /// Records that the first `filled` slots of `page` (kind `kind`, layer `layer`) hold
+    /// bytes written for `generation`. Call with the layer's lock held, after the bytes.
+    pub fn set_landed(&self, layer: usize, kind: BufferKind, page: u32, generation: u32, filled: u32) {
+        if let Some(s) = self.slot(layer, kind, page) {
+            s.store(pack(Landed { generation, filled }), Ordering::Release);
         }
     }
 
-    /// Marks `page` of every layer as written for `generation` (a fresh page its owner
-    /// will fill by its own stores) or, with `None`, as not landed (a copy will fill it).
-    pub fn stamp_all_layers(&self, page: u32, generation: Option<u32>) {
+    /// Records a whole page (every slot) landed for `generation`: a load or transfer.
+    pub fn set_page_landed(&self, layer: usize, kind: BufferKind, page: u32, generation: u32) {
+        self.set_landed(layer, kind, page, generation, self.spec.page_size() as u32);
+    }
+
+    /// Marks `page` as holding nothing, in every layer and kind: a fresh allocation (its
+    /// owner's stores or a copy will fill it).
+    pub fn clear_landed(&self, page: u32) {
         for l in 0..self.spec.num_layers {
-            match generation {
-                Some(g) => self.set_stamp(l, page, g),
-                None => {
-                    if let Some(s) = self.stamp_slot(l, page) {
-                        s.store(0, Ordering::Release);
-                    }
+            for kind in BufferKind::ALL {
+                if let Some(s) = self.slot(l, kind, page) {
+                    s.store(0, Ordering::Release);
                 }
             }
         }
     }
 
-    /// The generation `page`'s bytes of `layer` were last written for.
-    pub fn stamp(&self, layer: usize, page: u32) -> Option<u32> {
-        match self.stamp_slot(layer, page)?.load(Ordering::Acquire) {
-            0 => None,
-            v => Some(v.wrapping_sub(1)),
+    /// The landed state of `page`'s bytes of `kind` in `layer`.
+    pub fn landed(&self, layer: usize, kind: BufferKind, page: u32) -> Option<Landed> {
+        unpack(self.slot(layer, kind, page)?.load(Ordering::Acquire))
+    }
+
+    /// Leading slots of `page` (kind, layer) written for `generation` (0 when its bytes
+    /// are of another generation or none).
+    pub fn filled(&self, layer: usize, kind: BufferKind, page: PageRef) -> u32 {
+        match self.landed(layer, kind, page.id) {
+            Some(l) if l.generation == page.generation => l.filled,
+            _ => 0,
         }
     }
 }

@@ -26,7 +26,7 @@ use super::hicache::{invalid, HiCache, RequestId};
 use super::pool::{BufferKind, LayerBuffers};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
-use crate::ops::{CopyPages, IndexKStore, KvStore, PagedRegion};
+use crate::ops::{IndexKStore, KvStore};
 use crate::sync::{AtomicBool, MutexGuard, Ordering};
 
 /// One token slot: `offset` (tokens, `< page_size`) inside `page`.
@@ -34,6 +34,15 @@ use crate::sync::{AtomicBool, MutexGuard, Ordering};
 pub struct SlotRef {
     pub page: PageRef,
     pub offset: u32,
+}
+
+/// What a reader reads of one request: the first `tokens` token slots of its `pages`
+/// (in token order: `pages[i]` holds tokens `i * page_size..`).
+#[derive(Clone, Copy, Debug)]
+pub struct ReadExtent<'a> {
+    pub request: RequestId,
+    pub pages: &'a [PageRef],
+    pub tokens: usize,
 }
 
 #[derive(Debug)]
@@ -59,12 +68,19 @@ pub struct Step<'c, B: Backend + 'static> {
     writable: HashMap<u32, PageRef>,
 }
 
-/// Under the `loads-trail-readers` fault: counts a step reaching `layer` and wakes the
-/// loads waiting for one.
-fn note_read<B: Backend>(sh: &super::hicache::Shared<B>, layer: usize) {
-    if sh.fault(Fault::LoadsTrailReaders) {
-        if let Some(r) = sh.reads.lock().get_mut(layer) {
+/// Under the `loads-trail-readers` and `index-k-after-publish` faults: counts a step
+/// reaching `layer` (`guard`: holding the layer's lock) and wakes the loads waiting for
+/// one. Counts per layer: `[layer * 2]` every reach, `[layer * 2 + 1]` guards only.
+fn note_read<B: Backend>(sh: &super::hicache::Shared<B>, layer: usize, guard: bool) {
+    if sh.fault(Fault::LoadsTrailReaders) || sh.fault(Fault::IndexKAfterPublish) {
+        let mut reads = sh.reads.lock();
+        if let Some(r) = reads.get_mut(layer * 2) {
             *r += 1;
+        }
+        if guard {
+            if let Some(r) = reads.get_mut(layer * 2 + 1) {
+                *r += 1;
+            }
         }
         sh.reads_cv.notify_all();
     }
@@ -208,7 +224,7 @@ impl<'c, B: Backend + 'static> Step<'c, B> {
         let sh = &*self.cache.shared;
         if !sh.fault(Fault::SkipIndexWait) {
             // About to wait for the layer: a load trailing readers may go now.
-            note_read(sh, layer);
+            note_read(sh, layer, false);
             let started = Instant::now();
             let deadline = sh.deadline();
             for m in self.live_members() {
@@ -233,11 +249,21 @@ impl<'c, B: Backend + 'static> Step<'c, B> {
 
     /// The guard of the token's layer (waits, bounded, for the layer's lock). The token
     /// must come from this step.
+    ///
+    /// Behind the fences, the guard checks every member page's landed stamps, per kind. A
+    /// page whose bytes of a kind have not landed yet although its fence let the reader
+    /// through (a copy that published its layer too early, a skipped wait) is waited for:
+    /// the guard releases the layer, waits (bounded by the cache's wait bound) until the
+    /// copy stamps it or fails, and takes the layer again — counted in
+    /// [`CacheStats::landing_waits`](super::CacheStats). A page holding bytes of another
+    /// generation (a stale write that landed) fails its request at once
+    /// ([`Error::NotLanded`] inside `RequestFailed`), as does a wait that runs out.
     pub fn layer(&mut self, token: ReadyToken) -> Result<LayerGuard<'_, B>> {
         let sh = &*self.cache.shared;
         if token.cache != sh.id || token.step != self.id {
             return Err(invalid("ready token", "minted by another step or cache"));
         }
+        let layer = token.layer;
         // A thread already holding a layer (of another step) only tries: waiting for a
         // second layer could close a cycle with another thread doing the reverse.
         let deadline = if crate::sync::held_layers() > 0 {
@@ -245,23 +271,110 @@ impl<'c, B: Backend + 'static> Step<'c, B> {
         } else {
             sh.deadline()
         };
-        let mut bufs = sh.device.lock(token.layer, deadline)?;
-        crate::sync::add_held_layers(1);
-        if sh.fault(Fault::SkipIndexWait) {
-            if let Err(e) = self.poison_unlanded(&mut bufs, token.layer) {
-                crate::sync::add_held_layers(-1);
-                return Err(e);
+        let mut waited = false;
+        loop {
+            let mut bufs = sh.device.lock(layer, deadline)?;
+            crate::sync::add_held_layers(1);
+            if sh.fault(Fault::SkipIndexWait) {
+                if let Err(e) = self.poison_unlanded(&mut bufs, layer) {
+                    crate::sync::add_held_layers(-1);
+                    return Err(e);
+                }
+            }
+            // Holding the layer: a load trailing readers may go now (it will wait for the
+            // lock).
+            note_read(sh, layer, true);
+            let pending = match self.landed_state(layer) {
+                Ok(p) => p,
+                Err(e) => {
+                    crate::sync::add_held_layers(-1);
+                    return Err(e);
+                }
+            };
+            let Some(pending) = pending else {
+                return Ok(LayerGuard {
+                    step: self,
+                    bufs,
+                    layer,
+                });
+            };
+            drop(bufs);
+            crate::sync::add_held_layers(-1);
+            if !waited {
+                waited = true;
+                sh.state.lock().stats.landing_waits += 1;
+            }
+            self.wait_landed(layer, deadline, pending)?;
+        }
+    }
+
+    /// Whether every live member's pages of `layer` can be read, per kind (see
+    /// [`Step::layer`]): `Ok(None)` yes; `Ok(Some(e))` a prefix or received page has
+    /// nothing landed for its generation yet (a copy may still land it; `e` is the
+    /// request's `NotLanded`); `Err(e)` a page holds bytes of another generation. Always
+    /// `Ok(None)` under the `no-landed-check` fault.
+    fn landed_state(&self, layer: usize) -> Result<Option<Error>> {
+        let sh = &*self.cache.shared;
+        if sh.fault(Fault::NoLandedCheck) {
+            return Ok(None);
+        }
+        let mut pending = None;
+        for m in self.live_members() {
+            let strict = m.landed.iter().map(|p| (p, false));
+            for (p, may_be_empty) in strict.chain(m.own.iter().map(|p| (p, true))) {
+                for kind in BufferKind::ALL {
+                    let stamp = sh.device.landed(layer, kind, p.id).map(|l| l.generation);
+                    if stamp == Some(p.generation) || (may_be_empty && stamp.is_none()) {
+                        continue;
+                    }
+                    let e = failed(
+                        m.req,
+                        Error::NotLanded {
+                            page: p.id,
+                            layer,
+                            kind: kind.name(),
+                            generation: p.generation,
+                            stamp,
+                        },
+                    );
+                    if stamp.is_some() {
+                        return Err(e);
+                    }
+                    pending.get_or_insert(e);
+                }
             }
         }
-        // Holding the layer: a load trailing readers may go now (it will wait for the lock).
-        note_read(sh, token.layer);
-        let g = LayerGuard {
-            step: self,
-            bufs,
-            layer: token.layer,
-        };
-        g.verify_landed()?;
-        Ok(g)
+        Ok(pending)
+    }
+
+    /// Waits (until `deadline`, never while this thread holds a layer) for every member
+    /// page of `layer` to land, or for a member's load or transfer to fail (its error).
+    /// Runs out with `pending`.
+    fn wait_landed(&self, layer: usize, deadline: Instant, pending: Error) -> Result<()> {
+        let sh = &*self.cache.shared;
+        if crate::sync::held_layers() > 0 {
+            return Err(pending);
+        }
+        let mut g = sh.landed.lock();
+        loop {
+            for m in self.live_members() {
+                for f in &m.fences {
+                    if let Some(Err(e)) = f.poll(layer) {
+                        return Err(failed(m.req, e));
+                    }
+                }
+            }
+            if self.landed_state(layer)?.is_none() {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(pending);
+            }
+            // Stamping wakes this; the slice bounds how late a failure is seen.
+            let slice = now + std::time::Duration::from_millis(20);
+            sh.landed_cv.wait_until(&mut g, slice.min(deadline));
+        }
     }
 
     /// Under the `skip-index-wait` fault: the bytes of a page whose load has not landed are
@@ -270,26 +383,18 @@ impl<'c, B: Backend + 'static> Step<'c, B> {
     /// bytes — so a read that skipped the wait reads wrong bytes every time.
     fn poison_unlanded(&self, bufs: &mut LayerBuffers<B>, layer: usize) -> Result<()> {
         let sh = &*self.cache.shared;
-        let ids: Vec<i32> = self
-            .live_members()
-            .flat_map(|m| m.landed.iter())
-            .filter(|p| sh.device.stamp(layer, p.id) != Some(p.generation))
-            .map(|p| p.id as i32)
-            .collect();
-        if ids.is_empty() {
-            return Ok(());
-        }
         for kind in BufferKind::ALL {
+            let ids: Vec<i32> = self
+                .live_members()
+                .flat_map(|m| m.landed.iter())
+                .filter(|p| {
+                    sh.device.landed(layer, kind, p.id).map(|l| l.generation)
+                        != Some(p.generation)
+                })
+                .map(|p| p.id as i32)
+                .collect();
             let region = sh.device.region(kind);
-            let page = region.layout.bytes_per_page();
-            let src = sh.backend.upload(&vec![0x3c; page])?;
-            let op = CopyPages {
-                src: PagedRegion::contiguous(region.layout, 1),
-                dst: region,
-                src_ids: &vec![0; ids.len()],
-                dst_ids: &ids,
-            };
-            sh.backend.copy_pages(&op, &src, bufs.get_mut(kind))?;
+            super::io::poison_pages(&*sh.backend, region, bufs.get_mut(kind), &ids)?;
         }
         Ok(())
     }
@@ -349,44 +454,44 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
         self.step.is_aborted(req)
     }
 
-    /// Request `req` fails: page `p` of this layer is stamped `stamp`, not its generation.
-    fn not_landed(&self, req: RequestId, p: &PageRef, stamp: Option<u32>) -> Error {
+    /// Request `req` fails: page `p`'s `kind` bytes of this layer are stamped `stamp`, not
+    /// its generation.
+    fn not_landed(&self, req: RequestId, p: &PageRef, kind: BufferKind, stamp: Option<u32>) -> Error {
         failed(
             req,
             Error::NotLanded {
                 page: p.id,
                 layer: self.layer,
+                kind: kind.name(),
                 generation: p.generation,
                 stamp,
             },
         )
     }
 
-    /// The landed-stamp check, for every (non-aborted) member: its prefix and received
-    /// pages were last written for their current generation in this layer; its other own
-    /// pages were not written yet or written for their generation.
-    fn verify_landed(&self) -> Result<()> {
+    /// The generation `p`'s `kind` bytes of this layer were last written for.
+    fn stamp(&self, p: &PageRef, kind: BufferKind) -> Option<u32> {
         let sh = &*self.step.cache.shared;
-        if sh.fault(Fault::NoLandedCheck) {
-            return Ok(());
+        sh.device
+            .landed(self.layer, kind, p.id)
+            .map(|l| l.generation)
+    }
+
+    /// The landed-stamp check, per buffer kind, for every (non-aborted) member: its prefix
+    /// and received pages were last written for their current generation in this layer;
+    /// its other own pages were not written yet or written for their generation.
+    fn verify_landed(&self) -> Result<()> {
+        match self.step.landed_state(self.layer)? {
+            None => Ok(()),
+            Some(e) => Err(e),
         }
-        for m in self.step.live_members() {
-            let strict = m.landed.iter().map(|p| (p, false));
-            for (p, may_be_empty) in strict.chain(m.own.iter().map(|p| (p, true))) {
-                let stamp = sh.device.stamp(self.layer, p.id);
-                if stamp != Some(p.generation) && !(may_be_empty && stamp.is_none()) {
-                    return Err(self.not_landed(m.req, p, stamp));
-                }
-            }
-        }
-        Ok(())
     }
 
     /// Checks that `pages` may be read out of this layer: each is a page of a live member
     /// of the step (its prefix, received or own pages, at their current generation) whose
-    /// bytes were written for that generation in this layer (the landed stamp; not checked
-    /// under the `no-landed-check` fault). What a caller copying pages out of
-    /// [`LayerGuard::views`] by id (a PD sender) must check first.
+    /// bytes of both kinds were written for that generation in this layer (the landed
+    /// stamps; not checked under the `no-landed-check` fault). What a caller copying pages
+    /// out of [`LayerGuard::views`] by id (a PD sender) must check first.
     pub fn check_pages(&self, pages: &[PageRef]) -> Result<()> {
         let sh = &*self.step.cache.shared;
         for p in pages {
@@ -400,18 +505,96 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
                     format!("{p:?} is not a page of this step's live requests"),
                 ));
             };
-            let stamp = sh.device.stamp(self.layer, p.id);
-            if stamp != Some(p.generation) && !sh.fault(Fault::NoLandedCheck) {
-                return Err(self.not_landed(m.req, p, stamp));
+            if sh.fault(Fault::NoLandedCheck) {
+                continue;
+            }
+            for kind in BufferKind::ALL {
+                let stamp = self.stamp(p, kind);
+                if stamp != Some(p.generation) {
+                    return Err(self.not_landed(m.req, p, kind, stamp));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks that each read extent covers only written slots: the first `tokens` slots of
+    /// the request's `pages` (in token order: `pages[i]` holds tokens `i * page_size..`)
+    /// hold bytes written for each page's generation in this layer, in both kinds (not
+    /// checked under the `no-landed-check` fault). Every page must be one of the
+    /// request's (prefix, received or own) and the request a live member of the step.
+    fn verify_extents(&self, reads: &[ReadExtent<'_>]) -> Result<()> {
+        let sh = &*self.step.cache.shared;
+        let ps = sh.device.spec().page_size();
+        for r in reads {
+            let Some(m) = self.step.members.iter().find(|m| m.req == r.request) else {
+                return Err(invalid(
+                    "read extents",
+                    format!("request {} is not in this step", r.request),
+                ));
+            };
+            if m.aborted.load(Ordering::Acquire) {
+                continue;
+            }
+            let need_pages = r.tokens.div_ceil(ps);
+            if need_pages > r.pages.len() {
+                return Err(invalid(
+                    "read extents",
+                    format!(
+                        "request {}: {} pages cannot hold {} tokens",
+                        r.request,
+                        r.pages.len(),
+                        r.tokens
+                    ),
+                ));
+            }
+            for (i, p) in r.pages[..need_pages].iter().enumerate() {
+                if !m.landed.contains(p) && !m.own.contains(p) {
+                    return Err(invalid(
+                        "read extents",
+                        format!("{p:?} is not a page of request {}", r.request),
+                    ));
+                }
+                if sh.fault(Fault::NoLandedCheck) {
+                    continue;
+                }
+                let need = (r.tokens - i * ps).min(ps) as u32;
+                for kind in BufferKind::ALL {
+                    let filled = sh.device.filled(self.layer, kind, *p);
+                    if filled < need {
+                        return Err(failed(
+                            m.req,
+                            Error::Unwritten {
+                                page: p.id,
+                                layer: self.layer,
+                                kind: kind.name(),
+                                slot: filled,
+                                filled,
+                            },
+                        ));
+                    }
+                }
             }
         }
         Ok(())
     }
 
     /// Both views of the layer: `(kv, index_k)`, whole buffers in the device regions'
-    /// geometry ([`HiCache::device_region`]). Re-checks the landed stamps.
+    /// geometry ([`HiCache::device_region`]). Re-checks the landed stamps (every member
+    /// page of both kinds written for its generation, or an own page not written yet);
+    /// says nothing about which slots were written: readers of token slots use
+    /// [`LayerGuard::views_for`].
     pub fn views(&self) -> Result<(&B::Buffer, &B::Buffer)> {
         self.verify_landed()?;
+        Ok((&self.bufs.kv, &self.bufs.index_k))
+    }
+
+    /// [`LayerGuard::views`] for a reader of the token slots `reads` names: also refuses
+    /// ([`Error::Unwritten`], as `RequestFailed` of that request) a read of a slot that was
+    /// never written for its page's generation in this layer, in either kind.
+    pub fn views_for(&self, reads: &[ReadExtent<'_>]) -> Result<(&B::Buffer, &B::Buffer)> {
+        self.verify_landed()?;
+        self.verify_extents(reads)?;
         Ok((&self.bufs.kv, &self.bufs.index_k))
     }
 
@@ -461,11 +644,50 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
         Ok(out)
     }
 
-    fn stamp(&self, slots: &[SlotRef]) {
+    /// The fill each store target page reaches after writing `slots` in order: a slot
+    /// may rewrite a written one or extend the page by one; one past the written slots
+    /// would leave a gap that nothing fills, and is refused ([`Error::Unwritten`], as
+    /// `RequestFailed` of the page's owner; not checked under `no-landed-check`).
+    fn fills(&self, kind: BufferKind, slots: &[SlotRef]) -> Result<Vec<(PageRef, u32)>> {
         let sh = &*self.step.cache.shared;
+        let mut fills: Vec<(PageRef, u32)> = Vec::new();
         for s in slots {
+            let i = match fills.iter().position(|(p, _)| *p == s.page) {
+                Some(i) => i,
+                None => {
+                    fills.push((s.page, sh.device.filled(self.layer, kind, s.page)));
+                    fills.len() - 1
+                }
+            };
+            let f = &mut fills[i].1;
+            if s.offset > *f && !sh.fault(Fault::NoLandedCheck) {
+                let owner = self
+                    .step
+                    .members
+                    .iter()
+                    .find(|m| m.own.contains(&s.page) || m.landed.contains(&s.page))
+                    .map_or(0, |m| m.req);
+                return Err(failed(
+                    owner,
+                    Error::Unwritten {
+                        page: s.page.id,
+                        layer: self.layer,
+                        kind: kind.name(),
+                        slot: *f,
+                        filled: *f,
+                    },
+                ));
+            }
+            *f = (*f).max(s.offset + 1);
+        }
+        Ok(fills)
+    }
+
+    fn stamp_fills(&self, kind: BufferKind, fills: &[(PageRef, u32)]) {
+        let sh = &*self.step.cache.shared;
+        for (p, f) in fills {
             sh.device
-                .set_stamp(self.layer, s.page.id, s.page.generation);
+                .set_landed(self.layer, kind, p.id, p.generation, *f);
         }
     }
 
@@ -495,8 +717,9 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
 
     fn store(&mut self, kind: BufferKind, slots: &[SlotRef], rows: &B::Buffer) -> Result<()> {
         let ids = self.slots(slots)?;
+        let fills = self.fills(kind, slots)?;
         self.run_store(kind, &ids, rows)?;
-        self.stamp(slots);
+        self.stamp_fills(kind, &fills);
         if self.step.cache.shared.fault(Fault::LateWrite) && !slots.is_empty() {
             self.late_writes(kind, slots, rows)?;
         }
@@ -519,12 +742,18 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
             late.due(self.layer, kind, slots)
         };
         for (slot, row) in due {
+            // Refused late writes (stale, or one that would leave a gap) are counted and
+            // dropped: they belong to no live request.
             let Ok(ids) = self.slots(&[slot]) else {
+                continue;
+            };
+            let Ok(fills) = self.fills(kind, &[slot]) else {
+                sh.state.lock().stats.stale_writes_refused += 1;
                 continue;
             };
             let buf = sh.backend.upload(&row)?;
             self.run_store(kind, &ids, &buf)?;
-            self.stamp(&[slot]);
+            self.stamp_fills(kind, &fills);
         }
         Ok(())
     }

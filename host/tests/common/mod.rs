@@ -71,6 +71,13 @@ fn values(seed: u64, n: usize) -> Vec<bf16> {
         .collect()
 }
 
+/// The bf16 KV row `store_layer` writes for position `pos` of `tokens` in `layer` (its
+/// bytes, as a bf16 KV page holds them).
+pub fn kv_row(spec: &CacheSpec, tokens: &[u32], pos: usize, layer: usize) -> Vec<u8> {
+    let h = prefix_hash(&tokens[..=pos]) ^ (layer as u64).wrapping_mul(0x9e37_79b9);
+    bytemuck::cast_slice(&values(h, spec.kv.d_qk())).to_vec()
+}
+
 /// Stores positions `from..tokens.len()` of `tokens` (held in `pages`) into the guard's
 /// layer: the simulated forward pass of one layer.
 pub fn store_layer<B: Backend + 'static>(
@@ -272,6 +279,9 @@ pub struct FlakyCtl {
     rng: AtomicU64,
     /// Copies done (attempted).
     pub copies: AtomicU64,
+    /// Hold only the cache io worker's copies at the closed gate (a reader's own copies
+    /// — the `skip-index-wait` poison — pass).
+    pub gate_io_only: AtomicBool,
 }
 
 impl FlakyCtl {
@@ -306,7 +316,9 @@ impl FlakyCtl {
         self.copies.fetch_add(1, Ordering::SeqCst);
         {
             let mut closed = self.gate_closed.lock().unwrap();
-            if *closed {
+            let exempt = self.gate_io_only.load(Ordering::SeqCst)
+                && std::thread::current().name() != Some("sparsekit-cache-io");
+            if *closed && !exempt {
                 self.waiting.fetch_add(1, Ordering::SeqCst);
                 let t = Instant::now();
                 while *closed && t.elapsed() < BOUND {
