@@ -92,6 +92,9 @@ pub struct Metrics {
     checksum_failures: Labelled<Counter>,
     refused: Labelled<Counter>,
     refused_frames: Labelled<Counter>,
+    detections: Labelled<Counter>,
+    fallbacks: Labelled<Counter>,
+    kernel_checks: Labelled<Counter>,
     quarantined: Labelled<Gauge>,
     leaked: Gauge,
     transfers: Labelled<Gauge>,
@@ -168,6 +171,14 @@ impl Metrics {
             "sparsekit_refused_frames",
             "PD messages and page writes the decode receiver refused, by reason",
         );
+        let detections = family(
+            "sparsekit_integrity_detections",
+            "Integrity problems a check found and the server repaired without refusing anything (a read that waited for bytes behind a published fence), by check",
+        );
+        let fallbacks = family(
+            "sparsekit_integrity_fallbacks",
+            "Requests whose cached or received prefix failed an integrity check and that were served by recomputing it (the prefix dropped from the cache), by reason",
+        );
         let mut gauge = |name: &str, help: &str| {
             let f = Labelled::<Gauge>::default();
             registry.register(name, help, f.clone());
@@ -180,6 +191,12 @@ impl Metrics {
         let in_engine = gauge(
             "sparsekit_requests_in_engine",
             "Requests in the engine now: running (holding pages) or waiting for admission",
+        );
+        let kernel_checks = Labelled::<Counter>::default();
+        registry.register(
+            "sparsekit_kernel_checks",
+            "Sampled kernel calls re-checked against the f64 references, by op and outcome (ok, mismatch)",
+            kernel_checks.clone(),
         );
         let cache_lookups = Counter::default();
         registry.register(
@@ -221,6 +238,9 @@ impl Metrics {
             checksum_failures,
             refused,
             refused_frames,
+            detections,
+            fallbacks,
+            kernel_checks,
             transfers,
             quarantined,
             leaked,
@@ -311,6 +331,31 @@ impl Metrics {
     pub fn refused(&self, reason: &str, n: u64) {
         self.refused
             .get_or_create(&label("reason", reason))
+            .inc_by(n);
+    }
+
+    /// Counts integrity problems found by `check` and repaired in place (`landing_wait`:
+    /// a read that found bytes not landed behind a published fence and waited for them).
+    pub fn detection(&self, check: &str, n: u64) {
+        self.detections
+            .get_or_create(&label("check", check))
+            .inc_by(n);
+    }
+
+    /// Counts a request served by recomputing a prefix that failed an integrity check
+    /// (`reason`: the check, e.g. `checksum`, `not_landed`, `unwritten`).
+    pub fn integrity_fallback(&self, reason: &str) {
+        self.fallbacks.get_or_create(&label("reason", reason)).inc();
+    }
+
+    /// Counts `n` sampled kernel calls of `op` re-checked with `outcome` (`ok`,
+    /// `mismatch`).
+    pub fn kernel_checks(&self, op: &str, outcome: &str, n: u64) {
+        self.kernel_checks
+            .get_or_create(&vec![
+                ("op".to_string(), op.to_string()),
+                ("outcome".to_string(), outcome.to_string()),
+            ])
             .inc_by(n);
     }
 

@@ -270,38 +270,35 @@ fn a_failed_load_fails_its_request_alone_and_a_retry_is_served() {
     assert_idle_and_clean(&e);
 }
 
+/// A corrupted host copy is never served: the load's checksums refuse it, the copies are
+/// dropped from the cache, and the request recomputes its prefix — served, with the
+/// bits of an uncached run, and counted as an integrity fallback.
 #[test]
-fn a_corrupted_host_copy_is_refused_and_the_retry_recomputes() {
+fn a_corrupted_host_copy_is_refused_and_the_request_recomputes() {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed());
     let s = Session::new(&mut rng, &[], 150, 6, "flip");
     let mut config = CacheConfig::new(64, 64);
     config.faults = Faults::with(&[Fault::HostBitFlip]);
     let (e, h, _ctl, turn2, r2) = host_only_session(&s, config);
-    match run(&e, &turn2) {
-        Err(EngineError::SeqFailed { cause, .. }) => assert!(
-            matches!(
-                cause,
-                HostError::Integrity {
-                    what: "host→device",
-                    ..
-                }
-            ),
-            "{cause:?}"
-        ),
-        other => panic!("a corrupted host copy must never be served: {other:?}"),
-    }
+    same(&run(&e, &turn2).unwrap(), &r2, "served by recomputing");
     let st = h.cache().stats();
     assert_eq!(st.host_integrity_failures, 1);
-    let text = e.metrics().encode();
+    assert_eq!(e.stats().integrity_fallbacks, 1);
+    assert_eq!(e.stats().failed_seqs, 0);
     assert_idle_and_clean(&e);
-    let text2 = e.metrics().encode();
+    let text = e.metrics().encode();
     assert!(
-        text2.contains("sparsekit_checksum_failures_total{where=\"host_load\"} 1"),
-        "{text}\n{text2}"
+        text.contains("sparsekit_checksum_failures_total{where=\"host_load\"} 1"),
+        "{text}"
     );
-    assert!(text2.contains("sparsekit_refused_total{reason=\"load_failed\"} 1"));
-    // The corrupted copies were dropped: the retry recomputes and is right.
-    same(&run(&e, &turn2).unwrap(), &r2, "retry");
+    assert!(text.contains("sparsekit_refused_total{reason=\"load_failed\"} 1"));
+    assert!(
+        text.contains("sparsekit_integrity_fallbacks_total{reason=\"checksum\"} 1"),
+        "{text}"
+    );
+    // The corrupted copies were dropped: the next turn recomputes and is right too.
+    same(&run(&e, &turn2).unwrap(), &r2, "again");
+    assert_eq!(e.stats().integrity_fallbacks, 1);
     assert_idle_and_clean(&e);
 }
 
@@ -315,8 +312,10 @@ fn a_load_past_the_wait_bound_fails_its_request_and_the_engine_goes_on() {
     let (e, h, ctl, turn2, _r2) = host_only_session(&s, config);
     *ctl.hold_src.lock().unwrap() = h.cache().host_region(0, BufferKind::Kv);
     ctl.close();
+    // The load times out; recomputing the prefix instead needs layer 0, which the stuck
+    // copy holds: a typed timeout within the bounds either way.
     match run(&e, &turn2) {
-        Err(EngineError::SeqFailed { cause, .. }) => {
+        Err(EngineError::SeqFailed { cause, .. }) | Err(EngineError::Backend(cause)) => {
             assert!(matches!(cause, HostError::Timeout { .. }), "{cause:?}")
         }
         other => panic!("{other:?}"),
@@ -477,9 +476,10 @@ fn aborts_from_other_threads_leave_nothing_behind() {
 }
 
 /// The engine under `skip-index-wait` (+ `loads-trail-readers`, which makes the early read
-/// certain): the landed stamps refuse the request; with them off its output is wrong.
+/// certain): the landed stamps see every early read, wait for the bytes and serve the
+/// right ones (counted as detections); with the stamps off the output is wrong.
 #[test]
-fn an_early_read_is_refused_by_landed_stamps_and_corrupts_without_them() {
+fn an_early_read_is_caught_by_landed_stamps_and_corrupts_without_them() {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed());
     let s = Session::new(&mut rng, &[], 150, 6, "early");
     for stamps in [true, false] {
@@ -489,14 +489,24 @@ fn an_early_read_is_refused_by_landed_stamps_and_corrupts_without_them() {
             faults.push(Fault::NoLandedCheck);
         }
         config.faults = Faults::with(&faults);
-        let (e, _h, _ctl, turn2, r2) = host_only_session(&s, config);
-        match (stamps, run(&e, &turn2)) {
-            (true, Err(EngineError::SeqFailed { cause, .. })) => {
-                assert!(matches!(cause, HostError::NotLanded { .. }), "{cause:?}")
-            }
-            (false, Ok(c)) => assert_ne!(c.digests, r2.digests, "the early read corrupts"),
-            (_, other) => panic!("stamps {stamps}: {other:?}"),
+        let (e, h, _ctl, turn2, r2) = host_only_session(&s, config);
+        let c = run(&e, &turn2).unwrap();
+        if stamps {
+            same(&c, &r2, "served after waiting for the load");
+            assert!(h.cache().stats().landing_waits > 0);
+        } else {
+            assert_ne!(c.digests, r2.digests, "the early read corrupts");
+            assert_eq!(h.cache().stats().landing_waits, 0);
         }
         assert_idle_and_clean(&e);
+        let text = e.metrics().encode();
+        let waits = text
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix("sparsekit_integrity_detections_total{check=\"landing_wait\"} ")
+            })
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0);
+        assert_eq!(waits > 0.0, stamps, "{text}");
     }
 }

@@ -143,6 +143,8 @@ pub struct CacheStats {
     /// and waited for them to land instead of reading them: each is a fence that was not
     /// honoured, caught by the landed stamps.
     pub landing_waits: u64,
+    /// Pages released by [`HiCache::discard_prefix`].
+    pub discarded_pages: u64,
     pub integrity_failures: u64,
     /// Of the integrity failures, those of host → device loads (the rest: inbound
     /// transfers).
@@ -711,6 +713,8 @@ impl<B: Backend + 'static> HiCache<B> {
             };
             if let Some(n) = st.tree.get_mut(node) {
                 if n.device.is_none() {
+                    // A node discarded after an integrity failure is filled afresh.
+                    n.discarded = false;
                     n.device = Some(DevicePage { page, load: None });
                     adopted.push(page);
                     if n.host.is_none() && n.backup.is_none() {
@@ -765,6 +769,54 @@ impl<B: Backend + 'static> HiCache<B> {
         }
         end_request(sh, &mut st, req, "request aborted");
         Ok(())
+    }
+
+    /// Drops request `req`'s matched prefix from the cache after an integrity failure
+    /// showed it cannot be trusted: its nodes are never matched again, and their pages in
+    /// both tiers are released (quarantined while anything pins them; a page with a load
+    /// or backup still in flight is left to that copy, which no longer makes it
+    /// matchable). Every live request whose path crosses those nodes — `req` included —
+    /// gets a failed fence, so its next step is refused (`Cancelled`) instead of reading
+    /// pages that left: its caller recomputes. Returns the pages released.
+    pub fn discard_prefix(&self, req: RequestId) -> Result<usize> {
+        let sh = &*self.shared;
+        let mut guard = sh.state.lock();
+        let st = &mut *guard;
+        let path = st.requests.get(&req).ok_or_else(|| not_live(req))?.path.clone();
+        if path.is_empty() {
+            return Ok(0);
+        }
+        let mut released = 0;
+        for &v in &path {
+            let Some(n) = st.tree.get_mut(v) else {
+                continue;
+            };
+            n.discarded = true;
+            if let Some(d) = n.device.filter(|d| d.load.is_none()) {
+                n.device = None;
+                let _ = st.device.release(d.page);
+                released += 1;
+            }
+            if n.backup.is_none() {
+                if let Some(h) = n.host.take() {
+                    let _ = st.host.release(h.page);
+                    released += 1;
+                }
+            }
+        }
+        let e = Error::Cancelled("its prefix was discarded after an integrity failure".into());
+        for r in st.requests.values_mut() {
+            if r.path.iter().any(|n| path.contains(n)) {
+                let f = Arc::new(Fence::pending(sh.num_layers()));
+                f.fail(e.clone());
+                r.fences.push(f);
+            }
+        }
+        st.stats.discarded_pages += released as u64;
+        drop(guard);
+        sh.space_cv.notify_all();
+        sh.notify_landed();
+        Ok(released)
     }
 
     /// Whether `req` is live.

@@ -46,6 +46,9 @@ pub(crate) struct Node {
     pub backup: Option<u64>,
     /// Free the device page once the backup lands (an eviction is waiting for it).
     pub evict_after_backup: bool,
+    /// Dropped after an integrity failure: never matched again (its pages were released
+    /// where no copy was in flight) until a commit fills it afresh.
+    pub discarded: bool,
     pub locks: u32,
     last_use: u64,
 }
@@ -61,6 +64,7 @@ impl Node {
             host: None,
             backup: None,
             evict_after_backup: false,
+            discarded: false,
             locks: 0,
             last_use: now,
         }
@@ -133,7 +137,7 @@ impl RadixTree {
                 break;
             };
             match self.get(next) {
-                Some(n) if n.device.is_some() || n.host.is_some() => {}
+                Some(n) if !n.discarded && (n.device.is_some() || n.host.is_some()) => {}
                 _ => break,
             }
             path.push(next);

@@ -34,7 +34,9 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use sparsekit_host::cache::{CacheStats, HiCache, LayerGuard, PageRef, RequestId, SlotRef, Step};
+use sparsekit_host::cache::{
+    CacheStats, HiCache, LayerGuard, PageRef, ReadExtent, RequestId, SlotRef, Step,
+};
 use sparsekit_host::{Backend, Error as HostError, IndexKLayout, KvLayout};
 
 use crate::engine::kv::{KvSpace, KvStep, LayerCache, ReceivedPages, SeqId};
@@ -108,6 +110,8 @@ struct Counts {
     host_hits: AtomicU64,
     /// Requests failed because a page they were about to read had not landed.
     not_landed: AtomicU64,
+    /// Requests failed because a slot they read or wrote past was never written.
+    unwritten: AtomicU64,
     /// Requests failed because their load or transfer failed or timed out.
     load_failed: AtomicU64,
     /// Commits the cache refused (the pages were released instead).
@@ -118,7 +122,7 @@ struct Counts {
 #[derive(Debug, Default)]
 struct Published {
     stats: CacheStats,
-    counts: [u64; 6],
+    counts: [u64; 7],
 }
 
 /// The cache-backed KV space (see the module docs).
@@ -196,8 +200,8 @@ impl<B: Backend + 'static> CacheKvSpace<B> {
     /// all — only when the device pages it needs could be had now (else `OutOfPages` and
     /// nothing begun: a request that waits must not freeze a prefix match made before the
     /// requests ahead of it committed theirs).
-    fn begin(&mut self, prompt: &[u32], want: usize) -> Result<SeqPages, EngineError> {
-        let key: &[u32] = if self.opts.prefix_reuse {
+    fn begin(&mut self, prompt: &[u32], want: usize, reuse: bool) -> Result<SeqPages, EngineError> {
+        let key: &[u32] = if self.opts.prefix_reuse && reuse {
             &prompt[..prompt.len().saturating_sub(1)]
         } else {
             &[]
@@ -291,6 +295,7 @@ fn step_error(e: HostError, req_seq: &HashMap<RequestId, SeqId>, counts: &Counts
         HostError::RequestFailed { request, cause } => {
             let counter = match *cause {
                 HostError::NotLanded { .. } => &counts.not_landed,
+                HostError::Unwritten { .. } => &counts.unwritten,
                 _ => &counts.load_failed,
             };
             counter.fetch_add(1, Ordering::Relaxed);
@@ -310,6 +315,7 @@ pub struct CacheStep<'a, B: Backend + 'static> {
     layouts: (KvLayout, IndexKLayout),
     owner: &'a [Option<PageRef>],
     page_size: usize,
+    seqs: &'a HashMap<SeqId, SeqPages>,
     req_seq: &'a HashMap<RequestId, SeqId>,
     counts: &'a Counts,
     slots: &'a mut Vec<SlotRef>,
@@ -332,6 +338,7 @@ impl<B: Backend + 'static> KvStep<B> for CacheStep<'_, B> {
             layouts: self.layouts,
             owner: self.owner,
             page_size: self.page_size,
+            seqs: self.seqs,
             req_seq,
             counts,
             slots: &mut *self.slots,
@@ -346,6 +353,7 @@ pub struct CacheLayer<'a, B: Backend + 'static> {
     layouts: (KvLayout, IndexKLayout),
     owner: &'a [Option<PageRef>],
     page_size: usize,
+    seqs: &'a HashMap<SeqId, SeqPages>,
     req_seq: &'a HashMap<RequestId, SeqId>,
     counts: &'a Counts,
     slots: &'a mut Vec<SlotRef>,
@@ -393,9 +401,21 @@ impl<B: Backend + 'static> LayerCache<B> for CacheLayer<'_, B> {
             .map_err(|e| step_error(e, req_seq, counts))
     }
 
-    fn views(&self) -> Result<(&B::Buffer, &B::Buffer), EngineError> {
+    fn views(&self, reads: &[(SeqId, usize)]) -> Result<(&B::Buffer, &B::Buffer), EngineError> {
+        let mut extents = Vec::with_capacity(reads.len());
+        for &(seq, tokens) in reads {
+            let s = self
+                .seqs
+                .get(&seq)
+                .ok_or(EngineError::UnknownSequence(seq))?;
+            extents.push(ReadExtent {
+                request: s.req,
+                pages: &s.refs,
+                tokens,
+            });
+        }
         self.guard
-            .views()
+            .views_for(&extents)
             .map_err(|e| step_error(e, self.req_seq, self.counts))
     }
 }
@@ -432,6 +452,7 @@ impl<B: Backend + 'static> KvSpace<B> for CacheKvSpace<B> {
         prompt: &[u32],
         total: usize,
         received: Option<&ReceivedPages>,
+        reuse: bool,
     ) -> Result<usize, EngineError> {
         if prompt.is_empty() {
             return Err(EngineError::InvalidRequest("the prompt is empty".into()));
@@ -446,7 +467,7 @@ impl<B: Backend + 'static> KvSpace<B> for CacheKvSpace<B> {
         if !self.seqs.contains_key(&seq) {
             let s = match received {
                 Some(r) => self.adopt(prompt, r)?,
-                None => self.begin(prompt, want)?,
+                None => self.begin(prompt, want, reuse)?,
             };
             self.req_seq.insert(s.req, seq);
             self.seqs.insert(seq, s);
@@ -514,10 +535,24 @@ impl<B: Backend + 'static> KvSpace<B> for CacheKvSpace<B> {
             layouts: (*kv_layout, *index_k_layout),
             owner,
             page_size: *page_size,
+            seqs: all,
             req_seq,
             counts,
             slots,
         })
+    }
+
+    fn discard_prefix(&mut self, seq: SeqId) -> usize {
+        let Some(s) = self.seqs.get(&seq) else {
+            return 0;
+        };
+        match self.cache.discard_prefix(s.req) {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::warn!(seq, error = %e, "cannot discard a prefix");
+                0
+            }
+        }
     }
 
     fn commit(&mut self, seq: SeqId, tokens: &[u32], computed: usize) -> usize {
@@ -663,6 +698,7 @@ impl<B: Backend + 'static> KvSpace<B> for CacheKvSpace<B> {
             c.not_landed.load(Ordering::Relaxed),
             c.load_failed.load(Ordering::Relaxed),
             c.commit_refused.load(Ordering::Relaxed),
+            c.unwritten.load(Ordering::Relaxed),
         ];
         let was = self.published.counts;
         if self.opts.prefix_reuse {
@@ -675,6 +711,8 @@ impl<B: Backend + 'static> KvSpace<B> for CacheKvSpace<B> {
         m.refused("not_landed", d(now[3], was[3]));
         m.refused("load_failed", d(now[4], was[4]));
         m.refused("commit", d(now[5], was[5]));
+        m.refused("unwritten", d(now[6], was[6]));
+        m.detection("landing_wait", d(s.landing_waits, p.landing_waits));
         self.published = Published {
             stats: s,
             counts: now,

@@ -41,9 +41,11 @@ pub trait LayerCache<B: Backend> {
         kv: &B::Buffer,
         index_k: &B::Buffer,
     ) -> Result<(), EngineError>;
-    /// This layer's pages (whole pools): `(kv, index_k)`. A cache re-checks here that every
-    /// page the step's sequences read holds the bytes it should (landed stamps).
-    fn views(&self) -> Result<(&B::Buffer, &B::Buffer), EngineError>;
+    /// This layer's pages (whole pools): `(kv, index_k)`, for a forward pass that reads
+    /// the first `tokens` tokens of each `(seq, tokens)` in `reads`. A cache re-checks here
+    /// that every page the step's sequences read holds the bytes it should (landed
+    /// stamps) and that no slot read was left unwritten.
+    fn views(&self, reads: &[(SeqId, usize)]) -> Result<(&B::Buffer, &B::Buffer), EngineError>;
 }
 
 /// One forward step over a set of sequences: layer by layer access to their caches.
@@ -123,12 +125,15 @@ pub trait KvSpace<B: Backend> {
     /// matches `prompt` here; `received` adopts pages a transfer filled. Never blocks: on
     /// [`EngineError::OutOfPages`] the scheduler tries again later (a space may keep what
     /// it started, e.g. a prefix load, for that next try; [`KvSpace::release`] ends it).
+    /// With `reuse` false nothing is matched: the request computes its whole prompt (a
+    /// request recomputing a prefix that failed an integrity check).
     fn admit(
         &mut self,
         seq: SeqId,
         prompt: &[u32],
         total: usize,
         received: Option<&ReceivedPages>,
+        reuse: bool,
     ) -> Result<usize, EngineError>;
     /// Page ids of `seq` in token order (entry `p` holds tokens `p·page_size ..`).
     fn pages(&self, seq: SeqId) -> Result<&[i32], EngineError>;
@@ -154,6 +159,13 @@ pub trait KvSpace<B: Backend> {
     ) -> Option<ReceivedPages> {
         self.commit(seq, tokens, computed);
         None
+    }
+    /// Drops the prefix `seq` matched from the space's cache after it failed an integrity
+    /// check, so no request reuses it (the default: nothing cached, nothing to drop).
+    /// Returns the pages dropped.
+    fn discard_prefix(&mut self, seq: SeqId) -> usize {
+        let _ = seq;
+        0
     }
     /// Frees every page of `seq` without keeping anything (aborted or failed requests,
     /// admitted or still waiting); returns how many (0 for an unknown sequence).
@@ -343,7 +355,7 @@ impl<B: Backend> LayerCache<B> for PagedLayer<'_, B::Buffer> {
         Ok(())
     }
 
-    fn views(&self) -> Result<(&B::Buffer, &B::Buffer), EngineError> {
+    fn views(&self, _reads: &[(SeqId, usize)]) -> Result<(&B::Buffer, &B::Buffer), EngineError> {
         Ok((&self.pools.kv, &self.pools.index_k))
     }
 }
@@ -380,6 +392,7 @@ impl<B: Backend> KvSpace<B> for PagedKvSpace<B> {
         prompt: &[u32],
         total: usize,
         received: Option<&ReceivedPages>,
+        _reuse: bool,
     ) -> Result<usize, EngineError> {
         let _ = prompt;
         if received.is_some() {

@@ -30,7 +30,7 @@ use sparsekit_host::{Backend, IndexKDtype, IndexKLayout, KvDtype, KvLayout};
 
 use crate::engine::batch::StepBatch;
 use crate::engine::config::ModelConfig;
-use crate::engine::kv::{KvSpace, KvStep, LayerCache};
+use crate::engine::kv::{KvSpace, KvStep, LayerCache, SeqId};
 use crate::engine::weights::{LayerWeights, Weights};
 use crate::error::EngineError;
 
@@ -366,7 +366,12 @@ impl<B: Backend + ModelOps> Model<B> {
         // 4. Store, select, attend.
         cache.store(b, &batch.slots, &kv16, &ik16)?;
         drop((kv16, ik16));
-        let (kv_cache, ik_cache) = cache.views()?;
+        let reads: Vec<(SeqId, usize)> = batch
+            .chunks
+            .iter()
+            .map(|c| (c.seq, batch.positions[c.first + c.len - 1] as usize + 1))
+            .collect();
+        let (kv_cache, ik_cache) = cache.views(&reads)?;
         let table = PageTable::new(&batch.page_table, batch.max_pages)?;
         let stride = batch.row_stride;
         let mut scores = alloc_f32(b, t * stride)?;

@@ -320,6 +320,8 @@ pub struct EngineStats {
     /// Requests failed alone by a KV cache check or a failed load (the rest of their
     /// step went on).
     pub failed_seqs: u64,
+    /// Requests whose prefix failed an integrity check and that recomputed it (served).
+    pub integrity_fallbacks: u64,
     /// Largest number of rows in one step.
     pub max_step_rows: usize,
     /// Largest number of sequences in one step.
@@ -838,6 +840,9 @@ impl Engine {
             id: seq,
             rid: rid.clone(),
             prompt_len: req.prompt.len(),
+            prefill_end: req.prompt.len(),
+            reuse: true,
+            fallbacks: 0,
             text: TextStream::new(&req.sampling.stop),
             tokens: req.prompt,
             computed: 0,
@@ -999,6 +1004,13 @@ struct Seq {
     /// Prompt followed by the generated tokens.
     tokens: Vec<u32>,
     prompt_len: usize,
+    /// Tokens prefilled (computed in chunks, logits of the last only): the prompt, or
+    /// every token so far for a request recomputing after an integrity fallback.
+    prefill_end: usize,
+    /// Whether admission may reuse a cached prefix (off after an integrity fallback).
+    reuse: bool,
+    /// Integrity fallbacks taken (at most one: a second failure fails the request).
+    fallbacks: u8,
     /// Tokens whose KV and index keys are in the cache.
     computed: usize,
     /// Pages received for the prompt (PD decode side).
@@ -1021,7 +1033,7 @@ impl Seq {
     }
 
     fn prefilling(&self) -> bool {
-        self.computed < self.prompt_len
+        self.computed < self.prefill_end
     }
 }
 
@@ -1039,6 +1051,24 @@ struct Scheduler<B: Backend + ModelOps, S: KvSpace<B>> {
 enum End {
     Done(Finished),
     Failed(EngineError),
+}
+
+/// The integrity check a cache failure comes from, when recomputing the request's prefix
+/// can serve it (`None`: not an integrity failure, e.g. an abort).
+fn integrity_reason(e: &sparsekit_host::Error) -> Option<&'static str> {
+    use sparsekit_host::Error as E;
+    match e {
+        E::Integrity { .. } => Some("checksum"),
+        E::NotLanded { .. } => Some("not_landed"),
+        E::Unwritten { .. } => Some("unwritten"),
+        E::LayoutMismatch { .. } => Some("layout"),
+        E::Timeout { .. } => Some("load_timeout"),
+        E::Cancelled(m) if m.contains("discarded") || m.contains("left the device tier") => {
+            Some("prefix_discarded")
+        }
+        E::RequestFailed { cause, .. } => integrity_reason(cause),
+        _ => None,
+    }
 }
 
 fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
@@ -1220,15 +1250,19 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
         while self.running.len() < self.opts.max_running {
             let Some(s) = self.waiting.front() else { break };
             let total = s.prompt_len + s.params.max_new_tokens;
-            match self
-                .space
-                .admit(s.id, &s.tokens[..s.prompt_len], total, s.received.as_ref())
+            match self.space.admit(
+                s.id,
+                &s.tokens[..s.prompt_len],
+                total,
+                s.received.as_ref(),
+                s.reuse,
+            )
             {
                 Ok(cached) => {
                     if let Some(mut s) = self.waiting.pop_front() {
                         self.inner.waiting.fetch_sub(1, Ordering::AcqRel);
                         // The last prompt token is always computed: its logits are needed.
-                        s.computed = cached.min(s.prompt_len - 1);
+                        s.computed = cached.min(s.prefill_end - 1);
                         s.admitted = true;
                         self.running.push(s);
                     }
@@ -1264,10 +1298,10 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
                 break;
             }
             if s.prefilling() {
-                let n = (s.prompt_len - s.computed)
+                let n = (s.prefill_end - s.computed)
                     .min(self.opts.prefill_chunk)
                     .min(budget);
-                plan.push((i, s.computed, n, s.computed + n == s.prompt_len));
+                plan.push((i, s.computed, n, s.computed + n == s.prefill_end));
                 budget -= n;
             }
         }
@@ -1313,13 +1347,11 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
         let logits = match result {
             Ok(Ok(l)) => l,
             Ok(Err(EngineError::SeqFailed { seq, cause })) if ids.contains(&seq) => {
-                // One member failed in the cache: it alone ends; the others rerun the
-                // step next time round (bit-identically: the pass is deterministic).
-                lock(&self.inner.stats).failed_seqs += 1;
-                tracing::warn!(seq, error = %cause, "request failed in the KV cache");
+                // One member failed in the cache: it alone leaves the step; the others
+                // rerun it next time round (bit-identically: the pass is deterministic).
                 if let Some(pos) = self.running.iter().position(|s| s.id == seq) {
                     let s = self.running.remove(pos);
-                    self.end(s, End::Failed(EngineError::SeqFailed { seq, cause }));
+                    self.seq_failed(s, cause);
                 }
                 return;
             }
@@ -1400,6 +1432,41 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
                 self.end(s, how);
             }
         }
+    }
+
+    /// A sequence whose cached or received prefix failed an integrity check: once, it
+    /// drops that prefix from the cache and goes back to the front of the queue to
+    /// recompute every token it has (no reuse; its tokens so far are replayed, not
+    /// resampled: the pass is deterministic, so it continues with the same bits). A second
+    /// failure, or one that recomputing cannot help, fails it.
+    fn seq_failed(&mut self, mut s: Seq, cause: sparsekit_host::Error) {
+        let reason = integrity_reason(&cause);
+        let retry = reason.is_some() && s.fallbacks == 0 && !s.shared.aborted.load(Ordering::Acquire);
+        if let (true, Some(reason)) = (retry, reason) {
+            tracing::warn!(
+                seq = s.id,
+                error = %cause,
+                "a prefix failed an integrity check: dropped from the cache, recomputing"
+            );
+            self.space.discard_prefix(s.id);
+            // Running, so admitted: received pages it adopted go with its release.
+            self.space.release(s.id);
+            s.received = None;
+            s.admitted = false;
+            s.computed = 0;
+            s.reuse = false;
+            s.fallbacks += 1;
+            s.prefill_end = s.tokens.len();
+            self.inner.metrics.integrity_fallback(reason);
+            lock(&self.inner.stats).integrity_fallbacks += 1;
+            self.inner.waiting.fetch_add(1, Ordering::AcqRel);
+            self.waiting.push_front(s);
+            return;
+        }
+        lock(&self.inner.stats).failed_seqs += 1;
+        tracing::warn!(seq = s.id, error = %cause, "request failed in the KV cache");
+        let seq = s.id;
+        self.end(s, End::Failed(EngineError::SeqFailed { seq, cause }));
     }
 
     fn fail_step(&mut self, ids: &[SeqId], e: EngineError) {
