@@ -192,7 +192,9 @@ pub enum Error {
     /// A token slot that was never written for the page's generation: a read past what a
     /// request's stores, loads and transfers filled, a store that would leave a gap, or a
     /// commit of a page not filled in every layer and kind.
-    #[error("page {page} layer {layer} {kind}: slot {slot} was never written (slots 0..{filled} were)")]
+    #[error(
+        "page {page} layer {layer} {kind}: slot {slot} was never written (slots 0..{filled} were)"
+    )]
     Unwritten {
         page: u32,
         layer: usize,

@@ -14,6 +14,7 @@
 //!   fences, the hierarchical cache and its integrity checks);
 //! - [`error`]: the typed error.
 
+pub mod audit;
 pub mod backend;
 pub mod cache;
 pub mod cpu;
@@ -28,6 +29,7 @@ pub mod model_ops;
 pub mod ops;
 mod sync;
 
+pub use audit::KernelAudit;
 pub use backend::{Backend, Event, StreamKind};
 pub use cpu::CpuBackend;
 pub use dims::ModelDims;

@@ -343,7 +343,14 @@ fn d5_tokens_are_bound_to_their_step_and_stores_to_owned_current_pages() {
     }];
     match g.kv_store(&gap, &kv) {
         Err(Error::RequestFailed { request: 2, cause }) => assert!(
-            matches!(*cause, Error::Unwritten { slot: 1, filled: 1, .. }),
+            matches!(
+                *cause,
+                Error::Unwritten {
+                    slot: 1,
+                    filled: 1,
+                    ..
+                }
+            ),
             "{cause:?}"
         ),
         other => panic!("a gap must be refused: {other:?}"),
@@ -496,7 +503,10 @@ fn fault_host_pool_fp8_layout_is_refused_by_the_descriptor_check() {
 fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = std::time::Instant::now() + BOUND;
     while !cond() {
-        assert!(std::time::Instant::now() < deadline, "{what}: not within {BOUND:?}");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: not within {BOUND:?}"
+        );
         std::thread::yield_now();
     }
 }
@@ -518,7 +528,8 @@ fn fault_skip_index_wait_is_caught_by_the_landed_stamps() {
         let mut cfg = CacheConfig::new(4, 8);
         cfg.faults = Faults::with(&faults);
         let (c, ctl, e, a) = host_only_prefix(cfg);
-        ctl.gate_io_only.store(true, std::sync::atomic::Ordering::SeqCst);
+        ctl.gate_io_only
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         ctl.close_gate();
         let p = c.begin(2, &a).unwrap();
         ctl.wait_held(1);
@@ -534,7 +545,10 @@ fn fault_skip_index_wait_is_caught_by_the_landed_stamps() {
         });
         if skip && !stamps {
             let right = reader.join().unwrap().unwrap();
-            assert!(!right, "without both checks the bytes read are not the committed ones");
+            assert!(
+                !right,
+                "without both checks the bytes read are not the committed ones"
+            );
             ctl.open_gate();
         } else {
             if skip {
@@ -543,9 +557,16 @@ fn fault_skip_index_wait_is_caught_by_the_landed_stamps() {
                 });
             }
             ctl.open_gate();
-            assert!(reader.join().unwrap().unwrap(), "{faults:?}: the committed bytes");
+            assert!(
+                reader.join().unwrap().unwrap(),
+                "{faults:?}: the committed bytes"
+            );
         }
-        assert_eq!(c.stats().landing_waits, u64::from(skip && stamps), "{faults:?}");
+        assert_eq!(
+            c.stats().landing_waits,
+            u64::from(skip && stamps),
+            "{faults:?}"
+        );
         c.abort(2).unwrap();
         c.wait_idle().unwrap();
         c.leak_check().unwrap();
@@ -555,7 +576,8 @@ fn fault_skip_index_wait_is_caught_by_the_landed_stamps() {
     cfg.faults = Faults::with(&[Fault::SkipIndexWait]);
     cfg.wait_timeout = std::time::Duration::from_millis(200);
     let (c, ctl, _e, a) = host_only_prefix(cfg);
-    ctl.gate_io_only.store(true, std::sync::atomic::Ordering::SeqCst);
+    ctl.gate_io_only
+        .store(true, std::sync::atomic::Ordering::SeqCst);
     ctl.close_gate();
     c.begin(2, &a).unwrap();
     ctl.wait_held(1);
@@ -563,7 +585,10 @@ fn fault_skip_index_wait_is_caught_by_the_landed_stamps() {
     let t = step.wait(LAYERS - 1).unwrap();
     match step.layer(t) {
         Err(Error::RequestFailed { cause, .. }) => {
-            assert!(matches!(*cause, Error::NotLanded { stamp: None, .. }), "{cause:?}")
+            assert!(
+                matches!(*cause, Error::NotLanded { stamp: None, .. }),
+                "{cause:?}"
+            )
         }
         other => panic!("expected NotLanded, got {other:?}"),
     }
@@ -573,7 +598,6 @@ fn fault_skip_index_wait_is_caught_by_the_landed_stamps() {
     c.wait_idle().unwrap();
     c.leak_check().unwrap();
 }
-
 
 /// `shared-item-size` (the KV page size used for index-K host copies) corrupts the host
 /// tier in both layouts; load verification catches it, and with verification off the
@@ -1210,7 +1234,10 @@ fn fault_loads_trail_readers_makes_the_early_read_certain() {
                         "layer {l}: read early every time; right only when the stamps waited"
                     );
                 }
-                assert_eq!(c.stats().landing_waits, if stamps { LAYERS as u64 } else { 0 });
+                assert_eq!(
+                    c.stats().landing_waits,
+                    if stamps { LAYERS as u64 } else { 0 }
+                );
                 drop(step);
                 c.abort(2).unwrap();
             } else {

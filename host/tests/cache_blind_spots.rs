@@ -12,9 +12,7 @@ mod common;
 use std::sync::{mpsc, Arc};
 
 use common::{cache, kv_row, prompt, read_pages, spec, store_layer, Expect, BOUND, LAYERS, PAGE};
-use sparsekit_host::cache::{
-    BufferKind, CacheConfig, Fault, Faults, HiCache, ReadExtent, SlotRef,
-};
+use sparsekit_host::cache::{BufferKind, CacheConfig, Fault, Faults, HiCache, ReadExtent, SlotRef};
 use sparsekit_host::layout::{IndexKDtype, KvDtype};
 use sparsekit_host::{Backend, CpuBackend, Error};
 
@@ -77,7 +75,11 @@ fn index_k_after_publish_is_caught_by_per_kind_stamps_and_served() {
             assert!(wrong.is_empty(), "{wrong:?}");
             assert_eq!(c.stats().landing_waits, LAYERS as u64);
         } else {
-            assert_eq!(wrong.len(), 2 * LAYERS, "every index-K page read early: {wrong:?}");
+            assert_eq!(
+                wrong.len(),
+                2 * LAYERS,
+                "every index-K page read early: {wrong:?}"
+            );
             assert!(wrong.iter().all(|w| w.contains("index_k")), "{wrong:?}");
             assert_eq!(c.stats().landing_waits, 0);
         }
@@ -138,7 +140,14 @@ fn radix_overreach_is_caught_by_the_written_slots() {
         if checks {
             match stored {
                 Err(Error::RequestFailed { request: 2, cause }) => assert!(
-                    matches!(*cause, Error::Unwritten { slot: 0, filled: 0, .. }),
+                    matches!(
+                        *cause,
+                        Error::Unwritten {
+                            slot: 0,
+                            filled: 0,
+                            ..
+                        }
+                    ),
                     "{cause:?}"
                 ),
                 other => panic!("the gap must be refused: {other:?}"),
@@ -311,7 +320,11 @@ fn commit_refuses_a_page_missing_a_kind_or_a_slot() {
         }) => assert_eq!(layer, LAYERS - 1),
         other => panic!("{other:?}"),
     }
-    assert_eq!(c.leak_check().unwrap().device_cached, 0, "nothing committed");
+    assert_eq!(
+        c.leak_check().unwrap().device_cached,
+        0,
+        "nothing committed"
+    );
     // Completed, the first page commits.
     {
         let mut step = c.step(&[1]).unwrap();

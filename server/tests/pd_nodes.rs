@@ -245,3 +245,94 @@ fn decode_reconnects_after_its_connection_is_cut_under_load() {
     decode.shutdown(Duration::from_secs(5)).unwrap();
     prefill.shutdown(Duration::from_secs(5)).unwrap();
 }
+
+/// A decode pool smaller than the load: 20 pages, two requests that each need 12 (10 of
+/// them received). Fetches take a request's whole budget at once (or wait, holding
+/// nothing), so neither can hold pages the other needs: both are served, with the bits of
+/// a plain engine, and nothing stays held.
+#[test]
+fn a_decode_pool_smaller_than_the_load_never_wedges() {
+    let backend = Arc::new(CpuBackend::new());
+    let cfg = ModelConfig::TINY;
+    let ps = cfg.page_size();
+    let pd = PdOptions {
+        timeout: Duration::from_secs(60),
+        ..Default::default()
+    };
+    let prefill = Arc::new(
+        PrefillNode::start(
+            backend.clone(),
+            cfg,
+            opts("prefill", 0),
+            &pd,
+            Arc::new(Metrics::new("prefill")),
+            None,
+        )
+        .unwrap(),
+    );
+    let links = Arc::new(Links::default());
+    let decode = DecodeNode::start(
+        backend.clone(),
+        cfg,
+        EngineOptions {
+            kv_pages: 20,
+            ..opts("decode", 0)
+        },
+        &pd,
+        Arc::new(Metrics::new("decode")),
+        PeerLink {
+            connector: connector(prefill.clone(), links),
+            connect_wait: Duration::ZERO,
+        },
+        None,
+    )
+    .unwrap();
+    let plain = Engine::start(
+        backend,
+        cfg,
+        EngineOptions {
+            cache: None,
+            ..opts("both", 0)
+        },
+        Arc::new(Metrics::new("both")),
+    )
+    .unwrap();
+    // 10 full pages + 1 token of prompt (10 pages received), 12 pages with the reply.
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+    let make = |rng: &mut rand_chacha::ChaCha8Rng| -> GenerateRequest {
+        let prompt: Vec<u32> = (0..10 * ps + 1).map(|_| rng.gen_range(0..256)).collect();
+        GenerateRequest::new(
+            prompt,
+            SamplingParams {
+                max_new_tokens: 2 * ps - 1,
+                ignore_eos: true,
+                ..Default::default()
+            },
+        )
+    };
+    let reqs = [make(&mut rng), make(&mut rng)];
+    let want: Vec<_> = reqs
+        .iter()
+        .map(|r| {
+            let c = plain.submit(r.clone()).unwrap().wait(WAIT).unwrap();
+            (c.tokens, c.digests)
+        })
+        .collect();
+    let started = Instant::now();
+    let handles: Vec<_> = reqs
+        .iter()
+        .map(|r| decode.engine.submit(r.clone()).unwrap())
+        .collect();
+    for (i, h) in handles.into_iter().enumerate() {
+        let c = h
+            .wait(Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("request {i}: {e}"));
+        assert_eq!((c.tokens, c.digests), want[i], "request {i}");
+    }
+    eprintln!("both served in {:?}", started.elapsed());
+    let until = Instant::now() + WAIT;
+    while decode.engine.stats().leak_check.is_none() && Instant::now() < until {
+        std::thread::yield_now();
+    }
+    assert_eq!(decode.engine.stats().leaked_pages, 0);
+}

@@ -12,6 +12,7 @@
 //!   [`test_backend!`](crate::test_backend);
 //! - [`golden`]: golden files (a user's own tensors) checked on any backend.
 
+pub mod audit;
 pub mod conformance;
 pub mod fixtures;
 pub mod golden;

@@ -782,7 +782,12 @@ impl<B: Backend + 'static> HiCache<B> {
         let sh = &*self.shared;
         let mut guard = sh.state.lock();
         let st = &mut *guard;
-        let path = st.requests.get(&req).ok_or_else(|| not_live(req))?.path.clone();
+        let path = st
+            .requests
+            .get(&req)
+            .ok_or_else(|| not_live(req))?
+            .path
+            .clone();
         if path.is_empty() {
             return Ok(0);
         }
@@ -839,6 +844,23 @@ impl<B: Backend + 'static> HiCache<B> {
             Some(p) => Err(invalid(
                 "received pages",
                 format!("{p:?} was not received by request {req} (or is stale)"),
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// Checks that `pages` are pages request `req` owns, live and current (not received:
+    /// its own stores fill them). `Err(InvalidArgument)` naming the first that is not.
+    pub fn check_owned(&self, req: RequestId, pages: &[PageRef]) -> Result<()> {
+        let st = self.shared.state.lock();
+        let r = st.requests.get(&req).ok_or_else(|| not_live(req))?;
+        match pages
+            .iter()
+            .find(|p| r.received.contains(p) || !r.own.contains(p) || !st.device.is_current(**p))
+        {
+            Some(p) => Err(invalid(
+                "owned pages",
+                format!("{p:?} is not a page request {req} owns (or is stale or received)"),
             )),
             None => Ok(()),
         }
@@ -1034,12 +1056,12 @@ fn start_load<B: Backend>(
     }
     let nodes: Vec<NodeId> = pages.iter().map(|p| p.node).collect();
     st.tree.lock(&nodes);
-    let reads_at_queue = if sh.fault(Fault::LoadsTrailReaders) || sh.fault(Fault::IndexKAfterPublish)
-    {
-        sh.reads.lock().clone()
-    } else {
-        Vec::new()
-    };
+    let reads_at_queue =
+        if sh.fault(Fault::LoadsTrailReaders) || sh.fault(Fault::IndexKAfterPublish) {
+            sh.reads.lock().clone()
+        } else {
+            Vec::new()
+        };
     st.loads.insert(
         id,
         LoadRec {

@@ -459,7 +459,16 @@ fn run_load<B: Backend>(
                     poison_pages(&*sh.backend, region, dev.get_mut(kind), &dev_ids)?;
                     continue;
                 }
-                load_kind(sh, host, &host_buf, &mut dev, l, kind, pages, (&host_ids, &dev_ids))?;
+                load_kind(
+                    sh,
+                    host,
+                    &host_buf,
+                    &mut dev,
+                    l,
+                    kind,
+                    pages,
+                    (&host_ids, &dev_ids),
+                )?;
             }
         }
         fence.publish(l);
@@ -471,7 +480,16 @@ fn run_load<B: Backend>(
             let mut dev = sh.device.lock(l, sh.deadline())?;
             let host_buf = host.buffer();
             let kind = BufferKind::IndexK;
-            load_kind(sh, host, &host_buf, &mut dev, l, kind, pages, (&host_ids, &dev_ids))?;
+            load_kind(
+                sh,
+                host,
+                &host_buf,
+                &mut dev,
+                l,
+                kind,
+                pages,
+                (&host_ids, &dev_ids),
+            )?;
         }
     }
     Ok(())

@@ -211,7 +211,14 @@ impl<B: Backend> DevicePool<B> {
 
     /// Records that the first `filled` slots of `page` (kind `kind`, layer `layer`) hold
     /// bytes written for `generation`. Call with the layer's lock held, after the bytes.
-    pub fn set_landed(&self, layer: usize, kind: BufferKind, page: u32, generation: u32, filled: u32) {
+    pub fn set_landed(
+        &self,
+        layer: usize,
+        kind: BufferKind,
+        page: u32,
+        generation: u32,
+        filled: u32,
+    ) {
         if let Some(s) = self.slot(layer, kind, page) {
             s.store(pack(Landed { generation, filled }), Ordering::Release);
         }

@@ -388,8 +388,7 @@ impl<'c, B: Backend + 'static> Step<'c, B> {
                 .live_members()
                 .flat_map(|m| m.landed.iter())
                 .filter(|p| {
-                    sh.device.landed(layer, kind, p.id).map(|l| l.generation)
-                        != Some(p.generation)
+                    sh.device.landed(layer, kind, p.id).map(|l| l.generation) != Some(p.generation)
                 })
                 .map(|p| p.id as i32)
                 .collect();
@@ -456,7 +455,13 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
 
     /// Request `req` fails: page `p`'s `kind` bytes of this layer are stamped `stamp`, not
     /// its generation.
-    fn not_landed(&self, req: RequestId, p: &PageRef, kind: BufferKind, stamp: Option<u32>) -> Error {
+    fn not_landed(
+        &self,
+        req: RequestId,
+        p: &PageRef,
+        kind: BufferKind,
+        stamp: Option<u32>,
+    ) -> Error {
         failed(
             req,
             Error::NotLanded {

@@ -261,11 +261,15 @@ impl<B: Backend + 'static> CacheKvSpace<B> {
         if let Err(e) = self.cache.check_received(r.cache_request, &r.pages) {
             return bad(format!("cannot adopt: {e}"));
         }
-        self.set_owner(&r.pages, true);
+        if let Err(e) = self.cache.check_owned(r.cache_request, &r.extra) {
+            return bad(format!("cannot adopt: {e}"));
+        }
+        let refs: Vec<PageRef> = r.pages.iter().chain(&r.extra).copied().collect();
+        self.set_owner(&refs, true);
         Ok(SeqPages {
             req: r.cache_request,
-            ids: r.pages.iter().map(|p| p.id as i32).collect(),
-            refs: r.pages.clone(),
+            ids: refs.iter().map(|p| p.id as i32).collect(),
+            refs,
             own_from: 0,
             cached_tokens: r.tokens,
             admitted: false,
@@ -599,6 +603,7 @@ impl<B: Backend + 'static> KvSpace<B> for CacheKvSpace<B> {
                     Ok(p) => Some(ReceivedPages {
                         cache_request: h,
                         pages: p.pages,
+                        extra: Vec::new(),
                         tokens: p.tokens,
                     }),
                     Err(e) => {

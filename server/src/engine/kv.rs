@@ -63,12 +63,16 @@ pub trait KvStep<B: Backend> {
 /// pair): live in the space's cache as request `cache_request` — begun and allocated by
 /// the receiver, written through `HiCache::inbound`, the transfer completed — holding the
 /// KV and index keys of the prompt's first `tokens` tokens. The engine adopts them: the
-/// request's pages are `pages` (in token order) plus what its generation budget needs, and
-/// it computes from `tokens` on (at least the last prompt token, for its logits).
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// request's pages are `pages` (in token order), then `extra` (pages the same cache
+/// request owns for the rest of its budget, so that admitting it needs no new page), then
+/// what the budget still needs; it computes from `tokens` on (at least the last prompt
+/// token, for its logits).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ReceivedPages {
     pub cache_request: u64,
     pub pages: Vec<PageRef>,
+    /// Owned, not received: written by the request's own stores.
+    pub extra: Vec<PageRef>,
     pub tokens: usize,
 }
 
@@ -79,13 +83,17 @@ pub struct ReceivedPages {
 /// engine thread) and queues the request once it returns.
 pub trait PromptSource: Send + Sync {
     /// Brings the KV and index keys of a leading part of `prompt` into the engine's cache
-    /// and returns the pages to adopt, or `None` to compute the whole prompt here (a prompt
+    /// and returns the pages to adopt — with the pages of the request's whole budget of
+    /// `total_tokens` (prompt plus generation) taken at once, all or nothing, so that a
+    /// fetch never holds some pages while it waits for more and the engine never waits
+    /// to admit a fetched request — or `None` to compute the whole prompt here (a prompt
     /// too short to transfer). Every wait inside is bounded. When `aborted` turns true (the
     /// client went away) it gives up, releases what it holds (or leaves it quarantined
     /// until nothing can land in it) and returns [`EngineError::Aborted`].
     fn fetch(
         &self,
         prompt: &[u32],
+        total_tokens: usize,
         aborted: &std::sync::atomic::AtomicBool,
     ) -> Result<Option<ReceivedPages>, EngineError>;
 

@@ -26,10 +26,11 @@ use sparsekit_host::model_ops::{
     Accumulate, Argmax, Cast, DenseDtype, Embed, GatherRows, Matmul, ModelOps, RmsNorm, Rope, View,
 };
 use sparsekit_host::ops::{IndexerLogits, PageTable, SparseMla, Topk, TopkOutput};
-use sparsekit_host::{Backend, IndexKDtype, IndexKLayout, KvDtype, KvLayout};
+use sparsekit_host::{Backend, IndexKDtype, IndexKLayout, KernelAudit, KvDtype, KvLayout};
 
 use crate::engine::batch::StepBatch;
 use crate::engine::config::ModelConfig;
+use crate::engine::kernel_check::{AuditedOp, KernelCheck, KernelFault};
 use crate::engine::kv::{KvSpace, KvStep, LayerCache, SeqId};
 use crate::engine::weights::{LayerWeights, Weights};
 use crate::error::EngineError;
@@ -58,6 +59,10 @@ pub struct Model<B: Backend> {
     cfg: ModelConfig,
     seed: u64,
     weights: Weights<B::Buffer>,
+    /// Re-checks a sample of the DSA kernel calls (see [`KernelCheck`]).
+    check: Option<Arc<KernelCheck>>,
+    /// An injected kernel bug (harness only).
+    fault: Option<KernelFault>,
 }
 
 fn alloc_f32<B: Backend>(b: &B, elems: usize) -> Result<B::Buffer, EngineError> {
@@ -77,7 +82,43 @@ impl<B: Backend + ModelOps> Model<B> {
             cfg,
             seed,
             weights,
+            check: None,
+            fault: None,
         })
+    }
+
+    /// Re-checks a sample of this model's DSA kernel calls with `check`.
+    pub fn with_kernel_check(mut self, check: Option<Arc<KernelCheck>>) -> Self {
+        self.check = check;
+        self
+    }
+
+    /// Injects a kernel bug (harness only).
+    pub fn with_kernel_fault(mut self, fault: Option<KernelFault>) -> Self {
+        self.fault = fault;
+        self
+    }
+
+    /// Runs `audit` on the downloaded `bufs` when this call of `op` is sampled.
+    fn audited(
+        &self,
+        op: AuditedOp,
+        bufs: &[&B::Buffer],
+        audit: impl FnOnce(&dyn KernelAudit, &[Vec<u8>]) -> Result<(), String>,
+    ) -> Result<(), EngineError> {
+        let Some(check) = &self.check else {
+            return Ok(());
+        };
+        if !check.due(op) {
+            return Ok(());
+        }
+        let b = &*self.backend;
+        let bytes = bufs
+            .iter()
+            .map(|x| b.download(x))
+            .collect::<Result<Vec<_>, _>>()?;
+        check.record(op, audit(check.audit(), &bytes));
+        Ok(())
     }
 
     /// The config.
@@ -375,51 +416,55 @@ impl<B: Backend + ModelOps> Model<B> {
         let table = PageTable::new(&batch.page_table, batch.max_pages)?;
         let stride = batch.row_stride;
         let mut scores = alloc_f32(b, t * stride)?;
-        b.indexer_logits(
-            &IndexerLogits {
-                layout: ik_layout,
-                n_heads: ih,
-                page_table: table,
-                rows: batch.rows.clone(),
-                row_stride: stride,
-            },
-            &iq16,
-            &iw,
-            ik_cache,
-            &mut scores,
+        let logits_op = IndexerLogits {
+            layout: ik_layout,
+            n_heads: ih,
+            page_table: table,
+            rows: batch.rows.clone(),
+            row_stride: stride,
+        };
+        b.indexer_logits(&logits_op, &iq16, &iw, ik_cache, &mut scores)?;
+        self.audited(
+            AuditedOp::IndexerLogits,
+            &[&iq16, &iw, ik_cache, &scores],
+            |a, x| a.indexer_logits(&logits_op, &x[0], &x[1], &x[2], &x[3]),
         )?;
         drop((iq16, iw));
         let k = c.index_topk;
         let mut slots = b.alloc(t * k * 4)?;
-        b.topk(
-            &Topk {
-                k,
-                row_stride: stride,
-                rows: &batch.rows,
-                output: TopkOutput::Slots {
-                    page_table: table,
-                    page_size: c.page_size(),
-                },
+        let topk_op = Topk {
+            k,
+            row_stride: stride,
+            rows: &batch.rows,
+            output: TopkOutput::Slots {
+                page_table: table,
+                page_size: c.page_size(),
             },
-            &scores,
-            &mut slots,
-        )?;
+        };
+        b.topk(&topk_op, &scores, &mut slots)?;
+        if let Some(f) = &self.fault {
+            let mut v: Vec<i32> = bytemuck::pod_collect_to_vec(&b.download(&slots)?);
+            f.apply_topk(&topk_op, &mut v);
+            slots = b.upload(bytemuck::cast_slice(&v))?;
+        }
+        self.audited(AuditedOp::Topk, &[&scores, &slots], |a, x| {
+            a.topk(&topk_op, &x[0], &x[1])
+        })?;
         drop(scores);
         let mut o16 = alloc_bf16(b, t * nh * lat)?;
         let mut lse = alloc_f32(b, t * nh)?;
-        b.sparse_mla(
-            &SparseMla {
-                layout: kv_layout,
-                n_tokens: t,
-                n_heads: nh,
-                topk: k,
-                softmax_scale: c.softmax_scale(),
-            },
-            &q16,
-            kv_cache,
-            &slots,
-            &mut o16,
-            &mut lse,
+        let mla_op = SparseMla {
+            layout: kv_layout,
+            n_tokens: t,
+            n_heads: nh,
+            topk: k,
+            softmax_scale: c.softmax_scale(),
+        };
+        b.sparse_mla(&mla_op, &q16, kv_cache, &slots, &mut o16, &mut lse)?;
+        self.audited(
+            AuditedOp::SparseMla,
+            &[&q16, kv_cache, &slots, &o16, &lse],
+            |a, x| a.sparse_mla(&mla_op, &x[0], &x[1], &x[2], &x[3], &x[4]),
         )?;
         drop((q16, slots, lse));
 

@@ -34,6 +34,7 @@ use crate::engine::batch::{SeqChunk, StepBatch};
 use crate::engine::cache_space::CacheHandle;
 use crate::engine::cache_space::{CacheKvSpace, CacheSpaceOptions};
 use crate::engine::config::ModelConfig;
+use crate::engine::kernel_check::{self, CheckCounts, KernelCheck, KernelFault};
 use crate::engine::kv::{KvSpace, PagedKvSpace, PromptSource, ReceivedPages, SeqId};
 use crate::engine::model::{logits_digest, Model};
 use crate::engine::sampling::{sample, SamplingParams};
@@ -43,6 +44,10 @@ use crate::metrics::{Metrics, RequestStatus};
 
 /// Longest the idle engine thread blocks on its command channel before looking again.
 pub const IDLE_WAIT: Duration = Duration::from_millis(50);
+
+/// Longest the engine thread blocks, when every waiting request waits for pages and
+/// nothing runs, before it tries to admit again.
+pub const BLOCKED_WAIT: Duration = Duration::from_millis(5);
 
 /// Fault injection for tests: called inside every step, before the forward pass, with the
 /// sequences in the step; a panic in it is a panicking step.
@@ -105,6 +110,11 @@ pub struct EngineOptions {
     pub role: String,
     /// See [`StepFault`].
     pub fault: Option<StepFault>,
+    /// Re-checks a sample of the DSA kernel calls against an independent implementation
+    /// (counted on `/metrics` as `sparsekit_kernel_checks_total{op,outcome}`).
+    pub kernel_check: Option<Arc<KernelCheck>>,
+    /// An injected kernel bug (harness only).
+    pub kernel_fault: Option<KernelFault>,
 }
 
 impl std::fmt::Debug for EngineOptions {
@@ -122,6 +132,8 @@ impl std::fmt::Debug for EngineOptions {
             .field("max_waiting", &self.max_waiting)
             .field("role", &self.role)
             .field("fault", &self.fault.is_some())
+            .field("kernel_check", &self.kernel_check.is_some())
+            .field("kernel_fault", &self.kernel_fault)
             .finish()
     }
 }
@@ -141,6 +153,8 @@ impl Default for EngineOptions {
             max_waiting: 4096,
             role: "both".into(),
             fault: None,
+            kernel_check: None,
+            kernel_fault: None,
         }
     }
 }
@@ -637,6 +651,9 @@ impl Engine {
         S: KvSpace<B> + Send + 'static,
     {
         opts.validate()?;
+        let model = model
+            .with_kernel_check(opts.kernel_check.clone())
+            .with_kernel_fault(opts.kernel_fault);
         let cfg = *model.config();
         if space.num_layers() != cfg.n_layers {
             return Err(EngineError::InvalidConfig(format!(
@@ -702,6 +719,7 @@ impl Engine {
                     waiting: VecDeque::new(),
                     running: Vec::new(),
                     drain_until: None,
+                    checks_published: Default::default(),
                 };
                 sched.run(rx);
                 drop(guard);
@@ -945,7 +963,8 @@ impl Drop for ExitGuard {
 /// request with what was fetched, or ends it (aborted, failed) without the engine.
 fn fetch_then_queue(inner: &Inner, src: &dyn PromptSource, mut s: Seq) {
     let fetched = catch_unwind(AssertUnwindSafe(|| {
-        src.fetch(&s.tokens[..s.prompt_len], &s.shared.aborted)
+        let total = s.prompt_len + s.params.max_new_tokens;
+        src.fetch(&s.tokens[..s.prompt_len], total, &s.shared.aborted)
     }))
     .unwrap_or_else(|p| {
         Err(EngineError::StepFailed(format!(
@@ -1045,6 +1064,8 @@ struct Scheduler<B: Backend + ModelOps, S: KvSpace<B>> {
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
     drain_until: Option<Instant>,
+    /// Kernel-check counts already on `/metrics`.
+    checks_published: [CheckCounts; 3],
 }
 
 /// How a sequence leaves the engine.
@@ -1102,7 +1123,21 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
                 self.command(c);
             }
             self.sweep_aborts();
-            self.admit();
+            let admitted = self.admit();
+            if self.running.is_empty() && admitted == 0 && !self.waiting.is_empty() {
+                // Waiting for pages that nothing running will free: wait for a command
+                // (a submit, an abort, a wake) or a short while for pages freed elsewhere
+                // (fetches giving up, backups landing) — never spin.
+                self.publish_stats();
+                match rx.recv_timeout(BLOCKED_WAIT) {
+                    Ok(c) => self.command(c),
+                    Err(flume::RecvTimeoutError::Timeout) => {}
+                    Err(flume::RecvTimeoutError::Disconnected) => {
+                        self.drain_until = Some(Instant::now());
+                    }
+                }
+                continue;
+            }
             self.step();
             self.publish_stats();
         }
@@ -1151,6 +1186,15 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
     }
 
     fn publish_stats(&mut self) {
+        if let Some(check) = &self.opts.kernel_check {
+            let now = check.counts();
+            for (i, (n, was)) in now.iter().zip(&self.checks_published).enumerate() {
+                let m = &self.inner.metrics;
+                m.kernel_checks(kernel_check::OPS[i], "ok", n.ok - was.ok);
+                m.kernel_checks(kernel_check::OPS[i], "mismatch", n.mismatch - was.mismatch);
+            }
+            self.checks_published = now;
+        }
         let (free, cap) = (self.space.free_pages(), self.space.capacity_pages());
         self.space.publish(&self.inner.metrics);
         let fetching = self.inner.fetching.load(Ordering::Acquire);
@@ -1246,9 +1290,21 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
         }
     }
 
-    fn admit(&mut self) {
-        while self.running.len() < self.opts.max_running {
-            let Some(s) = self.waiting.front() else { break };
+    /// Admits waiting requests in order while there is room. A request that cannot get
+    /// its pages now blocks the ones behind it (first come, first served) — except those
+    /// that bring every page they need (fetched over PD with their whole budget): they
+    /// need nothing from the pool, so they go ahead, and as they finish they free the
+    /// pages the blocked request waits for. Returns how many were admitted.
+    fn admit(&mut self) -> usize {
+        let mut admitted = 0;
+        let mut blocked = false;
+        let mut i = 0;
+        while self.running.len() < self.opts.max_running && i < self.waiting.len() {
+            let s = &self.waiting[i];
+            if blocked && s.received.is_none() {
+                i += 1;
+                continue;
+            }
             let total = s.prompt_len + s.params.max_new_tokens;
             match self.space.admit(
                 s.id,
@@ -1256,26 +1312,30 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
                 total,
                 s.received.as_ref(),
                 s.reuse,
-            )
-            {
+            ) {
                 Ok(cached) => {
-                    if let Some(mut s) = self.waiting.pop_front() {
+                    if let Some(mut s) = self.waiting.remove(i) {
                         self.inner.waiting.fetch_sub(1, Ordering::AcqRel);
                         // The last prompt token is always computed: its logits are needed.
                         s.computed = cached.min(s.prefill_end - 1);
                         s.admitted = true;
                         self.running.push(s);
+                        admitted += 1;
                     }
                 }
-                Err(EngineError::OutOfPages { .. }) => break,
+                Err(EngineError::OutOfPages { .. }) => {
+                    blocked = true;
+                    i += 1;
+                }
                 Err(e) => {
-                    if let Some(s) = self.waiting.pop_front() {
+                    if let Some(s) = self.waiting.remove(i) {
                         self.inner.waiting.fetch_sub(1, Ordering::AcqRel);
                         self.end(s, End::Failed(e));
                     }
                 }
             }
         }
+        admitted
     }
 
     /// Picks the step's chunks: `(running index, start, len, wants logits)`.
@@ -1441,7 +1501,8 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
     /// failure, or one that recomputing cannot help, fails it.
     fn seq_failed(&mut self, mut s: Seq, cause: sparsekit_host::Error) {
         let reason = integrity_reason(&cause);
-        let retry = reason.is_some() && s.fallbacks == 0 && !s.shared.aborted.load(Ordering::Acquire);
+        let retry =
+            reason.is_some() && s.fallbacks == 0 && !s.shared.aborted.load(Ordering::Acquire);
         if let (true, Some(reason)) = (retry, reason) {
             tracing::warn!(
                 seq = s.id,

@@ -267,6 +267,7 @@ impl<B: Backend + 'static> PromptSource for DecodeSource<B> {
     fn fetch(
         &self,
         prompt: &[u32],
+        total_tokens: usize,
         aborted: &AtomicBool,
     ) -> Result<Option<ReceivedPages>, EngineError> {
         let ps = self.page_size;
@@ -275,6 +276,17 @@ impl<B: Backend + 'static> PromptSource for DecodeSource<B> {
             return Ok(None);
         }
         let tokens = pages_n * ps;
+        // The whole budget at once (all or nothing): a fetch never holds pages while it
+        // waits for more, and the engine admits a fetched request without new pages —
+        // so fetches cannot deadlock against each other or against admission.
+        let want = total_tokens.max(prompt.len()).div_ceil(ps);
+        let capacity = self.handle.cache().device_pages();
+        if want > capacity {
+            return Err(EngineError::TooLarge {
+                wanted: want,
+                capacity,
+            });
+        }
         let receiver = self.receiver().map_err(pd_error)?;
         if let Some(b) = &self.stale_write {
             if self.fetches.fetch_add(1, Ordering::Relaxed) % DECOY_EVERY == 0 {
@@ -294,7 +306,7 @@ impl<B: Backend + 'static> PromptSource for DecodeSource<B> {
                 self.drop_request(req);
                 return Err(EngineError::Aborted("aborted before its transfer".into()));
             }
-            match cache.try_alloc(req, pages_n) {
+            match cache.try_alloc(req, want) {
                 Ok(p) => break p,
                 Err(HostError::OutOfPages { .. }) if Instant::now() < deadline => {
                     // Room comes back as decode requests end; look again shortly, less
@@ -309,6 +321,8 @@ impl<B: Backend + 'static> PromptSource for DecodeSource<B> {
                 }
             }
         };
+        let extra = pages[pages_n..].to_vec();
+        let pages = pages[..pages_n].to_vec();
         if let Err(e) = receiver.start(req, &prompt[..tokens], &pages) {
             self.drop_request(req);
             return Err(pd_error(e));
@@ -316,6 +330,7 @@ impl<B: Backend + 'static> PromptSource for DecodeSource<B> {
         let received = ReceivedPages {
             cache_request: req,
             pages,
+            extra,
             tokens,
         };
         if self.read_before_landed {

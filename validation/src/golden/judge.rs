@@ -24,6 +24,22 @@ pub(super) fn topk_want(
     want
 }
 
+/// The reference top-k of one row by the tie rule (`-1` padding), and the logit that each
+/// output entry of the row's range selects (an entry not in the map selects nothing of
+/// the range).
+pub fn topk_expected(
+    row: &[f32],
+    range: &QueryRange,
+    k: usize,
+    output: &TopkOutput<'_>,
+) -> (Vec<i32>, std::collections::HashMap<i32, f64>) {
+    let (s, e) = (range.start as usize, range.end as usize);
+    let by_entry = (s..e.min(row.len()))
+        .map(|pos| (encode_position(output, range, pos), row[pos] as f64))
+        .collect();
+    (topk_want(row, range, k, output), by_entry)
+}
+
 pub(super) fn encode_position(output: &TopkOutput<'_>, range: &QueryRange, pos: usize) -> i32 {
     match output {
         TopkOutput::Positions => pos as i32,

@@ -45,6 +45,7 @@ pub use conventions::{
     Conventions, Division, EmptyLse, InvalidIndices, KeyDequant, LseLayout, TopkPadding,
 };
 pub use format::Tensor;
+pub use judge::topk_expected;
 pub use safetensors::Dtype;
 
 use crate::tolerance::{DataType, ErrorStats};
