@@ -688,8 +688,9 @@ fn fault_host_bit_flip_is_caught_by_checksums() {
 }
 
 /// `no-generation-check`: a store through a stale reference to a page now owned by
-/// another request of the batch. Refused by the generation check; with the fault it lands
-/// and the landed stamp catches it; with both off the other request reads corrupted bytes.
+/// another request of the batch. Refused by the generation check; with the fault, by the
+/// written-slot check (the page's bytes are of the new generation); with both off the
+/// other request reads corrupted bytes.
 #[test]
 fn fault_no_generation_check_is_caught_by_the_landed_stamps() {
     for faults in [
@@ -735,11 +736,22 @@ fn fault_no_generation_check_is_caught_by_the_landed_stamps() {
                 );
             }
             1 => {
-                res.unwrap();
-                let r = g.views();
+                // The page holds request 2's bytes: a write for another generation is
+                // refused by the written-slot check, whatever the allocator said.
                 assert!(
-                    matches!(&r, Err(Error::RequestFailed { cause, .. }) if matches!(**cause, Error::NotLanded { .. })),
-                    "{r:?}"
+                    matches!(
+                        res,
+                        Err(Error::StalePage {
+                            what: "device (written slots)",
+                            ..
+                        })
+                    ),
+                    "{res:?}"
+                );
+                assert_eq!(
+                    read_pages(&c, &g, &[fresh]).unwrap(),
+                    want,
+                    "request 2's page is intact"
                 );
             }
             _ => {
@@ -1254,9 +1266,9 @@ fn fault_loads_trail_readers_makes_the_early_read_certain() {
 
 /// `late-write`: the rows a request stored into a page it released are written again
 /// through their old references when the page's next owner stores the same slots. The
-/// generation check refuses every one (counted); with `no-generation-check` they land and
-/// the new owner's landed stamps catch them; with both checks off the owner's page is
-/// corrupted.
+/// generation check refuses every one (counted); with `no-generation-check` the written-
+/// slot check refuses them (the page's bytes are of the new owner's generation); with
+/// the landed checks off too the owner's page is corrupted.
 #[test]
 fn fault_late_write_is_refused_by_generations_then_caught_by_landed_stamps() {
     let truth = Expect::default();
@@ -1294,10 +1306,13 @@ fn fault_late_write_is_refused_by_generations_then_caught_by_landed_stamps() {
                 );
             }
             2 => {
-                let err = got.unwrap_err();
-                assert!(
-                    matches!(&err, Error::RequestFailed { cause, .. } if matches!(**cause, Error::NotLanded { .. })),
-                    "{err:?}"
+                // The written-slot check refuses each late row at its write (the page's
+                // bytes are of another generation): the owner is served.
+                got.unwrap();
+                assert_eq!(
+                    c.stats().stale_writes_refused,
+                    (2 * PAGE * 2 * LAYERS) as u64,
+                    "every late row refused by the written slots"
                 );
             }
             _ => {

@@ -392,6 +392,7 @@ fn received_pages_continue_bit_identically() {
     req.received = Some(ReceivedPages {
         cache_request: rid,
         pages: targets,
+        extra: Vec::new(),
         tokens: prefix.tokens,
     });
     let got = run(&dec, &req).unwrap();
@@ -405,6 +406,7 @@ fn received_pages_continue_bit_identically() {
     bad.received = Some(ReceivedPages {
         cache_request: 999_999,
         pages: vec![],
+        extra: Vec::new(),
         tokens: 0,
     });
     assert!(matches!(

@@ -40,6 +40,7 @@ fn received_pages_that_no_transfer_received_are_refused() {
         received: Some(ReceivedPages {
             cache_request: rid,
             pages,
+            extra: Vec::new(),
             tokens: 2 * ps,
         }),
     };

@@ -23,6 +23,7 @@ use sparsekit_server::harness::report::{EvidenceRow, Verdict};
 use sparsekit_server::harness::repro::{reference_runs, run_configs, sizing, ReproOptions};
 use sparsekit_server::harness::{SessionTrace, Workload, WorkloadConfig};
 use sparsekit_server::metrics::Metrics;
+use sparsekit_validation::audit::ReferenceAudit;
 
 fn options(turns: usize) -> ReproOptions {
     ReproOptions {
@@ -65,6 +66,8 @@ fn prepare(turns: usize, dtypes: &[IndexKDtype]) -> Shared {
             verify: true,
             cache_wait: o.cache_wait,
             deadline: o.deadline,
+            audit: Some(Arc::new(ReferenceAudit)),
+            kernel_check_every: 4,
         };
         eprintln!("sizing: {:?}", plan.sizing);
         Shared { w, refs, plan }
@@ -91,12 +94,31 @@ fn run(
     abort_rate: f64,
     rounds: usize,
 ) -> Vec<EvidenceRow> {
+    run_with(s, configs, injection, verify, abort_rate, rounds, true)
+}
+
+/// Only the servers' checks judge the rows (`--no-reference`).
+fn run_checks_only(s: &Shared, configs: &str, injection: Option<Injection>) -> Vec<EvidenceRow> {
+    run_with(s, configs, injection, true, 0.0, 1, false)
+}
+
+fn run_with(
+    s: &Shared,
+    configs: &str,
+    injection: Option<Injection>,
+    verify: bool,
+    abort_rate: f64,
+    rounds: usize,
+    reference: bool,
+) -> Vec<EvidenceRow> {
+    let filters: Vec<String> = configs.split(',').map(String::from).collect();
     let opts = ReproOptions {
-        configs: select(&[configs.to_string()]).unwrap(),
+        configs: select(&filters).unwrap(),
         injection,
         verify,
         abort_rate,
         rounds,
+        reference,
         ..options(s.w.config.turns)
     };
     let plan = RunPlan {
@@ -107,7 +129,9 @@ fn run(
     let local = LocalRunner {
         backend: Arc::new(CpuBackend::new()),
     };
-    let rows = run_configs(&[&local], &opts, &plan, &s.w, &s.refs, &|| {}, &|_| {});
+    let none = HashMap::new();
+    let refs = if reference { &s.refs } else { &none };
+    let rows = run_configs(&[&local], &opts, &plan, &s.w, refs, &|| {}, &|_| {});
     eprint!("{}", sparsekit_server::harness::render_table(&rows));
     rows
 }
@@ -193,6 +217,9 @@ fn each_injection_is_caught_with_checks_on_and_corrupts_with_them_off() {
         Injection::SharedItemSize,
         Injection::SkipIndexWait,
         Injection::NoGenerationCheck,
+        Injection::IndexKAfterPublish,
+        Injection::RadixOverreach,
+        Injection::KernelWrongSlot,
     ] {
         for verify in [true, false] {
             let rows = run(s, "bf16/host-on/pd-off", Some(inj), verify, 0.0, 1);
@@ -211,9 +238,12 @@ fn each_injection_is_caught_with_checks_on_and_corrupts_with_them_off() {
                 r.refused,
                 r.detected
             );
-            if verify {
+            if verify && inj.preventable() {
                 assert_eq!(r.corrupted, Some(0));
-            } else {
+                // Caught and served: a check repaired it (waited for the bytes or
+                // recomputed the prefix); nobody's request was refused.
+                assert_eq!(r.refused, Some(0), "{}: {:?}", inj.name(), r.note);
+            } else if !verify {
                 assert!(r.corrupted.unwrap_or(0) > 0);
             }
             assert_eq!(r.leaked_pages, Some(0), "{} verify={verify}", inj.name());
@@ -334,6 +364,7 @@ fn a_running_server_is_measured_through_its_url() {
         index_k: IndexKDtype::Bf16,
         host_tier: true,
         pd: false,
+        small_decode: false,
     };
     let engine = Arc::new(
         Engine::start(
@@ -383,4 +414,55 @@ fn a_running_server_is_measured_through_its_url() {
     assert!(!rows[0].available);
     rt.block_on(server.shutdown(Duration::from_secs(10)))
         .unwrap();
+}
+
+/// In production there is no reference run: every injection must be caught by the
+/// servers' own checks alone (`--no-reference`), on a configuration it can bite; the
+/// table says which check counted it. The cache injections are served as well (nothing
+/// refused); a corrupted PD frame is refused after its retry.
+#[test]
+fn every_injection_is_caught_by_the_checks_alone() {
+    let s = two_turns();
+    for inj in Injection::ALL {
+        let config = if inj.needs_pd() {
+            "bf16/host-on/pd-on"
+        } else {
+            "bf16/host-on/pd-off"
+        };
+        let rows = run_checks_only(s, config, Some(inj));
+        let r = rows.iter().find(|r| r.available).unwrap();
+        assert!(!r.reference && r.corrupted.is_none());
+        assert_eq!(
+            r.verdict,
+            Some(Verdict::Caught),
+            "{}: detected {:?} refused {:?} caught by {:?} {:?}",
+            inj.name(),
+            r.detected,
+            r.refused,
+            r.caught_by,
+            r.note
+        );
+        assert!(!r.caught_by.is_empty(), "{}", inj.name());
+        if inj == Injection::KernelWrongSlot {
+            assert!(r.kernel_mismatches.unwrap_or(0) > 0, "{r:?}");
+        }
+        if !inj.needs_pd() {
+            assert_eq!(r.refused, Some(0), "{}: {:?}", inj.name(), r.note);
+        }
+        assert_eq!(r.leaked_pages, Some(0), "{}", inj.name());
+        assert_eq!(r.wedged, Some(0), "{}", inj.name());
+    }
+}
+
+/// A PD decode pool far smaller than the load: requests wait for decode pages behind
+/// transfers and are served bit-identically; nothing wedges, nothing is left held.
+#[test]
+fn a_small_decode_pool_is_clean() {
+    let s = two_turns();
+    let rows = run(s, "decode-small", None, true, 0.0, 1);
+    assert_eq!(rows.len(), 1);
+    assert!(s.plan.sizing.small_decode_pages < s.plan.sizing.decode_pages);
+    assert_clean(&rows[0]);
+    assert!(rows[0].kernel_checks.unwrap_or(0) > 0, "{:?}", rows[0]);
+    assert_eq!(rows[0].kernel_mismatches, Some(0));
 }

@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use sparsekit::host::model_ops::ModelOps;
-use sparsekit::host::{Backend, CpuBackend, EmuBackend, KvDtype};
+use sparsekit::host::{Backend, CpuBackend, EmuBackend, KernelAudit, KvDtype};
+use sparsekit::validation::audit::ReferenceAudit;
 use sparsekit_server::engine::ModelConfig;
 use sparsekit_server::harness::config::{select, Injection};
 use sparsekit_server::harness::deploy::{
@@ -41,19 +42,27 @@ pub struct Args {
     #[arg(long, default_value_t = 1)]
     rounds: usize,
     /// Configurations to run: `/`-separated parts (fp8, bf16, host-on, host-off, pd-on,
-    /// pd-off), comma-separated filters, e.g. `bf16/host-on,fp8/host-off/pd-off`. All
-    /// eight by default.
+    /// pd-off, decode-small), comma-separated filters, e.g.
+    /// `bf16/host-on,fp8/host-off/pd-off`. All nine by default.
     #[arg(long, value_delimiter = ',')]
     configs: Vec<String>,
     /// Fault injection: host-pool-fp8-layout, shared-item-size, skip-index-wait,
-    /// no-generation-check (pd-fp8-frame, pd-read-before-landed, stale-transfer-write
-    /// need PD).
+    /// no-generation-check, index-k-after-publish, radix-overreach, kernel-wrong-slot
+    /// (pd-fp8-frame, pd-read-before-landed, stale-transfer-write need PD).
     #[arg(long)]
     inject: Option<String>,
-    /// Turn the second integrity checks off (load checksums, landed stamps): with an
-    /// injection, the historical corruption must show.
+    /// Turn the integrity checks off (load checksums, landed stamps, written slots,
+    /// kernel checks): with an injection, the historical corruption must show.
     #[arg(long)]
     no_verify: bool,
+    /// Do not compare sessions with the uncached reference run: only the servers' own
+    /// checks judge each row, as in production (an injection must still be caught).
+    #[arg(long)]
+    no_reference: bool,
+    /// Re-check one call in N of each DSA kernel against the f64 references while
+    /// serving (0: no kernel checks).
+    #[arg(long, default_value_t = 8)]
+    kernel_check_every: u64,
     /// Fraction of requests the clients abort mid-flight (0 to 1).
     #[arg(long, default_value_t = 0.0)]
     abort_rate: f64,
@@ -113,6 +122,16 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
                 .into(),
         );
     }
+    if args.no_reference && args.no_verify {
+        return Err(
+            "--no-reference with --no-verify judges nothing: without the reference only the \
+             checks can see an injection, and --no-verify turns them off"
+                .into(),
+        );
+    }
+    if args.no_reference && !args.url.is_empty() {
+        return Err("--no-reference applies to servers this command starts, not --url".into());
+    }
     let injection: Option<Injection> = args.inject.as_deref().map(str::parse).transpose()?;
     let kv_dtype = match args.kv.as_str() {
         "bf16" => KvDtype::Bf16,
@@ -135,6 +154,10 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
         injection,
         verify: !args.no_verify,
         abort_rate: args.abort_rate,
+        reference: !args.no_reference,
+        audit: (args.kernel_check_every > 0)
+            .then(|| Arc::new(ReferenceAudit) as Arc<dyn KernelAudit>),
+        kernel_check_every: args.kernel_check_every,
         ..Default::default()
     };
     let started = Instant::now();
@@ -359,12 +382,15 @@ fn run_urls<B: Backend + ModelOps + 'static>(
             device_pages: 0,
             host_pages: 0,
             decode_pages: 0,
+            small_decode_pages: 0,
         },
         max_running: opts.workload.sessions,
         injection: opts.injection,
         verify: opts.verify,
         cache_wait: opts.cache_wait,
         deadline: opts.deadline,
+        audit: None,
+        kernel_check_every: opts.kernel_check_every,
     };
     let rows = run_configs(
         &[&runner],

@@ -8,6 +8,8 @@ use std::time::Duration;
 use sparsekit::host::cache::Faults;
 use sparsekit::host::model_ops::ModelOps;
 use sparsekit::host::{Backend, CpuBackend, EmuBackend, IndexKDtype, KvDtype};
+use sparsekit::validation::audit::ReferenceAudit;
+use sparsekit_server::engine::kernel_check::KernelCheckConfig;
 use sparsekit_server::engine::scheduler::PdInfo;
 use sparsekit_server::engine::{CacheOptions, Engine, EngineOptions, ModelConfig};
 use sparsekit_server::harness::config::{no_verify_faults, Injection};
@@ -67,13 +69,21 @@ pub struct Args {
     #[arg(long, default_value = "on")]
     write_through: String,
     /// Fault injection for the integrity harness (`sparsekit repro --url ... --inject`):
-    /// host-pool-fp8-layout, shared-item-size, skip-index-wait, no-generation-check.
+    /// host-pool-fp8-layout, shared-item-size, skip-index-wait, no-generation-check,
+    /// index-k-after-publish, radix-overreach, kernel-wrong-slot (PD: pd-fp8-frame,
+    /// pd-read-before-landed, stale-transfer-write).
     #[arg(long)]
     inject: Option<String>,
-    /// Turn the second integrity checks off (load checksums, landed stamps): for the
-    /// harness's `--no-verify` only.
+    /// Turn the integrity checks off (load checksums, landed stamps, written slots): for
+    /// the harness's `--no-verify` only.
     #[arg(long)]
     no_verify: bool,
+    /// Re-check one call in N of each DSA kernel (indexer, top-k, sparse attention)
+    /// against the f64 references while serving, counted on `/metrics` as
+    /// `sparsekit_kernel_checks_total{op,outcome}` (0: off). Each check downloads the
+    /// call's inputs and outputs, KV pools included: keep N large on big pools.
+    #[arg(long, default_value_t = 0)]
+    kernel_check: u64,
     /// Rows per engine step.
     #[arg(long, default_value_t = 512)]
     max_batch_tokens: usize,
@@ -205,6 +215,7 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
     }
     let mut faults = Faults::none();
     let mut pd_faults = Vec::new();
+    let mut kernel_fault = None;
     if let Some(name) = &args.inject {
         let i: Injection = name.parse()?;
         if i.needs_pd() && !pd {
@@ -222,6 +233,7 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
         }
         i.cache_faults().into_iter().for_each(|f| faults.insert(f));
         pd_faults.extend(i.pd_fault());
+        kernel_fault = i.kernel_fault();
     }
     if pd && !prefix_cache {
         return Err("PD needs --prefix-cache on (the pages move between caches)".into());
@@ -274,6 +286,11 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
         max_running: args.max_running,
         max_waiting: args.max_waiting,
         role: "both".into(),
+        kernel_check: (args.kernel_check > 0).then(|| KernelCheckConfig {
+            audit: Arc::new(ReferenceAudit),
+            every: args.kernel_check,
+        }),
+        kernel_fault,
         ..Default::default()
     };
     let pd = PdOptions {

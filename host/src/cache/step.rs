@@ -652,20 +652,40 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
     /// The fill each store target page reaches after writing `slots` in order: a slot
     /// may rewrite a written one or extend the page by one; one past the written slots
     /// would leave a gap that nothing fills, and is refused ([`Error::Unwritten`], as
-    /// `RequestFailed` of the page's owner; not checked under `no-landed-check`).
+    /// `RequestFailed` of the page's owner); a write for a generation other than the one
+    /// the page's bytes are of is refused too ([`Error::StalePage`], counted). Neither is
+    /// checked under `no-landed-check`.
     fn fills(&self, kind: BufferKind, slots: &[SlotRef]) -> Result<Vec<(PageRef, u32)>> {
         let sh = &*self.step.cache.shared;
         let mut fills: Vec<(PageRef, u32)> = Vec::new();
+        let unchecked = sh.fault(Fault::NoLandedCheck);
         for s in slots {
             let i = match fills.iter().position(|(p, _)| *p == s.page) {
                 Some(i) => i,
                 None => {
+                    // Bytes of another allocation of this page (a fresh allocation holds
+                    // none): a writer for a generation that is not the page's — refused
+                    // whatever the allocator's generation check said.
+                    match sh.device.landed(self.layer, kind, s.page.id) {
+                        Some(l)
+                            if l.generation != s.page.generation && l.filled > 0 && !unchecked =>
+                        {
+                            sh.state.lock().stats.stale_writes_refused += 1;
+                            return Err(Error::StalePage {
+                                what: "device (written slots)",
+                                page: s.page.id,
+                                generation: s.page.generation,
+                                current: Some(l.generation),
+                            });
+                        }
+                        _ => {}
+                    }
                     fills.push((s.page, sh.device.filled(self.layer, kind, s.page)));
                     fills.len() - 1
                 }
             };
             let f = &mut fills[i].1;
-            if s.offset > *f && !sh.fault(Fault::NoLandedCheck) {
+            if s.offset > *f && !unchecked {
                 let owner = self
                     .step
                     .members
@@ -752,9 +772,14 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
             let Ok(ids) = self.slots(&[slot]) else {
                 continue;
             };
-            let Ok(fills) = self.fills(kind, &[slot]) else {
-                sh.state.lock().stats.stale_writes_refused += 1;
-                continue;
+            let fills = match self.fills(kind, &[slot]) {
+                Ok(f) => f,
+                // Counted where it was refused.
+                Err(Error::StalePage { .. }) => continue,
+                Err(_) => {
+                    sh.state.lock().stats.stale_writes_refused += 1;
+                    continue;
+                }
             };
             let buf = sh.backend.upload(&row)?;
             self.run_store(kind, &ids, &buf)?;

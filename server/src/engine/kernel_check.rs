@@ -21,6 +21,14 @@ pub enum AuditedOp {
     SparseMla = 2,
 }
 
+/// What an engine's kernel checks use: the auditor and the sampling (one call in `every`
+/// of each op). Each engine started with it counts its own checks.
+#[derive(Clone, Debug)]
+pub struct KernelCheckConfig {
+    pub audit: Arc<dyn KernelAudit>,
+    pub every: u64,
+}
+
 /// Checks one call of every op in `every` (the first call of each op included) with
 /// `audit`, and counts the outcomes.
 #[derive(Debug)]

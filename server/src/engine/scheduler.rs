@@ -34,7 +34,7 @@ use crate::engine::batch::{SeqChunk, StepBatch};
 use crate::engine::cache_space::CacheHandle;
 use crate::engine::cache_space::{CacheKvSpace, CacheSpaceOptions};
 use crate::engine::config::ModelConfig;
-use crate::engine::kernel_check::{self, CheckCounts, KernelCheck, KernelFault};
+use crate::engine::kernel_check::{self, CheckCounts, KernelCheck, KernelCheckConfig, KernelFault};
 use crate::engine::kv::{KvSpace, PagedKvSpace, PromptSource, ReceivedPages, SeqId};
 use crate::engine::model::{logits_digest, Model};
 use crate::engine::sampling::{sample, SamplingParams};
@@ -111,8 +111,9 @@ pub struct EngineOptions {
     /// See [`StepFault`].
     pub fault: Option<StepFault>,
     /// Re-checks a sample of the DSA kernel calls against an independent implementation
-    /// (counted on `/metrics` as `sparsekit_kernel_checks_total{op,outcome}`).
-    pub kernel_check: Option<Arc<KernelCheck>>,
+    /// (counted on `/metrics` as `sparsekit_kernel_checks_total{op,outcome}`; each engine
+    /// counts its own).
+    pub kernel_check: Option<KernelCheckConfig>,
     /// An injected kernel bug (harness only).
     pub kernel_fault: Option<KernelFault>,
 }
@@ -651,8 +652,12 @@ impl Engine {
         S: KvSpace<B> + Send + 'static,
     {
         opts.validate()?;
+        let check = opts
+            .kernel_check
+            .as_ref()
+            .map(|k| Arc::new(KernelCheck::new(k.audit.clone(), k.every)));
         let model = model
-            .with_kernel_check(opts.kernel_check.clone())
+            .with_kernel_check(check.clone())
             .with_kernel_fault(opts.kernel_fault);
         let cfg = *model.config();
         if space.num_layers() != cfg.n_layers {
@@ -719,6 +724,7 @@ impl Engine {
                     waiting: VecDeque::new(),
                     running: Vec::new(),
                     drain_until: None,
+                    check,
                     checks_published: Default::default(),
                 };
                 sched.run(rx);
@@ -1064,7 +1070,8 @@ struct Scheduler<B: Backend + ModelOps, S: KvSpace<B>> {
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
     drain_until: Option<Instant>,
-    /// Kernel-check counts already on `/metrics`.
+    /// This engine's kernel checks, and the counts already on `/metrics`.
+    check: Option<Arc<KernelCheck>>,
     checks_published: [CheckCounts; 3],
 }
 
@@ -1186,7 +1193,7 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
     }
 
     fn publish_stats(&mut self) {
-        if let Some(check) = &self.opts.kernel_check {
+        if let Some(check) = &self.check {
             let now = check.counts();
             for (i, (n, was)) in now.iter().zip(&self.checks_published).enumerate() {
                 let m = &self.inner.metrics;

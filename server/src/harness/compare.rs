@@ -147,6 +147,23 @@ impl Tally {
         (t, verdicts)
     }
 
+    /// Counts the sessions without comparing them with a reference (`--no-reference`):
+    /// refusals, wedges and aborts as [`Tally::of`]; every other session counts as clean,
+    /// since nothing but the servers' own checks judges it.
+    pub fn unjudged(served: &[SessionTrace]) -> Tally {
+        let mut t = Tally::default();
+        for s in served {
+            t.sessions += 1;
+            match &s.failure {
+                Some((_, TurnFailure::Refused(_))) => t.refused += 1,
+                Some((_, TurnFailure::Wedged(_))) => t.wedged += 1,
+                Some((_, TurnFailure::Aborted)) => t.aborted += 1,
+                None => t.clean += 1,
+            }
+        }
+        t
+    }
+
     /// Corrupted sessions in percent of the sessions that were judged.
     pub fn corrupted_pct(&self) -> f64 {
         if self.sessions == 0 {

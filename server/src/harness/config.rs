@@ -13,7 +13,10 @@
 //! | `host-pool-fp8-layout` | layout fingerprints (`host-pool-fp8-layout` + `no-layout-check`) | load checksums | bf16, host tier on |
 //! | `shared-item-size` | — (fingerprints cannot see strides) | load checksums | host tier on |
 //! | `skip-index-wait` | layer fences (`skip-index-wait` + `loads-trail-readers`) | landed stamps | host tier on |
-//! | `no-generation-check` | generations (`no-generation-check` + `late-write`) | landed stamps | every cache config |
+//! | `no-generation-check` | generations (`no-generation-check` + `late-write`) | landed stamps, written slots | every cache config |
+//! | `index-k-after-publish` | layer fences (index-K copied after its layer was published) | per-kind landed stamps (the read waits) | host tier on |
+//! | `radix-overreach` | the prefix match (one token more than matched) | written slots (the request recomputes) | every cache config |
+//! | `kernel-wrong-slot` | — (a top-k bug in the served engines) | kernel checks | every config |
 //!
 //! `--no-verify` turns the second checks off (load checksums, landed stamps); with it each
 //! injection must corrupt sessions, without it each must be caught with 0 corrupted.
@@ -27,6 +30,7 @@ use serde::Serialize;
 use sparsekit_host::cache::Fault;
 use sparsekit_host::IndexKDtype;
 
+use crate::engine::kernel_check::KernelFault;
 use crate::error::EngineError;
 use crate::pd::PdFault;
 
@@ -36,6 +40,9 @@ pub struct ConfigKey {
     pub index_k: IndexKDtype,
     pub host_tier: bool,
     pub pd: bool,
+    /// PD on with a decode pool far smaller than the load (room for about two requests
+    /// at once): requests wait for decode pages behind transfers, and must never wedge.
+    pub small_decode: bool,
 }
 
 /// `fp8` or `bf16`.
@@ -55,7 +62,8 @@ fn on_off(b: bool) -> &'static str {
 }
 
 impl ConfigKey {
-    /// The eight configurations, in table order.
+    /// The nine configurations, in table order: index-K dtype × host tier × PD, then
+    /// `bf16/host-on/pd-on/decode-small`.
     pub fn all() -> Vec<ConfigKey> {
         let mut v = Vec::new();
         for index_k in [IndexKDtype::FP8, IndexKDtype::Bf16] {
@@ -65,20 +73,32 @@ impl ConfigKey {
                         index_k,
                         host_tier,
                         pd,
+                        small_decode: false,
                     });
                 }
             }
         }
+        v.push(ConfigKey {
+            index_k: IndexKDtype::Bf16,
+            host_tier: true,
+            pd: true,
+            small_decode: true,
+        });
         v
     }
 
-    /// `fp8/host-off/pd-off` and so on.
+    /// `fp8/host-off/pd-off` and so on (`…/decode-small` for the small decode pool).
     pub fn name(&self) -> String {
         format!(
-            "{}/host-{}/pd-{}",
+            "{}/host-{}/pd-{}{}",
             index_k_name(self.index_k),
             on_off(self.host_tier),
-            on_off(self.pd)
+            on_off(self.pd),
+            if self.small_decode {
+                "/decode-small"
+            } else {
+                ""
+            }
         )
     }
 
@@ -106,8 +126,10 @@ impl fmt::Display for ConfigKey {
 }
 
 /// The configurations `filters` select: each filter is `/`-separated parts (`fp8`,
-/// `bf16`, `host-on`, `host-off`, `pd-on`, `pd-off`, or `all`), and a configuration is
-/// selected when every part of some filter names it. An empty list selects all eight.
+/// `bf16`, `host-on`, `host-off`, `pd-on`, `pd-off`, `decode-small`, or `all`), and a
+/// configuration is selected when every part of some filter names it (the
+/// `decode-small` variant only when a filter names `decode-small` or `all`). An empty
+/// list selects all nine.
 pub fn select(filters: &[String]) -> Result<Vec<ConfigKey>, EngineError> {
     let all = ConfigKey::all();
     if filters.is_empty() {
@@ -123,11 +145,18 @@ pub fn select(filters: &[String]) -> Result<Vec<ConfigKey>, EngineError> {
         for p in &parts {
             if !matches!(
                 *p,
-                "all" | "fp8" | "bf16" | "host-on" | "host-off" | "pd-on" | "pd-off"
+                "all"
+                    | "fp8"
+                    | "bf16"
+                    | "host-on"
+                    | "host-off"
+                    | "pd-on"
+                    | "pd-off"
+                    | "decode-small"
             ) {
                 return Err(EngineError::InvalidRequest(format!(
                     "unknown config part {p:?} in {f:?} (parts: fp8, bf16, host-on, \
-                     host-off, pd-on, pd-off, all; e.g. bf16/host-on/pd-off)"
+                     host-off, pd-on, pd-off, decode-small, all; e.g. bf16/host-on/pd-off)"
                 )));
             }
         }
@@ -135,7 +164,10 @@ pub fn select(filters: &[String]) -> Result<Vec<ConfigKey>, EngineError> {
         for c in &all {
             let name = c.name();
             let names: Vec<&str> = name.split('/').collect();
-            if parts.iter().all(|p| *p == "all" || names.contains(p)) {
+            // The small decode pool is a variant: selected by naming it (or `all`).
+            let variant_named =
+                !c.small_decode || parts.iter().any(|p| *p == "decode-small" || *p == "all");
+            if variant_named && parts.iter().all(|p| *p == "all" || names.contains(p)) {
                 hit = true;
                 if !chosen.contains(c) {
                     chosen.push(*c);
@@ -163,10 +195,13 @@ pub enum Injection {
     PdFp8Frame,
     PdReadBeforeLanded,
     StaleTransferWrite,
+    IndexKAfterPublish,
+    RadixOverreach,
+    KernelWrongSlot,
 }
 
 impl Injection {
-    pub const ALL: [Injection; 7] = [
+    pub const ALL: [Injection; 10] = [
         Injection::HostPoolFp8Layout,
         Injection::SharedItemSize,
         Injection::SkipIndexWait,
@@ -174,6 +209,9 @@ impl Injection {
         Injection::PdFp8Frame,
         Injection::PdReadBeforeLanded,
         Injection::StaleTransferWrite,
+        Injection::IndexKAfterPublish,
+        Injection::RadixOverreach,
+        Injection::KernelWrongSlot,
     ];
 
     pub fn name(&self) -> &'static str {
@@ -185,6 +223,9 @@ impl Injection {
             Injection::PdFp8Frame => "pd-fp8-frame",
             Injection::PdReadBeforeLanded => "pd-read-before-landed",
             Injection::StaleTransferWrite => "stale-transfer-write",
+            Injection::IndexKAfterPublish => "index-k-after-publish",
+            Injection::RadixOverreach => "radix-overreach",
+            Injection::KernelWrongSlot => "kernel-wrong-slot",
         }
     }
 
@@ -204,8 +245,24 @@ impl Injection {
             Injection::SharedItemSize => vec![Fault::SharedItemSize],
             Injection::SkipIndexWait => vec![Fault::SkipIndexWait, Fault::LoadsTrailReaders],
             Injection::NoGenerationCheck => vec![Fault::NoGenerationCheck, Fault::LateWrite],
+            Injection::IndexKAfterPublish => vec![Fault::IndexKAfterPublish],
+            Injection::RadixOverreach => vec![Fault::RadixOverreach],
             _ => Vec::new(),
         }
+    }
+
+    /// The kernel bug that re-creates it in the served engines (`None` for the others).
+    pub fn kernel_fault(&self) -> Option<KernelFault> {
+        match self {
+            Injection::KernelWrongSlot => Some(KernelFault::TopkWrongSlot),
+            _ => None,
+        }
+    }
+
+    /// Whether the checks that catch it can also keep the sessions right (the cache
+    /// checks refuse, wait or recompute); a kernel bug can only be detected.
+    pub fn preventable(&self) -> bool {
+        self.kernel_fault().is_none()
     }
 
     /// Whether it can bite configuration `c` (the others run it and must stay clean).
@@ -213,7 +270,9 @@ impl Injection {
         match self {
             Injection::HostPoolFp8Layout => c.host_tier && c.index_k == IndexKDtype::Bf16,
             Injection::SharedItemSize | Injection::SkipIndexWait => c.host_tier,
-            Injection::NoGenerationCheck => true,
+            Injection::IndexKAfterPublish => c.host_tier,
+            Injection::NoGenerationCheck | Injection::RadixOverreach => true,
+            Injection::KernelWrongSlot => true,
             // The fp8 frame of an fp8 index-K page is the right frame.
             Injection::PdFp8Frame => c.pd && c.index_k == IndexKDtype::Bf16,
             _ => c.pd,
@@ -238,6 +297,9 @@ impl Injection {
             Injection::PdFp8Frame => "frame fingerprints",
             Injection::PdReadBeforeLanded => "landed stamps",
             Injection::StaleTransferWrite => "generations and quarantine",
+            Injection::IndexKAfterPublish => "per-kind landed stamps",
+            Injection::RadixOverreach => "written slots",
+            Injection::KernelWrongSlot => "kernel checks",
         }
     }
 }
@@ -269,12 +331,16 @@ mod tests {
 
     #[test]
     fn selection_by_parts() {
-        assert_eq!(select(&[]).unwrap_or_default().len(), 8);
+        assert_eq!(select(&[]).unwrap_or_default().len(), 9);
         let v = select(&["bf16/host-on".into()]).unwrap_or_default();
         assert_eq!(
             v.iter().map(ConfigKey::name).collect::<Vec<_>>(),
             ["bf16/host-on/pd-off", "bf16/host-on/pd-on"]
         );
+        assert_eq!(select(&["all".into()]).unwrap_or_default().len(), 9);
+        let v = select(&["decode-small".into()]).unwrap_or_default();
+        assert_eq!(v.len(), 1);
+        assert!(v[0].small_decode);
         let v = select(&["pd-off".into(), "fp8/host-off/pd-off".into()]).unwrap_or_default();
         assert_eq!(v.len(), 4, "duplicates once, table order");
         assert_eq!(v[0].name(), "fp8/host-off/pd-off");
@@ -286,13 +352,17 @@ mod tests {
     fn injections_parse_and_pair() {
         for i in Injection::ALL {
             assert_eq!(i.name().parse::<Injection>().ok(), Some(i));
-            assert_eq!(i.cache_faults().is_empty(), i.needs_pd());
+            assert_eq!(
+                i.cache_faults().is_empty(),
+                i.needs_pd() || i.kernel_fault().is_some()
+            );
         }
         assert!("nope".parse::<Injection>().is_err());
         let bf16_host = ConfigKey {
             index_k: IndexKDtype::Bf16,
             host_tier: true,
             pd: false,
+            small_decode: false,
         };
         assert!(Injection::HostPoolFp8Layout.affects(&bf16_host));
         assert!(!Injection::HostPoolFp8Layout.affects(&ConfigKey {

@@ -16,8 +16,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use sparsekit_host::cache::Faults;
-use sparsekit_host::{Backend, IndexKDtype, KvDtype, ModelOps};
+use sparsekit_host::{Backend, IndexKDtype, KernelAudit, KvDtype, ModelOps};
 
+use crate::engine::kernel_check::KernelCheckConfig;
 use crate::engine::scheduler::{CacheOptions, Engine, EngineOptions};
 use crate::engine::ModelConfig;
 use crate::error::EngineError;
@@ -37,10 +38,13 @@ pub struct Sizing {
     pub host_pages: usize,
     /// A PD decode side's pool (no prefix reuse: room for the requests it runs at once).
     pub decode_pages: usize,
+    /// The decode pool of a `decode-small` configuration: room for about two of the
+    /// largest requests, far below the load.
+    pub small_decode_pages: usize,
 }
 
 /// Everything a runner needs besides the configuration.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct RunPlan {
     pub model: ModelConfig,
     pub seed: u64,
@@ -55,9 +59,42 @@ pub struct RunPlan {
     pub cache_wait: Duration,
     /// How long a request may take (the harness's `--deadline-s`).
     pub deadline: Duration,
+    /// The independent kernel checks (with the checks on): every served engine re-checks
+    /// one call in `kernel_check_every` of each DSA op with this auditor.
+    pub audit: Option<Arc<dyn KernelAudit>>,
+    pub kernel_check_every: u64,
+}
+
+impl std::fmt::Debug for RunPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunPlan")
+            .field("model", &self.model.name)
+            .field("sizing", &self.sizing)
+            .field("injection", &self.injection)
+            .field("verify", &self.verify)
+            .field("kernel_checks", &self.kernel_checks_on())
+            .field("kernel_check_every", &self.kernel_check_every)
+            .finish_non_exhaustive()
+    }
 }
 
 impl RunPlan {
+    /// Whether served engines re-check their kernels (an auditor, and the checks on).
+    pub fn kernel_checks_on(&self) -> bool {
+        self.verify && self.audit.is_some()
+    }
+
+    /// The kernel checks of the served engines (with the checks on).
+    pub fn kernel_check(&self) -> Option<KernelCheckConfig> {
+        self.audit
+            .as_ref()
+            .filter(|_| self.verify)
+            .map(|a| KernelCheckConfig {
+                audit: a.clone(),
+                every: self.kernel_check_every,
+            })
+    }
+
     /// The cache options of configuration `c` under this plan.
     pub fn cache_options(&self, c: &ConfigKey) -> CacheOptions {
         let mut faults = Faults::none();
@@ -96,6 +133,8 @@ impl RunPlan {
             max_running: self.max_running.max(1),
             max_waiting: 4096,
             role: "both".into(),
+            kernel_check: self.kernel_check(),
+            kernel_fault: self.injection.and_then(|i| i.kernel_fault()),
             ..Default::default()
         }
     }
@@ -127,9 +166,14 @@ impl RunPlan {
         };
         let mut cache = self.cache_options(c);
         cache.host_pages = 0;
+        let kv_pages = if c.small_decode {
+            self.sizing.small_decode_pages
+        } else {
+            self.sizing.decode_pages.max(self.sizing.device_pages)
+        };
         let decode = EngineOptions {
             role: "decode".into(),
-            kv_pages: self.sizing.decode_pages.max(self.sizing.device_pages),
+            kv_pages,
             cache: Some(cache),
             ..self.engine_options(c)
         };
@@ -412,6 +456,7 @@ pub fn remote_info(addr: SocketAddr) -> Result<RemoteInfo, EngineError> {
             host_tier: host_pages(&v)? > 0,
             // A decode server (or a pair in one process) serves a PD-on configuration.
             pd: matches!(v["pd"]["role"].as_str(), Some("decode" | "both")),
+            small_decode: false,
         },
         device_pages: n("kv_pages")?,
         faults: cache["faults"]

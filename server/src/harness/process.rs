@@ -157,6 +157,9 @@ impl ProcessRunner {
         if !plan.verify {
             a.push("--no-verify".into());
         }
+        if plan.kernel_checks_on() {
+            a.extend(["--kernel-check".into(), plan.kernel_check_every.to_string()]);
+        }
         a
     }
 
@@ -305,10 +308,12 @@ impl ConfigRunner for ProcessRunner {
             "--peer".into(),
             format!("http://{}", prefill.addr),
             "--device-pages".into(),
-            plan.sizing
-                .decode_pages
-                .max(plan.sizing.device_pages)
-                .to_string(),
+            if c.small_decode {
+                plan.sizing.small_decode_pages
+            } else {
+                plan.sizing.decode_pages.max(plan.sizing.device_pages)
+            }
+            .to_string(),
         ]);
         let decode = self.spawn(&format!("{name}-decode"), &d)?;
         Ok(Box::new(ProcessDeployment {

@@ -66,14 +66,19 @@ pub enum Verdict {
 }
 
 impl Verdict {
-    /// The verdict of an injection on a measured row.
+    /// The verdict of an injection on a measured row. With the checks on it is caught when
+    /// the checks counted it and, where the checks can keep sessions right (every cache
+    /// check; not a kernel bug, which can only be detected), nothing was corrupted — without
+    /// a reference (`--no-reference`) the checks' counts alone decide, as in production.
+    /// With the checks off it is reproduced when sessions were corrupted.
     pub fn judge(inj: Injection, c: &ConfigKey, verify: bool, row: &EvidenceRow) -> Verdict {
         let corrupted = row.corrupted.unwrap_or(0);
         let detected = row.detected.unwrap_or(0) + row.refused.unwrap_or(0) as u64;
         match (inj.affects(c), verify) {
             (false, _) => Verdict::NotAffected,
-            (true, true) if corrupted > 0 => Verdict::Escaped,
+            (true, true) if corrupted > 0 && inj.preventable() => Verdict::Escaped,
             (true, true) if detected > 0 => Verdict::Caught,
+            (true, true) if corrupted > 0 => Verdict::Escaped,
             (true, false) if corrupted > 0 => Verdict::Reproduced,
             _ => Verdict::Silent,
         }
@@ -123,9 +128,22 @@ pub struct EvidenceRow {
     pub corrupted_pct: Option<f64>,
     /// Sessions stopped by a refused request (a check failed it cleanly).
     pub refused: Option<usize>,
-    /// Integrity events the checks counted (`sparsekit_refused_total` and
-    /// `sparsekit_checksum_failures_total` over the run).
+    /// Integrity events the checks counted (`sparsekit_refused_total`,
+    /// `sparsekit_checksum_failures_total`, `sparsekit_integrity_detections_total` and
+    /// kernel-check mismatches over the run).
     pub detected: Option<u64>,
+    /// Which checks counted them: `check:detail` (e.g. `checksum:host_load`,
+    /// `refused:unwritten`, `detection:landing_wait`, `kernel:topk`, `frame:fingerprint`)
+    /// with the count, nonzero only.
+    pub caught_by: Vec<(String, u64)>,
+    /// Requests served by recomputing a prefix that failed a check.
+    pub fallbacks: Option<u64>,
+    /// Kernel calls re-checked against the f64 references, and how many differed.
+    pub kernel_checks: Option<u64>,
+    pub kernel_mismatches: Option<u64>,
+    /// Whether sessions were compared with the uncached reference (`false` for
+    /// `--no-reference`: `corrupted` is then unknown).
+    pub reference: bool,
     /// Sessions stopped by a client abort (`--abort-rate`).
     pub aborted: Option<usize>,
     /// Sessions stopped by a request past its deadline, plus failed `/health` probes.
@@ -170,6 +188,11 @@ impl EvidenceRow {
             corrupted_pct: None,
             refused: None,
             detected: None,
+            caught_by: Vec::new(),
+            fallbacks: None,
+            kernel_checks: None,
+            kernel_mismatches: None,
+            reference: true,
             aborted: None,
             wedged: None,
             leaked_pages: None,
@@ -316,6 +339,8 @@ pub fn render_table(rows: &[EvidenceRow]) -> String {
         "corrupted",
         "refused",
         "detected",
+        "fallbacks",
+        "kernel chk",
         "aborted",
         "wedged",
         "leaked",
@@ -340,6 +365,7 @@ pub fn render_table(rows: &[EvidenceRow]) -> String {
         }
         let corrupted = match (r.corrupted, r.corrupted_pct) {
             (Some(c), Some(p)) => format!("{c} ({p:.1}%)"),
+            _ if !r.reference => "no ref.".into(),
             _ => "-".into(),
         };
         lines.push(vec![
@@ -349,6 +375,12 @@ pub fn render_table(rows: &[EvidenceRow]) -> String {
             corrupted,
             cell(r.refused),
             cell(r.detected),
+            cell(r.fallbacks),
+            match (r.kernel_checks, r.kernel_mismatches) {
+                (Some(n), Some(0)) => format!("{n} ok"),
+                (Some(n), Some(m)) => format!("{m}/{n} BAD"),
+                _ => "-".into(),
+            },
             cell(r.aborted),
             cell(r.wedged),
             cell(r.leaked_pages),
@@ -387,6 +419,14 @@ pub fn render_table(rows: &[EvidenceRow]) -> String {
     for r in rows.iter().filter(|r| r.available) {
         if let Some(n) = &r.note {
             out.push_str(&format!("{}: {n}\n", r.config));
+        }
+        if !r.caught_by.is_empty() {
+            let by: Vec<String> = r
+                .caught_by
+                .iter()
+                .map(|(k, n)| format!("{k} {n}"))
+                .collect();
+            out.push_str(&format!("{}: caught by {}\n", r.config, by.join(", ")));
         }
         if !r.first_divergences.is_empty() {
             out.push_str(&format!(
@@ -451,6 +491,7 @@ mod tests {
             index_k: sparsekit_host::IndexKDtype::Bf16,
             host_tier: true,
             pd: false,
+            small_decode: false,
         };
         let mut r = EvidenceRow::unavailable(&ConfigLabel::of(&c), "");
         r.available = true;
@@ -471,5 +512,16 @@ mod tests {
             !Verdict::NotAffected.is_expected(&r),
             "unaffected yet corrupted"
         );
+        // A kernel bug cannot be kept out of the sessions, only detected.
+        let k = Injection::KernelWrongSlot;
+        assert_eq!(Verdict::judge(k, &c, true, &r), Verdict::Caught);
+        r.detected = Some(0);
+        assert_eq!(Verdict::judge(k, &c, true, &r), Verdict::Escaped);
+        // Without a reference the checks' counts decide.
+        r.corrupted = None;
+        r.detected = Some(2);
+        assert_eq!(Verdict::judge(inj, &c, true, &r), Verdict::Caught);
+        r.detected = Some(0);
+        assert_eq!(Verdict::judge(inj, &c, true, &r), Verdict::Silent);
     }
 }

@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use sparsekit_host::{Backend, IndexKDtype, KvDtype, ModelOps};
+use sparsekit_host::{Backend, IndexKDtype, KernelAudit, KvDtype, ModelOps};
 
 use crate::engine::scheduler::{Engine, EngineOptions};
 use crate::engine::ModelConfig;
@@ -65,6 +65,13 @@ pub struct ReproOptions {
     pub cache_wait: Duration,
     /// Longest the harness waits for the servers to go idle after a round.
     pub idle_bound: Duration,
+    /// Compare every session with the uncached reference run (off: `--no-reference`,
+    /// only what production has — the checks — judges the row).
+    pub reference: bool,
+    /// The independent kernel checks (with the checks on).
+    pub audit: Option<Arc<dyn KernelAudit>>,
+    /// One call in this many of each DSA op is re-checked.
+    pub kernel_check_every: u64,
 }
 
 impl Default for ReproOptions {
@@ -83,6 +90,9 @@ impl Default for ReproOptions {
             abort_rate: 0.0,
             cache_wait: Duration::from_secs(10),
             idle_bound: Duration::from_secs(60),
+            reference: true,
+            audit: None,
+            kernel_check_every: 8,
         }
     }
 }
@@ -99,6 +109,29 @@ pub fn session_budgets(w: &Workload) -> Vec<usize> {
                 .collect();
             let last = s.turns.len().saturating_sub(1);
             s.prompt(w, last, &replies).len() + s.turns[last].sampling.max_new_tokens
+        })
+        .collect()
+}
+
+/// Traces with every reply at its longest (`x` tokens): what sizes the pools when no
+/// reference runs (`--no-reference`).
+pub fn placeholder_traces(w: &Workload) -> Vec<SessionTrace> {
+    w.sessions
+        .iter()
+        .enumerate()
+        .map(|(i, s)| SessionTrace {
+            session: i,
+            turns: s
+                .turns
+                .iter()
+                .map(|t| crate::harness::run::TurnTrace {
+                    prompt_tokens: 0,
+                    tokens: vec![b'x' as u32; t.sampling.max_new_tokens],
+                    digests: Vec::new(),
+                    ttft: None,
+                })
+                .collect(),
+            failure: None,
         })
         .collect()
 }
@@ -186,6 +219,7 @@ pub fn sizing(w: &Workload, references: &[&[SessionTrace]], page_size: usize) ->
         // room for every session at once, so no request waits for decode pages behind
         // transfers that wait for prefill.
         decode_pages: w.sessions.len().max(1) * largest + 8,
+        small_decode_pages: 2 * largest + 4,
     }
 }
 
@@ -223,8 +257,40 @@ fn cache_numbers(row: &mut EvidenceRow, c: &ConfigKey, before: &Scrape, after: &
         }
     }
     row.detected = Some(
-        (d("sparsekit_refused_total", &[]) + d("sparsekit_checksum_failures_total", &[])) as u64,
+        (d("sparsekit_refused_total", &[])
+            + d("sparsekit_checksum_failures_total", &[])
+            + d("sparsekit_integrity_detections_total", &[])
+            + d("sparsekit_kernel_checks_total", &[("outcome", "mismatch")])) as u64,
     );
+    // Which check counted what.
+    let mut by = Vec::new();
+    for (short, family, label) in [
+        ("checksum", "sparsekit_checksum_failures_total", "where"),
+        ("refused", "sparsekit_refused_total", "reason"),
+        ("detection", "sparsekit_integrity_detections_total", "check"),
+        ("frame", "sparsekit_refused_frames_total", "reason"),
+        ("fallback", "sparsekit_integrity_fallbacks_total", "reason"),
+    ] {
+        for v in after.label_values(family, label) {
+            let n = d(family, &[(label, &v)]) as u64;
+            if n > 0 {
+                by.push((format!("{short}:{v}"), n));
+            }
+        }
+    }
+    let kernel = "sparsekit_kernel_checks_total";
+    for op in after.label_values(kernel, "op") {
+        let n = d(kernel, &[("op", &op), ("outcome", "mismatch")]) as u64;
+        if n > 0 {
+            by.push((format!("kernel:{op}"), n));
+        }
+    }
+    row.caught_by = by;
+    row.fallbacks = Some(d("sparsekit_integrity_fallbacks_total", &[]) as u64);
+    if after.get(kernel, &[]).is_some() {
+        row.kernel_checks = Some(d(kernel, &[]) as u64);
+        row.kernel_mismatches = Some(d(kernel, &[("outcome", "mismatch")]) as u64);
+    }
     if c.pd {
         row.refused_frames = Some(d("sparsekit_refused_frames_total", &[]) as u64);
     }
@@ -236,7 +302,7 @@ fn run_rounds(
     dep: &dyn Deployment,
     opts: &ReproOptions,
     w: &Workload,
-    reference: &[SessionTrace],
+    reference: Option<&[SessionTrace]>,
     progress: Progress<'_>,
 ) -> Vec<EvidenceRow> {
     let mut rows = Vec::new();
@@ -258,9 +324,17 @@ fn run_rounds(
             run_concurrent(target, w, opts.deadline, &tag, progress)
         });
         let idle = wait_idle(dep, opts.idle_bound);
-        let (tally, _) = Tally::of(reference, &served);
+        let tally = match reference {
+            Some(r) => Tally::of(r, &served).0,
+            None => Tally::unjudged(&served),
+        };
         let mut row =
             EvidenceRow::measured(&label, &tally, &served, &health, Some(idle.leaked_pages));
+        if reference.is_none() {
+            row.reference = false;
+            row.corrupted = None;
+            row.corrupted_pct = None;
+        }
         row.round = (opts.rounds > 1).then_some(round + 1);
         row.quarantined_pages = Some(idle.quarantined_pages);
         row.injection = opts.injection.map(|i| i.name().to_string());
@@ -346,13 +420,14 @@ pub fn run_configs(
             rows.push(EvidenceRow::unavailable(&label, &why));
             continue;
         };
-        let Some(reference) = references.get(index_k_name(c.index_k)) else {
+        let reference = references.get(index_k_name(c.index_k)).map(Vec::as_slice);
+        if reference.is_none() && opts.reference {
             rows.push(EvidenceRow::unavailable(
                 &label,
                 "no reference for its index-K dtype",
             ));
             continue;
-        };
+        }
         on_config(c);
         match runner.start(c, plan) {
             Ok(dep) => {
@@ -397,9 +472,20 @@ pub fn run_repro<B: Backend + ModelOps + 'static>(
             dtypes.push(c.index_k);
         }
     }
-    on_phase("reference runs");
-    let references = reference_runs(backend, opts, &w, &dtypes, progress)?;
-    let refs: Vec<&[SessionTrace]> = references.values().map(Vec::as_slice).collect();
+    let (references, placeholders) = if opts.reference {
+        on_phase("reference runs");
+        (
+            reference_runs(backend, opts, &w, &dtypes, progress)?,
+            Vec::new(),
+        )
+    } else {
+        (HashMap::new(), placeholder_traces(&w))
+    };
+    let refs: Vec<&[SessionTrace]> = if opts.reference {
+        references.values().map(Vec::as_slice).collect()
+    } else {
+        vec![&placeholders]
+    };
     let plan = RunPlan {
         model: opts.model,
         seed: opts.seed,
@@ -410,6 +496,8 @@ pub fn run_repro<B: Backend + ModelOps + 'static>(
         verify: opts.verify,
         cache_wait: opts.cache_wait,
         deadline: opts.deadline,
+        audit: opts.audit.clone(),
+        kernel_check_every: opts.kernel_check_every,
     };
     let rows = run_configs(runners, opts, &plan, &w, &references, progress, &|c| {
         on_phase(&c.name())

@@ -101,6 +101,20 @@ impl Scrape {
         self.get(name, labels).unwrap_or(0.0)
     }
 
+    /// Every value of label `label` among the samples of `name` (sorted, once each).
+    pub fn label_values(&self, name: &str, label: &str) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .samples
+            .get(name)
+            .into_iter()
+            .flatten()
+            .filter_map(|(ls, _)| ls.iter().find(|(n, _)| n == label).map(|(_, x)| x.clone()))
+            .collect();
+        v.sort();
+        v.dedup();
+        v
+    }
+
     /// How much `name` (a counter) grew since `before`.
     pub fn delta(&self, before: &Scrape, name: &str, labels: &[(&str, &str)]) -> f64 {
         (self.value(name, labels) - before.value(name, labels)).max(0.0)
