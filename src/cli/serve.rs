@@ -670,16 +670,16 @@ fn serve_on<B: Backend + ModelOps + 'static>(
         } else {
             String::new()
         };
-        println!(
-            "sparsekit serve: listening on http://{local} (model {}, backend {}, index-K {}, KV {}{what})",
-            server.model_name.as_deref().unwrap_or(&info.model), info.backend, info.index_k_dtype, info.kv_dtype,
-        );
         if info.scripted_replies {
             println!("sparsekit serve: replies are scripted (--scripted-reply): not sampled from the model");
         }
         if let Some(n) = note {
             println!("sparsekit serve: {n}");
         }
+        println!(
+            "sparsekit serve: listening on http://{local} (model {}, backend {}, index-K {}, KV {}{what})",
+            server.model_name.as_deref().unwrap_or(&info.model), info.backend, info.index_k_dtype, info.kv_dtype,
+        );
         serve_until_signal(engine, listener, server).await
     })?;
     running.shutdown(Duration::from_secs(5))?;

@@ -290,26 +290,29 @@ impl ConnTable {
     /// Closes the longest-idle connection (of `ip` when given) to make room; `false` when
     /// every candidate is busy.
     fn evict_idle(&self, t: &mut Inner, ip: Option<IpAddr>) -> bool {
-        let mut candidates: Vec<(u64, u64)> = t
-            .conns
-            .iter()
-            .filter(|(_, e)| ip.is_none_or(|ip| e.ip == ip))
-            .filter(|(_, e)| e.state.busy.load(Ordering::Acquire) == 0)
-            .map(|(id, e)| (e.state.idle_since_ms.load(Ordering::Acquire), *id))
-            .collect();
-        candidates.sort_unstable();
-        for (_, id) in candidates {
-            let claimed = t.conns.get(&id).is_some_and(|e| e.state.try_evict());
-            if claimed {
-                if let Some(e) = t.conns.remove(&id) {
-                    Self::uncount(t, e.ip);
-                    e.state.evict.notify_one();
-                    self.metrics.connection_refused("evicted_idle");
+        // The longest idle first; one that turned busy meanwhile is skipped.
+        let mut skipped: Vec<u64> = Vec::new();
+        loop {
+            let oldest = t
+                .conns
+                .iter()
+                .filter(|(id, e)| ip.is_none_or(|ip| e.ip == ip) && !skipped.contains(id))
+                .filter(|(_, e)| e.state.busy.load(Ordering::Acquire) == 0)
+                .min_by_key(|(id, e)| (e.state.idle_since_ms.load(Ordering::Acquire), **id))
+                .map(|(id, e)| (*id, e.state.try_evict()));
+            match oldest {
+                None => return false,
+                Some((id, false)) => skipped.push(id),
+                Some((id, true)) => {
+                    if let Some(e) = t.conns.remove(&id) {
+                        Self::uncount(t, e.ip);
+                        e.state.evict.notify_one();
+                        self.metrics.connection_refused("evicted_idle");
+                    }
+                    return true;
                 }
-                return true;
             }
         }
-        false
     }
 
     /// Closes one idle connection (out of file descriptors, say); `false` when none is.

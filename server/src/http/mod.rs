@@ -250,7 +250,8 @@ async fn serve_reserve(app: Arc<App>, stream: TcpStream, slot: ReserveSlot, limi
         let app = app.clone();
         async move {
             let mut r = if matches!(req.uri().path(), "/health" | "/health_generate") {
-                app.health()
+                // Through the router: the API key, when `/health` is not public.
+                app.route(req).await
             } else {
                 let e = ApiError::status(503, "server_error", "too many connections: retry later")
                     .with_code("overloaded");
