@@ -357,7 +357,7 @@ pub fn sample_in(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::tokenizer::{END, USER};
+    use crate::engine::tokenizer::USER;
 
     fn logits() -> Vec<f32> {
         (0..VOCAB_SIZE)
@@ -417,6 +417,60 @@ mod tests {
         // A tiny top_p keeps only the most likely token.
         let p1 = SamplingParams { top_p: 1e-6, ..p };
         assert!((0..50).all(|pos| sample(&l, &p1, pos).ok() == Some(g)));
+    }
+
+    #[test]
+    fn penalties_bias_and_restrictions() {
+        let mut l = vec![0.0f32; VOCAB_SIZE];
+        l[b'a' as usize] = 4.0;
+        l[b'b' as usize] = 3.0;
+        l[b'c' as usize] = -1.0;
+        l[END as usize] = 3.5;
+        l[b'{' as usize] = 1.0;
+        let tokens = [256, b'c' as u32, b'a' as u32, b'a' as u32];
+        let view = SeqView {
+            tokens: &tokens,
+            prompt_len: 2,
+            json: None,
+        };
+        let greedy = SamplingParams::greedy(8);
+        let pick = |p: &SamplingParams| sample_in(&l, p, 9, &view).unwrap_or(0);
+        assert_eq!(pick(&greedy), b'a' as u32);
+        // Repetition: positive logits of seen tokens divided, negative ones multiplied.
+        let rep = SamplingParams {
+            repetition_penalty: 2.0,
+            ..greedy.clone()
+        };
+        let adj = rep.adjust(&l, &tokens, 2);
+        assert_eq!((adj[b'a' as usize], adj[b'c' as usize]), (2.0, -2.0));
+        assert_eq!(pick(&rep), END);
+        // Frequency counts generated tokens only (a twice: 4 - 2 * 0.5); presence once.
+        let freq = SamplingParams {
+            frequency_penalty: 0.5,
+            presence_penalty: 0.25,
+            ..greedy.clone()
+        };
+        let adj = freq.adjust(&l, &tokens, 2);
+        assert_eq!((adj[b'a' as usize], adj[b'c' as usize]), (2.75, -1.0));
+        // A bias wins; min_new_tokens holds back end of turn and stop tokens.
+        let bias = SamplingParams {
+            logit_bias: vec![(END, 10.0)],
+            ..greedy.clone()
+        };
+        assert_eq!(pick(&bias), END);
+        let held = SamplingParams {
+            min_new_tokens: 3,
+            stop_token_ids: vec![b'a' as u32],
+            ..bias
+        };
+        assert_eq!(pick(&held), b'b' as u32);
+        // The JSON object: only `{` or whitespace can start it.
+        let j = JsonObjectState::new();
+        let jv = SeqView {
+            json: Some(&j),
+            ..view
+        };
+        assert_eq!(sample_in(&l, &greedy, 9, &jv).ok(), Some(b'{' as u32));
     }
 
     #[test]

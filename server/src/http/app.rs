@@ -116,7 +116,9 @@ impl App {
         let echo = req.headers().get("x-request-id").cloned();
         let mut r = self.clone().gate(req).await;
         self.cors.decorate(&mut r, origin.as_ref());
-        if let Some(id) = echo.filter(|_| !r.headers().contains_key("x-request-id")) {
+        // The client's own id is echoed as sent (a generation response that has none
+        // carries its server id).
+        if let Some(id) = echo {
             r.headers_mut().insert("x-request-id", id);
         }
         r
