@@ -1,6 +1,8 @@
 //! `sparsekit serve` as a process: the official `openai` Python client against it
-//! (streaming and not), and graceful shutdown on SIGTERM and SIGINT with a request in
-//! flight.
+//! (streaming and not, tools, the API key from `SPARSEKIT_API_KEY`), graceful shutdown on
+//! SIGTERM and SIGINT with a request in flight, what it says at start (the model loaded,
+//! every injection in `--help`, a port in use named), and both sides of `--pd on` on
+//! `/metrics`.
 //!
 //! The Python test needs the `openai` package (`server/python/requirements.txt`, which
 //! `.ci/run` installs). Without it the test says so and passes locally; with
@@ -18,9 +20,19 @@ mod common;
 use common::{get, post, signal, wait_exit, Server};
 
 fn start(extra: &[&str]) -> Server {
-    let args = [&["--port", "0", "--kv-pages", "1024"][..], extra].concat();
-    common::serve::<&str, &str>(&args, &[])
+    start_env(extra, &[])
 }
+
+fn start_env(extra: &[&str], env: &[(&str, &str)]) -> Server {
+    let args = [&["--port", "0", "--kv-pages", "1024"][..], extra].concat();
+    common::serve(&args, env)
+}
+
+/// The reply of the tools server of the openai client check.
+const SCRIPTED_CALL: &str = "<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"get_weather\">\n\
+<｜DSML｜parameter name=\"city\" string=\"true\">Hangzhou</｜DSML｜parameter>\n\
+<｜DSML｜parameter name=\"days\" string=\"false\">3</｜DSML｜parameter>\n\
+</｜DSML｜invoke>\n</｜DSML｜function_calls>";
 
 #[test]
 fn openai_python_client_streaming_and_not() {
@@ -37,7 +49,19 @@ fn openai_python_client_streaming_and_not() {
         eprintln!("SKIPPED: python3 with the openai package not found (pip install -r server/python/requirements.txt)");
         return;
     }
-    let server = start(&[]);
+    let key = "sk-first-hour";
+    let server = start_env(&[], &[("SPARSEKIT_API_KEY", key)]);
+    let reply = std::env::temp_dir().join(format!("sparsekit-scripted-{}.txt", std::process::id()));
+    std::fs::write(&reply, SCRIPTED_CALL).unwrap();
+    let tools = start_env(
+        &["--scripted-reply", reply.to_str().unwrap()],
+        &[("SPARSEKIT_API_KEY", key)],
+    );
+    assert!(
+        tools.log.iter().any(|l| l.contains("replies are scripted")),
+        "{:?}",
+        tools.log
+    );
     let script = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/server/python/openai_client_check.py"
@@ -45,8 +69,11 @@ fn openai_python_client_streaming_and_not() {
     let out = Command::new("python3")
         .arg(script)
         .arg(format!("http://{}", server.addr))
+        .arg(format!("http://{}", tools.addr))
+        .arg(key)
         .output()
         .unwrap();
+    let _ = std::fs::remove_file(&reply);
     let (so, se) = (
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr),
@@ -190,26 +217,108 @@ fn serve_with_an_in_process_prefill_decode_pair() {
     let deadline = Instant::now() + Duration::from_secs(10);
     let metrics = loop {
         let (_, m) = get(&pd.addr, "/metrics");
-        if m.contains("sparsekit_transfer_bytes_total{kind=\"index_k\"}")
+        if m.contains("sparsekit_transfer_bytes_total{kind=\"index_k\",role=\"decode\"}")
             || Instant::now() > deadline
         {
             break m;
         }
         std::thread::yield_now();
     };
-    for kind in ["kv", "index_k"] {
+    let value = |series: &str| -> f64 {
         let line = metrics
             .lines()
-            .find(|l| {
-                l.starts_with(&format!(
-                    "sparsekit_transfer_bytes_total{{kind=\"{kind}\"}}"
-                ))
-            })
-            .unwrap_or_else(|| panic!("no {kind} transfer bytes: {metrics}"));
-        let n: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
-        assert!(n > 0.0, "{line}");
+            .find(|l| l.starts_with(series))
+            .unwrap_or_else(|| panic!("no {series}: {metrics}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    for kind in ["kv", "index_k"] {
+        let n = value(&format!(
+            "sparsekit_transfer_bytes_total{{kind=\"{kind}\",role=\"decode\"}}"
+        ));
+        assert!(n > 0.0, "{kind}");
     }
-    assert!(metrics.contains("sparsekit_quarantined_pages{pool=\"pd\"} 0"));
+    assert!(metrics.contains("sparsekit_quarantined_pages{pool=\"pd\",role=\"decode\"} 0"));
+    // Issue 18: --pd on served decode's registry only; prefill's prefix cache and host
+    // tier were invisible, and the start line said "no host tier".
+    assert!(value("sparsekit_cache_lookups_total{role=\"prefill\"}") > 0.0);
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("sparsekit_pages{pool=\"host\",")
+                && l.contains("role=\"prefill\""))
+    );
+    assert!(metrics.contains("sparsekit_requests_total{role=\"prefill\",status=\"ok\"}"));
+    assert!(metrics.contains("sparsekit_requests_total{role=\"decode\",status=\"ok\"}"));
+    assert_eq!(metrics.matches("# TYPE sparsekit_pages gauge").count(), 1);
+    let note = pd
+        .log
+        .iter()
+        .find(|l| l.contains("pair in this process"))
+        .unwrap();
+    assert!(
+        note.contains("prefill 1024 device pages, prefix cache, host tier 4096 pages"),
+        "{note}"
+    );
+    let (_, info) = get(&pd.addr, "/server_info");
+    let info: serde_json::Value = serde_json::from_str(common::body(&info)).unwrap();
+    assert_eq!(
+        info["pd"]["sides"]["prefill"]["cache"]["host_pages"], 4096,
+        "{info}"
+    );
+}
+
+#[test]
+fn start_up_says_what_it_does() {
+    // A log line once the model has loaded (dsv32 takes a while), before the address.
+    let server = start(&[]);
+    assert!(
+        server
+            .log
+            .iter()
+            .any(|l| l.contains("model tiny loaded in")),
+        "{:?}",
+        server.log
+    );
+    // A port in use is an error naming the address, before any model loads.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let out = Command::new(env!("CARGO_BIN_EXE_sparsekit"))
+        .args(["serve", "--port", &port])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("cannot listen on 127.0.0.1:{port}")) && err.contains("in use"),
+        "{err}"
+    );
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("loaded"));
+    // --help lists every injection.
+    let out = Command::new(env!("CARGO_BIN_EXE_sparsekit"))
+        .args(["serve", "--help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    for i in sparsekit_server::harness::config::Injection::ALL {
+        assert!(help.contains(i.name()), "{} missing from\n{help}", i.name());
+    }
+    for flag in [
+        "--scripted-reply",
+        "--api-key",
+        "SPARSEKIT_API_KEY",
+        "--allowed-origins",
+        "--served-model-name",
+        "--tool-call-parser",
+        "--max-connections-per-client",
+    ] {
+        assert!(help.contains(flag), "{flag} missing from\n{help}");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_sparsekit"))
+        .args(["serve", "--inject", "no-such-bug"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("stale-transfer-write"));
 }
 
 /// `--host-tier on` serves with the prefix cache and a host tier of `--host-pages`;

@@ -1,12 +1,20 @@
-"""Drives a running `sparsekit serve` with the official `openai` Python client.
+"""Drives running `sparsekit serve`s with the official `openai` Python client.
 
-Usage: python3 openai_client_check.py http://127.0.0.1:PORT
+Usage: python3 openai_client_check.py URL TOOLS_URL API_KEY
 
-Checks, streaming and not: models.list, completions, chat completions (with usage in the
-stream), that a stream and a non-stream greedy request give the same text, and that bad
-requests raise the client's typed errors (NotFoundError, BadRequestError). Exits non-zero
-with a message on the first failure; prints one summary line on success.
+URL serves the model; TOOLS_URL serves it with a scripted reply (`--scripted-reply`, a
+test injection: the reply is a DSML call of `get_weather` with city "Hangzhou" and days
+3, as a model with random weights never writes one). Both require API_KEY.
+
+Checks, streaming and not: the API key (a client without it gets AuthenticationError),
+models.list and models.retrieve, completions, chat completions (with usage in the
+stream), that a stream and a non-stream greedy request give the same text, tools (the
+reply's DSML as `tool_calls`, whole and streamed as deltas), and that bad requests raise
+the client's typed errors (NotFoundError, BadRequestError). Exits non-zero with a message
+on the first failure; prints one summary line on success.
 """
+
+import json
 
 import sys
 
@@ -20,13 +28,82 @@ def check(cond, msg):
         sys.exit(1)
 
 
-def main():
-    base = sys.argv[1].rstrip("/")
-    client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather of a city for the next days",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+WANT_ARGS = {"city": "Hangzhou", "days": 3}
 
+
+def check_tools(base, key):
+    client = OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=60)
+    msgs = [{"role": "user", "content": "Weather in Hangzhou for 3 days?"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=400)
+    choice = r.choices[0]
+    check(choice.finish_reason == "tool_calls", f"tools finish {choice.finish_reason}")
+    calls = choice.message.tool_calls or []
+    check(len(calls) == 1, f"tool calls {calls}")
+    check(calls[0].type == "function" and calls[0].id.startswith("call_"), f"call {calls[0]}")
+    check(calls[0].function.name == "get_weather", f"call name {calls[0].function.name}")
+    args = json.loads(calls[0].function.arguments)
+    check(args == WANT_ARGS, f"call arguments {args}")
+
+    stream = client.chat.completions.create(
+        model="tiny", messages=msgs, tools=TOOLS, tool_choice="auto", max_tokens=400, stream=True,
+    )
+    names, arguments, finish = {}, {}, None
+    for ch in stream:
+        for choice in ch.choices:
+            for d in choice.delta.tool_calls or []:
+                if d.function and d.function.name:
+                    names[d.index] = d.function.name
+                if d.function and d.function.arguments:
+                    arguments[d.index] = arguments.get(d.index, "") + d.function.arguments
+            if choice.finish_reason:
+                finish = choice.finish_reason
+    check(names == {0: "get_weather"}, f"streamed call names {names}")
+    check(json.loads(arguments.get(0, "null")) == WANT_ARGS, f"streamed arguments {arguments}")
+    check(finish == "tool_calls", f"streamed tools finish {finish}")
+
+    # The whole conversation goes back as history (the call rendered as DSML).
+    msgs += [
+        {"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]},
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "sunny, 24C"},
+    ]
+    r = client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=400)
+    check(r.choices[0].message.tool_calls, "history with a tool result")
+
+
+def main():
+    base, tools_base, key = sys.argv[1].rstrip("/"), sys.argv[2].rstrip("/"), sys.argv[3]
+
+    try:
+        OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0, timeout=60).models.list()
+        check(False, "a wrong API key was accepted")
+    except openai.AuthenticationError as e:
+        check(e.status_code == 401, f"wrong key status {e.status_code}")
+
+    client = OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=60)
     models = client.models.list()
     ids = [m.id for m in models.data]
     check(ids == ["tiny"], f"models.list: {ids}")
+    m = client.models.retrieve("tiny")
+    check(m.id == "tiny" and m.object == "model", f"models.retrieve: {m}")
+    try:
+        client.models.retrieve("no-such-model")
+        check(False, "retrieving an unknown model worked")
+    except openai.NotFoundError as e:
+        check(e.status_code == 404, f"unknown model status {e.status_code}")
 
     c = client.completions.create(
         model="tiny", prompt="The lightning indexer", max_tokens=8, temperature=0,
@@ -90,6 +167,8 @@ def main():
     except openai.BadRequestError as e:
         check(e.status_code == 400, f"context status {e.status_code}")
         check("context" in str(e), f"context message {e}")
+
+    check_tools(tools_base, key)
 
     print(f"openai {openai.__version__}: all checks passed")
 

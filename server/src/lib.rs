@@ -5,6 +5,7 @@
 //! Everything is generic over the backend (`B: Backend + ModelOps`): the CLI injects
 //! `cpu`, `emu` or `cuda` as a value.
 
+pub mod dsml;
 pub mod engine;
 pub mod error;
 pub mod harness;

@@ -1,4 +1,8 @@
 //! `sparsekit serve`: the engine behind the HTTP server, until SIGINT/SIGTERM.
+//!
+//! Start-up says what it does: a log line when the model has loaded (a large model takes
+//! a while), then the address and what is served (for `--pd on`, each side's cache and
+//! host tier). A port in use is an error that names the address.
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -9,10 +13,14 @@ use sparsekit::host::cache::Faults;
 use sparsekit::host::model_ops::ModelOps;
 use sparsekit::host::{Backend, CpuBackend, EmuBackend, IndexKDtype, KvDtype};
 use sparsekit::validation::audit::ReferenceAudit;
+use sparsekit_server::dsml::Dialect;
 use sparsekit_server::engine::kernel_check::KernelCheckConfig;
-use sparsekit_server::engine::scheduler::PdInfo;
+use sparsekit_server::engine::scheduler::{EngineInfo, PdInfo, ReplyScript};
+use sparsekit_server::engine::tokenizer::END;
 use sparsekit_server::engine::{CacheOptions, Engine, EngineOptions, ModelConfig};
 use sparsekit_server::harness::config::{no_verify_faults, Injection};
+use sparsekit_server::http::auth::{ApiKey, PublicRoutes};
+use sparsekit_server::http::limits::{raise_fd_limit, ConnLimits};
 use sparsekit_server::http::{serve_until_signal, ServerConfig};
 use sparsekit_server::metrics::Metrics;
 use sparsekit_server::pd::decode::{DecodeNode, PeerLink};
@@ -68,12 +76,17 @@ pub struct Args {
     /// Back committed pages up to the host tier at once: on or off.
     #[arg(long, default_value = "on")]
     write_through: String,
-    /// Fault injection for the integrity harness (`sparsekit repro --url ... --inject`):
-    /// host-pool-fp8-layout, shared-item-size, skip-index-wait, no-generation-check,
-    /// index-k-after-publish, radix-overreach, kernel-wrong-slot (PD: pd-fp8-frame,
-    /// pd-read-before-landed, stale-transfer-write).
-    #[arg(long)]
+    /// Fault injection: re-creates one of the historical bugs the integrity harness must
+    /// catch (`sparsekit repro --url ... --inject NAME`; the pd-* ones and
+    /// stale-transfer-write need PD).
+    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(Injection::ALL.map(|i| i.name())))]
     inject: Option<String>,
+    /// Test injection: every reply is FILE's bytes (then end of turn) instead of sampled
+    /// tokens — to test what clients make of given model output, such as DSML tool calls
+    /// (a model with random weights never writes them). `/server_info` reports
+    /// `scripted_replies: true`.
+    #[arg(long, value_name = "FILE")]
+    scripted_reply: Option<std::path::PathBuf>,
     /// Turn the integrity checks off (load checksums, landed stamps, written slots): for
     /// the harness's `--no-verify` only.
     #[arg(long)]
@@ -112,6 +125,37 @@ pub struct Args {
     /// Seconds in-flight requests get to finish after SIGINT/SIGTERM.
     #[arg(long, default_value_t = 10)]
     shutdown_grace_s: u64,
+    /// API key every route but the public ones requires (`Authorization: Bearer KEY`);
+    /// also read from SPARSEKIT_API_KEY when the flag is absent.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Routes open without the API key: health, metrics, both (the default) or none.
+    #[arg(long, default_value = "health,metrics")]
+    public_routes: String,
+    /// Model name clients must use (and `/v1/models` lists); the model's own by default.
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Origins browsers may call from (CORS): `*` or a comma-separated list of
+    /// scheme://host[:port]; none by default.
+    #[arg(long, value_delimiter = ',')]
+    allowed_origins: Vec<String>,
+    /// DSML dialect of tools and forced tool calls in the chat template: deepseek_v32
+    /// (`function_calls`) or deepseek_v4 (`tool_calls`); replies in either are parsed.
+    #[arg(long, default_value = "deepseek_v32")]
+    tool_call_parser: String,
+    /// Connections at most (idle ones are closed to make room; the open-files limit is
+    /// raised to fit, or this lowered to it).
+    #[arg(long, default_value_t = 4096)]
+    max_connections: usize,
+    /// Connections of one client address at most.
+    #[arg(long, default_value_t = 1024)]
+    max_connections_per_client: usize,
+    /// Seconds a request's headers may take, and a keep-alive connection may sit idle.
+    #[arg(long, default_value_t = 30)]
+    header_timeout_s: u64,
+    /// Seconds after which a connection ends its keep-alive.
+    #[arg(long, default_value_t = 600)]
+    max_connection_age_s: u64,
     /// The prefill server's URL, `http://host:port` (--role decode): decode reads its PD
     /// port from the prefill server's `/server_info` and connects (again whenever the
     /// connection closes).
@@ -275,8 +319,20 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
     if let Some(k) = args.index_topk {
         cfg = cfg.with_index_topk(k)?;
     }
+    let scripted_reply = match &args.scripted_reply {
+        None => None,
+        Some(path) => {
+            let text = std::fs::read(path)
+                .map_err(|e| format!("--scripted-reply {}: {e}", path.display()))?;
+            let mut reply: Vec<u32> = text.into_iter().map(u32::from).collect();
+            reply.push(END);
+            let script: ReplyScript = Arc::new(move |_prompt: &[u32]| Some(reply.clone()));
+            Some(script)
+        }
+    };
     let opts = EngineOptions {
         seed: args.seed,
+        scripted_reply,
         kv_dtype: kv,
         index_k_dtype: index_k,
         kv_pages: args.device_pages,
@@ -310,17 +366,12 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
         pd,
         mode,
         peer_wait: Duration::from_secs(args.peer_wait_s),
+        latency_limit: Duration::from_secs(args.request_timeout_s),
     };
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()
         .map_err(|e| format!("bad address {}:{}: {e}", args.host, args.port))?;
-    let server = ServerConfig {
-        max_body_bytes: args.max_body_bytes,
-        request_timeout: Duration::from_secs(args.request_timeout_s),
-        shutdown_grace: Duration::from_secs(args.shutdown_grace_s),
-        model_name: None,
-        ..Default::default()
-    };
+    let server = server_config(&args)?;
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -355,6 +406,8 @@ struct Setup {
     pd: PdOptions,
     mode: Mode,
     peer_wait: Duration,
+    /// The request timeout (the latency histograms' buckets reach it).
+    latency_limit: Duration,
 }
 
 /// What keeps the PD side(s) of this process up (dropped after the HTTP server stopped).
@@ -380,8 +433,15 @@ impl<B: Backend + 'static> Running<B> {
     }
 }
 
-/// The engine the HTTP server serves, what keeps the PD side(s) up, and a line to print.
-type Started<B> = (Arc<Engine>, Running<B>, Option<String>);
+/// What `start` started: the engine the HTTP server serves, the other PD side in this
+/// process (its metrics and info are served too), what keeps the PD side(s) up, and a
+/// line to print.
+struct Started<B: Backend + 'static> {
+    engine: Arc<Engine>,
+    other_sides: Vec<Arc<Engine>>,
+    running: Running<B>,
+    note: Option<String>,
+}
 
 fn start<B: Backend + ModelOps + 'static>(
     backend: Arc<B>,
@@ -393,7 +453,9 @@ fn start<B: Backend + ModelOps + 'static>(
         pd,
         mode,
         peer_wait,
+        latency_limit,
     } = setup;
+    let metrics = |role: &str| Arc::new(Metrics::with_latency_limit(role, latency_limit));
     let host_pages = opts.cache.as_ref().map_or(0, |c| c.host_pages);
     let decode_opts = |opts: &EngineOptions| {
         let mut d = EngineOptions {
@@ -410,16 +472,12 @@ fn start<B: Backend + ModelOps + 'static>(
         ..opts
     };
     Ok(match mode {
-        Mode::Single => (
-            Arc::new(Engine::start(
-                backend,
-                cfg,
-                opts,
-                Arc::new(Metrics::new("both")),
-            )?),
-            Running::Single,
-            None,
-        ),
+        Mode::Single => Started {
+            engine: Arc::new(Engine::start(backend, cfg, opts, metrics("both"))?),
+            other_sides: Vec::new(),
+            running: Running::Single,
+            note: None,
+        },
         Mode::Pair => {
             let p = PdPair::start_local(
                 backend,
@@ -427,8 +485,8 @@ fn start<B: Backend + ModelOps + 'static>(
                 prefill_opts(opts.clone()),
                 decode_opts(&opts),
                 pd,
-                Arc::new(Metrics::new("prefill")),
-                Arc::new(Metrics::new("decode")),
+                metrics("prefill"),
+                metrics("decode"),
             )?;
             let d = p.decode.clone();
             d.set_pd_info(PdInfo {
@@ -438,11 +496,18 @@ fn start<B: Backend + ModelOps + 'static>(
                 peer: None,
                 prefill_host_pages: Some(host_pages),
             })?;
-            (
-                d,
-                Running::Pair(p),
-                Some("prefill/decode pair in this process (local transport)".into()),
-            )
+            let prefill = p.prefill.clone();
+            Started {
+                note: Some(format!(
+                    "prefill/decode pair in this process (local transport): prefill {}; \
+                     decode {} (its prompt pages arrive from prefill)",
+                    describe_cache(prefill.info()),
+                    describe_pool(d.info()),
+                )),
+                engine: d,
+                other_sides: vec![prefill],
+                running: Running::Pair(p),
+            }
         }
         Mode::Prefill(pd_addr) => {
             let node = Arc::new(PrefillNode::start(
@@ -450,7 +515,7 @@ fn start<B: Backend + ModelOps + 'static>(
                 cfg,
                 prefill_opts(opts),
                 &pd,
-                Arc::new(Metrics::new("prefill")),
+                metrics("prefill"),
                 None,
             )?);
             let listener = PrefillListener::start(node.clone(), pd_addr)?;
@@ -463,11 +528,12 @@ fn start<B: Backend + ModelOps + 'static>(
                 peer: None,
                 prefill_host_pages: Some(host_pages),
             })?;
-            (
-                e,
-                Running::Prefill(node, listener),
-                Some(format!("PD prefill: waiting for decode (NIXL) on {at}")),
-            )
+            Started {
+                engine: e,
+                other_sides: Vec::new(),
+                running: Running::Prefill(node, listener),
+                note: Some(format!("PD prefill: waiting for decode (NIXL) on {at}")),
+            }
         }
         Mode::Decode(url) => {
             let node = DecodeNode::start(
@@ -475,7 +541,7 @@ fn start<B: Backend + ModelOps + 'static>(
                 cfg,
                 decode_opts(&opts),
                 &pd,
-                Arc::new(Metrics::new("decode")),
+                metrics("decode"),
                 PeerLink {
                     connector: nixl_connector(&url, IO_TIMEOUT)?,
                     connect_wait: peer_wait,
@@ -490,44 +556,145 @@ fn start<B: Backend + ModelOps + 'static>(
                 peer: Some(url.clone()),
                 prefill_host_pages: None,
             })?;
-            (
-                e,
-                Running::Decode(node),
-                Some(format!(
+            Started {
+                engine: e,
+                other_sides: Vec::new(),
+                running: Running::Decode(node),
+                note: Some(format!(
                     "PD decode: connected to the prefill server {url} (NIXL)"
                 )),
-            )
+            }
         }
     })
+}
+
+/// A pool's size and cache as the start line tells them.
+fn describe_cache(info: &EngineInfo) -> String {
+    let cache = match &info.cache {
+        None => "no prefix cache".to_string(),
+        Some(c) if c.host_pages > 0 => format!("prefix cache, host tier {} pages", c.host_pages),
+        Some(_) => "prefix cache, no host tier".to_string(),
+    };
+    format!("{}, {cache}", describe_pool(info))
+}
+
+fn describe_pool(info: &EngineInfo) -> String {
+    format!("{} device pages", info.kv_pages)
+}
+
+/// The HTTP server's settings from the command line (the API key from
+/// `SPARSEKIT_API_KEY` when `--api-key` is absent).
+fn server_config(args: &Args) -> Result<ServerConfig, CliError> {
+    let key = match &args.api_key {
+        Some(k) => Some(k.clone()),
+        None => std::env::var("SPARSEKIT_API_KEY")
+            .ok()
+            .filter(|k| !k.is_empty()),
+    };
+    let api_key = key
+        .map(ApiKey::new)
+        .transpose()
+        .map_err(|e| format!("--api-key: {e}"))?;
+    let mut limits = ConnLimits {
+        max_connections: args.max_connections,
+        max_per_client: args.max_connections_per_client,
+        header_timeout: Duration::from_secs(args.header_timeout_s),
+        max_connection_age: Duration::from_secs(args.max_connection_age_s),
+        ..Default::default()
+    };
+    if let Some(fds) = raise_fd_limit() {
+        if fds < limits.descriptors_needed() {
+            let fit = usize::try_from(fds)
+                .unwrap_or(usize::MAX)
+                .saturating_sub(limits.reserve + 64)
+                .max(1);
+            eprintln!(
+                "sparsekit serve: the open-files limit is {fds}: at most {fit} connections \
+                 (not {}; raise it with `ulimit -n`)",
+                limits.max_connections
+            );
+            limits.max_connections = fit;
+            limits.max_per_client = limits.max_per_client.min(fit);
+        }
+    }
+    let cfg = ServerConfig {
+        max_body_bytes: args.max_body_bytes,
+        request_timeout: Duration::from_secs(args.request_timeout_s),
+        shutdown_grace: Duration::from_secs(args.shutdown_grace_s),
+        model_name: args.served_model_name.clone(),
+        api_key,
+        public_routes: PublicRoutes::parse(&args.public_routes)
+            .map_err(|e| format!("--public-routes: {e}"))?,
+        limits,
+        allowed_origins: args.allowed_origins.clone(),
+        tool_parser: Dialect::parse(&args.tool_call_parser)
+            .map_err(|e| format!("--tool-call-parser: {e}"))?,
+        ..Default::default()
+    };
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+/// Binds `addr` before the model loads (a port in use fails at once, naming it).
+fn listen(addr: SocketAddr) -> Result<std::net::TcpListener, CliError> {
+    let l = std::net::TcpListener::bind(addr).map_err(|e| {
+        let hint = if e.kind() == std::io::ErrorKind::AddrInUse {
+            " (another server is listening there: stop it or pick another --port)"
+        } else {
+            ""
+        };
+        format!("cannot listen on {addr}: {e}{hint}")
+    })?;
+    l.set_nonblocking(true)?;
+    Ok(l)
 }
 
 fn serve_on<B: Backend + ModelOps + 'static>(
     backend: Arc<B>,
     setup: Setup,
     addr: SocketAddr,
-    server: ServerConfig,
+    mut server: ServerConfig,
 ) -> Result<ExitCode, CliError> {
-    let (engine, running, note) = start(backend, setup)?;
+    let listener = listen(addr)?;
+    let (model, backend_name) = (setup.cfg.name, backend.name().to_string());
+    println!("sparsekit serve: loading model {model} on {backend_name}");
+    let loading = std::time::Instant::now();
+    let started = start(backend, setup)?;
+    let loaded = format!(
+        "model {model} loaded in {:.1} s ({backend_name})",
+        loading.elapsed().as_secs_f64()
+    );
+    println!("sparsekit serve: {loaded}");
+    let Started {
+        engine,
+        other_sides,
+        running,
+        note,
+    } = started;
+    server.other_sides = other_sides;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
     rt.block_on(async move {
-        let listener = tokio::net::TcpListener::bind(addr).await?;
+        let listener = tokio::net::TcpListener::from_std(listener)?;
         let local = listener.local_addr()?;
         let info = engine.info();
-        let cache = match &info.cache {
-            None => "no prefix cache".to_string(),
-            Some(c) if c.host_pages > 0 => format!("prefix cache, host tier {} pages", c.host_pages),
-            Some(_) => "prefix cache, no host tier".to_string(),
+        let what = if server.other_sides.is_empty() {
+            format!(", {}", describe_cache(info))
+        } else {
+            String::new()
         };
-        println!(
-            "sparsekit serve: listening on http://{local} (model {}, backend {}, index-K {}, KV {}, {} device pages, {cache})",
-            info.model, info.backend, info.index_k_dtype, info.kv_dtype, info.kv_pages
-        );
+        if info.scripted_replies {
+            println!("sparsekit serve: replies are scripted (--scripted-reply): not sampled from the model");
+        }
         if let Some(n) = note {
             println!("sparsekit serve: {n}");
         }
+        println!(
+            "sparsekit serve: listening on http://{local} (model {}, backend {}, index-K {}, KV {}{what})",
+            server.model_name.as_deref().unwrap_or(&info.model), info.backend, info.index_k_dtype, info.kv_dtype,
+        );
         serve_until_signal(engine, listener, server).await
     })?;
     running.shutdown(Duration::from_secs(5))?;

@@ -14,6 +14,8 @@ pub struct Server {
     pub child: Child,
     /// `host:port` of its HTTP server.
     pub addr: String,
+    /// What it printed up to its `listening on` line (included).
+    pub log: Vec<String>,
 }
 
 impl Drop for Server {
@@ -36,22 +38,32 @@ pub fn serve<K: AsRef<OsStr>, V: AsRef<OsStr>>(args: &[&str], env: &[(K, V)]) ->
     let stdout = child.stdout.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
+        let mut ready = false;
         for l in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if l.contains("listening on") {
+            if !ready {
+                ready = l.contains("listening on");
                 let _ = tx.send(l);
             }
         }
     });
-    let line = rx
-        .recv_timeout(Duration::from_secs(120))
-        .expect("the server prints its address");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut log = Vec::new();
+    let line = loop {
+        let l = rx
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .expect("the server prints its address");
+        log.push(l.clone());
+        if l.contains("listening on") {
+            break l;
+        }
+    };
     let addr = line
         .split("http://")
         .nth(1)
         .and_then(|s| s.split_whitespace().next())
         .unwrap()
         .to_string();
-    Server { child, addr }
+    Server { child, addr, log }
 }
 
 /// Sends a raw request; the status and the whole response (head and body).

@@ -4,6 +4,7 @@
 pub mod batch;
 pub mod cache_space;
 pub mod config;
+pub mod json_object;
 pub mod kernel_check;
 pub mod kv;
 pub mod model;

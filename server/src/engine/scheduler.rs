@@ -34,10 +34,11 @@ use crate::engine::batch::{SeqChunk, StepBatch};
 use crate::engine::cache_space::CacheHandle;
 use crate::engine::cache_space::{CacheKvSpace, CacheSpaceOptions};
 use crate::engine::config::ModelConfig;
+use crate::engine::json_object::JsonObjectState;
 use crate::engine::kernel_check::{self, CheckCounts, KernelCheck, KernelCheckConfig, KernelFault};
 use crate::engine::kv::{KvSpace, PagedKvSpace, PromptSource, ReceivedPages, SeqId};
 use crate::engine::model::{logits_digest, Model};
-use crate::engine::sampling::{sample, SamplingParams};
+use crate::engine::sampling::{sample_in, SamplingParams, SeqView};
 use crate::engine::tokenizer::{TextStream, END, VOCAB_SIZE};
 use crate::error::EngineError;
 use crate::metrics::{Metrics, RequestStatus};
@@ -52,6 +53,12 @@ pub const BLOCKED_WAIT: Duration = Duration::from_millis(5);
 /// Fault injection for tests: called inside every step, before the forward pass, with the
 /// sequences in the step; a panic in it is a panicking step.
 pub type StepFault = Arc<dyn Fn(&[SeqId]) + Send + Sync>;
+
+/// Test injection ([`EngineOptions::scripted_reply`]): the tokens a request with this
+/// prompt generates instead of sampling (`None`: it samples), one per step while they
+/// last; the forward pass, digests and every check run as usual. Shown by
+/// [`EngineInfo::scripted_replies`]: a server that uses it says so.
+pub type ReplyScript = Arc<dyn Fn(&[u32]) -> Option<Vec<u32>> + Send + Sync>;
 
 /// The prefix cache and host tier of an engine ([`EngineOptions::cache`]).
 #[derive(Clone, Debug, PartialEq)]
@@ -116,6 +123,9 @@ pub struct EngineOptions {
     pub kernel_check: Option<KernelCheckConfig>,
     /// An injected kernel bug (harness only).
     pub kernel_fault: Option<KernelFault>,
+    /// See [`ReplyScript`] (tests of what clients make of given model output: DSML tool
+    /// calls, say, which a model with random weights never writes).
+    pub scripted_reply: Option<ReplyScript>,
 }
 
 impl std::fmt::Debug for EngineOptions {
@@ -135,6 +145,7 @@ impl std::fmt::Debug for EngineOptions {
             .field("fault", &self.fault.is_some())
             .field("kernel_check", &self.kernel_check.is_some())
             .field("kernel_fault", &self.kernel_fault)
+            .field("scripted_reply", &self.scripted_reply.is_some())
             .finish()
     }
 }
@@ -156,6 +167,7 @@ impl Default for EngineOptions {
             fault: None,
             kernel_check: None,
             kernel_fault: None,
+            scripted_reply: None,
         }
     }
 }
@@ -176,8 +188,9 @@ impl EngineOptions {
 /// A generation request.
 #[derive(Clone, Debug)]
 pub struct GenerateRequest {
-    /// Caller's request id (`rid`); generated when `None`. Must be unique among requests
-    /// in flight.
+    /// Caller's request id; when `None`, a fresh unguessable one ([`random_id`]). Must be
+    /// unique among requests in flight (the HTTP server always lets the engine choose:
+    /// clients' ids live in their own namespace, see `http::ids`).
     pub id: Option<String>,
     /// Prompt token ids (non-empty, each below the vocabulary size).
     pub prompt: Vec<u32>,
@@ -289,6 +302,8 @@ pub struct EngineInfo {
     pub seed: u64,
     /// The prefix cache: `None` for the reference space.
     pub cache: Option<CacheInfo>,
+    /// Replies are scripted by a test injection ([`ReplyScript`]), not sampled.
+    pub scripted_replies: bool,
 }
 
 /// How an engine takes part in prefill/decode disaggregation (`/server_info`'s `pd`): what
@@ -346,6 +361,8 @@ pub struct EngineStats {
 struct ReqShared {
     aborted: AtomicBool,
     finished: AtomicBool,
+    /// The abort is the request timeout's (counted as `timeout`, not `aborted`).
+    timed_out: AtomicBool,
 }
 
 enum Command {
@@ -365,6 +382,7 @@ struct Inner {
     metrics: Arc<Metrics>,
     info: EngineInfo,
     max_waiting: usize,
+    scripted_reply: Option<ReplyScript>,
     /// Where prompts' KV comes from (PD decode side); see [`PromptSource`].
     prompt_source: OnceLock<Arc<dyn PromptSource>>,
     /// Requests whose prompt is being fetched from the source (not queued yet).
@@ -410,6 +428,13 @@ impl RequestHandle {
     /// The request id.
     pub fn rid(&self) -> &str {
         &self.rid
+    }
+
+    /// Aborts the request because it ran past its deadline: as [`RequestHandle::abort`],
+    /// counted in `sparsekit_requests_total{status="timeout"}`.
+    pub fn expire(&self) {
+        self.shared.timed_out.store(true, Ordering::Release);
+        self.abort();
     }
 
     /// Asks the engine to abort the request (effective at the next step boundary).
@@ -506,7 +531,12 @@ impl RequestHandle {
         let mut c = self.empty();
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            match self.next_event_timeout(left)? {
+            let ev = self.next_event_timeout(left).inspect_err(|e| {
+                if matches!(e, EngineError::Timeout(_)) {
+                    self.expire();
+                }
+            })?;
+            match ev {
                 Some(ev) => {
                     if self.fold(&mut c, ev)? {
                         return Ok(c);
@@ -519,6 +549,12 @@ impl RequestHandle {
 
     /// Async [`RequestHandle::wait`] without a deadline of its own (wrap it in a timeout).
     pub async fn collect(mut self) -> Result<Completion, EngineError> {
+        self.collect_mut().await
+    }
+
+    /// [`RequestHandle::collect`] through a borrow: wrapped in a timeout, the handle is
+    /// still there when it expires (to [`RequestHandle::expire`] it).
+    pub async fn collect_mut(&mut self) -> Result<Completion, EngineError> {
         let mut c = self.empty();
         while let Some(ev) = self.next_event().await {
             if self.fold(&mut c, ev)? {
@@ -686,6 +722,7 @@ impl Engine {
                 verify: c.verify,
                 faults: c.faults.list().iter().map(|f| f.name()).collect(),
             }),
+            scripted_replies: opts.scripted_reply.is_some(),
         };
         let (tx, rx) = flume::unbounded();
         let inner = Arc::new(Inner {
@@ -703,6 +740,7 @@ impl Engine {
             metrics,
             info,
             max_waiting: opts.max_waiting,
+            scripted_reply: opts.scripted_reply.clone(),
             prompt_source: OnceLock::new(),
             pd_info: OnceLock::new(),
             fetching: AtomicUsize::new(0),
@@ -845,10 +883,11 @@ impl Engine {
             )));
         }
         let seq = inner.next_seq.fetch_add(1, Ordering::Relaxed);
-        let rid = req.id.clone().unwrap_or_else(|| format!("req-{seq}"));
+        let rid = req.id.clone().unwrap_or_else(random_id);
         let shared = Arc::new(ReqShared {
             aborted: AtomicBool::new(false),
             finished: AtomicBool::new(false),
+            timed_out: AtomicBool::new(false),
         });
         {
             let mut live = lock(&inner.live);
@@ -860,7 +899,14 @@ impl Engine {
         }
         let (tx, rx) = flume::unbounded();
         let now = Instant::now();
+        let script = inner
+            .scripted_reply
+            .as_ref()
+            .and_then(|f| f(&req.prompt))
+            .map(|t| t.into_iter().rev().collect());
         let s = Seq {
+            json: req.sampling.json_object.then(JsonObjectState::new),
+            script,
             id: seq,
             rid: rid.clone(),
             prompt_len: req.prompt.len(),
@@ -945,6 +991,12 @@ impl Engine {
     }
 }
 
+/// A fresh request id: 128 random bits as 32 hex digits (unguessable, so knowing one
+/// request's id tells nothing of another's).
+pub fn random_id() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
 impl Drop for Engine {
     fn drop(&mut self) {
         let _ = self.shutdown(Duration::ZERO);
@@ -1024,6 +1076,10 @@ fn fetch_then_queue(inner: &Inner, src: &dyn PromptSource, mut s: Seq) {
 
 /// A request inside the engine thread.
 struct Seq {
+    /// The JSON object recogniser of a `json_object` request.
+    json: Option<JsonObjectState>,
+    /// Scripted tokens still to come, last first ([`ReplyScript`]).
+    script: Option<Vec<u32>>,
     id: SeqId,
     rid: String,
     /// Prompt followed by the generated tokens.
@@ -1242,12 +1298,15 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
         }
         s.shared.finished.store(true, Ordering::Release);
         self.inner.forget(&s.rid);
+        let timed_out = s.shared.timed_out.load(Ordering::Acquire);
         let status = match &how {
+            End::Done(f) if f.reason == FinishReason::Abort && timed_out => RequestStatus::Timeout,
             End::Done(f) if f.reason == FinishReason::Abort => RequestStatus::Aborted,
             End::Done(_) => RequestStatus::Ok,
             End::Failed(_) => RequestStatus::Failed,
         };
         self.inner.metrics.request(status);
+        self.inner.metrics.e2e(s.arrival.elapsed().as_secs_f64());
         // Counters first, so a handle that sees its last event sees its pages freed.
         self.publish_stats();
         let ev = match how {
@@ -1326,6 +1385,9 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
                         // The last prompt token is always computed: its logits are needed.
                         s.computed = cached.min(s.prefill_end - 1);
                         s.admitted = true;
+                        self.inner
+                            .metrics
+                            .queue_time(s.arrival.elapsed().as_secs_f64());
                         self.running.push(s);
                         admitted += 1;
                     }
@@ -1446,7 +1508,16 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
             let row = logits.row(logit_row);
             logit_row += 1;
             let position = s.tokens.len();
-            let token = match sample(row, &s.params, position as u64) {
+            let view = SeqView {
+                tokens: &s.tokens,
+                prompt_len: s.prompt_len,
+                json: s.json.as_ref(),
+            };
+            let drawn = match s.script.as_mut().and_then(Vec::pop) {
+                Some(t) => Ok(t),
+                None => sample_in(row, &s.params, position as u64, &view),
+            };
+            let token = match drawn {
                 Ok(t) => t,
                 Err(e) => {
                     ended.push((s.id, End::Failed(e)));
@@ -1461,6 +1532,9 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
             s.last_token = Some(now);
             self.inner.metrics.tokens("generated", 1);
             s.tokens.push(token);
+            if let (Some(j), Ok(b)) = (s.json.as_mut(), u8::try_from(token)) {
+                j.push(b);
+            }
             let stop_token =
                 s.params.stop_token_ids.contains(&token) || (token == END && !s.params.ignore_eos);
             let stop_string = !stop_token && s.text.push(token);

@@ -4,8 +4,9 @@
 //! marker), only by the chat template or given as ids.
 //!
 //! Chat template: `<|bos|>` then per message `<|role|> content <|end|>`, and
-//! `<|assistant|>` at the end when a reply is wanted. An assistant message's tool calls
-//! follow its content as `<|tool_call|>` + JSON bytes each.
+//! `<|assistant|>` at the end when a reply is wanted. Tools and tool calls are text in
+//! DeepSeek's DSML markup ([`crate::dsml`]): the HTTP layer renders them into the
+//! messages' content.
 
 use serde::Serialize;
 
@@ -18,7 +19,7 @@ pub const SYSTEM: u32 = 258;
 pub const USER: u32 = 259;
 pub const ASSISTANT: u32 = 260;
 pub const TOOL: u32 = 261;
-/// Precedes each tool call of an assistant message.
+/// Reserved (tool calls are DSML text); kept so the vocabulary, and every weight, stays.
 pub const TOOL_CALL: u32 = 262;
 /// Padding (never generated).
 pub const PAD: u32 = 263;
@@ -113,17 +114,13 @@ impl Role {
 pub struct ChatMessage {
     pub role: Role,
     pub content: String,
-    /// JSON text of each tool call (assistant messages).
-    pub tool_calls: Vec<String>,
 }
 
 impl ChatMessage {
-    /// A message without tool calls.
     pub fn new(role: Role, content: impl Into<String>) -> Self {
         ChatMessage {
             role,
             content: content.into(),
-            tool_calls: Vec::new(),
         }
     }
 }
@@ -132,10 +129,6 @@ impl ChatMessage {
 pub fn push_message(out: &mut Vec<u32>, m: &ChatMessage) {
     out.push(m.role.token());
     out.extend(m.content.bytes().map(u32::from));
-    for call in &m.tool_calls {
-        out.push(TOOL_CALL);
-        out.extend(call.bytes().map(u32::from));
-    }
     out.push(END);
 }
 

@@ -1,16 +1,19 @@
-//! Request and response bodies of the HTTP API: OpenAI's completions, chat completions and
-//! models, and SGLang's `/generate` and `/abort_request`; the OpenAI error shape.
+//! Request and response bodies of the HTTP API: OpenAI's completions, chat completions,
+//! models and vLLM's tokenize/detokenize, SGLang's `/generate` and `/abort_request`; the
+//! OpenAI error shape.
 //!
 //! Parsing is strict about types (a wrong type names the field in a 400) and lenient about
-//! unknown fields (clients send many we do not use). Options that would change results in
-//! ways this server cannot honour (`n > 1`, `logprobs`, `echo`, `best_of`, penalties ≠ 0)
-//! are refused with a 400 rather than silently ignored.
+//! unknown fields (clients send many we do not use). Sampling options are in
+//! [`super::options`]: each is honoured or refused with a 400 naming it, never ignored.
+
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+pub use super::options::{OpenAiSampling, SglSampling, Stop, StreamOptions};
 use crate::engine::sampling::SamplingParams;
-use crate::engine::tokenizer::{self, ChatMessage, Role};
+use crate::engine::tokenizer;
 use crate::error::EngineError;
 
 /// An error answered as JSON in OpenAI's shape:
@@ -24,6 +27,8 @@ pub struct ApiError {
     pub code: Option<&'static str>,
     /// Already counted in `sparsekit_requests_total` (the engine counts what it refuses).
     pub counted: bool,
+    /// What a 503 tells the client to wait (1 s when `None`).
+    pub retry_after: Option<Duration>,
 }
 
 impl ApiError {
@@ -36,6 +41,7 @@ impl ApiError {
             param: None,
             code: None,
             counted: false,
+            retry_after: None,
         }
     }
 
@@ -60,6 +66,7 @@ impl ApiError {
             param: None,
             code: None,
             counted: false,
+            retry_after: None,
         }
     }
 
@@ -136,128 +143,6 @@ pub fn from_value<T: for<'de> Deserialize<'de>>(v: &Value) -> Result<T, ApiError
 /// [`parse_json`] then [`from_value`].
 pub fn parse<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, ApiError> {
     from_value(&parse_json(body)?)
-}
-
-/// `stop`: one string or a list.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(untagged)]
-pub enum Stop {
-    One(String),
-    Many(Vec<String>),
-}
-
-impl Stop {
-    fn into_vec(self) -> Vec<String> {
-        match self {
-            Stop::One(s) => vec![s],
-            Stop::Many(v) => v,
-        }
-    }
-}
-
-/// `stream_options`.
-#[derive(Clone, Debug, Default, Deserialize)]
-pub struct StreamOptions {
-    #[serde(default)]
-    pub include_usage: bool,
-}
-
-/// Sampling fields common to the OpenAI endpoints.
-#[derive(Clone, Debug, Default, Deserialize)]
-pub struct OpenAiSampling {
-    pub max_tokens: Option<u64>,
-    pub max_completion_tokens: Option<u64>,
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    pub top_k: Option<i64>,
-    pub seed: Option<u64>,
-    pub stop: Option<Stop>,
-    pub n: Option<u32>,
-    pub logprobs: Option<Value>,
-    pub top_logprobs: Option<Value>,
-    pub echo: Option<bool>,
-    pub best_of: Option<u32>,
-    pub presence_penalty: Option<f32>,
-    pub frequency_penalty: Option<f32>,
-    pub ignore_eos: Option<bool>,
-}
-
-/// Default generation budget when a request names none (capped by the context left).
-pub const DEFAULT_MAX_TOKENS: usize = 256;
-
-impl OpenAiSampling {
-    /// Sampling parameters for a prompt of `prompt_len` tokens in a context of
-    /// `max_context`, refusing options this server does not implement.
-    pub fn to_params(
-        &self,
-        prompt_len: usize,
-        max_context: usize,
-    ) -> Result<SamplingParams, ApiError> {
-        let unsupported = |p: &str, what: &str| {
-            Err(
-                ApiError::bad_request(format!("{what} is not supported by this server"))
-                    .with_param(p),
-            )
-        };
-        if self.n.is_some_and(|n| n != 1) {
-            return unsupported("n", "n other than 1");
-        }
-        if self.best_of.is_some_and(|n| n != 1) {
-            return unsupported("best_of", "best_of other than 1");
-        }
-        if self
-            .logprobs
-            .as_ref()
-            .is_some_and(|v| !v.is_null() && v != &Value::Bool(false))
-        {
-            return unsupported("logprobs", "logprobs");
-        }
-        if self.top_logprobs.as_ref().is_some_and(|v| !v.is_null()) {
-            return unsupported("top_logprobs", "top_logprobs");
-        }
-        if self.echo == Some(true) {
-            return unsupported("echo", "echo");
-        }
-        for (name, v) in [
-            ("presence_penalty", self.presence_penalty),
-            ("frequency_penalty", self.frequency_penalty),
-        ] {
-            if v.is_some_and(|x| x != 0.0) {
-                return unsupported(name, "a non-zero penalty");
-            }
-        }
-        let max = match self.max_completion_tokens.or(self.max_tokens) {
-            Some(0) => {
-                return Err(
-                    ApiError::bad_request("max_tokens must be at least 1").with_param("max_tokens")
-                )
-            }
-            Some(m) => usize::try_from(m).unwrap_or(usize::MAX),
-            None => DEFAULT_MAX_TOKENS.min(max_context.saturating_sub(prompt_len).max(1)),
-        };
-        let top_k = match self.top_k {
-            None | Some(-1) | Some(0) => 0,
-            Some(k) if k > 0 => k as usize,
-            Some(k) => {
-                return Err(
-                    ApiError::bad_request(format!("top_k must be -1 or positive, got {k}"))
-                        .with_param("top_k"),
-                )
-            }
-        };
-        let p = SamplingParams {
-            max_new_tokens: max,
-            temperature: self.temperature.unwrap_or(1.0),
-            top_p: self.top_p.unwrap_or(1.0),
-            top_k,
-            seed: self.seed.unwrap_or(0),
-            stop: self.stop.clone().map(Stop::into_vec).unwrap_or_default(),
-            stop_token_ids: Vec::new(),
-            ignore_eos: self.ignore_eos.unwrap_or(false),
-        };
-        p.validate().map_err(ApiError::from)?;
-        Ok(p)
-    }
 }
 
 /// `prompt` of `/v1/completions`: text, one-element list of text, token ids, or a
@@ -358,9 +243,12 @@ pub struct Message {
 pub struct ChatRequest {
     pub model: String,
     pub messages: Vec<Message>,
+    /// Checked by [`super::tools::check_tools`].
     #[serde(default)]
     pub tools: Option<Vec<Value>>,
+    /// Checked by [`super::tools::check_choice`].
     pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
     #[serde(default)]
     pub stream: bool,
     #[serde(default)]
@@ -379,77 +267,6 @@ impl ChatRequest {
         r.sampling = from_value(&v)?;
         Ok(r)
     }
-
-    /// The prompt tokens through the chat template (tool schemas, when given, are a
-    /// system message listing them as JSON).
-    pub fn tokens(&self) -> Result<Vec<u32>, ApiError> {
-        if self.messages.is_empty() {
-            return Err(ApiError::bad_request("messages must not be empty").with_param("messages"));
-        }
-        let mut msgs = Vec::with_capacity(self.messages.len() + 1);
-        if let Some(tools) = &self.tools {
-            if !tools.is_empty() {
-                let schema = serde_json::to_string(tools).unwrap_or_default();
-                msgs.push(ChatMessage::new(Role::System, format!("# Tools\n{schema}")));
-            }
-        }
-        for (i, m) in self.messages.iter().enumerate() {
-            let role = Role::parse(&m.role).ok_or_else(|| {
-                ApiError::bad_request(format!(
-                    "unknown role {:?} (expected system, developer, user, assistant or tool)",
-                    m.role
-                ))
-                .with_param(format!("messages[{i}].role"))
-            })?;
-            let content = match &m.content {
-                None => String::new(),
-                Some(Content::Text(t)) => t.clone(),
-                Some(Content::Parts(parts)) => {
-                    let mut s = String::new();
-                    for (j, p) in parts.iter().enumerate() {
-                        match (p.kind.as_str(), &p.text) {
-                            ("text", Some(t)) => s.push_str(t),
-                            _ => {
-                                return Err(ApiError::bad_request(format!(
-                                    "content part of type {:?} is not supported (text only)",
-                                    p.kind
-                                ))
-                                .with_param(format!("messages[{i}].content[{j}]")))
-                            }
-                        }
-                    }
-                    s
-                }
-            };
-            let tool_calls = m
-                .tool_calls
-                .iter()
-                .flatten()
-                .map(|c| serde_json::to_string(c).unwrap_or_default())
-                .collect();
-            msgs.push(ChatMessage {
-                role,
-                content,
-                tool_calls,
-            });
-        }
-        Ok(tokenizer::apply_chat_template(&msgs, true))
-    }
-}
-
-/// `sampling_params` of SGLang's `/generate`.
-#[derive(Clone, Debug, Default, Deserialize)]
-pub struct SglSampling {
-    pub max_new_tokens: Option<u64>,
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    pub top_k: Option<i64>,
-    pub stop: Option<Stop>,
-    pub stop_token_ids: Option<Vec<u32>>,
-    #[serde(default)]
-    pub ignore_eos: bool,
-    pub seed: Option<u64>,
-    pub sampling_seed: Option<u64>,
 }
 
 /// `POST /generate` (SGLang's native API).
@@ -461,6 +278,7 @@ pub struct GenerateBody {
     pub sampling_params: SglSampling,
     #[serde(default)]
     pub stream: bool,
+    /// A client id: a label in the client namespace (see [`super::ids`]).
     pub rid: Option<String>,
     /// Return the per-step logits digests (hex) in `meta_info` (the harness's oracle).
     #[serde(default)]
@@ -479,41 +297,36 @@ impl GenerateBody {
         }
     }
 
-    /// Sampling parameters (SGLang's defaults: greedy when temperature is 0, 128 new
-    /// tokens when unset).
+    /// Sampling parameters (SGLang's defaults: temperature 1, 128 new tokens when unset).
     pub fn params(&self) -> Result<SamplingParams, ApiError> {
-        let s = &self.sampling_params;
-        let top_k = match s.top_k {
-            None | Some(-1) | Some(0) => 0,
-            Some(k) if k > 0 => k as usize,
-            Some(k) => {
-                return Err(
-                    ApiError::bad_request(format!("top_k must be -1 or positive, got {k}"))
-                        .with_param("sampling_params.top_k"),
-                )
-            }
-        };
-        let p = SamplingParams {
-            max_new_tokens: s
-                .max_new_tokens
-                .map_or(128, |m| usize::try_from(m).unwrap_or(usize::MAX)),
-            temperature: s.temperature.unwrap_or(1.0),
-            top_p: s.top_p.unwrap_or(1.0),
-            top_k,
-            seed: s.sampling_seed.or(s.seed).unwrap_or(0),
-            stop: s.stop.clone().map(Stop::into_vec).unwrap_or_default(),
-            stop_token_ids: s.stop_token_ids.clone().unwrap_or_default(),
-            ignore_eos: s.ignore_eos,
-        };
-        p.validate().map_err(ApiError::from)?;
-        Ok(p)
+        self.sampling_params.to_params()
     }
 }
 
-/// `POST /abort_request`.
+/// `POST /abort_request`: a client id (every request in flight labelled with it) or a
+/// server id.
 #[derive(Clone, Debug, Deserialize)]
 pub struct AbortBody {
     pub rid: String,
+}
+
+/// `POST /tokenize` (vLLM's): a prompt, or chat messages through the chat template.
+#[derive(Clone, Debug, Deserialize)]
+pub struct TokenizeBody {
+    pub model: Option<String>,
+    pub prompt: Option<String>,
+    pub messages: Option<Vec<Message>>,
+    /// `<|bos|>` first for a prompt (default true).
+    pub add_special_tokens: Option<bool>,
+    /// `<|assistant|>` last for messages (default true).
+    pub add_generation_prompt: Option<bool>,
+}
+
+/// `POST /detokenize` (vLLM's).
+#[derive(Clone, Debug, Deserialize)]
+pub struct DetokenizeBody {
+    pub model: Option<String>,
+    pub tokens: Vec<u32>,
 }
 
 /// OpenAI `usage`.
@@ -559,48 +372,27 @@ mod tests {
     }
 
     #[test]
-    fn unsupported_options_are_refused() {
-        let s = OpenAiSampling {
-            n: Some(2),
-            ..Default::default()
-        };
-        assert_eq!(
-            s.to_params(3, 100).err().and_then(|e| e.param),
-            Some("n".into())
-        );
-        let s = OpenAiSampling {
-            logprobs: Some(Value::from(2)),
-            ..Default::default()
-        };
-        assert!(s.to_params(3, 100).is_err());
-        let s = OpenAiSampling::default();
-        let p = s.to_params(90, 100).unwrap_or_default();
-        assert_eq!(
-            p.max_new_tokens, 10,
-            "default budget capped by the context left"
-        );
-        assert_eq!(p.temperature, 1.0);
-    }
-
-    #[test]
-    fn chat_template_from_messages() {
+    fn chat_messages_and_their_parts() {
         let r = ChatRequest::parse(
             br#"{"model":"tiny","messages":[{"role":"system","content":"s"},
                 {"role":"user","content":[{"type":"text","text":"hi"}]},
-                {"role":"assistant","content":null,"tool_calls":[{"id":"1","type":"function","function":{"name":"f","arguments":"{}"}}]},
                 {"role":"tool","tool_call_id":"1","content":"42"}]}"#,
         )
         .unwrap_or_else(|e| panic!("{e:?}"));
-        let t = r.tokens().unwrap_or_default();
-        let text = String::from_utf8_lossy(&tokenizer::decode_bytes(&t, true)).into_owned();
-        assert!(text
-            .starts_with("<|bos|><|system|>s<|end|><|user|>hi<|end|><|assistant|><|tool_call|>{"));
-        assert!(text.ends_with("<|tool|>42<|end|><|assistant|>"), "{text}");
+        let p = super::super::tools::plan(&r, crate::dsml::Dialect::V32)
+            .unwrap_or_else(|e| panic!("{e:?}"));
+        let text = String::from_utf8_lossy(&tokenizer::decode_bytes(&p.prompt, true)).into_owned();
+        assert_eq!(
+            text,
+            "<|bos|><|system|>s<|end|><|user|>hi<|end|><|tool|>42<|end|><|assistant|>"
+        );
         let bad =
             ChatRequest::parse(br#"{"model":"tiny","messages":[{"role":"robot","content":"x"}]}"#)
                 .unwrap_or_else(|e| panic!("{e:?}"));
         assert_eq!(
-            bad.tokens().err().and_then(|e| e.param),
+            super::super::tools::plan(&bad, crate::dsml::Dialect::V32)
+                .err()
+                .and_then(|e| e.param),
             Some("messages[0].role".into())
         );
     }

@@ -1,5 +1,7 @@
-//! Prometheus metrics (names from SERVING.md), one registry per server instance through
-//! the `prometheus-client` crate, exposed as OpenMetrics text on `/metrics`.
+//! Prometheus metrics (names from SERVING.md), one registry per engine through the
+//! `prometheus-client` crate, exposed on `/metrics` as Prometheus text or OpenMetrics
+//! ([`expose`]: negotiated by `Accept`; the engines of a `--pd on` server merged, each
+//! sample labelled with its `role`).
 //!
 //! Every name of SERVING.md is registered: `sparsekit_requests_total{role,status}`,
 //! `sparsekit_tokens_total{kind}`, `sparsekit_ttft_seconds`, `sparsekit_itl_seconds`,
@@ -10,10 +12,17 @@
 //! `sparsekit_cache_lookups_total` (prompt pages looked up: the hit rates' denominator),
 //! `sparsekit_leaked_pages` and `sparsekit_idle_checks_total` (the accounting check the
 //! engine runs whenever it is idle), `sparsekit_requests_in_engine{state}` (running,
-//! waiting). Label families only show the series something set: a measure a server
+//! waiting), `sparsekit_e2e_request_latency_seconds` and
+//! `sparsekit_request_queue_time_seconds` (histograms, like TTFT's with buckets up to the
+//! request timeout), `sparsekit_tool_call_parse_failures_total` (DSML tool-call markup
+//! that did not parse and was returned as text) and
+//! `sparsekit_connections_refused_total{reason}` (the HTTP server's connection limits). Label families only show the series something set: a measure a server
 //! cannot have (no host tier, no transfer) is absent, never a made-up zero.
 
+pub mod expose;
+
 use std::sync::Mutex;
+use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -27,7 +36,7 @@ use prometheus_client::registry::Registry;
 pub struct RequestLabels {
     /// `prefill`, `decode` or `both`.
     pub role: String,
-    /// `ok`, `aborted`, `failed`, `rejected`.
+    /// `ok`, `aborted`, `timeout`, `failed`, `rejected`.
     pub status: String,
 }
 
@@ -58,7 +67,10 @@ fn label(name: &str, value: &str) -> Vec<(String, String)> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RequestStatus {
     Ok,
+    /// Aborted by its client (a disconnect, `/abort_request`) or by shutdown.
     Aborted,
+    /// Aborted because it ran past the server's request timeout.
+    Timeout,
     Failed,
     Rejected,
 }
@@ -68,6 +80,7 @@ impl RequestStatus {
         match self {
             RequestStatus::Ok => "ok",
             RequestStatus::Aborted => "aborted",
+            RequestStatus::Timeout => "timeout",
             RequestStatus::Failed => "failed",
             RequestStatus::Rejected => "rejected",
         }
@@ -83,6 +96,10 @@ pub struct Metrics {
     tokens: Family<TokenLabels, Counter>,
     ttft: Histogram,
     itl: Histogram,
+    e2e: Histogram,
+    queue: Histogram,
+    tool_parse_failures: Counter,
+    connections_refused: Labelled<Counter>,
     pages: Family<PageLabels, Gauge>,
     cache_hits: Labelled<Counter>,
     cache_lookups: Counter,
@@ -102,14 +119,39 @@ pub struct Metrics {
     in_engine: Labelled<Gauge>,
 }
 
+/// The request timeout [`Metrics::new`] sizes the latency histograms for (the server's
+/// default).
+pub const DEFAULT_LATENCY_LIMIT: Duration = Duration::from_secs(600);
+
+/// Buckets of a request-latency histogram: 1 ms doubling up to the first bucket at or
+/// above `limit` (a request cannot take longer: it is aborted at the limit).
+pub fn latency_buckets(limit: Duration) -> Vec<f64> {
+    let limit = limit.as_secs_f64().max(0.001);
+    let mut b = vec![0.001];
+    while b.last().is_some_and(|&x| x < limit) && b.len() < 48 {
+        let next = b.last().map_or(0.001, |x| x * 2.0);
+        b.push(next);
+    }
+    b
+}
+
 impl Metrics {
-    /// A fresh registry for a server of `role`.
+    /// A fresh registry for a server of `role` whose requests take at most
+    /// [`DEFAULT_LATENCY_LIMIT`].
     pub fn new(role: &str) -> Self {
+        Self::with_latency_limit(role, DEFAULT_LATENCY_LIMIT)
+    }
+
+    /// A fresh registry for a server of `role` whose requests are aborted after `limit`
+    /// (the TTFT, end-to-end and queue-time buckets reach it).
+    pub fn with_latency_limit(role: &str, limit: Duration) -> Self {
         let mut registry = Registry::default();
         let requests = Family::<RequestLabels, Counter>::default();
         let tokens = Family::<TokenLabels, Counter>::default();
-        // 1 ms .. ~33 s.
-        let ttft = Histogram::new(exponential_buckets(0.001, 2.0, 16));
+        let buckets = latency_buckets(limit);
+        let ttft = Histogram::new(buckets.iter().copied());
+        let e2e = Histogram::new(buckets.iter().copied());
+        let queue = Histogram::new(buckets);
         // 0.1 ms .. ~3.3 s.
         let itl = Histogram::new(exponential_buckets(0.0001, 2.0, 16));
         let pages = Family::<PageLabels, Gauge>::default();
@@ -132,6 +174,16 @@ impl Metrics {
             "sparsekit_itl_seconds",
             "Time between consecutive generated tokens of a request",
             itl.clone(),
+        );
+        registry.register(
+            "sparsekit_e2e_request_latency_seconds",
+            "Time from a request's arrival to its end (finished, aborted, timed out or failed)",
+            e2e.clone(),
+        );
+        registry.register(
+            "sparsekit_request_queue_time_seconds",
+            "Time a request waited from its arrival until the engine admitted it (pages reserved)",
+            queue.clone(),
         );
         registry.register(
             "sparsekit_pages",
@@ -179,6 +231,10 @@ impl Metrics {
             "sparsekit_integrity_fallbacks",
             "Requests whose cached or received prefix failed an integrity check and that were served by recomputing it (the prefix dropped from the cache), by reason",
         );
+        let connections_refused = family(
+            "sparsekit_connections_refused",
+            "HTTP connections refused (503 or closed) or closed idle to make room, by reason",
+        );
         let mut gauge = |name: &str, help: &str| {
             let f = Labelled::<Gauge>::default();
             registry.register(name, help, f.clone());
@@ -203,6 +259,12 @@ impl Metrics {
             "sparsekit_cache_lookups",
             "Prompt pages looked up in the prefix cache (the denominator of the hit rates)",
             cache_lookups.clone(),
+        );
+        let tool_parse_failures = Counter::default();
+        registry.register(
+            "sparsekit_tool_call_parse_failures",
+            "Generated DSML tool-call blocks that were malformed or truncated (returned as text)",
+            tool_parse_failures.clone(),
         );
         let idle_checks = Counter::default();
         registry.register(
@@ -229,6 +291,10 @@ impl Metrics {
             tokens,
             ttft,
             itl,
+            e2e,
+            queue,
+            tool_parse_failures,
+            connections_refused,
             pages,
             cache_hits,
             cache_lookups,
@@ -271,6 +337,39 @@ impl Metrics {
     /// Records a time to first token, in seconds.
     pub fn ttft(&self, seconds: f64) {
         self.ttft.observe(seconds);
+    }
+
+    /// Records a request's end-to-end latency, in seconds.
+    pub fn e2e(&self, seconds: f64) {
+        self.e2e.observe(seconds);
+    }
+
+    /// Records how long a request waited for admission, in seconds.
+    pub fn queue_time(&self, seconds: f64) {
+        self.queue.observe(seconds);
+    }
+
+    /// Counts a DSML tool-call block that did not parse.
+    pub fn tool_call_parse_failure(&self) {
+        self.tool_parse_failures.inc();
+    }
+
+    /// The value of `sparsekit_tool_call_parse_failures_total` (tests, reports).
+    pub fn tool_call_parse_failures(&self) -> u64 {
+        self.tool_parse_failures.get()
+    }
+
+    /// Counts a connection refused or evicted for `reason` (`capacity`, `per_client`,
+    /// `reserve_full`, `evicted_idle`).
+    pub fn connection_refused(&self, reason: &str) {
+        self.connections_refused
+            .get_or_create(&label("reason", reason))
+            .inc();
+    }
+
+    /// The role label of `sparsekit_requests_total`.
+    pub fn role(&self) -> &str {
+        &self.role
     }
 
     /// Records an inter-token latency, in seconds.
@@ -404,6 +503,16 @@ impl Metrics {
                 status: status.label().to_string(),
             })
             .get()
+    }
+
+    /// The exposition of `sides` (each engine's metrics, with the role to label its
+    /// samples by; `None` for a server of one engine) in `format`.
+    pub fn expose(sides: &[(&Metrics, Option<&str>)], format: expose::Format) -> String {
+        let mut e = expose::Exposition::default();
+        for (m, role) in sides {
+            e.add_openmetrics(&m.encode(), *role);
+        }
+        e.render(format)
     }
 
     /// OpenMetrics text of every metric.
