@@ -126,13 +126,18 @@ impl KernelAudit for ReferenceAudit {
             |quantity| tolerance::get(Op::SparseMla, quantity, dt).map_err(|e| e.to_string());
         let (to, tl) = (table(Quantity::Out)?, table(Quantity::Lse)?);
         let mut so = ErrorStats::default();
-        for i in 0..n * h * dv {
-            so.add(i, got_out[i].to_f64(), r.out[i], r.out_magnitude(i), to);
+        for (i, (g, w)) in got_out[..n * h * dv].iter().zip(&r.out).enumerate() {
+            so.add(i, g.to_f64(), *w, r.out_magnitude(i), to);
         }
         verdict("sparse_mla out", so)?;
         let mut sl = ErrorStats::default();
-        for i in 0..n * h {
-            sl.add(i, got_lse[i] as f64, r.lse[i], r.lse_magnitude[i], tl);
+        for (i, ((g, w), m)) in got_lse[..n * h]
+            .iter()
+            .zip(&r.lse)
+            .zip(&r.lse_magnitude)
+            .enumerate()
+        {
+            sl.add(i, *g as f64, *w, *m, tl);
         }
         verdict("sparse_mla lse", sl)
     }
