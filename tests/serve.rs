@@ -46,7 +46,7 @@ fn openai_python_client_streaming_and_not() {
             "SPARSEKIT_REQUIRE_PYTHON=1 but the openai package is missing: \
              pip install -r server/python/requirements.txt"
         );
-        eprintln!("SKIPPED: python3 with the openai package not found (pip install -r server/python/requirements.txt)");
+        let _ = writeln!(std::io::stderr(), "SKIPPED: python3 with the openai package not found (pip install -r server/python/requirements.txt)");
         return;
     }
     let key = "sk-first-hour";

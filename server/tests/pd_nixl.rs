@@ -448,7 +448,10 @@ fn without_the_runtime_nixl_says_so() {
         return;
     }
     if nixl::check_runtime().is_ok() {
-        eprintln!("SKIPPED {name}: a NIXL runtime is installed system-wide");
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED {name}: a NIXL runtime is installed system-wide"
+        );
         return;
     }
     match NixlAgent::new(Role::Decode) {

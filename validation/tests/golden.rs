@@ -11,6 +11,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic
 
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -451,12 +452,15 @@ fn python_files(dir: &Path) -> Option<Vec<PathBuf>> {
         Ok(o) => {
             let msg = String::from_utf8_lossy(&o.stderr).to_string();
             assert!(!required, "make_golden.py failed: {msg}");
-            eprintln!("SKIPPED golden files from NumPy + ml_dtypes (pip install -r validation/python/requirements.txt): {msg}");
+            let _ = writeln!(std::io::stderr(), "SKIPPED golden files from NumPy + ml_dtypes (pip install -r validation/python/requirements.txt): {msg}");
             None
         }
         Err(e) => {
             assert!(!required, "python3 not runnable: {e}");
-            eprintln!("SKIPPED golden files from NumPy + ml_dtypes: python3 not runnable: {e}");
+            let _ = writeln!(
+                std::io::stderr(),
+                "SKIPPED golden files from NumPy + ml_dtypes: python3 not runnable: {e}"
+            );
             None
         }
     }

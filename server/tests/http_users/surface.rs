@@ -29,7 +29,10 @@ fn promtool(text: &str) -> Option<(bool, String)> {
         let msg =
             "promtool not found: install it with `apt-get install prometheus` (Debian/Ubuntu)";
         assert!(!required, "SPARSEKIT_REQUIRE_PROMTOOL=1 but {msg}");
-        eprintln!("SKIPPED metrics_pass_promtool (promtool check): {msg}");
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED metrics_pass_promtool (promtool check): {msg}"
+        );
         return None;
     };
     child
