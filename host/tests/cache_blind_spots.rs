@@ -336,3 +336,97 @@ fn commit_refuses_a_page_missing_a_kind_or_a_slot() {
     c.abort(2).unwrap();
     assert_eq!(c.leak_check().unwrap().device_cached, 1);
 }
+
+/// A commit over a node whose host → device load is still in flight: the committing
+/// request keeps its own written copy of that page (its path stops before the loading
+/// node), so its next step reads without waiting for a load it never joined, and when
+/// that load is cancelled nothing of the request is lost.
+#[test]
+fn a_commit_over_a_loading_node_keeps_its_own_copy() {
+    let (b, ctl) = common::Flaky::new();
+    let mut cfg = CacheConfig::new(8, 16);
+    cfg.wait_timeout = std::time::Duration::from_secs(2);
+    let c = Arc::new(common::cache_on(b, spec(BF.0, BF.1), cfg));
+    let e = Expect::default();
+    let a = prompt(1, 2 * PAGE);
+    e.request(&*c, 1, &a, false).unwrap();
+    assert_eq!(c.evict_device(2).unwrap(), 2);
+    // Request 3 computes `a` itself into pages of its own.
+    c.begin(3, &[]).unwrap();
+    let own = c.alloc(3, 2).unwrap();
+    let spec = *c.spec();
+    {
+        let mut step = c.step(&[3]).unwrap();
+        for l in 0..LAYERS {
+            let mut g = step.wait_layer(l).unwrap();
+            store_layer(&mut g, c.backend(), &spec, &a, &own, 0).unwrap();
+        }
+    }
+    // Request 2 matches `a` in the host tier: its load is held at the gate.
+    ctl.close_gate();
+    let p2 = c.begin(2, &a).unwrap();
+    assert_eq!(p2.loaded_pages, 2);
+    ctl.wait_held(1);
+    c.commit(3, &a, &own).unwrap();
+    // Request 3 kept its own pages (they did not join the loading nodes).
+    assert_eq!(c.stats().device_in_use, 2);
+    // The load is cancelled: request 3 still has everything it wrote.
+    c.abort(2).unwrap();
+    ctl.open_gate();
+    c.wait_idle().unwrap();
+    c.leak_check().unwrap();
+    let mut step = c.step(&[3]).unwrap();
+    let g = step.wait_layer(0).unwrap();
+    e.check(&a, 0, 0, &read_pages(&*c, &g, &own).unwrap()[0])
+        .unwrap();
+    drop(g);
+    drop(step);
+    c.finish(3).unwrap();
+    c.leak_check().unwrap();
+}
+
+/// The io worker dies once outside a job's containment (`worker-dies`): the backup it
+/// was running fails with a typed error at once, and the worker goes on — the same
+/// eviction then backs the pages up, a later request loads them back, bit-exact.
+#[test]
+fn the_io_worker_survives_a_panic_and_the_cache_goes_on() {
+    let mut cfg = CacheConfig::new(4, 8);
+    cfg.faults = Faults::with(&[Fault::WorkerDies]);
+    let c = Arc::new(cache(spec(BF.0, BF.1), cfg));
+    let e = Expect::default();
+    let a = prompt(1, 2 * PAGE);
+    e.request(&*c, 1, &a, false).unwrap();
+    let c2 = c.clone();
+    let first = bounded(move || c2.evict_device(2));
+    assert!(
+        matches!(&first, Err(Error::Cancelled(m)) if m.contains("worker")),
+        "{first:?}"
+    );
+    assert_eq!(c.stats().worker_restarts, 1);
+    c.leak_check().unwrap();
+    // The failed eviction could not wait for its backup: the pages left the cache. The
+    // worker goes on: the prefix computed again is backed up and evicted this time.
+    assert_eq!(e.request(&*c, 3, &a, false).unwrap(), 0);
+    let c2 = c.clone();
+    assert_eq!(bounded(move || c2.evict_device(2)).unwrap(), 2);
+    let s = c.leak_check().unwrap();
+    assert_eq!((s.host_cached, s.device_cached), (2, 0), "{s:?}");
+    assert_eq!(e.request(&*c, 2, &a, false).unwrap(), 2 * PAGE);
+    assert_eq!(c.stats().hits_host_pages, 2);
+    c.leak_check().unwrap();
+}
+
+/// A wait bound too large to add to an instant (`Duration::MAX`) saturates instead of
+/// panicking.
+#[test]
+fn a_wait_bound_of_duration_max_saturates() {
+    let mut cfg = CacheConfig::new(4, 4);
+    cfg.wait_timeout = std::time::Duration::MAX;
+    let c = cache(spec(BF.0, BF.1), cfg);
+    let e = Expect::default();
+    let a = prompt(1, 2 * PAGE);
+    e.request(&c, 1, &a, false).unwrap();
+    assert_eq!(c.evict_device(2).unwrap(), 2);
+    assert_eq!(e.request(&c, 2, &a, false).unwrap(), 2 * PAGE);
+    c.leak_check().unwrap();
+}

@@ -64,10 +64,14 @@ pub enum Fault {
     /// own page is cached, though nobody wrote it. Caught by the written-slot tracking:
     /// the request's first store would leave that slot a gap, and a read of it is refused.
     RadixOverreach,
+    /// The cache io worker panics once outside a job's own containment (as a bug in its
+    /// bookkeeping would): its pending work fails with a typed error, and the worker goes
+    /// on — later loads, backups and evictions work.
+    WorkerDies,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 11] = [
+    pub const ALL: [Fault; 12] = [
         Fault::HostPoolFp8Layout,
         Fault::SkipIndexWait,
         Fault::SharedItemSize,
@@ -79,6 +83,7 @@ impl Fault {
         Fault::LateWrite,
         Fault::IndexKAfterPublish,
         Fault::RadixOverreach,
+        Fault::WorkerDies,
     ];
 
     /// The fault's name on the command line and in configs.
@@ -95,6 +100,7 @@ impl Fault {
             Fault::LateWrite => "late-write",
             Fault::IndexKAfterPublish => "index-k-after-publish",
             Fault::RadixOverreach => "radix-overreach",
+            Fault::WorkerDies => "worker-dies",
         }
     }
 }

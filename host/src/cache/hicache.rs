@@ -145,6 +145,9 @@ pub struct CacheStats {
     pub landing_waits: u64,
     /// Pages released by [`HiCache::discard_prefix`].
     pub discarded_pages: u64,
+    /// Panics of the io worker outside a job's containment (each failed the pending work;
+    /// the worker went on).
+    pub worker_restarts: u64,
     pub integrity_failures: u64,
     /// Of the integrity failures, those of host → device loads (the rest: inbound
     /// transfers).
@@ -267,6 +270,8 @@ pub(crate) struct Shared<B: Backend> {
     /// behind a published fence waits on ([`super::Step::layer`]).
     pub landed: Mutex<()>,
     pub landed_cv: Condvar,
+    /// The `worker-dies` fault fired already (it fires once).
+    pub worker_died: AtomicBool,
 }
 
 static NEXT_CACHE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -376,6 +381,7 @@ impl<B: Backend + 'static> HiCache<B> {
             late: Mutex::new(super::late::LateWrites::default()),
             landed: Mutex::new(()),
             landed_cv: Condvar::new(),
+            worker_died: AtomicBool::new(false),
             config,
             next_id: AtomicU64::new(1),
         });
@@ -708,6 +714,19 @@ impl<B: Backend + 'static> HiCache<B> {
         let mut adopted = Vec::new();
         let mut backup = Vec::new();
         for (key, &page) in tokens.chunks_exact(ps).zip(pages).skip(old_path.len()) {
+            // A node a load is still filling: the request keeps its own (written) copy
+            // and its path stops here — joining the node would mean reading a page that
+            // has not landed, without that load's fence.
+            if let Some(c) = st.tree.child(cur, key) {
+                if st
+                    .tree
+                    .get(c)
+                    .and_then(|n| n.device)
+                    .is_some_and(|d| d.load.is_some())
+                {
+                    break;
+                }
+            }
             let Some(node) = st.tree.child_or_insert(cur, key) else {
                 return Err(invalid("commit", "prefix tree node vanished"));
             };
@@ -1168,7 +1187,9 @@ fn evict<B: Backend>(
     let mut need_backup = Vec::new();
     for v in victims {
         let Some(node) = st.tree.get(v) else { continue };
-        if sh.host.is_some() && node.host.is_none() {
+        // Without a worker nothing backs the page up: it leaves the cache instead (an
+        // eviction never waits for a backup that cannot run).
+        if sh.host.is_some() && node.host.is_none() && st.worker_alive {
             need_backup.push(v);
             continue;
         }

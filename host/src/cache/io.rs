@@ -58,9 +58,27 @@ fn panic_error(p: Box<dyn std::any::Any + Send>) -> Error {
     Error::Cancelled(format!("cache io worker panicked: {msg}"))
 }
 
-/// The worker loop.
+/// The worker thread: runs [`work`] until shutdown. A panic that escapes a job's own
+/// containment (bookkeeping, not a copy) fails every pending job — their waiters get a
+/// typed error at once — and the worker goes on with new work: the cache never stays
+/// without a worker (counted in `CacheStats::worker_restarts`).
 pub(crate) fn worker<B: Backend>(sh: Arc<Shared<B>>) {
     let _guard = WorkerGuard(&sh);
+    loop {
+        match catch_unwind(AssertUnwindSafe(|| work(&sh))) {
+            Ok(()) => return,
+            Err(p) => {
+                let e = panic_error(p);
+                let mut st = sh.state.lock();
+                st.stats.worker_restarts += 1;
+                drain(&sh, &mut st, &e.to_string());
+            }
+        }
+    }
+}
+
+/// The worker loop (returns at shutdown).
+fn work<B: Backend>(sh: &Arc<Shared<B>>) {
     loop {
         let job = {
             let mut st = sh.state.lock();
@@ -83,6 +101,9 @@ pub(crate) fn worker<B: Backend>(sh: Arc<Shared<B>>) {
                                 st.open_backup = None;
                             }
                         }
+                    }
+                    if sh.fault(Fault::WorkerDies) && !sh.worker_died.swap(true, Ordering::AcqRel) {
+                        panic!("injected: the cache io worker dies (worker-dies)");
                     }
                     break j;
                 }
@@ -108,11 +129,11 @@ pub(crate) fn worker<B: Backend>(sh: Arc<Shared<B>>) {
                     continue;
                 };
                 let res = catch_unwind(AssertUnwindSafe(|| {
-                    run_load(&sh, &pages, &fence, &cancel, &reads)
+                    run_load(sh, &pages, &fence, &cancel, &reads)
                 }))
                 .unwrap_or_else(|p| Err(panic_error(p)));
                 let mut st = sh.state.lock();
-                finalize_load(&sh, &mut st, id, res);
+                finalize_load(sh, &mut st, id, res);
             }
             Job::Backup(id) => {
                 let Some(items) = ({
@@ -121,10 +142,10 @@ pub(crate) fn worker<B: Backend>(sh: Arc<Shared<B>>) {
                 }) else {
                     continue;
                 };
-                let res = catch_unwind(AssertUnwindSafe(|| run_backup(&sh, &items)))
+                let res = catch_unwind(AssertUnwindSafe(|| run_backup(sh, &items)))
                     .unwrap_or_else(|p| Err(panic_error(p)));
                 let mut st = sh.state.lock();
-                finalize_backup(&sh, &mut st, id, res);
+                finalize_backup(sh, &mut st, id, res);
             }
         }
     }
