@@ -520,3 +520,70 @@ fn many_threads_submitting_aborting_and_dropping() {
     );
     assert_eq!(m.requests_with(S::Failed), 0);
 }
+
+/// `max_waiting` holds under concurrent submits: the check and the slot are taken in one
+/// step, so eight threads submitting at once against a limit of one queue at most one
+/// (the engine is held busy by a step fault so nothing leaves the queue meanwhile).
+#[test]
+fn max_waiting_holds_under_concurrent_submits() {
+    let gate = Arc::new((std::sync::Mutex::new(true), std::sync::Condvar::new()));
+    let g = gate.clone();
+    let (entered_tx, entered) = std::sync::mpsc::sync_channel::<()>(1);
+    let fault: sparsekit_server::engine::scheduler::StepFault = Arc::new(move |_| {
+        let _ = entered_tx.try_send(());
+        let (m, cv) = &*g;
+        let mut held = m.lock().unwrap();
+        let until = std::time::Instant::now() + WAIT;
+        while *held && std::time::Instant::now() < until {
+            held = cv.wait_timeout(held, WAIT).unwrap().0;
+        }
+    });
+    let e = Arc::new(engine(EngineOptions {
+        kv_pages: 64,
+        max_waiting: 1,
+        max_running: 1,
+        fault: Some(fault),
+        ..Default::default()
+    }));
+    let req = |i: u32| GenerateRequest {
+        id: None,
+        received: None,
+        prompt: vec![256, i],
+        sampling: SamplingParams::greedy(2),
+    };
+    // One request running (held in its step), so submits queue behind it.
+    let first = e.submit(req(0)).unwrap();
+    entered.recv_timeout(WAIT).unwrap();
+    let barrier = Arc::new(std::sync::Barrier::new(8));
+    let results: Vec<bool> = std::thread::scope(|s| {
+        let hs: Vec<_> = (1..=8)
+            .map(|i| {
+                let (e, b) = (e.clone(), barrier.clone());
+                s.spawn(move || {
+                    b.wait();
+                    e.submit(req(i)).map(|h| {
+                        std::mem::forget(h);
+                    })
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| match h.join().unwrap() {
+                Ok(()) => true,
+                Err(EngineError::Overloaded(_)) => false,
+                Err(other) => panic!("{other:?}"),
+            })
+            .collect()
+    });
+    assert_eq!(
+        results.iter().filter(|&&ok| ok).count(),
+        1,
+        "exactly one of eight concurrent submits queued behind a limit of 1"
+    );
+    {
+        let (m, cv) = &*gate;
+        *m.lock().unwrap() = false;
+        cv.notify_all();
+    }
+    first.wait(WAIT).unwrap();
+}

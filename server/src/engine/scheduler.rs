@@ -876,10 +876,16 @@ impl Engine {
         if let Err(e) = self.check(&req) {
             return rejected(e);
         }
-        if inner.waiting.load(Ordering::Acquire) >= inner.max_waiting {
+        // Check and take a waiting slot in one step (concurrent submits cannot all pass
+        // the check and then all queue); every way out below gives it back.
+        let max = inner.max_waiting;
+        if inner
+            .waiting
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| (w < max).then_some(w + 1))
+            .is_err()
+        {
             return rejected(EngineError::Overloaded(format!(
-                "{} requests already waiting",
-                inner.max_waiting
+                "{max} requests already waiting"
             )));
         }
         let seq = inner.next_seq.fetch_add(1, Ordering::Relaxed);
@@ -893,6 +899,7 @@ impl Engine {
             let mut live = lock(&inner.live);
             if live.contains_key(&rid) {
                 drop(live);
+                inner.waiting.fetch_sub(1, Ordering::AcqRel);
                 return rejected(EngineError::DuplicateId(rid));
             }
             live.insert(rid.clone(), shared.clone());
@@ -925,7 +932,6 @@ impl Engine {
             arrival: now,
             last_token: None,
         };
-        inner.waiting.fetch_add(1, Ordering::AcqRel);
         if let (Some(src), None) = (inner.prompt_source.get(), &s.received) {
             let (src, fetch_inner) = (src.clone(), inner.clone());
             inner.fetching.fetch_add(1, Ordering::AcqRel);
