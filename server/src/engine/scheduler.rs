@@ -881,7 +881,9 @@ impl Engine {
         let max = inner.max_waiting;
         if inner
             .waiting
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| (w < max).then_some(w + 1))
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
+                (w < max).then_some(w + 1)
+            })
             .is_err()
         {
             return rejected(EngineError::Overloaded(format!(

@@ -107,7 +107,8 @@ impl App {
                         r.handle.expire();
                         let e = ApiError::status(504, "server_error", "request timed out")
                             .with_code("timeout");
-                        let _ = tx.send(sse_data(&e.body())).await;
+                        // Never wait on a client that stopped reading.
+                        let _ = tx.try_send(sse_data(&e.body()));
                         break;
                     }
                 };
@@ -117,13 +118,21 @@ impl App {
                     Event::Error(e) => vec![ApiError::from(e.clone()).body()],
                     other => render(other),
                 };
+                // A client that stops reading fills the channel: each send waits at most
+                // until the request's deadline, which then expires the request.
                 for c in chunks {
-                    if tx.send(sse_data(&c)).await.is_err() {
-                        return;
+                    match tokio::time::timeout_at(deadline, tx.send(sse_data(&c))).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(_)) => return,
+                        Err(_) => {
+                            r.handle.expire();
+                            return;
+                        }
                     }
                 }
                 if last {
-                    let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+                    let done = Bytes::from_static(b"data: [DONE]\n\n");
+                    let _ = tokio::time::timeout_at(deadline, tx.send(done)).await;
                     break;
                 }
             }

@@ -161,6 +161,48 @@ async fn timeouts_are_labelled_as_timeouts() {
     server.shutdown(Duration::from_secs(5)).await.unwrap();
 }
 
+/// A streaming client that stops reading (its socket's receive buffer full) does not keep
+/// its request running past the request timeout: the server's sends wait at most until
+/// the deadline, which expires the request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_whose_client_stops_reading_still_times_out() {
+    let cfg = ServerConfig {
+        request_timeout: Duration::from_secs(1),
+        ..Default::default()
+    };
+    let (engine, server) = start(cfg).await;
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.set_recv_buffer_size(2048).unwrap();
+    let mut conn = sock.connect(server.addr).await.unwrap();
+    let body = json!({"model": "tiny", "prompt": "x", "max_tokens": 8000,
+                      "ignore_eos": true, "stream": true})
+    .to_string();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    tokio::io::AsyncWriteExt::write_all(&mut conn, head.as_bytes())
+        .await
+        .unwrap();
+    tokio::io::AsyncWriteExt::write_all(&mut conn, body.as_bytes())
+        .await
+        .unwrap();
+    // Never read. 8000 tokens take far longer than the 1 s timeout plus this bound.
+    let m = engine.metrics().clone();
+    let started = std::time::Instant::now();
+    until("the unread stream is expired", || {
+        m.requests_with(RequestStatus::Timeout) == 1
+    })
+    .await;
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        started.elapsed()
+    );
+    drop(conn);
+    server.shutdown(Duration::from_secs(5)).await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn models_by_id_served_names_tokenize_and_detokenize() {
     let (_engine, server) = start(ServerConfig::default()).await;
