@@ -336,3 +336,60 @@ fn a_decode_pool_smaller_than_the_load_never_wedges() {
     }
     assert_eq!(decode.engine.stats().leaked_pages, 0);
 }
+
+/// A prefill node serves at most `max_connections` decode connections: one more is
+/// refused with `Overloaded` and closed, and a place freed by a closed connection is
+/// taken again.
+#[test]
+fn a_prefill_node_caps_its_decode_connections() {
+    let backend = Arc::new(CpuBackend::new());
+    let pd = PdOptions {
+        max_connections: 3,
+        workers: 1,
+        ..Default::default()
+    };
+    let prefill = PrefillNode::start(
+        backend,
+        ModelConfig::TINY,
+        opts("prefill", 0),
+        &pd,
+        Arc::new(Metrics::new("prefill")),
+        None,
+    )
+    .unwrap();
+    use sparsekit_server::pd::{hello, LandingGeometry, LandingZone, Role};
+    let spec = prefill.spec();
+    let zone = Arc::new(LandingZone::new(LandingGeometry::new(spec, 4).unwrap()).unwrap());
+    let decode_hello = || hello(Role::Decode, &spec, 4, Vec::new());
+    let mut ends: Vec<Arc<dyn Transport>> = Vec::new();
+    let mut decode_ends = Vec::new();
+    for _ in 0..4 {
+        let (d, p) = local::pair(zone.clone(), decode_hello(), prefill.hello()).unwrap();
+        let p: Arc<dyn Transport> = p;
+        ends.push(p);
+        decode_ends.push(d);
+    }
+    for e in &ends[..3] {
+        prefill.attach(e.clone()).unwrap();
+    }
+    match prefill.attach(ends[3].clone()) {
+        Err(EngineError::Overloaded(m)) => assert!(m.contains("at most 3"), "{m}"),
+        other => panic!("a fourth connection must be refused: {other:?}"),
+    }
+    assert!(ends[3].is_closed(), "the refused connection is closed");
+    assert_eq!(prefill.connections(), 3);
+    ends[0].close("decode went away");
+    // The sender notices its connection closed on its own thread (bounded).
+    let until = Instant::now() + WAIT;
+    while prefill.connections() != 2 {
+        assert!(
+            Instant::now() < until,
+            "the closed connection was never noticed"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let (d, p) = local::pair(zone, decode_hello(), prefill.hello()).unwrap();
+    prefill.attach(p).unwrap();
+    assert_eq!(prefill.connections(), 3);
+    drop((d, decode_ends));
+}

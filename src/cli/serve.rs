@@ -97,6 +97,10 @@ pub struct Args {
     /// call's inputs and outputs, KV pools included: keep N large on big pools.
     #[arg(long, default_value_t = 0)]
     kernel_check: u64,
+    /// Decode connections a prefill server serves at once (--role prefill); more are
+    /// refused with a clear error.
+    #[arg(long, default_value_t = 16)]
+    max_decode_connections: usize,
     /// Rows per engine step.
     #[arg(long, default_value_t = 512)]
     max_batch_tokens: usize,
@@ -359,6 +363,7 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
         workers: args.max_running.clamp(1, 16),
         // A transfer may wait for prefill as long as the request may take.
         timeout: Duration::from_secs(args.request_timeout_s),
+        max_connections: args.max_decode_connections,
     };
     let setup = Setup {
         cfg,

@@ -153,6 +153,7 @@ impl RunPlan {
             workers: self.max_running.clamp(1, 16),
             // A transfer may wait for prefill as long as the request may take.
             timeout: self.deadline,
+            ..Default::default()
         }
     }
 

@@ -94,6 +94,9 @@ pub struct PdOptions {
     pub workers: usize,
     /// Bound of one request's transfer (allocation included), and of a prefill job.
     pub timeout: Duration,
+    /// Decode connections a prefill node serves at once (each costs a sender and
+    /// `workers` threads); more are refused with a clear error.
+    pub max_connections: usize,
 }
 
 impl Default for PdOptions {
@@ -103,6 +106,7 @@ impl Default for PdOptions {
             checks: Checks::all(),
             workers: 8,
             timeout: Duration::from_secs(120),
+            max_connections: 16,
         }
     }
 }

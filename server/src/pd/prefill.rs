@@ -232,6 +232,7 @@ pub struct PrefillNode<B: Backend + 'static> {
     sender_config: SenderConfig,
     workers: usize,
     timeout: Duration,
+    max_connections: usize,
     links: Arc<Mutex<Links<B>>>,
     publisher: Mutex<Option<Publisher>>,
 }
@@ -289,6 +290,7 @@ impl<B: Backend + ModelOps + 'static> PrefillNode<B> {
             },
             workers: pd.workers,
             timeout: pd.timeout,
+            max_connections: pd.max_connections.max(1),
             links,
             publisher: Mutex::new(Some(publisher)),
         })
@@ -307,10 +309,20 @@ impl<B: Backend + 'static> PrefillNode<B> {
     }
 
     /// Serves the decode connection `end` (a prefill end whose handshake is done): a
-    /// sender and its job threads. Refused (and closed) when decode's layouts differ.
+    /// sender and its job threads. Refused (and closed) when decode's layouts differ, or
+    /// when `max_connections` decode connections are up already (`Overloaded`).
     pub fn attach(&self, end: Arc<dyn Transport>) -> Result<(), EngineError> {
         let closed = self.links.lock().take_closed();
         drop(closed);
+        let live = self.links.lock().live.len();
+        if live >= self.max_connections {
+            let why = format!(
+                "this prefill node serves at most {} decode connections",
+                self.max_connections
+            );
+            end.close(&why);
+            return Err(EngineError::Overloaded(why));
+        }
         let sender = Arc::new(
             Sender::new(self.handle.cache().clone(), end, self.sender_config.clone())
                 .map_err(crate::pd::error::pd_error)?,
