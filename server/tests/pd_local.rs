@@ -1078,3 +1078,77 @@ fn a_transfer_whose_decode_request_ended_is_aborted_before_any_write() {
     assert_eq!(d.leak_check().unwrap().device_free, 6);
     assert_eq!(rx.stats().refused_total(), 0, "{:?}", rx.stats());
 }
+
+/// A decode end whose peer's one-sided writes may land `bound` after the connection
+/// closed (as NIXL's can): the local end, with that bound declared.
+#[derive(Debug)]
+struct LateWrites {
+    inner: Arc<sparsekit_server::transfer::local::LocalEnd>,
+    bound: Duration,
+}
+
+impl Transport for LateWrites {
+    fn name(&self) -> &'static str {
+        "late-writes"
+    }
+    fn peer(&self) -> &sparsekit_server::pd::wire::Hello {
+        self.inner.peer()
+    }
+    fn send(&self, frame: &[u8]) -> Result<(), sparsekit_server::transfer::TransferError> {
+        self.inner.send(frame)
+    }
+    fn recv(
+        &self,
+        timeout: Duration,
+    ) -> Result<Option<Vec<u8>>, sparsekit_server::transfer::TransferError> {
+        self.inner.recv(timeout)
+    }
+    fn write(
+        &self,
+        segments: &[Segment<'_>],
+        notification: Option<&[u8]>,
+    ) -> Result<(), sparsekit_server::transfer::TransferError> {
+        self.inner.write(segments, notification)
+    }
+    fn landing(&self) -> Option<Arc<sparsekit_server::pd::LandingZone>> {
+        self.inner.landing()
+    }
+    fn close(&self, why: &str) {
+        self.inner.close(why)
+    }
+    fn is_closed(&self) -> bool {
+        self.inner.is_closed()
+    }
+    fn late_write_bound(&self) -> Duration {
+        self.bound
+    }
+}
+
+/// After a teardown, the pages of the transfers in flight stay quarantined for the
+/// transport's late-write bound (a write prefill posted may still land in their landing
+/// slots), then are free; the requests fail at once.
+#[test]
+fn a_torn_down_transfer_keeps_its_pages_quarantined_for_the_late_write_bound() {
+    let d = cache(spec(KvDtype::Bf16, IndexKDtype::Bf16), 16, &[]);
+    let p = cache(spec(KvDtype::Bf16, IndexKDtype::Bf16), 16, &[]);
+    let (d_end, _p_end) = local_ends(&d, &p);
+    let bound = Duration::from_millis(400);
+    let end: Arc<dyn Transport> = Arc::new(LateWrites {
+        inner: d_end,
+        bound,
+    });
+    let rx = Receiver::new(d.clone(), end.clone(), ReceiverConfig::default()).unwrap();
+    start_on(&d, &rx, 1, &prompt(1, 2 * PAGE)).unwrap();
+    let closed_at = std::time::Instant::now();
+    end.close("the test tears the connection down");
+    match rx.wait(1, BOUND) {
+        Ok(Outcome::Failed(_)) => {}
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(d.stats().device_quarantined, 2, "held past the teardown");
+    until("the pins go after the bound", || {
+        d.stats().device_quarantined == 0
+    });
+    assert!(closed_at.elapsed() >= bound, "{:?}", closed_at.elapsed());
+    d.leak_check().unwrap();
+}

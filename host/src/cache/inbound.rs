@@ -274,6 +274,13 @@ impl<B: Backend + 'static> Inbound<B> {
         self.release();
     }
 
+    /// Fails the transfer for its readers now (they get `e`) but keeps its targets pinned
+    /// — quarantined — until this handle is dropped: for bytes that may still land after
+    /// the sender is gone (a remote write in flight).
+    pub fn fail_keep_pinned(&mut self, e: Error) {
+        self.fence.fail(e);
+    }
+
     fn release(&mut self) {
         if self.done {
             return;

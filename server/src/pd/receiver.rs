@@ -12,7 +12,8 @@
 //!
 //! **Quarantine.** A transfer's target pages stay pinned by its `Inbound` until prefill
 //! confirms that nothing more will land (`Finished`, `Cancelled`, or its own `Abort`) or
-//! the connection is torn down. Aborting a transfer from decode aborts the request in the
+//! the connection is torn down — and then, where a one-sided write prefill posted may
+//! still land (NIXL), for the transport's `late_write_bound` more. Aborting a transfer from decode aborts the request in the
 //! cache at once (every reference to its pages goes stale, readers fail) and sends prefill
 //! an `Abort`, but keeps the pins until the confirmation: the pages are never reused while
 //! a write may still land. A confirmation that never comes within
@@ -775,6 +776,11 @@ impl<B: Backend + 'static> RxShared<B> {
                 o
             }
         };
+        self.record_end(st, req, outcome);
+    }
+
+    /// Counts an ended transfer and remembers its outcome.
+    fn record_end(&self, st: &mut RxState<B>, req: u64, outcome: Outcome) {
         self.stats.ended(match outcome {
             Outcome::Ready => Ended::Finished,
             Outcome::Cancelled(_) => Ended::Cancelled,
@@ -792,12 +798,16 @@ impl<B: Backend + 'static> RxShared<B> {
         self.changed.notify_all();
     }
 
-    /// The connection is gone: nothing more can land; every transfer ends.
+    /// The connection is gone: every transfer ends. Where a write the peer posted before
+    /// may still land ([`Transport::late_write_bound`]), the transfers' target pages stay
+    /// quarantined for that bound before they can be reused.
     fn teardown(&self, st: &mut RxState<B>, why: &str) {
         if st.closed.is_none() {
             st.closed = Some(why.to_owned());
             tracing::warn!(%why, transfers = st.transfers.len(), "PD connection to prefill closed");
         }
+        let bound = self.transport.late_write_bound();
+        let mut held = Vec::new();
         let reqs: Vec<u64> = st.transfers.keys().copied().collect();
         for req in reqs {
             let outcome = match st.transfers.get(&req).map(|t| &t.phase) {
@@ -807,9 +817,40 @@ impl<B: Backend + 'static> RxShared<B> {
                     Outcome::Failed(format!("connection closed: {why}"))
                 }
             };
-            self.end(st, req, outcome);
+            if bound.is_zero() {
+                self.end(st, req, outcome);
+            } else if let Some(t) = self.end_keep_pinned(st, req, outcome) {
+                held.push(t);
+            }
+        }
+        if !held.is_empty() {
+            // A timer, not a synchronisation: the pins go when no posted write can land.
+            let spawned = std::thread::Builder::new()
+                .name("sparsekit-pd-quarantine".into())
+                .spawn(move || {
+                    std::thread::sleep(bound);
+                    drop(held);
+                });
+            if let Err(e) = spawned {
+                tracing::error!("PD quarantine timer: {e}; releasing at once");
+            }
         }
         self.changed.notify_all();
+    }
+
+    /// [`Self::end`] for a transfer whose bytes may still land: its readers fail now, its
+    /// inbound (with the pins) is returned to be dropped later.
+    fn end_keep_pinned(
+        &self,
+        st: &mut RxState<B>,
+        req: u64,
+        outcome: Outcome,
+    ) -> Option<Inbound<B>> {
+        let mut t = st.transfers.remove(&req)?;
+        let e = HostError::Cancelled(format!("PD transfer failed: {outcome:?}"));
+        t.inbound.fail_keep_pinned(e);
+        self.record_end(st, req, outcome);
+        Some(t.inbound)
     }
 
     /// Deadlines and orphans: transfers whose decode request ended, finished transfers

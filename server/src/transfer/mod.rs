@@ -95,6 +95,14 @@ pub trait Transport: Send + Sync + Debug {
 
     /// Whether the connection is gone.
     fn is_closed(&self) -> bool;
+
+    /// How long after the connection closed a write the peer posted before may still
+    /// land in the landing zone (a one-sided remote write in flight). Pages a torn-down
+    /// transfer targeted stay quarantined that long. Zero where a write has landed when
+    /// `write` returns (in-process).
+    fn late_write_bound(&self) -> Duration {
+        Duration::ZERO
+    }
 }
 
 /// The default bound of a transport's blocking operations (a write to a dead peer, a

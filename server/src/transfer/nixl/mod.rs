@@ -752,6 +752,12 @@ impl Transport for NixlEnd {
     fn is_closed(&self) -> bool {
         self.link.is_closed()
     }
+
+    /// A NIXL write posted by prefill before the teardown may still land until its own
+    /// bound (`io_timeout`) has passed.
+    fn late_write_bound(&self) -> Duration {
+        self.opts.io_timeout
+    }
 }
 
 impl Drop for NixlEnd {
