@@ -29,9 +29,10 @@
 //! handling a message fails the request that message was about and restarts the reader.
 //!
 //! **Threads.** `start`, `abort` and the queries may be called from any thread, but not
-//! from one that holds a layer guard of the decode cache: the reader copies landed pages
-//! under the receiver's state lock and waits (bounded by the cache's `wait_timeout`) for
-//! that layer's lock.
+//! from one that holds a layer guard of the decode cache. The reader copies landed pages
+//! outside the receiver's state lock, under that transfer's own lock, waiting (bounded by
+//! the cache's `wait_timeout`) for the layer's lock; only a call that ends that same
+//! transfer meanwhile waits for the copy.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -126,7 +127,9 @@ enum Phase {
 
 #[derive(Debug)]
 struct Transfer<B: Backend + 'static> {
-    inbound: Inbound<B>,
+    /// Behind its own lock, so that landing a layer (which may wait for the cache's layer
+    /// lock) happens outside the receiver's state lock; `None` once the transfer ended.
+    inbound: SharedInbound<B>,
     targets: Vec<PageRef>,
     index: HashMap<u32, usize>,
     prompt_tokens: usize,
@@ -135,6 +138,28 @@ struct Transfer<B: Backend + 'static> {
     phase: Phase,
     finished_at: Option<Instant>,
     progress: Instant,
+}
+
+type SharedInbound<B> = Arc<Mutex<Option<Inbound<B>>>>;
+
+/// Whether every layer of the transfer was published (false once it ended).
+fn published<B: Backend + 'static>(cache: &HiCache<B>, t: &Transfer<B>) -> bool {
+    match t.inbound.lock().as_ref() {
+        Some(i) => (0..cache.spec().num_layers).all(|l| i.is_layer_ready(l)),
+        None => false,
+    }
+}
+
+/// A layer's pages of one kind to copy into the cache, validated under the state lock
+/// and landed outside it.
+#[derive(Debug)]
+struct LandJob<B: Backend + 'static> {
+    req: u64,
+    layer: usize,
+    kind: BufferKind,
+    pages: Vec<PageRef>,
+    checksums: Vec<u64>,
+    inbound: SharedInbound<B>,
 }
 
 #[derive(Debug)]
@@ -254,7 +279,7 @@ impl<B: Backend + 'static> Receiver<B> {
             if st.transfers.contains_key(&req) {
                 return Err(PdError::Duplicate(req));
             }
-            let inbound = sh.cache.inbound(req, pages)?;
+            let inbound = Arc::new(Mutex::new(Some(sh.cache.inbound(req, pages)?)));
             let layers = sh.cache.spec().num_layers;
             let now = Instant::now();
             st.transfers.insert(
@@ -324,10 +349,7 @@ impl<B: Backend + 'static> Receiver<B> {
     pub fn is_ready(&self, req: u64) -> bool {
         let st = self.shared.state.lock();
         match st.transfers.get(&req) {
-            Some(t) => {
-                matches!(t.phase, Phase::Active)
-                    && (0..self.shared.cache.spec().num_layers).all(|l| t.inbound.is_layer_ready(l))
-            }
+            Some(t) => matches!(t.phase, Phase::Active) && published(&self.shared.cache, t),
             None => st.ended.get(&req) == Some(&Outcome::Ready),
         }
     }
@@ -489,22 +511,31 @@ impl<B: Backend + 'static> RxShared<B> {
             h(&msg);
         }
         let mut out = Outbox::new();
-        {
+        let job = {
             let mut st = self.state.lock();
-            self.dispatch(&mut st, msg, &mut out);
+            self.dispatch(&mut st, msg, &mut out)
+        };
+        // A layer lands outside the state lock: the copy may wait (bounded) for the
+        // cache's layer lock, and nothing else of the receiver waits behind it.
+        if let Some(job) = job {
+            let result = self.land(&job);
+            let mut st = self.state.lock();
+            self.landed(&mut st, job, result, &mut out);
         }
         *self.handling.lock() = None;
         self.flush(out);
     }
 
-    fn dispatch(&self, st: &mut RxState<B>, msg: Message, out: &mut Outbox) {
+    /// Handles `msg`; a valid write notification comes back as the pages to land.
+    fn dispatch(&self, st: &mut RxState<B>, msg: Message, out: &mut Outbox) -> Option<LandJob<B>> {
         let req = msg.request();
         if !msg.valid_towards(Role::Decode) {
-            return self.refuse("wrong_direction", req, &msg.name());
+            self.refuse("wrong_direction", req, &msg.name());
+            return None;
         }
         match msg {
             Message::Hello(_) => self.refuse("unexpected_hello", None, &"second handshake"),
-            Message::Written(w) => self.on_written(st, w, out),
+            Message::Written(w) => return self.on_written(st, w, out),
             Message::Finished { req, tokens } => self.on_finished(st, req, tokens),
             Message::Cancelled { req, reason } => {
                 self.on_confirmation(st, req, Outcome::Cancelled(reason))
@@ -516,6 +547,7 @@ impl<B: Backend + 'static> RxShared<B> {
             ),
             Message::Bootstrap(_) => self.refuse("wrong_direction", req, &"bootstrap"),
         }
+        None
     }
 
     /// Refusal reason for a message about a request without a live transfer.
@@ -531,22 +563,26 @@ impl<B: Backend + 'static> RxShared<B> {
         }
     }
 
-    fn on_written(&self, st: &mut RxState<B>, w: Written, out: &mut Outbox) {
+    /// Validates a write notification; the pages to land when it is acceptable.
+    fn on_written(&self, st: &mut RxState<B>, w: Written, out: &mut Outbox) -> Option<LandJob<B>> {
         let req = w.req;
         let spec = *self.cache.spec();
         let Some(t) = st.transfers.get_mut(&req) else {
-            return self.missing(st, req, "write notification");
+            self.missing(st, req, "write notification");
+            return None;
         };
         if let Phase::Aborting { .. } = t.phase {
-            return self.refuse("after_abort", Some(req), &"late write after abort");
+            self.refuse("after_abort", Some(req), &"late write after abort");
+            return None;
         }
         let layer = w.layer as usize;
         if layer >= spec.num_layers {
-            return self.refuse(
+            self.refuse(
                 "bad_request",
                 Some(req),
                 &format!("layer {layer} of {}", spec.num_layers),
             );
+            return None;
         }
         let want = spec.layout(w.kind).fingerprint();
         if self.config.checks.fingerprints && w.fingerprint != want {
@@ -559,51 +595,68 @@ impl<B: Backend + 'static> RxShared<B> {
                     w.fingerprint
                 ),
             );
-            return self.begin_abort(
+            self.begin_abort(
                 st,
                 req,
                 Outcome::Failed(format!("{} layout mismatch", w.kind.name())),
                 out,
             );
+            return None;
         }
         let n = t.targets.len();
         let k = kind_index(w.kind);
         let mut seen = HashSet::new();
         for p in &w.pages {
-            match t.index.get(&p.id) {
-                None => {
-                    return self.refuse(
-                        "not_target",
-                        Some(req),
-                        &format!("page {} is not a target of the transfer", p.id),
-                    )
-                }
-                Some(&i) if t.targets[i].generation != p.generation => {
-                    return self.refuse(
-                        "stale_generation",
-                        Some(req),
-                        &format!(
-                            "page {} generation {} (the transfer's is {})",
-                            p.id, p.generation, t.targets[i].generation
-                        ),
-                    )
-                }
-                Some(&i) if !seen.insert(i) || t.landed[layer * n + i][k] => {
-                    return self.refuse(
-                        "duplicate",
-                        Some(req),
-                        &format!("page {} of layer {layer} {} again", p.id, w.kind.name()),
-                    )
-                }
-                Some(_) => {}
+            let refused = match t.index.get(&p.id) {
+                None => Some((
+                    "not_target",
+                    format!("page {} is not a target of the transfer", p.id),
+                )),
+                Some(&i) if t.targets[i].generation != p.generation => Some((
+                    "stale_generation",
+                    format!(
+                        "page {} generation {} (the transfer's is {})",
+                        p.id, p.generation, t.targets[i].generation
+                    ),
+                )),
+                Some(&i) if !seen.insert(i) || t.landed[layer * n + i][k] => Some((
+                    "duplicate",
+                    format!("page {} of layer {layer} {} again", p.id, w.kind.name()),
+                )),
+                Some(_) => None,
+            };
+            if let Some((reason, detail)) = refused {
+                self.refuse(reason, Some(req), &detail);
+                return None;
             }
         }
-        let ids: Vec<u32> = w.pages.iter().map(|p| p.id).collect();
-        let result = self.land(t, layer, w.kind, &w.pages, &ids, &w.checksums);
+        Some(LandJob {
+            req,
+            layer,
+            kind: w.kind,
+            pages: w.pages,
+            checksums: w.checksums,
+            inbound: t.inbound.clone(),
+        })
+    }
+
+    /// Applies the outcome of landing `job` (the transfer may have ended meanwhile).
+    fn landed(
+        &self,
+        st: &mut RxState<B>,
+        job: LandJob<B>,
+        result: Result<usize, PdError>,
+        out: &mut Outbox,
+    ) {
+        let (req, layer) = (job.req, job.layer);
+        let Some(t) = st.transfers.get_mut(&req) else {
+            return;
+        };
+        let (n, k) = (t.targets.len(), kind_index(job.kind));
         match result {
             Ok(bytes) => {
-                self.stats.bytes(w.kind, bytes);
-                for p in &w.pages {
+                self.stats.bytes(job.kind, bytes);
+                for p in &job.pages {
                     if let Some(&i) = t.index.get(&p.id) {
                         t.landed[layer * n + i][k] = true;
                     }
@@ -648,34 +701,34 @@ impl<B: Backend + 'static> RxShared<B> {
     }
 
     /// Copies the landed pages into the cache through the transfer's inbound (generation
-    /// and checksum checks there). Returns the bytes copied.
-    fn land(
-        &self,
-        t: &mut Transfer<B>,
-        layer: usize,
-        kind: BufferKind,
-        pages: &[PageRef],
-        ids: &[u32],
-        sent_sums: &[u64],
-    ) -> Result<usize, PdError> {
+    /// and checksum checks there), holding only that transfer's lock. Returns the bytes
+    /// copied.
+    fn land(&self, job: &LandJob<B>) -> Result<usize, PdError> {
+        let (layer, kind, pages) = (job.layer, job.kind, &job.pages);
+        let ids: Vec<u32> = pages.iter().map(|p| p.id).collect();
         let b = self.cache.backend();
-        let bytes = self.landing.read_pages(layer, kind, ids)?;
+        let bytes = self.landing.read_pages(layer, kind, &ids)?;
         let buf = b.upload(&bytes)?;
         let region = PagedRegion::contiguous(self.cache.spec().layout(kind), pages.len());
         let src_ids: Vec<i32> = (0..pages.len() as i32).collect();
         // Checks off: trust whatever landed (its own checksums always match).
         let sums = if self.config.checks.checksums {
-            sent_sums.to_vec()
+            job.checksums.clone()
         } else {
             checksums(b, region, &buf, &src_ids)?
         };
-        t.inbound
-            .write(layer, kind, pages, &buf, region, &src_ids, &sums)?;
+        let mut inbound = job.inbound.lock();
+        let Some(inbound) = inbound.as_mut() else {
+            return Err(PdError::Invalid(
+                "the transfer ended while its pages landed".into(),
+            ));
+        };
+        inbound.write(layer, kind, pages, &buf, region, &src_ids, &sums)?;
         Ok(bytes.len())
     }
 
     fn all_published(&self, t: &Transfer<B>) -> bool {
-        (0..self.cache.spec().num_layers).all(|l| t.inbound.is_layer_ready(l))
+        published(&self.cache, t)
     }
 
     fn on_finished(&self, st: &mut RxState<B>, req: u64, tokens: u32) {
@@ -762,17 +815,20 @@ impl<B: Backend + 'static> RxShared<B> {
         let Some(t) = st.transfers.remove(&req) else {
             return;
         };
-        let outcome = match outcome {
-            Outcome::Ready => match t.inbound.complete() {
+        let inbound = t.inbound.lock().take();
+        let outcome = match (outcome, inbound) {
+            (Outcome::Ready, Some(i)) => match i.complete() {
                 Ok(()) => Outcome::Ready,
                 Err(e) => Outcome::Failed(e.to_string()),
             },
-            o => {
+            (o, i) => {
                 let e = match &o {
                     Outcome::Cancelled(r) => HostError::Cancelled(r.clone()),
                     _ => HostError::Cancelled(format!("PD transfer failed: {o:?}")),
                 };
-                t.inbound.fail(e);
+                if let Some(i) = i {
+                    i.fail(e);
+                }
                 o
             }
         };
@@ -846,11 +902,12 @@ impl<B: Backend + 'static> RxShared<B> {
         req: u64,
         outcome: Outcome,
     ) -> Option<Inbound<B>> {
-        let mut t = st.transfers.remove(&req)?;
+        let t = st.transfers.remove(&req)?;
+        let mut inbound = t.inbound.lock().take()?;
         let e = HostError::Cancelled(format!("PD transfer failed: {outcome:?}"));
-        t.inbound.fail_keep_pinned(e);
+        inbound.fail_keep_pinned(e);
         self.record_end(st, req, outcome);
-        Some(t.inbound)
+        Some(inbound)
     }
 
     /// Deadlines and orphans: transfers whose decode request ended, finished transfers
