@@ -104,6 +104,19 @@ fn prefill_and_decode_as_two_processes_over_nixl() {
     };
     let prefill = start_prefill("0");
     let peer = format!("http://{}", prefill.addr);
+    let (_, info) = get(&prefill.addr, "/server_info");
+    let info: Value = serde_json::from_str(common::body(&info)).unwrap();
+    assert_eq!(info["pd"]["role"], "prefill", "{info}");
+    let bootstrap = info["pd"]["bootstrap_port"].as_u64().unwrap();
+    assert!(bootstrap > 0);
+    // Three clients connect to the bootstrap port and never speak: each handshake waits
+    // up to its bound (10 s) on a thread of its own, so decode is not kept waiting.
+    let mut at: std::net::SocketAddr = prefill.addr.parse().unwrap();
+    at.set_port(bootstrap as u16);
+    let silent: Vec<std::net::TcpStream> = (0..3)
+        .map(|_| std::net::TcpStream::connect(at).unwrap())
+        .collect();
+    let started = Instant::now();
     let decode = serve(
         &lib,
         &[
@@ -112,10 +125,6 @@ fn prefill_and_decode_as_two_processes_over_nixl() {
         ]
         .concat(),
     );
-    let (_, info) = get(&prefill.addr, "/server_info");
-    let info: Value = serde_json::from_str(common::body(&info)).unwrap();
-    assert_eq!(info["pd"]["role"], "prefill", "{info}");
-    assert!(info["pd"]["bootstrap_port"].as_u64().unwrap() > 0);
     let (_, info) = get(&decode.addr, "/server_info");
     let info: Value = serde_json::from_str(common::body(&info)).unwrap();
     assert_eq!(
@@ -125,8 +134,14 @@ fn prefill_and_decode_as_two_processes_over_nixl() {
 
     // A prompt of several full pages (moved by NIXL) plus a partial one.
     let prompt: Vec<u32> = (0..150).map(|i| (i * 13 % 256) as u32).collect();
-    let (s0, want) = generate(&plain.addr, &prompt);
     let (s1, got) = generate(&decode.addr, &prompt);
+    let connected_in = started.elapsed();
+    drop(silent);
+    assert!(
+        connected_in < Duration::from_secs(9),
+        "silent clients delayed decode's connection: {connected_in:?}"
+    );
+    let (s0, want) = generate(&plain.addr, &prompt);
     assert_eq!((s0, s1), (200, 200), "{want}\n{got}");
     assert!(want["output_ids"].as_array().is_some_and(|a| a.len() == 6));
     assert_eq!(bits(&want), bits(&got));

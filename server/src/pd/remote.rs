@@ -12,7 +12,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 
 use serde_json::Value;
@@ -22,6 +22,9 @@ use crate::error::EngineError;
 use crate::harness::deploy::parse_url;
 use crate::pd::decode::Connector;
 use crate::pd::prefill::PrefillNode;
+
+/// Handshakes a prefill listener runs at once (each bounded by `io_timeout`).
+pub const MAX_HANDSHAKES: usize = 8;
 
 /// Prefill's PD address from its server URL: its `/server_info` must say it is a prefill
 /// server on the NIXL transport; the address is the URL's host with its bootstrap port.
@@ -84,21 +87,51 @@ impl PrefillListener {
             zone: None,
             opts: NixlOptions::default(),
         };
-        let listener = NixlListener::bind(side, addr).map_err(unavailable)?;
+        let listener = Arc::new(NixlListener::bind(side, addr).map_err(unavailable)?);
         let addr = listener.local_addr().map_err(unavailable)?;
         let stop = Arc::new(AtomicBool::new(false));
         let s = stop.clone();
         let thread = std::thread::Builder::new()
             .name("sparsekit-pd-listener".into())
             .spawn(move || {
+                // Each handshake on a thread of its own (bounded by the side's io_timeout):
+                // a silent client delays no other decode. At most MAX_HANDSHAKES at once;
+                // a connection beyond that is closed at once.
+                let handshaking = Arc::new(AtomicUsize::new(0));
                 while !s.load(Ordering::Acquire) {
-                    match listener.accept(Duration::from_millis(200)) {
-                        Ok(end) => match node.attach(end) {
-                            Ok(()) => tracing::info!("PD: decode connected"),
-                            Err(e) => tracing::warn!("PD: refused a decode connection: {e}"),
-                        },
-                        Err(crate::transfer::TransferError::Timeout(_)) => {}
-                        Err(e) => tracing::warn!("PD: a connection attempt failed: {e}"),
+                    let stream = match listener.accept_stream(Duration::from_millis(200)) {
+                        Ok(stream) => stream,
+                        Err(crate::transfer::TransferError::Timeout(_)) => continue,
+                        Err(e) => {
+                            tracing::warn!("PD: a connection attempt failed: {e}");
+                            continue;
+                        }
+                    };
+                    if handshaking.fetch_add(1, Ordering::AcqRel) >= MAX_HANDSHAKES {
+                        handshaking.fetch_sub(1, Ordering::AcqRel);
+                        tracing::warn!(
+                            "PD: {MAX_HANDSHAKES} handshakes in flight; closing a new connection"
+                        );
+                        continue;
+                    }
+                    let (l, node, count) = (listener.clone(), node.clone(), handshaking.clone());
+                    let spawned = std::thread::Builder::new()
+                        .name("sparsekit-pd-handshake".into())
+                        .spawn(move || {
+                            match l.handshake(stream) {
+                                Ok(end) => match node.attach(end) {
+                                    Ok(()) => tracing::info!("PD: decode connected"),
+                                    Err(e) => {
+                                        tracing::warn!("PD: refused a decode connection: {e}")
+                                    }
+                                },
+                                Err(e) => tracing::warn!("PD: a handshake failed: {e}"),
+                            }
+                            count.fetch_sub(1, Ordering::AcqRel);
+                        });
+                    if let Err(e) = spawned {
+                        handshaking.fetch_sub(1, Ordering::AcqRel);
+                        tracing::warn!("PD: cannot start a handshake thread: {e}");
                     }
                 }
             })

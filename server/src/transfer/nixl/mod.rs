@@ -47,6 +47,27 @@ fn nixl_err(what: &str, e: capi::CallError) -> TransferError {
     TransferError::Failed(format!("NIXL {what}: {e}"))
 }
 
+/// Control frames and notifications an end holds unread at most; past it the readers
+/// wait (the peer's TCP sends back up), re-checking every 100 ms whether the end closed.
+const INBOX_FRAMES: usize = 4096;
+
+/// Puts `frame` into the inbox, waiting for room while the connection is open. `false`
+/// when it cannot be delivered (closed, or nobody reads any more).
+fn forward(tx: &flume::Sender<Vec<u8>>, mut frame: Vec<u8>, link: &Link) -> bool {
+    loop {
+        match tx.send_timeout(frame, Duration::from_millis(100)) {
+            Ok(()) => return true,
+            Err(flume::SendTimeoutError::Timeout(f)) => {
+                if link.is_closed() {
+                    return false;
+                }
+                frame = f;
+            }
+            Err(flume::SendTimeoutError::Disconnected(_)) => return false,
+        }
+    }
+}
+
 /// Settings of NIXL connections.
 #[derive(Clone, Debug)]
 pub struct NixlOptions {
@@ -320,13 +341,21 @@ impl NixlListener {
     /// handshake (bounded by the side's `io_timeout` from the moment it was accepted).
     /// `Timeout` only when no connection came.
     pub fn accept(&self, timeout: Duration) -> Result<Arc<NixlEnd>, TransferError> {
+        let stream = self.accept_stream(timeout)?;
+        self.handshake(stream)
+    }
+
+    /// Accepts one TCP connection, waiting at most `timeout` (`Timeout` when none came);
+    /// its handshake is [`NixlListener::handshake`]'s — run it on a thread of its own so
+    /// that a silent client delays nobody else.
+    pub fn accept_stream(&self, timeout: Duration) -> Result<TcpStream, TransferError> {
         let deadline = crate::deadline_after(timeout);
         self.tcp
             .set_nonblocking(true)
             .map_err(|e| TransferError::Failed(e.to_string()))?;
-        let stream = loop {
+        loop {
             match self.tcp.accept() {
-                Ok((s, _)) => break s,
+                Ok((s, _)) => return Ok(s),
                 Err(e) if e.kind() == ErrorKind::WouldBlock => {
                     if Instant::now() >= deadline {
                         return Err(TransferError::Timeout(format!(
@@ -337,7 +366,13 @@ impl NixlListener {
                 }
                 Err(e) => return Err(TransferError::Failed(format!("accept: {e}"))),
             }
-        };
+        }
+    }
+
+    /// Completes the handshake of an accepted connection, bounded by the side's
+    /// `io_timeout` (a timeout is reported as a failed handshake, never as "no
+    /// connection").
+    pub fn handshake(&self, stream: TcpStream) -> Result<Arc<NixlEnd>, TransferError> {
         stream
             .set_nonblocking(false)
             .map_err(|e| TransferError::Failed(e.to_string()))?;
@@ -432,7 +467,8 @@ impl Link {
             return false;
         }
         *self.why.lock() = why.to_owned();
-        let _ = self.wake.send(Vec::new());
+        // A full inbox is read before the end sees it closed: no need to wait for room.
+        let _ = self.wake.try_send(Vec::new());
         true
     }
     fn is_closed(&self) -> bool {
@@ -472,7 +508,7 @@ impl NixlEnd {
         remote_zone: Option<(u64, u64)>,
         opts: NixlOptions,
     ) -> Result<Arc<Self>, TransferError> {
-        let (tx, inbox) = flume::unbounded();
+        let (tx, inbox) = flume::bounded(INBOX_FRAMES);
         let link = Arc::new(Link {
             closed: AtomicBool::new(false),
             why: Mutex::new(String::new()),
@@ -631,7 +667,9 @@ fn tcp_reader(
     let mut buf = vec![0u8; 64 << 10];
     // Frames that arrived with the handshake.
     while let Some(raw) = reader.next_raw() {
-        let _ = tx.send(raw);
+        if !forward(&tx, raw, &link) {
+            return;
+        }
     }
     while !link.is_closed() {
         match s.read(&mut buf) {
@@ -642,7 +680,7 @@ fn tcp_reader(
             Ok(n) => {
                 reader.push(&buf[..n]);
                 while let Some(raw) = reader.next_raw() {
-                    if tx.send(raw).is_err() {
+                    if !forward(&tx, raw, &link) {
                         return;
                     }
                 }
@@ -682,7 +720,7 @@ fn notif_poller(
         }
         for b in got {
             // An empty notification would read as the close marker: never forward one.
-            if !b.is_empty() && tx.send(b).is_err() {
+            if !b.is_empty() && !forward(&tx, b, &link) {
                 return;
             }
         }
