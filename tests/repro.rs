@@ -1,6 +1,7 @@
 //! `sparsekit repro` as a process at a tiny scale: a PD-off and a PD-on configuration
-//! report clean sessions with every JSON field of issue 10; bad options are refused with a
-//! clear error.
+//! report clean sessions with every JSON field of the schema (`docs/repro.md`, version 2:
+//! named fields, wall time, pool sizes), the `--report` page and its pictures; bad options
+//! are refused with a clear error.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic
 
@@ -9,7 +10,8 @@ use std::process::Command;
 use serde_json::Value;
 
 #[test]
-fn repro_json_rows() {
+fn repro_json_rows_and_report() {
+    let dir = std::env::temp_dir().join(format!("sparsekit-report-{}", std::process::id()));
     let out = Command::new(env!("CARGO_BIN_EXE_sparsekit"))
         .args([
             "repro",
@@ -20,7 +22,9 @@ fn repro_json_rows() {
             "--configs",
             "bf16/host-on/pd-off,bf16/host-on/pd-on",
             "--json",
+            "--report",
         ])
+        .arg(&dir)
         .output()
         .unwrap();
     assert!(
@@ -28,8 +32,46 @@ fn repro_json_rows() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let rows: Vec<Value> = serde_json::from_slice(&out.stdout).unwrap();
+    let run: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(run["schema_version"], 2);
+    assert!(run["wall_seconds"].as_f64().unwrap() > 0.0);
+    assert!(run["sizing"]["device_pages"].as_u64().unwrap() > 0);
+    assert_eq!(
+        (run["sessions"].as_u64(), run["turns"].as_u64()),
+        (Some(2), Some(2))
+    );
+    let rows = run["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 2);
+    let t1 = &rows[0]["ttft_by_turn_ms"][0];
+    assert_eq!(t1["turn"], 1, "named fields, not positional pairs: {t1}");
+    assert!(t1["p50_ms"].as_f64().is_some());
+    assert!(rows[0]["kernel_checks"].as_u64().unwrap() > 0);
+    assert_eq!(rows[0]["kernel_mismatches"], 0);
+    // The page and its pictures, and the same JSON beside them.
+    let html = std::fs::read_to_string(dir.join("index.html")).unwrap();
+    for want in [
+        "bf16/host-on/pd-off",
+        "ttft_by_turn.svg",
+        "integrity.svg",
+        "report.json",
+    ] {
+        assert!(html.contains(want), "index.html lacks {want}");
+    }
+    for svg in ["ttft_by_turn.svg", "integrity.svg"] {
+        let text = std::fs::read_to_string(dir.join(svg)).unwrap();
+        assert!(
+            text.starts_with("<svg") && text.trim_end().ends_with("</svg>"),
+            "{svg}"
+        );
+        assert!(
+            text.contains("<polyline") || text.contains("<rect"),
+            "{svg} draws nothing"
+        );
+    }
+    let stored: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).unwrap()).unwrap();
+    assert_eq!(stored["rows"], run["rows"]);
+    let _ = std::fs::remove_dir_all(&dir);
     let fields = [
         "config",
         "index_k",
@@ -48,7 +90,7 @@ fn repro_json_rows() {
         "host_hit_rate",
         "ttft_speedup_turn3plus",
     ];
-    for r in &rows {
+    for r in rows {
         for f in fields {
             assert!(r.get(f).is_some(), "missing {f} in {r}");
         }

@@ -6,6 +6,7 @@ mod kernels;
 mod layouts;
 mod profile;
 mod repro;
+mod repro_report;
 mod serve;
 mod validate;
 

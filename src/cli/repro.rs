@@ -21,7 +21,9 @@ use sparsekit_server::harness::deploy::{
     parse_url, remote_info, ConfigRunner, LocalRunner, RunPlan, Sizing, UrlRunner,
 };
 use sparsekit_server::harness::process::ProcessRunner;
-use sparsekit_server::harness::report::{render_table, EvidenceRow};
+use sparsekit_server::harness::report::{
+    render_table, EvidenceRow, RunReport, REPORT_SCHEMA_VERSION,
+};
 use sparsekit_server::harness::repro::{
     reference_runs, run_configs, run_repro, total_turns, ReproOptions,
 };
@@ -91,9 +93,13 @@ pub struct Args {
     /// Seconds a request may take before it counts as wedged.
     #[arg(long, default_value_t = 300)]
     deadline_s: u64,
-    /// Print the rows as JSON.
+    /// Print the run as JSON (the schema of docs/repro.md, `schema_version` 2).
     #[arg(long)]
     json: bool,
+    /// Also write the run as a page to DIR: index.html (the tables, TTFT by turn and
+    /// what the checks caught as pictures), the pictures as SVG, report.json.
+    #[arg(long, value_name = "DIR")]
+    report: Option<std::path::PathBuf>,
 }
 
 pub fn run(args: Args) -> Result<ExitCode, CliError> {
@@ -172,8 +178,29 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
         other => return Err(format!("unknown backend {other:?} (available: {BACKENDS})").into()),
     };
     let wall = started.elapsed();
+    let run = RunReport {
+        schema_version: REPORT_SCHEMA_VERSION,
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        wall_seconds: wall.as_secs_f64(),
+        sessions: args.sessions,
+        turns: args.turns,
+        rounds: args.rounds,
+        backend: args.backend.clone(),
+        model: args.model.clone(),
+        sizing,
+        reference: !args.no_reference,
+        injection: args.inject.clone(),
+        verify: !args.no_verify,
+        rows: rows.clone(),
+    };
+    if let Some(dir) = &args.report {
+        super::repro_report::write(dir, &run)?;
+        if !args.json {
+            println!("report: {}", dir.join("index.html").display());
+        }
+    }
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        println!("{}", serde_json::to_string_pretty(&run)?);
     } else {
         print!("{}", render_table(&rows));
         if let Some(s) = sizing {

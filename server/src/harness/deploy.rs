@@ -30,7 +30,7 @@ use crate::pd::pair::PdPair;
 use crate::pd::{Checks, PdFaults, PdOptions};
 
 /// Pool sizes of a run (pages of `page_size` tokens of every layer and kind).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct Sizing {
     /// The device pool: about a quarter of the workload's working set.
     pub device_pages: usize,

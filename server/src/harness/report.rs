@@ -105,6 +105,58 @@ impl Verdict {
     }
 }
 
+/// The whole output of one `sparsekit repro` run, as `--json` prints it and `--report`
+/// stores it (`docs/repro.md` documents every field).
+#[derive(Clone, Debug, Serialize)]
+pub struct RunReport {
+    /// Version of this schema: a consumer checks it before reading the rest.
+    pub schema_version: u32,
+    /// The command line that produced it.
+    pub command: String,
+    /// Wall time of the whole run (references, every configuration and round).
+    pub wall_seconds: f64,
+    pub sessions: usize,
+    pub turns: usize,
+    pub rounds: usize,
+    pub backend: String,
+    pub model: String,
+    /// Pool sizes in pages (`None` against running servers: theirs).
+    pub sizing: Option<crate::harness::deploy::Sizing>,
+    /// Whether sessions were compared with an uncached reference run.
+    pub reference: bool,
+    pub injection: Option<String>,
+    pub verify: bool,
+    pub rows: Vec<EvidenceRow>,
+}
+
+/// The current [`RunReport::schema_version`].
+pub const REPORT_SCHEMA_VERSION: u32 = 2;
+
+/// How many integrity events one check counted over a row's run.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct CheckCount {
+    /// `family:label`, e.g. `checksum:host_load`, `refused:unwritten`,
+    /// `detection:landing_wait`, `kernel:topk`, `frame:fingerprint`, `fallback:checksum`.
+    pub check: String,
+    pub count: u64,
+}
+
+/// TTFT of one turn (1-based) over a row's sessions.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct TurnTtft {
+    pub turn: usize,
+    pub p50_ms: Option<f64>,
+    pub p99_ms: Option<f64>,
+}
+
+/// Where a corrupted session first diverged from the reference.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Divergence {
+    pub session: usize,
+    pub turn: usize,
+    pub step: usize,
+}
+
 /// One row of the evidence table.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct EvidenceRow {
@@ -135,7 +187,7 @@ pub struct EvidenceRow {
     /// Which checks counted them: `check:detail` (e.g. `checksum:host_load`,
     /// `refused:unwritten`, `detection:landing_wait`, `kernel:topk`, `frame:fingerprint`)
     /// with the count, nonzero only.
-    pub caught_by: Vec<(String, u64)>,
+    pub caught_by: Vec<CheckCount>,
     /// Requests served by recomputing a prefix that failed a check.
     pub fallbacks: Option<u64>,
     /// Kernel calls re-checked against the f64 references, and how many differed.
@@ -163,9 +215,9 @@ pub struct EvidenceRow {
     /// this row's (host tier on rows only).
     pub ttft_speedup_turn3plus: Option<f64>,
     /// TTFT p50 and p99 (ms) per turn, turn 1 first.
-    pub ttft_by_turn_ms: Vec<(Option<f64>, Option<f64>)>,
-    /// `(session, turn, step)` of the first divergence of each corrupted session.
-    pub first_divergences: Vec<(usize, usize, usize)>,
+    pub ttft_by_turn_ms: Vec<TurnTtft>,
+    /// The first divergence of each corrupted session.
+    pub first_divergences: Vec<Divergence>,
     /// What the injection did here (with `--inject`).
     pub verdict: Option<Verdict>,
 }
@@ -234,7 +286,11 @@ impl EvidenceRow {
         let by_turn = (0..turns)
             .map(|t| {
                 let v = ttft_ms(&|x| x == t);
-                (percentile(&v, 50.0), percentile(&v, 99.0))
+                TurnTtft {
+                    turn: t + 1,
+                    p50_ms: percentile(&v, 50.0),
+                    p99_ms: percentile(&v, 99.0),
+                }
             })
             .collect();
         let health_ms: Vec<f64> = health.iter().map(|x| x * 1e3).collect();
@@ -254,7 +310,15 @@ impl EvidenceRow {
             ttft_turn3plus_p50_ms: percentile(&ttft_ms(&|t| t >= 2), 50.0),
             health_p99_ms: percentile(&health_ms, 99.0),
             ttft_by_turn_ms: by_turn,
-            first_divergences: tally.first_divergences.clone(),
+            first_divergences: tally
+                .first_divergences
+                .iter()
+                .map(|&(session, turn, step)| Divergence {
+                    session,
+                    turn,
+                    step,
+                })
+                .collect(),
             ..Self::unavailable(label, "")
         }
     }
@@ -329,10 +393,11 @@ fn layout(lines: &[Vec<String>]) -> String {
     out
 }
 
-/// The table for people: one line per row, unavailable rows with their note; then TTFT by
-/// turn per measured row.
+/// The tables for people, each narrow enough for a terminal: what the checks saw (one
+/// line per row, unavailable rows with their note), then the serving numbers, then TTFT
+/// by turn, then each row's notes.
 pub fn render_table(rows: &[EvidenceRow]) -> String {
-    let header = [
+    let integrity = [
         "config",
         "round",
         "sessions",
@@ -346,15 +411,9 @@ pub fn render_table(rows: &[EvidenceRow]) -> String {
         "leaked",
         "quarant.",
         "ref. frames",
-        "TTFT p50 ms",
-        "TTFT p99 ms",
-        "health p99 ms",
-        "dev hits %",
-        "host hits %",
-        "speed-up t3+",
         "verdict",
     ];
-    let mut lines: Vec<Vec<String>> = vec![header.iter().map(|s| s.to_string()).collect()];
+    let mut lines: Vec<Vec<String>> = vec![integrity.iter().map(|s| s.to_string()).collect()];
     for r in rows {
         if !r.available {
             lines.push(vec![
@@ -386,16 +445,37 @@ pub fn render_table(rows: &[EvidenceRow]) -> String {
             cell(r.leaked_pages),
             cell(r.quarantined_pages),
             cell(r.refused_frames),
+            r.verdict.map_or("-", |v| v.name()).to_string(),
+        ]);
+    }
+    let mut out = layout(&lines);
+    let serving = [
+        "config",
+        "round",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "health p99 ms",
+        "dev hits %",
+        "host hits %",
+        "speed-up t3+",
+    ];
+    let mut lines: Vec<Vec<String>> = vec![serving.iter().map(|s| s.to_string()).collect()];
+    for r in rows.iter().filter(|r| r.available) {
+        lines.push(vec![
+            r.config.clone(),
+            cell(r.round),
             cell_f(r.ttft_p50_ms, 1),
             cell_f(r.ttft_p99_ms, 1),
             cell_f(r.health_p99_ms, 2),
             cell_f(r.device_hit_rate.map(|x| x * 100.0), 1),
             cell_f(r.host_hit_rate.map(|x| x * 100.0), 1),
             cell_f(r.ttft_speedup_turn3plus, 2),
-            r.verdict.map_or("-", |v| v.name()).to_string(),
         ]);
     }
-    let mut out = layout(&lines);
+    if lines.len() > 1 {
+        out.push('\n');
+        out.push_str(&layout(&lines));
+    }
     let turns = rows
         .iter()
         .map(|r| r.ttft_by_turn_ms.len())
@@ -408,7 +488,7 @@ pub fn render_table(rows: &[EvidenceRow]) -> String {
         for r in rows.iter().filter(|r| r.available) {
             let mut l = vec![r.config.clone(), cell(r.round)];
             l.extend((0..turns).map(|t| match r.ttft_by_turn_ms.get(t) {
-                Some((a, b)) => format!("{}/{}", cell_f(*a, 0), cell_f(*b, 0)),
+                Some(x) => format!("{}/{}", cell_f(x.p50_ms, 0), cell_f(x.p99_ms, 0)),
                 None => "-".into(),
             }));
             lines.push(l);
@@ -424,14 +504,20 @@ pub fn render_table(rows: &[EvidenceRow]) -> String {
             let by: Vec<String> = r
                 .caught_by
                 .iter()
-                .map(|(k, n)| format!("{k} {n}"))
+                .map(|c| format!("{} {}", c.check, c.count))
                 .collect();
             out.push_str(&format!("{}: caught by {}\n", r.config, by.join(", ")));
         }
         if !r.first_divergences.is_empty() {
+            let d: Vec<String> = r
+                .first_divergences
+                .iter()
+                .map(|d| format!("({}, {}, {})", d.session, d.turn, d.step))
+                .collect();
             out.push_str(&format!(
-                "{}: first divergences (session, turn, step): {:?}\n",
-                r.config, r.first_divergences
+                "{}: first divergences (session, turn, step): {}\n",
+                r.config,
+                d.join(", ")
             ));
         }
     }

@@ -31,7 +31,7 @@ use crate::error::EngineError;
 use crate::harness::compare::Tally;
 use crate::harness::config::{index_k_name, ConfigKey, Injection};
 use crate::harness::deploy::{wait_idle, ConfigRunner, Deployment, RunPlan, Sizing};
-use crate::harness::report::{ConfigLabel, EvidenceRow, Verdict};
+use crate::harness::report::{CheckCount, ConfigLabel, EvidenceRow, Verdict};
 use crate::harness::run::{
     probe_health, run_concurrent, run_reference, AbortingTarget, EngineTarget, Progress,
     SessionTrace, Target, TurnFailure,
@@ -274,7 +274,10 @@ fn cache_numbers(row: &mut EvidenceRow, c: &ConfigKey, before: &Scrape, after: &
         for v in after.label_values(family, label) {
             let n = d(family, &[(label, &v)]) as u64;
             if n > 0 {
-                by.push((format!("{short}:{v}"), n));
+                by.push(CheckCount {
+                    check: format!("{short}:{v}"),
+                    count: n,
+                });
             }
         }
     }
@@ -282,7 +285,10 @@ fn cache_numbers(row: &mut EvidenceRow, c: &ConfigKey, before: &Scrape, after: &
     for op in after.label_values(kernel, "op") {
         let n = d(kernel, &[("op", &op), ("outcome", "mismatch")]) as u64;
         if n > 0 {
-            by.push((format!("kernel:{op}"), n));
+            by.push(CheckCount {
+                check: format!("kernel:{op}"),
+                count: n,
+            });
         }
     }
     row.caught_by = by;
@@ -499,8 +505,11 @@ pub fn run_repro<B: Backend + ModelOps + 'static>(
         audit: opts.audit.clone(),
         kernel_check_every: opts.kernel_check_every,
     };
+    let done = std::cell::Cell::new(0usize);
+    let n = opts.configs.len();
     let rows = run_configs(runners, opts, &plan, &w, &references, progress, &|c| {
-        on_phase(&c.name())
+        done.set(done.get() + 1);
+        on_phase(&format!("config {}/{n}: {}", done.get(), c.name()))
     });
     Ok(ReproReport {
         rows,
