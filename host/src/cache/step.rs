@@ -384,7 +384,7 @@ impl<'c, B: Backend + 'static> Step<'c, B> {
     fn poison_unlanded(&self, bufs: &mut LayerBuffers<B>, layer: usize) -> Result<()> {
         let sh = &*self.cache.shared;
         for kind in BufferKind::ALL {
-            let ids: Vec<i32> = self
+            let mut ids: Vec<i32> = self
                 .live_members()
                 .flat_map(|m| m.landed.iter())
                 .filter(|p| {
@@ -392,6 +392,9 @@ impl<'c, B: Backend + 'static> Step<'c, B> {
                 })
                 .map(|p| p.id as i32)
                 .collect();
+            // Members sharing a prefix share its pages: each page once.
+            ids.sort_unstable();
+            ids.dedup();
             let region = sh.device.region(kind);
             super::io::poison_pages(&*sh.backend, region, bufs.get_mut(kind), &ids)?;
         }

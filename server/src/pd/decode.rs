@@ -102,6 +102,8 @@ pub struct DecodeSource<B: Backend + 'static> {
     /// the fetches seen (every [`DECOY_EVERY`]th is preceded by a decoy).
     stale_write: Option<Arc<StaleWriteBarrier>>,
     fetches: AtomicU64,
+    /// Transfers retried after one ended failed.
+    retries: AtomicU64,
 }
 
 impl<B: Backend + 'static> std::fmt::Debug for DecodeSource<B> {
@@ -263,17 +265,56 @@ impl<B: Backend + 'static> DecodeSource<B> {
     }
 }
 
+/// How one attempt at a prompt's transfer ended.
+enum Attempt {
+    Done(Option<ReceivedPages>),
+    /// The transfer ended failed or cancelled by the other side (its bytes refused by a
+    /// check, prefill gave up): worth one more try.
+    TransferFailed(String),
+}
+
 impl<B: Backend + 'static> PromptSource for DecodeSource<B> {
+    /// A transfer that ends failed (a check refused what landed, prefill gave it up) is
+    /// retried once, with fresh pages; a second failure fails the request with both
+    /// reasons.
     fn fetch(
         &self,
         prompt: &[u32],
         total_tokens: usize,
         aborted: &AtomicBool,
     ) -> Result<Option<ReceivedPages>, EngineError> {
+        match self.attempt(prompt, total_tokens, aborted)? {
+            Attempt::Done(r) => Ok(r),
+            Attempt::TransferFailed(first) => {
+                tracing::warn!(reason = %first, "PD transfer of a prompt failed; retrying once");
+                self.retries.fetch_add(1, Ordering::Relaxed);
+                match self.attempt(prompt, total_tokens, aborted)? {
+                    Attempt::Done(r) => Ok(r),
+                    Attempt::TransferFailed(second) => Err(EngineError::StepFailed(format!(
+                        "PD transfer of the prompt failed twice: {first}; then: {second}"
+                    ))),
+                }
+            }
+        }
+    }
+
+    fn release(&self, received: &ReceivedPages) {
+        self.drop_request(received.cache_request);
+    }
+}
+
+impl<B: Backend + 'static> DecodeSource<B> {
+    /// One attempt at bringing `prompt`'s pages over (see [`PromptSource::fetch`]).
+    fn attempt(
+        &self,
+        prompt: &[u32],
+        total_tokens: usize,
+        aborted: &AtomicBool,
+    ) -> Result<Attempt, EngineError> {
         let ps = self.page_size;
         let pages_n = prompt.len().saturating_sub(1) / ps;
         if pages_n == 0 {
-            return Ok(None);
+            return Ok(Attempt::Done(None));
         }
         let tokens = pages_n * ps;
         // The whole budget at once (all or nothing): a fetch never holds pages while it
@@ -335,7 +376,7 @@ impl<B: Backend + 'static> PromptSource for DecodeSource<B> {
         };
         if self.read_before_landed {
             guard.keep();
-            return Ok(Some(received));
+            return Ok(Attempt::Done(Some(received)));
         }
         loop {
             if aborted.load(Ordering::Acquire) {
@@ -345,13 +386,11 @@ impl<B: Backend + 'static> PromptSource for DecodeSource<B> {
             match receiver.wait(req, Duration::from_millis(20)) {
                 Ok(Outcome::Ready) => {
                     guard.keep();
-                    return Ok(Some(received));
+                    return Ok(Attempt::Done(Some(received)));
                 }
                 Ok(Outcome::Cancelled(why)) | Ok(Outcome::Failed(why)) => {
                     self.drop_request(req);
-                    return Err(EngineError::StepFailed(format!(
-                        "PD transfer of the prompt failed: {why}"
-                    )));
+                    return Ok(Attempt::TransferFailed(why));
                 }
                 Err(PdError::Timeout(_)) if Instant::now() < deadline => {}
                 Err(e) => {
@@ -360,10 +399,6 @@ impl<B: Backend + 'static> PromptSource for DecodeSource<B> {
                 }
             }
         }
-    }
-
-    fn release(&self, received: &ReceivedPages) {
-        self.drop_request(received.cache_request);
     }
 }
 
@@ -444,6 +479,7 @@ impl<B: Backend + ModelOps + 'static> DecodeNode<B> {
             read_before_landed: pd.faults.active(PdFault::ReadBeforeLanded),
             stale_write,
             fetches: AtomicU64::new(0),
+            retries: AtomicU64::new(0),
         });
         let until = crate::deadline_after(peer.connect_wait);
         loop {
@@ -462,11 +498,17 @@ impl<B: Backend + ModelOps + 'static> DecodeNode<B> {
         let publisher = {
             let source = source.clone();
             let mut seen = BTreeMap::new();
+            let mut retries_seen = 0;
             Publisher::start("decode", move || {
                 let (s, in_flight, quarantined) = source.observe();
                 crate::pd::stats::publish(&metrics, "decode", &s, &mut seen);
                 metrics.quarantined("pd", quarantined);
                 metrics.transfers_in_flight("decode", in_flight);
+                let retries = source.retries.load(Ordering::Relaxed);
+                for _ in retries_seen..retries {
+                    metrics.integrity_fallback("pd_transfer_retry");
+                }
+                retries_seen = retries;
             })?
         };
         Ok(DecodeNode {
