@@ -27,7 +27,13 @@ fn named_paths(text: &str) -> Vec<String> {
         .step_by(2)
         .filter(|s| ROOTS.iter().any(|r| s.starts_with(r)))
         .filter(|s| !s.contains(char::is_whitespace) && !s.contains('*') && !s.contains('<'))
-        .map(|s| s.split(':').next().unwrap_or(s).trim_end_matches([',', '.']).to_string())
+        .map(|s| {
+            s.split(':')
+                .next()
+                .unwrap_or(s)
+                .trim_end_matches([',', '.'])
+                .to_string()
+        })
         .collect()
 }
 
@@ -52,8 +58,15 @@ fn every_path_the_documents_name_exists() {
             }
         }
     }
-    assert!(checked > 50, "only {checked} paths found: is the extraction broken?");
-    assert!(missing.is_empty(), "paths named but absent:\n{}", missing.join("\n"));
+    assert!(
+        checked > 50,
+        "only {checked} paths found: is the extraction broken?"
+    );
+    assert!(
+        missing.is_empty(),
+        "paths named but absent:\n{}",
+        missing.join("\n")
+    );
 }
 
 #[test]

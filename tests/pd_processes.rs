@@ -18,7 +18,6 @@
 
 mod common;
 
-use std::ffi::OsString;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;

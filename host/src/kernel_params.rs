@@ -56,14 +56,16 @@ fn index_k_format(l: &IndexKLayout) -> u32 {
         IndexKDtype::Fp8E4m3 {
             scale: ScaleFormat::Ue8m0,
         } => index_k_format::FP8_UE8M0_SCALE,
+        IndexKDtype::Fp4E2m1 => index_k_format::FP4_E2M1,
     }
 }
 
 /// The kernels' format code of a KV layout.
 fn kv_format(l: &KvLayout) -> u32 {
     match l.dtype() {
-        KvDtype::Bf16 => kv_format::BF16,
+        KvDtype::Bf16 | KvDtype::Bf16x512 => kv_format::BF16,
         KvDtype::Fp8DsMla => kv_format::FP8_DS_MLA,
+        KvDtype::Model1Fp8 => kv_format::MODEL1_FP8,
     }
 }
 
@@ -80,6 +82,7 @@ macro_rules! with_index_k_layout {
             page_bytes: l.bytes_per_page() as u64,
             value_bytes: u32_of("value bytes per token", l.value_bytes_per_token())?,
             scale_offset: u32_of("scale section offset", l.scale_section_offset().unwrap_or(0))?,
+            scale_bytes: u32_of("scale bytes per token", l.scale_bytes_per_token())?,
         }
     }};
 }
@@ -95,7 +98,7 @@ macro_rules! with_kv_layout {
             rope_dim: u32_of("rope_dim", l.rope_dim())?,
             page_size: u32_of("page_size", l.page_size())?,
             format: kv_format(l),
-            token_bytes: u32_of("bytes per token", l.bytes_per_token())?,
+            token_bytes: u32_of("bytes per token row", l.row_bytes())?,
             page_bytes: l.bytes_per_page() as u64,
             scales_offset: u32_of("scales offset", l.scales_range().start)?,
             rope_offset: u32_of("rope offset", l.rope_range().start)?,
@@ -117,7 +120,7 @@ fn region(r: &PagedRegion, base: u64) -> (u64, u64, u64) {
 /// n_tokens)` plus their layout's fields): reads `[source]`, writes `[cache]`, metadata
 /// `[slots]`.
 macro_rules! store_params {
-    ($with_layout:ident, $op:expr, $a:expr, $params:ident, $source:ident) => {
+    ($with_layout:ident, $op:expr, $a:expr, $params:ident, $source:ident, $($field:ident: $value:expr),*) => {
         $with_layout!(
             &$op.layout,
             $params {
@@ -125,6 +128,7 @@ macro_rules! store_params {
                 slots: ptr($a.meta[0]),
                 cache: ptr_mut($a.write[0]),
                 n_tokens: u32_of("tokens", $op.slots.len())?,
+                $($field: $value,)*
             }
         )
     };
@@ -137,13 +141,23 @@ pub(crate) fn index_k_store(op: &IndexKStore<'_>, a: Addrs<'_>) -> Result<IndexK
         op,
         a,
         IndexKStoreParams,
-        keys
+        keys,
+        _pad: 0
     ))
 }
 
 /// `kv_store` of `op`: reads `[kv]`, writes `[cache]`, metadata `[slots]`.
 pub(crate) fn kv_store(op: &KvStore<'_>, a: Addrs<'_>) -> Result<KvStoreParams> {
-    Ok(store_params!(with_kv_layout, op, a, KvStoreParams, kv))
+    let section = op.layout.scale_section_offset().unwrap_or(0);
+    Ok(store_params!(
+        with_kv_layout,
+        op,
+        a,
+        KvStoreParams,
+        kv,
+        scale_section: u32_of("scale section offset", section)?,
+        _pad: 0
+    ))
 }
 
 /// `copy_pages` of `op`: reads `[src]`, writes `[dst]` (buffer starts: the regions'
@@ -195,7 +209,6 @@ pub(crate) fn indexer_logits(op: &IndexerLogits<'_>, a: Addrs<'_>) -> Result<Ind
             n_heads: u32_of("n_heads", op.n_heads)?,
             max_pages: u32_of("page_table columns", op.page_table.max_pages())?,
             row_stride: u32_of("row_stride", op.row_stride)?,
-            _pad: 0,
         }
     ))
 }
@@ -288,7 +301,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(p.rope_offset as usize, kv.rope_range().start);
-        assert_eq!(p.token_bytes as usize, kv.bytes_per_token());
+        assert_eq!(p.token_bytes as usize, kv.row_bytes());
         assert!(u32_of("x", u32::MAX as usize).is_ok());
         assert!(matches!(
             u32_of("x", u32::MAX as usize + 1),

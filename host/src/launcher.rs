@@ -201,6 +201,12 @@ fn check_launch<P: KernelParams>(params: &P) -> Result<()> {
 
 /// Checks the shapes the GPU indexer supports (`head_dim` up to its maximum).
 fn check_indexer(op: &IndexerLogits<'_>) -> Result<()> {
+    if op.layout.dtype() == crate::layout::IndexKDtype::Fp4E2m1 {
+        return Err(Error::InvalidArgument {
+            what: "indexer_logits",
+            detail: "fp4 index keys are not supported by the GPU kernel yet".into(),
+        });
+    }
     let max = INDEXER_LOGITS_MAX_HEAD_DIM as usize;
     if op.layout.head_dim() > max {
         return Err(Error::InvalidArgument {

@@ -30,7 +30,7 @@ mod sync;
 
 pub use backend::{Backend, Event, StreamKind};
 pub use cpu::CpuBackend;
-pub use dims::ModelDims;
+pub use dims::{ModelDims, V4Dims};
 pub use emu::EmuBackend;
 pub use error::{Error, ErrorKind, Result};
 pub use layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};

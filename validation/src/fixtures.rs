@@ -328,6 +328,22 @@ pub fn region_bytes(r: &PagedRegion) -> usize {
     r.offset + r.stride * r.num_pages
 }
 
+/// DeepSeek-V4's page layouts with pages of `page_size` tokens: KV `model1_fp8` and
+/// `bf16_512`, index-K fp4 (head_dim 128).
+pub fn v4_page_layouts(page_size: usize) -> Vec<PageLayout> {
+    let mut v: Vec<PageLayout> = Vec::new();
+    if let Ok(l) = KvLayout::model1_fp8(page_size) {
+        v.push(l.into());
+    }
+    if let Ok(l) = KvLayout::bf16_512(page_size) {
+        v.push(l.into());
+    }
+    if let Ok(l) = IndexKLayout::new(IndexKDtype::Fp4E2m1, 128, page_size) {
+        v.push(l.into());
+    }
+    v
+}
+
 /// Every page layout of a model config: index-K fp8 and bf16, KV bf16 and fp8_ds_mla.
 pub fn page_layouts(d: &ModelDims) -> Vec<PageLayout> {
     let mut v = Vec::new();

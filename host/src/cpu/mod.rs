@@ -131,12 +131,7 @@ impl Backend for CpuBackend {
         let (d, isa) = (l.d_qk(), self.isa);
         self.run(|| {
             store::scatter_by_page(cache.bytes_mut(), l.into(), op.slots, |page, off, t| {
-                store::write_kv_token_on(
-                    isa,
-                    &l,
-                    &mut page[l.token_range(off)],
-                    &kv[t * d..(t + 1) * d],
-                )
+                store::write_kv_token_on(isa, &l, page, off, &kv[t * d..(t + 1) * d])
             })
         });
         Ok(())

@@ -15,9 +15,10 @@ use rayon::prelude::*;
 
 use super::gemm::{gemm_acc, Dims};
 use super::isa::{prefetch, CpuIsa};
-use crate::layout::{KvDtype, KvLayout, FP8_DS_MLA_TILE};
+use crate::layout::{KvDtype, KvLayout, FP8_DS_MLA_TILE, MODEL1_TILE};
 use crate::ops::SparseMla;
 use sparsekit_kernels::fp8::{bf16_to_f32, e4m3_to_f32};
+use sparsekit_kernels::mx::ue8m0_to_f32;
 
 /// Slots per block.
 const BLOCK: usize = 64;
@@ -247,16 +248,17 @@ fn attend(
     }
 }
 
-/// Dequantises the token at `slot` into one row `[latent | rope]`.
+/// Dequantises the token at `slot` into one row `[latent | rope]` (every KV layout).
 #[inline(always)]
-fn load_row(l: &KvLayout, cache: &[u8], slot: usize, row: &mut [f32]) {
+pub(crate) fn load_row(l: &KvLayout, cache: &[u8], slot: usize, row: &mut [f32]) {
     let tok = &cache[l.slot_token_bytes(slot)];
     let dv = l.nope_dim();
     let (vrow, rope) = row.split_at_mut(dv);
+    let bf16_of = |b: &[u8]| f32::from_bits(((b[1] as u32) << 24) | ((b[0] as u32) << 16));
     match l.dtype() {
-        KvDtype::Bf16 => {
+        KvDtype::Bf16 | KvDtype::Bf16x512 => {
             for (x, b) in vrow.iter_mut().zip(tok[l.nope_range()].chunks_exact(2)) {
-                *x = f32::from_bits(((b[1] as u32) << 24) | ((b[0] as u32) << 16));
+                *x = bf16_of(b);
             }
         }
         KvDtype::Fp8DsMla => {
@@ -273,8 +275,21 @@ fn load_row(l: &KvLayout, cache: &[u8], slot: usize, row: &mut [f32]) {
                 }
             }
         }
+        KvDtype::Model1Fp8 => {
+            let sc = &cache[l.slot_tile_scale_bytes(slot)];
+            for ((xs, codes), &b) in vrow
+                .chunks_exact_mut(MODEL1_TILE)
+                .zip(tok[l.nope_range()].chunks_exact(MODEL1_TILE))
+                .zip(sc)
+            {
+                let s = ue8m0_to_f32(b);
+                for (x, &c) in xs.iter_mut().zip(codes) {
+                    *x = e4m3_to_f32(c) * s;
+                }
+            }
+        }
     }
     for (x, b) in rope.iter_mut().zip(tok[l.rope_range()].chunks_exact(2)) {
-        *x = f32::from_bits(((b[1] as u32) << 24) | ((b[0] as u32) << 16));
+        *x = bf16_of(b);
     }
 }

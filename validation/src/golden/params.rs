@@ -15,6 +15,8 @@ pub(super) enum IndexDt {
     Fp8E4m3,
     #[serde(rename = "bf16")]
     Bf16,
+    #[serde(rename = "fp4_e2m1")]
+    Fp4E2m1,
 }
 
 #[derive(Clone, Copy, Debug, Serialize, Deserialize)]
@@ -23,6 +25,10 @@ pub(super) enum KvDt {
     Bf16,
     #[serde(rename = "fp8_ds_mla")]
     Fp8DsMla,
+    #[serde(rename = "model1_fp8")]
+    Model1Fp8,
+    #[serde(rename = "bf16_512")]
+    Bf16x512,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -120,6 +126,10 @@ pub(super) fn index_dtype(dt: IndexDt, scale: Option<ScaleFormat>) -> Result<Ind
         }
         (IndexDt::Bf16, None) => Ok(IndexKDtype::Bf16),
         (IndexDt::Bf16, Some(_)) => Err("scale applies to fp8_e4m3 only".into()),
+        (IndexDt::Fp4E2m1, None) => Ok(IndexKDtype::Fp4E2m1),
+        (IndexDt::Fp4E2m1, Some(_)) => {
+            Err("scale applies to fp8_e4m3 only (fp4_e2m1 scales are ue8m0 bytes)".into())
+        }
     }
 }
 
@@ -127,6 +137,7 @@ pub(super) fn index_dt(d: IndexKDtype) -> (IndexDt, Option<ScaleFormat>) {
     match d {
         IndexKDtype::Fp8E4m3 { scale } => (IndexDt::Fp8E4m3, Some(scale)),
         IndexKDtype::Bf16 => (IndexDt::Bf16, None),
+        IndexKDtype::Fp4E2m1 => (IndexDt::Fp4E2m1, None),
     }
 }
 
@@ -134,6 +145,8 @@ pub(super) fn kv_dtype(dt: KvDt) -> KvDtype {
     match dt {
         KvDt::Bf16 => KvDtype::Bf16,
         KvDt::Fp8DsMla => KvDtype::Fp8DsMla,
+        KvDt::Model1Fp8 => KvDtype::Model1Fp8,
+        KvDt::Bf16x512 => KvDtype::Bf16x512,
     }
 }
 
@@ -141,6 +154,8 @@ pub(super) fn kv_dt(d: KvDtype) -> KvDt {
     match d {
         KvDtype::Bf16 => KvDt::Bf16,
         KvDtype::Fp8DsMla => KvDt::Fp8DsMla,
+        KvDtype::Model1Fp8 => KvDt::Model1Fp8,
+        KvDtype::Bf16x512 => KvDt::Bf16x512,
     }
 }
 

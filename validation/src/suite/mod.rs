@@ -70,6 +70,7 @@ pub fn run_case<B: Backend>(backend: &B, case: &Case, seed: u64) -> Vec<Record> 
     let result: Result<Vec<Outcome>, Error> = match &case.kind {
         Kind::IndexKStore(d, dt) => store::index_k_store(b, rng, d, *dt).map(one),
         Kind::KvStore(d, dt) => store::kv_store(b, rng, d, *dt).map(one),
+        Kind::KvStoreV4(dt, ps) => store::kv_store_v4(b, rng, *dt, *ps).map(one),
         Kind::IndexerLogits(d, dt, form, lens) => {
             indexer_logits::indexer_logits(b, rng, d, *dt, form, lens).map(one)
         }

@@ -6,7 +6,7 @@ use sparsekit_host::layout::{IndexKDtype, KvDtype, PageLayout};
 use sparsekit_host::ops::Op;
 
 use super::{Check, Size, SuiteConfig};
-use crate::fixtures::{page_layouts, Scenario};
+use crate::fixtures::{page_layouts, v4_page_layouts, Scenario};
 use crate::tolerance::DataType;
 
 /// One planned check.
@@ -36,6 +36,8 @@ pub(super) enum Form {
 pub(super) enum Kind {
     IndexKStore(ModelDims, IndexKDtype),
     KvStore(ModelDims, KvDtype),
+    /// A DeepSeek-V4 KV layout and its page size.
+    KvStoreV4(KvDtype, usize),
     IndexerLogits(ModelDims, IndexKDtype, Form, Vec<u32>),
     Topk(usize, usize, Scenario, Vec<u32>),
     SparseMla(ModelDims, KvDtype, usize, Vec<u32>),
@@ -46,14 +48,20 @@ pub(super) enum Kind {
     Invariance(ModelDims, Op),
 }
 
-/// Index-K dtypes of the cases (both fp8 scale formats).
-const INDEX_DTYPES: [IndexKDtype; 3] = [
+/// Index-K dtypes of the cases (both fp8 scale formats, and DeepSeek-V4's fp4).
+const INDEX_DTYPES: [IndexKDtype; 4] = [
     IndexKDtype::FP8,
     IndexKDtype::Fp8E4m3 {
         scale: ScaleFormat::Ue8m0,
     },
     IndexKDtype::Bf16,
+    IndexKDtype::Fp4E2m1,
 ];
+/// DeepSeek-V4's KV dtypes.
+const V4_KV_DTYPES: [KvDtype; 2] = [KvDtype::Model1Fp8, KvDtype::Bf16x512];
+/// Page sizes of the V4 store and page cases: the window pool (256), the ratio-4 pools
+/// (64), the ratio-128 pool (2), and odd ones (1, 37, 1024).
+const V4_PAGES: [usize; 6] = [256, 64, 2, 1, 37, 1024];
 /// KV dtypes of the cases.
 const KV_DTYPES: [KvDtype; 2] = [KvDtype::Bf16, KvDtype::Fp8DsMla];
 
@@ -85,6 +93,40 @@ pub fn plan(cfg: &SuiteConfig) -> Vec<Case> {
         }
     };
     let r = Check::Reference;
+    // DeepSeek-V4 KV stores and page copies, every pool's page size and odd ones.
+    for dt in V4_KV_DTYPES {
+        for ps in V4_PAGES {
+            push(
+                Op::KvStore,
+                r,
+                format!("dsv4 P={ps}"),
+                dt.into(),
+                5,
+                Kind::KvStoreV4(dt, ps),
+            );
+        }
+    }
+    for ps in V4_PAGES {
+        for layout in v4_page_layouts(ps) {
+            let dt = DataType::from(layout);
+            push(
+                Op::CopyPages,
+                r,
+                format!("dsv4 P={ps} {}", layout.info().dtype),
+                dt,
+                24,
+                Kind::CopyPages(layout, ps % 2 == 0),
+            );
+            push(
+                Op::PageChecksums,
+                r,
+                format!("dsv4 P={ps} {}", layout.info().dtype),
+                dt,
+                24,
+                Kind::PageChecksums(layout),
+            );
+        }
+    }
     for dims in ModelDims::ALL {
         let dsv = dims == ModelDims::DSV32;
         for dt in INDEX_DTYPES {
