@@ -1,0 +1,163 @@
+"""DeepSeek-V4 caches and ops for make_golden.py, in NumPy + ml_dtypes (no sparsekit code):
+the MODEL1 fp8 KV layout (rows of 448 e4m3 + 64 bf16, then 8 bytes of ue8m0 tile scales per
+token after the page's rows, the page padded to a multiple of 576 B), bf16_512 KV, and fp4
+index keys (packed e2m1, even element in the low nibble, one ue8m0 byte per 32 values after
+the page's values).
+
+Quantisers (docs/golden.md): a MODEL1 tile's scale is 2^ceil(log2(max(amax / 448, 1e-4)))
+(ml_dtypes float8_e8m0fnu byte; pad byte 0); an fp4 group's scale is
+2^max(ceil(log2(amax / 6)), -126), codes from ml_dtypes float4_e2m1fn (nearest even,
+saturating); a group holding NaN or +-inf stores scale 0xff and codes 0.
+"""
+import ml_dtypes
+import numpy as np
+
+E4M3 = ml_dtypes.float8_e4m3fn
+E2M1 = ml_dtypes.float4_e2m1fn
+E8M0 = ml_dtypes.float8_e8m0fnu
+BF16 = ml_dtypes.bfloat16
+F32 = np.float32
+
+V4_NOPE, V4_ROPE, V4_TILE, ROW = 448, 64, 64, 576
+FP4_GROUP = 32
+
+
+def encode_e4m3(x):
+    x = np.asarray(x, dtype=F32)
+    return np.clip(x, F32(-448), F32(448)).astype(E4M3).view(np.uint8)
+
+
+def pow2_at_least(x, floor):
+    """The smallest power of two >= max(x, floor) (float32)."""
+    x = max(float(x), floor)
+    p = 1.0
+    while p < x:
+        p *= 2.0
+    while p / 2.0 >= x:
+        p /= 2.0
+    return F32(p)
+
+
+def e8m0_byte(s):
+    return int(np.asarray(s, dtype=F32).astype(E8M0).view(np.uint8))
+
+
+def e8m0_value(b):
+    return float(np.asarray(b, dtype=np.uint8).view(E8M0).astype(np.float64))
+
+
+class Model1Kv:
+    """Paged V4 KV: `model1_fp8` or `bf16_512` (1024 B per token), pages of `page_size`."""
+
+    def __init__(self, dtype, page_size):
+        self.dtype, self.ps = dtype, page_size
+        if dtype == "model1_fp8":
+            raw = page_size * (ROW + 8)
+            self.bytes_per_page = -(-raw // ROW) * ROW
+            self.row = ROW
+        else:
+            self.bytes_per_page = page_size * 1024
+            self.row = 1024
+
+    def params(self):
+        return dict(version=1, dtype=self.dtype, nope_dim=V4_NOPE, rope_dim=V4_ROPE, page_size=self.ps)
+
+    def store(self, cache, kv, slots):
+        for t, slot in enumerate(slots):
+            if slot < 0:
+                continue
+            page, off = divmod(int(slot), self.ps)
+            row = cache[page, off * self.row:(off + 1) * self.row]
+            if self.dtype == "bf16_512":
+                row[:] = kv[t].view(np.uint8)
+                continue
+            scales = np.zeros(8, dtype=np.uint8)
+            for i in range(V4_NOPE // V4_TILE):
+                x = kv[t, i * V4_TILE:(i + 1) * V4_TILE].astype(F32)
+                s = pow2_at_least(np.abs(x).max() / F32(448), float(F32(1e-4)))
+                row[i * V4_TILE:(i + 1) * V4_TILE] = encode_e4m3(x / s)
+                scales[i] = e8m0_byte(s)
+            row[V4_NOPE:] = kv[t, V4_NOPE:].view(np.uint8)
+            at = self.ps * ROW + 8 * off
+            cache[page, at:at + 8] = scales
+
+    def read(self, cache, slot):
+        """The dequantised 512-d row of the token at `slot`, float64."""
+        page, off = divmod(int(slot), self.ps)
+        row = cache[page, off * self.row:(off + 1) * self.row]
+        if self.dtype == "bf16_512":
+            return row.view(BF16).astype(np.float64)
+        at = self.ps * ROW + 8 * off
+        scales = np.array([e8m0_value(b) for b in cache[page, at:at + 7]])
+        nope = row[:V4_NOPE].view(E4M3).astype(np.float64) * np.repeat(scales, V4_TILE)
+        return np.concatenate([nope, row[V4_NOPE:].view(BF16).astype(np.float64)])
+
+
+class IndexKFp4:
+    """Paged fp4 index-K: values of every token (head_dim / 2 bytes), then head_dim / 32
+    ue8m0 bytes per token."""
+
+    def __init__(self, head_dim, page_size):
+        self.d, self.ps = head_dim, page_size
+        self.value_bytes = head_dim // 2
+        self.scale_bytes = head_dim // FP4_GROUP
+        self.bytes_per_page = page_size * (self.value_bytes + self.scale_bytes)
+
+    def params(self):
+        return dict(version=1, dtype="fp4_e2m1", head_dim=self.d, page_size=self.ps)
+
+    def store(self, cache, keys, slots):
+        for t, slot in enumerate(slots):
+            if slot < 0:
+                continue
+            page, off = divmod(int(slot), self.ps)
+            k = keys[t].astype(F32)
+            codes = np.zeros(self.d, dtype=np.uint8)
+            scales = np.zeros(self.scale_bytes, dtype=np.uint8)
+            for g in range(self.scale_bytes):
+                x = k[g * FP4_GROUP:(g + 1) * FP4_GROUP]
+                if not np.all(np.isfinite(x)):
+                    scales[g] = 0xFF
+                    continue
+                s = pow2_at_least(np.abs(x).max() / F32(6), 2.0 ** -126)
+                codes[g * FP4_GROUP:(g + 1) * FP4_GROUP] = (x / s).astype(E2M1).view(np.uint8) & 0xF
+                scales[g] = e8m0_byte(s)
+            packed = codes[0::2] | (codes[1::2] << 4)
+            cache[page, off * self.value_bytes:(off + 1) * self.value_bytes] = packed
+            at = self.ps * self.value_bytes + off * self.scale_bytes
+            cache[page, at:at + self.scale_bytes] = scales
+
+    def read(self, cache, slot):
+        """(values as float64, scale 1) of the key at `slot`."""
+        page, off = divmod(int(slot), self.ps)
+        packed = cache[page, off * self.value_bytes:(off + 1) * self.value_bytes]
+        codes = np.empty(self.d, dtype=np.uint8)
+        codes[0::2], codes[1::2] = packed & 0xF, packed >> 4
+        vals = codes.view(E2M1).astype(np.float64)
+        at = self.ps * self.value_bytes + off * self.scale_bytes
+        scales = np.array([e8m0_value(b) for b in cache[page, at:at + self.scale_bytes]])
+        return vals * np.repeat(scales, FP4_GROUP), 1.0
+
+
+def store_files(rng, out_dir, seed, h):
+    """V4 store files: fp4 index-K (P 64), model1_fp8 (P 64, 256 and 2), bf16_512 (P 256).
+    `h` carries make_golden's fixtures (save, store_batch, garbage, token_rows)."""
+    paths = []
+    layout = IndexKFp4(128, 64)
+    paging, slots = h.store_batch(rng, layout.ps)
+    cache_in = h.garbage(rng, paging.num_pages, layout.bytes_per_page)
+    keys = h.token_rows(rng, len(slots), layout.d)
+    cache_out = cache_in.copy()
+    layout.store(cache_out, keys, slots)
+    paths.append(h.save(out_dir, "index_k_store_fp4_e2m1", "index_k_store", layout.params(),
+                        dict(keys=keys, slots=slots, cache_in=cache_in, cache_out=cache_out), seed))
+    for dtype, ps in [("model1_fp8", 64), ("model1_fp8", 256), ("model1_fp8", 2), ("bf16_512", 256)]:
+        layout = Model1Kv(dtype, ps)
+        paging, slots = h.store_batch(rng, ps)
+        cache_in = h.garbage(rng, paging.num_pages, layout.bytes_per_page)
+        kv = h.token_rows(rng, len(slots), V4_NOPE + V4_ROPE)
+        cache_out = cache_in.copy()
+        layout.store(cache_out, kv, slots)
+        paths.append(h.save(out_dir, f"kv_store_{dtype}_p{ps}", "kv_store", layout.params(),
+                            dict(kv=kv, slots=slots, cache_in=cache_in, cache_out=cache_out), seed))
+    return paths
