@@ -24,8 +24,8 @@ use crate::error::{Error, Result};
 use crate::launcher::Addrs;
 use crate::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};
 use crate::ops::{
-    CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, PagedRegion, SparseMla, Topk,
-    TopkOutput,
+    CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, PagedRegion, ShortRows,
+    SparseMla, Topk, TopkOutput,
 };
 
 /// A kernel-visible address as the read-only address type a parameter struct stores.
@@ -241,6 +241,8 @@ pub(crate) fn topk(op: &Topk<'_>, a: Addrs<'_>) -> Result<TopkParams> {
         chunk: topk_chunk(u32_of("k", op.k)?),
         workspace: ptr_mut(a.write[1]),
         counters: ptr_mut(a.write[2]),
+        take_all_short: (op.short_rows == ShortRows::TakeAll) as u32,
+        _pad: 0,
     })
 }
 

@@ -23,7 +23,7 @@ use sparsekit_kernels::kernels::{
     sparse_mla_workspace, topk_workspace, INDEXER_LOGITS_MAX_HEAD_DIM,
 };
 use sparsekit_kernels::launch::{KernelParams, MAX_DYN_SMEM};
-use sparsekit_kernels::params::QueryRange;
+use sparsekit_kernels::params::{IndexerLogitsFp4Params, QueryRange};
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
@@ -201,12 +201,6 @@ fn check_launch<P: KernelParams>(params: &P) -> Result<()> {
 
 /// Checks the shapes the GPU indexer supports (`head_dim` up to its maximum).
 fn check_indexer(op: &IndexerLogits<'_>) -> Result<()> {
-    if op.layout.dtype() == crate::layout::IndexKDtype::Fp4E2m1 {
-        return Err(Error::InvalidArgument {
-            what: "indexer_logits",
-            detail: "fp4 index keys are not supported by the GPU kernel yet".into(),
-        });
-    }
     let max = INDEXER_LOGITS_MAX_HEAD_DIM as usize;
     if op.layout.head_dim() > max {
         return Err(Error::InvalidArgument {
@@ -284,15 +278,21 @@ pub fn indexer_logits<D: KernelDevice>(
         ("page_table", bytemuck::cast_slice(op.page_table.as_slice())),
         ("rows", QueryRange::as_bytes(&op.rows)),
     ];
+    let reads = [("q", q), ("weights", weights), ("cache", cache)];
+    let mut writes = [("logits", BufferAccess::Write, out)];
     // SAFETY: the descriptor was validated against the buffers (every position of every
-    // row mapped to a page of the cache, ranges inside the row stride).
+    // row mapped to a page of the cache, ranges inside the row stride); fp4 keys go to
+    // the fp4 kernel, the others to the fp8/bf16 one.
     unsafe {
-        d.launch(
-            &meta,
-            &[("q", q), ("weights", weights), ("cache", cache)],
-            &mut [("logits", BufferAccess::Write, out)],
-            |a| kernel_params::indexer_logits(op, a),
-        )
+        if op.layout.dtype() == crate::layout::IndexKDtype::Fp4E2m1 {
+            d.launch(&meta, &reads, &mut writes, |a| {
+                kernel_params::indexer_logits(op, a).map(IndexerLogitsFp4Params)
+            })
+        } else {
+            d.launch(&meta, &reads, &mut writes, |a| {
+                kernel_params::indexer_logits(op, a)
+            })
+        }
     }
 }
 

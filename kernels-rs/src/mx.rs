@@ -48,6 +48,15 @@ pub fn e2m1_to_f32(code: u8) -> f32 {
     f32::from_bits(mag.to_bits() | ((code as u32 & 8) << 28))
 }
 
+/// Four e2m1 codes (bits `4j..4j + 4` of `codes`, j = 0..4) times `scale` as four bf16
+/// (two per u32, element 0 low): exact for a power-of-two scale whose products stay in
+/// range (at most 2 significant bits; subnormals kept), NaN for a NaN scale.
+#[inline(always)]
+pub fn e2m1x4_to_bf16(codes: u32, scale: f32) -> [u32; 2] {
+    let bf = |j: u32| (e2m1_to_f32((codes >> (4 * j)) as u8) * scale).to_bits() >> 16;
+    [bf(0) | bf(1) << 16, bf(2) | bf(3) << 16]
+}
+
 /// e2m1 code of `x` (low 4 bits): round to nearest, ties to the even code, saturating at
 /// ±6; NaN gives code 0 with NaN's sign bit. Branch-free: the magnitude code counts the
 /// decision thresholds `a` passes (a tie stays on the even side).

@@ -231,6 +231,13 @@ pub struct IndexerLogitsParams {
     pub scale_bytes: u32,
 }
 
+/// `indexer_logits` over fp4 index keys: the same parameters (`format` = `FP4_E2M1`), its
+/// own entry point so that the fp4 dequantisation does not raise the register count (and
+/// lower the occupancy) of the fp8 and bf16 kernel.
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug)]
+pub struct IndexerLogitsFp4Params(pub IndexerLogitsParams);
+
 /// `topk` (see `sparsekit_host::ops::Topk`): per row, the positions (or slots, through the
 /// page table) of the `k` largest valid logits of `[start, end)` (not `-inf`, not NaN;
 /// ties to the lower position), ascending, then `-1` padding.
@@ -259,6 +266,10 @@ pub struct TopkParams {
     /// Per row counts of finished chunks, when rows are split: zero before the launch,
     /// zero again after it.
     pub counters: GlobalMut<u32>,
+    /// 1: a row whose range holds at most `k` positions writes all of them in order
+    /// (DeepSeek-V4's transform); 0: its valid entries.
+    pub take_all_short: u32,
+    pub _pad: u32,
 }
 
 /// `sparse_mla` (see `sparsekit_host::ops::SparseMla`): per token and head, softmax

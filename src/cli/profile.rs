@@ -275,6 +275,7 @@ fn cases(s: Sizes) -> Result<Vec<Case>, CliError> {
                 let rows = decode_rows(&vec![context as u32; batch], 1)?;
                 let mut out = emu.alloc(4 * batch * k)?;
                 let op = Topk {
+                    short_rows: sparsekit::host::ops::ShortRows::SelectValid,
                     k,
                     row_stride: context,
                     rows: &rows,

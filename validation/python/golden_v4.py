@@ -161,3 +161,62 @@ def store_files(rng, out_dir, seed, h):
         paths.append(h.save(out_dir, f"kv_store_{dtype}_p{ps}", "kv_store", layout.params(),
                             dict(kv=kv, slots=slots, cache_in=cache_in, cache_out=cache_out), seed))
     return paths
+
+
+def indexer_files(rng, out_dir, seed, h):
+    """fp4 index-K logits at DeepSeek-V4's shape (64 heads x 128, page 64), decode
+    next_n = 2 over ragged compressed lengths, in float64 (keys dequantised exactly)."""
+    layout = IndexKFp4(128, 64)
+    lens = h.ragged_lens(rng, layout.ps, 700)
+    paging = h.Paging(rng, layout.ps, lens, spare=3)
+    cache = h.garbage(rng, paging.num_pages, layout.bytes_per_page)
+    layout.store(cache, h.token_rows(rng, sum(lens), layout.d), paging.all_slots())
+    rows = h.decode_rows(lens, 2)
+    heads, n = 64, len(rows)
+    row_stride = max(lens) + 9
+    q = rng.standard_normal((n, heads, layout.d)).astype(BF16)
+    w = (rng.standard_normal((n, heads)) / np.sqrt(heads * layout.d)).astype(F32)
+    logits = h.indexer_logits(layout, cache, paging, rows, q, w, row_stride).astype(F32)
+    params = layout.params()
+    params.update(n_heads=heads, row_stride=row_stride, next_n=2)
+    tensors = dict(cache=cache, page_table=paging.table, context_lens=np.array(lens, dtype=np.int32),
+                   q=q, weights=w, logits=logits)
+    return [h.save(out_dir, "indexer_logits_fp4_e2m1_decode", "indexer_logits", params, tensors, seed)]
+
+
+def topk_transform(logits, rows, k, to_entry):
+    """DeepSeek-V4's transform: a row of at most k positions takes all of them in order
+    (whatever the logits), a longer one its exact top-k (ties to the lower position);
+    ascending; -1 padding."""
+    out = np.full((len(rows), k), -1, dtype=np.int32)
+    for i, (r, start, end) in enumerate(rows):
+        if end - start <= k:
+            best = np.arange(end - start)
+        else:
+            vals = logits[i, start:end]
+            valid = np.nonzero(~np.isnan(vals) & (vals != -np.inf))[0]
+            best = np.sort(valid[np.argsort(-vals[valid], kind="stable")[:k]])
+        out[i, :len(best)] = [to_entry(r, start + p) for p in best]
+    return out
+
+
+def topk_files(rng, out_dir, seed, h):
+    """The V4 top-k transform at k = 512 over a compressed pool of page 64, slots output:
+    compressed lengths 1, 63, 64, 65, k, k + 1 and thousands; short rows hold -inf and NaN."""
+    k, ps = 512, 64
+    lens = [1, 63, 64, 65, k, k + 1, 3000]
+    paging = h.Paging(rng, ps, lens, spare=1)
+    rows = h.decode_rows(lens, 1)
+    row_stride = max(lens) + 3
+    logits = np.full((len(rows), row_stride), -np.inf, dtype=F32)
+    for i, (_, _, end) in enumerate(rows):
+        row = rng.standard_normal(end).astype(F32)
+        kind = rng.integers(0, 12, end)
+        row[kind == 0], row[kind == 1] = -np.inf, np.nan
+        logits[i, :end] = row
+    params = dict(version=1, k=k, row_stride=row_stride, output="slots", short_rows="take_all",
+                  page_size=ps, next_n=1)
+    out = topk_transform(logits, rows, k, paging.slot)
+    return [h.save(out_dir, "topk_v4_transform", "topk", params,
+                   dict(logits=logits, context_lens=np.array(lens, dtype=np.int32),
+                        page_table=paging.table, topk=out), seed)]

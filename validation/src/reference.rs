@@ -468,6 +468,17 @@ pub fn topk_row(row: &[f32], k: usize) -> Vec<usize> {
     idx
 }
 
+/// Reference of DeepSeek-V4's top-k transform over one row (its range): a row of at most
+/// `k` positions takes all of them in order, whatever their logits; a longer one its
+/// [`topk_row`].
+pub fn topk_transform(row: &[f32], k: usize) -> Vec<usize> {
+    if row.len() <= k {
+        (0..row.len()).collect()
+    } else {
+        topk_row(row, k)
+    }
+}
+
 /// Reference sparse MLA: per element and head, the f64 result and the inputs of its error
 /// scales (see [`crate::tolerance::mla_out_magnitude`] for how they make the bound).
 #[derive(Debug)]

@@ -308,6 +308,7 @@ fn topk_round_trip() {
     let stride = 3000 + 5;
     let logits = tied_logits(rng, &rows, stride);
     let op = Topk {
+        short_rows: sparsekit_host::ops::ShortRows::SelectValid,
         k,
         row_stride: stride,
         rows: &rows,
@@ -341,6 +342,7 @@ fn topk_round_trip() {
         page_size: D.page_size,
     };
     let op = Topk {
+        short_rows: sparsekit_host::ops::ShortRows::SelectValid,
         k,
         row_stride: stride,
         rows: &rows,
@@ -874,6 +876,7 @@ fn malformed_rows_indices_and_expected_topk_are_errors() {
     ];
     let logits: Vec<f32> = (0..12).map(|i| (i % 5) as f32).collect();
     let op = Topk {
+        short_rows: sparsekit_host::ops::ShortRows::SelectValid,
         k: 2,
         row_stride: 6,
         rows: &rows,

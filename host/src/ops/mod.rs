@@ -44,7 +44,7 @@ pub use indexer_logits::IndexerLogits;
 pub use pages::{CopyPages, PageChecksums, PagedRegion};
 pub use sparse_mla::SparseMla;
 pub use store::{IndexKStore, KvStore};
-pub use topk::{Topk, TopkOutput};
+pub use topk::{ShortRows, Topk, TopkOutput};
 
 /// The ops every backend implements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]

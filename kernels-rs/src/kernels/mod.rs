@@ -61,7 +61,8 @@ pub use dense::{
     ARGMAX_BLOCK, ELEMENTWISE_BLOCK, MATMUL_TILE_COLS, MATMUL_TILE_ROWS, ROW_WARPS,
 };
 pub use indexer_logits::{
-    indexer_logits, indexer_logits_launch, MAX_HEAD_DIM as INDEXER_LOGITS_MAX_HEAD_DIM,
+    indexer_logits, indexer_logits_fp4, indexer_logits_launch,
+    MAX_HEAD_DIM as INDEXER_LOGITS_MAX_HEAD_DIM,
 };
 pub use pages::{copy_pages, page_checksums};
 pub use sparse_mla::{sparse_mla, sparse_mla_launch, sparse_mla_split, sparse_mla_workspace};

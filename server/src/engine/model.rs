@@ -388,6 +388,7 @@ impl<B: Backend + ModelOps> Model<B> {
         let mut slots = b.alloc(t * k * 4)?;
         b.topk(
             &Topk {
+                short_rows: sparsekit_host::ops::ShortRows::SelectValid,
                 k,
                 row_stride: stride,
                 rows: &batch.rows,

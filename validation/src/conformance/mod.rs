@@ -254,6 +254,7 @@ pub fn empty_batches<B: Backend>(b: &B) -> Outcome {
     let mut out = b.upload(&[])?;
     b.indexer_logits(&op, &empty, &empty, &cache, &mut out)?;
     let op = Topk {
+        short_rows: sparsekit_host::ops::ShortRows::SelectValid,
         k: 3,
         row_stride: 9,
         rows: &[],
@@ -368,6 +369,7 @@ pub fn windows_over_evicted_pages<B: Backend>(b: &B) -> Outcome {
     // Top-k of those logits as slots through the cut table.
     let k = 20;
     let op = Topk {
+        short_rows: sparsekit_host::ops::ShortRows::SelectValid,
         k,
         row_stride: stride,
         rows: &rows,

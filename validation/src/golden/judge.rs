@@ -2,7 +2,7 @@
 //! rounded expected values, per-quantity reports, byte comparison of caches, the top-k
 //! tie rule.
 
-use sparsekit_host::ops::{QueryRange, TopkOutput};
+use sparsekit_host::ops::{QueryRange, ShortRows, TopkOutput};
 
 use super::{ExpectedFrom, QuantityReport};
 use crate::reference;
@@ -14,9 +14,14 @@ pub(super) fn topk_want(
     range: &QueryRange,
     k: usize,
     output: &TopkOutput<'_>,
+    short: ShortRows,
 ) -> Vec<i32> {
     let (s, e) = (range.start as usize, range.end as usize);
-    let mut want: Vec<i32> = reference::topk_row(&row[s..e], k)
+    let pick = match short {
+        ShortRows::SelectValid => reference::topk_row(&row[s..e], k),
+        ShortRows::TakeAll => reference::topk_transform(&row[s..e], k),
+    };
+    let mut want: Vec<i32> = pick
         .into_iter()
         .map(|p| encode_position(output, range, s + p))
         .collect();

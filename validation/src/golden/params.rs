@@ -31,6 +31,15 @@ pub(super) enum KvDt {
     Bf16x512,
 }
 
+/// What a row no longer than `k` gets (`ShortRows`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(super) enum ShortRowsP {
+    #[default]
+    SelectValid,
+    TakeAll,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub(super) enum TopkOut {
@@ -89,6 +98,8 @@ pub(super) struct TopkParams {
     pub k: usize,
     pub row_stride: usize,
     pub output: TopkOut,
+    #[serde(default, skip_serializing_if = "is_select_valid")]
+    pub short_rows: ShortRowsP,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub page_size: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -157,6 +168,10 @@ pub(super) fn kv_dt(d: KvDtype) -> KvDt {
         KvDtype::Model1Fp8 => KvDt::Model1Fp8,
         KvDtype::Bf16x512 => KvDt::Bf16x512,
     }
+}
+
+fn is_select_valid(s: &ShortRowsP) -> bool {
+    *s == ShortRowsP::SelectValid
 }
 
 /// The ops golden files cover.

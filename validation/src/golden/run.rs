@@ -6,7 +6,7 @@ use bytemuck::Pod;
 use half::bf16;
 use sparsekit_host::layout::{IndexKLayout, KvLayout};
 use sparsekit_host::ops::{
-    IndexKStore, IndexerLogits, KvStore, Op, PageTable, SparseMla, Topk, TopkOutput,
+    IndexKStore, IndexerLogits, KvStore, Op, PageTable, ShortRows, SparseMla, Topk, TopkOutput,
 };
 use sparsekit_host::Backend;
 
@@ -17,8 +17,8 @@ use super::judge::{
     compare_cache, encode_position, quantity, topk_want, widen, Judged, BF16_ROUNDING, F32_ROUNDING,
 };
 use super::params::{
-    index_dtype, kv_dtype, IndexKStoreParams, IndexerLogitsParams, KvStoreParams, SparseMlaParams,
-    TopkOut, TopkParams,
+    index_dtype, kv_dtype, IndexKStoreParams, IndexerLogitsParams, KvStoreParams, ShortRowsP,
+    SparseMlaParams, TopkOut, TopkParams,
 };
 use super::reader::Reader;
 use super::{Dtype, GoldenError, Result};
@@ -287,7 +287,12 @@ impl<B: Backend> Run<'_, B> {
             },
             None => TopkOutput::Positions,
         };
+        let short = match p.short_rows {
+            ShortRowsP::SelectValid => ShortRows::SelectValid,
+            ShortRowsP::TakeAll => ShortRows::TakeAll,
+        };
         let op = Topk {
+            short_rows: short,
             k,
             row_stride: stride,
             rows: &rows,
@@ -343,7 +348,7 @@ impl<B: Backend> Run<'_, B> {
                 })?);
             }
             // Judged against the tie rule (the file's own tie choices may differ).
-            let rule = topk_want(row, range, k, &output);
+            let rule = topk_want(row, range, k, &output, short);
             let before = stats.failures;
             judge_topk_row(&mut stats, ri * k, g, &rule, &got_vals, &want_vals);
             if stats.failures > before && detail.is_empty() {

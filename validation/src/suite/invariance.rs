@@ -249,6 +249,7 @@ fn topk<B: Backend>(
         .collect();
     let run = |from: usize, to: usize| -> Result<Vec<u8>, Error> {
         let op = Topk {
+            short_rows: sparsekit_host::ops::ShortRows::SelectValid,
             k,
             row_stride: stride,
             rows: &rows[from..to],

@@ -74,7 +74,9 @@ pub fn run_case<B: Backend>(backend: &B, case: &Case, seed: u64) -> Vec<Record> 
         Kind::IndexerLogits(d, dt, form, lens) => {
             indexer_logits::indexer_logits(b, rng, d, *dt, form, lens).map(one)
         }
-        Kind::Topk(k, ps, sc, lens) => topk::topk(b, rng, *k, *ps, *sc, lens).map(one),
+        Kind::Topk(k, ps, sc, lens, short) => {
+            topk::topk(b, rng, *k, *ps, *sc, lens, *short).map(one)
+        }
         Kind::SparseMla(d, dt, h, lens) => sparse_mla::sparse_mla(b, rng, d, *dt, *h, lens),
         Kind::SparseMlaCancel(d, dt) => sparse_mla::cancellation(b, rng, d, *dt),
         Kind::CopyPages(l, page_first) => pages::copy_pages(b, rng, *l, *page_first).map(one),

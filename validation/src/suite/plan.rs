@@ -1,9 +1,10 @@
 //! The plan of a suite run: which cases run, in order, at which sizes.
 
 use sparsekit_host::dims::ModelDims;
+use sparsekit_host::dims::V4Dims;
 use sparsekit_host::dtype::ScaleFormat;
 use sparsekit_host::layout::{IndexKDtype, KvDtype, PageLayout};
-use sparsekit_host::ops::Op;
+use sparsekit_host::ops::{Op, ShortRows};
 
 use super::{Check, Size, SuiteConfig};
 use crate::fixtures::{page_layouts, v4_page_layouts, Scenario};
@@ -39,7 +40,7 @@ pub(super) enum Kind {
     /// A DeepSeek-V4 KV layout and its page size.
     KvStoreV4(KvDtype, usize),
     IndexerLogits(ModelDims, IndexKDtype, Form, Vec<u32>),
-    Topk(usize, usize, Scenario, Vec<u32>),
+    Topk(usize, usize, Scenario, Vec<u32>, ShortRows),
     SparseMla(ModelDims, KvDtype, usize, Vec<u32>),
     /// The near-cancellation case of the derived `out` bound.
     SparseMlaCancel(ModelDims, KvDtype),
@@ -127,6 +128,26 @@ pub fn plan(cfg: &SuiteConfig) -> Vec<Case> {
             );
         }
     }
+    // DeepSeek-V4's top-k transform: k 512 (Flash) and 1024 (Pro) over the compressed
+    // pool (page 64); rows of 0, 1, 63, 64, 65, k − 1, k, k + 1 and thousands of entries
+    // (short rows take every position, even -inf and NaN ones).
+    for d in V4Dims::ALL {
+        let k = d.index_topk as u32;
+        let mut lens = vec![0, 1, 63, 64, 65, k - 1, k, k + 1, 9000];
+        if full {
+            lens.push(65536 + 11);
+        }
+        for sc in [Scenario::Random, Scenario::Invalid, Scenario::ThresholdTies] {
+            push(
+                Op::Topk,
+                r,
+                format!("{} k={k} transform {sc:?}", d.name),
+                DataType::Fp32,
+                lens.len(),
+                Kind::Topk(k as usize, d.csa_page, sc, lens.clone(), ShortRows::TakeAll),
+            );
+        }
+    }
     for dims in ModelDims::ALL {
         let dsv = dims == ModelDims::DSV32;
         for dt in INDEX_DTYPES {
@@ -204,7 +225,13 @@ pub fn plan(cfg: &SuiteConfig) -> Vec<Case> {
                 format!("{} k={k} {sc:?}", dims.name),
                 DataType::Fp32,
                 lens.len(),
-                Kind::Topk(k as usize, dims.page_size, sc, lens.clone()),
+                Kind::Topk(
+                    k as usize,
+                    dims.page_size,
+                    sc,
+                    lens.clone(),
+                    ShortRows::SelectValid,
+                ),
             );
         }
         // Sparse MLA.
