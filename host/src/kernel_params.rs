@@ -13,10 +13,11 @@
 //! (nothing launched), never a truncated value.
 
 use sparsekit_kernels::global::{GlobalMut, GlobalPtr};
-use sparsekit_kernels::kernels::{sparse_mla_split, topk_chunk};
+use sparsekit_kernels::kernels::{sparse_mla_split, sparse_mla_v4_split, topk_chunk};
 use sparsekit_kernels::params::{
     index_k_format, kv_format, CopyPagesParams, IndexKStoreParams, IndexerLogitsParams,
-    KvStoreParams, PageChecksumsParams, SparseMlaParams, TopkParams,
+    KvStoreParams, PageChecksumsParams, SparseMlaParams, SparseMlaV4Params, TopkParams,
+    V4CacheParams,
 };
 
 use crate::dtype::ScaleFormat;
@@ -25,7 +26,7 @@ use crate::launcher::Addrs;
 use crate::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};
 use crate::ops::{
     CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, PagedRegion, ShortRows,
-    SparseMla, Topk, TopkOutput,
+    SparseMla, SparseMlaV4, Topk, TopkOutput, V4Cache,
 };
 
 /// A kernel-visible address as the read-only address type a parameter struct stores.
@@ -266,6 +267,81 @@ pub(crate) fn sparse_mla(op: &SparseMla, a: Addrs<'_>) -> Result<SparseMlaParams
             counters: ptr_mut(a.write[3]),
         }
     ))
+}
+
+/// Where the buffers and metadata of a `sparse_mla_v4` launch are: indices into the
+/// launch's reads (`q`, main cache, main indices, then the extra's) and metadata (each
+/// cache's lengths and the sink, when given).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct V4Slots {
+    pub main_lengths: Option<usize>,
+    pub extra_lengths: Option<usize>,
+    pub sink: Option<usize>,
+}
+
+/// One cache's kernel parameters (`bufs`: its cache and indices addresses; `lengths`: the
+/// staged lengths, or null).
+fn v4_cache(c: &V4Cache<'_>, bufs: [u64; 2], lengths: GlobalPtr<u32>) -> Result<V4CacheParams> {
+    let l = &c.layout;
+    Ok(V4CacheParams {
+        cache: ptr(bufs[0]),
+        indices: ptr(bufs[1]),
+        lengths,
+        page_bytes: l.bytes_per_page() as u64,
+        page_size: u32_of("page_size", l.page_size())?,
+        topk: u32_of("topk", c.topk)?,
+        format: kv_format(l),
+        row_bytes: u32_of("bytes per token row", l.row_bytes())?,
+        scale_section: u32_of(
+            "scale section offset",
+            l.scale_section_offset().unwrap_or(0),
+        )?,
+        _pad: 0,
+    })
+}
+
+/// `sparse_mla_v4` of `op`: reads `[q, main cache, main indices, (extra cache, extra
+/// indices)]`, writes `[out, lse, workspace, counters]` (the last two sized by
+/// `sparse_mla_v4_workspace`), metadata as `at` says.
+pub(crate) fn sparse_mla_v4(
+    op: &SparseMlaV4<'_>,
+    a: Addrs<'_>,
+    at: V4Slots,
+) -> Result<SparseMlaV4Params> {
+    fn meta<T>(a: &Addrs<'_>, i: Option<usize>) -> GlobalPtr<T> {
+        i.map_or(GlobalPtr::null(), |i| ptr(a.meta[i]))
+    }
+    let main = v4_cache(&op.main, [a.read[1], a.read[2]], meta(&a, at.main_lengths))?;
+    let extra = match &op.extra {
+        Some(c) => v4_cache(c, [a.read[3], a.read[4]], meta(&a, at.extra_lengths))?,
+        None => V4CacheParams {
+            cache: GlobalPtr::null(),
+            indices: GlobalPtr::null(),
+            lengths: GlobalPtr::null(),
+            page_bytes: 0,
+            page_size: 1,
+            topk: 0,
+            format: 0,
+            row_bytes: 0,
+            scale_section: 0,
+            _pad: 0,
+        },
+    };
+    let total = u32_of("topk", op.caches().map(|c| c.topk).sum())?;
+    Ok(SparseMlaV4Params {
+        q: ptr(a.read[0]),
+        out: ptr_mut(a.write[0]),
+        lse: ptr_mut(a.write[1]),
+        sink: meta(&a, at.sink),
+        main,
+        extra,
+        n_tokens: u32_of("n_tokens", op.n_tokens)?,
+        n_heads: u32_of("n_heads", op.n_heads)?,
+        softmax_scale: op.softmax_scale,
+        split: sparse_mla_v4_split(total),
+        workspace: ptr_mut(a.write[2]),
+        counters: ptr_mut(a.write[3]),
+    })
 }
 
 #[cfg(test)]

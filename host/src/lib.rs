@@ -28,7 +28,7 @@ pub mod model_ops;
 pub mod ops;
 mod sync;
 
-pub use backend::{Backend, Event, StreamKind};
+pub use backend::{Backend, Event, KvInput, StreamKind};
 pub use cpu::CpuBackend;
 pub use dims::{ModelDims, V4Dims};
 pub use emu::EmuBackend;

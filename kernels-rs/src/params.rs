@@ -316,3 +316,60 @@ pub struct SparseMlaParams {
     /// launch, zero again after it.
     pub counters: GlobalMut<u32>,
 }
+
+/// One KV cache of `sparse_mla_v4` as the kernel reads it (filled from a `KvLayout` of
+/// `model1_fp8` or `bf16_512`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct V4CacheParams {
+    /// The paged KV buffer.
+    pub cache: GlobalPtr<u8>,
+    /// `[n_tokens, topk]` slots; inside a token's length `-1` or a slot of the cache.
+    pub indices: GlobalPtr<i32>,
+    /// `[n_tokens]` used indices per token (each `≤ topk`), or null: all `topk`.
+    pub lengths: GlobalPtr<u32>,
+    /// Bytes per page (the page stride).
+    pub page_bytes: u64,
+    pub page_size: u32,
+    /// Indices per token (0: the call has no such cache).
+    pub topk: u32,
+    /// [`kv_format::MODEL1_FP8`] or [`kv_format::BF16`] (`bf16_512`).
+    pub format: u32,
+    /// Bytes per token row (576 or 1024).
+    pub row_bytes: u32,
+    /// Offset of the scale section inside a page (model1_fp8).
+    pub scale_section: u32,
+    pub _pad: u32,
+}
+
+/// `sparse_mla_v4` (see `sparsekit_host::ops::SparseMlaV4`): per token and head, attention
+/// over the used slots of `main`, then `extra`, K = V = the 512-d row; `lse` natural log
+/// without the sink, `out` times `1 / (1 + exp(sink − lse))`; a token without a valid slot
+/// gets `out = 0`, `lse = +inf`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct SparseMlaV4Params {
+    /// bf16 bits `[n_tokens, n_heads, 512]`.
+    pub q: GlobalPtr<u16>,
+    /// bf16 bits `[n_tokens, n_heads, 512]`.
+    pub out: GlobalMut<u16>,
+    /// `[n_tokens, n_heads]`.
+    pub lse: GlobalMut<f32>,
+    /// `[n_heads]` sink logits, or null: no sink.
+    pub sink: GlobalPtr<f32>,
+    pub main: V4CacheParams,
+    /// `topk = 0`: no extra cache.
+    pub extra: V4CacheParams,
+    pub n_tokens: u32,
+    pub n_heads: u32,
+    pub softmax_scale: f32,
+    /// Index positions per split of the main ‖ extra list (`kernels::sparse_mla_v4_split`);
+    /// `≥ main.topk + extra.topk`: no split.
+    pub split: u32,
+    /// Per (token, head group, split) partial results, when split
+    /// (`kernels::sparse_mla_v4_workspace` bytes; contents need no initialisation).
+    pub workspace: GlobalMut<f32>,
+    /// Per (token, head group) counts of finished splits, when split: zero before the
+    /// launch, zero again after it.
+    pub counters: GlobalMut<u32>,
+}

@@ -52,6 +52,7 @@ mod dense;
 mod indexer_logits;
 mod pages;
 mod sparse_mla;
+mod sparse_mla_v4;
 mod store;
 mod topk;
 
@@ -66,6 +67,10 @@ pub use indexer_logits::{
 };
 pub use pages::{copy_pages, page_checksums};
 pub use sparse_mla::{sparse_mla, sparse_mla_launch, sparse_mla_split, sparse_mla_workspace};
+pub use sparse_mla_v4::{
+    sparse_mla_v4, sparse_mla_v4_launch, sparse_mla_v4_split, sparse_mla_v4_workspace,
+    SMEM as SPARSE_MLA_V4_SMEM,
+};
 pub use store::{index_k_store, kv_store};
 pub use topk::{topk, topk_chunk, topk_launch, topk_workspace};
 

@@ -193,7 +193,7 @@ impl Golden {
             Op::IndexerLogits => run.indexer_logits(&mut r)?,
             Op::Topk => run.topk(&mut r)?,
             Op::SparseMla => run.sparse_mla(&mut r)?,
-            Op::CopyPages | Op::PageChecksums => {
+            Op::CopyPages | Op::PageChecksums | Op::SparseMlaV4 => {
                 return Err(GoldenError::UnknownOp(self.op.clone()))
             }
         };

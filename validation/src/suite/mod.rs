@@ -9,6 +9,7 @@ mod pages;
 mod plan;
 mod record;
 mod sparse_mla;
+mod sparse_mla_v4;
 mod store;
 mod topk;
 
@@ -22,6 +23,7 @@ use plan::Kind;
 pub use plan::{plan, Case};
 pub(crate) use record::Outcome;
 pub use record::{Check, Record, Status};
+pub use sparse_mla_v4::{SinkKind, V4CacheShape, V4Shape};
 
 use crate::fixtures::case_rng;
 
@@ -79,6 +81,7 @@ pub fn run_case<B: Backend>(backend: &B, case: &Case, seed: u64) -> Vec<Record> 
         }
         Kind::SparseMla(d, dt, h, lens) => sparse_mla::sparse_mla(b, rng, d, *dt, *h, lens),
         Kind::SparseMlaCancel(d, dt) => sparse_mla::cancellation(b, rng, d, *dt),
+        Kind::SparseMlaV4(s) => sparse_mla_v4::sparse_mla_v4(b, rng, s),
         Kind::CopyPages(l, page_first) => pages::copy_pages(b, rng, *l, *page_first).map(one),
         Kind::PageChecksums(l) => pages::page_checksums(b, rng, *l).map(one),
         Kind::Invariance(d, op) => invariance::check(b, rng, d, *op).map(one),

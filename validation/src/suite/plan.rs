@@ -6,7 +6,7 @@ use sparsekit_host::dtype::ScaleFormat;
 use sparsekit_host::layout::{IndexKDtype, KvDtype, PageLayout};
 use sparsekit_host::ops::{Op, ShortRows};
 
-use super::{Check, Size, SuiteConfig};
+use super::{Check, SinkKind, Size, SuiteConfig, V4CacheShape, V4Shape};
 use crate::fixtures::{page_layouts, v4_page_layouts, Scenario};
 use crate::tolerance::DataType;
 
@@ -44,6 +44,8 @@ pub(super) enum Kind {
     SparseMla(ModelDims, KvDtype, usize, Vec<u32>),
     /// The near-cancellation case of the derived `out` bound.
     SparseMlaCancel(ModelDims, KvDtype),
+    /// DeepSeek-V4's sparse attention.
+    SparseMlaV4(V4Shape),
     CopyPages(PageLayout, bool),
     PageChecksums(PageLayout),
     Invariance(ModelDims, Op),
@@ -147,6 +149,16 @@ pub fn plan(cfg: &SuiteConfig) -> Vec<Case> {
                 Kind::Topk(k as usize, d.csa_page, sc, lens.clone(), ShortRows::TakeAll),
             );
         }
+    }
+    for (name, shape) in v4_attention_shapes(full) {
+        push(
+            Op::SparseMlaV4,
+            r,
+            name,
+            shape.main.dtype.into(),
+            shape.tokens,
+            Kind::SparseMlaV4(shape),
+        );
     }
     for dims in ModelDims::ALL {
         let dsv = dims == ModelDims::DSV32;
@@ -315,6 +327,106 @@ pub fn plan(cfg: &SuiteConfig) -> Vec<Case> {
     cases
 }
 
+/// DeepSeek-V4 attention cases: V4-Flash (64 heads, window 128 at P 256 + compressed 512
+/// at P 64, and the ratio-128 pool at P 2), V4-Pro (128 heads, compressed 1024), main only,
+/// bf16_512 caches, odd heads and top-k; sinks none, finite and ±inf.
+fn v4_attention_shapes(full: bool) -> Vec<(String, V4Shape)> {
+    let c = |dtype, page_size, topk| V4CacheShape {
+        dtype,
+        page_size,
+        topk,
+    };
+    let (m1, b16) = (KvDtype::Model1Fp8, KvDtype::Bf16x512);
+    let d = V4Dims::FLASH;
+    let tokens = if full { 9 } else { 6 };
+    let mut v = vec![
+        (
+            "dsv4-flash csa h=64 sink",
+            V4Shape {
+                heads: 64,
+                main: c(m1, d.window_page, d.window),
+                extra: Some(c(m1, d.csa_page, d.index_topk)),
+                sink: SinkKind::Finite,
+                tokens,
+            },
+        ),
+        (
+            "dsv4-flash hca P=2 h=64 sink ±inf",
+            V4Shape {
+                heads: 64,
+                main: c(m1, d.window_page, d.window),
+                extra: Some(c(m1, d.hca_page, 96)),
+                sink: SinkKind::Infinite,
+                tokens,
+            },
+        ),
+        (
+            "dsv4-flash window only h=64",
+            V4Shape {
+                heads: 64,
+                main: c(m1, d.window_page, d.window),
+                extra: None,
+                sink: SinkKind::None,
+                tokens,
+            },
+        ),
+        (
+            "dsv4 bf16_512 h=16 sink",
+            V4Shape {
+                heads: 16,
+                main: c(b16, 64, 128),
+                extra: Some(c(b16, 2, 200)),
+                sink: SinkKind::Finite,
+                tokens,
+            },
+        ),
+        (
+            "dsv4 mixed h=3 topk 37+70",
+            V4Shape {
+                heads: 3,
+                main: c(b16, 1, 37),
+                extra: Some(c(m1, 37, 70)),
+                sink: SinkKind::Infinite,
+                tokens,
+            },
+        ),
+        (
+            "dsv4 h=33 P=1024",
+            V4Shape {
+                heads: 33,
+                main: c(m1, 1024, 64),
+                extra: Some(c(m1, 64, 130)),
+                sink: SinkKind::None,
+                tokens,
+            },
+        ),
+    ];
+    let p = V4Dims::PRO;
+    v.push((
+        "dsv4-pro csa h=128 sink",
+        V4Shape {
+            heads: p.q_heads,
+            main: c(m1, p.window_page, p.window),
+            extra: Some(c(m1, p.csa_page, p.index_topk)),
+            sink: SinkKind::Finite,
+            tokens: if full { 6 } else { 4 },
+        },
+    ));
+    if full {
+        v.push((
+            "dsv4 h=1 topk 2048+2048",
+            V4Shape {
+                heads: 1,
+                main: c(m1, 256, 2048),
+                extra: Some(c(b16, 64, 2048)),
+                sink: SinkKind::Finite,
+                tokens: 5,
+            },
+        ));
+    }
+    v.into_iter().map(|(n, s)| (n.to_string(), s)).collect()
+}
+
 /// The dtype of an op's batch-invariance case.
 fn invariance_dtype(op: Op) -> DataType {
     match op {
@@ -322,6 +434,7 @@ fn invariance_dtype(op: Op) -> DataType {
             DataType::Fp8E4m3
         }
         Op::KvStore | Op::SparseMla => DataType::Fp8DsMla,
+        Op::SparseMlaV4 => DataType::Model1Fp8,
         Op::Topk => DataType::Fp32,
     }
 }
