@@ -220,3 +220,123 @@ def topk_files(rng, out_dir, seed, h):
     return [h.save(out_dir, "topk_v4_transform", "topk", params,
                    dict(logits=logits, context_lens=np.array(lens, dtype=np.int32),
                         page_table=paging.table, topk=out), seed)]
+
+
+def nan_pool(layout, pages):
+    """A pool whose every row reads as NaN (e4m3 code 0x7f, bf16 0x7fc0), scales garbage-free
+    (ue8m0 127): rows no valid index points at must never reach the result."""
+    cache = np.zeros((pages, layout.bytes_per_page), dtype=np.uint8)
+    for p in range(pages):
+        for off in range(layout.ps):
+            row = cache[p, off * layout.row:(off + 1) * layout.row]
+            if layout.dtype == "model1_fp8":
+                row[:V4_NOPE] = 0x7F
+                row[V4_NOPE:] = np.full(V4_ROPE, 0x7FC0, dtype=np.uint16).view(np.uint8)
+                at = layout.ps * ROW + 8 * off
+                cache[p, at:at + 7] = 127
+            else:
+                row[:] = np.full(512, 0x7FC0, dtype=np.uint16).view(np.uint8)
+    return cache
+
+
+def sparse_mla_v4(caches, q, scale, sink):
+    """FlashMLA's tests/ref.py maths in float64: per token, the rows of each cache's used,
+    valid entries (main, then extra); s = scale q.k; lse = logsumexp(s) (natural log,
+    without the sink); out = softmax(s) . rows (V = K, 512 dims), times 1/(1 + exp(sink -
+    lse)); no valid key: out 0, lse +inf. `caches`: (layout, cache, indices [n, topk],
+    lengths [n])."""
+    n, h, _ = q.shape
+    out = np.zeros((n, h, 512))
+    lse = np.full((n, h), np.inf)
+    for t in range(n):
+        rows = [layout.read(cache, s) for layout, cache, idx, lens in caches
+                for s in idx[t, :lens[t]] if s != -1]
+        if not rows:
+            continue
+        k = np.stack(rows)
+        s = q[t].astype(np.float64) @ k.T * scale
+        m = s.max(axis=1, keepdims=True)
+        w = np.exp(s - m)
+        lse[t] = (m[:, 0] + np.log(w.sum(axis=1)))
+        o = (w / w.sum(axis=1, keepdims=True)) @ k
+        if sink is not None:
+            o *= (1.0 / (1.0 + np.exp(sink.astype(np.float64) - lse[t])))[:, None]
+        out[t] = o
+    return out, lse
+
+
+def v4_cache(rng, h, dtype, ps, topk, lens):
+    """A NaN-filled pool with live rows, indices [n, topk] (live slots, some -1 inside each
+    length, garbage past it: i32 max, negative, past the pool)."""
+    layout = Model1Kv(dtype, ps)
+    pages = -(-topk // ps) + 2
+    cache = nan_pool(layout, pages)
+    cap = pages * ps
+    live = np.sort(rng.permutation(cap)[:max(1, cap * 3 // 4)])
+    layout.store(cache, h.token_rows(rng, len(live), 512), live)
+    idx = np.empty((len(lens), topk), dtype=np.int64)
+    for t, n in enumerate(lens):
+        idx[t, :n] = np.where(rng.integers(0, 20, n) == 0, -1, rng.choice(live, n))
+        tail = rng.integers(0, 4, topk - n)
+        idx[t, n:] = np.select([tail == 0, tail == 1, tail == 2],
+                               [2**31 - 1, -rng.integers(1, 1000, topk - n), cap + rng.integers(0, 99, topk - n)],
+                               rng.integers(0, cap, topk - n))
+    return layout, cache, idx.astype(np.int32)
+
+
+def sparse_mla_files(rng, out_dir, seed, h):
+    """V4 attention: V4-Flash CSA (64 heads, window 128 at P 256 + compressed 512 at P 64,
+    sink) in our conventions; the same in FlashMLA's ([batch, s_q, ...] tensors, lengths per
+    request, lse [batch, h, s_q]); an HCA call over bf16_512 (P 2) without sink."""
+    paths = []
+    heads, scale = 64, 512 ** -0.5
+    # Ours: 6 tokens, lengths 0/1/63/64/65/full, the last token with no valid key.
+    n = 6
+    main_lens = np.array([128, 1, 63, 64, 65, 0], dtype=np.int32)
+    extra_lens = np.array([512, 65, 0, 511, 64, 0], dtype=np.int32)
+    ml, mc, mi = v4_cache(rng, h, "model1_fp8", 256, 128, main_lens)
+    el, ec, ei = v4_cache(rng, h, "model1_fp8", 64, 512, extra_lens)
+    q = (rng.standard_normal((n, heads, 512))).astype(BF16)
+    sink = (2 * rng.standard_normal(heads)).astype(F32)
+    out, lse = sparse_mla_v4([(ml, mc, mi, main_lens), (el, ec, ei, extra_lens)], q, scale, sink)
+    params = dict(version=1, n_heads=heads, softmax_scale=scale,
+                  main=dict(dtype="model1_fp8", page_size=256, topk=128),
+                  extra=dict(dtype="model1_fp8", page_size=64, topk=512))
+    paths.append(h.save(out_dir, "sparse_mla_v4_model1", "sparse_mla_v4", params,
+                        dict(q=q, main_cache=mc, main_indices=mi, main_lengths=main_lens,
+                             extra_cache=ec, extra_indices=ei, extra_lengths=extra_lens,
+                             attn_sink=sink, out=out.astype(F32).astype(BF16), lse=lse.astype(F32)), seed))
+    # FlashMLA's layout: batch 3 × s_q 2, topk_length per request, lse [b, h, s_q].
+    b, s_q = 3, 2
+    req_main, req_extra = np.array([128, 70, 0], dtype=np.int32), np.array([512, 1, 0], dtype=np.int32)
+    tok_main, tok_extra = np.repeat(req_main, s_q), np.repeat(req_extra, s_q)
+    ml, mc, mi = v4_cache(rng, h, "model1_fp8", 256, 128, tok_main)
+    el, ec, ei = v4_cache(rng, h, "model1_fp8", 64, 512, tok_extra)
+    q = rng.standard_normal((b * s_q, heads, 512)).astype(BF16)
+    out, lse = sparse_mla_v4([(ml, mc, mi, tok_main), (el, ec, ei, tok_extra)], q, scale, sink)
+    params = dict(version=1, n_heads=heads, softmax_scale=scale,
+                  main=dict(dtype="model1_fp8", page_size=256, topk=128),
+                  extra=dict(dtype="model1_fp8", page_size=64, topk=512),
+                  conventions={"lse_layout": "batch_heads_seq"})
+    tensors = dict(q=q.reshape(b, s_q, heads, 512), main_cache=mc, main_indices=mi.reshape(b, s_q, 128),
+                   main_lengths=req_main, extra_cache=ec, extra_indices=ei.reshape(b, s_q, 512),
+                   extra_lengths=req_extra, attn_sink=sink,
+                   out=out.astype(F32).astype(BF16).reshape(b, s_q, heads, 512),
+                   lse=np.ascontiguousarray(lse.astype(F32).reshape(b, s_q, heads).transpose(0, 2, 1)))
+    paths.append(h.save(out_dir, "sparse_mla_v4_flashmla", "sparse_mla_v4", params, tensors, seed))
+    # HCA over bf16_512 at P 2 (all of a request's compressed entries), 16 heads, no sink.
+    n, heads = 5, 16
+    main_lens = np.array([100, 3, 64, 0, 63], dtype=np.int32)
+    extra_lens = np.array([40, 0, 1, 0, 37], dtype=np.int32)
+    ml, mc, mi = v4_cache(rng, h, "bf16_512", 256, 100, main_lens)
+    el, ec, ei = v4_cache(rng, h, "bf16_512", 2, 40, extra_lens)
+    q = rng.standard_normal((n, heads, 512)).astype(BF16)
+    out, lse = sparse_mla_v4([(ml, mc, mi, main_lens), (el, ec, ei, extra_lens)], q, scale, None)
+    params = dict(version=1, n_heads=heads, softmax_scale=scale,
+                  main=dict(dtype="bf16_512", page_size=256, topk=100),
+                  extra=dict(dtype="bf16_512", page_size=2, topk=40))
+    paths.append(h.save(out_dir, "sparse_mla_v4_bf16_512", "sparse_mla_v4", params,
+                        dict(q=q, main_cache=mc, main_indices=mi, main_lengths=main_lens,
+                             extra_cache=ec, extra_indices=ei, extra_lengths=extra_lens,
+                             out=out.astype(F32).astype(BF16), lse=lse.astype(F32)), seed))
+    return paths

@@ -534,7 +534,8 @@ def main():
     paths = []
     for make in (store_files, indexer_files, topk_files, sparse_mla_files):
         paths += make(rng, a.out_dir, seed)
-    for make in (golden_v4.store_files, golden_v4.indexer_files, golden_v4.topk_files):
+    for make in (golden_v4.store_files, golden_v4.indexer_files, golden_v4.topk_files,
+                 golden_v4.sparse_mla_files):
         paths += make(rng, a.out_dir, seed, sys.modules[__name__])
     print(f"seed {seed}")
     for p in paths:

@@ -125,6 +125,30 @@ pub(super) struct SparseMlaParams {
     pub conventions: Conventions,
 }
 
+/// One cache of a `sparse_mla_v4` file (`model1_fp8` or `bf16_512`).
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct V4CacheP {
+    pub dtype: KvDt,
+    pub page_size: usize,
+    pub topk: usize,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct SparseMlaV4Params {
+    pub version: u32,
+    pub n_heads: usize,
+    pub softmax_scale: f64,
+    pub main: V4CacheP,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub extra: Option<V4CacheP>,
+    #[serde(default)]
+    pub expected_from: ExpectedFrom,
+    #[serde(default, skip_serializing_if = "is_ours")]
+    pub conventions: Conventions,
+}
+
 fn is_ours(c: &Conventions) -> bool {
     *c == Conventions::default()
 }
@@ -175,12 +199,13 @@ fn is_select_valid(s: &ShortRowsP) -> bool {
 }
 
 /// The ops golden files cover.
-const GOLDEN_OPS: [Op; 5] = [
+const GOLDEN_OPS: [Op; 6] = [
     Op::IndexKStore,
     Op::KvStore,
     Op::IndexerLogits,
     Op::Topk,
     Op::SparseMla,
+    Op::SparseMlaV4,
 ];
 
 pub(super) fn op_by_name(name: &str) -> Result<Op> {

@@ -32,18 +32,18 @@ pub(super) struct Run<'b, B> {
 }
 
 impl<B: Backend> Run<'_, B> {
-    fn err(&self, source: sparsekit_host::Error) -> GoldenError {
+    pub(super) fn err(&self, source: sparsekit_host::Error) -> GoldenError {
         GoldenError::Backend {
             backend: self.b.name().to_string(),
             source,
         }
     }
 
-    fn up(&self, bytes: &[u8]) -> Result<B::Buffer> {
+    pub(super) fn up(&self, bytes: &[u8]) -> Result<B::Buffer> {
         self.b.upload(bytes).map_err(|e| self.err(e))
     }
 
-    fn down<T: Pod>(&self, buf: &B::Buffer) -> Result<Vec<T>> {
+    pub(super) fn down<T: Pod>(&self, buf: &B::Buffer) -> Result<Vec<T>> {
         Ok(bytemuck::pod_collect_to_vec(
             &self.b.download(buf).map_err(|e| self.err(e))?,
         ))
@@ -615,7 +615,7 @@ fn judge_store(
 }
 
 /// The report's note naming the conventions a file states (none when all are ours).
-fn conventions_note(c: &Conventions) -> Vec<String> {
+pub(super) fn conventions_note(c: &Conventions) -> Vec<String> {
     let d = c.describe();
     if d.is_empty() {
         Vec::new()
@@ -628,6 +628,6 @@ fn conventions_note(c: &Conventions) -> Vec<String> {
 }
 
 /// A missing tolerance row (a bug in the table, not in the file).
-fn internal(e: sparsekit_host::Error) -> GoldenError {
+pub(super) fn internal(e: sparsekit_host::Error) -> GoldenError {
     GoldenError::Invalid(e.to_string())
 }
