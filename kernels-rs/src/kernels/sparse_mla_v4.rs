@@ -77,7 +77,8 @@ pub const SMEM: u32 = FLAG_OFF + 16;
 /// The smallest split (positions of the main ‖ extra list), and the most splits.
 const MIN_SPLIT: u32 = 96;
 const MAX_SPLITS: u32 = 16;
-/// Floats of a split record: `O` (`[warp][lane][64]`), then per row `m, l, l̃, pad`.
+/// Floats of a split record: `O` (`[warp][n-tile][lane][4]`: a warp's stores and loads of
+/// one n-tile are 512 contiguous bytes), then per row `m, l, l̃, any`.
 const REC_O: u32 = V4_HEADS * D;
 const REC_FLOATS: u32 = REC_O + 4 * V4_HEADS;
 
@@ -527,7 +528,7 @@ unsafe fn store16<S: Simt>(at: GlobalMut<u32>, w: [u32; 4]) {
     }
 }
 
-/// Stores this lane's part of a split record: its 64 accumulators (`[warp][lane][64]`)
+/// Stores this lane's part of a split record: its 64 accumulators (`[warp][j][lane][4]`)
 /// and, from warp 0's lanes `t = 0`, the statistics of rows `g`, `g + 8` (`m`, `l`, `l̃`,
 /// and 1 when the split had a valid key).
 ///
@@ -545,10 +546,10 @@ unsafe fn store_record<S: Simt>(
     o: &[[f32; 4]; 16],
     any: bool,
 ) {
-    let mine = rec.add(((warp * 32 + lane) * 64) as usize);
     unroll!(16, j, {
-        // SAFETY: 4 floats of this lane's 64.
-        unsafe { S::gst(mine.add(4 * j).cast::<V4>(), V4(o[j].map(f32::to_bits))) };
+        let at = rec.add((((warp * 16 + j as u32) * 32 + lane) * 4) as usize);
+        // SAFETY: this lane's 4 floats of n-tile j.
+        unsafe { S::gst(at.cast::<V4>(), V4(o[j].map(f32::to_bits))) };
     });
     if warp == 0 && t == 0 {
         unroll!(2, r, {
@@ -623,7 +624,6 @@ unsafe fn finish_split<S: Simt>(
     }
     let mu = st.m.map(|m| if m == f32::NEG_INFINITY { 0.0 } else { m });
     let mut o = [[0f32; 4]; 16];
-    let mine = ((warp * 32 + lane) * 64) as usize;
     let mut s = 0;
     while s < ns {
         let w = [
@@ -634,10 +634,11 @@ unsafe fn finish_split<S: Simt>(
             st.l[r] = fma(stat(s, rows[r], 1), w[r], st.l[r]);
             st.lt[r] = fma(stat(s, rows[r], 2), w[r], st.lt[r]);
         });
-        let rec = recs.add((s * REC_FLOATS) as usize + mine);
+        let rec = recs.add((s * REC_FLOATS) as usize);
         unroll!(16, j, {
-            // SAFETY: split s's accumulators of this lane.
-            let v = unsafe { S::gld(rec.add(4 * j).cast::<V4>()) }.0;
+            let at = rec.add((((warp * 16 + j as u32) * 32 + lane) * 4) as usize);
+            // SAFETY: split s's accumulators of this lane, n-tile j.
+            let v = unsafe { S::gld(at.cast::<V4>()) }.0;
             o[j][0] = fma(f32::from_bits(v[0]), w[0], o[j][0]);
             o[j][1] = fma(f32::from_bits(v[1]), w[0], o[j][1]);
             o[j][2] = fma(f32::from_bits(v[2]), w[1], o[j][2]);
