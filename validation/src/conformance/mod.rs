@@ -564,6 +564,10 @@ macro_rules! test_backend {
                 )
             }
             #[test]
+            fn nonfinite_v4() {
+                check("nonfinite_v4", || $open, |b| c::v4::nonfinite(b))
+            }
+            #[test]
             fn copy_pages() {
                 check("copy_pages", || $open, |b| c::suite_op(b, Op::CopyPages))
             }

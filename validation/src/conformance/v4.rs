@@ -9,6 +9,7 @@ use sparsekit_host::{Backend, Error, KvInput};
 
 use super::{ensure, Failure, Outcome};
 use crate::fixtures::{self, bytes_of, case_rng, Paging};
+use crate::tolerance::{ErrorStats, Quantity};
 
 /// A small valid call: `n` tokens, 4 heads, a model1_fp8 main cache (P 3, top-k 8) and a
 /// bf16_512 extra cache (P 2, top-k 5), every slot filled.
@@ -394,4 +395,105 @@ pub fn sinks_and_empty_rows<B: Backend>(b: &B) -> Outcome {
 
 fn bits(x: &[bf16]) -> Vec<u16> {
     x.iter().map(|v| v.to_bits()).collect()
+}
+
+/// Non-finite inputs: a valid key holding NaN (bf16_512) or ±inf (model1_fp8: its tile's
+/// scale is NaN), queries holding NaN and inf, a token without a valid key: every head
+/// gets NaN exactly where the reference does, and the rest agrees with it.
+pub fn nonfinite<B: Backend>(b: &B) -> Outcome {
+    let rng = &mut case_rng(super::seed(), 0x4e4e_0404);
+    let (n, h, d) = (6usize, 16usize, SparseMlaV4::D);
+    let (ml, el) = (KvLayout::bf16_512(4)?, KvLayout::model1_fp8(3)?);
+    let (mk, ek) = (8usize, 6usize);
+    let pool = |rng: &mut _, l: &KvLayout, slots: usize, spoil: &[(usize, usize, f32)]| {
+        let mut kv = fixtures::token_rows(rng, slots, d);
+        for &(s, c, v) in spoil {
+            kv[s * d + c] = bf16::from_f32(v);
+        }
+        let mut p = fixtures::garbage(rng, l.buffer_bytes(slots / l.page_size()));
+        let all: Vec<i64> = (0..slots as i64).collect();
+        crate::reference::kv_store(l, &mut p, &kv, &all);
+        p
+    };
+    // Main slot 5 holds NaN (rope dim 470); extra slot 4 holds +inf in tile 2.
+    let mpool = pool(rng, &ml, 16, &[(5, 470, f32::NAN)]);
+    let epool = pool(rng, &el, 12, &[(4, 130, f32::INFINITY)]);
+    // Token 0 meets main slot 5, token 1 extra slot 4, the others finite slots only;
+    // token 5 uses nothing.
+    let mut mi: Vec<i32> = (0..n * mk)
+        .map(|i| [0, 1, 2, 3, 6, 7, 8, 9][i % mk])
+        .collect();
+    mi[3] = 5;
+    let mut ei: Vec<i32> = (0..n * ek).map(|i| [0, 1, 2, 3, 5, 6][i % ek]).collect();
+    ei[ek + 2] = 4;
+    let mlens = [8u32, 8, 8, 8, 8, 0];
+    let elens = [6u32, 6, 6, 6, 6, 0];
+    let mut q = fixtures::bf16_normal(rng, n * h * d, 1.0);
+    q[(3 * h + 1) * d + 11] = bf16::NAN; // token 3 head 1: every score NaN
+    q[(4 * h + 2) * d + 300] = bf16::INFINITY; // token 4 head 2: ±inf scores
+    let op = SparseMlaV4 {
+        n_tokens: n,
+        n_heads: h,
+        softmax_scale: 1.0 / (d as f32).sqrt(),
+        main: V4Cache {
+            layout: ml,
+            topk: mk,
+            lengths: Some(&mlens),
+        },
+        extra: Some(V4Cache {
+            layout: el,
+            topk: ek,
+            lengths: Some(&elens),
+        }),
+        attn_sink: None,
+    };
+    let mut out = b.upload(&fixtures::poison_bf16(n * h * d))?;
+    let mut lse = b.upload(&fixtures::poison_f32(n * h))?;
+    let (mc, ec) = (b.upload(&mpool)?, b.upload(&epool)?);
+    let (mib, eib) = (b.upload(bytes_of(&mi))?, b.upload(bytes_of(&ei))?);
+    b.sparse_mla_v4(
+        &op,
+        &b.upload(bytes_of(&q))?,
+        KvInput {
+            cache: &mc,
+            indices: &mib,
+        },
+        Some(KvInput {
+            cache: &ec,
+            indices: &eib,
+        }),
+        &mut out,
+        &mut lse,
+    )?;
+    let got_out: Vec<bf16> = bytemuck::pod_collect_to_vec(&b.download(&out)?);
+    let got_lse: Vec<f32> = bytemuck::pod_collect_to_vec(&b.download(&lse)?);
+    let want = crate::reference::sparse_mla_v4(&op, &q, (&mpool, &mi), Some((&epool, &ei)));
+    let dt = ml.dtype().into();
+    let to = crate::tolerance::get(sparsekit_host::ops::Op::SparseMlaV4, Quantity::Out, dt)?;
+    let tl = crate::tolerance::get(sparsekit_host::ops::Op::SparseMlaV4, Quantity::Lse, dt)?;
+    let (mut so, mut sl) = (ErrorStats::default(), ErrorStats::default());
+    for (i, g) in got_out.iter().enumerate() {
+        so.add_nonfinite(i, g.to_f64(), want.out[i], want.out_magnitude(i), to);
+    }
+    for (i, g) in got_lse.iter().enumerate() {
+        sl.add_nonfinite(i, *g as f64, want.lse[i], want.lse_magnitude[i], tl);
+    }
+    ensure(want.lse.iter().any(|x| x.is_nan()), || {
+        "the case has no NaN head".into()
+    })?;
+    ensure(so.pass() && sl.pass(), || {
+        let bad: Vec<String> = (0..n * h)
+            .filter(|&i| {
+                want.lse[i].is_nan() != got_lse[i].is_nan()
+                    || (0..d).any(|c| want.out[i * d + c].is_nan() != got_out[i * d + c].is_nan())
+            })
+            .map(|i| format!("token {} head {}", i / h, i % h))
+            .collect();
+        format!(
+            "sparse_mla_v4 non-finite: out {}; lse {}; NaN disagreements at {}",
+            so.summary(),
+            sl.summary(),
+            bad.join(", ")
+        )
+    })
 }
