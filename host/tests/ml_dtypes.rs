@@ -155,8 +155,9 @@ fn e4m3_and_scales_match_ml_dtypes_bit_exactly() {
             "model1 scales, seed {seed}"
         );
     }
-    // fp4 index keys: two groups of 32 (packed e2m1, even element low) and their ue8m0 bytes.
-    let layout = IndexKLayout::new(IndexKDtype::Fp4E2m1, 64, 1).expect("layout");
+    // fp4 index keys: four groups of 32 (packed e2m1, even element low) and their ue8m0
+    // bytes.
+    let layout = IndexKLayout::new(IndexKDtype::Fp4E2m1, 128, 1).expect("layout");
     for c in v["fp4"].as_array().expect("fp4") {
         let key: Vec<bf16> = u64s(&c[0])
             .iter()
@@ -166,7 +167,7 @@ fn e4m3_and_scales_match_ml_dtypes_bit_exactly() {
         write_index_k_token(&layout, &mut page, 0, &key);
         let packed: Vec<u8> = u64s(&c[1]).iter().map(|&b| b as u8).collect();
         let scales: Vec<u8> = u64s(&c[2]).iter().map(|&b| b as u8).collect();
-        assert_eq!(&page[..32], &packed[..], "fp4 codes, seed {seed}");
-        assert_eq!(&page[32..34], &scales[..], "fp4 scales, seed {seed}");
+        assert_eq!(&page[..64], &packed[..], "fp4 codes, seed {seed}");
+        assert_eq!(&page[64..68], &scales[..], "fp4 scales, seed {seed}");
     }
 }

@@ -8,7 +8,7 @@ Prints one JSON object on stdout:
   index_k:  [[key bf16 bits...], fmt, [code...], scale f32 bits]   per-token quantization
   kv_tiles: [[tile bf16 bits...], [code...], scale f32 bits]       fp8_ds_mla tiles
   model1:   [[448 NoPE bf16 bits...], [code...], [7 ue8m0 bytes]]  DeepSeek-V4 MODEL1 tiles
-  fp4:      [[64 bf16 bits...], [32 packed bytes], [2 ue8m0 bytes]] fp4 index-K groups
+  fp4:      [[128 bf16 bits...], [64 packed bytes], [4 ue8m0 bytes]] fp4 index-K keys
 Saturating conversion is np.clip(x, -448, 448) followed by the ml_dtypes cast; e2m1 codes
 come from ml_dtypes' float4_e2m1fn cast (round to nearest even, saturating) and ue8m0
 bytes from its float8_e8m0fnu cast of the power-of-two scale.
@@ -94,9 +94,9 @@ def main():
     fp4 = []
     for i in range(300):
         mag = [1e-3, 1.0, 50.0, 1e-37, 0.0][i % 5]
-        key = (rng.standard_normal(64) * mag).astype(BF16)
+        key = (rng.standard_normal(128) * mag).astype(BF16)
         packed, scales = [], []
-        for g in range(2):
+        for g in range(4):
             grp = key[32 * g:32 * g + 32].astype(np.float32)
             amax = np.abs(grp).max()
             s = np.maximum(pow2_ceil(np.float32(amax / np.float32(6))), np.float32(2.0 ** -126))

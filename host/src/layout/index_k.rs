@@ -54,12 +54,13 @@ pub struct IndexKLayout {
 
 impl IndexKLayout {
     /// Builds a descriptor. `head_dim` must be a positive multiple of 16 (vector loads on
-    /// the GPU; of 64 for fp4, so that a token's scales are whole 2-byte words),
+    /// the GPU; of 128 for fp4, so that a token's values and scales are whole 4-byte words
+    /// at any page size: 68 B per token at 128),
     /// `page_size` in `1..=4096`, and a page at most
     /// [`MAX_PAGE_BYTES`](super::MAX_PAGE_BYTES).
     pub fn new(dtype: IndexKDtype, head_dim: usize, page_size: usize) -> Result<Self> {
         let multiple = match dtype {
-            IndexKDtype::Fp4E2m1 => 2 * FP4_GROUP,
+            IndexKDtype::Fp4E2m1 => 4 * FP4_GROUP,
             _ => 16,
         };
         if head_dim == 0 || head_dim % multiple != 0 {

@@ -201,7 +201,8 @@ fn bf16_512_and_fp4_sizes() {
         Some(4352 + 4096 + 4..4352 + 4096 + 8)
     );
     assert!(IndexKLayout::new(IndexKDtype::Fp4E2m1, 96, 64).is_err());
-    assert!(IndexKLayout::new(IndexKDtype::Fp4E2m1, 64, 1).is_ok());
+    assert!(IndexKLayout::new(IndexKDtype::Fp4E2m1, 64, 1).is_err());
+    assert!(IndexKLayout::new(IndexKDtype::Fp4E2m1, 256, 1).is_ok());
 }
 
 #[test]

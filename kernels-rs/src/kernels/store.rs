@@ -100,8 +100,8 @@ unsafe fn copy_bf16<S: Simt>(src: GlobalPtr<u16>, dst: GlobalMut<u16>, n: u32) {
 ///
 /// # Safety
 /// `key` holds `head_dim` bf16 (16-byte aligned), `values` `head_dim / 2` bytes and
-/// `scales` `head_dim / 32` bytes written only by this warp (16- and 2-byte aligned);
-/// `head_dim % 64 == 0`.
+/// `scales` `head_dim / 32` bytes written only by this warp (4-byte aligned: the layout
+/// takes `head_dim % 128 == 0`).
 #[inline(always)]
 unsafe fn store_fp4_key<S: Simt>(
     key: GlobalPtr<u16>,
@@ -145,7 +145,7 @@ unsafe fn store_fp4_key<S: Simt>(
             // SAFETY: bytes i/2 .. i/2 + 4 of the token's values, 4-byte aligned.
             unsafe { S::gst(values.add(i as usize / 2).cast::<u32>(), word) };
             if lane % 8 == 0 {
-                // SAFETY: scale bytes i/32 and i/32 + 1 (i % 64 == 0 here, head_dim % 64
+                // SAFETY: scale bytes i/32 and i/32 + 1 (i % 64 == 0 here, head_dim % 128
                 // == 0), 2-byte aligned.
                 unsafe {
                     S::gst(
@@ -249,7 +249,7 @@ pub unsafe fn index_k_store<S: Simt>(p: IndexKStoreParams) {
                 let scales = page_ptr
                     .byte_add(p.scale_offset as usize + (off * p.scale_bytes as u64) as usize);
                 // SAFETY: the token's key, value bytes and scale bytes (layout contract:
-                // head_dim % 64 == 0, scale_bytes = head_dim / 32).
+                // head_dim % 128 == 0, scale_bytes = head_dim / 32).
                 unsafe { store_fp4_key::<S>(key, values, scales, p.head_dim) };
             } else {
                 let mut amax = 0f32;

@@ -60,6 +60,36 @@ const INDEX_DTYPES: [IndexKDtype; 4] = [
     IndexKDtype::Bf16,
     IndexKDtype::Fp4E2m1,
 ];
+/// The tiny dims at odd page sizes.
+const TINY_P1: ModelDims = ModelDims {
+    name: "tiny P=1",
+    page_size: 1,
+    ..ModelDims::TINY
+};
+const TINY_P37: ModelDims = ModelDims {
+    name: "tiny P=37",
+    page_size: 37,
+    ..ModelDims::TINY
+};
+/// DeepSeek-V3.2's dims at an odd page size (fp4 index keys need head_dim 128).
+const DSV32_P37: ModelDims = ModelDims {
+    name: "dsv32 P=37",
+    page_size: 37,
+    ..ModelDims::DSV32
+};
+
+/// The index-K dtypes of a config: fp4 only where the head dim allows it (a multiple of
+/// 128), and only fp4 at [`DSV32_P37`] (the others run at the tiny odd page sizes).
+fn index_dtypes(dims: &ModelDims) -> Vec<IndexKDtype> {
+    INDEX_DTYPES
+        .into_iter()
+        .filter(|dt| {
+            let fp4 = *dt == IndexKDtype::Fp4E2m1;
+            (!fp4 || dims.index_head_dim % 128 == 0) && (fp4 || *dims != DSV32_P37)
+        })
+        .collect()
+}
+
 /// DeepSeek-V4's KV dtypes.
 const V4_KV_DTYPES: [KvDtype; 2] = [KvDtype::Model1Fp8, KvDtype::Bf16x512];
 /// Page sizes of the V4 store and page cases: the window pool (256), the ratio-4 pools
@@ -160,9 +190,49 @@ pub fn plan(cfg: &SuiteConfig) -> Vec<Case> {
             Kind::SparseMlaV4(shape),
         );
     }
+    // DeepSeek-V3.2's layouts at odd page sizes (every layout takes any P): stores, the
+    // indexer and sparse MLA at the tiny dims with pages of 1 and 37 tokens.
+    for dims in [TINY_P1, TINY_P37, DSV32_P37] {
+        for dt in index_dtypes(&dims) {
+            push(
+                Op::IndexKStore,
+                r,
+                format!("{}{}", dims.name, scale_suffix(dt)),
+                dt.into(),
+                5,
+                Kind::IndexKStore(dims, dt),
+            );
+            push(
+                Op::IndexerLogits,
+                r,
+                format!("{} decode next_n=2{}", dims.name, scale_suffix(dt)),
+                dt.into(),
+                4,
+                Kind::IndexerLogits(dims, dt, Form::Decode(2), vec![2, 38, 75, 300]),
+            );
+        }
+        for dt in KV_DTYPES.into_iter().filter(|_| dims != DSV32_P37) {
+            push(
+                Op::KvStore,
+                r,
+                dims.name.to_string(),
+                dt.into(),
+                5,
+                Kind::KvStore(dims, dt),
+            );
+            push(
+                Op::SparseMla,
+                r,
+                format!("{} h_q=16", dims.name),
+                dt.into(),
+                6,
+                Kind::SparseMla(dims, dt, 16, vec![1, 38, 90, 300]),
+            );
+        }
+    }
     for dims in ModelDims::ALL {
         let dsv = dims == ModelDims::DSV32;
-        for dt in INDEX_DTYPES {
+        for dt in index_dtypes(&dims) {
             push(
                 Op::IndexKStore,
                 r,
@@ -197,7 +267,7 @@ pub fn plan(cfg: &SuiteConfig) -> Vec<Case> {
             (true, false) => vec![5, ps, 301, 1000],
             _ => vec![5, ps, 1001, long],
         };
-        for dt in INDEX_DTYPES {
+        for dt in index_dtypes(&dims) {
             for (form, lens) in [
                 (Form::Decode(1), &decode1),
                 (Form::Decode(2), &decode2),
