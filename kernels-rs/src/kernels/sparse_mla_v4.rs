@@ -6,20 +6,20 @@
 //!
 //! One block of [`THREADS`] = 128 threads (4 warps) per work item `(token, split, group of
 //! 16 heads)`, token-major; grid = items clamped to [`MAX_GRID`], grid-stride beyond.
-//! Shared memory [`SMEM`] bytes (57360: the launcher raises the kernel's limit above 48 KiB).
+//! Shared memory [`SMEM`] bytes (36880: two blocks fit an SM120 SM's ~100 KiB).
 //!
 //! # Algorithm (per item)
 //!
 //! A token's keys are the entries of its main list that are inside its main length and not
 //! `-1`, then those of its extra list; `split` consecutive positions of that main ‖ extra
 //! list form a split ([`sparse_mla_v4_split`], a function of the list's size only). The
-//! split's valid keys, in order, are cut into blocks of [`BN`] = 32 (`gather::Scan`: every
+//! split's valid keys, in order, are cut into blocks of [`BN`] = 16 (`gather::Scan`: every
 //! warp walks the list with ballots and finds the same blocks). Per block:
-//! 1. **Gather** (thread `4·key + sub`): the key's row into shared memory as bf16 — MODEL1
+//! 1. **Gather** (thread `8·key + sub`): the key's row into shared memory as bf16 — MODEL1
 //!    codes widened exactly and multiplied by their tile's ue8m0 scale (exact: at most 4
 //!    significant bits), rope and bf16_512 values as they are; zeros for missing keys.
 //! 2. **S = Q·Kᵀ**: warp `w` owns dims `128w .. 128w + 128` (4 pairs of k-steps) for the
-//!    block's 4 n-tiles; within a pair of k-steps lane `t` loads the 16-byte chunk `t` of
+//!    block's 2 n-tiles; within a pair of k-steps lane `t` loads the 16-byte chunk `t` of
 //!    each row (a fixed permutation of the dims inside the pair, the same for Q and K). The
 //!    4 partial scores go through shared memory and every warp sums them in warp order.
 //! 3. **Online softmax** (f32, base 2), identical in every warp: running max `m`, sums `l`
@@ -39,10 +39,10 @@
 //!
 //! | offset | size | contents |
 //! |---|---|---|
-//! | 0 | 32 · 1024 | key rows (bf16), chunk `c` of row `r` at `1024r + 16(c ^ swz(r))` |
-//! | 32768 | 16 · 1024 | query rows, the same layout |
-//! | 49152 | 8192 | partial scores `[warp][n-tile][lane]` × 4 f32 |
-//! | 57344 | 16 | the split-completion flag |
+//! | 0 | 16 · 1024 | key rows (bf16), chunk `c` of row `r` at `1024r + 16(c ^ swz(r))` |
+//! | 16384 | 16 · 1024 | query rows, the same layout |
+//! | 32768 | 4096 | partial scores `[warp][n-tile][lane]` × 4 f32 |
+//! | 36864 | 16 | the split-completion flag |
 //!
 //! `swz` makes the 16-byte score-operand loads (rows `8j + g`, chunks `4p + t`), the V
 //! loads (rows `2t + e`, chunks `16w + 2g + h`) and the gather stores conflict-free.
@@ -63,14 +63,18 @@ const WARPS: u32 = 4;
 /// Threads per block.
 pub const THREADS: u32 = 32 * WARPS;
 /// Keys per key block.
-pub const BN: u32 = 32;
+pub const BN: u32 = 16;
+/// n-tiles (of 8 keys) per key block.
+const NT: usize = (BN / 8) as usize;
+/// Threads per key of a block (the gather).
+const TPK: u32 = THREADS / BN;
 /// Dims of q, K = V and out.
 pub const D: u32 = 512;
 /// Shared-memory bytes per key or query row.
 const ROW: u32 = 2 * D;
 const Q_OFF: u32 = BN * ROW;
 const PART_OFF: u32 = Q_OFF + V4_HEADS * ROW;
-const PART_BYTES: u32 = WARPS * 4 * 32 * 16;
+const PART_BYTES: u32 = WARPS * NT as u32 * 32 * 16;
 const FLAG_OFF: u32 = PART_OFF + PART_BYTES;
 /// Dynamic shared memory per block.
 pub const SMEM: u32 = FLAG_OFF + 16;
@@ -214,7 +218,7 @@ unsafe fn attend<S: Simt>(p: &SparseMlaV4Params, it: Item) {
     let (warp, lane) = (S::warp_id(), S::lane_id());
     let (g, t) = (lane / 4, lane % 4);
     let tid = S::thread_idx();
-    let (key, sub) = (tid / 4, tid % 4);
+    let (key, sub) = (tid / TPK, tid % TPK);
     let total = p.main.topk + p.extra.topk;
     let split = p.split.max(1);
     let begin = it.split * split;
@@ -284,7 +288,7 @@ unsafe fn attend<S: Simt>(p: &SparseMlaV4Params, it: Item) {
 /// Q and key rows staged; only this warp writes its partial entries.
 #[inline(always)]
 unsafe fn scores<S: Simt>(warp: u32, lane: u32, g: u32, t: u32) {
-    let mut acc = [[0f32; 4]; 4];
+    let mut acc = [[0f32; 4]; NT];
     unroll!(4, pp, {
         let pair = 4 * warp + pp as u32;
         let c = 4 * pair + t;
@@ -298,15 +302,15 @@ unsafe fn scores<S: Simt>(warp: u32, lane: u32, g: u32, t: u32) {
         // k-step 2·pair: dims 0..4 of the chunk; 2·pair + 1: dims 4..8.
         let a0 = [qa[0], qb[0], qa[1], qb[1]];
         let a1 = [qa[2], qb[2], qa[3], qb[3]];
-        unroll!(4, j, {
-            // SAFETY: key row 8j + g < 32, chunk c < 64.
+        unroll!(2, j, {
+            // SAFETY: key row 8j + g < 16, chunk c < 64.
             let kb = unsafe { S::smem_load::<V4>(chunk_addr(8 * j as u32 + g, c)).0 };
             acc[j] = S::mma_bf16_m16n8k16(a0, [kb[0], kb[1]], acc[j]);
             acc[j] = S::mma_bf16_m16n8k16(a1, [kb[2], kb[3]], acc[j]);
         });
     });
-    unroll!(4, j, {
-        let at = PART_OFF as usize + (((warp * 4 + j as u32) * 32 + lane) * 16) as usize;
+    unroll!(2, j, {
+        let at = PART_OFF as usize + (((warp * NT as u32 + j as u32) * 32 + lane) * 16) as usize;
         // SAFETY: this lane's entry of this warp's partial area.
         unsafe { S::smem_store(at, V4(acc[j].map(f32::to_bits))) };
     });
@@ -318,11 +322,12 @@ unsafe fn scores<S: Simt>(warp: u32, lane: u32, g: u32, t: u32) {
 /// # Safety
 /// The partial area is complete.
 #[inline(always)]
-unsafe fn summed_scores<S: Simt>(lane: u32, t: u32, n: u32, sl2: f32) -> [[f32; 4]; 4] {
-    let mut x = [[0f32; 4]; 4];
-    unroll!(4, j, {
+unsafe fn summed_scores<S: Simt>(lane: u32, t: u32, n: u32, sl2: f32) -> [[f32; 4]; NT] {
+    let mut x = [[0f32; 4]; NT];
+    unroll!(2, j, {
         unroll!(4, w, {
-            let at = PART_OFF as usize + (((w as u32 * 4 + j as u32) * 32 + lane) * 16) as usize;
+            let at =
+                PART_OFF as usize + (((w as u32 * NT as u32 + j as u32) * 32 + lane) * 16) as usize;
             // SAFETY: inside the partial area, stored before the barrier.
             let v = unsafe { S::smem_load::<V4>(at) }.0;
             unroll!(4, i, {
@@ -351,7 +356,7 @@ unsafe fn softmax_pv<S: Simt>(
     warp: u32,
     g: u32,
     t: u32,
-    x: [[f32; 4]; 4],
+    x: [[f32; 4]; NT],
     st: &mut Softmax,
     o: &mut [[f32; 4]; 16],
 ) {
@@ -359,7 +364,7 @@ unsafe fn softmax_pv<S: Simt>(
     let mut mu = [0f32; 2];
     unroll!(2, h, {
         let mut mx = f32::NEG_INFINITY;
-        unroll!(4, j, {
+        unroll!(2, j, {
             mx = mx.max(x[j][2 * h]).max(x[j][2 * h + 1]);
         });
         mx = mx.max(S::shfl_xor_f32(FULL, mx, 1));
@@ -375,10 +380,10 @@ unsafe fn softmax_pv<S: Simt>(
         st.m[h] = m_new;
     });
     // Probabilities rounded to bf16 (the A operand), both row sums (lane partials).
-    let mut pb = [[0u32; 4]; 4];
+    let mut pb = [[0u32; 4]; NT];
     let mut sum = [0f32; 2];
     let mut sumt = [0f32; 2];
-    unroll!(4, j, {
+    unroll!(2, j, {
         unroll!(4, i, {
             let e = exp2(x[j][i] - mu[i / 2]);
             let b = bf16_rne(e);
@@ -397,8 +402,9 @@ unsafe fn softmax_pv<S: Simt>(
         o[j][2] *= corr[1];
         o[j][3] *= corr[1];
     });
-    // Two k-steps of 16 keys: n-tiles 2kk (a0..a3) and 2kk + 1 (a4..a7).
-    unroll!(2, kk, {
+    // One k-step of 16 keys: n-tiles 0 (a0..a3) and 1 (a4..a7).
+    {
+        let kk = 0;
         let (lo, hi) = (pb[2 * kk], pb[2 * kk + 1]);
         let a = [
             lo[0] | lo[1] << 16,
@@ -410,7 +416,7 @@ unsafe fn softmax_pv<S: Simt>(
         let r0 = 16 * kk as u32 + 2 * t;
         let c0 = 16 * warp + 2 * g;
         let row = |r: u32| {
-            // SAFETY: rows < 32, chunks < 64: the key area.
+            // SAFETY: rows < 16, chunks < 64: the key area.
             unsafe {
                 let x = S::smem_load::<V4>(chunk_addr(r, c0)).0;
                 let y = S::smem_load::<V4>(chunk_addr(r, c0 + 1)).0;
@@ -431,7 +437,7 @@ unsafe fn softmax_pv<S: Simt>(
             let b = [pair(v0, v1, j), pair(v2, v3, j)];
             o[j] = S::mma_bf16_m16n8k16(a, b, o[j]);
         });
-    });
+    }
 }
 
 /// Writes this lane's outputs: rows `h0 + g`, `h0 + g + 8`, columns `128w + 32t ..+32`.

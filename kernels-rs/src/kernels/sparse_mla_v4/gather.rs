@@ -2,7 +2,7 @@
 //! warp, with ballots), the gather of each key's 512-d row into shared memory as bf16
 //! (MODEL1 codes times their tile's ue8m0 scale, exactly), and the staging of the queries.
 
-use super::{chunk_addr, BN, D, Q_OFF, THREADS, V4_HEADS};
+use super::{chunk_addr, BN, D, Q_OFF, THREADS, TPK, V4_HEADS};
 use crate::fp8::e4m3x8_to_bf16;
 use crate::global::{GlobalPtr, V2, V4};
 use crate::kernels::FULL;
@@ -218,10 +218,11 @@ fn scale_bf16x2(w: u32, s: f32) -> u32 {
     (a.to_bits() >> 16) | (b.to_bits() & 0xffff_0000)
 }
 
-/// Gathers this thread's part of key `key` of the block (thread `4·key + sub` owns the
-/// 16-byte units `sub + 4i` of the key's row) into shared memory as bf16 chunks; zeros
-/// for a missing key. A MODEL1 code unit `u` (16 codes) is tile `u / 4`'s, two chunks,
-/// stored lower-first for even keys and upper-first for odd ones (conflict-free stores).
+/// Gathers this thread's part of key `key` of the block (thread `8·key + sub` owns the
+/// 16-byte units `sub + 8i` of the key's row) into shared memory as bf16 chunks; zeros
+/// for a missing key. A MODEL1 code unit `u` (16 codes, tile `u / 4`) becomes two chunks,
+/// stored lower-first by lanes `sub < 4` and upper-first by the others (the 8 lanes of a
+/// key then hit 8 distinct bank groups).
 ///
 /// # Safety
 /// `k.slot` is -1 or a slot of its cache; only this thread touches its chunks between the
@@ -230,9 +231,9 @@ fn scale_bf16x2(w: u32, s: f32) -> u32 {
 pub(super) unsafe fn gather_key<S: Simt>(p: &SparseMlaV4Params, k: Key, key: u32, sub: u32) {
     if k.slot < 0 {
         let mut i = 0;
-        while i < 16 {
-            // SAFETY: chunk sub + 4i < 64 of row key < 32.
-            unsafe { S::smem_store(chunk_addr(key, sub + 4 * i), V4([0; 4])) };
+        while i < 64 / TPK {
+            // SAFETY: chunk sub + 8i < 64 of row key < 16.
+            unsafe { S::smem_store(chunk_addr(key, sub + TPK * i), V4([0; 4])) };
             i += 1;
         }
         return;
@@ -255,47 +256,50 @@ pub(super) unsafe fn gather_key<S: Simt>(p: &SparseMlaV4Params, k: Key, key: u32
                 V2([S::gld(sc.cast::<u32>()), S::gld(sc.cast::<u32>().add(1))])
             }
         };
-        let b = key & 1;
-        unroll!(9, i, {
-            let u = sub + 4 * i as u32;
-            // SAFETY: unit u of the 36 of a MODEL1 row.
-            let v = unsafe { load16::<S>(row.byte_add(16 * u as usize), al16) };
-            if i < 7 {
-                // Codes of tile i (u / 4 = i): two chunks of 8 bf16.
-                let byte = if i < 4 {
-                    s_lo >> (8 * i)
+        let b = (sub >> 2) & 1;
+        unroll!(8, i, {
+            let u = sub + TPK * i as u32;
+            if u < 36 {
+                // SAFETY: unit u of the 36 of a MODEL1 row.
+                let v = unsafe { load16::<S>(row.byte_add(16 * u as usize), al16) };
+                if u < 28 {
+                    // Codes of tile u / 4: two chunks of 8 bf16.
+                    let tile = u / 4;
+                    let byte = if tile < 4 {
+                        s_lo >> (8 * tile)
+                    } else {
+                        s_hi >> (8 * (tile - 4))
+                    };
+                    let s = ue8m0_to_f32(byte as u8);
+                    let conv = |lo: u32, hi: u32| {
+                        let w = e4m3x8_to_bf16(lo, hi);
+                        V4([
+                            scale_bf16x2(w[0], s),
+                            scale_bf16x2(w[1], s),
+                            scale_bf16x2(w[2], s),
+                            scale_bf16x2(w[3], s),
+                        ])
+                    };
+                    let (first, second) = if b == 0 {
+                        (conv(v[0], v[1]), conv(v[2], v[3]))
+                    } else {
+                        (conv(v[2], v[3]), conv(v[0], v[1]))
+                    };
+                    // SAFETY: chunks 2u, 2u + 1 < 56 of row key.
+                    unsafe {
+                        S::smem_store(chunk_addr(key, 2 * u + b), first);
+                        S::smem_store(chunk_addr(key, 2 * u + 1 - b), second);
+                    }
                 } else {
-                    s_hi >> (8 * (i - 4))
-                };
-                let s = ue8m0_to_f32(byte as u8);
-                let conv = |lo: u32, hi: u32| {
-                    let w = e4m3x8_to_bf16(lo, hi);
-                    V4([
-                        scale_bf16x2(w[0], s),
-                        scale_bf16x2(w[1], s),
-                        scale_bf16x2(w[2], s),
-                        scale_bf16x2(w[3], s),
-                    ])
-                };
-                let (first, second) = if b == 0 {
-                    (conv(v[0], v[1]), conv(v[2], v[3]))
-                } else {
-                    (conv(v[2], v[3]), conv(v[0], v[1]))
-                };
-                // SAFETY: chunks 2u, 2u + 1 < 56 of row key.
-                unsafe {
-                    S::smem_store(chunk_addr(key, 2 * u + b), first);
-                    S::smem_store(chunk_addr(key, 2 * u + 1 - b), second);
+                    // Rope: 8 bf16 at unit u (28..36) → chunk 56 + (u − 28) = 28 + u.
+                    // SAFETY: chunk 28 + u < 64 of row key.
+                    unsafe { S::smem_store(chunk_addr(key, 28 + u), V4(v)) };
                 }
-            } else {
-                // Rope: 8 bf16 at unit u (28..36) → chunk 56 + (u − 28) = 28 + u.
-                // SAFETY: chunk 28 + u < 64 of row key.
-                unsafe { S::smem_store(chunk_addr(key, 28 + u), V4(v)) };
             }
         });
     } else {
-        unroll!(16, i, {
-            let u = sub + 4 * i as u32;
+        unroll!(8, i, {
+            let u = sub + TPK * i as u32;
             // SAFETY: unit u of the 64 of a bf16_512 row.
             let v = unsafe { load16::<S>(row.byte_add(16 * u as usize), al16) };
             // SAFETY: chunk u < 64 of row key.
