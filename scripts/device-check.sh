@@ -203,9 +203,10 @@ run_step peers 60 60 "$RAW/peers.json" "$PYTHON" "$HERE/device/peers.py" "${PEER
 # 6. ncu ---------------------------------------------------------------------------------
 : >"$RAW/ncu.csv"
 NCU_METRICS="gpu__time_duration.sum,dram__bytes_read.sum.per_second,dram__bytes_write.sum.per_second,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,launch__occupancy_limit_registers"
-# The DSA kernels each have a bench op of their name; the dense model kernels run in the
-# carried suite binary's dense_ops_give_the_cpu_bits test.
-DSA_KERNELS="index_k_store kv_store copy_pages page_checksums indexer_logits topk sparse_mla"
+# The DSA kernels each have a bench op of their name (the fp4 indexer runs in the
+# indexer_logits bench, DeepSeek-V4 attention in sparse_mla_v4); the dense model kernels
+# run in the carried suite binary's dense_ops_give_the_cpu_bits test.
+DSA_KERNELS="index_k_store kv_store copy_pages page_checksums indexer_logits indexer_logits_fp4 topk sparse_mla sparse_mla_v4"
 DENSE_KERNELS="dense_matmul dense_rms_norm dense_rope dense_swiglu dense_gather_rows dense_add dense_cast dense_argmax"
 for k in $DSA_KERNELS $DENSE_KERNELS; do
     if [[ $DRY == 1 ]]; then
@@ -223,7 +224,10 @@ for k in $DSA_KERNELS $DENSE_KERNELS; do
         fi
         target=("$SUITE_BIN" --exact dense_ops_give_the_cpu_bits --test-threads 1)
     else
-        target=("$BIN" bench --backend "$BACKEND" --quick --samples 1 --op "$k")
+        # A kernel's bench op is its name, but for the fp4 indexer (in indexer_logits).
+        op="$k"
+        [[ $k == indexer_logits_fp4 ]] && op=indexer_logits
+        target=("$BIN" bench --backend "$BACKEND" --quick --samples 1 --op "$op")
     fi
     run_step "ncu_$k" 25 25 "$RAW/ncu_$k.csv" \
         ncu --clock-control none --target-processes all -k "regex:^${k}\$" -c 1 \

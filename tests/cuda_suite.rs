@@ -67,6 +67,7 @@ fn overlap(b: &CudaBackend) -> Outcome {
         })
         .collect();
     let topk = Topk {
+        short_rows: sparsekit::host::ops::ShortRows::SelectValid,
         k,
         row_stride: stride,
         rows: &rows,

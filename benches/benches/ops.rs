@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 use criterion::{Criterion, SamplingMode, Throughput};
 use sparsekit_benches::cost::Cost;
 use sparsekit_benches::inputs::{IndexerLogitsCase, SparseMlaCase, TopkCase};
+use sparsekit_benches::inputs_v4::SparseMlaV4Case;
 use sparsekit_benches::pages::{ChecksumCase, CopyCase, StoreCase};
 use sparsekit_benches::report::{criterion_dir, Bound, Machine, Report, Row};
 use sparsekit_benches::roofline::{self, Effort, Roofline};
@@ -152,6 +153,18 @@ fn main() {
             &sparse_mla_id(shape),
             shape.cost(),
             |be| SparseMlaCase::build(be, *shape, 300 + i as u64),
+            |case, be| case.run(be),
+        ));
+    }
+    for (i, shape) in suite.sparse_mla_v4.iter().enumerate() {
+        measured.push(bench_one(
+            &mut c,
+            &backend,
+            &roof,
+            "sparse_mla_v4",
+            &shape.id(),
+            shape.cost(),
+            |be| SparseMlaV4Case::build(be, *shape, 350 + i as u64),
             |case, be| case.run(be),
         ));
     }

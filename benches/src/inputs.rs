@@ -289,6 +289,7 @@ impl<B: Backend> TopkCase<B> {
 
     pub fn run(&mut self, backend: &B) -> Result<()> {
         let op = Topk {
+            short_rows: sparsekit_host::ops::ShortRows::SelectValid,
             k: self.shape.k,
             row_stride: self.shape.context,
             rows: &self.rows,

@@ -5,6 +5,7 @@
 
 pub mod cost;
 pub mod inputs;
+pub mod inputs_v4;
 pub mod pages;
 pub mod report;
 pub mod roofline;
@@ -13,7 +14,9 @@ pub mod runner;
 use sparsekit_host::{IndexKDtype, IndexKLayout, KvDtype, KvLayout, ModelDims, Result};
 
 use inputs::{IndexerLogitsShape, SparseMlaShape, TopkShape};
+use inputs_v4::SparseMlaV4Shape;
 use pages::{ChecksumShape, CopyShape, Direction, StoreShape};
+use sparsekit_host::dims::V4Dims;
 use sparsekit_host::layout::PageLayout;
 
 /// Problem sizes of one bench run.
@@ -31,6 +34,7 @@ pub struct Suite {
     pub indexer_logits: Vec<IndexerLogitsShape>,
     pub topk: Vec<TopkShape>,
     pub sparse_mla: Vec<SparseMlaShape>,
+    pub sparse_mla_v4: Vec<SparseMlaV4Shape>,
     pub stores: Vec<StoreShape>,
     pub copies: Vec<CopyShape>,
     pub checksums: Vec<ChecksumShape>,
@@ -44,7 +48,10 @@ impl Suite {
     /// 32 requests at context 2048 and a prefill chunk of 256 rows at the end of a 2048
     /// context (the decode form with `next_n = 256` gives exactly a chunk's causal rows),
     /// fp8 index keys; sparse_mla (16 heads, top-k 64, bf16 KV) for 32 and 256 tokens.
-    /// [`Scale::Smoke`] shrinks batch and context.
+    /// DeepSeek-V4 ([`V4Dims`]): the indexer over fp4 keys (64 heads × 128, batch 8 × a
+    /// compressed context of 16384, page 64), `sparse_mla_v4` decode at batch 8 for
+    /// V4-Flash (64 heads, top-k 128 + 512) and V4-Pro (128 heads, 128 + 1024), the
+    /// model1_fp8 and fp4 stores. [`Scale::Smoke`] shrinks batch and context.
     pub fn new(scale: Scale) -> Result<Suite> {
         let d = ModelDims::DSV32;
         let (batch, context, topk_rows, mla_tokens, mla_topk, pool_tokens) = match scale {
@@ -61,6 +68,22 @@ impl Suite {
                 next_n: 1,
             });
         }
+        let v4 = V4Dims::FLASH;
+        indexer_logits.push(IndexerLogitsShape {
+            layout: IndexKLayout::new(IndexKDtype::Fp4E2m1, v4.index_head_dim, v4.csa_page)?,
+            n_heads: v4.index_n_heads,
+            batch,
+            context: context / v4.csa_ratio,
+            next_n: 1,
+        });
+        let v4_tokens = match scale {
+            Scale::Full => 8,
+            Scale::Smoke => 1,
+        };
+        let sparse_mla_v4 = V4Dims::ALL
+            .into_iter()
+            .map(|cfg| SparseMlaV4Shape::decode(cfg, v4_tokens))
+            .collect::<Result<Vec<_>>>()?;
         let t = ModelDims::TINY;
         let (tiny_batch, tiny_ctx, tiny_chunk) = match scale {
             Scale::Full => (32, 2048, 256),
@@ -123,6 +146,14 @@ impl Suite {
                 layout: kv8,
                 tokens,
             },
+            StoreShape::IndexK {
+                layout: IndexKLayout::new(IndexKDtype::Fp4E2m1, v4.index_head_dim, v4.csa_page)?,
+                tokens,
+            },
+            StoreShape::Kv {
+                layout: KvLayout::model1_fp8(v4.csa_page)?,
+                tokens,
+            },
         ];
         let mut copies = Vec::new();
         for direction in [
@@ -152,6 +183,7 @@ impl Suite {
             indexer_logits,
             topk,
             sparse_mla,
+            sparse_mla_v4,
             stores,
             copies,
             checksums,

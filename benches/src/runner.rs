@@ -11,6 +11,7 @@ use sparsekit_host::{Backend, Error, Result};
 
 use crate::cost::Cost;
 use crate::inputs::{IndexerLogitsCase, SparseMlaCase, TopkCase};
+use crate::inputs_v4::SparseMlaV4Case;
 use crate::pages::{ChecksumCase, CopyCase, Direction, StoreCase};
 use crate::report::Row;
 use crate::roofline::Roofline;
@@ -114,6 +115,16 @@ pub fn run<B: Backend>(
                 backend,
                 opts,
                 || SparseMlaCase::build(backend, *s, 300 + i as u64),
+                |c, b| c.run(b),
+            )
+        })?;
+    }
+    for (i, s) in suite.sparse_mla_v4.iter().enumerate() {
+        add("sparse_mla_v4", s.id(), s.cost(), &mut || {
+            time(
+                backend,
+                opts,
+                || SparseMlaV4Case::build(backend, *s, 350 + i as u64),
                 |c, b| c.run(b),
             )
         })?;

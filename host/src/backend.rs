@@ -40,7 +40,24 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::ops::{CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, SparseMla, Topk};
+use crate::ops::{
+    CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, SparseMla, SparseMlaV4, Topk,
+};
+
+/// One KV cache of a `sparse_mla_v4` call and its indices (i32 `[n_tokens, topk]`).
+#[derive(Debug)]
+pub struct KvInput<'b, B> {
+    pub cache: &'b B,
+    pub indices: &'b B,
+}
+
+impl<B> Clone for KvInput<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B> Copy for KvInput<'_, B> {}
 
 /// A queue of a backend's work.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
@@ -235,6 +252,19 @@ pub trait Backend: Send + Sync + Debug {
         q: &Self::Buffer,
         cache: &Self::Buffer,
         indices: &Self::Buffer,
+        out: &mut Self::Buffer,
+        lse: &mut Self::Buffer,
+    ) -> Result<()>;
+
+    /// See [`SparseMlaV4`]. `q`: bf16 `[n_tokens, n_heads, 512]`; `main` (and `extra`, when
+    /// the op has an extra cache): the cache and its i32 indices `[n_tokens, topk]`;
+    /// `out`: bf16 `[n_tokens, n_heads, 512]`; `lse`: f32 `[n_tokens, n_heads]`.
+    fn sparse_mla_v4(
+        &self,
+        op: &SparseMlaV4<'_>,
+        q: &Self::Buffer,
+        main: KvInput<'_, Self::Buffer>,
+        extra: Option<KvInput<'_, Self::Buffer>>,
         out: &mut Self::Buffer,
         lse: &mut Self::Buffer,
     ) -> Result<()>;

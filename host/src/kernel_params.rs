@@ -13,10 +13,11 @@
 //! (nothing launched), never a truncated value.
 
 use sparsekit_kernels::global::{GlobalMut, GlobalPtr};
-use sparsekit_kernels::kernels::{sparse_mla_split, topk_chunk};
+use sparsekit_kernels::kernels::{sparse_mla_split, sparse_mla_v4_split, topk_chunk};
 use sparsekit_kernels::params::{
     index_k_format, kv_format, CopyPagesParams, IndexKStoreParams, IndexerLogitsParams,
-    KvStoreParams, PageChecksumsParams, SparseMlaParams, TopkParams,
+    KvStoreParams, PageChecksumsParams, SparseMlaParams, SparseMlaV4Params, TopkParams,
+    V4CacheParams,
 };
 
 use crate::dtype::ScaleFormat;
@@ -24,8 +25,8 @@ use crate::error::{Error, Result};
 use crate::launcher::Addrs;
 use crate::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};
 use crate::ops::{
-    CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, PagedRegion, SparseMla, Topk,
-    TopkOutput,
+    CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, PagedRegion, ShortRows,
+    SparseMla, SparseMlaV4, Topk, TopkOutput, V4Cache,
 };
 
 /// A kernel-visible address as the read-only address type a parameter struct stores.
@@ -56,14 +57,16 @@ fn index_k_format(l: &IndexKLayout) -> u32 {
         IndexKDtype::Fp8E4m3 {
             scale: ScaleFormat::Ue8m0,
         } => index_k_format::FP8_UE8M0_SCALE,
+        IndexKDtype::Fp4E2m1 => index_k_format::FP4_E2M1,
     }
 }
 
 /// The kernels' format code of a KV layout.
 fn kv_format(l: &KvLayout) -> u32 {
     match l.dtype() {
-        KvDtype::Bf16 => kv_format::BF16,
+        KvDtype::Bf16 | KvDtype::Bf16x512 => kv_format::BF16,
         KvDtype::Fp8DsMla => kv_format::FP8_DS_MLA,
+        KvDtype::Model1Fp8 => kv_format::MODEL1_FP8,
     }
 }
 
@@ -80,6 +83,7 @@ macro_rules! with_index_k_layout {
             page_bytes: l.bytes_per_page() as u64,
             value_bytes: u32_of("value bytes per token", l.value_bytes_per_token())?,
             scale_offset: u32_of("scale section offset", l.scale_section_offset().unwrap_or(0))?,
+            scale_bytes: u32_of("scale bytes per token", l.scale_bytes_per_token())?,
         }
     }};
 }
@@ -95,7 +99,7 @@ macro_rules! with_kv_layout {
             rope_dim: u32_of("rope_dim", l.rope_dim())?,
             page_size: u32_of("page_size", l.page_size())?,
             format: kv_format(l),
-            token_bytes: u32_of("bytes per token", l.bytes_per_token())?,
+            token_bytes: u32_of("bytes per token row", l.row_bytes())?,
             page_bytes: l.bytes_per_page() as u64,
             scales_offset: u32_of("scales offset", l.scales_range().start)?,
             rope_offset: u32_of("rope offset", l.rope_range().start)?,
@@ -117,7 +121,7 @@ fn region(r: &PagedRegion, base: u64) -> (u64, u64, u64) {
 /// n_tokens)` plus their layout's fields): reads `[source]`, writes `[cache]`, metadata
 /// `[slots]`.
 macro_rules! store_params {
-    ($with_layout:ident, $op:expr, $a:expr, $params:ident, $source:ident) => {
+    ($with_layout:ident, $op:expr, $a:expr, $params:ident, $source:ident, $($field:ident: $value:expr),*) => {
         $with_layout!(
             &$op.layout,
             $params {
@@ -125,6 +129,7 @@ macro_rules! store_params {
                 slots: ptr($a.meta[0]),
                 cache: ptr_mut($a.write[0]),
                 n_tokens: u32_of("tokens", $op.slots.len())?,
+                $($field: $value,)*
             }
         )
     };
@@ -137,13 +142,23 @@ pub(crate) fn index_k_store(op: &IndexKStore<'_>, a: Addrs<'_>) -> Result<IndexK
         op,
         a,
         IndexKStoreParams,
-        keys
+        keys,
+        _pad: 0
     ))
 }
 
 /// `kv_store` of `op`: reads `[kv]`, writes `[cache]`, metadata `[slots]`.
 pub(crate) fn kv_store(op: &KvStore<'_>, a: Addrs<'_>) -> Result<KvStoreParams> {
-    Ok(store_params!(with_kv_layout, op, a, KvStoreParams, kv))
+    let section = op.layout.scale_section_offset().unwrap_or(0);
+    Ok(store_params!(
+        with_kv_layout,
+        op,
+        a,
+        KvStoreParams,
+        kv,
+        scale_section: u32_of("scale section offset", section)?,
+        _pad: 0
+    ))
 }
 
 /// `copy_pages` of `op`: reads `[src]`, writes `[dst]` (buffer starts: the regions'
@@ -195,7 +210,6 @@ pub(crate) fn indexer_logits(op: &IndexerLogits<'_>, a: Addrs<'_>) -> Result<Ind
             n_heads: u32_of("n_heads", op.n_heads)?,
             max_pages: u32_of("page_table columns", op.page_table.max_pages())?,
             row_stride: u32_of("row_stride", op.row_stride)?,
-            _pad: 0,
         }
     ))
 }
@@ -228,6 +242,8 @@ pub(crate) fn topk(op: &Topk<'_>, a: Addrs<'_>) -> Result<TopkParams> {
         chunk: topk_chunk(u32_of("k", op.k)?),
         workspace: ptr_mut(a.write[1]),
         counters: ptr_mut(a.write[2]),
+        take_all_short: (op.short_rows == ShortRows::TakeAll) as u32,
+        _pad: 0,
     })
 }
 
@@ -251,6 +267,81 @@ pub(crate) fn sparse_mla(op: &SparseMla, a: Addrs<'_>) -> Result<SparseMlaParams
             counters: ptr_mut(a.write[3]),
         }
     ))
+}
+
+/// Where the buffers and metadata of a `sparse_mla_v4` launch are: indices into the
+/// launch's reads (`q`, main cache, main indices, then the extra's) and metadata (each
+/// cache's lengths and the sink, when given).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct V4Slots {
+    pub main_lengths: Option<usize>,
+    pub extra_lengths: Option<usize>,
+    pub sink: Option<usize>,
+}
+
+/// One cache's kernel parameters (`bufs`: its cache and indices addresses; `lengths`: the
+/// staged lengths, or null).
+fn v4_cache(c: &V4Cache<'_>, bufs: [u64; 2], lengths: GlobalPtr<u32>) -> Result<V4CacheParams> {
+    let l = &c.layout;
+    Ok(V4CacheParams {
+        cache: ptr(bufs[0]),
+        indices: ptr(bufs[1]),
+        lengths,
+        page_bytes: l.bytes_per_page() as u64,
+        page_size: u32_of("page_size", l.page_size())?,
+        topk: u32_of("topk", c.topk)?,
+        format: kv_format(l),
+        row_bytes: u32_of("bytes per token row", l.row_bytes())?,
+        scale_section: u32_of(
+            "scale section offset",
+            l.scale_section_offset().unwrap_or(0),
+        )?,
+        _pad: 0,
+    })
+}
+
+/// `sparse_mla_v4` of `op`: reads `[q, main cache, main indices, (extra cache, extra
+/// indices)]`, writes `[out, lse, workspace, counters]` (the last two sized by
+/// `sparse_mla_v4_workspace`), metadata as `at` says.
+pub(crate) fn sparse_mla_v4(
+    op: &SparseMlaV4<'_>,
+    a: Addrs<'_>,
+    at: V4Slots,
+) -> Result<SparseMlaV4Params> {
+    fn meta<T>(a: &Addrs<'_>, i: Option<usize>) -> GlobalPtr<T> {
+        i.map_or(GlobalPtr::null(), |i| ptr(a.meta[i]))
+    }
+    let main = v4_cache(&op.main, [a.read[1], a.read[2]], meta(&a, at.main_lengths))?;
+    let extra = match &op.extra {
+        Some(c) => v4_cache(c, [a.read[3], a.read[4]], meta(&a, at.extra_lengths))?,
+        None => V4CacheParams {
+            cache: GlobalPtr::null(),
+            indices: GlobalPtr::null(),
+            lengths: GlobalPtr::null(),
+            page_bytes: 0,
+            page_size: 1,
+            topk: 0,
+            format: 0,
+            row_bytes: 0,
+            scale_section: 0,
+            _pad: 0,
+        },
+    };
+    let total = u32_of("topk", op.caches().map(|c| c.topk).sum())?;
+    Ok(SparseMlaV4Params {
+        q: ptr(a.read[0]),
+        out: ptr_mut(a.write[0]),
+        lse: ptr_mut(a.write[1]),
+        sink: meta(&a, at.sink),
+        main,
+        extra,
+        n_tokens: u32_of("n_tokens", op.n_tokens)?,
+        n_heads: u32_of("n_heads", op.n_heads)?,
+        softmax_scale: op.softmax_scale,
+        split: sparse_mla_v4_split(total),
+        workspace: ptr_mut(a.write[2]),
+        counters: ptr_mut(a.write[3]),
+    })
 }
 
 #[cfg(test)]
@@ -288,7 +379,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(p.rope_offset as usize, kv.rope_range().start);
-        assert_eq!(p.token_bytes as usize, kv.bytes_per_token());
+        assert_eq!(p.token_bytes as usize, kv.row_bytes());
         assert!(u32_of("x", u32::MAX as usize).is_ok());
         assert!(matches!(
             u32_of("x", u32::MAX as usize + 1),

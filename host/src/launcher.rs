@@ -20,16 +20,17 @@ pub mod dense;
 
 pub use sparsekit_kernels::emu::BufferAccess;
 use sparsekit_kernels::kernels::{
-    sparse_mla_workspace, topk_workspace, INDEXER_LOGITS_MAX_HEAD_DIM,
+    sparse_mla_v4_workspace, sparse_mla_workspace, topk_workspace, INDEXER_LOGITS_MAX_HEAD_DIM,
 };
 use sparsekit_kernels::launch::{KernelParams, MAX_DYN_SMEM};
-use sparsekit_kernels::params::QueryRange;
+use sparsekit_kernels::params::{IndexerLogitsFp4Params, QueryRange};
 
-use crate::backend::Backend;
+use crate::backend::{Backend, KvInput};
 use crate::error::{Error, Result};
 use crate::kernel_params;
 use crate::ops::{
-    CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, SparseMla, Topk, TopkOutput,
+    CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, SparseMla, SparseMlaV4, Topk,
+    TopkOutput,
 };
 
 /// The kernel-visible addresses a launch's parameters are built from: the buffers read
@@ -278,15 +279,21 @@ pub fn indexer_logits<D: KernelDevice>(
         ("page_table", bytemuck::cast_slice(op.page_table.as_slice())),
         ("rows", QueryRange::as_bytes(&op.rows)),
     ];
+    let reads = [("q", q), ("weights", weights), ("cache", cache)];
+    let mut writes = [("logits", BufferAccess::Write, out)];
     // SAFETY: the descriptor was validated against the buffers (every position of every
-    // row mapped to a page of the cache, ranges inside the row stride).
+    // row mapped to a page of the cache, ranges inside the row stride); fp4 keys go to
+    // the fp4 kernel, the others to the fp8/bf16 one.
     unsafe {
-        d.launch(
-            &meta,
-            &[("q", q), ("weights", weights), ("cache", cache)],
-            &mut [("logits", BufferAccess::Write, out)],
-            |a| kernel_params::indexer_logits(op, a),
-        )
+        if op.layout.dtype() == crate::layout::IndexKDtype::Fp4E2m1 {
+            d.launch(&meta, &reads, &mut writes, |a| {
+                kernel_params::indexer_logits(op, a).map(IndexerLogitsFp4Params)
+            })
+        } else {
+            d.launch(&meta, &reads, &mut writes, |a| {
+                kernel_params::indexer_logits(op, a)
+            })
+        }
     }
 }
 
@@ -374,6 +381,90 @@ pub fn sparse_mla<D: KernelDevice>(
                 ("counters", BufferAccess::ReadWrite, &mut counters),
             ],
             |a| kernel_params::sparse_mla(op, a),
+        )
+    }
+}
+
+/// `sparse_mla_v4` on a [`KernelDevice`]. The used indices of each cache are read back
+/// and checked against it before the launch (an out-of-range slot is an error, never a
+/// wild read).
+pub fn sparse_mla_v4<D: KernelDevice>(
+    d: &D,
+    op: &SparseMlaV4<'_>,
+    q: &D::Buffer,
+    main: KvInput<'_, D::Buffer>,
+    extra: Option<KvInput<'_, D::Buffer>>,
+    out: &mut D::Buffer,
+    lse: &mut D::Buffer,
+) -> Result<()> {
+    let sizes = |k: KvInput<'_, D::Buffer>| [d.buffer_len(k.cache), d.buffer_len(k.indices)];
+    let pages = op.validate(
+        d.buffer_len(q),
+        sizes(main),
+        extra.map(sizes),
+        d.buffer_len(out),
+        d.buffer_len(lse),
+    )?;
+    let idx: Vec<i32> = bytemuck::pod_collect_to_vec(&d.download(main.indices)?);
+    op.check_indices("main indices", &op.main, &idx, pages.main)?;
+    if let (Some(c), Some(k)) = (&op.extra, extra) {
+        let idx: Vec<i32> = bytemuck::pod_collect_to_vec(&d.download(k.indices)?);
+        op.check_indices("extra indices", c, &idx, pages.extra)?;
+    }
+    if op.n_tokens == 0 {
+        return Ok(());
+    }
+    let total: usize = op.caches().map(|c| c.topk).sum();
+    let (ws_bytes, counter_bytes) =
+        sparse_mla_v4_workspace(op.n_tokens as u32, op.n_heads as u32, total as u32);
+    let mut workspace = d.alloc_scratch(ws_bytes as usize)?;
+    let mut counters = d.alloc(counter_bytes as usize)?;
+    let given: [(&'static str, Option<&[u8]>); 3] = [
+        ("main lengths", op.main.lengths.map(bytemuck::cast_slice)),
+        (
+            "extra lengths",
+            op.extra.and_then(|c| c.lengths).map(bytemuck::cast_slice),
+        ),
+        ("attn_sink", op.attn_sink.map(bytemuck::cast_slice)),
+    ];
+    let meta: Vec<(&'static str, &[u8])> = given
+        .iter()
+        .filter_map(|&(n, b)| b.map(|b| (n, b)))
+        .collect();
+    // The index of each present entry in `meta`.
+    let pos = |i: usize| {
+        given[i]
+            .1
+            .map(|_| given[..i].iter().filter(|g| g.1.is_some()).count())
+    };
+    let (main_lengths, extra_lengths, sink) = (pos(0), pos(1), pos(2));
+    let at = kernel_params::V4Slots {
+        main_lengths,
+        extra_lengths,
+        sink,
+    };
+    let mut reads = vec![
+        ("q", q),
+        ("main cache", main.cache),
+        ("main indices", main.indices),
+    ];
+    if let (Some(_), Some(k)) = (&op.extra, extra) {
+        reads.push(("extra cache", k.cache));
+        reads.push(("extra indices", k.indices));
+    }
+    // SAFETY: the descriptor was validated against the buffers and every used index is
+    // `-1` or a slot of its cache; unused entries are never read by the kernel.
+    unsafe {
+        d.launch(
+            &meta,
+            &reads,
+            &mut [
+                ("out", BufferAccess::Write, out),
+                ("lse", BufferAccess::Write, lse),
+                ("workspace", BufferAccess::Write, &mut workspace),
+                ("counters", BufferAccess::ReadWrite, &mut counters),
+            ],
+            |a| kernel_params::sparse_mla_v4(op, a, at),
         )
     }
 }
@@ -477,6 +568,17 @@ macro_rules! kernel_backend_ops {
             lse: &mut Self::Buffer,
         ) -> $crate::Result<()> {
             $crate::launcher::sparse_mla(self, op, [q, cache, indices], out, lse)
+        }
+        fn sparse_mla_v4(
+            &self,
+            op: &$crate::ops::SparseMlaV4<'_>,
+            q: &Self::Buffer,
+            main: $crate::KvInput<'_, Self::Buffer>,
+            extra: Option<$crate::KvInput<'_, Self::Buffer>>,
+            out: &mut Self::Buffer,
+            lse: &mut Self::Buffer,
+        ) -> $crate::Result<()> {
+            $crate::launcher::sparse_mla_v4(self, op, q, main, extra, out, lse)
         }
         fn copy_pages(
             &self,

@@ -30,9 +30,9 @@ pub mod ops;
 mod sync;
 
 pub use audit::KernelAudit;
-pub use backend::{Backend, Event, StreamKind};
+pub use backend::{Backend, Event, KvInput, StreamKind};
 pub use cpu::CpuBackend;
-pub use dims::ModelDims;
+pub use dims::{ModelDims, V4Dims};
 pub use emu::EmuBackend;
 pub use error::{Error, ErrorKind, Result};
 pub use layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};

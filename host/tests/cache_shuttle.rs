@@ -257,6 +257,17 @@ impl Backend for Failing {
         sparse_mla(op: &SparseMla, q: &Self::Buffer, c: &Self::Buffer, i: &Self::Buffer, o: &mut Self::Buffer, l: &mut Self::Buffer) -> Result<()>;
         page_checksums(op: &PageChecksums<'_>, p: &Self::Buffer, o: &mut Self::Buffer) -> Result<()>;
     }
+    fn sparse_mla_v4(
+        &self,
+        op: &sparsekit_host::ops::SparseMlaV4<'_>,
+        q: &Self::Buffer,
+        main: sparsekit_host::KvInput<'_, Self::Buffer>,
+        extra: Option<sparsekit_host::KvInput<'_, Self::Buffer>>,
+        out: &mut Self::Buffer,
+        lse: &mut Self::Buffer,
+    ) -> Result<()> {
+        self.inner.sparse_mla_v4(op, q, main, extra, out, lse)
+    }
     fn copy_pages(&self, op: &CopyPages<'_>, s: &Self::Buffer, d: &mut Self::Buffer) -> Result<()> {
         if self
             .fail

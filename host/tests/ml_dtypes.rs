@@ -127,8 +127,8 @@ fn e4m3_and_scales_match_ml_dtypes_bit_exactly() {
             .map(|&b| bf16::from_bits(b as u16))
             .collect();
         tok.extend(std::iter::repeat_n(bf16::ONE, 16));
-        let mut bytes = vec![0u8; layout.bytes_per_token()];
-        write_kv_token(&layout, &mut bytes, &tok);
+        let mut bytes = vec![0u8; layout.bytes_per_page()];
+        write_kv_token(&layout, &mut bytes, 0, &tok);
         let codes: Vec<u8> = u64s(&c[1]).iter().map(|&b| b as u8).collect();
         assert_eq!(&bytes[..128], &codes[..], "kv tile codes, seed {seed}");
         let scale = u32::from_le_bytes(bytes[128..132].try_into().expect("4 bytes"));
@@ -137,5 +137,41 @@ fn e4m3_and_scales_match_ml_dtypes_bit_exactly() {
             c[2].as_u64().expect("scale"),
             "kv tile scale, seed {seed}"
         );
+    }
+    // DeepSeek-V4 MODEL1 tokens: 7 tiles of 64 e4m3 codes, 7 ue8m0 scale bytes + a zero pad
+    // in the page's scale section.
+    let layout = KvLayout::model1_fp8(1).expect("layout");
+    for c in v["model1"].as_array().expect("model1") {
+        let mut tok: Vec<bf16> = u64s(&c[0])
+            .iter()
+            .map(|&b| bf16::from_bits(b as u16))
+            .collect();
+        tok.extend(std::iter::repeat_n(bf16::ONE, 64));
+        let mut page = vec![0x5au8; layout.bytes_per_page()];
+        write_kv_token(&layout, &mut page, 0, &tok);
+        let codes: Vec<u8> = u64s(&c[1]).iter().map(|&b| b as u8).collect();
+        assert_eq!(&page[..448], &codes[..], "model1 codes, seed {seed}");
+        let mut scales: Vec<u8> = u64s(&c[2]).iter().map(|&b| b as u8).collect();
+        scales.push(0);
+        assert_eq!(
+            &page[layout.tile_scale_range(0).start..][..8],
+            &scales[..],
+            "model1 scales, seed {seed}"
+        );
+    }
+    // fp4 index keys: four groups of 32 (packed e2m1, even element low) and their ue8m0
+    // bytes.
+    let layout = IndexKLayout::new(IndexKDtype::Fp4E2m1, 128, 1).expect("layout");
+    for c in v["fp4"].as_array().expect("fp4") {
+        let key: Vec<bf16> = u64s(&c[0])
+            .iter()
+            .map(|&b| bf16::from_bits(b as u16))
+            .collect();
+        let mut page = vec![0x5au8; layout.bytes_per_page()];
+        write_index_k_token(&layout, &mut page, 0, &key);
+        let packed: Vec<u8> = u64s(&c[1]).iter().map(|&b| b as u8).collect();
+        let scales: Vec<u8> = u64s(&c[2]).iter().map(|&b| b as u8).collect();
+        assert_eq!(&page[..64], &packed[..], "fp4 codes, seed {seed}");
+        assert_eq!(&page[64..68], &scales[..], "fp4 scales, seed {seed}");
     }
 }

@@ -47,14 +47,15 @@
 //! use sparsekit_kernels::params::{CopyPagesParams, IndexKStoreParams};
 //! assert_eq!(IndexKStoreParams::ENTRY, "index_k_store");
 //! assert_eq!(CopyPagesParams::ENTRY, "copy_pages");
-//! assert_eq!(sparsekit_kernels::ENTRY_POINTS.len(), 15);
+//! assert_eq!(sparsekit_kernels::ENTRY_POINTS.len(), 17);
 //! ```
 
 use crate::kernels;
 use crate::params::{
     CopyPagesParams, DenseAddParams, DenseArgmaxParams, DenseCastParams, DenseGatherRowsParams,
     DenseMatmulParams, DenseRmsNormParams, DenseRopeParams, DenseSwiGluParams, IndexKStoreParams,
-    IndexerLogitsParams, KvStoreParams, PageChecksumsParams, SparseMlaParams, TopkParams,
+    IndexerLogitsFp4Params, IndexerLogitsParams, KvStoreParams, PageChecksumsParams,
+    SparseMlaParams, SparseMlaV4Params, TopkParams,
 };
 use crate::simt::Simt;
 
@@ -190,8 +191,10 @@ kernels! {
     copy_pages(CopyPagesParams) => |p| copy_pages(p.n_pages);
     page_checksums(PageChecksumsParams) => |p| page_checksums(p.n_pages);
     indexer_logits(IndexerLogitsParams) => kernels::indexer_logits_launch;
+    indexer_logits_fp4(IndexerLogitsFp4Params) => |p| kernels::indexer_logits_launch(&p.0);
     topk(TopkParams) => kernels::topk_launch;
     sparse_mla(SparseMlaParams) => kernels::sparse_mla_launch;
+    sparse_mla_v4(SparseMlaV4Params) => kernels::sparse_mla_v4_launch;
     dense_matmul(DenseMatmulParams) => kernels::matmul_launch;
     dense_rms_norm(DenseRmsNormParams) => |p| kernels::row_launch(p.rows);
     dense_rope(DenseRopeParams) => |p| kernels::elementwise_launch(
@@ -224,8 +227,10 @@ mod tests {
                 CopyPagesParams::ENTRY,
                 PageChecksumsParams::ENTRY,
                 IndexerLogitsParams::ENTRY,
+                IndexerLogitsFp4Params::ENTRY,
                 TopkParams::ENTRY,
                 SparseMlaParams::ENTRY,
+                SparseMlaV4Params::ENTRY,
                 DenseMatmulParams::ENTRY,
                 DenseRmsNormParams::ENTRY,
                 DenseRopeParams::ENTRY,
@@ -239,6 +244,6 @@ mod tests {
         let mut names = ENTRY_POINTS.to_vec();
         names.sort_unstable();
         names.dedup();
-        assert_eq!(names.len(), 15, "entry names are unique");
+        assert_eq!(names.len(), 17, "entry names are unique");
     }
 }

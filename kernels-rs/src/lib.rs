@@ -31,6 +31,7 @@ pub mod global;
 pub mod kernels;
 pub mod launch;
 pub mod math;
+pub mod mx;
 pub mod params;
 pub mod simt;
 

@@ -23,6 +23,11 @@ pub mod index_k_format {
     pub const FP8_FP32_SCALE: u32 = 1;
     /// e4m3 values + f32 scale rounded up to a power of two.
     pub const FP8_UE8M0_SCALE: u32 = 2;
+    /// Packed e2m1 values (two per byte, low nibble = even element) + one ue8m0 byte per
+    /// [`FP4_GROUP`] values (`crate::mx`).
+    pub const FP4_E2M1: u32 = 3;
+    /// Values per fp4 index-K scale (one ue8m0 byte each).
+    pub const FP4_GROUP: u32 = 32;
 }
 
 /// KV element format for [`KvStoreParams::format`].
@@ -35,6 +40,20 @@ pub mod kv_format {
     /// that read or write fp8_ds_mla tokens and the host layout descriptor
     /// (`sparsekit_host::layout::KvLayout`) both take the tile width from here.
     pub const FP8_DS_MLA_TILE: u32 = 128;
+    /// DeepSeek-V4's "MODEL1" fp8 KV: per page, rows of [`MODEL1_ROW_BYTES`] (e4m3 NoPE in
+    /// tiles of [`MODEL1_TILE`], then bf16 rope), then [`MODEL1_SCALE_BYTES`] per token
+    /// (one ue8m0 byte per tile, then padding); the page stride is a multiple of the row.
+    pub const MODEL1_FP8: u32 = 2;
+    /// Values per MODEL1 tile (one ue8m0 scale byte each).
+    pub const MODEL1_TILE: u32 = 64;
+    /// MODEL1 NoPE values per token (7 tiles).
+    pub const MODEL1_NOPE: u32 = 448;
+    /// MODEL1 rope values per token (bf16).
+    pub const MODEL1_ROPE: u32 = 64;
+    /// Bytes of a MODEL1 row: 448 e4m3 + 64 bf16.
+    pub const MODEL1_ROW_BYTES: u32 = MODEL1_NOPE + 2 * MODEL1_ROPE;
+    /// Bytes of a MODEL1 token's scales in the page's scale section: 7 ue8m0 + 1 pad.
+    pub const MODEL1_SCALE_BYTES: u32 = 8;
 }
 
 /// One row of a ragged query batch: which request it belongs to and the half-open range
@@ -97,10 +116,14 @@ pub struct IndexKStoreParams {
     pub format: u32,
     /// Bytes per page.
     pub page_bytes: u64,
-    /// Value bytes per token (`head_dim` for fp8, `2·head_dim` for bf16).
+    /// Value bytes per token (`head_dim` for fp8, `2·head_dim` for bf16, `head_dim / 2`
+    /// for fp4).
     pub value_bytes: u32,
-    /// Offset of the scale section inside a page (fp8 only).
+    /// Offset of the scale section inside a page (fp8, fp4).
     pub scale_offset: u32,
+    /// Scale bytes per token in the scale section (fp8 4, fp4 `head_dim / 32`, bf16 0).
+    pub scale_bytes: u32,
+    pub _pad: u32,
 }
 
 /// `kv_store`: token `t`'s bf16 `[latent | rope]` goes to slot `slots[t]` (`-1` skips).
@@ -119,14 +142,18 @@ pub struct KvStoreParams {
     pub page_size: u32,
     /// One of [`kv_format`].
     pub format: u32,
-    /// Bytes per token.
+    /// Bytes per token row (the row stride inside a page).
     pub token_bytes: u32,
-    /// Bytes per page.
+    /// Bytes per page (the page stride).
     pub page_bytes: u64,
-    /// Offset of the f32 tile scales inside a token (fp8_ds_mla only).
+    /// Offset of the f32 tile scales inside a row (fp8_ds_mla only).
     pub scales_offset: u32,
-    /// Offset of the bf16 rope inside a token.
+    /// Offset of the bf16 rope inside a row.
     pub rope_offset: u32,
+    /// Offset of the scale section inside a page (model1_fp8 only: 8 bytes per token, 7
+    /// ue8m0 tile scales and a zero pad byte).
+    pub scale_section: u32,
+    pub _pad: u32,
 }
 
 /// `copy_pages`: copies `bytes` bytes of page `src_ids[i]` of the source pool to page
@@ -198,10 +225,18 @@ pub struct IndexerLogitsParams {
     pub format: u32,
     /// Value bytes per token.
     pub value_bytes: u32,
-    /// Offset of the scale section inside a page (fp8 only).
+    /// Offset of the scale section inside a page (fp8, fp4).
     pub scale_offset: u32,
-    pub _pad: u32,
+    /// Scale bytes per token in the scale section (fp8 4, fp4 `head_dim / 32`, bf16 0).
+    pub scale_bytes: u32,
 }
+
+/// `indexer_logits` over fp4 index keys: the same parameters (`format` = `FP4_E2M1`), its
+/// own entry point so that the fp4 dequantisation does not raise the register count (and
+/// lower the occupancy) of the fp8 and bf16 kernel.
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug)]
+pub struct IndexerLogitsFp4Params(pub IndexerLogitsParams);
 
 /// `topk` (see `sparsekit_host::ops::Topk`): per row, the positions (or slots, through the
 /// page table) of the `k` largest valid logits of `[start, end)` (not `-inf`, not NaN;
@@ -231,6 +266,10 @@ pub struct TopkParams {
     /// Per row counts of finished chunks, when rows are split: zero before the launch,
     /// zero again after it.
     pub counters: GlobalMut<u32>,
+    /// 1: a row whose range holds at most `k` positions writes all of them in order
+    /// (DeepSeek-V4's transform); 0: its valid entries.
+    pub take_all_short: u32,
+    pub _pad: u32,
 }
 
 /// `sparse_mla` (see `sparsekit_host::ops::SparseMla`): per token and head, softmax
@@ -259,7 +298,7 @@ pub struct SparseMlaParams {
     pub page_size: u32,
     /// One of [`kv_format`].
     pub format: u32,
-    /// Bytes per token.
+    /// Bytes per token row.
     pub token_bytes: u32,
     /// Offset of the f32 tile scales inside a token (fp8_ds_mla only).
     pub scales_offset: u32,
@@ -272,6 +311,63 @@ pub struct SparseMlaParams {
     pub split: u32,
     /// Per (token, head group, split) partial results, when split
     /// (`kernels::sparse_mla_workspace` bytes; contents need no initialisation).
+    pub workspace: GlobalMut<f32>,
+    /// Per (token, head group) counts of finished splits, when split: zero before the
+    /// launch, zero again after it.
+    pub counters: GlobalMut<u32>,
+}
+
+/// One KV cache of `sparse_mla_v4` as the kernel reads it (filled from a `KvLayout` of
+/// `model1_fp8` or `bf16_512`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct V4CacheParams {
+    /// The paged KV buffer.
+    pub cache: GlobalPtr<u8>,
+    /// `[n_tokens, topk]` slots; inside a token's length `-1` or a slot of the cache.
+    pub indices: GlobalPtr<i32>,
+    /// `[n_tokens]` used indices per token (each `≤ topk`), or null: all `topk`.
+    pub lengths: GlobalPtr<u32>,
+    /// Bytes per page (the page stride).
+    pub page_bytes: u64,
+    pub page_size: u32,
+    /// Indices per token (0: the call has no such cache).
+    pub topk: u32,
+    /// [`kv_format::MODEL1_FP8`] or [`kv_format::BF16`] (`bf16_512`).
+    pub format: u32,
+    /// Bytes per token row (576 or 1024).
+    pub row_bytes: u32,
+    /// Offset of the scale section inside a page (model1_fp8).
+    pub scale_section: u32,
+    pub _pad: u32,
+}
+
+/// `sparse_mla_v4` (see `sparsekit_host::ops::SparseMlaV4`): per token and head, attention
+/// over the used slots of `main`, then `extra`, K = V = the 512-d row; `lse` natural log
+/// without the sink, `out` times `1 / (1 + exp(sink − lse))`; a token without a valid slot
+/// gets `out = 0`, `lse = +inf`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct SparseMlaV4Params {
+    /// bf16 bits `[n_tokens, n_heads, 512]`.
+    pub q: GlobalPtr<u16>,
+    /// bf16 bits `[n_tokens, n_heads, 512]`.
+    pub out: GlobalMut<u16>,
+    /// `[n_tokens, n_heads]`.
+    pub lse: GlobalMut<f32>,
+    /// `[n_heads]` sink logits, or null: no sink.
+    pub sink: GlobalPtr<f32>,
+    pub main: V4CacheParams,
+    /// `topk = 0`: no extra cache.
+    pub extra: V4CacheParams,
+    pub n_tokens: u32,
+    pub n_heads: u32,
+    pub softmax_scale: f32,
+    /// Index positions per split of the main ‖ extra list (`kernels::sparse_mla_v4_split`);
+    /// `≥ main.topk + extra.topk`: no split.
+    pub split: u32,
+    /// Per (token, head group, split) partial results, when split
+    /// (`kernels::sparse_mla_v4_workspace` bytes; contents need no initialisation).
     pub workspace: GlobalMut<f32>,
     /// Per (token, head group) counts of finished splits, when split: zero before the
     /// launch, zero again after it.

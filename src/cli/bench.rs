@@ -95,10 +95,11 @@ fn bench<B: Backend>(backend: &B, args: &Args) -> Result<ExitCode, CliError> {
 
 /// `suite` reduced to the named ops (all of it when `ops` is empty).
 fn only_ops(mut suite: Suite, ops: &[String]) -> Result<Suite, CliError> {
-    const KNOWN: [&str; 7] = [
+    const KNOWN: [&str; 8] = [
         "indexer_logits",
         "topk",
         "sparse_mla",
+        "sparse_mla_v4",
         "index_k_store",
         "kv_store",
         "copy_pages",
@@ -119,6 +120,9 @@ fn only_ops(mut suite: Suite, ops: &[String]) -> Result<Suite, CliError> {
     }
     if !want("sparse_mla") {
         suite.sparse_mla.clear();
+    }
+    if !want("sparse_mla_v4") {
+        suite.sparse_mla_v4.clear();
     }
     if !want("copy_pages") {
         suite.copies.clear();

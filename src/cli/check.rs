@@ -180,6 +180,7 @@ mod tests {
             3.0f32, 1.0, 2.0, 2.0, -1.0, 0.5, 9.0, 9.0, 9.0, 7.0, 8.0, 9.0,
         ];
         let op = Topk {
+            short_rows: sparsekit::host::ops::ShortRows::SelectValid,
             k: 2,
             row_stride: 6,
             rows: &rows,

@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use serde::Serialize;
-use sparsekit::host::dims::ModelDims;
+use sparsekit::host::dims::{ModelDims, V4Dims};
 use sparsekit::host::dtype::ScaleFormat;
 use sparsekit::host::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout, LayoutInfo};
 use sparsekit::table::Table;
@@ -57,6 +57,25 @@ fn collect() -> Result<Layouts, CliError> {
             });
         }
     }
+    // DeepSeek-V4 (Flash and Pro share their caches): the window pool (P 256), the
+    // ratio-4 pools (P 64: KV and index-K), the ratio-128 pool (P 2); fp4 index keys
+    // beside fp8 and bf16.
+    {
+        let d = V4Dims::FLASH;
+        let config = "dsv4";
+        for dt in [IndexKDtype::Fp4E2m1, IndexKDtype::FP8, IndexKDtype::Bf16] {
+            let info = IndexKLayout::new(dt, d.index_head_dim, d.csa_page)?.info();
+            out.index_k.push(Entry { config, info });
+        }
+        for p in [d.window_page, d.csa_page, d.hca_page] {
+            for l in [KvLayout::model1_fp8(p)?, KvLayout::bf16_512(p)?] {
+                out.kv.push(Entry {
+                    config,
+                    info: l.info(),
+                });
+            }
+        }
+    }
     Ok(out)
 }
 
@@ -75,6 +94,7 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
         "page",
         "B/token",
         "B/page",
+        "scales at",
         "fingerprint",
     ]);
     for e in l.index_k.iter().chain(&l.kv) {
@@ -87,6 +107,8 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
         let scale = match i.scale {
             Some(ScaleFormat::Fp32) => "fp32",
             Some(ScaleFormat::Ue8m0) => "ue8m0",
+            None if i.dtype == "fp4_e2m1" || i.dtype == "model1_fp8" => "ue8m0 bytes",
+            None if i.dtype == "fp8_ds_mla" => "fp32 in row",
             None => "-",
         };
         t.row([
@@ -98,6 +120,7 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
             i.page_size.to_string(),
             i.bytes_per_token.to_string(),
             i.bytes_per_page.to_string(),
+            i.scale_section.map_or("-".to_string(), |o| o.to_string()),
             i.fingerprint.clone(),
         ]);
     }

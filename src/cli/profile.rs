@@ -41,13 +41,16 @@ use sparsekit_benches::inputs::{
 
 use super::CliError;
 
+mod v4;
+
 /// Op names `--op` accepts.
-const OPS: [&str; 15] = [
+const OPS: [&str; 16] = [
     "index_k_store",
     "kv_store",
     "indexer_logits",
     "topk",
     "sparse_mla",
+    "sparse_mla_v4",
     "copy_pages",
     "page_checksums",
     "dense_matmul",
@@ -66,7 +69,7 @@ pub struct Args {
     #[arg(long, default_value = "emu")]
     backend: String,
     /// Only these ops (comma-separated): index_k_store, kv_store, indexer_logits, topk,
-    /// sparse_mla, copy_pages, page_checksums, and the dense kernels dense_matmul,
+    /// sparse_mla, sparse_mla_v4, copy_pages, page_checksums, and the dense kernels dense_matmul,
     /// dense_rms_norm, dense_rope, dense_swiglu, dense_gather_rows, dense_add, dense_cast,
     /// dense_argmax.
     #[arg(long, value_delimiter = ',')]
@@ -275,6 +278,7 @@ fn cases(s: Sizes) -> Result<Vec<Case>, CliError> {
                 let rows = decode_rows(&vec![context as u32; batch], 1)?;
                 let mut out = emu.alloc(4 * batch * k)?;
                 let op = Topk {
+                    short_rows: sparsekit::host::ops::ShortRows::SelectValid,
                     k,
                     row_stride: context,
                     rows: &rows,
@@ -381,6 +385,7 @@ fn cases(s: Sizes) -> Result<Vec<Case>, CliError> {
             }),
         });
     }
+    v4::cases(s, &mut out)?;
     dense_cases(s, &mut out);
     Ok(out)
 }

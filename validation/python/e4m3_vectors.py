@@ -7,7 +7,11 @@ Prints one JSON object on stdout:
   encode:   [[f32 bits, code], ...]          random, subnormal, tie, boundary, NaN, inf
   index_k:  [[key bf16 bits...], fmt, [code...], scale f32 bits]   per-token quantization
   kv_tiles: [[tile bf16 bits...], [code...], scale f32 bits]       fp8_ds_mla tiles
-Saturating conversion is np.clip(x, -448, 448) followed by the ml_dtypes cast.
+  model1:   [[448 NoPE bf16 bits...], [code...], [7 ue8m0 bytes]]  DeepSeek-V4 MODEL1 tiles
+  fp4:      [[128 bf16 bits...], [64 packed bytes], [4 ue8m0 bytes]] fp4 index-K keys
+Saturating conversion is np.clip(x, -448, 448) followed by the ml_dtypes cast; e2m1 codes
+come from ml_dtypes' float4_e2m1fn cast (round to nearest even, saturating) and ue8m0
+bytes from its float8_e8m0fnu cast of the power-of-two scale.
 """
 import json
 import sys
@@ -17,6 +21,8 @@ import numpy as np
 
 E4M3 = ml_dtypes.float8_e4m3fn
 BF16 = ml_dtypes.bfloat16
+E2M1 = ml_dtypes.float4_e2m1fn
+E8M0 = ml_dtypes.float8_e8m0fnu
 
 
 def encode(x):
@@ -73,12 +79,42 @@ def main():
         q = encode(tile.astype(np.float32) / s)
         kv_tiles.append([tile.view(np.uint16).tolist(), q.tolist(), int(s.view(np.uint32))])
 
+    model1 = []
+    for i in range(100):
+        mag = [1e-7, 1.0, 3000.0, 1e-30][i % 4]
+        nope = (rng.standard_normal(448) * mag).astype(BF16)
+        m_codes, m_scales = [], []
+        for t in range(7):
+            tile = nope[64 * t:64 * t + 64].astype(np.float32)
+            s = pow2_ceil(np.maximum(np.abs(tile).max() / np.float32(448), np.float32(1e-4)))
+            m_codes += encode(tile / s).tolist()
+            m_scales.append(int(np.float32(s).astype(E8M0).view(np.uint8)))
+        model1.append([nope.view(np.uint16).tolist(), m_codes, m_scales])
+
+    fp4 = []
+    for i in range(300):
+        mag = [1e-3, 1.0, 50.0, 1e-37, 0.0][i % 5]
+        key = (rng.standard_normal(128) * mag).astype(BF16)
+        packed, scales = [], []
+        for g in range(4):
+            grp = key[32 * g:32 * g + 32].astype(np.float32)
+            amax = np.abs(grp).max()
+            s = np.maximum(pow2_ceil(np.float32(amax / np.float32(6))), np.float32(2.0 ** -126))
+            if amax / np.float32(6) < np.float32(2.0 ** -126):
+                s = np.float32(2.0 ** -126)
+            c = (grp / s).astype(E2M1).view(np.uint8) & 0xF
+            packed += (c[0::2] | (c[1::2] << 4)).tolist()
+            scales.append(int(np.float32(s).astype(E8M0).view(np.uint8)))
+        fp4.append([key.view(np.uint16).tolist(), packed, scales])
+
     json.dump({
         "seed": seed,
         "decode": [[int(c), int(b)] for c, b in zip(codes, decode.view(np.uint32))],
         "encode": [[int(b), int(c)] for b, c in zip(allv.view(np.uint32), enc)],
         "index_k": index_k,
         "kv_tiles": kv_tiles,
+        "model1": model1,
+        "fp4": fp4,
     }, sys.stdout)
 
 

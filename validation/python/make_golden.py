@@ -3,7 +3,8 @@
 op in NumPy + ml_dtypes that shares no code with sparsekit, in sparsekit's conventions and,
 for each convention a real dump may follow (docs/golden.md), one file that states it:
 DeepSeek/SGLang index-K scales, DeepGEMM quantisation and bf16 logits, DeepSeek-V3.2
-prefill top-k padding, FlashMLA decode lse and indices.
+prefill top-k padding, FlashMLA decode lse and indices. DeepSeek-V4's caches and ops
+(MODEL1 fp8 and bf16_512 KV, fp4 index keys) are in golden_v4.py.
 
     python3 make_golden.py OUT_DIR [--seed N]
 
@@ -19,9 +20,14 @@ import json
 import math
 import os
 
+import sys
+
 import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import golden_v4  # noqa: E402  (DeepSeek-V4 caches and ops)
 
 E4M3 = ml_dtypes.float8_e4m3fn
 BF16 = ml_dtypes.bfloat16
@@ -528,6 +534,9 @@ def main():
     paths = []
     for make in (store_files, indexer_files, topk_files, sparse_mla_files):
         paths += make(rng, a.out_dir, seed)
+    for make in (golden_v4.store_files, golden_v4.indexer_files, golden_v4.topk_files,
+                 golden_v4.sparse_mla_files):
+        paths += make(rng, a.out_dir, seed, sys.modules[__name__])
     print(f"seed {seed}")
     for p in paths:
         print(p)

@@ -253,6 +253,7 @@ pub fn topk_logits(
         match sc {
             Scenario::Random => {}
             Scenario::AllEqual => row.fill(1.5),
+            Scenario::ThresholdTies if row.is_empty() => {}
             Scenario::ThresholdTies => {
                 // k/2 large distinct values, then thousands of copies of the threshold value.
                 let n = row.len();
@@ -326,6 +327,22 @@ pub fn region(layout: PageLayout, num_pages: usize, page_first: bool, extra: usi
 /// Bytes of a buffer holding `r` (every page slot whole).
 pub fn region_bytes(r: &PagedRegion) -> usize {
     r.offset + r.stride * r.num_pages
+}
+
+/// DeepSeek-V4's page layouts with pages of `page_size` tokens: KV `model1_fp8` and
+/// `bf16_512`, index-K fp4 (head_dim 128).
+pub fn v4_page_layouts(page_size: usize) -> Vec<PageLayout> {
+    let mut v: Vec<PageLayout> = Vec::new();
+    if let Ok(l) = KvLayout::model1_fp8(page_size) {
+        v.push(l.into());
+    }
+    if let Ok(l) = KvLayout::bf16_512(page_size) {
+        v.push(l.into());
+    }
+    if let Ok(l) = IndexKLayout::new(IndexKDtype::Fp4E2m1, 128, page_size) {
+        v.push(l.into());
+    }
+    v
 }
 
 /// Every page layout of a model config: index-K fp8 and bf16, KV bf16 and fp8_ds_mla.

@@ -11,8 +11,14 @@ use half::bf16;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use sparsekit_host::dtype::ScaleFormat;
-use sparsekit_host::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout, FP8_DS_MLA_TILE};
+use sparsekit_host::layout::{
+    IndexKDtype, IndexKLayout, KvDtype, KvLayout, FP4_GROUP, FP8_DS_MLA_TILE, MODEL1_SCALE_BYTES,
+    MODEL1_TILE,
+};
 use sparsekit_host::ops::{PageTable, QueryRange};
+
+mod v4;
+pub use v4::sparse_mla_v4;
 
 /// Value of an e4m3fn code, computed from its fields in f64.
 pub fn e4m3_value(code: u8) -> f64 {
@@ -69,13 +75,74 @@ pub fn fl32(x: f64) -> f64 {
     x as f32 as f64
 }
 
-/// Smallest power of two `>= s` (s > 0), found by doubling.
+/// Smallest power of two `>= s` and `>= 2^-126` (the result for `s ≤ 2^-126`), found by
+/// doubling.
 pub fn pow2_ceil(s: f64) -> f64 {
     let mut p = 2f64.powi(-126);
     while p < s {
         p *= 2.0;
     }
     p
+}
+
+/// Value of a ue8m0 scale byte: `2^(b − 127)`, NaN for `0xff`.
+pub fn ue8m0_value(b: u8) -> f64 {
+    if b == 0xff {
+        f64::NAN
+    } else {
+        2f64.powi(b as i32 - 127)
+    }
+}
+
+/// The ue8m0 byte of a power of two `s` (found by halving/doubling from 1), `0xff` for
+/// an infinite or NaN `s`.
+pub fn ue8m0_byte(s: f64) -> u8 {
+    if !s.is_finite() {
+        return 0xff;
+    }
+    let (mut e, mut p) = (0i32, 1.0f64);
+    while p < s {
+        p *= 2.0;
+        e += 1;
+    }
+    while p > s {
+        p /= 2.0;
+        e -= 1;
+    }
+    (e + 127) as u8
+}
+
+/// Magnitudes of the e2m1 codes 0..=7.
+const E2M1: [f64; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+
+/// Value of an e2m1 code (low 4 bits).
+pub fn e2m1_value(code: u8) -> f64 {
+    let m = E2M1[(code & 7) as usize];
+    if code & 8 != 0 {
+        -m
+    } else {
+        m
+    }
+}
+
+/// e2m1 encoding by nearest-value search: ties go to the even code, magnitudes above 6
+/// saturate; the sign bit is the sign of `x`.
+pub fn e2m1_encode(x: f64) -> u8 {
+    let sign = if x.is_sign_negative() { 8 } else { 0 };
+    let a = x.abs();
+    let mut best = 0usize;
+    for (c, v) in E2M1.iter().enumerate().skip(1) {
+        let (d, db) = ((v - a).abs(), (E2M1[best] - a).abs());
+        if d < db || (d == db && c % 2 == 0) {
+            best = c;
+        }
+    }
+    sign | best as u8
+}
+
+/// fp4 group scale: the smallest power of two `≥ amax / 6`, at least `2^-126`.
+pub fn fp4_group_scale(amax: f64) -> f64 {
+    pow2_ceil(amax / 6.0)
 }
 
 /// How a quantiser divides by a constant or a scale: ours divides (`x / 448`, `x / s`);
@@ -184,6 +251,25 @@ pub fn index_k_store_with(
                     cache[r].copy_from_slice(&(s as f32).to_le_bytes());
                 }
             }
+            IndexKDtype::Fp4E2m1 => {
+                let scales = layout.slot_scale_bytes(slot as usize).unwrap_or(0..0);
+                for (g, group) in key.chunks(FP4_GROUP).enumerate() {
+                    let finite = group.iter().all(|x| x.to_f64().is_finite());
+                    let s = fp4_group_scale(amax(group));
+                    cache[scales.start + g] = if finite { ue8m0_byte(s) } else { 0xff };
+                    for (i, pair) in group.chunks(2).enumerate() {
+                        let code = |x: &bf16| {
+                            if finite {
+                                e2m1_encode(x.to_f64() / s)
+                            } else {
+                                0
+                            }
+                        };
+                        cache[values.start + g * FP4_GROUP / 2 + i] =
+                            code(&pair[0]) | code(&pair[1]) << 4;
+                    }
+                }
+            }
         }
     }
 }
@@ -207,9 +293,29 @@ pub fn kv_store_with(
             continue;
         }
         let x = &kv[t * d..(t + 1) * d];
+        if layout.dtype() == KvDtype::Model1Fp8 {
+            // Rows, then 8 scale bytes per token (7 tiles + a zero pad) after the rows.
+            let sc = layout.slot_tile_scale_bytes(slot as usize).start;
+            cache[sc..sc + MODEL1_SCALE_BYTES].fill(0);
+            let tok = layout.slot_token_bytes(slot as usize).start;
+            for (ti, tile) in x[..nope].chunks(MODEL1_TILE).enumerate() {
+                let s = kv_tile_scale_with(amax(tile), rules.scale);
+                for (i, v) in tile.iter().enumerate() {
+                    cache[tok + ti * MODEL1_TILE + i] =
+                        e4m3_encode(rules.values.apply(v.to_f64(), s));
+                }
+                cache[sc + ti] = ue8m0_byte(s);
+            }
+            let rope = layout.rope_range();
+            put_bf16(&mut cache[tok + rope.start..tok + rope.end], &x[nope..]);
+            continue;
+        }
         let tok = &mut cache[layout.slot_token_bytes(slot as usize)];
         match layout.dtype() {
-            KvDtype::Bf16 => put_bf16(&mut tok[layout.nope_range()], &x[..nope]),
+            KvDtype::Bf16 | KvDtype::Bf16x512 => {
+                put_bf16(&mut tok[layout.nope_range()], &x[..nope])
+            }
+            KvDtype::Model1Fp8 => unreachable!("stored above"),
             KvDtype::Fp8DsMla => {
                 let sr = layout.scales_range();
                 for (ti, tile) in x[..nope].chunks(FP8_DS_MLA_TILE).enumerate() {
@@ -242,6 +348,16 @@ pub fn read_index_key(layout: &IndexKLayout, cache: &[u8], slot: usize) -> (Vec<
                 .map_or(1.0, |r| get_f32(cache, r.start));
             (vals.iter().map(|&c| e4m3_value(c)).collect(), s)
         }
+        IndexKDtype::Fp4E2m1 => {
+            let sc = layout.slot_scale_bytes(slot).unwrap_or(0..0);
+            let v = (0..layout.head_dim())
+                .map(|i| {
+                    let code = vals[i / 2] >> (4 * (i % 2));
+                    e2m1_value(code) * ue8m0_value(cache[sc.start + i / FP4_GROUP])
+                })
+                .collect();
+            (v, 1.0)
+        }
     }
 }
 
@@ -250,7 +366,15 @@ pub fn read_kv_token(layout: &KvLayout, cache: &[u8], slot: usize) -> Vec<f64> {
     let tok = &cache[layout.slot_token_bytes(slot)];
     let mut out = Vec::with_capacity(layout.d_qk());
     match layout.dtype() {
-        KvDtype::Bf16 => out.extend((0..layout.nope_dim()).map(|i| get_bf16(tok, i))),
+        KvDtype::Bf16 | KvDtype::Bf16x512 => {
+            out.extend((0..layout.nope_dim()).map(|i| get_bf16(tok, i)))
+        }
+        KvDtype::Model1Fp8 => {
+            let sc = layout.slot_tile_scale_bytes(slot);
+            for i in 0..layout.nope_dim() {
+                out.push(e4m3_value(tok[i]) * ue8m0_value(cache[sc.start + i / MODEL1_TILE]));
+            }
+        }
         KvDtype::Fp8DsMla => {
             let sr = layout.scales_range();
             for i in 0..layout.nope_dim() {
@@ -347,6 +471,17 @@ pub fn topk_row(row: &[f32], k: usize) -> Vec<usize> {
     idx
 }
 
+/// Reference of DeepSeek-V4's top-k transform over one row (its range): a row of at most
+/// `k` positions takes all of them in order, whatever their logits; a longer one its
+/// [`topk_row`].
+pub fn topk_transform(row: &[f32], k: usize) -> Vec<usize> {
+    if row.len() <= k {
+        (0..row.len()).collect()
+    } else {
+        topk_row(row, k)
+    }
+}
+
 /// Reference sparse MLA: per element and head, the f64 result and the inputs of its error
 /// scales (see [`crate::tolerance::mla_out_magnitude`] for how they make the bound).
 #[derive(Debug)]
@@ -366,6 +501,11 @@ pub struct MlaRef {
     pub v_max: Vec<f64>,
     pub n_heads: usize,
     pub d_v: usize,
+    /// Multiplies `lse_magnitude` in the `out` bound: 1, or 1.5 for `sparse_mla_v4`, whose
+    /// sink factor `1 / (1 + e^(sink − lse))` moves by at most the lse's error `E`
+    /// (relative): one more `E` on top of the weights' `2E` (`out_abs` already holds the
+    /// factor).
+    pub score_slack: f64,
 }
 
 impl MlaRef {
@@ -377,7 +517,7 @@ impl MlaRef {
         let token = head / self.n_heads;
         crate::tolerance::mla_out_magnitude(
             self.out_abs[i],
-            self.lse_magnitude[head],
+            self.score_slack * self.lse_magnitude[head],
             self.n_valid[token],
             self.v_max[token],
         )
@@ -458,6 +598,7 @@ pub fn sparse_mla(
         v_max: Vec::new(),
         n_heads,
         d_v: dv,
+        score_slack: 1.0,
     };
     for (o, l, a, lm, n, vm) in per_token {
         r.v_max.push(vm);

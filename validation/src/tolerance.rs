@@ -109,6 +109,10 @@ pub enum DataType {
     Bf16,
     /// FlashMLA's fp8 KV format.
     Fp8DsMla,
+    /// fp4 (e2m1, ue8m0 group scales) index keys.
+    Fp4E2m1,
+    /// DeepSeek-V4's MODEL1 fp8 KV format.
+    Model1Fp8,
     /// f32 logits (top-k).
     Fp32,
     /// Raw page bytes (copies).
@@ -124,6 +128,8 @@ impl DataType {
             DataType::Fp8E4m3 => "fp8_e4m3",
             DataType::Bf16 => "bf16",
             DataType::Fp8DsMla => "fp8_ds_mla",
+            DataType::Fp4E2m1 => "fp4_e2m1",
+            DataType::Model1Fp8 => "model1_fp8",
             DataType::Fp32 => "fp32",
             DataType::Bytes => "bytes",
             DataType::U64 => "u64",
@@ -142,6 +148,7 @@ impl From<IndexKDtype> for DataType {
         match d {
             IndexKDtype::Fp8E4m3 { .. } => DataType::Fp8E4m3,
             IndexKDtype::Bf16 => DataType::Bf16,
+            IndexKDtype::Fp4E2m1 => DataType::Fp4E2m1,
         }
     }
 }
@@ -149,8 +156,9 @@ impl From<IndexKDtype> for DataType {
 impl From<KvDtype> for DataType {
     fn from(d: KvDtype) -> Self {
         match d {
-            KvDtype::Bf16 => DataType::Bf16,
+            KvDtype::Bf16 | KvDtype::Bf16x512 => DataType::Bf16,
             KvDtype::Fp8DsMla => DataType::Fp8DsMla,
+            KvDtype::Model1Fp8 => DataType::Model1Fp8,
         }
     }
 }
@@ -226,10 +234,13 @@ pub const TABLE: &[Tolerance] = {
     &[
         row(IndexKStore, Cache, Fp8E4m3, 0.0, 0.0, EXACT),
         row(IndexKStore, Cache, Bf16, 0.0, 0.0, EXACT),
+        row(IndexKStore, Cache, Fp4E2m1, 0.0, 0.0, EXACT),
         row(KvStore, Cache, Fp8DsMla, 0.0, 0.0, EXACT),
         row(KvStore, Cache, Bf16, 0.0, 0.0, EXACT),
+        row(KvStore, Cache, Model1Fp8, 0.0, 0.0, EXACT),
         row(IndexerLogits, Logits, Fp8E4m3, 2e-5, 0.0, INDEXER),
         row(IndexerLogits, Logits, Bf16, 2e-5, 0.0, INDEXER),
+        row(IndexerLogits, Logits, Fp4E2m1, 2e-5, 0.0, INDEXER),
         row(Topk, Indices, Fp32, 0.0, 0.0, EXACT),
         row(
             SparseMla,
@@ -256,6 +267,38 @@ pub const TABLE: &[Tolerance] = {
             MLA_LSE,
         ),
         row(SparseMla, Quantity::Lse, Bf16, MLA_LSE_ATOL, 1e-6, MLA_LSE),
+        row(
+            SparseMlaV4,
+            Out,
+            Model1Fp8,
+            MLA_P_ROUNDING,
+            BF16_UNIT_ROUNDOFF,
+            MLA_OUT,
+        ),
+        row(
+            SparseMlaV4,
+            Out,
+            Bf16,
+            MLA_P_ROUNDING,
+            BF16_UNIT_ROUNDOFF,
+            MLA_OUT,
+        ),
+        row(
+            SparseMlaV4,
+            Quantity::Lse,
+            Model1Fp8,
+            MLA_LSE_ATOL,
+            1e-6,
+            MLA_LSE,
+        ),
+        row(
+            SparseMlaV4,
+            Quantity::Lse,
+            Bf16,
+            MLA_LSE_ATOL,
+            1e-6,
+            MLA_LSE,
+        ),
         row(CopyPages, Quantity::Pages, Bytes, 0.0, 0.0, EXACT),
         row(PageChecksums, Checksums, U64, 0.0, 0.0, EXACT),
     ]

@@ -30,8 +30,11 @@ fn emu_stores_are_bit_identical_to_cpu() {
         slots.shuffle(&mut rng);
         slots.truncate(n);
         slots[5] = -1;
-        for dt in [IndexKDtype::FP8, IndexKDtype::Bf16] {
-            let l = IndexKLayout::new(dt, dims.index_head_dim, dims.page_size).unwrap();
+        for dt in [IndexKDtype::FP8, IndexKDtype::Bf16, IndexKDtype::Fp4E2m1] {
+            // fp4 keys need a head dim that is a multiple of 128.
+            let Ok(l) = IndexKLayout::new(dt, dims.index_head_dim, dims.page_size) else {
+                continue;
+            };
             let cache0 = fixtures::garbage(&mut rng, l.buffer_bytes(pages));
             let keys = fixtures::token_rows(&mut rng, n, l.head_dim());
             let op = IndexKStore {
@@ -49,8 +52,16 @@ fn emu_stores_are_bit_identical_to_cpu() {
                 "index-K {dt:?} seed {seed}"
             );
         }
-        for dt in [KvDtype::Bf16, KvDtype::Fp8DsMla] {
-            let l = KvLayout::new(dt, dims.kv_lora_rank, dims.qk_rope_dim, dims.page_size).unwrap();
+        let mut kv_layouts: Vec<KvLayout> = [KvDtype::Bf16, KvDtype::Fp8DsMla]
+            .map(|dt| {
+                KvLayout::new(dt, dims.kv_lora_rank, dims.qk_rope_dim, dims.page_size).unwrap()
+            })
+            .to_vec();
+        // DeepSeek-V4's layouts at this config's page size.
+        kv_layouts.push(KvLayout::model1_fp8(dims.page_size).unwrap());
+        kv_layouts.push(KvLayout::bf16_512(dims.page_size).unwrap());
+        for l in kv_layouts {
+            let dt = l.dtype();
             let cache0 = fixtures::garbage(&mut rng, l.buffer_bytes(pages));
             let kv = fixtures::token_rows(&mut rng, n, l.d_qk());
             let op = KvStore {

@@ -309,6 +309,7 @@ fn topk_round_trip() {
     let stride = 3000 + 5;
     let logits = tied_logits(rng, &rows, stride);
     let op = Topk {
+        short_rows: sparsekit_host::ops::ShortRows::SelectValid,
         k,
         row_stride: stride,
         rows: &rows,
@@ -342,6 +343,7 @@ fn topk_round_trip() {
         page_size: D.page_size,
     };
     let op = Topk {
+        short_rows: sparsekit_host::ops::ShortRows::SelectValid,
         k,
         row_stride: stride,
         rows: &rows,
@@ -511,7 +513,7 @@ fn numpy_ml_dtypes_golden_files_pass() {
             );
         }
     }
-    assert_eq!(ops.len(), 5, "one file per op at least: {ops:?}");
+    assert_eq!(ops.len(), 6, "one file per op at least: {ops:?}");
     let every: std::collections::BTreeSet<String> = [
         "scale",
         "quantize",
@@ -610,7 +612,7 @@ fn files_that_misstate_their_conventions_fail() {
     fails(
         "a store stating a sparse_mla convention",
         &stating(&recip, json!({"scale": "reciprocal", "empty_lse": "+inf"})),
-        Some("conventions.empty_lse applies to sparse_mla only"),
+        Some("conventions.empty_lse applies to sparse_mla, sparse_mla_v4 only"),
     );
 
     // Indexer: bf16 keys and bf16 logits.
@@ -669,6 +671,38 @@ fn files_that_misstate_their_conventions_fail() {
         "our sparse_mla (a token without valid slot) stating +inf",
         &stating(&file("sparse_mla_bf16"), json!({"empty_lse": "+inf"})),
         None,
+    );
+
+    // DeepSeek-V4 attention in FlashMLA's layout: [batch, s_q, ..] tensors, topk_length per
+    // request, lse [batch, h, s_q] (declared), +inf for an empty request (ours for V4).
+    let v4 = file("sparse_mla_v4_flashmla");
+    assert_eq!(v4.tensors["q"].shape.len(), 4, "[batch, s_q, h, d]");
+    assert_eq!(
+        v4.tensors["main_lengths"].shape,
+        [3],
+        "topk_length per request"
+    );
+    passes("FlashMLA V4", &v4);
+    fails(
+        "FlashMLA V4 without lse_layout",
+        &stating(&v4, serde_json::Value::Null),
+        Some("lse"),
+    );
+    fails(
+        "FlashMLA V4 (an empty request) stating -inf",
+        &stating(
+            &v4,
+            json!({"lse_layout": "batch_heads_seq", "empty_lse": "-inf"}),
+        ),
+        None,
+    );
+    fails(
+        "a V4 file stating an index-K convention",
+        &stating(
+            &file("sparse_mla_v4_model1"),
+            json!({"key_dequant": "bf16"}),
+        ),
+        Some("key_dequant"),
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -878,6 +912,7 @@ fn malformed_rows_indices_and_expected_topk_are_errors() {
     ];
     let logits: Vec<f32> = (0..12).map(|i| (i % 5) as f32).collect();
     let op = Topk {
+        short_rows: sparsekit_host::ops::ShortRows::SelectValid,
         k: 2,
         row_stride: 6,
         rows: &rows,

@@ -807,6 +807,7 @@ impl TopkCase {
             },
         };
         f(&Topk {
+            short_rows: sparsekit_host::ops::ShortRows::SelectValid,
             k: self.k,
             row_stride: self.row_stride,
             rows: &rows,

@@ -29,6 +29,8 @@ enum Fault {
     MlaDropsSlot,
     /// Sparse MLA lse off by 1e-3.
     MlaLse,
+    /// DeepSeek-V4 attention without its sink.
+    MlaV4IgnoresSink,
     /// The last page of a copy goes to the wrong destination page.
     CopyWrongPage,
     /// The checksum of the first page of a call is that of the page after it.
@@ -179,6 +181,24 @@ impl Backend for Faulty {
         }
         Ok(())
     }
+    fn sparse_mla_v4(
+        &self,
+        op: &sparsekit_host::ops::SparseMlaV4<'_>,
+        q: &CpuBuffer,
+        main: sparsekit_host::KvInput<'_, CpuBuffer>,
+        extra: Option<sparsekit_host::KvInput<'_, CpuBuffer>>,
+        out: &mut CpuBuffer,
+        lse: &mut CpuBuffer,
+    ) -> Result<()> {
+        if self.fault == Fault::MlaV4IgnoresSink {
+            let op = sparsekit_host::ops::SparseMlaV4 {
+                attn_sink: None,
+                ..*op
+            };
+            return self.cpu.sparse_mla_v4(&op, q, main, extra, out, lse);
+        }
+        self.cpu.sparse_mla_v4(op, q, main, extra, out, lse)
+    }
     fn copy_pages(&self, op: &CopyPages<'_>, src: &CpuBuffer, dst: &mut CpuBuffer) -> Result<()> {
         self.copy_fault(op, src, dst)
     }
@@ -281,6 +301,11 @@ fn topk_tie_order_is_caught() {
 fn sparse_mla_faults_are_caught() {
     assert_caught(Fault::MlaDropsSlot, Op::SparseMla, Check::Reference);
     assert_caught(Fault::MlaLse, Op::SparseMla, Check::Reference);
+}
+
+#[test]
+fn sparse_mla_v4_faults_are_caught() {
+    assert_caught(Fault::MlaV4IgnoresSink, Op::SparseMlaV4, Check::Reference);
 }
 
 #[test]

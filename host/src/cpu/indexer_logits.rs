@@ -16,9 +16,10 @@ use rayon::prelude::*;
 
 use super::gemm::{gemm_acc, Dims};
 use super::isa::{prefetch, CpuIsa};
-use crate::layout::{IndexKDtype, IndexKLayout};
+use crate::layout::{IndexKDtype, IndexKLayout, FP4_GROUP};
 use crate::ops::{IndexerLogits, PageTable, QueryRange};
 use sparsekit_kernels::fp8::{bf16_to_f32, e4m3_to_f32};
+use sparsekit_kernels::mx::{e2m1_to_f32, ue8m0_to_f32};
 
 /// Keys per block (columns of one GEMM).
 const BLOCK: usize = 64;
@@ -370,6 +371,23 @@ impl Ctx<'_> {
                         }
                         None => 1.0,
                     };
+                }
+                IndexKDtype::Fp4E2m1 => {
+                    // e2m1 × its group's power-of-two scale: exact in f32 (a NaN scale
+                    // byte makes the group NaN).
+                    let scales = l.slot_scale_bytes(slot).map_or(&[][..], |r| &self.cache[r]);
+                    for ((xs, packed), &sb) in dst
+                        .chunks_exact_mut(FP4_GROUP)
+                        .zip(vals.chunks_exact(FP4_GROUP / 2))
+                        .zip(scales)
+                    {
+                        let s = ue8m0_to_f32(sb);
+                        for (x2, &b) in xs.chunks_exact_mut(2).zip(packed) {
+                            x2[0] = e2m1_to_f32(b & 0xf) * s;
+                            x2[1] = e2m1_to_f32(b >> 4) * s;
+                        }
+                    }
+                    scale[j] = 1.0;
                 }
             }
         }

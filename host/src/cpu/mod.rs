@@ -13,6 +13,7 @@ pub mod indexer_logits;
 pub mod isa;
 pub mod pages;
 pub mod sparse_mla;
+pub mod sparse_mla_v4;
 pub mod store;
 pub mod topk;
 
@@ -23,9 +24,11 @@ use half::bf16;
 pub use buffer::CpuBuffer;
 pub use isa::{CpuIsa, Isa};
 
-use crate::backend::{Backend, StreamKind};
+use crate::backend::{Backend, KvInput, StreamKind};
 use crate::error::{Error, Result};
-use crate::ops::{CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, SparseMla, Topk};
+use crate::ops::{
+    CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, SparseMla, SparseMlaV4, Topk,
+};
 
 /// The CPU backend. Runs on rayon's global pool unless built with [`CpuBackend::with_threads`],
 /// on the vector path [`CpuIsa::get`] unless built with [`CpuBackend::with_isa`]. Every op
@@ -131,12 +134,7 @@ impl Backend for CpuBackend {
         let (d, isa) = (l.d_qk(), self.isa);
         self.run(|| {
             store::scatter_by_page(cache.bytes_mut(), l.into(), op.slots, |page, off, t| {
-                store::write_kv_token_on(
-                    isa,
-                    &l,
-                    &mut page[l.token_range(off)],
-                    &kv[t * d..(t + 1) * d],
-                )
+                store::write_kv_token_on(isa, &l, page, off, &kv[t * d..(t + 1) * d])
             })
         });
         Ok(())
@@ -183,6 +181,39 @@ impl Backend for CpuBackend {
         let lse = lse.typed_mut::<f32>("lse")?;
         let isa = self.isa;
         self.run(|| sparse_mla::sparse_mla(isa, op, q, cache.bytes(), indices, out, lse));
+        Ok(())
+    }
+
+    fn sparse_mla_v4(
+        &self,
+        op: &SparseMlaV4<'_>,
+        q: &CpuBuffer,
+        main: KvInput<'_, CpuBuffer>,
+        extra: Option<KvInput<'_, CpuBuffer>>,
+        out: &mut CpuBuffer,
+        lse: &mut CpuBuffer,
+    ) -> Result<()> {
+        let sizes = |k: KvInput<'_, CpuBuffer>| [k.cache.len(), k.indices.len()];
+        let pages = op.validate(q.len(), sizes(main), extra.map(sizes), out.len(), lse.len())?;
+        let main_idx = main.indices.typed::<i32>("indices")?;
+        op.check_indices("main indices", &op.main, main_idx, pages.main)?;
+        let extra_in = match (&op.extra, extra) {
+            (Some(c), Some(k)) => {
+                let idx = k.indices.typed::<i32>("indices")?;
+                op.check_indices("extra indices", c, idx, pages.extra)?;
+                Some((k.cache.bytes(), idx))
+            }
+            _ => None,
+        };
+        let call = sparse_mla_v4::V4Call {
+            q: q.typed::<bf16>("q")?,
+            main: (main.cache.bytes(), main_idx),
+            extra: extra_in,
+        };
+        let out = out.typed_mut::<bf16>("out")?;
+        let lse = lse.typed_mut::<f32>("lse")?;
+        let isa = self.isa;
+        self.run(|| sparse_mla_v4::sparse_mla_v4(isa, op, call, out, lse));
         Ok(())
     }
 

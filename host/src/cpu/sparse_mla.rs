@@ -15,9 +15,10 @@ use rayon::prelude::*;
 
 use super::gemm::{gemm_acc, Dims};
 use super::isa::{prefetch, CpuIsa};
-use crate::layout::{KvDtype, KvLayout, FP8_DS_MLA_TILE};
+use crate::layout::{KvDtype, KvLayout, FP8_DS_MLA_TILE, MODEL1_TILE};
 use crate::ops::SparseMla;
 use sparsekit_kernels::fp8::{bf16_to_f32, e4m3_to_f32};
+use sparsekit_kernels::mx::ue8m0_to_f32;
 
 /// Slots per block.
 const BLOCK: usize = 64;
@@ -51,14 +52,67 @@ pub fn sparse_mla(
             let qrow = &q[(t * h + h0) * dqk..(t * h + h0 + hc) * dqk];
             let idx = &indices[t * op.topk..(t + 1) * op.topk];
             scratch.size(dqk, dv, hc);
-            attend_task(isa, op, qrow, hc, idx, cache, out, lse, scratch);
+            scratch.valid.clear();
+            scratch
+                .valid
+                .extend(idx.iter().filter(|&&i| i >= 0).map(|&i| (0, i as usize)));
+            let sources = [Source {
+                layout: &op.layout,
+                cache,
+            }];
+            let dims = AttnDims {
+                dqk,
+                dv,
+                hc,
+                scale: op.softmax_scale,
+            };
+            attend_task(isa, dims, qrow, &sources, scratch);
+            finish_v32(dims, &scratch.valid, scratch, out, lse);
         });
+}
+
+/// One cache the keys of a task come from.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Source<'a> {
+    pub layout: &'a KvLayout,
+    pub cache: &'a [u8],
+}
+
+/// The shape of a task: key and value dims, heads, softmax scale.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AttnDims {
+    pub dqk: usize,
+    pub dv: usize,
+    pub hc: usize,
+    pub scale: f32,
+}
+
+/// DeepSeek-V3.2's output of a task: `out = O / sum` (bf16), `lse = m + ln sum`; a token
+/// without a valid slot gets `out = 0`, `lse = -inf`.
+fn finish_v32(d: AttnDims, valid: &[(u8, usize)], s: &Scratch, out: &mut [bf16], lse: &mut [f32]) {
+    // "No valid slot" is decided by the slots, never by the sum: a NaN or infinite score
+    // makes the sum NaN, and that NaN must reach out and lse (as in the reference), not
+    // pass for the empty-attention values.
+    let dv = d.dv;
+    for i in 0..d.hc {
+        let dst = &mut out[i * dv..(i + 1) * dv];
+        if !valid.is_empty() {
+            let inv = 1.0 / s.sum[i];
+            for (x, &o) in dst.iter_mut().zip(&s.o[i * dv..(i + 1) * dv]) {
+                *x = bf16::from_f32(o * inv);
+            }
+            lse[i] = s.m[i] + s.sum[i].ln();
+        } else {
+            dst.fill(bf16::ZERO);
+            lse[i] = f32::NEG_INFINITY;
+        }
+    }
 }
 
 /// The working buffers of one task, reused by the tasks a rayon job runs (no allocation
 /// per task once sized).
 #[derive(Default)]
-struct Scratch {
+pub(crate) struct Scratch {
     /// Qᵀ `[d_qk × hc]`.
     qt: Vec<f32>,
     /// Dequantised key block `[BLOCK × d_qk]` (V = its first d_v columns).
@@ -68,21 +122,21 @@ struct Scratch {
     /// Probabilities `[hc × BLOCK]`.
     p: Vec<f32>,
     /// Output accumulators `[hc × d_v]`.
-    o: Vec<f32>,
+    pub(crate) o: Vec<f32>,
     /// Per head: running max, running sum, block max, block sum, correction.
-    m: Vec<f32>,
-    sum: Vec<f32>,
+    pub(crate) m: Vec<f32>,
+    pub(crate) sum: Vec<f32>,
     mx: Vec<f32>,
     bsum: Vec<f32>,
     corr: Vec<f32>,
-    /// The token's valid slots.
-    valid: Vec<usize>,
+    /// The token's valid keys: (source, slot), in attention order.
+    pub(crate) valid: Vec<(u8, usize)>,
 }
 
 impl Scratch {
     /// Sizes every buffer for `d_qk`, `d_v` and `hc` heads (contents are reset by
     /// [`attend`]).
-    fn size(&mut self, dqk: usize, dv: usize, hc: usize) {
+    pub(crate) fn size(&mut self, dqk: usize, dv: usize, hc: usize) {
         self.qt.resize(dqk * hc, 0.0);
         self.k.resize(BLOCK * dqk, 0.0);
         self.st.resize(BLOCK * hc, 0.0);
@@ -103,34 +157,20 @@ impl Scratch {
 crate::isa_dispatch! {
     /// [`attend`] compiled for the task's vector path; same operations, same order,
     /// identical results on every path.
-    #[allow(clippy::too_many_arguments)]
-    fn attend_task(
-        op: &SparseMla,
+    pub(crate) fn attend_task(
+        d: AttnDims,
         q: &[bf16],
-        hc: usize,
-        indices: &[i32],
-        cache: &[u8],
-        out: &mut [bf16],
-        lse: &mut [f32],
+        sources: &[Source<'_>],
         scratch: &mut Scratch,
-    ) = |ISA| attend(ISA, op, q, hc, indices, cache, out, lse, scratch);
+    ) = |ISA| attend(ISA, d, q, sources, scratch);
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Attends the `hc` query rows `q` (`[hc, d_qk]`) over `scratch.valid` (keys from
+/// `sources`, in order): leaves the unnormalised output `O` (`[hc, d_v]`), the running
+/// max `m` and the sum of `exp(s − m)` in `scratch` (the callers finish them).
 #[inline(always)]
-fn attend(
-    isa: CpuIsa,
-    op: &SparseMla,
-    q: &[bf16],
-    hc: usize,
-    indices: &[i32],
-    cache: &[u8],
-    out: &mut [bf16],
-    lse: &mut [f32],
-    scratch: &mut Scratch,
-) {
-    let l = &op.layout;
-    let (dqk, dv) = (l.d_qk(), l.nope_dim());
+fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch: &mut Scratch) {
+    let AttnDims { dqk, dv, hc, scale } = d;
     let Scratch {
         qt,
         k,
@@ -144,13 +184,12 @@ fn attend(
         corr,
         valid,
     } = scratch;
-    valid.clear();
-    valid.extend(indices.iter().filter(|&&i| i >= 0).map(|&i| i as usize));
     // The keys are scattered cache rows: ask for a block before it is gathered (the
     // first one now, each next one while the current one is computed).
-    let fetch = |block: &[usize]| {
-        for &slot in block {
-            prefetch(&cache[l.slot_token_bytes(slot)]);
+    let fetch = |block: &[(u8, usize)]| {
+        for &(src, slot) in block {
+            let s = &sources[src as usize];
+            prefetch(&s.cache[s.layout.slot_token_bytes(slot)]);
         }
     };
     fetch(&valid[..valid.len().min(BLOCK)]);
@@ -168,8 +207,9 @@ fn attend(
         if let Some(next) = valid.get((b + 1) * BLOCK..) {
             fetch(&next[..next.len().min(BLOCK)]);
         }
-        for (j, &slot) in block.iter().enumerate() {
-            load_row(l, cache, slot, &mut k[j * dqk..(j + 1) * dqk]);
+        for (j, &(src, slot)) in block.iter().enumerate() {
+            let s = &sources[src as usize];
+            load_row(s.layout, s.cache, slot, &mut k[j * dqk..(j + 1) * dqk]);
         }
         st[..n * hc].fill(0.0);
         // Sᵀ[keys × hc] = K[keys × d_qk] · Qᵀ
@@ -190,7 +230,7 @@ fn attend(
         mx.copy_from_slice(m);
         for row in st[..n * hc].chunks_exact_mut(hc) {
             for (x, mxi) in row.iter_mut().zip(mx.iter_mut()) {
-                *x *= op.softmax_scale;
+                *x *= scale;
                 *mxi = mxi.max(*x);
             }
         }
@@ -229,34 +269,19 @@ fn attend(
             o,
         );
     }
-    // "No valid slot" is decided by the slots, never by the sum: a NaN or infinite score
-    // makes the sum NaN, and that NaN must reach out and lse (as in the reference), not
-    // pass for the empty-attention values.
-    for i in 0..hc {
-        let dst = &mut out[i * dv..(i + 1) * dv];
-        if !valid.is_empty() {
-            let inv = 1.0 / sum[i];
-            for (d, &x) in dst.iter_mut().zip(&o[i * dv..(i + 1) * dv]) {
-                *d = bf16::from_f32(x * inv);
-            }
-            lse[i] = m[i] + sum[i].ln();
-        } else {
-            dst.fill(bf16::ZERO);
-            lse[i] = f32::NEG_INFINITY;
-        }
-    }
 }
 
-/// Dequantises the token at `slot` into one row `[latent | rope]`.
+/// Dequantises the token at `slot` into one row `[latent | rope]` (every KV layout).
 #[inline(always)]
-fn load_row(l: &KvLayout, cache: &[u8], slot: usize, row: &mut [f32]) {
+pub(crate) fn load_row(l: &KvLayout, cache: &[u8], slot: usize, row: &mut [f32]) {
     let tok = &cache[l.slot_token_bytes(slot)];
     let dv = l.nope_dim();
     let (vrow, rope) = row.split_at_mut(dv);
+    let bf16_of = |b: &[u8]| f32::from_bits(((b[1] as u32) << 24) | ((b[0] as u32) << 16));
     match l.dtype() {
-        KvDtype::Bf16 => {
+        KvDtype::Bf16 | KvDtype::Bf16x512 => {
             for (x, b) in vrow.iter_mut().zip(tok[l.nope_range()].chunks_exact(2)) {
-                *x = f32::from_bits(((b[1] as u32) << 24) | ((b[0] as u32) << 16));
+                *x = bf16_of(b);
             }
         }
         KvDtype::Fp8DsMla => {
@@ -273,8 +298,21 @@ fn load_row(l: &KvLayout, cache: &[u8], slot: usize, row: &mut [f32]) {
                 }
             }
         }
+        KvDtype::Model1Fp8 => {
+            let sc = &cache[l.slot_tile_scale_bytes(slot)];
+            for ((xs, codes), &b) in vrow
+                .chunks_exact_mut(MODEL1_TILE)
+                .zip(tok[l.nope_range()].chunks_exact(MODEL1_TILE))
+                .zip(sc)
+            {
+                let s = ue8m0_to_f32(b);
+                for (x, &c) in xs.iter_mut().zip(codes) {
+                    *x = e4m3_to_f32(c) * s;
+                }
+            }
+        }
     }
     for (x, b) in rope.iter_mut().zip(tok[l.rope_range()].chunks_exact(2)) {
-        *x = f32::from_bits(((b[1] as u32) << 24) | ((b[0] as u32) << 16));
+        *x = bf16_of(b);
     }
 }

@@ -1,15 +1,20 @@
-//! CPU `index_k_store` and `kv_store`: quantize or copy new tokens into their cache pages.
+//! CPU `index_k_store` and `kv_store`: quantize or copy new tokens into their cache pages
+//! (every layout: fp8 / fp4 / bf16 index keys; bf16, fp8_ds_mla, model1_fp8, bf16_512 KV).
 
 use half::bf16;
 use rayon::prelude::*;
 
 use sparsekit_kernels::fp8::bf16_to_f32;
+use sparsekit_kernels::mx;
 
 use super::isa::CpuIsa;
 #[cfg(doc)]
 use crate::dtype::amax_bf16;
 use crate::dtype::{e4m3_encode, index_k_scale, kv_tile_scale};
-use crate::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout, PageLayout, FP8_DS_MLA_TILE};
+use crate::layout::{
+    IndexKDtype, IndexKLayout, KvDtype, KvLayout, PageLayout, FP4_GROUP, FP8_DS_MLA_TILE,
+    MODEL1_SCALE_BYTES, MODEL1_TILE,
+};
 
 /// Writes the index key of the token at `offset` of `page` (one whole page of bytes), on
 /// the process's default vector path ([`CpuIsa::get`]).
@@ -27,11 +32,7 @@ pub fn write_index_k_token_on(
 ) {
     let values = &mut page[layout.value_range(offset)];
     match layout.dtype() {
-        IndexKDtype::Bf16 => {
-            for (dst, k) in values.chunks_exact_mut(2).zip(key) {
-                dst.copy_from_slice(&k.to_bits().to_le_bytes());
-            }
-        }
+        IndexKDtype::Bf16 => put_bf16(values, key),
         IndexKDtype::Fp8E4m3 { scale } => {
             let s = index_k_scale(amax(key), scale);
             quantize(isa, values, key, s);
@@ -39,25 +40,73 @@ pub fn write_index_k_token_on(
                 page[r].copy_from_slice(&s.to_le_bytes());
             }
         }
+        IndexKDtype::Fp4E2m1 => {
+            let mut scales = [0u8; 64];
+            for (g, (dst, group)) in values
+                .chunks_exact_mut(FP4_GROUP / 2)
+                .zip(key.chunks_exact(FP4_GROUP))
+                .enumerate()
+            {
+                scales[g] = quantize_fp4_group(dst, group);
+            }
+            if let Some(r) = layout.scale_range(offset) {
+                let n = r.len();
+                page[r].copy_from_slice(&scales[..n]);
+            }
+        }
     }
 }
 
-/// Writes one KV token (`kv` = `[latent | rope]` bf16) into its `bytes_per_token` bytes, on
-/// the process's default vector path ([`CpuIsa::get`]).
-pub fn write_kv_token(layout: &KvLayout, token: &mut [u8], kv: &[bf16]) {
-    write_kv_token_on(CpuIsa::get(), layout, token, kv)
+/// Packs one group of 32 bf16 into 16 bytes of e2m1 codes (even element in the low nibble)
+/// and returns its ue8m0 scale byte (see [`sparsekit_kernels::mx`]): a group holding NaN
+/// or ±inf gets scale `0xff` and codes 0.
+fn quantize_fp4_group(dst: &mut [u8], group: &[bf16]) -> u8 {
+    let max_bits = group
+        .iter()
+        .fold(0u32, |m, x| mx::bf16_abs_bits_max(m, x.to_bits()));
+    if mx::abs_bits_non_finite(max_bits) {
+        dst.fill(0);
+        return mx::UE8M0_NAN;
+    }
+    let s = mx::fp4_group_scale(bf16_to_f32(max_bits as u16));
+    for (d, pair) in dst.iter_mut().zip(group.chunks_exact(2)) {
+        let lo = mx::e2m1_encode(bf16_to_f32(pair[0].to_bits()) / s);
+        let hi = mx::e2m1_encode(bf16_to_f32(pair[1].to_bits()) / s);
+        *d = lo | hi << 4;
+    }
+    mx::ue8m0_encode(s)
+}
+
+/// Writes bf16 values as little-endian bytes.
+fn put_bf16(dst: &mut [u8], xs: &[bf16]) {
+    for (d, v) in dst.chunks_exact_mut(2).zip(xs) {
+        d.copy_from_slice(&v.to_bits().to_le_bytes());
+    }
+}
+
+/// Writes one KV token (`kv` = `[latent | rope]` bf16) at `offset` of `page` (one whole
+/// page of bytes: its row, and for model1_fp8 its 8 bytes of the scale section), on the
+/// process's default vector path ([`CpuIsa::get`]).
+pub fn write_kv_token(layout: &KvLayout, page: &mut [u8], offset: usize, kv: &[bf16]) {
+    write_kv_token_on(CpuIsa::get(), layout, page, offset, kv)
 }
 
 /// [`write_kv_token`] on the vector path `isa`.
-pub fn write_kv_token_on(isa: CpuIsa, layout: &KvLayout, token: &mut [u8], kv: &[bf16]) {
+pub fn write_kv_token_on(
+    isa: CpuIsa,
+    layout: &KvLayout,
+    page: &mut [u8],
+    offset: usize,
+    kv: &[bf16],
+) {
     let (nope, rope) = kv.split_at(layout.nope_dim());
+    let row = layout.token_range(offset);
     match layout.dtype() {
-        KvDtype::Bf16 => {
-            for (dst, v) in token[layout.nope_range()].chunks_exact_mut(2).zip(nope) {
-                dst.copy_from_slice(&v.to_bits().to_le_bytes());
-            }
+        KvDtype::Bf16 | KvDtype::Bf16x512 => {
+            put_bf16(&mut page[row.clone()][layout.nope_range()], nope)
         }
         KvDtype::Fp8DsMla => {
+            let token = &mut page[row.clone()];
             let scales = layout.scales_range().start;
             for (t, tile) in nope.chunks_exact(FP8_DS_MLA_TILE).enumerate() {
                 let s = kv_tile_scale(amax(tile));
@@ -70,10 +119,25 @@ pub fn write_kv_token_on(isa: CpuIsa, layout: &KvLayout, token: &mut [u8], kv: &
                 token[scales + 4 * t..scales + 4 * t + 4].copy_from_slice(&s.to_le_bytes());
             }
         }
+        KvDtype::Model1Fp8 => {
+            let mut scales = [0u8; MODEL1_SCALE_BYTES];
+            let token = &mut page[row.clone()];
+            for (t, tile) in nope.chunks_exact(MODEL1_TILE).enumerate() {
+                let s = kv_tile_scale(amax(tile));
+                quantize(
+                    isa,
+                    &mut token[t * MODEL1_TILE..(t + 1) * MODEL1_TILE],
+                    tile,
+                    s,
+                );
+                scales[t] = mx::ue8m0_encode(s);
+            }
+            // The 7 scale bytes and the pad byte (0).
+            let at = layout.tile_scale_range(offset).start;
+            page[at..at + MODEL1_SCALE_BYTES].copy_from_slice(&scales);
+        }
     }
-    for (dst, v) in token[layout.rope_range()].chunks_exact_mut(2).zip(rope) {
-        dst.copy_from_slice(&v.to_bits().to_le_bytes());
-    }
+    put_bf16(&mut page[row][layout.rope_range()], rope);
 }
 
 /// `amax` of bf16 values (NaN ignored), as [`amax_bf16`] but on the absolute-value bits:

@@ -10,7 +10,7 @@
 
 use rayon::prelude::*;
 
-use crate::ops::{Topk, TopkOutput};
+use crate::ops::{ShortRows, Topk, TopkOutput};
 
 /// Order-preserving map of a non-NaN f32 to u32.
 #[inline(always)]
@@ -37,7 +37,14 @@ pub fn topk(op: &Topk<'_>, logits: &[f32], out: &mut [i32]) {
         .enumerate()
         .for_each(|(r, (dst, range))| {
             let row = &logits[r * op.row_stride..][range.start as usize..range.end as usize];
-            let n = select_row(row, k, dst);
+            let n = if op.short_rows == ShortRows::TakeAll && row.len() <= k {
+                for (j, d) in dst[..row.len()].iter_mut().enumerate() {
+                    *d = j as i32;
+                }
+                row.len()
+            } else {
+                select_row(row, k, dst)
+            };
             let base = range.start as usize;
             for p in &mut dst[..n] {
                 let pos = *p as usize + base;

@@ -13,6 +13,9 @@
 //! - top-k output: i32 `[n_rows, k]`.
 //! - `q` (sparse_mla): bf16 `[n_tokens, n_heads, d_qk]`; `indices`: i32 `[n_tokens, topk]`;
 //!   `out`: bf16 `[n_tokens, n_heads, d_v]`; `lse`: f32 `[n_tokens, n_heads]`.
+//! - `q` (sparse_mla_v4): bf16 `[n_tokens, n_heads, 512]`; per cache `indices`: i32
+//!   `[n_tokens, topk]`; `out`: bf16 `[n_tokens, n_heads, 512]`; `lse`: f32
+//!   `[n_tokens, n_heads]`.
 
 //!
 //! Sizes (checked arithmetic throughout: a product that overflows is an error, never a
@@ -32,6 +35,7 @@ mod batch;
 mod indexer_logits;
 mod pages;
 mod sparse_mla;
+mod sparse_mla_v4;
 mod store;
 mod topk;
 
@@ -43,8 +47,9 @@ pub use batch::{decode_rows, PageTable, QueryRange};
 pub use indexer_logits::IndexerLogits;
 pub use pages::{CopyPages, PageChecksums, PagedRegion};
 pub use sparse_mla::SparseMla;
+pub use sparse_mla_v4::{SparseMlaV4, V4Cache, V4Pages, V4_MAX_HEADS};
 pub use store::{IndexKStore, KvStore};
-pub use topk::{Topk, TopkOutput};
+pub use topk::{ShortRows, Topk, TopkOutput};
 
 /// The ops every backend implements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
@@ -55,18 +60,20 @@ pub enum Op {
     IndexerLogits,
     Topk,
     SparseMla,
+    SparseMlaV4,
     CopyPages,
     PageChecksums,
 }
 
 impl Op {
     /// Every op, in suite order.
-    pub const ALL: [Op; 7] = [
+    pub const ALL: [Op; 8] = [
         Op::IndexKStore,
         Op::KvStore,
         Op::IndexerLogits,
         Op::Topk,
         Op::SparseMla,
+        Op::SparseMlaV4,
         Op::CopyPages,
         Op::PageChecksums,
     ];
@@ -79,6 +86,7 @@ impl Op {
             Op::IndexerLogits => "indexer_logits",
             Op::Topk => "topk",
             Op::SparseMla => "sparse_mla",
+            Op::SparseMlaV4 => "sparse_mla_v4",
             Op::CopyPages => "copy_pages",
             Op::PageChecksums => "page_checksums",
         }

@@ -34,6 +34,15 @@ impl SparseMla {
         if !self.softmax_scale.is_finite() {
             return Err(Error::invalid("softmax_scale", "must be finite"));
         }
+        if self.layout.dtype().is_v4() {
+            return Err(Error::invalid(
+                "layout",
+                format!(
+                    "{} is a DeepSeek-V4 KV layout (K = V, 512 dims): use sparse_mla_v4",
+                    self.layout.dtype().name()
+                ),
+            ));
+        }
         let (t, h, l) = (self.n_tokens, self.n_heads, &self.layout);
         check_count("n_tokens", t)?;
         check_count("n_heads", h)?;

@@ -16,13 +16,27 @@ pub enum TopkOutput<'a> {
     },
 }
 
+/// What a row whose range holds at most `k` positions gets.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum ShortRows {
+    /// Its valid entries (not `-inf`, not NaN), like any row.
+    #[default]
+    SelectValid,
+    /// Every position of its range, in order, whatever the logits (DeepSeek-V4's top-k
+    /// transform: a request whose compressed context fits in `k` attends all of it).
+    TakeAll,
+}
+
 /// `topk`: exact top-`k` per row over the columns in the row's range `[start, end)` (the
 /// other columns are not read), ignoring `-inf` and NaN entries (`+inf` is a value like
 /// any other; `-0.0` and `+0.0` are equal, a tie); ties broken by lower position. The
 /// selected entries are written in ascending position order, followed by `-1` padding
-/// when fewer than `k` are valid.
+/// when fewer than `k` are valid. With [`ShortRows::TakeAll`], a row whose range holds at
+/// most `k` positions writes all of them in order, then `-1`.
 #[derive(Clone, Copy, Debug)]
 pub struct Topk<'a> {
+    /// What a row no longer than `k` gets.
+    pub short_rows: ShortRows,
     pub k: usize,
     pub row_stride: usize,
     pub rows: &'a [QueryRange],
@@ -118,6 +132,7 @@ mod tests {
         // Request 1, column 1 holds positions 4..8: page 2^29 gives slot 2^31 + 1.
         let pages = [0, 1, 2, 3, 1 << 29, 5];
         let op = Topk {
+            short_rows: crate::ops::ShortRows::SelectValid,
             k: 2,
             row_stride: 16,
             rows: &rows,
@@ -133,6 +148,7 @@ mod tests {
         // An unmapped page inside the range: named by its cell and the row it serves.
         let pages = [0, 1, 2, 3, -1, 5];
         let op = Topk {
+            short_rows: crate::ops::ShortRows::SelectValid,
             output: TopkOutput::Slots {
                 page_table: PageTable::new(&pages, 3).unwrap(),
                 page_size: 4,

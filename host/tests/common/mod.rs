@@ -436,6 +436,17 @@ impl Backend for Flaky {
     ) -> Result<()> {
         self.inner.sparse_mla(op, q, c, i, o, l)
     }
+    fn sparse_mla_v4(
+        &self,
+        op: &sparsekit_host::ops::SparseMlaV4<'_>,
+        q: &Self::Buffer,
+        main: sparsekit_host::KvInput<'_, Self::Buffer>,
+        extra: Option<sparsekit_host::KvInput<'_, Self::Buffer>>,
+        out: &mut Self::Buffer,
+        lse: &mut Self::Buffer,
+    ) -> Result<()> {
+        self.inner.sparse_mla_v4(op, q, main, extra, out, lse)
+    }
     fn copy_pages(&self, op: &CopyPages<'_>, s: &Self::Buffer, d: &mut Self::Buffer) -> Result<()> {
         self.ctl.before_copy()?;
         self.inner.copy_pages(op, s, d)

@@ -13,9 +13,10 @@
 //!    `g` of each tile, the 16-byte pieces `64·i + 16·t` of the key's value row (`i` =
 //!    0, 1, ...): the four lanes of a key read 64 contiguous bytes, so every 32-byte sector
 //!    a warp touches is used whole. A piece holds the B fragments of `G` consecutive
-//!    k-steps (G = 2 for bf16 keys, 4 for fp8: 8 bf16 or 16 e4m3 codes, the codes widened
-//!    exactly to bf16), which fixes a permutation of the dims inside each group of `G`
-//!    k-steps; the queries are read with the same permutation, so every dot product is
+//!    k-steps (G = 2 for bf16 keys, 4 for fp8, 8 for fp4: 8 bf16, 16 e4m3 codes or 32
+//!    e2m1 codes, the codes widened exactly to bf16 — fp4 codes times their group's ue8m0
+//!    scale, one group per piece, its byte from one aligned word of the token's scales),
+//!    which fixes a permutation of the dims inside each group of `G` k-steps; the queries are read with the same permutation, so every dot product is
 //!    unchanged. For each 16-head m-tile the warp runs `head_dim / 16` k-steps of two mma
 //!    (one per tile, sharing the A fragment: two 8-byte shared loads), then folds
 //!    `w_h · ReLU(c)` of its two heads into per-lane partial sums for keys `2t, 2t + 1`.
@@ -37,7 +38,8 @@ use crate::fp8::e4m3x4_to_bf16;
 use crate::global::{GlobalMut, GlobalPtr, V2, V4};
 use crate::launch::{Launch, MAX_GRID};
 use crate::math::fma;
-use crate::params::{index_k_format, IndexerLogitsParams, QueryRange};
+use crate::mx::{e2m1x4_to_bf16, ue8m0_to_f32};
+use crate::params::{index_k_format, IndexerLogitsFp4Params, IndexerLogitsParams, QueryRange};
 use crate::simt::Simt;
 
 /// Columns per (row, chunk) work item.
@@ -54,19 +56,20 @@ fn padded_heads(p: &IndexerLogitsParams) -> u32 {
     p.n_heads.div_ceil(16) * 16
 }
 
-/// k-steps of 16 the kernel runs: 4 for head dims up to 64, 8 up to 128, 16 up to 256
-/// (the queries are zero-padded, keys read as zeros past `head_dim`).
-fn k_steps(head_dim: u32) -> u32 {
-    match head_dim.div_ceil(16) {
-        0..=4 => 4,
-        5..=8 => 8,
+/// k-steps of 16 the kernel runs: 4 for head dims up to 64 (8 for fp4, whose pieces hold
+/// 8 k-steps), 8 up to 128, 16 up to 256 (the queries are zero-padded, keys read as zeros
+/// past `head_dim`).
+fn k_steps(p: &IndexerLogitsParams) -> u32 {
+    match p.head_dim.div_ceil(16) {
+        0..=4 if p.format != index_k_format::FP4_E2M1 => 4,
+        0..=8 => 8,
         _ => MAX_HEAD_DIM / 16,
     }
 }
 
 /// Bytes per staged (zero-padded) query row.
 fn q_row_bytes(p: &IndexerLogitsParams) -> u32 {
-    2 * 16 * k_steps(p.head_dim)
+    2 * 16 * k_steps(p)
 }
 
 /// Launch geometry: 4 warps, one work item per block up to [`MAX_GRID`] blocks, the
@@ -81,31 +84,63 @@ pub fn indexer_logits_launch(p: &IndexerLogitsParams) -> Launch {
     }
 }
 
-/// k-steps per 16-byte piece of a key: 2 (bf16) or 4 (fp8).
+/// k-steps per 16-byte piece of a key: 2 (bf16), 4 (fp8) or 8 (fp4).
 #[inline(always)]
 fn group(p: &IndexerLogitsParams) -> usize {
-    if p.format == index_k_format::BF16 {
-        2
-    } else {
-        4
+    match p.format {
+        index_k_format::BF16 => 2,
+        index_k_format::FP4_E2M1 => 8,
+        _ => 4,
     }
 }
 
-/// The 8-byte unit swizzle of staged query row `h`: XOR on the unit index so that the
-/// A-fragment loads of a half-warp (rows `g` = 0..4, lanes `t` = 0..4) cover 16 distinct
-/// 8-byte bank pairs. bf16 (lane `t` reads unit `2t + e`): rows differ in unit bits 0 and
-/// 3; fp8 (unit `4t + e`): in bits 0 and 1.
+/// The 8-byte unit swizzle of unit `unit` of staged query row `h`: an XOR on the unit
+/// index so that the A-fragment loads of a half-warp (rows `g` = 0..4, lanes `t` = 0..4)
+/// cover 16 distinct 8-byte bank pairs. bf16 (lane `t` reads unit `2t + e`): rows differ in
+/// unit bits 0 and 3; fp8 (unit `4t + e`): in bits 0 and 1; fp4 (unit `8t + e`, lanes `t`
+/// and `t + 2` 128 bytes apart): bits 0 and 1 by row, bit 2 by the unit's bit 4. The mask
+/// never touches bits above 3, nor differs inside a 16-byte pair of units but in bit 0.
 #[inline(always)]
-fn swz(p: &IndexerLogitsParams, h: u32) -> usize {
-    let h = h as usize;
-    if p.format == index_k_format::BF16 {
-        (h & 1) | ((h & 2) << 2)
-    } else {
-        h & 3
+fn swz(p: &IndexerLogitsParams, h: u32, unit: usize) -> usize {
+    match group(p) {
+        2 => swz_g::<2>(h, unit),
+        8 => swz_g::<8>(h, unit),
+        _ => swz_g::<4>(h, unit),
     }
 }
 
-/// Indexer logits.
+/// [`swz`] for the piece group `G` (a constant in the hot loop).
+#[inline(always)]
+fn swz_g<const G: usize>(h: u32, unit: usize) -> usize {
+    let h = h as usize;
+    match G {
+        2 => (h & 1) | ((h & 2) << 2),
+        8 => (h & 3) | ((unit >> 2) & 4),
+        _ => h & 3,
+    }
+}
+
+/// Indexer logits over fp8 or bf16 keys.
+///
+/// # Safety
+/// As [`indexer_logits_fp4`], `format` fp8 or bf16.
+#[inline(always)]
+pub unsafe fn indexer_logits<S: Simt>(p: IndexerLogitsParams) {
+    // SAFETY: forwarded.
+    unsafe { indexer_logits_body::<S, false>(p) }
+}
+
+/// Indexer logits over fp4 keys (`format` = fp4; see [`IndexerLogitsFp4Params`]).
+///
+/// # Safety
+/// As [`indexer_logits_body`].
+#[inline(always)]
+pub unsafe fn indexer_logits_fp4<S: Simt>(p: IndexerLogitsFp4Params) {
+    // SAFETY: forwarded.
+    unsafe { indexer_logits_body::<S, true>(p.0) }
+}
+
+/// Indexer logits (`FP4`: the fp4 instantiations only, else the fp8 and bf16 ones).
 ///
 /// # Safety
 /// Launch with [`indexer_logits_launch`]; every pointer and size in `p` describes validated
@@ -113,7 +148,7 @@ fn swz(p: &IndexerLogitsParams, h: u32) -> usize {
 /// row's range mapped by the page table to a page of `cache`; `head_dim` a multiple of 16
 /// and at most [`MAX_HEAD_DIM`]; `q`, `weights` and the page rows 4-byte aligned.
 #[inline(always)]
-pub unsafe fn indexer_logits<S: Simt>(p: IndexerLogitsParams) {
+unsafe fn indexer_logits_body<S: Simt, const FP4: bool>(p: IndexerLogitsParams) {
     let chunks = p.row_stride.div_ceil(KEYS_PER_BLOCK) as u64;
     let items = p.n_rows as u64 * chunks;
     let hp = padded_heads(&p);
@@ -165,13 +200,20 @@ pub unsafe fn indexer_logits<S: Simt>(p: IndexerLogitsParams) {
                 // count and the piece group are constants, so the keys' fragments stay in
                 // registers.
                 unsafe {
-                    match (k_steps(p.head_dim), group(&p)) {
-                        (4, 2) => key_pair::<S, 4, 2, true>(&p, args),
-                        (8, 2) => key_pair::<S, 8, 2, true>(&p, args),
-                        (_, 2) => key_pair::<S, 16, 2, false>(&p, args),
-                        (4, _) => key_pair::<S, 4, 4, true>(&p, args),
-                        (8, _) => key_pair::<S, 8, 4, true>(&p, args),
-                        _ => key_pair::<S, 16, 4, false>(&p, args),
+                    if FP4 {
+                        match k_steps(&p) {
+                            8 => key_pair::<S, 8, 8, true>(&p, args),
+                            _ => key_pair::<S, 16, 8, false>(&p, args),
+                        }
+                    } else {
+                        match (k_steps(&p), group(&p)) {
+                            (4, 2) => key_pair::<S, 4, 2, true>(&p, args),
+                            (8, 2) => key_pair::<S, 8, 2, true>(&p, args),
+                            (_, 2) => key_pair::<S, 16, 2, false>(&p, args),
+                            (4, _) => key_pair::<S, 4, 4, true>(&p, args),
+                            (8, _) => key_pair::<S, 8, 4, true>(&p, args),
+                            _ => key_pair::<S, 16, 4, false>(&p, args),
+                        }
                     }
                 }
                 pair += WARPS;
@@ -225,7 +267,7 @@ unsafe fn stage_row<S: Simt>(p: &IndexerLogitsParams, r: u32, qrow: usize, w_bas
         };
         // Units 2c and 2c + 1 land at (2c ^ s) and (2c + 1 ^ s): the same 16 bytes, halves
         // swapped when s is odd.
-        let s = swz(p, h);
+        let s = swz(p, h, 2 * c as usize);
         let v = if s & 1 == 1 {
             [v[2], v[3], v[0], v[1]]
         } else {
@@ -329,29 +371,75 @@ unsafe fn piece<S: Simt>(
 }
 
 /// The B fragment of the k-step at offset `e` (< G) inside a piece: two bf16 pairs
-/// (G = 2), or four e4m3 codes widened to bf16 (G = 4).
+/// (G = 2), four e4m3 codes widened to bf16 (G = 4), or four e2m1 codes times the piece's
+/// group scale `scale` (G = 8).
 #[inline(always)]
-fn b_of_piece<const G: usize>(v: [u32; 4], e: usize) -> [u32; 2] {
+fn b_of_piece<const G: usize>(v: [u32; 4], e: usize, scale: f32) -> [u32; 2] {
     if G == 2 {
         [v[2 * e], v[2 * e + 1]]
-    } else {
+    } else if G == 4 {
         e4m3x4_to_bf16(v[e])
+    } else {
+        e2m1x4_to_bf16(v[e / 2] >> (16 * (e % 2)), scale)
     }
 }
 
-/// The B fragment of k-step `ks` for lane column `t` of a key whose values start at `vals`.
+/// The ue8m0 scale of piece `i` of lane column `t` of an fp4 key (group `4i + t`; 1.0 for
+/// other formats, `None`, or a piece past the values): one aligned 4-byte (or, for
+/// head_dim 64 · odd, 2-byte) load of the token's scale bytes.
 ///
 /// # Safety
-/// As [`piece`].
+/// `key` is `(page base, offset)` of a valid token (or None).
+#[inline(always)]
+unsafe fn fp4_scale<S: Simt>(
+    p: &IndexerLogitsParams,
+    key: Option<(GlobalPtr<u8>, u32)>,
+    i: usize,
+    t: u32,
+) -> f32 {
+    let Some((page, off)) = key else {
+        return 1.0;
+    };
+    let grp = 4 * i as u32 + t;
+    if p.format != index_k_format::FP4_E2M1 || grp >= p.scale_bytes {
+        return 1.0;
+    }
+    let base = page.byte_add((p.scale_offset + off * p.scale_bytes) as usize);
+    let byte = if p.scale_bytes % 4 == 0 {
+        // SAFETY: the aligned word holding byte `grp` of the token's scales (scale_offset
+        // and scale_bytes multiples of 4).
+        let w = unsafe { S::gld(base.byte_add((grp & !3) as usize).cast::<u32>()) };
+        w >> (8 * (grp & 3))
+    } else {
+        // SAFETY: as above, 2-byte aligned (scale_bytes even).
+        let w = unsafe { S::gld(base.byte_add((grp & !1) as usize).cast::<u16>()) } as u32;
+        w >> (8 * (grp & 1))
+    };
+    ue8m0_to_f32(byte as u8)
+}
+
+/// The B fragment of k-step `ks` for lane column `t` of a key whose values start at `vals`
+/// (`key`: its page base and offset, for fp4 scales).
+///
+/// # Safety
+/// As [`piece`] and [`fp4_scale`].
 #[inline(always)]
 unsafe fn b_frag<S: Simt, const G: usize>(
     p: &IndexerLogitsParams,
     vals: Option<GlobalPtr<u8>>,
+    key: Option<(GlobalPtr<u8>, u32)>,
     ks: usize,
     t: u32,
 ) -> [u32; 2] {
     // SAFETY: forwarded.
-    b_of_piece::<G>(unsafe { piece::<S>(p, vals, ks / G, t) }, ks % G)
+    let v = unsafe { piece::<S>(p, vals, ks / G, t) };
+    let s = if G == 8 {
+        // SAFETY: forwarded.
+        unsafe { fp4_scale::<S>(p, key, ks / G, t) }
+    } else {
+        1.0
+    };
+    b_of_piece::<G>(v, ks % G, s)
 }
 
 /// The A fragment of m-tile `mt`, k-step `ks` from the staged queries: dims of lane `t`
@@ -361,7 +449,6 @@ unsafe fn b_frag<S: Simt, const G: usize>(
 /// The queries are staged with rows of `qrow` bytes covering `ks`; `mt < hp / 16`.
 #[inline(always)]
 unsafe fn a_frag<S: Simt, const G: usize>(
-    p: &IndexerLogitsParams,
     qrow: usize,
     mt: u32,
     ks: usize,
@@ -370,7 +457,7 @@ unsafe fn a_frag<S: Simt, const G: usize>(
 ) -> [u32; 4] {
     let unit = 4 * G * (ks / G) + G * t as usize + ks % G;
     let (h0, h1) = (mt * 16 + g, mt * 16 + g + 8);
-    let at = |h: u32| h as usize * qrow + 8 * (unit ^ swz(p, h));
+    let at = |h: u32| h as usize * qrow + 8 * (unit ^ swz_g::<G>(h, unit));
     // SAFETY: rows < hp and units inside the staged row (caller's contract).
     let (lo, hi) = unsafe { (S::smem_load::<V2>(at(h0)).0, S::smem_load::<V2>(at(h1)).0) };
     [lo[0], hi[0], lo[1], hi[1]]
@@ -409,22 +496,37 @@ unsafe fn key_pair<S: Simt, const KS: usize, const G: usize, const CACHED: bool>
     const FULL: u32 = u32::MAX;
     let lane = S::lane_id();
     let (g, t) = (lane / 4, lane % 4);
-    // This lane's key of each tile.
+    // This lane's key of each tile: its values, and (fp4 only: the other formats keep no
+    // more registers) its page base and offset, for its group scales.
     let vals: [Option<GlobalPtr<u8>>; 2] = core::array::from_fn(|n| {
         let key = a.p0 + 8 * n as u32 + g;
         // SAFETY: key in [p0, hi) ⊆ the row's range.
         (key < a.hi).then(|| unsafe { key_address::<S>(p, a.req, key).0 })
+    });
+    let keys: [Option<(GlobalPtr<u8>, u32)>; 2] = core::array::from_fn(|n| {
+        let key = a.p0 + 8 * n as u32 + g;
+        (G == 8 && key < a.hi).then(|| {
+            // SAFETY: as above.
+            let (_, page, off) = unsafe { key_address::<S>(p, a.req, key) };
+            (page, off)
+        })
     });
     let mut cached = [[[0u32; 2]; KS]; 2];
     if CACHED {
         unroll!(2, n, {
             unroll!(4, i, {
                 if G * i < KS {
-                    // SAFETY: `vals` is a valid token's values (or None).
+                    // SAFETY: `vals`/`keys` are a valid token's (or None).
                     let v = unsafe { piece::<S>(p, vals[n], i, t) };
-                    unroll!(4, e, {
+                    let s = if G == 8 {
+                        // SAFETY: as above.
+                        unsafe { fp4_scale::<S>(p, keys[n], i, t) }
+                    } else {
+                        1.0
+                    };
+                    unroll!(8, e, {
                         if e < G && G * i + e < KS {
-                            cached[n][G * i + e] = b_of_piece::<G>(v, e);
+                            cached[n][G * i + e] = b_of_piece::<G>(v, e, s);
                         }
                     });
                 }
@@ -438,13 +540,13 @@ unsafe fn key_pair<S: Simt, const KS: usize, const G: usize, const CACHED: bool>
         unroll!(16, ks, {
             if ks < KS {
                 // SAFETY: queries staged with KS k-steps; mt < hp / 16.
-                let af = unsafe { a_frag::<S, G>(p, a.qrow, mt, ks, g, t) };
+                let af = unsafe { a_frag::<S, G>(a.qrow, mt, ks, g, t) };
                 unroll!(2, n, {
                     let b = if CACHED {
                         cached[n][ks]
                     } else {
                         // SAFETY: as above.
-                        unsafe { b_frag::<S, G>(p, vals[n], ks, t) }
+                        unsafe { b_frag::<S, G>(p, vals[n], keys[n], ks, t) }
                     };
                     acc[n] = S::mma_bf16_m16n8k16(af, b, acc[n]);
                 });
@@ -467,7 +569,8 @@ unsafe fn key_pair<S: Simt, const KS: usize, const G: usize, const CACHED: bool>
     });
     // Lane l < 8 takes key l of tile n (held by lanes t = l / 2, as part[n][l % 2]),
     // scales it and stores it: the tile's 8 logits in one 32-byte store.
-    let fp8 = p.format != index_k_format::BF16;
+    let fp8 =
+        p.format == index_k_format::FP8_FP32_SCALE || p.format == index_k_format::FP8_UE8M0_SCALE;
     unroll!(2, n, {
         let src = (lane / 2) & 3;
         let v0 = S::shfl_idx(FULL, part[n][0].to_bits(), src);

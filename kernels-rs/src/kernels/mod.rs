@@ -52,6 +52,7 @@ mod dense;
 mod indexer_logits;
 mod pages;
 mod sparse_mla;
+mod sparse_mla_v4;
 mod store;
 mod topk;
 
@@ -61,10 +62,15 @@ pub use dense::{
     ARGMAX_BLOCK, ELEMENTWISE_BLOCK, MATMUL_TILE_COLS, MATMUL_TILE_ROWS, ROW_WARPS,
 };
 pub use indexer_logits::{
-    indexer_logits, indexer_logits_launch, MAX_HEAD_DIM as INDEXER_LOGITS_MAX_HEAD_DIM,
+    indexer_logits, indexer_logits_fp4, indexer_logits_launch,
+    MAX_HEAD_DIM as INDEXER_LOGITS_MAX_HEAD_DIM,
 };
 pub use pages::{copy_pages, page_checksums};
 pub use sparse_mla::{sparse_mla, sparse_mla_launch, sparse_mla_split, sparse_mla_workspace};
+pub use sparse_mla_v4::{
+    sparse_mla_v4, sparse_mla_v4_launch, sparse_mla_v4_split, sparse_mla_v4_workspace,
+    SMEM as SPARSE_MLA_V4_SMEM,
+};
 pub use store::{index_k_store, kv_store};
 pub use topk::{topk, topk_chunk, topk_launch, topk_workspace};
 

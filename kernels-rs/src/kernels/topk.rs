@@ -347,7 +347,23 @@ pub unsafe fn topk<S: Simt>(p: TopkParams) {
             request,
             pos: None,
         };
-        if row_chunks == 1 && c == 0 {
+        if n <= p.k && p.take_all_short != 0 {
+            if c == 0 {
+                // Every position of the short row, in order, then padding.
+                let mut j = tid;
+                while j < p.k {
+                    // SAFETY: j < k; start + j < end is a position of the row's range.
+                    unsafe {
+                        if j < n {
+                            out.put::<S>(j, start + j, 0)
+                        } else {
+                            out.pad::<S>(j)
+                        }
+                    };
+                    j += block_dim;
+                }
+            }
+        } else if row_chunks == 1 && c == 0 {
             let th = if n <= p.k {
                 Threshold::ALL
             } else {

@@ -433,6 +433,7 @@ impl<B: Backend + ModelOps> Model<B> {
         let k = c.index_topk;
         let mut slots = b.alloc(t * k * 4)?;
         let topk_op = Topk {
+            short_rows: sparsekit_host::ops::ShortRows::SelectValid,
             k,
             row_stride: stride,
             rows: &batch.rows,

@@ -45,11 +45,12 @@ pub struct ConfigKey {
     pub small_decode: bool,
 }
 
-/// `fp8` or `bf16`.
+/// `fp8`, `bf16` or `fp4`.
 pub fn index_k_name(d: IndexKDtype) -> &'static str {
     match d {
         IndexKDtype::Bf16 => "bf16",
         IndexKDtype::Fp8E4m3 { .. } => "fp8",
+        IndexKDtype::Fp4E2m1 => "fp4",
     }
 }
 

@@ -59,6 +59,7 @@ pub fn topk_rules<B: Backend>(b: &B) -> Outcome {
     let k = 3;
     let want: [i32; 12] = [2, 3, 4, 2, 3, 4, 2, 3, -1, 5, 6, 7];
     let op = Topk {
+        short_rows: sparsekit_host::ops::ShortRows::SelectValid,
         k,
         row_stride: STRIDE,
         rows: &rows,

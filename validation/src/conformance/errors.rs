@@ -235,6 +235,7 @@ pub fn attention_inputs<B: Backend>(b: &B) -> Outcome {
     }];
     let logits = b.upload(bytes_of(&[1f32, 2.0, 3.0, 4.0]))?;
     let op = Topk {
+        short_rows: sparsekit_host::ops::ShortRows::SelectValid,
         k: 0,
         row_stride: 4,
         rows: &rows,
@@ -253,6 +254,7 @@ pub fn attention_inputs<B: Backend>(b: &B) -> Outcome {
         end: 1,
     }];
     let op = Topk {
+        short_rows: sparsekit_host::ops::ShortRows::SelectValid,
         k: 2,
         rows: &back,
         ..op

@@ -17,6 +17,8 @@
 //!   before a row's window are never read, and may be `-1`;
 //! - empty batches ([`empty_batches`]): every op accepts a batch of nothing and writes
 //!   nothing;
+//! - DeepSeek-V4 attention ([`v4`]): typed errors of malformed `sparse_mla_v4` calls,
+//!   the sink and empty-row values, garbage past the lengths;
 //! - streams and events ([`streams_and_events`]): page copies on the copy stream, ordered
 //!   with events before compute-stream work, give the same bytes as on one stream.
 //!
@@ -26,6 +28,7 @@
 pub mod documented;
 pub mod errors;
 pub mod nonfinite;
+pub mod v4;
 
 use std::fmt;
 
@@ -254,6 +257,7 @@ pub fn empty_batches<B: Backend>(b: &B) -> Outcome {
     let mut out = b.upload(&[])?;
     b.indexer_logits(&op, &empty, &empty, &cache, &mut out)?;
     let op = Topk {
+        short_rows: sparsekit_host::ops::ShortRows::SelectValid,
         k: 3,
         row_stride: 9,
         rows: &[],
@@ -368,6 +372,7 @@ pub fn windows_over_evicted_pages<B: Backend>(b: &B) -> Outcome {
     // Top-k of those logits as slots through the cut table.
     let k = 20;
     let op = Topk {
+        short_rows: sparsekit_host::ops::ShortRows::SelectValid,
         k,
         row_stride: stride,
         rows: &rows,
@@ -537,6 +542,30 @@ macro_rules! test_backend {
             #[test]
             fn sparse_mla() {
                 check("sparse_mla", || $open, |b| c::suite_op(b, Op::SparseMla))
+            }
+            #[test]
+            fn sparse_mla_v4() {
+                check(
+                    "sparse_mla_v4",
+                    || $open,
+                    |b| c::suite_op(b, Op::SparseMlaV4),
+                )
+            }
+            #[test]
+            fn typed_errors_v4() {
+                check("typed_errors_v4", || $open, |b| c::v4::typed_errors(b))
+            }
+            #[test]
+            fn documented_v4_sinks_and_empty_rows() {
+                check(
+                    "documented_v4_sinks_and_empty_rows",
+                    || $open,
+                    |b| c::v4::sinks_and_empty_rows(b),
+                )
+            }
+            #[test]
+            fn nonfinite_v4() {
+                check("nonfinite_v4", || $open, |b| c::v4::nonfinite(b))
             }
             #[test]
             fn copy_pages() {

@@ -274,6 +274,7 @@ fn topk_case<B: Backend>(b: &B, seed: u64) -> Outcome {
     }
     let rows = decode_rows(&lens, 1)?;
     let op = Topk {
+        short_rows: sparsekit_host::ops::ShortRows::SelectValid,
         k,
         row_stride: stride,
         rows: &rows,

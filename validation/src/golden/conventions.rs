@@ -33,6 +33,7 @@ pub struct Conventions {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub topk_padding: Option<TopkPadding>,
     /// sparse_mla: the lse of a token with no valid slot (`-inf`, ours; `+inf`, FlashMLA).
+    /// sparse_mla_v4: ours is FlashMLA's `+inf`; `-inf` states a dump that writes `-inf`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub empty_lse: Option<EmptyLse>,
     /// sparse_mla: the layout of `lse` (`tokens_heads`, ours `[n_tokens, n_heads]`;
@@ -112,8 +113,16 @@ impl Conventions {
                 &[Op::IndexerLogits],
             ),
             ("topk_padding", self.topk_padding.is_some(), &[Op::Topk]),
-            ("empty_lse", self.empty_lse.is_some(), &[Op::SparseMla]),
-            ("lse_layout", self.lse_layout.is_some(), &[Op::SparseMla]),
+            (
+                "empty_lse",
+                self.empty_lse.is_some(),
+                &[Op::SparseMla, Op::SparseMlaV4],
+            ),
+            (
+                "lse_layout",
+                self.lse_layout.is_some(),
+                &[Op::SparseMla, Op::SparseMlaV4],
+            ),
             (
                 "invalid_indices",
                 self.invalid_indices.is_some(),

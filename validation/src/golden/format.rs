@@ -10,14 +10,14 @@ use safetensors::{SafeTensorError, SafeTensors, View};
 use serde::Serialize;
 use serde_json::Value;
 use sparsekit_host::ops::{
-    decode_rows, IndexKStore, IndexerLogits, KvStore, Op, PageTable, QueryRange, SparseMla, Topk,
-    TopkOutput,
+    decode_rows, IndexKStore, IndexerLogits, KvStore, Op, PageTable, QueryRange, ShortRows,
+    SparseMla, Topk, TopkOutput,
 };
 
 use super::judge::topk_want;
 use super::params::{
-    index_dt, kv_dt, IndexKStoreParams, IndexerLogitsParams, KvStoreParams, SparseMlaParams,
-    TopkOut, TopkParams,
+    index_dt, kv_dt, IndexKStoreParams, IndexerLogitsParams, KvStoreParams, ShortRowsP,
+    SparseMlaParams, TopkOut, TopkParams,
 };
 use super::{Decode, Dtype, ExpectedFrom, Golden, GoldenError, Result, VERSION};
 use crate::reference;
@@ -326,6 +326,10 @@ impl Golden {
             k,
             row_stride: stride,
             output,
+            short_rows: match op.short_rows {
+                ShortRows::SelectValid => ShortRowsP::SelectValid,
+                ShortRows::TakeAll => ShortRowsP::TakeAll,
+            },
             page_size,
             next_n,
             conventions: Default::default(),
@@ -333,7 +337,7 @@ impl Golden {
         let mut out = vec![-1i32; n * k];
         for (r, range) in op.rows.iter().enumerate() {
             let row = &logits[r * stride..(r + 1) * stride];
-            let want = topk_want(row, range, k, &op.output);
+            let want = topk_want(row, range, k, &op.output, op.short_rows);
             out[r * k..(r + 1) * k].copy_from_slice(&want);
         }
         g.set_params(Op::Topk, &p)?;

@@ -2,7 +2,7 @@
 //! rounded expected values, per-quantity reports, byte comparison of caches, the top-k
 //! tie rule.
 
-use sparsekit_host::ops::{QueryRange, TopkOutput};
+use sparsekit_host::ops::{QueryRange, ShortRows, TopkOutput};
 
 use super::{ExpectedFrom, QuantityReport};
 use crate::reference;
@@ -14,9 +14,14 @@ pub(super) fn topk_want(
     range: &QueryRange,
     k: usize,
     output: &TopkOutput<'_>,
+    short: ShortRows,
 ) -> Vec<i32> {
     let (s, e) = (range.start as usize, range.end as usize);
-    let mut want: Vec<i32> = reference::topk_row(&row[s..e], k)
+    let pick = match short {
+        ShortRows::SelectValid => reference::topk_row(&row[s..e], k),
+        ShortRows::TakeAll => reference::topk_transform(&row[s..e], k),
+    };
+    let mut want: Vec<i32> = pick
         .into_iter()
         .map(|p| encode_position(output, range, s + p))
         .collect();
@@ -24,20 +29,21 @@ pub(super) fn topk_want(
     want
 }
 
-/// The reference top-k of one row by the tie rule (`-1` padding), and the logit that each
-/// output entry of the row's range selects (an entry not in the map selects nothing of
-/// the range).
+/// The reference top-k of one row by the tie rule (`-1` padding; `short`: what a row of
+/// at most `k` positions gives), and the logit that each output entry of the row's range
+/// selects (an entry not in the map selects nothing of the range).
 pub fn topk_expected(
     row: &[f32],
     range: &QueryRange,
     k: usize,
     output: &TopkOutput<'_>,
+    short: ShortRows,
 ) -> (Vec<i32>, std::collections::HashMap<i32, f64>) {
     let (s, e) = (range.start as usize, range.end as usize);
     let by_entry = (s..e.min(row.len()))
         .map(|pos| (encode_position(output, range, pos), row[pos] as f64))
         .collect();
-    (topk_want(row, range, k, output), by_entry)
+    (topk_want(row, range, k, output, short), by_entry)
 }
 
 pub(super) fn encode_position(output: &TopkOutput<'_>, range: &QueryRange, pos: usize) -> i32 {

@@ -32,6 +32,7 @@ mod judge;
 mod params;
 mod reader;
 mod run;
+mod run_v4;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -194,6 +195,7 @@ impl Golden {
             Op::IndexerLogits => run.indexer_logits(&mut r)?,
             Op::Topk => run.topk(&mut r)?,
             Op::SparseMla => run.sparse_mla(&mut r)?,
+            Op::SparseMlaV4 => run.sparse_mla_v4(&mut r)?,
             Op::CopyPages | Op::PageChecksums => {
                 return Err(GoldenError::UnknownOp(self.op.clone()))
             }

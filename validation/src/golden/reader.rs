@@ -33,6 +33,11 @@ impl<'g> Reader<'g> {
         }
     }
 
+    /// Whether the file holds a tensor `name` (read or not).
+    pub(super) fn holds(&self, name: &str) -> bool {
+        self.g.tensors.contains_key(name)
+    }
+
     /// Whether the tensor `name` was read.
     pub(super) fn used(&self, name: &str) -> bool {
         self.used.contains(name)

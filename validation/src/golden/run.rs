@@ -6,7 +6,7 @@ use bytemuck::Pod;
 use half::bf16;
 use sparsekit_host::layout::{IndexKLayout, KvLayout};
 use sparsekit_host::ops::{
-    IndexKStore, IndexerLogits, KvStore, Op, PageTable, SparseMla, Topk, TopkOutput,
+    IndexKStore, IndexerLogits, KvStore, Op, PageTable, ShortRows, SparseMla, Topk, TopkOutput,
 };
 use sparsekit_host::Backend;
 
@@ -17,8 +17,8 @@ use super::judge::{
     compare_cache, encode_position, quantity, topk_want, widen, Judged, BF16_ROUNDING, F32_ROUNDING,
 };
 use super::params::{
-    index_dtype, kv_dtype, IndexKStoreParams, IndexerLogitsParams, KvStoreParams, SparseMlaParams,
-    TopkOut, TopkParams,
+    index_dtype, kv_dtype, IndexKStoreParams, IndexerLogitsParams, KvStoreParams, ShortRowsP,
+    SparseMlaParams, TopkOut, TopkParams,
 };
 use super::reader::Reader;
 use super::{Dtype, GoldenError, Result};
@@ -32,18 +32,18 @@ pub(super) struct Run<'b, B> {
 }
 
 impl<B: Backend> Run<'_, B> {
-    fn err(&self, source: sparsekit_host::Error) -> GoldenError {
+    pub(super) fn err(&self, source: sparsekit_host::Error) -> GoldenError {
         GoldenError::Backend {
             backend: self.b.name().to_string(),
             source,
         }
     }
 
-    fn up(&self, bytes: &[u8]) -> Result<B::Buffer> {
+    pub(super) fn up(&self, bytes: &[u8]) -> Result<B::Buffer> {
         self.b.upload(bytes).map_err(|e| self.err(e))
     }
 
-    fn down<T: Pod>(&self, buf: &B::Buffer) -> Result<Vec<T>> {
+    pub(super) fn down<T: Pod>(&self, buf: &B::Buffer) -> Result<Vec<T>> {
         Ok(bytemuck::pod_collect_to_vec(
             &self.b.download(buf).map_err(|e| self.err(e))?,
         ))
@@ -287,7 +287,12 @@ impl<B: Backend> Run<'_, B> {
             },
             None => TopkOutput::Positions,
         };
+        let short = match p.short_rows {
+            ShortRowsP::SelectValid => ShortRows::SelectValid,
+            ShortRowsP::TakeAll => ShortRows::TakeAll,
+        };
         let op = Topk {
+            short_rows: short,
             k,
             row_stride: stride,
             rows: &rows,
@@ -343,7 +348,7 @@ impl<B: Backend> Run<'_, B> {
                 })?);
             }
             // Judged against the tie rule (the file's own tie choices may differ).
-            let rule = topk_want(row, range, k, &output);
+            let rule = topk_want(row, range, k, &output, short);
             let before = stats.failures;
             judge_topk_row(&mut stats, ri * k, g, &rule, &got_vals, &want_vals);
             if stats.failures > before && detail.is_empty() {
@@ -610,7 +615,7 @@ fn judge_store(
 }
 
 /// The report's note naming the conventions a file states (none when all are ours).
-fn conventions_note(c: &Conventions) -> Vec<String> {
+pub(super) fn conventions_note(c: &Conventions) -> Vec<String> {
     let d = c.describe();
     if d.is_empty() {
         Vec::new()
@@ -623,6 +628,6 @@ fn conventions_note(c: &Conventions) -> Vec<String> {
 }
 
 /// A missing tolerance row (a bug in the table, not in the file).
-fn internal(e: sparsekit_host::Error) -> GoldenError {
+pub(super) fn internal(e: sparsekit_host::Error) -> GoldenError {
     GoldenError::Invalid(e.to_string())
 }

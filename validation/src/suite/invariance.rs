@@ -7,9 +7,9 @@ use sparsekit_host::dims::ModelDims;
 use sparsekit_host::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};
 use sparsekit_host::ops::{
     CopyPages, IndexKStore, IndexerLogits, KvStore, Op, PageChecksums, PageTable, QueryRange,
-    SparseMla, Topk, TopkOutput,
+    SparseMla, SparseMlaV4, Topk, TopkOutput, V4Cache,
 };
-use sparsekit_host::{Backend, Error};
+use sparsekit_host::{Backend, Error, KvInput};
 
 use super::record::Outcome;
 use crate::fixtures::{
@@ -45,6 +45,7 @@ pub(super) fn check<B: Backend>(
         // splits them into chunks merged by the row's last block.
         Op::Topk => topk(b, rng, d, &[1, ps + 1, 9000, 77, 20000, 5, 2 * ps, 8193]),
         Op::SparseMla => sparse_mla(b, rng, d, &lens),
+        Op::SparseMlaV4 => sparse_mla_v4(b, rng),
         Op::CopyPages | Op::PageChecksums => pages(b, rng, d, op == Op::PageChecksums),
     }
 }
@@ -249,6 +250,7 @@ fn topk<B: Backend>(
         .collect();
     let run = |from: usize, to: usize| -> Result<Vec<u8>, Error> {
         let op = Topk {
+            short_rows: sparsekit_host::ops::ShortRows::SelectValid,
             k,
             row_stride: stride,
             rows: &rows[from..to],
@@ -339,6 +341,99 @@ fn sparse_mla<B: Backend>(
     Ok(outcome(
         stats,
         "batch of 8 tokens vs each alone vs chunks of 3",
+    ))
+}
+
+/// `sparse_mla_v4` of 8 tokens (16 heads, a model1_fp8 window cache at P 256 and a
+/// compressed one at P 64, lengths and sink) at once vs each alone vs chunks of 3.
+fn sparse_mla_v4<B: Backend>(b: &B, rng: &mut SuiteRng) -> Result<Outcome, Error> {
+    let (h, d) = (16usize, SparseMlaV4::D);
+    let main_l = KvLayout::model1_fp8(256)?;
+    let extra_l = KvLayout::model1_fp8(64)?;
+    let (mk, ek) = (128usize, 512usize);
+    let pool = |rng: &mut SuiteRng, l: &KvLayout, pages: usize| {
+        let paging = Paging::new(rng, l.page_size(), &[(pages * l.page_size()) as u32], 0);
+        (fixtures::kv_pool(rng, l, &paging), pages * l.page_size())
+    };
+    let (mpool, mcap) = pool(rng, &main_l, 2);
+    let (epool, ecap) = pool(rng, &extra_l, 10);
+    let idx = |rng: &mut SuiteRng, k: usize, cap: usize| -> Vec<i32> {
+        (0..BATCH * k)
+            .map(|_| {
+                if rng.gen_range(0..16) == 0 {
+                    -1
+                } else {
+                    rng.gen_range(0..cap as i32)
+                }
+            })
+            .collect()
+    };
+    let (mi, ei) = (idx(rng, mk, mcap), idx(rng, ek, ecap));
+    let mlens: Vec<u32> = (0..BATCH)
+        .map(|t| [128, 0, 65, 1, 128, 64, 7, 128][t])
+        .collect();
+    let elens: Vec<u32> = (0..BATCH)
+        .map(|t| [512, 0, 300, 1, 63, 511, 0, 512][t])
+        .collect();
+    let sink: Vec<f32> = (0..h).map(|_| fixtures::normal(rng) as f32).collect();
+    let q = fixtures::bf16_normal(rng, BATCH * h * d, 1.0);
+    let (mc, ec) = (b.upload(&mpool)?, b.upload(&epool)?);
+    let run = |from: usize, to: usize| -> Result<(Vec<u8>, Vec<u8>), Error> {
+        let n = to - from;
+        let op = SparseMlaV4 {
+            n_tokens: n,
+            n_heads: h,
+            softmax_scale: 1.0 / (d as f32).sqrt(),
+            main: V4Cache {
+                layout: main_l,
+                topk: mk,
+                lengths: Some(&mlens[from..to]),
+            },
+            extra: Some(V4Cache {
+                layout: extra_l,
+                topk: ek,
+                lengths: Some(&elens[from..to]),
+            }),
+            attn_sink: Some(&sink),
+        };
+        let mut out = b.upload(&fixtures::poison_bf16(n * h * d))?;
+        let mut lse = b.upload(&fixtures::poison_f32(n * h))?;
+        let (mib, eib) = (
+            b.upload(bytes_of(&mi[from * mk..to * mk]))?,
+            b.upload(bytes_of(&ei[from * ek..to * ek]))?,
+        );
+        b.sparse_mla_v4(
+            &op,
+            &b.upload(bytes_of(&q[from * h * d..to * h * d]))?,
+            KvInput {
+                cache: &mc,
+                indices: &mib,
+            },
+            Some(KvInput {
+                cache: &ec,
+                indices: &eib,
+            }),
+            &mut out,
+            &mut lse,
+        )?;
+        Ok((b.download(&out)?, b.download(&lse)?))
+    };
+    let (all_o, all_l) = run(0, BATCH)?;
+    let (ob, lb) = (h * d * 2, h * 4);
+    let mut stats = ErrorStats::default();
+    for step in [1usize, 3] {
+        let mut from = 0;
+        while from < BATCH {
+            let to = (from + step).min(BATCH);
+            let (o, l) = run(from, to)?;
+            bitwise(&mut stats, from * ob, &o, &all_o[from * ob..to * ob]);
+            bitwise(&mut stats, from * lb, &l, &all_l[from * lb..to * lb]);
+            from = to;
+        }
+    }
+    Ok(outcome(
+        stats,
+        "V4: batch of 8 tokens vs each alone vs chunks of 3",
     ))
 }
 

@@ -9,6 +9,7 @@ mod pages;
 mod plan;
 mod record;
 mod sparse_mla;
+mod sparse_mla_v4;
 mod store;
 mod topk;
 
@@ -22,6 +23,7 @@ use plan::Kind;
 pub use plan::{plan, Case};
 pub(crate) use record::Outcome;
 pub use record::{Check, Record, Status};
+pub use sparse_mla_v4::{SinkKind, V4CacheShape, V4Shape};
 
 use crate::fixtures::case_rng;
 
@@ -70,12 +72,16 @@ pub fn run_case<B: Backend>(backend: &B, case: &Case, seed: u64) -> Vec<Record> 
     let result: Result<Vec<Outcome>, Error> = match &case.kind {
         Kind::IndexKStore(d, dt) => store::index_k_store(b, rng, d, *dt).map(one),
         Kind::KvStore(d, dt) => store::kv_store(b, rng, d, *dt).map(one),
+        Kind::KvStoreV4(dt, ps) => store::kv_store_v4(b, rng, *dt, *ps).map(one),
         Kind::IndexerLogits(d, dt, form, lens) => {
             indexer_logits::indexer_logits(b, rng, d, *dt, form, lens).map(one)
         }
-        Kind::Topk(k, ps, sc, lens) => topk::topk(b, rng, *k, *ps, *sc, lens).map(one),
+        Kind::Topk(k, ps, sc, lens, short) => {
+            topk::topk(b, rng, *k, *ps, *sc, lens, *short).map(one)
+        }
         Kind::SparseMla(d, dt, h, lens) => sparse_mla::sparse_mla(b, rng, d, *dt, *h, lens),
         Kind::SparseMlaCancel(d, dt) => sparse_mla::cancellation(b, rng, d, *dt),
+        Kind::SparseMlaV4(s) => sparse_mla_v4::sparse_mla_v4(b, rng, s),
         Kind::CopyPages(l, page_first) => pages::copy_pages(b, rng, *l, *page_first).map(one),
         Kind::PageChecksums(l) => pages::page_checksums(b, rng, *l).map(one),
         Kind::Invariance(d, op) => invariance::check(b, rng, d, *op).map(one),

@@ -3,7 +3,7 @@
 //! with the reference store (and as dequantised values, for the error figures).
 
 use sparsekit_host::dims::ModelDims;
-use sparsekit_host::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};
+use sparsekit_host::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout, V4_NOPE, V4_ROPE};
 use sparsekit_host::ops::{IndexKStore, KvStore, Op};
 use sparsekit_host::{Backend, Error};
 
@@ -48,7 +48,7 @@ pub(super) fn index_k_store<B: Backend>(
     Ok(Outcome::new(Quantity::Cache, stats, t))
 }
 
-/// One `kv_store` case.
+/// One `kv_store` case at a model's dims.
 pub(super) fn kv_store<B: Backend>(
     b: &B,
     rng: &mut SuiteRng,
@@ -56,7 +56,29 @@ pub(super) fn kv_store<B: Backend>(
     dt: KvDtype,
 ) -> Result<Outcome, Error> {
     let layout = KvLayout::new(dt, d.kv_lora_rank, d.qk_rope_dim, d.page_size)?;
-    let (paging, slots) = store_batch(rng, d.page_size);
+    kv_store_into(b, rng, layout)
+}
+
+/// One `kv_store` case into a DeepSeek-V4 layout (`model1_fp8` or `bf16_512`) with pages of
+/// `page_size` tokens.
+pub(super) fn kv_store_v4<B: Backend>(
+    b: &B,
+    rng: &mut SuiteRng,
+    dt: KvDtype,
+    page_size: usize,
+) -> Result<Outcome, Error> {
+    let layout = KvLayout::new(dt, V4_NOPE, V4_ROPE, page_size)?;
+    kv_store_into(b, rng, layout)
+}
+
+/// One `kv_store` case into `layout`.
+fn kv_store_into<B: Backend>(
+    b: &B,
+    rng: &mut SuiteRng,
+    layout: KvLayout,
+) -> Result<Outcome, Error> {
+    let dt = layout.dtype();
+    let (paging, slots) = store_batch(rng, layout.page_size());
     let cache0 = fixtures::garbage(rng, layout.buffer_bytes(paging.num_pages));
     let kv = fixtures::token_rows(rng, slots.len(), layout.d_qk());
     let mut want = cache0.clone();

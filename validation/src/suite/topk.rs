@@ -1,7 +1,8 @@
 //! `topk` cases: rows of every length class (shorter than k, k ± 1, 64K+), adversarial
 //! ties and invalid entries, output as cache slots; judged by exact positions and values.
+//! DeepSeek-V4's transform ([`ShortRows::TakeAll`]) at its k (512, 1024) and page 64.
 
-use sparsekit_host::ops::{Op, PageTable, QueryRange, Topk, TopkOutput};
+use sparsekit_host::ops::{Op, PageTable, QueryRange, ShortRows, Topk, TopkOutput};
 use sparsekit_host::{Backend, Error};
 
 use super::record::Outcome;
@@ -17,6 +18,7 @@ pub(super) fn topk<B: Backend>(
     ps: usize,
     sc: Scenario,
     lens: &[u32],
+    short: ShortRows,
 ) -> Result<Outcome, Error> {
     let stride = *lens.iter().max().unwrap_or(&1) as usize + 7;
     let logits = topk_logits(rng, k, sc, lens, stride);
@@ -32,6 +34,7 @@ pub(super) fn topk<B: Backend>(
         })
         .collect();
     let op = Topk {
+        short_rows: short,
         k,
         row_stride: stride,
         rows: &rows,
@@ -47,7 +50,10 @@ pub(super) fn topk<B: Backend>(
     let mut stats = ErrorStats::default();
     for (r, &len) in lens.iter().enumerate() {
         let row = &logits[r * stride..r * stride + len as usize];
-        let pos = reference::topk_row(row, k);
+        let pos = match short {
+            ShortRows::SelectValid => reference::topk_row(row, k),
+            ShortRows::TakeAll => reference::topk_transform(row, k),
+        };
         let mut want: Vec<i32> = pos.iter().map(|&p| paging.slot(r, p) as i32).collect();
         let want_vals: Vec<f64> = pos.iter().map(|&p| row[p] as f64).collect();
         want.resize(k, -1);
@@ -67,6 +73,6 @@ pub(super) fn topk<B: Backend>(
         judge_topk_row(&mut stats, r * k, g, &want, &got_vals, &want_vals);
     }
     let mut o = Outcome::new(Quantity::Indices, stats, t);
-    o.note = format!("k={k}, rows {lens:?}");
+    o.note = format!("k={k}, rows {lens:?}, short rows {short:?}");
     Ok(o)
 }

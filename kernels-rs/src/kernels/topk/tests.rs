@@ -65,6 +65,8 @@ fn run(rows: &[(usize, Vec<f32>)], k: usize, grid: Option<u32>) -> Vec<i32> {
         chunk: topk_chunk(k as u32),
         workspace: GlobalMut::from_raw(ws.as_mut_ptr()),
         counters: GlobalMut::from_raw(counters.as_mut_ptr()),
+        take_all_short: 0,
+        _pad: 0,
     };
     let l: Launch = topk_launch(&p);
     let cfg = LaunchConfig {
@@ -266,6 +268,8 @@ fn slots_through_the_page_table() {
         chunk: topk_chunk(10),
         workspace: GlobalMut::null(),
         counters: GlobalMut::null(),
+        take_all_short: 0,
+        _pad: 0,
     };
     // SAFETY: the buffers (registered) outlive the launch; the kernel's contract holds.
     unsafe { launch_kernel(p, &bufs) }.unwrap();
