@@ -122,7 +122,7 @@ fn fma_chains<const N: usize>(iters: u64, x: f32, y: f32) -> f32 {
 /// registers) for AVX2, 32 for portable code.
 const fn fmas_per_round(isa: Isa) -> usize {
     match isa {
-        Isa::Avx512 => 16 * 16,
+        Isa::Avx512Bf16 | Isa::Avx512 => 16 * 16,
         Isa::Avx2 => 12 * 8,
         Isa::Scalar => 32,
     }

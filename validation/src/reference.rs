@@ -389,8 +389,9 @@ pub fn read_kv_token(layout: &KvLayout, cache: &[u8], slot: usize) -> Vec<f64> {
 }
 
 /// Reference indexer output for one row: `(logit, magnitude)` per column of the row
-/// (`-inf`, 0 outside its range). `magnitude = Σ_h |w_h| · Σ_d |q_hd · k_d| · scale` bounds
-/// the rounding error of any f32 evaluation.
+/// (`-inf`, 0 outside its range). `magnitude = Σ_h |w_h| · (Σ_d |q_hd · k_d| + flush) ·
+/// scale` bounds the rounding error of any f32 evaluation (`flush`: the bf16 dot product's
+/// subnormal flushes, [`crate::tolerance::dot_flush_magnitude`] of `d + 1` steps).
 #[derive(Debug)]
 pub struct IndexerRef {
     pub logits: Vec<f64>,
@@ -410,6 +411,7 @@ pub fn indexer_logits(
     row_stride: usize,
 ) -> IndexerRef {
     let d = layout.head_dim();
+    let flush = crate::tolerance::dot_flush_magnitude(d + 1, crate::tolerance::INDEXER_ATOL);
     let per_row: Vec<(Vec<f64>, Vec<f64>)> = rows
         .par_iter()
         .enumerate()
@@ -434,7 +436,7 @@ pub fn indexer_logits(
                     // A non-finite dot is exact after the ReLU (0) or makes the logit
                     // non-finite (compared exactly): no rounding error to scale.
                     if dot.is_finite() {
-                        m += (wr[h] as f64).abs() * adot;
+                        m += (wr[h] as f64).abs() * (adot + flush);
                     }
                 }
                 logits[pos] = acc * s;
@@ -493,7 +495,8 @@ pub struct MlaRef {
     /// `A = Σ_j w_j·|v_jc|` per output element: the softmax-weighted mean of the absolute
     /// values its sum is made of (the scale of every error in the weights).
     pub out_abs: Vec<f64>,
-    /// `softmax_scale · max_j Σ_d |q_d·k_jd|` per head: bounds the score rounding error.
+    /// `softmax_scale · (max_j Σ_d |q_d·k_jd| + flush)` per head: bounds the score rounding
+    /// error (`flush`: the bf16 dot product's, [`crate::tolerance::dot_flush_magnitude`]).
     pub lse_magnitude: Vec<f64>,
     /// Valid slots per token (duplicates counted).
     pub n_valid: Vec<usize>,
@@ -568,7 +571,11 @@ pub fn sparse_mla(
                         adot += (a * b).abs();
                     }
                     scores.push(dot * scale);
-                    lmag[h] = f64::max(lmag[h], adot * scale.abs());
+                    let flush = crate::tolerance::dot_flush_magnitude(
+                        dqk + 1,
+                        crate::tolerance::MLA_LSE_ATOL,
+                    );
+                    lmag[h] = f64::max(lmag[h], (adot + flush) * scale.abs());
                 }
                 if keys.is_empty() {
                     continue;

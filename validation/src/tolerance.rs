@@ -40,9 +40,29 @@
 //!
 //! The row is `atol = 2u/(1−u)`, `rtol = 2^-8`, and the magnitude folds terms 2–4 in
 //! ([`mla_out_magnitude`]): `mag = A_c · [(1 + 2E_s) + ((e^{2E_s} − 1) + (3n + 2)·2^-23) /
-//! atol] + U / atol`, so that `atol · mag` is exactly the sum of terms 1–4. The CPU backend keeps P
-//! in f32 and stays far inside it; the emulator and the GPU use it fully on the
-//! cancellation case.
+//! atol] + U / atol`, so that `atol · mag` is exactly the sum of terms 1–4 (U including
+//! the bf16 dot product's flushes, below). The CPU backend rounds P to bf16 too (on every
+//! vector path, for one arithmetic on all of them) but normalises by the f32 sum of the
+//! unrounded weights (`η = 0`: at most `u · A_c`, half of term 1); the emulator and the
+//! GPU use the bound fully on the cancellation case.
+//!
+//! # The CPU's bf16 dot product (`vdpbf16ps`, the `avx512bf16` path)
+//!
+//! `vdpbf16ps` does **not** round the products nor add a pair with one rounding: per
+//! 32-bit lane it performs two FMAs, the odd element of the pair first, each `round(acc +
+//! a·b)` to nearest even (a bf16 × bf16 product is exact in f32), with denormals-are-zero
+//! on its inputs and flush-to-zero on each step's result (Intel's SDM; checked bit for bit
+//! on the machine by `sparsekit_host::cpu::dot`'s tests). The CPU's f32 paths run the same
+//! FMAs in the same order on the same (bf16, subnormals flushed) operands, so the
+//! accumulation terms above — term 3, and the f32 dot of the indexer row — are those of
+//! an f32 FMA chain whichever path runs: the instruction changes no `atol` or `rtol`.
+//! What it adds is its flush: a partial sum in the f32 subnormal range becomes zero, an
+//! absolute error below 2^-126 per step ([`DOT_FLUSH`]). The table takes it as an
+//! absolute term of `steps · 2^-126` per dot product, folded into the magnitudes
+//! ([`dot_flush_magnitude`]): `n + 1` steps for an `out` element (term 4's `U`, divided
+//! by a normaliser ≥ 1), `d + 1` per head for an indexer logit (times `|w_h|` and the key
+//! scale) and per score for the `lse` magnitude (times the softmax scale). Each is below
+//! 1e-34 and only visible on data whose dot products are themselves near 1e-38.
 
 use std::fmt;
 
@@ -198,9 +218,9 @@ impl Tolerance {
 }
 
 const EXACT: &str = "exact: bytes / indices must be identical";
-const INDEXER: &str = "magnitude = Σ_h |w_h|·Σ_d |q_hd·k_d|·scale (f32 dot of 128 + head sum)";
+const INDEXER: &str = "magnitude = Σ_h |w_h|·(Σ_d |q_hd·k_d| + (d+1)·2^-126/atol)·scale (f32 dot of 128 + head sum; the bf16 dot product's flushes)";
 const MLA_OUT: &str = "atol = 2u/(1-u) for P rounded to bf16 (u = 2^-8); magnitude = A·[(1 + 2E) + (e^{2E} - 1 + (3n+2)·2^-23)/atol] + (n+1)·2^-120·max|v|/atol, A = Σ_j w_j|v_j|, E = 2e-5·lse magnitude, n valid slots; rtol = bf16 output rounding (2^-8)";
-const MLA_LSE: &str = "magnitude = softmax_scale · max_j Σ_d |q_d·k_jd|";
+const MLA_LSE: &str = "magnitude = softmax_scale · (max_j Σ_d |q_d·k_jd| + (d+1)·2^-126/atol)";
 
 /// Unit roundoff of bf16 (8 significant bits, round to nearest): `|bf16(x) − x| ≤ 2^-8·|x|`.
 pub const BF16_UNIT_ROUNDOFF: f64 = 1.0 / 256.0;
@@ -212,16 +232,29 @@ pub const MLA_P_ROUNDING: f64 = 2.0 * BF16_UNIT_ROUNDOFF / (1.0 - BF16_UNIT_ROUN
 /// The sparse MLA `lse` row's `atol`: the score error per unit of the lse magnitude.
 pub const MLA_LSE_ATOL: f64 = 2e-5;
 
+/// The indexer `logits` rows' `atol`.
+pub const INDEXER_ATOL: f64 = 2e-5;
+
+/// The largest error one step of the CPU's bf16 dot product adds by flushing a subnormal
+/// partial sum to zero (module docs): 2^-126.
+pub const DOT_FLUSH: f64 = 1.0 / (1u128 << 126) as f64;
+
+/// The flushes of a dot product of `steps` steps, as a magnitude of a row with `atol`
+/// (`atol · magnitude = steps · 2^-126`).
+pub fn dot_flush_magnitude(steps: usize, atol: f64) -> f64 {
+    steps as f64 * DOT_FLUSH / atol
+}
+
 /// The magnitude of a sparse MLA output element (module docs): `abs_out` = `A_c =
 /// Σ_j w_j |v_jc|`, `lse_magnitude` its head's score scale, `n_valid` its token's valid
 /// slots, `v_max` the largest |latent| of those slots. `MLA_P_ROUNDING · magnitude` is the
 /// sum of the P-rounding, score, f32 accumulation and underflow terms of the derived
-/// bound.
+/// bound (the underflow term with the bf16 dot product's flushes).
 pub fn mla_out_magnitude(abs_out: f64, lse_magnitude: f64, n_valid: usize, v_max: f64) -> f64 {
     let n = n_valid as f64;
     let score = 2.0 * MLA_LSE_ATOL * lse_magnitude;
     let accumulation = (3.0 * n + 2.0) * 2f64.powi(-23);
-    let underflow = (n + 1.0) * 2f64.powi(-120) * v_max;
+    let underflow = (n + 1.0) * (2f64.powi(-120) * v_max + DOT_FLUSH);
     abs_out * ((1.0 + score) + (score.exp_m1() + accumulation) / MLA_P_ROUNDING)
         + underflow / MLA_P_ROUNDING
 }
@@ -238,9 +271,9 @@ pub const TABLE: &[Tolerance] = {
         row(KvStore, Cache, Fp8DsMla, 0.0, 0.0, EXACT),
         row(KvStore, Cache, Bf16, 0.0, 0.0, EXACT),
         row(KvStore, Cache, Model1Fp8, 0.0, 0.0, EXACT),
-        row(IndexerLogits, Logits, Fp8E4m3, 2e-5, 0.0, INDEXER),
-        row(IndexerLogits, Logits, Bf16, 2e-5, 0.0, INDEXER),
-        row(IndexerLogits, Logits, Fp4E2m1, 2e-5, 0.0, INDEXER),
+        row(IndexerLogits, Logits, Fp8E4m3, INDEXER_ATOL, 0.0, INDEXER),
+        row(IndexerLogits, Logits, Bf16, INDEXER_ATOL, 0.0, INDEXER),
+        row(IndexerLogits, Logits, Fp4E2m1, INDEXER_ATOL, 0.0, INDEXER),
         row(Topk, Indices, Fp32, 0.0, 0.0, EXACT),
         row(
             SparseMla,
@@ -621,7 +654,13 @@ mod tests {
         assert!(r > 0.4 && r <= 1.0, "cancellation ratio {r}");
         // The magnitude adds the other terms on top of A.
         assert!(mla_out_magnitude(1.0, 10.0, 2048, 1.0) > 1.0);
-        assert_eq!(mla_out_magnitude(0.0, 10.0, 2048, 0.0), 0.0);
+        // With nothing to add but the bf16 dot product's flushes: (n + 1) · 2^-126.
+        let flushes = mla_out_magnitude(0.0, 10.0, 2048, 0.0) * MLA_P_ROUNDING;
+        assert!(
+            (flushes / (2049.0 * DOT_FLUSH) - 1.0).abs() < 1e-12,
+            "{flushes}"
+        );
+        assert_eq!(dot_flush_magnitude(4, 0.5), 8.0 * DOT_FLUSH);
     }
 
     #[test]

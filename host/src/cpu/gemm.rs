@@ -1,11 +1,17 @@
-//! A register-blocked f32 matrix-multiply-accumulate, the compute core of the CPU indexer
-//! and sparse attention.
+//! A register-blocked f32 matrix-multiply-accumulate: the dense model's matmul and the f32
+//! form of the CPU indexer's and sparse attention's dot products.
 //!
 //! `C[m×n] += A[m×k] · B[k×n]`, all row-major. Every element of `C` accumulates its `k`
-//! products in order `p = 0..k` with one fused multiply-add each, whatever the blocking or
+//! products with one fused multiply-add each, in a fixed order whatever the blocking or
 //! the instruction set (AVX-512, AVX2+FMA, or scalar `mul_add`, which is also correctly
 //! rounded). Results therefore never depend on `m`, `n`, the tile a row lands in, or the
-//! machine's vector width: the basis of batch invariance.
+//! machine's vector width: the basis of batch invariance. Two orders exist:
+//! - [`gemm_acc`]: `p = 0, 1, …, k-1` (the dense model's matmul, which the GPU kernels
+//!   repeat bit for bit);
+//! - [`gemm_acc_pairs`]: the bf16 dot-product order of [`super::dot`], `p = 1, 0, 3, 2, …`
+//!   (odd index of each pair first), and for odd `k` the last index after an added `+0`
+//!   (the zero its missing partner contributes). On operands that are bf16 values this is
+//!   exactly what `vdpbf16ps` computes, so the `avx512bf16` path gives the same bits.
 use super::isa::{CpuIsa, Isa};
 
 /// Rows of the register tile.
@@ -22,26 +28,39 @@ pub struct Dims {
     pub ldc: usize,
 }
 
-/// `C += A · B` (see the module docs), on the vector path `isa`. Panics if a slice is too
-/// short for `dims`.
+/// `C += A · B` with each element's products in order `p = 0..k` (see the module docs), on
+/// the vector path `isa`. Panics if a slice is too short for `dims`.
 pub fn gemm_acc(isa: CpuIsa, d: Dims, a: &[f32], b: &[f32], c: &mut [f32]) {
+    if check(d, a, b, c) {
+        gemm_paths(isa, d, a, b, c)
+    }
+}
+
+/// `C += A · B` with each element's products in the bf16 dot-product order (module docs),
+/// on the vector path `isa` (f32 FMAs on every path: `avx512bf16` callers with bf16
+/// operands use [`super::dot`] instead, for the same bits). Panics if a slice is too short.
+pub fn gemm_acc_pairs(isa: CpuIsa, d: Dims, a: &[f32], b: &[f32], c: &mut [f32]) {
+    if check(d, a, b, c) {
+        gemm_pairs_paths(isa, d, a, b, c)
+    }
+}
+
+/// Asserts the slices hold `d`; whether there is anything to compute.
+fn check(d: Dims, a: &[f32], b: &[f32], c: &mut [f32]) -> bool {
     if d.m == 0 || d.n == 0 {
-        return;
+        return false;
     }
     assert!(d.lda >= d.k && d.ldb >= d.n && d.ldc >= d.n);
     assert!(a.len() >= (d.m - 1) * d.lda + d.k);
     assert!(d.k == 0 || b.len() >= (d.k - 1) * d.ldb + d.n);
     assert!(c.len() >= (d.m - 1) * d.ldc + d.n);
-    if d.k == 0 {
-        return;
-    }
-    gemm_paths(isa, d, a, b, c)
+    d.k > 0
 }
 
 /// Register-tile width (f32 columns) of a path: two vectors.
 const fn nr(isa: Isa) -> usize {
     match isa {
-        Isa::Avx512 => 32,
+        Isa::Avx512Bf16 | Isa::Avx512 => 32,
         Isa::Avx2 | Isa::Scalar => 16,
     }
 }
@@ -49,7 +68,41 @@ const fn nr(isa: Isa) -> usize {
 crate::isa_dispatch! {
     /// [`gemm_generic`] with the path's tile width, compiled for each path.
     fn gemm_paths(d: Dims, a: &[f32], b: &[f32], c: &mut [f32])
-        = |ISA| gemm_generic::<{ nr(ISA.isa()) }>(d, a, b, c);
+        = |ISA| gemm_generic::<{ nr(ISA.isa()) }, false>(d, a, b, c);
+}
+
+crate::isa_dispatch! {
+    /// [`gemm_generic`] in pair order with the path's tile width, compiled for each path.
+    fn gemm_pairs_paths(d: Dims, a: &[f32], b: &[f32], c: &mut [f32])
+        = |ISA| gemm_generic::<{ nr(ISA.isa()) }, true>(d, a, b, c);
+}
+
+/// The `step`-th index of the accumulation order over `k` (module docs): `step` itself,
+/// or in pair order its pair partner (`step ^ 1`, for the steps of [`main_steps`]). Pair
+/// order handles an odd `k`'s last index apart ([`tail`]).
+#[inline(always)]
+const fn order<const PAIRS: bool>(step: usize) -> usize {
+    if PAIRS {
+        step ^ 1
+    } else {
+        step
+    }
+}
+
+/// Steps of the main loop: all of `k`, or in pair order its whole pairs.
+#[inline(always)]
+const fn main_steps<const PAIRS: bool>(k: usize) -> usize {
+    if PAIRS {
+        k & !1
+    } else {
+        k
+    }
+}
+
+/// The pair-order tail: an odd `k`'s last product, after the `+0` of its missing partner.
+#[inline(always)]
+fn tail(x: f32, a: f32, b: f32) -> f32 {
+    a.mul_add(b, x + 0.0)
 }
 
 /// Tiles C into `MR × NR` register blocks; leftover columns (and a C narrower than one
@@ -57,7 +110,7 @@ crate::isa_dispatch! {
 /// taller than `MR` (enough independent accumulators to hide the FMA latency), then
 /// scalars; every element keeps the same per-element operation order.
 #[inline(always)]
-fn gemm_generic<const NR: usize>(d: Dims, a: &[f32], b: &[f32], c: &mut [f32]) {
+fn gemm_generic<const NR: usize, const PAIRS: bool>(d: Dims, a: &[f32], b: &[f32], c: &mut [f32]) {
     let n_full = d.n / NR * NR;
     let mut i = 0;
     while i < d.m {
@@ -65,14 +118,14 @@ fn gemm_generic<const NR: usize>(d: Dims, a: &[f32], b: &[f32], c: &mut [f32]) {
         let mut j = 0;
         while j < n_full {
             match rows {
-                MR => tile::<MR, NR>(d, a, b, c, i, j),
-                5 => tile::<5, NR>(d, a, b, c, i, j),
-                4 => tile::<4, NR>(d, a, b, c, i, j),
-                3 => tile::<3, NR>(d, a, b, c, i, j),
-                2 => tile::<2, NR>(d, a, b, c, i, j),
+                MR => tile::<MR, NR, PAIRS>(d, a, b, c, i, j),
+                5 => tile::<5, NR, PAIRS>(d, a, b, c, i, j),
+                4 => tile::<4, NR, PAIRS>(d, a, b, c, i, j),
+                3 => tile::<3, NR, PAIRS>(d, a, b, c, i, j),
+                2 => tile::<2, NR, PAIRS>(d, a, b, c, i, j),
                 _ => {
                     for r in i..i + rows {
-                        tile::<1, NR>(d, a, b, c, r, j);
+                        tile::<1, NR, PAIRS>(d, a, b, c, r, j);
                     }
                 }
             }
@@ -83,35 +136,41 @@ fn gemm_generic<const NR: usize>(d: Dims, a: &[f32], b: &[f32], c: &mut [f32]) {
     let mut j = n_full;
     if NR > 16 && d.n - j >= 16 {
         // One vector per row: 12 rows in flight.
-        narrow::<16, 12>(d, a, b, c, j);
+        narrow::<16, 12, PAIRS>(d, a, b, c, j);
         j += 16;
     }
     if d.n - j >= 8 {
-        narrow::<8, 12>(d, a, b, c, j);
+        narrow::<8, 12, PAIRS>(d, a, b, c, j);
         j += 8;
     }
     if j < d.n {
         for r in 0..d.m {
-            edge(d, a, b, c, r, j);
+            edge::<PAIRS>(d, a, b, c, r, j);
         }
     }
 }
 
 /// Columns `j .. j + W` of every row, in tiles of `R` rows (then 8, 4, 2, 1).
 #[inline(always)]
-fn narrow<const W: usize, const R: usize>(d: Dims, a: &[f32], b: &[f32], c: &mut [f32], j: usize) {
+fn narrow<const W: usize, const R: usize, const PAIRS: bool>(
+    d: Dims,
+    a: &[f32],
+    b: &[f32],
+    c: &mut [f32],
+    j: usize,
+) {
     let mut i = 0;
     while d.m - i >= R {
-        tile::<R, W>(d, a, b, c, i, j);
+        tile::<R, W, PAIRS>(d, a, b, c, i, j);
         i += R;
     }
     for step in [8, 4, 2, 1] {
         if step < R && d.m - i >= step {
             match step {
-                8 => tile::<8, W>(d, a, b, c, i, j),
-                4 => tile::<4, W>(d, a, b, c, i, j),
-                2 => tile::<2, W>(d, a, b, c, i, j),
-                _ => tile::<1, W>(d, a, b, c, i, j),
+                8 => tile::<8, W, PAIRS>(d, a, b, c, i, j),
+                4 => tile::<4, W, PAIRS>(d, a, b, c, i, j),
+                2 => tile::<2, W, PAIRS>(d, a, b, c, i, j),
+                _ => tile::<1, W, PAIRS>(d, a, b, c, i, j),
             }
             i += step;
         }
@@ -120,7 +179,7 @@ fn narrow<const W: usize, const R: usize>(d: Dims, a: &[f32], b: &[f32], c: &mut
 }
 
 #[inline(always)]
-fn tile<const R: usize, const NR: usize>(
+fn tile<const R: usize, const NR: usize, const PAIRS: bool>(
     d: Dims,
     a: &[f32],
     b: &[f32],
@@ -132,18 +191,29 @@ fn tile<const R: usize, const NR: usize>(
     for (r, row) in acc.iter_mut().enumerate() {
         row.copy_from_slice(&c[(i + r) * d.ldc + j..][..NR]);
     }
-    for p in 0..d.k {
+    for step in 0..main_steps::<PAIRS>(d.k) {
+        let p = order::<PAIRS>(step);
         // B's row segment, held in registers for the R rows.
         let bp: [f32; NR] = b[p * d.ldb + j..][..NR]
             .try_into()
             .unwrap_or_else(|_| unreachable!());
         for (r, row) in acc.iter_mut().enumerate() {
             debug_assert!((i + r) * d.lda + p < a.len());
-            // SAFETY: `gemm_acc` checked `a.len() >= (m - 1)·lda + k`, and the tiles cover
+            // SAFETY: `check` asserted `a.len() >= (m - 1)·lda + k`, and the tiles cover
             // rows `i + r < m` and `p < k` only.
             let av = unsafe { *a.get_unchecked((i + r) * d.lda + p) };
             for (x, &bv) in row.iter_mut().zip(&bp) {
                 *x = av.mul_add(bv, *x);
+            }
+        }
+    }
+    if PAIRS && d.k % 2 == 1 {
+        let p = d.k - 1;
+        let bp = &b[p * d.ldb + j..][..NR];
+        for (r, row) in acc.iter_mut().enumerate() {
+            let av = a[(i + r) * d.lda + p];
+            for (x, &bv) in row.iter_mut().zip(bp) {
+                *x = tail(*x, av, bv);
             }
         }
     }
@@ -153,11 +223,16 @@ fn tile<const R: usize, const NR: usize>(
 }
 
 #[inline(always)]
-fn edge(d: Dims, a: &[f32], b: &[f32], c: &mut [f32], i: usize, j0: usize) {
+fn edge<const PAIRS: bool>(d: Dims, a: &[f32], b: &[f32], c: &mut [f32], i: usize, j0: usize) {
     for j in j0..d.n {
         let mut x = c[i * d.ldc + j];
-        for p in 0..d.k {
+        for step in 0..main_steps::<PAIRS>(d.k) {
+            let p = order::<PAIRS>(step);
             x = a[i * d.lda + p].mul_add(b[p * d.ldb + j], x);
+        }
+        if PAIRS && d.k % 2 == 1 {
+            let p = d.k - 1;
+            x = tail(x, a[i * d.lda + p], b[p * d.ldb + j]);
         }
         c[i * d.ldc + j] = x;
     }
@@ -168,12 +243,27 @@ mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
 
-    fn naive(d: Dims, a: &[f32], b: &[f32], c: &mut [f32]) {
+    fn naive(d: Dims, a: &[f32], b: &[f32], c: &mut [f32], pairs: bool) {
         for i in 0..d.m {
             for j in 0..d.n {
                 let mut x = c[i * d.ldc + j];
-                for p in 0..d.k {
-                    x = a[i * d.lda + p].mul_add(b[p * d.ldb + j], x);
+                let ab = |p: usize| (a[i * d.lda + p], b[p * d.ldb + j]);
+                if pairs {
+                    for p in (0..d.k).step_by(2) {
+                        if p + 1 < d.k {
+                            let (u, v) = ab(p + 1);
+                            x = u.mul_add(v, x);
+                        } else {
+                            x += 0.0;
+                        }
+                        let (u, v) = ab(p);
+                        x = u.mul_add(v, x);
+                    }
+                } else {
+                    for p in 0..d.k {
+                        let (u, v) = ab(p);
+                        x = u.mul_add(v, x);
+                    }
                 }
                 c[i * d.ldc + j] = x;
             }
@@ -207,16 +297,24 @@ mod tests {
             };
             let a: Vec<f32> = (0..m * d.lda).map(|_| rng.gen_range(-1.0..1.0)).collect();
             let b: Vec<f32> = (0..k * d.ldb).map(|_| rng.gen_range(-1.0..1.0)).collect();
-            let c0: Vec<f32> = (0..m * d.ldc).map(|_| rng.gen_range(-1.0..1.0)).collect();
-            let mut c1 = c0.clone();
-            let mut c2 = c0.clone();
-            naive(d, &a, &b, &mut c2);
-            // Every path this CPU has agrees bit for bit with the sequential FMAs.
-            for isa in CpuIsa::available() {
-                c1.copy_from_slice(&c0);
-                gemm_acc(isa, d, &a, &b, &mut c1);
-                let same = c1.iter().zip(&c2).all(|(x, y)| x.to_bits() == y.to_bits());
-                assert!(same, "m={m} n={n} k={k} {:?}", isa.isa());
+            let mut c0: Vec<f32> = (0..m * d.ldc).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            // Signed zeros: the odd tail's `+0` turns -0 into +0 in pair order.
+            c0[0] = -0.0;
+            for pairs in [false, true] {
+                let mut c1 = c0.clone();
+                let mut c2 = c0.clone();
+                naive(d, &a, &b, &mut c2, pairs);
+                // Every path this CPU has agrees bit for bit with the sequential FMAs.
+                for isa in CpuIsa::available() {
+                    c1.copy_from_slice(&c0);
+                    if pairs {
+                        gemm_acc_pairs(isa, d, &a, &b, &mut c1);
+                    } else {
+                        gemm_acc(isa, d, &a, &b, &mut c1);
+                    }
+                    let same = c1.iter().zip(&c2).all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(same, "m={m} n={n} k={k} pairs={pairs} {:?}", isa.isa());
+                }
             }
         }
     }

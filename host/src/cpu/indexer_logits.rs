@@ -3,9 +3,13 @@
 //! Rows are grouped (consecutive rows of one request, up to `GROUP_ROWS_X_HEADS` query
 //! heads in all) so a block of keys is decoded once for the group; each (group, column
 //! chunk) is one parallel task, and the tasks of a rayon job share one set of working
-//! buffers. Per block, the keys are dequantised to f32 rows (the next block's pages are
-//! prefetched meanwhile) and `Cᵀ[keys × heads] = K · Qᵀ` runs on [`gemm_acc`] (Qᵀ built
-//! once per task, head-major: a head's rows are adjacent). The weighted ReLU head sum then
+//! buffers. Per block, the keys are dequantised to rows (the next block's pages are
+//! prefetched meanwhile) and `Cᵀ[keys × heads] = K · Qᵀ` runs as the bf16 dot product of
+//! [`super::dot`]: `vdpbf16ps` on bf16 rows on the `avx512bf16` path, f32 FMAs in the same
+//! order on f32 rows ([`gemm_acc_pairs`]) on the others, for the same bits (every key and
+//! q value is a bf16 value: bf16 keys, e4m3 codes and e2m1 × a power-of-two scale are
+//! exact in bf16; the fp8 key's scale multiplies the head sum). Qᵀ is built once per task,
+//! head-major (a head's rows are adjacent). The weighted ReLU head sum then
 //! runs in head order, vectorised over 16 keys (groups of few rows: decode) or over 16 rows
 //! (long prefill groups), compiled for the CPU's vector ISA. Every logit is computed with
 //! the same operations in the same order whatever the grouping or the vectorisation:
@@ -14,11 +18,12 @@
 use half::bf16;
 use rayon::prelude::*;
 
-use super::gemm::{gemm_acc, Dims};
+use super::dot::{bf16_daz, f32_daz, gemm_bf16, padded_cols, PairDims};
+use super::gemm::{gemm_acc_pairs, Dims};
 use super::isa::{prefetch, CpuIsa};
 use crate::layout::{IndexKDtype, IndexKLayout, FP4_GROUP};
 use crate::ops::{IndexerLogits, PageTable, QueryRange};
-use sparsekit_kernels::fp8::{bf16_to_f32, e4m3_to_f32};
+use sparsekit_kernels::fp8::e4m3_to_f32;
 use sparsekit_kernels::mx::{e2m1_to_f32, ue8m0_to_f32};
 
 /// Keys per block (columns of one GEMM).
@@ -88,10 +93,14 @@ pub fn indexer_logits(
 /// per task once sized).
 #[derive(Default)]
 struct Scratch {
-    /// Qᵀ `[d × m]` of the group's `m = rows × heads` query heads.
+    /// Qᵀ `[d × m]` of the group's `m = rows × heads` query heads (f32 paths).
     qt: Vec<f32>,
-    /// Dequantised keys `[BLOCK × d]`.
+    /// Dequantised keys `[BLOCK × d]` (f32 paths).
     krows: Vec<f32>,
+    /// Qᵀ packed as bf16 pairs `[d/2 × padded m]` (the `avx512bf16` path).
+    qp: Vec<u32>,
+    /// Keys as bf16 `[BLOCK × d]` (the `avx512bf16` path).
+    kb: Vec<u16>,
     /// `Cᵀ [BLOCK × m]`.
     c: Vec<f32>,
     /// Weights head-major `[heads × rows]` (row-vectorised head sums).
@@ -191,18 +200,36 @@ impl Ctx<'_> {
         let Scratch {
             qt,
             krows,
+            qp,
+            kb,
             c,
             wt,
             hsum,
         } = scratch;
-        qt.resize(d * m, 0.0);
-        krows.resize(BLOCK * d, 0.0);
+        let bf16_dot = self.isa.isa().bf16_dot();
+        let ldq = padded_cols(m);
         c.resize(BLOCK * m, 0.0);
-        for r in 0..rr {
-            for hh in 0..h {
-                let q = &qs[(r * h + hh) * d..][..d];
-                for (p, x) in q.iter().enumerate() {
-                    qt[p * m + hh * rr + r] = bf16_to_f32(x.to_bits());
+        if bf16_dot {
+            qp.resize(d / 2 * ldq, 0);
+            kb.resize(BLOCK * d, 0);
+            for r in 0..rr {
+                for hh in 0..h {
+                    let q = &qs[(r * h + hh) * d..][..d];
+                    for (p, x) in q.chunks_exact(2).enumerate() {
+                        qp[p * ldq + hh * rr + r] =
+                            x[0].to_bits() as u32 | (x[1].to_bits() as u32) << 16;
+                    }
+                }
+            }
+        } else {
+            qt.resize(d * m, 0.0);
+            krows.resize(BLOCK * d, 0.0);
+            for r in 0..rr {
+                for hh in 0..h {
+                    let q = &qs[(r * h + hh) * d..][..d];
+                    for (p, x) in q.iter().enumerate() {
+                        qt[p * m + hh * rr + r] = bf16_daz(x.to_bits());
+                    }
                 }
             }
         }
@@ -226,23 +253,31 @@ impl Ctx<'_> {
             let n = BLOCK.min(hi - b0);
             // The next block's keys (scattered pages) come in while this one is computed.
             self.prefetch_keys(g.request, b0 + n, hi.min(b0 + n + BLOCK));
-            self.load_rows(g.request, b0, n, krows, &mut scale);
             c[..m * BLOCK].fill(0.0);
             // Cᵀ[keys × m] = K[keys × d] · Qᵀ[d × m]
-            gemm_acc(
-                self.isa,
-                Dims {
+            if bf16_dot {
+                self.load_rows_bf16(g.request, b0, n, kb, &mut scale);
+                let dims = PairDims {
+                    m: n,
+                    n: m,
+                    k2: d / 2,
+                    lda: d,
+                    ldb: ldq,
+                    ldc: m,
+                };
+                gemm_bf16(self.isa, dims, kb, qp, c);
+            } else {
+                self.load_rows(g.request, b0, n, krows, &mut scale);
+                let dims = Dims {
                     m: n,
                     n: m,
                     k: d,
                     lda: d,
                     ldb: m,
                     ldc: m,
-                },
-                krows,
-                qt,
-                c,
-            );
+                };
+                gemm_acc_pairs(self.isa, dims, krows, qt, c);
+            }
             // The weighted ReLU head sum of every (row, key): `Σ_hh w·max(c, 0)` with one
             // FMA per head in head order, vectorised over the group's rows (many rows) or
             // over 16 keys (few rows): the same operations either way.
@@ -356,7 +391,7 @@ impl Ctx<'_> {
             match l.dtype() {
                 IndexKDtype::Bf16 => {
                     for (x, b) in dst.iter_mut().zip(vals.chunks_exact(2)) {
-                        *x = f32::from_bits(((b[1] as u32) << 24) | ((b[0] as u32) << 16));
+                        *x = bf16_daz(u16::from_le_bytes([b[0], b[1]]));
                     }
                     scale[j] = 1.0;
                 }
@@ -383,8 +418,63 @@ impl Ctx<'_> {
                     {
                         let s = ue8m0_to_f32(sb);
                         for (x2, &b) in xs.chunks_exact_mut(2).zip(packed) {
-                            x2[0] = e2m1_to_f32(b & 0xf) * s;
-                            x2[1] = e2m1_to_f32(b >> 4) * s;
+                            x2[0] = f32_daz(e2m1_to_f32(b & 0xf) * s);
+                            x2[1] = f32_daz(e2m1_to_f32(b >> 4) * s);
+                        }
+                    }
+                    scale[j] = 1.0;
+                }
+            }
+        }
+    }
+
+    /// [`Ctx::load_rows`] as bf16 rows `kb[BLOCK][d]` (every key value is a bf16 value;
+    /// `vdpbf16ps` reads a subnormal as zero, as the f32 rows flush it).
+    #[inline(always)]
+    fn load_rows_bf16(
+        &self,
+        request: usize,
+        b0: usize,
+        n: usize,
+        kb: &mut [u16],
+        scale: &mut [f32],
+    ) {
+        let l = &self.layout;
+        let d = self.d;
+        for j in 0..n {
+            let slot = self.page_table.slot(request, b0 + j, l.page_size());
+            let vals = &self.cache[l.slot_value_bytes(slot)];
+            let dst = &mut kb[j * d..(j + 1) * d];
+            match l.dtype() {
+                IndexKDtype::Bf16 => {
+                    for (x, b) in dst.iter_mut().zip(vals.chunks_exact(2)) {
+                        *x = u16::from_le_bytes([b[0], b[1]]);
+                    }
+                    scale[j] = 1.0;
+                }
+                IndexKDtype::Fp8E4m3 { .. } => {
+                    for (x, &b) in dst.iter_mut().zip(vals) {
+                        *x = (e4m3_to_f32(b).to_bits() >> 16) as u16;
+                    }
+                    scale[j] = match l.slot_scale_bytes(slot) {
+                        Some(r) => {
+                            let b = &self.cache[r];
+                            f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+                        }
+                        None => 1.0,
+                    };
+                }
+                IndexKDtype::Fp4E2m1 => {
+                    let scales = l.slot_scale_bytes(slot).map_or(&[][..], |r| &self.cache[r]);
+                    for ((xs, packed), &sb) in dst
+                        .chunks_exact_mut(FP4_GROUP)
+                        .zip(vals.chunks_exact(FP4_GROUP / 2))
+                        .zip(scales)
+                    {
+                        let s = ue8m0_to_f32(sb);
+                        for (x2, &b) in xs.chunks_exact_mut(2).zip(packed) {
+                            x2[0] = (f32_daz(e2m1_to_f32(b & 0xf) * s).to_bits() >> 16) as u16;
+                            x2[1] = (f32_daz(e2m1_to_f32(b >> 4) * s).to_bits() >> 16) as u16;
                         }
                     }
                     scale[j] = 1.0;

@@ -1,25 +1,30 @@
 //! The vector instruction set the CPU kernels are compiled for, chosen at run time.
 //!
-//! Every CPU kernel with a hot loop is compiled three times by [`isa_dispatch!`](crate::isa_dispatch): for
-//! AVX-512 (F, BW) + FMA, AVX2 + FMA, and portable code. Every path performs the same
-//! correctly rounded operations in the same order, so results never depend on which one
-//! runs. The path is a [`CpuIsa`]: a value that can only name a path this CPU supports, so
-//! a dispatch never enters code the CPU cannot execute. A [`CpuBackend`](super::CpuBackend)
+//! Every CPU kernel with a hot loop is compiled four times by [`isa_dispatch!`](crate::isa_dispatch): for
+//! AVX-512 (F, BW) + FMA with the bf16 dot product (AVX512_BF16, `vdpbf16ps`), AVX-512
+//! (F, BW) + FMA, AVX2 + FMA, and portable code. Every path performs the same correctly
+//! rounded operations in the same order, so results never depend on which one runs (the
+//! bf16 dot product included: see [`super::dot`] for the one caveat, f32 subnormals). The
+//! path is a [`CpuIsa`]: a value that can only name a path this CPU supports, so a
+//! dispatch never enters code the CPU cannot execute. A [`CpuBackend`](super::CpuBackend)
 //! carries one ([`CpuBackend::with_isa`](super::CpuBackend::with_isa)); the process default
-//! ([`CpuIsa::get`]) is the widest path, or the one `SPARSEKIT_CPU_ISA=avx512|avx2|scalar`
-//! forces, so every path can be tested and benchmarked on any machine that has it.
+//! ([`CpuIsa::get`]) is the widest path, or the one
+//! `SPARSEKIT_CPU_ISA=avx512bf16|avx512|avx2|scalar` forces, so every path can be tested and
+//! benchmarked on any machine that has it.
 
 use std::fmt;
 use std::sync::OnceLock;
 
 use crate::error::{Error, Result};
 
-/// The environment variable that forces a path (`avx512`, `avx2`, `scalar`).
+/// The environment variable that forces a path (`avx512bf16`, `avx512`, `avx2`, `scalar`).
 pub const ISA_ENV: &str = "SPARSEKIT_CPU_ISA";
 
 /// A vector code path.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Isa {
+    /// AVX-512F, AVX-512BW and AVX512_BF16 (`vdpbf16ps`) with FMA.
+    Avx512Bf16,
     /// AVX-512F and AVX-512BW with FMA.
     Avx512,
     /// AVX2 with FMA.
@@ -30,11 +35,12 @@ pub enum Isa {
 
 impl Isa {
     /// Every path, widest first.
-    pub const ALL: [Isa; 3] = [Isa::Avx512, Isa::Avx2, Isa::Scalar];
+    pub const ALL: [Isa; 4] = [Isa::Avx512Bf16, Isa::Avx512, Isa::Avx2, Isa::Scalar];
 
     /// The name `SPARSEKIT_CPU_ISA` takes.
     pub fn name(self) -> &'static str {
         match self {
+            Isa::Avx512Bf16 => "avx512bf16",
             Isa::Avx512 => "avx512",
             Isa::Avx2 => "avx2",
             Isa::Scalar => "scalar",
@@ -53,6 +59,10 @@ impl Isa {
         match self {
             Isa::Scalar => true,
             #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Bf16 => {
+                Isa::Avx512.supported() && std::arch::is_x86_feature_detected!("avx512bf16")
+            }
+            #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => {
                 std::arch::is_x86_feature_detected!("fma")
                     && std::arch::is_x86_feature_detected!("avx512f")
@@ -64,8 +74,14 @@ impl Isa {
                     && std::arch::is_x86_feature_detected!("avx2")
             }
             #[cfg(not(target_arch = "x86_64"))]
-            Isa::Avx512 | Isa::Avx2 => false,
+            Isa::Avx512Bf16 | Isa::Avx512 | Isa::Avx2 => false,
         }
+    }
+
+    /// Whether the path multiplies bf16 pairs with the bf16 dot-product instruction
+    /// (`vdpbf16ps`) rather than f32 FMAs (same results: [`super::dot`]).
+    pub const fn bf16_dot(self) -> bool {
+        matches!(self, Isa::Avx512Bf16)
     }
 }
 
@@ -122,7 +138,7 @@ impl CpuIsa {
                 }),
                 None => Err(Error::InvalidArgument {
                     what: ISA_ENV,
-                    detail: format!("{v:?} is not one of avx512, avx2, scalar"),
+                    detail: format!("{v:?} is not one of avx512bf16, avx512, avx2, scalar"),
                 }),
             },
         }
@@ -172,8 +188,8 @@ impl CpuIsa {
 /// ```
 ///
 /// defines `pub fn name(isa: CpuIsa, a: &[f32], b: &mut [f32]) -> f32`, which runs `body`
-/// compiled with `#[target_feature]` for AVX-512 or AVX2 (each with FMA), or as portable
-/// code. Inside the body, the constant `ISA` (the name given between the bars) is the
+/// compiled with `#[target_feature]` for AVX-512 with AVX512_BF16, AVX-512 or AVX2 (each
+/// with FMA), or as portable code. Inside the body, the constant `ISA` (the name given between the bars) is the
 /// [`CpuIsa`] being compiled, for choices such as register-tile widths and for calls of
 /// other dispatched functions. The body should call `#[inline(always)]` code so that it is
 /// compiled for the path.
@@ -184,6 +200,15 @@ macro_rules! isa_dispatch {
         $(#[$meta])*
         #[inline]
         $vis fn $name(isa: $crate::cpu::isa::CpuIsa, $($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx512f,avx512bw,avx512bf16,fma")]
+            unsafe fn avx512bf16($($arg: $ty),*) $(-> $ret)? {
+                #[allow(dead_code)]
+                const $isa: $crate::cpu::isa::CpuIsa =
+                    // SAFETY: this function runs only when a `CpuIsa` of this path was given.
+                    unsafe { $crate::cpu::isa::CpuIsa::assume_supported($crate::cpu::isa::Isa::Avx512Bf16) };
+                $body
+            }
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx512f,avx512bw,fma")]
             unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
@@ -210,7 +235,10 @@ macro_rules! isa_dispatch {
             }
             match isa.isa() {
                 // SAFETY: a `CpuIsa` names only a path this CPU supports (checked when it
-                // was made): AVX-512F, AVX-512BW and FMA here.
+                // was made): AVX-512F, AVX-512BW, AVX512_BF16 and FMA here.
+                #[cfg(target_arch = "x86_64")]
+                $crate::cpu::isa::Isa::Avx512Bf16 => unsafe { avx512bf16($($arg),*) },
+                // SAFETY: as above: AVX-512F, AVX-512BW and FMA.
                 #[cfg(target_arch = "x86_64")]
                 $crate::cpu::isa::Isa::Avx512 => unsafe { avx512($($arg),*) },
                 // SAFETY: as above: AVX2 and FMA.

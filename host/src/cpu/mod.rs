@@ -3,11 +3,15 @@
 //! ([`isa`]).
 //!
 //! One file per op family, lining up with `ops/` and `sparsekit_kernels::kernels`:
-//! `store`, `indexer_logits`, `topk`, `sparse_mla`, `pages`; `gemm` is the register-blocked
-//! matrix core of the indexer and attention, `buffer` the host buffers.
+//! `store`, `indexer_logits`, `topk`, `sparse_mla` and `sparse_mla_v4` (over the attention
+//! core `attend`), `pages`, `dense` (the model's layers); `gemm` is the register-blocked f32
+//! matrix core, `dot` the bf16 dot product (the `vdpbf16ps` kernel and the arithmetic every
+//! path shares with it), `buffer` the host buffers.
 
+pub mod attend;
 pub mod buffer;
 pub mod dense;
+pub mod dot;
 pub mod gemm;
 pub mod indexer_logits;
 pub mod isa;

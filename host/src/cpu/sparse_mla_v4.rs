@@ -7,8 +7,8 @@
 use half::bf16;
 use rayon::prelude::*;
 
+use super::attend::{attend_task, AttnDims, Scratch, Source};
 use super::isa::CpuIsa;
-use super::sparse_mla::{attend_task, AttnDims, Scratch, Source};
 use crate::ops::SparseMlaV4;
 
 /// Heads per task at most.
@@ -60,7 +60,7 @@ pub fn sparse_mla_v4(
         .for_each_init(Scratch::default, |scratch, (task, (out, lse))| {
             let t = task / chunks_per_token;
             let h0 = (task % chunks_per_token) * hc;
-            scratch.size(d, d, hc);
+            scratch.size(isa, d, d, hc);
             scratch.valid.clear();
             let lists = std::iter::once((&op.main, call.main.1)).chain(
                 op.extra

@@ -51,7 +51,11 @@ pub fn sparse_mla_v4(
                         adot += (a * b).abs();
                     }
                     scores.push(dot * scale);
-                    lmag[hh] = f64::max(lmag[hh], adot * scale.abs());
+                    let flush = crate::tolerance::dot_flush_magnitude(
+                        d + 1,
+                        crate::tolerance::MLA_LSE_ATOL,
+                    );
+                    lmag[hh] = f64::max(lmag[hh], (adot + flush) * scale.abs());
                 }
                 if keys.is_empty() {
                     continue;

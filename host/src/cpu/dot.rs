@@ -1,0 +1,444 @@
+//! The bf16 dot product: the arithmetic every CPU path uses for the dot products of the
+//! indexer and of sparse attention, and its `vdpbf16ps` kernel (the `avx512bf16` path).
+//!
+//! # What `vdpbf16ps` computes (checked on this hardware: [`tests`])
+//!
+//! `VDPBF16PS acc, a, b` treats each 32-bit lane of `a` and `b` as a pair of bf16 values
+//! (element 0 in the low half) and computes, per lane, as Intel's SDM states:
+//!
+//! ```text
+//! acc = acc + a[1]·b[1]     // the odd element first
+//! acc = acc + a[0]·b[0]
+//! ```
+//!
+//! each step one fused multiply-add **rounded once to nearest-even** (a product of two
+//! bf16 values has at most 16 significant bits, so it is exact in f32 and the step is
+//! `round(acc + a·b)`), with **denormals-are-zero** on every input (bf16 subnormals and a
+//! subnormal `acc` read as signed zero) and **flush-to-zero** on each step's result; the
+//! MXCSR is neither read nor written. So the instruction is two ordinary f32 FMAs in a
+//! fixed order, not a wider or more precise dot product, and its error is that of the
+//! f32 FMA chain it replaces (the tolerance table's f32 accumulation term): using it
+//! changes no tolerance.
+//!
+//! # One arithmetic on every path
+//!
+//! The indexer's and attention's dot products are defined as that sequence: over the
+//! contraction index `p`, pairs `(0, 1), (2, 3), …`, odd member first, and for an odd
+//! length the last index after a `+0` (its missing partner, which the kernels store as a
+//! zero). The f32 paths (AVX-512, AVX2, scalar) run it as f32 FMAs in that order
+//! ([`super::gemm::gemm_acc_pairs`]) on operands that are bf16 values with subnormals
+//! flushed ([`bf16_daz`], [`round_bf16_daz`]): every path then gives the **same bits**,
+//! except where a partial sum is itself an f32 subnormal (|s| < 2^-126, nonzero), which
+//! `vdpbf16ps` flushes to zero and an f32 FMA keeps (an absolute difference below 2^-126
+//! per step, far inside every tolerance; ordinary data never comes near it).
+//!
+//! The operands of the kernel: `A` row-major bf16 (`[m × 2·k2]`, a pair is two adjacent
+//! elements of a row), `B` packed as pairs (`[k2][ldb]` of u32: pair `p` of column `j`
+//! holds `B[2p][j]` in its low half and `B[2p+1][j]` in its high half), `C` row-major
+//! f32.
+
+use super::isa::CpuIsa;
+use sparsekit_kernels::fp8::f32_to_bf16;
+
+/// bf16 bits as f32, a subnormal read as signed zero (what `vdpbf16ps` reads).
+#[inline(always)]
+pub fn bf16_daz(bits: u16) -> f32 {
+    let b = bits as u32;
+    let b = if b & 0x7f80 == 0 { b & 0x8000 } else { b };
+    f32::from_bits(b << 16)
+}
+
+/// An f32 that holds a bf16 value, a subnormal flushed to signed zero.
+#[inline(always)]
+pub fn f32_daz(x: f32) -> f32 {
+    let b = x.to_bits();
+    f32::from_bits(if b & 0x7f80_0000 == 0 {
+        b & 0x8000_0000
+    } else {
+        b
+    })
+}
+
+/// f32 rounded to bf16 (nearest, ties to even; NaN stays NaN), a subnormal result flushed
+/// to signed zero: the bf16 bits a dot product of every path reads.
+#[inline(always)]
+pub fn round_bf16_daz(x: f32) -> u16 {
+    let b = f32_to_bf16(x);
+    if b & 0x7f80 == 0 {
+        b & 0x8000
+    } else {
+        b
+    }
+}
+
+/// Whether an f32 is exactly a bf16 value (its low 16 bits are zero).
+#[inline(always)]
+pub fn is_bf16(x: f32) -> bool {
+    x.to_bits() & 0xffff == 0
+}
+
+/// Shape of `C[m×n] += A[m×2·k2] · B[2·k2×n]` (module docs): `lda` in bf16 elements
+/// (at least `2·k2`), `ldb` in pairs (at least `n` rounded up to 16: the kernel reads
+/// whole vectors of 16 columns), `ldc` in f32.
+#[derive(Clone, Copy, Debug)]
+pub struct PairDims {
+    pub m: usize,
+    pub n: usize,
+    pub k2: usize,
+    pub lda: usize,
+    pub ldb: usize,
+    pub ldc: usize,
+}
+
+/// Columns of packed `B` a call reads: `n` rounded up to whole vectors of 16.
+pub const fn padded_cols(n: usize) -> usize {
+    n.div_ceil(16) * 16
+}
+
+/// `C += A · B` in the pair order of the module docs. On the `avx512bf16` path it runs the
+/// `vdpbf16ps` kernel; on any other path an emulation of it with f32 FMAs (exact, with
+/// its flushes: for tests, not speed). Panics if a slice is too short for `d`.
+pub fn gemm_bf16(isa: CpuIsa, d: PairDims, a: &[u16], b: &[u32], c: &mut [f32]) {
+    if d.m == 0 || d.n == 0 || d.k2 == 0 {
+        return;
+    }
+    assert!(d.lda >= 2 * d.k2 && d.ldb >= padded_cols(d.n) && d.ldc >= d.n);
+    assert!(a.len() >= (d.m - 1) * d.lda + 2 * d.k2);
+    assert!(b.len() >= (d.k2 - 1) * d.ldb + padded_cols(d.n));
+    assert!(c.len() >= (d.m - 1) * d.ldc + d.n);
+    #[cfg(target_arch = "x86_64")]
+    if isa.isa().bf16_dot() {
+        // SAFETY: a `CpuIsa` of the avx512bf16 path exists only on a CPU with AVX-512F,
+        // AVX-512BW and AVX512_BF16 (checked when it was made); the slices hold `d`
+        // (asserted above), which is all the kernel reads and writes.
+        unsafe { x86::gemm(d, a.as_ptr(), b.as_ptr(), c.as_mut_ptr()) };
+        return;
+    }
+    let _ = isa;
+    emulate(d, a, b, c);
+}
+
+/// The kernel's arithmetic in f32 FMAs with its flushes (module docs).
+fn emulate(d: PairDims, a: &[u16], b: &[u32], c: &mut [f32]) {
+    let ftz = |x: f32| {
+        if x.is_subnormal() {
+            0f32.copysign(x)
+        } else {
+            x
+        }
+    };
+    for i in 0..d.m {
+        for j in 0..d.n {
+            let mut x = ftz(c[i * d.ldc + j]);
+            for p in 0..d.k2 {
+                let pb = b[p * d.ldb + j];
+                let (b0, b1) = (bf16_daz(pb as u16), bf16_daz((pb >> 16) as u16));
+                let (a0, a1) = (
+                    bf16_daz(a[i * d.lda + 2 * p]),
+                    bf16_daz(a[i * d.lda + 2 * p + 1]),
+                );
+                x = ftz(a1.mul_add(b1, x));
+                x = ftz(a0.mul_add(b0, x));
+            }
+            c[i * d.ldc + j] = x;
+        }
+    }
+}
+
+// The AVX-512 intrinsics and `__mmask16` are stable since Rust 1.89, as are the AVX-512
+// target features every `isa_dispatch!` function already enables: the workspace's declared
+// MSRV (1.85) predates both; raising it would turn on newer lints across the workspace, so
+// it is left to a separate change.
+#[cfg(target_arch = "x86_64")]
+#[allow(
+    clippy::incompatible_msrv,
+    reason = "AVX-512 needs Rust 1.89, as the existing AVX-512 target features do"
+)]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::PairDims;
+
+    /// Columns of a tile: four vectors of 16.
+    const TILE_COLS: usize = 64;
+
+    /// The whole product, column blocks of up to 64 (the last one masked), each over every
+    /// row in register tiles.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F, AVX-512BW and AVX512_BF16; the pointers hold `d` as
+    /// [`super::gemm_bf16`] checks.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn gemm(d: PairDims, a: *const u16, b: *const u32, c: *mut f32) {
+        let mut j = 0;
+        while j < d.n {
+            let cols = (d.n - j).min(TILE_COLS);
+            let nv = cols.div_ceil(16);
+            let rest = cols - 16 * (nv - 1);
+            let last: __mmask16 = if rest == 16 {
+                0xffff
+            } else {
+                (1u16 << rest) - 1
+            };
+            // SAFETY: columns `j .. j + cols` of B (whole vectors: `ldb` is padded) and C
+            // are inside the slices; the features are the caller's.
+            unsafe {
+                let (bj, cj) = (b.add(j), c.add(j));
+                match nv {
+                    4 => rows::<6, 4>(&d, a, bj, cj, last),
+                    3 => rows::<8, 3>(&d, a, bj, cj, last),
+                    2 => rows::<12, 2>(&d, a, bj, cj, last),
+                    _ => rows::<16, 1>(&d, a, bj, cj, last),
+                }
+            }
+            j += TILE_COLS;
+        }
+    }
+
+    /// Every row of one column block: tiles of `R` rows, then 8, 4, 2, 1.
+    ///
+    /// # Safety
+    /// As [`gemm`], for the block's columns.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[inline]
+    unsafe fn rows<const R: usize, const NV: usize>(
+        d: &PairDims,
+        a: *const u16,
+        b: *const u32,
+        c: *mut f32,
+        last: __mmask16,
+    ) {
+        let mut i = 0;
+        // SAFETY: every call below covers rows `i .. i + rows <= m` of A and C only (the
+        // caller's precondition), on a CPU with the features.
+        unsafe {
+            while d.m - i >= R {
+                tile::<R, NV>(d, a.add(i * d.lda), b, c.add(i * d.ldc), last);
+                i += R;
+            }
+            if NV <= 2 && d.m - i >= 8 {
+                tile::<8, NV>(d, a.add(i * d.lda), b, c.add(i * d.ldc), last);
+                i += 8;
+            }
+            for step in [4, 2, 1] {
+                if d.m - i >= step {
+                    let (ai, ci) = (a.add(i * d.lda), c.add(i * d.ldc));
+                    match step {
+                        4 => tile::<4, NV>(d, ai, b, ci, last),
+                        2 => tile::<2, NV>(d, ai, b, ci, last),
+                        _ => tile::<1, NV>(d, ai, b, ci, last),
+                    }
+                    i += step;
+                }
+            }
+        }
+        debug_assert_eq!(i, d.m);
+    }
+
+    /// One register tile: `R` rows × `NV` vectors of 16 columns (the last one masked by
+    /// `last`), over the whole contraction.
+    ///
+    /// # Safety
+    /// As [`gemm`], for rows `0 .. R` and `NV` vectors of columns from the pointers.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[inline]
+    unsafe fn tile<const R: usize, const NV: usize>(
+        d: &PairDims,
+        a: *const u16,
+        b: *const u32,
+        c: *mut f32,
+        last: __mmask16,
+    ) {
+        // SAFETY: every access below is inside the tile's rows and columns of A, B and C
+        // (the caller's precondition); the reads of A are unaligned 4-byte loads.
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); NV]; R];
+            for (r, row) in acc.iter_mut().enumerate() {
+                for (v, x) in row.iter_mut().enumerate() {
+                    let p = c.add(r * d.ldc + 16 * v);
+                    *x = if v + 1 == NV {
+                        _mm512_maskz_loadu_ps(last, p)
+                    } else {
+                        _mm512_loadu_ps(p)
+                    };
+                }
+            }
+            for p in 0..d.k2 {
+                let bp = b.add(p * d.ldb);
+                let mut bv = [_mm512_setzero_si512(); NV];
+                for (v, x) in bv.iter_mut().enumerate() {
+                    *x = _mm512_loadu_si512(bp.add(16 * v).cast());
+                }
+                for (r, row) in acc.iter_mut().enumerate() {
+                    let pair = a.add(r * d.lda + 2 * p).cast::<i32>().read_unaligned();
+                    let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair));
+                    for (x, &bx) in row.iter_mut().zip(&bv) {
+                        *x = _mm512_dpbf16_ps(*x, av, std::mem::transmute::<__m512i, __m512bh>(bx));
+                    }
+                }
+            }
+            for (r, row) in acc.iter().enumerate() {
+                for (v, &x) in row.iter().enumerate() {
+                    let p = c.add(r * d.ldc + 16 * v);
+                    if v + 1 == NV {
+                        _mm512_mask_storeu_ps(p, last, x);
+                    } else {
+                        _mm512_storeu_ps(p, x);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::isa::Isa;
+    use rand::{Rng, SeedableRng};
+
+    /// Random bf16 bits: mostly normal values over a wide exponent range (cancellations and
+    /// absorptions), some zeros and subnormals.
+    fn bits(rng: &mut impl Rng) -> u16 {
+        match rng.gen_range(0..20) {
+            0 => rng.gen::<u16>() & 0x807f,
+            1 => 0,
+            _ => {
+                let e = rng.gen_range(112u16..142);
+                (rng.gen::<u16>() & 0x8000) | (e << 7) | (rng.gen::<u16>() & 0x7f)
+            }
+        }
+    }
+
+    /// The kernel agrees bit for bit with its emulation (two FMAs per pair, odd element
+    /// first, DAZ/FTZ) on every shape class: the instruction's semantics as documented.
+    #[test]
+    fn kernel_matches_the_documented_arithmetic() {
+        let Ok(isa) = CpuIsa::new(Isa::Avx512Bf16) else {
+            eprintln!("SKIPPED kernel_matches_the_documented_arithmetic: no AVX512_BF16 here");
+            return;
+        };
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        for &(m, n, k2) in &[
+            (1, 1, 1),
+            (6, 64, 64),
+            (64, 64, 64),
+            (13, 70, 33),
+            (17, 16, 5),
+            (29, 40, 9),
+            (7, 130, 3),
+            (64, 8, 32),
+            (3, 200, 100),
+        ] {
+            let d = PairDims {
+                m,
+                n,
+                k2,
+                lda: 2 * k2 + 2,
+                ldb: padded_cols(n) + 16,
+                ldc: n + 3,
+            };
+            let a: Vec<u16> = (0..m * d.lda).map(|_| bits(&mut rng)).collect();
+            let b: Vec<u32> = (0..k2 * d.ldb)
+                .map(|_| bits(&mut rng) as u32 | (bits(&mut rng) as u32) << 16)
+                .collect();
+            let c0: Vec<f32> = (0..m * d.ldc)
+                .map(|_| f32::from_bits((bits(&mut rng) as u32) << 16 | rng.gen::<u16>() as u32))
+                .collect();
+            let (mut got, mut want) = (c0.clone(), c0.clone());
+            gemm_bf16(isa, d, &a, &b, &mut got);
+            emulate(d, &a, &b, &mut want);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g.to_bits(), w.to_bits(), "m={m} n={n} k2={k2} element {i}");
+            }
+        }
+    }
+
+    /// On bf16 values away from subnormals, the f32 pair-order GEMM of every path gives the
+    /// kernel's bits.
+    #[test]
+    fn f32_pair_order_gives_the_kernel_bits() {
+        use crate::cpu::gemm::{gemm_acc_pairs, Dims};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        let normal = |rng: &mut rand_chacha::ChaCha8Rng| {
+            round_bf16_daz(rng.gen_range(-4.0f32..4.0) * 2f32.powi(rng.gen_range(-8..8)))
+        };
+        for &(m, n, k) in &[
+            (64usize, 64usize, 128usize),
+            (13, 70, 33),
+            (6, 16, 577),
+            (64, 512, 63),
+        ] {
+            let k2 = k.div_ceil(2);
+            let a16: Vec<u16> = (0..m * 2 * k2)
+                .map(|i| {
+                    if i % (2 * k2) < k {
+                        normal(&mut rng)
+                    } else {
+                        0
+                    }
+                })
+                .collect();
+            let bk: Vec<u16> = (0..k * n).map(|_| normal(&mut rng)).collect();
+            let ldb = padded_cols(n);
+            let mut bp = vec![0u32; k2 * ldb];
+            for p in 0..k {
+                for j in 0..n {
+                    bp[p / 2 * ldb + j] |= (bk[p * n + j] as u32) << (16 * (p % 2));
+                }
+            }
+            let c0: Vec<f32> = (0..m * n).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let mut want = c0.clone();
+            let d = PairDims {
+                m,
+                n,
+                k2,
+                lda: 2 * k2,
+                ldb,
+                ldc: n,
+            };
+            emulate(d, &a16, &bp, &mut want);
+            let a32: Vec<f32> = a16.iter().map(|&x| bf16_daz(x)).collect();
+            let b32: Vec<f32> = bk.iter().map(|&x| bf16_daz(x)).collect();
+            for isa in CpuIsa::available() {
+                let mut got = c0.clone();
+                let fd = Dims {
+                    m,
+                    n,
+                    k,
+                    lda: 2 * k2,
+                    ldb: n,
+                    ldc: n,
+                };
+                gemm_acc_pairs(isa, fd, &a32, &b32, &mut got);
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(g, w)| g.to_bits() == w.to_bits()),
+                    "{} m={m} n={n} k={k}",
+                    isa.isa()
+                );
+                let mut got = c0.clone();
+                gemm_bf16(isa, d, &a16, &bp, &mut got);
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(g, w)| g.to_bits() == w.to_bits()),
+                    "{} kernel m={m} n={n} k={k}",
+                    isa.isa()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn flushes_and_rounding() {
+        assert_eq!(bf16_daz(0x0001).to_bits(), 0);
+        assert_eq!(bf16_daz(0x8001).to_bits(), 0x8000_0000);
+        assert_eq!(bf16_daz(0x3f80), 1.0);
+        assert_eq!(round_bf16_daz(1.0 + 1.0 / 256.0), 0x3f80); // tie to even
+        assert_eq!(round_bf16_daz(1e-39), 0);
+        assert_eq!(f32_daz(1e-39), 0.0);
+        assert!(is_bf16(1.5) && !is_bf16(1.0 + f32::EPSILON));
+    }
+}
