@@ -20,6 +20,10 @@ use sparsekit_host::{IndexKLayout, KvLayout};
 pub struct Cost {
     pub bytes: u64,
     pub flops: u64,
+    /// The FLOPs are products of bf16 values (the indexer's and attention's dot products):
+    /// on a CPU path with the bf16 dot-product instruction they are read against its peak
+    /// ([`crate::roofline::Roofline::compute_peak`]), elsewhere against the f32 FMA peak.
+    pub bf16_dot: bool,
 }
 
 /// Merged length of the half-open ranges (any order, possibly overlapping).
@@ -69,6 +73,7 @@ pub fn indexer_logits(
     Cost {
         bytes,
         flops: pairs * (2 * h * d + 2 * h),
+        bf16_dot: true,
     }
 }
 
@@ -81,6 +86,7 @@ pub fn topk(rows: &[QueryRange], k: usize) -> Cost {
     Cost {
         bytes: read + rows.len() as u64 * k as u64 * 4,
         flops: 0,
+        bf16_dot: false,
     }
 }
 
@@ -97,6 +103,7 @@ pub fn sparse_mla(layout: &KvLayout, n_tokens: usize, n_heads: usize, indices: &
     Cost {
         bytes,
         flops: valid * 2 * h * (dqk + dv),
+        bf16_dot: true,
     }
 }
 

@@ -7,6 +7,7 @@ pub mod cost;
 pub mod inputs;
 pub mod inputs_v4;
 pub mod pages;
+pub mod paths;
 pub mod report;
 pub mod roofline;
 pub mod runner;
@@ -188,6 +189,52 @@ impl Suite {
             copies,
             checksums,
         })
+    }
+}
+
+impl Suite {
+    /// The op names [`Suite::retain_ops`] knows.
+    pub const OPS: [&'static str; 8] = [
+        "indexer_logits",
+        "topk",
+        "sparse_mla",
+        "sparse_mla_v4",
+        "index_k_store",
+        "kv_store",
+        "copy_pages",
+        "page_checksums",
+    ];
+
+    /// Keeps only the cases of the named ops (every case when `ops` is empty).
+    pub fn retain_ops(&mut self, ops: &[&str]) {
+        if ops.is_empty() {
+            return;
+        }
+        let want = |name: &str| ops.contains(&name);
+        if !want("indexer_logits") {
+            self.indexer_logits.clear();
+        }
+        if !want("topk") {
+            self.topk.clear();
+        }
+        if !want("sparse_mla") {
+            self.sparse_mla.clear();
+        }
+        if !want("sparse_mla_v4") {
+            self.sparse_mla_v4.clear();
+        }
+        if !want("copy_pages") {
+            self.copies.clear();
+        }
+        if !want("page_checksums") {
+            self.checksums.clear();
+        }
+        self.stores.retain(|s| {
+            want(match s {
+                StoreShape::IndexK { .. } => "index_k_store",
+                StoreShape::Kv { .. } => "kv_store",
+            })
+        });
     }
 }
 

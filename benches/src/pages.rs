@@ -67,6 +67,7 @@ impl StoreShape {
         Cost {
             bytes: (tokens * (in_elems * 2 + 8 + out_bytes)) as u64,
             flops: 0,
+            bf16_dot: false,
         }
     }
 }
@@ -153,6 +154,7 @@ impl CopyShape {
         Cost {
             bytes: 2 * (self.pages * self.layout.bytes_per_page()) as u64,
             flops: 0,
+            bf16_dot: false,
         }
     }
 }
@@ -222,6 +224,7 @@ impl ChecksumShape {
         Cost {
             bytes: (self.pages * self.layout.bytes_per_page()) as u64,
             flops: 0,
+            bf16_dot: false,
         }
     }
 }

@@ -25,10 +25,10 @@ impl Bound {
     }
 
     /// The bound that applies to `cost` here: the larger of `bytes / bandwidth` and
-    /// `flops / peak`, and that time.
+    /// `flops / peak` (the peak of [`Roofline::compute_peak`]), and that time.
     pub fn of(cost: Cost, roof: &Roofline) -> (Bound, f64) {
         let t_mem = cost.bytes as f64 / roof.copy_bytes_per_s;
-        let t_flop = cost.flops as f64 / roof.fma_flops_per_s;
+        let t_flop = cost.flops as f64 / roof.compute_peak(&cost).0;
         if t_flop >= t_mem {
             (Bound::Compute, t_flop)
         } else {
@@ -54,6 +54,8 @@ pub struct Row {
     /// `flops / time_s`.
     pub flops_per_s: f64,
     pub bound: Bound,
+    /// The ceiling of the bound: `copy`, `f32 FMA` or `bf16 dot`.
+    pub peak: &'static str,
     /// Time the op would take at the bound.
     pub roofline_time_s: f64,
     /// `roofline_time_s / time_s`: 1.0 = at the roofline.
@@ -88,6 +90,10 @@ impl Row {
             0.5 * (t[n / 2 - 1] + t[n / 2])
         };
         let (bound, roofline_time_s) = Bound::of(cost, roof);
+        let peak = match bound {
+            Bound::Compute => roof.compute_peak(&cost).1,
+            Bound::Memory => "copy",
+        };
         Some(Row {
             op: op.to_string(),
             config: config.to_string(),
@@ -99,6 +105,7 @@ impl Row {
             bytes_per_s: cost.bytes as f64 / median,
             flops_per_s: cost.flops as f64 / median,
             bound,
+            peak,
             roofline_time_s,
             fraction: roofline_time_s / median,
             fraction_best: roofline_time_s / t[0],
@@ -168,7 +175,8 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
     (yoe + era * 400 + i64::from(m <= 2), m, d)
 }
 
-fn fmt_time(s: f64) -> String {
+/// A duration for a table: `s`, `ms` or `µs`.
+pub fn fmt_time(s: f64) -> String {
     if s >= 1.0 {
         format!("{s:.3} s")
     } else if s >= 1e-3 {
@@ -190,11 +198,19 @@ impl Report {
         );
         let _ = writeln!(
             s,
-            "roofline: copy bandwidth {:.1} GB/s (read+write, {} MiB buffers), f32 FMA peak {:.1} GFLOP/s ({})",
+            "roofline: copy bandwidth {:.1} GB/s (read+write, {} MiB buffers), f32 FMA peak {:.1} GFLOP/s ({}){}",
             r.copy_bytes_per_s / 1e9,
             r.copy_buffer_bytes >> 20,
             r.fma_flops_per_s / 1e9,
-            r.fma_isa
+            r.fma_isa,
+            if r.bf16_dot_flops_per_s > 0.0 {
+                format!(
+                    ", bf16 dot-product peak {:.1} GFLOP/s (vdpbf16ps: the bound of the bf16 dot products)",
+                    r.bf16_dot_flops_per_s / 1e9
+                )
+            } else {
+                String::new()
+            }
         );
         if self.roofline_runs.len() > 1 {
             let runs: Vec<String> = self
@@ -231,7 +247,7 @@ impl Report {
                 fmt_time(row.min_time_s),
                 row.bytes_per_s / 1e9,
                 row.flops_per_s / 1e9,
-                row.bound.name(),
+                bound_name(row),
                 fmt_time(row.roofline_time_s),
                 row.fraction,
                 row.fraction_best
@@ -247,6 +263,14 @@ impl Report {
         }
         let json = serde_json::to_string_pretty(self).map_err(std::io::Error::other)?;
         std::fs::write(path, json + "\n")
+    }
+}
+
+/// `memory`, `compute` (f32 FMA) or `compute (bf16 dot)`.
+pub fn bound_name(row: &Row) -> String {
+    match (row.bound, row.peak) {
+        (Bound::Compute, "bf16 dot") => "compute (bf16 dot)".to_string(),
+        (b, _) => b.name().to_string(),
     }
 }
 
@@ -286,6 +310,7 @@ mod tests {
             copy_buffer_bytes: 1 << 28,
             fma_flops_per_s: 100e9,
             fma_isa: "test",
+            bf16_dot_flops_per_s: 0.0,
             threads: 2,
         }
     }
@@ -295,6 +320,7 @@ mod tests {
         let c = Cost {
             bytes: 1_000_000_000,
             flops: 200_000_000_000,
+            bf16_dot: false,
         };
         // 2 s of compute vs 0.1 s of memory: compute-bound; measured median 4 s.
         let row = Row::new("op", "cfg", c, &[5.0, 4.0, 3.0], &roof()).unwrap();
@@ -307,11 +333,25 @@ mod tests {
         let m = Cost {
             bytes: 10_000_000_000,
             flops: 0,
+            bf16_dot: false,
         };
         let row = Row::new("op", "cfg", m, &[2.0, 2.0], &roof()).unwrap();
         assert_eq!(row.bound, Bound::Memory);
         assert!((row.fraction - 0.5).abs() < 1e-12);
         assert!(Row::new("op", "cfg", m, &[], &roof()).is_none());
+        // bf16 dot products go against the bf16 peak where there is one.
+        let dot = Cost {
+            bf16_dot: true,
+            ..c
+        };
+        let with_dot = Roofline {
+            bf16_dot_flops_per_s: 400e9,
+            ..roof()
+        };
+        let r = Row::new("op", "cfg", dot, &[4.0], &with_dot).unwrap();
+        assert_eq!((r.peak, r.roofline_time_s), ("bf16 dot", 0.5));
+        let r = Row::new("op", "cfg", dot, &[4.0], &roof()).unwrap();
+        assert_eq!((r.peak, r.roofline_time_s), ("f32 FMA", 2.0));
         let rep = Report {
             date: utc_date(),
             machine: Machine::detect(),

@@ -1,7 +1,9 @@
-//! This machine's roofline: multi-threaded memory copy bandwidth and f32 FMA peak.
+//! This machine's roofline: multi-threaded memory copy bandwidth, the f32 FMA peak of a
+//! vector path and, on a path with the bf16 dot-product instruction (`vdpbf16ps`,
+//! `avx512bf16`), its peak too.
 //!
-//! Both are measured on rayon's global pool (the pool the CPU backend runs on), one
-//! piece of work per worker thread, best of several runs.
+//! All are measured on rayon's global pool (the pool the CPU backend runs on), one piece
+//! of work per worker thread, best of several runs.
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -9,6 +11,8 @@ use std::time::Instant;
 use rayon::prelude::*;
 use serde::Serialize;
 use sparsekit_host::cpu::{CpuIsa, Isa};
+
+use crate::cost::Cost;
 
 /// The two ceilings every bench result is read against.
 #[derive(Clone, Copy, Debug, Serialize)]
@@ -19,13 +23,27 @@ pub struct Roofline {
     pub copy_buffer_bytes: usize,
     /// f32 FMA peak in FLOP/s (one FMA = 2 FLOP), all threads.
     pub fma_flops_per_s: f64,
-    /// The instruction set the FMA loop ran with (`avx512f`, `avx2+fma`, `scalar`).
+    /// The vector path the FMA loop ran with (`avx512bf16`, `avx512`, `avx2`, `scalar`).
     pub fma_isa: &'static str,
-    /// Worker threads used for both.
+    /// The bf16 dot-product peak in FLOP/s (one multiply-add of a bf16 pair = 2 FLOP,
+    /// `vdpbf16ps` does 32 per 512-bit vector), all threads; 0 on a path without the
+    /// instruction.
+    pub bf16_dot_flops_per_s: f64,
+    /// Worker threads used for all.
     pub threads: usize,
 }
 
 impl Roofline {
+    /// The compute ceiling `cost` is read against, and its name: the bf16 dot-product peak
+    /// for bf16 dot products on a path that has the instruction, else the f32 FMA peak.
+    pub fn compute_peak(&self, cost: &Cost) -> (f64, &'static str) {
+        if cost.bf16_dot && self.bf16_dot_flops_per_s > 0.0 {
+            (self.bf16_dot_flops_per_s, "bf16 dot")
+        } else {
+            (self.fma_flops_per_s, "f32 FMA")
+        }
+    }
+
     /// Each ceiling at its best of `self` and `other`: on a shared machine a measurement
     /// can only come out low, so the higher one is the closer to the truth.
     pub fn best_of(&self, other: &Roofline) -> Roofline {
@@ -45,6 +63,7 @@ impl Roofline {
             copy_buffer_bytes,
             fma_flops_per_s,
             fma_isa,
+            bf16_dot_flops_per_s: self.bf16_dot_flops_per_s.max(other.bf16_dot_flops_per_s),
             threads: self.threads.max(other.threads),
         }
     }
@@ -59,18 +78,24 @@ pub enum Effort {
     Quick,
 }
 
-/// Measures both ceilings.
+/// Measures every ceiling of the process's default vector path ([`CpuIsa::get`]).
 pub fn measure(effort: Effort) -> Roofline {
+    measure_path(CpuIsa::get(), effort)
+}
+
+/// Measures every ceiling of the vector path `isa`.
+pub fn measure_path(isa: CpuIsa, effort: Effort) -> Roofline {
     let (copy_bytes, copy_runs, fma_target_s, fma_runs) = match effort {
         Effort::Full => (256 << 20, 5, 0.25, 5),
         Effort::Quick => (8 << 20, 2, 0.01, 2),
     };
-    let (fma_flops_per_s, fma_isa) = fma_peak(fma_target_s, fma_runs);
+    let (fma_flops_per_s, fma_isa) = fma_peak_of(isa, fma_target_s, fma_runs);
     Roofline {
         copy_bytes_per_s: copy_bandwidth(copy_bytes, copy_runs),
         copy_buffer_bytes: copy_bytes,
         fma_flops_per_s,
         fma_isa,
+        bf16_dot_flops_per_s: bf16_dot_peak(isa, fma_target_s, fma_runs),
         threads: rayon::current_num_threads(),
     }
 }
@@ -138,14 +163,81 @@ sparsekit_host::isa_dispatch! {
 /// CPU backend's default: the widest, or the one `SPARSEKIT_CPU_ISA` forces). Each run
 /// lasts about `target_s`; the best of `runs` is returned.
 pub fn fma_peak(target_s: f64, runs: usize) -> (f64, &'static str) {
-    let isa = CpuIsa::get();
+    fma_peak_of(CpuIsa::get(), target_s, runs)
+}
+
+/// [`fma_peak`] of the vector path `isa`.
+pub fn fma_peak_of(isa: CpuIsa, target_s: f64, runs: usize) -> (f64, &'static str) {
     let fmas_per_round = fmas_per_round(isa.isa());
-    let kernel = |iters, x, y| fma_run(isa, iters, x, y);
     // x < 1 and y > 0: every chain converges to y / (1 - x), far from overflow and denormals.
+    let best = best_rate(target_s, runs, |iters| {
+        fma_run(isa, black_box(iters), black_box(0.999_9), black_box(1e-4))
+    });
+    (2.0 * fmas_per_round as f64 * best, isa.isa().name())
+}
+
+/// The bf16 dot-product peak of all rayon threads, in FLOP/s, on a path with `vdpbf16ps`
+/// (0 on the others): 16 independent chains of the instruction per thread (each 16 lanes ×
+/// 2 multiply-adds), best of `runs` of about `target_s`.
+pub fn bf16_dot_peak(isa: CpuIsa, target_s: f64, runs: usize) -> f64 {
+    if !isa.isa().bf16_dot() {
+        return 0.0;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let best = best_rate(target_s, runs, |iters| {
+            // SAFETY: `isa` is the avx512bf16 path, which a `CpuIsa` names only on a CPU
+            // with AVX-512F and AVX512_BF16.
+            unsafe { dot_chains(black_box(iters)) }
+        });
+        DOT_FLOPS_PER_ROUND * best
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (target_s, runs);
+        0.0
+    }
+}
+
+/// FLOPs of one round of [`dot_chains`]: 16 instructions × 16 lanes × 2 pairs × 2.
+const DOT_FLOPS_PER_ROUND: f64 = 16.0 * 16.0 * 2.0 * 2.0;
+
+/// `iters` rounds of 16 independent `vdpbf16ps` chains; a value that depends on them all.
+///
+/// # Safety
+/// The CPU has AVX-512F and AVX512_BF16.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+#[allow(
+    clippy::incompatible_msrv,
+    reason = "AVX-512 intrinsics need Rust 1.89, as the AVX-512 target features already do"
+)]
+unsafe fn dot_chains(iters: u64) -> f32 {
+    use std::arch::x86_64::*;
+    // Pairs of 2^-20: each step adds 2^-39 to chains that start at 1: no overflow, no
+    // subnormals.
+    let pair = _mm512_set1_epi32(0x3580_3580);
+    // SAFETY: both are 512-bit vectors; every bit pattern is a valid `__m512bh`.
+    let x: __m512bh = unsafe { std::mem::transmute::<__m512i, __m512bh>(pair) };
+    let mut acc = [_mm512_set1_ps(1.0); 16];
+    for _ in 0..iters {
+        for a in acc.iter_mut() {
+            *a = _mm512_dpbf16_ps(*a, x, x);
+        }
+    }
+    let mut s = _mm512_setzero_ps();
+    for a in acc {
+        s = _mm512_add_ps(s, a);
+    }
+    _mm512_reduce_add_ps(s)
+}
+
+/// Rounds per second of `kernel(iters)` on every rayon thread at once (rounds done by all
+/// threads over the wall time): about `target_s` per run, the best of `runs`.
+fn best_rate(target_s: f64, runs: usize, kernel: impl Fn(u64) -> f32 + Sync) -> f64 {
     let run = |iters: u64| -> f64 {
         let t = Instant::now();
-        let sums =
-            rayon::broadcast(|_| kernel(black_box(iters), black_box(0.999_9), black_box(1e-4)));
+        let sums = rayon::broadcast(|_| kernel(iters));
         let dt = t.elapsed().as_secs_f64();
         black_box(sums);
         dt
@@ -164,10 +256,7 @@ pub fn fma_peak(target_s: f64, runs: usize) -> (f64, &'static str) {
     for _ in 0..runs.max(1) {
         best = best.min(run(iters));
     }
-    (
-        2.0 * fmas_per_round as f64 * iters as f64 * threads / best,
-        isa.isa().name(),
-    )
+    iters as f64 * threads / best
 }
 
 #[cfg(test)]
@@ -192,10 +281,17 @@ mod tests {
         assert!(r.threads >= 1);
         let mut low = r;
         low.fma_flops_per_s /= 2.0;
+        low.bf16_dot_flops_per_s /= 2.0;
         low.copy_bytes_per_s *= 2.0;
         let b = low.best_of(&r);
         assert_eq!(b.fma_flops_per_s, r.fma_flops_per_s);
         assert_eq!(b.copy_bytes_per_s, low.copy_bytes_per_s);
+        assert_eq!(b.bf16_dot_flops_per_s, r.bf16_dot_flops_per_s);
+        // Only a path with the instruction has a bf16 dot-product peak.
+        for isa in CpuIsa::available() {
+            let peak = bf16_dot_peak(isa, 0.002, 1);
+            assert_eq!(peak > 0.0, isa.isa().bf16_dot(), "{}", isa.isa());
+        }
     }
 
     #[test]

@@ -49,17 +49,38 @@ fn time<B: Backend, C>(
     build: impl FnOnce() -> Result<C>,
     mut run: impl FnMut(&mut C, &B) -> Result<()>,
 ) -> Result<Vec<f64>> {
+    let mut t = time_side_by_side(std::slice::from_ref(backend), opts, 1, build, &mut run)?;
+    Ok(t.pop().unwrap_or_default())
+}
+
+/// Builds a case once (with `backends[0]`: the inputs are buffers every backend of the
+/// slice reads) and times it on each backend in alternation: warm-up calls on each, then
+/// `rounds` rounds of `opts.samples` calls per backend, so that every backend sees the
+/// same load. Per backend, every per-call time in round order.
+fn time_side_by_side<B: Backend, C>(
+    backends: &[B],
+    opts: RunOptions,
+    rounds: usize,
+    build: impl FnOnce() -> Result<C>,
+    run: &mut impl FnMut(&mut C, &B) -> Result<()>,
+) -> Result<Vec<Vec<f64>>> {
     let mut case = build()?;
-    for _ in 0..opts.warmup {
-        run(&mut case, backend)?;
+    for b in backends {
+        for _ in 0..opts.warmup {
+            run(&mut case, b)?;
+        }
+        b.synchronize()?;
     }
-    backend.synchronize()?;
-    let mut t = Vec::with_capacity(opts.samples.max(1));
-    for _ in 0..opts.samples.max(1) {
-        let start = Instant::now();
-        run(&mut case, backend)?;
-        backend.synchronize()?;
-        t.push(start.elapsed().as_secs_f64());
+    let mut t = vec![Vec::with_capacity(opts.samples.max(1) * rounds.max(1)); backends.len()];
+    for _ in 0..rounds.max(1) {
+        for (b, t) in backends.iter().zip(&mut t) {
+            for _ in 0..opts.samples.max(1) {
+                let start = Instant::now();
+                run(&mut case, b)?;
+                b.synchronize()?;
+                t.push(start.elapsed().as_secs_f64());
+            }
+        }
     }
     Ok(t)
 }
@@ -70,93 +91,103 @@ pub fn run<B: Backend>(
     backend: &B,
     suite: &Suite,
     opts: RunOptions,
-    mut progress: impl FnMut(&str),
+    progress: impl FnMut(&str),
 ) -> Result<RunOutput> {
-    let mut out = RunOutput::default();
+    let mut out = run_side_by_side(std::slice::from_ref(backend), suite, opts, 1, progress)?;
+    Ok(out.pop().unwrap_or_default())
+}
+
+/// Runs every case of `suite` on each of `backends` side by side (e.g. the CPU backend on
+/// each of its vector paths): each case is built once and timed on every backend in
+/// alternation, `rounds` rounds (see [`time_side_by_side`]). One output per backend, in
+/// order; `progress` is called with each case's `op/config` before it runs.
+pub fn run_side_by_side<B: Backend>(
+    backends: &[B],
+    suite: &Suite,
+    opts: RunOptions,
+    rounds: usize,
+    mut progress: impl FnMut(&str),
+) -> Result<Vec<RunOutput>> {
+    let mut out: Vec<RunOutput> = backends.iter().map(|_| RunOutput::default()).collect();
+    let Some(first) = backends.first() else {
+        return Ok(out);
+    };
     let mut add = |op: &str,
                    cfg: String,
                    cost: Cost,
-                   f: &mut dyn FnMut() -> Result<Vec<f64>>|
+                   f: &mut dyn FnMut() -> Result<Vec<Vec<f64>>>|
      -> Result<()> {
         let name = format!("{op}/{cfg}");
         progress(&name);
-        let t = f()?;
-        out.timed.push((op.to_string(), cfg, cost, t));
+        for (o, t) in out.iter_mut().zip(f()?) {
+            o.timed.push((op.to_string(), cfg.clone(), cost, t));
+        }
         Ok(())
     };
+    macro_rules! side_by_side {
+        ($build:expr, $run:expr) => {
+            time_side_by_side(backends, opts, rounds, $build, &mut $run)
+        };
+    }
     for (i, s) in suite.indexer_logits.iter().enumerate() {
         add(
             "indexer_logits",
             indexer_logits_id(s),
             s.cost()?,
             &mut || {
-                time(
-                    backend,
-                    opts,
-                    || IndexerLogitsCase::build(backend, *s, 100 + i as u64),
-                    |c, b| c.run(b),
+                side_by_side!(
+                    || IndexerLogitsCase::build(first, *s, 100 + i as u64),
+                    |c: &mut IndexerLogitsCase<B>, b: &B| c.run(b)
                 )
             },
         )?;
     }
     for (i, s) in suite.topk.iter().enumerate() {
         add("topk", topk_id(s), s.cost()?, &mut || {
-            time(
-                backend,
-                opts,
-                || TopkCase::build(backend, *s, 200 + i as u64),
-                |c, b| c.run(b),
+            side_by_side!(
+                || TopkCase::build(first, *s, 200 + i as u64),
+                |c: &mut TopkCase<B>, b: &B| c.run(b)
             )
         })?;
     }
     for (i, s) in suite.sparse_mla.iter().enumerate() {
         add("sparse_mla", sparse_mla_id(s), s.cost(), &mut || {
-            time(
-                backend,
-                opts,
-                || SparseMlaCase::build(backend, *s, 300 + i as u64),
-                |c, b| c.run(b),
+            side_by_side!(
+                || SparseMlaCase::build(first, *s, 300 + i as u64),
+                |c: &mut SparseMlaCase<B>, b: &B| c.run(b)
             )
         })?;
     }
     for (i, s) in suite.sparse_mla_v4.iter().enumerate() {
         add("sparse_mla_v4", s.id(), s.cost(), &mut || {
-            time(
-                backend,
-                opts,
-                || SparseMlaV4Case::build(backend, *s, 350 + i as u64),
-                |c, b| c.run(b),
+            side_by_side!(
+                || SparseMlaV4Case::build(first, *s, 350 + i as u64),
+                |c: &mut SparseMlaV4Case<B>, b: &B| c.run(b)
             )
         })?;
     }
     for (i, s) in suite.stores.iter().enumerate() {
         let (op, cfg) = s.id();
         add(&op, cfg, s.cost(), &mut || {
-            time(
-                backend,
-                opts,
-                || StoreCase::build(backend, *s, 400 + i as u64),
-                |c, b| c.run(b),
+            side_by_side!(
+                || StoreCase::build(first, *s, 400 + i as u64),
+                |c: &mut StoreCase<B>, b: &B| c.run(b)
             )
         })?;
     }
     for (i, s) in suite.copies.iter().enumerate() {
         add("copy_pages", s.id(), s.cost(), &mut || {
-            time(
-                backend,
-                opts,
-                || CopyCase::build(backend, *s, 500 + i as u64),
-                |c, b| c.run(b),
+            side_by_side!(
+                || CopyCase::build(first, *s, 500 + i as u64),
+                |c: &mut CopyCase<B>, b: &B| c.run(b)
             )
         })?;
     }
     for (i, s) in suite.checksums.iter().enumerate() {
         add("page_checksums", s.id(), s.cost(), &mut || {
-            time(
-                backend,
-                opts,
-                || ChecksumCase::build(backend, *s, 600 + i as u64),
-                |c, b| c.run(b),
+            side_by_side!(
+                || ChecksumCase::build(first, *s, 600 + i as u64),
+                |c: &mut ChecksumCase<B>, b: &B| c.run(b)
             )
         })?;
     }
@@ -192,6 +223,7 @@ pub fn backend_copy_roofline<B: Backend>(backend: &B, suite: &Suite) -> Result<R
         copy_buffer_bytes: shape.cost().bytes as usize / 2,
         fma_flops_per_s: f64::INFINITY,
         fma_isa: "not measured",
+        bf16_dot_flops_per_s: 0.0,
         threads: 0,
     })
 }

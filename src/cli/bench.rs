@@ -32,9 +32,21 @@ pub struct Args {
     /// copy_pages, page_checksums); the copy ceiling is measured whatever the filter.
     #[arg(long, value_delimiter = ',')]
     op: Vec<String>,
+    /// The cpu backend on these vector paths side by side in one run (`all`, or a list of
+    /// avx512bf16, avx512, avx2, scalar): each case is built once and timed on every path
+    /// in alternation, each path read against its own roofline; `--samples` calls per
+    /// path and round.
+    #[arg(long, value_delimiter = ',')]
+    isa: Vec<String>,
+    /// Rounds of alternation between the paths of `--isa`.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
 }
 
 pub fn run(args: Args) -> Result<ExitCode, CliError> {
+    if !args.isa.is_empty() {
+        return paths(&args);
+    }
     struct Bench<'a>(&'a Args);
     impl OnBackend for Bench<'_> {
         type Output = ExitCode;
@@ -93,49 +105,61 @@ fn bench<B: Backend>(backend: &B, args: &Args) -> Result<ExitCode, CliError> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// `--isa`: the cpu backend's vector paths side by side.
+fn paths(args: &Args) -> Result<ExitCode, CliError> {
+    use sparsekit::host::cpu::{CpuIsa, Isa};
+    if args.backend != "cpu" {
+        return Err("--isa compares the cpu backend's vector paths: use --backend cpu".into());
+    }
+    let isas: Vec<CpuIsa> = if args.isa.iter().any(|i| i == "all") {
+        CpuIsa::available()
+    } else {
+        args.isa
+            .iter()
+            .map(|name| {
+                let isa = Isa::parse(name).ok_or_else(|| {
+                    format!("unknown vector path {name:?} (avx512bf16, avx512, avx2, scalar, all)")
+                })?;
+                CpuIsa::new(isa).map_err(|e| CliError::from(format!("{name}: {e}")))
+            })
+            .collect::<Result<_, CliError>>()?
+    };
+    let (scale, effort) = if args.quick {
+        (Scale::Smoke, Effort::Quick)
+    } else {
+        (Scale::Full, Effort::Full)
+    };
+    let suite = only_ops(Suite::new(scale)?, &args.op)?;
+    let spinner = ProgressBar::new_spinner();
+    spinner.set_style(
+        ProgressStyle::with_template("{spinner} {elapsed} {msg}").map_err(|e| e.to_string())?,
+    );
+    spinner.enable_steady_tick(std::time::Duration::from_millis(200));
+    spinner.set_message("measuring the rooflines");
+    let opts = RunOptions {
+        warmup: if args.quick { 1 } else { 2 },
+        samples: args.samples.max(1),
+    };
+    let report =
+        sparsekit_benches::paths::run_paths(&isas, &suite, effort, opts, args.rounds, |name| {
+            spinner.set_message(name.to_string())
+        })?;
+    spinner.finish_and_clear();
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!("backend cpu, vector paths side by side");
+        println!("{}", report.table());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 /// `suite` reduced to the named ops (all of it when `ops` is empty).
 fn only_ops(mut suite: Suite, ops: &[String]) -> Result<Suite, CliError> {
-    const KNOWN: [&str; 8] = [
-        "indexer_logits",
-        "topk",
-        "sparse_mla",
-        "sparse_mla_v4",
-        "index_k_store",
-        "kv_store",
-        "copy_pages",
-        "page_checksums",
-    ];
-    if let Some(bad) = ops.iter().find(|o| !KNOWN.contains(&o.as_str())) {
-        return Err(format!("unknown op {bad:?} (known: {})", KNOWN.join(", ")).into());
+    if let Some(bad) = ops.iter().find(|o| !Suite::OPS.contains(&o.as_str())) {
+        return Err(format!("unknown op {bad:?} (known: {})", Suite::OPS.join(", ")).into());
     }
-    if ops.is_empty() {
-        return Ok(suite);
-    }
-    let want = |name: &str| ops.iter().any(|o| o == name);
-    if !want("indexer_logits") {
-        suite.indexer_logits.clear();
-    }
-    if !want("topk") {
-        suite.topk.clear();
-    }
-    if !want("sparse_mla") {
-        suite.sparse_mla.clear();
-    }
-    if !want("sparse_mla_v4") {
-        suite.sparse_mla_v4.clear();
-    }
-    if !want("copy_pages") {
-        suite.copies.clear();
-    }
-    if !want("page_checksums") {
-        suite.checksums.clear();
-    }
-    suite.stores.retain(|s| {
-        let name = match s {
-            sparsekit_benches::pages::StoreShape::IndexK { .. } => "index_k_store",
-            sparsekit_benches::pages::StoreShape::Kv { .. } => "kv_store",
-        };
-        want(name)
-    });
+    let ops: Vec<&str> = ops.iter().map(String::as_str).collect();
+    suite.retain_ops(&ops);
     Ok(suite)
 }
