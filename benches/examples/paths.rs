@@ -30,9 +30,13 @@ fn main() {
     let mut suite = Suite::new(Scale::Full).expect("suite");
     suite.retain_ops(&ops);
     let opts = RunOptions { warmup: 1, samples };
-    let rep = run_paths(&isas, &suite, Effort::Full, opts, rounds, |n| {
-        eprintln!("{n}")
-    })
-    .expect("bench run");
+    // SPARSEKIT_QUICK_ROOF=1: a short roofline (for profiling the ops).
+    let effort = if std::env::var_os("SPARSEKIT_QUICK_ROOF").is_some() {
+        Effort::Quick
+    } else {
+        Effort::Full
+    };
+    let rep =
+        run_paths(&isas, &suite, effort, opts, rounds, |n| eprintln!("{n}")).expect("bench run");
     println!("{}", rep.table());
 }

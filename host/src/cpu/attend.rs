@@ -22,6 +22,7 @@ use half::bf16;
 use super::dot::{bf16_daz, f32_daz, gemm_bf16, padded_cols, round_bf16_daz, PairDims};
 use super::gemm::{gemm_acc_pairs, Dims};
 use super::isa::{prefetch, CpuIsa};
+use super::transpose::transpose;
 use crate::layout::{KvDtype, KvLayout, FP8_DS_MLA_TILE, MODEL1_TILE};
 use sparsekit_kernels::fp8::e4m3_to_f32;
 use sparsekit_kernels::mx::ue8m0_to_f32;
@@ -55,7 +56,8 @@ pub(crate) struct Scratch {
     k: Vec<f32>,
     /// Scores `Sᵀ [BLOCK × hc]`.
     st: Vec<f32>,
-    /// Probabilities `[hc × BLOCK]`, rounded to bf16 (f32 paths).
+    /// Scores transposed `S [hc × BLOCK]`, then the probabilities (rounded to bf16 in
+    /// place on the f32 paths).
     p: Vec<f32>,
     /// Qᵀ as bf16 pairs `[d_qk/2 × padded hc]` (`avx512bf16`).
     qp: Vec<u32>,
@@ -67,12 +69,9 @@ pub(crate) struct Scratch {
     pb: Vec<u16>,
     /// Output accumulators `[hc × d_v]`.
     pub(crate) o: Vec<f32>,
-    /// Per head: running max, running sum, block max, block sum, correction.
+    /// Per head: running max, running sum.
     pub(crate) m: Vec<f32>,
     pub(crate) sum: Vec<f32>,
-    mx: Vec<f32>,
-    bsum: Vec<f32>,
-    corr: Vec<f32>,
     /// The token's valid keys: (source, slot), in attention order.
     pub(crate) valid: Vec<(u8, usize)>,
 }
@@ -84,7 +83,7 @@ impl Scratch {
         self.qt.resize(dqk * hc, 0.0);
         self.k.resize(BLOCK * dqk, 0.0);
         self.st.resize(BLOCK * hc, 0.0);
-        self.p.resize(hc * BLOCK, 0.0);
+        self.p.resize(hc.max(1) * BLOCK, 0.0);
         if isa.isa().bf16_dot() {
             self.qp.resize(dqk / 2 * padded_cols(hc), 0);
             self.kb.resize(BLOCK * dqk, 0);
@@ -92,15 +91,8 @@ impl Scratch {
             self.pb.resize(hc * BLOCK, 0);
         }
         self.o.resize(hc * dv, 0.0);
-        for v in [
-            &mut self.m,
-            &mut self.sum,
-            &mut self.mx,
-            &mut self.bsum,
-            &mut self.corr,
-        ] {
-            v.resize(hc, 0.0);
-        }
+        self.m.resize(hc, 0.0);
+        self.sum.resize(hc, 0.0);
     }
 }
 
@@ -135,51 +127,65 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
         o,
         m,
         sum,
-        mx,
-        bsum,
-        corr,
         valid,
+        ..
     } = scratch;
-    // The keys are scattered cache rows: ask for a block before it is gathered (the
-    // first one now, each next one while the current one is computed).
-    let fetch = |block: &[(u8, usize)]| {
-        for &(src, slot) in block {
-            let s = &sources[src as usize];
-            prefetch(&s.cache[s.layout.slot_token_bytes(slot)]);
-        }
+    // The keys are scattered cache rows: ask for each one a block before it is gathered
+    // (the first block now, then key j of the next block as key j of this one is
+    // gathered: the requests spread over the gather instead of queueing up at once).
+    let fetch = |&(src, slot): &(u8, usize)| {
+        let s = &sources[src as usize];
+        prefetch(&s.cache[s.layout.slot_token_bytes(slot)]);
     };
-    fetch(&valid[..valid.len().min(BLOCK)]);
-    // Qᵀ [d_qk × hc], once per task (rows of Qᵀ written whole).
-    for (pp, row) in qt.chunks_exact_mut(hc).enumerate() {
-        for (i, x) in row.iter_mut().enumerate() {
-            *x = bf16_daz(q[i * dqk + pp].to_bits());
-        }
-    }
-    if bf16_dot {
-        for (pp, row) in qp.chunks_exact_mut(ldq).enumerate() {
-            for (i, x) in row[..hc].iter_mut().enumerate() {
-                let pair = &q[i * dqk + 2 * pp..][..2];
-                *x = pair[0].to_bits() as u32 | (pair[1].to_bits() as u32) << 16;
+    valid[..valid.len().min(BLOCK)].iter().for_each(fetch);
+    // Qᵀ once per task, through `k` as a staging area (hc ≤ BLOCK rows): as bf16 pairs on
+    // the avx512bf16 path, as f32 otherwise (there too when a block needs it).
+    let mut have_qt = false;
+    let build_qt = |k: &mut [f32], qt: &mut [f32]| {
+        for (row, qr) in k.chunks_exact_mut(dqk).zip(q.chunks_exact(dqk)).take(hc) {
+            for (x, v) in row.iter_mut().zip(qr) {
+                *x = bf16_daz(v.to_bits());
             }
         }
+        transpose(isa, hc, dqk, k, dqk, qt, hc);
+    };
+    if bf16_dot {
+        let half = dqk / 2;
+        for (row, qr) in k.chunks_exact_mut(half).zip(q.chunks_exact(dqk)).take(hc) {
+            for (x, v) in row.iter_mut().zip(qr.chunks_exact(2)) {
+                *x = f32::from_bits(v[0].to_bits() as u32 | (v[1].to_bits() as u32) << 16);
+            }
+        }
+        // A transpose moves bits only: the pairs arrive intact.
+        let qp_bits: &mut [f32] = bytemuck::cast_slice_mut(&mut qp[..]);
+        transpose(isa, hc, half, k, half, qp_bits, ldq);
+    } else {
+        build_qt(k, qt);
+        have_qt = true;
     }
     o.fill(0.0);
     m.fill(f32::NEG_INFINITY);
     sum.fill(0.0);
     for (b, block) in valid.chunks(BLOCK).enumerate() {
         let n = block.len();
-        if let Some(next) = valid.get((b + 1) * BLOCK..) {
-            fetch(&next[..next.len().min(BLOCK)]);
-        }
+        let next = valid.get((b + 1) * BLOCK..).unwrap_or(&[]);
         let mut exact = bf16_dot;
         if bf16_dot {
             for (j, &(src, slot)) in block.iter().enumerate() {
+                next.get(j).map(fetch);
                 let s = &sources[src as usize];
                 exact &= load_row_bf16(s.layout, s.cache, slot, &mut kb[j * dqk..(j + 1) * dqk]);
             }
         }
         if !exact {
+            if !have_qt {
+                build_qt(k, qt);
+                have_qt = true;
+            }
             for (j, &(src, slot)) in block.iter().enumerate() {
+                if !bf16_dot {
+                    next.get(j).map(fetch);
+                }
                 let s = &sources[src as usize];
                 load_row(s.layout, s.cache, slot, &mut k[j * dqk..(j + 1) * dqk]);
             }
@@ -207,31 +213,18 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
             };
             gemm_acc_pairs(isa, dims, k, qt, st);
         }
-        // Online softmax over the block: p = exp(s·scale − max), per head in slot order.
-        mx.copy_from_slice(m);
-        for row in st[..n * hc].chunks_exact_mut(hc) {
-            for (x, mxi) in row.iter_mut().zip(mx.iter_mut()) {
-                *x *= d.scale;
-                *mxi = mxi.max(*x);
-            }
-        }
+        // S = (Sᵀ)ᵀ: a head's scores contiguous, then the online softmax along them.
+        transpose(isa, n, hc, st, hc, p, BLOCK);
         for i in 0..hc {
-            corr[i] = (m[i] - mx[i]).exp();
-        }
-        bsum.fill(0.0);
-        for (j, row) in st[..n * hc].chunks_exact(hc).enumerate() {
-            for (i, &x) in row.iter().enumerate() {
-                let e = (x - mx[i]).exp();
-                p[i * BLOCK + j] = e;
-                bsum[i] += e;
-            }
-        }
-        for i in 0..hc {
-            sum[i] = sum[i] * corr[i] + bsum[i];
-            m[i] = mx[i];
-            let c = corr[i];
-            for x in &mut o[i * dv..(i + 1) * dv] {
-                *x *= c;
+            let row = &mut p[i * BLOCK..i * BLOCK + n];
+            let (mi, bsum) = softmax_row(row, d.scale, m[i]);
+            let corr = exp_lanes(m[i] - mi);
+            (m[i], sum[i]) = (mi, sum[i] * corr + bsum);
+            // Rescale O when the running max moved (`x · 1 = x` otherwise).
+            if corr != 1.0 {
+                for x in &mut o[i * dv..(i + 1) * dv] {
+                    *x *= corr;
+                }
             }
         }
         // O += P · V, V = the first d_v columns of K.
@@ -268,7 +261,7 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
             };
             gemm_bf16(isa, dims, pb, vp, o);
         } else {
-            for row in p.chunks_exact_mut(BLOCK) {
+            for row in p.chunks_exact_mut(BLOCK).take(hc) {
                 for x in &mut row[..n] {
                     *x = bf16_daz(round_bf16_daz(*x));
                 }
@@ -283,6 +276,87 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
             };
             gemm_acc_pairs(isa, dims, p, k, o);
         }
+    }
+}
+
+/// Lanes of the softmax's reductions: a fixed structure, so every path (whatever its vector
+/// width) does the same operations.
+const LANES: usize = 16;
+
+/// One head's scores of a block, in place: `x·scale`, the new running max `m' = max(m,
+/// max x)` (±0 read as +0), then `exp(x − m')`. Returns `m'` and the block's sum of the
+/// exponentials, summed in [`LANES`] lanes (score `j` into lane `j % 16`, in order) then a
+/// fixed pairwise tree.
+#[inline(always)]
+fn softmax_row(row: &mut [f32], scale: f32, m: f32) -> (f32, f32) {
+    let mut mx = [f32::NEG_INFINITY; LANES];
+    for c in row.chunks_mut(LANES) {
+        for (x, a) in c.iter_mut().zip(&mut mx) {
+            *x *= scale;
+            *a = a.max(*x);
+        }
+    }
+    let m = tree(mx, f32::max).max(m) + 0.0;
+    let mut sum = [0f32; LANES];
+    for c in row.chunks_mut(LANES) {
+        for (x, a) in c.iter_mut().zip(&mut sum) {
+            *x = exp_lanes(*x - m);
+            *a += *x;
+        }
+    }
+    (m, tree(sum, |a, b| a + b))
+}
+
+/// `f` over the lanes as a pairwise tree: 16 → 8 → 4 → 2 → 1.
+#[inline(always)]
+fn tree(mut a: [f32; LANES], f: impl Fn(f32, f32) -> f32) -> f32 {
+    let mut w = LANES;
+    while w > 1 {
+        w /= 2;
+        for i in 0..w {
+            a[i] = f(a[i], a[i + w]);
+        }
+    }
+    a[0]
+}
+
+/// `exp(x)`: the bits of [`sparsekit_kernels::math::exp_portable`] (correctly rounded f32
+/// operations only, so the same on every path and backend), written with selects instead
+/// of branches so that it vectorises.
+#[inline(always)]
+pub(crate) fn exp_lanes(x: f32) -> f32 {
+    use sparsekit_kernels::math::LOG2_E;
+    const SHIFTER: f32 = 12_582_912.0;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    // max/min drop a NaN (`clamp` would keep it): the arithmetic below always sees a
+    // number in range.
+    #[allow(clippy::manual_clamp, reason = "a NaN must become a number here")]
+    let xc = x.max(-104.0).min(89.0);
+    let t = xc * LOG2_E + SHIFTER;
+    let n = t - SHIFTER;
+    let r = (-n).mul_add(LN2_HI, xc);
+    let r = (-n).mul_add(LN2_LO, r);
+    let mut p: f32 = 1.0 / 5040.0;
+    p = p.mul_add(r, 1.0 / 720.0);
+    p = p.mul_add(r, 1.0 / 120.0);
+    p = p.mul_add(r, 1.0 / 24.0);
+    p = p.mul_add(r, 1.0 / 6.0);
+    p = p.mul_add(r, 0.5);
+    p = p.mul_add(r, 1.0);
+    p = p.mul_add(r, 1.0);
+    // `n` as an integer: |n| ≤ 150 sits in the low mantissa bits of `t` (an integer-valued
+    // float of exponent 23): `n as i32` without a float-to-int conversion.
+    let n = t.to_bits() as i32 - SHIFTER.to_bits() as i32;
+    let half = n / 2;
+    let pow2 = |e: i32| f32::from_bits(((e + 127) as u32) << 23);
+    let v = p * pow2(half) * pow2(n - half);
+    let v = if x < -103.98 { 0.0 } else { v };
+    let v = if x > 88.73 { f32::INFINITY } else { v };
+    if x.is_nan() {
+        x
+    } else {
+        v
     }
 }
 
@@ -385,4 +459,37 @@ fn load_row_bf16(l: &KvLayout, cache: &[u8], slot: usize, row: &mut [u16]) -> bo
         *x = u16::from_le_bytes([b[0], b[1]]);
     }
     low == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `exp_lanes` gives `exp_portable`'s bits everywhere, edges included.
+    #[test]
+    fn exp_lanes_is_exp_portable() {
+        use sparsekit_kernels::math::exp_portable;
+        let mut x = -120.0f32;
+        while x < 100.0 {
+            for y in [x, -x, x + 1e-3] {
+                assert_eq!(exp_lanes(y).to_bits(), exp_portable(y).to_bits(), "{y}");
+            }
+            x += 0.0137;
+        }
+        for y in [
+            0.0,
+            -0.0,
+            88.73,
+            88.7301,
+            -103.98,
+            -103.9801,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::MIN_POSITIVE,
+            1e-30,
+        ] {
+            assert_eq!(exp_lanes(y).to_bits(), exp_portable(y).to_bits(), "{y}");
+        }
+        assert!(exp_lanes(f32::NAN).is_nan());
+    }
 }

@@ -20,6 +20,7 @@ pub mod sparse_mla;
 pub mod sparse_mla_v4;
 pub mod store;
 pub mod topk;
+pub mod transpose;
 
 use std::sync::Arc;
 
