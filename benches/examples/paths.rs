@@ -29,6 +29,17 @@ fn main() {
     let samples = args.get(3).and_then(|a| a.parse().ok()).unwrap_or(5);
     let mut suite = Suite::new(Scale::Full).expect("suite");
     suite.retain_ops(&ops);
+    // SPARSEKIT_CASE=SUBSTR: only the cases whose config names contain it.
+    if let Ok(case) = std::env::var("SPARSEKIT_CASE") {
+        use sparsekit_benches::{indexer_logits_id, sparse_mla_id};
+        suite
+            .indexer_logits
+            .retain(|s| indexer_logits_id(s).contains(&case));
+        suite
+            .sparse_mla
+            .retain(|s| sparse_mla_id(s).contains(&case));
+        suite.sparse_mla_v4.retain(|s| s.id().contains(&case));
+    }
     let opts = RunOptions { warmup: 1, samples };
     // SPARSEKIT_QUICK_ROOF=1: a short roofline (for profiling the ops).
     let effort = if std::env::var_os("SPARSEKIT_QUICK_ROOF").is_some() {

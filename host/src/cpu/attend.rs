@@ -19,12 +19,13 @@
 
 use half::bf16;
 
-use super::dot::{bf16_daz, f32_daz, gemm_bf16, padded_cols, round_bf16_daz, PairDims};
-use super::gemm::{gemm_acc_pairs, Dims};
+use super::dot::{
+    bf16_daz, e4m3_f32, f32_daz, gemm_bf16, gemm_bf16_into, padded_cols, round_bf16_daz, PairDims,
+};
+use super::gemm::{gemm_acc_pairs, gemm_pairs_into, Dims};
 use super::isa::{prefetch, CpuIsa};
 use super::transpose::transpose;
 use crate::layout::{KvDtype, KvLayout, FP8_DS_MLA_TILE, MODEL1_TILE};
-use sparsekit_kernels::fp8::e4m3_to_f32;
 use sparsekit_kernels::mx::ue8m0_to_f32;
 
 /// Keys per block.
@@ -190,7 +191,6 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
                 load_row(s.layout, s.cache, slot, &mut k[j * dqk..(j + 1) * dqk]);
             }
         }
-        st[..n * hc].fill(0.0);
         // Sᵀ[keys × hc] = K[keys × d_qk] · Qᵀ
         if exact {
             let dims = PairDims {
@@ -201,7 +201,7 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
                 ldb: ldq,
                 ldc: hc,
             };
-            gemm_bf16(isa, dims, kb, qp, st);
+            gemm_bf16_into(isa, dims, kb, qp, st);
         } else {
             let dims = Dims {
                 m: n,
@@ -211,7 +211,7 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
                 ldb: hc,
                 ldc: hc,
             };
-            gemm_acc_pairs(isa, dims, k, qt, st);
+            gemm_pairs_into(isa, dims, k, qt, st);
         }
         // S = (Sᵀ)ᵀ: a head's scores contiguous, then the online softmax along them.
         transpose(isa, n, hc, st, hc, p, BLOCK);
@@ -384,7 +384,7 @@ pub(crate) fn load_row(l: &KvLayout, cache: &[u8], slot: usize, row: &mut [f32])
                 let s =
                     f32::from_le_bytes([sc[4 * t], sc[4 * t + 1], sc[4 * t + 2], sc[4 * t + 3]]);
                 for (x, &c) in xs.iter_mut().zip(codes) {
-                    *x = f32_daz(e4m3_to_f32(c) * s);
+                    *x = f32_daz(e4m3_f32(c) * s);
                 }
             }
         }
@@ -397,7 +397,7 @@ pub(crate) fn load_row(l: &KvLayout, cache: &[u8], slot: usize, row: &mut [f32])
             {
                 let s = ue8m0_to_f32(b);
                 for (x, &c) in xs.iter_mut().zip(codes) {
-                    *x = f32_daz(e4m3_to_f32(c) * s);
+                    *x = f32_daz(e4m3_f32(c) * s);
                 }
             }
         }
@@ -432,7 +432,7 @@ fn load_row_bf16(l: &KvLayout, cache: &[u8], slot: usize, row: &mut [u16]) -> bo
                 let s =
                     f32::from_le_bytes([sc[4 * t], sc[4 * t + 1], sc[4 * t + 2], sc[4 * t + 3]]);
                 for (x, &c) in xs.iter_mut().zip(codes) {
-                    let v = f32_daz(e4m3_to_f32(c) * s);
+                    let v = f32_daz(e4m3_f32(c) * s);
                     low |= v.to_bits() & 0xffff;
                     *x = bits(v);
                 }
@@ -448,7 +448,7 @@ fn load_row_bf16(l: &KvLayout, cache: &[u8], slot: usize, row: &mut [u16]) -> bo
             {
                 let s = ue8m0_to_f32(b);
                 for (x, &c) in xs.iter_mut().zip(codes) {
-                    let v = f32_daz(e4m3_to_f32(c) * s);
+                    let v = f32_daz(e4m3_f32(c) * s);
                     low |= v.to_bits() & 0xffff;
                     *x = bits(v);
                 }

@@ -71,6 +71,24 @@ pub fn round_bf16_daz(x: f32) -> u16 {
     }
 }
 
+/// An fp8 e4m3fn code's value (exact; the same bits as
+/// [`sparsekit_kernels::fp8::e4m3_to_f32`] for every code), with one multiply instead of
+/// selects so that a row of codes vectorises: the code's exponent and mantissa fields
+/// placed in an f32 (a subnormal one for exponent 0) times 2^120. Its top 16 bits are its
+/// bf16 bits (at most 4 significant bits).
+#[inline(always)]
+pub fn e4m3_f32(code: u8) -> f32 {
+    let c = code as u32;
+    let v = f32::from_bits((c & 0x7f) << 20) * f32::from_bits(0x7b80_0000);
+    let sign = (c & 0x80) << 24;
+    let bits = if c & 0x7f == 0x7f {
+        0x7fc0_0000
+    } else {
+        v.to_bits()
+    };
+    f32::from_bits(bits | sign)
+}
+
 /// Whether an f32 is exactly a bf16 value (its low 16 bits are zero).
 #[inline(always)]
 pub fn is_bf16(x: f32) -> bool {
@@ -99,7 +117,28 @@ pub const fn padded_cols(n: usize) -> usize {
 /// `vdpbf16ps` kernel; on any other path an emulation of it with f32 FMAs (exact, with
 /// its flushes: for tests, not speed). Panics if a slice is too short for `d`.
 pub fn gemm_bf16(isa: CpuIsa, d: PairDims, a: &[u16], b: &[u32], c: &mut [f32]) {
-    if d.m == 0 || d.n == 0 || d.k2 == 0 {
+    run(isa, d, a, b, c, false)
+}
+
+/// [`gemm_bf16`] into `C = A · B`: each element's chain starts from `+0` (C is not read).
+pub fn gemm_bf16_into(isa: CpuIsa, d: PairDims, a: &[u16], b: &[u32], c: &mut [f32]) {
+    run(isa, d, a, b, c, true)
+}
+
+fn run(isa: CpuIsa, d: PairDims, a: &[u16], b: &[u32], c: &mut [f32], zero: bool) {
+    if d.m == 0 || d.n == 0 {
+        return;
+    }
+    if zero {
+        assert!(d.ldc >= d.n && c.len() >= (d.m - 1) * d.ldc + d.n);
+        if d.k2 == 0 {
+            for i in 0..d.m {
+                c[i * d.ldc..][..d.n].fill(0.0);
+            }
+            return;
+        }
+    }
+    if d.k2 == 0 {
         return;
     }
     assert!(d.lda >= 2 * d.k2 && d.ldb >= padded_cols(d.n) && d.ldc >= d.n);
@@ -111,15 +150,15 @@ pub fn gemm_bf16(isa: CpuIsa, d: PairDims, a: &[u16], b: &[u32], c: &mut [f32]) 
         // SAFETY: a `CpuIsa` of the avx512bf16 path exists only on a CPU with AVX-512F,
         // AVX-512BW and AVX512_BF16 (checked when it was made); the slices hold `d`
         // (asserted above), which is all the kernel reads and writes.
-        unsafe { x86::gemm(d, a.as_ptr(), b.as_ptr(), c.as_mut_ptr()) };
+        unsafe { x86::gemm(d, a.as_ptr(), b.as_ptr(), c.as_mut_ptr(), zero) };
         return;
     }
     let _ = isa;
-    emulate(d, a, b, c);
+    emulate(d, a, b, c, zero);
 }
 
 /// The kernel's arithmetic in f32 FMAs with its flushes (module docs).
-fn emulate(d: PairDims, a: &[u16], b: &[u32], c: &mut [f32]) {
+fn emulate(d: PairDims, a: &[u16], b: &[u32], c: &mut [f32], zero: bool) {
     let ftz = |x: f32| {
         if x.is_subnormal() {
             0f32.copysign(x)
@@ -129,7 +168,7 @@ fn emulate(d: PairDims, a: &[u16], b: &[u32], c: &mut [f32]) {
     };
     for i in 0..d.m {
         for j in 0..d.n {
-            let mut x = ftz(c[i * d.ldc + j]);
+            let mut x = if zero { 0.0 } else { ftz(c[i * d.ldc + j]) };
             for p in 0..d.k2 {
                 let pb = b[p * d.ldb + j];
                 let (b0, b1) = (bf16_daz(pb as u16), bf16_daz((pb >> 16) as u16));
@@ -169,7 +208,7 @@ mod x86 {
     /// The CPU has AVX-512F, AVX-512BW and AVX512_BF16; the pointers hold `d` as
     /// [`super::gemm_bf16`] checks.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    pub(super) unsafe fn gemm(d: PairDims, a: *const u16, b: *const u32, c: *mut f32) {
+    pub(super) unsafe fn gemm(d: PairDims, a: *const u16, b: *const u32, c: *mut f32, zero: bool) {
         let mut j = 0;
         while j < d.n {
             let cols = (d.n - j).min(TILE_COLS);
@@ -184,11 +223,15 @@ mod x86 {
             // are inside the slices; the features are the caller's.
             unsafe {
                 let (bj, cj) = (b.add(j), c.add(j));
-                match nv {
-                    4 => rows::<6, 4>(&d, a, bj, cj, last),
-                    3 => rows::<8, 3>(&d, a, bj, cj, last),
-                    2 => rows::<12, 2>(&d, a, bj, cj, last),
-                    _ => rows::<16, 1>(&d, a, bj, cj, last),
+                match (nv, zero) {
+                    (4, false) => rows::<6, 4, false>(&d, a, bj, cj, last),
+                    (3, false) => rows::<8, 3, false>(&d, a, bj, cj, last),
+                    (2, false) => rows::<12, 2, false>(&d, a, bj, cj, last),
+                    (_, false) => rows::<16, 1, false>(&d, a, bj, cj, last),
+                    (4, true) => rows::<6, 4, true>(&d, a, bj, cj, last),
+                    (3, true) => rows::<8, 3, true>(&d, a, bj, cj, last),
+                    (2, true) => rows::<12, 2, true>(&d, a, bj, cj, last),
+                    (_, true) => rows::<16, 1, true>(&d, a, bj, cj, last),
                 }
             }
             j += TILE_COLS;
@@ -201,7 +244,7 @@ mod x86 {
     /// As [`gemm`], for the block's columns.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     #[inline]
-    unsafe fn rows<const R: usize, const NV: usize>(
+    unsafe fn rows<const R: usize, const NV: usize, const ZERO: bool>(
         d: &PairDims,
         a: *const u16,
         b: *const u32,
@@ -213,20 +256,20 @@ mod x86 {
         // caller's precondition), on a CPU with the features.
         unsafe {
             while d.m - i >= R {
-                tile::<R, NV>(d, a.add(i * d.lda), b, c.add(i * d.ldc), last);
+                tile::<R, NV, ZERO>(d, a.add(i * d.lda), b, c.add(i * d.ldc), last);
                 i += R;
             }
             if NV <= 2 && d.m - i >= 8 {
-                tile::<8, NV>(d, a.add(i * d.lda), b, c.add(i * d.ldc), last);
+                tile::<8, NV, ZERO>(d, a.add(i * d.lda), b, c.add(i * d.ldc), last);
                 i += 8;
             }
             for step in [4, 2, 1] {
                 if d.m - i >= step {
                     let (ai, ci) = (a.add(i * d.lda), c.add(i * d.ldc));
                     match step {
-                        4 => tile::<4, NV>(d, ai, b, ci, last),
-                        2 => tile::<2, NV>(d, ai, b, ci, last),
-                        _ => tile::<1, NV>(d, ai, b, ci, last),
+                        4 => tile::<4, NV, ZERO>(d, ai, b, ci, last),
+                        2 => tile::<2, NV, ZERO>(d, ai, b, ci, last),
+                        _ => tile::<1, NV, ZERO>(d, ai, b, ci, last),
                     }
                     i += step;
                 }
@@ -242,7 +285,7 @@ mod x86 {
     /// As [`gemm`], for rows `0 .. R` and `NV` vectors of columns from the pointers.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     #[inline]
-    unsafe fn tile<const R: usize, const NV: usize>(
+    unsafe fn tile<const R: usize, const NV: usize, const ZERO: bool>(
         d: &PairDims,
         a: *const u16,
         b: *const u32,
@@ -253,7 +296,7 @@ mod x86 {
         // (the caller's precondition); the reads of A are unaligned 4-byte loads.
         unsafe {
             let mut acc = [[_mm512_setzero_ps(); NV]; R];
-            for (r, row) in acc.iter_mut().enumerate() {
+            for (r, row) in acc.iter_mut().enumerate().filter(|_| !ZERO) {
                 for (v, x) in row.iter_mut().enumerate() {
                     let p = c.add(r * d.ldc + 16 * v);
                     *x = if v + 1 == NV {
@@ -347,9 +390,22 @@ mod tests {
                 .collect();
             let (mut got, mut want) = (c0.clone(), c0.clone());
             gemm_bf16(isa, d, &a, &b, &mut got);
-            emulate(d, &a, &b, &mut want);
+            emulate(d, &a, &b, &mut want, false);
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert_eq!(g.to_bits(), w.to_bits(), "m={m} n={n} k2={k2} element {i}");
+            }
+            let (mut got, mut want) = (vec![f32::NAN; c0.len()], c0.clone());
+            gemm_bf16_into(isa, d, &a, &b, &mut got);
+            emulate(d, &a, &b, &mut want, true);
+            for i in 0..m {
+                for j in 0..n {
+                    let e = i * d.ldc + j;
+                    assert_eq!(
+                        got[e].to_bits(),
+                        want[e].to_bits(),
+                        "into m={m} n={n} k2={k2}"
+                    );
+                }
             }
         }
     }
@@ -397,7 +453,7 @@ mod tests {
                 ldb,
                 ldc: n,
             };
-            emulate(d, &a16, &bp, &mut want);
+            emulate(d, &a16, &bp, &mut want, false);
             let a32: Vec<f32> = a16.iter().map(|&x| bf16_daz(x)).collect();
             let b32: Vec<f32> = bk.iter().map(|&x| bf16_daz(x)).collect();
             for isa in CpuIsa::available() {
@@ -428,6 +484,15 @@ mod tests {
                     isa.isa()
                 );
             }
+        }
+    }
+
+    #[test]
+    fn e4m3_f32_is_the_codec() {
+        for c in 0..=255u8 {
+            let (a, b) = (e4m3_f32(c), sparsekit_kernels::fp8::e4m3_to_f32(c));
+            assert_eq!(a.to_bits(), b.to_bits(), "code {c:#x}");
+            assert!(is_bf16(a));
         }
     }
 

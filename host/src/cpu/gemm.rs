@@ -45,6 +45,18 @@ pub fn gemm_acc_pairs(isa: CpuIsa, d: Dims, a: &[f32], b: &[f32], c: &mut [f32])
     }
 }
 
+/// [`gemm_acc_pairs`] into `C = A · B`: each element's chain starts from `+0` instead of
+/// C's value (the same bits as zeroing C first; C is not read).
+pub fn gemm_pairs_into(isa: CpuIsa, d: Dims, a: &[f32], b: &[f32], c: &mut [f32]) {
+    if check(d, a, b, c) {
+        gemm_pairs_into_paths(isa, d, a, b, c)
+    } else if d.k == 0 {
+        for i in 0..d.m {
+            c[i * d.ldc..][..d.n].fill(0.0);
+        }
+    }
+}
+
 /// Asserts the slices hold `d`; whether there is anything to compute.
 fn check(d: Dims, a: &[f32], b: &[f32], c: &mut [f32]) -> bool {
     if d.m == 0 || d.n == 0 {
@@ -68,13 +80,19 @@ const fn nr(isa: Isa) -> usize {
 crate::isa_dispatch! {
     /// [`gemm_generic`] with the path's tile width, compiled for each path.
     fn gemm_paths(d: Dims, a: &[f32], b: &[f32], c: &mut [f32])
-        = |ISA| gemm_generic::<{ nr(ISA.isa()) }, false>(d, a, b, c);
+        = |ISA| gemm_generic::<{ nr(ISA.isa()) }, false, false>(d, a, b, c);
 }
 
 crate::isa_dispatch! {
     /// [`gemm_generic`] in pair order with the path's tile width, compiled for each path.
     fn gemm_pairs_paths(d: Dims, a: &[f32], b: &[f32], c: &mut [f32])
-        = |ISA| gemm_generic::<{ nr(ISA.isa()) }, true>(d, a, b, c);
+        = |ISA| gemm_generic::<{ nr(ISA.isa()) }, true, false>(d, a, b, c);
+}
+
+crate::isa_dispatch! {
+    /// [`gemm_generic`] in pair order from zero, with the path's tile width.
+    fn gemm_pairs_into_paths(d: Dims, a: &[f32], b: &[f32], c: &mut [f32])
+        = |ISA| gemm_generic::<{ nr(ISA.isa()) }, true, true>(d, a, b, c);
 }
 
 /// The `step`-th index of the accumulation order over `k` (module docs): `step` itself,
@@ -110,7 +128,12 @@ fn tail(x: f32, a: f32, b: f32) -> f32 {
 /// taller than `MR` (enough independent accumulators to hide the FMA latency), then
 /// scalars; every element keeps the same per-element operation order.
 #[inline(always)]
-fn gemm_generic<const NR: usize, const PAIRS: bool>(d: Dims, a: &[f32], b: &[f32], c: &mut [f32]) {
+fn gemm_generic<const NR: usize, const PAIRS: bool, const ZERO: bool>(
+    d: Dims,
+    a: &[f32],
+    b: &[f32],
+    c: &mut [f32],
+) {
     let n_full = d.n / NR * NR;
     let mut i = 0;
     while i < d.m {
@@ -118,14 +141,14 @@ fn gemm_generic<const NR: usize, const PAIRS: bool>(d: Dims, a: &[f32], b: &[f32
         let mut j = 0;
         while j < n_full {
             match rows {
-                MR => tile::<MR, NR, PAIRS>(d, a, b, c, i, j),
-                5 => tile::<5, NR, PAIRS>(d, a, b, c, i, j),
-                4 => tile::<4, NR, PAIRS>(d, a, b, c, i, j),
-                3 => tile::<3, NR, PAIRS>(d, a, b, c, i, j),
-                2 => tile::<2, NR, PAIRS>(d, a, b, c, i, j),
+                MR => tile::<MR, NR, PAIRS, ZERO>(d, a, b, c, i, j),
+                5 => tile::<5, NR, PAIRS, ZERO>(d, a, b, c, i, j),
+                4 => tile::<4, NR, PAIRS, ZERO>(d, a, b, c, i, j),
+                3 => tile::<3, NR, PAIRS, ZERO>(d, a, b, c, i, j),
+                2 => tile::<2, NR, PAIRS, ZERO>(d, a, b, c, i, j),
                 _ => {
                     for r in i..i + rows {
-                        tile::<1, NR, PAIRS>(d, a, b, c, r, j);
+                        tile::<1, NR, PAIRS, ZERO>(d, a, b, c, r, j);
                     }
                 }
             }
@@ -136,23 +159,23 @@ fn gemm_generic<const NR: usize, const PAIRS: bool>(d: Dims, a: &[f32], b: &[f32
     let mut j = n_full;
     if NR > 16 && d.n - j >= 16 {
         // One vector per row: 12 rows in flight.
-        narrow::<16, 12, PAIRS>(d, a, b, c, j);
+        narrow::<16, 12, PAIRS, ZERO>(d, a, b, c, j);
         j += 16;
     }
     if d.n - j >= 8 {
-        narrow::<8, 12, PAIRS>(d, a, b, c, j);
+        narrow::<8, 12, PAIRS, ZERO>(d, a, b, c, j);
         j += 8;
     }
     if j < d.n {
         for r in 0..d.m {
-            edge::<PAIRS>(d, a, b, c, r, j);
+            edge::<PAIRS, ZERO>(d, a, b, c, r, j);
         }
     }
 }
 
 /// Columns `j .. j + W` of every row, in tiles of `R` rows (then 8, 4, 2, 1).
 #[inline(always)]
-fn narrow<const W: usize, const R: usize, const PAIRS: bool>(
+fn narrow<const W: usize, const R: usize, const PAIRS: bool, const ZERO: bool>(
     d: Dims,
     a: &[f32],
     b: &[f32],
@@ -161,16 +184,16 @@ fn narrow<const W: usize, const R: usize, const PAIRS: bool>(
 ) {
     let mut i = 0;
     while d.m - i >= R {
-        tile::<R, W, PAIRS>(d, a, b, c, i, j);
+        tile::<R, W, PAIRS, ZERO>(d, a, b, c, i, j);
         i += R;
     }
     for step in [8, 4, 2, 1] {
         if step < R && d.m - i >= step {
             match step {
-                8 => tile::<8, W, PAIRS>(d, a, b, c, i, j),
-                4 => tile::<4, W, PAIRS>(d, a, b, c, i, j),
-                2 => tile::<2, W, PAIRS>(d, a, b, c, i, j),
-                _ => tile::<1, W, PAIRS>(d, a, b, c, i, j),
+                8 => tile::<8, W, PAIRS, ZERO>(d, a, b, c, i, j),
+                4 => tile::<4, W, PAIRS, ZERO>(d, a, b, c, i, j),
+                2 => tile::<2, W, PAIRS, ZERO>(d, a, b, c, i, j),
+                _ => tile::<1, W, PAIRS, ZERO>(d, a, b, c, i, j),
             }
             i += step;
         }
@@ -179,7 +202,7 @@ fn narrow<const W: usize, const R: usize, const PAIRS: bool>(
 }
 
 #[inline(always)]
-fn tile<const R: usize, const NR: usize, const PAIRS: bool>(
+fn tile<const R: usize, const NR: usize, const PAIRS: bool, const ZERO: bool>(
     d: Dims,
     a: &[f32],
     b: &[f32],
@@ -188,8 +211,10 @@ fn tile<const R: usize, const NR: usize, const PAIRS: bool>(
     j: usize,
 ) {
     let mut acc = [[0f32; NR]; R];
-    for (r, row) in acc.iter_mut().enumerate() {
-        row.copy_from_slice(&c[(i + r) * d.ldc + j..][..NR]);
+    if !ZERO {
+        for (r, row) in acc.iter_mut().enumerate() {
+            row.copy_from_slice(&c[(i + r) * d.ldc + j..][..NR]);
+        }
     }
     for step in 0..main_steps::<PAIRS>(d.k) {
         let p = order::<PAIRS>(step);
@@ -223,9 +248,16 @@ fn tile<const R: usize, const NR: usize, const PAIRS: bool>(
 }
 
 #[inline(always)]
-fn edge<const PAIRS: bool>(d: Dims, a: &[f32], b: &[f32], c: &mut [f32], i: usize, j0: usize) {
+fn edge<const PAIRS: bool, const ZERO: bool>(
+    d: Dims,
+    a: &[f32],
+    b: &[f32],
+    c: &mut [f32],
+    i: usize,
+    j0: usize,
+) {
     for j in j0..d.n {
-        let mut x = c[i * d.ldc + j];
+        let mut x = if ZERO { 0.0 } else { c[i * d.ldc + j] };
         for step in 0..main_steps::<PAIRS>(d.k) {
             let p = order::<PAIRS>(step);
             x = a[i * d.lda + p].mul_add(b[p * d.ldb + j], x);
@@ -314,6 +346,23 @@ mod tests {
                     }
                     let same = c1.iter().zip(&c2).all(|(x, y)| x.to_bits() == y.to_bits());
                     assert!(same, "m={m} n={n} k={k} pairs={pairs} {:?}", isa.isa());
+                    if pairs {
+                        // From zero: the bits of accumulating into zeros.
+                        let mut z = vec![0f32; c0.len()];
+                        naive(d, &a, &b, &mut z, true);
+                        c1.fill(f32::NAN);
+                        gemm_pairs_into(isa, d, &a, &b, &mut c1);
+                        for i in 0..m {
+                            for j in 0..n {
+                                let e = i * d.ldc + j;
+                                assert_eq!(
+                                    c1[e].to_bits(),
+                                    z[e].to_bits(),
+                                    "into m={m} n={n} k={k}"
+                                );
+                            }
+                        }
+                    }
                 }
             }
         }

@@ -18,12 +18,12 @@
 use half::bf16;
 use rayon::prelude::*;
 
-use super::dot::{bf16_daz, f32_daz, gemm_bf16, padded_cols, PairDims};
-use super::gemm::{gemm_acc_pairs, Dims};
+use super::dot::{bf16_daz, e4m3_f32, f32_daz, gemm_bf16_into, padded_cols, PairDims};
+use super::gemm::{gemm_pairs_into, Dims};
 use super::isa::{prefetch, CpuIsa};
+use super::transpose::transpose;
 use crate::layout::{IndexKDtype, IndexKLayout, FP4_GROUP};
 use crate::ops::{IndexerLogits, PageTable, QueryRange};
-use sparsekit_kernels::fp8::e4m3_to_f32;
 use sparsekit_kernels::mx::{e2m1_to_f32, ue8m0_to_f32};
 
 /// Keys per block (columns of one GEMM).
@@ -32,6 +32,9 @@ const BLOCK: usize = 64;
 const CHUNK: usize = 32 * BLOCK;
 /// Upper bound on `rows × n_heads` in one group (GEMM `m`).
 const GROUP_ROWS_X_HEADS: usize = 256;
+/// Keys of one GEMM call inside a block (the next block's keys are prefetched in steps of
+/// this many, one step before each call).
+const SUB: usize = 16;
 /// Groups of at least this many rows vectorise the head sums over rows, smaller ones over
 /// keys.
 const ROW_VECTOR: usize = 16;
@@ -103,6 +106,8 @@ struct Scratch {
     kb: Vec<u16>,
     /// `Cᵀ [BLOCK × m]`.
     c: Vec<f32>,
+    /// `C [m × BLOCK]` (few-row groups: their head sums run along keys).
+    ct: Vec<f32>,
     /// Weights head-major `[heads × rows]` (row-vectorised head sums).
     wt: Vec<f32>,
     /// A block's head sums `[BLOCK × rows]` (row-vectorised head sums).
@@ -203,35 +208,42 @@ impl Ctx<'_> {
             qp,
             kb,
             c,
+            ct,
             wt,
             hsum,
         } = scratch;
         let bf16_dot = self.isa.isa().bf16_dot();
         let ldq = padded_cols(m);
         c.resize(BLOCK * m, 0.0);
+        // `krows` stages Q in Qᵀ's column order (`hh·rr + r`) before the transpose.
+        krows.resize(BLOCK.max(m) * d, 0.0);
+        let staged = |r: usize, hh: usize| &qs[(r * h + hh) * d..][..d];
         if bf16_dot {
             qp.resize(d / 2 * ldq, 0);
             kb.resize(BLOCK * d, 0);
+            let half = d / 2;
             for r in 0..rr {
                 for hh in 0..h {
-                    let q = &qs[(r * h + hh) * d..][..d];
-                    for (p, x) in q.chunks_exact(2).enumerate() {
-                        qp[p * ldq + hh * rr + r] =
-                            x[0].to_bits() as u32 | (x[1].to_bits() as u32) << 16;
+                    let row = &mut krows[(hh * rr + r) * half..][..half];
+                    for (x, v) in row.iter_mut().zip(staged(r, hh).chunks_exact(2)) {
+                        *x = f32::from_bits(v[0].to_bits() as u32 | (v[1].to_bits() as u32) << 16);
                     }
                 }
             }
+            // A transpose moves bits only: the pairs arrive intact.
+            let bits: &mut [f32] = bytemuck::cast_slice_mut(&mut qp[..]);
+            transpose(self.isa, m, half, krows, half, bits, ldq);
         } else {
             qt.resize(d * m, 0.0);
-            krows.resize(BLOCK * d, 0.0);
             for r in 0..rr {
                 for hh in 0..h {
-                    let q = &qs[(r * h + hh) * d..][..d];
-                    for (p, x) in q.iter().enumerate() {
-                        qt[p * m + hh * rr + r] = bf16_daz(x.to_bits());
+                    let row = &mut krows[(hh * rr + r) * d..][..d];
+                    for (x, v) in row.iter_mut().zip(staged(r, hh)) {
+                        *x = bf16_daz(v.to_bits());
                     }
                 }
             }
+            transpose(self.isa, m, d, krows, d, qt, m);
         }
         let by_rows = rr >= ROW_VECTOR;
         if by_rows {
@@ -245,6 +257,9 @@ impl Ctx<'_> {
                 }
             }
         }
+        if !by_rows {
+            ct.resize(m * BLOCK, 0.0);
+        }
         let mut scale = [1f32; BLOCK];
         let mut acc = [0f32; BLOCK];
         let mut b0 = lo;
@@ -252,31 +267,53 @@ impl Ctx<'_> {
         while b0 < hi {
             let n = BLOCK.min(hi - b0);
             // The next block's keys (scattered pages) come in while this one is computed.
-            self.prefetch_keys(g.request, b0 + n, hi.min(b0 + n + BLOCK));
-            c[..m * BLOCK].fill(0.0);
-            // Cᵀ[keys × m] = K[keys × d] · Qᵀ[d × m]
+            let next = (b0 + n)..hi.min(b0 + n + BLOCK);
+            // Cᵀ[keys × m] = K[keys × d] · Qᵀ[d × m], in chunks of SUB keys, each after
+            // the prefetch of the next block's keys of the same chunk (requests spread over
+            // the block's compute instead of queueing up at once).
+            let chunks = (0..n).step_by(SUB).map(|s0| (s0, SUB.min(n - s0)));
+            let ahead = |s0: usize| {
+                let from = (next.start + s0).min(next.end);
+                self.prefetch_keys(g.request, from, (from + SUB).min(next.end));
+            };
             if bf16_dot {
-                self.load_rows_bf16(g.request, b0, n, kb, &mut scale);
-                let dims = PairDims {
-                    m: n,
-                    n: m,
-                    k2: d / 2,
-                    lda: d,
-                    ldb: ldq,
-                    ldc: m,
+                // bf16 keys of one page are read where they are.
+                let a: &[u16] = match self.keys_in_place(g.request, b0, n) {
+                    Some(a) => {
+                        scale[..n].fill(1.0);
+                        a
+                    }
+                    None => {
+                        self.load_rows_bf16(g.request, b0, n, kb, &mut scale);
+                        kb
+                    }
                 };
-                gemm_bf16(self.isa, dims, kb, qp, c);
+                for (s0, rows) in chunks {
+                    ahead(s0);
+                    let dims = PairDims {
+                        m: rows,
+                        n: m,
+                        k2: d / 2,
+                        lda: d,
+                        ldb: ldq,
+                        ldc: m,
+                    };
+                    gemm_bf16_into(self.isa, dims, &a[s0 * d..], qp, &mut c[s0 * m..]);
+                }
             } else {
                 self.load_rows(g.request, b0, n, krows, &mut scale);
-                let dims = Dims {
-                    m: n,
-                    n: m,
-                    k: d,
-                    lda: d,
-                    ldb: m,
-                    ldc: m,
-                };
-                gemm_acc_pairs(self.isa, dims, krows, qt, c);
+                for (s0, rows) in chunks {
+                    ahead(s0);
+                    let dims = Dims {
+                        m: rows,
+                        n: m,
+                        k: d,
+                        lda: d,
+                        ldb: m,
+                        ldc: m,
+                    };
+                    gemm_pairs_into(self.isa, dims, &krows[s0 * d..], qt, &mut c[s0 * m..]);
+                }
             }
             // The weighted ReLU head sum of every (row, key): `Σ_hh w·max(c, 0)` with one
             // FMA per head in head order, vectorised over the group's rows (many rows) or
@@ -321,29 +358,19 @@ impl Ctx<'_> {
                     }
                 }
             } else {
+                // C = (Cᵀ)ᵀ: a (head, row)'s scores contiguous over the block's keys.
+                transpose(self.isa, n, m, c, m, ct, BLOCK);
                 for (r, cell) in cells.iter_mut().enumerate() {
                     let row = &self.rows[g.first + r];
                     let w = &self.weights[(g.first + r) * h..(g.first + r + 1) * h];
-                    let mut j0 = 0;
-                    while j0 < n {
-                        let cnt = 16.min(n - j0);
-                        let mut a16 = [0f32; 16];
-                        let base = &c[j0 * m + r..];
-                        if cnt == 16 {
-                            for (hh, &wh) in w.iter().enumerate() {
-                                for (jj, a) in a16.iter_mut().enumerate() {
-                                    *a = wh.mul_add(base[jj * m + hh * rr].max(0.0), *a);
-                                }
-                            }
-                        } else {
-                            for (hh, &wh) in w.iter().enumerate() {
-                                for (jj, a) in a16[..cnt].iter_mut().enumerate() {
-                                    *a = wh.mul_add(base[jj * m + hh * rr].max(0.0), *a);
-                                }
-                            }
+                    // Every key of the block at once (independent chains); lanes past `n`
+                    // hold stale finite values and are never written out.
+                    acc.fill(0.0);
+                    for (hh, &wh) in w.iter().enumerate() {
+                        let cr = &ct[(hh * rr + r) * BLOCK..][..BLOCK];
+                        for (a, &x) in acc.iter_mut().zip(cr) {
+                            *a = wh.mul_add(x.max(0.0), *a);
                         }
-                        acc[j0..j0 + cnt].copy_from_slice(&a16[..cnt]);
-                        j0 += cnt;
                     }
                     let (rs, re) = (row.start as usize, row.end as usize);
                     for j in 0..n {
@@ -379,6 +406,26 @@ impl Ctx<'_> {
         }
     }
 
+    /// The bf16 keys at positions `b0..b0+n` as rows of `d` in the cache itself, when the
+    /// layout is bf16 and they lie in one page (their value rows are then contiguous).
+    #[inline(always)]
+    fn keys_in_place(&self, request: usize, b0: usize, n: usize) -> Option<&[u16]> {
+        let l = &self.layout;
+        if l.dtype() != IndexKDtype::Bf16 || n == 0 {
+            return None;
+        }
+        let ps = l.page_size();
+        let (first, last) = (
+            self.page_table.slot(request, b0, ps),
+            self.page_table.slot(request, b0 + n - 1, ps),
+        );
+        if first / ps != last / ps || last - first != n - 1 {
+            return None;
+        }
+        let bytes = &self.cache[l.slot_value_bytes(first).start..l.slot_value_bytes(last).end];
+        bytemuck::try_cast_slice(bytes).ok()
+    }
+
     /// Dequantises keys at positions `b0..b0+n` into rows of `krows[BLOCK][d]`.
     #[inline(always)]
     fn load_rows(&self, request: usize, b0: usize, n: usize, krows: &mut [f32], scale: &mut [f32]) {
@@ -397,7 +444,7 @@ impl Ctx<'_> {
                 }
                 IndexKDtype::Fp8E4m3 { .. } => {
                     for (x, &b) in dst.iter_mut().zip(vals) {
-                        *x = e4m3_to_f32(b);
+                        *x = e4m3_f32(b);
                     }
                     scale[j] = match l.slot_scale_bytes(slot) {
                         Some(r) => {
@@ -454,7 +501,7 @@ impl Ctx<'_> {
                 }
                 IndexKDtype::Fp8E4m3 { .. } => {
                     for (x, &b) in dst.iter_mut().zip(vals) {
-                        *x = (e4m3_to_f32(b).to_bits() >> 16) as u16;
+                        *x = (e4m3_f32(b).to_bits() >> 16) as u16;
                     }
                     scale[j] = match l.slot_scale_bytes(slot) {
                         Some(r) => {
