@@ -165,7 +165,8 @@ impl Backend for CpuBackend {
         op.validate(logits.len(), out.len())?;
         let logits = logits.typed::<f32>("logits")?;
         let out = out.typed_mut::<i32>("topk")?;
-        self.run(|| topk::topk(op, logits, out));
+        let isa = self.isa;
+        self.run(|| topk::topk(isa, op, logits, out));
         Ok(())
     }
 

@@ -1,4 +1,16 @@
-//! CPU exact top-k: a radix select per row.
+//! CPU exact top-k: a sampled pre-filter, then an exact select among its survivors; a
+//! radix select per row where the pre-filter does not apply.
+//!
+//! Long rows: a threshold `t` from a sample of the row (64 runs of 32) expected to keep
+//! about `2k` entries; one vectorised scan keeps every entry `≥ t` (ties included, so
+//! every entry of the top k survives when at least k do); the survivors are binned by
+//! value into 1024 bins by a monotone map (`(x − t)·scale`, so equal values share a bin
+//! and a larger value never lands lower), the bin holding the k-th largest is found from
+//! the top and sorted, which gives the exact k-th value `T` and how many entries equal to
+//! it are taken (the lowest positions); a last pass over the survivors (in position order)
+//! writes the positions. Compiled per vector path ([`crate::isa_dispatch`]): integer and
+//! comparison work only, the same result on every path. With fewer than k survivors the
+//! row takes the full path below.
 //!
 //! Values map to order-preserving u32 keys (`-0.0` folded into `+0.0`). Pass 1 builds a
 //! histogram of the top 11 key bits over the row's valid entries and finds the bin that
@@ -10,6 +22,7 @@
 
 use rayon::prelude::*;
 
+use super::isa::CpuIsa;
 use crate::ops::{ShortRows, Topk, TopkOutput};
 
 /// Order-preserving map of a non-NaN f32 to u32.
@@ -29,13 +42,13 @@ fn valid(x: f32) -> bool {
     x > f32::NEG_INFINITY
 }
 
-/// Runs top-k over every row. Inputs are validated by the caller.
-pub fn topk(op: &Topk<'_>, logits: &[f32], out: &mut [i32]) {
+/// Runs top-k over every row on the vector path `isa`. Inputs are validated by the caller.
+pub fn topk(isa: CpuIsa, op: &Topk<'_>, logits: &[f32], out: &mut [i32]) {
     let k = op.k;
     out.par_chunks_mut(k)
         .zip(op.rows.par_iter())
         .enumerate()
-        .for_each(|(r, (dst, range))| {
+        .for_each_init(Scratch::default, |scratch, (r, (dst, range))| {
             let row = &logits[r * op.row_stride..][range.start as usize..range.end as usize];
             let n = if op.short_rows == ShortRows::TakeAll && row.len() <= k {
                 for (j, d) in dst[..row.len()].iter_mut().enumerate() {
@@ -43,7 +56,7 @@ pub fn topk(op: &Topk<'_>, logits: &[f32], out: &mut [i32]) {
                 }
                 row.len()
             } else {
-                select_row(row, k, dst)
+                select_row_with(isa, row, k, dst, scratch)
             };
             let base = range.start as usize;
             for p in &mut dst[..n] {
@@ -63,8 +76,13 @@ pub fn topk(op: &Topk<'_>, logits: &[f32], out: &mut [i32]) {
 /// Writes the positions (relative to `row`) of the top `k` valid entries of `row` into
 /// `dst` in ascending order; returns how many were written (`min(k, valid count)`).
 pub fn select_row(row: &[f32], k: usize, dst: &mut [i32]) -> usize {
-    match prefiltered(row, k) {
-        Some(cand) => select_candidates(&cand, k, dst),
+    select_row_with(CpuIsa::get(), row, k, dst, &mut Scratch::default())
+}
+
+/// [`select_row`] on the vector path `isa` with reusable buffers.
+fn select_row_with(isa: CpuIsa, row: &[f32], k: usize, dst: &mut [i32], s: &mut Scratch) -> usize {
+    match prefiltered(isa, row, k, dst, s) {
+        Some(n) => n,
         None => select_full(row, k, dst),
     }
 }
@@ -73,28 +91,53 @@ pub fn select_row(row: &[f32], k: usize, dst: &mut [i32]) -> usize {
 const PREFILTER_MIN: usize = 8192;
 /// Sample size of the pre-filter (entries).
 const SAMPLE: usize = 2048;
+/// Value bins of the survivors' select.
+const BINS: usize = 1024;
 
-/// The pre-filter's survivors `(key, position)` in position order, or `None` when it does
-/// not apply or keeps fewer than `k`.
-fn prefiltered(row: &[f32], k: usize) -> Option<Vec<(u32, i32)>> {
+/// The working buffers of the pre-filtered path, reused across the rows a rayon job
+/// runs.
+#[derive(Default)]
+struct Scratch {
+    sample: Vec<f32>,
+    /// Survivors' values and positions, in position order.
+    vals: Vec<f32>,
+    pos: Vec<i32>,
+    hist: Vec<u32>,
+    /// The boundary bin's values.
+    bin: Vec<f32>,
+}
+
+crate::isa_dispatch! {
+    /// [`prefilter`] compiled for the path.
+    fn prefiltered(row: &[f32], k: usize, dst: &mut [i32], s: &mut Scratch) -> Option<usize> =
+        |ISA| prefilter(row, k, dst, s);
+}
+
+/// The pre-filtered path (module docs): `Some(k)` with the positions in `dst`, or `None`
+/// when it does not apply or keeps fewer than `k`.
+#[inline(always)]
+fn prefilter(row: &[f32], k: usize, dst: &mut [i32], s: &mut Scratch) -> Option<usize> {
     let n = row.len();
     if n < PREFILTER_MIN || n < 4 * k {
         return None;
     }
     // 64 runs of 32 contiguous entries spread over the row: a few cache lines, not a pass.
     let runs = SAMPLE / 32;
-    let mut sample: Vec<f32> = (0..runs)
-        .flat_map(|r| row[r * (n / runs)..][..32].iter().copied())
-        .filter(|&x| valid(x))
-        .collect();
+    s.sample.clear();
+    s.sample.extend(
+        (0..runs)
+            .flat_map(|r| row[r * (n / runs)..][..32].iter().copied())
+            .filter(|&x| valid(x)),
+    );
     // Rank in the sample of about 2k entries of the row, plus slack.
-    let rank = (2 * k * sample.len()).div_ceil(n) + 16;
-    if rank >= sample.len() {
+    let rank = (2 * k * s.sample.len()).div_ceil(n) + 16;
+    if rank >= s.sample.len() {
         return None;
     }
-    sample.select_nth_unstable_by(rank, |a, b| b.total_cmp(a));
-    let t = sample[rank];
-    let mut cand = Vec::with_capacity(4 * k);
+    s.sample.select_nth_unstable_by(rank, |a, b| b.total_cmp(a));
+    let t = s.sample[rank];
+    s.vals.clear();
+    s.pos.clear();
     // 16 lanes at a time: a compare mask (vectorised), then only the set bits are visited.
     // Comparisons with NaN are false and t is finite: invalid entries never pass.
     let mut chunks = row.chunks_exact(16);
@@ -106,48 +149,73 @@ fn prefiltered(row: &[f32], k: usize) -> Option<Vec<(u32, i32)>> {
         }
         while m != 0 {
             let j = m.trailing_zeros() as usize;
-            cand.push((key(c[j]), (base + j) as i32));
+            s.vals.push(c[j]);
+            s.pos.push((base + j) as i32);
             m &= m - 1;
         }
         base += 16;
     }
     for (j, &x) in chunks.remainder().iter().enumerate() {
         if x >= t {
-            cand.push((key(x), (base + j) as i32));
+            s.vals.push(x);
+            s.pos.push((base + j) as i32);
         }
     }
-    (cand.len() >= k).then_some(cand)
+    if s.vals.len() < k {
+        return None;
+    }
+    let (big, eq_need) = kth_value(t, k, s);
+    // Survivors above `big`, and the first `eq_need` equal to it, in position order:
+    // compacted in place (the write index never passes the read index).
+    let (mut out, mut eq) = (0usize, 0usize);
+    for i in 0..s.vals.len() {
+        let (v, p) = (s.vals[i], s.pos[i]);
+        let is_eq = v == big;
+        let take = v > big || (is_eq && eq < eq_need);
+        eq += is_eq as usize;
+        s.pos[out] = p;
+        out += take as usize;
+    }
+    debug_assert_eq!(out, k);
+    dst[..k].copy_from_slice(&s.pos[..k]);
+    Some(k)
 }
 
-/// Exact top-`k` of position-ordered candidates (at least `k` of them).
-fn select_candidates(cand: &[(u32, i32)], k: usize, dst: &mut [i32]) -> usize {
-    let mut threshold = 0u32;
-    let mut need = k;
-    let mut prefix_shift = 32u32;
-    for (shift, bits) in [(21u32, 11u32), (10, 11), (0, 10)] {
-        let mut h = [0u32; 2048];
-        let mask = (1u32 << bits) - 1;
-        for &(kk, _) in cand {
-            if prefix_shift == 32 || kk >> prefix_shift == threshold >> prefix_shift {
-                h[((kk >> shift) & mask) as usize] += 1;
-            }
+/// The k-th largest of the survivors `s.vals` (all `≥ t`, none NaN, at least `k`) and how
+/// many survivors equal to it the top k takes.
+#[inline(always)]
+fn kth_value(t: f32, k: usize, s: &mut Scratch) -> (f32, usize) {
+    let hi = s
+        .vals
+        .iter()
+        .copied()
+        .filter(|x| x.is_finite())
+        .fold(t, f32::max);
+    // Monotone bins: `(x − t)·scale` rounds monotonically, +inf goes to the top bin.
+    let scale = if hi > t {
+        (BINS as f32 - 1.0) / (hi - t)
+    } else {
+        0.0
+    };
+    let bin = |x: f32| -> usize {
+        if x == f32::INFINITY {
+            BINS - 1
+        } else {
+            (((x - t) * scale) as usize).min(BINS - 1)
         }
-        let (b, nn) = find_bin(&h[..1 << bits], need);
-        threshold |= (b as u32) << shift;
-        need = nn;
-        prefix_shift = shift;
+    };
+    s.hist.clear();
+    s.hist.resize(BINS, 0);
+    for &v in &s.vals {
+        s.hist[bin(v)] += 1;
     }
-    let mut n = 0;
-    let mut eq = 0;
-    for &(kk, i) in cand {
-        if kk > threshold || (kk == threshold && eq < need) {
-            eq += (kk == threshold) as usize;
-            dst[n] = i;
-            n += 1;
-        }
-    }
-    debug_assert_eq!(n, k);
-    n
+    let (b, need) = find_bin(&s.hist, k);
+    s.bin.clear();
+    s.bin.extend(s.vals.iter().copied().filter(|&v| bin(v) == b));
+    s.bin.sort_unstable_by(|x, y| y.total_cmp(x));
+    let big = s.bin[need - 1];
+    let above = s.bin.iter().filter(|&&v| v > big).count();
+    (big, need - above)
 }
 
 /// The exact path over the whole row.
@@ -313,14 +381,66 @@ mod prefilter_tests {
                 row[i] = if rng.gen() { 2.5 } else { f32::NEG_INFINITY };
             }
             row[7] = f32::NAN;
-            assert!(
-                prefiltered(&row, k).is_some(),
-                "pre-filter applies to n={n} k={k}"
-            );
             let (mut a, mut b) = (vec![-1; k], vec![-1; k]);
-            let na = select_row(&row, k, &mut a);
             let nb = select_full(&row, k, &mut b);
-            assert_eq!((na, &a), (nb, &b), "n={n} k={k}");
+            for isa in CpuIsa::available() {
+                let s = &mut Scratch::default();
+                let na = prefiltered(isa, &row, k, &mut a, s);
+                assert_eq!(na, Some(k), "pre-filter applies to n={n} k={k}");
+                assert_eq!((k, &a), (nb, &b), "n={n} k={k} {}", isa.isa());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod extreme_tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// Survivors spanning the whole f32 range, +inf, signed zeros at the threshold and
+    /// heavy ties: the pre-filtered select stays exact on every path.
+    #[test]
+    fn prefilter_is_exact_on_extreme_rows() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        let (n, k) = (40_000usize, 1000usize);
+        for case in 0..6 {
+            let mut row: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+            for _ in 0..n / 20 {
+                let i = rng.gen_range(0..n);
+                row[i] = match case {
+                    0 => f32::INFINITY,
+                    1 => f32::MAX * if rng.gen() { 1.0 } else { -1.0 },
+                    2 => {
+                        if rng.gen() {
+                            0.0
+                        } else {
+                            -0.0
+                        }
+                    }
+                    3 => 0.99,
+                    4 => f32::MIN_POSITIVE * rng.gen_range(1.0..2.0),
+                    _ => 1e-3 * rng.gen_range(0..3) as f32,
+                };
+            }
+            if case == 2 || case == 5 {
+                // The threshold among ties of zeros.
+                for x in row.iter_mut().filter(|x| **x > 0.0) {
+                    *x *= 1e-3;
+                }
+            }
+            let mut b = vec![-1; k];
+            let nb = select_full(&row, k, &mut b);
+            for isa in CpuIsa::available() {
+                let mut a = vec![-1; k];
+                let s = &mut Scratch::default();
+                if let Some(na) = prefiltered(isa, &row, k, &mut a, s) {
+                    assert_eq!((na, &a), (nb, &b), "case {case} {}", isa.isa());
+                }
+                let mut c = vec![-1; k];
+                let nc = select_row_with(isa, &row, k, &mut c, s);
+                assert_eq!((nc, &c), (nb, &b), "case {case} {}", isa.isa());
+            }
         }
     }
 }
