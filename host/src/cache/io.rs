@@ -11,9 +11,10 @@ use std::time::{Duration, Instant};
 
 use super::faults::Fault;
 use super::fence::Fence;
-use super::hicache::{drop_device_page, BackupItem, Job, LoadPage, Shared, State};
 use super::pool::BufferKind;
 use super::radix::{DevicePage, HostCopy};
+use super::room::drop_device_page;
+use super::state::{BackupItem, Job, LoadPage, Shared, State};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::ops::{CopyPages, PageChecksums, PagedRegion};

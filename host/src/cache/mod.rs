@@ -81,6 +81,7 @@
 //! ```
 
 mod alloc;
+mod check;
 pub mod faults;
 mod fence;
 mod fence_core;
@@ -90,7 +91,11 @@ mod io;
 mod late;
 mod pool;
 mod radix;
+mod requests;
+mod room;
+mod state;
 mod step;
+mod types;
 
 pub use alloc::PageRef;
 pub use faults::{Fault, Faults};

@@ -22,8 +22,10 @@ use std::time::Instant;
 use super::alloc::PageRef;
 use super::faults::Fault;
 use super::fence::{Fence, ReadyToken};
-use super::hicache::{invalid, HiCache, RequestId};
+use super::hicache::HiCache;
 use super::pool::{BufferKind, LayerBuffers};
+use super::state::invalid;
+use super::types::RequestId;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::ops::{IndexKStore, KvStore};
@@ -71,7 +73,7 @@ pub struct Step<'c, B: Backend + 'static> {
 /// Under the `loads-trail-readers` and `index-k-after-publish` faults: counts a step
 /// reaching `layer` (`guard`: holding the layer's lock) and wakes the loads waiting for
 /// one. Counts per layer: `[layer * 2]` every reach, `[layer * 2 + 1]` guards only.
-fn note_read<B: Backend>(sh: &super::hicache::Shared<B>, layer: usize, guard: bool) {
+fn note_read<B: Backend>(sh: &super::state::Shared<B>, layer: usize, guard: bool) {
     if sh.fault(Fault::LoadsTrailReaders) || sh.fault(Fault::IndexKAfterPublish) {
         let mut reads = sh.reads.lock();
         if let Some(r) = reads.get_mut(layer * 2) {
