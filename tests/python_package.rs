@@ -102,7 +102,15 @@ fn python_package_pytest_suite_on_cpu() {
 
     // Rebuild when a source the wheel is made of is newer than the last install.
     let mut inputs = std::time::SystemTime::UNIX_EPOCH;
-    for d in ["python", "host", "kernels-rs", "src", "server", "validation", "benches"] {
+    for d in [
+        "python",
+        "host",
+        "kernels-rs",
+        "src",
+        "server",
+        "validation",
+        "benches",
+    ] {
         newest(&root.join(d), &[".rs", ".py", ".toml"], &mut inputs);
     }
     for f in ["build.rs", "Cargo.toml", "Cargo.lock"] {
@@ -121,12 +129,24 @@ fn python_package_pytest_suite_on_cpu() {
         // `pip install ./python` as a user runs it, but offline (maturin already
         // installed), on the test profile, into our own target dir.
         let o = run(Command::new(&py)
-            .args(["-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-q", "-w"])
+            .args([
+                "-m",
+                "pip",
+                "wheel",
+                "--no-build-isolation",
+                "--no-deps",
+                "-q",
+                "-w",
+            ])
             .arg(&wheels)
             .arg(root.join("python"))
             .env("CARGO_TARGET_DIR", work.join("cargo"))
             .env("MATURIN_PEP517_ARGS", "--profile dev"));
-        assert!(o.status.success(), "building the wheel failed:\n{}", show(&o));
+        assert!(
+            o.status.success(),
+            "building the wheel failed:\n{}",
+            show(&o)
+        );
         let wheel = std::fs::read_dir(&wheels)
             .unwrap()
             .flatten()
@@ -143,7 +163,11 @@ fn python_package_pytest_suite_on_cpu() {
             .args(["-m", "pip", "install", "--no-deps", "-q", "--target"])
             .arg(&site)
             .arg(&wheel));
-        assert!(o.status.success(), "installing the wheel failed:\n{}", show(&o));
+        assert!(
+            o.status.success(),
+            "installing the wheel failed:\n{}",
+            show(&o)
+        );
         std::fs::write(&stamp, name).unwrap();
     }
 
@@ -166,7 +190,10 @@ fn python_package_pytest_suite_on_cpu() {
         .env("CUDA_VISIBLE_DEVICES", "")
         .current_dir(&work));
     let out = show(&o);
-    let _ = writeln!(std::io::stderr(), "{}", String::from_utf8_lossy(&o.stdout).lines().rev().take(3).collect::<Vec<_>>().join("\n"));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    let tail = lines[lines.len().saturating_sub(3)..].join("\n");
+    let _ = writeln!(std::io::stderr(), "python/tests: {tail}");
     assert!(o.status.success(), "the pytest suite failed:\n{out}");
     assert!(
         String::from_utf8_lossy(&o.stdout).contains(" passed"),
