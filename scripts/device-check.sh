@@ -18,7 +18,7 @@
 #      tensor-pipe utilisation (where counters are readable)             -> in summary.json
 #   7. the Python package (carried in out/device/python by device-bundle.sh): its pytest
 #      suite on CUDA tensors (python/tests, the cuda instances of every test), and
-#      python/bench_torch.py timing ours against pure-torch references in the same run
+#      python/bench/bench_torch.py timing ours against pure-torch references in the same run
 #      (its JSON goes to log.txt)
 #   8. summary.md (the table) + summary.json; log.txt (every step's command, status,
 #      seconds and output tail).
@@ -252,7 +252,7 @@ else
         "$PYTHON" -m pytest -q -p no:cacheprovider -k cuda "$ROOT/python/tests"
     tail -n 30 "$RAW/python_cuda.txt" >>"$LOG"
     run_step python_timing 60 30 "$RAW/python_timing.json" \
-        env PYTHONPATH="$PYPKG" "$PYTHON" "$ROOT/python/bench_torch.py" --device cuda
+        env PYTHONPATH="$PYPKG" "$PYTHON" "$ROOT/python/bench/bench_torch.py" --device cuda
     { echo "### python_timing (ours vs pure torch, same run)"; cat "$RAW/python_timing.json"; } >>"$LOG"
 fi
 

@@ -383,3 +383,25 @@ def test_sgl_kernel_errors(device):
     if device.type == "cpu":
         with pytest.raises(ValueError, match="lengths"):
             sgl_kernel.fast_topk_v2(score, torch.tensor([101, 5, 7], dtype=torch.int32), 16)
+
+
+def test_flash_mla_with_kvcache_bf16_cache_beyond_anchor(device, gen):
+    """A bf16 KV cache [blocks, block, 1, 576] (FlashMLA's sparse form takes fp8 only),
+    batch 4 with ragged valid counts and an odd page size."""
+    b, s_q, h_q, nb, block, topk = 4, 3, 10, 5, 24, 40
+    kv = torch.randn((nb * block, 576), generator=gen).to(torch.bfloat16)
+    cache = kv.view(nb, block, 1, 576)
+    q = torch.randn((b, s_q, h_q, 576), generator=gen).to(torch.bfloat16)
+    idx = torch.randint(0, nb * block, (b, s_q, topk), generator=gen, dtype=torch.int32)
+    idx[:, :, 30:] = -1
+    idx[1, 2, 5:] = -7                # any negative: skipped like -1 (beyond the anchor)
+    meta, _ = flash_mla.get_mla_metadata()
+    out, lse = flash_mla.flash_mla_with_kvcache(q.to(device), cache.to(device), None, None, 512, meta,
+                                                softmax_scale=0.07, indices=idx.to(device))
+    valid = idx >= 0
+    r_out, r_lse, _, mag = refs.sparse_attn(q.reshape(-1, h_q, 576), kv, idx.reshape(-1, topk).clamp_min(0),
+                                            valid.reshape(-1, topk), 0.07, 512)
+    got = lse.cpu().transpose(1, 2).reshape(-1, h_q)
+    assert ((got - r_lse).abs() <= 1e-4 * (1 + r_lse.abs())).all()
+    err = (out.cpu().float().reshape(-1, h_q, 512) - r_out).abs()
+    assert (err <= refs.mla_out_bound(mag, r_out)).all(), float(err.max())

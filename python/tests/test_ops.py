@@ -69,7 +69,8 @@ def test_index_k_store_fp8_matches_deepseek_quantiser(device, gen, scale):
     recip = (keys.float() * (1.0 / sf[:, None])).to(refs.E4M3).float()
     ours = refs.index_k_dequant(pool.cpu(), 16, 128, True)[slots.clamp_min(0)] / sf[:, None]
     ok = slots >= 0
-    assert ((ours[ok] - recip[ok]).abs() <= (recip[ok].abs() * 0.0626 + 2 ** -9)).all()
+    # one e4m3 code apart at most: 1/8 relative (3 mantissa bits), 2^-9 among subnormals
+    assert ((ours[ok] - recip[ok]).abs() <= (recip[ok].abs() * 0.1251 + 2 ** -9)).all()
 
 
 def test_index_k_store_bf16_copies(device, gen):

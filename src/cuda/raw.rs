@@ -9,7 +9,9 @@
 //! device addresses from the other library are valid here. The kernels are loaded once per
 //! device ([`super::module::load`]: cubin for the exact arch, else PTX) and their
 //! functions cached. A launch only enqueues: no allocation, no copy, no synchronisation,
-//! so it is safe inside CUDA graph capture on that stream.
+//! so it is safe inside CUDA graph capture on that stream — once the kernels are loaded:
+//! the first call on a device loads the module (a synchronous driver call), so make one
+//! before capturing, as frameworks do with their warm-up runs.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -29,7 +31,8 @@ pub struct RawLauncher {
     module: Arc<CudaModule>,
     /// What was loaded (`cubin sm_90`, `PTX sm_80, after: ...`).
     image: String,
-    functions: Mutex<HashMap<&'static str, CudaFunction>>,
+    /// Each kernel's function and the dynamic shared memory it was opted in to so far.
+    functions: Mutex<HashMap<&'static str, (CudaFunction, u32)>>,
 }
 
 impl std::fmt::Debug for RawLauncher {
@@ -85,19 +88,34 @@ impl RawLauncher {
         &self.image
     }
 
-    fn function(&self, name: &'static str) -> Result<CudaFunction> {
+    /// The kernel `name`, opted in to `smem` bytes of dynamic shared memory (the
+    /// attribute is set once per kernel and size, not at every launch).
+    fn function(&self, name: &'static str, smem: u32) -> Result<CudaFunction> {
         let mut cache = self
             .functions
             .lock()
             .map_err(|_| Error::Device("cuda function cache lock poisoned".into()))?;
-        if let Some(f) = cache.get(name) {
-            return Ok(f.clone());
+        let (f, opted) = match cache.get(name) {
+            Some(entry) => entry.clone(),
+            None => {
+                let f = self
+                    .module
+                    .load_function(name)
+                    .map_err(cuda("function load"))?;
+                (f, DEFAULT_DYN_SMEM)
+            }
+        };
+        let mut opted = opted;
+        if smem > opted {
+            // Above the default a kernel must opt in to its dynamic shared memory.
+            f.set_attribute(
+                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+            .map_err(cuda("shared memory attribute"))?;
+            opted = smem;
         }
-        let f = self
-            .module
-            .load_function(name)
-            .map_err(cuda("function load"))?;
-        cache.insert(name, f.clone());
+        cache.insert(name, (f.clone(), opted));
         Ok(f)
     }
 
@@ -112,14 +130,7 @@ impl RawLauncher {
     /// the kernel's contract accepts (see `sparsekit_host::launcher::raw`).
     pub unsafe fn launch<P: KernelParams>(&self, stream: usize, params: P) -> Result<()> {
         let l = params.launch();
-        let f = self.function(P::ENTRY)?;
-        if l.smem_bytes > DEFAULT_DYN_SMEM {
-            f.set_attribute(
-                CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                l.smem_bytes as i32,
-            )
-            .map_err(cuda("shared memory attribute"))?;
-        }
+        let f = self.function(P::ENTRY, l.smem_bytes)?;
         self.ctx.bind_to_thread().map_err(cuda("context bind"))?;
         let mut p = params;
         let mut args: [*mut c_void; 1] = [(&mut p as *mut P).cast()];

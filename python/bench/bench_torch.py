@@ -3,7 +3,7 @@ maths, in the same run, at DeepSeek-V3.2 decode shapes (the device check runs it
 ``--smoke`` runs tiny shapes on CPU). Prints one JSON object: per case, our time, the torch
 time (median of timed repeats, CUDA events on a GPU) and the largest difference.
 
-    PYTHONPATH=<installed package> python3 python/bench_torch.py [--smoke] [--device cuda]
+    PYTHONPATH=<installed package> python3 python/bench/bench_torch.py [--smoke] [--device cuda]
 """
 
 from __future__ import annotations
