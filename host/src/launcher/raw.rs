@@ -486,7 +486,7 @@ mod tests {
         let pl: PageLayout = l.into();
         let p = copy_pages(pl, [b(1, 4 * 8448), b(2, 2 * 8448)], [b(3, 8), b(4, 8)]).unwrap();
         assert_eq!((p.n_pages, p.bytes), (2, 8448));
-        assert!(copy_pages(pl, [b(1, 4 * 8448), b(2, 1 * 8448)], [b(3, 8), b(4, 8)]).is_err());
+        assert!(copy_pages(pl, [b(1, 4 * 8448), b(2, 8448)], [b(3, 8), b(4, 8)]).is_err());
         let p = page_checksums(pl, b(1, 3 * 8448), b(2, 12), b(3, 24)).unwrap();
         assert_eq!(p.n_pages, 3);
         assert!(page_checksums(pl, b(1, 3 * 8448), b(2, 12), b(3, 16)).is_err());
