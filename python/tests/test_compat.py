@@ -405,3 +405,31 @@ def test_flash_mla_with_kvcache_bf16_cache_beyond_anchor(device, gen):
     assert ((got - r_lse).abs() <= 1e-4 * (1 + r_lse.abs())).all()
     err = (out.cpu().float().reshape(-1, h_q, 512) - r_out).abs()
     assert (err <= refs.mla_out_bound(mag, r_out)).all(), float(err.max())
+
+
+def test_install_registers_or_patches_the_anchor_modules(monkeypatch):
+    """compat.install(): an anchor that does not import gets sparsekit's module under its
+    name; one that imports keeps its other functions and gets ours for the DSA ones."""
+    import sys
+    import types
+
+    import sparsekit.compat as compat
+
+    for name in ("deep_gemm", "flash_mla", "sgl_kernel", "sgl_kernel.top_k"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    fake = types.ModuleType("sgl_kernel")
+    fake.fast_topk_v2 = lambda *a: "theirs"
+    fake.silu_and_mul = lambda *a: "their other kernel"
+    monkeypatch.setitem(sys.modules, "sgl_kernel", fake)
+    done = compat.install()
+    assert done["sgl_kernel"] == "patched"
+    assert fake.fast_topk_v2 is sgl_kernel.fast_topk_v2
+    assert fake.silu_and_mul() == "their other kernel"
+    for name in ("deep_gemm", "flash_mla"):
+        if done[name] == "registered":
+            assert sys.modules[name] is getattr(compat, name)
+        else:  # the real anchor is installed here: patched in place
+            assert getattr(sys.modules[name], compat._ANCHORS[name][1][0]) is not None
+    import deep_gemm as dg  # noqa: F401  (resolves to ours when registered)
+    if done["deep_gemm"] == "registered":
+        assert dg.fp8_paged_mqa_logits is deep_gemm.fp8_paged_mqa_logits
