@@ -271,6 +271,7 @@ pub fn topk(
         }
     };
     let op = Topk {
+        short_rows: crate::ops::ShortRows::SelectValid,
         k,
         row_stride,
         rows: &placeholder_rows,
