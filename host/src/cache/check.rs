@@ -229,7 +229,6 @@ mod tests {
     use super::super::hicache::HiCache;
     use super::super::pool::{BufferKind, CacheSpec};
     use super::super::types::CacheConfig;
-    use super::*;
     use crate::cpu::CpuBackend;
     use crate::error::Error;
     use crate::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};
