@@ -227,7 +227,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::super::hicache::HiCache;
-    use super::super::pool::{BufferKind, CacheSpec};
+    use super::super::pool::CacheSpec;
     use super::super::types::CacheConfig;
     use crate::cpu::CpuBackend;
     use crate::error::Error;
@@ -247,7 +247,7 @@ mod tests {
         let pages = c.alloc(1, 3).unwrap();
         for p in &pages {
             for l in 0..c.shared.num_layers() {
-                for kind in BufferKind::ALL {
+                for kind in c.spec().kinds(l).collect::<Vec<_>>() {
                     c.shared.device.set_page_landed(l, kind, p.id, p.generation);
                 }
             }

@@ -403,11 +403,11 @@ impl<B: Backend + 'static> HiCache<B> {
                 format!("pages[{i}] = {bad:?} is not a page the request owns"),
             ));
         }
-        // Pages entering the tree must be full: every slot written for their generation,
-        // in every layer and both kinds.
+        // Pages entering the tree must be full: every entry written for their
+        // generation, in every layer and every kind it holds.
         for p in pages.iter().skip(old_path.len()) {
             for l in 0..sh.num_layers() {
-                for kind in BufferKind::ALL {
+                for kind in sh.device.spec().kinds(l) {
                     let landed = sh.device.landed(l, kind, p.id);
                     let stamp = landed.map(|x| x.generation);
                     if stamp != Some(p.generation) {
@@ -420,7 +420,7 @@ impl<B: Backend + 'static> HiCache<B> {
                         });
                     }
                     let filled = landed.map_or(0, |x| x.filled);
-                    if filled < ps as u32 {
+                    if filled < sh.device.spec().entries_per_page(kind) as u32 {
                         return Err(Error::Unwritten {
                             page: p.id,
                             layer: l,

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use super::faults::Fault;
 use super::fence::Fence;
-use super::pool::BufferKind;
+use super::pool::{BufferKind, KINDS};
 use super::radix::{DevicePage, HostCopy};
 use super::room::drop_device_page;
 use super::state::{BackupItem, Job, LoadPage, Shared, State};
@@ -260,7 +260,7 @@ pub(crate) fn finalize_backup<B: Backend>(
     sh: &Shared<B>,
     st: &mut State,
     id: u64,
-    res: Result<Vec<Vec<[u64; 2]>>>,
+    res: Result<Vec<Vec<[u64; KINDS]>>>,
 ) {
     let Some(rec) = st.backups.remove(&id) else {
         return;
@@ -473,12 +473,12 @@ fn run_load<B: Backend>(
         {
             let mut dev = sh.device.lock(l, sh.deadline())?;
             let host_buf = host.buffer();
-            for kind in BufferKind::ALL {
+            for kind in sh.device.spec().kinds(l).collect::<Vec<_>>() {
                 cancelled()?;
                 if late_index_k && kind == BufferKind::IndexK {
                     // Undefined until the late copy: a pattern, so an early read is wrong.
                     let region = sh.device.region(kind);
-                    poison_pages(&*sh.backend, region, dev.get_mut(kind), &dev_ids)?;
+                    poison_pages(&*sh.backend, region, dev.get_mut(kind)?, &dev_ids)?;
                     continue;
                 }
                 load_kind(
@@ -531,7 +531,7 @@ fn load_kind<B: Backend>(
     pages: &[LoadPage],
     (host_ids, dev_ids): (&[i32], &[i32]),
 ) -> Result<()> {
-    let ki = kind as usize;
+    let ki = kind.index();
     let dst = sh.device.region(kind);
     copy_host(
         sh,
@@ -544,11 +544,11 @@ fn load_kind<B: Backend>(
             region: dst,
             ids: dev_ids,
         },
-        dev.get_mut(kind),
+        dev.get_mut(kind)?,
         true,
     )?;
     if sh.config.verify {
-        let got = checksums(&*sh.backend, dst, dev.get(kind), dev_ids)?;
+        let got = checksums(&*sh.backend, dst, dev.get(kind)?, dev_ids)?;
         for (p, g) in pages.iter().zip(got) {
             let want = p.checksums.get(l).map_or(0, |c| c[ki]);
             if g != want {
@@ -597,7 +597,7 @@ pub(crate) fn poison_pages<B: Backend>(
 /// One backup batch; returns each item's checksums `[layer][kind]` (taken on the device
 /// copy, what the load verifies against).
 #[allow(clippy::needless_range_loop)] // `l` indexes layers of the pools and of `sums`
-fn run_backup<B: Backend>(sh: &Shared<B>, items: &[BackupItem]) -> Result<Vec<Vec<[u64; 2]>>> {
+fn run_backup<B: Backend>(sh: &Shared<B>, items: &[BackupItem]) -> Result<Vec<Vec<[u64; KINDS]>>> {
     let host = sh
         .host
         .as_ref()
@@ -605,12 +605,13 @@ fn run_backup<B: Backend>(sh: &Shared<B>, items: &[BackupItem]) -> Result<Vec<Ve
     let dev_ids: Vec<i32> = items.iter().map(|i| i.device.id as i32).collect();
     let host_ids: Vec<i32> = items.iter().map(|i| i.host.id as i32).collect();
     let layers = sh.num_layers();
-    let mut sums = vec![vec![[0u64; 2]; layers]; items.len()];
+    let mut sums = vec![vec![[0u64; KINDS]; layers]; items.len()];
     for l in 0..layers {
         let dev = sh.device.lock(l, sh.deadline())?;
         let mut host_buf = host.buffer();
         let host_len = sh.backend.buffer_len(&host_buf);
-        for (ki, kind) in BufferKind::ALL.into_iter().enumerate() {
+        for kind in sh.device.spec().kinds(l).collect::<Vec<_>>() {
+            let ki = kind.index();
             let src = sh.device.region(kind);
             let dst = host.region(l, kind);
             if sh.fault(Fault::SharedItemSize) && kind == BufferKind::IndexK {
@@ -621,7 +622,7 @@ fn run_backup<B: Backend>(sh: &Shared<B>, items: &[BackupItem]) -> Result<Vec<Ve
                         src_ids: &[d],
                         dst_ids: &[0],
                     };
-                    sh.backend.copy_pages(&op, dev.get(kind), &mut host_buf)?;
+                    sh.backend.copy_pages(&op, dev.get(kind)?, &mut host_buf)?;
                 }
             } else {
                 copy_host(
@@ -630,7 +631,7 @@ fn run_backup<B: Backend>(sh: &Shared<B>, items: &[BackupItem]) -> Result<Vec<Ve
                         region: src,
                         ids: &dev_ids,
                     },
-                    dev.get(kind),
+                    dev.get(kind)?,
                     Side {
                         region: dst,
                         ids: &host_ids,
@@ -639,7 +640,7 @@ fn run_backup<B: Backend>(sh: &Shared<B>, items: &[BackupItem]) -> Result<Vec<Ve
                     false,
                 )?;
             }
-            for (i, c) in checksums(&*sh.backend, src, dev.get(kind), &dev_ids)?
+            for (i, c) in checksums(&*sh.backend, src, dev.get(kind)?, &dev_ids)?
                 .into_iter()
                 .enumerate()
             {

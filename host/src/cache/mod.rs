@@ -102,5 +102,5 @@ pub use faults::{Fault, Faults};
 pub use fence::ReadyToken;
 pub use hicache::{CacheConfig, CacheStats, HiCache, Prefix, RequestId, Room};
 pub use inbound::Inbound;
-pub use pool::{BufferKind, CacheSpec, HostLayout};
+pub use pool::{BufferKind, CacheSpec, ExtraPool, HostLayout, KINDS};
 pub use step::{LayerGuard, ReadExtent, SlotRef, Step};

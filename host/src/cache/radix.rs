@@ -19,11 +19,11 @@ pub(crate) struct NodeId {
 }
 
 /// A page's copy in the host tier with the checksums recorded at backup, one per layer and
-/// buffer kind (`[layer][kind]`, kinds in `BufferKind::ALL` order).
+/// buffer kind (`[layer][kind.index()]`; 0 for a kind the layer does not hold).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct HostCopy {
     pub page: PageRef,
-    pub checksums: Vec<[u64; 2]>,
+    pub checksums: Vec<[u64; super::pool::KINDS]>,
 }
 
 /// A node's device page. `load` is the id of the load job still filling it (the page must

@@ -43,7 +43,7 @@ pub(crate) struct LoadPage {
     pub node: NodeId,
     pub host: PageRef,
     pub device: PageRef,
-    pub checksums: Vec<[u64; 2]>,
+    pub checksums: Vec<[u64; super::pool::KINDS]>,
 }
 
 #[derive(Debug)]
