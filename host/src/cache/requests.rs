@@ -118,7 +118,7 @@ pub(crate) fn start_load<B: Backend>(
             node,
             host: copy.page,
             device,
-            checksums: copy.checksums,
+            layers: copy.layers,
         });
     }
     let nodes: Vec<NodeId> = pages.iter().map(|p| p.node).collect();

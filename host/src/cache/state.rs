@@ -43,7 +43,8 @@ pub(crate) struct LoadPage {
     pub node: NodeId,
     pub host: PageRef,
     pub device: PageRef,
-    pub checksums: Vec<[u64; super::pool::KINDS]>,
+    /// What the backup recorded ([`super::radix::HostCopy::layers`]).
+    pub layers: Vec<super::radix::LayerRecord>,
 }
 
 #[derive(Debug)]
