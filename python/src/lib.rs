@@ -37,7 +37,7 @@ use sparsekit_host::layout::{
 };
 use sparsekit_host::ops::{
     CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, PageTable, PagedRegion,
-    QueryRange, SparseMla, Topk, TopkOutput,
+    QueryRange, ShortRows, SparseMla, Topk, TopkOutput,
 };
 use sparsekit_host::{Error, ErrorKind};
 
@@ -708,12 +708,7 @@ fn kv_store(
             let d = l.d_qk();
             py.detach(|| {
                 cpu::store::scatter_by_page(c, l.into(), s, |page, off, t| {
-                    cpu::store::write_kv_token_on(
-                        isa,
-                        &l,
-                        &mut page[l.token_range(off)],
-                        &k[t * d..(t + 1) * d],
-                    )
+                    cpu::store::write_kv_token_on(isa, &l, page, off, &k[t * d..(t + 1) * d])
                 })
             });
             Ok(())
@@ -980,6 +975,7 @@ fn topk(
                 _ => TopkOutput::Positions,
             };
             let op = Topk {
+                short_rows: ShortRows::SelectValid,
                 k,
                 row_stride,
                 rows: &host,
