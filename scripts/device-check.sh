@@ -211,7 +211,7 @@ NCU_METRICS="gpu__time_duration.sum,dram__bytes_read.sum.per_second,dram__bytes_
 # indexer_logits bench, DeepSeek-V4 attention in sparse_mla_v4); the dense model kernels
 # run in the carried suite binary's dense_ops_give_the_cpu_bits test.
 DSA_KERNELS="index_k_store kv_store copy_pages page_checksums indexer_logits indexer_logits_fp4 topk sparse_mla sparse_mla_v4"
-DENSE_KERNELS="dense_matmul dense_rms_norm dense_rope dense_swiglu dense_gather_rows dense_add dense_cast dense_argmax"
+DENSE_KERNELS="dense_matmul dense_rms_norm dense_rope dense_swiglu dense_gather_rows dense_add dense_cast dense_argmax dense_gated_pool"
 for k in $DSA_KERNELS $DENSE_KERNELS; do
     if [[ $DRY == 1 ]]; then
         skip_step "ncu_$k" "dry run"
