@@ -15,6 +15,7 @@ mkdir -p "$OUT"
 (cd "$ROOT" && cargo build --release --quiet)
 for inj in host-pool-fp8-layout shared-item-size skip-index-wait no-generation-check \
            index-k-after-publish radix-overreach kernel-wrong-slot \
+           host-tier-skips-index-k reload-kv-only \
            pd-fp8-frame pd-read-before-landed stale-transfer-write; do
     case "$inj" in
         pd-*|stale-transfer-write) cfg=bf16/host-on/pd-on ;;
