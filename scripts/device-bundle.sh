@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds what scripts/device-check.sh runs on a bare GPU machine, here, into out/device/
 # (git-ignored): the release `sparsekit` binary with the PTX (and ptxas-built cubins)
-# embedded, and the conformance suite's cuda test binary (tests/cuda_suite.rs).
+# embedded, the conformance suite's cuda test binary (tests/cuda_suite.rs), and the Python
+# package (python/, built by maturin through pip, release, PTX embedded) installed into
+# out/device/python (the device check runs its pytest suite on CUDA tensors there).
 # cudarc loads the driver at run time, so nothing CUDA is needed to build.
 #
 #   bash scripts/device-bundle.sh            # then carry out/device and scripts/
@@ -22,5 +24,11 @@ for line in sys.stdin:
 mkdir -p out/device
 cp target/release/sparsekit out/device/sparsekit
 cp "$suite" out/device/cuda_suite
+# The Python package: needs maturin here (pip install -r python/requirements-test.txt);
+# the device machine needs only its own python3 with torch and pytest.
+rm -rf out/device/python out/device/wheel
+python3 -m pip wheel --no-build-isolation --no-deps -q -w out/device/wheel ./python
+python3 -m pip install --no-deps -q --target out/device/python out/device/wheel/*.whl
+rm -rf out/device/wheel
 ls -la out/device
 du -sh out/device

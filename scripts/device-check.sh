@@ -16,7 +16,11 @@
 #      bandwidth and bf16 tensor-core peak in the same run               -> peers.json
 #   6. ncu --clock-control none on one launch of each kernel: bandwidth, occupancy,
 #      tensor-pipe utilisation (where counters are readable)             -> in summary.json
-#   7. summary.md (the table) + summary.json; log.txt (every step's command, status,
+#   7. the Python package (carried in out/device/python by device-bundle.sh): its pytest
+#      suite on CUDA tensors (python/tests, the cuda instances of every test), and
+#      python/bench/bench_torch.py timing ours against pure-torch references in the same run
+#      (its JSON goes to log.txt)
+#   8. summary.md (the table) + summary.json; log.txt (every step's command, status,
 #      seconds and output tail).
 # At most 8 files under OUT_DIR. A step that fails, times out or finds its tool missing
 # is recorded as such and the others still run. Exit status: 0 when every step that ran
@@ -207,7 +211,7 @@ NCU_METRICS="gpu__time_duration.sum,dram__bytes_read.sum.per_second,dram__bytes_
 # indexer_logits bench, DeepSeek-V4 attention in sparse_mla_v4); the dense model kernels
 # run in the carried suite binary's dense_ops_give_the_cpu_bits test.
 DSA_KERNELS="index_k_store kv_store copy_pages page_checksums indexer_logits indexer_logits_fp4 topk sparse_mla sparse_mla_v4"
-DENSE_KERNELS="dense_matmul dense_rms_norm dense_rope dense_swiglu dense_gather_rows dense_add dense_cast dense_argmax"
+DENSE_KERNELS="dense_matmul dense_rms_norm dense_rope dense_swiglu dense_gather_rows dense_add dense_cast dense_argmax dense_gated_pool"
 for k in $DSA_KERNELS $DENSE_KERNELS; do
     if [[ $DRY == 1 ]]; then
         skip_step "ncu_$k" "dry run"
@@ -235,7 +239,28 @@ for k in $DSA_KERNELS $DENSE_KERNELS; do
     cat "$RAW/ncu_$k.csv" >>"$RAW/ncu.csv"
 done
 
-# 7. full validation if time is left -----------------------------------------------------
+# 7. the Python package on CUDA tensors ----------------------------------------------------
+PYPKG="${SPARSEKIT_PYPKG:-$ROOT/out/device/python}"
+if [[ $DRY == 1 ]]; then
+    skip_step python_cuda "dry run"
+    skip_step python_timing "dry run"
+elif [[ ! -d "$PYPKG/sparsekit" ]]; then
+    skip_step python_cuda "no carried package in $PYPKG (scripts/device-bundle.sh builds it)"
+    skip_step python_timing "no carried package in $PYPKG"
+elif ! "$PYTHON" -c 'import torch, pytest; assert torch.cuda.is_available()' 2>/dev/null; then
+    skip_step python_cuda "$PYTHON lacks torch with CUDA, or pytest"
+    skip_step python_timing "$PYTHON lacks torch with CUDA"
+else
+    run_step python_cuda 120 60 "$RAW/python_cuda.txt" \
+        env PYTHONPATH="$PYPKG" PYTHONDONTWRITEBYTECODE=1 \
+        "$PYTHON" -m pytest -q -p no:cacheprovider -k cuda "$ROOT/python/tests"
+    tail -n 30 "$RAW/python_cuda.txt" >>"$LOG"
+    run_step python_timing 60 30 "$RAW/python_timing.json" \
+        env PYTHONPATH="$PYPKG" "$PYTHON" "$ROOT/python/bench/bench_torch.py" --device cuda
+    { echo "### python_timing (ours vs pure torch, same run)"; cat "$RAW/python_timing.json"; } >>"$LOG"
+fi
+
+# 8. full validation if time is left -----------------------------------------------------
 if [[ $DRY == 1 ]]; then
     skip_step validate_full "dry run"
 else

@@ -176,12 +176,21 @@ struct DenseInputs {
     logits: Vec<f32>,
     /// Rows of the `[D_ROWS, D_VOCAB]` logits gathered as embeddings.
     tokens: Vec<u32>,
+    /// `gated_pool`: `[D_ROWS, 2·D_N]` values and gate logits (logits spread wide, so
+    /// weights underflow), `[D_SPAN, D_N]` bias, `[D_ENTRIES, D_SPAN]` ragged sources.
+    /// Finite only: a NaN output's payload bits differ between CPU and GPU, and the
+    /// comparison here is of bytes.
+    pool_x: Vec<f32>,
+    pool_bias: Vec<f32>,
+    pool_sources: Vec<u32>,
 }
 
 const D_ROWS: usize = 13;
 const D_K: usize = 300;
 const D_N: usize = 130;
 const D_VOCAB: usize = 1000;
+const D_SPAN: usize = 8;
+const D_ENTRIES: usize = 11;
 
 impl DenseInputs {
     fn new(rng: &mut fixtures::SuiteRng) -> Self {
@@ -200,12 +209,34 @@ impl DenseInputs {
         let tokens = (0..2 * D_ROWS as u32)
             .map(|i| (i * 7) % D_ROWS as u32)
             .collect();
+        let mut pool_x = v(D_ROWS * 2 * D_N, 1.0);
+        for r in 0..D_ROWS {
+            for g in &mut pool_x[(2 * r + 1) * D_N..(2 * r + 2) * D_N] {
+                *g *= 25.0;
+            }
+        }
+        let pool_bias = v(D_SPAN * D_N, 10.0);
+        // Entry e keeps slot i when (e + i) % 3 != 1, and always slot e % D_SPAN: ragged
+        // counts with holes in the middle, never an entry without a valid slot.
+        let pool_sources = (0..D_ENTRIES * D_SPAN)
+            .map(|k| {
+                let (e, i) = (k / D_SPAN, k % D_SPAN);
+                if (e + i) % 3 != 1 || i == e % D_SPAN {
+                    rand::Rng::gen_range(rng, 0..D_ROWS as u32)
+                } else {
+                    sparsekit::host::model_ops::GatedPool::EMPTY
+                }
+            })
+            .collect();
         DenseInputs {
             x,
             w,
             gu,
             logits,
             tokens,
+            pool_x,
+            pool_bias,
+            pool_sources,
         }
     }
 }
@@ -216,8 +247,8 @@ fn dense_outputs<B: sparsekit::host::ModelOps>(
     i: &DenseInputs,
 ) -> Result<Vec<(&'static str, Vec<u8>)>, sparsekit::host::Error> {
     use sparsekit::host::model_ops::{
-        rope_table, Accumulate, Add, Argmax, Cast, DenseDtype, Embed, Matmul, RmsNorm, Rope,
-        SwiGlu, View,
+        rope_table, Accumulate, Add, Argmax, Cast, DenseDtype, Embed, GatedPool, Matmul, RmsNorm,
+        Rope, SwiGlu, View,
     };
     let f = |v: &[f32]| b.upload(fixtures::bytes_of(v));
     let (rows, k, n) = (D_ROWS, D_K, D_N);
@@ -297,5 +328,15 @@ fn dense_outputs<B: sparsekit::host::ModelOps>(
         &mut am,
     )?;
     out.push(("argmax", b.download(&am)?));
+    let pool = GatedPool {
+        entries: D_ENTRIES,
+        span: D_SPAN,
+        width: n,
+        sources: &i.pool_sources,
+        rows,
+    };
+    let mut gp = b.upload(&vec![0x7f; D_ENTRIES * n * 4])?;
+    b.gated_pool(&pool, &f(&i.pool_x)?, &f(&i.pool_bias)?, &mut gp)?;
+    out.push(("gated_pool", b.download(&gp)?));
     Ok(out)
 }

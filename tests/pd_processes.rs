@@ -181,7 +181,8 @@ fn prefill_and_decode_as_two_processes_over_nixl() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let rows: Vec<Value> = serde_json::from_slice(&out.stdout).unwrap();
+    let run: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows: Vec<Value> = serde_json::from_value(run["rows"].clone()).unwrap();
     let row = rows.iter().find(|r| r["available"] == true).unwrap();
     assert_eq!(row["config"], "bf16/host-on/pd-on", "{row}");
     assert_eq!(
@@ -237,7 +238,8 @@ fn repro(args: &[&str]) -> Vec<Value> {
         "{args:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    serde_json::from_slice(&out.stdout).unwrap()
+    let run: Value = serde_json::from_slice(&out.stdout).unwrap();
+    serde_json::from_value(run["rows"].clone()).unwrap()
 }
 
 #[test]

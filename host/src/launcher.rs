@@ -17,6 +17,7 @@
 //! written), the GPU ignores them.
 
 pub mod dense;
+pub mod raw;
 
 pub use sparsekit_kernels::emu::BufferAccess;
 use sparsekit_kernels::kernels::{

@@ -1,6 +1,7 @@
 //! Dense ops of the synthetic DSA model (the engine's layers besides the DSA ops of
-//! [`Backend`]): matmul, RMSNorm, rope, SwiGLU, embedding gather, row gather, residual add,
-//! f32⇄bf16 casts and argmax.
+//! [`Backend`]): matmul, RMSNorm, rope (and its inverse, through [`inverse_rope_table`]),
+//! SwiGLU, embedding gather, row gather, residual add, f32⇄bf16 casts, argmax and
+//! DeepSeek-V4's compressor pooling ([`GatedPool`]).
 //!
 //! **Batch invariance is the contract.** Every output element is computed from its own
 //! row's inputs only, by the same operations in the same order whatever the number of
@@ -283,7 +284,8 @@ impl RmsNorm {
 /// of `rope_dim` values per row. With `h = rope_dim / 2`, `(a, b) = (x[i], x[i + h])`,
 /// `(c, s)` = entry `(positions[r], i)` of the table:
 /// `out[i] = a·c − b·s`, `out[i + h] = a·s + b·c` (each product rounded, no FMA).
-/// `table`: f32 `[max_positions, h, 2]` (cos, sin), built by [`rope_table`].
+/// `table`: f32 `[max_positions, h, 2]` (cos, sin), built by [`rope_table`] (or by
+/// [`inverse_rope_table`] for the inverse rotation).
 #[derive(Clone, Copy, Debug)]
 pub struct Rope<'a> {
     pub heads: usize,
@@ -342,13 +344,32 @@ impl Rope<'_> {
 /// `θ = p · base^(−2i / rope_dim)`, computed in f64 and rounded once to f32, so every
 /// backend reads the same values. Returns f32 `[max_positions, rope_dim / 2, 2]`.
 pub fn rope_table(rope_dim: usize, max_positions: usize, base: f64) -> Vec<f32> {
+    signed_rope_table(rope_dim, max_positions, base, false)
+}
+
+/// The table of the **inverse** rotation, for [`Rope`]: entry `(p, i)` is
+/// `(cos θ, −sin θ)`, exactly [`rope_table`]'s entry with the sine negated (same θ, same
+/// rounding), so `rope` with it rotates each pair by `−θ`:
+/// `out[i] = a·c + b·s`, `out[i + h] = b·c − a·s` (as computed, `a·c − b·(−s)` and
+/// `a·(−s) + b·c`: the same rounded products). DeepSeek-V4 applies it to the attention
+/// output's rope dims at the query's position. Rope with [`rope_table`] then with this
+/// table at the same position returns the input up to rounding (`c² + s²` is 1 within
+/// about `2u`, `u = 2⁻²⁴`, plus each step's rounded products and sums). Same shape as
+/// [`rope_table`].
+pub fn inverse_rope_table(rope_dim: usize, max_positions: usize, base: f64) -> Vec<f32> {
+    signed_rope_table(rope_dim, max_positions, base, true)
+}
+
+/// [`rope_table`], with the sine negated when `inverse`.
+fn signed_rope_table(rope_dim: usize, max_positions: usize, base: f64, inverse: bool) -> Vec<f32> {
     let h = rope_dim / 2;
     let mut t = Vec::with_capacity(max_positions * h * 2);
     for p in 0..max_positions {
         for i in 0..h {
             let theta = p as f64 * base.powf(-2.0 * i as f64 / rope_dim as f64);
+            let sin = theta.sin() as f32;
             t.push(theta.cos() as f32);
-            t.push(theta.sin() as f32);
+            t.push(if inverse { -sin } else { sin });
         }
     }
     t
@@ -374,6 +395,138 @@ impl SwiGlu {
             gate_up_bytes,
         )?;
         crate::ops::check_bytes("swiglu out", self.rows * self.width * 4, out_bytes)
+    }
+}
+
+/// `gated_pool`: DeepSeek-V4's compressor pooling. Each of `entries` compressed entries
+/// pools, per channel, up to `span` raw tokens' projected rows with softmax weights over
+/// their gate logits plus a learned bias per position in the window (RMSNorm and rope
+/// follow as separate ops).
+///
+/// Operands (all f32, dense, sizes in **elements**; buffers are checked in bytes, 4 per
+/// element):
+/// - `x`: `[rows, 2·width]`, one row per raw token: the projected values `v` in columns
+///   `0..width`, then the gate logits `g` in columns `width..2·width` (one matmul with
+///   the two projections side by side produces it);
+/// - `bias`: `[span, width]`, the position bias of slot `i` of every window;
+/// - `out`: `[entries, width]`;
+/// - `sources` (host metadata): `entries·span` row ids of `x`, row-major `[entries, span]`:
+///   `sources[e·span + i]` is the raw token in slot `i` of entry `e`, or
+///   [`GatedPool::EMPTY`] (`u32::MAX`) for an empty slot, which is skipped: neither its
+///   row nor its bias is read. Ids may repeat (overlapping windows share tokens).
+///
+/// For entry `e` and channel `c`, over the valid slots `i` in increasing order, with
+/// `s = sources[e·span + i]`:
+/// ```text
+/// z_i = g[s, c] + bias[i, c]                        one rounded f32 add
+/// m   = max_i z_i                                   (−inf start, NaN never taken)
+/// w_i = exp_portable(z_i − m)                       one rounded subtract, then exp
+/// sum = (((+0 + w_0) + w_1) + …)                    sequential, each add rounded
+/// acc = (((+0 + w_0·v[s_0, c]) + w_1·v[s_1, c]) + …) each product and add rounded, no FMA
+/// out[e, c] = acc / sum                             one rounded division
+/// ```
+/// `exp_portable` is `sparsekit_kernels::math::exp_portable` (≤ 2 ulp, built from
+/// correctly rounded operations), so `cpu`, `emu` and `cuda` give the **same bits** for
+/// every non-NaN output; a NaN output is NaN on every backend (its payload bits are the
+/// hardware's and are not part of the contract). The result of an entry depends on its
+/// own slots only (batch-invariant).
+///
+/// For finite `z` the slot holding the maximum gets `w = 1` exactly, so
+/// `1 ≤ sum ≤ span`: no division by zero, and a weight whose `z_i − m` is below about
+/// −104 underflows to 0 (that slot then leaves both sums unchanged when its value is
+/// finite). Non-finite inputs of a **valid** slot:
+/// - NaN in `v`, `g` or `bias` makes that `(e, c)` output NaN (never dropped);
+/// - `z_i = +inf` (a `+inf` logit or bias, or a finite sum overflowing) makes `m = +inf`
+///   and `w_i = exp(+inf − +inf) = NaN`: the output is NaN;
+/// - `z_i = −inf` with some other `z` finite gives `w_i = 0`: the slot is ignored, as if
+///   empty (unless its value is ±inf or NaN: `0 · ±inf` is NaN); when **every** valid
+///   `z` is `−inf`, `m = −inf` and `z − m` is NaN: the output is NaN;
+/// - `+inf` and `−inf` added in one `z` give NaN, as above;
+/// - a `±inf` value with a positive weight gives `±inf` (or NaN if both signs meet).
+///
+/// Errors (typed, before anything is written): `span` or `width` 0
+/// ([`Error::InvalidArgument`]); `sources.len() ≠ entries·span` ([`Error::Shape`]); an
+/// id `≥ rows` that is not `EMPTY`, or an entry whose slots are all empty
+/// ([`Error::InvalidArgument`], naming the entry and slot); `x`, `bias` or `out` of the
+/// wrong byte size ([`Error::BufferSize`]).
+#[derive(Clone, Copy, Debug)]
+pub struct GatedPool<'a> {
+    /// Compressed entries (rows of `out`).
+    pub entries: usize,
+    /// Slots per entry (rows of `bias`).
+    pub span: usize,
+    /// Channels (columns of `out`; `x` has twice as many).
+    pub width: usize,
+    /// `[entries, span]` row ids of `x`, [`GatedPool::EMPTY`] for an empty slot.
+    pub sources: &'a [u32],
+    /// Rows of `x` (raw tokens).
+    pub rows: usize,
+}
+
+impl GatedPool<'_> {
+    /// The id of an empty slot in [`GatedPool::sources`].
+    pub const EMPTY: u32 = sparsekit_kernels::params::GATED_POOL_EMPTY;
+
+    /// Validates against the buffer sizes (bytes).
+    pub fn validate(&self, x_bytes: usize, bias_bytes: usize, out_bytes: usize) -> Result<()> {
+        if self.span == 0 || self.width == 0 {
+            return Err(Error::invalid(
+                "gated_pool",
+                format!(
+                    "span ({}) and width ({}) must be positive",
+                    self.span, self.width
+                ),
+            ));
+        }
+        let overflow = || Error::invalid("gated_pool", "size overflows usize");
+        let slots = self
+            .entries
+            .checked_mul(self.span)
+            .ok_or_else(overflow)?;
+        crate::ops::check_len("gated_pool sources", slots, self.sources.len())?;
+        let x = self
+            .rows
+            .checked_mul(self.width)
+            .and_then(|v| v.checked_mul(8))
+            .ok_or_else(overflow)?;
+        crate::ops::check_bytes("gated_pool x", x, x_bytes)?;
+        let bias = self
+            .span
+            .checked_mul(self.width)
+            .and_then(|v| v.checked_mul(4))
+            .ok_or_else(overflow)?;
+        crate::ops::check_bytes("gated_pool bias", bias, bias_bytes)?;
+        let out = self
+            .entries
+            .checked_mul(self.width)
+            .and_then(|v| v.checked_mul(4))
+            .ok_or_else(overflow)?;
+        crate::ops::check_bytes("gated_pool out", out, out_bytes)?;
+        for (e, slots) in self.sources.chunks_exact(self.span).enumerate() {
+            let mut valid = false;
+            for (i, &s) in slots.iter().enumerate() {
+                if s == Self::EMPTY {
+                    continue;
+                }
+                if s as usize >= self.rows {
+                    return Err(Error::invalid(
+                        "gated_pool sources",
+                        format!(
+                            "entry {e} slot {i}: row {s} but x has {} rows",
+                            self.rows
+                        ),
+                    ));
+                }
+                valid = true;
+            }
+            if !valid {
+                return Err(Error::invalid(
+                    "gated_pool sources",
+                    format!("entry {e} has no valid slot (all {} empty)", self.span),
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -600,6 +753,16 @@ pub trait ModelOps: Backend {
 
     /// See [`Argmax`].
     fn argmax(&self, op: &Argmax, logits: &Self::Buffer, out: &mut Self::Buffer) -> Result<()>;
+
+    /// See [`GatedPool`]. `x`: f32 `[rows, 2·width]`; `bias`: f32 `[span, width]`;
+    /// `out`: f32 `[entries, width]`.
+    fn gated_pool(
+        &self,
+        op: &GatedPool<'_>,
+        x: &Self::Buffer,
+        bias: &Self::Buffer,
+        out: &mut Self::Buffer,
+    ) -> Result<()>;
 }
 
 #[cfg(test)]
@@ -651,5 +814,12 @@ mod tests {
         assert_eq!(t[4], 1f64.cos() as f32);
         assert_eq!(t[5], 1f64.sin() as f32);
         assert_eq!(t[6], (0.01f64).cos() as f32);
+        // The inverse table: the same cosines, the sines negated (bit for bit).
+        let inv = inverse_rope_table(4, 3, 10000.0);
+        assert_eq!(inv.len(), t.len());
+        for (k, (&f, &b)) in t.iter().zip(&inv).enumerate() {
+            let want = if k % 2 == 1 { -f } else { f };
+            assert_eq!(b.to_bits(), want.to_bits(), "entry {k}");
+        }
     }
 }

@@ -1,7 +1,9 @@
 //! Dense model ops (`ModelOps`) on the cpu and emu backends: against naive f64 references
 //! on random inputs (odd sizes, strided views, outputs poisoned with NaN first), bit-exact
 //! batch invariance (a row alone, inside batches of many sizes, split into chunks, on
-//! different thread counts), and typed errors that leave outputs untouched.
+//! different thread counts), and typed errors that leave outputs untouched. Also rope
+//! followed by its inverse (`inverse_rope_table`), and DeepSeek-V4's compressor pooling
+//! (`gated_pool`: ragged windows with empty slots, non-finite inputs).
 //!
 //! Seeds are fresh each run and printed; `SPARSEKIT_SEED=N` replays one.
 
@@ -12,8 +14,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use sparsekit_host::cpu::CpuBuffer;
 use sparsekit_host::model_ops::{
-    rope_table, Accumulate, Add, Argmax, Cast, DenseDtype, Embed, GatherRows, Matmul, ModelOps,
-    RmsNorm, Rope, SwiGlu, View,
+    inverse_rope_table, rope_table, Accumulate, Add, Argmax, Cast, DenseDtype, Embed, GatedPool,
+    GatherRows, Matmul, ModelOps, RmsNorm, Rope, SwiGlu, View,
 };
 use sparsekit_host::{Backend, CpuBackend, EmuBackend, Error};
 
@@ -109,6 +111,13 @@ trait DenseBackend {
     fn add(&self, op: &Add, x: &CpuBuffer, o: &mut CpuBuffer) -> Result<(), Error>;
     fn cast(&self, op: &Cast, x: &CpuBuffer, o: &mut CpuBuffer) -> Result<(), Error>;
     fn argmax(&self, op: &Argmax, x: &CpuBuffer, o: &mut CpuBuffer) -> Result<(), Error>;
+    fn gated_pool(
+        &self,
+        op: &GatedPool<'_>,
+        x: &CpuBuffer,
+        bias: &CpuBuffer,
+        o: &mut CpuBuffer,
+    ) -> Result<(), Error>;
 }
 
 impl<B: ModelOps + Backend<Buffer = CpuBuffer>> DenseBackend for B {
@@ -161,6 +170,15 @@ impl<B: ModelOps + Backend<Buffer = CpuBuffer>> DenseBackend for B {
     }
     fn argmax(&self, op: &Argmax, x: &CpuBuffer, o: &mut CpuBuffer) -> Result<(), Error> {
         ModelOps::argmax(self, op, x, o)
+    }
+    fn gated_pool(
+        &self,
+        op: &GatedPool<'_>,
+        x: &CpuBuffer,
+        bias: &CpuBuffer,
+        o: &mut CpuBuffer,
+    ) -> Result<(), Error> {
+        ModelOps::gated_pool(self, op, x, bias, o)
     }
 }
 
@@ -744,6 +762,7 @@ fn rejected_calls_write_nothing_on<B: ModelOps<Buffer = CpuBuffer>>(b: &B) {
         f32s(&out).iter().all(|v| v.is_nan()),
         "a rejected call wrote"
     );
+    gated_pool_rejections(b);
 }
 
 /// The GPU dense kernels (run by the emulator) give the CPU backend's bits for every op:
@@ -932,4 +951,523 @@ fn gpu_kernels_give_the_cpu_bits() {
     same("argmax", &a, &b);
     let got = b.typed::<u32>("o").unwrap().to_vec();
     assert_eq!((got[0], got[1], got[2]), (5, 33, 64));
+}
+
+/// `u·k / (1 − u·k)`: the relative error bound of `k` rounded operations in a chain.
+fn gamma(k: usize) -> f64 {
+    let k = k as f64;
+    k * U / (1.0 - k * U)
+}
+
+/// Rope with [`rope_table`] and then with [`inverse_rope_table`] at the same positions
+/// gives back the input. Bound per element `x_j` of a pair `(a, b)`: the tables' `c̃, s̃`
+/// have `c̃² + s̃² = 1 + ε`, `|ε| ≤ 2u(1 + u)`; each rope step adds at most
+/// `γ₂·(|c̃·a| + |s̃·b|)` per element, and the forward error passes the inverse's rotation
+/// (norm ≤ √2 on a component); so
+/// `|x' − x| ≤ 2u(1+u)|x_j| + 2√2·γ₂·(1 + 2u)·(|a| + |b|)`. The inverse alone is also
+/// checked against the f64 rotation by `−θ`.
+#[test]
+fn rope_then_inverse_rope_returns_the_input() {
+    let mut rng = rng("rope_then_inverse_rope");
+    let (rope_dim, max_pos) = (64, 3000);
+    let fwd = buf(&rope_table(rope_dim, max_pos, 10000.0));
+    let inv = buf(&inverse_rope_table(rope_dim, max_pos, 10000.0));
+    let h = rope_dim / 2;
+    for (name, make) in backends() {
+        let b = make();
+        for &(rows, heads) in &[(1usize, 1usize), (7, 3), (33, 2)] {
+            let x: Vec<f32> = randn(&mut rng, rows * heads * rope_dim)
+                .into_iter()
+                .map(|v| v * 40.0)
+                .collect();
+            let positions: Vec<u32> = (0..rows)
+                .map(|_| rng.gen_range(0..max_pos as u32))
+                .collect();
+            let op = Rope {
+                heads,
+                rope_dim,
+                positions: &positions,
+                max_positions: max_pos,
+                x: View::grouped(heads, rope_dim),
+                out: View::grouped(heads, rope_dim),
+            };
+            let n = rows * heads * rope_dim;
+            let (mut y, mut back, mut only_inv) = (poisoned(n), poisoned(n), poisoned(n));
+            b.rope(&op, &fwd, &buf(&x), &mut y).unwrap();
+            b.rope(&op, &inv, &y, &mut back).unwrap();
+            b.rope(&op, &inv, &buf(&x), &mut only_inv).unwrap();
+            let (back, only_inv) = (f32s(&back), f32s(&only_inv));
+            for r in 0..rows {
+                for g in 0..heads {
+                    let o = (r * heads + g) * rope_dim;
+                    for i in 0..h {
+                        let (a, bb) = (x[o + i] as f64, x[o + i + h] as f64);
+                        let pair = a.abs() + bb.abs();
+                        for (j, xj) in [(i, a), (i + h, bb)] {
+                            let tol = 2.0 * U * (1.0 + U) * xj.abs()
+                                + 2.0 * 2f64.sqrt() * gamma(2) * (1.0 + 2.0 * U) * pair;
+                            let got = back[o + j] as f64;
+                            assert!(
+                                (got - xj).abs() <= tol,
+                                "{name} r{r} g{g} j{j}: {got} back vs {xj} (tol {tol})"
+                            );
+                        }
+                        // The inverse alone: rotation by −θ.
+                        let theta = positions[r] as f64
+                            * 10000f64.powf(-2.0 * i as f64 / rope_dim as f64);
+                        let (c, sn) = (theta.cos(), theta.sin());
+                        let want = [a * c + bb * sn, bb * c - a * sn];
+                        let tol = 4.0 * U * pair + 1e-30;
+                        for (k, w) in want.iter().enumerate() {
+                            let got = only_inv[o + i + k * h] as f64;
+                            assert!(
+                                (got - w).abs() <= tol,
+                                "{name} inverse r{r} g{g} i{i}: {got} vs {w}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Random `[entries, span]` source ids with ragged valid-slot counts: by `e % 4`, every
+/// slot valid; one valid slot in the middle; both ends valid and a hole in the middle;
+/// a sparse random pattern (at least one valid slot). Ids repeat freely.
+fn ragged_sources(rng: &mut ChaCha8Rng, entries: usize, span: usize, rows: usize) -> Vec<u32> {
+    let mut s = Vec::with_capacity(entries * span);
+    for e in 0..entries {
+        let mut slots: Vec<u32> = (0..span)
+            .map(|_| rng.gen_range(0..rows as u32))
+            .collect();
+        match e % 4 {
+            0 => {}
+            1 => {
+                for (i, v) in slots.iter_mut().enumerate() {
+                    if i != span / 2 {
+                        *v = GatedPool::EMPTY;
+                    }
+                }
+            }
+            2 => {
+                for v in slots.iter_mut().take(span.saturating_sub(1)).skip(1) {
+                    if rng.gen_bool(0.5) {
+                        *v = GatedPool::EMPTY;
+                    }
+                }
+                if span >= 3 {
+                    slots[span / 2] = GatedPool::EMPTY;
+                }
+            }
+            _ => {
+                let keep = rng.gen_range(0..span);
+                for (i, v) in slots.iter_mut().enumerate() {
+                    if i != keep && rng.gen_bool(0.7) {
+                        *v = GatedPool::EMPTY;
+                    }
+                }
+            }
+        }
+        s.extend(slots);
+    }
+    s
+}
+
+/// Random `[rows, 2·width]` x (values of magnitude ≤ 2, gate logits ≤ 2·gate_scale) and
+/// `[span, width]` bias (≤ 2·gate_scale); no zeros.
+fn gated_pool_inputs(
+    rng: &mut ChaCha8Rng,
+    rows: usize,
+    span: usize,
+    width: usize,
+    gate_scale: f32,
+) -> (Vec<f32>, Vec<f32>) {
+    let mut x = randn(rng, rows * 2 * width);
+    for r in 0..rows {
+        for v in &mut x[r * 2 * width + width..(r + 1) * 2 * width] {
+            *v *= gate_scale;
+        }
+    }
+    let bias = randn(rng, span * width)
+        .into_iter()
+        .map(|v| v * gate_scale)
+        .collect();
+    (x, bias)
+}
+
+/// The f64 reference of one output `(e, c)` of a gated pool and its error bound.
+///
+/// With `z_i = g + bias` exact in f64, `m = max z_i`, `w_i = exp(z_i − m)`, `S = Σ w_i`,
+/// `N = Σ w_i·v_i` and `A = Σ w_i·|v_i| / S` (≥ |N/S|): the backend's `z_i − m` differs
+/// from the exact one by at most `δ_i = u(|z_i| + |m| + |z_i − m|)(1 + 2u)` (rounding of
+/// `z_i`, of `m`, which is a rounded `z`, and of the subtraction), `exp_portable` adds
+/// 2 ulp (≤ 4u relative), so each weight is off by a relative `η ≤ e^δ·(1 + 4u) − 1`.
+/// The sequential sums over `n` valid slots add `γ(n−1)` (weights) and `γ(n)` (products
+/// and sums), so `Ñ = N + ΔN`, `|ΔN| ≤ A·S·ε_N` with `ε_N = (1+η)(1+γ(n)) − 1`, and
+/// `S̃ = S(1 + ε_S)`, `|ε_S| ≤ (1+η)(1+γ(n−1)) − 1`; the division adds `u`:
+/// `|out − N/S| ≤ A·(ε_N + ε_S + u(1 + ε_N)) / (1 − ε_S)`, plus `n·(max|v| + 1)·2⁻¹⁴⁶`
+/// for weights and products in the subnormal range (`S ≥ 1`).
+fn gated_pool_ref(op: &GatedPool<'_>, x: &[f32], bias: &[f32], e: usize, c: usize) -> (f64, f64) {
+    let w = op.width;
+    let slots: Vec<(usize, usize)> = op.sources[e * op.span..(e + 1) * op.span]
+        .iter()
+        .enumerate()
+        .filter(|(_, &s)| s != GatedPool::EMPTY)
+        .map(|(i, &s)| (i, s as usize))
+        .collect();
+    let zv: Vec<(f64, f64)> = slots
+        .iter()
+        .map(|&(i, s)| {
+            (
+                x[s * 2 * w + w + c] as f64 + bias[i * w + c] as f64,
+                x[s * 2 * w + c] as f64,
+            )
+        })
+        .collect();
+    let m = zv.iter().map(|p| p.0).fold(f64::NEG_INFINITY, f64::max);
+    let (mut sum, mut num, mut mag, mut vmax, mut delta) = (0f64, 0f64, 0f64, 0f64, 0f64);
+    for &(z, v) in &zv {
+        let wt = (z - m).exp();
+        sum += wt;
+        num += wt * v;
+        mag += wt * v.abs();
+        vmax = vmax.max(v.abs());
+        delta = delta.max(U * (z.abs() + m.abs() + (z - m).abs()) * (1.0 + 2.0 * U));
+    }
+    let n = zv.len();
+    let eta = delta.exp() * (1.0 + 4.0 * U) - 1.0;
+    let eps_n = (1.0 + eta) * (1.0 + gamma(n)) - 1.0;
+    let eps_s = (1.0 + eta) * (1.0 + gamma(n.saturating_sub(1))) - 1.0;
+    let a = mag / sum;
+    let tol = a * (eps_n + eps_s + U * (1.0 + eps_n)) / (1.0 - eps_s)
+        + n as f64 * (vmax + 1.0) * 2f64.powi(-146);
+    (num / sum, tol)
+}
+
+#[test]
+fn gated_pool_matches_f64_reference() {
+    let mut rng = rng("gated_pool_matches_f64_reference");
+    for (name, make) in backends() {
+        let b = make();
+        // (entries, span, width, rows, gate scale): odd sizes, V4's CSA window (8) and a
+        // long HCA-like window (128), widths below and above a warp; gate scale 30 spreads
+        // the logits so that many weights underflow to 0.
+        for &(entries, span, width, rows, scale) in &[
+            (1usize, 1usize, 1usize, 1usize, 1.0f32),
+            (7, 5, 37, 23, 1.0),
+            (9, 8, 64, 40, 4.0),
+            (6, 8, 33, 17, 30.0),
+            (3, 128, 19, 150, 2.0),
+            (11, 3, 300, 9, 1.0),
+        ] {
+            let sources = ragged_sources(&mut rng, entries, span, rows);
+            let (x, bias) = gated_pool_inputs(&mut rng, rows, span, width, scale);
+            let op = GatedPool {
+                entries,
+                span,
+                width,
+                sources: &sources,
+                rows,
+            };
+            let mut out = poisoned(entries * width);
+            b.gated_pool(&op, &buf(&x), &buf(&bias), &mut out).unwrap();
+            let got = f32s(&out);
+            for e in 0..entries {
+                let slots = &sources[e * span..(e + 1) * span];
+                let valid: Vec<usize> = (0..span)
+                    .filter(|&i| slots[i] != GatedPool::EMPTY)
+                    .collect();
+                for c in 0..width {
+                    let g = got[e * width + c];
+                    assert!(g.is_finite(), "{name} e{e} c{c}: {g} (not written?)");
+                    let (want, tol) = gated_pool_ref(&op, &x, &bias, e, c);
+                    assert!(
+                        (g as f64 - want).abs() <= tol,
+                        "{name} {entries}x{span}x{width} e{e} c{c}: {g} vs {want} (tol {tol:e})"
+                    );
+                    // One valid slot: weight 1, sum 1: exactly the value.
+                    if valid.len() == 1 {
+                        let s = slots[valid[0]] as usize;
+                        assert_eq!(
+                            g.to_bits(),
+                            x[s * 2 * width + c].to_bits(),
+                            "{name} e{e} c{c}: single slot"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// An entry's outputs are the same bits alone, in the whole batch, or in chunks of it.
+#[test]
+fn gated_pool_is_batch_invariant() {
+    let mut rng = rng("gated_pool_is_batch_invariant");
+    let (entries, span, width, rows) = (13, 8, 45, 31);
+    let sources = ragged_sources(&mut rng, entries, span, rows);
+    let (x, bias) = gated_pool_inputs(&mut rng, rows, span, width, 6.0);
+    let (x, bias) = (buf(&x), buf(&bias));
+    for (name, make) in backends() {
+        let b = make();
+        let run = |e0: usize, n: usize| {
+            let op = GatedPool {
+                entries: n,
+                span,
+                width,
+                sources: &sources[e0 * span..(e0 + n) * span],
+                rows,
+            };
+            let mut out = poisoned(n * width);
+            b.gated_pool(&op, &x, &bias, &mut out).unwrap();
+            bits(&f32s(&out))
+        };
+        let all = run(0, entries);
+        for e in 0..entries {
+            assert_eq!(
+                run(e, 1),
+                all[e * width..(e + 1) * width],
+                "{name}: entry {e} alone"
+            );
+        }
+        let mut e0 = 0;
+        for n in [3usize, 1, 5, 4] {
+            assert_eq!(
+                run(e0, n),
+                all[e0 * width..(e0 + n) * width],
+                "{name}: chunk at {e0}"
+            );
+            e0 += n;
+        }
+        assert_eq!(e0, entries);
+    }
+}
+
+/// Non-finite inputs, as `GatedPool`'s docs say: NaN in a valid slot's value, logit or
+/// bias makes that output NaN (only that one); a `+inf` logit gives NaN; a `−inf` logit
+/// drops its slot exactly (the same bits as the slot left empty); all logits `−inf`
+/// gives NaN; a `+inf` value with a positive weight gives `+inf`; NaN bias at a slot
+/// every entry leaves empty changes nothing.
+#[test]
+fn gated_pool_non_finite_inputs_behave_as_documented() {
+    let mut rng = rng("gated_pool_non_finite");
+    let (span, width, rows) = (4, 9, 12);
+    const E: u32 = GatedPool::EMPTY;
+    // Rows 0..=7 one per case below; rows 8.. finite fillers.
+    let sources: Vec<u32> = vec![
+        0, 8, E, 9, // 0: NaN value (row 0, channel 1)
+        1, 8, E, 9, // 1: NaN logit (row 1, channel 2)
+        2, 8, E, 9, // 2: +inf logit (row 2, channel 3)
+        3, 8, E, 9, // 3: −inf logit (row 3, channel 4) ...
+        E, 8, E, 9, // 4: ... the same entry with that slot empty
+        4, 5, E, E, // 5: every logit −inf at channel 5 (rows 4 and 5)
+        6, 8, E, 9, // 6: +inf value (row 6, channel 6)
+        7, 10, E, 11, // 7: finite; bias[2, :] is NaN but slot 2 is empty everywhere ...
+        E, 7, E, E, // 8: ... and NaN bias[3, 7] reaches only entries using slot 3: 0..=4, 6, 7
+    ];
+    let entries = sources.len() / span;
+    let (mut x, mut bias) = gated_pool_inputs(&mut rng, rows, span, width, 3.0);
+    let v = |r: usize, c: usize| r * 2 * width + c;
+    let g = |r: usize, c: usize| r * 2 * width + width + c;
+    x[v(0, 1)] = f32::NAN;
+    x[g(1, 2)] = f32::NAN;
+    x[g(2, 3)] = f32::INFINITY;
+    x[g(3, 4)] = f32::NEG_INFINITY;
+    x[g(4, 5)] = f32::NEG_INFINITY;
+    x[g(5, 5)] = f32::NEG_INFINITY;
+    x[v(6, 6)] = f32::INFINITY;
+    for c in 0..width {
+        bias[2 * width + c] = f32::NAN;
+    }
+    bias[3 * width + 7] = f32::NAN;
+    let op = GatedPool {
+        entries,
+        span,
+        width,
+        sources: &sources,
+        rows,
+    };
+    let nan_at = |e: usize, c: usize| {
+        matches!((e, c), (0, 1) | (1, 2) | (2, 3) | (5, 5))
+            || (c == 7 && sources[e * span + 3] != E)
+    };
+    for (name, make) in backends() {
+        let b = make();
+        let mut out = poisoned(entries * width);
+        b.gated_pool(&op, &buf(&x), &buf(&bias), &mut out).unwrap();
+        let got = f32s(&out);
+        for e in 0..entries {
+            for c in 0..width {
+                let o = got[e * width + c];
+                if nan_at(e, c) {
+                    assert!(o.is_nan(), "{name} e{e} c{c}: {o}, want NaN");
+                } else if (e, c) == (6, 6) {
+                    assert_eq!(o, f32::INFINITY, "{name}: +inf value");
+                } else {
+                    assert!(o.is_finite(), "{name} e{e} c{c}: {o}, want finite");
+                }
+            }
+        }
+        // The −inf logit's slot is dropped exactly.
+        assert_eq!(
+            got[3 * width + 4].to_bits(),
+            got[4 * width + 4].to_bits(),
+            "{name}: −inf logit vs empty slot"
+        );
+    }
+}
+
+/// The GPU kernel (on the emulator) gives the CPU backend's bits on ragged batches with
+/// logits across exp's whole range (weights that underflow, logit sums that overflow),
+/// and, with NaN and ±inf inputs, NaN exactly where the CPU has NaN (NaN payload bits
+/// are not part of the contract) and the same bits elsewhere.
+#[test]
+fn gated_pool_gpu_kernel_gives_the_cpu_bits() {
+    let mut rng = rng("gated_pool_gpu_kernel_gives_the_cpu_bits");
+    let cpu = CpuBackend::new();
+    let emu = EmuBackend::new();
+    for &(entries, span, width, rows, scale, non_finite) in &[
+        (10usize, 8usize, 70usize, 29usize, 1.0f32, false),
+        (5, 128, 33, 200, 20.0, false),
+        (9, 5, 41, 13, 60.0, true),
+    ] {
+        let sources = ragged_sources(&mut rng, entries, span, rows);
+        let (mut x, mut bias) = gated_pool_inputs(&mut rng, rows, span, width, scale);
+        if non_finite {
+            let n = x.len();
+            for (k, v) in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 3.0e38, -3.0e38]
+                .into_iter()
+                .cycle()
+                .take(12)
+                .enumerate()
+            {
+                let i = rng.gen_range(0..n);
+                x[i] = v;
+                if k % 3 == 0 {
+                    let j = rng.gen_range(0..bias.len());
+                    bias[j] = v;
+                }
+            }
+        }
+        let op = GatedPool {
+            entries,
+            span,
+            width,
+            sources: &sources,
+            rows,
+        };
+        let (mut a, mut b) = (poisoned(entries * width), poisoned(entries * width));
+        ModelOps::gated_pool(&cpu, &op, &buf(&x), &buf(&bias), &mut a).unwrap();
+        ModelOps::gated_pool(&emu, &op, &buf(&x), &buf(&bias), &mut b).unwrap();
+        let (a, b) = (f32s(&a), f32s(&b));
+        if !non_finite {
+            assert!(a.iter().all(|v| v.is_finite()), "finite inputs, finite outputs");
+        }
+        for (i, (p, q)) in a.iter().zip(&b).enumerate() {
+            if p.is_nan() {
+                assert!(q.is_nan(), "[{i}]: cpu NaN, emu {q}");
+            } else {
+                assert_eq!(p.to_bits(), q.to_bits(), "[{i}]: cpu {p}, emu {q}");
+            }
+        }
+    }
+}
+
+/// Rejected gated pools: typed errors naming what is wrong, outputs untouched.
+fn gated_pool_rejections<B: ModelOps<Buffer = CpuBuffer>>(b: &B) {
+    let (entries, span, width, rows) = (3, 4, 5, 6);
+    const E: u32 = GatedPool::EMPTY;
+    let good: Vec<u32> = vec![0, E, 5, 1, E, E, 2, E, 3, 3, 3, 3];
+    let x = buf(&vec![0.5; rows * 2 * width]);
+    let bias = buf(&vec![0.25; span * width]);
+    let op = GatedPool {
+        entries,
+        span,
+        width,
+        sources: &good,
+        rows,
+    };
+    let mut out = poisoned(entries * width);
+    let detail = |e: Result<(), Error>| match e {
+        Err(Error::InvalidArgument { detail, .. }) => detail,
+        other => panic!("want InvalidArgument, got {other:?}"),
+    };
+    // Span 0, width 0.
+    let d = detail(ModelOps::gated_pool(
+        b,
+        &GatedPool {
+            span: 0,
+            sources: &[],
+            ..op
+        },
+        &x,
+        &buf(&[]),
+        &mut out,
+    ));
+    assert!(d.contains("span"), "{d}");
+    let d = detail(ModelOps::gated_pool(
+        b,
+        &GatedPool { width: 0, ..op },
+        &buf(&[]),
+        &buf(&[]),
+        &mut poisoned(0),
+    ));
+    assert!(d.contains("width"), "{d}");
+    // A source id past x's rows (not the empty marker).
+    let mut bad = good.clone();
+    bad[6] = rows as u32;
+    let d = detail(ModelOps::gated_pool(
+        b,
+        &GatedPool {
+            sources: &bad,
+            ..op
+        },
+        &x,
+        &bias,
+        &mut out,
+    ));
+    assert!(d.contains("entry 1 slot 2"), "{d}");
+    // An entry whose slots are all empty.
+    let mut bad = good.clone();
+    bad[8..12].fill(E);
+    let d = detail(ModelOps::gated_pool(
+        b,
+        &GatedPool {
+            sources: &bad,
+            ..op
+        },
+        &x,
+        &bias,
+        &mut out,
+    ));
+    assert!(d.contains("entry 2"), "{d}");
+    // Sources of the wrong length.
+    let e = ModelOps::gated_pool(
+        b,
+        &GatedPool {
+            sources: &good[..11],
+            ..op
+        },
+        &x,
+        &bias,
+        &mut out,
+    );
+    assert!(matches!(e, Err(Error::Shape { .. })), "{e:?}");
+    // x, bias, out of the wrong size.
+    let e = ModelOps::gated_pool(b, &op, &buf(&vec![0.5; rows * width]), &bias, &mut out);
+    assert!(matches!(e, Err(Error::BufferSize { .. })), "{e:?}");
+    let e = ModelOps::gated_pool(b, &op, &x, &buf(&[0.25; 19]), &mut out);
+    assert!(matches!(e, Err(Error::BufferSize { .. })), "{e:?}");
+    let mut short = poisoned(entries * width - 1);
+    let e = ModelOps::gated_pool(b, &op, &x, &bias, &mut short);
+    assert!(matches!(e, Err(Error::BufferSize { .. })), "{e:?}");
+    assert!(f32s(&short).iter().all(|v| v.is_nan()), "a rejected call wrote");
+    assert!(
+        f32s(&out).iter().all(|v| v.is_nan()),
+        "a rejected call wrote"
+    );
+    // And the good call writes every element.
+    ModelOps::gated_pool(b, &op, &x, &bias, &mut out).unwrap();
+    assert!(f32s(&out).iter().all(|v| *v == 0.5));
 }

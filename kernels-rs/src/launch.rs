@@ -47,15 +47,15 @@
 //! use sparsekit_kernels::params::{CopyPagesParams, IndexKStoreParams};
 //! assert_eq!(IndexKStoreParams::ENTRY, "index_k_store");
 //! assert_eq!(CopyPagesParams::ENTRY, "copy_pages");
-//! assert_eq!(sparsekit_kernels::ENTRY_POINTS.len(), 17);
+//! assert_eq!(sparsekit_kernels::ENTRY_POINTS.len(), 18);
 //! ```
 
 use crate::kernels;
 use crate::params::{
-    CopyPagesParams, DenseAddParams, DenseArgmaxParams, DenseCastParams, DenseGatherRowsParams,
-    DenseMatmulParams, DenseRmsNormParams, DenseRopeParams, DenseSwiGluParams, IndexKStoreParams,
-    IndexerLogitsFp4Params, IndexerLogitsParams, KvStoreParams, PageChecksumsParams,
-    SparseMlaParams, SparseMlaV4Params, TopkParams,
+    CopyPagesParams, DenseAddParams, DenseArgmaxParams, DenseCastParams, DenseGatedPoolParams,
+    DenseGatherRowsParams, DenseMatmulParams, DenseRmsNormParams, DenseRopeParams,
+    DenseSwiGluParams, IndexKStoreParams, IndexerLogitsFp4Params, IndexerLogitsParams,
+    KvStoreParams, PageChecksumsParams, SparseMlaParams, SparseMlaV4Params, TopkParams,
 };
 use crate::simt::Simt;
 
@@ -211,6 +211,9 @@ kernels! {
         p.rows as u64 * p.groups as u64 * p.width as u64
     );
     dense_argmax(DenseArgmaxParams) => |p| kernels::argmax_launch(p.rows);
+    dense_gated_pool(DenseGatedPoolParams) => |p| kernels::elementwise_launch(
+        p.entries as u64 * p.width as u64
+    );
 }
 
 #[cfg(test)]
@@ -239,11 +242,12 @@ mod tests {
                 DenseAddParams::ENTRY,
                 DenseCastParams::ENTRY,
                 DenseArgmaxParams::ENTRY,
+                DenseGatedPoolParams::ENTRY,
             ]
         );
         let mut names = ENTRY_POINTS.to_vec();
         names.sort_unstable();
         names.dedup();
-        assert_eq!(names.len(), 17, "entry names are unique");
+        assert_eq!(names.len(), 18, "entry names are unique");
     }
 }

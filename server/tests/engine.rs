@@ -529,7 +529,7 @@ fn max_waiting_holds_under_concurrent_submits() {
     let gate = Arc::new((std::sync::Mutex::new(true), std::sync::Condvar::new()));
     let g = gate.clone();
     let (entered_tx, entered) = std::sync::mpsc::sync_channel::<()>(1);
-    let fault: sparsekit_server::engine::scheduler::StepFault = Arc::new(move |_| {
+    let fault: sparsekit_server::engine::StepFault = Arc::new(move |_| {
         let _ = entered_tx.try_send(());
         let (m, cv) = &*g;
         let mut held = m.lock().unwrap();

@@ -220,6 +220,8 @@ fn each_injection_is_caught_with_checks_on_and_corrupts_with_them_off() {
         Injection::IndexKAfterPublish,
         Injection::RadixOverreach,
         Injection::KernelWrongSlot,
+        Injection::HostTierSkipsIndexK,
+        Injection::ReloadKvOnly,
     ] {
         for verify in [true, false] {
             let rows = run(s, "bf16/host-on/pd-off", Some(inj), verify, 0.0, 1);
@@ -434,6 +436,8 @@ fn the_blind_spots_are_caught_by_the_checks_alone() {
         Injection::IndexKAfterPublish,
         Injection::RadixOverreach,
         Injection::KernelWrongSlot,
+        Injection::HostTierSkipsIndexK,
+        Injection::ReloadKvOnly,
     ] {
         let config = if inj.needs_pd() {
             "bf16/host-on/pd-on"

@@ -23,17 +23,17 @@ fn message() -> impl Strategy<Value = Message> {
     prop_oneof![
         (
             any::<bool>(),
-            any::<u64>(),
-            any::<u64>(),
+            (any::<u64>(), any::<u64>(), any::<u64>()),
             1..64u32,
             1..256u32,
             any::<u32>(),
             proptest::collection::vec(any::<u8>(), 0..64)
         )
-            .prop_map(|(p, kv, ik, l, ps, lp, t)| Message::Hello(Hello {
+            .prop_map(|(p, (kv, ik, sf), l, ps, lp, t)| Message::Hello(Hello {
                 role: if p { Role::Prefill } else { Role::Decode },
                 kv_fingerprint: kv,
                 index_k_fingerprint: ik,
+                spec_fingerprint: sf,
                 num_layers: l,
                 page_size: ps,
                 landing_pages: lp,

@@ -16,8 +16,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use sparsekit::host::layout::PageLayout;
 use sparsekit::host::model_ops::{
-    rope_table, Accumulate, Add, Argmax, Cast, DenseDtype, GatherRows, Matmul, RmsNorm, Rope,
-    SwiGlu, View,
+    rope_table, Accumulate, Add, Argmax, Cast, DenseDtype, GatedPool, GatherRows, Matmul, RmsNorm,
+    Rope, SwiGlu, View,
 };
 use sparsekit::host::ops::{
     decode_rows, CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, PageTable,
@@ -44,7 +44,7 @@ use super::CliError;
 mod v4;
 
 /// Op names `--op` accepts.
-const OPS: [&str; 16] = [
+const OPS: [&str; 17] = [
     "index_k_store",
     "kv_store",
     "indexer_logits",
@@ -61,6 +61,7 @@ const OPS: [&str; 16] = [
     "dense_add",
     "dense_cast",
     "dense_argmax",
+    "dense_gated_pool",
 ];
 
 #[derive(Debug, clap::Args)]
@@ -71,7 +72,7 @@ pub struct Args {
     /// Only these ops (comma-separated): index_k_store, kv_store, indexer_logits, topk,
     /// sparse_mla, sparse_mla_v4, copy_pages, page_checksums, and the dense kernels dense_matmul,
     /// dense_rms_norm, dense_rope, dense_swiglu, dense_gather_rows, dense_add, dense_cast,
-    /// dense_argmax.
+    /// dense_argmax, dense_gated_pool.
     #[arg(long, value_delimiter = ',')]
     op: Vec<String>,
     /// Print JSON records instead of tables.
@@ -392,7 +393,9 @@ fn cases(s: Sizes) -> Result<Vec<Case>, CliError> {
 
 /// The dense kernels of the model at DeepSeek-V3.2's dense shapes (hidden 7168, q rank
 /// 1536, SwiGLU width 2048, 128 rope heads of 64, vocabulary 129280; `--quick`: a quarter
-/// of each), for the decode batches of the run.
+/// of each), for the decode batches of the run; the gated pooling at DeepSeek-V4's CSA
+/// compressor shape (windows of 8 raw tokens overlapping by 4, head_dim 512), one entry
+/// per row of the batch.
 fn dense_cases(s: Sizes, out: &mut Vec<Case>) {
     let q = s.dense_divisor;
     let (hidden, q_rank, inter, heads, rope, vocab) =
@@ -545,6 +548,33 @@ fn dense_cases(s: Sizes, out: &mut Vec<Case>) {
                 let l = emu.upload(&f32_bytes(&f32_values(&mut r, rows * vocab, 1.0)))?;
                 let mut o = emu.alloc(rows * 4)?;
                 emu.argmax(&Argmax { rows, width: vocab }, &l, &mut o)?;
+                Ok(())
+            }),
+        });
+        let (span, pool_width) = (8, 512 / q);
+        out.push(Case {
+            name: format!("dense_gated_pool/b{rows}"),
+            op: "dense_gated_pool",
+            shape: format!("{rows} entries × {span} slots × {pool_width}"),
+            min_blocks: 1,
+            run: Box::new(move |emu| {
+                let mut r = rng(28);
+                // Entry e pools raw rows 4e .. 4e + 8 (CSA: ratio 4, windows overlap by half).
+                let raw = 4 * rows + 4;
+                let x = emu.upload(&f32_bytes(&f32_values(&mut r, raw * 2 * pool_width, 1.0)))?;
+                let bias = emu.upload(&f32_bytes(&f32_values(&mut r, span * pool_width, 1.0)))?;
+                let sources: Vec<u32> = (0..rows * span)
+                    .map(|k| (4 * (k / span) + k % span) as u32)
+                    .collect();
+                let mut o = emu.alloc(rows * pool_width * 4)?;
+                let op = GatedPool {
+                    entries: rows,
+                    span,
+                    width: pool_width,
+                    sources: &sources,
+                    rows: raw,
+                };
+                emu.gated_pool(&op, &x, &bias, &mut o)?;
                 Ok(())
             }),
         });

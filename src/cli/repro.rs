@@ -49,7 +49,8 @@ pub struct Args {
     #[arg(long, value_delimiter = ',')]
     configs: Vec<String>,
     /// Fault injection: host-pool-fp8-layout, shared-item-size, skip-index-wait,
-    /// no-generation-check, index-k-after-publish, radix-overreach, kernel-wrong-slot
+    /// no-generation-check, index-k-after-publish, radix-overreach, kernel-wrong-slot,
+    /// host-tier-skips-index-k, reload-kv-only
     /// (pd-fp8-frame, pd-read-before-landed, stale-transfer-write need PD).
     #[arg(long)]
     inject: Option<String>,

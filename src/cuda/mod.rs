@@ -23,6 +23,7 @@
 
 mod buffer;
 mod module;
+pub mod raw;
 
 use std::any::Any;
 use std::collections::HashMap;

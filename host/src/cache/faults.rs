@@ -68,10 +68,27 @@ pub enum Fault {
     /// bookkeeping would): its pending work fails with a typed error, and the worker goes
     /// on — later loads, backups and evictions work.
     WorkerDies,
+    /// Backups copy every pool of a page but its index keys (the host tier of SGLang
+    /// 17085: "the model will use empty index_k"); the host copy's index-K is whatever
+    /// that host page held. Caught by the load checksums (taken of every pool the layer
+    /// holds, whatever was copied) and, independently, by the host copy's record of the
+    /// pools it copied (a load refuses a copy lacking one); `no-landed-check` turns the
+    /// second off.
+    HostTierSkipsIndexK,
+    /// Host-tier loads restore the KV pools (window, compressed) and leave index-K as the
+    /// device page held it (Mooncake 2236: a storage hit restored the MLA KV only). Caught
+    /// by the load checksums (every pool verified after the copies) and, independently,
+    /// by the per-kind landed stamps (index-K never landed for the page's generation).
+    ReloadKvOnly,
+    /// The host tier sizes the compressed pools (CSA and HCA KV) with the window pool's
+    /// page size, so their host pages have the wrong descriptor and stride. Refused by
+    /// the layout-descriptor comparison of every host copy; with `no-layout-check` the
+    /// copies land at the wrong offsets and the load checksums catch them.
+    PoolPageSizeMismatch,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 12] = [
+    pub const ALL: [Fault; 15] = [
         Fault::HostPoolFp8Layout,
         Fault::SkipIndexWait,
         Fault::SharedItemSize,
@@ -84,6 +101,9 @@ impl Fault {
         Fault::IndexKAfterPublish,
         Fault::RadixOverreach,
         Fault::WorkerDies,
+        Fault::HostTierSkipsIndexK,
+        Fault::ReloadKvOnly,
+        Fault::PoolPageSizeMismatch,
     ];
 
     /// The fault's name on the command line and in configs.
@@ -101,6 +121,9 @@ impl Fault {
             Fault::IndexKAfterPublish => "index-k-after-publish",
             Fault::RadixOverreach => "radix-overreach",
             Fault::WorkerDies => "worker-dies",
+            Fault::HostTierSkipsIndexK => "host-tier-skips-index-k",
+            Fault::ReloadKvOnly => "reload-kv-only",
+            Fault::PoolPageSizeMismatch => "pool-page-size-mismatch",
         }
     }
 }

@@ -17,9 +17,10 @@ use std::sync::Arc;
 use super::alloc::PageRef;
 use super::faults::Fault;
 use super::fence::Fence;
-use super::hicache::{invalid, InboundRec, RequestId, Shared};
 use super::io::checksums;
 use super::pool::BufferKind;
+use super::state::{invalid, InboundRec, Shared};
+use super::types::RequestId;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::ops::{CopyPages, PagedRegion};
@@ -32,7 +33,7 @@ pub struct Inbound<B: Backend + 'static> {
     req: RequestId,
     targets: Vec<PageRef>,
     index: HashMap<u32, usize>,
-    /// `[layer * targets + i]`: bit 0 KV landed, bit 1 index-K landed.
+    /// `[layer * targets + i]`: bit `kind.index()` set when that kind landed.
     landed: Vec<u8>,
     published: Vec<bool>,
     fence: Arc<Fence>,
@@ -158,10 +159,14 @@ impl<B: Backend + 'static> Inbound<B> {
         }
         crate::ops::check_len("src_ids", pages.len(), src_ids.len())?;
         crate::ops::check_len("checksums", pages.len(), checksums_in.len())?;
-        let bit = match kind {
-            BufferKind::Kv => 1,
-            BufferKind::IndexK => 2,
-        };
+        if !sh.device.spec().has(layer, kind) {
+            // A kind the layer does not hold (a peer's frame): refused, nothing written.
+            return Err(invalid(
+                "inbound kind",
+                format!("layer {layer} holds no {} pool", kind.name()),
+            ));
+        }
+        let bit = 1u8 << kind.index();
         let n = self.targets.len();
         let mut slots = Vec::with_capacity(pages.len());
         for p in pages {
@@ -210,8 +215,8 @@ impl<B: Backend + 'static> Inbound<B> {
             src_ids,
             dst_ids: &dst_ids,
         };
-        sh.backend.copy_pages(&op, src, dev.get_mut(kind))?;
-        let got = checksums(&*sh.backend, dst, dev.get(kind), &dst_ids)?;
+        sh.backend.copy_pages(&op, src, dev.get_mut(kind)?)?;
+        let got = checksums(&*sh.backend, dst, dev.get(kind)?, &dst_ids)?;
         if let Some((p, (&want, g))) = pages
             .iter()
             .zip(checksums_in.iter().zip(got))
@@ -237,10 +242,16 @@ impl<B: Backend + 'static> Inbound<B> {
         }
         sh.notify_landed();
         drop(dev);
+        // Published once every target page landed in every kind the layer holds.
+        let all: u8 = sh
+            .device
+            .spec()
+            .kinds(layer)
+            .fold(0, |m, k| m | (1u8 << k.index()));
         if !self.published[layer]
             && self.landed[layer * n..(layer + 1) * n]
                 .iter()
-                .all(|&l| l == 3)
+                .all(|&l| l == all)
         {
             self.published[layer] = true;
             self.fence.publish(layer);

@@ -11,9 +11,10 @@ use std::time::{Duration, Instant};
 
 use super::faults::Fault;
 use super::fence::Fence;
-use super::hicache::{drop_device_page, BackupItem, Job, LoadPage, Shared, State};
 use super::pool::BufferKind;
-use super::radix::{DevicePage, HostCopy};
+use super::radix::{DevicePage, HostCopy, LayerRecord};
+use super::room::drop_device_page;
+use super::state::{BackupItem, Job, LoadPage, Shared, State};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::ops::{CopyPages, PageChecksums, PagedRegion};
@@ -259,7 +260,7 @@ pub(crate) fn finalize_backup<B: Backend>(
     sh: &Shared<B>,
     st: &mut State,
     id: u64,
-    res: Result<Vec<Vec<[u64; 2]>>>,
+    res: Result<Vec<Vec<LayerRecord>>>,
 ) {
     let Some(rec) = st.backups.remove(&id) else {
         return;
@@ -276,10 +277,10 @@ pub(crate) fn finalize_backup<B: Backend>(
                 let same = n.device.is_some_and(|d| d.page == it.device) && device_ok;
                 let evict = std::mem::take(&mut n.evict_after_backup) && n.locks == 0;
                 match (&res, same) {
-                    (Ok(sums), true) => {
+                    (Ok(records), true) => {
                         n.host = Some(HostCopy {
                             page: it.host,
-                            checksums: sums.get(i).cloned().unwrap_or_default(),
+                            layers: records.get(i).cloned().unwrap_or_default(),
                         });
                         landed = true;
                         if evict {
@@ -441,9 +442,10 @@ fn copy_host<B: Backend>(
     Ok(())
 }
 
-/// One load, layer by layer; publishes each layer after both kinds landed and verified
-/// (under the `index-k-after-publish` fault: after its KV only — the index-K copy follows
-/// once a reader reached the layer).
+/// One load, layer by layer; publishes each layer after every pool it holds landed and
+/// verified (under the `index-k-after-publish` fault: after the other pools — the index-K
+/// copy follows once a reader reached the layer; under `reload-kv-only`, index-K is never
+/// copied, and the verification of every pool the layer holds catches it).
 fn run_load<B: Backend>(
     sh: &Shared<B>,
     pages: &[LoadPage],
@@ -455,7 +457,7 @@ fn run_load<B: Backend>(
         .host
         .as_ref()
         .ok_or_else(|| Error::Device("load without a host tier".into()))?;
-    let (host_ids, dev_ids) = load_ids(pages);
+    let ids = load_ids(pages);
     let late_index_k = sh.fault(Fault::IndexKAfterPublish);
     let cancelled = || {
         if cancel.load(Ordering::Acquire) {
@@ -469,87 +471,129 @@ fn run_load<B: Backend>(
         if sh.fault(Fault::LoadsTrailReaders) {
             trail_readers(sh, l, false, reads_at_queue, cancel)?;
         }
+        let kinds: Vec<BufferKind> = sh.device.spec().kinds(l).collect();
+        check_host_records(sh, pages, l, &kinds)?;
         {
             let mut dev = sh.device.lock(l, sh.deadline())?;
             let host_buf = host.buffer();
-            for kind in BufferKind::ALL {
+            let mut copied = Vec::with_capacity(kinds.len());
+            for &kind in &kinds {
                 cancelled()?;
                 if late_index_k && kind == BufferKind::IndexK {
                     // Undefined until the late copy: a pattern, so an early read is wrong.
                     let region = sh.device.region(kind);
-                    poison_pages(&*sh.backend, region, dev.get_mut(kind), &dev_ids)?;
+                    poison_pages(&*sh.backend, region, dev.get_mut(kind)?, &ids.1)?;
                     continue;
                 }
-                load_kind(
-                    sh,
-                    host,
-                    &host_buf,
-                    &mut dev,
-                    l,
-                    kind,
-                    pages,
-                    (&host_ids, &dev_ids),
-                )?;
+                if sh.fault(Fault::ReloadKvOnly) && kind == BufferKind::IndexK {
+                    continue;
+                }
+                copy_kind(sh, host, &host_buf, &mut dev, l, kind, &ids)?;
+                copied.push(kind);
             }
+            // Every pool the layer holds, whatever was copied (the late index-K: once it is).
+            let verified: Vec<BufferKind> = kinds
+                .iter()
+                .copied()
+                .filter(|k| !(late_index_k && *k == BufferKind::IndexK))
+                .collect();
+            verify_kinds(sh, &dev, l, &verified, pages)?;
+            stamp_kinds(sh, l, &copied, pages);
         }
         fence.publish(l);
-        if late_index_k {
+        if late_index_k && kinds.contains(&BufferKind::IndexK) {
             // After a reader took the layer's guard: it holds the layer until it waits
             // for the index-K stamps (or, unchecked, has read the pattern).
             trail_readers(sh, l, true, reads_at_queue, cancel)?;
             cancelled()?;
             let mut dev = sh.device.lock(l, sh.deadline())?;
             let host_buf = host.buffer();
-            let kind = BufferKind::IndexK;
-            load_kind(
-                sh,
-                host,
-                &host_buf,
-                &mut dev,
-                l,
-                kind,
-                pages,
-                (&host_ids, &dev_ids),
-            )?;
+            let kind = [BufferKind::IndexK];
+            copy_kind(sh, host, &host_buf, &mut dev, l, kind[0], &ids)?;
+            verify_kinds(sh, &dev, l, &kind, pages)?;
+            stamp_kinds(sh, l, &kind, pages);
         }
     }
     Ok(())
 }
 
-/// Copies `kind` of layer `l` of a load's pages from the host tier, verifies the landed
-/// bytes against the checksums recorded at backup (`verify`), then stamps the pages
-/// landed for that kind and wakes waiting readers.
-#[allow(clippy::too_many_arguments)]
-fn load_kind<B: Backend>(
+/// Refuses (as an integrity failure: the host copy is dropped) a load of layer `l` from
+/// host copies whose backup did not copy every pool of `kinds` (not checked under
+/// `no-landed-check`).
+fn check_host_records<B: Backend>(
+    sh: &Shared<B>,
+    pages: &[LoadPage],
+    l: usize,
+    kinds: &[BufferKind],
+) -> Result<()> {
+    if sh.fault(Fault::NoLandedCheck) {
+        return Ok(());
+    }
+    for p in pages {
+        let rec = p.layers.get(l).copied().unwrap_or_default();
+        if let Some(kind) = kinds.iter().find(|k| rec.copied & (1 << k.index()) == 0) {
+            return Err(Error::Integrity {
+                what: "host copy (pool never backed up)",
+                page: p.host.id,
+                layer: l,
+                kind: kind.name(),
+                expected: rec.sums[kind.index()],
+                actual: 0,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Copies `kind` of layer `l` of a load's pages (`ids`: host ids, device ids) from the
+/// host tier into the device layer `dev`.
+fn copy_kind<B: Backend>(
     sh: &Shared<B>,
     host: &super::pool::HostPool<B>,
     host_buf: &B::Buffer,
     dev: &mut super::pool::LayerBuffers<B>,
     l: usize,
     kind: BufferKind,
-    pages: &[LoadPage],
-    (host_ids, dev_ids): (&[i32], &[i32]),
+    (host_ids, dev_ids): &(Vec<i32>, Vec<i32>),
 ) -> Result<()> {
-    let ki = kind as usize;
-    let dst = sh.device.region(kind);
     copy_host(
         sh,
         Side {
-            region: host.region(l, kind),
+            region: host_side(sh, host, l, kind)?,
             ids: host_ids,
         },
         host_buf,
         Side {
-            region: dst,
+            region: sh.device.region(kind),
             ids: dev_ids,
         },
-        dev.get_mut(kind),
+        dev.get_mut(kind)?,
         true,
-    )?;
-    if sh.config.verify {
-        let got = checksums(&*sh.backend, dst, dev.get(kind), dev_ids)?;
+    )
+}
+
+/// Checks the device bytes of `kinds` of layer `l` of a load's pages against the
+/// checksums their backup recorded (when the cache verifies).
+fn verify_kinds<B: Backend>(
+    sh: &Shared<B>,
+    dev: &super::pool::LayerBuffers<B>,
+    l: usize,
+    kinds: &[BufferKind],
+    pages: &[LoadPage],
+) -> Result<()> {
+    if !sh.config.verify {
+        return Ok(());
+    }
+    let dev_ids: Vec<i32> = pages.iter().map(|p| p.device.id as i32).collect();
+    for &kind in kinds {
+        let got = checksums(
+            &*sh.backend,
+            sh.device.region(kind),
+            dev.get(kind)?,
+            &dev_ids,
+        )?;
         for (p, g) in pages.iter().zip(got) {
-            let want = p.checksums.get(l).map_or(0, |c| c[ki]);
+            let want = p.layers.get(l).map_or(0, |r| r.sums[kind.index()]);
             if g != want {
                 return Err(Error::Integrity {
                     what: "host→device",
@@ -562,13 +606,19 @@ fn load_kind<B: Backend>(
             }
         }
     }
-    // This kind of this layer landed (and verified): stamp it, kind by kind.
-    for p in pages {
-        sh.device
-            .set_page_landed(l, kind, p.device.id, p.device.generation);
+    Ok(())
+}
+
+/// Stamps `kinds` of layer `l` of a load's pages landed for their generation (after they
+/// were copied and verified) and wakes waiting readers.
+fn stamp_kinds<B: Backend>(sh: &Shared<B>, l: usize, kinds: &[BufferKind], pages: &[LoadPage]) {
+    for &kind in kinds {
+        for p in pages {
+            sh.device
+                .set_page_landed(l, kind, p.device.id, p.device.generation);
+        }
     }
     sh.notify_landed();
-    Ok(())
 }
 
 /// Fills pages `ids` of `region` in `buf` with a fixed pattern (finite in every dtype):
@@ -593,10 +643,11 @@ pub(crate) fn poison_pages<B: Backend>(
     backend.copy_pages(&op, &src, buf)
 }
 
-/// One backup batch; returns each item's checksums `[layer][kind]` (taken on the device
-/// copy, what the load verifies against).
-#[allow(clippy::needless_range_loop)] // `l` indexes layers of the pools and of `sums`
-fn run_backup<B: Backend>(sh: &Shared<B>, items: &[BackupItem]) -> Result<Vec<Vec<[u64; 2]>>> {
+/// One backup batch; returns each item's record per layer: the checksum of every pool the
+/// layer holds, taken on the device copy (what a load verifies against), and the pools
+/// copied (under `host-tier-skips-index-k`, all but index-K).
+#[allow(clippy::needless_range_loop)] // `l` indexes layers of the pools and of `records`
+fn run_backup<B: Backend>(sh: &Shared<B>, items: &[BackupItem]) -> Result<Vec<Vec<LayerRecord>>> {
     let host = sh
         .host
         .as_ref()
@@ -604,14 +655,18 @@ fn run_backup<B: Backend>(sh: &Shared<B>, items: &[BackupItem]) -> Result<Vec<Ve
     let dev_ids: Vec<i32> = items.iter().map(|i| i.device.id as i32).collect();
     let host_ids: Vec<i32> = items.iter().map(|i| i.host.id as i32).collect();
     let layers = sh.num_layers();
-    let mut sums = vec![vec![[0u64; 2]; layers]; items.len()];
+    let mut records = vec![vec![LayerRecord::default(); layers]; items.len()];
     for l in 0..layers {
         let dev = sh.device.lock(l, sh.deadline())?;
         let mut host_buf = host.buffer();
         let host_len = sh.backend.buffer_len(&host_buf);
-        for (ki, kind) in BufferKind::ALL.into_iter().enumerate() {
+        let kinds: Vec<BufferKind> = sh.device.spec().kinds(l).collect();
+        for &kind in &kinds {
+            if sh.fault(Fault::HostTierSkipsIndexK) && kind == BufferKind::IndexK {
+                continue;
+            }
             let src = sh.device.region(kind);
-            let dst = host.region(l, kind);
+            let dst = host_side(sh, host, l, kind)?;
             if sh.fault(Fault::SharedItemSize) && kind == BufferKind::IndexK {
                 for (&d, &h) in dev_ids.iter().zip(&host_ids) {
                     let op = CopyPages {
@@ -620,7 +675,7 @@ fn run_backup<B: Backend>(sh: &Shared<B>, items: &[BackupItem]) -> Result<Vec<Ve
                         src_ids: &[d],
                         dst_ids: &[0],
                     };
-                    sh.backend.copy_pages(&op, dev.get(kind), &mut host_buf)?;
+                    sh.backend.copy_pages(&op, dev.get(kind)?, &mut host_buf)?;
                 }
             } else {
                 copy_host(
@@ -629,7 +684,7 @@ fn run_backup<B: Backend>(sh: &Shared<B>, items: &[BackupItem]) -> Result<Vec<Ve
                         region: src,
                         ids: &dev_ids,
                     },
-                    dev.get(kind),
+                    dev.get(kind)?,
                     Side {
                         region: dst,
                         ids: &host_ids,
@@ -638,11 +693,18 @@ fn run_backup<B: Backend>(sh: &Shared<B>, items: &[BackupItem]) -> Result<Vec<Ve
                     false,
                 )?;
             }
-            for (i, c) in checksums(&*sh.backend, src, dev.get(kind), &dev_ids)?
+            for r in records.iter_mut() {
+                r[l].copied |= 1 << kind.index();
+            }
+        }
+        // Every pool the layer holds, whatever was copied: what a load verifies.
+        for &kind in &kinds {
+            let src = sh.device.region(kind);
+            for (i, c) in checksums(&*sh.backend, src, dev.get(kind)?, &dev_ids)?
                 .into_iter()
                 .enumerate()
             {
-                sums[i][l][ki] = c;
+                records[i][l].sums[kind.index()] = c;
             }
         }
         if sh.fault(Fault::HostBitFlip) && l + 1 == layers {
@@ -654,7 +716,35 @@ fn run_backup<B: Backend>(sh: &Shared<B>, items: &[BackupItem]) -> Result<Vec<Ve
             *host_buf = sh.backend.upload(&bytes)?;
         }
     }
-    Ok(sums)
+    Ok(records)
+}
+
+/// The host side of a copy of layer `l`'s pool `kind`: its host region (under the
+/// `pool-page-size-mismatch` fault, a compressed pool's is described and strided with the
+/// window pool's page size — a descriptor the layout comparison refuses, and offsets that
+/// land on other pools' pages when it is bypassed).
+fn host_side<B: Backend>(
+    sh: &Shared<B>,
+    host: &super::pool::HostPool<B>,
+    l: usize,
+    kind: BufferKind,
+) -> Result<PagedRegion> {
+    let region = host.region(l, kind);
+    let compressed = matches!(kind, BufferKind::CsaKv | BufferKind::HcaKv);
+    let crate::layout::PageLayout::Kv(kv) = region.layout else {
+        return Ok(region);
+    };
+    if !(compressed && sh.fault(Fault::PoolPageSizeMismatch)) {
+        return Ok(region);
+    }
+    let window = sh.device.spec().kv.page_size();
+    let wrong: crate::layout::PageLayout =
+        crate::layout::KvLayout::new(kv.dtype(), kv.nope_dim(), kv.rope_dim(), window)?.into();
+    Ok(PagedRegion {
+        layout: wrong,
+        stride: wrong.bytes_per_page(),
+        ..region
+    })
 }
 
 /// Under the `shared-item-size` fault, where index-K host page `host_id` of `dst` lands:

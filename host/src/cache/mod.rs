@@ -81,6 +81,7 @@
 //! ```
 
 mod alloc;
+mod check;
 pub mod faults;
 mod fence;
 mod fence_core;
@@ -90,12 +91,16 @@ mod io;
 mod late;
 mod pool;
 mod radix;
+mod requests;
+mod room;
+mod state;
 mod step;
+mod types;
 
 pub use alloc::PageRef;
 pub use faults::{Fault, Faults};
 pub use fence::ReadyToken;
 pub use hicache::{CacheConfig, CacheStats, HiCache, Prefix, RequestId, Room};
 pub use inbound::Inbound;
-pub use pool::{BufferKind, CacheSpec, HostLayout};
+pub use pool::{BufferKind, CacheSpec, ExtraPool, HostLayout, KINDS};
 pub use step::{LayerGuard, ReadExtent, SlotRef, Step};

@@ -18,35 +18,90 @@ use crate::layout::{IndexKDtype, IndexKLayout, KvLayout, PageLayout};
 use crate::ops::PagedRegion;
 use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering};
 
-/// The two buffers every layer has.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+/// What a pool's rows are. DeepSeek-V3.2 caches hold `Kv` (the MLA latent KV) and
+/// `IndexK` (the indexer's keys) in every layer. DeepSeek-V4 caches hold `Kv` (the
+/// sliding window's raw KV rows) in every layer, and in some layers `IndexK` (the CSA
+/// layers' compressed index keys), `CsaKv` (their compressed KV), `HcaKv` (the HCA
+/// layers' compressed KV) and `State` (the compressor's partial-window rows at each page's
+/// end, so a prefix hit resumes the window exactly).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum BufferKind {
     Kv,
     IndexK,
+    CsaKv,
+    HcaKv,
+    State,
 }
 
+/// How many buffer kinds there are ([`BufferKind::ALL`]).
+pub const KINDS: usize = 5;
+
 impl BufferKind {
-    pub const ALL: [BufferKind; 2] = [BufferKind::Kv, BufferKind::IndexK];
+    pub const ALL: [BufferKind; KINDS] = [
+        BufferKind::Kv,
+        BufferKind::IndexK,
+        BufferKind::CsaKv,
+        BufferKind::HcaKv,
+        BufferKind::State,
+    ];
 
     pub fn name(&self) -> &'static str {
         match self {
             BufferKind::Kv => "kv",
             BufferKind::IndexK => "index_k",
+            BufferKind::CsaKv => "csa_kv",
+            BufferKind::HcaKv => "hca_kv",
+            BufferKind::State => "state",
         }
+    }
+
+    /// Position in [`BufferKind::ALL`] (the wire code of the PD protocol).
+    pub fn index(&self) -> usize {
+        *self as usize
+    }
+
+    /// The kind at `index` of [`BufferKind::ALL`].
+    pub fn from_index(index: usize) -> Option<BufferKind> {
+        BufferKind::ALL.get(index).copied()
     }
 }
 
-/// What every layer of a cache holds.
+/// One pool beyond the V3.2 pair (a DeepSeek-V4 cache's compressed KV and compressor
+/// state): its rows' layout (`page_size` entries a page) and how many raw tokens one entry
+/// stands for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExtraPool {
+    pub layout: KvLayout,
+    pub tokens_per_entry: usize,
+}
+
+/// What every layer of a cache holds: one pool per buffer kind, each described by its own
+/// layout descriptor, each present in a set of layers. A page id names the same span of
+/// `tokens_per_page` raw tokens in every pool and layer (one page table): a pool of
+/// `tokens_per_entry` raw tokens an entry has `tokens_per_page / tokens_per_entry` entries
+/// a page.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CacheSpec {
+    /// The KV rows of every layer (V3.2: the latent KV; V4: the window's raw KV).
     pub kv: KvLayout,
+    /// The index keys (V3.2: every layer; V4: the CSA layers, compressed).
     pub index_k: IndexKLayout,
     pub num_layers: usize,
+    tokens_per_page: usize,
+    index_k_tokens_per_entry: usize,
+    /// `CsaKv`, `HcaKv`, `State`, where present.
+    extra: [Option<ExtraPool>; 3],
+    /// Per kind, the layers holding it (bit `l`).
+    layers: [u128; KINDS],
 }
 
 impl CacheSpec {
-    /// Checks that both layouts share one page size and there is at least one layer.
+    /// Layers a cache can have (the layer sets are bit masks).
+    pub const MAX_LAYERS: usize = 128;
+
+    /// A DeepSeek-V3.2 cache: KV and index-K in every layer, one entry per token, both
+    /// layouts sharing one page size; at least one layer.
     pub fn new(kv: KvLayout, index_k: IndexKLayout, num_layers: usize) -> Result<Self> {
         if kv.page_size() != index_k.page_size() {
             return Err(Error::InvalidLayout(format!(
@@ -55,57 +110,213 @@ impl CacheSpec {
                 index_k.page_size()
             )));
         }
-        if num_layers == 0 {
-            return Err(Error::InvalidLayout(
-                "a cache needs at least one layer".into(),
-            ));
-        }
+        let all = Self::mask(num_layers, |_| true)?;
         Ok(CacheSpec {
             kv,
             index_k,
             num_layers,
+            tokens_per_page: kv.page_size(),
+            index_k_tokens_per_entry: 1,
+            extra: [None; 3],
+            layers: [all, all, 0, 0, 0],
         })
     }
 
-    /// Tokens per page.
-    pub fn page_size(&self) -> usize {
-        self.kv.page_size()
+    /// A DeepSeek-V4 cache over `layer_ratios` (per layer: 0 window only, 4 CSA, and one
+    /// HCA ratio above 4 — V4's 128; a second HCA ratio or any other value is refused):
+    /// the window's raw KV (`kv`, one entry a token) in every layer; CSA layers also hold
+    /// the compressed index keys (`index_k`), the compressed KV (`csa_kv`) and the
+    /// compressor state (`state`); HCA layers the compressed KV (`hca_kv`). Each layout's
+    /// page size times its tokens per entry must be `kv`'s page size (one page table).
+    pub fn v4(
+        kv: KvLayout,
+        index_k: IndexKLayout,
+        csa_kv: KvLayout,
+        hca_kv: KvLayout,
+        state: KvLayout,
+        layer_ratios: &[usize],
+    ) -> Result<Self> {
+        let tpp = kv.page_size();
+        let csa_ratio = 4;
+        let hca_ratio = layer_ratios
+            .iter()
+            .copied()
+            .find(|&r| r > csa_ratio)
+            .unwrap_or(128);
+        if let Some(r) = layer_ratios
+            .iter()
+            .find(|&&r| r != 0 && r != csa_ratio && r != hca_ratio)
+        {
+            return Err(Error::InvalidLayout(format!(
+                "layer ratio {r}: a V4 cache has window layers (0), CSA layers ({csa_ratio}) \
+                 and HCA layers of one ratio ({hca_ratio})"
+            )));
+        }
+        let per = |name: &str, page_size: usize, ratio: usize| -> Result<()> {
+            if page_size.checked_mul(ratio) != Some(tpp) {
+                return Err(Error::InvalidLayout(format!(
+                    "{name}: {page_size} entries of {ratio} tokens do not make a page of \
+                     {tpp} tokens"
+                )));
+            }
+            Ok(())
+        };
+        per("index-K", index_k.page_size(), csa_ratio)?;
+        per("CSA KV", csa_kv.page_size(), csa_ratio)?;
+        per("HCA KV", hca_kv.page_size(), hca_ratio)?;
+        per(
+            "compressor state",
+            state.page_size(),
+            tpp / state.page_size().max(1),
+        )?;
+        let n = layer_ratios.len();
+        let csa = Self::mask(n, |l| layer_ratios[l] == csa_ratio)?;
+        let hca = Self::mask(n, |l| layer_ratios[l] == hca_ratio)?;
+        Ok(CacheSpec {
+            kv,
+            index_k,
+            num_layers: n,
+            tokens_per_page: tpp,
+            index_k_tokens_per_entry: csa_ratio,
+            extra: [
+                Some(ExtraPool {
+                    layout: csa_kv,
+                    tokens_per_entry: csa_ratio,
+                }),
+                Some(ExtraPool {
+                    layout: hca_kv,
+                    tokens_per_entry: hca_ratio,
+                }),
+                Some(ExtraPool {
+                    layout: state,
+                    tokens_per_entry: tpp / state.page_size().max(1),
+                }),
+            ],
+            layers: [Self::mask(n, |_| true)?, csa, csa, hca, csa],
+        })
     }
 
-    /// The descriptor of one buffer kind.
+    fn mask(n: usize, has: impl Fn(usize) -> bool) -> Result<u128> {
+        if n == 0 || n > Self::MAX_LAYERS {
+            return Err(Error::InvalidLayout(format!(
+                "a cache needs 1 to {} layers, not {n}",
+                Self::MAX_LAYERS
+            )));
+        }
+        Ok((0..n).filter(|&l| has(l)).fold(0, |m, l| m | (1u128 << l)))
+    }
+
+    /// Raw tokens per page (the radix tree's and the page table's unit).
+    pub fn page_size(&self) -> usize {
+        self.tokens_per_page
+    }
+
+    /// Whether layer `layer` holds a pool of `kind`.
+    pub fn has(&self, layer: usize, kind: BufferKind) -> bool {
+        layer < self.num_layers && self.layers[kind.index()] & (1u128 << layer) != 0
+    }
+
+    /// The kinds layer `layer` holds, in [`BufferKind::ALL`] order.
+    pub fn kinds(&self, layer: usize) -> impl Iterator<Item = BufferKind> + '_ {
+        BufferKind::ALL
+            .into_iter()
+            .filter(move |k| self.has(layer, *k))
+    }
+
+    /// Whether any layer holds `kind`.
+    pub fn holds(&self, kind: BufferKind) -> bool {
+        self.layers[kind.index()] != 0
+    }
+
+    /// The descriptor of one buffer kind (of a kind no layer holds: its descriptor all
+    /// the same where the cache has one, the KV's for the V3.2 pair's absent extras).
     pub fn layout(&self, kind: BufferKind) -> PageLayout {
         match kind {
             BufferKind::Kv => self.kv.into(),
             BufferKind::IndexK => self.index_k.into(),
+            k => self
+                .extra_pool(k)
+                .map_or(self.kv.into(), |e| e.layout.into()),
         }
     }
 
-    /// Bytes of one page of every layer and both kinds.
+    fn extra_pool(&self, kind: BufferKind) -> Option<ExtraPool> {
+        match kind {
+            BufferKind::CsaKv => self.extra[0],
+            BufferKind::HcaKv => self.extra[1],
+            BufferKind::State => self.extra[2],
+            _ => None,
+        }
+    }
+
+    /// Raw tokens one entry of `kind` stands for.
+    pub fn tokens_per_entry(&self, kind: BufferKind) -> usize {
+        match kind {
+            BufferKind::Kv => 1,
+            BufferKind::IndexK => self.index_k_tokens_per_entry,
+            k => self.extra_pool(k).map_or(1, |e| e.tokens_per_entry),
+        }
+    }
+
+    /// Entries of `kind` in a page.
+    pub fn entries_per_page(&self, kind: BufferKind) -> usize {
+        self.layout(kind).page_size()
+    }
+
+    /// Bytes of one page of every layer and every kind each holds.
     pub fn bytes_per_page_all_layers(&self) -> usize {
-        (self.kv.bytes_per_page() + self.index_k.bytes_per_page()) * self.num_layers
+        (0..self.num_layers)
+            .flat_map(|l| self.kinds(l))
+            .map(|k| self.layout(k).bytes_per_page())
+            .sum()
+    }
+
+    /// One fingerprint of the whole spec: every pool's descriptor, its layers and tokens
+    /// per entry, the page span (what two ends of a transfer must agree on).
+    pub fn fingerprint(&self) -> u64 {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let mut mix = |x: u64| {
+            for b in x.to_le_bytes() {
+                h = (h ^ b as u64).wrapping_mul(0x100_0000_01b3);
+            }
+        };
+        mix(self.num_layers as u64);
+        mix(self.tokens_per_page as u64);
+        for k in BufferKind::ALL {
+            if self.holds(k) {
+                mix(k.index() as u64);
+                mix(self.layout(k).fingerprint());
+                mix(self.tokens_per_entry(k) as u64);
+                mix(self.layers[k.index()] as u64);
+                mix((self.layers[k.index()] >> 64) as u64);
+            }
+        }
+        h
     }
 }
 
-/// The buffers of one layer. Reachable only inside the cache: readers get them through a
-/// [`super::LayerGuard`], writers are the io worker and inbound transfers.
+/// The buffers of one layer, one per kind the layer holds. Reachable only inside the
+/// cache: readers get them through a [`super::LayerGuard`], writers are the io worker and
+/// inbound transfers.
 #[derive(Debug)]
 pub(crate) struct LayerBuffers<B: Backend> {
-    pub(crate) kv: B::Buffer,
-    pub(crate) index_k: B::Buffer,
+    bufs: [Option<B::Buffer>; KINDS],
 }
 
 impl<B: Backend> LayerBuffers<B> {
-    pub(crate) fn get(&self, kind: BufferKind) -> &B::Buffer {
-        match kind {
-            BufferKind::Kv => &self.kv,
-            BufferKind::IndexK => &self.index_k,
-        }
+    /// The buffer of `kind` (`InvalidArgument` for a kind this layer does not hold).
+    pub(crate) fn get(&self, kind: BufferKind) -> Result<&B::Buffer> {
+        self.bufs[kind.index()].as_ref().ok_or_else(|| absent(kind))
     }
-    pub(crate) fn get_mut(&mut self, kind: BufferKind) -> &mut B::Buffer {
-        match kind {
-            BufferKind::Kv => &mut self.kv,
-            BufferKind::IndexK => &mut self.index_k,
-        }
+    pub(crate) fn get_mut(&mut self, kind: BufferKind) -> Result<&mut B::Buffer> {
+        self.bufs[kind.index()].as_mut().ok_or_else(|| absent(kind))
+    }
+}
+
+fn absent(kind: BufferKind) -> Error {
+    Error::InvalidArgument {
+        what: "buffer kind",
+        detail: format!("this layer holds no {} pool", kind.name()),
     }
 }
 
@@ -142,33 +353,32 @@ pub(crate) struct DevicePool<B: Backend> {
     spec: CacheSpec,
     num_pages: usize,
     layers: Vec<Mutex<LayerBuffers<B>>>,
-    /// `[(layer * 2 + kind) * num_pages + page]`, packed by [`pack`].
+    /// `[(layer * KINDS + kind) * num_pages + page]`, packed by [`pack`].
     landed: Vec<AtomicU64>,
-}
-
-fn kind_index(kind: BufferKind) -> usize {
-    match kind {
-        BufferKind::Kv => 0,
-        BufferKind::IndexK => 1,
-    }
 }
 
 impl<B: Backend> DevicePool<B> {
     /// Allocates the pool on `backend`.
     pub fn new(backend: &B, spec: CacheSpec, num_pages: usize) -> Result<Self> {
         let layers = (0..spec.num_layers)
-            .map(|_| {
-                Ok(Mutex::new(LayerBuffers {
-                    kv: backend.alloc(spec.kv.buffer_bytes(num_pages))?,
-                    index_k: backend.alloc(spec.index_k.buffer_bytes(num_pages))?,
-                }))
+            .map(|l| {
+                let mut bufs: [Option<B::Buffer>; KINDS] = Default::default();
+                for k in spec.kinds(l) {
+                    let bytes = spec
+                        .layout(k)
+                        .bytes_per_page()
+                        .checked_mul(num_pages)
+                        .ok_or_else(|| Error::InvalidLayout("pool size overflows".into()))?;
+                    bufs[k.index()] = Some(backend.alloc(bytes)?);
+                }
+                Ok(Mutex::new(LayerBuffers { bufs }))
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(DevicePool {
             spec,
             num_pages,
             layers,
-            landed: (0..spec.num_layers * BufferKind::ALL.len() * num_pages)
+            landed: (0..spec.num_layers * KINDS * num_pages)
                 .map(|_| AtomicU64::new(0))
                 .collect(),
         })
@@ -203,7 +413,7 @@ impl<B: Backend> DevicePool<B> {
     fn slot(&self, layer: usize, kind: BufferKind, page: u32) -> Option<&AtomicU64> {
         if (page as usize) < self.num_pages {
             self.landed
-                .get((layer * 2 + kind_index(kind)) * self.num_pages + page as usize)
+                .get((layer * KINDS + kind.index()) * self.num_pages + page as usize)
         } else {
             None
         }
@@ -224,16 +434,17 @@ impl<B: Backend> DevicePool<B> {
         }
     }
 
-    /// Records a whole page (every slot) landed for `generation`: a load or transfer.
+    /// Records a whole page (every entry) landed for `generation`: a load or transfer.
     pub fn set_page_landed(&self, layer: usize, kind: BufferKind, page: u32, generation: u32) {
-        self.set_landed(layer, kind, page, generation, self.spec.page_size() as u32);
+        let entries = self.spec.entries_per_page(kind) as u32;
+        self.set_landed(layer, kind, page, generation, entries);
     }
 
     /// Marks `page` as holding nothing, in every layer and kind: a fresh allocation (its
     /// owner's stores or a copy will fill it).
     pub fn clear_landed(&self, page: u32) {
         for l in 0..self.spec.num_layers {
-            for kind in BufferKind::ALL {
+            for kind in self.spec.kinds(l) {
                 if let Some(s) = self.slot(l, kind, page) {
                     s.store(0, Ordering::Release);
                 }
@@ -260,10 +471,10 @@ impl<B: Backend> DevicePool<B> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum HostLayout {
-    /// Per layer: all KV pages, then all index-K pages (like the device).
+    /// Per layer: all pages of each kind it holds, kind after kind (like the device).
     LayerFirst,
-    /// Per page: every layer's KV page then its index-K page, contiguous (one transfer
-    /// per page moves all layers).
+    /// Per page: every layer's page of each kind it holds, contiguous (one transfer per
+    /// page moves all layers and pools).
     PageFirst,
 }
 
@@ -310,39 +521,37 @@ impl<B: Backend> HostPool<B> {
         &self.spec
     }
 
-    /// Where pages of layer `layer`, kind `kind` sit in the host buffer.
+    /// Where pages of layer `layer`, kind `kind` sit in the host buffer (a kind the
+    /// layer does not hold: an empty region).
     pub fn region(&self, layer: usize, kind: BufferKind) -> PagedRegion {
-        let (kv, ik) = (
-            self.spec.kv.bytes_per_page(),
-            self.spec.index_k.bytes_per_page(),
-        );
-        let page_layout = self.spec.layout(kind);
+        let spec = &self.spec;
+        let page_layout = spec.layout(kind);
+        let bytes = |k: BufferKind| spec.layout(k).bytes_per_page();
+        let layer_bytes = |l: usize| spec.kinds(l).map(bytes).sum::<usize>();
+        let before_layer: usize = (0..layer.min(spec.num_layers)).map(layer_bytes).sum();
+        let before_kind: usize = spec
+            .kinds(layer)
+            .take_while(|k| *k != kind)
+            .map(bytes)
+            .sum();
+        let num_pages = if spec.has(layer, kind) {
+            self.num_pages
+        } else {
+            0
+        };
         match self.layout {
-            HostLayout::LayerFirst => {
-                let per_layer = (kv + ik) * self.num_pages;
-                let kind_off = match kind {
-                    BufferKind::Kv => 0,
-                    BufferKind::IndexK => kv * self.num_pages,
-                };
-                PagedRegion {
-                    layout: page_layout,
-                    offset: layer * per_layer + kind_off,
-                    stride: page_layout.bytes_per_page(),
-                    num_pages: self.num_pages,
-                }
-            }
-            HostLayout::PageFirst => {
-                let kind_off = match kind {
-                    BufferKind::Kv => 0,
-                    BufferKind::IndexK => kv,
-                };
-                PagedRegion {
-                    layout: page_layout,
-                    offset: layer * (kv + ik) + kind_off,
-                    stride: (kv + ik) * self.spec.num_layers,
-                    num_pages: self.num_pages,
-                }
-            }
+            HostLayout::LayerFirst => PagedRegion {
+                layout: page_layout,
+                offset: (before_layer + before_kind) * self.num_pages,
+                stride: page_layout.bytes_per_page(),
+                num_pages,
+            },
+            HostLayout::PageFirst => PagedRegion {
+                layout: page_layout,
+                offset: before_layer + before_kind,
+                stride: spec.bytes_per_page_all_layers(),
+                num_pages,
+            },
         }
     }
 
@@ -381,7 +590,7 @@ mod tests {
             let len = b.buffer_len(&host.buffer());
             let mut owner = vec![None; len];
             for l in 0..3 {
-                for k in BufferKind::ALL {
+                for k in dev.spec().kinds(l).collect::<Vec<_>>() {
                     let r = host.region(l, k);
                     r.check("host", len).unwrap();
                     assert_eq!(r.layout, dev.spec().layout(k));

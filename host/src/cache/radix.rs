@@ -18,12 +18,20 @@ pub(crate) struct NodeId {
     gen: u32,
 }
 
-/// A page's copy in the host tier with the checksums recorded at backup, one per layer and
-/// buffer kind (`[layer][kind]`, kinds in `BufferKind::ALL` order).
+/// What a backup recorded of one layer of a page: the checksum of each pool the layer
+/// holds, taken on the device copy (`sums[kind.index()]`; 0 for a pool the layer lacks),
+/// and which pools it copied to the host tier (bit `kind.index()` of `copied`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct LayerRecord {
+    pub sums: [u64; super::pool::KINDS],
+    pub copied: u8,
+}
+
+/// A page's copy in the host tier with what its backup recorded, one record per layer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct HostCopy {
     pub page: PageRef,
-    pub checksums: Vec<[u64; 2]>,
+    pub layers: Vec<LayerRecord>,
 }
 
 /// A node's device page. `load` is the id of the load job still filling it (the page must
@@ -367,7 +375,7 @@ mod tests {
         t.get_mut(path[1]).unwrap().device = None;
         t.get_mut(path[1]).unwrap().host = Some(HostCopy {
             page: p(0),
-            checksums: vec![],
+            layers: vec![],
         });
         assert_eq!(t.host_victims(), vec![path[1]]);
         assert_eq!(t.match_prefix(&[1, 2, 3, 4]).len(), 2);

@@ -22,10 +22,13 @@ use std::time::Instant;
 use super::alloc::PageRef;
 use super::faults::Fault;
 use super::fence::{Fence, ReadyToken};
-use super::hicache::{invalid, HiCache, RequestId};
+use super::hicache::HiCache;
 use super::pool::{BufferKind, LayerBuffers};
+use super::state::invalid;
+use super::types::RequestId;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
+use crate::layout::PageLayout;
 use crate::ops::{IndexKStore, KvStore};
 use crate::sync::{AtomicBool, MutexGuard, Ordering};
 
@@ -71,7 +74,7 @@ pub struct Step<'c, B: Backend + 'static> {
 /// Under the `loads-trail-readers` and `index-k-after-publish` faults: counts a step
 /// reaching `layer` (`guard`: holding the layer's lock) and wakes the loads waiting for
 /// one. Counts per layer: `[layer * 2]` every reach, `[layer * 2 + 1]` guards only.
-fn note_read<B: Backend>(sh: &super::hicache::Shared<B>, layer: usize, guard: bool) {
+fn note_read<B: Backend>(sh: &super::state::Shared<B>, layer: usize, guard: bool) {
     if sh.fault(Fault::LoadsTrailReaders) || sh.fault(Fault::IndexKAfterPublish) {
         let mut reads = sh.reads.lock();
         if let Some(r) = reads.get_mut(layer * 2) {
@@ -322,7 +325,7 @@ impl<'c, B: Backend + 'static> Step<'c, B> {
         for m in self.live_members() {
             let strict = m.landed.iter().map(|p| (p, false));
             for (p, may_be_empty) in strict.chain(m.own.iter().map(|p| (p, true))) {
-                for kind in BufferKind::ALL {
+                for kind in sh.device.spec().kinds(layer) {
                     let stamp = sh.device.landed(layer, kind, p.id).map(|l| l.generation);
                     if stamp == Some(p.generation) || (may_be_empty && stamp.is_none()) {
                         continue;
@@ -383,7 +386,7 @@ impl<'c, B: Backend + 'static> Step<'c, B> {
     /// bytes — so a read that skipped the wait reads wrong bytes every time.
     fn poison_unlanded(&self, bufs: &mut LayerBuffers<B>, layer: usize) -> Result<()> {
         let sh = &*self.cache.shared;
-        for kind in BufferKind::ALL {
+        for kind in sh.device.spec().kinds(layer).collect::<Vec<_>>() {
             let mut ids: Vec<i32> = self
                 .live_members()
                 .flat_map(|m| m.landed.iter())
@@ -396,7 +399,7 @@ impl<'c, B: Backend + 'static> Step<'c, B> {
             ids.sort_unstable();
             ids.dedup();
             let region = sh.device.region(kind);
-            super::io::poison_pages(&*sh.backend, region, bufs.get_mut(kind), &ids)?;
+            super::io::poison_pages(&*sh.backend, region, bufs.get_mut(kind)?, &ids)?;
         }
         Ok(())
     }
@@ -516,7 +519,7 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
             if sh.fault(Fault::NoLandedCheck) {
                 continue;
             }
-            for kind in BufferKind::ALL {
+            for kind in sh.device.spec().kinds(self.layer) {
                 let stamp = self.stamp(p, kind);
                 if stamp != Some(p.generation) {
                     return Err(self.not_landed(m.req, p, kind, stamp));
@@ -566,8 +569,12 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
                 if sh.fault(Fault::NoLandedCheck) {
                     continue;
                 }
-                let need = (r.tokens - i * ps).min(ps) as u32;
-                for kind in BufferKind::ALL {
+                // Raw tokens of this page read; of a pool of coarser entries, the
+                // complete entries among them.
+                let in_page = (r.tokens - i * ps).min(ps);
+                let spec = sh.device.spec();
+                for kind in spec.kinds(self.layer) {
+                    let need = (in_page / spec.tokens_per_entry(kind)) as u32;
                     let filled = sh.device.filled(self.layer, kind, *p);
                     if filled < need {
                         return Err(failed(
@@ -594,7 +601,19 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
     /// [`LayerGuard::views_for`].
     pub fn views(&self) -> Result<(&B::Buffer, &B::Buffer)> {
         self.verify_landed()?;
-        Ok((&self.bufs.kv, &self.bufs.index_k))
+        Ok((
+            self.bufs.get(BufferKind::Kv)?,
+            self.bufs.get(BufferKind::IndexK)?,
+        ))
+    }
+
+    /// The view of one pool of the layer (`InvalidArgument` for a kind the layer does not
+    /// hold), the landed stamps and, when `reads` names any, the written entries
+    /// re-checked (as [`LayerGuard::views_for`]).
+    pub fn view(&self, kind: BufferKind, reads: &[ReadExtent<'_>]) -> Result<&B::Buffer> {
+        self.verify_landed()?;
+        self.verify_extents(reads)?;
+        self.bufs.get(kind)
     }
 
     /// [`LayerGuard::views`] for a reader of the token slots `reads` names: also refuses
@@ -603,7 +622,10 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
     pub fn views_for(&self, reads: &[ReadExtent<'_>]) -> Result<(&B::Buffer, &B::Buffer)> {
         self.verify_landed()?;
         self.verify_extents(reads)?;
-        Ok((&self.bufs.kv, &self.bufs.index_k))
+        Ok((
+            self.bufs.get(BufferKind::Kv)?,
+            self.bufs.get(BufferKind::IndexK)?,
+        ))
     }
 
     /// The KV view (see [`LayerGuard::views`]).
@@ -618,15 +640,25 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
 
     /// Slot numbers of `slots` after checking each names a page a member owns, at its
     /// current generation (unless the `no-generation-check` fault is on).
-    fn slots(&self, slots: &[SlotRef]) -> Result<Vec<i64>> {
+    fn slots(&self, kind: BufferKind, slots: &[SlotRef]) -> Result<Vec<i64>> {
         let sh = &*self.step.cache.shared;
-        let ps = sh.device.spec().page_size();
+        if !sh.device.spec().has(self.layer, kind) {
+            return Err(invalid(
+                "kind",
+                format!("layer {} holds no {} pool", self.layer, kind.name()),
+            ));
+        }
+        let ps = sh.device.spec().entries_per_page(kind);
         let mut out = Vec::with_capacity(slots.len());
         for (i, s) in slots.iter().enumerate() {
             if s.offset as usize >= ps {
                 return Err(invalid(
                     "slots",
-                    format!("slots[{i}]: offset {} of a {ps}-token page", s.offset),
+                    format!(
+                        "slots[{i}]: offset {} of a {ps}-entry {} page",
+                        s.offset,
+                        kind.name()
+                    ),
                 ));
             }
             let Some(own) = self.step.writable.get(&s.page.id) else {
@@ -719,32 +751,35 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
         }
     }
 
-    /// Runs the store op of `kind` for slot numbers `ids` (checked by [`Self::slots`]).
+    /// Runs the store op of `kind` for slot numbers `ids` (checked by [`Self::slots`]):
+    /// index keys through `index_k_store` (quantized as the layout says), every KV-shaped
+    /// pool (KV, compressed KV, compressor state) through `kv_store`.
     fn run_store(&mut self, kind: BufferKind, ids: &[i64], rows: &B::Buffer) -> Result<()> {
         let sh = &*self.step.cache.shared;
         let spec = sh.device.spec();
-        match kind {
-            BufferKind::Kv => sh.backend.kv_store(
-                &KvStore {
-                    layout: spec.kv,
-                    slots: ids,
-                },
-                rows,
-                &mut self.bufs.kv,
-            ),
-            BufferKind::IndexK => sh.backend.index_k_store(
+        let dst = self.bufs.get_mut(kind)?;
+        match (kind, spec.layout(kind)) {
+            (BufferKind::IndexK, _) => sh.backend.index_k_store(
                 &IndexKStore {
                     layout: spec.index_k,
                     slots: ids,
                 },
                 rows,
-                &mut self.bufs.index_k,
+                dst,
             ),
+            (_, PageLayout::Kv(layout)) => {
+                sh.backend
+                    .kv_store(&KvStore { layout, slots: ids }, rows, dst)
+            }
+            (_, PageLayout::IndexK(_)) => Err(invalid(
+                "kind",
+                format!("{} rows are not index keys", kind.name()),
+            )),
         }
     }
 
     fn store(&mut self, kind: BufferKind, slots: &[SlotRef], rows: &B::Buffer) -> Result<()> {
-        let ids = self.slots(slots)?;
+        let ids = self.slots(kind, slots)?;
         let fills = self.fills(kind, slots)?;
         self.run_store(kind, &ids, rows)?;
         self.stamp_fills(kind, &fills);
@@ -772,7 +807,7 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
         for (slot, row) in due {
             // Refused late writes (stale, or one that would leave a gap) are counted and
             // dropped: they belong to no live request.
-            let Ok(ids) = self.slots(&[slot]) else {
+            let Ok(ids) = self.slots(kind, &[slot]) else {
                 continue;
             };
             let fills = match self.fills(kind, &[slot]) {
@@ -789,6 +824,20 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
             self.stamp_fills(kind, &fills);
         }
         Ok(())
+    }
+
+    /// Stores `rows` into `slots` of this layer's pool of `kind` (offsets in that pool's
+    /// entries): index keys as bf16 `[slots.len(), head_dim]` (quantized as the layout
+    /// says), every other kind as bf16 KV rows `[slots.len(), d_qk]` of its layout. A
+    /// page fills in entry order (a gap is refused), only pages a member of the step owns
+    /// at their current generation.
+    pub fn store_kind(
+        &mut self,
+        kind: BufferKind,
+        slots: &[SlotRef],
+        rows: &B::Buffer,
+    ) -> Result<()> {
+        self.store(kind, slots, rows)
     }
 
     /// Stores `kv` (bf16 `[slots.len(), d_qk]`) into `slots` of this layer's KV buffer.

@@ -16,8 +16,8 @@ use super::gemm::{gemm_acc, Dims};
 use super::{CpuBackend, CpuIsa};
 use crate::error::Result;
 use crate::model_ops::{
-    Accumulate, Add, Argmax, Cast, DenseDtype, Embed, GatherRows, Matmul, ModelOps, RmsNorm, Rope,
-    SwiGlu, View,
+    Accumulate, Add, Argmax, Cast, DenseDtype, Embed, GatedPool, GatherRows, Matmul, ModelOps,
+    RmsNorm, Rope, SwiGlu, View,
 };
 
 /// Rows per parallel task for the cheap row-wise ops.
@@ -206,6 +206,59 @@ pub fn swiglu(op: &SwiGlu, gate_up: &[f32], out: &mut [f32]) {
                 *o = g / (1.0 + exp_portable(-g)) * u;
             }
         });
+}
+
+/// [`GatedPool`] on f32 slices (validated). Entries are split across workers; within an
+/// entry the channels advance together slot by slot, each channel by exactly the GPU
+/// kernel's sequence (`dense_gated_pool`): the max pass (`m` from `−inf`, taking `z` when
+/// `z > m`), then per valid slot in order `w = exp_portable(z − m)`, `sum += w`,
+/// `acc += w · v` (from `+0.0`, each operation rounded, no FMA), then `acc / sum`.
+pub fn gated_pool(op: &GatedPool<'_>, x: &[f32], bias: &[f32], out: &mut [f32]) {
+    let (w, span) = (op.width, op.span);
+    if w == 0 || span == 0 {
+        return;
+    }
+    out.par_chunks_mut(w)
+        .with_min_len((ROW_CHUNK / span).max(1))
+        .enumerate()
+        .for_each_init(
+            || vec![0f32; 2 * w],
+            |scratch, (e, o)| {
+                let (m, sum) = scratch.split_at_mut(w);
+                let slots = &op.sources[e * span..(e + 1) * span];
+                m.fill(f32::NEG_INFINITY);
+                for (i, &s) in slots.iter().enumerate() {
+                    if s == GatedPool::EMPTY {
+                        continue;
+                    }
+                    let g = &x[s as usize * 2 * w + w..][..w];
+                    let b = &bias[i * w..][..w];
+                    for ((m, &g), &b) in m.iter_mut().zip(g).zip(b) {
+                        let z = g + b;
+                        if z > *m {
+                            *m = z;
+                        }
+                    }
+                }
+                sum.fill(0.0);
+                o.fill(0.0);
+                for (i, &s) in slots.iter().enumerate() {
+                    if s == GatedPool::EMPTY {
+                        continue;
+                    }
+                    let (v, g) = x[s as usize * 2 * w..][..2 * w].split_at(w);
+                    let b = &bias[i * w..][..w];
+                    for c in 0..w {
+                        let wt = exp_portable((g[c] + b[c]) - m[c]);
+                        sum[c] += wt;
+                        o[c] += wt * v[c];
+                    }
+                }
+                for (o, &s) in o.iter_mut().zip(sum.iter()) {
+                    *o /= s;
+                }
+            },
+        );
 }
 
 /// [`Embed`] on f32 slices (validated).
@@ -401,6 +454,20 @@ impl ModelOps for CpuBackend {
         let logits = logits.typed::<f32>("logits")?;
         let out = out.typed_mut::<u32>("out")?;
         self.run(|| argmax(op, logits, out));
+        Ok(())
+    }
+
+    fn gated_pool(
+        &self,
+        op: &GatedPool<'_>,
+        x: &CpuBuffer,
+        bias: &CpuBuffer,
+        out: &mut CpuBuffer,
+    ) -> Result<()> {
+        op.validate(x.len(), bias.len(), out.len())?;
+        let (x, bias) = (x.typed::<f32>("x")?, bias.typed::<f32>("bias")?);
+        let out = out.typed_mut::<f32>("out")?;
+        self.run(|| gated_pool(op, x, bias, out));
         Ok(())
     }
 }

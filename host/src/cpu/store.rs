@@ -164,7 +164,7 @@ crate::isa_dispatch! {
 /// Applies `write(page_bytes, offset_in_page, token)` for every token with a slot, in
 /// parallel over the pages of `cache` (laid out as `layout`). Slots must be validated (in
 /// range, unique, or -1).
-pub(crate) fn scatter_by_page(
+pub fn scatter_by_page(
     cache: &mut [u8],
     layout: PageLayout,
     slots: &[i64],

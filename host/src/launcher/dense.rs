@@ -11,16 +11,17 @@
 //! `cuda`.
 
 use sparsekit_kernels::params::{
-    dense_dtype, DenseAddParams, DenseArgmaxParams, DenseCastParams, DenseGatherRowsParams,
-    DenseMatmulParams, DenseRmsNormParams, DenseRopeParams, DenseSwiGluParams, DenseView,
+    dense_dtype, DenseAddParams, DenseArgmaxParams, DenseCastParams, DenseGatedPoolParams,
+    DenseGatherRowsParams, DenseMatmulParams, DenseRmsNormParams, DenseRopeParams,
+    DenseSwiGluParams, DenseView,
 };
 
 use super::{BufferAccess, KernelDevice};
 use crate::error::Result;
 use crate::kernel_params::{ptr, ptr_mut, u32_of};
 use crate::model_ops::{
-    Accumulate, Add, Argmax, Cast, DenseDtype, Embed, GatherRows, Matmul, RmsNorm, Rope, SwiGlu,
-    View,
+    Accumulate, Add, Argmax, Cast, DenseDtype, Embed, GatedPool, GatherRows, Matmul, RmsNorm,
+    Rope, SwiGlu, View,
 };
 
 /// A view as the kernels' element view (validated views fit a buffer, so they fit u64).
@@ -328,8 +329,45 @@ pub fn argmax<D: KernelDevice>(
     }
 }
 
+/// `gated_pool` on a [`KernelDevice`]: the source ids are staged as metadata; one thread
+/// per output element (`dense_gated_pool`).
+pub fn gated_pool<D: KernelDevice>(
+    d: &D,
+    op: &GatedPool<'_>,
+    x: &D::Buffer,
+    bias: &D::Buffer,
+    out: &mut D::Buffer,
+) -> Result<()> {
+    op.validate(d.buffer_len(x), d.buffer_len(bias), d.buffer_len(out))?;
+    if op.entries == 0 {
+        return Ok(());
+    }
+    // SAFETY: validated: `x` holds rows·2·width f32, `bias` span·width, `out`
+    // entries·width; `sources` holds entries·span ids, each a row of `x` or EMPTY, with a
+    // valid slot per entry; `out` is an exclusive borrow, so it overlaps neither input.
+    unsafe {
+        d.launch(
+            &[("sources", bytemuck::cast_slice(op.sources))],
+            &[("x", x), ("bias", bias)],
+            &mut [("out", BufferAccess::Write, out)],
+            |a| {
+                Ok(DenseGatedPoolParams {
+                    x: ptr(a.read[0]),
+                    bias: ptr(a.read[1]),
+                    sources: ptr(a.meta[0]),
+                    out: ptr_mut(a.write[0]),
+                    entries: u32_of("gated_pool entries", op.entries)?,
+                    span: u32_of("gated_pool span", op.span)?,
+                    width: u32_of("gated_pool width", op.width)?,
+                    _pad: 0,
+                })
+            },
+        )
+    }
+}
+
 /// The methods of `impl ModelOps` for a backend that implements
-/// [`KernelDevice`](crate::launcher::KernelDevice): the nine dense ops of
+/// [`KernelDevice`](crate::launcher::KernelDevice): the ten dense ops of
 /// [`launcher::dense`](crate::launcher::dense).
 #[macro_export]
 macro_rules! kernel_model_ops {
@@ -408,6 +446,15 @@ macro_rules! kernel_model_ops {
             out: &mut Self::Buffer,
         ) -> $crate::Result<()> {
             $crate::launcher::dense::argmax(self, op, logits, out)
+        }
+        fn gated_pool(
+            &self,
+            op: &$crate::model_ops::GatedPool<'_>,
+            x: &Self::Buffer,
+            bias: &Self::Buffer,
+            out: &mut Self::Buffer,
+        ) -> $crate::Result<()> {
+            $crate::launcher::dense::gated_pool(self, op, x, bias, out)
         }
     };
 }

@@ -1,25 +1,27 @@
 //! The dense ops of the synthetic model: matmul, RMSNorm, rope, SwiGLU, row gathers
-//! (embedding lookups), residual add, casts and argmax.
+//! (embedding lookups), residual add, casts, argmax, and DeepSeek-V4's compressor pooling
+//! (`dense_gated_pool`).
 //!
 //! **Batch invariance and CPU equality are the contract.** Every output element is
 //! computed by the same sequence of correctly rounded f32 operations as the CPU backend's
 //! dense kernels (`sparsekit_host::cpu::dense`), independent of the row count, the row's
 //! position in the batch and the launch geometry: the matmul is one FMA chain per element
 //! in `k` order (never split-K), the RMSNorm sum uses the CPU's 16 lanes and pairwise tree,
-//! SwiGLU's `exp` is [`exp_portable`]. Plain Rust `*`, `+`, `/` compile to `mul.rn`,
+//! SwiGLU's and the gated pooling's `exp` is [`exp_portable`]. Plain Rust `*`, `+`, `/` compile to `mul.rn`,
 //! `add.rn`, `div.rn` (never contracted into FMAs), so the GPU, the emulator and the CPU
 //! give the same bits.
 //!
-//! Geometry: element-wise kernels run grid-stride over elements ([`ELEMENTWISE_BLOCK`]
-//! threads per block); RMSNorm one warp per row, argmax one block per row; the matmul one
+//! Geometry: element-wise kernels (the gated pooling among them: one thread per output
+//! element) run grid-stride over elements ([`ELEMENTWISE_BLOCK`] threads per block); RMSNorm one warp per row, argmax one block per row; the matmul one
 //! block per tile of [`MATMUL_TILE_ROWS`] rows × [`MATMUL_TILE_COLS`] columns of one group.
 
 use crate::fp8::{bf16_to_f32, f32_to_bf16};
 use crate::launch::{Launch, MAX_GRID};
 use crate::math::{exp_portable, fma, sqrt};
 use crate::params::{
-    dense_dtype, DenseAddParams, DenseArgmaxParams, DenseCastParams, DenseGatherRowsParams,
-    DenseMatmulParams, DenseRmsNormParams, DenseRopeParams, DenseSwiGluParams,
+    dense_dtype, DenseAddParams, DenseArgmaxParams, DenseCastParams, DenseGatedPoolParams,
+    DenseGatherRowsParams, DenseMatmulParams, DenseRmsNormParams, DenseRopeParams,
+    DenseSwiGluParams, GATED_POOL_EMPTY,
 };
 use crate::simt::Simt;
 
@@ -267,6 +269,79 @@ pub unsafe fn dense_swiglu<S: Simt>(p: DenseSwiGluParams) {
             let u = S::gld(p.gate_up.add((r * 2 * w + w + c) as usize));
             S::gst(p.out.add(e as usize), g / (1.0 + exp_portable(-g)) * u);
         }
+        e += step;
+    }
+}
+
+/// DeepSeek-V4's compressor pooling (see [`DenseGatedPoolParams`]): one thread per output
+/// element `(entry, channel)`, channels fastest, so a warp reads 32 consecutive f32 of a
+/// source row (coalesced) and one source id (a broadcast). Two passes over the entry's
+/// slots: the largest biased gate logit, then each weight, the running sum of weights and
+/// the running weighted sum of values; nothing is kept per slot, no shared memory, no
+/// barrier. Each element's result depends on its entry's slots only (batch-invariant:
+/// the same bits whatever `entries`, the entry's place in the batch or the grid).
+///
+/// Per element: `m` starts at `−inf` and takes `z` when `z > m` (a NaN `z` is never
+/// taken; its own weight is NaN); `sum` and `acc` start at `+0.0`; then
+/// `w = exp_portable(z − m)`, `sum = sum + w`, `acc = acc + w · v` per valid slot (each
+/// product and sum rounded, no FMA), and `out = acc / sum`: the CPU backend's sequence.
+///
+/// # Safety
+/// Launch with [`elementwise_launch`] of `entries·width`. `sources` holds `entries·span`
+/// ids, each a row of `x` or [`GATED_POOL_EMPTY`]; `x` holds `2·width` f32 for each such
+/// row, `bias` `span·width` f32, `out` `entries·width` f32 and overlaps no input.
+pub unsafe fn dense_gated_pool<S: Simt>(p: DenseGatedPoolParams) {
+    let w = p.width as u64;
+    let total = p.entries as u64 * w;
+    let (mut e, step) = grid_stride::<S>();
+    while e < total {
+        let (n, c) = (e / w, e % w);
+        let ids = p.sources.add((n * p.span as u64) as usize);
+        let bias = p.bias.add(c as usize);
+        // Pass 1: the largest biased gate logit of the valid slots.
+        let mut m = f32::NEG_INFINITY;
+        let mut i = 0;
+        while i < p.span {
+            // SAFETY: i < span: inside entry n's ids.
+            let s = unsafe { S::gld(ids.add(i as usize)) };
+            if s != GATED_POOL_EMPTY {
+                // SAFETY: s is a row of x (contract) and c < width, so the gate logit
+                // (column width + c of row s) is inside x; i < span, so bias[i, c] is
+                // inside bias.
+                let z = unsafe {
+                    S::gld(p.x.add((s as u64 * 2 * w + w + c) as usize))
+                        + S::gld(bias.add((i as u64 * w) as usize))
+                };
+                if z > m {
+                    m = z;
+                }
+            }
+            i += 1;
+        }
+        // Pass 2: weights, their sum and the weighted sum of values, in slot order.
+        let (mut sum, mut acc) = (0f32, 0f32);
+        let mut i = 0;
+        while i < p.span {
+            // SAFETY: as in pass 1.
+            let s = unsafe { S::gld(ids.add(i as usize)) };
+            if s != GATED_POOL_EMPTY {
+                let row = s as u64 * 2 * w;
+                // SAFETY: as in pass 1; the value (column c of row s) is inside x too.
+                let (z, v) = unsafe {
+                    (
+                        S::gld(p.x.add((row + w + c) as usize))
+                            + S::gld(bias.add((i as u64 * w) as usize)),
+                        S::gld(p.x.add((row + c) as usize)),
+                    )
+                };
+                let wt = exp_portable(z - m);
+                sum += wt;
+                acc += wt * v;
+            }
+            i += 1;
+        }
+        // SAFETY: e < entries·width: inside out.
+        unsafe { S::gst(p.out.add(e as usize), acc / sum) };
         e += step;
     }
 }

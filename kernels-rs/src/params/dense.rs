@@ -1,6 +1,6 @@
 //! Parameters of the dense kernels of the synthetic model (`sparsekit_host::model_ops`):
-//! matmul, RMSNorm, rope, SwiGLU, embedding and row gathers, residual add, casts and
-//! argmax. Operands are addressed in **elements** of their own type through
+//! matmul, RMSNorm, rope, SwiGLU, embedding and row gathers, residual add, casts,
+//! argmax and DeepSeek-V4's compressor pooling. Operands are addressed in **elements** of their own type through
 //! [`DenseView`]s, never in bytes; counts are u32 (the host checks they fit).
 
 use crate::global::{GlobalMut, GlobalPtr};
@@ -99,6 +99,34 @@ pub struct DenseSwiGluParams {
     pub out: GlobalMut<f32>,
     pub rows: u32,
     pub width: u32,
+}
+
+/// The source id of an empty slot of [`DenseGatedPoolParams::sources`] (skipped: neither
+/// its row nor its position bias is read).
+pub const GATED_POOL_EMPTY: u32 = u32::MAX;
+
+/// `dense_gated_pool`: DeepSeek-V4's compressor pooling. For entry `e` and channel `c`,
+/// over the valid slots `i` of `sources[e, :]` in increasing `i`:
+/// `z_i = g[src, c] + bias[i, c]`, `m = max z_i`, `w_i = exp_portable(z_i − m)`,
+/// `out[e, c] = (Σ w_i · v[src, c]) / (Σ w_i)`, both sums sequential from `+0.0`
+/// (see `sparsekit_host::model_ops::GatedPool` for the whole contract).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct DenseGatedPoolParams {
+    /// `[rows, 2·width]`: per raw token the values (columns `0..width`), then the gate
+    /// logits (columns `width..2·width`).
+    pub x: GlobalPtr<f32>,
+    /// `[span, width]` position bias, added to the gate logit of slot `i`.
+    pub bias: GlobalPtr<f32>,
+    /// `[entries, span]` row ids of `x` ([`GATED_POOL_EMPTY`] = empty slot); validated:
+    /// every id is a row of `x` or empty, and every entry has a valid slot.
+    pub sources: GlobalPtr<u32>,
+    /// `[entries, width]`.
+    pub out: GlobalMut<f32>,
+    pub entries: u32,
+    pub span: u32,
+    pub width: u32,
+    pub _pad: u32,
 }
 
 /// `dense_gather_rows`: `out[i, :width] = x[src[i], :width]` (the embedding lookup is the

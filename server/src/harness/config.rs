@@ -17,6 +17,8 @@
 //! | `index-k-after-publish` | layer fences (index-K copied after its layer was published) | per-kind landed stamps (the read waits) | host tier on |
 //! | `radix-overreach` | the prefix match (one token more than matched) | written slots (the request recomputes) | every cache config |
 //! | `kernel-wrong-slot` | — (a top-k bug in the served engines) | kernel checks | every config |
+//! | `host-tier-skips-index-k` | — (the backup skips index-K, SGLang 17085) | host copy records (and load checksums) | host tier on |
+//! | `reload-kv-only` | — (a load skips index-K, Mooncake 2236) | load checksums (and per-kind landed stamps) | host tier on |
 //!
 //! `--no-verify` turns the second checks off (load checksums, landed stamps); with it each
 //! injection must corrupt sessions, without it each must be caught with 0 corrupted.
@@ -199,10 +201,12 @@ pub enum Injection {
     IndexKAfterPublish,
     RadixOverreach,
     KernelWrongSlot,
+    HostTierSkipsIndexK,
+    ReloadKvOnly,
 }
 
 impl Injection {
-    pub const ALL: [Injection; 10] = [
+    pub const ALL: [Injection; 12] = [
         Injection::HostPoolFp8Layout,
         Injection::SharedItemSize,
         Injection::SkipIndexWait,
@@ -213,6 +217,8 @@ impl Injection {
         Injection::IndexKAfterPublish,
         Injection::RadixOverreach,
         Injection::KernelWrongSlot,
+        Injection::HostTierSkipsIndexK,
+        Injection::ReloadKvOnly,
     ];
 
     pub fn name(&self) -> &'static str {
@@ -227,6 +233,8 @@ impl Injection {
             Injection::IndexKAfterPublish => "index-k-after-publish",
             Injection::RadixOverreach => "radix-overreach",
             Injection::KernelWrongSlot => "kernel-wrong-slot",
+            Injection::HostTierSkipsIndexK => "host-tier-skips-index-k",
+            Injection::ReloadKvOnly => "reload-kv-only",
         }
     }
 
@@ -248,6 +256,8 @@ impl Injection {
             Injection::NoGenerationCheck => vec![Fault::NoGenerationCheck, Fault::LateWrite],
             Injection::IndexKAfterPublish => vec![Fault::IndexKAfterPublish],
             Injection::RadixOverreach => vec![Fault::RadixOverreach],
+            Injection::HostTierSkipsIndexK => vec![Fault::HostTierSkipsIndexK],
+            Injection::ReloadKvOnly => vec![Fault::ReloadKvOnly],
             _ => Vec::new(),
         }
     }
@@ -271,7 +281,9 @@ impl Injection {
         match self {
             Injection::HostPoolFp8Layout => c.host_tier && c.index_k == IndexKDtype::Bf16,
             Injection::SharedItemSize | Injection::SkipIndexWait => c.host_tier,
-            Injection::IndexKAfterPublish => c.host_tier,
+            Injection::IndexKAfterPublish
+            | Injection::HostTierSkipsIndexK
+            | Injection::ReloadKvOnly => c.host_tier,
             Injection::NoGenerationCheck | Injection::RadixOverreach => true,
             Injection::KernelWrongSlot => true,
             // The fp8 frame of an fp8 index-K page is the right frame.
@@ -301,6 +313,8 @@ impl Injection {
             Injection::IndexKAfterPublish => "per-kind landed stamps",
             Injection::RadixOverreach => "written slots",
             Injection::KernelWrongSlot => "kernel checks",
+            Injection::HostTierSkipsIndexK => "host copy records",
+            Injection::ReloadKvOnly => "load checksums",
         }
     }
 }

@@ -1,6 +1,6 @@
 //! Who serves a configuration during a harness run: a [`ConfigRunner`] starts a
 //! [`Deployment`] (one server, or a prefill/decode pair) for a [`ConfigKey`] and a
-//! [`RunPlan`]; the harness sends its sessions to the deployment's [`Target`], probes its
+//! [`RunPlan`]; the harness sends its sessions to the deployment's [`Target`](crate::harness::run::Target), probes its
 //! `/health`, and reads its `/metrics` — the same for servers in this process and servers
 //! running elsewhere (`--url`).
 //!
@@ -19,8 +19,8 @@ use sparsekit_host::cache::Faults;
 use sparsekit_host::{Backend, IndexKDtype, KernelAudit, KvDtype, ModelOps};
 
 use crate::engine::kernel_check::KernelCheckConfig;
-use crate::engine::scheduler::{CacheOptions, Engine, EngineOptions};
 use crate::engine::ModelConfig;
+use crate::engine::{CacheOptions, Engine, EngineOptions};
 use crate::error::EngineError;
 use crate::harness::config::{no_verify_faults, ConfigKey, Injection};
 use crate::harness::run::{http_exchange, HttpTarget};

@@ -25,8 +25,8 @@ use std::time::Duration;
 
 use sparsekit_host::{Backend, IndexKDtype, KernelAudit, KvDtype, ModelOps};
 
-use crate::engine::scheduler::{Engine, EngineOptions};
 use crate::engine::ModelConfig;
+use crate::engine::{Engine, EngineOptions};
 use crate::error::EngineError;
 use crate::harness::compare::Tally;
 use crate::harness::config::{index_k_name, ConfigKey, Injection};

@@ -12,7 +12,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use crate::engine::sampling::SamplingParams;
-use crate::engine::scheduler::{Engine, GenerateRequest};
+use crate::engine::{Engine, GenerateRequest};
 use crate::error::EngineError;
 use crate::harness::workload::Workload;
 

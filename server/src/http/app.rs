@@ -16,8 +16,8 @@ use super::framing::INVALID_CONTENT_LENGTH;
 use super::ids::{check_client_id, ClientIds};
 use super::response::{error_response, json_response, text_response, Resp};
 use super::{auth, ServerConfig};
-use crate::engine::scheduler::Engine;
 use crate::engine::tokenizer::{self, VOCAB_SIZE};
+use crate::engine::Engine;
 use crate::metrics::expose::Format;
 use crate::metrics::{Metrics, RequestStatus};
 

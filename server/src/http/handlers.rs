@@ -20,8 +20,8 @@ use super::app::{App, Meta};
 use super::ids::{check_client_id, ClientIdGuard};
 use super::response::{json_response, sse_data, sse_response, Resp};
 use super::tools::{self, ChatReply, Delta};
-use crate::engine::scheduler::{Event, FinishReason, GenerateRequest, RequestHandle};
 use crate::engine::Completion;
+use crate::engine::{Event, FinishReason, GenerateRequest, RequestHandle};
 
 pub(crate) fn unix_now() -> u64 {
     SystemTime::now()

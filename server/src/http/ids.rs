@@ -1,5 +1,5 @@
 //! Request ids. The engine names every request with an unguessable server id (128 random
-//! bits, [`crate::engine::scheduler::random_id`]). An id a client chooses — SGLang's
+//! bits, [`crate::engine::random_id`]). An id a client chooses — SGLang's
 //! `rid`, or an `X-Request-Id` header — is a label in a namespace of its own: it never
 //! becomes an engine id, so it cannot squat the id of another request, and two clients
 //! that choose the same label both get served (no 409). `/abort_request` aborts every

@@ -20,7 +20,7 @@
 //!   stop accepting connections, let in-flight requests finish for the grace period,
 //!   abort what is left, close connections.
 //!
-//! [`RequestHandle`]: crate::engine::scheduler::RequestHandle
+//! [`RequestHandle`]: crate::engine::RequestHandle
 
 pub mod api;
 mod app;
@@ -48,7 +48,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
 use crate::dsml::Dialect;
-use crate::engine::scheduler::Engine;
+use crate::engine::Engine;
 use api::ApiError;
 use app::App;
 use auth::{ApiKey, PublicRoutes};

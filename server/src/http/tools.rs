@@ -12,7 +12,7 @@ use serde_json::{json, Map, Value};
 
 use super::api::{ApiError, ChatRequest, Content};
 use crate::dsml::{self, CallScanner, Dialect, Piece, ToolCall};
-use crate::engine::scheduler::random_id;
+use crate::engine::random_id;
 use crate::engine::tokenizer::{self, ChatMessage, Role};
 
 /// What `tool_choice` asks.

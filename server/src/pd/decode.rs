@@ -25,8 +25,8 @@ use parking_lot::Mutex;
 use sparsekit_host::cache::Fault;
 use sparsekit_host::{Backend, Error as HostError, ModelOps};
 
-use crate::engine::scheduler::{Engine, EngineOptions};
 use crate::engine::{CacheHandle, CacheSpaceOptions, ModelConfig, PromptSource, ReceivedPages};
+use crate::engine::{Engine, EngineOptions};
 use crate::error::EngineError;
 use crate::metrics::Metrics;
 use crate::pd::error::{pd_error, PdError};

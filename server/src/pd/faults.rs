@@ -147,7 +147,7 @@ enum DecoyStage {
 /// starts a decoy transfer, prefill stops before its first write
 /// ([`StaleWriteBarrier::writes_in_flight`]), decode aborts it in exactly that window,
 /// prefill (with the fault) confirms the cancel and goes on writing; decode waits until
-/// every late write is held ([`StaleWriteBarrier::wait`] for [`StaleWriteBarrier::all_held`])
+/// every late write is held ([`StaleWriteBarrier::wait_held`] for [`StaleWriteBarrier::all_held`])
 /// before it allocates the next request's pages, which are the decoy's just-freed ones.
 /// Every wait is bounded; a party that gives up leaves the other to time out.
 #[derive(Debug, Default)]

@@ -60,26 +60,41 @@ impl LandingGeometry {
         self.num_pages
     }
 
-    fn layer_bytes(&self) -> usize {
-        self.spec.kv.buffer_bytes(self.num_pages) + self.spec.index_k.buffer_bytes(self.num_pages)
+    /// Bytes of `layer`'s pages of every kind it holds.
+    fn layer_bytes(&self, layer: usize) -> usize {
+        self.spec
+            .kinds(layer)
+            .map(|k| self.spec.layout(k).bytes_per_page() * self.num_pages)
+            .sum()
     }
 
-    /// Where the pages of `layer`/`kind` sit (bytes from the start of the zone).
+    /// Where the pages of `layer`/`kind` sit (bytes from the start of the zone): layer
+    /// after layer, each layer's kinds in order (a kind the layer does not hold: an empty
+    /// region).
     pub fn region(&self, layer: usize, kind: BufferKind) -> PagedRegion {
-        let base = layer * self.layer_bytes();
-        let offset = match kind {
-            BufferKind::Kv => base,
-            BufferKind::IndexK => base + self.spec.kv.buffer_bytes(self.num_pages),
+        let base: usize = (0..layer.min(self.spec.num_layers))
+            .map(|l| self.layer_bytes(l))
+            .sum();
+        let within: usize = self
+            .spec
+            .kinds(layer)
+            .take_while(|k| *k != kind)
+            .map(|k| self.spec.layout(k).bytes_per_page() * self.num_pages)
+            .sum();
+        let pages = if self.spec.has(layer, kind) {
+            self.num_pages
+        } else {
+            0
         };
         PagedRegion {
-            offset,
-            ..PagedRegion::contiguous(self.spec.layout(kind), self.num_pages)
+            offset: base + within,
+            ..PagedRegion::contiguous(self.spec.layout(kind), pages)
         }
     }
 
     /// Total bytes.
     pub fn total_bytes(&self) -> usize {
-        self.layer_bytes() * self.spec.num_layers
+        (0..self.spec.num_layers).map(|l| self.layer_bytes(l)).sum()
     }
 }
 
@@ -234,7 +249,7 @@ mod tests {
         let g = LandingGeometry::new(spec(), 5).unwrap_or_else(|e| panic!("{e}"));
         let mut ranges = Vec::new();
         for l in 0..3 {
-            for k in BufferKind::ALL {
+            for k in g.spec().kinds(l) {
                 let r = g.region(l, k);
                 for p in 0..5 {
                     ranges.push(r.page_range(p));

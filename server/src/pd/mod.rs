@@ -122,6 +122,7 @@ pub fn hello(role: Role, spec: &CacheSpec, landing_pages: usize, transport: Vec<
         role,
         kv_fingerprint: spec.kv.fingerprint(),
         index_k_fingerprint: spec.index_k.fingerprint(),
+        spec_fingerprint: spec.fingerprint(),
         num_layers: spec.num_layers as u32,
         page_size: spec.page_size() as u32,
         landing_pages: landing_pages.min(u32::MAX as usize) as u32,
@@ -152,6 +153,13 @@ pub fn check_peer(spec: &CacheSpec, peer: &Hello, role: Role) -> Result<(), PdEr
             "index-K layout {:#018x} (ours {:#018x})",
             peer.index_k_fingerprint,
             spec.index_k.fingerprint()
+        ));
+    }
+    if peer.spec_fingerprint != spec.fingerprint() {
+        bad.push(format!(
+            "cache spec {:#018x} (ours {:#018x}: pools, layers or tokens per entry differ)",
+            peer.spec_fingerprint,
+            spec.fingerprint()
         ));
     }
     if peer.num_layers as usize != spec.num_layers || peer.page_size as usize != spec.page_size() {

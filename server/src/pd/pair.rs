@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use sparsekit_host::{Backend, ModelOps};
 
-use crate::engine::scheduler::{Engine, EngineOptions};
 use crate::engine::ModelConfig;
+use crate::engine::{Engine, EngineOptions};
 use crate::error::EngineError;
 use crate::metrics::Metrics;
 use crate::pd::decode::{Connector, DecodeNode, PeerLink};

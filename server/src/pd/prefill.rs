@@ -21,9 +21,9 @@ use parking_lot::Mutex;
 use sparsekit_host::cache::CacheSpec;
 use sparsekit_host::{Backend, ModelOps};
 
-use crate::engine::scheduler::{Engine, EngineOptions, Event, GenerateRequest};
 use crate::engine::SamplingParams;
 use crate::engine::{CacheHandle, CacheSpaceOptions, ModelConfig, ReceivedPages};
+use crate::engine::{Engine, EngineOptions, Event, GenerateRequest};
 use crate::error::EngineError;
 use crate::metrics::Metrics;
 use crate::pd::error::PdError;
@@ -112,7 +112,7 @@ fn compute<B: Backend + 'static>(
         .submit_held(GenerateRequest::new(job.prompt().to_vec(), sampling))
         .map_err(|e| format!("prefill engine: {e}"))?;
     // Gives up the engine request; pages it may already hold for us are released.
-    let give_up = |h: &mut crate::engine::scheduler::RequestHandle| {
+    let give_up = |h: &mut crate::engine::RequestHandle| {
         h.abort();
         let until = crate::deadline_after(Duration::from_secs(5));
         while Instant::now() < until {

@@ -41,7 +41,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
-use sparsekit_host::cache::{BufferKind, HiCache, Inbound, PageRef};
+use sparsekit_host::cache::{BufferKind, HiCache, Inbound, PageRef, KINDS};
 use sparsekit_host::ops::PagedRegion;
 use sparsekit_host::{Backend, Error as HostError};
 
@@ -134,7 +134,7 @@ struct Transfer<B: Backend + 'static> {
     index: HashMap<u32, usize>,
     prompt_tokens: usize,
     /// `[layer · targets + i][kind]`: that page landed (verified) for that kind.
-    landed: Vec<[bool; 2]>,
+    landed: Vec<[bool; KINDS]>,
     phase: Phase,
     finished_at: Option<Instant>,
     progress: Instant,
@@ -195,10 +195,7 @@ pub struct Receiver<B: Backend + 'static> {
 type Outbox = Vec<Message>;
 
 fn kind_index(kind: BufferKind) -> usize {
-    match kind {
-        BufferKind::Kv => 0,
-        BufferKind::IndexK => 1,
-    }
+    kind.index()
 }
 
 impl<B: Backend + 'static> Receiver<B> {
@@ -289,7 +286,7 @@ impl<B: Backend + 'static> Receiver<B> {
                     targets: pages.to_vec(),
                     index: pages.iter().enumerate().map(|(i, p)| (p.id, i)).collect(),
                     prompt_tokens: prompt.len(),
-                    landed: vec![[false; 2]; layers * pages.len()],
+                    landed: vec![[false; KINDS]; layers * pages.len()],
                     phase: Phase::Active,
                     finished_at: None,
                     progress: now,

@@ -165,12 +165,11 @@ pub struct Job<B: Backend + 'static> {
     done: bool,
 }
 
-/// One layer's pages of both kinds, staged under its guard.
+/// One layer's pages of every kind the layer holds, staged under its guard.
 #[derive(Clone, Debug)]
 pub struct StagedLayer {
     layer: usize,
-    kv: StagedPages,
-    index_k: StagedPages,
+    pools: Vec<(BufferKind, StagedPages)>,
 }
 
 impl StagedLayer {
@@ -595,19 +594,21 @@ impl<B: Backend + 'static> Job<B> {
             )));
         }
         let cache = &self.shared.cache;
-        // Only pages the guard's step holds, written for their generation in this layer.
+        // Only pages the guard's step holds, written for their generation in this layer
+        // (every kind the layer holds).
         guard.check_pages(src)?;
-        let (kv, index_k) = guard.views()?;
         let ids: Vec<i32> = src.iter().map(|p| p.id as i32).collect();
         let b = cache.backend();
-        Ok(StagedLayer {
-            layer: guard.layer(),
-            kv: stage(b, cache.device_region(BufferKind::Kv), kv, &ids)?,
-            index_k: stage(b, cache.device_region(BufferKind::IndexK), index_k, &ids)?,
-        })
+        let layer = guard.layer();
+        let mut pools = Vec::new();
+        for kind in cache.spec().kinds(layer) {
+            let view = guard.view(kind, &[])?;
+            pools.push((kind, stage(b, cache.device_region(kind), view, &ids)?));
+        }
+        Ok(StagedLayer { layer, pools })
     }
 
-    /// Pushes a staged layer to decode: both kinds' bytes into its landing zone, each
+    /// Pushes a staged layer to decode: every pool's bytes into its landing zone, each
     /// followed by its notification. Refused once the job is cancelled or ended.
     pub fn write(&self, staged: StagedLayer) -> Result<(), PdError> {
         let sh = &*self.shared;
@@ -632,10 +633,7 @@ impl<B: Backend + 'static> Job<B> {
         if layer >= st.written.len() {
             return Err(PdError::Invalid(format!("layer {layer}")));
         }
-        for (kind, pages) in [
-            (BufferKind::Kv, &staged.kv),
-            (BufferKind::IndexK, &staged.index_k),
-        ] {
+        for (kind, pages) in staged.pools.iter().map(|(k, p)| (*k, p)) {
             let (layout, region) = sh.framing(layer, kind);
             let page = layout.bytes_per_page();
             let mut segments = Vec::with_capacity(core.dest.len());

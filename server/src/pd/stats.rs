@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use serde::Serialize;
-use sparsekit_host::cache::BufferKind;
+use sparsekit_host::cache::{BufferKind, KINDS};
 
 use crate::error::EngineError;
 use crate::metrics::Metrics;
@@ -36,7 +36,7 @@ use crate::metrics::Metrics;
 #[derive(Debug, Default)]
 pub struct PdStats {
     refused: Mutex<BTreeMap<&'static str, u64>>,
-    bytes: [AtomicU64; 2],
+    bytes: [AtomicU64; KINDS],
     started: AtomicU64,
     finished: AtomicU64,
     cancelled: AtomicU64,
@@ -52,6 +52,9 @@ pub struct PdStatsSnapshot {
     pub refused: BTreeMap<String, u64>,
     pub kv_bytes: u64,
     pub index_k_bytes: u64,
+    /// Bytes of the other pools (a DeepSeek-V4 cache's compressed KV and compressor
+    /// state), by kind name.
+    pub other_bytes: BTreeMap<String, u64>,
     /// Transfers started, and how they ended.
     pub started: u64,
     pub finished: u64,
@@ -81,6 +84,9 @@ impl PdStatsSnapshot {
         }
         self.kv_bytes += other.kv_bytes;
         self.index_k_bytes += other.index_k_bytes;
+        for (k, v) in &other.other_bytes {
+            *self.other_bytes.entry(k.clone()).or_insert(0) += v;
+        }
         self.started += other.started;
         self.finished += other.finished;
         self.cancelled += other.cancelled;
@@ -101,13 +107,15 @@ pub fn publish(m: &Metrics, side: &str, snap: &PdStatsSnapshot, seen: &mut BTree
         *was = (*was).max(now);
         d
     };
-    for (kind, bytes) in [
-        (BufferKind::Kv, snap.kv_bytes),
-        (BufferKind::IndexK, snap.index_k_bytes),
-    ] {
-        let d = grow(format!("{side}:bytes:{}", kind.name()), bytes);
+    let pairs = [
+        (BufferKind::Kv.name(), snap.kv_bytes),
+        (BufferKind::IndexK.name(), snap.index_k_bytes),
+    ];
+    let others = snap.other_bytes.iter().map(|(k, v)| (k.as_str(), *v));
+    for (kind, bytes) in pairs.into_iter().chain(others) {
+        let d = grow(format!("{side}:bytes:{kind}"), bytes);
         if d > 0 {
-            m.transfer_bytes(kind.name(), d);
+            m.transfer_bytes(kind, d);
         }
     }
     for (reason, &n) in &snap.refused {
@@ -213,11 +221,9 @@ impl PdStats {
     }
 
     pub(crate) fn bytes(&self, kind: BufferKind, n: usize) {
-        let i = match kind {
-            BufferKind::Kv => 0,
-            BufferKind::IndexK => 1,
-        };
-        self.bytes[i].fetch_add(n as u64, Ordering::Relaxed);
+        if let Some(b) = self.bytes.get(kind.index()) {
+            b.fetch_add(n as u64, Ordering::Relaxed);
+        }
     }
 
     pub(crate) fn started(&self) {
@@ -249,8 +255,19 @@ impl PdStats {
                 .iter()
                 .map(|(k, v)| (k.to_string(), *v))
                 .collect(),
-            kv_bytes: self.bytes[0].load(Ordering::Relaxed),
-            index_k_bytes: self.bytes[1].load(Ordering::Relaxed),
+            kv_bytes: self.bytes[BufferKind::Kv.index()].load(Ordering::Relaxed),
+            index_k_bytes: self.bytes[BufferKind::IndexK.index()].load(Ordering::Relaxed),
+            other_bytes: BufferKind::ALL
+                .into_iter()
+                .filter(|k| !matches!(k, BufferKind::Kv | BufferKind::IndexK))
+                .map(|k| {
+                    (
+                        k.name().to_string(),
+                        self.bytes[k.index()].load(Ordering::Relaxed),
+                    )
+                })
+                .filter(|(_, n)| *n > 0)
+                .collect(),
             started: self.started.load(Ordering::Relaxed),
             finished: self.finished.load(Ordering::Relaxed),
             cancelled: self.cancelled.load(Ordering::Relaxed),

@@ -30,8 +30,10 @@ use thiserror::Error;
 
 /// First bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"SKPD";
-/// The protocol version this build speaks (and the only one it accepts).
-pub const VERSION: u16 = 1;
+/// The protocol version this build speaks (and the only one it accepts). 2: `Hello`
+/// carries the whole-spec fingerprint and page kinds are numbered by
+/// [`BufferKind::index`] (V4's compressed-KV and state pools).
+pub const VERSION: u16 = 2;
 /// Bytes of the frame header.
 pub const HEADER_LEN: usize = 20;
 /// Largest payload accepted (bytes).
@@ -124,6 +126,11 @@ pub struct Hello {
     pub kv_fingerprint: u64,
     /// Fingerprint of the index-K page layout descriptor.
     pub index_k_fingerprint: u64,
+    /// Fingerprint of the whole cache spec ([`CacheSpec::fingerprint`]: every pool, its
+    /// layers and tokens per entry); catches a V4 peer whose extra pools differ.
+    ///
+    /// [`CacheSpec::fingerprint`]: sparsekit_host::cache::CacheSpec::fingerprint
+    pub spec_fingerprint: u64,
     pub num_layers: u32,
     /// Tokens per page.
     pub page_size: u32,
@@ -250,6 +257,7 @@ impl Message {
                 });
                 put_u64(&mut p, h.kv_fingerprint);
                 put_u64(&mut p, h.index_k_fingerprint);
+                put_u64(&mut p, h.spec_fingerprint);
                 put_u32(&mut p, h.num_layers);
                 put_u32(&mut p, h.page_size);
                 put_u32(&mut p, h.landing_pages);
@@ -281,10 +289,7 @@ impl Message {
                 }
                 put_u64(&mut p, w.req);
                 put_u32(&mut p, w.layer);
-                p.push(match w.kind {
-                    BufferKind::Kv => 0,
-                    BufferKind::IndexK => 1,
-                });
+                p.push(w.kind.index() as u8);
                 put_u64(&mut p, w.fingerprint);
                 put_u32(&mut p, len_u32(w.pages.len(), kind)?);
                 for (r, &c) in w.pages.iter().zip(&w.checksums) {
@@ -438,6 +443,7 @@ fn decode_payload(h: Header, payload: &[u8]) -> Result<Message, WireError> {
             };
             let kv_fingerprint = r.u64("kv fingerprint")?;
             let index_k_fingerprint = r.u64("index-K fingerprint")?;
+            let spec_fingerprint = r.u64("spec fingerprint")?;
             let num_layers = r.u32("layers")?;
             let page_size = r.u32("page size")?;
             let landing_pages = r.u32("landing pages")?;
@@ -450,6 +456,7 @@ fn decode_payload(h: Header, payload: &[u8]) -> Result<Message, WireError> {
                 role,
                 kv_fingerprint,
                 index_k_fingerprint,
+                spec_fingerprint,
                 num_layers,
                 page_size,
                 landing_pages,
@@ -483,10 +490,9 @@ fn decode_payload(h: Header, payload: &[u8]) -> Result<Message, WireError> {
         K_WRITTEN => {
             let req = r.u64("request")?;
             let layer = r.u32("layer")?;
-            let kind = match r.u8("buffer kind")? {
-                0 => BufferKind::Kv,
-                1 => BufferKind::IndexK,
-                x => return Err(r.bad(format!("buffer kind {x}"))),
+            let code = r.u8("buffer kind")?;
+            let Some(kind) = BufferKind::from_index(code as usize) else {
+                return Err(r.bad(format!("buffer kind {code}")));
             };
             let fingerprint = r.u64("fingerprint")?;
             let n = r.count("pages", 16, usize::MAX)?;
@@ -734,8 +740,11 @@ mod tests {
             f
         };
         let mut v = f.clone();
-        v[4] = 2;
-        assert_eq!(decode_frame(&reseal(v.clone())), Err(WireError::Version(2)));
+        v[4] = (VERSION + 1) as u8;
+        assert_eq!(
+            decode_frame(&reseal(v.clone())),
+            Err(WireError::Version(VERSION + 1))
+        );
         assert_eq!(decode_frame(&v), Err(WireError::HeaderChecksum));
         let mut k = f.clone();
         k[6] = 99;

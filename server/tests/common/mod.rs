@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use sparsekit_host::cache::{CacheConfig, CacheSpec, HiCache};
 use sparsekit_host::model_ops::{
-    Add, Argmax, Cast, Embed, GatherRows, Matmul, ModelOps, RmsNorm, Rope, SwiGlu,
+    Add, Argmax, Cast, Embed, GatedPool, GatherRows, Matmul, ModelOps, RmsNorm, Rope, SwiGlu,
 };
 use sparsekit_host::ops::{
     CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, PagedRegion, SparseMla, Topk,
@@ -242,6 +242,15 @@ impl<B: ModelOps> ModelOps for Gated<B> {
     }
     fn argmax(&self, op: &Argmax, l: &Self::Buffer, out: &mut Self::Buffer) -> Result<()> {
         self.inner.argmax(op, l, out)
+    }
+    fn gated_pool(
+        &self,
+        op: &GatedPool<'_>,
+        x: &Self::Buffer,
+        bias: &Self::Buffer,
+        out: &mut Self::Buffer,
+    ) -> Result<()> {
+        self.inner.gated_pool(op, x, bias, out)
     }
 }
 

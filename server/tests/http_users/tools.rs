@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 use sparsekit_server::dsml::Dialect;
-use sparsekit_server::engine::scheduler::ReplyScript;
 use sparsekit_server::engine::tokenizer::{decode_bytes, encode, END};
 use sparsekit_server::engine::EngineOptions;
+use sparsekit_server::engine::ReplyScript;
 use sparsekit_server::http::ServerConfig;
 
 use super::client::*;

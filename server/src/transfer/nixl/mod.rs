@@ -38,7 +38,7 @@ pub use crate::transfer::NIXL_LIB_ENV as LIB_ENV;
 mod capi;
 
 /// Whether the NIXL runtime can be used in this process: its C API library is found and
-/// opened on the first call (see [`capi`]); without it this says how to install it.
+/// opened on the first call (see the `capi` module); without it this says how to install it.
 pub fn check_runtime() -> Result<(), TransferError> {
     capi::api().map(|_| ()).map_err(TransferError::Unavailable)
 }

@@ -1,0 +1,180 @@
+"""sgl-kernel's DSA top-k calls, on sparsekit's exact top-k.
+
+Signatures and conventions of ``sgl_kernel.top_k`` as SGLang's DSA (NSA) backend calls
+them (``sgl-kernel/python/sgl_kernel/top_k.py`` and ``csrc/elementwise/topk.cu``):
+
+- row ``i`` of ``score`` (``float32 [B, L]``, unit column stride) is searched over its
+  section ``[row_starts[i], row_starts[i] + lengths[i])`` (``row_starts`` ``None``: 0);
+- a row with ``lengths[i] <= topk`` yields ``0, 1, …, lengths[i] − 1`` in order, then
+  ``-1``, whatever the scores (the anchor's fast path, kept as is);
+- a longer row yields the top-``topk`` positions *relative to the row start*.
+
+Beyond the anchor: any ``topk`` (sgl-kernel asserts 2048); the selection is **exact**
+for every input — ties go to the lower position and the positions come in ascending
+order, where sgl-kernel's radix select is unordered and, with more than its shared-memory
+capacity of candidates tied at the threshold, can return a wrong set; ``-inf`` and NaN
+scores are never selected (a long row with fewer than ``topk`` finite scores is padded
+with ``-1``, where the anchor returns arbitrary masked positions); CPU tensors run too.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import ops
+
+__all__ = [
+    "fast_topk",
+    "fast_topk_v2",
+    "fast_topk_transform_fused",
+    "fast_topk_transform_ragged_fused",
+    "deepseek_v4_topk_transform_512",
+]
+
+
+def fast_topk(values, topk, dim):
+    """sgl-kernel's plain wrapper (torch.max for k = 1, else torch.topk)."""
+    if topk == 1:
+        return torch.max(values, dim=dim, keepdim=True)
+    return torch.topk(values, topk, dim=dim)
+
+
+def _lengths(name, t, b, device):
+    t = ops._tensor(name, t, dtypes=(torch.int32, torch.int64), ndim=1)
+    if t.shape[0] != b:
+        raise ValueError(f"{name}: {t.shape[0]} entries for {b} rows of score")
+    if t.device != device:
+        raise ValueError(f"{name}: on {t.device}, but score is on {device}")
+    return t.to(torch.int64)
+
+
+def _relative_topk(score, lengths, topk, row_starts):
+    """``int32 [B, topk]``: per row, positions relative to its start, anchor semantics."""
+    score = ops._tensor("score", score, dtypes=(torch.float32,), ndim=2)
+    if not isinstance(topk, int) or topk < 1:
+        raise ValueError(f"topk: must be a positive int, got {topk!r}")
+    b, width = score.shape
+    dev = score.device
+    lens = _lengths("lengths", lengths, b, dev)
+    starts = (torch.zeros(b, dtype=torch.int64, device=dev) if row_starts is None
+              else _lengths("row_starts", row_starts, b, dev))
+    if dev.type == "cpu":
+        bad = (lens < 0) | (starts < 0) | (starts + lens > width)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0][0])
+            raise ValueError(
+                f"lengths[{i}]: section [{int(starts[i])}, {int(starts[i] + lens[i])}) "
+                f"is not inside the {width} columns of score"
+            )
+    ends = starts + lens.clamp_min(0)
+    rows = torch.stack([torch.arange(b, device=dev, dtype=torch.int64), starts, ends],
+                       dim=1).to(torch.int32)
+    pos = ops.topk(score, topk, rows=rows)
+    rel = torch.where(pos >= 0, pos - starts[:, None].to(torch.int32), pos)
+    j = torch.arange(topk, device=dev, dtype=torch.int32)[None, :]
+    short = torch.where(j < lens[:, None], j, torch.full_like(j, -1))
+    return torch.where((lens <= topk)[:, None], short, rel).contiguous()
+
+
+def fast_topk_v2(score: torch.Tensor, lengths: torch.Tensor, topk: int,
+                 row_starts: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Top-``topk`` indices of each row's section of ``score`` (``[B, L]``), relative to
+    the row start: ``int32 [B, topk]``, ``-1`` padded."""
+    return _relative_topk(score, lengths, topk, row_starts)
+
+
+def fast_topk_transform_fused(score: torch.Tensor, lengths: torch.Tensor,
+                              page_table_size_1: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                              topk: int,
+                              row_starts: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Top-k, then each relative index ``p`` of row ``i`` becomes
+    ``page_table_size_1[r, p]`` (page size 1), ``r`` being the request of row ``i``: row
+    ``i`` itself when ``row_starts`` is None and there are as many requests as rows
+    (decode), else the ``r`` with ``cu_seqlens_q[r] <= i < cu_seqlens_q[r + 1]``."""
+    rel = _relative_topk(score, lengths, topk, row_starts)
+    b = rel.shape[0]
+    dev = rel.device
+    pt = ops._tensor("page_table_size_1", page_table_size_1,
+                     dtypes=(torch.int32, torch.int64), ndim=2)
+    cu = ops._tensor("cu_seqlens_q", cu_seqlens_q, dtypes=(torch.int32, torch.int64), ndim=1)
+    for name, t in (("page_table_size_1", pt), ("cu_seqlens_q", cu)):
+        if t.device != dev:
+            raise ValueError(f"{name}: on {t.device}, but score is on {dev}")
+    n_req = cu.shape[0] - 1
+    if n_req < 0 or pt.shape[0] != n_req:
+        raise ValueError(
+            f"page_table_size_1: {pt.shape[0]} rows for {max(n_req, 0)} requests of cu_seqlens_q"
+        )
+    if n_req > b:
+        raise ValueError(f"cu_seqlens_q: {n_req} requests for {b} rows of score")
+    if row_starts is None and n_req == b:
+        req = torch.arange(b, device=dev, dtype=torch.int64)
+    else:
+        i = torch.arange(b, device=dev, dtype=cu.dtype)
+        req = (torch.searchsorted(cu.contiguous(), i, right=True) - 1).clamp(0, max(n_req - 1, 0))
+    width = pt.shape[1]
+    if dev.type == "cpu" and width == 0 and bool((rel >= 0).any()):
+        raise ValueError("page_table_size_1: has no columns")
+    if dev.type == "cpu" and bool((rel >= width).any()):
+        raise ValueError(
+            f"page_table_size_1: a selected position is past its {width} columns"
+        )
+    safe = rel.clamp(0, max(width - 1, 0)).to(torch.int64)
+    rows = pt.index_select(0, req) if n_req > 0 else torch.zeros((b, max(width, 1)), dtype=pt.dtype, device=dev)
+    if width == 0:
+        return torch.full_like(rel, -1)
+    got = torch.gather(rows, 1, safe).to(torch.int32)
+    return torch.where(rel >= 0, got, rel).contiguous()
+
+
+def fast_topk_transform_ragged_fused(score: torch.Tensor, lengths: torch.Tensor,
+                                     topk_indices_offset: torch.Tensor, topk: int,
+                                     row_starts: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Top-k, then each relative index ``p`` of row ``i`` becomes
+    ``p + topk_indices_offset[i]`` (an index into ragged, non-paged KV); ``-1`` stays."""
+    rel = _relative_topk(score, lengths, topk, row_starts)
+    off = _lengths("topk_indices_offset", topk_indices_offset, rel.shape[0], rel.device)
+    return torch.where(rel >= 0, rel + off[:, None].to(torch.int32), rel).contiguous()
+
+
+def deepseek_v4_topk_transform_512(scores: torch.Tensor, seq_lens: torch.Tensor,
+                                   page_table: torch.Tensor, page_indices: torch.Tensor,
+                                   page_size: int,
+                                   raw_indices: Optional[torch.Tensor] = None) -> None:
+    """DeepSeek-V4's indexer top-k with the paged transform (SGLang's
+    ``topk_transform_512``): per row ``b``, positions ``[0, seq_lens[b])`` of ``scores``
+    (``float32 [B, max_seq_len]``); a row no longer than ``k = page_indices.shape[1]``
+    takes ``0 … len − 1`` in order, a longer one its exact top-``k`` (ascending; the
+    anchor's is unordered); raw position ``r`` becomes
+    ``page_table[b, r // page_size] * page_size + r % page_size`` in ``page_indices``
+    (``int32 [B, k]``, written; ``-1`` padding), and the raw positions go to
+    ``raw_indices`` when given. Beyond the anchor: any ``k`` (it supports up to 1024) and
+    any ``page_size`` (it requires a power of two)."""
+    pi = ops._tensor("page_indices", page_indices, dtypes=(torch.int32,), ndim=2)
+    ops._written("page_indices", pi)
+    k = pi.shape[1]
+    if not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size: must be a positive int, got {page_size!r}")
+    scores = ops._tensor("scores", scores, dtypes=(torch.float32,), ndim=2)
+    b = scores.shape[0]
+    if pi.shape[0] != b:
+        raise ValueError(f"page_indices: {pi.shape[0]} rows for {b} rows of scores")
+    pt = ops._tensor("page_table", page_table, dtypes=(torch.int32, torch.int64), ndim=2)
+    if pt.shape[0] != b:
+        raise ValueError(f"page_table: {pt.shape[0]} rows for {b} rows of scores")
+    raw = _relative_topk(scores, seq_lens, k, None)
+    cols = pt.shape[1]
+    if scores.device.type == "cpu" and bool((raw // page_size >= cols).any()):
+        raise ValueError(f"page_table: a selected position is past its {cols} pages")
+    safe = (raw.clamp_min(0) // page_size).clamp(0, max(cols - 1, 0)).to(torch.int64)
+    if cols == 0:
+        slots = torch.full_like(raw, -1)
+    else:
+        slots = torch.gather(pt, 1, safe).to(torch.int32) * page_size + raw.clamp_min(0) % page_size
+    pi.copy_(torch.where(raw >= 0, slots, raw))
+    if raw_indices is not None:
+        ri = ops._tensor("raw_indices", raw_indices, dtypes=(torch.int32,), shape=(b, k))
+        ops._written("raw_indices", ri)
+        ri.copy_(raw)
