@@ -997,7 +997,7 @@ fn rope_then_inverse_rope_returns_the_input() {
             b.rope(&op, &inv, &y, &mut back).unwrap();
             b.rope(&op, &inv, &buf(&x), &mut only_inv).unwrap();
             let (back, only_inv) = (f32s(&back), f32s(&only_inv));
-            for r in 0..rows {
+            for (r, &pr) in positions.iter().enumerate().take(rows) {
                 for g in 0..heads {
                     let o = (r * heads + g) * rope_dim;
                     for i in 0..h {
@@ -1014,7 +1014,7 @@ fn rope_then_inverse_rope_returns_the_input() {
                         }
                         // The inverse alone: rotation by −θ.
                         let theta =
-                            positions[r] as f64 * 10000f64.powf(-2.0 * i as f64 / rope_dim as f64);
+                            pr as f64 * 10000f64.powf(-2.0 * i as f64 / rope_dim as f64);
                         let (c, sn) = (theta.cos(), theta.sin());
                         let want = [a * c + bb * sn, bb * c - a * sn];
                         let tol = 4.0 * U * pair + 1e-30;
