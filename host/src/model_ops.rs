@@ -479,10 +479,7 @@ impl GatedPool<'_> {
             ));
         }
         let overflow = || Error::invalid("gated_pool", "size overflows usize");
-        let slots = self
-            .entries
-            .checked_mul(self.span)
-            .ok_or_else(overflow)?;
+        let slots = self.entries.checked_mul(self.span).ok_or_else(overflow)?;
         crate::ops::check_len("gated_pool sources", slots, self.sources.len())?;
         let x = self
             .rows
@@ -511,10 +508,7 @@ impl GatedPool<'_> {
                 if s as usize >= self.rows {
                     return Err(Error::invalid(
                         "gated_pool sources",
-                        format!(
-                            "entry {e} slot {i}: row {s} but x has {} rows",
-                            self.rows
-                        ),
+                        format!("entry {e} slot {i}: row {s} but x has {} rows", self.rows),
                     ));
                 }
                 valid = true;

@@ -248,7 +248,7 @@ fn the_v4_spec_holds_each_pool_in_its_layers_with_its_own_page_size() {
     use BufferKind::*;
     assert_eq!(kinds(0), [Kv]);
     assert_eq!(kinds(1), [Kv, IndexK, CsaKv, State]);
-    assert_eq!(kinds(2), [Kv, HcaKv]);
+    assert_eq!(kinds(2), [Kv, HcaKv, State]);
     assert_eq!(
         [Kv, IndexK, CsaKv, HcaKv, State].map(|k| (s.entries_per_page(k), s.tokens_per_entry(k))),
         [(16, 1), (4, 4), (4, 4), (2, 8), (1, 16)]

@@ -997,7 +997,7 @@ fn rope_then_inverse_rope_returns_the_input() {
             b.rope(&op, &inv, &y, &mut back).unwrap();
             b.rope(&op, &inv, &buf(&x), &mut only_inv).unwrap();
             let (back, only_inv) = (f32s(&back), f32s(&only_inv));
-            for r in 0..rows {
+            for (r, &pr) in positions.iter().enumerate().take(rows) {
                 for g in 0..heads {
                     let o = (r * heads + g) * rope_dim;
                     for i in 0..h {
@@ -1013,8 +1013,8 @@ fn rope_then_inverse_rope_returns_the_input() {
                             );
                         }
                         // The inverse alone: rotation by −θ.
-                        let theta = positions[r] as f64
-                            * 10000f64.powf(-2.0 * i as f64 / rope_dim as f64);
+                        let theta =
+                            pr as f64 * 10000f64.powf(-2.0 * i as f64 / rope_dim as f64);
                         let (c, sn) = (theta.cos(), theta.sin());
                         let want = [a * c + bb * sn, bb * c - a * sn];
                         let tol = 4.0 * U * pair + 1e-30;
@@ -1038,9 +1038,7 @@ fn rope_then_inverse_rope_returns_the_input() {
 fn ragged_sources(rng: &mut ChaCha8Rng, entries: usize, span: usize, rows: usize) -> Vec<u32> {
     let mut s = Vec::with_capacity(entries * span);
     for e in 0..entries {
-        let mut slots: Vec<u32> = (0..span)
-            .map(|_| rng.gen_range(0..rows as u32))
-            .collect();
+        let mut slots: Vec<u32> = (0..span).map(|_| rng.gen_range(0..rows as u32)).collect();
         match e % 4 {
             0 => {}
             1 => {
@@ -1264,7 +1262,8 @@ fn gated_pool_non_finite_inputs_behave_as_documented() {
         4, 5, E, E, // 5: every logit −inf at channel 5 (rows 4 and 5)
         6, 8, E, 9, // 6: +inf value (row 6, channel 6)
         7, 10, E, 11, // 7: finite; bias[2, :] is NaN but slot 2 is empty everywhere ...
-        E, 7, E, E, // 8: ... and NaN bias[3, 7] reaches only entries using slot 3: 0..=4, 6, 7
+        E, 7, E,
+        E, // 8: ... and NaN bias[3, 7] reaches only entries using slot 3: 0..=4, 6, 7
     ];
     let entries = sources.len() / span;
     let (mut x, mut bias) = gated_pool_inputs(&mut rng, rows, span, width, 3.0);
@@ -1362,7 +1361,10 @@ fn gated_pool_gpu_kernel_gives_the_cpu_bits() {
         ModelOps::gated_pool(&emu, &op, &buf(&x), &buf(&bias), &mut b).unwrap();
         let (a, b) = (f32s(&a), f32s(&b));
         if !non_finite {
-            assert!(a.iter().all(|v| v.is_finite()), "finite inputs, finite outputs");
+            assert!(
+                a.iter().all(|v| v.is_finite()),
+                "finite inputs, finite outputs"
+            );
         }
         for (i, (p, q)) in a.iter().zip(&b).enumerate() {
             if p.is_nan() {
@@ -1462,7 +1464,10 @@ fn gated_pool_rejections<B: ModelOps<Buffer = CpuBuffer>>(b: &B) {
     let mut short = poisoned(entries * width - 1);
     let e = ModelOps::gated_pool(b, &op, &x, &bias, &mut short);
     assert!(matches!(e, Err(Error::BufferSize { .. })), "{e:?}");
-    assert!(f32s(&short).iter().all(|v| v.is_nan()), "a rejected call wrote");
+    assert!(
+        f32s(&short).iter().all(|v| v.is_nan()),
+        "a rejected call wrote"
+    );
     assert!(
         f32s(&out).iter().all(|v| v.is_nan()),
         "a rejected call wrote"

@@ -9,7 +9,11 @@ Conventions (as in the Rust crates and ``docs/golden.md``):
 
 - caches are whole pages of raw bytes in the layout of an ``IndexKLayout`` or a
   ``KvLayout`` (any dtype and shape whose contiguous bytes are a whole number of pages;
-  ``uint8 [num_pages, bytes_per_page]`` is the natural one);
+  ``uint8 [num_pages, bytes_per_page]`` is the natural one). DeepSeek-V3.2's layouts:
+  ``KvLayout("fp8_ds_mla" | "bf16")``, ``IndexKLayout("fp8_e4m3" | "bf16")``;
+  DeepSeek-V4's: ``KvLayout("model1_fp8" | "bf16_512", page_size=P)`` (512-d rows that
+  are both key and value, attended by ``sparse_mla_v4``) and
+  ``IndexKLayout("fp4_e2m1", 128, P)`` (68 B per key: 64 B packed e2m1 + 4 ue8m0 scales);
 - a *slot* is ``page * page_size + offset``, ``-1`` meaning none;
 - query *rows* are ``int32 [n, 3]`` ``(request, start, end)``: the row sees positions
   ``[start, end)`` of that request, read through row ``request`` of the page table; or the
@@ -52,6 +56,7 @@ __all__ = [
     "indexer_logits",
     "topk",
     "sparse_mla",
+    "sparse_mla_v4",
     "copy_pages",
     "page_checksums",
     "decode_rows",
@@ -254,9 +259,11 @@ def _store_slots(slots, n: int, capacity: int, device) -> torch.Tensor:
 def index_k_store(keys: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor,
                   layout: IndexKLayout) -> torch.Tensor:
     """Quantizes (fp8: e4m3 + one f32 scale per token, ``max(amax, 1e-4) / 448``, or its
-    ue8m0 power of two) or copies (bf16) ``keys`` ``bf16 [n, head_dim]`` into the paged
-    index-K ``cache`` at ``slots`` (``int64 [n]``, ``-1`` skips, no slot twice); returns
-    ``cache``, written in place."""
+    ue8m0 power of two; fp4_e2m1: per 32 values the ue8m0 scale
+    ``2^max(ceil(log2(amax / 6)), -126)`` and the nearest e2m1 codes, packed two per byte,
+    even element in the low nibble) or copies (bf16) ``keys`` ``bf16 [n, head_dim]`` into
+    the paged index-K ``cache`` at ``slots`` (``int64 [n]``, ``-1`` skips, no slot twice);
+    returns ``cache``, written in place."""
     if not isinstance(layout, IndexKLayout):
         raise TypeError("layout: expected a sparsekit.IndexKLayout")
     keys = _tensor("keys", keys, dtypes=(torch.bfloat16,), shape=(None, layout.head_dim))
@@ -272,7 +279,9 @@ def kv_store(kv: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor,
              layout: KvLayout) -> torch.Tensor:
     """Stores MLA tokens ``kv`` ``bf16 [n, nope_dim + rope_dim]`` (latent first) into the
     paged KV ``cache`` at ``slots`` (``fp8_ds_mla``: per-128 tile scale
-    ``2^ceil(log2(max(amax / 448, 1e-4)))``, rope kept bf16); returns ``cache``."""
+    ``2^ceil(log2(max(amax / 448, 1e-4)))``, rope kept bf16; ``model1_fp8``: the same rule
+    per 64-value tile of the 448 NoPE values, the scale stored as its ue8m0 byte in the
+    page's scale section; ``bf16_512``: the 512 values as they are); returns ``cache``."""
     if not isinstance(layout, KvLayout):
         raise TypeError("layout: expected a sparsekit.KvLayout")
     kv = _tensor("kv", kv, dtypes=(torch.bfloat16,), shape=(None, layout.d_qk))
@@ -324,7 +333,8 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor,
 
     ``q``: ``bf16 [n, heads, head_dim]`` (``float8_e4m3fn`` is converted to bf16, exactly);
     ``weights``: ``float32 [n, heads]`` (already folding every constant); ``cache``: the
-    paged index-K pool of ``layout``; ``page_table``: ``int32 [requests, max_pages]``;
+    paged index-K pool of ``layout`` (fp4_e2m1 keys: ``k[s]`` is the dequantised key, codes
+    times their group's scale, and ``k_scale`` is 1); ``page_table``: ``int32 [requests, max_pages]``;
     the rows as ``rows`` or ``context_lens`` (+ ``next_n``), see the module doc.
     ``row_stride`` (columns of ``out``) defaults to ``max_pages · page_size``.
     Returns ``float32 [n, row_stride]``.
@@ -375,7 +385,8 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor,
 def topk(logits: torch.Tensor, k: int, *, rows: Optional[torch.Tensor] = None,
          context_lens: Optional[torch.Tensor] = None, next_n: int = 1,
          page_table: Optional[torch.Tensor] = None, page_size: Optional[int] = None,
-         out: Optional[torch.Tensor] = None) -> torch.Tensor:
+         out: Optional[torch.Tensor] = None,
+         take_all_short_rows: bool = False) -> torch.Tensor:
     """Exact top-``k`` of each row's range of ``logits`` (``float32 [n, width]``; rows
     contiguous, a row stride above ``width`` is fine), ignoring ``-inf`` and NaN, ties to
     the lower position, written in ascending position order, then ``-1`` padding.
@@ -384,8 +395,14 @@ def topk(logits: torch.Tensor, k: int, *, rows: Optional[torch.Tensor] = None,
     sees all ``width`` columns as request ``i``. Output ``int32 [n, k]``: positions, or
     with ``page_table`` (``int32 [requests, max_pages]``) and ``page_size`` the cache slots
     ``page_table[request, pos // page_size] * page_size + pos % page_size``.
+
+    ``take_all_short_rows=True`` is DeepSeek-V4's top-k transform: a row whose range holds
+    at most ``k`` positions gets all of them in order (whatever their logits, ``-inf`` and
+    NaN included), then ``-1``; longer rows as above.
     """
     logits = _tensor("logits", logits, dtypes=(torch.float32,), ndim=2)
+    if not isinstance(take_all_short_rows, bool):
+        raise TypeError(f"take_all_short_rows: expected a bool, got {type(take_all_short_rows).__name__}")
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"k: must be a positive int, got {k!r}")
     n, width = logits.shape
@@ -427,9 +444,10 @@ def topk(logits: torch.Tensor, k: int, *, rows: Optional[torch.Tensor] = None,
                            covered=covered)
         row_stride = logits.stride(0) if n > 1 else width
         ws, cn = _scratch(_native.topk_scratch_bytes(n, row_stride, k), dev)
-        _native.topk(logits, r, k, out, pt, page_size, ws, cn, _stream(dev))
+        _native.topk(logits, r, k, out, pt, page_size, ws, cn, _stream(dev),
+                     take_all_short_rows)
     else:
-        _native.topk(logits, r, k, out, pt, page_size)
+        _native.topk(logits, r, k, out, pt, page_size, None, None, None, take_all_short_rows)
     return out
 
 
@@ -452,6 +470,8 @@ def sparse_mla(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor,
     """
     if not isinstance(layout, KvLayout):
         raise TypeError("layout: expected a sparsekit.KvLayout")
+    if layout.is_v4:
+        raise ValueError(f"layout: {layout!r} is a DeepSeek-V4 layout: use sparse_mla_v4")
     q = _tensor("q", q, dtypes=(torch.bfloat16,), ndim=3)
     if q.shape[2] != layout.d_qk:
         raise ValueError(f"q: d_qk {q.shape[2]} is not the layout's {layout.d_qk}")
@@ -490,6 +510,156 @@ def sparse_mla(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor,
                            ws, cn, _stream(dev))
     else:
         _native.sparse_mla(layout, q.contiguous(), cache, idx, out, lse, softmax_scale)
+    return out, lse
+
+
+def _v4_layout(name: str, layout) -> KvLayout:
+    if not isinstance(layout, KvLayout):
+        raise TypeError(f"{name}: expected a sparsekit.KvLayout")
+    if not layout.is_v4:
+        raise ValueError(f"{name}: {layout!r} is not a DeepSeek-V4 layout (model1_fp8 or "
+                         "bf16_512); DeepSeek-V3.2 layouts take sparse_mla")
+    return layout
+
+
+def _v4_cache(names, cache, indices, lengths, layout, t: int, device):
+    """One cache of ``sparse_mla_v4``: ``(pages tensor, indices int32, lengths int32 or
+    None, capacity)``; CUDA metadata sanitised (lengths clamped into ``[0, topk]``, indices
+    outside the cache made ``-1``)."""
+    cname, iname, lname = names
+    cache = _tensor(cname, cache)
+    if cache.device != device:
+        raise ValueError(f"{cname}: on {cache.device}, but q is on {device}")
+    pages = _pages(cname, cache, layout)
+    capacity = pages * layout.page_size
+    idx = _int_tensor(iname, indices, torch.int32, ndim=2)
+    if idx.shape[0] != t:
+        raise ValueError(f"{iname}: {idx.shape[0]} rows for {t} tokens")
+    if idx.device != device:
+        raise ValueError(f"{iname}: on {idx.device}, but q is on {device}")
+    topk_ = idx.shape[1]
+    lens = None
+    if lengths is not None:
+        lens = _int_tensor(lname, lengths, torch.int64, ndim=1)
+        if lens.shape[0] != t:
+            raise ValueError(f"{lname}: {lens.shape[0]} entries for {t} tokens")
+        if lens.device != device:
+            raise ValueError(f"{lname}: on {lens.device}, but q is on {device}")
+        if device.type == "cpu" and lens.numel():
+            bad = (lens < 0) | (lens > topk_)
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0][0])
+                raise ValueError(f"{lname}[{i}] = {int(lens[i])} is outside [0, {topk_}] "
+                                 f"(the top-k of {iname})")
+    if device.type == "cuda":
+        if _check_device_metadata():
+            i_h = idx.cpu()
+            used = torch.ones_like(i_h, dtype=torch.bool)
+            if lens is not None:
+                l_h = lens.cpu()
+                bad = (l_h < 0) | (l_h > topk_)
+                if bool(bad.any()):
+                    r = int(bad.nonzero()[0][0])
+                    raise ValueError(f"{lname}[{r}] = {int(l_h[r])} is outside [0, {topk_}]")
+                used = torch.arange(topk_)[None, :] < l_h[:, None]
+            bad = used & ((i_h < -1) | (i_h >= capacity))
+            if bool(bad.any()):
+                a, b = (int(x) for x in bad.nonzero()[0])
+                raise ValueError(f"{iname}[{a}][{b}] = {int(i_h[a, b])} is out of range "
+                                 f"({cname} holds {capacity} slots)")
+        if lens is not None:
+            lens = lens.clamp(0, topk_)
+        idx = torch.where((idx >= 0) & (idx < capacity), idx, -1)
+    if lens is not None:
+        lens = lens.to(torch.int32).contiguous()
+    return cache, idx.contiguous(), lens, topk_
+
+
+def sparse_mla_v4(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor,
+                  layout: KvLayout, softmax_scale: Optional[float] = None, *,
+                  lengths: Optional[torch.Tensor] = None,
+                  extra_cache: Optional[torch.Tensor] = None,
+                  extra_indices: Optional[torch.Tensor] = None,
+                  extra_layout: Optional[KvLayout] = None,
+                  extra_lengths: Optional[torch.Tensor] = None,
+                  attn_sink: Optional[torch.Tensor] = None,
+                  out: Optional[torch.Tensor] = None,
+                  lse: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4's sparse attention (the Rust ``sparse_mla_v4`` op; FlashMLA's sparse
+    ``flash_mla_with_kvcache`` with MODEL1): per token and head, one softmax over the
+    token's used entries of ``cache``, then of ``extra_cache``, with ``K = V`` the
+    dequantised 512-d row (rope included):
+    ``s_j = softmax_scale · q·k_j``, ``lse = ln Σ_j exp(s_j)`` (natural log, **without**
+    the sink), ``out = Σ_j softmax_j · k_j``, then with ``attn_sink``
+    ``out *= 1 / (1 + exp(attn_sink[h] − lse))``.
+
+    ``q``: ``bf16 [tokens, heads, 512]`` (1 to 128 heads); ``cache`` / ``extra_cache``:
+    pools of the V4 layouts ``layout`` / ``extra_layout`` (``model1_fp8`` or
+    ``bf16_512``, each its own page size); ``indices`` / ``extra_indices``: ``int32
+    [tokens, topk]`` slots ``page · page_size + offset``; ``lengths`` / ``extra_lengths``
+    (``[tokens]``): token ``t`` uses only its first ``lengths[t]`` indices (all without
+    it) — inside them ``-1`` is skipped, past them nothing is read; a slot listed twice
+    counts twice. ``attn_sink``: ``float32 [heads]`` (``+inf`` zeroes the output,
+    ``-inf`` changes nothing; NaN is refused on CPU). ``softmax_scale`` defaults to
+    ``512 ** -0.5``. Returns ``(out bf16 [tokens, heads, 512], lse float32 [tokens,
+    heads])``; a token without a valid index gets ``out = 0`` and ``lse = +inf``
+    (FlashMLA's convention; ``sparse_mla`` writes ``-inf``).
+
+    On CPU a used index outside its cache (other than ``-1``) or a length outside
+    ``[0, topk]`` is a ``ValueError``; on CUDA such indices become ``-1`` and lengths are
+    clamped (see the module doc).
+    """
+    layout = _v4_layout("layout", layout)
+    q = _tensor("q", q, dtypes=(torch.bfloat16,), ndim=3)
+    if q.shape[2] != 512:
+        raise ValueError(f"q: head dim {q.shape[2]} is not 512 (DeepSeek-V4's d_qk)")
+    t, h = q.shape[0], q.shape[1]
+    if not 1 <= h <= 128:
+        raise ValueError(f"q: {h} heads is outside 1..=128")
+    dev = _same_device(q=q)
+    cache, idx, lens, topk_main = _v4_cache(("cache", "indices", "lengths"), cache, indices,
+                                            lengths, layout, t, dev)
+    given = [x is not None for x in (extra_cache, extra_indices, extra_layout)]
+    if any(given) and not all(given):
+        raise ValueError("extra_cache: give extra_cache, extra_indices and extra_layout together")
+    if extra_lengths is not None and extra_cache is None:
+        raise ValueError("extra_lengths: given without extra_cache")
+    extra = None
+    topk_total = topk_main
+    if extra_cache is not None:
+        extra_layout = _v4_layout("extra_layout", extra_layout)
+        extra = _v4_cache(("extra_cache", "extra_indices", "extra_lengths"), extra_cache,
+                          extra_indices, extra_lengths, extra_layout, t, dev)
+        topk_total += extra[3]
+    sink = None
+    if attn_sink is not None:
+        sink = _tensor("attn_sink", attn_sink, dtypes=(torch.float32,), shape=(h,))
+        if sink.device != dev:
+            raise ValueError(f"attn_sink: on {sink.device}, but q is on {dev}")
+        if dev.type == "cpu" and bool(sink.isnan().any()):
+            i = int(sink.isnan().nonzero()[0][0])
+            raise ValueError(f"attn_sink[{i}] is NaN")
+        sink = sink.contiguous()
+    if softmax_scale is None:
+        softmax_scale = 512 ** -0.5
+    softmax_scale = float(softmax_scale)
+    if out is None:
+        out = torch.empty((t, h, 512), dtype=torch.bfloat16, device=dev)
+    else:
+        _written("out", _tensor("out", out, dtypes=(torch.bfloat16,), shape=(t, h, 512)))
+    if lse is None:
+        lse = torch.empty((t, h), dtype=torch.float32, device=dev)
+    else:
+        _written("lse", _tensor("lse", lse, dtypes=(torch.float32,), shape=(t, h)))
+    _same_device(q=q, out=out, lse=lse)
+    e = (None, None, None, None) if extra is None else extra
+    args = (layout, q.contiguous(), cache, idx, out, lse, softmax_scale, lens,
+            extra_layout if extra is not None else None, e[0], e[1], e[2], sink)
+    if dev.type == "cuda":
+        ws, cn = _scratch(_native.sparse_mla_v4_scratch_bytes(t, h, topk_total), dev)
+        _native.sparse_mla_v4(*args, ws, cn, _stream(dev))
+    else:
+        _native.sparse_mla_v4(*args)
     return out, lse
 
 

@@ -31,13 +31,15 @@ use pyo3::types::PyTuple;
 use sparsekit::cuda::raw::RawLauncher;
 use sparsekit_host::cpu::{self, CpuIsa};
 use sparsekit_host::dtype::ScaleFormat;
-use sparsekit_host::launcher::raw::{self, DeviceBuf, IndexerShape, TopkTarget};
+use sparsekit_host::launcher::raw::{
+    self, DeviceBuf, IndexerShape, TopkTarget, V4CacheBufs, V4CacheShape, V4Shape,
+};
 use sparsekit_host::layout::{
     IndexKDtype, IndexKLayout as HostIndexK, KvDtype, KvLayout as HostKv, PageLayout,
 };
 use sparsekit_host::ops::{
     CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, PageTable, PagedRegion,
-    QueryRange, ShortRows, SparseMla, Topk, TopkOutput,
+    QueryRange, ShortRows, SparseMla, SparseMlaV4, Topk, TopkOutput, V4Cache,
 };
 use sparsekit_host::{Error, ErrorKind};
 
@@ -379,16 +381,19 @@ unsafe fn launch<P: sparsekit_kernels::launch::KernelParams>(
 // ---------------------------------------------------------------- layouts
 
 /// A paged index-K cache layout (`sparsekit_host::layout::IndexKLayout`): fp8 pages hold
-/// all `page_size × head_dim` e4m3 bytes, then `page_size` f32 scales; bf16 pages only
-/// bf16 values.
+/// all `page_size × head_dim` e4m3 bytes, then `page_size` f32 scales; fp4 pages
+/// (DeepSeek-V4) all `page_size × head_dim / 2` packed e2m1 bytes, then `head_dim / 32`
+/// ue8m0 bytes per token; bf16 pages only bf16 values.
 #[pyclass(frozen, module = "sparsekit._native")]
 #[derive(Clone, Copy, Debug)]
 struct IndexKLayout(HostIndexK);
 
 #[pymethods]
 impl IndexKLayout {
-    /// `dtype`: `"fp8_e4m3"` or `"bf16"`; `scale` (fp8): `"fp32"` (`max(amax, 1e-4) / 448`)
-    /// or `"ue8m0"` (rounded up to a power of two).
+    /// `dtype`: `"fp8_e4m3"`, `"bf16"` or `"fp4_e2m1"` (DeepSeek-V4; `head_dim` a
+    /// multiple of 128); `scale` (fp8): `"fp32"` (`max(amax, 1e-4) / 448`) or `"ue8m0"`
+    /// (rounded up to a power of two); fp4 has its own ue8m0 group scales and takes the
+    /// default.
     #[new]
     #[pyo3(signature = (dtype = "fp8_e4m3", head_dim = 128, page_size = 64, scale = "fp32"))]
     fn new(dtype: &str, head_dim: usize, page_size: usize, scale: &str) -> PyResult<Self> {
@@ -404,9 +409,17 @@ impl IndexKLayout {
         let dtype = match dtype {
             "fp8_e4m3" | "fp8" => IndexKDtype::Fp8E4m3 { scale },
             "bf16" | "bfloat16" => IndexKDtype::Bf16,
+            "fp4_e2m1" | "fp4" => {
+                if scale != ScaleFormat::Fp32 {
+                    return Err(PyValueError::new_err(
+                        "scale: fp4_e2m1 keys have ue8m0 scales per 32 values; leave scale out",
+                    ));
+                }
+                IndexKDtype::Fp4E2m1
+            }
             other => {
                 return Err(PyValueError::new_err(format!(
-                    "dtype: '{other}' is not 'fp8_e4m3' or 'bf16'"
+                    "dtype: '{other}' is not 'fp8_e4m3', 'bf16' or 'fp4_e2m1'"
                 )))
             }
         };
@@ -448,6 +461,16 @@ impl IndexKLayout {
     fn scale_section_offset(&self) -> Option<usize> {
         self.0.scale_section_offset()
     }
+    /// Value bytes of one token (fp8 `head_dim`, fp4 `head_dim / 2`, bf16 `2 · head_dim`).
+    #[getter]
+    fn value_bytes_per_token(&self) -> usize {
+        self.0.value_bytes_per_token()
+    }
+    /// Scale bytes of one token (fp8 4, fp4 `head_dim / 32`, bf16 0).
+    #[getter]
+    fn scale_bytes_per_token(&self) -> usize {
+        self.0.scale_bytes_per_token()
+    }
     /// The descriptor's stable 64-bit fingerprint.
     #[getter]
     fn fingerprint(&self) -> u64 {
@@ -475,30 +498,42 @@ impl IndexKLayout {
     }
 }
 
-/// A paged MLA KV cache layout (`sparsekit_host::layout::KvLayout`), token-major: bf16
-/// tokens `[nope | rope]`; `fp8_ds_mla` tokens (FlashMLA's V3.2 format) `nope` e4m3 bytes,
-/// one f32 scale per 128 values, then `rope` bf16.
+/// A paged MLA KV cache layout (`sparsekit_host::layout::KvLayout`): bf16 tokens
+/// `[nope | rope]`; `fp8_ds_mla` tokens (FlashMLA's V3.2 format) `nope` e4m3 bytes, one
+/// f32 scale per 128 values, then `rope` bf16; DeepSeek-V4's `model1_fp8` (per page: rows
+/// of 448 e4m3 + 64 bf16 rope, then 8 bytes of ue8m0 tile scales per token, the page
+/// padded to a multiple of 576 B) and `bf16_512` (512 bf16 per token), whose value is the
+/// whole 512-d row.
 #[pyclass(frozen, module = "sparsekit._native")]
 #[derive(Clone, Copy, Debug)]
 struct KvLayout(HostKv);
 
 #[pymethods]
 impl KvLayout {
-    /// `dtype`: `"fp8_ds_mla"` or `"bf16"`.
+    /// `dtype`: `"fp8_ds_mla"` or `"bf16"` (DeepSeek-V3.2; `nope_dim` defaults to 512),
+    /// `"model1_fp8"` or `"bf16_512"` (DeepSeek-V4; `nope_dim` 448, `rope_dim` 64, the
+    /// defaults). `rope_dim` defaults to 64.
     #[new]
-    #[pyo3(signature = (dtype = "fp8_ds_mla", nope_dim = 512, rope_dim = 64, page_size = 64))]
-    fn new(dtype: &str, nope_dim: usize, rope_dim: usize, page_size: usize) -> PyResult<Self> {
+    #[pyo3(signature = (dtype = "fp8_ds_mla", nope_dim = None, rope_dim = None, page_size = 64))]
+    fn new(
+        dtype: &str,
+        nope_dim: Option<usize>,
+        rope_dim: Option<usize>,
+        page_size: usize,
+    ) -> PyResult<Self> {
         let dtype = match dtype {
             "fp8_ds_mla" => KvDtype::Fp8DsMla,
             "bf16" | "bfloat16" => KvDtype::Bf16,
+            "model1_fp8" => KvDtype::Model1Fp8,
+            "bf16_512" => KvDtype::Bf16x512,
             other => {
                 return Err(PyValueError::new_err(format!(
-                    "dtype: '{other}' is not 'fp8_ds_mla' or 'bf16' (V4's MODEL1 fp8 and bf16_512 \
-                     KV layouts are not in this build)"
+                    "dtype: '{other}' is not 'fp8_ds_mla', 'bf16', 'model1_fp8' or 'bf16_512'"
                 )))
             }
         };
-        HostKv::new(dtype, nope_dim, rope_dim, page_size)
+        let nope_dim = nope_dim.unwrap_or(if dtype.is_v4() { 448 } else { 512 });
+        HostKv::new(dtype, nope_dim, rope_dim.unwrap_or(64), page_size)
             .map(KvLayout)
             .map_err(py_err)
     }
@@ -518,6 +553,21 @@ impl KvLayout {
     #[getter]
     fn d_qk(&self) -> usize {
         self.0.d_qk()
+    }
+    /// The attention value dim: `nope_dim` (V3.2 layouts), the whole row `d_qk` (V4).
+    #[getter]
+    fn d_v(&self) -> usize {
+        self.0.d_v()
+    }
+    /// Whether this is a DeepSeek-V4 layout (`model1_fp8`, `bf16_512`: `sparse_mla_v4`).
+    #[getter]
+    fn is_v4(&self) -> bool {
+        self.0.dtype().is_v4()
+    }
+    /// Byte offset of the ue8m0 scale section inside a page (`model1_fp8` only).
+    #[getter]
+    fn scale_section_offset(&self) -> Option<usize> {
+        self.0.scale_section_offset()
     }
     #[getter]
     fn page_size(&self) -> usize {
@@ -839,8 +889,16 @@ fn indexer_logits(
                 pt.device_buf(pb),
                 rows.device_buf(rb),
             ];
-            let p =
-                raw::indexer_logits(layout.0, shape, bufs, out.device_buf(ob)).map_err(py_err)?;
+            let ob = out.device_buf(ob);
+            if layout.0.dtype() == IndexKDtype::Fp4E2m1 {
+                let p = raw::indexer_logits_fp4(layout.0, shape, bufs, ob).map_err(py_err)?;
+                if p.0.n_rows == 0 || p.0.row_stride == 0 {
+                    return Ok(());
+                }
+                // SAFETY: as below (fp4 keys: their own kernel).
+                return unsafe { launch(ordinal, stream_of(stream)?, p) };
+            }
+            let p = raw::indexer_logits(layout.0, shape, bufs, ob).map_err(py_err)?;
             if p.n_rows == 0 || p.row_stride == 0 {
                 return Ok(());
             }
@@ -871,12 +929,14 @@ fn sparse_mla_scratch_bytes(
 }
 
 /// `topk(logits, rows, k, out, page_table=None, page_size=None, workspace=None,
-/// counters=None, stream=None)`: logits f32 `[n, width]` (rows contiguous; a row stride
-/// above `width` is read as the row stride when the storage covers it), rows int32
-/// `[n, 3]` (every `end ≤ width`), out int32 `[n, k]`: positions, or slots through
-/// `page_table` (int32 `[requests, max_pages]`) of pages of `page_size`.
+/// counters=None, stream=None, take_all_short_rows=False)`: logits f32 `[n, width]` (rows
+/// contiguous; a row stride above `width` is read as the row stride when the storage
+/// covers it), rows int32 `[n, 3]` (every `end ≤ width`), out int32 `[n, k]`: positions,
+/// or slots through `page_table` (int32 `[requests, max_pages]`) of pages of `page_size`.
+/// `take_all_short_rows`: DeepSeek-V4's transform (a row of at most `k` positions takes
+/// all of them in order, whatever the logits).
 #[pyfunction]
-#[pyo3(signature = (logits, rows, k, out, page_table = None, page_size = None, workspace = None, counters = None, stream = None))]
+#[pyo3(signature = (logits, rows, k, out, page_table = None, page_size = None, workspace = None, counters = None, stream = None, take_all_short_rows = false))]
 #[allow(clippy::too_many_arguments)]
 fn topk(
     py: Python<'_>,
@@ -889,7 +949,13 @@ fn topk(
     workspace: Option<&Bound<'_, PyAny>>,
     counters: Option<&Bound<'_, PyAny>>,
     stream: Option<usize>,
+    take_all_short_rows: bool,
 ) -> PyResult<()> {
+    let short_rows = if take_all_short_rows {
+        ShortRows::TakeAll
+    } else {
+        ShortRows::SelectValid
+    };
     let logits = Tensor::of("logits", logits)?;
     let rows = Tensor::of("rows", rows)?;
     let out = Tensor::of("out", out)?;
@@ -975,7 +1041,7 @@ fn topk(
                 _ => TopkOutput::Positions,
             };
             let op = Topk {
-                short_rows: ShortRows::SelectValid,
+                short_rows,
                 k,
                 row_stride,
                 rows: &host,
@@ -1009,6 +1075,7 @@ fn topk(
                 _ => TopkTarget::Positions,
             };
             let p = raw::topk(
+                short_rows,
                 k,
                 row_stride,
                 target,
@@ -1139,6 +1206,348 @@ fn sparse_mla(
             // SAFETY: live device tensors, sizes validated; indices sanitised on the
             // device (each -1 or a slot of the cache); scratch of the kernel's sizes with
             // zeroed counters.
+            unsafe { launch(ordinal, stream_of(stream)?, p) }
+        }
+    }
+}
+
+/// Bytes of `sparse_mla_v4`'s two scratch buffers on CUDA (`total_topk`: the caches' top-k
+/// summed).
+#[pyfunction]
+fn sparse_mla_v4_scratch_bytes(
+    n_tokens: usize,
+    n_heads: usize,
+    total_topk: usize,
+) -> PyResult<(usize, usize)> {
+    raw::sparse_mla_v4_scratch(n_tokens, n_heads, total_topk).map_err(py_err)
+}
+
+/// One cache argument of `sparse_mla_v4`: its layout, pages, indices int32 `[t, topk]` and
+/// optional lengths int32 `[t]`.
+struct V4Arg {
+    layout: HostKv,
+    cache: Tensor,
+    indices: Tensor,
+    lengths: Option<Tensor>,
+    topk: usize,
+}
+
+impl V4Arg {
+    #[allow(clippy::too_many_arguments)]
+    fn of(
+        names: [&'static str; 3],
+        layout: HostKv,
+        cache: &Bound<'_, PyAny>,
+        indices: &Bound<'_, PyAny>,
+        lengths: Option<&Bound<'_, PyAny>>,
+        n_tokens: usize,
+    ) -> PyResult<V4Arg> {
+        let cache = Tensor::of(names[0], cache)?;
+        let indices = Tensor::of(names[1], indices)?;
+        cache.contiguous()?;
+        indices.dtype_in(&["int32"])?.contiguous()?;
+        let topk = match indices.shape.as_slice() {
+            [t, k] if *t == n_tokens => *k,
+            s => {
+                return Err(PyValueError::new_err(format!(
+                    "{}: expected shape [{n_tokens}, topk], got {s:?}",
+                    names[1]
+                )))
+            }
+        };
+        let lengths = lengths.map(|l| Tensor::of(names[2], l)).transpose()?;
+        if let Some(l) = &lengths {
+            l.dtype_in(&["int32"])?.contiguous()?;
+            if l.shape != [n_tokens] {
+                return Err(PyValueError::new_err(format!(
+                    "{}: expected shape [{n_tokens}], got {:?}",
+                    names[2], l.shape
+                )));
+            }
+        }
+        Ok(V4Arg {
+            layout,
+            cache,
+            indices,
+            lengths,
+            topk,
+        })
+    }
+
+    /// The tensors read, with their byte lengths.
+    fn reads(&self) -> PyResult<Vec<(&Tensor, usize)>> {
+        let mut v = vec![
+            (&self.cache, self.cache.bytes()?),
+            (&self.indices, self.indices.bytes()?),
+        ];
+        if let Some(l) = &self.lengths {
+            v.push((l, l.bytes()?));
+        }
+        Ok(v)
+    }
+
+    fn device_bufs(&self) -> PyResult<V4CacheBufs> {
+        Ok(V4CacheBufs {
+            cache: self.cache.device_buf(self.cache.bytes()?),
+            indices: self.indices.device_buf(self.indices.bytes()?),
+            lengths: match &self.lengths {
+                Some(l) => Some(l.device_buf(l.bytes()?)),
+                None => None,
+            },
+        })
+    }
+
+    /// The host lengths (CPU): a `ValueError` naming the entry for a negative one.
+    ///
+    /// # Safety
+    /// As [`Tensor::slice`].
+    unsafe fn host_lengths(&self) -> PyResult<Option<Vec<u32>>> {
+        let Some(l) = &self.lengths else {
+            return Ok(None);
+        };
+        // SAFETY: the caller's contract.
+        let v: &[i32] = unsafe { l.slice(l.bytes()?) }?;
+        v.iter()
+            .enumerate()
+            .map(|(i, &x)| {
+                u32::try_from(x)
+                    .map_err(|_| PyValueError::new_err(format!("{}[{i}]: {x} is negative", l.name)))
+            })
+            .collect::<PyResult<Vec<u32>>>()
+            .map(Some)
+    }
+}
+
+/// `sparse_mla_v4(layout, q, cache, indices, out, lse, softmax_scale, lengths=None,
+/// extra_layout=None, extra_cache=None, extra_indices=None, extra_lengths=None,
+/// attn_sink=None, workspace=None, counters=None, stream=None)`: DeepSeek-V4's sparse
+/// attention (`sparsekit_host::ops::SparseMlaV4`). q bf16 `[t, h, 512]`; each cache whole
+/// pages of a V4 layout with indices int32 `[t, topk]` and optional lengths int32 `[t]`
+/// (a token uses its first `lengths[t]` indices; inside them `-1` is skipped); attn_sink
+/// f32 `[h]`; out bf16 `[t, h, 512]`, lse f32 `[t, h]` (natural log, without the sink;
+/// `+inf` and out 0 for a token without a valid index).
+#[pyfunction]
+#[pyo3(signature = (layout, q, cache, indices, out, lse, softmax_scale, lengths = None, extra_layout = None, extra_cache = None, extra_indices = None, extra_lengths = None, attn_sink = None, workspace = None, counters = None, stream = None))]
+#[allow(clippy::too_many_arguments)]
+fn sparse_mla_v4(
+    py: Python<'_>,
+    layout: &KvLayout,
+    q: &Bound<'_, PyAny>,
+    cache: &Bound<'_, PyAny>,
+    indices: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    lse: &Bound<'_, PyAny>,
+    softmax_scale: f32,
+    lengths: Option<&Bound<'_, PyAny>>,
+    extra_layout: Option<&KvLayout>,
+    extra_cache: Option<&Bound<'_, PyAny>>,
+    extra_indices: Option<&Bound<'_, PyAny>>,
+    extra_lengths: Option<&Bound<'_, PyAny>>,
+    attn_sink: Option<&Bound<'_, PyAny>>,
+    workspace: Option<&Bound<'_, PyAny>>,
+    counters: Option<&Bound<'_, PyAny>>,
+    stream: Option<usize>,
+) -> PyResult<()> {
+    let q = Tensor::of("q", q)?;
+    let out = Tensor::of("out", out)?;
+    let lse = Tensor::of("lse", lse)?;
+    q.dtype_in(&["bfloat16"])?.contiguous()?;
+    out.dtype_in(&["bfloat16"])?.contiguous()?;
+    lse.dtype_in(&["float32"])?.contiguous()?;
+    let d = SparseMlaV4::D;
+    let (n_tokens, n_heads) = match q.shape.as_slice() {
+        [t, h, x] if *x == d => (*t, *h),
+        s => {
+            return Err(PyValueError::new_err(format!(
+                "q: expected shape [tokens, heads, {d}], got {s:?}"
+            )))
+        }
+    };
+    if out.shape != [n_tokens, n_heads, d] {
+        return Err(PyValueError::new_err(format!(
+            "out: expected shape [{n_tokens}, {n_heads}, {d}], got {:?}",
+            out.shape
+        )));
+    }
+    if lse.shape != [n_tokens, n_heads] {
+        return Err(PyValueError::new_err(format!(
+            "lse: expected shape [{n_tokens}, {n_heads}], got {:?}",
+            lse.shape
+        )));
+    }
+    let main = V4Arg::of(
+        ["cache", "indices", "lengths"],
+        layout.0,
+        cache,
+        indices,
+        lengths,
+        n_tokens,
+    )?;
+    let extra = match (extra_layout, extra_cache, extra_indices) {
+        (Some(l), Some(c), Some(i)) => Some(V4Arg::of(
+            ["extra_cache", "extra_indices", "extra_lengths"],
+            l.0,
+            c,
+            i,
+            extra_lengths,
+            n_tokens,
+        )?),
+        (None, None, None) => {
+            if extra_lengths.is_some() {
+                return Err(PyValueError::new_err(
+                    "extra_lengths: given without extra_cache",
+                ));
+            }
+            None
+        }
+        _ => {
+            return Err(PyValueError::new_err(
+                "extra_cache: give extra_layout, extra_cache and extra_indices together",
+            ))
+        }
+    };
+    let sink = attn_sink.map(|s| Tensor::of("attn_sink", s)).transpose()?;
+    if let Some(s) = &sink {
+        s.dtype_in(&["float32"])?.contiguous()?;
+        if s.shape != [n_heads] {
+            return Err(PyValueError::new_err(format!(
+                "attn_sink: expected shape [{n_heads}], got {:?}",
+                s.shape
+            )));
+        }
+    }
+    let (qb, ob, lb) = (q.bytes()?, out.bytes()?, lse.bytes()?);
+    let mut reads = vec![(&q, qb)];
+    reads.extend(main.reads()?);
+    if let Some(e) = &extra {
+        reads.extend(e.reads()?);
+    }
+    let sb = sink.as_ref().map(|s| s.bytes()).transpose()?.unwrap_or(0);
+    if let Some(s) = &sink {
+        reads.push((s, sb));
+    }
+    let mut all: Vec<&Tensor> = reads.iter().map(|(t, _)| *t).collect();
+    all.extend([&out, &lse]);
+    match common_device(&all)? {
+        Device::Cpu => {
+            no_overlap(&[(&out, ob), (&lse, lb)], &reads)?;
+            // SAFETY: contiguous tensors alive for the call, sizes checked against their
+            // storage; the two outputs overlap neither each other nor an input.
+            let (qs, os, ls, main_lens, extra_lens, sink_vals) = unsafe {
+                (
+                    q.slice::<bf16>(qb)?,
+                    out.slice_mut::<bf16>(ob)?,
+                    lse.slice_mut::<f32>(lb)?,
+                    main.host_lengths()?,
+                    match &extra {
+                        Some(e) => e.host_lengths()?,
+                        None => None,
+                    },
+                    match &sink {
+                        Some(s) => Some(s.slice::<f32>(sb)?),
+                        None => None,
+                    },
+                )
+            };
+            let host = |a: &V4Arg| -> PyResult<(&[u8], &[i32])> {
+                // SAFETY: as above: contiguous inputs alive for the call, overlapping no
+                // output.
+                unsafe {
+                    Ok((
+                        a.cache.slice::<u8>(a.cache.bytes()?)?,
+                        a.indices.slice::<i32>(a.indices.bytes()?)?,
+                    ))
+                }
+            };
+            let main_in = host(&main)?;
+            let extra_in = extra.as_ref().map(host).transpose()?;
+            let op = SparseMlaV4 {
+                n_tokens,
+                n_heads,
+                softmax_scale,
+                main: V4Cache {
+                    layout: main.layout,
+                    topk: main.topk,
+                    lengths: main_lens.as_deref(),
+                },
+                extra: extra.as_ref().map(|e| V4Cache {
+                    layout: e.layout,
+                    topk: e.topk,
+                    lengths: extra_lens.as_deref(),
+                }),
+                attn_sink: sink_vals,
+            };
+            let pages = op
+                .validate(
+                    qb,
+                    [main_in.0.len(), main_in.1.len() * 4],
+                    extra_in.map(|(c, i)| [c.len(), i.len() * 4]),
+                    ob,
+                    lb,
+                )
+                .map_err(py_err)?;
+            op.check_indices("indices", &op.main, main_in.1, pages.main)
+                .map_err(py_err)?;
+            if let (Some(c), Some((_, idx))) = (&op.extra, extra_in) {
+                op.check_indices("extra_indices", c, idx, pages.extra)
+                    .map_err(py_err)?;
+            }
+            let call = cpu::sparse_mla_v4::V4Call {
+                q: qs,
+                main: main_in,
+                extra: extra_in,
+            };
+            let isa = CpuIsa::get();
+            py.detach(|| cpu::sparse_mla_v4::sparse_mla_v4(isa, &op, call, os, ls));
+            Ok(())
+        }
+        Device::Cuda(ordinal) => {
+            let ws = workspace
+                .map(|w| Tensor::of("workspace", w))
+                .transpose()?
+                .ok_or_else(|| PyValueError::new_err("workspace: needed on CUDA"))?;
+            let cn = counters
+                .map(|w| Tensor::of("counters", w))
+                .transpose()?
+                .ok_or_else(|| PyValueError::new_err("counters: needed on CUDA"))?;
+            ws.contiguous()?;
+            cn.contiguous()?;
+            common_device(&[&q, &ws, &cn])?;
+            let (wb, nb) = (ws.bytes()?, cn.bytes()?);
+            no_overlap(&[(&out, ob), (&lse, lb), (&ws, wb), (&cn, nb)], &reads)?;
+            let shape = V4Shape {
+                n_tokens,
+                n_heads,
+                softmax_scale,
+                main: V4CacheShape {
+                    layout: main.layout,
+                    topk: main.topk,
+                },
+                extra: extra.as_ref().map(|e| V4CacheShape {
+                    layout: e.layout,
+                    topk: e.topk,
+                }),
+            };
+            let p = raw::sparse_mla_v4(
+                shape,
+                q.device_buf(qb),
+                main.device_bufs()?,
+                extra.as_ref().map(V4Arg::device_bufs).transpose()?,
+                sink.as_ref().map(|s| s.device_buf(sb)),
+                [
+                    out.device_buf(ob),
+                    lse.device_buf(lb),
+                    ws.device_buf(wb),
+                    cn.device_buf(nb),
+                ],
+            )
+            .map_err(py_err)?;
+            if n_tokens == 0 {
+                return Ok(());
+            }
+            // SAFETY: live device tensors, sizes validated; lengths clamped into
+            // `[0, topk]` and every index sanitised on the device (each -1 or a slot of its
+            // cache); scratch of the kernel's sizes with zeroed counters.
             unsafe { launch(ordinal, stream_of(stream)?, p) }
         }
     }
@@ -1313,6 +1722,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(topk_scratch_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(sparse_mla, m)?)?;
     m.add_function(wrap_pyfunction!(sparse_mla_scratch_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(sparse_mla_v4, m)?)?;
+    m.add_function(wrap_pyfunction!(sparse_mla_v4_scratch_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(copy_pages, m)?)?;
     m.add_function(wrap_pyfunction!(page_checksums, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;

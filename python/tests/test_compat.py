@@ -223,16 +223,15 @@ def test_flash_mla_with_kvcache_v4_arguments_on_v32_layouts(device, gen):
     assert bool((out.cpu()[:, :, 0] == 0).all()), "a +inf sink zeroes the output"
 
 
-def test_flash_mla_v4_layouts_raise_not_implemented(device):
+def test_flash_mla_v4_dense_form_and_unpadded_model1_refused(device):
+    """V4 runs (test_v4.py); a contiguous MODEL1 tensor whose blocks are not the padded
+    MODEL1 page is refused naming k_cache, and the dense form stays NotImplementedError."""
     q = torch.zeros((1, 1, 64, 512), dtype=torch.bfloat16, device=device)
     model1 = torch.zeros((2, 64, 1, 584), dtype=torch.uint8, device=device)
     idx = torch.zeros((1, 1, 64), dtype=torch.int32, device=device)
     meta, _ = flash_mla.get_mla_metadata()
-    with pytest.raises(NotImplementedError, match="MODEL1"):
+    with pytest.raises(ValueError, match="k_cache: block stride 37376 bytes is below the MODEL1 page of 37440"):
         flash_mla.flash_mla_with_kvcache(q, model1, None, None, 512, meta, is_fp8_kvcache=True, indices=idx)
-    with pytest.raises(NotImplementedError, match="K = V"):
-        flash_mla.flash_mla_sparse_fwd(q[0], torch.zeros((8, 1, 512), dtype=torch.bfloat16, device=device),
-                                       idx[0][:, None], 0.1, d_v=512)
     with pytest.raises(NotImplementedError, match="dense"):
         flash_mla.flash_mla_with_kvcache(q, model1, None, None, 512, flash_mla.get_mla_metadata()[0])
 

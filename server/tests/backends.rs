@@ -58,6 +58,18 @@ fn emu_is_deterministic_and_agrees_with_cpu() {
         .unwrap()
         .with_layers(1)
         .unwrap();
+    emu_oracle_and_cpu_agreement(cfg);
+}
+
+/// The same for DeepSeek-V4's model: the window, CSA and HCA layers, the compressor's
+/// `gated_pool`, `sparse_mla_v4` with sinks and the fp4-free V4 layouts, on the GPU
+/// kernels (emulated).
+#[test]
+fn v4_emu_is_deterministic_and_agrees_with_cpu() {
+    emu_oracle_and_cpu_agreement(ModelConfig::DSV4_TINY);
+}
+
+fn emu_oracle_and_cpu_agreement(cfg: ModelConfig) {
     let opts = EngineOptions {
         kv_pages: 16,
         prefill_chunk: 5,
@@ -112,14 +124,8 @@ fn logits<B: Backend + ModelOps>(b: B, cfg: ModelConfig) -> Vec<f32> {
     use sparsekit_server::engine::{KvSpace, Model, PagedKvSpace, SeqChunk, StepBatch};
     let b = Arc::new(b);
     let model = Model::new(b.clone(), cfg, 0).unwrap();
-    let mut space = PagedKvSpace::new(
-        &*b,
-        model.kv_layout(KvDtype::Bf16).unwrap(),
-        model.index_k_layout(IndexKDtype::Bf16).unwrap(),
-        cfg.n_layers,
-        4,
-    )
-    .unwrap();
+    let spec = model.cache_spec(KvDtype::Bf16, IndexKDtype::Bf16).unwrap();
+    let mut space = PagedKvSpace::with_spec(&*b, spec, 4).unwrap();
     space.reserve(1, 19).unwrap();
     let tokens: Vec<u32> = (0..19).map(|j| (j * 37 % 256) as u32).collect();
     let chunk = SeqChunk {
@@ -130,6 +136,27 @@ fn logits<B: Backend + ModelOps>(b: B, cfg: ModelConfig) -> Vec<f32> {
     };
     let batch = StepBatch::build(&[chunk], cfg.page_size(), |s| space.pages(s)).unwrap();
     model.forward(&batch, &mut space).unwrap().logits
+}
+
+/// `dsv4` (DeepSeek-V4-Flash's attention dims: 64 heads of 512, indexer 64×128 with top-k
+/// 512, window 128, pages of 256 raw tokens) with its first three layers (window, window,
+/// CSA) runs end to end.
+#[test]
+fn dsv4_forward_runs() {
+    let cfg = ModelConfig::DSV4.with_layers(3).unwrap();
+    assert_eq!(cfg.d_qk(), 512);
+    assert_eq!(cfg.softmax_scale(), 1.0 / 512f32.sqrt());
+    let opts = EngineOptions {
+        kv_pages: 4,
+        ..Default::default()
+    };
+    let rs = reqs(&[70, 9], 2);
+    let a = run(CpuBackend::new(), cfg, opts.clone(), &rs, true);
+    for c in &a {
+        assert_eq!(c.tokens.len(), 2);
+        assert!(c.digests.iter().all(|&d| d != 0));
+    }
+    assert_ne!(a[0].digests, a[1].digests);
 }
 
 #[test]

@@ -161,6 +161,17 @@ fn the_oracle_holds_across_tiers_on_cpu() {
     oracle_across_tiers(CpuBackend::new, ModelConfig::TINY, &s);
 }
 
+/// DeepSeek-V4's pools (window, CSA and HCA compressed KV, compressed index keys, the
+/// compressor's state rows) through the device tier, the host tier and recompute: a
+/// prefix reused from any tier resumes every compression window exactly.
+#[test]
+fn the_v4_oracle_holds_across_tiers_on_cpu() {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed());
+    let head: Vec<u32> = (0..70).map(|_| rng.gen_range(0..256)).collect();
+    let s = Session::new(&mut rng, &head, 150, 12, "v4");
+    oracle_across_tiers(CpuBackend::new, ModelConfig::DSV4_TINY, &s);
+}
+
 #[test]
 fn the_oracle_holds_across_tiers_on_emu() {
     // Small enough for the emulator: one layer, a top-k of 8 so selection matters.

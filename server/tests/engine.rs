@@ -20,9 +20,13 @@ use sparsekit_server::EngineError;
 const WAIT: Duration = Duration::from_secs(120);
 
 fn engine(opts: EngineOptions) -> Engine {
+    engine_of(ModelConfig::TINY, opts)
+}
+
+fn engine_of(cfg: ModelConfig, opts: EngineOptions) -> Engine {
     Engine::start(
         Arc::new(CpuBackend::new()),
-        ModelConfig::TINY,
+        cfg,
         opts,
         Arc::new(Metrics::new("both")),
     )
@@ -71,15 +75,19 @@ fn requests(seed: u64) -> Vec<GenerateRequest> {
         .collect()
 }
 
-fn alone(opts: &EngineOptions, reqs: &[GenerateRequest]) -> Vec<Completion> {
-    let e = engine(opts.clone());
+fn alone(cfg: ModelConfig, opts: &EngineOptions, reqs: &[GenerateRequest]) -> Vec<Completion> {
+    let e = engine_of(cfg, opts.clone());
     reqs.iter()
         .map(|r| e.submit(r.clone()).unwrap().wait(WAIT).unwrap())
         .collect()
 }
 
-fn crowded(opts: &EngineOptions, reqs: &[GenerateRequest]) -> (Vec<Completion>, usize) {
-    let e = engine(opts.clone());
+fn crowded(
+    cfg: ModelConfig,
+    opts: &EngineOptions,
+    reqs: &[GenerateRequest],
+) -> (Vec<Completion>, usize) {
+    let e = engine_of(cfg, opts.clone());
     let handles: Vec<_> = reqs.iter().map(|r| e.submit(r.clone()).unwrap()).collect();
     let out = handles.into_iter().map(|h| h.wait(WAIT).unwrap()).collect();
     let st = e.stats();
@@ -118,7 +126,7 @@ fn determinism_oracle_alone_crowded_and_chunked() {
             max_batch_tokens: 4096,
             ..Default::default()
         };
-        let reference = alone(&base, &reqs);
+        let reference = alone(ModelConfig::TINY, &base, &reqs);
         assert!(reference.iter().all(|c| c.tokens.len() == c.digests.len()));
         // Distinct requests give distinct outputs (the oracle is not vacuous).
         assert_ne!(reference[0].digests, reference[1].digests);
@@ -129,7 +137,7 @@ fn determinism_oracle_alone_crowded_and_chunked() {
                 min_prefill_tokens: 8,
                 ..base.clone()
             };
-            let (got, max_seqs) = crowded(&opts, &reqs);
+            let (got, max_seqs) = crowded(ModelConfig::TINY, &opts, &reqs);
             assert!(
                 max_seqs >= 4,
                 "the batch was never crowded ({max_seqs} seqs)"
@@ -143,6 +151,105 @@ fn determinism_oracle_alone_crowded_and_chunked() {
     }
 }
 
+/// DeepSeek-V4's structure (`dsv4-tiny`: a window of 16, CSA ratio 4 with top-k 8, HCA
+/// ratio 8, sinks, the compressor): the same oracle, in both KV layouts (`model1_fp8`,
+/// `bf16_512`) and every index-K dtype (fp4 included); prompts far past the window, so
+/// the compressed pools and the selection carry what the window does not.
+#[test]
+fn v4_determinism_oracle_alone_crowded_and_chunked() {
+    let seed = seed();
+    let reqs = requests(seed);
+    let cfg = ModelConfig::DSV4_TINY;
+    for (kv, ik) in [
+        (KvDtype::Fp8DsMla, IndexKDtype::Fp4E2m1),
+        (KvDtype::Bf16, IndexKDtype::FP8),
+        (KvDtype::Fp8DsMla, IndexKDtype::Bf16),
+    ] {
+        let base = EngineOptions {
+            kv_dtype: kv,
+            index_k_dtype: ik,
+            kv_pages: 256,
+            prefill_chunk: 4096,
+            max_batch_tokens: 4096,
+            ..Default::default()
+        };
+        let reference = alone(cfg, &base, &reqs);
+        assert!(reference.iter().all(|c| c.tokens.len() == c.digests.len()));
+        assert_ne!(reference[0].digests, reference[1].digests);
+        // Chunks that end inside compression windows (7, 33) and on page bounds (16).
+        for (chunk, batch) in [(7usize, 40usize), (16, 64), (33, 4096)] {
+            let opts = EngineOptions {
+                prefill_chunk: chunk,
+                max_batch_tokens: batch,
+                min_prefill_tokens: 8,
+                ..base.clone()
+            };
+            let (got, max_seqs) = crowded(cfg, &opts, &reqs);
+            assert!(
+                max_seqs >= 4,
+                "the batch was never crowded ({max_seqs} seqs)"
+            );
+            same(
+                &reference,
+                &got,
+                &format!("dsv4-tiny {kv:?}/{ik:?} chunk {chunk} batch {batch}"),
+            );
+        }
+    }
+}
+
+/// The V4 model reads what lies outside its window: a token far before the window
+/// changes the logits through the compressed pools (CSA and HCA), and the cache dtypes
+/// change the outputs (a model ignoring its caches would pass the oracle trivially).
+#[test]
+fn v4_reads_past_the_window_and_its_caches_matter() {
+    let cfg = ModelConfig::DSV4_TINY;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed());
+    let prompt: Vec<u32> = (0..120).map(|_| rng.gen_range(0..256)).collect();
+    let mut early = prompt.clone();
+    // Position 3: 100+ tokens before the last prompt token, far outside the window of 16.
+    early[3] = (early[3] + 1) % 256;
+    let req = |p: &Vec<u32>| GenerateRequest {
+        id: Some("v4".into()),
+        received: None,
+        prompt: p.clone(),
+        sampling: SamplingParams {
+            max_new_tokens: 2,
+            temperature: 0.0,
+            ignore_eos: true,
+            ..Default::default()
+        },
+    };
+    let base = EngineOptions {
+        kv_pages: 64,
+        ..Default::default()
+    };
+    let a = alone(cfg, &base, &[req(&prompt)]);
+    let b = alone(cfg, &base, &[req(&early)]);
+    assert_ne!(
+        a[0].digests[0], b[0].digests[0],
+        "the early token was not seen"
+    );
+    let c = alone(
+        cfg,
+        &EngineOptions {
+            kv_dtype: KvDtype::Fp8DsMla,
+            ..base.clone()
+        },
+        &[req(&prompt)],
+    );
+    let d = alone(
+        cfg,
+        &EngineOptions {
+            index_k_dtype: IndexKDtype::Fp4E2m1,
+            ..base
+        },
+        &[req(&prompt)],
+    );
+    assert_ne!(a[0].digests[0], c[0].digests[0]);
+    assert_ne!(a[0].digests[0], d[0].digests[0]);
+}
+
 #[test]
 fn cache_dtypes_change_the_outputs() {
     // A model whose outputs ignored the cache contents would pass the oracle trivially.
@@ -151,8 +258,9 @@ fn cache_dtypes_change_the_outputs() {
         kv_pages: 64,
         ..Default::default()
     };
-    let a = alone(&base, reqs);
+    let a = alone(ModelConfig::TINY, &base, reqs);
     let b = alone(
+        ModelConfig::TINY,
         &EngineOptions {
             kv_dtype: KvDtype::Fp8DsMla,
             ..base.clone()
@@ -160,6 +268,7 @@ fn cache_dtypes_change_the_outputs() {
         reqs,
     );
     let c = alone(
+        ModelConfig::TINY,
         &EngineOptions {
             index_k_dtype: IndexKDtype::Bf16,
             ..base
@@ -261,6 +370,7 @@ fn a_panicking_step_fails_only_its_requests() {
     };
     let reqs = requests(3);
     let reference = alone(
+        ModelConfig::TINY,
         &EngineOptions {
             fault: None,
             ..opts.clone()

@@ -393,3 +393,76 @@ fn a_prefill_node_caps_its_decode_connections() {
     assert_eq!(prefill.connections(), 3);
     drop((d, decode_ends));
 }
+
+/// DeepSeek-V4 over PD: every pool of every layer (the window, CSA and HCA compressed KV,
+/// compressed index keys, the compressor state) crosses from prefill to decode, and the
+/// decode node serves the bits of a plain engine, with fp4 index keys and MODEL1 KV.
+#[test]
+fn v4_prompts_cross_pd_with_every_pool_and_serve_the_same_bits() {
+    let backend = Arc::new(CpuBackend::new());
+    let cfg = ModelConfig::DSV4_TINY;
+    let v4 = |role: &str| EngineOptions {
+        kv_dtype: KvDtype::Model1Fp8,
+        index_k_dtype: IndexKDtype::Fp4E2m1,
+        ..opts(role, 0)
+    };
+    let pd = PdOptions {
+        timeout: Duration::from_secs(60),
+        ..Default::default()
+    };
+    let prefill = Arc::new(
+        PrefillNode::start(
+            backend.clone(),
+            cfg,
+            v4("prefill"),
+            &pd,
+            Arc::new(Metrics::new("prefill")),
+            None,
+        )
+        .unwrap(),
+    );
+    let links = Arc::new(Links::default());
+    let decode = DecodeNode::start(
+        backend.clone(),
+        cfg,
+        v4("decode"),
+        &pd,
+        Arc::new(Metrics::new("decode")),
+        PeerLink {
+            connector: connector(prefill.clone(), links.clone()),
+            connect_wait: Duration::ZERO,
+        },
+        None,
+    )
+    .unwrap();
+    assert!(decode.connected());
+    let plain = Engine::start(
+        backend,
+        cfg,
+        EngineOptions {
+            cache: None,
+            ..v4("both")
+        },
+        Arc::new(Metrics::new("both")),
+    )
+    .unwrap();
+    for p in prompts(4) {
+        let want = plain
+            .submit(request(p.clone()))
+            .unwrap()
+            .wait(WAIT)
+            .unwrap();
+        let got = decode
+            .engine
+            .submit(request(p))
+            .unwrap()
+            .wait(WAIT)
+            .unwrap();
+        assert_eq!(got.tokens, want.tokens);
+        assert_eq!(got.digests, want.digests);
+    }
+    let d = decode.stats();
+    assert!(d.finished >= 4, "the prompts did not cross PD: {d:?}");
+    decode.shutdown(Duration::from_secs(5)).unwrap();
+    prefill.shutdown(Duration::from_secs(5)).unwrap();
+}

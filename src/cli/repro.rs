@@ -82,7 +82,7 @@ pub struct Args {
     /// servers' backend).
     #[arg(long, default_value = "cpu")]
     backend: String,
-    /// Model config.
+    /// Model config: tiny, dsv32, dsv4-tiny or dsv4.
     #[arg(long, default_value = "tiny")]
     model: String,
     /// KV dtype: bf16 or fp8_ds_mla.

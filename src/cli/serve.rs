@@ -49,16 +49,19 @@ pub struct Args {
     /// Backend: cpu, emu or cuda.
     #[arg(long, default_value = "cpu")]
     backend: String,
-    /// Model config: tiny or dsv32.
+    /// Model config: tiny, dsv32, dsv4-tiny or dsv4 (DeepSeek-V4's attention: window,
+    /// CSA and HCA layers, each pool its own page size).
     #[arg(long, default_value = "tiny")]
     model: String,
     /// Weight seed (with the model name it determines every weight).
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Index-key dtype: fp8 or bf16.
+    /// Index-key dtype: fp8, bf16 or fp4 (fp4_e2m1: 68 B a key; index head dims that are
+    /// multiples of 128).
     #[arg(long, default_value = "fp8")]
     index_k: String,
-    /// KV dtype: bf16 or fp8_ds_mla.
+    /// KV dtype: bf16 or fp8_ds_mla (a V4 model stores them as bf16_512 and model1_fp8;
+    /// those names are accepted too).
     #[arg(long, default_value = "bf16")]
     kv: String,
     /// Indexer top-k (the config's value when omitted).
@@ -312,12 +315,19 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
     let index_k = match args.index_k.as_str() {
         "fp8" => IndexKDtype::FP8,
         "bf16" => IndexKDtype::Bf16,
-        v => return Err(format!("--index-k must be fp8 or bf16, got {v:?}").into()),
+        "fp4" | "fp4_e2m1" => IndexKDtype::Fp4E2m1,
+        v => return Err(format!("--index-k must be fp8, bf16 or fp4, got {v:?}").into()),
     };
     let kv = match args.kv.as_str() {
         "bf16" => KvDtype::Bf16,
         "fp8_ds_mla" => KvDtype::Fp8DsMla,
-        v => return Err(format!("--kv must be bf16 or fp8_ds_mla, got {v:?}").into()),
+        "bf16_512" => KvDtype::Bf16x512,
+        "model1_fp8" => KvDtype::Model1Fp8,
+        v => {
+            return Err(
+                format!("--kv must be bf16, fp8_ds_mla, bf16_512 or model1_fp8, got {v:?}").into(),
+            )
+        }
     };
     let mut cfg = ModelConfig::by_name(&args.model)?;
     if let Some(k) = args.index_topk {

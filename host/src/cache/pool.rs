@@ -22,8 +22,8 @@ use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering};
 /// `IndexK` (the indexer's keys) in every layer. DeepSeek-V4 caches hold `Kv` (the
 /// sliding window's raw KV rows) in every layer, and in some layers `IndexK` (the CSA
 /// layers' compressed index keys), `CsaKv` (their compressed KV), `HcaKv` (the HCA
-/// layers' compressed KV) and `State` (the compressor's partial-window rows at each page's
-/// end, so a prefix hit resumes the window exactly).
+/// layers' compressed KV) and `State` (the compressor's input rows in the compressed
+/// layers, so a prefix hit that ends inside a compression window resumes it exactly).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum BufferKind {
@@ -125,8 +125,9 @@ impl CacheSpec {
     /// A DeepSeek-V4 cache over `layer_ratios` (per layer: 0 window only, 4 CSA, and one
     /// HCA ratio above 4 — V4's 128; a second HCA ratio or any other value is refused):
     /// the window's raw KV (`kv`, one entry a token) in every layer; CSA layers also hold
-    /// the compressed index keys (`index_k`), the compressed KV (`csa_kv`) and the
-    /// compressor state (`state`); HCA layers the compressed KV (`hca_kv`). Each layout's
+    /// the compressed index keys (`index_k`) and the compressed KV (`csa_kv`); HCA layers
+    /// the compressed KV (`hca_kv`); both compressed kinds the compressor's state
+    /// (`state`: `tpp / state.page_size()` raw tokens an entry). Each layout's
     /// page size times its tokens per entry must be `kv`'s page size (one page table).
     pub fn v4(
         kv: KvLayout,
@@ -163,7 +164,9 @@ impl CacheSpec {
         };
         per("index-K", index_k.page_size(), csa_ratio)?;
         per("CSA KV", csa_kv.page_size(), csa_ratio)?;
-        per("HCA KV", hca_kv.page_size(), hca_ratio)?;
+        if layer_ratios.contains(&hca_ratio) {
+            per("HCA KV", hca_kv.page_size(), hca_ratio)?;
+        }
         per(
             "compressor state",
             state.page_size(),
@@ -192,7 +195,7 @@ impl CacheSpec {
                     tokens_per_entry: tpp / state.page_size().max(1),
                 }),
             ],
-            layers: [Self::mask(n, |_| true)?, csa, csa, hca, csa],
+            layers: [Self::mask(n, |_| true)?, csa, csa, hca, csa | hca],
         })
     }
 

@@ -534,7 +534,9 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
     /// hold bytes written for each page's generation in this layer, in both kinds (not
     /// checked under the `no-landed-check` fault). Every page must be one of the
     /// request's (prefix, received or own) and the request a live member of the step.
-    fn verify_extents(&self, reads: &[ReadExtent<'_>]) -> Result<()> {
+    /// Checks that every slot `reads` names was written in this layer, in the pools of
+    /// `only` (every pool of the layer when `None`).
+    fn verify_extents(&self, reads: &[ReadExtent<'_>], only: Option<BufferKind>) -> Result<()> {
         let sh = &*self.step.cache.shared;
         let ps = sh.device.spec().page_size();
         for r in reads {
@@ -573,7 +575,10 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
                 // complete entries among them.
                 let in_page = (r.tokens - i * ps).min(ps);
                 let spec = sh.device.spec();
-                for kind in spec.kinds(self.layer) {
+                for kind in spec
+                    .kinds(self.layer)
+                    .filter(|k| only.is_none_or(|o| o == *k))
+                {
                     let need = (in_page / spec.tokens_per_entry(kind)) as u32;
                     let filled = sh.device.filled(self.layer, kind, *p);
                     if filled < need {
@@ -608,11 +613,13 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
     }
 
     /// The view of one pool of the layer (`InvalidArgument` for a kind the layer does not
-    /// hold), the landed stamps and, when `reads` names any, the written entries
-    /// re-checked (as [`LayerGuard::views_for`]).
+    /// hold), the landed stamps and, when `reads` names any, the written entries of this
+    /// pool re-checked (as [`LayerGuard::views_for`]; the layer's other pools may still be
+    /// being written by the step, e.g. a V4 compressor reading its state rows before it
+    /// stores the entries they make).
     pub fn view(&self, kind: BufferKind, reads: &[ReadExtent<'_>]) -> Result<&B::Buffer> {
         self.verify_landed()?;
-        self.verify_extents(reads)?;
+        self.verify_extents(reads, Some(kind))?;
         self.bufs.get(kind)
     }
 
@@ -621,7 +628,7 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
     /// never written for its page's generation in this layer, in either kind.
     pub fn views_for(&self, reads: &[ReadExtent<'_>]) -> Result<(&B::Buffer, &B::Buffer)> {
         self.verify_landed()?;
-        self.verify_extents(reads)?;
+        self.verify_extents(reads, None)?;
         Ok((
             self.bufs.get(BufferKind::Kv)?,
             self.bufs.get(BufferKind::IndexK)?,

@@ -20,8 +20,8 @@ use super::{BufferAccess, KernelDevice};
 use crate::error::Result;
 use crate::kernel_params::{ptr, ptr_mut, u32_of};
 use crate::model_ops::{
-    Accumulate, Add, Argmax, Cast, DenseDtype, Embed, GatedPool, GatherRows, Matmul, RmsNorm,
-    Rope, SwiGlu, View,
+    Accumulate, Add, Argmax, Cast, DenseDtype, Embed, GatedPool, GatherRows, Matmul, RmsNorm, Rope,
+    SwiGlu, View,
 };
 
 /// A view as the kernels' element view (validated views fit a buffer, so they fit u64).

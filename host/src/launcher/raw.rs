@@ -21,19 +21,19 @@
 //! guarantees it by sanitising the metadata on the device before the launch (masking or
 //! clamping with elementwise tensor ops, which need no host synchronisation).
 
-use sparsekit_kernels::kernels::{sparse_mla_workspace, topk_workspace};
+use sparsekit_kernels::kernels::{sparse_mla_v4_workspace, sparse_mla_workspace, topk_workspace};
 use sparsekit_kernels::params::{
-    CopyPagesParams, IndexKStoreParams, IndexerLogitsParams, KvStoreParams, PageChecksumsParams,
-    QueryRange, SparseMlaParams, TopkParams,
+    CopyPagesParams, IndexKStoreParams, IndexerLogitsFp4Params, IndexerLogitsParams, KvStoreParams,
+    PageChecksumsParams, QueryRange, SparseMlaParams, SparseMlaV4Params, TopkParams,
 };
 
 use super::{check_indexer, check_launch, Addrs};
 use crate::error::{Error, Result};
 use crate::kernel_params;
-use crate::layout::{IndexKLayout, KvLayout, PageLayout};
+use crate::layout::{IndexKDtype, IndexKLayout, KvLayout, PageLayout};
 use crate::ops::{
     checked_size, CopyPages, IndexKStore, IndexerLogits, KvStore, PageChecksums, PageTable,
-    PagedRegion, SparseMla, Topk, TopkOutput,
+    PagedRegion, ShortRows, SparseMla, SparseMlaV4, Topk, TopkOutput, V4Cache,
 };
 
 /// A device buffer: its kernel-visible address and its length in **bytes**.
@@ -130,12 +130,53 @@ pub struct IndexerShape {
     pub row_stride: usize,
 }
 
-/// `indexer_logits`: `q` bf16 `[n_rows, n_heads, head_dim]`, `weights` f32 `[n_rows,
-/// n_heads]`, `cache` whole pages, `page_table` i32 `[n_requests, max_pages]`, `rows`
-/// `[n_rows]` [`QueryRange`]s (12 bytes each; every range inside `row_stride`, its request
-/// in the table and its positions mapped to pages of the cache: the caller's contract),
-/// `out` f32 `[n_rows, row_stride]`.
+/// `indexer_logits` over fp8 or bf16 keys: `q` bf16 `[n_rows, n_heads, head_dim]`,
+/// `weights` f32 `[n_rows, n_heads]`, `cache` whole pages, `page_table` i32 `[n_requests,
+/// max_pages]`, `rows` `[n_rows]` [`QueryRange`]s (12 bytes each; every range inside
+/// `row_stride`, its request in the table and its positions mapped to pages of the cache:
+/// the caller's contract), `out` f32 `[n_rows, row_stride]`. fp4 keys take
+/// [`indexer_logits_fp4`] (their own kernel).
 pub fn indexer_logits(
+    layout: IndexKLayout,
+    shape: IndexerShape,
+    bufs: [DeviceBuf; 5],
+    out: DeviceBuf,
+) -> Result<IndexerLogitsParams> {
+    if layout.dtype() == IndexKDtype::Fp4E2m1 {
+        return Err(Error::invalid(
+            "layout",
+            "fp4_e2m1 index keys run the fp4 kernel: use indexer_logits_fp4",
+        ));
+    }
+    let p = indexer_params(layout, shape, bufs, out)?;
+    check_launch(&p)?;
+    Ok(p)
+}
+
+/// `indexer_logits` over fp4 keys ([`IndexKDtype::Fp4E2m1`]), for the fp4 kernel: the
+/// buffers and the caller's contract of [`indexer_logits`].
+pub fn indexer_logits_fp4(
+    layout: IndexKLayout,
+    shape: IndexerShape,
+    bufs: [DeviceBuf; 5],
+    out: DeviceBuf,
+) -> Result<IndexerLogitsFp4Params> {
+    if layout.dtype() != IndexKDtype::Fp4E2m1 {
+        return Err(Error::invalid(
+            "layout",
+            format!(
+                "{} index keys run the fp8/bf16 kernel: use indexer_logits",
+                layout.dtype().name()
+            ),
+        ));
+    }
+    let p = IndexerLogitsFp4Params(indexer_params(layout, shape, bufs, out)?);
+    check_launch(&p)?;
+    Ok(p)
+}
+
+/// The validated parameters of an `indexer_logits` launch (either kernel).
+fn indexer_params(
     layout: IndexKLayout,
     shape: IndexerShape,
     [q, weights, cache, page_table, rows]: [DeviceBuf; 5],
@@ -169,16 +210,14 @@ pub fn indexer_logits(
     };
     op.validate(q.bytes, weights.bytes, cache.bytes, out.bytes)?;
     check_indexer(&op)?;
-    let p = kernel_params::indexer_logits(
+    kernel_params::indexer_logits(
         &op,
         Addrs {
             read: &[q.addr, weights.addr, cache.addr],
             write: &[out.addr],
             meta: &[page_table.addr, rows.addr],
         },
-    )?;
-    check_launch(&p)?;
-    Ok(p)
+    )
 }
 
 /// Bytes of the two scratch buffers of a `topk` launch (`workspace`, contents
@@ -228,8 +267,10 @@ pub enum TopkTarget {
 /// `topk`: `logits` f32 `[n_rows, row_stride]`, `rows` `[n_rows]` [`QueryRange`]s (each
 /// range inside `row_stride`, its request in the page table when slots are written: the
 /// caller's contract), `out` i32 `[n_rows, k]`, `workspace` and `counters` of
-/// [`topk_scratch`]'s sizes (`counters` zero-filled; the kernel leaves it zero).
+/// [`topk_scratch`]'s sizes (`counters` zero-filled; the kernel leaves it zero);
+/// `short_rows` as [`Topk::short_rows`].
 pub fn topk(
+    short_rows: ShortRows,
     k: usize,
     row_stride: usize,
     target: TopkTarget,
@@ -271,7 +312,7 @@ pub fn topk(
         }
     };
     let op = Topk {
-        short_rows: crate::ops::ShortRows::SelectValid,
+        short_rows,
         k,
         row_stride,
         rows: &placeholder_rows,
@@ -313,6 +354,142 @@ pub fn sparse_mla(
             write: &[out.addr, lse.addr, workspace.addr, counters.addr],
             meta: &[],
         },
+    )?;
+    check_launch(&p)?;
+    Ok(p)
+}
+
+/// Bytes of the two scratch buffers of a `sparse_mla_v4` launch (`workspace`, contents
+/// uninitialised; `counters`, zero-filled; either may be 0): `total_topk` is the sum of
+/// the caches' top-k.
+pub fn sparse_mla_v4_scratch(
+    n_tokens: usize,
+    n_heads: usize,
+    total_topk: usize,
+) -> Result<(usize, usize)> {
+    let u = |what, x| kernel_params::u32_of(what, x);
+    let (w, c) = sparse_mla_v4_workspace(
+        u("n_tokens", n_tokens)?,
+        u("n_heads", n_heads)?,
+        u("topk", total_topk)?,
+    );
+    Ok((to_usize(w)?, to_usize(c)?))
+}
+
+/// One cache of a `sparse_mla_v4` call with device metadata: its layout and top-k.
+#[derive(Clone, Copy, Debug)]
+pub struct V4CacheShape {
+    pub layout: KvLayout,
+    pub topk: usize,
+}
+
+/// The shapes of a `sparse_mla_v4` call with device metadata.
+#[derive(Clone, Copy, Debug)]
+pub struct V4Shape {
+    pub n_tokens: usize,
+    pub n_heads: usize,
+    pub softmax_scale: f32,
+    pub main: V4CacheShape,
+    pub extra: Option<V4CacheShape>,
+}
+
+/// One cache's device buffers: whole pages, indices i32 `[n_tokens, topk]`, optionally
+/// the lengths u32 `[n_tokens]`.
+#[derive(Clone, Copy, Debug)]
+pub struct V4CacheBufs {
+    pub cache: DeviceBuf,
+    pub indices: DeviceBuf,
+    pub lengths: Option<DeviceBuf>,
+}
+
+/// `sparse_mla_v4` ([`SparseMlaV4`]): `q` bf16 `[n_tokens, n_heads, 512]`, each cache of
+/// `shape` with its [`V4CacheBufs`] (every length at most the cache's top-k, every used
+/// index `-1` or a slot of its cache: the caller's contract), `sink` f32 `[n_heads]` when
+/// given, `out` bf16 `[n_tokens, n_heads, 512]`, `lse` f32 `[n_tokens, n_heads]`,
+/// `workspace` and `counters` of [`sparse_mla_v4_scratch`]'s sizes (`counters`
+/// zero-filled).
+pub fn sparse_mla_v4(
+    shape: V4Shape,
+    q: DeviceBuf,
+    main: V4CacheBufs,
+    extra: Option<V4CacheBufs>,
+    sink: Option<DeviceBuf>,
+    [out, lse, workspace, counters]: [DeviceBuf; 4],
+) -> Result<SparseMlaV4Params> {
+    let n = shape.n_tokens;
+    let lens = |what: &'static str, b: Option<DeviceBuf>| -> Result<Option<Vec<u32>>> {
+        b.map(|b| {
+            check_buf(what, b, &[n, 4])?;
+            placeholder(what, n, 0u32)
+        })
+        .transpose()
+    };
+    let main_lens = lens("lengths", main.lengths)?;
+    let extra_lens = lens("extra lengths", extra.and_then(|e| e.lengths))?;
+    let sink_vals = sink
+        .map(|b| {
+            check_buf("attn_sink", b, &[shape.n_heads, 4])?;
+            placeholder("attn_sink", shape.n_heads, 0f32)
+        })
+        .transpose()?;
+    let op = SparseMlaV4 {
+        n_tokens: n,
+        n_heads: shape.n_heads,
+        softmax_scale: shape.softmax_scale,
+        main: V4Cache {
+            layout: shape.main.layout,
+            topk: shape.main.topk,
+            lengths: main_lens.as_deref(),
+        },
+        extra: shape.extra.map(|c| V4Cache {
+            layout: c.layout,
+            topk: c.topk,
+            lengths: extra_lens.as_deref(),
+        }),
+        attn_sink: sink_vals.as_deref(),
+    };
+    if op.extra.is_none() && extra.is_some_and(|e| e.lengths.is_some()) {
+        return Err(Error::invalid(
+            "extra lengths",
+            "given to a call without an extra cache",
+        ));
+    }
+    op.validate(
+        q.bytes,
+        [main.cache.bytes, main.indices.bytes],
+        extra.map(|e| [e.cache.bytes, e.indices.bytes]),
+        out.bytes,
+        lse.bytes,
+    )?;
+    let total = op.caches().map(|c| c.topk).sum();
+    let (ws, cs) = sparse_mla_v4_scratch(n, shape.n_heads, total)?;
+    crate::ops::check_bytes("workspace", ws, workspace.bytes)?;
+    crate::ops::check_bytes("counters", cs, counters.bytes)?;
+    // Metadata in the order of `V4Slots`: the present lengths, then the sink.
+    let given = [
+        main.lengths.map(|b| b.addr),
+        extra.and_then(|e| e.lengths).map(|b| b.addr),
+        sink.map(|b| b.addr),
+    ];
+    let meta: Vec<u64> = given.iter().flatten().copied().collect();
+    let pos = |i: usize| given[i].map(|_| given[..i].iter().filter(|g| g.is_some()).count());
+    let at = kernel_params::V4Slots {
+        main_lengths: pos(0),
+        extra_lengths: pos(1),
+        sink: pos(2),
+    };
+    let mut read = vec![q.addr, main.cache.addr, main.indices.addr];
+    if let Some(e) = extra {
+        read.extend([e.cache.addr, e.indices.addr]);
+    }
+    let p = kernel_params::sparse_mla_v4(
+        &op,
+        Addrs {
+            read: &read,
+            write: &[out.addr, lse.addr, workspace.addr, counters.addr],
+            meta: &meta,
+        },
+        at,
     )?;
     check_launch(&p)?;
     Ok(p)
@@ -446,6 +623,7 @@ mod tests {
 
         let (ws, cs) = topk_scratch(5, 100, 8).unwrap();
         let p = topk(
+            ShortRows::SelectValid,
             8,
             100,
             TopkTarget::Positions,
@@ -455,6 +633,7 @@ mod tests {
         .unwrap();
         assert_eq!((p.n_rows, p.k), (5, 8));
         assert!(topk(
+            ShortRows::TakeAll,
             8,
             100,
             TopkTarget::Positions,
@@ -483,6 +662,65 @@ mod tests {
             b(7, cs),
         ];
         assert!(sparse_mla(&op, ins, outs).is_err());
+
+        // fp4 keys: their own kernel's parameters, and the fp8/bf16 builder refuses them.
+        let l4 = IndexKLayout::new(IndexKDtype::Fp4E2m1, 128, 64).unwrap();
+        let bufs4 = [
+            b(1, 5 * 4 * 128 * 2),
+            b(2, 5 * 4 * 4),
+            b(3, 4 * 64 * 68),
+            b(4, 2 * 3 * 4),
+            b(5, 5 * 12),
+        ];
+        let p = indexer_logits_fp4(l4, shape, bufs4, b(6, 5 * 100 * 4)).unwrap();
+        assert_eq!((p.0.n_rows, p.0.row_stride), (5, 100));
+        assert!(indexer_logits(l4, shape, bufs4, b(6, 5 * 100 * 4)).is_err());
+        assert!(indexer_logits_fp4(l, shape, bufs, b(6, 5 * 100 * 4)).is_err());
+
+        // sparse_mla_v4: main model1_fp8 with lengths, extra bf16_512, a sink.
+        let (m, e) = (
+            KvLayout::model1_fp8(64).unwrap(),
+            KvLayout::bf16_512(2).unwrap(),
+        );
+        let shape = V4Shape {
+            n_tokens: 3,
+            n_heads: 4,
+            softmax_scale: 0.05,
+            main: V4CacheShape {
+                layout: m,
+                topk: 128,
+            },
+            extra: Some(V4CacheShape { layout: e, topk: 8 }),
+        };
+        let (ws, cs) = sparse_mla_v4_scratch(3, 4, 136).unwrap();
+        let main = V4CacheBufs {
+            cache: b(2, 2 * m.bytes_per_page()),
+            indices: b(3, 3 * 128 * 4),
+            lengths: Some(b(4, 3 * 4)),
+        };
+        let extra = V4CacheBufs {
+            cache: b(5, 7 * e.bytes_per_page()),
+            indices: b(6, 3 * 8 * 4),
+            lengths: None,
+        };
+        let outs = [b(7, 3 * 4 * 512 * 2), b(8, 3 * 4 * 4), b(9, ws), b(10, cs)];
+        let q = b(1, 3 * 4 * 512 * 2);
+        let p = sparse_mla_v4(shape, q, main, Some(extra), Some(b(11, 16)), outs).unwrap();
+        assert_eq!(
+            (p.n_tokens, p.n_heads, p.main.topk, p.extra.topk),
+            (3, 4, 128, 8)
+        );
+        assert_eq!(p.main.lengths.addr(), 4);
+        assert_eq!(p.sink.addr(), 11);
+        assert!(p.extra.lengths.addr() == 0);
+        // A short sink, a missing extra, lengths of the wrong size: refused.
+        assert!(sparse_mla_v4(shape, q, main, Some(extra), Some(b(11, 12)), outs).is_err());
+        assert!(sparse_mla_v4(shape, q, main, None, None, outs).is_err());
+        let bad = V4CacheBufs {
+            lengths: Some(b(4, 8)),
+            ..main
+        };
+        assert!(sparse_mla_v4(shape, q, bad, Some(extra), None, outs).is_err());
 
         let pl: PageLayout = l.into();
         let p = copy_pages(pl, [b(1, 4 * 8448), b(2, 2 * 8448)], [b(3, 8), b(4, 8)]).unwrap();

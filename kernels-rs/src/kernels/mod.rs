@@ -58,8 +58,8 @@ mod topk;
 
 pub use dense::{
     argmax_launch, dense_add, dense_argmax, dense_cast, dense_gated_pool, dense_gather_rows,
-    dense_matmul, dense_rms_norm, dense_rope, dense_swiglu, elementwise_launch, matmul_launch, row_launch,
-    ARGMAX_BLOCK, ELEMENTWISE_BLOCK, MATMUL_TILE_COLS, MATMUL_TILE_ROWS, ROW_WARPS,
+    dense_matmul, dense_rms_norm, dense_rope, dense_swiglu, elementwise_launch, matmul_launch,
+    row_launch, ARGMAX_BLOCK, ELEMENTWISE_BLOCK, MATMUL_TILE_COLS, MATMUL_TILE_ROWS, ROW_WARPS,
 };
 pub use indexer_logits::{
     indexer_logits, indexer_logits_fp4, indexer_logits_launch,

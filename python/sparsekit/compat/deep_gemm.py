@@ -19,8 +19,14 @@ Beyond the anchor:
   leaves those columns unwritten when ``clean_logits`` is false); the returned tensor is
   contiguous (DeepGEMM returns a view of a buffer whose rows are padded to 1 KiB).
 - SM100's ``indices`` (varlen scheduling) is accepted and has no effect on the values.
-- ``fp8_fp4_*``: only the fp8 form (``q`` as a tensor or ``(q, None)``); fp4 raises
-  ``NotImplementedError``.
+- ``fp8_fp4_*``: fp8 (or bf16) queries only (``q`` as a tensor or ``(q, None)``); fp4
+  queries (a ``q_scale`` tensor) raise ``NotImplementedError``. ``fp8_fp4_paged_mqa_logits``
+  takes DeepSeek-V4's fp4 index-K cache too: ``uint8 [num_blocks, block_kv, 1,
+  head_dim / 2 + head_dim / 32]`` (68 B per key at head_dim 128; per page all packed e2m1
+  values, even element in the low nibble, then one ue8m0 scale byte per 32 values per
+  key), told apart from fp8 (``head_dim + 4``) by that last dim; the logit is then
+  ``Σ_h weights[t, h] · ReLU(q[t, h] · k[s])`` with ``k`` the dequantised key
+  (``head_dim`` a multiple of 128). The flat 2-D pool form is read as fp8.
 """
 
 from __future__ import annotations
@@ -88,15 +94,22 @@ def get_paged_mqa_logits_metadata(context_lens: torch.Tensor, block_kv: int, num
     return torch.zeros((num_sms + 1, 2), dtype=torch.int32, device=cl.device)
 
 
-def _paged_index_k(kv_cache: torch.Tensor, head_dim: int):
-    """The fused index-K pool as contiguous pages: ``(bytes [num_blocks, page], block_kv)``."""
+def _paged_index_k(kv_cache: torch.Tensor, head_dim: int, allow_fp4: bool = False):
+    """The fused index-K pool as contiguous pages: ``(bytes [num_blocks, page], block_kv,
+    fp4)``; ``fp4`` (only when ``allow_fp4``) when a 4-D cache's last dim is the fp4 key's
+    ``head_dim / 2 + head_dim / 32`` bytes."""
     kv = ops._tensor("kv_cache", kv_cache)
     token = head_dim + 4
+    fp4_token = head_dim // 2 + head_dim // 32
+    fp4 = False
     if kv.dim() == 4:
         nb, block_kv, h_kv, d4 = kv.shape
-        if h_kv != 1 or d4 != token:
+        if allow_fp4 and h_kv == 1 and d4 == fp4_token and head_dim % 32 == 0:
+            fp4, token = True, fp4_token
+        elif h_kv != 1 or d4 != token:
+            also = f" (or {fp4_token} for fp4 keys)" if allow_fp4 else ""
             raise ValueError(
-                f"kv_cache: expected [num_blocks, block_kv, 1, {token}], got {list(kv.shape)}"
+                f"kv_cache: expected [num_blocks, block_kv, 1, {token}]{also}, got {list(kv.shape)}"
             )
     elif kv.dim() == 2:
         nb, page = kv.shape
@@ -119,7 +132,7 @@ def _paged_index_k(kv_cache: torch.Tensor, head_dim: int):
             warnings.warn("kv_cache: pages with a stride above the page size are repacked "
                           "(a copy of the pool per call)", stacklevel=3)
         kv = kv.contiguous()
-    return kv.view(torch.uint8).reshape(nb, page), block_kv
+    return kv.view(torch.uint8).reshape(nb, page), block_kv, fp4
 
 
 def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
@@ -136,9 +149,15 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     max_blocks]``; ``schedule_meta``: from ``get_paged_mqa_logits_metadata`` (ignored).
     Returns ``float32 [b · next_n, max_context_len]``, ``-inf`` outside each row's range.
     """
+    return _paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta,
+                             max_context_len, indices, allow_fp4=False)
+
+
+def _paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta,
+                      max_context_len, indices, *, allow_fp4: bool) -> torch.Tensor:
     q = _q_bf16("q", q, 4)
     b, next_n, h, d = q.shape
-    cache, block_kv = _paged_index_k(kv_cache, d)
+    cache, block_kv, fp4 = _paged_index_k(kv_cache, d, allow_fp4)
     weights = ops._tensor("weights", weights, dtypes=(torch.float32,), shape=(b * next_n, h))
     cl = ops._tensor("context_lens", context_lens, dtypes=(torch.int32,))
     if cl.dim() == 2 and tuple(cl.shape) != (b, next_n):
@@ -153,7 +172,10 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
         raise ValueError(f"max_context_len: must be a non-negative int, got {max_context_len!r}")
     if indices is not None:
         ops._tensor("indices", indices, dtypes=(torch.int32,), ndim=1)
-    layout = IndexKLayout("fp8_e4m3", d, block_kv)
+    try:
+        layout = IndexKLayout("fp4_e2m1" if fp4 else "fp8_e4m3", d, block_kv)
+    except ValueError as e:
+        raise ValueError(f"kv_cache: {e}") from None
     rows = ops.decode_rows(cl, next_n)
     if cl.device.type == "cpu":
         over = rows[:, 2] > max_context_len
@@ -243,8 +265,8 @@ def _fp8_only(name, q):
             raise TypeError(f"{name}: expected a tensor or a tuple (q, q_scale)")
         if q[1] is not None:
             raise NotImplementedError(
-                f"{name}: fp4 queries (a q_scale tensor) are not in sparsekit; "
-                "pass fp8 queries (q, None)"
+                f"{name}: fp4 queries (a q_scale tensor) are not in sparsekit (fp4 *keys* "
+                "are, in fp8_fp4_paged_mqa_logits); pass fp8 or bf16 queries (q, None)"
             )
         return q[0]
     return q
@@ -265,10 +287,10 @@ def fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, sc
                              max_context_len: int, clean_logits: bool = False,
                              logits_dtype: torch.dtype = torch.float32,
                              indices: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``fp8_paged_mqa_logits`` with DeepGEMM's newer signature (fp8 queries only)."""
-    out = fp8_paged_mqa_logits(_fp8_only("q", q), kv_cache, weights, context_lens,
-                               block_table, schedule_meta, max_context_len, clean_logits,
-                               indices)
+    """``fp8_paged_mqa_logits`` with DeepGEMM's newer signature (fp8 or bf16 queries only),
+    over an fp8 or (DeepSeek-V4) fp4 index-K cache, see the module doc."""
+    out = _paged_mqa_logits(_fp8_only("q", q), kv_cache, weights, context_lens, block_table,
+                            schedule_meta, max_context_len, indices, allow_fp4=True)
     return _cast_logits(out, logits_dtype)
 
 

@@ -1,4 +1,5 @@
-"""FlashMLA's sparse attention calls, on sparsekit's ``sparse_mla``.
+"""FlashMLA's sparse attention calls, on sparsekit's ``sparse_mla`` (DeepSeek-V3.2) and
+``sparse_mla_v4`` (DeepSeek-V4).
 
 Pinned to FlashMLA ``9241ae3e`` (``flash_mla/flash_mla_interface.py``, ``tests/ref.py``,
 ``tests/quant.py``): ``get_mla_metadata``, ``flash_mla_with_kvcache`` (sparse form),
@@ -20,13 +21,21 @@ Beyond the anchor:
 - a KV cache whose block stride is larger than a block (FlashMLA's tests make one) is read
   in place when the stride is whole tokens, else repacked.
 
-What V4 adds and this build lacks (``NotImplementedError`` naming it): the MODEL1 fp8 KV
-layout (``d_qk = head_dim_v = 512``: 448 e4m3 NoPE values in 7 tiles of 64 with ue8m0
-scales + 64 bf16 RoPE, 584 B/token, pages padded to 576 B, V = the whole 512-d row) and
-V4's bf16 ``[tokens, 512]`` KV with K = V. V4's *arguments* — ``attn_sink``,
-``topk_length``, ``extra_k_cache`` / ``extra_indices_in_kvcache`` / ``extra_topk_length`` —
-work with the V3.2 layouts: the extra cache is attended by a second call and the two are
-merged through their ``lse`` (exact up to one more bf16 rounding of the output).
+DeepSeek-V4 (``d_qk = head_dim_v = 512``: K = V is the whole 512-d row, rope included):
+``flash_mla_with_kvcache`` takes the MODEL1 fp8 KV cache (``is_fp8_kvcache=True``:
+``[num_blocks, page_block_size, 1, 584]`` float8_e4m3fn/uint8 whose block stride is the
+MODEL1 page, ``ceil(page_block_size · 584 / 576) · 576`` bytes — per block the 576-B rows
+of 448 e4m3 NoPE in 7 tiles of 64 + 64 bf16 RoPE, then 8 B of ue8m0 tile scales per token,
+then padding — a contiguous tensor when ``page_block_size · 584`` is already a multiple of
+576) or V4's bf16 KV (``[num_blocks, page_block_size, 1, 512]`` bf16), with
+``attn_sink``, ``topk_length``, ``extra_k_cache`` / ``extra_indices_in_kvcache`` /
+``extra_topk_length`` (the extra cache in either V4 format, its own page size): one
+``sparse_mla_v4`` call attends both caches in one softmax. ``flash_mla_sparse_fwd`` with
+``d_v = d_qk = 512`` (bf16 ``kv``, K = V) runs ``sparse_mla_v4`` too.
+
+With the V3.2 layouts the V4 *arguments* work as well: the extra cache is attended by a
+second ``sparse_mla`` call and the two are merged through their ``lse`` (exact up to one
+more bf16 rounding of the output).
 """
 
 from __future__ import annotations
@@ -47,12 +56,9 @@ __all__ = [
     "flash_mla_sparse_fwd",
 ]
 
-_MODEL1_MSG = (
-    "{what}: DeepSeek-V4's {kind} (d_qk = head_dim_v = {d}: the value includes the RoPE "
-    "dims) is not in this build of sparsekit: it needs the Rust sparse_mla op over the "
-    "V4 KV layouts (MODEL1 fp8: 448 e4m3 NoPE in 7 tiles of 64 + ue8m0 scales + 64 bf16 "
-    "RoPE, 584 B/token; bf16_512) from the 'DeepSeek-V4 attention on every backend' work"
-)
+_V4_D = 512
+# FlashMLA's MODEL1 token: 576-B row + 8 B of scales (the tensor's last dim).
+_MODEL1_TOKEN = 584
 
 
 @dataclasses.dataclass
@@ -99,8 +105,8 @@ def _kv_layout(name: str, cache: torch.Tensor, d_qk: int, d_v: int, is_fp8: bool
         raise ValueError(f"{name}: num_heads_k must be 1 (MLA), got {h_k}")
     rope = d_qk - d_v
     if rope == 0:
-        kind = "MODEL1 fp8 KV cache" if is_fp8 else "bf16 KV cache with K = V"
-        raise NotImplementedError(_MODEL1_MSG.format(what=name, kind=kind, d=d_qk))
+        raise ValueError(f"head_dim_v: {d_v} = q's head dim is DeepSeek-V4's form, which "
+                         f"needs d_qk = head_dim_v = {_V4_D}")
     if rope < 0:
         raise ValueError(f"head_dim_v: {d_v} is above q's head dim {d_qk}")
     if is_fp8:
@@ -111,8 +117,6 @@ def _kv_layout(name: str, cache: torch.Tensor, d_qk: int, d_v: int, is_fp8: bool
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
         if last != layout.bytes_per_token:
-            if d_qk == 512:
-                raise NotImplementedError(_MODEL1_MSG.format(what=name, kind="MODEL1 fp8 KV cache", d=d_qk))
             raise ValueError(
                 f"{name}: {last} bytes per token, the fp8_ds_mla layout of d_qk={d_qk}, "
                 f"head_dim_v={d_v} has {layout.bytes_per_token}"
@@ -156,6 +160,94 @@ def _kv_layout(name: str, cache: torch.Tensor, d_qk: int, d_v: int, is_fp8: bool
     return layout, packed.view(torch.uint8).reshape(nb, -1), identity
 
 
+def _kv_layout_v4(name: str, cache: torch.Tensor, is_fp8: bool):
+    """The V4 KvLayout of a FlashMLA ``[num_blocks, page_block_size, 1, 584 | 512]`` cache
+    and its pages: ``(layout, pages uint8 [num_blocks, page_bytes], remap)``."""
+    c = ops._tensor(name, cache)
+    if c.dim() != 4:
+        raise ValueError(f"{name}: expected [num_blocks, page_block_size, 1, d], got {list(c.shape)}")
+    nb, block, h_k, last = c.shape
+    if h_k != 1:
+        raise ValueError(f"{name}: num_heads_k must be 1 (MLA), got {h_k}")
+
+    def identity(idx):
+        return idx
+
+    if is_fp8:
+        if c.element_size() != 1:
+            raise TypeError(f"{name}: a MODEL1 fp8 cache must be float8_e4m3fn or uint8, got {c.dtype}")
+        if last != _MODEL1_TOKEN:
+            raise ValueError(f"{name}: a MODEL1 fp8 cache has {_MODEL1_TOKEN} bytes per token "
+                             f"(last dim), got {last}")
+        try:
+            layout = KvLayout("model1_fp8", page_size=block)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+        page = layout.bytes_per_page
+        if nb == 0:
+            return layout, torch.zeros((0, page), dtype=torch.uint8, device=c.device), identity
+        s0 = c.stride(0) if nb > 1 else page
+        if (block > 1 and c.stride(1) != last) or c.stride(3) != 1:
+            raise ValueError(f"{name}: tokens must be packed inside a block (strides {list(c.stride())})")
+        if s0 < page:
+            raise ValueError(
+                f"{name}: block stride {s0} bytes is below the MODEL1 page of {page} bytes at "
+                f"page_block_size {block} (rows of 576 B, the 8-B scales of each token after "
+                "them, padded to a multiple of 576 B)")
+        need = c.storage_offset() + (nb - 1) * s0 + page
+        if c.untyped_storage().nbytes() < need:
+            raise ValueError(f"{name}: its storage holds {c.untyped_storage().nbytes()} bytes, "
+                             f"{nb} MODEL1 pages at stride {s0} need {need}")
+        flat = torch.as_strided(c.view(torch.uint8), (nb, page), (s0, 1))
+        if s0 != page:
+            warnings.warn(f"{name}: a block stride above the MODEL1 page is repacked (a copy per call)",
+                          stacklevel=3)
+            flat = flat.contiguous()
+        return layout, flat, identity
+    if c.dtype != torch.bfloat16:
+        raise TypeError(f"{name}: a non-fp8 cache must be bfloat16, got {c.dtype} "
+                        "(set is_fp8_kvcache=True for the MODEL1 fp8 format)")
+    if last != _V4_D:
+        raise ValueError(f"{name}: last dim {last} is not q's head dim {_V4_D}")
+    try:
+        layout = KvLayout("bf16_512", page_size=block)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+    if c.is_contiguous():
+        return layout, c.view(torch.uint8).reshape(nb, layout.bytes_per_page), identity
+    s0, s1, s3 = c.stride(0), c.stride(1), c.stride(3)
+    if s1 == last and s3 == 1 and s0 % last == 0 and s0 >= block * last:
+        per = s0 // last
+        need = c.storage_offset() + nb * s0
+        if c.untyped_storage().nbytes() >= need * 2 and per <= 4096:
+            wide = KvLayout("bf16_512", page_size=per)
+            flat = torch.as_strided(c, (nb, per * last), (s0, 1)).view(torch.uint8)
+
+            def remap(idx):
+                return torch.where(idx >= 0, (idx // block) * per + idx % block, idx)
+
+            return wide, flat, remap
+    warnings.warn(f"{name}: a non-contiguous KV cache is repacked (a copy per call)",
+                  stacklevel=3)
+    return layout, c.contiguous().view(torch.uint8).reshape(nb, -1), identity
+
+
+def _v4_indices(name, idx, cache, remap, lengths, length_name):
+    """FlashMLA indices ``[T, topk]`` of one V4 cache as sparsekit slots (outside the cache:
+    -1) and the lengths ``[T]`` checked (CPU) against ``topk``."""
+    capacity = cache.shape[0] * cache.shape[1]
+    i = idx.to(torch.int64)
+    i = torch.where((i >= 0) & (i < capacity), i, torch.full_like(i, -1))
+    i = remap(i).to(torch.int32)
+    if lengths is not None and lengths.device.type == "cpu" and lengths.numel():
+        bad = (lengths < 0) | (lengths > i.shape[1])
+        if bool(bad.any()):
+            r = int(bad.nonzero()[0][0])
+            raise ValueError(f"{length_name}: {int(lengths[r])} (for query {r}) is outside "
+                             f"[0, {i.shape[1]}] (the top-k of {name})")
+    return i
+
+
 def _valid(idx: torch.Tensor, capacity: int, length: Optional[torch.Tensor]) -> torch.Tensor:
     """Indices outside the cache or past the row's length become -1."""
     ok = (idx >= 0) & (idx < capacity)
@@ -195,6 +287,28 @@ def _sink(out_f32, lse, attn_sink, h):
     return out_f32 * factor[..., None]
 
 
+def _attend_v4(q_t, k_cache, idx, tl, extra_k_cache, e_idx, etl, attn_sink, is_fp8, scale):
+    """One ``sparse_mla_v4`` call over the main (and extra) V4 cache: ``(out bf16 [T, h,
+    512], lse float32 [T, h])``, FlashMLA's conventions already (``+inf`` for an empty
+    query, lse without the sink)."""
+    layout, pages, remap = _kv_layout_v4("k_cache", k_cache, is_fp8)
+    i = _v4_indices("indices", idx, k_cache, remap, tl, "topk_length")
+    extra = {}
+    if e_idx is not None:
+        e_layout, e_pages, e_remap = _kv_layout_v4("extra_k_cache", extra_k_cache, is_fp8)
+        ei = _v4_indices("extra_indices_in_kvcache", e_idx, extra_k_cache, e_remap, etl,
+                         "extra_topk_length")
+        extra = dict(extra_cache=e_pages, extra_indices=ei, extra_layout=e_layout,
+                     extra_lengths=None if etl is None else etl.to(torch.int32))
+    sink = None
+    if attn_sink is not None:
+        sink = ops._tensor("attn_sink", attn_sink, dtypes=(torch.float32,),
+                           shape=(q_t.shape[1],))
+    return ops.sparse_mla_v4(q_t, pages, i, layout, scale,
+                             lengths=None if tl is None else tl.to(torch.int32),
+                             attn_sink=sink, **extra)
+
+
 def flash_mla_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -217,7 +331,9 @@ def flash_mla_with_kvcache(
 
     ``q``: ``bf16 [b, s_q, h_q, d_qk]``; ``k_cache``: ``[num_blocks, page_block_size, 1,
     656]`` float8_e4m3fn/uint8 (V3.2 ``fp8_ds_mla``: 512 e4m3, 4 f32 tile scales, 64 bf16
-    RoPE; ``is_fp8_kvcache=True``) or bf16 ``[…, d_qk]``; ``indices``: ``int32 [b, s_q,
+    RoPE; ``is_fp8_kvcache=True``) or bf16 ``[…, d_qk]``; with ``d_qk = head_dim_v = 512``
+    DeepSeek-V4's MODEL1 fp8 ``[…, 584]`` (block stride the padded MODEL1 page, see the
+    module doc) or bf16 ``[…, 512]``, K = V; ``indices``: ``int32 [b, s_q,
     topk]`` slots ``page · page_block_size + offset``, ``-1`` invalid; ``topk_length``
     ``[b]``: only the first ``topk_length[i]`` indices of batch ``i`` count; the ``extra_*``
     arguments add a second cache attended together with the first; ``attn_sink`` ``[h_q]``.
@@ -286,6 +402,18 @@ def flash_mla_with_kvcache(
 
     scale = d_qk ** -0.5 if softmax_scale is None else float(softmax_scale)
     q_t = q.reshape(b * s_q, h_q, d_qk)
+    if d_qk == head_dim_v:
+        if d_qk != _V4_D:
+            raise ValueError(f"head_dim_v: {head_dim_v} = q's head dim is DeepSeek-V4's form, "
+                             f"which needs d_qk = head_dim_v = {_V4_D}")
+        out, lse = _attend_v4(q_t, k_cache, idx.reshape(b * s_q, -1), tl, extra_k_cache,
+                              None if e_idx is None else e_idx.reshape(b * s_q, -1), etl,
+                              attn_sink, is_fp8_kvcache, scale)
+        out = out.reshape(b, s_q, h_q, head_dim_v)
+        lse = lse.reshape(b, s_q, h_q).transpose(1, 2).contiguous()
+        sched.tile_scheduler_metadata = None
+        sched.num_splits = None
+        return out, lse
     out, lse = _attend(q_t, "k_cache", k_cache, idx.reshape(b * s_q, -1), tl, d_qk,
                        head_dim_v, is_fp8_kvcache, scale)
     out_f = None
@@ -334,8 +462,9 @@ def flash_mla_sparse_fwd(
         raise ValueError(f"indices: expected [{s_q}, 1, topk], got {list(idx.shape)}")
     if not isinstance(d_v, int) or d_v < 1:
         raise ValueError(f"d_v: must be a positive int, got {d_v!r}")
-    if d_v == d_qk:
-        raise NotImplementedError(_MODEL1_MSG.format(what="kv", kind="bf16 KV with K = V", d=d_qk))
+    if d_v == d_qk and d_qk != _V4_D:
+        raise ValueError(f"d_v: {d_v} = q's head dim is DeepSeek-V4's form, which needs "
+                         f"d_qk = d_v = {_V4_D}")
     if d_v > d_qk:
         raise ValueError(f"d_v: {d_v} is above q's head dim {d_qk}")
     tl = None
@@ -344,6 +473,18 @@ def flash_mla_sparse_fwd(
                          shape=(s_q,)).to(torch.int64)
     ops._same_device(q=q, kv=kv, indices=idx, attn_sink=attn_sink, topk_length=topk_length)
     s_kv = kv.shape[0]
+    if d_v == d_qk:
+        kv2 = kv.reshape(s_kv, d_qk).contiguous()
+        valid = _valid(idx.reshape(s_q, -1).to(torch.int64), s_kv, tl)
+        pool = kv2.view(torch.uint8).reshape(s_kv, -1) if s_kv else torch.zeros(
+            (0, 2 * d_qk), dtype=torch.uint8, device=q.device)
+        sink = None
+        if attn_sink is not None:
+            sink = ops._tensor("attn_sink", attn_sink, dtypes=(torch.float32,), shape=(h_q,))
+        out, lse = ops.sparse_mla_v4(q, pool, valid.to(torch.int32),
+                                     KvLayout("bf16_512", page_size=1), float(sm_scale),
+                                     attn_sink=sink)
+        return out, _max_logits(q, kv2, valid, float(sm_scale)), lse
     try:
         layout = KvLayout("bf16", d_v, d_qk - d_v, 1)
     except ValueError as e:

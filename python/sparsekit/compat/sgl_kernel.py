@@ -146,35 +146,56 @@ def deepseek_v4_topk_transform_512(scores: torch.Tensor, seq_lens: torch.Tensor,
     """DeepSeek-V4's indexer top-k with the paged transform (SGLang's
     ``topk_transform_512``): per row ``b``, positions ``[0, seq_lens[b])`` of ``scores``
     (``float32 [B, max_seq_len]``); a row no longer than ``k = page_indices.shape[1]``
-    takes ``0 … len − 1`` in order, a longer one its exact top-``k`` (ascending; the
-    anchor's is unordered); raw position ``r`` becomes
+    takes ``0 … len − 1`` in order (whatever the scores), a longer one its exact top-``k``
+    (ascending, ties to the lower position, ``-inf``/NaN never selected; the anchor's is
+    unordered); raw position ``r`` becomes
     ``page_table[b, r // page_size] * page_size + r % page_size`` in ``page_indices``
     (``int32 [B, k]``, written; ``-1`` padding), and the raw positions go to
-    ``raw_indices`` when given. Beyond the anchor: any ``k`` (it supports up to 1024) and
-    any ``page_size`` (it requires a power of two)."""
+    ``raw_indices`` when given. One sparsekit ``topk`` launch with the V4 transform
+    (``take_all_short_rows``) and the slot output does it (a second, position-output one
+    fills ``raw_indices``). Every page of a row's ``[0, seq_lens[b])`` must be mapped (on
+    CPU a ``-1`` page there is a ``ValueError``). Beyond the anchor: any ``k`` (it
+    supports up to 1024) and any ``page_size`` (it requires a power of two)."""
     pi = ops._tensor("page_indices", page_indices, dtypes=(torch.int32,), ndim=2)
     ops._written("page_indices", pi)
     k = pi.shape[1]
+    if k < 1:
+        raise ValueError("page_indices: has no columns (k = 0)")
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size: must be a positive int, got {page_size!r}")
     scores = ops._tensor("scores", scores, dtypes=(torch.float32,), ndim=2)
-    b = scores.shape[0]
+    b, width = scores.shape
+    dev = scores.device
     if pi.shape[0] != b:
         raise ValueError(f"page_indices: {pi.shape[0]} rows for {b} rows of scores")
+    if pi.device != dev:
+        raise ValueError(f"page_indices: on {pi.device}, but scores is on {dev}")
     pt = ops._tensor("page_table", page_table, dtypes=(torch.int32, torch.int64), ndim=2)
     if pt.shape[0] != b:
         raise ValueError(f"page_table: {pt.shape[0]} rows for {b} rows of scores")
-    raw = _relative_topk(scores, seq_lens, k, None)
+    if pt.device != dev:
+        raise ValueError(f"page_table: on {pt.device}, but scores is on {dev}")
+    lens = _lengths("seq_lens", seq_lens, b, dev)
     cols = pt.shape[1]
-    if scores.device.type == "cpu" and bool((raw // page_size >= cols).any()):
-        raise ValueError(f"page_table: a selected position is past its {cols} pages")
-    safe = (raw.clamp_min(0) // page_size).clamp(0, max(cols - 1, 0)).to(torch.int64)
-    if cols == 0:
-        slots = torch.full_like(raw, -1)
-    else:
-        slots = torch.gather(pt, 1, safe).to(torch.int32) * page_size + raw.clamp_min(0) % page_size
-    pi.copy_(torch.where(raw >= 0, slots, raw))
+    if dev.type == "cpu" and b:
+        bad = (lens < 0) | (lens > width)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0][0])
+            raise ValueError(f"seq_lens[{i}]: {int(lens[i])} is outside the {width} columns "
+                             "of scores")
+        over = lens > cols * page_size
+        if bool(over.any()):
+            i = int(over.nonzero()[0][0])
+            raise ValueError(f"page_table: row {i} has {cols} pages of {page_size}, "
+                             f"seq_lens[{i}] = {int(lens[i])} needs more")
+    ri = None
     if raw_indices is not None:
         ri = ops._tensor("raw_indices", raw_indices, dtypes=(torch.int32,), shape=(b, k))
         ops._written("raw_indices", ri)
-        ri.copy_(raw)
+    rows = torch.stack([torch.arange(b, device=dev, dtype=torch.int64),
+                        torch.zeros(b, device=dev, dtype=torch.int64),
+                        lens.clamp_min(0)], dim=1).to(torch.int32)
+    ops.topk(scores, k, rows=rows, page_table=pt, page_size=page_size, out=pi,
+             take_all_short_rows=True)
+    if ri is not None:
+        ops.topk(scores, k, rows=rows, out=ri, take_all_short_rows=True)

@@ -35,7 +35,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use sparsekit_host::cache::{
-    CacheStats, HiCache, LayerGuard, PageRef, ReadExtent, RequestId, SlotRef, Step,
+    BufferKind, CacheSpec, CacheStats, HiCache, LayerGuard, PageRef, ReadExtent, RequestId,
+    SlotRef, Step,
 };
 use sparsekit_host::{Backend, Error as HostError, IndexKLayout, KvLayout};
 
@@ -131,8 +132,7 @@ pub struct CacheKvSpace<B: Backend + 'static> {
     cache: Arc<HiCache<B>>,
     ids: Arc<AtomicU64>,
     opts: CacheSpaceOptions,
-    kv_layout: KvLayout,
-    index_k_layout: IndexKLayout,
+    spec: CacheSpec,
     num_layers: usize,
     page_size: usize,
     seqs: HashMap<SeqId, SeqPages>,
@@ -155,8 +155,7 @@ impl<B: Backend + 'static> CacheKvSpace<B> {
         CacheKvSpace {
             ids: Arc::new(AtomicU64::new(1)),
             opts,
-            kv_layout: spec.kv,
-            index_k_layout: spec.index_k,
+            spec,
             num_layers: spec.num_layers,
             page_size: spec.page_size(),
             seqs: HashMap::new(),
@@ -316,7 +315,7 @@ fn step_error(e: HostError, req_seq: &HashMap<RequestId, SeqId>, counts: &Counts
 #[derive(Debug)]
 pub struct CacheStep<'a, B: Backend + 'static> {
     step: Step<'a, B>,
-    layouts: (KvLayout, IndexKLayout),
+    spec: CacheSpec,
     owner: &'a [Option<PageRef>],
     page_size: usize,
     seqs: &'a HashMap<SeqId, SeqPages>,
@@ -339,7 +338,7 @@ impl<B: Backend + 'static> KvStep<B> for CacheStep<'_, B> {
             .map_err(|e| step_error(e, req_seq, counts))?;
         Ok(CacheLayer {
             guard,
-            layouts: self.layouts,
+            spec: self.spec,
             owner: self.owner,
             page_size: self.page_size,
             seqs: self.seqs,
@@ -354,7 +353,7 @@ impl<B: Backend + 'static> KvStep<B> for CacheStep<'_, B> {
 #[derive(Debug)]
 pub struct CacheLayer<'a, B: Backend + 'static> {
     guard: LayerGuard<'a, B>,
-    layouts: (KvLayout, IndexKLayout),
+    spec: CacheSpec,
     owner: &'a [Option<PageRef>],
     page_size: usize,
     seqs: &'a HashMap<SeqId, SeqPages>,
@@ -365,11 +364,11 @@ pub struct CacheLayer<'a, B: Backend + 'static> {
 
 impl<B: Backend + 'static> LayerCache<B> for CacheLayer<'_, B> {
     fn kv_layout(&self) -> KvLayout {
-        self.layouts.0
+        self.spec.kv
     }
 
     fn index_k_layout(&self) -> IndexKLayout {
-        self.layouts.1
+        self.spec.index_k
     }
 
     fn store(
@@ -379,7 +378,54 @@ impl<B: Backend + 'static> LayerCache<B> for CacheLayer<'_, B> {
         kv: &B::Buffer,
         index_k: &B::Buffer,
     ) -> Result<(), EngineError> {
-        let ps = self.page_size as i64;
+        self.slot_refs(self.page_size, slots)?;
+        let (req_seq, counts) = (self.req_seq, self.counts);
+        self.guard
+            .kv_store(self.slots, kv)
+            .map_err(|e| step_error(e, req_seq, counts))?;
+        self.guard
+            .index_k_store(self.slots, index_k)
+            .map_err(|e| step_error(e, req_seq, counts))
+    }
+
+    fn views(&self, reads: &[(SeqId, usize)]) -> Result<(&B::Buffer, &B::Buffer), EngineError> {
+        let extents = self.extents(reads)?;
+        self.guard
+            .views_for(&extents)
+            .map_err(|e| step_error(e, self.req_seq, self.counts))
+    }
+
+    fn spec(&self) -> CacheSpec {
+        self.spec
+    }
+
+    fn store_kind(
+        &mut self,
+        _backend: &B,
+        kind: BufferKind,
+        slots: &[i64],
+        rows: &B::Buffer,
+    ) -> Result<(), EngineError> {
+        self.slot_refs(self.spec.entries_per_page(kind), slots)?;
+        let (req_seq, counts) = (self.req_seq, self.counts);
+        self.guard
+            .store_kind(kind, self.slots, rows)
+            .map_err(|e| step_error(e, req_seq, counts))
+    }
+
+    fn view(&self, kind: BufferKind, reads: &[(SeqId, usize)]) -> Result<&B::Buffer, EngineError> {
+        let extents = self.extents(reads)?;
+        self.guard
+            .view(kind, &extents)
+            .map_err(|e| step_error(e, self.req_seq, self.counts))
+    }
+}
+
+impl<B: Backend + 'static> CacheLayer<'_, B> {
+    /// `slots` (`page · per_page + offset` in a pool of `per_page` entries a page) as
+    /// references to the owning sequences' pages, into `self.slots`.
+    fn slot_refs(&mut self, per_page: usize, slots: &[i64]) -> Result<(), EngineError> {
+        let ps = per_page.max(1) as i64;
         self.slots.clear();
         for &s in slots {
             let page = s.div_euclid(ps);
@@ -396,16 +442,11 @@ impl<B: Backend + 'static> LayerCache<B> for CacheLayer<'_, B> {
                 offset: s.rem_euclid(ps) as u32,
             });
         }
-        let (req_seq, counts) = (self.req_seq, self.counts);
-        self.guard
-            .kv_store(self.slots, kv)
-            .map_err(|e| step_error(e, req_seq, counts))?;
-        self.guard
-            .index_k_store(self.slots, index_k)
-            .map_err(|e| step_error(e, req_seq, counts))
+        Ok(())
     }
 
-    fn views(&self, reads: &[(SeqId, usize)]) -> Result<(&B::Buffer, &B::Buffer), EngineError> {
+    /// The read extents of `(seq, tokens)` pairs.
+    fn extents(&self, reads: &[(SeqId, usize)]) -> Result<Vec<ReadExtent<'_>>, EngineError> {
         let mut extents = Vec::with_capacity(reads.len());
         for &(seq, tokens) in reads {
             let s = self
@@ -418,9 +459,7 @@ impl<B: Backend + 'static> LayerCache<B> for CacheLayer<'_, B> {
                 tokens,
             });
         }
-        self.guard
-            .views_for(&extents)
-            .map_err(|e| step_error(e, self.req_seq, self.counts))
+        Ok(extents)
     }
 }
 
@@ -431,11 +470,15 @@ impl<B: Backend + 'static> KvSpace<B> for CacheKvSpace<B> {
         Self: 'a;
 
     fn kv_layout(&self) -> KvLayout {
-        self.kv_layout
+        self.spec.kv
     }
 
     fn index_k_layout(&self) -> IndexKLayout {
-        self.index_k_layout
+        self.spec.index_k
+    }
+
+    fn spec(&self) -> CacheSpec {
+        self.spec
     }
 
     fn num_layers(&self) -> usize {
@@ -520,8 +563,7 @@ impl<B: Backend + 'static> KvSpace<B> for CacheKvSpace<B> {
             reqs,
             slots,
             page_size,
-            kv_layout,
-            index_k_layout,
+            spec,
             ..
         } = self;
         reqs.clear();
@@ -536,7 +578,7 @@ impl<B: Backend + 'static> KvSpace<B> for CacheKvSpace<B> {
             .map_err(|e| step_error(e, req_seq, counts))?;
         Ok(CacheStep {
             step,
-            layouts: (*kv_layout, *index_k_layout),
+            spec: *spec,
             owner,
             page_size: *page_size,
             seqs: all,

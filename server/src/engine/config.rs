@@ -5,15 +5,89 @@
 //! layers, MLP width, q-projection rank) is sized here per config.
 
 use serde::Serialize;
-use sparsekit_host::ModelDims;
+use sparsekit_host::{ModelDims, V4Dims};
 
 use crate::engine::tokenizer::VOCAB_SIZE;
 use crate::error::EngineError;
 
+/// DeepSeek-V4's attention in a [`ModelConfig`] (absent: DeepSeek-V3.2's MLA).
+///
+/// Layer `l` is window-only for `l < window_layers`; after them CSA (ratio
+/// `dims.csa_ratio`) and HCA (ratio `dims.hca_ratio`) layers alternate, CSA first — V4's
+/// order. Every layer attends its last `dims.window` raw tokens (the window pool, pages of
+/// `dims.window_page` tokens); a CSA layer also attends the `index_topk` compressed entries
+/// its indexer selects, an HCA layer every compressed entry it may see.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct V4Attention {
+    pub dims: V4Dims,
+    /// Leading window-only layers (V4-Flash: 2).
+    pub window_layers: usize,
+}
+
+impl V4Attention {
+    /// Compression ratio of layer `l`: 0 (window only), `csa_ratio` or `hca_ratio`.
+    pub fn ratio(&self, l: usize) -> usize {
+        if l < self.window_layers {
+            0
+        } else if (l - self.window_layers) % 2 == 0 {
+            self.dims.csa_ratio
+        } else {
+            self.dims.hca_ratio
+        }
+    }
+
+    /// Ratios of layers `0..n`.
+    pub fn ratios(&self, n: usize) -> Vec<usize> {
+        (0..n).map(|l| self.ratio(l)).collect()
+    }
+
+    /// Raw tokens in compression window of an entry: CSA windows overlap by half
+    /// (`2 · ratio`), HCA windows do not (`ratio`).
+    pub fn span(&self, ratio: usize) -> usize {
+        if ratio == self.dims.csa_ratio {
+            2 * ratio
+        } else {
+            ratio
+        }
+    }
+}
+
+/// The attention of [`ModelConfig::DSV4_TINY`]: V4's structure at CPU sizes (a window of
+/// 16 over pages of 16 tokens, CSA ratio 4 with 4-entry pages, an HCA ratio of 8 with
+/// 2-entry pages, top-k 8 so selection matters early, 8 heads).
+const V4_TINY_DIMS: V4Dims = V4Dims {
+    name: "dsv4-tiny",
+    q_heads: 8,
+    index_n_heads: 4,
+    index_head_dim: 128,
+    index_topk: 8,
+    window: 16,
+    window_page: 16,
+    csa_page: 4,
+    hca_page: 2,
+    csa_ratio: 4,
+    hca_ratio: 8,
+};
+
+/// The kernel-facing dims of a V4 config as [`ModelDims`] (the 512-d K = V row as 448
+/// NoPE + 64 rope, the window pool's page size).
+const fn v4_model_dims(v: V4Dims, q_heads: &'static [usize]) -> ModelDims {
+    ModelDims {
+        name: v.name,
+        index_n_heads: v.index_n_heads,
+        index_head_dim: v.index_head_dim,
+        index_topk: v.index_topk,
+        kv_lora_rank: V4Dims::D - 64,
+        qk_rope_dim: 64,
+        page_size: v.window_page,
+        q_heads,
+    }
+}
+
 /// Every shape of the synthetic model. A config name plus a seed determine every weight.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct ModelConfig {
-    /// `tiny` or `dsv32`.
+    /// `tiny`, `dsv32`, `dsv4-tiny` or `dsv4`.
     pub name: &'static str,
     /// Attention dims shared with the kernels (index-K, KV, page size).
     pub dims: ModelDims,
@@ -40,6 +114,8 @@ pub struct ModelConfig {
     pub rope_theta: f64,
     /// RMSNorm epsilon.
     pub norm_eps: f32,
+    /// DeepSeek-V4's attention (window, compressed pools, sink); `None` for V3.2's.
+    pub v4: Option<V4Attention>,
 }
 
 impl ModelConfig {
@@ -61,6 +137,7 @@ impl ModelConfig {
         max_context: 8192,
         rope_theta: 10000.0,
         norm_eps: 1e-6,
+        v4: None,
     };
 
     /// DeepSeek-V3.2 per-layer dims (hidden 7168, q rank 1536, 128 heads of 128 + 64 rope,
@@ -80,10 +157,64 @@ impl ModelConfig {
         max_context: 32768,
         rope_theta: 10000.0,
         norm_eps: 1e-6,
+        v4: None,
+    };
+
+    /// DeepSeek-V4's structure at CPU sizes: 3 layers (window, CSA, HCA), hidden 128,
+    /// 8 heads of 512 (448 NoPE + 64 rope, K = V), indexer 4×128 (fp4 index keys need
+    /// 128) with top-k 8, window 16,
+    /// pages of 16 raw tokens (CSA entries 4 a page, HCA entries 2).
+    pub const DSV4_TINY: ModelConfig = ModelConfig {
+        name: "dsv4-tiny",
+        dims: v4_model_dims(V4_TINY_DIMS, &[8]),
+        n_layers: 3,
+        hidden: 128,
+        q_lora_rank: 64,
+        n_heads: 8,
+        qk_nope_head_dim: V4Dims::D - 64,
+        v_head_dim: V4Dims::D,
+        intermediate: 256,
+        index_topk: V4_TINY_DIMS.index_topk,
+        max_context: 8192,
+        rope_theta: 10000.0,
+        norm_eps: 1e-6,
+        v4: Some(V4Attention {
+            dims: V4_TINY_DIMS,
+            window_layers: 1,
+        }),
+    };
+
+    /// DeepSeek-V4-Flash's attention dims (hidden 4096, q rank 1024, 64 heads of 512,
+    /// indexer 64×128 with top-k 512, window 128, pages of 256 raw tokens: CSA 64 entries,
+    /// HCA 2), a dense SwiGLU of 2048 in place of the MoE, and 4 layers in V4's order
+    /// (window, window, CSA, HCA): for GPU runs.
+    pub const DSV4: ModelConfig = ModelConfig {
+        name: "dsv4",
+        dims: v4_model_dims(V4Dims::FLASH, &[64]),
+        n_layers: 4,
+        hidden: 4096,
+        q_lora_rank: 1024,
+        n_heads: 64,
+        qk_nope_head_dim: V4Dims::D - 64,
+        v_head_dim: V4Dims::D,
+        intermediate: 2048,
+        index_topk: V4Dims::FLASH.index_topk,
+        max_context: 32768,
+        rope_theta: 10000.0,
+        norm_eps: 1e-6,
+        v4: Some(V4Attention {
+            dims: V4Dims::FLASH,
+            window_layers: 2,
+        }),
     };
 
     /// Every named config.
-    pub const ALL: [ModelConfig; 2] = [ModelConfig::TINY, ModelConfig::DSV32];
+    pub const ALL: [ModelConfig; 4] = [
+        ModelConfig::TINY,
+        ModelConfig::DSV32,
+        ModelConfig::DSV4_TINY,
+        ModelConfig::DSV4,
+    ];
 
     /// Looks a config up by name.
     pub fn by_name(name: &str) -> Result<ModelConfig, EngineError> {
@@ -102,6 +233,13 @@ impl ModelConfig {
         }
         Ok(ModelConfig {
             index_topk: k,
+            v4: self.v4.map(|v| V4Attention {
+                dims: V4Dims {
+                    index_topk: k,
+                    ..v.dims
+                },
+                ..v
+            }),
             ..self
         })
     }
@@ -117,6 +255,16 @@ impl ModelConfig {
             n_layers: n,
             ..self
         })
+    }
+
+    /// Values of a V4 compressor state row (bf16, one per raw token in the compressed
+    /// layers): the KV compressor's values and gate logits (`2 · 512`), then the index-key
+    /// compressor's (`2 · index_head_dim`; unused in HCA layers). 0 for V3.2.
+    pub fn v4_state_width(&self) -> usize {
+        match self.v4 {
+            Some(_) => 2 * V4Dims::D + 2 * self.index_head_dim(),
+            None => 0,
+        }
     }
 
     /// Vocabulary size (bytes + special tokens).
@@ -159,7 +307,8 @@ impl ModelConfig {
         self.dims.page_size
     }
 
-    /// Sparse MLA softmax scale, `(qk_nope_head_dim + rope_dim)^-1/2` as in DeepSeek's MLA.
+    /// Sparse MLA softmax scale, `(qk_nope_head_dim + rope_dim)^-1/2` as in DeepSeek's MLA
+    /// (V4: `512^-1/2`).
     pub fn softmax_scale(&self) -> f32 {
         (1.0 / (self.q_head_dim() as f64).sqrt()) as f32
     }
@@ -186,12 +335,69 @@ impl ModelConfig {
         if self.max_context > i32::MAX as usize / 2 {
             return bad("max_context too large for i32 slots".into());
         }
+        if let Some(v) = &self.v4 {
+            let d = &v.dims;
+            if self.d_qk() != V4Dims::D || self.rope_dim() != 64 {
+                return bad(format!(
+                    "a V4 row is 448 NoPE + 64 rope, not {} + {}",
+                    self.kv_lora_rank(),
+                    self.rope_dim()
+                ));
+            }
+            if self.n_heads > sparsekit_host::ops::V4_MAX_HEADS {
+                return bad(format!(
+                    "{} heads: V4 attention takes at most {}",
+                    self.n_heads,
+                    sparsekit_host::ops::V4_MAX_HEADS
+                ));
+            }
+            if d.window == 0 || d.csa_ratio != 4 || d.hca_ratio <= d.csa_ratio {
+                return bad(format!(
+                    "V4 window {} and ratios {}/{}: a positive window, CSA ratio 4, a larger \
+                     HCA ratio",
+                    d.window, d.csa_ratio, d.hca_ratio
+                ));
+            }
+            if d.window_page != self.page_size()
+                || d.csa_page * d.csa_ratio != d.window_page
+                || d.hca_page * d.hca_ratio != d.window_page
+            {
+                return bad(format!(
+                    "V4 pages: {} raw tokens a page must hold {} CSA entries of {} and {} HCA \
+                     entries of {}",
+                    d.window_page, d.csa_page, d.csa_ratio, d.hca_page, d.hca_ratio
+                ));
+            }
+            if d.index_topk != self.index_topk || d.index_head_dim < self.rope_dim() {
+                return bad("V4 indexer dims disagree with the config".into());
+            }
+        }
         Ok(())
     }
 
     /// Parameters in all weights (for sizing and reports).
     pub fn parameters(&self) -> usize {
         let (d, r, h) = (self.hidden, self.q_lora_rank, self.n_heads);
+        if let Some(v) = &self.v4 {
+            let (row, ih, id) = (V4Dims::D, self.index_heads(), self.index_head_dim());
+            let state = self.v4_state_width();
+            let mlp = d + d * 2 * self.intermediate + self.intermediate * d;
+            let attn = d + d * r + r + r * h * row + row + d * row + (row - 64) + h + h * row * d;
+            let per_layer = |l: usize| match v.ratio(l) {
+                0 => attn + mlp,
+                ratio => {
+                    let span = v.span(ratio);
+                    let comp = d * state + span * row + (row - 64);
+                    let index = if ratio == v.dims.csa_ratio {
+                        span * id + id + r * ih * id + d * ih
+                    } else {
+                        0
+                    };
+                    attn + mlp + comp + index
+                }
+            };
+            return (0..self.n_layers).map(per_layer).sum::<usize>() + 2 * self.vocab() * d + d;
+        }
         let per_layer = 2 * d
             + d * r
             + r

@@ -13,7 +13,8 @@
 
 use std::collections::HashMap;
 
-use sparsekit_host::cache::PageRef;
+use sparsekit_host::cache::{BufferKind, CacheSpec, PageRef, KINDS};
+use sparsekit_host::layout::PageLayout;
 use sparsekit_host::ops::{IndexKStore, KvStore};
 use sparsekit_host::{Backend, IndexKLayout, KvLayout};
 
@@ -46,6 +47,51 @@ pub trait LayerCache<B: Backend> {
     /// that every page the step's sequences read holds the bytes it should (landed
     /// stamps) and that no slot read was left unwritten.
     fn views(&self, reads: &[(SeqId, usize)]) -> Result<(&B::Buffer, &B::Buffer), EngineError>;
+    /// The pools of the whole cache (which kinds this layer holds: [`CacheSpec::has`]).
+    fn spec(&self) -> CacheSpec;
+    /// Stores rows into `slots` of this layer's pool of `kind`, slots counted in that
+    /// pool's entries (`page · entries_per_page(kind) + offset`): index keys bf16
+    /// `[slots.len(), index_head_dim]`, every other kind bf16 rows `[slots.len(), d_qk]`
+    /// of its layout. A typed error for a kind the layer does not hold.
+    fn store_kind(
+        &mut self,
+        backend: &B,
+        kind: BufferKind,
+        slots: &[i64],
+        rows: &B::Buffer,
+    ) -> Result<(), EngineError>;
+    /// This layer's pool of `kind` (the whole pool), re-checked as [`LayerCache::views`]
+    /// for reads of the first `tokens` raw tokens of each `(seq, tokens)` in `reads`.
+    fn view(&self, kind: BufferKind, reads: &[(SeqId, usize)]) -> Result<&B::Buffer, EngineError>;
+}
+
+/// Runs the store of `rows` into `slots` of `pool`, a pool of `kind` under `spec`.
+pub(crate) fn store_rows<B: Backend>(
+    backend: &B,
+    spec: &CacheSpec,
+    kind: BufferKind,
+    slots: &[i64],
+    rows: &B::Buffer,
+    pool: &mut B::Buffer,
+) -> Result<(), EngineError> {
+    match (kind, spec.layout(kind)) {
+        (BufferKind::IndexK, _) => backend.index_k_store(
+            &IndexKStore {
+                layout: spec.index_k,
+                slots,
+            },
+            rows,
+            pool,
+        )?,
+        (_, PageLayout::Kv(layout)) => backend.kv_store(&KvStore { layout, slots }, rows, pool)?,
+        (_, PageLayout::IndexK(_)) => {
+            return Err(EngineError::InvalidRequest(format!(
+                "{} rows are not index keys",
+                kind.name()
+            )))
+        }
+    }
+    Ok(())
 }
 
 /// One forward step over a set of sequences: layer by layer access to their caches.
@@ -113,6 +159,8 @@ pub trait KvSpace<B: Backend> {
     fn kv_layout(&self) -> KvLayout;
     /// Layout of every layer's index-K buffer.
     fn index_k_layout(&self) -> IndexKLayout;
+    /// Every pool of the space: kinds, layouts, the layers holding each.
+    fn spec(&self) -> CacheSpec;
     /// Decoder layers held.
     fn num_layers(&self) -> usize;
     /// Pages in the pool (each page holds `page_size` tokens of every layer and kind).
@@ -197,27 +245,20 @@ pub trait KvSpace<B: Backend> {
     }
 }
 
-/// One layer's pools in a [`PagedKvSpace`].
-#[derive(Debug)]
-struct LayerPools<Buf> {
-    kv: Buf,
-    index_k: Buf,
-}
-
-/// The reference KV space: per layer one KV and one index-K pool of `capacity` pages, a
-/// free list, and each sequence's pages. No prefix reuse, no host tier.
+/// The reference KV space: per layer one pool of `capacity` pages for every kind the
+/// layer holds (the V3.2 pair, or V4's window, compressed and state pools), a free list,
+/// and each sequence's pages. No prefix reuse, no host tier.
 #[derive(Debug)]
 pub struct PagedKvSpace<B: Backend> {
-    kv_layout: KvLayout,
-    index_k_layout: IndexKLayout,
-    layers: Vec<LayerPools<B::Buffer>>,
+    spec: CacheSpec,
+    layers: Vec<[Option<B::Buffer>; KINDS]>,
     capacity: usize,
     free: Vec<i32>,
     seqs: HashMap<SeqId, Vec<i32>>,
 }
 
 impl<B: Backend> PagedKvSpace<B> {
-    /// Allocates `capacity` pages per layer and kind on `backend`.
+    /// Allocates `capacity` pages per layer and kind on `backend` (DeepSeek-V3.2's pair).
     pub fn new(
         backend: &B,
         kv_layout: KvLayout,
@@ -232,22 +273,34 @@ impl<B: Backend> PagedKvSpace<B> {
                 index_k_layout.page_size()
             )));
         }
-        if capacity == 0 || capacity > i32::MAX as usize / kv_layout.page_size() {
+        let spec = CacheSpec::new(kv_layout, index_k_layout, num_layers)?;
+        Self::with_spec(backend, spec, capacity)
+    }
+
+    /// Allocates `capacity` pages of every pool `spec` puts in each layer.
+    pub fn with_spec(backend: &B, spec: CacheSpec, capacity: usize) -> Result<Self, EngineError> {
+        if capacity == 0 || capacity > i32::MAX as usize / spec.page_size() {
             return Err(EngineError::InvalidConfig(format!(
                 "capacity of {capacity} pages is out of range"
             )));
         }
-        let layers = (0..num_layers)
-            .map(|_| {
-                Ok(LayerPools {
-                    kv: backend.alloc(kv_layout.buffer_bytes(capacity))?,
-                    index_k: backend.alloc(index_k_layout.buffer_bytes(capacity))?,
-                })
-            })
-            .collect::<Result<Vec<_>, sparsekit_host::Error>>()?;
+        let mut layers = Vec::with_capacity(spec.num_layers);
+        for l in 0..spec.num_layers {
+            let mut pools: [Option<B::Buffer>; KINDS] = Default::default();
+            for kind in spec.kinds(l) {
+                let bytes = spec
+                    .layout(kind)
+                    .bytes_per_page()
+                    .checked_mul(capacity)
+                    .ok_or_else(|| {
+                        EngineError::InvalidConfig(format!("{capacity} pages overflow"))
+                    })?;
+                pools[kind.index()] = Some(backend.alloc(bytes)?);
+            }
+            layers.push(pools);
+        }
         Ok(PagedKvSpace {
-            kv_layout,
-            index_k_layout,
+            spec,
             layers,
             capacity,
             // Popped from the back: page 0 first.
@@ -264,7 +317,7 @@ impl<B: Backend> PagedKvSpace<B> {
     /// Grows `seq` (created on first use) to hold `tokens` tokens. All-or-nothing: on
     /// [`EngineError::OutOfPages`] nothing was allocated.
     pub fn reserve(&mut self, seq: SeqId, tokens: usize) -> Result<(), EngineError> {
-        let wanted = tokens.div_ceil(self.kv_layout.page_size());
+        let wanted = tokens.div_ceil(self.spec.page_size());
         if wanted > self.capacity {
             return Err(EngineError::TooLarge {
                 wanted,
@@ -296,8 +349,7 @@ impl<B: Backend> PagedKvSpace<B> {
             EngineError::InvalidRequest(format!("layer {l} out of range ({n} layers)"))
         })?;
         Ok(PagedLayer {
-            kv_layout: self.kv_layout,
-            index_k_layout: self.index_k_layout,
+            spec: self.spec,
             pools,
         })
     }
@@ -323,18 +375,29 @@ impl<B: Backend> KvStep<B> for PagedStep<'_, B> {
 /// A layer of a [`PagedKvSpace`].
 #[derive(Debug)]
 pub struct PagedLayer<'a, Buf> {
-    kv_layout: KvLayout,
-    index_k_layout: IndexKLayout,
-    pools: &'a mut LayerPools<Buf>,
+    spec: CacheSpec,
+    pools: &'a mut [Option<Buf>; KINDS],
+}
+
+impl<Buf> PagedLayer<'_, Buf> {
+    fn pool(&self, kind: BufferKind) -> Result<&Buf, EngineError> {
+        self.pools[kind.index()]
+            .as_ref()
+            .ok_or_else(|| missing_pool(kind))
+    }
+}
+
+fn missing_pool(kind: BufferKind) -> EngineError {
+    EngineError::InvalidRequest(format!("this layer holds no {} pool", kind.name()))
 }
 
 impl<B: Backend> LayerCache<B> for PagedLayer<'_, B::Buffer> {
     fn kv_layout(&self) -> KvLayout {
-        self.kv_layout
+        self.spec.kv
     }
 
     fn index_k_layout(&self) -> IndexKLayout {
-        self.index_k_layout
+        self.spec.index_k
     }
 
     fn store(
@@ -344,27 +407,34 @@ impl<B: Backend> LayerCache<B> for PagedLayer<'_, B::Buffer> {
         kv: &B::Buffer,
         index_k: &B::Buffer,
     ) -> Result<(), EngineError> {
-        backend.kv_store(
-            &KvStore {
-                layout: self.kv_layout,
-                slots,
-            },
-            kv,
-            &mut self.pools.kv,
-        )?;
-        backend.index_k_store(
-            &IndexKStore {
-                layout: self.index_k_layout,
-                slots,
-            },
-            index_k,
-            &mut self.pools.index_k,
-        )?;
-        Ok(())
+        self.store_kind(backend, BufferKind::Kv, slots, kv)?;
+        self.store_kind(backend, BufferKind::IndexK, slots, index_k)
     }
 
     fn views(&self, _reads: &[(SeqId, usize)]) -> Result<(&B::Buffer, &B::Buffer), EngineError> {
-        Ok((&self.pools.kv, &self.pools.index_k))
+        Ok((self.pool(BufferKind::Kv)?, self.pool(BufferKind::IndexK)?))
+    }
+
+    fn spec(&self) -> CacheSpec {
+        self.spec
+    }
+
+    fn store_kind(
+        &mut self,
+        backend: &B,
+        kind: BufferKind,
+        slots: &[i64],
+        rows: &B::Buffer,
+    ) -> Result<(), EngineError> {
+        let spec = self.spec;
+        let pool = self.pools[kind.index()]
+            .as_mut()
+            .ok_or_else(|| missing_pool(kind))?;
+        store_rows(backend, &spec, kind, slots, rows, pool)
+    }
+
+    fn view(&self, kind: BufferKind, _reads: &[(SeqId, usize)]) -> Result<&B::Buffer, EngineError> {
+        self.pool(kind)
     }
 }
 
@@ -375,11 +445,15 @@ impl<B: Backend> KvSpace<B> for PagedKvSpace<B> {
         Self: 'a;
 
     fn kv_layout(&self) -> KvLayout {
-        self.kv_layout
+        self.spec.kv
     }
 
     fn index_k_layout(&self) -> IndexKLayout {
-        self.index_k_layout
+        self.spec.index_k
+    }
+
+    fn spec(&self) -> CacheSpec {
+        self.spec
     }
 
     fn num_layers(&self) -> usize {

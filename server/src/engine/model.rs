@@ -22,6 +22,7 @@
 
 use std::sync::Arc;
 
+use sparsekit_host::cache::CacheSpec;
 use sparsekit_host::model_ops::{
     Accumulate, Argmax, Cast, DenseDtype, Embed, GatherRows, Matmul, ModelOps, RmsNorm, Rope, View,
 };
@@ -34,6 +35,8 @@ use crate::engine::kernel_check::{AuditedOp, KernelCheck, KernelFault};
 use crate::engine::kv::{KvSpace, KvStep, LayerCache, SeqId};
 use crate::engine::weights::{LayerWeights, Weights};
 use crate::error::EngineError;
+
+mod v4;
 
 /// Logits of the rows of a step that asked for them.
 #[derive(Clone, Debug, PartialEq)]
@@ -136,21 +139,69 @@ impl<B: Backend + ModelOps> Model<B> {
         &self.backend
     }
 
-    /// The KV layout this model's caches must have.
+    /// The KV layout this model's caches must have (of a V4 model: its window pool's).
+    /// A V4 model stores V4's form of the dtype asked for: `bf16` as `bf16_512`,
+    /// `fp8_ds_mla` as `model1_fp8`.
     pub fn kv_layout(&self, dtype: KvDtype) -> Result<KvLayout, EngineError> {
         let c = &self.cfg;
         Ok(KvLayout::new(
-            dtype,
+            self.kv_dtype(dtype),
             c.kv_lora_rank(),
             c.rope_dim(),
             c.page_size(),
         )?)
     }
 
-    /// The index-K layout this model's caches must have.
+    /// The KV dtype this model stores for `dtype` (see [`Model::kv_layout`]).
+    fn kv_dtype(&self, dtype: KvDtype) -> KvDtype {
+        match (self.cfg.v4.is_some(), dtype) {
+            (true, KvDtype::Bf16) => KvDtype::Bf16x512,
+            (true, KvDtype::Fp8DsMla) => KvDtype::Model1Fp8,
+            (_, d) => d,
+        }
+    }
+
+    /// The index-K layout this model's caches must have (of a V4 model: its compressed
+    /// index keys', a page of `page_size / 4` entries).
     pub fn index_k_layout(&self, dtype: IndexKDtype) -> Result<IndexKLayout, EngineError> {
         let c = &self.cfg;
-        Ok(IndexKLayout::new(dtype, c.index_head_dim(), c.page_size())?)
+        let page = c.v4.map_or(c.page_size(), |v| v.dims.csa_page);
+        Ok(IndexKLayout::new(dtype, c.index_head_dim(), page)?)
+    }
+
+    /// Every pool this model's cache holds, for these dtypes: V3.2's KV and index-K in
+    /// every layer, or V4's window pool in every layer plus, by layer, the CSA pools
+    /// (compressed KV and index keys), the HCA pool and the compressor state (bf16, one
+    /// row per raw token, [`ModelConfig::v4_state_width`] values).
+    pub fn cache_spec(
+        &self,
+        kv_dtype: KvDtype,
+        index_k_dtype: IndexKDtype,
+    ) -> Result<CacheSpec, EngineError> {
+        let c = &self.cfg;
+        let (kv, ik) = (
+            self.kv_layout(kv_dtype)?,
+            self.index_k_layout(index_k_dtype)?,
+        );
+        let Some(v) = &c.v4 else {
+            return Ok(CacheSpec::new(kv, ik, c.n_layers)?);
+        };
+        let row = |page| KvLayout::new(kv.dtype(), c.kv_lora_rank(), c.rope_dim(), page);
+        let width = c.v4_state_width();
+        let state = KvLayout::new(
+            KvDtype::Bf16,
+            width - c.rope_dim(),
+            c.rope_dim(),
+            c.page_size(),
+        )?;
+        Ok(CacheSpec::v4(
+            kv,
+            ik,
+            row(v.dims.csa_page)?,
+            row(v.dims.hca_page)?,
+            state,
+            &v.ratios(c.n_layers),
+        )?)
     }
 
     fn check_layouts(&self, kv: KvLayout, ik: IndexKLayout) -> Result<(), EngineError> {
@@ -286,6 +337,9 @@ impl<B: Backend + ModelOps> Model<B> {
         h: &mut B::Buffer,
         cache: &mut L,
     ) -> Result<(), EngineError> {
+        if let Some(v) = self.cfg.v4 {
+            return self.forward_layer_v4(layer, &v, batch, h, cache);
+        }
         let (kv_layout, ik_layout) = (cache.kv_layout(), cache.index_k_layout());
         self.check_layouts(kv_layout, ik_layout)?;
         let w: &LayerWeights<B::Buffer> = self.weights.layers.get(layer).ok_or_else(|| {
@@ -509,11 +563,24 @@ impl<B: Backend + ModelOps> Model<B> {
         drop(ov);
 
         // 6. MLP (+ residual).
-        let i = c.intermediate;
+        self.mlp(t, h, &w.mlp_norm, &w.w_gate_up, &w.w_down)
+    }
+
+    /// `h += swiglu(rms_norm(h)·W_gate_up)·W_down` over `t` rows.
+    fn mlp(
+        &self,
+        t: usize,
+        h: &mut B::Buffer,
+        norm: &B::Buffer,
+        w_gate_up: &B::Buffer,
+        w_down: &B::Buffer,
+    ) -> Result<(), EngineError> {
+        let b = &*self.backend;
+        let (d, i) = (self.cfg.hidden, self.cfg.intermediate);
         let mut xm = alloc_f32(b, t * d)?;
-        b.rms_norm(&self.norm(t, d), h, &w.mlp_norm, &mut xm)?;
+        b.rms_norm(&self.norm(t, d), h, norm, &mut xm)?;
         let mut gu = alloc_f32(b, t * 2 * i)?;
-        b.matmul(&Matmul::dense(t, d, 2 * i), &xm, &w.w_gate_up, &mut gu)?;
+        b.matmul(&Matmul::dense(t, d, 2 * i), &xm, w_gate_up, &mut gu)?;
         drop(xm);
         let mut act = alloc_f32(b, t * i)?;
         b.swiglu(
@@ -528,7 +595,7 @@ impl<B: Backend + ModelOps> Model<B> {
                 ..Matmul::dense(t, i, d)
             },
             &act,
-            &w.w_down,
+            w_down,
             h,
         )?;
         Ok(())

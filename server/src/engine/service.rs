@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use sparsekit_host::cache::{CacheConfig, CacheSpec, HiCache};
+use sparsekit_host::cache::{CacheConfig, HiCache};
 use sparsekit_host::{Backend, ModelOps};
 
 use crate::engine::cache_space::{CacheHandle, CacheKvSpace, CacheSpaceOptions};
@@ -94,13 +94,10 @@ impl Engine {
     ) -> Result<Engine, EngineError> {
         opts.validate()?;
         let model = Model::new(backend.clone(), cfg, opts.seed)?;
-        let (kv, ik) = (
-            model.kv_layout(opts.kv_dtype)?,
-            model.index_k_layout(opts.index_k_dtype)?,
-        );
+        let spec = model.cache_spec(opts.kv_dtype, opts.index_k_dtype)?;
         match &opts.cache {
             None => {
-                let space = PagedKvSpace::new(&*backend, kv, ik, cfg.n_layers, opts.kv_pages)?;
+                let space = PagedKvSpace::with_spec(&*backend, spec, opts.kv_pages)?;
                 Self::start_with(model, space, opts, metrics)
             }
             Some(_) => {
@@ -126,17 +123,14 @@ impl Engine {
             ));
         };
         let model = Model::new(backend.clone(), cfg, opts.seed)?;
-        let (kv, ik) = (
-            model.kv_layout(opts.kv_dtype)?,
-            model.index_k_layout(opts.index_k_dtype)?,
-        );
+        let spec = model.cache_spec(opts.kv_dtype, opts.index_k_dtype)?;
         let mut config = CacheConfig::new(opts.kv_pages, c.host_pages);
         config.write_through = c.write_through;
         config.verify = c.verify;
         config.host_layout = c.host_layout;
         config.wait_timeout = c.wait_timeout;
         config.faults = c.faults.clone();
-        let cache = HiCache::new(backend, CacheSpec::new(kv, ik, cfg.n_layers)?, config)?;
+        let cache = HiCache::new(backend, spec, config)?;
         let space = CacheKvSpace::new(Arc::new(cache), space_opts);
         let handle = space.handle();
         Ok((Self::start_with(model, space, opts, metrics)?, handle))

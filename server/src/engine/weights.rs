@@ -9,8 +9,8 @@ use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
-use sparsekit_host::model_ops::rope_table;
-use sparsekit_host::Backend;
+use sparsekit_host::model_ops::{inverse_rope_table, rope_table};
+use sparsekit_host::{Backend, V4Dims};
 
 use crate::engine::config::ModelConfig;
 use crate::error::EngineError;
@@ -89,18 +89,81 @@ pub struct LayerWeights<Buf> {
     pub w_down: Buf,
 }
 
+/// The compressor of a V4 layer's compressed entries: softmax-gated pooling of a window of
+/// state rows with a position bias, then RMSNorm of the NoPE part (rope follows at the
+/// entry's position).
+#[derive(Debug)]
+pub struct Compressor<Buf> {
+    /// Position bias `[span, width]` (f32).
+    pub bias: Buf,
+    /// RMSNorm gamma of the pooled row's normalised part (`[448]` for KV, `[index_dim]`
+    /// for index keys).
+    pub norm: Buf,
+}
+
+/// The indexer of a V4 CSA layer: queries from the query latent, head weights from the
+/// hidden state, keys from its own compressor.
+#[derive(Debug)]
+pub struct V4Indexer<Buf> {
+    /// `[q_lora, index_heads · index_dim]`.
+    pub wq: Buf,
+    /// `[hidden, index_heads]`, with `heads^-1/2 · dim^-1/2` folded in.
+    pub heads: Buf,
+    pub compressor: Compressor<Buf>,
+}
+
+/// One DeepSeek-V4 decoder layer's weights (`row` = 512, K = V).
+#[derive(Debug)]
+pub struct V4LayerWeights<Buf> {
+    /// Compression ratio (0: window only).
+    pub ratio: usize,
+    /// RMSNorm gamma before attention `[hidden]`.
+    pub attn_norm: Buf,
+    /// `[hidden, q_lora]`.
+    pub wq_a: Buf,
+    /// `[q_lora]`.
+    pub q_norm: Buf,
+    /// `[q_lora, heads · row]`.
+    pub wq_b: Buf,
+    /// Per-head query RMSNorm gamma `[row]` (shared by the heads).
+    pub q_head_norm: Buf,
+    /// KV projection `[hidden, row]` (448 NoPE, normalised, then 64 rope).
+    pub wkv: Buf,
+    /// `[448]`.
+    pub kv_norm: Buf,
+    /// Per-head attention sink logits `[heads]` (host: the kernel takes them by value).
+    pub sink: Vec<f32>,
+    /// Output projection `[heads · row, hidden]`.
+    pub wo: Buf,
+    /// Compressed layers: the state projection `[hidden, state_width]`, the KV
+    /// compressor, and (CSA) the indexer.
+    pub w_state: Option<Buf>,
+    pub kv_compressor: Option<Compressor<Buf>>,
+    pub indexer: Option<V4Indexer<Buf>>,
+    pub mlp_norm: Buf,
+    /// `[hidden, 2 · intermediate]`.
+    pub w_gate_up: Buf,
+    /// `[intermediate, hidden]`.
+    pub w_down: Buf,
+}
+
 /// All weights of the model on a backend.
 #[derive(Debug)]
 pub struct Weights<Buf> {
     /// `[vocab, hidden]`.
     pub embed: Buf,
+    /// V3.2 layers (empty for a V4 config).
     pub layers: Vec<LayerWeights<Buf>>,
+    /// V4 layers (empty for a V3.2 config).
+    pub v4_layers: Vec<V4LayerWeights<Buf>>,
     /// `[hidden]`.
     pub final_norm: Buf,
     /// `[hidden, vocab]`.
     pub lm_head: Buf,
     /// Rope cos/sin table `[max_context, rope_dim / 2, 2]` (attention and indexer share it).
     pub rope: Buf,
+    /// V4: the inverse rotation's table (the attention output's rope dims), same shape.
+    pub inverse_rope: Option<Buf>,
 }
 
 fn linear(seed: u64, cfg: &ModelConfig, name: &str, fan_in: usize, n: usize) -> Vec<f32> {
@@ -124,7 +187,11 @@ impl<Buf> Weights<Buf> {
         let (lat, rope) = (cfg.kv_lora_rank(), cfg.rope_dim());
         let (ih, id) = (cfg.index_heads(), cfg.index_head_dim());
         let mut layers = Vec::with_capacity(cfg.n_layers);
-        for l in 0..cfg.n_layers {
+        let mut v4_layers = Vec::new();
+        for l in (0..cfg.n_layers).filter(|_| cfg.v4.is_some()) {
+            v4_layers.push(V4LayerWeights::generate(backend, cfg, seed, l)?);
+        }
+        for l in (0..cfg.n_layers).filter(|_| cfg.v4.is_none()) {
             let t = |s: &str| format!("layers.{l}.{s}");
             let fold = (1.0 / ((ih * id) as f64).sqrt()) as f32;
             let heads_w: Vec<f32> = linear(seed, cfg, &t("index.heads"), d, d * ih)
@@ -175,12 +242,107 @@ impl<Buf> Weights<Buf> {
             });
         }
         let vocab = cfg.vocab();
+        let inverse_rope = match cfg.v4 {
+            Some(_) => Some(up(inverse_rope_table(
+                rope,
+                cfg.max_context,
+                cfg.rope_theta,
+            ))?),
+            None => None,
+        };
         Ok(Weights {
             embed: up(synth(seed, cfg.name, "embed", vocab * d, 1.0, 0.0))?,
             layers,
+            v4_layers,
             final_norm: up(gamma(seed, cfg, "final_norm", d))?,
             lm_head: up(linear(seed, cfg, "lm_head", d, d * vocab))?,
             rope: up(rope_table(rope, cfg.max_context, cfg.rope_theta))?,
+            inverse_rope,
+        })
+    }
+}
+
+impl<Buf> V4LayerWeights<Buf> {
+    /// Layer `l` of V4 config `cfg` under `seed`.
+    fn generate<B: Backend<Buffer = Buf>>(
+        backend: &B,
+        cfg: &ModelConfig,
+        seed: u64,
+        l: usize,
+    ) -> Result<Self, EngineError> {
+        let v = cfg.v4.ok_or_else(|| {
+            EngineError::InvalidConfig(format!("{} has no V4 attention", cfg.name))
+        })?;
+        let up = |v: Vec<f32>| backend.upload(bytemuck::cast_slice(&v));
+        let t = |s: &str| format!("layers.{l}.{s}");
+        let (d, r, h, row) = (cfg.hidden, cfg.q_lora_rank, cfg.n_heads, V4Dims::D);
+        let (ih, id) = (cfg.index_heads(), cfg.index_head_dim());
+        let nope = row - cfg.rope_dim();
+        let ratio = v.ratio(l);
+        let span = v.span(ratio);
+        // Position biases of order one: the gates differ by position as well as by token.
+        let bias =
+            |name: &str, width: usize| synth(seed, cfg.name, &t(name), span * width, 1.0, 0.0);
+        let (w_state, kv_compressor, indexer) = if ratio == 0 {
+            (None, None, None)
+        } else {
+            let state = cfg.v4_state_width();
+            let indexer = if ratio == v.dims.csa_ratio {
+                let fold = (1.0 / ((ih * id) as f64).sqrt()) as f32;
+                let heads: Vec<f32> = linear(seed, cfg, &t("index.heads"), d, d * ih)
+                    .into_iter()
+                    .map(|x| x * fold)
+                    .collect();
+                Some(V4Indexer {
+                    wq: up(linear(seed, cfg, &t("index.wq"), r, r * ih * id))?,
+                    heads: up(heads)?,
+                    compressor: Compressor {
+                        bias: up(bias("index.compressor.bias", id))?,
+                        norm: up(gamma(seed, cfg, &t("index.compressor.norm"), id))?,
+                    },
+                })
+            } else {
+                None
+            };
+            (
+                Some(up(linear(seed, cfg, &t("w_state"), d, d * state))?),
+                Some(Compressor {
+                    bias: up(bias("compressor.bias", row))?,
+                    norm: up(gamma(seed, cfg, &t("compressor.norm"), nope))?,
+                }),
+                indexer,
+            )
+        };
+        Ok(V4LayerWeights {
+            ratio,
+            attn_norm: up(gamma(seed, cfg, &t("attn_norm"), d))?,
+            wq_a: up(linear(seed, cfg, &t("wq_a"), d, d * r))?,
+            q_norm: up(gamma(seed, cfg, &t("q_norm"), r))?,
+            wq_b: up(linear(seed, cfg, &t("wq_b"), r, r * h * row))?,
+            q_head_norm: up(gamma(seed, cfg, &t("q_head_norm"), row))?,
+            wkv: up(linear(seed, cfg, &t("wkv"), d, d * row))?,
+            kv_norm: up(gamma(seed, cfg, &t("kv_norm"), nope))?,
+            // Sinks around the typical logsumexp, so they change the output measurably.
+            sink: synth(seed, cfg.name, &t("sink"), h, 2.0, 1.0),
+            wo: up(linear(seed, cfg, &t("wo"), h * row, h * row * d))?,
+            w_state,
+            kv_compressor,
+            indexer,
+            mlp_norm: up(gamma(seed, cfg, &t("mlp_norm"), d))?,
+            w_gate_up: up(linear(
+                seed,
+                cfg,
+                &t("w_gate_up"),
+                d,
+                d * 2 * cfg.intermediate,
+            ))?,
+            w_down: up(linear(
+                seed,
+                cfg,
+                &t("w_down"),
+                cfg.intermediate,
+                cfg.intermediate * d,
+            ))?,
         })
     }
 }

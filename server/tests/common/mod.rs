@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use sparsekit_host::cache::{CacheConfig, CacheSpec, HiCache};
+use sparsekit_host::cache::{CacheConfig, HiCache};
 use sparsekit_host::model_ops::{
     Add, Argmax, Cast, Embed, GatedPool, GatherRows, Matmul, ModelOps, RmsNorm, Rope, SwiGlu,
 };
@@ -262,12 +262,7 @@ pub fn cached_engine<B: Backend + ModelOps + 'static>(
     config: CacheConfig,
 ) -> (Engine, CacheHandle<B>) {
     let model = Model::new(backend.clone(), cfg, opts.seed).unwrap();
-    let spec = CacheSpec::new(
-        model.kv_layout(opts.kv_dtype).unwrap(),
-        model.index_k_layout(opts.index_k_dtype).unwrap(),
-        cfg.n_layers,
-    )
-    .unwrap();
+    let spec = model.cache_spec(opts.kv_dtype, opts.index_k_dtype).unwrap();
     let cache = Arc::new(HiCache::new(backend, spec, config).unwrap());
     let space = CacheKvSpace::new(cache, CacheSpaceOptions::default());
     let handle = space.handle();
