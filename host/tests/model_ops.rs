@@ -1013,8 +1013,7 @@ fn rope_then_inverse_rope_returns_the_input() {
                             );
                         }
                         // The inverse alone: rotation by −θ.
-                        let theta =
-                            pr as f64 * 10000f64.powf(-2.0 * i as f64 / rope_dim as f64);
+                        let theta = pr as f64 * 10000f64.powf(-2.0 * i as f64 / rope_dim as f64);
                         let (c, sn) = (theta.cos(), theta.sin());
                         let want = [a * c + bb * sn, bb * c - a * sn];
                         let tol = 4.0 * U * pair + 1e-30;

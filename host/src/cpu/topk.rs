@@ -211,7 +211,8 @@ fn kth_value(t: f32, k: usize, s: &mut Scratch) -> (f32, usize) {
     }
     let (b, need) = find_bin(&s.hist, k);
     s.bin.clear();
-    s.bin.extend(s.vals.iter().copied().filter(|&v| bin(v) == b));
+    s.bin
+        .extend(s.vals.iter().copied().filter(|&v| bin(v) == b));
     s.bin.sort_unstable_by(|x, y| y.total_cmp(x));
     let big = s.bin[need - 1];
     let above = s.bin.iter().filter(|&&v| v > big).count();
