@@ -1048,7 +1048,7 @@ fn topk(
                 output,
             };
             op.validate(lb, ob).map_err(py_err)?;
-            py.detach(|| cpu::topk::topk(&op, ls, os));
+            py.detach(|| cpu::topk::topk(CpuIsa::get(), &op, ls, os));
             Ok(())
         }
         Device::Cuda(ordinal) => {
