@@ -15,12 +15,14 @@ mkdir -p "$OUT"
 (cd "$ROOT" && cargo build --release --quiet)
 for inj in host-pool-fp8-layout shared-item-size skip-index-wait no-generation-check \
            index-k-after-publish radix-overreach kernel-wrong-slot \
-           host-tier-skips-index-k reload-kv-only \
+           host-tier-skips-index-k reload-kv-only compressor-state-lost \
            pd-fp8-frame pd-read-before-landed stale-transfer-write; do
     case "$inj" in
         pd-*|stale-transfer-write) cfg=bf16/host-on/pd-on ;;
         *) cfg=bf16/host-on/pd-off ;;
     esac
+    model=tiny
+    [[ "$inj" == compressor-state-lost ]] && model=dsv4-tiny
     for mode in checks no-reference no-verify; do
         extra=()
         case "$mode" in
@@ -28,7 +30,7 @@ for inj in host-pool-fp8-layout shared-item-size skip-index-wait no-generation-c
             no-verify) extra=(--no-verify) ;;
         esac
         echo "== $inj $mode ($cfg)" >&2
-        "$BIN" repro --sessions "$SESSIONS" --turns "$TURNS" --configs "$cfg" \
+        "$BIN" repro --model "$model" --sessions "$SESSIONS" --turns "$TURNS" --configs "$cfg" \
             --inject "$inj" "${extra[@]}" --json > "$OUT/$inj.$mode.json" || true
     done
 done

@@ -557,3 +557,47 @@ fn pool_page_size_mismatch_is_caught_twice_and_real_without_checks() {
         "{err:?}"
     );
 }
+
+/// `compressor-state-lost` (DeepSeek-V4: a prefix reused without its compressor state):
+/// caught by the host copy's record of its pools and, with the records unchecked, by the
+/// load checksums; with both off the stale state rows are served.
+#[test]
+fn compressor_state_lost_is_caught_twice_and_real_without_checks() {
+    let f = Fault::CompressorStateLost;
+    let err = reload_error(&[f], true);
+    assert!(
+        matches!(
+            err,
+            Error::Integrity {
+                what: "host copy (pool never backed up)",
+                kind: "state",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let err = reload_error(&[f, Fault::NoLandedCheck], true);
+    assert!(
+        matches!(
+            err,
+            Error::Integrity {
+                what: "host→device",
+                kind: "state",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let err = reload_error(&[f, Fault::NoLandedCheck], false);
+    assert!(
+        matches!(
+            err,
+            Error::Integrity {
+                what: "served page",
+                kind: "state",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+}

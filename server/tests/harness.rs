@@ -25,7 +25,7 @@ use sparsekit_server::harness::{SessionTrace, Workload, WorkloadConfig};
 use sparsekit_server::metrics::Metrics;
 use sparsekit_validation::audit::ReferenceAudit;
 
-fn options(turns: usize) -> ReproOptions {
+fn options(turns: usize, model: ModelConfig) -> ReproOptions {
     ReproOptions {
         workload: WorkloadConfig {
             sessions: 3,
@@ -36,7 +36,7 @@ fn options(turns: usize) -> ReproOptions {
         },
         // Two layers: an early read in layer 0 shows in layer 1's stored keys (with one
         // layer it shows only if that step computes logits).
-        model: ModelConfig::TINY,
+        model,
         deadline: Duration::from_secs(120),
         idle_bound: Duration::from_secs(30),
         health_every: Duration::from_millis(20),
@@ -45,13 +45,14 @@ fn options(turns: usize) -> ReproOptions {
 }
 
 struct Shared {
+    model: ModelConfig,
     w: Workload,
     refs: HashMap<&'static str, Vec<SessionTrace>>,
     plan: RunPlan,
 }
 
-fn prepare(turns: usize, dtypes: &[IndexKDtype]) -> Shared {
-    let o = options(turns);
+fn prepare(turns: usize, dtypes: &[IndexKDtype], model: ModelConfig) -> Shared {
+    let o = options(turns, model);
     let w = Workload::generate(&o.workload);
     let refs = reference_runs(Arc::new(CpuBackend::new()), &o, &w, dtypes, &|| {}).unwrap();
     {
@@ -70,20 +71,31 @@ fn prepare(turns: usize, dtypes: &[IndexKDtype]) -> Shared {
             kernel_check_every: 4,
         };
         eprintln!("sizing: {:?}", plan.sizing);
-        Shared { w, refs, plan }
+        Shared {
+            model,
+            w,
+            refs,
+            plan,
+        }
     }
 }
 
 /// Three turns (turns ≥ 3 give the speed-up), both dtypes: computed once.
 fn three_turns() -> &'static Shared {
     static S: OnceLock<Shared> = OnceLock::new();
-    S.get_or_init(|| prepare(3, &[IndexKDtype::FP8, IndexKDtype::Bf16]))
+    S.get_or_init(|| prepare(3, &[IndexKDtype::FP8, IndexKDtype::Bf16], ModelConfig::TINY))
 }
 
 /// Two turns (the second reuses the first through the host tier), bf16: computed once.
 fn two_turns() -> &'static Shared {
     static S: OnceLock<Shared> = OnceLock::new();
-    S.get_or_init(|| prepare(2, &[IndexKDtype::Bf16]))
+    S.get_or_init(|| prepare(2, &[IndexKDtype::Bf16], ModelConfig::TINY))
+}
+
+/// Two turns of DeepSeek-V4's model (`dsv4-tiny`), bf16 index keys: computed once.
+fn two_turns_v4() -> &'static Shared {
+    static S: OnceLock<Shared> = OnceLock::new();
+    S.get_or_init(|| prepare(2, &[IndexKDtype::Bf16], ModelConfig::DSV4_TINY))
 }
 
 fn run(
@@ -119,7 +131,7 @@ fn run_with(
         abort_rate,
         rounds,
         reference,
-        ..options(s.w.config.turns)
+        ..options(s.w.config.turns, s.model)
     };
     let plan = RunPlan {
         injection,
@@ -480,4 +492,44 @@ fn a_small_decode_pool_is_clean() {
     assert_clean(&rows[0]);
     assert!(rows[0].kernel_checks.unwrap_or(0) > 0, "{:?}", rows[0]);
     assert_eq!(rows[0].kernel_mismatches, Some(0));
+}
+
+/// DeepSeek-V4's model through the harness: the host-tier rows (PD off and on) serve every
+/// session bit-identically with all five pools, and the pool injections — the host tier
+/// skipping index-K (SGLang 17085), a reload restoring only the KV (Mooncake 2236), the
+/// compressor's state left behind — are caught by the servers' checks alone (no
+/// reference: as in production), served (nothing refused), and corrupt sessions with the
+/// checks off.
+#[test]
+fn v4_rows_are_clean_and_the_pool_injections_are_caught() {
+    let s = two_turns_v4();
+    let rows = run(s, "bf16/host-on", None, true, 0.0, 1);
+    assert_eq!(rows.len(), 2);
+    for r in &rows {
+        assert_clean(r);
+        assert!(
+            r.host_hit_rate.is_some_and(|x| x > 0.0),
+            "{}: reuse through the host tier",
+            r.config
+        );
+    }
+    for inj in [
+        Injection::HostTierSkipsIndexK,
+        Injection::ReloadKvOnly,
+        Injection::CompressorStateLost,
+    ] {
+        let r = &run_checks_only(s, "bf16/host-on/pd-off", Some(inj))[0];
+        assert_eq!(r.verdict, Some(Verdict::Caught), "{}: {r:?}", inj.name());
+        assert_eq!(r.refused, Some(0), "{}: {:?}", inj.name(), r.note);
+        assert!(r.fallbacks.unwrap_or(0) > 0, "{}: {r:?}", inj.name());
+        let r = &run(s, "bf16/host-on/pd-off", Some(inj), false, 0.0, 1)[0];
+        assert_eq!(
+            r.verdict,
+            Some(Verdict::Reproduced),
+            "{}: {r:?}",
+            inj.name()
+        );
+        assert_eq!(r.leaked_pages, Some(0), "{}", inj.name());
+        assert_eq!(r.wedged, Some(0), "{}", inj.name());
+    }
 }

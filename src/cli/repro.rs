@@ -50,7 +50,7 @@ pub struct Args {
     configs: Vec<String>,
     /// Fault injection: host-pool-fp8-layout, shared-item-size, skip-index-wait,
     /// no-generation-check, index-k-after-publish, radix-overreach, kernel-wrong-slot,
-    /// host-tier-skips-index-k, reload-kv-only
+    /// host-tier-skips-index-k, reload-kv-only, compressor-state-lost (V4 models)
     /// (pd-fp8-frame, pd-read-before-landed, stale-transfer-write need PD).
     #[arg(long)]
     inject: Option<String>,
@@ -140,6 +140,14 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
         return Err("--no-reference applies to servers this command starts, not --url".into());
     }
     let injection: Option<Injection> = args.inject.as_deref().map(str::parse).transpose()?;
+    let model = ModelConfig::by_name(&args.model)?;
+    if let Some(i) = injection.filter(|i| i.needs_v4() && model.v4.is_none()) {
+        return Err(format!(
+            "--inject {} needs a DeepSeek-V4 model (its compressor state): --model dsv4-tiny",
+            i.name()
+        )
+        .into());
+    }
     let kv_dtype = match args.kv.as_str() {
         "bf16" => KvDtype::Bf16,
         "fp8_ds_mla" => KvDtype::Fp8DsMla,
@@ -155,7 +163,7 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
         deadline: Duration::from_secs(args.deadline_s),
         rounds: args.rounds,
         seed: args.seed,
-        model: ModelConfig::by_name(&args.model)?,
+        model,
         kv_dtype,
         configs: select(&args.configs)?,
         injection,

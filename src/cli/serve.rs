@@ -269,6 +269,11 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
     let mut kernel_fault = None;
     if let Some(name) = &args.inject {
         let i: Injection = name.parse()?;
+        if i.needs_v4() && ModelConfig::by_name(&args.model)?.v4.is_none() {
+            return Err(
+                format!("--inject {name} needs a DeepSeek-V4 model (--model dsv4-tiny)").into(),
+            );
+        }
         if i.needs_pd() && !pd {
             return Err(
                 format!("--inject {name} needs PD (--pd on, or --role prefill/decode)").into(),

@@ -85,10 +85,15 @@ pub enum Fault {
     /// the layout-descriptor comparison of every host copy; with `no-layout-check` the
     /// copies land at the wrong offsets and the load checksums catch them.
     PoolPageSizeMismatch,
+    /// Backups leave out the compressor's state pool (DeepSeek-V4): a prefix reused from
+    /// the host tier that ends inside a compression window resumes it from whatever the
+    /// host page held. Caught by the host copy's record of the pools it holds and,
+    /// with that off (`no-landed-check`), by the load checksums of every pool.
+    CompressorStateLost,
 }
 
 impl Fault {
-    pub const ALL: [Fault; 15] = [
+    pub const ALL: [Fault; 16] = [
         Fault::HostPoolFp8Layout,
         Fault::SkipIndexWait,
         Fault::SharedItemSize,
@@ -104,6 +109,7 @@ impl Fault {
         Fault::HostTierSkipsIndexK,
         Fault::ReloadKvOnly,
         Fault::PoolPageSizeMismatch,
+        Fault::CompressorStateLost,
     ];
 
     /// The fault's name on the command line and in configs.
@@ -124,6 +130,7 @@ impl Fault {
             Fault::HostTierSkipsIndexK => "host-tier-skips-index-k",
             Fault::ReloadKvOnly => "reload-kv-only",
             Fault::PoolPageSizeMismatch => "pool-page-size-mismatch",
+            Fault::CompressorStateLost => "compressor-state-lost",
         }
     }
 }

@@ -662,7 +662,9 @@ fn run_backup<B: Backend>(sh: &Shared<B>, items: &[BackupItem]) -> Result<Vec<Ve
         let host_len = sh.backend.buffer_len(&host_buf);
         let kinds: Vec<BufferKind> = sh.device.spec().kinds(l).collect();
         for &kind in &kinds {
-            if sh.fault(Fault::HostTierSkipsIndexK) && kind == BufferKind::IndexK {
+            if (sh.fault(Fault::HostTierSkipsIndexK) && kind == BufferKind::IndexK)
+                || (sh.fault(Fault::CompressorStateLost) && kind == BufferKind::State)
+            {
                 continue;
             }
             let src = sh.device.region(kind);

@@ -19,6 +19,7 @@
 //! | `kernel-wrong-slot` | — (a top-k bug in the served engines) | kernel checks | every config |
 //! | `host-tier-skips-index-k` | — (the backup skips index-K, SGLang 17085) | host copy records (and load checksums) | host tier on |
 //! | `reload-kv-only` | — (a load skips index-K, Mooncake 2236) | load checksums (and per-kind landed stamps) | host tier on |
+//! | `compressor-state-lost` | — (backups leave the V4 compressor's state out) | host copy records (and load checksums) | V4 models, host tier on |
 //!
 //! `--no-verify` turns the second checks off (load checksums, landed stamps); with it each
 //! injection must corrupt sessions, without it each must be caught with 0 corrupted.
@@ -203,10 +204,11 @@ pub enum Injection {
     KernelWrongSlot,
     HostTierSkipsIndexK,
     ReloadKvOnly,
+    CompressorStateLost,
 }
 
 impl Injection {
-    pub const ALL: [Injection; 12] = [
+    pub const ALL: [Injection; 13] = [
         Injection::HostPoolFp8Layout,
         Injection::SharedItemSize,
         Injection::SkipIndexWait,
@@ -219,6 +221,7 @@ impl Injection {
         Injection::KernelWrongSlot,
         Injection::HostTierSkipsIndexK,
         Injection::ReloadKvOnly,
+        Injection::CompressorStateLost,
     ];
 
     pub fn name(&self) -> &'static str {
@@ -235,7 +238,14 @@ impl Injection {
             Injection::KernelWrongSlot => "kernel-wrong-slot",
             Injection::HostTierSkipsIndexK => "host-tier-skips-index-k",
             Injection::ReloadKvOnly => "reload-kv-only",
+            Injection::CompressorStateLost => "compressor-state-lost",
         }
+    }
+
+    /// Whether it needs a DeepSeek-V4 model (its compressor state, its pools of different
+    /// page sizes) to exist at all (`repro --model dsv4-tiny`).
+    pub fn needs_v4(&self) -> bool {
+        matches!(self, Injection::CompressorStateLost)
     }
 
     /// Whether it needs PD (a transfer between two engines) to exist at all.
@@ -258,6 +268,7 @@ impl Injection {
             Injection::RadixOverreach => vec![Fault::RadixOverreach],
             Injection::HostTierSkipsIndexK => vec![Fault::HostTierSkipsIndexK],
             Injection::ReloadKvOnly => vec![Fault::ReloadKvOnly],
+            Injection::CompressorStateLost => vec![Fault::CompressorStateLost],
             _ => Vec::new(),
         }
     }
@@ -283,7 +294,8 @@ impl Injection {
             Injection::SharedItemSize | Injection::SkipIndexWait => c.host_tier,
             Injection::IndexKAfterPublish
             | Injection::HostTierSkipsIndexK
-            | Injection::ReloadKvOnly => c.host_tier,
+            | Injection::ReloadKvOnly
+            | Injection::CompressorStateLost => c.host_tier,
             Injection::NoGenerationCheck | Injection::RadixOverreach => true,
             Injection::KernelWrongSlot => true,
             // The fp8 frame of an fp8 index-K page is the right frame.
@@ -315,6 +327,7 @@ impl Injection {
             Injection::KernelWrongSlot => "kernel checks",
             Injection::HostTierSkipsIndexK => "host copy records",
             Injection::ReloadKvOnly => "load checksums",
+            Injection::CompressorStateLost => "host copy records",
         }
     }
 }
