@@ -414,7 +414,7 @@ fn a_running_server_is_measured_through_its_url() {
     };
     let opts = ReproOptions {
         configs: vec![key],
-        ..options(2)
+        ..options(2, ModelConfig::TINY)
     };
     let rows = run_configs(&[&runner], &opts, &s.plan, &s.w, &s.refs, &|| {}, &|_| {});
     assert_eq!(rows.len(), 1);
@@ -427,7 +427,7 @@ fn a_running_server_is_measured_through_its_url() {
     // A configuration no server serves is unavailable.
     let opts = ReproOptions {
         configs: vec![key.without_host_tier()],
-        ..options(2)
+        ..options(2, ModelConfig::TINY)
     };
     let rows = run_configs(&[&runner], &opts, &s.plan, &s.w, &s.refs, &|| {}, &|_| {});
     assert!(!rows[0].available);
