@@ -365,10 +365,13 @@ def test_sgl_deepseek_v4_topk_transform_512(rng):
 
 
 def _ref_attention(q, keys_by_token, scale, sink):
-    """float64: per token t a list of dequantised keys [n_t, 512]; returns (out, lse) with
-    FlashMLA's conventions (+inf lse and 0 output for an empty token; sink on out)."""
+    """float64: per token t a list of dequantised keys [n_t, 512]; returns (out, lse, mag)
+    with FlashMLA's conventions (+inf lse and 0 output for an empty token; sink on out);
+    ``mag`` is ``softmax · |keys|`` (sink applied), the scale of the rounding error of the
+    weights' bf16 rounding before the weighted sum."""
     t, h, d = q.shape
     out = np.zeros((t, h, d))
+    mag = np.zeros((t, h, d))
     lse = np.full((t, h), np.inf)
     for i in range(t):
         k = keys_by_token[i]
@@ -380,20 +383,27 @@ def _ref_attention(q, keys_by_token, scale, sink):
         z = p.sum(1, keepdims=True)
         lse[i] = (m + np.log(z))[:, 0]
         o = (p / z) @ k
+        a = (p / z) @ np.abs(k)
         if sink is not None:
-            o = o / (1 + np.exp(sink.astype(np.float64)[:, None] - lse[i][:, None]))
+            f = 1 / (1 + np.exp(sink.astype(np.float64)[:, None] - lse[i][:, None]))
+            o, a = o * f, a * f
         out[i] = o
-    return out, lse
+        mag[i] = a
+    return out, lse, mag
 
 
-def _check_attention(got_out, got_lse, want_out, want_lse, keys_by_token, what):
+def _check_attention(got_out, got_lse, want, keys_by_token, what):
+    """``want`` = ``_ref_attention``'s (out, lse, mag). The bound: one bf16 rounding of each
+    softmax weight before the weighted sum (2^-8 of ``softmax · |keys|``), one of the
+    output (2^-8 of it), and f32 slack for the scores and sums."""
+    want_out, want_lse, mag = want
     for i in range(want_out.shape[0]):
         if len(keys_by_token[i]) == 0:
             assert np.all(got_lse[i] == np.inf), _msg(f"{what}: empty token {i} lse")
             assert np.all(got_out[i] == 0), _msg(f"{what}: empty token {i} out")
             continue
         kmax = np.abs(keys_by_token[i]).max()
-        bound = 2.0 ** -8 * np.abs(want_out[i]) + 2e-4 * kmax + 1e-30
+        bound = 2.0 ** -8 * (np.abs(want_out[i]) + mag[i]) + 2e-4 * kmax + 1e-30
         err = np.abs(got_out[i] - want_out[i])
         assert np.all(err <= bound), _msg(f"{what}: token {i} out err {err.max()} (max ratio {(err / bound).max():.2f})")
         assert np.all(np.abs(got_lse[i] - want_lse[i]) <= 1e-4 * (1 + np.abs(want_lse[i]))), \
@@ -462,8 +472,8 @@ def test_sparse_mla_v4_ragged(rng, main_dtype, extra_dtype):
                           scale, lengths=torch.from_numpy(lens.astype(np.int32)),
                           attn_sink=torch.from_numpy(sink) if with_sink else None,
                           out=out, lse=lse, **kwargs)
-        want_out, want_lse = _ref_attention(q, keys, scale, sink if with_sink else None)
-        _check_attention(out.float().numpy(), lse.numpy(), want_out, want_lse, keys,
+        want = _ref_attention(q, keys, scale, sink if with_sink else None)
+        _check_attention(out.float().numpy(), lse.numpy(), want, keys,
                          f"{main_dtype}+{extra_dtype} sink={with_sink}")
 
 
@@ -476,10 +486,10 @@ def test_sparse_mla_v4_infinite_sinks_and_defaults(rng):
     out, lse = ops.sparse_mla_v4(_bf16_tensor(q), torch.from_numpy(pool), torch.from_numpy(idx),
                                  layout, attn_sink=torch.from_numpy(sink))
     keys = [np.array([ref.decode(pool, s) for s in idx[i] if s >= 0]).reshape(-1, 512) for i in range(t)]
-    want_out, want_lse = _ref_attention(q, keys, 512 ** -0.5, sink)
+    want = _ref_attention(q, keys, 512 ** -0.5, sink)
     got = out.float().numpy()
     assert np.all(got[:, 0] == 0) or all(len(k) == 0 for k in keys), _msg("+inf sink zeroes out")
-    _check_attention(got, lse.numpy(), want_out, want_lse, keys, "infinite sinks")
+    _check_attention(got, lse.numpy(), want, keys, "infinite sinks")
 
 
 # ------------------------------------------------------------------ compat.flash_mla (V4)
@@ -531,10 +541,10 @@ def test_flash_mla_with_kvcache_v4(rng, fp8):
         topk_length=torch.from_numpy(tl.astype(np.int32)),
         extra_topk_length=torch.from_numpy(etl.astype(np.int32)))
     assert tuple(out.shape) == (b, s_q, h, 512) and tuple(lse.shape) == (b, h, s_q)
-    want_out, want_lse = _ref_attention(q.reshape(b * s_q, h, 512), keys, 0.04, sink)
+    want = _ref_attention(q.reshape(b * s_q, h, 512), keys, 0.04, sink)
     got_lse = lse.transpose(1, 2).reshape(b * s_q, h).numpy()
-    _check_attention(out.float().reshape(b * s_q, h, 512).numpy(), got_lse, want_out, want_lse,
-                     keys, f"flash_mla {dtype}")
+    _check_attention(out.float().reshape(b * s_q, h, 512).numpy(), got_lse, want, keys,
+                     f"flash_mla {dtype}")
 
 
 def test_flash_mla_sparse_fwd_v4_bf16(rng):
@@ -549,8 +559,8 @@ def test_flash_mla_sparse_fwd_v4_bf16(rng):
     out, maxl, lse = flash_mla.flash_mla_sparse_fwd(
         _bf16_tensor(q), _bf16_tensor(kv).reshape(s_kv, 1, 512), torch.from_numpy(idx), 0.05,
         d_v=512, topk_length=torch.from_numpy(tl.astype(np.int32)))
-    want_out, want_lse = _ref_attention(q, keys, 0.05, None)
-    _check_attention(out.float().numpy(), lse.numpy(), want_out, want_lse, keys, "sparse_fwd V4")
+    want = _ref_attention(q, keys, 0.05, None)
+    _check_attention(out.float().numpy(), lse.numpy(), want, keys, "sparse_fwd V4")
     for i in range(s_q):
         if len(keys[i]):
             m = (0.05 * (q[i].astype(np.float64) @ keys[i].T)).max(1)
