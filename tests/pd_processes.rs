@@ -248,7 +248,14 @@ fn the_harness_over_nixl_processes() {
         return;
     }
     let rows = repro(&["--sessions", "3", "--turns", "2", "--configs", "pd-on"]);
-    assert_eq!(rows.len(), 4);
+    // Both models by default: DeepSeek-V3.2's and DeepSeek-V4's (every pool over NIXL).
+    assert_eq!(rows.len(), 8);
+    assert_eq!(rows[0]["model"], "tiny");
+    assert_eq!(rows[4]["model"], "dsv4-tiny");
+    assert!(rows[4]["config"]
+        .as_str()
+        .unwrap_or_default()
+        .starts_with("dsv4-tiny/"));
     for r in &rows {
         assert_eq!(r["available"], true, "{r}");
         assert_eq!(r["pd"], "on", "{r}");
@@ -282,6 +289,8 @@ fn the_harness_over_nixl_processes() {
             "bf16/host-on/pd-on",
             "--inject",
             "pd-fp8-frame",
+            "--model",
+            "tiny",
         ];
         args.extend(extra);
         let rows = repro(&args);

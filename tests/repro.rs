@@ -33,7 +33,8 @@ fn repro_json_rows_and_report() {
         String::from_utf8_lossy(&out.stderr)
     );
     let run: Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(run["schema_version"], 2);
+    assert_eq!(run["schema_version"], 3);
+    assert_eq!(run["model"], "tiny,dsv4-tiny");
     assert!(run["wall_seconds"].as_f64().unwrap() > 0.0);
     assert!(run["sizing"]["device_pages"].as_u64().unwrap() > 0);
     assert_eq!(
@@ -41,7 +42,18 @@ fn repro_json_rows_and_report() {
         (Some(2), Some(2))
     );
     let rows = run["rows"].as_array().unwrap();
-    assert_eq!(rows.len(), 2);
+    // Both models by default, DeepSeek-V3.2's rows first.
+    assert_eq!(rows.len(), 4);
+    for (r, model) in rows.iter().zip(["tiny", "tiny", "dsv4-tiny", "dsv4-tiny"]) {
+        assert_eq!(r["model"], model, "{r}");
+        assert!(
+            r["config"]
+                .as_str()
+                .unwrap_or_default()
+                .starts_with(&format!("{model}/")),
+            "{r}"
+        );
+    }
     let t1 = &rows[0]["ttft_by_turn_ms"][0];
     assert_eq!(t1["turn"], 1, "named fields, not positional pairs: {t1}");
     assert!(t1["p50_ms"].as_f64().is_some());
@@ -103,11 +115,11 @@ fn repro_json_rows_and_report() {
     assert_eq!(measured["leaked_pages"], 0);
     assert!(measured["ttft_p99_ms"].as_f64().unwrap() > 0.0);
     assert!(measured["health_p99_ms"].as_f64().unwrap() > 0.0);
-    assert_eq!(measured["config"], "bf16/host-on/pd-off");
+    assert_eq!(measured["config"], "tiny/bf16/host-on/pd-off");
     assert!(measured["host_hit_rate"].as_f64().is_some(), "{measured}");
     assert!(measured["refused_frames"].is_null(), "no PD: no frames");
     let pd = &rows[1];
-    assert_eq!(pd["config"], "bf16/host-on/pd-on");
+    assert_eq!(pd["config"], "tiny/bf16/host-on/pd-on");
     assert_eq!(pd["available"], true, "{pd}");
     assert_eq!(
         (pd["corrupted"].as_u64(), pd["leaked_pages"].as_u64()),
@@ -117,6 +129,12 @@ fn repro_json_rows_and_report() {
         pd["refused_frames"], 0,
         "PD on: frames counted, none refused"
     );
+    for v4 in &rows[2..] {
+        assert_eq!(v4["available"], true, "{v4}");
+        for f in ["corrupted", "refused", "wedged", "leaked_pages"] {
+            assert_eq!(v4[f], 0, "{f}: {v4}");
+        }
+    }
 }
 
 #[test]
@@ -136,6 +154,11 @@ fn repro_refuses_bad_options_clearly() {
         ),
         (&["--url", "http://127.0.0.1:1"], "127.0.0.1:1"),
         (&["--sessions", "0"], "positive"),
+        (
+            &["--model", "tiny", "--inject", "compressor-state-lost"],
+            "needs a DeepSeek-V4 model",
+        ),
+        (&["--model", "gpt2"], "gpt2"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_sparsekit"))
             .arg("repro")

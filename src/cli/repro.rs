@@ -82,9 +82,11 @@ pub struct Args {
     /// servers' backend).
     #[arg(long, default_value = "cpu")]
     backend: String,
-    /// Model config: tiny, dsv32, dsv4-tiny or dsv4.
-    #[arg(long, default_value = "tiny")]
-    model: String,
+    /// Model configs, comma-separated: tiny, dsv32, dsv4-tiny, dsv4. By default
+    /// DeepSeek-V3.2's (`tiny`) and DeepSeek-V4's (`dsv4-tiny`) rows; with several models
+    /// every row is named `MODEL/config`. With --url: the servers' model.
+    #[arg(long, value_delimiter = ',', default_value = "tiny,dsv4-tiny")]
+    model: Vec<String>,
     /// KV dtype: bf16 or fp8_ds_mla.
     #[arg(long, default_value = "bf16")]
     kv: String,
@@ -140,13 +142,28 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
         return Err("--no-reference applies to servers this command starts, not --url".into());
     }
     let injection: Option<Injection> = args.inject.as_deref().map(str::parse).transpose()?;
-    let model = ModelConfig::by_name(&args.model)?;
-    if let Some(i) = injection.filter(|i| i.needs_v4() && model.v4.is_none()) {
-        return Err(format!(
-            "--inject {} needs a DeepSeek-V4 model (its compressor state): --model dsv4-tiny",
-            i.name()
-        )
-        .into());
+    let mut models = args
+        .model
+        .iter()
+        .map(|m| ModelConfig::by_name(m))
+        .collect::<Result<Vec<_>, _>>()?;
+    if models.is_empty() {
+        return Err("--model names no model".into());
+    }
+    if !args.url.is_empty() {
+        // The running servers' model (checked against each other below).
+        models.truncate(1);
+    }
+    if let Some(i) = injection.filter(|i| i.needs_v4()) {
+        models.retain(|m| m.v4.is_some());
+        if models.is_empty() {
+            return Err(format!(
+                "--inject {} needs a DeepSeek-V4 model (its compressor state): --model \
+                 dsv4-tiny",
+                i.name()
+            )
+            .into());
+        }
     }
     let kv_dtype = match args.kv.as_str() {
         "bf16" => KvDtype::Bf16,
@@ -163,7 +180,7 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
         deadline: Duration::from_secs(args.deadline_s),
         rounds: args.rounds,
         seed: args.seed,
-        model,
+        model: models[0],
         kv_dtype,
         configs: select(&args.configs)?,
         injection,
@@ -176,16 +193,34 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
         ..Default::default()
     };
     let started = Instant::now();
-    let (rows, sizing) = match args.backend.as_str() {
-        "cpu" => run_on(Arc::new(CpuBackend::from_env()?), &args, opts.clone())?,
-        "emu" => run_on(Arc::new(EmuBackend::new()), &args, opts.clone())?,
-        "cuda" => {
-            let b = sparsekit::cuda::CudaBackend::new(0)
-                .map_err(|e| format!("cuda backend unavailable: {e}"))?;
-            run_on(Arc::new(b), &args, opts.clone())?
+    let mut rows = Vec::new();
+    let mut sizings = Vec::new();
+    for m in &models {
+        let opts = ReproOptions {
+            model: *m,
+            ..opts.clone()
+        };
+        let (mut got, sizing) = match args.backend.as_str() {
+            "cpu" => run_on(Arc::new(CpuBackend::from_env()?), &args, opts)?,
+            "emu" => run_on(Arc::new(EmuBackend::new()), &args, opts)?,
+            "cuda" => {
+                let b = sparsekit::cuda::CudaBackend::new(0)
+                    .map_err(|e| format!("cuda backend unavailable: {e}"))?;
+                run_on(Arc::new(b), &args, opts)?
+            }
+            other => {
+                return Err(format!("unknown backend {other:?} (available: {BACKENDS})").into())
+            }
+        };
+        if models.len() > 1 {
+            for r in &mut got {
+                r.config = format!("{}/{}", m.name, r.config);
+            }
         }
-        other => return Err(format!("unknown backend {other:?} (available: {BACKENDS})").into()),
-    };
+        rows.extend(got);
+        sizings.extend(sizing.map(|s| (m.name, s)));
+    }
+    let sizing = sizings.first().map(|(_, s)| *s);
     let wall = started.elapsed();
     let run = RunReport {
         schema_version: REPORT_SCHEMA_VERSION,
@@ -195,7 +230,7 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
         turns: args.turns,
         rounds: args.rounds,
         backend: args.backend.clone(),
-        model: args.model.clone(),
+        model: models.iter().map(|m| m.name).collect::<Vec<_>>().join(","),
         sizing,
         reference: !args.no_reference,
         injection: args.inject.clone(),
@@ -212,9 +247,9 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
         println!("{}", serde_json::to_string_pretty(&run)?);
     } else {
         print!("{}", render_table(&rows));
-        if let Some(s) = sizing {
+        for (name, s) in &sizings {
             println!(
-                "device pool {} pages, host tier {} pages (working set ≈ {} pages)",
+                "{name}: device pool {} pages, host tier {} pages (working set ≈ {} pages)",
                 s.device_pages,
                 s.host_pages,
                 s.host_pages.saturating_sub(64) * 4 / 5

@@ -130,7 +130,7 @@ pub struct RunReport {
 }
 
 /// The current [`RunReport::schema_version`].
-pub const REPORT_SCHEMA_VERSION: u32 = 2;
+pub const REPORT_SCHEMA_VERSION: u32 = 3;
 
 /// How many integrity events one check counted over a row's run.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -160,7 +160,10 @@ pub struct Divergence {
 /// One row of the evidence table.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct EvidenceRow {
+    /// The configuration (with several models in one run: `MODEL/config` for all rows).
     pub config: String,
+    /// The model config served (`tiny`, `dsv4-tiny`, …).
+    pub model: String,
     pub index_k: String,
     /// `on`, `off`.
     pub host_tier: String,
@@ -227,6 +230,7 @@ impl EvidenceRow {
     pub fn unavailable(label: &ConfigLabel, why: &str) -> Self {
         EvidenceRow {
             config: label.config.clone(),
+            model: String::new(),
             index_k: label.index_k.clone(),
             host_tier: label.host_tier.clone(),
             pd: label.pd.clone(),

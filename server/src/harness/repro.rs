@@ -452,6 +452,9 @@ pub fn run_configs(
         }
     }
     fill_speedups(&mut rows);
+    for r in &mut rows {
+        r.model = opts.model.name.to_string();
+    }
     rows
 }
 
