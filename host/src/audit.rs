@@ -9,7 +9,7 @@
 //! crate does not depend on the validation crate). Everything is passed as the bytes of
 //! the buffers, in the layouts the ops document.
 
-use crate::ops::{IndexerLogits, SparseMla, Topk};
+use crate::ops::{IndexerLogits, SparseMla, SparseMlaV4, Topk};
 
 /// Re-checks one kernel call: `Ok(())` when the outputs are what the op's contract says
 /// for these inputs (within the op's tolerance), `Err` describing the first difference.
@@ -37,6 +37,19 @@ pub trait KernelAudit: Send + Sync + std::fmt::Debug {
         q: &[u8],
         cache: &[u8],
         indices: &[u8],
+        out: &[u8],
+        lse: &[u8],
+    ) -> Result<(), String>;
+
+    /// `q` bf16 `[n_tokens, n_heads, 512]`, `main` and `extra` each `(cache, indices)`:
+    /// the whole pool and i32 `[n_tokens, topk]` of that cache; `out` bf16
+    /// `[n_tokens, n_heads, 512]`, `lse` f32 `[n_tokens, n_heads]`.
+    fn sparse_mla_v4(
+        &self,
+        op: &SparseMlaV4<'_>,
+        q: &[u8],
+        main: (&[u8], &[u8]),
+        extra: Option<(&[u8], &[u8])>,
         out: &[u8],
         lse: &[u8],
     ) -> Result<(), String>;

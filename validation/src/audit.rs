@@ -3,7 +3,7 @@
 //! while it serves (injected from above: the serving crate knows only the trait).
 
 use half::bf16;
-use sparsekit_host::ops::{IndexerLogits, Op, SparseMla, Topk};
+use sparsekit_host::ops::{IndexerLogits, Op, SparseMla, SparseMlaV4, Topk};
 use sparsekit_host::KernelAudit;
 
 use crate::golden::topk_expected;
@@ -140,5 +140,159 @@ impl KernelAudit for ReferenceAudit {
             sl.add(i, *g as f64, *w, *m, tl);
         }
         verdict("sparse_mla lse", sl)
+    }
+
+    fn sparse_mla_v4(
+        &self,
+        op: &SparseMlaV4<'_>,
+        q: &[u8],
+        main: (&[u8], &[u8]),
+        extra: Option<(&[u8], &[u8])>,
+        out: &[u8],
+        lse: &[u8],
+    ) -> Result<(), String> {
+        let (n, h, d) = (op.n_tokens, op.n_heads, SparseMlaV4::D);
+        let q = values::<bf16>("q", q)?;
+        let got_out = values::<bf16>("out", out)?;
+        let got_lse = values::<f32>("lse", lse)?;
+        let main_idx = values::<i32>("main indices", main.1)?;
+        let extra_idx = extra
+            .map(|(_, i)| values::<i32>("extra indices", i))
+            .transpose()?;
+        let short = got_out.len() < n * h * d
+            || got_lse.len() < n * h
+            || q.len() < n * h * d
+            || main_idx.len() < n * op.main.topk
+            || match (&op.extra, &extra_idx) {
+                (Some(c), Some(i)) => i.len() < n * c.topk,
+                (None, None) => false,
+                _ => true,
+            };
+        if short {
+            return Err("sparse_mla_v4: buffers shorter than the op's tokens".into());
+        }
+        let r = reference::sparse_mla_v4(
+            op,
+            &q,
+            (main.0, &main_idx),
+            extra.map(|e| e.0).zip(extra_idx.as_deref()),
+        );
+        let dt: DataType = op.main.layout.dtype().into();
+        let table =
+            |quantity| tolerance::get(Op::SparseMlaV4, quantity, dt).map_err(|e| e.to_string());
+        let (to, tl) = (table(Quantity::Out)?, table(Quantity::Lse)?);
+        let mut so = ErrorStats::default();
+        for (i, (g, w)) in got_out[..n * h * d].iter().zip(&r.out).enumerate() {
+            so.add(i, g.to_f64(), *w, r.out_magnitude(i), to);
+        }
+        verdict("sparse_mla_v4 out", so)?;
+        let mut sl = ErrorStats::default();
+        for (i, ((g, w), m)) in got_lse[..n * h]
+            .iter()
+            .zip(&r.lse)
+            .zip(&r.lse_magnitude)
+            .enumerate()
+        {
+            sl.add(i, *g as f64, *w, *m, tl);
+        }
+        verdict("sparse_mla_v4 lse", sl)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fixtures::{self, bytes_of, case_rng, Paging};
+    use sparsekit_host::layout::KvLayout;
+    use sparsekit_host::ops::V4Cache;
+    use sparsekit_host::{Backend, CpuBackend, KvInput};
+
+    /// The V4 audit passes the cpu backend's own call (a MODEL1 main cache with per-token
+    /// lengths, a bf16_512 extra cache of another page size, sinks) and catches one wrong
+    /// output value, one wrong lse, and a NaN output.
+    #[test]
+    fn sparse_mla_v4_audit_passes_a_right_call_and_catches_wrong_ones() {
+        let seed: u64 = rand::random();
+        let rng = &mut case_rng(seed, 0x0a0d_0004);
+        let (n, h, d) = (5usize, 3usize, SparseMlaV4::D);
+        let (ml, el) = (
+            KvLayout::model1_fp8(4).unwrap_or_else(|e| panic!("{e}")),
+            KvLayout::bf16_512(2).unwrap_or_else(|e| panic!("{e}")),
+        );
+        let pool = |rng: &mut _, l: &KvLayout, slots: u32| {
+            let paging = Paging::new(rng, l.page_size(), &[slots], 0);
+            fixtures::kv_pool(rng, l, &paging)
+        };
+        let (mp, ep) = (pool(rng, &ml, 12), pool(rng, &el, 8));
+        let (mk, ek) = (7usize, 4usize);
+        let mi: Vec<i32> = (0..n * mk).map(|i| (i * 5 % 12) as i32).collect();
+        let ei: Vec<i32> = (0..n * ek).map(|i| (i * 3 % 8) as i32).collect();
+        let lens: Vec<u32> = (0..n).map(|t| (t % mk + 1) as u32).collect();
+        let q = fixtures::bf16_normal(rng, n * h * d, 1.0);
+        let sink = [0.3f32, -1.0, 2.0];
+        let op = SparseMlaV4 {
+            n_tokens: n,
+            n_heads: h,
+            softmax_scale: 0.05,
+            main: V4Cache {
+                layout: ml,
+                topk: mk,
+                lengths: Some(&lens),
+            },
+            extra: Some(V4Cache {
+                layout: el,
+                topk: ek,
+                lengths: None,
+            }),
+            attn_sink: Some(&sink),
+        };
+        let b = CpuBackend::new();
+        let up = |x: &[u8]| b.upload(x).unwrap_or_else(|e| panic!("{e}"));
+        let (mc, ec, mib, eib) = (up(&mp), up(&ep), up(bytes_of(&mi)), up(bytes_of(&ei)));
+        let mut out = up(&fixtures::poison_bf16(n * h * d));
+        let mut lse = up(&fixtures::poison_f32(n * h));
+        b.sparse_mla_v4(
+            &op,
+            &up(bytes_of(&q)),
+            KvInput {
+                cache: &mc,
+                indices: &mib,
+            },
+            Some(KvInput {
+                cache: &ec,
+                indices: &eib,
+            }),
+            &mut out,
+            &mut lse,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let out: Vec<bf16> = bytemuck::pod_collect_to_vec(&b.download(&out).unwrap_or_default());
+        let lse: Vec<f32> = bytemuck::pod_collect_to_vec(&b.download(&lse).unwrap_or_default());
+        let check = |out: &[bf16], lse: &[f32]| {
+            ReferenceAudit.sparse_mla_v4(
+                &op,
+                bytes_of(&q),
+                (&mp, bytes_of(&mi)),
+                Some((&ep, bytes_of(&ei))),
+                bytes_of(out),
+                bytes_of(lse),
+            )
+        };
+        assert_eq!(check(&out, &lse), Ok(()), "seed {seed}");
+        let i = (2 * h + 1) * d + 100;
+        let mut bad = out.clone();
+        bad[i] = bf16::from_f64(bad[i].to_f64() * 1.5 + 0.25);
+        assert!(
+            check(&bad, &lse).is_err(),
+            "a wrong value passed (seed {seed})"
+        );
+        bad[i] = bf16::NAN;
+        assert!(check(&bad, &lse).is_err(), "NaN passed (seed {seed})");
+        let mut bad_lse = lse.clone();
+        bad_lse[4] += 0.5;
+        assert!(
+            check(&out, &bad_lse).is_err(),
+            "a wrong lse passed (seed {seed})"
+        );
     }
 }

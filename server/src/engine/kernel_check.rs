@@ -11,7 +11,7 @@ use sparsekit_host::ops::{QueryRange, Topk, TopkOutput};
 use sparsekit_host::KernelAudit;
 
 /// The audited ops, in counter order.
-pub const OPS: [&str; 3] = ["indexer_logits", "topk", "sparse_mla"];
+pub const OPS: [&str; 4] = ["indexer_logits", "topk", "sparse_mla", "sparse_mla_v4"];
 
 /// Which op a call is (an index into [`OPS`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -19,6 +19,7 @@ pub enum AuditedOp {
     IndexerLogits = 0,
     Topk = 1,
     SparseMla = 2,
+    SparseMlaV4 = 3,
 }
 
 /// What an engine's kernel checks use: the auditor and the sampling (one call in `every`
@@ -35,9 +36,9 @@ pub struct KernelCheckConfig {
 pub struct KernelCheck {
     audit: Arc<dyn KernelAudit>,
     every: u64,
-    calls: [AtomicU64; 3],
-    ok: [AtomicU64; 3],
-    mismatch: [AtomicU64; 3],
+    calls: [AtomicU64; OPS.len()],
+    ok: [AtomicU64; OPS.len()],
+    mismatch: [AtomicU64; OPS.len()],
     first_mismatch: parking_lot::Mutex<Option<String>>,
 }
 
@@ -89,7 +90,7 @@ impl KernelCheck {
     }
 
     /// Counts so far, per op in [`OPS`] order.
-    pub fn counts(&self) -> [CheckCounts; 3] {
+    pub fn counts(&self) -> [CheckCounts; OPS.len()] {
         std::array::from_fn(|i| CheckCounts {
             ok: self.ok[i].load(Ordering::Relaxed),
             mismatch: self.mismatch[i].load(Ordering::Relaxed),

@@ -103,7 +103,7 @@ pub(super) struct Scheduler<B: Backend + ModelOps, S: KvSpace<B>> {
     drain_until: Option<Instant>,
     /// This engine's kernel checks, and the counts already on `/metrics`.
     check: Option<Arc<KernelCheck>>,
-    checks_published: [CheckCounts; 3],
+    checks_published: [CheckCounts; kernel_check::OPS.len()],
 }
 
 /// How a sequence leaves the engine.

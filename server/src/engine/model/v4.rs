@@ -301,6 +301,17 @@ impl<B: Backend + ModelOps> Model<B> {
             &mut o16,
             &mut lse,
         )?;
+        {
+            let mut bufs: Vec<&B::Buffer> = vec![&q16, main_view, &win_idx, &o16, &lse];
+            if let (Some((_, (idx, _, _))), Some(view)) = (&extra, extra_view) {
+                bufs.push(view);
+                bufs.push(idx);
+            }
+            self.audited(AuditedOp::SparseMlaV4, &bufs, |a, x| {
+                let extra = (x.len() == 7).then(|| (&x[5][..], &x[6][..]));
+                a.sparse_mla_v4(&op, &x[0], (&x[1], &x[2]), extra, &x[3], &x[4])
+            })?;
+        }
         drop((q16, win_idx, extra, lse));
 
         // 5. The inverse rotation of the output's rope dims, the output projection.
