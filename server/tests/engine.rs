@@ -110,61 +110,13 @@ fn same(a: &[Completion], b: &[Completion], what: &str) {
     }
 }
 
-#[test]
-fn determinism_oracle_alone_crowded_and_chunked() {
+/// The oracle for `cfg` in each `(kv, index-K)` dtype pair: every request alone, then all
+/// of them crowded into shared steps under prefill chunks of 7, 16 and 33 tokens (for V4:
+/// chunks that end inside compression windows and on page bounds), bit-identical.
+fn oracle(cfg: ModelConfig, dtypes: &[(KvDtype, IndexKDtype)]) {
     let seed = seed();
     let reqs = requests(seed);
-    for (kv, ik) in [
-        (KvDtype::Bf16, IndexKDtype::FP8),
-        (KvDtype::Fp8DsMla, IndexKDtype::Bf16),
-    ] {
-        let base = EngineOptions {
-            kv_dtype: kv,
-            index_k_dtype: ik,
-            kv_pages: 256,
-            prefill_chunk: 4096,
-            max_batch_tokens: 4096,
-            ..Default::default()
-        };
-        let reference = alone(ModelConfig::TINY, &base, &reqs);
-        assert!(reference.iter().all(|c| c.tokens.len() == c.digests.len()));
-        // Distinct requests give distinct outputs (the oracle is not vacuous).
-        assert_ne!(reference[0].digests, reference[1].digests);
-        for (chunk, batch) in [(7usize, 40usize), (16, 64), (33, 4096)] {
-            let opts = EngineOptions {
-                prefill_chunk: chunk,
-                max_batch_tokens: batch,
-                min_prefill_tokens: 8,
-                ..base.clone()
-            };
-            let (got, max_seqs) = crowded(ModelConfig::TINY, &opts, &reqs);
-            assert!(
-                max_seqs >= 4,
-                "the batch was never crowded ({max_seqs} seqs)"
-            );
-            same(
-                &reference,
-                &got,
-                &format!("{kv:?}/{ik:?} chunk {chunk} batch {batch}"),
-            );
-        }
-    }
-}
-
-/// DeepSeek-V4's structure (`dsv4-tiny`: a window of 16, CSA ratio 4 with top-k 8, HCA
-/// ratio 8, sinks, the compressor): the same oracle, in both KV layouts (`model1_fp8`,
-/// `bf16_512`) and every index-K dtype (fp4 included); prompts far past the window, so
-/// the compressed pools and the selection carry what the window does not.
-#[test]
-fn v4_determinism_oracle_alone_crowded_and_chunked() {
-    let seed = seed();
-    let reqs = requests(seed);
-    let cfg = ModelConfig::DSV4_TINY;
-    for (kv, ik) in [
-        (KvDtype::Fp8DsMla, IndexKDtype::Fp4E2m1),
-        (KvDtype::Bf16, IndexKDtype::FP8),
-        (KvDtype::Fp8DsMla, IndexKDtype::Bf16),
-    ] {
+    for &(kv, ik) in dtypes {
         let base = EngineOptions {
             kv_dtype: kv,
             index_k_dtype: ik,
@@ -175,8 +127,8 @@ fn v4_determinism_oracle_alone_crowded_and_chunked() {
         };
         let reference = alone(cfg, &base, &reqs);
         assert!(reference.iter().all(|c| c.tokens.len() == c.digests.len()));
+        // Distinct requests give distinct outputs (the oracle is not vacuous).
         assert_ne!(reference[0].digests, reference[1].digests);
-        // Chunks that end inside compression windows (7, 33) and on page bounds (16).
         for (chunk, batch) in [(7usize, 40usize), (16, 64), (33, 4096)] {
             let opts = EngineOptions {
                 prefill_chunk: chunk,
@@ -192,10 +144,37 @@ fn v4_determinism_oracle_alone_crowded_and_chunked() {
             same(
                 &reference,
                 &got,
-                &format!("dsv4-tiny {kv:?}/{ik:?} chunk {chunk} batch {batch}"),
+                &format!("{} {kv:?}/{ik:?} chunk {chunk} batch {batch}", cfg.name),
             );
         }
     }
+}
+
+#[test]
+fn determinism_oracle_alone_crowded_and_chunked() {
+    oracle(
+        ModelConfig::TINY,
+        &[
+            (KvDtype::Bf16, IndexKDtype::FP8),
+            (KvDtype::Fp8DsMla, IndexKDtype::Bf16),
+        ],
+    );
+}
+
+/// DeepSeek-V4's structure (`dsv4-tiny`: a window of 16, CSA ratio 4 with top-k 8, HCA
+/// ratio 8, sinks, the compressor): the same oracle, in both KV layouts (`model1_fp8`,
+/// `bf16_512`) and every index-K dtype (fp4 included); prompts far past the window, so
+/// the compressed pools and the selection carry what the window does not.
+#[test]
+fn v4_determinism_oracle_alone_crowded_and_chunked() {
+    oracle(
+        ModelConfig::DSV4_TINY,
+        &[
+            (KvDtype::Fp8DsMla, IndexKDtype::Fp4E2m1),
+            (KvDtype::Bf16, IndexKDtype::FP8),
+            (KvDtype::Fp8DsMla, IndexKDtype::Bf16),
+        ],
+    );
 }
 
 /// The V4 model reads what lies outside its window: a token far before the window

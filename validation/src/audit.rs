@@ -10,6 +10,30 @@ use crate::golden::topk_expected;
 use crate::reference;
 use crate::tolerance::{self, judge_topk_row, DataType, ErrorStats, Quantity};
 
+/// An attention call's `out` and `lse` against the reference `r`, with `op`'s tolerances
+/// for the KV dtype `dt` (NaN never passes).
+fn judge_attention(
+    what: &str,
+    op: Op,
+    dt: DataType,
+    r: &reference::MlaRef,
+    got_out: &[bf16],
+    got_lse: &[f32],
+) -> Result<(), String> {
+    let table = |quantity| tolerance::get(op, quantity, dt).map_err(|e| e.to_string());
+    let (to, tl) = (table(Quantity::Out)?, table(Quantity::Lse)?);
+    let mut so = ErrorStats::default();
+    for (i, (g, w)) in got_out.iter().zip(&r.out).enumerate() {
+        so.add(i, g.to_f64(), *w, r.out_magnitude(i), to);
+    }
+    verdict(&format!("{what} out"), so)?;
+    let mut sl = ErrorStats::default();
+    for (i, ((g, w), m)) in got_lse.iter().zip(&r.lse).zip(&r.lse_magnitude).enumerate() {
+        sl.add(i, *g as f64, *w, *m, tl);
+    }
+    verdict(&format!("{what} lse"), sl)
+}
+
 /// Judges kernel calls against the f64 references, with the tolerances of the
 /// validation suite (top-k by the values it selects and the ties-to-lower rule).
 #[derive(Clone, Copy, Debug, Default)]
@@ -122,24 +146,14 @@ impl KernelAudit for ReferenceAudit {
         }
         let r = reference::sparse_mla(&op.layout, cache, &q, &idx, n, h, op.topk, op.softmax_scale);
         let dt: DataType = op.layout.dtype().into();
-        let table =
-            |quantity| tolerance::get(Op::SparseMla, quantity, dt).map_err(|e| e.to_string());
-        let (to, tl) = (table(Quantity::Out)?, table(Quantity::Lse)?);
-        let mut so = ErrorStats::default();
-        for (i, (g, w)) in got_out[..n * h * dv].iter().zip(&r.out).enumerate() {
-            so.add(i, g.to_f64(), *w, r.out_magnitude(i), to);
-        }
-        verdict("sparse_mla out", so)?;
-        let mut sl = ErrorStats::default();
-        for (i, ((g, w), m)) in got_lse[..n * h]
-            .iter()
-            .zip(&r.lse)
-            .zip(&r.lse_magnitude)
-            .enumerate()
-        {
-            sl.add(i, *g as f64, *w, *m, tl);
-        }
-        verdict("sparse_mla lse", sl)
+        judge_attention(
+            "sparse_mla",
+            Op::SparseMla,
+            dt,
+            &r,
+            &got_out[..n * h * dv],
+            &got_lse[..n * h],
+        )
     }
 
     fn sparse_mla_v4(
@@ -178,24 +192,14 @@ impl KernelAudit for ReferenceAudit {
             extra.map(|e| e.0).zip(extra_idx.as_deref()),
         );
         let dt: DataType = op.main.layout.dtype().into();
-        let table =
-            |quantity| tolerance::get(Op::SparseMlaV4, quantity, dt).map_err(|e| e.to_string());
-        let (to, tl) = (table(Quantity::Out)?, table(Quantity::Lse)?);
-        let mut so = ErrorStats::default();
-        for (i, (g, w)) in got_out[..n * h * d].iter().zip(&r.out).enumerate() {
-            so.add(i, g.to_f64(), *w, r.out_magnitude(i), to);
-        }
-        verdict("sparse_mla_v4 out", so)?;
-        let mut sl = ErrorStats::default();
-        for (i, ((g, w), m)) in got_lse[..n * h]
-            .iter()
-            .zip(&r.lse)
-            .zip(&r.lse_magnitude)
-            .enumerate()
-        {
-            sl.add(i, *g as f64, *w, *m, tl);
-        }
-        verdict("sparse_mla_v4 lse", sl)
+        judge_attention(
+            "sparse_mla_v4",
+            Op::SparseMlaV4,
+            dt,
+            &r,
+            &got_out[..n * h * d],
+            &got_lse[..n * h],
+        )
     }
 }
 
