@@ -691,13 +691,7 @@ fn index_k_store(
                 slots: s,
             };
             op.validate(kb, cb).map_err(py_err)?;
-            let (l, isa) = (layout.0, CpuIsa::get());
-            let d = l.head_dim();
-            py.detach(|| {
-                cpu::store::scatter_by_page(c, l.into(), s, |page, off, t| {
-                    cpu::store::write_index_k_token_on(isa, &l, page, off, &k[t * d..(t + 1) * d])
-                })
-            });
+            py.detach(|| cpu::store::index_k_store(CpuIsa::get(), &op, k, c));
             Ok(())
         }
         Device::Cuda(ordinal) => {
@@ -754,13 +748,7 @@ fn kv_store(
                 slots: s,
             };
             op.validate(kb, cb).map_err(py_err)?;
-            let (l, isa) = (layout.0, CpuIsa::get());
-            let d = l.d_qk();
-            py.detach(|| {
-                cpu::store::scatter_by_page(c, l.into(), s, |page, off, t| {
-                    cpu::store::write_kv_token_on(isa, &l, page, off, &k[t * d..(t + 1) * d])
-                })
-            });
+            py.detach(|| cpu::store::kv_store(CpuIsa::get(), &op, k, c));
             Ok(())
         }
         Device::Cuda(ordinal) => {

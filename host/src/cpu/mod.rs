@@ -122,26 +122,16 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         op.validate(keys.len(), cache.len())?;
         let keys: &[bf16] = keys.typed("keys")?;
-        let l = op.layout;
-        let (d, isa) = (l.head_dim(), self.isa);
-        self.run(|| {
-            store::scatter_by_page(cache.bytes_mut(), l.into(), op.slots, |page, off, t| {
-                store::write_index_k_token_on(isa, &l, page, off, &keys[t * d..(t + 1) * d])
-            })
-        });
+        let isa = self.isa;
+        self.run(|| store::index_k_store(isa, op, keys, cache.bytes_mut()));
         Ok(())
     }
 
     fn kv_store(&self, op: &KvStore<'_>, kv: &CpuBuffer, cache: &mut CpuBuffer) -> Result<()> {
         op.validate(kv.len(), cache.len())?;
         let kv: &[bf16] = kv.typed("kv")?;
-        let l = op.layout;
-        let (d, isa) = (l.d_qk(), self.isa);
-        self.run(|| {
-            store::scatter_by_page(cache.bytes_mut(), l.into(), op.slots, |page, off, t| {
-                store::write_kv_token_on(isa, &l, page, off, &kv[t * d..(t + 1) * d])
-            })
-        });
+        let isa = self.isa;
+        self.run(|| store::kv_store(isa, op, kv, cache.bytes_mut()));
         Ok(())
     }
 

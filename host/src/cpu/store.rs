@@ -15,6 +15,27 @@ use crate::layout::{
     IndexKDtype, IndexKLayout, KvDtype, KvLayout, PageLayout, FP4_GROUP, FP8_DS_MLA_TILE,
     MODEL1_SCALE_BYTES, MODEL1_TILE,
 };
+use crate::ops::{IndexKStore, KvStore};
+
+/// [`IndexKStore`] on slices (validated by the caller) on the vector path `isa`: `keys`
+/// bf16 `[slots.len(), head_dim]`, `cache` whole pages of the layout.
+pub fn index_k_store(isa: CpuIsa, op: &IndexKStore<'_>, keys: &[bf16], cache: &mut [u8]) {
+    let l = op.layout;
+    let d = l.head_dim();
+    scatter_by_page(cache, l.into(), op.slots, |page, off, t| {
+        write_index_k_token_on(isa, &l, page, off, &keys[t * d..(t + 1) * d])
+    })
+}
+
+/// [`KvStore`] on slices (validated by the caller) on the vector path `isa`: `kv` bf16
+/// `[slots.len(), d_qk]`, `cache` whole pages of the layout.
+pub fn kv_store(isa: CpuIsa, op: &KvStore<'_>, kv: &[bf16], cache: &mut [u8]) {
+    let l = op.layout;
+    let d = l.d_qk();
+    scatter_by_page(cache, l.into(), op.slots, |page, off, t| {
+        write_kv_token_on(isa, &l, page, off, &kv[t * d..(t + 1) * d])
+    })
+}
 
 /// Writes the index key of the token at `offset` of `page` (one whole page of bytes), on
 /// the process's default vector path ([`CpuIsa::get`]).
