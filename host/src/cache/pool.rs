@@ -15,7 +15,7 @@ use super::faults::{Fault, Faults};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::layout::{IndexKDtype, IndexKLayout, KvLayout, PageLayout};
-use crate::ops::PagedRegion;
+use crate::ops::{IndexKStore, KvStore, PagedRegion};
 use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering};
 
 /// What a pool's rows are. DeepSeek-V3.2 caches hold `Kv` (the MLA latent KV) and
@@ -264,6 +264,36 @@ impl CacheSpec {
     /// Entries of `kind` in a page.
     pub fn entries_per_page(&self, kind: BufferKind) -> usize {
         self.layout(kind).page_size()
+    }
+
+    /// Stores `rows` into slot numbers `slots` (`page · entries_per_page(kind) + offset`,
+    /// `-1` skips) of `pool`, a pool of `kind` in this spec's layout: index keys (bf16
+    /// `[slots.len(), head_dim]`) through `index_k_store`, quantized as the layout says;
+    /// every row-shaped pool (KV, compressed KV, compressor state: bf16
+    /// `[slots.len(), d_qk]`) through `kv_store`.
+    pub fn store<B: Backend>(
+        &self,
+        backend: &B,
+        kind: BufferKind,
+        slots: &[i64],
+        rows: &B::Buffer,
+        pool: &mut B::Buffer,
+    ) -> Result<()> {
+        match (kind, self.layout(kind)) {
+            (BufferKind::IndexK, _) => backend.index_k_store(
+                &IndexKStore {
+                    layout: self.index_k,
+                    slots,
+                },
+                rows,
+                pool,
+            ),
+            (_, PageLayout::Kv(layout)) => backend.kv_store(&KvStore { layout, slots }, rows, pool),
+            (_, PageLayout::IndexK(_)) => Err(Error::InvalidArgument {
+                what: "kind",
+                detail: format!("{} rows are not index keys", kind.name()),
+            }),
+        }
     }
 
     /// Bytes of one page of every layer and every kind each holds.

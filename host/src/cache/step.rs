@@ -28,8 +28,6 @@ use super::state::invalid;
 use super::types::RequestId;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
-use crate::layout::PageLayout;
-use crate::ops::{IndexKStore, KvStore};
 use crate::sync::{AtomicBool, MutexGuard, Ordering};
 
 /// One token slot: `offset` (tokens, `< page_size`) inside `page`.
@@ -759,30 +757,11 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
     }
 
     /// Runs the store op of `kind` for slot numbers `ids` (checked by [`Self::slots`]):
-    /// index keys through `index_k_store` (quantized as the layout says), every KV-shaped
-    /// pool (KV, compressed KV, compressor state) through `kv_store`.
+    /// [`super::CacheSpec::store`].
     fn run_store(&mut self, kind: BufferKind, ids: &[i64], rows: &B::Buffer) -> Result<()> {
         let sh = &*self.step.cache.shared;
-        let spec = sh.device.spec();
         let dst = self.bufs.get_mut(kind)?;
-        match (kind, spec.layout(kind)) {
-            (BufferKind::IndexK, _) => sh.backend.index_k_store(
-                &IndexKStore {
-                    layout: spec.index_k,
-                    slots: ids,
-                },
-                rows,
-                dst,
-            ),
-            (_, PageLayout::Kv(layout)) => {
-                sh.backend
-                    .kv_store(&KvStore { layout, slots: ids }, rows, dst)
-            }
-            (_, PageLayout::IndexK(_)) => Err(invalid(
-                "kind",
-                format!("{} rows are not index keys", kind.name()),
-            )),
-        }
+        sh.device.spec().store(&*sh.backend, kind, ids, rows, dst)
     }
 
     fn store(&mut self, kind: BufferKind, slots: &[SlotRef], rows: &B::Buffer) -> Result<()> {

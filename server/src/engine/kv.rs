@@ -14,8 +14,6 @@
 use std::collections::HashMap;
 
 use sparsekit_host::cache::{BufferKind, CacheSpec, PageRef, KINDS};
-use sparsekit_host::layout::PageLayout;
-use sparsekit_host::ops::{IndexKStore, KvStore};
 use sparsekit_host::{Backend, IndexKLayout, KvLayout};
 
 use crate::error::EngineError;
@@ -63,35 +61,6 @@ pub trait LayerCache<B: Backend> {
     /// This layer's pool of `kind` (the whole pool), re-checked as [`LayerCache::views`]
     /// for reads of the first `tokens` raw tokens of each `(seq, tokens)` in `reads`.
     fn view(&self, kind: BufferKind, reads: &[(SeqId, usize)]) -> Result<&B::Buffer, EngineError>;
-}
-
-/// Runs the store of `rows` into `slots` of `pool`, a pool of `kind` under `spec`.
-pub(crate) fn store_rows<B: Backend>(
-    backend: &B,
-    spec: &CacheSpec,
-    kind: BufferKind,
-    slots: &[i64],
-    rows: &B::Buffer,
-    pool: &mut B::Buffer,
-) -> Result<(), EngineError> {
-    match (kind, spec.layout(kind)) {
-        (BufferKind::IndexK, _) => backend.index_k_store(
-            &IndexKStore {
-                layout: spec.index_k,
-                slots,
-            },
-            rows,
-            pool,
-        )?,
-        (_, PageLayout::Kv(layout)) => backend.kv_store(&KvStore { layout, slots }, rows, pool)?,
-        (_, PageLayout::IndexK(_)) => {
-            return Err(EngineError::InvalidRequest(format!(
-                "{} rows are not index keys",
-                kind.name()
-            )))
-        }
-    }
-    Ok(())
 }
 
 /// One forward step over a set of sequences: layer by layer access to their caches.
@@ -430,7 +399,7 @@ impl<B: Backend> LayerCache<B> for PagedLayer<'_, B::Buffer> {
         let pool = self.pools[kind.index()]
             .as_mut()
             .ok_or_else(|| missing_pool(kind))?;
-        store_rows(backend, &spec, kind, slots, rows, pool)
+        Ok(spec.store(backend, kind, slots, rows, pool)?)
     }
 
     fn view(&self, kind: BufferKind, _reads: &[(SeqId, usize)]) -> Result<&B::Buffer, EngineError> {
