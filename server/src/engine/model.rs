@@ -33,7 +33,7 @@ use crate::engine::batch::StepBatch;
 use crate::engine::config::ModelConfig;
 use crate::engine::kernel_check::{AuditedOp, KernelCheck, KernelFault};
 use crate::engine::kv::{KvSpace, KvStep, LayerCache, SeqId};
-use crate::engine::weights::{LayerWeights, Weights};
+use crate::engine::weights::{LayerWeights, MlpWeights, Weights};
 use crate::error::EngineError;
 
 mod v4;
@@ -563,7 +563,7 @@ impl<B: Backend + ModelOps> Model<B> {
         drop(ov);
 
         // 6. MLP (+ residual).
-        self.mlp(t, h, &w.mlp_norm, &w.w_gate_up, &w.w_down)
+        self.mlp(t, h, &w.mlp)
     }
 
     /// `h += swiglu(rms_norm(h)·W_gate_up)·W_down` over `t` rows.
@@ -571,16 +571,14 @@ impl<B: Backend + ModelOps> Model<B> {
         &self,
         t: usize,
         h: &mut B::Buffer,
-        norm: &B::Buffer,
-        w_gate_up: &B::Buffer,
-        w_down: &B::Buffer,
+        w: &MlpWeights<B::Buffer>,
     ) -> Result<(), EngineError> {
         let b = &*self.backend;
         let (d, i) = (self.cfg.hidden, self.cfg.intermediate);
         let mut xm = alloc_f32(b, t * d)?;
-        b.rms_norm(&self.norm(t, d), h, norm, &mut xm)?;
+        b.rms_norm(&self.norm(t, d), h, &w.norm, &mut xm)?;
         let mut gu = alloc_f32(b, t * 2 * i)?;
-        b.matmul(&Matmul::dense(t, d, 2 * i), &xm, w_gate_up, &mut gu)?;
+        b.matmul(&Matmul::dense(t, d, 2 * i), &xm, &w.gate_up, &mut gu)?;
         drop(xm);
         let mut act = alloc_f32(b, t * i)?;
         b.swiglu(
@@ -595,7 +593,7 @@ impl<B: Backend + ModelOps> Model<B> {
                 ..Matmul::dense(t, i, d)
             },
             &act,
-            w_down,
+            &w.down,
             h,
         )?;
         Ok(())

@@ -81,12 +81,37 @@ pub struct LayerWeights<Buf> {
     pub w_uv: Buf,
     /// Output projection `[heads · v_head, hidden]`.
     pub wo: Buf,
+    pub mlp: MlpWeights<Buf>,
+}
+
+/// A layer's MLP (the same in V3.2 and V4 layers): `h += swiglu(rms_norm(h)·W_gate_up)·W_down`.
+#[derive(Debug)]
+pub struct MlpWeights<Buf> {
     /// RMSNorm gamma before the MLP `[hidden]`.
-    pub mlp_norm: Buf,
+    pub norm: Buf,
     /// Gate and up projections side by side `[hidden, 2 · intermediate]`.
-    pub w_gate_up: Buf,
+    pub gate_up: Buf,
     /// Down projection `[intermediate, hidden]`.
-    pub w_down: Buf,
+    pub down: Buf,
+}
+
+impl<Buf> MlpWeights<Buf> {
+    /// Layer `l`'s MLP of `cfg` under `seed`.
+    fn generate<B: Backend<Buffer = Buf>>(
+        backend: &B,
+        cfg: &ModelConfig,
+        seed: u64,
+        l: usize,
+    ) -> Result<Self, EngineError> {
+        let up = |v: Vec<f32>| backend.upload(bytemuck::cast_slice(&v));
+        let t = |s: &str| format!("layers.{l}.{s}");
+        let (d, i) = (cfg.hidden, cfg.intermediate);
+        Ok(MlpWeights {
+            norm: up(gamma(seed, cfg, &t("mlp_norm"), d))?,
+            gate_up: up(linear(seed, cfg, &t("w_gate_up"), d, d * 2 * i))?,
+            down: up(linear(seed, cfg, &t("w_down"), i, i * d))?,
+        })
+    }
 }
 
 /// The compressor of a V4 layer's compressed entries: softmax-gated pooling of a window of
@@ -140,11 +165,7 @@ pub struct V4LayerWeights<Buf> {
     pub w_state: Option<Buf>,
     pub kv_compressor: Option<Compressor<Buf>>,
     pub indexer: Option<V4Indexer<Buf>>,
-    pub mlp_norm: Buf,
-    /// `[hidden, 2 · intermediate]`.
-    pub w_gate_up: Buf,
-    /// `[intermediate, hidden]`.
-    pub w_down: Buf,
+    pub mlp: MlpWeights<Buf>,
 }
 
 /// All weights of the model on a backend.
@@ -224,21 +245,7 @@ impl<Buf> Weights<Buf> {
                     h * cfg.v_head_dim,
                     h * cfg.v_head_dim * d,
                 ))?,
-                mlp_norm: up(gamma(seed, cfg, &t("mlp_norm"), d))?,
-                w_gate_up: up(linear(
-                    seed,
-                    cfg,
-                    &t("w_gate_up"),
-                    d,
-                    d * 2 * cfg.intermediate,
-                ))?,
-                w_down: up(linear(
-                    seed,
-                    cfg,
-                    &t("w_down"),
-                    cfg.intermediate,
-                    cfg.intermediate * d,
-                ))?,
+                mlp: MlpWeights::generate(backend, cfg, seed, l)?,
             });
         }
         let vocab = cfg.vocab();
@@ -328,21 +335,7 @@ impl<Buf> V4LayerWeights<Buf> {
             w_state,
             kv_compressor,
             indexer,
-            mlp_norm: up(gamma(seed, cfg, &t("mlp_norm"), d))?,
-            w_gate_up: up(linear(
-                seed,
-                cfg,
-                &t("w_gate_up"),
-                d,
-                d * 2 * cfg.intermediate,
-            ))?,
-            w_down: up(linear(
-                seed,
-                cfg,
-                &t("w_down"),
-                cfg.intermediate,
-                cfg.intermediate * d,
-            ))?,
+            mlp: MlpWeights::generate(backend, cfg, seed, l)?,
         })
     }
 }

@@ -228,8 +228,9 @@ impl<B: Backend + ModelOps> Model<B> {
                 let iw = iw.as_ref().ok_or_else(|| {
                     EngineError::InvalidConfig(format!("a CSA layer of {} has no indexer", c.name))
                 })?;
-                let sel = self.select(v, batch, &table, &iq, iw, &reads, cache)?;
-                Some((BufferKind::CsaKv, sel))
+                let (slots, k) = self.select(v, batch, &table, &iq, iw, &reads, cache)?;
+                // `-1` marks the unused entries: no lengths.
+                Some((BufferKind::CsaKv, (slots, k, None)))
             }
             Some(kind) => {
                 let per_page = spec.entries_per_page(kind);
@@ -336,7 +337,7 @@ impl<B: Backend + ModelOps> Model<B> {
             h,
         )?;
         drop(ou);
-        self.mlp(t, h, &w.mlp_norm, &w.w_gate_up, &w.w_down)
+        self.mlp(t, h, &w.mlp)
     }
 
     /// Step 3 of the module docs for a layer whose compressed pool is `kind`.
@@ -496,8 +497,8 @@ impl<B: Backend + ModelOps> Model<B> {
 
     /// A CSA layer's selection: indexer logits over the compressed entries each row may
     /// see (queries `iq16`, head weights `iw`), then V4's top-k; returns the slots (i32
-    /// `[t, k]`, `-1` padded), `k`, and no lengths (`-1` marks the unused entries).
-    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    /// `[t, k]`, `-1` padded) and `k`.
+    #[allow(clippy::too_many_arguments)]
     fn select<L: LayerCache<B>>(
         &self,
         v: &V4Attention,
@@ -507,7 +508,7 @@ impl<B: Backend + ModelOps> Model<B> {
         iw: &B::Buffer,
         reads: &[(SeqId, usize)],
         cache: &L,
-    ) -> Result<(B::Buffer, usize, Option<Vec<u32>>), EngineError> {
+    ) -> Result<(B::Buffer, usize), EngineError> {
         let b = &*self.backend;
         let c = &self.cfg;
         let t = batch.len();
@@ -561,7 +562,7 @@ impl<B: Backend + ModelOps> Model<B> {
         self.audited(AuditedOp::Topk, &[&scores, &slots], |a, x| {
             a.topk(&topk_op, &x[0], &x[1])
         })?;
-        Ok((slots, k, None))
+        Ok((slots, k))
     }
 
     /// `out = x` with rope on the last [`ROPE`] dims of each of `heads` heads of 512, at
