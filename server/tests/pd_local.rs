@@ -1152,3 +1152,62 @@ fn a_torn_down_transfer_keeps_its_pages_quarantined_for_the_late_write_bound() {
     assert!(closed_at.elapsed() >= bound, "{:?}", closed_at.elapsed());
     d.leak_check().unwrap();
 }
+
+/// Decode's stall bound measures prefill's silence, not its queue: a transfer that waits in
+/// prefill's queue for five stall bounds stays alive while prefill's engine advances (its
+/// `Pending` heartbeats) and lands bit-exact once a worker takes it; when prefill stops
+/// advancing its heartbeats stop, and the bound ends the next transfer (pages released on
+/// both sides).
+#[test]
+fn the_stall_bound_counts_silence_not_queueing() {
+    use std::sync::atomic::{AtomicBool, AtomicU64};
+    let s = spec(KvDtype::Bf16, IndexKDtype::FP8);
+    let stall = Duration::from_millis(500);
+    let rc = ReceiverConfig {
+        stall_timeout: stall,
+        ..ReceiverConfig::default()
+    };
+    let (steps, advancing) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicBool::new(true)));
+    let (st, adv) = (steps.clone(), advancing.clone());
+    let sc = SenderConfig {
+        heartbeat: Duration::from_millis(20),
+        quiet_limit: Duration::from_millis(100),
+        // The engine steps whenever it is asked, until it wedges.
+        liveness: Some(Arc::new(move || {
+            if adv.load(Ordering::Acquire) {
+                st.fetch_add(1, Ordering::AcqRel) + 1
+            } else {
+                st.load(Ordering::Acquire)
+            }
+        })),
+        ..SenderConfig::default()
+    };
+    let pd = pd(cache(s, 8, &[]), cache(s, 8, &[]), rc, sc);
+    let p = prompt(1, 10);
+    let pages = start(&pd, 1, &p).unwrap();
+    // No worker yet: the job stays queued; a wait of five bounds runs out, the transfer
+    // is still active.
+    assert!(matches!(pd.rx.wait(1, stall * 5), Err(PdError::Timeout(_))));
+    assert_eq!(pd.rx.outcome(1), None);
+    let w = Worker::spawn(pd.tx.clone(), pd.p.clone(), go());
+    assert_eq!(pd.rx.wait(1, BOUND).unwrap(), Outcome::Ready);
+    for l in 0..LAYERS {
+        let got = received(&pd.d, 1, &pages, l).unwrap();
+        assert!(same_tokens(&s, p.len(), &got, &expected(&s, &p, l)));
+    }
+    pd.d.finish(1).unwrap();
+    drop(w);
+    // Prefill's engine wedges: no more heartbeats, the bound ends the queued transfer.
+    advancing.store(false, Ordering::Release);
+    start(&pd, 2, &prompt(2, 5)).unwrap();
+    match pd.rx.wait(2, BOUND).unwrap() {
+        Outcome::Failed(r) => assert!(r.contains("no progress"), "{r}"),
+        o => panic!("request 2 ended {o:?}"),
+    }
+    assert!(steps.load(Ordering::Acquire) > 0);
+    until("prefill side released", || pd.tx.in_flight() == 0);
+    until("decode side released", || {
+        pd.d.leak_check().is_ok_and(|c| c.device_free == 8)
+    });
+    assert_eq!(pd.p.leak_check().unwrap().device_free, 8);
+}

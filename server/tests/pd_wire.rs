@@ -77,6 +77,7 @@ fn message() -> impl Strategy<Value = Message> {
         (any::<u64>(), any::<u32>()).prop_map(|(req, tokens)| Message::Finished { req, tokens }),
         (any::<u64>(), reason()).prop_map(|(req, reason)| Message::Cancelled { req, reason }),
         (any::<u64>(), reason()).prop_map(|(req, reason)| Message::Abort { req, reason }),
+        prop::collection::vec(any::<u64>(), 1..40).prop_map(|reqs| Message::Pending { reqs }),
     ]
 }
 
@@ -208,4 +209,18 @@ fn directions() {
     assert!(a.valid_towards(Role::Decode) && a.valid_towards(Role::Prefill));
     let f = Message::Finished { req: 1, tokens: 3 };
     assert!(!f.valid_towards(Role::Prefill));
+}
+
+/// `Pending` goes prefill → decode only, names no single request, and is never empty.
+#[test]
+fn pending_heartbeats() {
+    let p = Message::Pending { reqs: vec![3, 9] };
+    assert!(p.valid_towards(Role::Decode) && !p.valid_towards(Role::Prefill));
+    assert_eq!(p.request(), None);
+    assert_eq!(decode_frame(&p.encode().unwrap()).unwrap(), p);
+    assert!(Message::Pending { reqs: vec![] }.encode().is_err());
+    // A frame that says one request but carries none is refused, not decoded as empty.
+    let mut f = Message::Pending { reqs: vec![7] }.encode().unwrap();
+    f.truncate(f.len() - 8);
+    assert!(decode_frame(&f).is_err());
 }

@@ -47,7 +47,7 @@ pub use error::PdError;
 pub use faults::{Checks, PdFault, PdFaults};
 pub use landing::{LandingGeometry, LandingZone};
 pub use receiver::{Outcome, Receiver, ReceiverConfig};
-pub use sender::{Job, Sender, SenderConfig, StagedLayer};
+pub use sender::{Job, Liveness, Sender, SenderConfig, StagedLayer};
 pub use stats::{PdStats, PdStatsSnapshot};
 pub use wire::{Hello, Message, Role};
 

@@ -28,7 +28,7 @@ use crate::error::EngineError;
 use crate::metrics::Metrics;
 use crate::pd::error::PdError;
 use crate::pd::faults::StaleWriteBarrier;
-use crate::pd::sender::{Job, Sender, SenderConfig};
+use crate::pd::sender::{Job, Liveness, Sender, SenderConfig};
 use crate::pd::stats::{PdStatsSnapshot, Publisher};
 use crate::pd::wire::{Hello, Role};
 use crate::pd::{hello, PdOptions, RequestGuard};
@@ -280,12 +280,17 @@ impl<B: Backend + ModelOps + 'static> PrefillNode<B> {
                 metrics.transfers_in_flight("prefill", in_flight);
             })?
         };
+        let engine = Arc::new(engine);
+        // Transfers queued behind other prompts stay alive while the engine steps.
+        let steps = Arc::downgrade(&engine);
+        let liveness: Liveness = Arc::new(move || steps.upgrade().map_or(0, |e| e.stats().steps));
         Ok(PrefillNode {
-            engine: Arc::new(engine),
+            engine,
             handle,
             sender_config: SenderConfig {
                 faults: pd.faults.clone(),
                 stale_barrier: stale_write,
+                liveness: Some(liveness),
                 ..Default::default()
             },
             workers: pd.workers,

@@ -63,7 +63,10 @@ pub struct ReceiverConfig {
     /// After prefill's `Finished`, how long notifications it sent earlier may still be on
     /// their way (transports may deliver notifications and control frames out of order).
     pub finish_grace: Duration,
-    /// An active transfer without progress for this long is aborted.
+    /// An active transfer without progress for this long is aborted. Progress is a layer
+    /// landed or prefill's `Pending` heartbeat naming the transfer (sent while it waits
+    /// in prefill's queue and prefill's engine advances), so the bound measures prefill's
+    /// silence, not how long its queue is.
     pub stall_timeout: Duration,
     /// An aborted transfer whose confirmation does not come within this bound tears the
     /// connection down (the only safe way to release its pages).
@@ -543,6 +546,18 @@ impl<B: Backend + 'static> RxShared<B> {
                 Outcome::Cancelled(format!("prefill aborted: {reason}")),
             ),
             Message::Bootstrap(_) => self.refuse("wrong_direction", req, &"bootstrap"),
+            Message::Pending { reqs } => {
+                // Requests that ended meanwhile (or were never ours) are skipped: a
+                // heartbeat only ever extends a live transfer's stall bound.
+                let now = Instant::now();
+                for r in reqs {
+                    if let Some(t) = st.transfers.get_mut(&r) {
+                        if matches!(t.phase, Phase::Active) {
+                            t.progress = now;
+                        }
+                    }
+                }
+            }
         }
         None
     }

@@ -19,6 +19,13 @@
 //! `Abort`. So every transfer ends with exactly one confirmation, and decode can release
 //! its quarantine.
 //!
+//! **Heartbeats.** While prefill advances (a job taken, a layer written, a job ended, or
+//! the engine's [`SenderConfig::liveness`] counter moved within
+//! [`SenderConfig::quiet_limit`]), the reader sends decode a `Pending` message naming
+//! every job not ended, every [`SenderConfig::heartbeat`]. Decode's stall bound so
+//! measures prefill's silence, not its queue: a prompt waiting behind others stays alive,
+//! a prefill that stops advancing goes quiet and its transfers end.
+//!
 //! **Every message is survivable**: malformed frames, unexpected kinds, duplicate
 //! bootstraps, aborts for unknown requests are counted, logged and dropped (or answered);
 //! a panic while handling a message fails that message's request and restarts the reader.
@@ -27,7 +34,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use sparsekit_host::cache::{BufferKind, HiCache, LayerGuard, PageRef, RequestId};
@@ -40,7 +47,9 @@ use crate::pd::faults::{PdFault, PdFaults, StaleWriteBarrier};
 use crate::pd::landing::LandingGeometry;
 use crate::pd::stage::{stage, StagedPages};
 use crate::pd::stats::{Ended, PdStats, PdStatsSnapshot};
-use crate::pd::wire::{decode_frame, fit_reason, Bootstrap, Message, Role, Written};
+use crate::pd::wire::{
+    decode_frame, fit_reason, Bootstrap, Message, Role, Written, MAX_PENDING,
+};
 use crate::pd::{check_peer, MessageHook};
 use crate::transfer::{Segment, Transport};
 
@@ -64,10 +73,24 @@ pub struct SenderConfig {
     /// [`StaleWriteBarrier`]). `None`: the fault bites only where an abort happens to
     /// arrive while writes are in flight.
     pub stale_barrier: Option<Arc<StaleWriteBarrier>>,
+    /// How often the reader tells decode which transfers are still pending (`Pending`);
+    /// must be well under decode's stall bound.
+    pub heartbeat: Duration,
+    /// The reader vouches for pending transfers only while prefill advances: a job handed
+    /// to a worker, a layer written, a job ended, or `liveness` changed within this bound.
+    /// A prefill that stops advancing goes silent, and decode's stall bound ends its
+    /// transfers.
+    pub quiet_limit: Duration,
+    /// A counter that grows while prefill's engine works (e.g. its step count); `None`:
+    /// only the sender's own events count as advancing.
+    pub liveness: Option<Liveness>,
     /// Fault injection for tests: called with each decoded message before it is handled;
     /// a panic in it is a panicking reader.
     pub hook: Option<MessageHook>,
 }
+
+/// A counter that grows while the prefill engine advances ([`SenderConfig::liveness`]).
+pub type Liveness = Arc<dyn Fn() -> u64 + Send + Sync>;
 
 impl Default for SenderConfig {
     fn default() -> Self {
@@ -78,6 +101,9 @@ impl Default for SenderConfig {
             max_late: 64,
             max_jobs: 4096,
             stale_barrier: None,
+            heartbeat: Duration::from_secs(1),
+            quiet_limit: Duration::from_secs(30),
+            liveness: None,
             hook: None,
         }
     }
@@ -91,6 +117,9 @@ impl std::fmt::Debug for SenderConfig {
             .field("abort_wait", &self.abort_wait)
             .field("max_late", &self.max_late)
             .field("stale_barrier", &self.stale_barrier.is_some())
+            .field("heartbeat", &self.heartbeat)
+            .field("quiet_limit", &self.quiet_limit)
+            .field("liveness", &self.liveness.is_some())
             .field("hook", &self.hook.is_some())
             .finish()
     }
@@ -147,6 +176,14 @@ struct TxShared<B: Backend + 'static> {
     handling: Mutex<Option<u64>>,
     shutdown: AtomicBool,
     closed: Mutex<Option<String>>,
+    /// When prefill last advanced (see [`SenderConfig::quiet_limit`]).
+    advanced: Mutex<Instant>,
+}
+
+/// The reader's heartbeat bookkeeping.
+struct Beat {
+    last: Instant,
+    liveness: Option<u64>,
 }
 
 /// The prefill side's PD endpoint (see the module docs).
@@ -206,6 +243,7 @@ impl<B: Backend + 'static> Sender<B> {
             handling: Mutex::new(None),
             shutdown: AtomicBool::new(false),
             closed: Mutex::new(None),
+            advanced: Mutex::new(Instant::now()),
         });
         let sh = shared.clone();
         let reader = std::thread::Builder::new()
@@ -225,6 +263,7 @@ impl<B: Backend + 'static> Sender<B> {
         loop {
             let core = self.shared.queue_rx.recv_deadline(deadline).ok()?;
             if !core.state.lock().ended {
+                self.shared.advance();
                 return Some(Job {
                     core,
                     shared: self.shared.clone(),
@@ -302,10 +341,15 @@ impl<B: Backend + 'static> TxShared<B> {
     }
 
     fn run(&self) {
+        let mut beat = Beat {
+            last: Instant::now(),
+            liveness: None,
+        };
         loop {
             if self.shutdown.load(Ordering::Acquire) {
                 return;
             }
+            self.heartbeat(&mut beat);
             match self.transport.recv(self.config.tick) {
                 Ok(Some(frame)) => self.handle(&frame),
                 Ok(None) => {}
@@ -490,11 +534,44 @@ impl<B: Backend + 'static> TxShared<B> {
         }
     }
 
+    /// Prefill advanced (a job taken, a layer written, a job ended).
+    fn advance(&self) {
+        *self.advanced.lock() = Instant::now();
+    }
+
+    /// Every `heartbeat`: while prefill advances, tells decode which transfers are still
+    /// pending (queued or being computed), so that waiting behind other prompts is not
+    /// mistaken for a stall.
+    fn heartbeat(&self, beat: &mut Beat) {
+        let now = Instant::now();
+        if now.duration_since(beat.last) < self.config.heartbeat {
+            return;
+        }
+        beat.last = now;
+        if let Some(probe) = &self.config.liveness {
+            let v = probe();
+            if beat.liveness.is_some_and(|old| old != v) {
+                self.advance();
+            }
+            beat.liveness = Some(v);
+        }
+        if now.duration_since(*self.advanced.lock()) > self.config.quiet_limit {
+            return;
+        }
+        let reqs: Vec<u64> = self.jobs.lock().keys().copied().collect();
+        for chunk in reqs.chunks(MAX_PENDING) {
+            self.send_logged(&Message::Pending {
+                reqs: chunk.to_vec(),
+            });
+        }
+    }
+
     /// Ends a job that did not finish: `Cancelled` if decode asked, else `Abort`.
     fn end_job(&self, core: &JobCore, st: &mut JobState, why: &str) {
         if st.ended {
             return;
         }
+        self.advance();
         if core.cancel.load(Ordering::Acquire) && !core.cancel_reason.lock().is_empty() {
             return self.confirm_cancelled(core, st);
         }
@@ -664,6 +741,7 @@ impl<B: Backend + 'static> Job<B> {
                 .bytes(kind, segments.iter().map(|s| s.bytes.len()).sum());
         }
         st.written[layer] = true;
+        sh.advance();
         if decoy && st.zombie && st.written.iter().all(|w| *w) {
             if let Some(b) = &sh.config.stale_barrier {
                 b.all_held(core.req);
@@ -719,6 +797,7 @@ impl<B: Backend + 'static> Job<B> {
         }
         st.ended = true;
         sh.jobs.lock().remove(&core.req);
+        sh.advance();
         let m = Message::Finished {
             req: core.req,
             tokens: core.prompt.len() as u32,

@@ -32,8 +32,9 @@ use thiserror::Error;
 pub const MAGIC: [u8; 4] = *b"SKPD";
 /// The protocol version this build speaks (and the only one it accepts). 2: `Hello`
 /// carries the whole-spec fingerprint and page kinds are numbered by
-/// [`BufferKind::index`] (V4's compressed-KV and state pools).
-pub const VERSION: u16 = 2;
+/// [`BufferKind::index`] (V4's compressed-KV and state pools). 3: prefill's `Pending`
+/// heartbeat.
+pub const VERSION: u16 = 3;
 /// Bytes of the frame header.
 pub const HEADER_LEN: usize = 20;
 /// Largest payload accepted (bytes).
@@ -171,7 +172,7 @@ pub struct Written {
     pub checksums: Vec<u64>,
 }
 
-/// Every message of protocol version 1.
+/// Every message of the protocol ([`VERSION`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Message {
     /// Both ways, first on a connection.
@@ -188,6 +189,11 @@ pub enum Message {
     /// Both ways. Decode → prefill: stop transferring `req` (answered by `Cancelled`).
     /// Prefill → decode: prefill gave `req` up; nothing more will land for it.
     Abort { req: u64, reason: String },
+    /// Prefill → decode, periodically: these transfers are queued or being computed and
+    /// prefill's engine is advancing. It is what keeps a transfer that waits behind other
+    /// prompts alive under decode's stall bound, which measures prefill's silence, not
+    /// its queue. Never empty.
+    Pending { reqs: Vec<u64> },
 }
 
 const K_HELLO: u8 = 1;
@@ -196,6 +202,9 @@ const K_WRITTEN: u8 = 3;
 const K_FINISHED: u8 = 4;
 const K_CANCELLED: u8 = 5;
 const K_ABORT: u8 = 6;
+const K_PENDING: u8 = 7;
+/// Requests in one `Pending` frame, at most.
+pub const MAX_PENDING: usize = 65536;
 
 impl Message {
     /// Short name of the message type (logs, metrics).
@@ -211,13 +220,15 @@ impl Message {
             Message::Finished { .. } => K_FINISHED,
             Message::Cancelled { .. } => K_CANCELLED,
             Message::Abort { .. } => K_ABORT,
+            Message::Pending { .. } => K_PENDING,
         }
     }
 
-    /// The request the message is about (`None` for `Hello`).
+    /// The request the message is about (`None` for `Hello` and `Pending`, which name
+    /// none or several).
     pub fn request(&self) -> Option<u64> {
         match self {
-            Message::Hello(_) => None,
+            Message::Hello(_) | Message::Pending { .. } => None,
             Message::Bootstrap(b) => Some(b.req),
             Message::Written(w) => Some(w.req),
             Message::Finished { req, .. }
@@ -231,9 +242,10 @@ impl Message {
         match self {
             Message::Hello(_) | Message::Abort { .. } => true,
             Message::Bootstrap(_) => to == Role::Prefill,
-            Message::Written(_) | Message::Finished { .. } | Message::Cancelled { .. } => {
-                to == Role::Decode
-            }
+            Message::Written(_)
+            | Message::Finished { .. }
+            | Message::Cancelled { .. }
+            | Message::Pending { .. } => to == Role::Decode,
         }
     }
 
@@ -310,6 +322,15 @@ impl Message {
                 put_u16(&mut p, reason.len() as u16);
                 p.extend_from_slice(reason.as_bytes());
             }
+            Message::Pending { reqs } => {
+                if reqs.is_empty() || reqs.len() > MAX_PENDING {
+                    return Err(bad("request list empty or too long"));
+                }
+                put_u32(&mut p, reqs.len() as u32);
+                for &r in reqs {
+                    put_u64(&mut p, r);
+                }
+            }
         }
         if p.len() > MAX_PAYLOAD {
             return Err(WireError::TooLarge(p.len()));
@@ -336,6 +357,7 @@ fn kind_name(k: u8) -> &'static str {
         K_FINISHED => "finished",
         K_CANCELLED => "cancelled",
         K_ABORT => "abort",
+        K_PENDING => "pending",
         _ => "unknown",
     }
 }
@@ -532,6 +554,16 @@ fn decode_payload(h: Header, payload: &[u8]) -> Result<Message, WireError> {
             } else {
                 Message::Abort { req, reason }
             }
+        }
+        K_PENDING => {
+            let n = r.count("requests", 8, MAX_PENDING)?;
+            if n == 0 {
+                return Err(r.bad("no requests".into()));
+            }
+            let reqs = (0..n)
+                .map(|_| r.u64("request"))
+                .collect::<Result<Vec<_>, _>>()?;
+            Message::Pending { reqs }
         }
         k => return Err(WireError::UnknownKind(k)),
     };
