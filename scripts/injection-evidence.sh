@@ -15,14 +15,14 @@ mkdir -p "$OUT"
 (cd "$ROOT" && cargo build --release --quiet)
 for inj in host-pool-fp8-layout shared-item-size skip-index-wait no-generation-check \
            index-k-after-publish radix-overreach kernel-wrong-slot \
-           host-tier-skips-index-k reload-kv-only compressor-state-lost \
+           host-tier-skips-index-k reload-kv-only compressor-state-lost pool-page-size-mismatch \
            pd-fp8-frame pd-read-before-landed stale-transfer-write; do
     case "$inj" in
         pd-*|stale-transfer-write) cfg=bf16/host-on/pd-on ;;
         *) cfg=bf16/host-on/pd-off ;;
     esac
     model=tiny
-    [[ "$inj" == compressor-state-lost ]] && model=dsv4-tiny
+    [[ "$inj" == compressor-state-lost || "$inj" == pool-page-size-mismatch ]] && model=dsv4-tiny
     for mode in checks no-reference no-verify; do
         extra=()
         case "$mode" in

@@ -158,6 +158,10 @@ fn repro_refuses_bad_options_clearly() {
             &["--model", "tiny", "--inject", "compressor-state-lost"],
             "needs a DeepSeek-V4 model",
         ),
+        (
+            &["--model", "tiny", "--inject", "pool-page-size-mismatch"],
+            "needs a DeepSeek-V4 model",
+        ),
         (&["--model", "gpt2"], "gpt2"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_sparsekit"))

@@ -497,7 +497,8 @@ fn a_small_decode_pool_is_clean() {
 /// DeepSeek-V4's model through the harness: the host-tier rows (PD off and on) serve every
 /// session bit-identically with all five pools, and the pool injections — the host tier
 /// skipping index-K (SGLang 17085), a reload restoring only the KV (Mooncake 2236), the
-/// compressor's state left behind — are caught by the servers' checks alone (no
+/// compressor's state left behind, the compressed pools backed up with the window pool's
+/// page size — are caught by the servers' checks alone (no
 /// reference: as in production), served (nothing refused), and corrupt sessions with the
 /// checks off.
 #[test]
@@ -517,6 +518,7 @@ fn v4_rows_are_clean_and_the_pool_injections_are_caught() {
         Injection::HostTierSkipsIndexK,
         Injection::ReloadKvOnly,
         Injection::CompressorStateLost,
+        Injection::PoolPageSizeMismatch,
     ] {
         let r = &run_checks_only(s, "bf16/host-on/pd-off", Some(inj))[0];
         assert_eq!(r.verdict, Some(Verdict::Caught), "{}: {r:?}", inj.name());

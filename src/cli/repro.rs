@@ -50,8 +50,9 @@ pub struct Args {
     configs: Vec<String>,
     /// Fault injection: host-pool-fp8-layout, shared-item-size, skip-index-wait,
     /// no-generation-check, index-k-after-publish, radix-overreach, kernel-wrong-slot,
-    /// host-tier-skips-index-k, reload-kv-only, compressor-state-lost (V4 models)
-    /// (pd-fp8-frame, pd-read-before-landed, stale-transfer-write need PD).
+    /// host-tier-skips-index-k, reload-kv-only, compressor-state-lost and
+    /// pool-page-size-mismatch (V4 models) (pd-fp8-frame, pd-read-before-landed,
+    /// stale-transfer-write need PD).
     #[arg(long)]
     inject: Option<String>,
     /// Turn the integrity checks off (load checksums, landed stamps, written slots,
@@ -96,7 +97,7 @@ pub struct Args {
     /// Seconds a request may take before it counts as wedged.
     #[arg(long, default_value_t = 300)]
     deadline_s: u64,
-    /// Print the run as JSON (the schema of docs/repro.md, `schema_version` 2).
+    /// Print the run as JSON (the schema of docs/repro.md, `schema_version` 3).
     #[arg(long)]
     json: bool,
     /// Also write the run as a page to DIR: index.html (the tables, TTFT by turn and

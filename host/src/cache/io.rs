@@ -556,10 +556,12 @@ fn copy_kind<B: Backend>(
     kind: BufferKind,
     (host_ids, dev_ids): &(Vec<i32>, Vec<i32>),
 ) -> Result<()> {
+    // Loads address the host pages with the pool's own descriptor: the
+    // `pool-page-size-mismatch` fault lives in the backup path only.
     copy_host(
         sh,
         Side {
-            region: host_side(sh, host, l, kind)?,
+            region: host.region(l, kind),
             ids: host_ids,
         },
         host_buf,
@@ -721,10 +723,11 @@ fn run_backup<B: Backend>(sh: &Shared<B>, items: &[BackupItem]) -> Result<Vec<Ve
     Ok(records)
 }
 
-/// The host side of a copy of layer `l`'s pool `kind`: its host region (under the
+/// The host side of a backup of layer `l`'s pool `kind`: its host region (under the
 /// `pool-page-size-mismatch` fault, a compressed pool's is described and strided with the
-/// window pool's page size — a descriptor the layout comparison refuses, and offsets that
-/// land on other pools' pages when it is bypassed).
+/// window pool's page size — a descriptor the layout comparison refuses; when it is
+/// bypassed the backup writes each page where the load, which uses the pool's own
+/// descriptor, does not look, and over other pages and pools).
 fn host_side<B: Backend>(
     sh: &Shared<B>,
     host: &super::pool::HostPool<B>,

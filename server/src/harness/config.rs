@@ -205,10 +205,11 @@ pub enum Injection {
     HostTierSkipsIndexK,
     ReloadKvOnly,
     CompressorStateLost,
+    PoolPageSizeMismatch,
 }
 
 impl Injection {
-    pub const ALL: [Injection; 13] = [
+    pub const ALL: [Injection; 14] = [
         Injection::HostPoolFp8Layout,
         Injection::SharedItemSize,
         Injection::SkipIndexWait,
@@ -222,6 +223,7 @@ impl Injection {
         Injection::HostTierSkipsIndexK,
         Injection::ReloadKvOnly,
         Injection::CompressorStateLost,
+        Injection::PoolPageSizeMismatch,
     ];
 
     pub fn name(&self) -> &'static str {
@@ -239,13 +241,17 @@ impl Injection {
             Injection::HostTierSkipsIndexK => "host-tier-skips-index-k",
             Injection::ReloadKvOnly => "reload-kv-only",
             Injection::CompressorStateLost => "compressor-state-lost",
+            Injection::PoolPageSizeMismatch => "pool-page-size-mismatch",
         }
     }
 
     /// Whether it needs a DeepSeek-V4 model (its compressor state, its pools of different
     /// page sizes) to exist at all (`repro --model dsv4-tiny`).
     pub fn needs_v4(&self) -> bool {
-        matches!(self, Injection::CompressorStateLost)
+        matches!(
+            self,
+            Injection::CompressorStateLost | Injection::PoolPageSizeMismatch
+        )
     }
 
     /// Whether it needs PD (a transfer between two engines) to exist at all.
@@ -269,6 +275,11 @@ impl Injection {
             Injection::HostTierSkipsIndexK => vec![Fault::HostTierSkipsIndexK],
             Injection::ReloadKvOnly => vec![Fault::ReloadKvOnly],
             Injection::CompressorStateLost => vec![Fault::CompressorStateLost],
+            // The descriptor comparison would refuse the copy: bypass it, so that the
+            // misplaced host copies must be caught by what comes next.
+            Injection::PoolPageSizeMismatch => {
+                vec![Fault::PoolPageSizeMismatch, Fault::NoLayoutCheck]
+            }
             _ => Vec::new(),
         }
     }
@@ -295,7 +306,8 @@ impl Injection {
             Injection::IndexKAfterPublish
             | Injection::HostTierSkipsIndexK
             | Injection::ReloadKvOnly
-            | Injection::CompressorStateLost => c.host_tier,
+            | Injection::CompressorStateLost
+            | Injection::PoolPageSizeMismatch => c.host_tier,
             Injection::NoGenerationCheck | Injection::RadixOverreach => true,
             Injection::KernelWrongSlot => true,
             // The fp8 frame of an fp8 index-K page is the right frame.
@@ -328,6 +340,7 @@ impl Injection {
             Injection::HostTierSkipsIndexK => "host copy records",
             Injection::ReloadKvOnly => "load checksums",
             Injection::CompressorStateLost => "host copy records",
+            Injection::PoolPageSizeMismatch => "load checksums",
         }
     }
 }

@@ -47,9 +47,7 @@ use crate::pd::faults::{PdFault, PdFaults, StaleWriteBarrier};
 use crate::pd::landing::LandingGeometry;
 use crate::pd::stage::{stage, StagedPages};
 use crate::pd::stats::{Ended, PdStats, PdStatsSnapshot};
-use crate::pd::wire::{
-    decode_frame, fit_reason, Bootstrap, Message, Role, Written, MAX_PENDING,
-};
+use crate::pd::wire::{decode_frame, fit_reason, Bootstrap, Message, Role, Written, MAX_PENDING};
 use crate::pd::{check_peer, MessageHook};
 use crate::transfer::{Segment, Transport};
 
