@@ -1658,7 +1658,7 @@ fn page_checksums(
                 ids: is,
             };
             op.validate(pb, ob).map_err(py_err)?;
-            py.detach(|| cpu::pages::page_checksums(&op, ps, os));
+            py.detach(|| cpu::pages::page_checksums(CpuIsa::get(), &op, ps, os));
             Ok(())
         }
         Device::Cuda(ordinal) => {

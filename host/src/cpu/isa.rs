@@ -23,9 +23,9 @@ pub const ISA_ENV: &str = "SPARSEKIT_CPU_ISA";
 /// A vector code path.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Isa {
-    /// AVX-512F, AVX-512BW and AVX512_BF16 (`vdpbf16ps`) with FMA.
+    /// AVX-512F, AVX-512BW, AVX-512DQ and AVX512_BF16 (`vdpbf16ps`) with FMA.
     Avx512Bf16,
-    /// AVX-512F and AVX-512BW with FMA.
+    /// AVX-512F, AVX-512BW and AVX-512DQ with FMA.
     Avx512,
     /// AVX2 with FMA.
     Avx2,
@@ -67,6 +67,7 @@ impl Isa {
                 std::arch::is_x86_feature_detected!("fma")
                     && std::arch::is_x86_feature_detected!("avx512f")
                     && std::arch::is_x86_feature_detected!("avx512bw")
+                    && std::arch::is_x86_feature_detected!("avx512dq")
             }
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => {

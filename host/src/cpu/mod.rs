@@ -227,7 +227,8 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         op.validate(pool.len(), out.len())?;
         let out = out.typed_mut::<u64>("checksums")?;
-        self.run(|| pages::page_checksums(op, pool.bytes(), out));
+        let isa = self.isa;
+        self.run(|| pages::page_checksums(isa, op, pool.bytes(), out));
         Ok(())
     }
 }

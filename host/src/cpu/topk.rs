@@ -79,6 +79,11 @@ pub fn select_row(row: &[f32], k: usize, dst: &mut [i32]) -> usize {
     select_row_with(CpuIsa::get(), row, k, dst, &mut Scratch::default())
 }
 
+#[doc(hidden)]
+pub fn select_row_isa(isa: CpuIsa, row: &[f32], k: usize, dst: &mut [i32]) -> usize {
+    select_row_with(isa, row, k, dst, &mut Scratch::default())
+}
+
 /// [`select_row`] on the vector path `isa` with reusable buffers.
 fn select_row_with(isa: CpuIsa, row: &[f32], k: usize, dst: &mut [i32], s: &mut Scratch) -> usize {
     match prefiltered(isa, row, k, dst, s) {
@@ -110,13 +115,156 @@ struct Scratch {
 crate::isa_dispatch! {
     /// [`prefilter`] compiled for the path.
     fn prefiltered(row: &[f32], k: usize, dst: &mut [i32], s: &mut Scratch) -> Option<usize> =
-        |ISA| prefilter(row, k, dst, s);
+        |ISA| prefilter(ISA, row, k, dst, s);
+}
+
+/// Replaces `vals`/`pos` with the entries of `row` that are `≥ t` and their positions, in
+/// position order (`t` finite: NaN and `-inf` never pass). The scan is the pre-filter's one
+/// pass over the row: a vector compare per 16 (AVX-512) or 8 (AVX2) lanes, and only
+/// the rare lanes that pass are stored.
+#[inline(always)]
+fn scan_at_least(isa: CpuIsa, row: &[f32], t: f32, vals: &mut Vec<f32>, pos: &mut Vec<i32>) {
+    vals.clear();
+    pos.clear();
+    let done = match isa.isa() {
+        // SAFETY: a `CpuIsa` names only a path this CPU supports (AVX-512F here).
+        #[cfg(target_arch = "x86_64")]
+        super::isa::Isa::Avx512Bf16 | super::isa::Isa::Avx512 => unsafe {
+            scan_avx512(row, t, vals, pos)
+        },
+        // SAFETY: as above (AVX2).
+        #[cfg(target_arch = "x86_64")]
+        super::isa::Isa::Avx2 => unsafe { scan_avx2(row, t, vals, pos) },
+        _ => 0,
+    };
+    for (j, &x) in row.iter().enumerate().skip(done) {
+        if x >= t {
+            vals.push(x);
+            pos.push(j as i32);
+        }
+    }
+}
+
+/// The AVX-512 scan over the first `row.len() / 16 · 16` entries (returned): each
+/// vector's passing lanes are compressed into a register and stored whole at the end
+/// of the output (which has room for 16 more), so a vector costs the same whatever passes.
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn scan_avx512(row: &[f32], t: f32, vals: &mut Vec<f32>, pos: &mut Vec<i32>) -> usize {
+    use std::arch::x86_64::*;
+    let n = row.len() / 16 * 16;
+    // Room for every entry plus one whole vector past the last kept one.
+    vals.reserve(n + 16);
+    pos.reserve(n + 16);
+    let (vp, pp) = (vals.as_mut_ptr(), pos.as_mut_ptr());
+    let tv = _mm512_set1_ps(t);
+    let iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    let mut len = 0usize;
+    let mut i = 0usize;
+    while i < n {
+        // SAFETY: `i + 16 ≤ n ≤ row.len()`.
+        let x = unsafe { _mm512_loadu_ps(row.as_ptr().add(i)) };
+        let m = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, tv);
+        if m != 0 {
+            let at = _mm512_add_epi32(iota, _mm512_set1_epi32(i as i32));
+            // SAFETY: `len ≤ i` entries kept so far and capacity `≥ n + 16`, so the 16
+            // lanes stored at `len` stay inside the allocation.
+            unsafe {
+                _mm512_storeu_ps(vp.add(len), _mm512_maskz_compress_ps(m, x));
+                _mm512_storeu_si512(pp.add(len).cast(), _mm512_maskz_compress_epi32(m, at));
+            }
+            len += m.count_ones() as usize;
+        }
+        i += 16;
+    }
+    // SAFETY: the first `len` entries of both were written above (f32/i32: any bits valid).
+    unsafe {
+        vals.set_len(len);
+        pos.set_len(len);
+    }
+    n
+}
+
+/// For each 8-bit mask, the lanes whose bit is set, in order, then zeros: the permutation
+/// that packs an AVX2 vector's passing lanes to its front.
+#[cfg(target_arch = "x86_64")]
+static PACK8: [[u32; 8]; 256] = {
+    let mut t = [[0u32; 8]; 256];
+    let mut m = 0;
+    while m < 256 {
+        let (mut j, mut n) = (0, 0);
+        while j < 8 {
+            if m & (1 << j) != 0 {
+                t[m][n] = j as u32;
+                n += 1;
+            }
+            j += 1;
+        }
+        m += 1;
+    }
+    t
+};
+
+/// The AVX2 scan over the first `row.len() / 8 · 8` entries (returned): a vector compare
+/// per 8 lanes; a vector with passing lanes is packed by a permutation from [`PACK8`] and
+/// stored whole at the end of the output (which has room for 8 more).
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn scan_avx2(row: &[f32], t: f32, vals: &mut Vec<f32>, pos: &mut Vec<i32>) -> usize {
+    use std::arch::x86_64::*;
+    let n = row.len() / 8 * 8;
+    vals.reserve(n + 8);
+    pos.reserve(n + 8);
+    let (vp, pp) = (vals.as_mut_ptr(), pos.as_mut_ptr());
+    let tv = _mm256_set1_ps(t);
+    let iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    let mut len = 0usize;
+    let mut i = 0usize;
+    while i < n {
+        // SAFETY: `i + 8 ≤ n ≤ row.len()`.
+        let x = unsafe { _mm256_loadu_ps(row.as_ptr().add(i)) };
+        let m = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(x, tv)) as usize;
+        if m != 0 {
+            // SAFETY: `m < 256`, a row of 8 u32 (32 bytes) of the table.
+            let perm = unsafe { _mm256_loadu_si256(PACK8[m].as_ptr().cast()) };
+            let at = _mm256_add_epi32(iota, _mm256_set1_epi32(i as i32));
+            // SAFETY: `len ≤ i` entries kept so far and capacity `≥ n + 8`: the 8 lanes
+            // stored at `len` stay inside the allocation.
+            unsafe {
+                _mm256_storeu_ps(vp.add(len), _mm256_permutevar8x32_ps(x, perm));
+                _mm256_storeu_si256(
+                    pp.add(len).cast(),
+                    _mm256_permutevar8x32_epi32(at, perm),
+                );
+            }
+            len += m.count_ones() as usize;
+        }
+        i += 8;
+    }
+    // SAFETY: the first `len` entries of both were written above (f32/i32: any bits valid).
+    unsafe {
+        vals.set_len(len);
+        pos.set_len(len);
+    }
+    n
 }
 
 /// The pre-filtered path (module docs): `Some(k)` with the positions in `dst`, or `None`
 /// when it does not apply or keeps fewer than `k`.
 #[inline(always)]
-fn prefilter(row: &[f32], k: usize, dst: &mut [i32], s: &mut Scratch) -> Option<usize> {
+fn prefilter(
+    isa: CpuIsa,
+    row: &[f32],
+    k: usize,
+    dst: &mut [i32],
+    s: &mut Scratch,
+) -> Option<usize> {
     let n = row.len();
     if n < PREFILTER_MIN || n < 4 * k {
         return None;
@@ -124,11 +272,10 @@ fn prefilter(row: &[f32], k: usize, dst: &mut [i32], s: &mut Scratch) -> Option<
     // 64 runs of 32 contiguous entries spread over the row: a few cache lines, not a pass.
     let runs = SAMPLE / 32;
     s.sample.clear();
-    s.sample.extend(
-        (0..runs)
-            .flat_map(|r| row[r * (n / runs)..][..32].iter().copied())
-            .filter(|&x| valid(x)),
-    );
+    for r in 0..runs {
+        s.sample.extend_from_slice(&row[r * (n / runs)..][..32]);
+    }
+    s.sample.retain(|&x| valid(x));
     // Rank in the sample of about 2k entries of the row, plus slack.
     let rank = (2 * k * s.sample.len()).div_ceil(n) + 16;
     if rank >= s.sample.len() {
@@ -136,31 +283,7 @@ fn prefilter(row: &[f32], k: usize, dst: &mut [i32], s: &mut Scratch) -> Option<
     }
     s.sample.select_nth_unstable_by(rank, |a, b| b.total_cmp(a));
     let t = s.sample[rank];
-    s.vals.clear();
-    s.pos.clear();
-    // 16 lanes at a time: a compare mask (vectorised), then only the set bits are visited.
-    // Comparisons with NaN are false and t is finite: invalid entries never pass.
-    let mut chunks = row.chunks_exact(16);
-    let mut base = 0usize;
-    for c in chunks.by_ref() {
-        let mut m = 0u32;
-        for (j, &x) in c.iter().enumerate() {
-            m |= ((x >= t) as u32) << j;
-        }
-        while m != 0 {
-            let j = m.trailing_zeros() as usize;
-            s.vals.push(c[j]);
-            s.pos.push((base + j) as i32);
-            m &= m - 1;
-        }
-        base += 16;
-    }
-    for (j, &x) in chunks.remainder().iter().enumerate() {
-        if x >= t {
-            s.vals.push(x);
-            s.pos.push((base + j) as i32);
-        }
-    }
+    scan_at_least(isa, row, t, &mut s.vals, &mut s.pos);
     if s.vals.len() < k {
         return None;
     }
