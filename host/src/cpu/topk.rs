@@ -79,11 +79,6 @@ pub fn select_row(row: &[f32], k: usize, dst: &mut [i32]) -> usize {
     select_row_with(CpuIsa::get(), row, k, dst, &mut Scratch::default())
 }
 
-#[doc(hidden)]
-pub fn select_row_isa(isa: CpuIsa, row: &[f32], k: usize, dst: &mut [i32]) -> usize {
-    select_row_with(isa, row, k, dst, &mut Scratch::default())
-}
-
 /// [`select_row`] on the vector path `isa` with reusable buffers.
 fn select_row_with(isa: CpuIsa, row: &[f32], k: usize, dst: &mut [i32], s: &mut Scratch) -> usize {
     match prefiltered(isa, row, k, dst, s) {
