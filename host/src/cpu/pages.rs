@@ -96,7 +96,10 @@ unsafe fn sum_avx512(page: &[u8]) -> (u64, usize) {
         // SAFETY: `at + 128 ≤ n ≤ page.len()`.
         let (x, y) = unsafe {
             let p = page.as_ptr().add(at);
-            (_mm512_loadu_si512(p.cast()), _mm512_loadu_si512(p.add(64).cast()))
+            (
+                _mm512_loadu_si512(p.cast()),
+                _mm512_loadu_si512(p.add(64).cast()),
+            )
         };
         let ip2 = _mm512_add_epi64(ip, step);
         a = _mm512_add_epi64(a, mix(_mm512_xor_si512(x, ip)));
@@ -127,8 +130,14 @@ unsafe fn sum_avx2(page: &[u8]) -> (u64, usize) {
         _mm256_add_epi64(lo, _mm256_slli_epi64::<32>(cross))
     };
     let (c1, c2) = (0xBF58_476D_1CE4_E5B9_u64, 0x94D0_49BB_1331_11EB_u64);
-    let (m1, m1h) = (_mm256_set1_epi64x(c1 as i64), _mm256_set1_epi64x((c1 >> 32) as i64));
-    let (m2, m2h) = (_mm256_set1_epi64x(c2 as i64), _mm256_set1_epi64x((c2 >> 32) as i64));
+    let (m1, m1h) = (
+        _mm256_set1_epi64x(c1 as i64),
+        _mm256_set1_epi64x((c1 >> 32) as i64),
+    );
+    let (m2, m2h) = (
+        _mm256_set1_epi64x(c2 as i64),
+        _mm256_set1_epi64x((c2 >> 32) as i64),
+    );
     let mix = |z: __m256i| {
         let z = _mm256_xor_si256(z, _mm256_srli_epi64::<30>(z));
         let z = mul(z, m1, m1h);
@@ -146,7 +155,10 @@ unsafe fn sum_avx2(page: &[u8]) -> (u64, usize) {
         // SAFETY: `at + 64 ≤ n ≤ page.len()`.
         let (x, y) = unsafe {
             let p = page.as_ptr().add(at);
-            (_mm256_loadu_si256(p.cast()), _mm256_loadu_si256(p.add(32).cast()))
+            (
+                _mm256_loadu_si256(p.cast()),
+                _mm256_loadu_si256(p.add(32).cast()),
+            )
         };
         let ip2 = _mm256_add_epi64(ip, step);
         a = _mm256_add_epi64(a, mix(_mm256_xor_si256(x, ip)));

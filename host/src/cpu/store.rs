@@ -43,8 +43,18 @@ pub fn write_index_k_token(layout: &IndexKLayout, page: &mut [u8], offset: usize
     write_index_k_token_on(CpuIsa::get(), layout, page, offset, key)
 }
 
-/// [`write_index_k_token`] on the vector path `isa`.
-pub fn write_index_k_token_on(
+crate::isa_dispatch! {
+    /// [`write_index_k_token`] on the vector path `isa` (the whole key compiled for it).
+    pub fn write_index_k_token_on(
+        layout: &IndexKLayout,
+        page: &mut [u8],
+        offset: usize,
+        key: &[bf16],
+    ) = |ISA| write_index_k_token_with(ISA, layout, page, offset, key);
+}
+
+#[inline(always)]
+fn write_index_k_token_with(
     isa: CpuIsa,
     layout: &IndexKLayout,
     page: &mut [u8],
@@ -55,7 +65,7 @@ pub fn write_index_k_token_on(
     match layout.dtype() {
         IndexKDtype::Bf16 => put_bf16(values, key),
         IndexKDtype::Fp8E4m3 { scale } => {
-            let s = index_k_scale(amax(key), scale);
+            let s = index_k_scale(amax_on(isa, key), scale);
             quantize(isa, values, key, s);
             if let Some(r) = layout.scale_range(offset) {
                 page[r].copy_from_slice(&s.to_le_bytes());
@@ -112,8 +122,14 @@ pub fn write_kv_token(layout: &KvLayout, page: &mut [u8], offset: usize, kv: &[b
     write_kv_token_on(CpuIsa::get(), layout, page, offset, kv)
 }
 
-/// [`write_kv_token`] on the vector path `isa`.
-pub fn write_kv_token_on(
+crate::isa_dispatch! {
+    /// [`write_kv_token`] on the vector path `isa` (the whole token compiled for it).
+    pub fn write_kv_token_on(layout: &KvLayout, page: &mut [u8], offset: usize, kv: &[bf16]) =
+        |ISA| write_kv_token_with(ISA, layout, page, offset, kv);
+}
+
+#[inline(always)]
+fn write_kv_token_with(
     isa: CpuIsa,
     layout: &KvLayout,
     page: &mut [u8],
@@ -130,7 +146,7 @@ pub fn write_kv_token_on(
             let token = &mut page[row.clone()];
             let scales = layout.scales_range().start;
             for (t, tile) in nope.chunks_exact(FP8_DS_MLA_TILE).enumerate() {
-                let s = kv_tile_scale(amax(tile));
+                let s = kv_tile_scale(amax_on(isa, tile));
                 quantize(
                     isa,
                     &mut token[t * FP8_DS_MLA_TILE..(t + 1) * FP8_DS_MLA_TILE],
@@ -144,7 +160,7 @@ pub fn write_kv_token_on(
             let mut scales = [0u8; MODEL1_SCALE_BYTES];
             let token = &mut page[row.clone()];
             for (t, tile) in nope.chunks_exact(MODEL1_TILE).enumerate() {
-                let s = kv_tile_scale(amax(tile));
+                let s = kv_tile_scale(amax_on(isa, tile));
                 quantize(
                     isa,
                     &mut token[t * MODEL1_TILE..(t + 1) * MODEL1_TILE],
@@ -161,15 +177,34 @@ pub fn write_kv_token_on(
     put_bf16(&mut page[row][layout.rope_range()], rope);
 }
 
+crate::isa_dispatch! {
+    /// [`amax`] compiled for the vector path (the unsigned 16-bit max it vectorises into
+    /// needs SSE4.1 or later: the baseline build runs it a value at a time).
+    fn amax_on(xs: &[bf16]) -> f32 = |ISA| amax(xs);
+}
+
 /// `amax` of bf16 values (NaN ignored), as [`amax_bf16`] but on the absolute-value bits:
 /// non-negative floats order like their bits, so this is an integer max that vectorises.
-#[inline]
+#[inline(always)]
 fn amax(xs: &[bf16]) -> f32 {
-    let m = xs.iter().fold(0u16, |m, x| {
+    // NaN (above +inf in bits) counts as 0. 32 independent lanes, so the loop vectorises.
+    let abs = |x: &bf16| {
         let b = x.to_bits() & 0x7fff;
-        m.max(if b > 0x7f80 { 0 } else { b })
-    });
-    bf16_to_f32(m)
+        if b > 0x7f80 {
+            0
+        } else {
+            b
+        }
+    };
+    let mut lanes = [0u16; 32];
+    let mut chunks = xs.chunks_exact(32);
+    for c in chunks.by_ref() {
+        for (m, x) in lanes.iter_mut().zip(c) {
+            *m = (*m).max(abs(x));
+        }
+    }
+    let m = chunks.remainder().iter().map(abs).fold(0, u16::max);
+    bf16_to_f32(lanes.iter().copied().fold(m, u16::max))
 }
 
 crate::isa_dispatch! {

@@ -233,10 +233,7 @@ unsafe fn scan_avx2(row: &[f32], t: f32, vals: &mut Vec<f32>, pos: &mut Vec<i32>
             // stored at `len` stay inside the allocation.
             unsafe {
                 _mm256_storeu_ps(vp.add(len), _mm256_permutevar8x32_ps(x, perm));
-                _mm256_storeu_si256(
-                    pp.add(len).cast(),
-                    _mm256_permutevar8x32_epi32(at, perm),
-                );
+                _mm256_storeu_si256(pp.add(len).cast(), _mm256_permutevar8x32_epi32(at, perm));
             }
             len += m.count_ones() as usize;
         }
