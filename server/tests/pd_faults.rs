@@ -286,3 +286,55 @@ fn without_faults_checks_off_change_nothing() {
     pd.d.finish(2).unwrap();
     assert_eq!(pd.d.leak_check().unwrap().device_free, 3);
 }
+
+/// `model1-scales-as-interleaved`: prefill's copy of a partly filled last page takes a
+/// model1_fp8 page for token-interleaved — the rows land, the tile scales at the page's
+/// end do not. Checks on: the per-page checksum refuses the page (the transfer fails,
+/// nothing is readable). Checks off: decode serves the prompt's last tokens with the
+/// landing zone's stale scale bytes. A page-aligned prompt moves whole pages and is
+/// untouched by the fault.
+#[test]
+fn model1_scales_as_interleaved_is_caught_by_checksums_else_corrupts() {
+    let s = model1_spec(IndexKDtype::FP8);
+    for checks in [Checks::all(), Checks::none()] {
+        let pd = pd(
+            cache(s, 8, &[]),
+            cache(s, 8, &[]),
+            receiver(checks),
+            faulty_sender(PdFault::Model1ScalesAsInterleaved),
+        );
+        let _w = Worker::spawn(pd.tx.clone(), pd.p.clone(), go());
+        let p = prompt(4, 2 * PAGE + 3);
+        let pages = start(&pd, 1, &p).unwrap();
+        let out = pd.rx.wait(1, BOUND).unwrap();
+        let st = pd.rx.stats();
+        if checks == Checks::all() {
+            assert!(matches!(out, Outcome::Failed(_)), "{out:?}");
+            assert_eq!(st.refused("checksum"), 1, "{st:?}");
+            assert!(!pd.d.is_live(1), "a refused transfer is never readable");
+        } else {
+            assert_eq!(out, Outcome::Ready);
+            assert!(!intact(&pd, 1, &p, &pages), "the scales landed?");
+            // The full pages came whole: only the last page's scales are missing.
+            let got = received(&pd.d, 1, &pages, 0).unwrap();
+            let want = expected(&s, &p, 0);
+            assert!((0..2 * PAGE).all(|t| {
+                let r = s.kv.slot_tile_scale_bytes(t);
+                got.0[r.clone()] == want.0[r]
+            }));
+            assert_eq!(st.refused_total(), 0, "{st:?}");
+            pd.d.finish(1).unwrap();
+        }
+        // A page-aligned prompt is untouched.
+        let p2 = prompt(5, 2 * PAGE);
+        let pages2 = start(&pd, 2, &p2).unwrap();
+        assert_eq!(pd.rx.wait(2, BOUND).unwrap(), Outcome::Ready);
+        assert!(intact(&pd, 2, &p2, &pages2));
+        pd.d.finish(2).unwrap();
+        until("prefill idle", || {
+            pd.tx.in_flight() == 0 && pd.p.stats().live_requests == 0
+        });
+        assert_eq!(pd.d.leak_check().unwrap().device_free, 8);
+        pd.p.leak_check().unwrap();
+    }
+}

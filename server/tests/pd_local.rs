@@ -127,6 +127,9 @@ fn layers_are_published_one_by_one() {
 struct Manual<'a> {
     end: &'a dyn Transport,
     geometry: LandingGeometry,
+    spec: sparsekit_host::cache::CacheSpec,
+    /// Prompt tokens of each bootstrapped request.
+    tokens: parking_lot::Mutex<std::collections::HashMap<u64, usize>>,
 }
 
 impl Manual<'_> {
@@ -138,7 +141,10 @@ impl Manual<'_> {
 
     fn bootstrap(&self) -> Bootstrap {
         match self.recv() {
-            Message::Bootstrap(b) => b,
+            Message::Bootstrap(b) => {
+                self.tokens.lock().insert(b.req, b.prompt.len());
+                b
+            }
             m => panic!("expected a bootstrap, got {m:?}"),
         }
     }
@@ -167,11 +173,18 @@ impl Manual<'_> {
         let b = sparsekit_host::CpuBackend::new();
         let buf = b.upload(bytes).unwrap();
         let ids: Vec<i32> = (0..pages.len() as i32).collect();
+        // As the real sender: a partly filled last page is checksummed over its entries.
+        let tokens = self.tokens.lock().get(&req).copied().unwrap_or(0);
+        let tail = self
+            .spec
+            .tail_spans(kind, tokens)
+            .filter(|_| region.layout == self.spec.layout(kind));
         let staged = stage(
             &b,
             sparsekit_host::ops::PagedRegion::contiguous(region.layout, pages.len()),
             &buf,
             &ids,
+            tail.as_deref(),
         )
         .unwrap();
         Written {
@@ -203,6 +216,8 @@ fn bad_writes_are_refused_counted_and_survived() {
     let m = Manual {
         end: &*p_end,
         geometry: LandingGeometry::new(s, 8).unwrap(),
+        spec: s,
+        tokens: Default::default(),
     };
     let p = prompt(5, 9);
     let pages = start_on(&d, &rx, 5, &p).unwrap();
@@ -353,6 +368,8 @@ fn late_writes_after_abort_never_land_in_reused_pages() {
     let m = Manual {
         end,
         geometry: LandingGeometry::new(s, 3).unwrap(),
+        spec: s,
+        tokens: Default::default(),
     };
     let start = |req: u64, p: &[u32]| {
         d.begin(req, &[]).unwrap();
@@ -600,6 +617,8 @@ fn lost_confirmation_and_teardown_release_everything() {
     let m = Manual {
         end: &*p_end,
         geometry: LandingGeometry::new(s, 6).unwrap(),
+        spec: s,
+        tokens: Default::default(),
     };
     for req in [1u64, 2] {
         d.begin(req, &[]).unwrap();
@@ -1038,6 +1057,8 @@ fn a_transfer_whose_decode_request_ended_is_aborted_before_any_write() {
     let m = Manual {
         end: &*p_end,
         geometry: LandingGeometry::new(s, 6).unwrap(),
+        spec: s,
+        tokens: Default::default(),
     };
     let p = prompt(7, 3 * PAGE);
     let pages = start_on(&d, &rx, 7, &p).unwrap();
@@ -1210,4 +1231,62 @@ fn the_stall_bound_counts_silence_not_queueing() {
         pd.d.leak_check().is_ok_and(|c| c.device_free == 8)
     });
     assert_eq!(pd.p.leak_check().unwrap().device_free, 8);
+}
+
+/// A partly filled last page travels as its entries' bytes only: for model1_fp8 KV and
+/// fp8 / fp4 index keys (rows, then the scale section at the page's end: two ranges a
+/// page) and for token-major layouts, every prompt length around the page size lands
+/// bit-exact, with exactly the bytes of the entries on the wire for the last page.
+#[test]
+fn a_partial_last_page_moves_only_its_entries() {
+    let specs = [
+        model1_spec(IndexKDtype::FP8),
+        model1_spec(IndexKDtype::Fp4E2m1),
+        spec(KvDtype::Fp8DsMla, IndexKDtype::Bf16),
+    ];
+    for s in specs {
+        let pd = pd(
+            cache(s, 16, &[]),
+            cache(s, 16, &[]),
+            ReceiverConfig::default(),
+            SenderConfig::default(),
+        );
+        let _w = Worker::spawn(pd.tx.clone(), pd.p.clone(), go());
+        let mut want_kv = 0usize;
+        let mut want_ik = 0usize;
+        for (i, n) in [1usize, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE - 2]
+            .into_iter()
+            .enumerate()
+        {
+            let req = 10 + i as u64;
+            let p = prompt(req, n);
+            let pages = start(&pd, req, &p).unwrap();
+            assert_eq!(
+                pd.rx.wait(req, BOUND).unwrap(),
+                Outcome::Ready,
+                "{n} tokens"
+            );
+            for l in 0..LAYERS {
+                let got = received(&pd.d, req, &pages, l).unwrap();
+                assert!(
+                    same_tokens(&s, n, &got, &expected(&s, &p, l)),
+                    "{n} tokens layer {l}"
+                );
+            }
+            pd.d.finish(req).unwrap();
+            let (full, rest) = (n / PAGE, n % PAGE);
+            want_kv += LAYERS * (full * s.kv.bytes_per_page() + rest * s.kv.bytes_per_token());
+            want_ik +=
+                LAYERS * (full * s.index_k.bytes_per_page() + rest * s.index_k.bytes_per_token());
+        }
+        until("prefill idle", || pd.tx.in_flight() == 0);
+        let st = pd.tx.stats();
+        assert_eq!(
+            (st.kv_bytes as usize, st.index_k_bytes as usize),
+            (want_kv, want_ik),
+            "bytes on the wire ({:?} / {:?})",
+            s.kv.dtype(),
+            s.index_k.dtype()
+        );
+    }
 }

@@ -6,6 +6,7 @@
 //! has no dtype or size arguments of its own, so a host tier whose rows differ from the
 //! device's cannot be expressed (outside the `host-pool-fp8-layout` fault injection).
 
+use std::ops::Range;
 use std::time::Instant;
 
 use serde::Serialize;
@@ -264,6 +265,19 @@ impl CacheSpec {
     /// Entries of `kind` in a page.
     pub fn entries_per_page(&self, kind: BufferKind) -> usize {
         self.layout(kind).page_size()
+    }
+
+    /// The byte ranges of the last page of a `tokens`-token sequence that hold its entries
+    /// of `kind` (`ceil(raw tokens on the page / tokens per entry)` entries, see
+    /// [`PageLayout::entry_spans`]), or `None` when that page is full (or `tokens` is 0).
+    pub fn tail_spans(&self, kind: BufferKind, tokens: usize) -> Option<Vec<Range<usize>>> {
+        let tpp = self.tokens_per_page.max(1);
+        if tokens == 0 || tokens % tpp == 0 {
+            return None;
+        }
+        let raw = tokens % tpp;
+        let entries = raw.div_ceil(self.tokens_per_entry(kind).max(1));
+        (entries < self.entries_per_page(kind)).then(|| self.layout(kind).entry_spans(entries))
     }
 
     /// Stores `rows` into slot numbers `slots` (`page · entries_per_page(kind) + offset`,

@@ -50,12 +50,10 @@ pub fn checksum(isa: CpuIsa, page: &[u8]) -> u64 {
     };
     // The words the vectors did not cover (fewer than one vector's), zero-padded.
     let mut sum = sum;
-    let mut i = (done / 8) as u64;
-    for c in page[done..].chunks(8) {
+    for (i, c) in ((done / 8) as u64..).zip(page[done..].chunks(8)) {
         let mut w = [0u8; 8];
         w[..c.len()].copy_from_slice(c);
         sum = sum.wrapping_add(word_term(u64::from_le_bytes(w), i));
-        i += 1;
     }
     finish(sum, page.len() as u64)
 }
@@ -67,6 +65,10 @@ pub fn checksum(isa: CpuIsa, page: &[u8]) -> u64 {
 /// The CPU must support AVX-512F and AVX-512DQ.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512dq")]
+#[allow(
+    clippy::incompatible_msrv,
+    reason = "AVX-512 needs Rust 1.89, as the existing AVX-512 target features do"
+)]
 unsafe fn sum_avx512(page: &[u8]) -> (u64, usize) {
     use std::arch::x86_64::*;
     let mix = |z: __m512i| {

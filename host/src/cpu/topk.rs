@@ -148,6 +148,10 @@ fn scan_at_least(isa: CpuIsa, row: &[f32], t: f32, vals: &mut Vec<f32>, pos: &mu
 /// The CPU must support AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
+#[allow(
+    clippy::incompatible_msrv,
+    reason = "AVX-512 needs Rust 1.89, as the existing AVX-512 target features do"
+)]
 unsafe fn scan_avx512(row: &[f32], t: f32, vals: &mut Vec<f32>, pos: &mut Vec<i32>) -> usize {
     use std::arch::x86_64::*;
     let n = row.len() / 16 * 16;

@@ -105,6 +105,32 @@ impl PageLayout {
     pub fn slot_addr(&self, slot: usize) -> SlotAddr {
         SlotAddr::of(slot, self.page_size())
     }
+    /// The bytes of a page that hold its first `n` entries (`n` is clamped to the page
+    /// size), as byte ranges inside the page in ascending order: the rows, then — for the
+    /// layouts that keep scales in a section at the page's end (model1_fp8, fp8 and fp4
+    /// index keys) — those entries' scales. The rest of the page belongs to no entry below
+    /// `n`: a copy of a partly filled page moves exactly these ranges.
+    pub fn entry_spans(&self, n: usize) -> Vec<std::ops::Range<usize>> {
+        let n = n.min(self.page_size());
+        if n == 0 {
+            return Vec::new();
+        }
+        let (rows, scales) = match self {
+            PageLayout::Kv(l) => (
+                0..l.token_range(n - 1).end,
+                // The scale section: 8 bytes a token (7 tile scales and the pad byte).
+                l.scale_section_offset()
+                    .map(|at| at..at + n * kv::MODEL1_SCALE_BYTES),
+            ),
+            PageLayout::IndexK(l) => (
+                0..l.value_range(n - 1).end,
+                l.scale_range(0)
+                    .zip(l.scale_range(n - 1))
+                    .map(|(a, b)| a.start..b.end),
+            ),
+        };
+        std::iter::once(rows).chain(scales).collect()
+    }
     /// The descriptor's fingerprint.
     pub fn fingerprint(&self) -> u64 {
         match self {

@@ -253,3 +253,62 @@ fn v4_layouts_have_fixed_dims_and_their_own_fingerprints() {
         KvLayout::model1_fp8(256).unwrap().fingerprint()
     );
 }
+
+/// `entry_spans(n)` holds exactly the bytes of entries `0..n` (each entry's row, values
+/// and scales, the model1 pad byte included) for every layout and several page sizes:
+/// as many bytes as `n` entries have, every entry byte inside, ranges ascending and
+/// disjoint; a model1 or scaled index-K page is two ranges (rows, then the scale section).
+#[test]
+fn entry_spans_hold_exactly_the_first_entries() {
+    let index = [IndexKDtype::FP8, IndexKDtype::Bf16, IndexKDtype::Fp4E2m1];
+    for p in [1usize, 2, 3, 64, 255, 256] {
+        let mut layouts: Vec<PageLayout> = index
+            .iter()
+            .map(|&dt| IndexKLayout::new(dt, 128, p).unwrap().into())
+            .collect();
+        for l in [
+            KvLayout::new(KvDtype::Bf16, 512, 64, p).unwrap(),
+            KvLayout::new(KvDtype::Fp8DsMla, 512, 64, p).unwrap(),
+            KvLayout::model1_fp8(p).unwrap(),
+            KvLayout::bf16_512(p).unwrap(),
+        ] {
+            layouts.push(l.into());
+        }
+        for l in layouts {
+            let per_entry = match l {
+                PageLayout::Kv(k) => k.bytes_per_token(),
+                PageLayout::IndexK(i) => i.bytes_per_token(),
+            };
+            assert!(l.entry_spans(0).is_empty());
+            for n in [1, p / 2, p.saturating_sub(1), p, p + 5] {
+                if n == 0 {
+                    continue;
+                }
+                let spans = l.entry_spans(n);
+                let m = n.min(p);
+                let total: usize = spans.iter().map(|r| r.len()).sum();
+                assert_eq!(total, m * per_entry, "{:?} n {n}", l.info());
+                assert!(spans.windows(2).all(|w| w[0].end <= w[1].start));
+                assert!(spans.last().unwrap().end <= l.bytes_per_page());
+                let inside = |r: std::ops::Range<usize>| {
+                    r.is_empty() || spans.iter().any(|s| s.start <= r.start && r.end <= s.end)
+                };
+                for e in 0..m {
+                    match l {
+                        PageLayout::Kv(k) => {
+                            assert!(inside(k.token_range(e)));
+                            assert!(inside(k.tile_scale_range(e)));
+                        }
+                        PageLayout::IndexK(i) => {
+                            assert!(inside(i.value_range(e)));
+                            assert!(i.scale_range(e).is_none_or(inside));
+                        }
+                    }
+                }
+                let two = matches!(l, PageLayout::Kv(k) if k.dtype() == KvDtype::Model1Fp8)
+                    || matches!(l, PageLayout::IndexK(i) if i.dtype() != IndexKDtype::Bf16);
+                assert_eq!(spans.len(), if two { 2 } else { 1 });
+            }
+        }
+    }
+}

@@ -9,6 +9,7 @@
 //! |---|---|---|---|
 //! | `pd-fp8-frame` | prefill sizes index-K pages with the fp8 layout (132 B/token) whatever the dtype | the frame's layout fingerprint; behind it the per-page checksums of what landed | bf16 index-K pages land misplaced and are served |
 //! | `pd-read-before-landed` | decode reads a layer before its notification was verified (the step skips the transfer's ready token) | the guard's landed stamps (a page is stamped only after its bytes were verified) | the step reads bytes that were never sent |
+//! | `model1-scales-as-interleaved` | prefill's copy of a partly filled last page takes a model1_fp8 page for token-interleaved: the rows move, the tile scales at the page's end do not | the per-page checksums (the sender's digest covers the page's real entries; decode's landed page holds its old scale bytes) | decode dequantises the prompt's last tokens with stale scales |
 //! | `stale-transfer-write` | prefill confirms an aborted transfer as cancelled while its writes are still in flight; they land late, in pages decode already reused | generations (the late notification is stale) and the checksums of the reusing transfer (its landed bytes were overwritten) | the reusing request is served the aborted one's bytes |
 //!
 //! In a [`crate::pd::pair::PdPair`] the race of `stale-transfer-write` is made
@@ -38,13 +39,19 @@ pub enum PdFault {
     /// going; they are delivered late, right after the next write of another request to
     /// the same destination pages (the race, made deterministic).
     StaleTransferWrite,
+    /// Prefill's copy of a transfer's partly filled last page takes a model1_fp8 page for
+    /// token-interleaved (a token's 576-byte row and its 8 scale bytes together): it moves
+    /// the first `n · 584` bytes, so the rows land and the tile scales, kept at the page's
+    /// end, do not. A no-op without model1_fp8 pools.
+    Model1ScalesAsInterleaved,
 }
 
 impl PdFault {
-    pub const ALL: [PdFault; 3] = [
+    pub const ALL: [PdFault; 4] = [
         PdFault::Fp8Frame,
         PdFault::ReadBeforeLanded,
         PdFault::StaleTransferWrite,
+        PdFault::Model1ScalesAsInterleaved,
     ];
 
     /// The fault's name on the command line.
@@ -53,6 +60,7 @@ impl PdFault {
             PdFault::Fp8Frame => "pd-fp8-frame",
             PdFault::ReadBeforeLanded => "pd-read-before-landed",
             PdFault::StaleTransferWrite => "stale-transfer-write",
+            PdFault::Model1ScalesAsInterleaved => "model1-scales-as-interleaved",
         }
     }
 
@@ -60,7 +68,9 @@ impl PdFault {
     pub fn cache_faults(&self) -> Vec<Fault> {
         match self {
             PdFault::ReadBeforeLanded => vec![Fault::SkipIndexWait],
-            PdFault::Fp8Frame | PdFault::StaleTransferWrite => Vec::new(),
+            PdFault::Fp8Frame
+            | PdFault::StaleTransferWrite
+            | PdFault::Model1ScalesAsInterleaved => Vec::new(),
         }
     }
 }

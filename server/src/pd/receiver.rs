@@ -48,7 +48,7 @@ use sparsekit_host::{Backend, Error as HostError};
 use crate::pd::error::PdError;
 use crate::pd::faults::Checks;
 use crate::pd::landing::LandingZone;
-use crate::pd::stage::checksums;
+use crate::pd::stage::{checksums, zero_outside};
 use crate::pd::stats::{Ended, PdStats, PdStatsSnapshot};
 use crate::pd::wire::{decode_frame, Bootstrap, Message, Role, Written};
 use crate::pd::{check_peer, MessageHook};
@@ -162,6 +162,9 @@ struct LandJob<B: Backend + 'static> {
     kind: BufferKind,
     pages: Vec<PageRef>,
     checksums: Vec<u64>,
+    /// The transfer's partly filled last page, when among `pages`: its index there and
+    /// the byte ranges of it that the transfer carries (the rest is zeroed on landing).
+    tail: Option<(usize, Vec<std::ops::Range<usize>>)>,
     inbound: SharedInbound<B>,
 }
 
@@ -642,12 +645,17 @@ impl<B: Backend + 'static> RxShared<B> {
                 return None;
             }
         }
+        let tail = t.targets.last().and_then(|last| {
+            let i = w.pages.iter().position(|p| p.id == last.id)?;
+            Some((i, spec.tail_spans(w.kind, t.prompt_tokens)?))
+        });
         Some(LandJob {
             req,
             layer,
             kind: w.kind,
             pages: w.pages,
             checksums: w.checksums,
+            tail,
             inbound: t.inbound.clone(),
         })
     }
@@ -719,9 +727,17 @@ impl<B: Backend + 'static> RxShared<B> {
         let (layer, kind, pages) = (job.layer, job.kind, &job.pages);
         let ids: Vec<u32> = pages.iter().map(|p| p.id).collect();
         let b = self.cache.backend();
-        let bytes = self.landing.read_pages(layer, kind, &ids)?;
-        let buf = b.upload(&bytes)?;
+        let mut bytes = self.landing.read_pages(layer, kind, &ids)?;
         let region = PagedRegion::contiguous(self.cache.spec().layout(kind), pages.len());
+        if let Some((i, spans)) = &job.tail {
+            // Only the entries' bytes of a partly filled last page were sent: the rest of
+            // the landing page is whatever an earlier transfer left there.
+            let page = region.layout.bytes_per_page();
+            if let Some(one) = bytes.get_mut(i * page..(i + 1) * page) {
+                zero_outside(one, spans);
+            }
+        }
+        let buf = b.upload(&bytes)?;
         let src_ids: Vec<i32> = (0..pages.len() as i32).collect();
         // Checks off: trust whatever landed (its own checksums always match).
         let sums = if self.config.checks.checksums {

@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use sparsekit_host::cache::{BufferKind, HiCache, LayerGuard, PageRef, RequestId};
-use sparsekit_host::layout::{IndexKDtype, IndexKLayout, PageLayout};
+use sparsekit_host::layout::{IndexKDtype, IndexKLayout, KvDtype, PageLayout};
 use sparsekit_host::ops::PagedRegion;
 use sparsekit_host::Backend;
 
@@ -604,6 +604,38 @@ impl<B: Backend + 'static> TxShared<B> {
         self.late.lock().clear();
     }
 
+    /// The byte ranges of a `tokens`-token transfer's last page that its copy moves for
+    /// pool `kind` framed as `layout` (`None`: the page is full, it moves whole). Under
+    /// `model1-scales-as-interleaved` a model1_fp8 page is taken for token-interleaved
+    /// (each token's 584 bytes one after the other): the rows move, the tile scales at the
+    /// page's end do not.
+    fn tail_copy(
+        &self,
+        kind: BufferKind,
+        layout: PageLayout,
+        tokens: usize,
+    ) -> Option<Vec<std::ops::Range<usize>>> {
+        let spans = self.cache.spec().tail_spans(kind, tokens)?;
+        let entries = tokens
+            .checked_rem(self.cache.spec().page_size())
+            .unwrap_or(0)
+            .div_ceil(self.cache.spec().tokens_per_entry(kind).max(1));
+        match layout {
+            PageLayout::Kv(kv)
+                if kv.dtype() == KvDtype::Model1Fp8
+                    && self
+                        .config
+                        .faults
+                        .active(PdFault::Model1ScalesAsInterleaved) =>
+            {
+                let end = (entries * kv.bytes_per_token()).min(layout.bytes_per_page());
+                Some(std::iter::once(0..end).collect())
+            }
+            _ if layout == self.cache.spec().layout(kind) => Some(spans),
+            _ => Some(layout.entry_spans(entries)),
+        }
+    }
+
     /// Where and how `kind` pages are framed: the layout, and the region of `layer` in
     /// decode's landing zone. Under `pd-fp8-frame`, index-K uses the fp8 layout of the same
     /// shape (its page size and stride; the region's base stays where decode put it).
@@ -676,9 +708,12 @@ impl<B: Backend + 'static> Job<B> {
         let b = cache.backend();
         let layer = guard.layer();
         let mut pools = Vec::new();
-        for kind in cache.spec().kinds(layer) {
+        let spec = cache.spec();
+        for kind in spec.kinds(layer) {
             let view = guard.view(kind, &[])?;
-            pools.push((kind, stage(b, cache.device_region(kind), view, &ids)?));
+            let tail = spec.tail_spans(kind, self.core.prompt.len());
+            let staged = stage(b, cache.device_region(kind), view, &ids, tail.as_deref())?;
+            pools.push((kind, staged));
         }
         Ok(StagedLayer { layer, pools })
     }
@@ -711,15 +746,25 @@ impl<B: Backend + 'static> Job<B> {
         for (kind, pages) in staged.pools.iter().map(|(k, p)| (*k, p)) {
             let (layout, region) = sh.framing(layer, kind);
             let page = layout.bytes_per_page();
-            let mut segments = Vec::with_capacity(core.dest.len());
+            let mut segments = Vec::with_capacity(core.dest.len() + 1);
+            let tail = sh.tail_copy(kind, layout, core.prompt.len());
             for (i, p) in core.dest.iter().enumerate() {
                 let bytes = pages.bytes.get(i * page..(i + 1) * page).ok_or_else(|| {
                     PdError::Invalid(format!("staged {} pages too short", kind.name()))
                 })?;
-                segments.push(Segment {
-                    offset: region.page_range(p.id as usize).start,
-                    bytes,
-                });
+                let at = region.page_range(p.id as usize).start;
+                match &tail {
+                    // A partly filled last page: only its entries' bytes travel.
+                    Some(spans) if i + 1 == core.dest.len() => {
+                        for r in spans {
+                            segments.push(Segment {
+                                offset: at + r.start,
+                                bytes: &bytes[r.clone()],
+                            });
+                        }
+                    }
+                    _ => segments.push(Segment { offset: at, bytes }),
+                }
             }
             let note = Message::Written(Written {
                 req: core.req,

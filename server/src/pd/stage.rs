@@ -1,6 +1,10 @@
 //! Page staging: copies of whole pages out of a cache buffer, with their checksums, computed
 //! by the backend over the pages' layout descriptor (the same `page_checksums` the cache
-//! verifies with).
+//! verifies with). A transfer's partly filled last page travels as the bytes of its
+//! entries only ([`sparsekit_host::cache::CacheSpec::tail_spans`]): both sides zero the
+//! rest of that page before checksumming it, so the digests agree.
+
+use std::ops::Range;
 
 use sparsekit_host::ops::{CopyPages, PageChecksums, PagedRegion};
 use sparsekit_host::Backend;
@@ -34,12 +38,27 @@ pub fn checksums<B: Backend>(
         .collect())
 }
 
-/// Copies pages `ids` of `region` in `buf` out, back to back, with their checksums.
+/// Zeroes the bytes of `page` outside `spans`.
+pub fn zero_outside(page: &mut [u8], spans: &[Range<usize>]) {
+    let mut at = 0;
+    for r in spans {
+        let start = r.start.min(page.len());
+        page[at.min(start)..start].fill(0);
+        at = at.max(r.end.min(page.len()));
+    }
+    let n = page.len();
+    page[at.min(n)..].fill(0);
+}
+
+/// Copies pages `ids` of `region` in `buf` out, back to back, with their checksums; with
+/// `tail`, the last page keeps only those byte ranges (the rest zeroed) and is checksummed
+/// so.
 pub fn stage<B: Backend>(
     b: &B,
     region: PagedRegion,
     buf: &B::Buffer,
     ids: &[i32],
+    tail: Option<&[Range<usize>]>,
 ) -> Result<StagedPages, PdError> {
     let dst = PagedRegion::contiguous(region.layout, ids.len());
     let mut staging = b.alloc(dst.layout.bytes_per_page() * ids.len())?;
@@ -54,9 +73,17 @@ pub fn stage<B: Backend>(
         buf,
         &mut staging,
     )?;
-    let checksums = checksums(b, dst, &staging, &dst_ids)?;
+    let mut sums = checksums(b, dst, &staging, &dst_ids)?;
+    let mut bytes = b.download(&staging)?;
+    if let (Some(spans), Some(last)) = (tail, ids.len().checked_sub(1)) {
+        let page = dst.layout.bytes_per_page();
+        let one = &mut bytes[last * page..(last + 1) * page];
+        zero_outside(one, spans);
+        let up = b.upload(one)?;
+        sums[last] = checksums(b, PagedRegion::contiguous(dst.layout, 1), &up, &[0])?[0];
+    }
     Ok(StagedPages {
-        bytes: b.download(&staging)?,
-        checksums,
+        bytes,
+        checksums: sums,
     })
 }

@@ -214,7 +214,8 @@ pub fn received(
 }
 
 /// Whether the token bytes of `got` equal `want` (both packed from byte 0) for the first
-/// `tokens` tokens (the rest of the last page is not part of the prompt).
+/// `tokens` tokens — rows, values and scales wherever the layout keeps them (the rest of
+/// the last page is not part of the prompt).
 pub fn same_tokens(
     spec: &CacheSpec,
     tokens: usize,
@@ -223,9 +224,12 @@ pub fn same_tokens(
 ) -> bool {
     (0..tokens).all(|t| {
         let kv = spec.kv.slot_token_bytes(t);
+        // model1_fp8 keeps the tile scales at the page's end (inside the row otherwise).
+        let ts = spec.kv.slot_tile_scale_bytes(t);
         let v = spec.index_k.slot_value_bytes(t);
         let s = spec.index_k.slot_scale_bytes(t);
         got.0[kv.clone()] == want.0[kv]
+            && got.0[ts.clone()] == want.0[ts]
             && got.1[v.clone()] == want.1[v]
             && s.is_none_or(|s| got.1[s.clone()] == want.1[s])
     })
@@ -351,4 +355,15 @@ pub fn until(what: &str, f: impl Fn() -> bool) {
         assert!(t.elapsed() < BOUND, "{what}: not reached within {BOUND:?}");
         std::thread::yield_now();
     }
+}
+
+/// A V3.2-shaped cache spec with model1_fp8 KV (448 + 64 dims, scales at the page's end)
+/// and 128-dim index keys of `ik` (values, then scales at the page's end for fp8/fp4).
+pub fn model1_spec(ik: IndexKDtype) -> CacheSpec {
+    CacheSpec::new(
+        KvLayout::model1_fp8(PAGE).unwrap(),
+        IndexKLayout::new(ik, 128, PAGE).unwrap(),
+        LAYERS,
+    )
+    .unwrap()
 }
