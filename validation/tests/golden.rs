@@ -719,9 +719,18 @@ fn corrupt(g: &mut Golden) {
             // The first byte of the token's values (its page's start + its offset's row:
             // both layouts put values first, token-major within the value section).
             let per_token = if g.op == "kv_store" {
-                bpp / ps
+                // A token's row: model1_fp8 pages are rows then a scale section, padded
+                // (the page is not `ps` equal rows); the other KV layouts are rows only.
+                if g.params["dtype"] == "model1_fp8" {
+                    let dim = |k: &str| g.params[k].as_u64().unwrap() as usize;
+                    dim("nope_dim") + 2 * dim("rope_dim")
+                } else {
+                    bpp / ps
+                }
             } else if g.params["dtype"] == "bf16" {
                 2 * g.params["head_dim"].as_u64().unwrap() as usize
+            } else if g.params["dtype"] == "fp4_e2m1" {
+                g.params["head_dim"].as_u64().unwrap() as usize / 2
             } else {
                 g.params["head_dim"].as_u64().unwrap() as usize
             };
