@@ -91,6 +91,7 @@ fn write_index_k_token_with(
 /// Packs one group of 32 bf16 into 16 bytes of e2m1 codes (even element in the low nibble)
 /// and returns its ue8m0 scale byte (see [`sparsekit_kernels::mx`]): a group holding NaN
 /// or ±inf gets scale `0xff` and codes 0.
+#[inline(always)]
 fn quantize_fp4_group(dst: &mut [u8], group: &[bf16]) -> u8 {
     let max_bits = group
         .iter()
@@ -100,10 +101,13 @@ fn quantize_fp4_group(dst: &mut [u8], group: &[bf16]) -> u8 {
         return mx::UE8M0_NAN;
     }
     let s = mx::fp4_group_scale(bf16_to_f32(max_bits as u16));
-    for (d, pair) in dst.iter_mut().zip(group.chunks_exact(2)) {
-        let lo = mx::e2m1_encode(bf16_to_f32(pair[0].to_bits()) / s);
-        let hi = mx::e2m1_encode(bf16_to_f32(pair[1].to_bits()) / s);
-        *d = lo | hi << 4;
+    // All 32 codes first (one branch-free map that vectorises), then the nibble pairs.
+    let mut codes = [0u8; FP4_GROUP];
+    for (c, x) in codes.iter_mut().zip(group) {
+        *c = mx::e2m1_encode(bf16_to_f32(x.to_bits()) / s);
+    }
+    for (d, pair) in dst.iter_mut().zip(codes.chunks_exact(2)) {
+        *d = pair[0] | pair[1] << 4;
     }
     mx::ue8m0_encode(s)
 }
