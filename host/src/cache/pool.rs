@@ -267,17 +267,20 @@ impl CacheSpec {
         self.layout(kind).page_size()
     }
 
-    /// The byte ranges of the last page of a `tokens`-token sequence that hold its entries
-    /// of `kind` (`ceil(raw tokens on the page / tokens per entry)` entries, see
-    /// [`PageLayout::entry_spans`]), or `None` when that page is full (or `tokens` is 0).
-    pub fn tail_spans(&self, kind: BufferKind, tokens: usize) -> Option<Vec<Range<usize>>> {
-        let tpp = self.tokens_per_page.max(1);
-        if tokens == 0 || tokens % tpp == 0 {
-            return None;
-        }
-        let raw = tokens % tpp;
+    /// The entries of `kind` on the last page of a `tokens`-token sequence
+    /// (`ceil(raw tokens on the page / tokens per entry)`), or `None` when that page is
+    /// full (or `tokens` is 0).
+    pub fn tail_entries(&self, kind: BufferKind, tokens: usize) -> Option<usize> {
+        let raw = tokens % self.tokens_per_page.max(1);
         let entries = raw.div_ceil(self.tokens_per_entry(kind).max(1));
-        (entries < self.entries_per_page(kind)).then(|| self.layout(kind).entry_spans(entries))
+        (raw > 0 && entries < self.entries_per_page(kind)).then_some(entries)
+    }
+
+    /// The byte ranges of that last page holding those entries
+    /// ([`PageLayout::entry_spans`] of [`Self::tail_entries`]).
+    pub fn tail_spans(&self, kind: BufferKind, tokens: usize) -> Option<Vec<Range<usize>>> {
+        let entries = self.tail_entries(kind, tokens)?;
+        Some(self.layout(kind).entry_spans(entries))
     }
 
     /// Stores `rows` into slot numbers `slots` (`page · entries_per_page(kind) + offset`,

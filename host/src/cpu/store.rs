@@ -50,23 +50,19 @@ crate::isa_dispatch! {
         page: &mut [u8],
         offset: usize,
         key: &[bf16],
-    ) = |ISA| write_index_k_token_with(ISA, layout, page, offset, key);
+    ) = |ISA| write_index_k_token_with(layout, page, offset, key);
 }
 
+/// The body of [`write_index_k_token_on`], inlined into each path's compilation (so are
+/// [`amax`], [`quantize`] and [`quantize_fp4_group`]).
 #[inline(always)]
-fn write_index_k_token_with(
-    isa: CpuIsa,
-    layout: &IndexKLayout,
-    page: &mut [u8],
-    offset: usize,
-    key: &[bf16],
-) {
+fn write_index_k_token_with(layout: &IndexKLayout, page: &mut [u8], offset: usize, key: &[bf16]) {
     let values = &mut page[layout.value_range(offset)];
     match layout.dtype() {
         IndexKDtype::Bf16 => put_bf16(values, key),
         IndexKDtype::Fp8E4m3 { scale } => {
-            let s = index_k_scale(amax_on(isa, key), scale);
-            quantize(isa, values, key, s);
+            let s = index_k_scale(amax(key), scale);
+            quantize(values, key, s);
             if let Some(r) = layout.scale_range(offset) {
                 page[r].copy_from_slice(&s.to_le_bytes());
             }
@@ -129,17 +125,12 @@ pub fn write_kv_token(layout: &KvLayout, page: &mut [u8], offset: usize, kv: &[b
 crate::isa_dispatch! {
     /// [`write_kv_token`] on the vector path `isa` (the whole token compiled for it).
     pub fn write_kv_token_on(layout: &KvLayout, page: &mut [u8], offset: usize, kv: &[bf16]) =
-        |ISA| write_kv_token_with(ISA, layout, page, offset, kv);
+        |ISA| write_kv_token_with(layout, page, offset, kv);
 }
 
+/// The body of [`write_kv_token_on`], inlined into each path's compilation.
 #[inline(always)]
-fn write_kv_token_with(
-    isa: CpuIsa,
-    layout: &KvLayout,
-    page: &mut [u8],
-    offset: usize,
-    kv: &[bf16],
-) {
+fn write_kv_token_with(layout: &KvLayout, page: &mut [u8], offset: usize, kv: &[bf16]) {
     let (nope, rope) = kv.split_at(layout.nope_dim());
     let row = layout.token_range(offset);
     match layout.dtype() {
@@ -150,9 +141,8 @@ fn write_kv_token_with(
             let token = &mut page[row.clone()];
             let scales = layout.scales_range().start;
             for (t, tile) in nope.chunks_exact(FP8_DS_MLA_TILE).enumerate() {
-                let s = kv_tile_scale(amax_on(isa, tile));
+                let s = kv_tile_scale(amax(tile));
                 quantize(
-                    isa,
                     &mut token[t * FP8_DS_MLA_TILE..(t + 1) * FP8_DS_MLA_TILE],
                     tile,
                     s,
@@ -164,13 +154,8 @@ fn write_kv_token_with(
             let mut scales = [0u8; MODEL1_SCALE_BYTES];
             let token = &mut page[row.clone()];
             for (t, tile) in nope.chunks_exact(MODEL1_TILE).enumerate() {
-                let s = kv_tile_scale(amax_on(isa, tile));
-                quantize(
-                    isa,
-                    &mut token[t * MODEL1_TILE..(t + 1) * MODEL1_TILE],
-                    tile,
-                    s,
-                );
+                let s = kv_tile_scale(amax(tile));
+                quantize(&mut token[t * MODEL1_TILE..(t + 1) * MODEL1_TILE], tile, s);
                 scales[t] = mx::ue8m0_encode(s);
             }
             // The 7 scale bytes and the pad byte (0).
@@ -181,14 +166,10 @@ fn write_kv_token_with(
     put_bf16(&mut page[row][layout.rope_range()], rope);
 }
 
-crate::isa_dispatch! {
-    /// [`amax`] compiled for the vector path (the unsigned 16-bit max it vectorises into
-    /// needs SSE4.1 or later: the baseline build runs it a value at a time).
-    fn amax_on(xs: &[bf16]) -> f32 = |ISA| amax(xs);
-}
-
 /// `amax` of bf16 values (NaN ignored), as [`amax_bf16`] but on the absolute-value bits:
-/// non-negative floats order like their bits, so this is an integer max that vectorises.
+/// non-negative floats order like their bits, so this is an integer max that vectorises
+/// (the unsigned 16-bit max needs SSE4.1 or later: the baseline path runs it a value at a
+/// time).
 #[inline(always)]
 fn amax(xs: &[bf16]) -> f32 {
     // NaN (above +inf in bits) counts as 0. 32 independent lanes, so the loop vectorises.
@@ -211,14 +192,13 @@ fn amax(xs: &[bf16]) -> f32 {
     bf16_to_f32(lanes.iter().copied().fold(m, u16::max))
 }
 
-crate::isa_dispatch! {
-    /// `dst[i] = e4m3(src[i] / s)`, compiled for the vector path (identical results on
-    /// every path: the encoder is branch-free integer/f32 arithmetic).
-    fn quantize(dst: &mut [u8], src: &[bf16], s: f32) = |ISA| {
-        for (d, v) in dst.iter_mut().zip(src) {
-            *d = e4m3_encode(bf16_to_f32(v.to_bits()) / s);
-        }
-    };
+/// `dst[i] = e4m3(src[i] / s)` (identical results on every vector path: the encoder is
+/// branch-free integer/f32 arithmetic).
+#[inline(always)]
+fn quantize(dst: &mut [u8], src: &[bf16], s: f32) {
+    for (d, v) in dst.iter_mut().zip(src) {
+        *d = e4m3_encode(bf16_to_f32(v.to_bits()) / s);
+    }
 }
 
 /// Applies `write(page_bytes, offset_in_page, token)` for every token with a slot, in

@@ -615,11 +615,7 @@ impl<B: Backend + 'static> TxShared<B> {
         layout: PageLayout,
         tokens: usize,
     ) -> Option<Vec<std::ops::Range<usize>>> {
-        let spans = self.cache.spec().tail_spans(kind, tokens)?;
-        let entries = tokens
-            .checked_rem(self.cache.spec().page_size())
-            .unwrap_or(0)
-            .div_ceil(self.cache.spec().tokens_per_entry(kind).max(1));
+        let entries = self.cache.spec().tail_entries(kind, tokens)?;
         match layout {
             PageLayout::Kv(kv)
                 if kv.dtype() == KvDtype::Model1Fp8
@@ -631,7 +627,6 @@ impl<B: Backend + 'static> TxShared<B> {
                 let end = (entries * kv.bytes_per_token()).min(layout.bytes_per_page());
                 Some(std::iter::once(0..end).collect())
             }
-            _ if layout == self.cache.spec().layout(kind) => Some(spans),
             _ => Some(layout.entry_spans(entries)),
         }
     }

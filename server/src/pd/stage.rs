@@ -73,14 +73,26 @@ pub fn stage<B: Backend>(
         buf,
         &mut staging,
     )?;
-    let mut sums = checksums(b, dst, &staging, &dst_ids)?;
     let mut bytes = b.download(&staging)?;
-    if let (Some(spans), Some(last)) = (tail, ids.len().checked_sub(1)) {
+    let tail = tail.zip(ids.len().checked_sub(1));
+    // Whole pages are checksummed as staged; a partial last page after its zeroing.
+    let whole = tail.map_or(ids.len(), |(_, last)| last);
+    let mut sums = if whole > 0 {
+        checksums(b, dst, &staging, &dst_ids[..whole])?
+    } else {
+        Vec::new()
+    };
+    if let Some((spans, last)) = tail {
         let page = dst.layout.bytes_per_page();
         let one = &mut bytes[last * page..(last + 1) * page];
         zero_outside(one, spans);
         let up = b.upload(one)?;
-        sums[last] = checksums(b, PagedRegion::contiguous(dst.layout, 1), &up, &[0])?[0];
+        sums.extend(checksums(
+            b,
+            PagedRegion::contiguous(dst.layout, 1),
+            &up,
+            &[0],
+        )?);
     }
     Ok(StagedPages {
         bytes,
