@@ -149,8 +149,9 @@ async fn keep_alive_cannot_be_rearmed_forever() {
     };
     let (_engine, server) = start(cfg).await;
     let a = server.addr;
-    let mut s = TcpStream::connect(a).await.unwrap();
+    // Before the connect: the server's age counts from its accept, which comes later.
     let opened = Instant::now();
+    let mut s = TcpStream::connect(a).await.unwrap();
     let mut served = 0;
     let closed = loop {
         let req = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n";
