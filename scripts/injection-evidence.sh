@@ -16,13 +16,17 @@ mkdir -p "$OUT"
 for inj in host-pool-fp8-layout shared-item-size skip-index-wait no-generation-check \
            index-k-after-publish radix-overreach kernel-wrong-slot \
            host-tier-skips-index-k reload-kv-only compressor-state-lost pool-page-size-mismatch \
-           pd-fp8-frame pd-read-before-landed stale-transfer-write; do
+           pd-fp8-frame pd-read-before-landed stale-transfer-write model1-scales-as-interleaved; do
     case "$inj" in
-        pd-*|stale-transfer-write) cfg=bf16/host-on/pd-on ;;
+        pd-*|stale-transfer-write|model1-*) cfg=bf16/host-on/pd-on ;;
         *) cfg=bf16/host-on/pd-off ;;
     esac
     model=tiny
-    [[ "$inj" == compressor-state-lost || "$inj" == pool-page-size-mismatch ]] && model=dsv4-tiny
+    kv=bf16
+    case "$inj" in
+        compressor-state-lost|pool-page-size-mismatch) model=dsv4-tiny ;;
+        model1-scales-as-interleaved) model=dsv4-tiny; kv=fp8_ds_mla ;;
+    esac
     for mode in checks no-reference no-verify; do
         extra=()
         case "$mode" in
@@ -30,7 +34,7 @@ for inj in host-pool-fp8-layout shared-item-size skip-index-wait no-generation-c
             no-verify) extra=(--no-verify) ;;
         esac
         echo "== $inj $mode ($cfg)" >&2
-        "$BIN" repro --model "$model" --sessions "$SESSIONS" --turns "$TURNS" --configs "$cfg" \
+        "$BIN" repro --model "$model" --kv "$kv" --sessions "$SESSIONS" --turns "$TURNS" --configs "$cfg" \
             --inject "$inj" "${extra[@]}" --json > "$OUT/$inj.$mode.json" || true
     done
 done

@@ -162,6 +162,15 @@ fn repro_refuses_bad_options_clearly() {
             &["--model", "tiny", "--inject", "pool-page-size-mismatch"],
             "needs a DeepSeek-V4 model",
         ),
+        (
+            &[
+                "--model",
+                "dsv4-tiny",
+                "--inject",
+                "model1-scales-as-interleaved",
+            ],
+            "--kv fp8_ds_mla",
+        ),
         (&["--model", "gpt2"], "gpt2"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_sparsekit"))

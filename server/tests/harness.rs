@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use sparsekit_host::{CpuBackend, IndexKDtype};
+use sparsekit_host::{CpuBackend, IndexKDtype, KvDtype};
 use sparsekit_server::engine::{Engine, ModelConfig};
 use sparsekit_server::harness::config::{select, ConfigKey, Injection};
 use sparsekit_server::harness::deploy::{remote_info, LocalRunner, RunPlan, UrlRunner};
@@ -52,7 +52,14 @@ struct Shared {
 }
 
 fn prepare(turns: usize, dtypes: &[IndexKDtype], model: ModelConfig) -> Shared {
-    let o = options(turns, model);
+    prepare_kv(turns, dtypes, model, KvDtype::Bf16)
+}
+
+fn prepare_kv(turns: usize, dtypes: &[IndexKDtype], model: ModelConfig, kv: KvDtype) -> Shared {
+    let o = ReproOptions {
+        kv_dtype: kv,
+        ..options(turns, model)
+    };
     let w = Workload::generate(&o.workload);
     let refs = reference_runs(Arc::new(CpuBackend::new()), &o, &w, dtypes, &|| {}).unwrap();
     {
@@ -98,6 +105,19 @@ fn two_turns_v4() -> &'static Shared {
     S.get_or_init(|| prepare(2, &[IndexKDtype::Bf16], ModelConfig::DSV4_TINY))
 }
 
+/// [`two_turns_v4`] with fp8 KV (V4 stores it as model1_fp8): computed once.
+fn two_turns_v4_model1() -> &'static Shared {
+    static S: OnceLock<Shared> = OnceLock::new();
+    S.get_or_init(|| {
+        prepare_kv(
+            2,
+            &[IndexKDtype::Bf16],
+            ModelConfig::DSV4_TINY,
+            KvDtype::Fp8DsMla,
+        )
+    })
+}
+
 fn run(
     s: &Shared,
     configs: &str,
@@ -131,6 +151,7 @@ fn run_with(
         abort_rate,
         rounds,
         reference,
+        kv_dtype: s.plan.kv_dtype,
         ..options(s.w.config.turns, s.model)
     };
     let plan = RunPlan {
@@ -534,4 +555,28 @@ fn v4_rows_are_clean_and_the_pool_injections_are_caught() {
         assert_eq!(r.leaked_pages, Some(0), "{}", inj.name());
         assert_eq!(r.wedged, Some(0), "{}", inj.name());
     }
+}
+
+/// DeepSeek-V4 with model1_fp8 KV over PD: every prompt's partly filled last page crosses
+/// as its entries' bytes (rows, then the tile scales at the page's end) and every session
+/// is served bit-identically; `model1-scales-as-interleaved` (prefill copies that page as
+/// if token-interleaved, leaving the scales behind) is caught by decode's per-page
+/// checksums alone (no reference) and corrupts sessions with the checks off.
+#[test]
+fn v4_model1_pages_cross_pd_and_the_interleaved_copy_is_caught() {
+    let s = two_turns_v4_model1();
+    let rows = run(s, "bf16/host-on/pd-on", None, true, 0.0, 1);
+    assert_eq!(rows.len(), 1);
+    assert_clean(&rows[0]);
+    let inj = Injection::Model1ScalesAsInterleaved;
+    let r = &run_checks_only(s, "bf16/host-on/pd-on", Some(inj))[0];
+    assert_eq!(r.verdict, Some(Verdict::Caught), "{r:?}");
+    assert!(
+        r.caught_by.iter().any(|c| c.check.contains("checksum")),
+        "{r:?}"
+    );
+    let r = &run(s, "bf16/host-on/pd-on", Some(inj), false, 0.0, 1)[0];
+    assert_eq!(r.verdict, Some(Verdict::Reproduced), "{r:?}");
+    assert_eq!(r.leaked_pages, Some(0));
+    assert_eq!(r.wedged, Some(0));
 }

@@ -544,9 +544,13 @@ fn aborts_from_either_side_release_both_sides() {
     let (rs, ts) = (pd.rx.stats(), pd.tx.stats());
     assert_eq!((rs.finished, rs.cancelled), (1, 3), "{rs:?}");
     assert_eq!((ts.finished, ts.cancelled, ts.failed), (1, 1, 2), "{ts:?}");
-    // Only writes already in flight when decode aborted request 1 were refused.
-    assert_eq!(rs.refused_total(), rs.refused("after_abort"), "{rs:?}");
-    assert!(rs.refused("after_abort") <= 2, "{rs:?}");
+    // Only writes already in flight when a transfer ended were refused: a notification
+    // read after decode's abort (`after_abort`), or one accepted just before it whose
+    // landing then found the pages quarantined (`stale_generation`) — at most the two
+    // kinds of one layer for each of the three transfers that ended early.
+    let in_flight = rs.refused("after_abort") + rs.refused("stale_generation");
+    assert_eq!(rs.refused_total(), in_flight, "{rs:?}");
+    assert!(in_flight <= 6, "{rs:?}");
 }
 
 /// A reader that panics handling a message fails only that message's request, restarts,

@@ -52,7 +52,8 @@ pub struct Args {
     /// no-generation-check, index-k-after-publish, radix-overreach, kernel-wrong-slot,
     /// host-tier-skips-index-k, reload-kv-only, compressor-state-lost and
     /// pool-page-size-mismatch (V4 models) (pd-fp8-frame, pd-read-before-landed,
-    /// stale-transfer-write need PD).
+    /// stale-transfer-write need PD; model1-scales-as-interleaved needs PD, a V4 model
+    /// and --kv fp8_ds_mla).
     #[arg(long)]
     inject: Option<String>,
     /// Turn the integrity checks off (load checksums, landed stamps, written slots,
@@ -171,6 +172,14 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
         "fp8_ds_mla" => KvDtype::Fp8DsMla,
         v => return Err(format!("--kv must be bf16 or fp8_ds_mla, got {v:?}").into()),
     };
+    if let Some(i) = injection.filter(|i| i.needs_fp8_kv() && kv_dtype != KvDtype::Fp8DsMla) {
+        return Err(format!(
+            "--inject {} needs fp8 KV pages (a V4 model stores them as model1_fp8): --kv \
+             fp8_ds_mla",
+            i.name()
+        )
+        .into());
+    }
     let opts = ReproOptions {
         workload: WorkloadConfig {
             sessions: args.sessions,

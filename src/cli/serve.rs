@@ -334,6 +334,15 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
             )
         }
     };
+    if let Some(name) = &args.inject {
+        let i: Injection = name.parse()?;
+        if i.needs_fp8_kv() && !matches!(kv, KvDtype::Fp8DsMla | KvDtype::Model1Fp8) {
+            return Err(format!(
+                "--inject {name} needs fp8 KV pages: --kv fp8_ds_mla (or model1_fp8)"
+            )
+            .into());
+        }
+    }
     let mut cfg = ModelConfig::by_name(&args.model)?;
     if let Some(k) = args.index_topk {
         cfg = cfg.with_index_topk(k)?;

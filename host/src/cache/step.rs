@@ -496,14 +496,25 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
         }
     }
 
-    /// Checks that `pages` may be read out of this layer: each is a page of a live member
-    /// of the step (its prefix, received or own pages, at their current generation) whose
-    /// bytes of both kinds were written for that generation in this layer (the landed
-    /// stamps; not checked under the `no-landed-check` fault). What a caller copying pages
-    /// out of [`LayerGuard::views`] by id (a PD sender) must check first.
-    pub fn check_pages(&self, pages: &[PageRef]) -> Result<()> {
+    /// Checks that `pages`, holding the raw tokens `0..tokens` in order (`pages[i]` holds
+    /// tokens `i * page_size..`), may be read out of this layer: each is a page of a live
+    /// member of the step (its prefix, received or own pages, at their current
+    /// generation); in every pool of the layer, each page holding at least one complete
+    /// entry of those tokens was written for its generation (the landed stamp) with at
+    /// least those entries (a partly filled last page of a coarse pool may hold none; not
+    /// checked under the `no-landed-check` fault). What a caller copying pages out of
+    /// [`LayerGuard::views`] by id (a PD sender) must check first.
+    pub fn check_pages(&self, pages: &[PageRef], tokens: usize) -> Result<()> {
         let sh = &*self.step.cache.shared;
-        for p in pages {
+        let spec = sh.device.spec();
+        let ps = spec.page_size();
+        if tokens.div_ceil(ps) != pages.len() {
+            return Err(invalid(
+                "pages",
+                format!("{} pages do not hold exactly {tokens} tokens", pages.len()),
+            ));
+        }
+        for (i, p) in pages.iter().enumerate() {
             let member = self
                 .step
                 .live_members()
@@ -517,10 +528,28 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
             if sh.fault(Fault::NoLandedCheck) {
                 continue;
             }
-            for kind in sh.device.spec().kinds(self.layer) {
+            let in_page = (tokens - i * ps).min(ps);
+            for kind in spec.kinds(self.layer) {
+                let need = (in_page / spec.tokens_per_entry(kind)) as u32;
+                if need == 0 {
+                    continue;
+                }
                 let stamp = self.stamp(p, kind);
                 if stamp != Some(p.generation) {
                     return Err(self.not_landed(m.req, p, kind, stamp));
+                }
+                let filled = sh.device.filled(self.layer, kind, *p);
+                if filled < need {
+                    return Err(failed(
+                        m.req,
+                        Error::Unwritten {
+                            page: p.id,
+                            layer: self.layer,
+                            kind: kind.name(),
+                            slot: filled,
+                            filled,
+                        },
+                    ));
                 }
             }
         }

@@ -631,39 +631,31 @@ impl<B: Backend + 'static> KvSpace<B> for CacheKvSpace<B> {
             return None;
         }
         let req = s.req;
-        let full = computed.min(tokens.len()) / self.page_size * self.page_size;
+        let computed = computed.min(tokens.len());
         let s = self.forget(seq)?;
-        let held = match self
-            .cache
-            .commit(req, &tokens[..computed.min(tokens.len())], &s.refs)
-        {
+        match self.cache.commit(req, &tokens[..computed], &s.refs) {
             Ok(()) => {
-                // The committed path is locked by `req`: a new request matches all of it
-                // at once (nothing to load, nothing evicted in between) and holds it.
-                let h = self.ids.fetch_add(1, Ordering::Relaxed);
-                match self.cache.begin(h, &tokens[..full]) {
-                    Ok(p) => Some(ReceivedPages {
-                        cache_request: h,
-                        pages: p.pages,
-                        extra: Vec::new(),
-                        tokens: p.tokens,
-                    }),
-                    Err(e) => {
-                        tracing::warn!(seq, error = %e, "cannot hold committed pages");
-                        None
-                    }
-                }
+                // The request itself is what it holds: it locks the committed path (its
+                // full pages, which the tree now owns) and still owns a partly filled
+                // last page, which the tree does not take. Its pages past the computed
+                // tokens are freed when the holder ends it.
+                let n = computed.div_ceil(self.page_size);
+                Some(ReceivedPages {
+                    cache_request: req,
+                    pages: s.refs[..n.min(s.refs.len())].to_vec(),
+                    extra: Vec::new(),
+                    tokens: computed,
+                })
             }
             Err(e) => {
                 self.counts.commit_refused.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(seq, error = %e, "the cache refused a commit; pages released");
+                if self.cache.finish(req).is_err() {
+                    let _ = self.cache.abort(req);
+                }
                 None
             }
-        };
-        if self.cache.finish(req).is_err() {
-            let _ = self.cache.abort(req);
         }
-        held
     }
 
     fn release(&mut self, seq: SeqId) -> usize {

@@ -20,11 +20,13 @@
 //! | `host-tier-skips-index-k` | — (the backup skips index-K, SGLang 17085) | host copy records (and load checksums) | host tier on |
 //! | `reload-kv-only` | — (a load skips index-K, Mooncake 2236) | load checksums (and per-kind landed stamps) | host tier on |
 //! | `compressor-state-lost` | — (backups leave the V4 compressor's state out) | host copy records (and load checksums) | V4 models, host tier on |
+//! | `pool-page-size-mismatch` | layout fingerprints (the backup strides the compressed pools with the window's page size) | load checksums | V4 models, host tier on |
+//! | `model1-scales-as-interleaved` | — (prefill copies a partly filled model1_fp8 page as token-interleaved: the tile scales stay behind) | PD per-page checksums | V4 models with `--kv fp8_ds_mla` (model1_fp8), PD on |
 //!
 //! `--no-verify` turns the second checks off (load checksums, landed stamps); with it each
 //! injection must corrupt sessions, without it each must be caught with 0 corrupted.
-//! The PD injections (`pd-fp8-frame`, `pd-read-before-landed`, `stale-transfer-write`)
-//! affect PD configs only and are the PD runner's to apply.
+//! The PD injections (`pd-fp8-frame`, `pd-read-before-landed`, `stale-transfer-write`,
+//! `model1-scales-as-interleaved`) affect PD configs only and are the PD runner's to apply.
 
 use std::fmt;
 use std::str::FromStr;
@@ -206,10 +208,11 @@ pub enum Injection {
     ReloadKvOnly,
     CompressorStateLost,
     PoolPageSizeMismatch,
+    Model1ScalesAsInterleaved,
 }
 
 impl Injection {
-    pub const ALL: [Injection; 14] = [
+    pub const ALL: [Injection; 15] = [
         Injection::HostPoolFp8Layout,
         Injection::SharedItemSize,
         Injection::SkipIndexWait,
@@ -224,6 +227,7 @@ impl Injection {
         Injection::ReloadKvOnly,
         Injection::CompressorStateLost,
         Injection::PoolPageSizeMismatch,
+        Injection::Model1ScalesAsInterleaved,
     ];
 
     pub fn name(&self) -> &'static str {
@@ -242,23 +246,35 @@ impl Injection {
             Injection::ReloadKvOnly => "reload-kv-only",
             Injection::CompressorStateLost => "compressor-state-lost",
             Injection::PoolPageSizeMismatch => "pool-page-size-mismatch",
+            Injection::Model1ScalesAsInterleaved => "model1-scales-as-interleaved",
         }
     }
 
     /// Whether it needs a DeepSeek-V4 model (its compressor state, its pools of different
-    /// page sizes) to exist at all (`repro --model dsv4-tiny`).
+    /// page sizes, its model1_fp8 pages) to exist at all (`repro --model dsv4-tiny`).
     pub fn needs_v4(&self) -> bool {
         matches!(
             self,
-            Injection::CompressorStateLost | Injection::PoolPageSizeMismatch
+            Injection::CompressorStateLost
+                | Injection::PoolPageSizeMismatch
+                | Injection::Model1ScalesAsInterleaved
         )
+    }
+
+    /// Whether it needs fp8 KV pages (a V4 model stores them as model1_fp8: `--kv
+    /// fp8_ds_mla`) to exist at all.
+    pub fn needs_fp8_kv(&self) -> bool {
+        matches!(self, Injection::Model1ScalesAsInterleaved)
     }
 
     /// Whether it needs PD (a transfer between two engines) to exist at all.
     pub fn needs_pd(&self) -> bool {
         matches!(
             self,
-            Injection::PdFp8Frame | Injection::PdReadBeforeLanded | Injection::StaleTransferWrite
+            Injection::PdFp8Frame
+                | Injection::PdReadBeforeLanded
+                | Injection::StaleTransferWrite
+                | Injection::Model1ScalesAsInterleaved
         )
     }
 
@@ -322,6 +338,7 @@ impl Injection {
             Injection::PdFp8Frame => Some(PdFault::Fp8Frame),
             Injection::PdReadBeforeLanded => Some(PdFault::ReadBeforeLanded),
             Injection::StaleTransferWrite => Some(PdFault::StaleTransferWrite),
+            Injection::Model1ScalesAsInterleaved => Some(PdFault::Model1ScalesAsInterleaved),
             _ => None,
         }
     }
@@ -341,6 +358,7 @@ impl Injection {
             Injection::ReloadKvOnly => "load checksums",
             Injection::CompressorStateLost => "host copy records",
             Injection::PoolPageSizeMismatch => "load checksums",
+            Injection::Model1ScalesAsInterleaved => "PD checksums",
         }
     }
 }

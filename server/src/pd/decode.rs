@@ -5,8 +5,8 @@
 //!   transfer), its landing zone, the [`DecodeSource`] the engine fetches prompts through,
 //!   and a thread copying the PD counters into the engine's metrics.
 //! - [`DecodeSource`] (the engine's [`PromptSource`]): for each request it allocates pages
-//!   for the prompt's leading full pages (all but the last token, whose logits decode
-//!   computes itself), starts the transfer through the [`Receiver`] (the bootstrap goes to
+//!   for the prompt's pages (all but the last token, whose logits decode computes itself;
+//!   a partly filled last page moves as its entries' bytes), starts the transfer through the [`Receiver`] (the bootstrap goes to
 //!   prefill), waits (bounded) until every layer of both kinds landed, verified and was
 //!   published, and hands the pages to the engine as [`ReceivedPages`]. A client abort
 //!   aborts the transfer (the pages stay quarantined until prefill confirms); a refused
@@ -312,11 +312,12 @@ impl<B: Backend + 'static> DecodeSource<B> {
         aborted: &AtomicBool,
     ) -> Result<Attempt, EngineError> {
         let ps = self.page_size;
-        let pages_n = prompt.len().saturating_sub(1) / ps;
-        if pages_n == 0 {
+        // Every prompt token but the last (decode computes it for its logits).
+        let tokens = prompt.len().saturating_sub(1);
+        if tokens == 0 {
             return Ok(Attempt::Done(None));
         }
-        let tokens = pages_n * ps;
+        let pages_n = tokens.div_ceil(ps);
         // The whole budget at once (all or nothing): a fetch never holds pages while it
         // waits for more, and the engine admits a fetched request without new pages —
         // so fetches cannot deadlock against each other or against admission.

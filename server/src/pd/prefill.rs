@@ -5,8 +5,8 @@
 //! for every decode connection given to [`PrefillNode::attach`], a [`Sender`] with its
 //! job threads ([`PrefillWorkers`]). For each bootstrapped job a worker runs the prompt
 //! through the engine (its prefix cache and host tier serve what they hold; the request's
-//! end commits every full page), locks the committed pages in a cache request of its own
-//! (host-tier pages load back layer by layer) and pushes each layer of both kinds with
+//! end commits every full page), keeps the prompt's pages locked (the committed ones and
+//! a partly filled last one) and pushes each layer of both kinds with
 //! [`Job::send_all`], then confirms. A connection that closed is dropped (its threads
 //! joined) by the node's metrics thread; its counters stay in the totals.
 
@@ -96,8 +96,8 @@ impl Drop for PrefillWorkers {
 }
 
 /// Runs the job's prompt through the prefill engine (one token sampled and dropped: the
-/// engine computes every prompt token) and receives its full pages, committed to the
-/// prefix tree and held for us. `Ok(None)`: the job was cancelled meanwhile.
+/// engine computes every prompt token) and receives its pages, the full ones committed to
+/// the prefix tree, all held for us. `Ok(None)`: the job was cancelled meanwhile.
 fn compute<B: Backend + 'static>(
     job: &Job<B>,
     engine: &Engine,

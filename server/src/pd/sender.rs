@@ -697,8 +697,8 @@ impl<B: Backend + 'static> Job<B> {
         }
         let cache = &self.shared.cache;
         // Only pages the guard's step holds, written for their generation in this layer
-        // (every kind the layer holds).
-        guard.check_pages(src)?;
+        // (every pool holding an entry of the prompt, with at least its entries).
+        guard.check_pages(src, self.core.prompt.len())?;
         let ids: Vec<i32> = src.iter().map(|p| p.id as i32).collect();
         let b = cache.backend();
         let layer = guard.layer();
