@@ -3,7 +3,7 @@
 //!
 //! `cargo bench -p sparsekit-benches` measures the copy bandwidth and f32 FMA peak, runs
 //! every group (`indexer_logits`, `topk`, `sparse_mla`, the stores, `copy_pages` between
-//! the host and device tiers, `page_checksums`), measures the roofline again (each
+//! the host and device tiers, `page_checksums`, the model's `dense_matmul`), measures the roofline again (each
 //! ceiling is the best of the two), then prints a table of time,
 //! GB/s, GFLOP/s, the bound that applies and the fraction of it reached, and writes the
 //! same as JSON to `<target>/criterion/sparsekit-roofline.json`. Criterion's own
@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, SamplingMode, Throughput};
 use sparsekit_benches::cost::Cost;
+use sparsekit_benches::dense::MatmulCase;
 use sparsekit_benches::inputs::{IndexerLogitsCase, SparseMlaCase, TopkCase};
 use sparsekit_benches::inputs_v4::SparseMlaV4Case;
 use sparsekit_benches::pages::{ChecksumCase, CopyCase, StoreCase};
@@ -202,6 +203,18 @@ fn main() {
             &shape.id(),
             shape.cost(),
             |be| ChecksumCase::build(be, *shape, 600 + i as u64),
+            |case, be| case.run(be),
+        ));
+    }
+    for (i, shape) in suite.matmuls.iter().enumerate() {
+        measured.push(bench_one(
+            &mut c,
+            &backend,
+            &roof,
+            "dense_matmul",
+            &shape.id(),
+            shape.cost(),
+            |be| MatmulCase::build(be, *shape, 700 + i as u64),
             |case, be| case.run(be),
         ));
     }

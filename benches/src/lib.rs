@@ -4,6 +4,7 @@
 //! reads every result as a fraction of its roofline ([`report`]).
 
 pub mod cost;
+pub mod dense;
 pub mod inputs;
 pub mod inputs_v4;
 pub mod pages;
@@ -14,6 +15,7 @@ pub mod runner;
 
 use sparsekit_host::{IndexKDtype, IndexKLayout, KvDtype, KvLayout, ModelDims, Result};
 
+use dense::MatmulShape;
 use inputs::{IndexerLogitsShape, SparseMlaShape, TopkShape};
 use inputs_v4::SparseMlaV4Shape;
 use pages::{ChecksumShape, CopyShape, Direction, StoreShape};
@@ -39,6 +41,7 @@ pub struct Suite {
     pub stores: Vec<StoreShape>,
     pub copies: Vec<CopyShape>,
     pub checksums: Vec<ChecksumShape>,
+    pub matmuls: Vec<MatmulShape>,
 }
 
 impl Suite {
@@ -180,6 +183,40 @@ impl Suite {
                 pages,
             },
         ];
+        // The serving model's dense matmul at V4-Flash's q projection (hidden 4096 → q
+        // rank 1024): a decode step of 8 rows (memory-bound) and a prefill chunk of 256
+        // rows (compute-bound); DeepSeek-V3.2's (7168 → 1536) for 64 rows.
+        let matmuls = match scale {
+            Scale::Full => vec![
+                MatmulShape {
+                    rows: 8,
+                    k: 4096,
+                    n: 1024,
+                },
+                MatmulShape {
+                    rows: 256,
+                    k: 4096,
+                    n: 1024,
+                },
+                MatmulShape {
+                    rows: 64,
+                    k: 7168,
+                    n: 1536,
+                },
+            ],
+            Scale::Smoke => vec![
+                MatmulShape {
+                    rows: 3,
+                    k: 96,
+                    n: 160,
+                },
+                MatmulShape {
+                    rows: 50,
+                    k: 70,
+                    n: 96,
+                },
+            ],
+        };
         Ok(Suite {
             indexer_logits,
             topk,
@@ -188,13 +225,14 @@ impl Suite {
             stores,
             copies,
             checksums,
+            matmuls,
         })
     }
 }
 
 impl Suite {
     /// The op names [`Suite::retain_ops`] knows.
-    pub const OPS: [&'static str; 8] = [
+    pub const OPS: [&'static str; 9] = [
         "indexer_logits",
         "topk",
         "sparse_mla",
@@ -203,6 +241,7 @@ impl Suite {
         "kv_store",
         "copy_pages",
         "page_checksums",
+        "dense_matmul",
     ];
 
     /// Keeps only the cases of the named ops (every case when `ops` is empty).
@@ -228,6 +267,9 @@ impl Suite {
         }
         if !want("page_checksums") {
             self.checksums.clear();
+        }
+        if !want("dense_matmul") {
+            self.matmuls.clear();
         }
         self.stores.retain(|s| {
             want(match s {

@@ -228,6 +228,7 @@ mod tests {
         suite.stores.truncate(1);
         suite.copies.clear();
         suite.checksums.clear();
+        suite.matmuls.truncate(1);
         let isas: Vec<CpuIsa> = CpuIsa::available().into_iter().take(2).collect();
         let opts = RunOptions {
             warmup: 0,
@@ -236,10 +237,11 @@ mod tests {
         let rep = run_paths(&isas, &suite, Effort::Quick, opts, 2, |_| {}).unwrap();
         assert_eq!(rep.paths.len(), isas.len());
         for p in &rep.paths {
-            assert_eq!(p.results.len(), 3);
+            assert_eq!(p.results.len(), 4);
             assert!(p.results.iter().all(|r| r.samples == 2));
         }
         let t = rep.table();
         assert!(t.contains("| indexer_logits |"), "{t}");
+        assert!(t.contains("| dense_matmul |"), "{t}");
     }
 }

@@ -7,9 +7,10 @@
 
 use std::time::Instant;
 
-use sparsekit_host::{Backend, Error, Result};
+use sparsekit_host::{Backend, Error, ModelOps, Result};
 
 use crate::cost::Cost;
+use crate::dense::MatmulCase;
 use crate::inputs::{IndexerLogitsCase, SparseMlaCase, TopkCase};
 use crate::inputs_v4::SparseMlaV4Case;
 use crate::pages::{ChecksumCase, CopyCase, Direction, StoreCase};
@@ -87,7 +88,7 @@ fn time_side_by_side<B: Backend, C>(
 
 /// Runs every case of `suite` on `backend`; `progress` is called with each case's
 /// `op/config` before it runs.
-pub fn run<B: Backend>(
+pub fn run<B: ModelOps>(
     backend: &B,
     suite: &Suite,
     opts: RunOptions,
@@ -101,7 +102,7 @@ pub fn run<B: Backend>(
 /// each of its vector paths): each case is built once and timed on every backend in
 /// alternation, `rounds` rounds (see [`time_side_by_side`]). One output per backend, in
 /// order; `progress` is called with each case's `op/config` before it runs.
-pub fn run_side_by_side<B: Backend>(
+pub fn run_side_by_side<B: ModelOps>(
     backends: &[B],
     suite: &Suite,
     opts: RunOptions,
@@ -188,6 +189,14 @@ pub fn run_side_by_side<B: Backend>(
             side_by_side!(
                 || ChecksumCase::build(first, *s, 600 + i as u64),
                 |c: &mut ChecksumCase<B>, b: &B| c.run(b)
+            )
+        })?;
+    }
+    for (i, s) in suite.matmuls.iter().enumerate() {
+        add("dense_matmul", s.id(), s.cost(), &mut || {
+            side_by_side!(
+                || MatmulCase::build(first, *s, 700 + i as u64),
+                |c: &mut MatmulCase<B>, b: &B| c.run(b)
             )
         })?;
     }

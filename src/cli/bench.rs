@@ -6,7 +6,7 @@
 use std::process::ExitCode;
 
 use indicatif::{ProgressBar, ProgressStyle};
-use sparsekit::host::Backend;
+use sparsekit::host::ModelOps;
 use sparsekit_benches::report::{Machine, Report};
 use sparsekit_benches::roofline::{self, Effort};
 use sparsekit_benches::runner::{self, RunOptions};
@@ -29,7 +29,7 @@ pub struct Args {
     #[arg(long, default_value_t = 10)]
     samples: usize,
     /// Only these ops (indexer_logits, topk, sparse_mla, index_k_store, kv_store,
-    /// copy_pages, page_checksums); the copy ceiling is measured whatever the filter.
+    /// copy_pages, page_checksums, dense_matmul); the copy ceiling is measured whatever the filter.
     #[arg(long, value_delimiter = ',')]
     op: Vec<String>,
     /// The cpu backend on these vector paths side by side in one run (`all`, or a list of
@@ -50,14 +50,14 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
     struct Bench<'a>(&'a Args);
     impl OnBackend for Bench<'_> {
         type Output = ExitCode;
-        fn run<B: Backend>(self, b: &B) -> Result<ExitCode, CliError> {
+        fn run<B: ModelOps>(self, b: &B) -> Result<ExitCode, CliError> {
             bench(b, self.0)
         }
     }
     on_backend(&args.backend, Bench(&args))
 }
 
-fn bench<B: Backend>(backend: &B, args: &Args) -> Result<ExitCode, CliError> {
+fn bench<B: ModelOps>(backend: &B, args: &Args) -> Result<ExitCode, CliError> {
     let scale = if args.quick {
         Scale::Smoke
     } else {

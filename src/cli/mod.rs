@@ -48,7 +48,7 @@ pub type CliError = Box<dyn std::error::Error + Send + Sync>;
 /// Work to run on whichever backend the user named.
 pub trait OnBackend {
     type Output;
-    fn run<B: sparsekit::host::Backend>(self, backend: &B) -> Result<Self::Output, CliError>;
+    fn run<B: sparsekit::host::ModelOps>(self, backend: &B) -> Result<Self::Output, CliError>;
 }
 
 /// Backend names accepted by `--backend`.

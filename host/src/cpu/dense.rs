@@ -54,8 +54,10 @@ pub fn matmul(isa: CpuIsa, op: &Matmul, x: &[f32], w: &[f32], out: &mut [f32]) {
     let (k, n) = (op.k, op.n);
     let threads = rayon::current_num_threads().max(1);
     if op.rows >= MATMUL_ROW_SPLIT || n < 2 * MATMUL_COL_BLOCK {
-        // Row split: each task owns whole output rows and runs every group on them.
-        let chunk = op.rows.div_ceil(threads * 4).max(6);
+        // Row split: each task owns whole output rows and runs every group on them; one
+        // task per worker, so that each streams the weights once for as many rows as it
+        // can (the rows of a task change no bit).
+        let chunk = op.rows.div_ceil(threads).max(6);
         let out_tail = &mut out[op.out.offset..];
         let stride = op.out.row_stride.max(1);
         let chunk_elems = if op.rows == 1 {

@@ -17,6 +17,15 @@ use super::isa::{CpuIsa, Isa};
 /// Rows of the register tile.
 const MR: usize = 6;
 
+/// Steps of `k` per cache block of the register tiles (even, so a pair of the pair order
+/// never straddles two blocks). Each element's chain carries on from one block to the next
+/// through C in f32: blocking changes no bit.
+const KC: usize = 256;
+
+/// Columns per cache block of the register tiles: a `KC × NC` block of B (256 KiB) stays in
+/// L2 while every row block of A runs over it.
+const NC: usize = 256;
+
 /// Strided matrix views (elements, not bytes).
 #[derive(Clone, Copy, Debug)]
 pub struct Dims {
@@ -123,10 +132,12 @@ fn tail(x: f32, a: f32, b: f32) -> f32 {
     a.mul_add(b, x + 0.0)
 }
 
-/// Tiles C into `MR × NR` register blocks; leftover columns (and a C narrower than one
-/// tile, as in the key-score GEMMs of few heads) use tiles of 16 and 8 columns that are
-/// taller than `MR` (enough independent accumulators to hide the FMA latency), then
-/// scalars; every element keeps the same per-element operation order.
+/// Tiles C into `MR × NR` register blocks, run block by block of `KC` steps of `k` and
+/// `NC` columns (cache blocking: each block of B is reused by every row of A from L2);
+/// leftover columns (and a C narrower than one tile, as in the key-score GEMMs of few
+/// heads) use tiles of 16 and 8 columns that are taller than `MR` (enough independent
+/// accumulators to hide the FMA latency), then scalars; every element keeps the same
+/// per-element operation order.
 #[inline(always)]
 fn gemm_generic<const NR: usize, const PAIRS: bool, const ZERO: bool>(
     d: Dims,
@@ -135,26 +146,45 @@ fn gemm_generic<const NR: usize, const PAIRS: bool, const ZERO: bool>(
     c: &mut [f32],
 ) {
     let n_full = d.n / NR * NR;
-    let mut i = 0;
-    while i < d.m {
-        let rows = MR.min(d.m - i);
-        let mut j = 0;
-        while j < n_full {
-            match rows {
-                MR => tile::<MR, NR, PAIRS, ZERO>(d, a, b, c, i, j),
-                5 => tile::<5, NR, PAIRS, ZERO>(d, a, b, c, i, j),
-                4 => tile::<4, NR, PAIRS, ZERO>(d, a, b, c, i, j),
-                3 => tile::<3, NR, PAIRS, ZERO>(d, a, b, c, i, j),
-                2 => tile::<2, NR, PAIRS, ZERO>(d, a, b, c, i, j),
-                _ => {
-                    for r in i..i + rows {
-                        tile::<1, NR, PAIRS, ZERO>(d, a, b, c, r, j);
+    let steps = main_steps::<PAIRS>(d.k);
+    let mut k0 = 0;
+    // At least one block (a pair-order `k` of 1 has no main step, only its tail).
+    let mut more = n_full > 0;
+    while more {
+        let ks = Steps {
+            start: k0,
+            end: (k0 + KC).min(steps),
+            first: k0 == 0,
+            last: k0 + KC >= steps,
+        };
+        let mut j0 = 0;
+        while j0 < n_full {
+            let j1 = (j0 + NC).min(n_full);
+            let mut i = 0;
+            while i < d.m {
+                let rows = MR.min(d.m - i);
+                let mut j = j0;
+                while j < j1 {
+                    match rows {
+                        MR => tile::<MR, NR, PAIRS, ZERO>(d, a, b, c, i, j, ks),
+                        5 => tile::<5, NR, PAIRS, ZERO>(d, a, b, c, i, j, ks),
+                        4 => tile::<4, NR, PAIRS, ZERO>(d, a, b, c, i, j, ks),
+                        3 => tile::<3, NR, PAIRS, ZERO>(d, a, b, c, i, j, ks),
+                        2 => tile::<2, NR, PAIRS, ZERO>(d, a, b, c, i, j, ks),
+                        _ => {
+                            for r in i..i + rows {
+                                tile::<1, NR, PAIRS, ZERO>(d, a, b, c, r, j, ks);
+                            }
+                        }
                     }
+                    j += NR;
                 }
+                i += rows;
             }
-            j += NR;
+            j0 = j1;
         }
-        i += rows;
+        more = !ks.last;
+        k0 = ks.end;
     }
     let mut j = n_full;
     if NR > 16 && d.n - j >= 16 {
@@ -182,18 +212,19 @@ fn narrow<const W: usize, const R: usize, const PAIRS: bool, const ZERO: bool>(
     c: &mut [f32],
     j: usize,
 ) {
+    let ks = Steps::all::<PAIRS>(d.k);
     let mut i = 0;
     while d.m - i >= R {
-        tile::<R, W, PAIRS, ZERO>(d, a, b, c, i, j);
+        tile::<R, W, PAIRS, ZERO>(d, a, b, c, i, j, ks);
         i += R;
     }
     for step in [8, 4, 2, 1] {
         if step < R && d.m - i >= step {
             match step {
-                8 => tile::<8, W, PAIRS, ZERO>(d, a, b, c, i, j),
-                4 => tile::<4, W, PAIRS, ZERO>(d, a, b, c, i, j),
-                2 => tile::<2, W, PAIRS, ZERO>(d, a, b, c, i, j),
-                _ => tile::<1, W, PAIRS, ZERO>(d, a, b, c, i, j),
+                8 => tile::<8, W, PAIRS, ZERO>(d, a, b, c, i, j, ks),
+                4 => tile::<4, W, PAIRS, ZERO>(d, a, b, c, i, j, ks),
+                2 => tile::<2, W, PAIRS, ZERO>(d, a, b, c, i, j, ks),
+                _ => tile::<1, W, PAIRS, ZERO>(d, a, b, c, i, j, ks),
             }
             i += step;
         }
@@ -201,6 +232,31 @@ fn narrow<const W: usize, const R: usize, const PAIRS: bool, const ZERO: bool>(
     debug_assert_eq!(i, d.m);
 }
 
+/// The steps `start..end` of the accumulation order a tile runs: the first block starts
+/// each chain (from zero under `ZERO`, else from C), the last one adds the pair order's
+/// odd tail; in between, each chain resumes from C.
+#[derive(Clone, Copy, Debug)]
+struct Steps {
+    start: usize,
+    end: usize,
+    first: bool,
+    last: bool,
+}
+
+impl Steps {
+    /// Every step in one block.
+    #[inline(always)]
+    fn all<const PAIRS: bool>(k: usize) -> Steps {
+        Steps {
+            start: 0,
+            end: main_steps::<PAIRS>(k),
+            first: true,
+            last: true,
+        }
+    }
+}
+
+/// The `R × NR` tile of C at `(i, j)` over the steps `ks` of its chains.
 #[inline(always)]
 fn tile<const R: usize, const NR: usize, const PAIRS: bool, const ZERO: bool>(
     d: Dims,
@@ -209,14 +265,15 @@ fn tile<const R: usize, const NR: usize, const PAIRS: bool, const ZERO: bool>(
     c: &mut [f32],
     i: usize,
     j: usize,
+    ks: Steps,
 ) {
     let mut acc = [[0f32; NR]; R];
-    if !ZERO {
+    if !(ZERO && ks.first) {
         for (r, row) in acc.iter_mut().enumerate() {
             row.copy_from_slice(&c[(i + r) * d.ldc + j..][..NR]);
         }
     }
-    for step in 0..main_steps::<PAIRS>(d.k) {
+    for step in ks.start..ks.end {
         let p = order::<PAIRS>(step);
         // B's row segment, held in registers for the R rows.
         let bp: [f32; NR] = b[p * d.ldb + j..][..NR]
@@ -232,7 +289,7 @@ fn tile<const R: usize, const NR: usize, const PAIRS: bool, const ZERO: bool>(
             }
         }
     }
-    if PAIRS && d.k % 2 == 1 {
+    if PAIRS && ks.last && d.k % 2 == 1 {
         let p = d.k - 1;
         let bp = &b[p * d.ldb + j..][..NR];
         for (r, row) in acc.iter_mut().enumerate() {
@@ -318,6 +375,11 @@ mod tests {
             (100, 56, 7),
             (29, 61, 33),
             (11, 16, 3),
+            // Several cache blocks of k (odd k: the pair tail after the last block) and
+            // of columns.
+            (13, 70, 600),
+            (7, 300, 513),
+            (20, 530, 257),
         ] {
             let d = Dims {
                 m,
