@@ -201,6 +201,37 @@ fn quantize(dst: &mut [u8], src: &[bf16], s: f32) {
     }
 }
 
+/// The `(slot, token)` pairs of the tokens with a slot, grouped by page in ascending page
+/// order (in any order within a page): a counting sort over the `pages` of the pool when
+/// they are not many more than the tokens, else a sort.
+fn by_page(layout: PageLayout, pages: usize, slots: &[i64]) -> Vec<(usize, usize)> {
+    let page_of = |s: usize| layout.slot_addr(s).page;
+    let mut order: Vec<(usize, usize)> = slots
+        .iter()
+        .enumerate()
+        .filter(|(_, &s)| s >= 0)
+        .map(|(t, &s)| (s as usize, t))
+        .collect();
+    if pages == 0 || pages > 4 * order.len() + 1024 {
+        order.sort_unstable();
+        return order;
+    }
+    let mut start = vec![0usize; pages + 1];
+    for &(s, _) in &order {
+        start[page_of(s).min(pages - 1) + 1] += 1;
+    }
+    for p in 0..pages {
+        start[p + 1] += start[p];
+    }
+    let mut grouped = vec![(0usize, 0usize); order.len()];
+    for &(s, t) in &order {
+        let at = &mut start[page_of(s).min(pages - 1)];
+        grouped[*at] = (s, t);
+        *at += 1;
+    }
+    grouped
+}
+
 /// Applies `write(page_bytes, offset_in_page, token)` for every token with a slot, in
 /// parallel over the pages of `cache` (laid out as `layout`). Slots must be validated (in
 /// range, unique, or -1).
@@ -211,13 +242,7 @@ pub fn scatter_by_page(
     write: impl Fn(&mut [u8], usize, usize) + Sync,
 ) {
     let bytes_per_page = layout.bytes_per_page();
-    let mut order: Vec<(usize, usize)> = slots
-        .iter()
-        .enumerate()
-        .filter(|(_, &s)| s >= 0)
-        .map(|(t, &s)| (s as usize, t))
-        .collect();
-    order.sort_unstable();
+    let order = by_page(layout, cache.len() / bytes_per_page.max(1), slots);
     // Group the sorted (slot, token) pairs by page and hand each group its page.
     let mut groups: Vec<(usize, &[(usize, usize)])> = Vec::new();
     let mut rest = &order[..];

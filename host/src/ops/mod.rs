@@ -159,14 +159,10 @@ pub fn check_len(what: &'static str, expected: usize, actual: usize) -> Result<(
 }
 
 /// Checks a slot mapping: each slot is `-1` (skip) or below `capacity`, and no slot is
-/// written twice.
+/// written twice (reported at the earliest repeat, with its first occurrence).
 pub fn check_slots(what: &'static str, slots: &[i64], capacity: usize) -> Result<()> {
-    let mut seen = std::collections::HashMap::with_capacity(slots.len());
     for (i, &s) in slots.iter().enumerate() {
-        if s == -1 {
-            continue;
-        }
-        if s < 0 || s as u64 >= capacity as u64 {
+        if s != -1 && (s < 0 || s as u64 >= capacity as u64) {
             return Err(Error::SlotOutOfRange {
                 what,
                 index: Index::Flat(i),
@@ -174,21 +170,91 @@ pub fn check_slots(what: &'static str, slots: &[i64], capacity: usize) -> Result
                 capacity,
             });
         }
-        if let Some(first) = seen.insert(s, i) {
-            return Err(Error::DuplicateSlot {
-                what,
-                slot: s,
-                first,
-                second: i,
-            });
-        }
     }
-    Ok(())
+    let repeat = if capacity <= slots.len().saturating_mul(256).max(1 << 16) {
+        first_repeat_bitset(slots, capacity)
+    } else {
+        first_repeat_sorted(slots)
+    };
+    match repeat {
+        Some((first, second)) => Err(Error::DuplicateSlot {
+            what,
+            slot: slots[second],
+            first,
+            second,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// The earliest index whose slot appeared before, and that first appearance: one bit per
+/// slot of the pool (`capacity` bits; for pools not much larger than the mapping). Slots
+/// must be in range or -1.
+fn first_repeat_bitset(slots: &[i64], capacity: usize) -> Option<(usize, usize)> {
+    let mut seen = vec![0u64; capacity.div_ceil(64)];
+    for (i, &s) in slots.iter().enumerate() {
+        if s < 0 {
+            continue;
+        }
+        let (w, b) = (s as usize / 64, 1u64 << (s as usize % 64));
+        if seen[w] & b != 0 {
+            let first = slots.iter().position(|&x| x == s).unwrap_or(i);
+            return Some((first, i));
+        }
+        seen[w] |= b;
+    }
+    None
+}
+
+/// [`first_repeat_bitset`] by sorting the (slot, index) pairs: for a pool far larger than
+/// the mapping.
+fn first_repeat_sorted(slots: &[i64]) -> Option<(usize, usize)> {
+    let mut order: Vec<(i64, usize)> = slots
+        .iter()
+        .enumerate()
+        .filter(|(_, &s)| s >= 0)
+        .map(|(i, &s)| (s, i))
+        .collect();
+    order.sort_unstable();
+    order
+        .windows(2)
+        .filter(|w| w[0].0 == w[1].0)
+        .map(|w| (w[0].1, w[1].1))
+        // A slot's pairs come in index order: its first pair holds its first and second
+        // appearances; the earliest second appearance wins.
+        .min_by_key(|&(_, second)| second)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn repeats_agree_with_a_hash_map() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        for _ in 0..200 {
+            let cap = rng.gen_range(1..300usize);
+            let n = rng.gen_range(0..40usize);
+            let slots: Vec<i64> = (0..n)
+                .map(|_| {
+                    if rng.gen_bool(0.2) {
+                        -1
+                    } else {
+                        rng.gen_range(0..cap as i64)
+                    }
+                })
+                .collect();
+            let mut seen = std::collections::HashMap::new();
+            let want = slots.iter().enumerate().find_map(|(i, &s)| {
+                (s >= 0)
+                    .then(|| seen.insert(s, i).map(|first| (first, i)))
+                    .flatten()
+            });
+            assert_eq!(first_repeat_bitset(&slots, cap), want, "{slots:?}");
+            assert_eq!(first_repeat_sorted(&slots), want, "{slots:?}");
+        }
+    }
 
     #[test]
     fn slot_checks() {
