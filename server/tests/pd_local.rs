@@ -11,7 +11,7 @@ mod pd_common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pd_common::*;
 use sparsekit_host::cache::{BufferKind, PageRef};
@@ -1235,6 +1235,45 @@ fn the_stall_bound_counts_silence_not_queueing() {
         pd.d.leak_check().is_ok_and(|c| c.device_free == 8)
     });
     assert_eq!(pd.p.leak_check().unwrap().device_free, 8);
+}
+
+/// Heartbeats extend a queued transfer's stall bound, not its total bound: a prefill that
+/// names a transfer in `Pending` for ever (its engine advancing, the job never taken)
+/// cannot keep decode's pages held past `transfer_timeout`.
+#[test]
+fn heartbeats_cannot_hold_a_transfer_for_ever() {
+    let s = spec(KvDtype::Bf16, IndexKDtype::FP8);
+    let (stall, total) = (Duration::from_millis(200), Duration::from_millis(1500));
+    let rc = ReceiverConfig {
+        stall_timeout: stall,
+        transfer_timeout: total,
+        ..ReceiverConfig::default()
+    };
+    let steps = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let st = steps.clone();
+    let sc = SenderConfig {
+        heartbeat: Duration::from_millis(20),
+        quiet_limit: Duration::from_millis(100),
+        liveness: Some(Arc::new(move || st.fetch_add(1, Ordering::AcqRel) + 1)),
+        ..SenderConfig::default()
+    };
+    let pd = pd(cache(s, 8, &[]), cache(s, 8, &[]), rc, sc);
+    let started = Instant::now();
+    start(&pd, 1, &prompt(1, 10)).unwrap();
+    // No worker ever takes the job: alive past several stall bounds, ended by the total.
+    match pd.rx.wait(1, BOUND).unwrap() {
+        Outcome::Failed(r) => assert!(r.contains("not done within"), "{r}"),
+        o => panic!("request 1 ended {o:?}"),
+    }
+    assert!(
+        started.elapsed() >= total,
+        "ended after {:?}",
+        started.elapsed()
+    );
+    until("prefill side released", || pd.tx.in_flight() == 0);
+    until("decode side released", || {
+        pd.d.leak_check().is_ok_and(|c| c.device_free == 8)
+    });
 }
 
 /// A partly filled last page travels as its entries' bytes only: for model1_fp8 KV and

@@ -103,6 +103,8 @@ struct Scratch {
     vals: Vec<f32>,
     pos: Vec<i32>,
     hist: Vec<u32>,
+    /// Each survivor's value bin.
+    bins: Vec<u16>,
     /// The boundary bin's values.
     bin: Vec<f32>,
 }
@@ -304,12 +306,20 @@ fn prefilter(
 /// many survivors equal to it the top k takes.
 #[inline(always)]
 fn kth_value(t: f32, k: usize, s: &mut Scratch) -> (f32, usize) {
-    let hi = s
-        .vals
+    // The largest finite survivor (16 independent lanes, branch-free: vectorises).
+    let mut lanes = [t; 16];
+    let mut chunks = s.vals.chunks_exact(16);
+    for c in chunks.by_ref() {
+        for (m, &x) in lanes.iter_mut().zip(c) {
+            *m = m.max(if x.is_finite() { x } else { t });
+        }
+    }
+    let hi = chunks
+        .remainder()
         .iter()
         .copied()
         .filter(|x| x.is_finite())
-        .fold(t, f32::max);
+        .fold(lanes.into_iter().fold(t, f32::max), f32::max);
     // Monotone bins: `(x − t)·scale` rounds monotonically, +inf goes to the top bin.
     let scale = if hi > t {
         (BINS as f32 - 1.0) / (hi - t)
@@ -320,18 +330,26 @@ fn kth_value(t: f32, k: usize, s: &mut Scratch) -> (f32, usize) {
         if x == f32::INFINITY {
             BINS - 1
         } else {
-            (((x - t) * scale) as usize).min(BINS - 1)
+            (((x - t) * scale) as i32).clamp(0, BINS as i32 - 1) as usize
         }
     };
+    // Each survivor's bin, computed once (a branch-free map that vectorises).
+    s.bins.clear();
+    s.bins.extend(s.vals.iter().map(|&v| bin(v) as u16));
     s.hist.clear();
     s.hist.resize(BINS, 0);
-    for &v in &s.vals {
-        s.hist[bin(v)] += 1;
+    for &b in &s.bins {
+        s.hist[b as usize] += 1;
     }
     let (b, need) = find_bin(&s.hist, k);
     s.bin.clear();
-    s.bin
-        .extend(s.vals.iter().copied().filter(|&v| bin(v) == b));
+    s.bin.extend(
+        s.vals
+            .iter()
+            .zip(&s.bins)
+            .filter(|(_, &vb)| vb as usize == b)
+            .map(|(&v, _)| v),
+    );
     s.bin.sort_unstable_by(|x, y| y.total_cmp(x));
     let big = s.bin[need - 1];
     let above = s.bin.iter().filter(|&&v| v > big).count();

@@ -467,6 +467,8 @@ impl<B: Backend + ModelOps + 'static> DecodeNode<B> {
             connector: peer.connector,
             receiver_config: ReceiverConfig {
                 checks: pd.checks,
+                // A transfer never outlives the request's own deadline.
+                transfer_timeout: pd.timeout,
                 ..Default::default()
             },
             link: Mutex::new(Link {

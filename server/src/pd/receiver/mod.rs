@@ -72,6 +72,10 @@ pub struct ReceiverConfig {
     /// in prefill's queue and prefill's engine advances), so the bound measures prefill's
     /// silence, not how long its queue is.
     pub stall_timeout: Duration,
+    /// An active transfer not done this long after it started is aborted, heartbeats or
+    /// not: the bound on every transfer whatever the peer sends (a peer naming a transfer
+    /// in `Pending` forever cannot keep its pages held).
+    pub transfer_timeout: Duration,
     /// An aborted transfer whose confirmation does not come within this bound tears the
     /// connection down (the only safe way to release its pages).
     pub confirm_timeout: Duration,
@@ -89,6 +93,7 @@ impl Default for ReceiverConfig {
             tick: Duration::from_millis(20),
             finish_grace: Duration::from_secs(5),
             stall_timeout: Duration::from_secs(60),
+            transfer_timeout: Duration::from_secs(600),
             confirm_timeout: Duration::from_secs(30),
             remember_ended: 4096,
             hook: None,
@@ -103,6 +108,7 @@ impl std::fmt::Debug for ReceiverConfig {
             .field("tick", &self.tick)
             .field("finish_grace", &self.finish_grace)
             .field("stall_timeout", &self.stall_timeout)
+            .field("transfer_timeout", &self.transfer_timeout)
             .field("confirm_timeout", &self.confirm_timeout)
             .field("remember_ended", &self.remember_ended)
             .field("hook", &self.hook.is_some())
@@ -145,6 +151,7 @@ struct Transfer<B: Backend + 'static> {
     phase: Phase,
     finished_at: Option<Instant>,
     progress: Instant,
+    started: Instant,
 }
 
 type SharedInbound<B> = Arc<Mutex<Option<Inbound<B>>>>;
@@ -300,6 +307,7 @@ impl<B: Backend + 'static> Receiver<B> {
                     phase: Phase::Active,
                     finished_at: None,
                     progress: now,
+                    started: now,
                 },
             );
             st.ended.remove(&req);

@@ -524,6 +524,7 @@ impl<B: Backend + 'static> RxShared<B> {
             let mut st = self.state.lock();
             let mut late_finish = Vec::new();
             let mut stalled = Vec::new();
+            let mut overdue = Vec::new();
             let mut orphaned = Vec::new();
             for (&req, t) in &st.transfers {
                 match &t.phase {
@@ -532,6 +533,8 @@ impl<B: Backend + 'static> RxShared<B> {
                             orphaned.push(req);
                         } else if t.finished_at.is_some_and(|f| now - f > c.finish_grace) {
                             late_finish.push(req);
+                        } else if now - t.started > c.transfer_timeout {
+                            overdue.push(req);
                         } else if now - t.progress > c.stall_timeout {
                             stalled.push(req);
                         }
@@ -569,6 +572,14 @@ impl<B: Backend + 'static> RxShared<B> {
                     &mut st,
                     req,
                     Outcome::Failed(format!("no progress for {:?}", c.stall_timeout)),
+                    &mut out,
+                );
+            }
+            for req in overdue {
+                self.begin_abort(
+                    &mut st,
+                    req,
+                    Outcome::Failed(format!("not done within {:?}", c.transfer_timeout)),
                     &mut out,
                 );
             }
