@@ -346,6 +346,44 @@ fn a_load_past_the_wait_bound_fails_its_request_and_the_engine_goes_on() {
     assert_idle_and_clean(&e);
 }
 
+/// A load past the wait bound says nothing against the cached bytes: the request falls
+/// back on its own, the prefix stays cached (other requests on it are not failed), and once
+/// the copy ends the next turn is served from it.
+#[test]
+fn a_load_timeout_keeps_the_prefix_cached() {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed());
+    let s = Session::new(&mut rng, &[], 150, 6, "slow");
+    let mut config = CacheConfig::new(64, 64);
+    config.wait_timeout = std::time::Duration::from_millis(300);
+    let (e, h, ctl, turn2, r2) = host_only_session(&s, config);
+    *ctl.hold_src.lock().unwrap() = h.cache().host_region(1, BufferKind::Kv);
+    ctl.close();
+    assert!(
+        run(&e, &turn2).is_err(),
+        "the held load times the request out"
+    );
+    ctl.open();
+    h.cache().wait_idle().unwrap();
+    assert_eq!(
+        h.cache().stats().discarded_pages,
+        0,
+        "a timeout drops nothing"
+    );
+    let hits = h.cache().stats();
+    same(
+        &run(&e, &turn2).unwrap(),
+        &r2,
+        "served from the kept prefix",
+    );
+    let after = h.cache().stats();
+    assert!(
+        after.hits_device_pages + after.hits_host_pages
+            > hits.hits_device_pages + hits.hits_host_pages,
+        "the prefix was reused: {hits:?} -> {after:?}"
+    );
+    assert_idle_and_clean(&e);
+}
+
 /// The PD decode side's hook: pages received through `HiCache::inbound` (here copied out
 /// of another engine's cache, layer by layer with checksums, as a transport would) are
 /// adopted by a request, which continues bit-identically to the reference.

@@ -572,7 +572,8 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
     }
 
     /// A sequence whose cached or received prefix failed an integrity check: once, it
-    /// drops that prefix from the cache and goes back to the front of the queue to
+    /// drops that prefix from the cache (where the failure is evidence against its bytes)
+    /// and goes back to the front of the queue to
     /// recompute every token it has (no reuse; its tokens so far are replayed, not
     /// resampled: the pass is deterministic, so it continues with the same bits). A second
     /// failure, or one that recomputing cannot help, fails it.
@@ -586,7 +587,13 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
                 error = %cause,
                 "a prefix failed an integrity check: dropped from the cache, recomputing"
             );
-            self.space.discard_prefix(s.id);
+            // Only evidence against the cached bytes drops them. A load past its bound
+            // (a slow machine) or a prefix another request already dropped says nothing
+            // about them: dropping a widely shared prefix for it would fail every request
+            // on it and make them all recompute (a retry storm under load).
+            if !matches!(reason, "load_timeout" | "prefix_discarded") {
+                self.space.discard_prefix(s.id);
+            }
             // Running, so admitted: received pages it adopted go with its release.
             self.space.release(s.id);
             s.received = None;
