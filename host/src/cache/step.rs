@@ -538,20 +538,27 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
                 if stamp != Some(p.generation) {
                     return Err(self.not_landed(m.req, p, kind, stamp));
                 }
-                let filled = sh.device.filled(self.layer, kind, *p);
-                if filled < need {
-                    return Err(failed(
-                        m.req,
-                        Error::Unwritten {
-                            page: p.id,
-                            layer: self.layer,
-                            kind: kind.name(),
-                            slot: filled,
-                            filled,
-                        },
-                    ));
-                }
+                self.check_filled(m.req, p, kind, need)?;
             }
+        }
+        Ok(())
+    }
+
+    /// `Unwritten` (as `RequestFailed` of `req`) unless page `p` holds at least `need`
+    /// written entries of `kind` in this layer.
+    fn check_filled(&self, req: RequestId, p: &PageRef, kind: BufferKind, need: u32) -> Result<()> {
+        let filled = self.step.cache.shared.device.filled(self.layer, kind, *p);
+        if filled < need {
+            return Err(failed(
+                req,
+                Error::Unwritten {
+                    page: p.id,
+                    layer: self.layer,
+                    kind: kind.name(),
+                    slot: filled,
+                    filled,
+                },
+            ));
         }
         Ok(())
     }
@@ -607,19 +614,7 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
                     .filter(|k| only.is_none_or(|o| o == *k))
                 {
                     let need = (in_page / spec.tokens_per_entry(kind)) as u32;
-                    let filled = sh.device.filled(self.layer, kind, *p);
-                    if filled < need {
-                        return Err(failed(
-                            m.req,
-                            Error::Unwritten {
-                                page: p.id,
-                                layer: self.layer,
-                                kind: kind.name(),
-                                slot: filled,
-                                filled,
-                            },
-                        ));
-                    }
+                    self.check_filled(m.req, p, kind, need)?;
                 }
             }
         }
