@@ -3,8 +3,8 @@
 //!
 //! `cargo bench -p sparsekit-benches` measures the copy bandwidth and f32 FMA peak, runs
 //! every group (`indexer_logits`, `topk`, `sparse_mla`, the stores, `copy_pages` between
-//! the host and device tiers, `page_checksums`, the model's `dense_matmul`), measures the roofline again (each
-//! ceiling is the best of the two), then prints a table of time,
+//! the host and device tiers, `page_checksums`, the model's `dense_matmul`), measures the
+//! roofline again (each ceiling is the best of the two), then prints a table of time,
 //! GB/s, GFLOP/s, the bound that applies and the fraction of it reached, and writes the
 //! same as JSON to `<target>/criterion/sparsekit-roofline.json`. Criterion's own
 //! throughput line is FLOP/s (shown as `elem/s`) for compute-bound ops and bytes/s for

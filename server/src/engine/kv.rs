@@ -173,10 +173,9 @@ pub trait KvSpace<B: Backend> {
     }
     /// [`KvSpace::commit`] for a PD prefill: the pages of `tokens[..computed]` (the full
     /// ones committed, a partly filled last one still the request's own) stay locked for
-    /// the caller as a live cache request (returned as
-    /// [`ReceivedPages`]; the caller ends it, or gives it back with
-    /// [`KvSpace::release_received`]). `None` where the space cannot hold pages (it then
-    /// committed as `commit`).
+    /// the caller as a live cache request (returned as [`ReceivedPages`]; the caller ends
+    /// it, or gives it back with [`KvSpace::release_received`]). `None` where the space
+    /// cannot hold pages (it then committed as `commit`).
     fn commit_held(
         &mut self,
         seq: SeqId,

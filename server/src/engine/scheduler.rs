@@ -112,22 +112,37 @@ enum End {
     Failed(EngineError),
 }
 
-/// The integrity check a cache failure comes from, when recomputing the request's prefix
-/// can serve it (`None`: not an integrity failure, e.g. an abort).
-fn integrity_reason(e: &sparsekit_host::Error) -> Option<&'static str> {
+/// A cache failure that recomputing the request's prefix can serve.
+#[derive(Clone, Copy, Debug)]
+struct Fallback {
+    /// The check it comes from (the metric's `reason`).
+    reason: &'static str,
+    /// Whether it is evidence against the cached bytes, so the prefix must be dropped. A
+    /// load past its bound (a slow machine) or a prefix another request already dropped
+    /// says nothing about them: dropping a widely shared prefix for it would fail every
+    /// request on it and make them all recompute (a retry storm under load).
+    against_bytes: bool,
+}
+
+/// The fallback a cache failure allows (`None`: not an integrity failure, e.g. an abort).
+fn integrity_fallback(e: &sparsekit_host::Error) -> Option<Fallback> {
     use sparsekit_host::Error as E;
-    match e {
-        E::Integrity { .. } => Some("checksum"),
-        E::NotLanded { .. } => Some("not_landed"),
-        E::Unwritten { .. } => Some("unwritten"),
-        E::LayoutMismatch { .. } => Some("layout"),
-        E::Timeout { .. } => Some("load_timeout"),
+    let (reason, against_bytes) = match e {
+        E::Integrity { .. } => ("checksum", true),
+        E::NotLanded { .. } => ("not_landed", true),
+        E::Unwritten { .. } => ("unwritten", true),
+        E::LayoutMismatch { .. } => ("layout", true),
+        E::Timeout { .. } => ("load_timeout", false),
         E::Cancelled(m) if m.contains("discarded") || m.contains("left the device tier") => {
-            Some("prefix_discarded")
+            ("prefix_discarded", false)
         }
-        E::RequestFailed { cause, .. } => integrity_reason(cause),
-        _ => None,
-    }
+        E::RequestFailed { cause, .. } => return integrity_fallback(cause),
+        _ => return None,
+    };
+    Some(Fallback {
+        reason,
+        against_bytes,
+    })
 }
 
 pub(super) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
@@ -572,26 +587,23 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
     }
 
     /// A sequence whose cached or received prefix failed an integrity check: once, it
-    /// drops that prefix from the cache (where the failure is evidence against its bytes)
-    /// and goes back to the front of the queue to
-    /// recompute every token it has (no reuse; its tokens so far are replayed, not
+    /// drops that prefix from the cache (where the failure is evidence against its bytes,
+    /// see [`Fallback`]) and goes back to the front of the queue to recompute every token
+    /// it has (no reuse; its tokens so far are replayed, not
     /// resampled: the pass is deterministic, so it continues with the same bits). A second
     /// failure, or one that recomputing cannot help, fails it.
     fn seq_failed(&mut self, mut s: Seq, cause: sparsekit_host::Error) {
-        let reason = integrity_reason(&cause);
+        let fallback = integrity_fallback(&cause);
         let retry =
-            reason.is_some() && s.fallbacks == 0 && !s.shared.aborted.load(Ordering::Acquire);
-        if let (true, Some(reason)) = (retry, reason) {
+            fallback.is_some() && s.fallbacks == 0 && !s.shared.aborted.load(Ordering::Acquire);
+        if let (true, Some(f)) = (retry, fallback) {
             tracing::warn!(
                 seq = s.id,
                 error = %cause,
-                "a prefix failed an integrity check: dropped from the cache, recomputing"
+                dropped = f.against_bytes,
+                "a prefix failed an integrity check: recomputing"
             );
-            // Only evidence against the cached bytes drops them. A load past its bound
-            // (a slow machine) or a prefix another request already dropped says nothing
-            // about them: dropping a widely shared prefix for it would fail every request
-            // on it and make them all recompute (a retry storm under load).
-            if !matches!(reason, "load_timeout" | "prefix_discarded") {
+            if f.against_bytes {
                 self.space.discard_prefix(s.id);
             }
             // Running, so admitted: received pages it adopted go with its release.
@@ -602,7 +614,7 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
             s.reuse = false;
             s.fallbacks += 1;
             s.prefill_end = s.tokens.len();
-            self.inner.metrics.integrity_fallback(reason);
+            self.inner.metrics.integrity_fallback(f.reason);
             lock(&self.inner.stats).integrity_fallbacks += 1;
             self.inner.waiting.fetch_add(1, Ordering::AcqRel);
             self.waiting.push_front(s);

@@ -324,11 +324,11 @@ impl Engine {
     }
 
     /// [`Engine::submit`] for a PD prefill: when the request ends normally, the pages of
-    /// its prompt (the full ones committed to the prefix tree) stay locked in the engine's cache as a live cache request of their
-    /// own, sent to the returned channel before the handle's `Done` (nothing is sent by a
-    /// space without a prefix cache, or when the request did not end normally). The
-    /// receiver of the pages ends that cache request; if the channel is gone by then, the
-    /// engine ends it.
+    /// its prompt (the full ones committed to the prefix tree) stay locked in the engine's
+    /// cache as a live cache request of their own, sent to the returned channel before the
+    /// handle's `Done` (nothing is sent by a space without a prefix cache, or when the
+    /// request did not end normally). The receiver of the pages ends that cache request;
+    /// if the channel is gone by then, the engine ends it.
     pub fn submit_held(
         &self,
         req: GenerateRequest,

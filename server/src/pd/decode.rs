@@ -6,11 +6,11 @@
 //!   and a thread copying the PD counters into the engine's metrics.
 //! - [`DecodeSource`] (the engine's [`PromptSource`]): for each request it allocates pages
 //!   for the prompt's pages (all but the last token, whose logits decode computes itself;
-//!   a partly filled last page moves as its entries' bytes), starts the transfer through the [`Receiver`] (the bootstrap goes to
-//!   prefill), waits (bounded) until every layer of both kinds landed, verified and was
-//!   published, and hands the pages to the engine as [`ReceivedPages`]. A client abort
-//!   aborts the transfer (the pages stay quarantined until prefill confirms); a refused
-//!   transfer fails the request.
+//!   a partly filled last page moves as its entries' bytes), starts the transfer through
+//!   the [`Receiver`] (the bootstrap goes to prefill), waits (bounded) until every layer
+//!   of both kinds landed, verified and was published, and hands the pages to the engine
+//!   as [`ReceivedPages`]. A client abort aborts the transfer (the pages stay quarantined
+//!   until prefill confirms); a refused transfer fails the request.
 //! - The connection to prefill is made by a [`Connector`] (in-process pair, NIXL over
 //!   TCP + UCX). When it closes — prefill died or restarted — the transfers on it fail and
 //!   release their pages, and the next request reconnects (at most one attempt per
