@@ -36,7 +36,7 @@ mod sync {
     use std::ops::{Deref, DerefMut};
     use std::time::{Duration, Instant};
 
-    pub use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    pub use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
     fn in_shuttle() -> bool {
         shuttle::current::try_get_current_task().is_some()

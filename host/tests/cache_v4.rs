@@ -126,8 +126,12 @@ fn read_pages(
     for kind in spec.kinds(g.layer()).collect::<Vec<_>>() {
         let bytes = cache.backend().download(g.view(kind, &[])?)?;
         let r = cache.device_region(kind);
-        for (i, p) in pages.iter().enumerate() {
-            out[i][kind.index()] = bytes[r.page_range(p.id as usize)].to_vec();
+        let ids: Vec<i32> = pages.iter().map(|p| p.id as i32).collect();
+        // A page whose window rows were given back reads as empty in that pool.
+        for (i, at) in g.buffer_pages(kind, &ids).into_iter().enumerate() {
+            if let Ok(at) = usize::try_from(at) {
+                out[i][kind.index()] = bytes[r.page_range(at)].to_vec();
+            }
         }
     }
     Ok(out)
@@ -600,4 +604,268 @@ fn compressor_state_lost_is_caught_twice_and_real_without_checks() {
         ),
         "{err:?}"
     );
+}
+
+/// The window spec: V4's pools with the KV pool a window of 1.5 pages.
+const WINDOW: usize = TPP + TPP / 2;
+
+fn window_spec() -> CacheSpec {
+    v4_spec(KvDtype::Model1Fp8, IndexKDtype::FP8)
+        .with_window(WINDOW)
+        .unwrap()
+}
+
+/// One sequence grown token by token as a decode would: a prompt computed in one step,
+/// then one token a step, each step storing the new token's entries of every pool and
+/// reading every page it holds (the window's rows must be those first computed), and,
+/// from `release_from` pages on, giving back the window rows its tokens left.
+struct Grown {
+    pages: Vec<PageRef>,
+    tokens: usize,
+}
+
+fn grow(
+    c: &HiCache<CpuBackend>,
+    e: &Expect,
+    req: u64,
+    all: &[u32],
+    prefix: &Prefix,
+    prompt_len: usize,
+    release_from: Option<usize>,
+) -> Result<Grown> {
+    let spec = *c.spec();
+    let mut g = Grown {
+        pages: prefix.pages.clone(),
+        tokens: prefix.tokens,
+    };
+    let mut next = prompt_len;
+    while g.tokens < all.len() {
+        let upto = next.min(all.len());
+        let need = upto.div_ceil(TPP).saturating_sub(g.pages.len());
+        g.pages.extend(c.alloc(req, need)?);
+        {
+            let mut step = c.step(&[req])?;
+            for l in 0..spec.num_layers {
+                let mut guard = step.wait_layer(l)?;
+                store_layer(
+                    &mut guard,
+                    c.backend(),
+                    &spec,
+                    &all[..upto],
+                    &g.pages,
+                    g.tokens,
+                    &[],
+                )?;
+                let full = upto / TPP;
+                for (i, got) in read_pages(c, &guard, &g.pages[..full])?
+                    .into_iter()
+                    .enumerate()
+                {
+                    e.check_present(&all[..upto], i, l, got)?;
+                }
+            }
+        }
+        g.tokens = upto;
+        next = upto + 1;
+        if let Some(from) = release_from {
+            c.release_window(req, &g.pages, from, g.tokens)?;
+        }
+    }
+    Ok(g)
+}
+
+impl Expect {
+    /// [`Expect::check_or_learn`] of the pools a page still holds (a page whose window
+    /// rows were given back is checked in its other pools).
+    fn check_present(&self, tokens: &[u32], i: usize, l: usize, got: Vec<Vec<u8>>) -> Result<()> {
+        let key = (prefix_hash(&tokens[..(i + 1) * TPP]), l);
+        let mut map = self.pages.lock().unwrap();
+        let want = map.entry(key).or_insert_with(|| got.clone());
+        for k in BufferKind::ALL {
+            let (w, g) = (&want[k.index()], &got[k.index()]);
+            if w.is_empty() && !g.is_empty() {
+                want[k.index()] = g.clone();
+            } else if !g.is_empty() && w != g {
+                return Err(Error::Integrity {
+                    what: "served page",
+                    page: i as u32,
+                    layer: l,
+                    kind: k.name(),
+                    expected: 0,
+                    actual: 1,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A decode longer than the window pool's frames runs because the pages its tokens left
+/// give their window rows back; the rows still read are the ones first computed; a page
+/// that gave them back takes no store and no read of its window; the prefix it commits
+/// ends, for a later request, on a page that holds its window rows.
+#[test]
+fn a_decode_gives_back_the_window_rows_its_tokens_left() {
+    let spec = window_spec();
+    assert_eq!(spec.window(), Some(WINDOW));
+    assert!(spec.windowed(BufferKind::Kv) && !spec.windowed(BufferKind::CsaKv));
+    assert_ne!(
+        spec.fingerprint(),
+        v4_spec(KvDtype::Model1Fp8, IndexKDtype::FP8).fingerprint()
+    );
+    assert!(
+        CacheSpec::new(
+            KvLayout::new(KvDtype::Bf16, 512, 64, 16).unwrap(),
+            IndexKLayout::new(IndexKDtype::FP8, 128, 16).unwrap(),
+            2
+        )
+        .unwrap()
+        .with_window(128)
+        .is_err(),
+        "V3.2 reads every token's KV"
+    );
+    // 6 frames: the prompt's 3 pages, the window's 2 and the page being filled.
+    let mut cfg = CacheConfig::new(12, 0);
+    cfg.window_pages = Some(6);
+    let c = cache(spec, cfg.clone());
+    let e = Expect::default();
+    let all = prompt(1, 8 * TPP + 3);
+    let prompt_len = 2 * TPP + 5;
+
+    // Without giving rows back, 9 pages do not fit in 6 frames.
+    let p = c.begin(1, &all).unwrap();
+    let err = grow(&c, &e, 1, &all, &p, prompt_len, None).err().unwrap();
+    assert!(
+        matches!(
+            err,
+            Error::OutOfPages {
+                what: "window frames",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    c.abort(1).unwrap();
+
+    // Giving them back from the first page past the prompt: it runs to the end.
+    let p = c.begin(2, &all).unwrap();
+    assert_eq!(p.tokens, 0);
+    let first_own = prompt_len.div_ceil(TPP);
+    let g = grow(&c, &e, 2, &all, &p, prompt_len, Some(first_own)).unwrap();
+    let s = c.stats();
+    // Pages 3..=5 left the window (6 and 7 are the last full pages, 8 the partial one).
+    assert_eq!(spec.window_passed(g.tokens), 6);
+    assert_eq!(
+        (s.window_frames, s.window_frames_free, s.window_released),
+        (6, 0, 3),
+        "{s:?}"
+    );
+    {
+        let mut step = c.step(&[2]).unwrap();
+        let mut guard = step.wait_layer(0).unwrap();
+        // No store into a page's window rows once given back...
+        let r = guard.kv_store(
+            &[SlotRef {
+                page: g.pages[4],
+                offset: 0,
+            }],
+            &c.backend()
+                .upload(bytemuck::cast_slice(&values(7, 512)))
+                .unwrap(),
+        );
+        assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
+        // ...and no read that still needs them: the window of the first 5 pages' tokens.
+        let read = |tokens| {
+            guard
+                .view(
+                    BufferKind::Kv,
+                    &[ReadExtent {
+                        request: 2,
+                        pages: &g.pages,
+                        tokens,
+                    }],
+                )
+                .map(|_| ())
+        };
+        assert!(matches!(
+            read(5 * TPP).map_err(cause),
+            Err(Error::Unwritten { .. })
+        ));
+        read(g.tokens).unwrap();
+        let id = g.pages[4].id as i32;
+        assert_eq!(guard.buffer_pages(BufferKind::Kv, &[id, -1]), [-1, -1]);
+        assert_eq!(guard.buffer_pages(BufferKind::CsaKv, &[id]), [id]);
+    }
+    c.commit(2, &all, &g.pages).unwrap();
+    c.finish(2).unwrap();
+    c.leak_check().unwrap();
+
+    // A request extending the whole sequence hits all 8 full pages (the last holds its
+    // window rows)...
+    let mut longer = all.clone();
+    longer.extend(prompt(4, 3));
+    let p = c.begin(4, &longer).unwrap();
+    assert_eq!(p.tokens, 8 * TPP);
+    grow(&c, &e, 4, &longer, &p, longer.len(), None).unwrap();
+    c.abort(4).unwrap();
+    c.leak_check().unwrap();
+    // ...one sharing 5 pages ends its hit on the deepest one that does (the prompt's
+    // last), and the frames it needs come from cached pages (which stay cached).
+    let before = c.stats();
+    let mut other = all[..5 * TPP].to_vec();
+    other.extend(prompt(3, TPP));
+    assert_eq!(c.room(&other).device_pages, 3);
+    let p = c.begin(3, &other).unwrap();
+    assert_eq!(p.tokens, 3 * TPP);
+    grow(&c, &e, 3, &other, &p, other.len(), None).unwrap();
+    c.abort(3).unwrap();
+    let after = c.leak_check().unwrap();
+    assert!(after.window_released > before.window_released, "{after:?}");
+    assert_eq!(after.device_cached, before.device_cached, "{after:?}");
+    // The long prefix lost the rows of its last pages: its hit ends before them.
+    assert!(c.begin(6, &longer).unwrap().tokens < 8 * TPP);
+    c.abort(6).unwrap();
+    // Pressure that frames alone cannot meet evicts pages as before.
+    let fresh = prompt(5, 6 * TPP);
+    let p = c.begin(5, &fresh).unwrap();
+    grow(&c, &e, 5, &fresh, &p, fresh.len(), None).unwrap();
+    c.abort(5).unwrap();
+    c.leak_check().unwrap();
+}
+
+/// The host tier keeps the window rows a page held when it was backed up; a hit from the
+/// host tier ends on a page whose copy has them, and loads its other pages without them.
+#[test]
+fn the_host_tier_keeps_the_window_rows_a_page_held() {
+    let mut cfg = CacheConfig::new(12, 32);
+    // A load takes a frame for each page it loads (those without window rows give it back
+    // at once): 8 for the 8-page prefix below.
+    cfg.window_pages = Some(8);
+    let c = cache(window_spec(), cfg);
+    let e = Expect::default();
+    let all = prompt(1, 8 * TPP + 3);
+    let prompt_len = 2 * TPP + 5;
+    let p = c.begin(1, &all).unwrap();
+    let g = grow(&c, &e, 1, &all, &p, prompt_len, Some(3)).unwrap();
+    c.commit(1, &all, &g.pages).unwrap();
+    c.finish(1).unwrap();
+    // Every cached page to the host tier.
+    assert_eq!(c.evict_device(8).unwrap(), 8);
+    let s = c.leak_check().unwrap();
+    assert_eq!((s.device_cached, s.host_cached), (0, 8), "{s:?}");
+    let mut longer = all.clone();
+    longer.extend(prompt(2, 5));
+    let p = c.begin(2, &longer).unwrap();
+    assert_eq!((p.tokens, p.loaded_pages), (8 * TPP, 8));
+    // Loaded pages without window rows took no frame.
+    let s = c.stats();
+    assert_eq!(s.window_frames - s.window_frames_free, 5, "{s:?}");
+    grow(&c, &e, 2, &longer, &p, longer.len(), None).unwrap();
+    c.abort(2).unwrap();
+    // A prefix ending inside the pages that gave their rows back ends earlier.
+    let p = c.begin(3, &all[..6 * TPP]).unwrap();
+    assert_eq!(p.tokens, 3 * TPP);
+    c.abort(3).unwrap();
+    let s = c.leak_check().unwrap();
+    assert_eq!(s.integrity_failures, 0);
 }

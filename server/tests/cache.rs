@@ -172,6 +172,41 @@ fn the_v4_oracle_holds_across_tiers_on_cpu() {
     oracle_across_tiers(CpuBackend::new, ModelConfig::DSV4_TINY, &s);
 }
 
+/// A V4 decode longer than the window pool's frames: the pages its tokens left give their
+/// window rows back as it goes, every token's logits are those of the reference engine,
+/// and the next turn's hit still reaches the last full page it committed.
+#[test]
+fn a_v4_decode_longer_than_its_window_frames_gives_rows_back() {
+    let cfg = ModelConfig::DSV4_TINY;
+    let ps = cfg.page_size();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed());
+    let s = Session::new(&mut rng, &[], 40, 120, "v4-window");
+    let o = opts(64);
+    let reference = plain(Arc::new(CpuBackend::new()), cfg, &o);
+    let r1 = run(&reference, &s.first).unwrap();
+    let turn2 = s.second(&r1);
+    let r2 = run(&reference, &turn2).unwrap();
+    let total = s.first.prompt.len() + r1.tokens.len();
+    // Fewer frames than the first turn's pages: it runs only by giving rows back.
+    let frames = 7;
+    assert!(total.div_ceil(ps) > frames);
+    let mut config = CacheConfig::new(64, 0);
+    config.window_pages = Some(frames);
+    let (e, h) = cached_engine(Arc::new(CpuBackend::new()), cfg, o, config);
+    same(&run(&e, &s.first).unwrap(), &r1, "turn 1");
+    let st = h.cache().stats();
+    assert_eq!(st.window_frames, frames);
+    assert!(st.window_released >= 5, "{st:?}");
+    let before = st.hits_device_pages;
+    same(&run(&e, &turn2).unwrap(), &r2, "turn 2");
+    let st = h.cache().stats();
+    assert!(
+        (st.hits_device_pages - before) as usize >= (total - 1) / ps,
+        "turn 2 starts on turn 1's last full page: {st:?}"
+    );
+    assert_idle_and_clean(&e);
+}
+
 #[test]
 fn the_oracle_holds_across_tiers_on_emu() {
     // Small enough for the emulator: one layer, a top-k of 8 so selection matters.

@@ -76,6 +76,10 @@ pub struct Args {
     /// Pages of the host tier when it is on (4 × the device pool when omitted).
     #[arg(long)]
     host_pages: Option<usize>,
+    /// Frames of a DeepSeek-V4 cache's window pool (its KV rows), at most the device
+    /// pages (one a page when omitted): decodes give back the rows their tokens left.
+    #[arg(long)]
+    window_pages: Option<usize>,
     /// Back committed pages up to the host tier at once: on or off.
     #[arg(long, default_value = "on")]
     write_through: String,
@@ -308,6 +312,7 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
         } else {
             0
         },
+        window_pages: args.window_pages,
         write_through,
         verify: !args.no_verify,
         wait_timeout: Duration::from_millis(args.cache_wait_ms),

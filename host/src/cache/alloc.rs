@@ -9,8 +9,19 @@
 //! reference to it is stale from then on) but puts it in *quarantine* instead of the free
 //! list; it becomes free only when the last pin is dropped. So a page is never handed out
 //! again while anything may still write or read its bytes.
+//!
+//! A cache with a sliding-window pool (DeepSeek-V4's raw KV) also hands out **frames**:
+//! the window pool's physical pages, fewer than the pages. Every fresh page gets a frame;
+//! [`PageAllocator::release_frame`] gives one back early (its page's tokens left every
+//! window that reads them) and a page's frame returns with the page otherwise. The page →
+//! frame map is shared ([`FrameMap`]) so that copies and stores address the window pool
+//! without the state mutex; it changes only under the allocator's owner (the state mutex)
+//! and never for a pinned page.
+
+use std::sync::Arc;
 
 use crate::error::{Error, Result};
+use crate::sync::{AtomicU32, Ordering};
 
 /// A page id together with the generation it had when it was handed out. Plain data: a
 /// reference can come from anywhere (a peer's message), so every use checks it.
@@ -27,7 +38,44 @@ enum Slot {
     Quarantined,
 }
 
-/// Free list over `capacity` pages.
+/// Per page, the window-pool frame it holds (see the module docs): read anywhere, written
+/// by the [`PageAllocator`] only.
+#[derive(Debug)]
+pub(crate) struct FrameMap {
+    frame: Vec<AtomicU32>,
+}
+
+const NO_FRAME: u32 = u32::MAX;
+
+impl FrameMap {
+    fn new(pages: usize) -> Self {
+        FrameMap {
+            frame: (0..pages).map(|_| AtomicU32::new(NO_FRAME)).collect(),
+        }
+    }
+
+    /// The frame page `page` holds (`None`: none, or a page outside the pool).
+    pub fn get(&self, page: u32) -> Option<u32> {
+        let f = self.frame.get(page as usize)?.load(Ordering::Acquire);
+        (f != NO_FRAME).then_some(f)
+    }
+
+    fn set(&self, page: u32, frame: Option<u32>) {
+        if let Some(a) = self.frame.get(page as usize) {
+            a.store(frame.unwrap_or(NO_FRAME), Ordering::Release);
+        }
+    }
+}
+
+/// The frames of a windowed pool: their free list and the shared page → frame map.
+#[derive(Clone, Debug)]
+struct Frames {
+    capacity: usize,
+    free: Vec<u32>,
+    map: Arc<FrameMap>,
+}
+
+/// Free list over `capacity` pages (and, for a cache with a window pool, its frames).
 #[derive(Clone, Debug)]
 pub(crate) struct PageAllocator {
     what: &'static str,
@@ -35,6 +83,7 @@ pub(crate) struct PageAllocator {
     slot: Vec<Slot>,
     pins: Vec<u32>,
     free: Vec<u32>,
+    frames: Option<Frames>,
 }
 
 impl PageAllocator {
@@ -47,15 +96,104 @@ impl PageAllocator {
             pins: vec![0; capacity],
             // Pop from the end: hand out low ids first.
             free: (0..capacity as u32).rev().collect(),
+            frames: None,
         }
+    }
+
+    /// [`PageAllocator::new`] with `frames` window-pool frames (at most `capacity`): every
+    /// allocated page also takes a frame.
+    pub fn with_frames(what: &'static str, capacity: usize, frames: usize) -> Self {
+        let mut a = Self::new(what, capacity);
+        let frames = frames.min(capacity);
+        a.frames = Some(Frames {
+            capacity: frames,
+            free: (0..frames as u32).rev().collect(),
+            map: Arc::new(FrameMap::new(capacity)),
+        });
+        a
     }
 
     pub fn capacity(&self) -> usize {
         self.generation.len()
     }
 
+    /// Pages that can be allocated now (free pages with a free frame each).
     pub fn num_free(&self) -> usize {
+        match &self.frames {
+            Some(f) => self.free.len().min(f.free.len()),
+            None => self.free.len(),
+        }
+    }
+
+    /// Free pages, whether or not a frame is free for them.
+    pub fn num_free_pages(&self) -> usize {
         self.free.len()
+    }
+
+    /// What `n` pages would run short of: `"window frames"` when the pages are free but
+    /// not their frames, else the pool's name.
+    pub fn scarce(&self, n: usize) -> &'static str {
+        if self.free.len() >= n && self.num_free() < n {
+            "window frames"
+        } else {
+            self.what
+        }
+    }
+
+    /// `(free, capacity)` of the window frames (`None` without a window pool).
+    pub fn frames(&self) -> Option<(usize, usize)> {
+        self.frames.as_ref().map(|f| (f.free.len(), f.capacity))
+    }
+
+    /// The shared page → frame map (`None` without a window pool).
+    pub fn frame_map(&self) -> Option<Arc<FrameMap>> {
+        self.frames.as_ref().map(|f| f.map.clone())
+    }
+
+    /// The frame page `id` holds now.
+    pub fn frame(&self, id: u32) -> Option<u32> {
+        self.frames.as_ref().and_then(|f| f.map.get(id))
+    }
+
+    /// Gives back the frame of current page `r` before the page itself: `Ok(true)` when it
+    /// was freed, `Ok(false)` when the page holds none or is pinned (something may still
+    /// copy its window bytes: it keeps the frame). A stale reference is an error.
+    pub fn release_frame(&mut self, r: PageRef) -> Result<bool> {
+        if !self.is_current(r) {
+            return Err(self.stale(r));
+        }
+        if self.pins[r.id as usize] > 0 {
+            return Ok(false);
+        }
+        Ok(self.free_frame(r.id))
+    }
+
+    /// Gives current page `r`, which holds no frame, a free one: whether it got one.
+    pub fn attach_frame(&mut self, r: PageRef) -> bool {
+        if !self.is_current(r) || self.frame(r.id).is_some() {
+            return false;
+        }
+        let Some(f) = self.frames.as_mut() else {
+            return false;
+        };
+        let Some(frame) = f.free.pop() else {
+            return false;
+        };
+        f.map.set(r.id, Some(frame));
+        true
+    }
+
+    /// Returns page `id`'s frame (if any) to the free list.
+    fn free_frame(&mut self, id: u32) -> bool {
+        let Some(f) = self.frames.as_mut() else {
+            return false;
+        };
+        let Some(frame) = f.map.get(id) else {
+            return false;
+        };
+        f.map.set(id, None);
+        f.free.push(frame);
+        true
     }
 
     pub fn num_quarantined(&self) -> usize {
@@ -69,22 +207,51 @@ impl PageAllocator {
         self.slot.iter().filter(|&&s| s == Slot::Held).count()
     }
 
-    /// `n` pages, all or nothing.
+    /// `n` pages, all or nothing (each with a frame, where the pool has frames).
     pub fn alloc(&mut self, n: usize) -> Result<Vec<PageRef>> {
-        if n > self.free.len() {
+        self.alloc_framed(n, n)
+    }
+
+    /// Whether `n` pages, `framed` of them with a frame, are free now.
+    pub fn can_alloc(&self, n: usize, framed: usize) -> bool {
+        n <= self.free.len()
+            && self
+                .frames
+                .as_ref()
+                .is_none_or(|f| framed.min(n) <= f.free.len())
+    }
+
+    /// `n` pages, all or nothing, the first `framed` of them with a frame (where the pool
+    /// has frames; the others get one by [`PageAllocator::attach_frame`]).
+    pub fn alloc_framed(&mut self, n: usize, framed: usize) -> Result<Vec<PageRef>> {
+        let framed = framed.min(n);
+        if !self.can_alloc(n, framed) {
             return Err(Error::OutOfPages {
-                what: self.what,
+                what: if n <= self.free.len() {
+                    "window frames"
+                } else {
+                    self.what
+                },
                 wanted: n,
-                free: self.free.len(),
+                free: self.num_free(),
             });
         }
         let at = self.free.len() - n;
         let ids = self.free.split_off(at);
+        let mut framed = framed;
         Ok(ids
             .into_iter()
             .rev()
             .map(|id| {
                 self.slot[id as usize] = Slot::Held;
+                let frame = framed > 0;
+                framed = framed.saturating_sub(1);
+                if let Some(f) = self.frames.as_mut().filter(|_| frame) {
+                    // Checked above: a free frame for each page.
+                    if let Some(frame) = f.free.pop() {
+                        f.map.set(id, Some(frame));
+                    }
+                }
                 PageRef {
                     id,
                     generation: self.generation[id as usize],
@@ -127,6 +294,7 @@ impl PageAllocator {
         } else {
             self.slot[i] = Slot::Free;
             self.free.push(r.id);
+            self.free_frame(r.id);
         }
         Ok(())
     }
@@ -150,6 +318,7 @@ impl PageAllocator {
         if *p == 0 && self.slot[i] == Slot::Quarantined {
             self.slot[i] = Slot::Free;
             self.free.push(id);
+            self.free_frame(id);
         }
     }
 
@@ -188,6 +357,38 @@ impl PageAllocator {
                     "{} page {i} is quarantined without a pin",
                     self.what
                 ));
+            }
+        }
+        if let Some(f) = &self.frames {
+            let mut owner: Vec<Option<usize>> = vec![None; f.capacity];
+            for &fr in &f.free {
+                match owner.get_mut(fr as usize) {
+                    Some(o @ None) => *o = Some(usize::MAX),
+                    _ => {
+                        problems.push(format!("{} frame {fr} is free twice or unknown", self.what))
+                    }
+                }
+            }
+            for (i, s) in self.slot.iter().enumerate() {
+                let Some(fr) = f.map.get(i as u32) else {
+                    continue;
+                };
+                if *s == Slot::Free {
+                    problems.push(format!(
+                        "{} page {i} is free but holds frame {fr}",
+                        self.what
+                    ));
+                }
+                match owner.get_mut(fr as usize) {
+                    Some(o @ None) => *o = Some(i),
+                    _ => problems.push(format!(
+                        "{} frame {fr} of page {i} is also free or another page's",
+                        self.what
+                    )),
+                }
+            }
+            if let Some(fr) = owner.iter().position(|o| o.is_none()) {
+                problems.push(format!("{} frame {fr} is neither free nor held", self.what));
             }
         }
         problems
@@ -252,5 +453,42 @@ mod tests {
         assert_eq!(q.id, p[0].id);
         assert_ne!(q.generation, p[0].generation);
         assert!(a.check().is_empty());
+    }
+
+    #[test]
+    fn frames_follow_pages_and_can_leave_first() {
+        let mut a = PageAllocator::with_frames("device", 4, 2);
+        assert_eq!((a.num_free(), a.num_free_pages()), (2, 4));
+        let p = a.alloc(2).unwrap();
+        assert!(matches!(
+            a.alloc(1),
+            Err(Error::OutOfPages {
+                what: "window frames",
+                ..
+            })
+        ));
+        let f0 = a.frame(p[0].id).unwrap();
+        assert_ne!(Some(f0), a.frame(p[1].id));
+        // A pinned page keeps its frame; an unpinned one gives it back.
+        a.pin(p[0]).unwrap();
+        assert!(!a.release_frame(p[0]).unwrap());
+        a.unpin(p[0].id);
+        assert!(a.release_frame(p[0]).unwrap());
+        assert_eq!(a.frame(p[0].id), None);
+        assert!(!a.release_frame(p[0]).unwrap(), "nothing left to give");
+        let q = a.alloc(1).unwrap()[0];
+        assert_eq!(a.frame(q.id), Some(f0), "the frame serves another page");
+        assert!(a.check().is_empty(), "{:?}", a.check());
+        // Releasing a page frees the frame it still holds (after its last pin).
+        a.pin(p[1]).unwrap();
+        a.release(p[1]).unwrap();
+        assert_eq!(a.frames(), Some((0, 2)), "quarantined: the frame stays");
+        a.unpin(p[1].id);
+        assert_eq!(a.frames(), Some((1, 2)));
+        a.release(p[0]).unwrap();
+        a.release(q).unwrap();
+        assert_eq!((a.num_free(), a.frames()), (2, Some((2, 2))));
+        assert!(a.release_frame(q).is_err(), "stale");
+        assert!(a.check().is_empty(), "{:?}", a.check());
     }
 }

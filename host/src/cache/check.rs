@@ -19,6 +19,8 @@ pub(crate) fn stats(st: &State) -> CacheStats {
         device_in_use: in_use,
         device_cached: cached,
         device_quarantined: st.device.num_quarantined(),
+        window_frames: st.device.frames().map_or(0, |f| f.1),
+        window_frames_free: st.device.frames().map_or(0, |f| f.0),
         host_pages: st.host.capacity(),
         host_free: st.host.num_free(),
         host_cached,

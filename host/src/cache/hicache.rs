@@ -41,6 +41,7 @@ use super::room::{could_make_room, evict, make_room, schedule_backups, wait_for_
 use super::state::{invalid, not_live, Shared, State, NEXT_CACHE_ID};
 use super::step::Step;
 pub use super::types::{CacheConfig, CacheStats, Prefix, RequestId, Room};
+use super::window;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::ops::PagedRegion;
@@ -64,7 +65,27 @@ impl<B: Backend + 'static> HiCache<B> {
         if config.max_backup_batch == 0 {
             return Err(invalid("max_backup_batch", "must be at least 1"));
         }
-        let device = DevicePool::new(&*backend, spec, config.device_pages)?;
+        let allocator = match spec.window() {
+            Some(_) => {
+                let frames = config.window_pages.unwrap_or(config.device_pages);
+                if frames > config.device_pages {
+                    return Err(invalid(
+                        "window_pages",
+                        format!(
+                            "{frames} window frames for {} device pages",
+                            config.device_pages
+                        ),
+                    ));
+                }
+                PageAllocator::with_frames("device", config.device_pages, frames)
+            }
+            None => PageAllocator::new("device", config.device_pages),
+        };
+        let frames = allocator
+            .frame_map()
+            .zip(allocator.frames())
+            .map(|(map, (_, n))| (n, map));
+        let device = DevicePool::new(&*backend, spec, config.device_pages, frames)?;
         let host = if config.host_pages > 0 {
             Some(HostPool::mirror(
                 &*backend,
@@ -78,7 +99,7 @@ impl<B: Backend + 'static> HiCache<B> {
         };
         let state = State {
             tree: RadixTree::new(spec.page_size()),
-            device: PageAllocator::new("device", config.device_pages),
+            device: allocator,
             host: PageAllocator::new("host", config.host_pages),
             requests: HashMap::new(),
             loads: HashMap::new(),
@@ -171,6 +192,8 @@ impl<B: Backend + 'static> HiCache<B> {
                 return Err(invalid("request", format!("{req} is already live")));
             }
             let mut path = st.tree.match_prefix(tokens);
+            // A prefix ends where the window rows of its last tokens are held.
+            window::end_on_window(sh.device.spec(), &st, &mut path);
             // Without a worker nothing can be loaded: serve the device-resident part only.
             if !st.worker_alive {
                 if let Some(cut) = path
@@ -187,22 +210,24 @@ impl<B: Backend + 'static> HiCache<B> {
                 .filter(|&n| st.tree.get(n).is_some_and(|n| n.device.is_none()))
                 .collect();
             if missing.len() > st.device.num_free() {
-                if Instant::now() >= deadline && !could_make_room(&st, missing.len()) {
+                if Instant::now() >= deadline
+                    && !could_make_room(&st, sh.device.spec(), missing.len(), missing.len())
+                {
                     // A try that cannot succeed now changes nothing (evicts nothing).
                     st.tree.unlock(&path);
                     return Err(Error::OutOfPages {
-                        what: "device",
+                        what: st.device.scarce(missing.len()),
                         wanted: missing.len(),
                         free: st.device.num_free(),
                     });
                 }
-                make_room(sh, &mut st, missing.len());
+                make_room(sh, &mut st, missing.len(), missing.len());
             }
             if missing.len() > st.device.num_free() {
                 st.tree.unlock(&path);
-                if !wait_for_room(sh, &mut st, missing.len(), deadline) {
+                if !wait_for_room(sh, &mut st, missing.len(), missing.len(), deadline) {
                     return Err(Error::OutOfPages {
-                        what: "device",
+                        what: st.device.scarce(missing.len()),
                         wanted: missing.len(),
                         free: st.device.num_free(),
                     });
@@ -223,7 +248,8 @@ impl<B: Backend + 'static> HiCache<B> {
     /// all, less `device_pages`) before it begins anything.
     pub fn room(&self, tokens: &[u32]) -> Room {
         let st = self.shared.state.lock();
-        let path = st.tree.peek_prefix(tokens);
+        let mut path = st.tree.peek_prefix(tokens);
+        window::end_on_window(self.shared.device.spec(), &st, &mut path);
         let on_device = |n: &super::radix::Node| n.device.is_some();
         let device_pages = path
             .iter()
@@ -241,15 +267,16 @@ impl<B: Backend + 'static> HiCache<B> {
         Room {
             device_pages,
             host_pages: path.len() - device_pages,
-            available: st.device.num_free() + pending + st.tree.device_victim_count()
-                - victims_on_path,
+            available: (st.device.num_free_pages() + pending + st.tree.device_victim_count())
+                .saturating_sub(victims_on_path),
+            frames_available: window::frames_possible(&st, self.shared.device.spec()),
         }
     }
 
     /// `n` fresh device pages owned by `req`, evicting cached pages if needed (waits,
     /// bounded, for backups to make room).
     pub fn alloc(&self, req: RequestId, n: usize) -> Result<Vec<PageRef>> {
-        self.alloc_until(req, n, self.shared.deadline())
+        self.alloc_until(req, n, n, self.shared.deadline())
     }
 
     /// [`HiCache::alloc`] without waiting: when `n` pages are not free now, the evictions
@@ -257,39 +284,61 @@ impl<B: Backend + 'static> HiCache<B> {
     /// allocating nothing; a later try finds the room. When even evicting every unlocked
     /// cached page would not make the room, nothing is evicted.
     pub fn try_alloc(&self, req: RequestId, n: usize) -> Result<Vec<PageRef>> {
-        self.alloc_until(req, n, Instant::now())
+        self.alloc_until(req, n, n, Instant::now())
     }
 
-    fn alloc_until(&self, req: RequestId, n: usize, deadline: Instant) -> Result<Vec<PageRef>> {
+    /// [`HiCache::try_alloc`] of `n` pages of which only the first `framed` take a window
+    /// frame now (a cache without a window: all of them, as `try_alloc`): the others get
+    /// theirs as [`HiCache::release_window`] gives back the request's frames of the pages
+    /// its tokens left. So a request reserves all its pages up front but holds at most
+    /// [`CacheSpec::frames_needed`] frames. A caller must not store into a page before it
+    /// has a frame (refused: [`LayerGuard::buffer_pages`] says `-1`).
+    pub fn try_alloc_framed(
+        &self,
+        req: RequestId,
+        n: usize,
+        framed: usize,
+    ) -> Result<Vec<PageRef>> {
+        self.alloc_until(req, n, framed, Instant::now())
+    }
+
+    fn alloc_until(
+        &self,
+        req: RequestId,
+        n: usize,
+        framed: usize,
+        deadline: Instant,
+    ) -> Result<Vec<PageRef>> {
         let sh = &*self.shared;
         let mut st = sh.state.lock();
         loop {
             if !st.requests.contains_key(&req) {
                 return Err(not_live(req));
             }
-            if n > st.device.num_free() {
-                if Instant::now() >= deadline && !could_make_room(&st, n) {
+            if !st.device.can_alloc(n, framed) {
+                if Instant::now() >= deadline && !could_make_room(&st, sh.device.spec(), n, framed)
+                {
                     // A try that cannot succeed now changes nothing (evicts nothing).
                     return Err(Error::OutOfPages {
-                        what: "device",
+                        what: st.device.scarce(n),
                         wanted: n,
                         free: st.device.num_free(),
                     });
                 }
-                make_room(sh, &mut st, n);
+                make_room(sh, &mut st, n, framed);
             }
-            if n <= st.device.num_free() {
+            if st.device.can_alloc(n, framed) {
                 break;
             }
-            if !wait_for_room(sh, &mut st, n, deadline) {
+            if !wait_for_room(sh, &mut st, n, framed, deadline) {
                 return Err(Error::OutOfPages {
-                    what: "device",
+                    what: st.device.scarce(n),
                     wanted: n,
                     free: st.device.num_free(),
                 });
             }
         }
-        let pages = st.device.alloc(n)?;
+        let pages = st.device.alloc_framed(n, framed)?;
         for p in &pages {
             // Nothing landed yet: the owner's stores (or a transfer) stamp them.
             sh.device.clear_landed(p.id);
@@ -298,6 +347,27 @@ impl<B: Backend + 'static> HiCache<B> {
             r.own.extend(&pages);
         }
         Ok(pages)
+    }
+
+    /// Gives back the window rows (their frames) of the pages of `req` whose tokens left
+    /// every later query's window ([`CacheSpec::window_passed`] of `tokens`, the tokens
+    /// stored so far; `pages[i]` holds tokens `i * page_size..`), from page `from` on:
+    /// the pages the request owns (a cached page's frame goes only under frame pressure).
+    /// A caller keeps `from` past the pages a later request may want to start on — a
+    /// prompt's: a prefix hit ends on a page that holds its window rows, and the pages a
+    /// request commits keep what they hold. The pages keep their other pools. Refused
+    /// while a step holds the request or a transfer writes it; a pinned page keeps its
+    /// frame. Returns how many frames were freed (0 without a window).
+    pub fn release_window(
+        &self,
+        req: RequestId,
+        pages: &[PageRef],
+        from: usize,
+        tokens: usize,
+    ) -> Result<usize> {
+        let sh = &*self.shared;
+        let mut st = sh.state.lock();
+        window::release_window(sh, &mut st, req, pages, from, tokens)
     }
 
     /// Opens a forward step over `reqs` (distinct live requests): pins every page they
@@ -408,6 +478,10 @@ impl<B: Backend + 'static> HiCache<B> {
         for p in pages.iter().skip(old_path.len()) {
             for l in 0..sh.num_layers() {
                 for kind in sh.device.spec().kinds(l) {
+                    if sh.device.index(kind, p.id).is_none() {
+                        // Window rows given back: the page enters without them.
+                        continue;
+                    }
                     let landed = sh.device.landed(l, kind, p.id);
                     let stamp = landed.map(|x| x.generation);
                     if stamp != Some(p.generation) {

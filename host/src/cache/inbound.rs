@@ -206,7 +206,23 @@ impl<B: Backend + 'static> Inbound<B> {
                 return Err(e);
             }
         }
-        let dst_ids: Vec<i32> = pages.iter().map(|p| p.id as i32).collect();
+        let page_ids: Vec<i32> = pages.iter().map(|p| p.id as i32).collect();
+        let dst_ids = sh.device.indices(kind, &page_ids);
+        if let Some(p) = pages
+            .iter()
+            .zip(&dst_ids)
+            .find(|(_, &d)| d < 0)
+            .map(|(p, _)| p)
+        {
+            return Err(invalid(
+                "inbound pages",
+                format!(
+                    "page {} gave its {} rows back: nothing can land in them",
+                    p.id,
+                    kind.name()
+                ),
+            ));
+        }
         let dst = sh.device.region(kind);
         let mut dev = sh.device.lock(layer, sh.deadline())?;
         let op = CopyPages {

@@ -341,6 +341,29 @@ fn load_ids(pages: &[LoadPage]) -> (Vec<i32>, Vec<i32>) {
     )
 }
 
+/// The items of a copy between host pages `host_ids` and device pages `dev_ids` that pool
+/// `kind` takes part in, as `(item positions, host ids, device buffer indices)`: every
+/// item, but of a window pool only those whose device page holds a frame (a page whose
+/// window rows were given back, or whose host copy never had them, moves its other pools
+/// only), addressed by the frame.
+fn kind_items<B: Backend>(
+    sh: &Shared<B>,
+    kind: BufferKind,
+    host_ids: &[i32],
+    dev_ids: &[i32],
+) -> (Vec<usize>, Vec<i32>, Vec<i32>) {
+    let at = sh.device.indices(kind, dev_ids);
+    let mut out = (Vec::new(), Vec::new(), Vec::new());
+    for (i, (&h, &d)) in host_ids.iter().zip(&at).enumerate() {
+        if d >= 0 {
+            out.0.push(i);
+            out.1.push(h);
+            out.2.push(d);
+        }
+    }
+    out
+}
+
 /// Under the `loads-trail-readers` / `index-k-after-publish` faults: waits (bounded,
 /// re-checking `cancel`) until a step asked for `layer` (`guards`: took its guard) since
 /// the load was queued (`reads_at_queue`, counted as in `step::note_read`).
@@ -531,7 +554,14 @@ fn check_host_records<B: Backend>(
     }
     for p in pages {
         let rec = p.layers.get(l).copied().unwrap_or_default();
-        if let Some(kind) = kinds.iter().find(|k| rec.copied & (1 << k.index()) == 0) {
+        // A window pool the load does not restore (its device page holds no frame: the
+        // host copy never had the rows) is not looked for.
+        let wanted = |k: &&BufferKind| sh.device.index(**k, p.device.id).is_some();
+        if let Some(kind) = kinds
+            .iter()
+            .filter(wanted)
+            .find(|k| rec.copied & (1 << k.index()) == 0)
+        {
             return Err(Error::Integrity {
                 what: "host copy (pool never backed up)",
                 page: p.host.id,
@@ -556,18 +586,22 @@ fn copy_kind<B: Backend>(
     kind: BufferKind,
     (host_ids, dev_ids): &(Vec<i32>, Vec<i32>),
 ) -> Result<()> {
+    let (_, host_ids, dev_ids) = kind_items(sh, kind, host_ids, dev_ids);
+    if dev_ids.is_empty() {
+        return Ok(());
+    }
     // Loads address the host pages with the pool's own descriptor: the
     // `pool-page-size-mismatch` fault lives in the backup path only.
     copy_host(
         sh,
         Side {
             region: host.region(l, kind),
-            ids: host_ids,
+            ids: &host_ids,
         },
         host_buf,
         Side {
             region: sh.device.region(kind),
-            ids: dev_ids,
+            ids: &dev_ids,
         },
         dev.get_mut(kind)?,
         true,
@@ -586,15 +620,11 @@ fn verify_kinds<B: Backend>(
     if !sh.config.verify {
         return Ok(());
     }
-    let dev_ids: Vec<i32> = pages.iter().map(|p| p.device.id as i32).collect();
+    let (host_ids, dev_ids) = load_ids(pages);
     for &kind in kinds {
-        let got = checksums(
-            &*sh.backend,
-            sh.device.region(kind),
-            dev.get(kind)?,
-            &dev_ids,
-        )?;
-        for (p, g) in pages.iter().zip(got) {
+        let (items, _, at) = kind_items(sh, kind, &host_ids, &dev_ids);
+        let got = checksums(&*sh.backend, sh.device.region(kind), dev.get(kind)?, &at)?;
+        for (p, g) in items.iter().map(|&i| &pages[i]).zip(got) {
             let want = p.layers.get(l).map_or(0, |r| r.sums[kind.index()]);
             if g != want {
                 return Err(Error::Integrity {
@@ -616,8 +646,10 @@ fn verify_kinds<B: Backend>(
 fn stamp_kinds<B: Backend>(sh: &Shared<B>, l: usize, kinds: &[BufferKind], pages: &[LoadPage]) {
     for &kind in kinds {
         for p in pages {
-            sh.device
-                .set_page_landed(l, kind, p.device.id, p.device.generation);
+            if sh.device.index(kind, p.device.id).is_some() {
+                sh.device
+                    .set_page_landed(l, kind, p.device.id, p.device.generation);
+            }
         }
     }
     sh.notify_landed();
@@ -671,6 +703,7 @@ fn run_backup<B: Backend>(sh: &Shared<B>, items: &[BackupItem]) -> Result<Vec<Ve
             }
             let src = sh.device.region(kind);
             let dst = host_side(sh, host, l, kind)?;
+            let (items, host_ids, dev_ids) = kind_items(sh, kind, &host_ids, &dev_ids);
             if sh.fault(Fault::SharedItemSize) && kind == BufferKind::IndexK {
                 for (&d, &h) in dev_ids.iter().zip(&host_ids) {
                     let op = CopyPages {
@@ -697,16 +730,17 @@ fn run_backup<B: Backend>(sh: &Shared<B>, items: &[BackupItem]) -> Result<Vec<Ve
                     false,
                 )?;
             }
-            for r in records.iter_mut() {
-                r[l].copied |= 1 << kind.index();
+            for &i in &items {
+                records[i][l].copied |= 1 << kind.index();
             }
         }
         // Every pool the layer holds, whatever was copied: what a load verifies.
         for &kind in &kinds {
             let src = sh.device.region(kind);
-            for (i, c) in checksums(&*sh.backend, src, dev.get(kind)?, &dev_ids)?
+            let (items, _, at) = kind_items(sh, kind, &host_ids, &dev_ids);
+            for (i, c) in items
                 .into_iter()
-                .enumerate()
+                .zip(checksums(&*sh.backend, src, dev.get(kind)?, &at)?)
             {
                 records[i][l].sums[kind.index()] = c;
             }

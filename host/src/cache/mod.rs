@@ -96,6 +96,7 @@ mod room;
 mod state;
 mod step;
 mod types;
+mod window;
 
 pub use alloc::PageRef;
 pub use faults::{Fault, Faults};

@@ -11,7 +11,9 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::alloc::PageRef;
+use std::sync::Arc;
+
+use super::alloc::{FrameMap, PageRef};
 use super::faults::{Fault, Faults};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
@@ -95,6 +97,9 @@ pub struct CacheSpec {
     extra: [Option<ExtraPool>; 3],
     /// Per kind, the layers holding it (bit `l`).
     layers: [u128; KINDS],
+    /// The sliding window in raw tokens whose `Kv` rows are all a query reads (0: the KV
+    /// pool is not a window; see [`CacheSpec::with_window`]).
+    window: usize,
 }
 
 impl CacheSpec {
@@ -120,6 +125,7 @@ impl CacheSpec {
             index_k_tokens_per_entry: 1,
             extra: [None; 3],
             layers: [all, all, 0, 0, 0],
+            window: 0,
         })
     }
 
@@ -197,7 +203,75 @@ impl CacheSpec {
                 }),
             ],
             layers: [Self::mask(n, |_| true)?, csa, csa, hca, csa | hca],
+            window: 0,
         })
+    }
+
+    /// This V4 spec with its KV pool a sliding window of `window` raw tokens (V4: 128): a
+    /// query at position `p` reads the `Kv` rows of `p + 1 - window..=p` only, so a page
+    /// whose tokens left every window can give its `Kv` part back early (its compressed
+    /// pools stay): the cache backs the KV pool with fewer *frames* than pages
+    /// ([`super::CacheConfig::window_pages`]). Refused for a V3.2 spec (its KV is every
+    /// token's) and for a window of 0.
+    pub fn with_window(mut self, window: usize) -> Result<Self> {
+        if self.extra.iter().all(Option::is_none) {
+            return Err(Error::InvalidLayout(
+                "a sliding window needs a V4 cache (V3.2's KV is read for every token)".into(),
+            ));
+        }
+        if window == 0 {
+            return Err(Error::InvalidLayout("a window of 0 tokens".into()));
+        }
+        self.window = window;
+        Ok(self)
+    }
+
+    /// The KV pool's sliding window in raw tokens (`None`: every token's KV is read).
+    pub fn window(&self) -> Option<usize> {
+        (self.window > 0).then_some(self.window)
+    }
+
+    /// Whether pool `kind` is the sliding window's (its pages may give their bytes back
+    /// before the page: addressed through frames).
+    pub fn windowed(&self, kind: BufferKind) -> bool {
+        self.window > 0 && kind == BufferKind::Kv
+    }
+
+    /// The pages (indices into a sequence's pages) whose window rows a query after the
+    /// first `tokens` raw tokens may read: those holding a token of the last `window`
+    /// (every page without a window).
+    pub fn window_pages(&self, tokens: usize) -> Range<usize> {
+        let ps = self.tokens_per_page.max(1);
+        let end = tokens.div_ceil(ps);
+        match self.window() {
+            Some(w) => (tokens.saturating_sub(w) / ps).min(end)..end,
+            None => 0..end,
+        }
+    }
+
+    /// Frames a request of `total` raw tokens whose first `prompt` are its prompt holds at
+    /// most when it gives back the window rows of its pages past the prompt as they leave
+    /// the window ([`CacheSpec::window_passed`]): its prompt's pages, the pages of one
+    /// window, the last full page and the page being filled (its pages without a window).
+    pub fn frames_needed(&self, prompt: usize, total: usize) -> usize {
+        let ps = self.tokens_per_page.max(1);
+        let pages = total.max(prompt).div_ceil(ps);
+        match self.window() {
+            Some(w) => pages.min(prompt.div_ceil(ps) + w.div_ceil(ps) + 2),
+            None => pages,
+        }
+    }
+
+    /// How many leading pages of a sequence of `tokens` raw tokens hold no token any later
+    /// query's window reads, less the last full page (kept so that the prefix the sequence
+    /// commits still ends on a page whose window rows are present): the pages that may
+    /// give their window rows back. 0 without a window.
+    pub fn window_passed(&self, tokens: usize) -> usize {
+        let ps = self.tokens_per_page.max(1);
+        match self.window() {
+            Some(w) => ((tokens + 1).saturating_sub(w) / ps).min((tokens / ps).saturating_sub(1)),
+            None => 0,
+        }
     }
 
     fn mask(n: usize, has: impl Fn(usize) -> bool) -> Result<u128> {
@@ -332,6 +406,10 @@ impl CacheSpec {
         };
         mix(self.num_layers as u64);
         mix(self.tokens_per_page as u64);
+        if self.window > 0 {
+            mix(0x7769_6e64_6f77);
+            mix(self.window as u64);
+        }
         for k in BufferKind::ALL {
             if self.holds(k) {
                 mix(k.index() as u64);
@@ -402,14 +480,32 @@ fn unpack(v: u64) -> Option<Landed> {
 pub(crate) struct DevicePool<B: Backend> {
     spec: CacheSpec,
     num_pages: usize,
+    /// The window pool's frames and the page → frame map (a spec with a window only).
+    frames: Option<(usize, Arc<FrameMap>)>,
     layers: Vec<Mutex<LayerBuffers<B>>>,
     /// `[(layer * KINDS + kind) * num_pages + page]`, packed by [`pack`].
     landed: Vec<AtomicU64>,
 }
 
 impl<B: Backend> DevicePool<B> {
-    /// Allocates the pool on `backend`.
-    pub fn new(backend: &B, spec: CacheSpec, num_pages: usize) -> Result<Self> {
+    /// Allocates the pool on `backend`: `num_pages` pages of every pool, but for a spec
+    /// with a window, `frames.0` frames of the window pool, addressed through `frames.1`
+    /// (the allocator's map; required then, refused otherwise).
+    pub fn new(
+        backend: &B,
+        spec: CacheSpec,
+        num_pages: usize,
+        frames: Option<(usize, Arc<FrameMap>)>,
+    ) -> Result<Self> {
+        if spec.window().is_some() != frames.is_some() {
+            return Err(Error::InvalidLayout(
+                "a window pool needs frames, and only a window pool has them".into(),
+            ));
+        }
+        let pages_of = |k: BufferKind| match &frames {
+            Some((n, _)) if spec.windowed(k) => *n,
+            _ => num_pages,
+        };
         let layers = (0..spec.num_layers)
             .map(|l| {
                 let mut bufs: [Option<B::Buffer>; KINDS] = Default::default();
@@ -417,7 +513,7 @@ impl<B: Backend> DevicePool<B> {
                     let bytes = spec
                         .layout(k)
                         .bytes_per_page()
-                        .checked_mul(num_pages)
+                        .checked_mul(pages_of(k))
                         .ok_or_else(|| Error::InvalidLayout("pool size overflows".into()))?;
                     bufs[k.index()] = Some(backend.alloc(bytes)?);
                 }
@@ -427,6 +523,7 @@ impl<B: Backend> DevicePool<B> {
         Ok(DevicePool {
             spec,
             num_pages,
+            frames,
             layers,
             landed: (0..spec.num_layers * KINDS * num_pages)
                 .map(|_| AtomicU64::new(0))
@@ -442,9 +539,36 @@ impl<B: Backend> DevicePool<B> {
         self.num_pages
     }
 
-    /// Where pages of `kind` sit in a layer's buffer (contiguous).
+    /// Where pages of `kind` sit in a layer's buffer (contiguous; the window pool's are
+    /// its frames: address them with [`DevicePool::indices`]).
     pub fn region(&self, kind: BufferKind) -> PagedRegion {
-        PagedRegion::contiguous(self.spec.layout(kind), self.num_pages)
+        let pages = match &self.frames {
+            Some((n, _)) if self.spec.windowed(kind) => *n,
+            _ => self.num_pages,
+        };
+        PagedRegion::contiguous(self.spec.layout(kind), pages)
+    }
+
+    /// Where page `page`'s bytes of `kind` sit in the kind's buffer (its page index in
+    /// [`DevicePool::region`]): the page itself, or for the window pool the frame it
+    /// holds (`None`: its window rows were given back).
+    pub fn index(&self, kind: BufferKind, page: u32) -> Option<u32> {
+        match &self.frames {
+            Some((_, map)) if self.spec.windowed(kind) => map.get(page),
+            _ => Some(page),
+        }
+    }
+
+    /// [`DevicePool::index`] of each page id of `ids` (`-1` for none, or a negative id).
+    pub fn indices(&self, kind: BufferKind, ids: &[i32]) -> Vec<i32> {
+        ids.iter()
+            .map(|&id| {
+                u32::try_from(id)
+                    .ok()
+                    .and_then(|p| self.index(kind, p))
+                    .map_or(-1, |i| i as i32)
+            })
+            .collect()
     }
 
     /// Exclusive access to layer `l`, waiting at most until `deadline`.
@@ -498,6 +622,16 @@ impl<B: Backend> DevicePool<B> {
                 if let Some(s) = self.slot(l, kind, page) {
                     s.store(0, Ordering::Release);
                 }
+            }
+        }
+    }
+
+    /// Marks `page`'s bytes of `kind` as holding nothing in every layer (its window rows
+    /// given back: nothing may certify them any more).
+    pub fn clear_kind_landed(&self, page: u32, kind: BufferKind) {
+        for l in 0..self.spec.num_layers {
+            if let Some(s) = self.slot(l, kind, page) {
+                s.store(0, Ordering::Release);
             }
         }
     }
@@ -629,7 +763,7 @@ mod tests {
     #[test]
     fn host_regions_tile_the_buffer_without_overlap() {
         let b = CpuBackend::new();
-        let dev = DevicePool::new(&b, spec(IndexKDtype::Bf16), 5).unwrap();
+        let dev = DevicePool::new(&b, spec(IndexKDtype::Bf16), 5, None).unwrap();
         for layout in [HostLayout::LayerFirst, HostLayout::PageFirst] {
             let host = HostPool::mirror(&b, &dev, 7, layout, &Faults::none()).unwrap();
             assert_eq!(
@@ -662,7 +796,7 @@ mod tests {
     #[test]
     fn fp8_layout_fault_mismatches_the_device() {
         let b = CpuBackend::new();
-        let dev = DevicePool::new(&b, spec(IndexKDtype::Bf16), 2).unwrap();
+        let dev = DevicePool::new(&b, spec(IndexKDtype::Bf16), 2, None).unwrap();
         let f = Faults::with(&[Fault::HostPoolFp8Layout]);
         let host = HostPool::mirror(&b, &dev, 2, HostLayout::LayerFirst, &f).unwrap();
         assert_ne!(

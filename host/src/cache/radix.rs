@@ -257,6 +257,18 @@ impl RadixTree {
         v.into_iter().map(|(_, _, id)| id).collect()
     }
 
+    /// The nodes `keep` accepts, least recently used first (among equally recent ones,
+    /// those without device children first).
+    pub fn lru(&self, keep: impl Fn(&Node) -> bool) -> Vec<NodeId> {
+        let mut v: Vec<(u64, bool, NodeId)> = self
+            .live()
+            .filter(|&(_, n)| keep(n))
+            .map(|(id, n)| (n.last_use, self.children_have_device(n), id))
+            .collect();
+        v.sort_unstable();
+        v.into_iter().map(|(_, _, id)| id).collect()
+    }
+
     /// How many nodes [`RadixTree::device_victims`] would return (without sorting them).
     pub fn device_victim_count(&self) -> usize {
         self.live()

@@ -8,6 +8,7 @@ use super::alloc::PageRef;
 use super::faults::Fault;
 use super::fence::Fence;
 use super::io;
+use super::pool::BufferKind;
 use super::radix::{DevicePage, NodeId};
 use super::state::{Job, LoadPage, LoadRec, Req, Shared, State};
 use super::types::{Prefix, RequestId};
@@ -105,6 +106,10 @@ pub(crate) fn start_load<B: Backend>(
             continue;
         };
         let device = got.remove(0);
+        if !super::window::host_has(&copy, BufferKind::Kv) {
+            // The copy has no window rows to load: the page needs no frame.
+            let _ = st.device.release_frame(device);
+        }
         sh.device.clear_landed(device.id);
         let _ = st.device.pin(device);
         let _ = st.host.pin(copy.page);

@@ -6,38 +6,46 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::fence::Fence;
+use super::pool::CacheSpec;
 use super::radix::NodeId;
 use super::state::{BackupItem, BackupRec, Job, Shared, State};
+use super::window;
 use crate::backend::Backend;
 use crate::sync::MutexGuard;
 
-/// Whether `want` device pages could be free once the evictions possible now (and those
-/// already waiting for their backup) are done.
-pub(crate) fn could_make_room(st: &State, want: usize) -> bool {
+/// Whether `want` device pages, `frames` of them with a window frame, could be free once
+/// the evictions possible now (and those already waiting for their backup) are done.
+pub(crate) fn could_make_room(st: &State, spec: &CacheSpec, want: usize, frames: usize) -> bool {
     let pending = st.tree.live().filter(|(_, n)| n.evict_after_backup).count();
-    st.device.num_free() + pending + st.tree.device_victim_count() >= want
+    st.device.num_free_pages() + pending + st.tree.device_victim_count() >= want
+        && window::frames_possible(st, spec).is_none_or(|f| f + pending >= frames.min(want))
 }
 
 /// Frees device room without waiting: victims with a host copy (or without a host tier)
 /// leave at once; the others get a backup with "evict after" (they leave when it lands).
-/// Aims at `want` free pages counting the evictions already in flight.
-pub(crate) fn make_room<B: Backend>(sh: &Shared<B>, st: &mut State, want: usize) {
+/// Aims at `want` free pages counting the evictions already in flight, and first at
+/// `frames` free window frames, taken from cached pages (see [`window::strip_frames`]).
+pub(crate) fn make_room<B: Backend>(sh: &Shared<B>, st: &mut State, want: usize, frames: usize) {
+    // Window frames first: taking a cached page's frame costs no backup and keeps it.
+    window::strip_frames(sh, st, frames.min(want));
     let pending: usize = st.tree.live().filter(|(_, n)| n.evict_after_backup).count();
-    let short = want.saturating_sub(st.device.num_free() + pending);
+    let short = want.saturating_sub(st.device.num_free_pages() + pending);
     if short > 0 {
         let _ = evict(sh, st, short);
     }
 }
 
-/// Waits (releasing the state mutex) until `want` pages could be free or `deadline`.
+/// Waits (releasing the state mutex) until `want` pages, `frames` of them with a window
+/// frame, could be free or `deadline`.
 /// Returns false when the deadline passed or nothing in flight can free a page.
 pub(crate) fn wait_for_room<B: Backend>(
     sh: &Shared<B>,
     st: &mut MutexGuard<'_, State>,
     want: usize,
+    frames: usize,
     deadline: Instant,
 ) -> bool {
-    if st.device.num_free() >= want {
+    if st.device.can_alloc(want, frames) {
         return true;
     }
     if crate::sync::held_layers() > 0 {

@@ -324,6 +324,11 @@ impl<'c, B: Backend + 'static> Step<'c, B> {
             let strict = m.landed.iter().map(|p| (p, false));
             for (p, may_be_empty) in strict.chain(m.own.iter().map(|p| (p, true))) {
                 for kind in sh.device.spec().kinds(layer) {
+                    if sh.device.index(kind, p.id).is_none() {
+                        // Window rows given back: nothing reads them (the reads' checks
+                        // require the window's pages present).
+                        continue;
+                    }
                     let stamp = sh.device.landed(layer, kind, p.id).map(|l| l.generation);
                     if stamp == Some(p.generation) || (may_be_empty && stamp.is_none()) {
                         continue;
@@ -396,6 +401,8 @@ impl<'c, B: Backend + 'static> Step<'c, B> {
             // Members sharing a prefix share its pages: each page once.
             ids.sort_unstable();
             ids.dedup();
+            let mut ids = sh.device.indices(kind, &ids);
+            ids.retain(|&i| i >= 0);
             let region = sh.device.region(kind);
             super::io::poison_pages(&*sh.backend, region, bufs.get_mut(kind)?, &ids)?;
         }
@@ -531,7 +538,7 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
             let in_page = (tokens - i * ps).min(ps);
             for kind in spec.kinds(self.layer) {
                 let need = (in_page / spec.tokens_per_entry(kind)) as u32;
-                if need == 0 {
+                if need == 0 || self.window_gone(m.req, p, kind, i, tokens)? {
                     continue;
                 }
                 let stamp = self.stamp(p, kind);
@@ -542,6 +549,37 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
             }
         }
         Ok(())
+    }
+
+    /// Whether page `p` (page `i` of a sequence of `tokens` raw tokens) gave its rows of
+    /// `kind` back: then nothing of them is read or checked. `Unwritten` (as
+    /// `RequestFailed` of `req`) when they are gone from a page a query after those
+    /// tokens still reads ([`super::CacheSpec::window_pages`]).
+    fn window_gone(
+        &self,
+        req: RequestId,
+        p: &PageRef,
+        kind: BufferKind,
+        i: usize,
+        tokens: usize,
+    ) -> Result<bool> {
+        let sh = &*self.step.cache.shared;
+        if sh.device.index(kind, p.id).is_some() {
+            return Ok(false);
+        }
+        if sh.device.spec().window_pages(tokens).contains(&i) {
+            return Err(failed(
+                req,
+                Error::Unwritten {
+                    page: p.id,
+                    layer: self.layer,
+                    kind: kind.name(),
+                    slot: 0,
+                    filled: 0,
+                },
+            ));
+        }
+        Ok(true)
     }
 
     /// `Unwritten` (as `RequestFailed` of `req`) unless page `p` holds at least `need`
@@ -613,6 +651,9 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
                     .kinds(self.layer)
                     .filter(|k| only.is_none_or(|o| o == *k))
                 {
+                    if self.window_gone(m.req, p, kind, i, r.tokens)? {
+                        continue;
+                    }
                     let need = (in_page / spec.tokens_per_entry(kind)) as u32;
                     self.check_filled(m.req, p, kind, need)?;
                 }
@@ -655,6 +696,14 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
             self.bufs.get(BufferKind::Kv)?,
             self.bufs.get(BufferKind::IndexK)?,
         ))
+    }
+
+    /// Where pages `pages` (page ids; `-1` stays `-1`) sit in this layer's buffer of
+    /// `kind` ([`HiCache::device_region`]'s page indices): the ids themselves, but for a
+    /// window pool the frames (`-1` for a page whose window rows were given back). What a
+    /// reader builds the slot indices of a window pool's view from.
+    pub fn buffer_pages(&self, kind: BufferKind, pages: &[i32]) -> Vec<i32> {
+        self.step.cache.shared.device.indices(kind, pages)
     }
 
     /// The KV view (see [`LayerGuard::views`]).
@@ -708,7 +757,18 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
                     current: Some(own.generation),
                 });
             }
-            out.push((s.page.id as usize * ps + s.offset as usize) as i64);
+            let Some(at) = sh.device.index(kind, s.page.id) else {
+                return Err(invalid(
+                    "slots",
+                    format!(
+                        "slots[{i}]: page {} gave its {} rows back (its tokens left the \
+                         window)",
+                        s.page.id,
+                        kind.name()
+                    ),
+                ));
+            };
+            out.push((at as usize * ps + s.offset as usize) as i64);
         }
         Ok(out)
     }

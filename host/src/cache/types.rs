@@ -16,6 +16,12 @@ pub type RequestId = u64;
 pub struct CacheConfig {
     /// Pages in the device tier.
     pub device_pages: usize,
+    /// Frames of the window pool, for a spec with a sliding window
+    /// ([`super::CacheSpec::with_window`]): the window KV's physical pages, each `kv`
+    /// page's bytes in every layer. `None`: one a page (nothing saved, but pages still give
+    /// theirs back as their tokens leave the window). At most `device_pages`; ignored
+    /// without a window.
+    pub window_pages: Option<usize>,
     /// Pages in the host tier (0 disables it: evicted pages are dropped).
     pub host_pages: usize,
     pub host_layout: HostLayout,
@@ -40,6 +46,7 @@ impl CacheConfig {
     pub fn new(device_pages: usize, host_pages: usize) -> Self {
         CacheConfig {
             device_pages,
+            window_pages: None,
             host_pages,
             host_layout: HostLayout::LayerFirst,
             verify: true,
@@ -78,6 +85,9 @@ pub struct Room {
     /// Device pages that could be free for the request now: free, leaving (eviction
     /// waiting for its backup), or evictable (unlocked cached pages outside its prefix).
     pub available: usize,
+    /// Window frames that could be free now (free, or held by cached pages that could give
+    /// them up); `None` without a window pool.
+    pub frames_available: Option<usize>,
 }
 
 /// Page accounting and counters.
@@ -91,6 +101,12 @@ pub struct CacheStats {
     pub device_cached: usize,
     /// Released but still targeted by an in-flight copy or a live step.
     pub device_quarantined: usize,
+    /// Window-pool frames (0 without a window) and how many are free.
+    pub window_frames: usize,
+    pub window_frames_free: usize,
+    /// Window rows given back before their page ([`HiCache::release_window`], and cached
+    /// pages' under frame pressure), in pages.
+    pub window_released: u64,
     pub host_pages: usize,
     pub host_free: usize,
     pub host_cached: usize,

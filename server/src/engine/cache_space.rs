@@ -199,7 +199,13 @@ impl<B: Backend + 'static> CacheKvSpace<B> {
     /// all — only when the device pages it needs could be had now (else `OutOfPages` and
     /// nothing begun: a request that waits must not freeze a prefix match made before the
     /// requests ahead of it committed theirs).
-    fn begin(&mut self, prompt: &[u32], want: usize, reuse: bool) -> Result<SeqPages, EngineError> {
+    fn begin(
+        &mut self,
+        prompt: &[u32],
+        want: usize,
+        frames: usize,
+        reuse: bool,
+    ) -> Result<SeqPages, EngineError> {
         let key: &[u32] = if self.opts.prefix_reuse && reuse {
             &prompt[..prompt.len().saturating_sub(1)]
         } else {
@@ -211,6 +217,14 @@ impl<B: Backend + 'static> CacheKvSpace<B> {
             return Err(EngineError::OutOfPages {
                 wanted: need,
                 free: room.available,
+            });
+        }
+        // Window frames: the request's own (see `admit`) and one a page its loads bring.
+        let frames = frames.saturating_sub(room.device_pages + room.host_pages) + room.host_pages;
+        if let Some(free) = room.frames_available.filter(|&f| f < frames.min(need)) {
+            return Err(EngineError::OutOfPages {
+                wanted: frames.min(need),
+                free,
             });
         }
         let req = self.ids.fetch_add(1, Ordering::Relaxed);
@@ -419,6 +433,10 @@ impl<B: Backend + 'static> LayerCache<B> for CacheLayer<'_, B> {
             .view(kind, &extents)
             .map_err(|e| step_error(e, self.req_seq, self.counts))
     }
+
+    fn buffer_pages(&self, kind: BufferKind, pages: &[i32]) -> Vec<i32> {
+        self.guard.buffer_pages(kind, pages)
+    }
 }
 
 impl<B: Backend + 'static> CacheLayer<'_, B> {
@@ -511,10 +529,13 @@ impl<B: Backend + 'static> KvSpace<B> for CacheKvSpace<B> {
                 capacity: self.capacity_pages(),
             });
         }
+        // With a window pool: the frames it holds at most (its pages past the prompt give
+        // theirs back as its tokens leave the window, to its later pages).
+        let frames = self.spec.frames_needed(prompt.len(), total);
         if !self.seqs.contains_key(&seq) {
             let s = match received {
                 Some(r) => self.adopt(prompt, r)?,
-                None => self.begin(prompt, want, reuse)?,
+                None => self.begin(prompt, want, frames, reuse)?,
             };
             self.req_seq.insert(s.req, seq);
             self.seqs.insert(seq, s);
@@ -522,9 +543,20 @@ impl<B: Backend + 'static> KvSpace<B> for CacheKvSpace<B> {
         let Some(s) = self.seqs.get(&seq) else {
             return Err(EngineError::UnknownSequence(seq));
         };
+        // Its own pages' frames (a cached prefix's pages hold theirs) never fit: refused.
+        let own_frames = frames.saturating_sub(s.refs.len());
+        let frame_capacity = self.cache.stats().window_frames;
+        if frame_capacity > 0 && own_frames > frame_capacity {
+            self.release(seq);
+            return Err(EngineError::TooLarge {
+                wanted: own_frames,
+                capacity: frame_capacity,
+            });
+        }
         if !s.admitted {
             let (req, need) = (s.req, want.saturating_sub(s.refs.len()));
-            match self.cache.try_alloc(req, need) {
+            let framed = frames.saturating_sub(s.refs.len()).min(need);
+            match self.cache.try_alloc_framed(req, need, framed) {
                 Ok(pages) => {
                     self.set_owner(&pages, true);
                     if let Some(s) = self.seqs.get_mut(&seq) {
@@ -665,6 +697,20 @@ impl<B: Backend + 'static> KvSpace<B> for CacheKvSpace<B> {
         let own = s.refs.len() - s.own_from;
         let _ = self.cache.abort(s.req);
         own
+    }
+
+    fn release_window(&mut self, seq: SeqId, from: usize, tokens: usize) -> usize {
+        let Some(s) = self.seqs.get(&seq) else {
+            return 0;
+        };
+        let from = from.div_ceil(self.page_size);
+        match self.cache.release_window(s.req, &s.refs, from, tokens) {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::warn!(seq, error = %e, "cannot release window pages");
+                0
+            }
+        }
     }
 
     fn release_received(&mut self, received: &ReceivedPages) {

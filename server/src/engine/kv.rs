@@ -61,6 +61,14 @@ pub trait LayerCache<B: Backend> {
     /// This layer's pool of `kind` (the whole pool), re-checked as [`LayerCache::views`]
     /// for reads of the first `tokens` raw tokens of each `(seq, tokens)` in `reads`.
     fn view(&self, kind: BufferKind, reads: &[(SeqId, usize)]) -> Result<&B::Buffer, EngineError>;
+    /// Where pages `pages` (page ids, `-1` kept) sit in this layer's pool of `kind`, the
+    /// page indices its slot indices are built from: the ids themselves, except in a
+    /// cache whose window pool has frames ([`CacheSpec::with_window`]): there the frames,
+    /// `-1` for a page whose window rows were given back.
+    fn buffer_pages(&self, kind: BufferKind, pages: &[i32]) -> Vec<i32> {
+        let _ = kind;
+        pages.to_vec()
+    }
 }
 
 /// One forward step over a set of sequences: layer by layer access to their caches.
@@ -195,6 +203,14 @@ pub trait KvSpace<B: Backend> {
     /// Frees every page of `seq` without keeping anything (aborted or failed requests,
     /// admitted or still waiting); returns how many (0 for an unknown sequence).
     fn release(&mut self, seq: SeqId) -> usize;
+    /// Gives back the window rows of `seq`'s pages from the one holding token `from` on
+    /// that no query after its first `tokens` tokens reads (a space whose KV pool is not a
+    /// window, or that has no frames: nothing). Call between steps; returns the pages
+    /// that gave theirs back.
+    fn release_window(&mut self, seq: SeqId, from: usize, tokens: usize) -> usize {
+        let _ = (seq, from, tokens);
+        0
+    }
     /// Gives back pages received for a request that ended before it was admitted.
     fn release_received(&mut self, received: &ReceivedPages) {
         let _ = received;

@@ -201,7 +201,8 @@ impl<B: Backend + ModelOps> Model<B> {
             row(v.dims.hca_page)?,
             state,
             &v.ratios(c.n_layers),
-        )?)
+        )?
+        .with_window(v.dims.window)?)
     }
 
     fn check_layouts(&self, kv: KvLayout, ik: IndexKLayout) -> Result<(), EngineError> {

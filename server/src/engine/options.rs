@@ -27,6 +27,11 @@ pub type ReplyScript = Arc<dyn Fn(&[u32]) -> Option<Vec<u32>> + Send + Sync>;
 pub struct CacheOptions {
     /// Pages of the host tier (0: none; evicted pages leave the cache).
     pub host_pages: usize,
+    /// Frames of a V4 cache's window pool (its KV rows; `None`: one a device page). A
+    /// decode gives back the frames of the pages its tokens left, so fewer frames than
+    /// pages serve long generations in less memory (see `docs/cache.md`). Ignored by a
+    /// V3.2 model.
+    pub window_pages: Option<usize>,
     /// Back committed pages up to the host tier at once (so eviction rarely waits).
     pub write_through: bool,
     /// Verify the checksums of pages loaded from the host tier (off only for the
@@ -43,6 +48,7 @@ impl Default for CacheOptions {
     fn default() -> Self {
         CacheOptions {
             host_pages: 0,
+            window_pages: None,
             write_through: true,
             verify: true,
             host_layout: HostLayout::LayerFirst,

@@ -578,6 +578,15 @@ impl<B: Backend + ModelOps, S: KvSpace<B>> Scheduler<B, S> {
                 ended.push((s.id, End::Done(f)));
             }
         }
+        // Decoding sequences give back the window rows their tokens left (V4's window
+        // pool; nothing elsewhere). A prompt's pages keep theirs: a later request's prefix
+        // hit may end on any of them.
+        for &(i, ..) in &plan {
+            let s = &self.running[i];
+            if s.computed > s.prompt_len {
+                self.space.release_window(s.id, s.prompt_len, s.computed);
+            }
+        }
         for (id, how) in ended {
             if let Some(pos) = self.running.iter().position(|s| s.id == id) {
                 let s = self.running.remove(pos);

@@ -125,6 +125,7 @@ impl Engine {
         let model = Model::new(backend.clone(), cfg, opts.seed)?;
         let spec = model.cache_spec(opts.kv_dtype, opts.index_k_dtype)?;
         let mut config = CacheConfig::new(opts.kv_pages, c.host_pages);
+        config.window_pages = c.window_pages;
         config.write_through = c.write_through;
         config.verify = c.verify;
         config.host_layout = c.host_layout;

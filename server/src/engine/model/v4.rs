@@ -207,6 +207,8 @@ impl<B: Backend + ModelOps> Model<B> {
         let table = PageTable::new(&batch.page_table, batch.max_pages)?;
         let window = v.dims.window;
         let tpp = spec.page_size();
+        // The window pool's page indices (its frames in a cache that gives them back).
+        let frames = cache.buffer_pages(BufferKind::Kv, &batch.page_table);
         let mut win = vec![-1i32; t * window];
         let mut win_len = vec![0u32; t];
         for (ci, ch) in batch.chunks.iter().enumerate() {
@@ -214,7 +216,14 @@ impl<B: Backend + ModelOps> Model<B> {
                 let p = pos[i] as usize;
                 let from = (p + 1).saturating_sub(window);
                 for (j, q) in (from..=p).enumerate() {
-                    win[i * window + j] = slot(batch, ci, q, 1, tpp) as i32;
+                    let frame = frames[ci * batch.max_pages + q / tpp];
+                    if frame < 0 {
+                        return Err(EngineError::InvalidRequest(format!(
+                            "sequence {}: the window rows of token {q} were given back",
+                            ch.seq
+                        )));
+                    }
+                    win[i * window + j] = (frame as usize * tpp + q % tpp) as i32;
                 }
                 win_len[i] = (p + 1 - from) as u32;
             }

@@ -52,7 +52,16 @@ impl<B: Backend + 'static> Job<B> {
         for kind in spec.kinds(layer) {
             let view = guard.view(kind, &[])?;
             let tail = spec.tail_spans(kind, self.core.prompt.len());
-            let staged = stage(b, cache.device_region(kind), view, &ids, tail.as_deref())?;
+            // The pages' places in this pool (a window pool's frames).
+            let at = guard.buffer_pages(kind, &ids);
+            if let Some(i) = at.iter().position(|&a| a < 0) {
+                return Err(PdError::Invalid(format!(
+                    "page {} gave its {} rows back: a transfer moves every pool",
+                    ids[i],
+                    kind.name()
+                )));
+            }
+            let staged = stage(b, cache.device_region(kind), view, &at, tail.as_deref())?;
             pools.push((kind, staged));
         }
         Ok(StagedLayer { layer, pools })
