@@ -869,3 +869,44 @@ fn the_host_tier_keeps_the_window_rows_a_page_held() {
     let s = c.leak_check().unwrap();
     assert_eq!(s.integrity_failures, 0);
 }
+
+/// Pages reserved without a frame take one when first stored into (while any is free),
+/// the frames a decode gives back go to them first, and a store that finds none free is
+/// `OutOfPages`, never a write into another page's rows.
+#[test]
+fn pages_reserved_without_a_frame_take_one_when_written() {
+    let mut cfg = CacheConfig::new(12, 0);
+    cfg.window_pages = Some(4);
+    let c = cache(window_spec(), cfg);
+    let spec = *c.spec();
+    let all = prompt(1, 6 * TPP);
+    assert_eq!(c.begin(1, &all).unwrap().tokens, 0);
+    let pages = c.try_alloc_framed(1, 6, 2).unwrap();
+    assert_eq!(c.stats().window_frames_free, 2);
+    let store = |upto: usize, from: usize| -> Result<()> {
+        let mut step = c.step(&[1])?;
+        for l in 0..spec.num_layers {
+            let mut g = step.wait_layer(l)?;
+            store_layer(&mut g, c.backend(), &spec, &all[..upto], &pages, from, &[])?;
+        }
+        Ok(())
+    };
+    // Pages 0..4 written: 2 framed at reservation, 2 take the free ones.
+    store(4 * TPP, 0).unwrap();
+    assert_eq!(c.stats().window_frames_free, 0);
+    // Page 4 finds no frame free.
+    let e = store(5 * TPP, 4 * TPP).map_err(cause).err().unwrap();
+    assert!(
+        matches!(
+            e,
+            Error::OutOfPages {
+                what: "window frames",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    c.abort(1).unwrap();
+    let s = c.leak_check().unwrap();
+    assert_eq!(s.window_frames_free, 4, "{s:?}");
+}

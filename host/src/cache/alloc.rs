@@ -67,12 +67,14 @@ impl FrameMap {
     }
 }
 
-/// The frames of a windowed pool: their free list and the shared page → frame map.
+/// The frames of a windowed pool: their free list, the shared page → frame map, and per
+/// page whether its current allocation gave its frame back (it never gets one again).
 #[derive(Clone, Debug)]
 struct Frames {
     capacity: usize,
     free: Vec<u32>,
     map: Arc<FrameMap>,
+    given_back: Vec<bool>,
 }
 
 /// Free list over `capacity` pages (and, for a cache with a window pool, its frames).
@@ -109,6 +111,7 @@ impl PageAllocator {
             capacity: frames,
             free: (0..frames as u32).rev().collect(),
             map: Arc::new(FrameMap::new(capacity)),
+            given_back: vec![false; capacity],
         });
         a
     }
@@ -165,10 +168,19 @@ impl PageAllocator {
         if self.pins[r.id as usize] > 0 {
             return Ok(false);
         }
-        Ok(self.free_frame(r.id))
+        let freed = self.free_frame(r.id);
+        if let Some(g) = self
+            .frames
+            .as_mut()
+            .and_then(|f| f.given_back.get_mut(r.id as usize))
+        {
+            *g |= freed;
+        }
+        Ok(freed)
     }
 
-    /// Gives current page `r`, which holds no frame, a free one: whether it got one.
+    /// Gives current page `r`, which holds no frame and never gave one back, a free one:
+    /// whether it got one.
     pub fn attach_frame(&mut self, r: PageRef) -> bool {
         if !self.is_current(r) || self.frame(r.id).is_some() {
             return false;
@@ -176,11 +188,22 @@ impl PageAllocator {
         let Some(f) = self.frames.as_mut() else {
             return false;
         };
+        if f.given_back.get(r.id as usize).copied().unwrap_or(true) {
+            return false;
+        }
         let Some(frame) = f.free.pop() else {
             return false;
         };
         f.map.set(r.id, Some(frame));
         true
+    }
+
+    /// Whether page `id`'s current allocation gave its frame back.
+    pub fn gave_back(&self, id: u32) -> bool {
+        self.frames
+            .as_ref()
+            .and_then(|f| f.given_back.get(id as usize).copied())
+            .unwrap_or(false)
     }
 
     /// Returns page `id`'s frame (if any) to the free list.
@@ -244,6 +267,13 @@ impl PageAllocator {
             .rev()
             .map(|id| {
                 self.slot[id as usize] = Slot::Held;
+                if let Some(g) = self
+                    .frames
+                    .as_mut()
+                    .and_then(|f| f.given_back.get_mut(id as usize))
+                {
+                    *g = false;
+                }
                 let frame = framed > 0;
                 framed = framed.saturating_sub(1);
                 if let Some(f) = self.frames.as_mut().filter(|_| frame) {
@@ -476,6 +506,10 @@ mod tests {
         assert!(a.release_frame(p[0]).unwrap());
         assert_eq!(a.frame(p[0].id), None);
         assert!(!a.release_frame(p[0]).unwrap(), "nothing left to give");
+        assert!(
+            !a.attach_frame(p[0]),
+            "a page that gave its frame back gets none"
+        );
         let q = a.alloc(1).unwrap()[0];
         assert_eq!(a.frame(q.id), Some(f0), "the frame serves another page");
         assert!(a.check().is_empty(), "{:?}", a.check());
@@ -489,6 +523,11 @@ mod tests {
         a.release(q).unwrap();
         assert_eq!((a.num_free(), a.frames()), (2, Some((2, 2))));
         assert!(a.release_frame(q).is_err(), "stale");
+        // A page reserved without a frame takes one when one is free.
+        let r = a.alloc_framed(2, 1).unwrap();
+        assert!(a.frame(r[0].id).is_some() && a.frame(r[1].id).is_none());
+        assert!(a.attach_frame(r[1]) && !a.attach_frame(r[1]));
+        assert_eq!(a.frames(), Some((0, 2)));
         assert!(a.check().is_empty(), "{:?}", a.check());
     }
 }

@@ -356,8 +356,10 @@ impl<B: Backend + 'static> HiCache<B> {
     /// A caller keeps `from` past the pages a later request may want to start on — a
     /// prompt's: a prefix hit ends on a page that holds its window rows, and the pages a
     /// request commits keep what they hold. The pages keep their other pools. Refused
-    /// while a step holds the request or a transfer writes it; a pinned page keeps its
-    /// frame. Returns how many frames were freed (0 without a window).
+    /// while a step holds the request; nothing goes while a transfer writes it, and a
+    /// pinned page keeps its frame. Each frame freed goes first to the request's next
+    /// page reserved without one (a store into such a page also takes a free frame).
+    /// Returns how many frames went back to the pool (0 without a window).
     pub fn release_window(
         &self,
         req: RequestId,

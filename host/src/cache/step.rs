@@ -757,20 +757,46 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
                     current: Some(own.generation),
                 });
             }
-            let Some(at) = sh.device.index(kind, s.page.id) else {
-                return Err(invalid(
-                    "slots",
-                    format!(
-                        "slots[{i}]: page {} gave its {} rows back (its tokens left the \
-                         window)",
-                        s.page.id,
-                        kind.name()
-                    ),
-                ));
-            };
+            let at = self.frame_for_store(kind, s.page, i)?;
             out.push((at as usize * ps + s.offset as usize) as i64);
         }
         Ok(out)
+    }
+
+    /// Where a store (`slots[i]`) into `page`'s rows of `kind` goes in the kind's buffer:
+    /// for a window pool, its frame; a page reserved without one takes a free one now.
+    /// `InvalidArgument` for a page that gave its rows back (its tokens left the window),
+    /// `OutOfPages` when no frame is free.
+    fn frame_for_store(&self, kind: BufferKind, page: PageRef, i: usize) -> Result<u32> {
+        let sh = &*self.step.cache.shared;
+        if let Some(at) = sh.device.index(kind, page.id) {
+            return Ok(at);
+        }
+        // Layer lock, then the state mutex: the cache's lock order.
+        let mut st = sh.state.lock();
+        if st.device.attach_frame(page) {
+            drop(st);
+            sh.device.clear_kind_landed(page.id, kind);
+            if let Some(at) = sh.device.index(kind, page.id) {
+                return Ok(at);
+            }
+        } else if st.device.frames().is_some_and(|(free, _)| free == 0)
+            && !st.device.gave_back(page.id)
+        {
+            return Err(Error::OutOfPages {
+                what: "window frames",
+                wanted: 1,
+                free: 0,
+            });
+        }
+        Err(invalid(
+            "slots",
+            format!(
+                "slots[{i}]: page {} gave its {} rows back (its tokens left the window)",
+                page.id,
+                kind.name()
+            ),
+        ))
     }
 
     /// The fill each store target page reaches after writing `slots` in order: a slot
