@@ -89,6 +89,7 @@ mod hicache;
 mod inbound;
 mod io;
 mod late;
+mod layer_store;
 mod pool;
 mod radix;
 mod requests;
