@@ -446,7 +446,8 @@ fn v4_prompts_cross_pd_with_every_pool_and_serve_the_same_bits() {
         Arc::new(Metrics::new("both")),
     )
     .unwrap();
-    for p in prompts(4) {
+    let ps = prompts(4);
+    for p in ps.clone() {
         let want = plain
             .submit(request(p.clone()))
             .unwrap()
@@ -463,6 +464,22 @@ fn v4_prompts_cross_pd_with_every_pool_and_serve_the_same_bits() {
     }
     let d = decode.stats();
     assert!(d.finished >= 4, "the prompts did not cross PD: {d:?}");
+    // The window pool crosses for the pages decode's queries read only: at most the 3
+    // pages a 16-token window after a prompt touches, of every layer; the compressed
+    // pools for every page.
+    let kv_page = sparsekit_host::layout::KvLayout::new(KvDtype::Model1Fp8, 448, 64, 16)
+        .unwrap()
+        .bytes_per_page() as u64;
+    let layers = cfg.n_layers as u64;
+    let every: u64 = ps.iter().map(|p| (p.len() as u64 - 1).div_ceil(16)).sum();
+    assert!(every > 3 * 4, "the prompts span more than the window");
+    assert!(
+        d.kv_bytes > 0 && d.kv_bytes <= 3 * 4 * layers * kv_page,
+        "window rows moved: {} bytes, every page's would be {}: {d:?}",
+        d.kv_bytes,
+        every * layers * kv_page
+    );
+    assert!(d.other_bytes.values().sum::<u64>() > 0, "{d:?}");
     decode.shutdown(Duration::from_secs(5)).unwrap();
     prefill.shutdown(Duration::from_secs(5)).unwrap();
 }

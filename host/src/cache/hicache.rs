@@ -381,7 +381,21 @@ impl<B: Backend + 'static> HiCache<B> {
     /// Starts receiving `pages` (owned by `req`, e.g. allocated for a prompt on the decode
     /// side) from elsewhere. See [`Inbound`].
     pub fn inbound(&self, req: RequestId, pages: &[PageRef]) -> Result<Inbound<B>> {
-        Inbound::open(&self.shared, req, pages)
+        Inbound::open(&self.shared, req, pages, None)
+    }
+
+    /// [`HiCache::inbound`] of the first `tokens` raw tokens of a sequence (`pages` holds
+    /// exactly those): every pool of every page lands, except the window pool's
+    /// ([`CacheSpec::with_window`]), of which only the pages a query after those tokens
+    /// reads ([`CacheSpec::window_pages`]) do — the others give their frame back at once.
+    /// What a PD decode side receives a prompt with.
+    pub fn inbound_tokens(
+        &self,
+        req: RequestId,
+        pages: &[PageRef],
+        tokens: usize,
+    ) -> Result<Inbound<B>> {
+        Inbound::open(&self.shared, req, pages, Some(tokens))
     }
 
     /// Inserts the full pages of `tokens` (the request's whole sequence so far), held in

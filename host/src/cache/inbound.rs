@@ -35,13 +35,21 @@ pub struct Inbound<B: Backend + 'static> {
     index: HashMap<u32, usize>,
     /// `[layer * targets + i]`: bit `kind.index()` set when that kind landed.
     landed: Vec<u8>,
+    /// `[i]`: the kinds page `i` receives (every kind, but the window pool's only on the
+    /// pages a query after the transfer's tokens reads).
+    expected: Vec<u8>,
     published: Vec<bool>,
     fence: Arc<Fence>,
     done: bool,
 }
 
 impl<B: Backend + 'static> Inbound<B> {
-    pub(crate) fn open(sh: &Arc<Shared<B>>, req: RequestId, pages: &[PageRef]) -> Result<Self> {
+    pub(crate) fn open(
+        sh: &Arc<Shared<B>>,
+        req: RequestId,
+        pages: &[PageRef],
+        tokens: Option<usize>,
+    ) -> Result<Self> {
         if pages.is_empty() {
             return Err(invalid("inbound pages", "no pages"));
         }
@@ -83,9 +91,40 @@ impl<B: Backend + 'static> Inbound<B> {
                 format!("{p:?} is not a page request {req} owns"),
             ));
         }
+        let spec = sh.device.spec();
+        let window = match tokens {
+            Some(t) if t.div_ceil(spec.page_size()) != pages.len() => {
+                return Err(invalid(
+                    "inbound pages",
+                    format!("{} pages do not hold exactly {t} tokens", pages.len()),
+                ));
+            }
+            Some(t) => spec.window_pages(t),
+            None => 0..pages.len(),
+        };
+        let every: u8 = BufferKind::ALL
+            .iter()
+            .fold(0, |m, k| m | (1u8 << k.index()));
+        let windowed: u8 = BufferKind::ALL
+            .iter()
+            .filter(|k| spec.windowed(**k))
+            .fold(0, |m, k| m | (1u8 << k.index()));
+        let expected: Vec<u8> = (0..pages.len())
+            .map(|i| {
+                if window.contains(&i) {
+                    every
+                } else {
+                    every & !windowed
+                }
+            })
+            .collect();
         let id = sh.next_id();
         let fence = Arc::new(Fence::pending(layers));
-        for p in pages {
+        for (p, &e) in pages.iter().zip(&expected) {
+            if e != every {
+                // Its window rows never come (no query reads them): its frame goes now.
+                let _ = st.device.release_frame(*p);
+            }
             // Owned and current (checked above): the pin cannot fail.
             let _ = st.device.pin(*p);
             sh.device.clear_landed(p.id);
@@ -113,6 +152,7 @@ impl<B: Backend + 'static> Inbound<B> {
             targets: pages.to_vec(),
             index,
             landed: vec![0; layers * pages.len()],
+            expected,
             published: vec![false; layers],
             fence,
             done: false,
@@ -267,7 +307,8 @@ impl<B: Backend + 'static> Inbound<B> {
         if !self.published[layer]
             && self.landed[layer * n..(layer + 1) * n]
                 .iter()
-                .all(|&l| l == all)
+                .zip(&self.expected)
+                .all(|(&l, &e)| l == all & e)
         {
             self.published[layer] = true;
             self.fence.publish(layer);

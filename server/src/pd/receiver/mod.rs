@@ -293,7 +293,11 @@ impl<B: Backend + 'static> Receiver<B> {
             if st.transfers.contains_key(&req) {
                 return Err(PdError::Duplicate(req));
             }
-            let inbound = Arc::new(Mutex::new(Some(sh.cache.inbound(req, pages)?)));
+            let inbound = Arc::new(Mutex::new(Some(sh.cache.inbound_tokens(
+                req,
+                pages,
+                prompt.len(),
+            )?)));
             let layers = sh.cache.spec().num_layers;
             let now = Instant::now();
             st.transfers.insert(

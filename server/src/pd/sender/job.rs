@@ -49,20 +49,29 @@ impl<B: Backend + 'static> Job<B> {
         let layer = guard.layer();
         let mut pools = Vec::new();
         let spec = cache.spec();
+        let tokens = self.core.prompt.len();
         for kind in spec.kinds(layer) {
             let view = guard.view(kind, &[])?;
-            let tail = spec.tail_spans(kind, self.core.prompt.len());
+            let tail = spec.tail_spans(kind, tokens);
+            // Every page of every pool, but of the window pool only the pages decode's
+            // queries read (the last window's: `CacheSpec::window_pages`).
+            let sent: Vec<usize> = if spec.windowed(kind) {
+                spec.window_pages(tokens).collect()
+            } else {
+                (0..ids.len()).collect()
+            };
             // The pages' places in this pool (a window pool's frames).
-            let at = guard.buffer_pages(kind, &ids);
+            let sent_ids: Vec<i32> = sent.iter().map(|&i| ids[i]).collect();
+            let at = guard.buffer_pages(kind, &sent_ids);
             if let Some(i) = at.iter().position(|&a| a < 0) {
                 return Err(PdError::Invalid(format!(
-                    "page {} gave its {} rows back: a transfer moves every pool",
-                    ids[i],
+                    "page {} gave its {} rows back, and decode reads them",
+                    sent_ids[i],
                     kind.name()
                 )));
             }
             let staged = stage(b, cache.device_region(kind), view, &at, tail.as_deref())?;
-            pools.push((kind, staged));
+            pools.push((kind, sent, staged));
         }
         Ok(StagedLayer { layer, pools })
     }
@@ -92,19 +101,24 @@ impl<B: Backend + 'static> Job<B> {
         if layer >= st.written.len() {
             return Err(PdError::Invalid(format!("layer {layer}")));
         }
-        for (kind, pages) in staged.pools.iter().map(|(k, p)| (*k, p)) {
+        for (kind, sent, pages) in staged.pools.iter().map(|(k, i, p)| (*k, i, p)) {
             let (layout, region) = sh.framing(layer, kind);
             let page = layout.bytes_per_page();
-            let mut segments = Vec::with_capacity(core.dest.len() + 1);
+            let dest: Vec<PageRef> = sent
+                .iter()
+                .filter_map(|&i| core.dest.get(i))
+                .copied()
+                .collect();
+            let mut segments = Vec::with_capacity(dest.len() + 1);
             let tail = sh.tail_copy(kind, layout, core.prompt.len());
-            for (i, p) in core.dest.iter().enumerate() {
+            for (i, p) in dest.iter().enumerate() {
                 let bytes = pages.bytes.get(i * page..(i + 1) * page).ok_or_else(|| {
                     PdError::Invalid(format!("staged {} pages too short", kind.name()))
                 })?;
                 let at = region.page_range(p.id as usize).start;
                 match &tail {
                     // A partly filled last page: only its entries' bytes travel.
-                    Some(spans) if i + 1 == core.dest.len() => {
+                    Some(spans) if i + 1 == dest.len() => {
                         for r in spans {
                             segments.push(Segment {
                                 offset: at + r.start,
@@ -120,15 +134,15 @@ impl<B: Backend + 'static> Job<B> {
                 layer: layer as u32,
                 kind,
                 fingerprint: layout.fingerprint(),
-                pages: core.dest.clone(),
+                pages: dest.clone(),
                 checksums: pages.checksums.clone(),
             })
             .encode()?;
             if st.zombie {
-                sh.hold_late(layer, kind, &core.dest, &segments, note);
+                sh.hold_late(layer, kind, &dest, &segments, note);
                 continue;
             }
-            sh.push(layer, kind, &core.dest, &segments, &note)?;
+            sh.push(layer, kind, &dest, &segments, &note)?;
             sh.stats
                 .bytes(kind, segments.iter().map(|s| s.bytes.len()).sum());
         }

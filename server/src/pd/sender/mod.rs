@@ -209,7 +209,9 @@ pub struct Job<B: Backend + 'static> {
 #[derive(Clone, Debug)]
 pub struct StagedLayer {
     layer: usize,
-    pools: Vec<(BufferKind, StagedPages)>,
+    /// Per pool: the transfer's page indices it carries (every page, but of the window
+    /// pool only the last window's) and their staged bytes.
+    pools: Vec<(BufferKind, Vec<usize>, StagedPages)>,
 }
 
 impl StagedLayer {
