@@ -910,3 +910,84 @@ fn pages_reserved_without_a_frame_take_one_when_written() {
     let s = c.leak_check().unwrap();
     assert_eq!(s.window_frames_free, 4, "{s:?}");
 }
+
+/// Threads decoding at once over shared prefixes with few window frames: frames given
+/// back, handed on, taken from cached pages and reloaded from the host tier interleave,
+/// and every row any request reads is the one first computed; nothing leaks.
+#[test]
+fn concurrent_decodes_share_few_frames_without_a_wrong_row() {
+    let mut cfg = CacheConfig::new(40, 64);
+    cfg.window_pages = Some(24);
+    cfg.write_through = true;
+    // The requests grow page by page: two can wait for each other's frames (a caller that
+    // reserves up front, as the engine does, cannot); a short bound ends that wait.
+    cfg.wait_timeout = Duration::from_millis(200);
+    let c = cache(window_spec(), cfg);
+    let e = Expect::default();
+    let system = prompt(9, 3 * TPP);
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let (c, e, system) = (&c, &e, &system);
+            s.spawn(move || {
+                // Four sequences, then the first two again, grown (their pages by now
+                // partly in the host tier only).
+                for k in [0u64, 1, 2, 3, 4, 5] {
+                    let req = 100 * (t + 1) + k;
+                    let (seq, again) = (k % 4, k >= 4);
+                    // A shared system prompt, a per-thread turn, then a decode.
+                    let mut all = system.clone();
+                    all.extend(prompt(10 + t as u32, TPP + 7 * seq as usize));
+                    all.extend(prompt(50 + (t * 4 + seq) as u32, 3 * TPP + 5));
+                    let prompt_len = if again {
+                        all.extend(prompt(90 + t as u32, 2));
+                        all.len() - 1
+                    } else {
+                        all.len() - 3 * TPP - 5
+                    };
+                    if again {
+                        all.extend(prompt(95 + t as u32, TPP));
+                    }
+                    let mut done = false;
+                    for _attempt in 0..50 {
+                        let p = match c.begin(req, &all) {
+                            Ok(p) => p,
+                            Err(Error::OutOfPages { .. }) => {
+                                std::thread::yield_now();
+                                continue;
+                            }
+                            Err(e) => panic!("begin: {e:?}"),
+                        };
+                        let from = prompt_len.div_ceil(TPP);
+                        match grow(c, e, req, &all, &p, prompt_len, Some(from)) {
+                            Ok(g) => {
+                                c.commit(req, &all, &g.pages).unwrap();
+                                c.finish(req).unwrap();
+                                done = true;
+                                break;
+                            }
+                            Err(err) => {
+                                c.abort(req).unwrap();
+                                match cause(err) {
+                                    Error::OutOfPages { .. } | Error::Timeout { .. } => {
+                                        std::thread::yield_now()
+                                    }
+                                    other => panic!("request {req}: {other:?}"),
+                                }
+                            }
+                        }
+                    }
+                    assert!(done, "request {req} never found room");
+                }
+            });
+        }
+    });
+    c.wait_idle().unwrap();
+    let s = c.leak_check().unwrap();
+    assert_eq!((s.integrity_failures, s.live_requests), (0, 0), "{s:?}");
+    assert!(s.window_released > 0 && s.hits_host_pages > 0, "{s:?}");
+    // With nothing live, a frame in use is a cached page's.
+    assert!(
+        s.window_frames - s.window_frames_free <= s.device_cached,
+        "{s:?}"
+    );
+}
