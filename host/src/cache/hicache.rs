@@ -209,9 +209,19 @@ impl<B: Backend + 'static> HiCache<B> {
                 .copied()
                 .filter(|&n| st.tree.get(n).is_some_and(|n| n.device.is_none()))
                 .collect();
-            if missing.len() > st.device.num_free() {
+            // Loads take a window frame only for a copy that has the window rows.
+            let framed = missing
+                .iter()
+                .filter(|&&n| {
+                    st.tree
+                        .get(n)
+                        .and_then(|n| n.host.as_ref())
+                        .is_some_and(|h| window::host_has(h, BufferKind::Kv))
+                })
+                .count();
+            if !st.device.can_alloc(missing.len(), framed) {
                 if Instant::now() >= deadline
-                    && !could_make_room(&st, sh.device.spec(), missing.len(), missing.len())
+                    && !could_make_room(&st, sh.device.spec(), missing.len(), framed)
                 {
                     // A try that cannot succeed now changes nothing (evicts nothing).
                     st.tree.unlock(&path);
@@ -221,11 +231,11 @@ impl<B: Backend + 'static> HiCache<B> {
                         free: st.device.num_free(),
                     });
                 }
-                make_room(sh, &mut st, missing.len(), missing.len());
+                make_room(sh, &mut st, missing.len(), framed);
             }
-            if missing.len() > st.device.num_free() {
+            if !st.device.can_alloc(missing.len(), framed) {
                 st.tree.unlock(&path);
-                if !wait_for_room(sh, &mut st, missing.len(), missing.len(), deadline) {
+                if !wait_for_room(sh, &mut st, missing.len(), framed, deadline) {
                     return Err(Error::OutOfPages {
                         what: st.device.scarce(missing.len()),
                         wanted: missing.len(),

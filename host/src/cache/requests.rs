@@ -102,14 +102,12 @@ pub(crate) fn start_load<B: Backend>(
         let Some(copy) = st.tree.get(node).and_then(|n| n.host.clone()) else {
             continue;
         };
-        let Ok(mut got) = st.device.alloc(1) else {
+        // A copy without window rows loads into a page without a frame.
+        let framed = super::window::host_has(&copy, BufferKind::Kv) as usize;
+        let Ok(mut got) = st.device.alloc_framed(1, framed) else {
             continue;
         };
         let device = got.remove(0);
-        if !super::window::host_has(&copy, BufferKind::Kv) {
-            // The copy has no window rows to load: the page needs no frame.
-            let _ = st.device.release_frame(device);
-        }
         sh.device.clear_landed(device.id);
         let _ = st.device.pin(device);
         let _ = st.host.pin(copy.page);
