@@ -137,6 +137,18 @@ fn read_pages(
     Ok(out)
 }
 
+/// Page `i` of layer `l` served other bytes of pool `k` than first computed.
+fn served_wrong(i: usize, l: usize, k: BufferKind) -> Error {
+    Error::Integrity {
+        what: "served page",
+        page: i as u32,
+        layer: l,
+        kind: k.name(),
+        expected: 0,
+        actual: 1,
+    }
+}
+
 /// A page's bytes per pool (`[kind.index()]`) by (token prefix hash, layer).
 type PageBytes = HashMap<(u64, usize), Vec<Vec<u8>>>;
 
@@ -160,14 +172,7 @@ impl Expect {
                 .find(|k| want[k.index()] != got[k.index()])
             {
                 None => Ok(()),
-                Some(k) => Err(Error::Integrity {
-                    what: "served page",
-                    page: i as u32,
-                    layer: l,
-                    kind: k.name(),
-                    expected: 0,
-                    actual: 1,
-                }),
+                Some(k) => Err(served_wrong(i, l, k)),
             },
         }
     }
@@ -686,14 +691,7 @@ impl Expect {
             if w.is_empty() && !g.is_empty() {
                 want[k.index()] = g.clone();
             } else if !g.is_empty() && w != g {
-                return Err(Error::Integrity {
-                    what: "served page",
-                    page: i as u32,
-                    layer: l,
-                    kind: k.name(),
-                    expected: 0,
-                    actual: 1,
-                });
+                return Err(served_wrong(i, l, k));
             }
         }
         Ok(())

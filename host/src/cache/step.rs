@@ -568,18 +568,24 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
             return Ok(false);
         }
         if sh.device.spec().window_pages(tokens).contains(&i) {
-            return Err(failed(
-                req,
-                Error::Unwritten {
-                    page: p.id,
-                    layer: self.layer,
-                    kind: kind.name(),
-                    slot: 0,
-                    filled: 0,
-                },
-            ));
+            return Err(self.unwritten(req, p, kind, 0));
         }
         Ok(true)
+    }
+
+    /// `Unwritten` (as `RequestFailed` of `req`): page `p` holds only `filled` entries of
+    /// `kind` in this layer.
+    fn unwritten(&self, req: RequestId, p: &PageRef, kind: BufferKind, filled: u32) -> Error {
+        failed(
+            req,
+            Error::Unwritten {
+                page: p.id,
+                layer: self.layer,
+                kind: kind.name(),
+                slot: filled,
+                filled,
+            },
+        )
     }
 
     /// `Unwritten` (as `RequestFailed` of `req`) unless page `p` holds at least `need`
@@ -587,16 +593,7 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
     fn check_filled(&self, req: RequestId, p: &PageRef, kind: BufferKind, need: u32) -> Result<()> {
         let filled = self.step.cache.shared.device.filled(self.layer, kind, *p);
         if filled < need {
-            return Err(failed(
-                req,
-                Error::Unwritten {
-                    page: p.id,
-                    layer: self.layer,
-                    kind: kind.name(),
-                    slot: filled,
-                    filled,
-                },
-            ));
+            return Err(self.unwritten(req, p, kind, filled));
         }
         Ok(())
     }
