@@ -133,10 +133,10 @@ impl PageAllocator {
         self.free.len()
     }
 
-    /// What `n` pages would run short of: `"window frames"` when the pages are free but
-    /// not their frames, else the pool's name.
+    /// What an allocation of `n` pages that cannot be made now runs short of: `"window
+    /// frames"` when the pages are free but not their frames, else the pool's name.
     pub fn scarce(&self, n: usize) -> &'static str {
-        if self.free.len() >= n && self.num_free() < n {
+        if self.frames.is_some() && n <= self.free.len() {
             "window frames"
         } else {
             self.what
@@ -148,9 +148,10 @@ impl PageAllocator {
         self.frames.as_ref().map(|f| (f.free.len(), f.capacity))
     }
 
-    /// The shared page → frame map (`None` without a window pool).
-    pub fn frame_map(&self) -> Option<Arc<FrameMap>> {
-        self.frames.as_ref().map(|f| f.map.clone())
+    /// How many frames there are and the shared page → frame map (`None` without a
+    /// window pool): what the device pool addresses the window pool through.
+    pub fn frame_map(&self) -> Option<(usize, Arc<FrameMap>)> {
+        self.frames.as_ref().map(|f| (f.capacity, f.map.clone()))
     }
 
     /// The frame page `id` holds now.
@@ -250,22 +251,18 @@ impl PageAllocator {
         let framed = framed.min(n);
         if !self.can_alloc(n, framed) {
             return Err(Error::OutOfPages {
-                what: if n <= self.free.len() {
-                    "window frames"
-                } else {
-                    self.what
-                },
+                what: self.scarce(n),
                 wanted: n,
                 free: self.num_free(),
             });
         }
         let at = self.free.len() - n;
         let ids = self.free.split_off(at);
-        let mut framed = framed;
         Ok(ids
             .into_iter()
             .rev()
-            .map(|id| {
+            .enumerate()
+            .map(|(k, id)| {
                 self.slot[id as usize] = Slot::Held;
                 if let Some(g) = self
                     .frames
@@ -274,9 +271,7 @@ impl PageAllocator {
                 {
                     *g = false;
                 }
-                let frame = framed > 0;
-                framed = framed.saturating_sub(1);
-                if let Some(f) = self.frames.as_mut().filter(|_| frame) {
+                if let Some(f) = self.frames.as_mut().filter(|_| k < framed) {
                     // Checked above: a free frame for each page.
                     if let Some(frame) = f.free.pop() {
                         f.map.set(id, Some(frame));

@@ -81,11 +81,7 @@ impl<B: Backend + 'static> HiCache<B> {
             }
             None => PageAllocator::new("device", config.device_pages),
         };
-        let frames = allocator
-            .frame_map()
-            .zip(allocator.frames())
-            .map(|(map, (_, n))| (n, map));
-        let device = DevicePool::new(&*backend, spec, config.device_pages, frames)?;
+        let device = DevicePool::new(&*backend, spec, config.device_pages, allocator.frame_map())?;
         let host = if config.host_pages > 0 {
             Some(HostPool::mirror(
                 &*backend,
@@ -154,6 +150,11 @@ impl<B: Backend + 'static> HiCache<B> {
     /// Pages in the device tier.
     pub fn device_pages(&self) -> usize {
         self.shared.device.num_pages()
+    }
+
+    /// Frames of the window pool (`None`: the spec has no window).
+    pub fn window_frames(&self) -> Option<usize> {
+        self.shared.device.window_frames()
     }
 
     /// Where pages of `kind` sit in a device layer buffer (what the ops' slot numbers and

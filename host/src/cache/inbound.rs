@@ -92,30 +92,22 @@ impl<B: Backend + 'static> Inbound<B> {
             ));
         }
         let spec = sh.device.spec();
-        let window = match tokens {
-            Some(t) if t.div_ceil(spec.page_size()) != pages.len() => {
-                return Err(invalid(
-                    "inbound pages",
-                    format!("{} pages do not hold exactly {t} tokens", pages.len()),
-                ));
-            }
-            Some(t) => spec.window_pages(t),
-            None => 0..pages.len(),
-        };
+        if let Some(t) = tokens.filter(|t| t.div_ceil(spec.page_size()) != pages.len()) {
+            return Err(invalid(
+                "inbound pages",
+                format!("{} pages do not hold exactly {t} tokens", pages.len()),
+            ));
+        }
         let every: u8 = BufferKind::ALL
             .iter()
             .fold(0, |m, k| m | (1u8 << k.index()));
-        let windowed: u8 = BufferKind::ALL
-            .iter()
-            .filter(|k| spec.windowed(**k))
-            .fold(0, |m, k| m | (1u8 << k.index()));
         let expected: Vec<u8> = (0..pages.len())
-            .map(|i| {
-                if window.contains(&i) {
-                    every
-                } else {
-                    every & !windowed
-                }
+            .map(|i| match tokens {
+                Some(t) => BufferKind::ALL
+                    .iter()
+                    .filter(|k| spec.carried_pages(**k, t).contains(&i))
+                    .fold(0, |m, k| m | (1u8 << k.index())),
+                None => every,
             })
             .collect();
         let id = sh.next_id();

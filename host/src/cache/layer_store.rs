@@ -12,6 +12,24 @@ use crate::backend::Backend;
 use crate::error::{Error, Result};
 
 impl<B: Backend + 'static> LayerGuard<'_, B> {
+    /// Counts a refused stale write and says why: a store through `page` where the page
+    /// (or its bytes) is of generation `current`.
+    fn refuse_stale(&self, what: &'static str, page: PageRef, current: u32) -> Error {
+        self.step
+            .cache
+            .shared
+            .state
+            .lock()
+            .stats
+            .stale_writes_refused += 1;
+        Error::StalePage {
+            what,
+            page: page.id,
+            generation: page.generation,
+            current: Some(current),
+        }
+    }
+
     /// Slot numbers of `slots` after checking each names a page a member owns, at its
     /// current generation (unless the `no-generation-check` fault is on).
     fn slots(&self, kind: BufferKind, slots: &[SlotRef]) -> Result<Vec<i64>> {
@@ -45,13 +63,7 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
                 ));
             };
             if own.generation != s.page.generation && !sh.fault(Fault::NoGenerationCheck) {
-                sh.state.lock().stats.stale_writes_refused += 1;
-                return Err(Error::StalePage {
-                    what: "device",
-                    page: s.page.id,
-                    generation: s.page.generation,
-                    current: Some(own.generation),
-                });
+                return Err(self.refuse_stale("device", s.page, own.generation));
             }
             let at = self.frame_for_store(kind, s.page, i)?;
             out.push((at as usize * ps + s.offset as usize) as i64);
@@ -116,13 +128,11 @@ impl<B: Backend + 'static> LayerGuard<'_, B> {
                         Some(l)
                             if l.generation != s.page.generation && l.filled > 0 && !unchecked =>
                         {
-                            sh.state.lock().stats.stale_writes_refused += 1;
-                            return Err(Error::StalePage {
-                                what: "device (written slots)",
-                                page: s.page.id,
-                                generation: s.page.generation,
-                                current: Some(l.generation),
-                            });
+                            return Err(self.refuse_stale(
+                                "device (written slots)",
+                                s.page,
+                                l.generation,
+                            ));
                         }
                         _ => {}
                     }

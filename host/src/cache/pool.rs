@@ -249,6 +249,17 @@ impl CacheSpec {
         }
     }
 
+    /// The pages (indices into a sequence's pages) of the first `tokens` raw tokens whose
+    /// rows of `kind` a transfer of those tokens moves: every page, but of the window pool
+    /// only the [`CacheSpec::window_pages`] a query after them reads.
+    pub fn carried_pages(&self, kind: BufferKind, tokens: usize) -> Range<usize> {
+        if self.windowed(kind) {
+            self.window_pages(tokens)
+        } else {
+            0..tokens.div_ceil(self.tokens_per_page.max(1))
+        }
+    }
+
     /// Frames a request of `total` raw tokens whose first `prompt` are its prompt holds at
     /// most when it gives back the window rows of its pages past the prompt as they leave
     /// the window ([`CacheSpec::window_passed`]): its prompt's pages, the pages of one
@@ -502,10 +513,7 @@ impl<B: Backend> DevicePool<B> {
                 "a window pool needs frames, and only a window pool has them".into(),
             ));
         }
-        let pages_of = |k: BufferKind| match &frames {
-            Some((n, _)) if spec.windowed(k) => *n,
-            _ => num_pages,
-        };
+        let pages_of = |k| buffer_pages(&spec, num_pages, &frames, k);
         let layers = (0..spec.num_layers)
             .map(|l| {
                 let mut bufs: [Option<B::Buffer>; KINDS] = Default::default();
@@ -539,13 +547,15 @@ impl<B: Backend> DevicePool<B> {
         self.num_pages
     }
 
+    /// Frames of the window pool (`None` without one).
+    pub fn window_frames(&self) -> Option<usize> {
+        self.frames.as_ref().map(|(n, _)| *n)
+    }
+
     /// Where pages of `kind` sit in a layer's buffer (contiguous; the window pool's are
     /// its frames: address them with [`DevicePool::indices`]).
     pub fn region(&self, kind: BufferKind) -> PagedRegion {
-        let pages = match &self.frames {
-            Some((n, _)) if self.spec.windowed(kind) => *n,
-            _ => self.num_pages,
-        };
+        let pages = buffer_pages(&self.spec, self.num_pages, &self.frames, kind);
         PagedRegion::contiguous(self.spec.layout(kind), pages)
     }
 
@@ -648,6 +658,19 @@ impl<B: Backend> DevicePool<B> {
             Some(l) if l.generation == page.generation => l.filled,
             _ => 0,
         }
+    }
+}
+
+/// Pages in a layer's buffer of `kind`: the window pool's frames, else `num_pages`.
+fn buffer_pages(
+    spec: &CacheSpec,
+    num_pages: usize,
+    frames: &Option<(usize, Arc<FrameMap>)>,
+    kind: BufferKind,
+) -> usize {
+    match frames {
+        Some((n, _)) if spec.windowed(kind) => *n,
+        _ => num_pages,
     }
 }
 

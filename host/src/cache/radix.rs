@@ -242,27 +242,23 @@ impl RadixTree {
             .any(|&c| self.get(c).is_some_and(|c| c.device.is_some()))
     }
 
-    /// Nodes whose device page may leave the device tier, least recently used first (and
-    /// among equally recent ones, those without device children first, so a path empties
-    /// from its leaf): unlocked, holding a ready device page with no backup in flight.
+    /// Whether `n`'s device page may leave the device tier: unlocked, holding a ready
+    /// device page with no backup in flight.
+    fn is_device_victim(n: &Node) -> bool {
+        n.locks == 0 && n.device.is_some_and(|d| d.load.is_none()) && n.backup.is_none()
+    }
+
+    /// Nodes whose device page may leave the device tier ([`RadixTree::lru`] of those).
     pub fn device_victims(&self) -> Vec<NodeId> {
-        let mut v: Vec<(u64, bool, NodeId)> = self
-            .live()
-            .filter(|&(_, n)| {
-                n.locks == 0 && n.device.is_some_and(|d| d.load.is_none()) && n.backup.is_none()
-            })
-            .map(|(id, n)| (n.last_use, self.children_have_device(n), id))
-            .collect();
-        v.sort_unstable();
-        v.into_iter().map(|(_, _, id)| id).collect()
+        self.lru(|_, n| Self::is_device_victim(n))
     }
 
     /// The nodes `keep` accepts, least recently used first (among equally recent ones,
-    /// those without device children first).
-    pub fn lru(&self, keep: impl Fn(&Node) -> bool) -> Vec<NodeId> {
+    /// those without device children first, so a path empties from its leaf).
+    pub fn lru(&self, keep: impl Fn(NodeId, &Node) -> bool) -> Vec<NodeId> {
         let mut v: Vec<(u64, bool, NodeId)> = self
             .live()
-            .filter(|&(_, n)| keep(n))
+            .filter(|&(id, n)| keep(id, n))
             .map(|(id, n)| (n.last_use, self.children_have_device(n), id))
             .collect();
         v.sort_unstable();
@@ -272,9 +268,7 @@ impl RadixTree {
     /// How many nodes [`RadixTree::device_victims`] would return (without sorting them).
     pub fn device_victim_count(&self) -> usize {
         self.live()
-            .filter(|&(_, n)| {
-                n.locks == 0 && n.device.is_some_and(|d| d.load.is_none()) && n.backup.is_none()
-            })
+            .filter(|&(_, n)| Self::is_device_victim(n))
             .count()
     }
 

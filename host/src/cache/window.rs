@@ -49,40 +49,53 @@ pub(crate) fn end_on_window(spec: &CacheSpec, st: &State, path: &mut Vec<NodeId>
     path.truncate(keep);
 }
 
-/// Cached pages whose frame may go (least recently used first): ready device pages with
-/// no backup in flight holding an unpinned frame, unlocked or locked only where no live
-/// request reads their window rows (a request reads those of the last pages of its
-/// prefix: the ones a window of tokens before the prefix's end covers).
-fn frame_victims(st: &State, spec: &CacheSpec) -> Vec<(NodeId, PageRef)> {
+/// The nodes a live request reads the window rows of: the last pages of its prefix (the
+/// ones a window of tokens before the prefix's end covers). Empty without a window.
+fn window_read(st: &State, spec: &CacheSpec) -> HashSet<NodeId> {
     let Some(w) = spec.window() else {
-        return Vec::new();
+        return HashSet::new();
     };
     let tail = w.div_ceil(spec.page_size().max(1)) + 1;
-    let read: HashSet<NodeId> = st
-        .requests
+    st.requests
         .values()
         .flat_map(|r| r.path.iter().rev().take(tail).copied())
-        .collect();
-    let framed = |n: &Node| {
-        n.backup.is_none()
-            && n.device.is_some_and(|d| {
-                d.load.is_none()
-                    && st.device.frame(d.page.id).is_some()
-                    && st.device.pins(d.page.id) == 0
-            })
-    };
-    st.tree
-        .lru(framed)
-        .into_iter()
-        .filter(|v| !read.contains(v))
-        .filter_map(|v| Some((v, st.tree.get(v)?.device?.page)))
         .collect()
+}
+
+/// Whether cached node `id` may give its frame up: a ready device page with no backup in
+/// flight holding an unpinned frame, outside `read` (it may be locked: a request reads
+/// only the window rows of the last pages of its prefix).
+fn frame_victim(st: &State, read: &HashSet<NodeId>, id: NodeId, n: &Node) -> bool {
+    n.backup.is_none()
+        && !read.contains(&id)
+        && n.device.is_some_and(|d| {
+            d.load.is_none()
+                && st.device.frame(d.page.id).is_some()
+                && st.device.pins(d.page.id) == 0
+        })
 }
 
 /// How many frames could be free now: free ones plus those [`strip_frames`] could take.
 pub(crate) fn frames_possible(st: &State, spec: &CacheSpec) -> Option<usize> {
     let (free, _) = st.device.frames()?;
-    Some(free + frame_victims(st, spec).len())
+    let read = window_read(st, spec);
+    Some(
+        free + st
+            .tree
+            .live()
+            .filter(|&(id, n)| frame_victim(st, &read, id, n))
+            .count(),
+    )
+}
+
+/// Gives back the frame of current page `page` (unless pinned) and forgets what its window
+/// rows held: whether it went.
+fn give_back<B: Backend>(sh: &Shared<B>, st: &mut State, page: PageRef) -> Result<bool> {
+    let freed = st.device.release_frame(page)?;
+    if freed {
+        sh.device.clear_kind_landed(page.id, BufferKind::Kv);
+    }
+    Ok(freed)
 }
 
 /// Takes frames from cached pages ([`frame_victims`]: their window rows; the pages and
@@ -92,13 +105,16 @@ pub(crate) fn strip_frames<B: Backend>(sh: &Shared<B>, st: &mut State, want: usi
     let Some((free, _)) = st.device.frames() else {
         return 0;
     };
-    let mut taken = 0;
-    for (_, page) in frame_victims(st, sh.device.spec())
+    let read = window_read(st, sh.device.spec());
+    let victims: Vec<PageRef> = st
+        .tree
+        .lru(|id, n| frame_victim(st, &read, id, n))
         .into_iter()
-        .take(want.saturating_sub(free))
-    {
-        if st.device.release_frame(page).unwrap_or(false) {
-            sh.device.clear_kind_landed(page.id, BufferKind::Kv);
+        .filter_map(|v| Some(st.tree.get(v)?.device?.page))
+        .collect();
+    let mut taken = 0;
+    for page in victims.into_iter().take(want.saturating_sub(free)) {
+        if give_back(sh, st, page).unwrap_or(false) {
             taken += 1;
         }
     }
@@ -147,8 +163,7 @@ pub(crate) fn release_window<B: Backend>(
         .collect();
     let mut released = 0;
     for p in own {
-        if st.device.release_frame(p)? {
-            sh.device.clear_kind_landed(p.id, BufferKind::Kv);
+        if give_back(sh, st, p)? {
             released += 1;
         }
     }

@@ -545,17 +545,16 @@ impl<B: Backend + 'static> KvSpace<B> for CacheKvSpace<B> {
         };
         // Its own pages' frames (a cached prefix's pages hold theirs) never fit: refused.
         let own_frames = frames.saturating_sub(s.refs.len());
-        let frame_capacity = self.cache.stats().window_frames;
-        if frame_capacity > 0 && own_frames > frame_capacity {
+        if let Some(capacity) = self.cache.window_frames().filter(|&c| own_frames > c) {
             self.release(seq);
             return Err(EngineError::TooLarge {
                 wanted: own_frames,
-                capacity: frame_capacity,
+                capacity,
             });
         }
         if !s.admitted {
             let (req, need) = (s.req, want.saturating_sub(s.refs.len()));
-            let framed = frames.saturating_sub(s.refs.len()).min(need);
+            let framed = own_frames.min(need);
             match self.cache.try_alloc_framed(req, need, framed) {
                 Ok(pages) => {
                     self.set_owner(&pages, true);

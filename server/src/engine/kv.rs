@@ -205,8 +205,9 @@ pub trait KvSpace<B: Backend> {
     fn release(&mut self, seq: SeqId) -> usize;
     /// Gives back the window rows of `seq`'s pages from the one holding token `from` on
     /// that no query after its first `tokens` tokens reads (a space whose KV pool is not a
-    /// window, or that has no frames: nothing). Call between steps; returns the pages
-    /// that gave theirs back.
+    /// window, or that has no frames: nothing). Call between steps; returns the frames
+    /// that went back to the pool (those handed to the sequence's later pages not
+    /// counted).
     fn release_window(&mut self, seq: SeqId, from: usize, tokens: usize) -> usize {
         let _ = (seq, from, tokens);
         0

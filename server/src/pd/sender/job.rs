@@ -54,12 +54,8 @@ impl<B: Backend + 'static> Job<B> {
             let view = guard.view(kind, &[])?;
             let tail = spec.tail_spans(kind, tokens);
             // Every page of every pool, but of the window pool only the pages decode's
-            // queries read (the last window's: `CacheSpec::window_pages`).
-            let sent: Vec<usize> = if spec.windowed(kind) {
-                spec.window_pages(tokens).collect()
-            } else {
-                (0..ids.len()).collect()
-            };
+            // queries read (the last window's).
+            let sent: Vec<usize> = spec.carried_pages(kind, tokens).collect();
             // The pages' places in this pool (a window pool's frames).
             let sent_ids: Vec<i32> = sent.iter().map(|&i| ids[i]).collect();
             let at = guard.buffer_pages(kind, &sent_ids);
