@@ -23,11 +23,11 @@ pub const ISA_ENV: &str = "SPARSEKIT_CPU_ISA";
 /// A vector code path.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Isa {
-    /// AVX-512F, AVX-512BW, AVX-512DQ and AVX512_BF16 (`vdpbf16ps`) with FMA.
+    /// AVX-512F, AVX-512BW, AVX-512DQ and AVX512_BF16 (`vdpbf16ps`) with FMA and POPCNT.
     Avx512Bf16,
-    /// AVX-512F, AVX-512BW and AVX-512DQ with FMA.
+    /// AVX-512F, AVX-512BW and AVX-512DQ with FMA and POPCNT.
     Avx512,
-    /// AVX2 with FMA.
+    /// AVX2 with FMA and POPCNT.
     Avx2,
     /// Portable code (`mul_add` via libm where the target has no FMA).
     Scalar,
@@ -65,6 +65,7 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => {
                 std::arch::is_x86_feature_detected!("fma")
+                    && std::arch::is_x86_feature_detected!("popcnt")
                     && std::arch::is_x86_feature_detected!("avx512f")
                     && std::arch::is_x86_feature_detected!("avx512bw")
                     && std::arch::is_x86_feature_detected!("avx512dq")
@@ -72,6 +73,7 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => {
                 std::arch::is_x86_feature_detected!("fma")
+                    && std::arch::is_x86_feature_detected!("popcnt")
                     && std::arch::is_x86_feature_detected!("avx2")
             }
             #[cfg(not(target_arch = "x86_64"))]
@@ -202,7 +204,7 @@ macro_rules! isa_dispatch {
         #[inline]
         $vis fn $name(isa: $crate::cpu::isa::CpuIsa, $($arg: $ty),*) $(-> $ret)? {
             #[cfg(target_arch = "x86_64")]
-            #[target_feature(enable = "avx512f,avx512bw,avx512bf16,fma")]
+            #[target_feature(enable = "avx512f,avx512bw,avx512bf16,fma,popcnt")]
             unsafe fn avx512bf16($($arg: $ty),*) $(-> $ret)? {
                 #[allow(dead_code)]
                 const $isa: $crate::cpu::isa::CpuIsa =
@@ -211,7 +213,7 @@ macro_rules! isa_dispatch {
                 $body
             }
             #[cfg(target_arch = "x86_64")]
-            #[target_feature(enable = "avx512f,avx512bw,fma")]
+            #[target_feature(enable = "avx512f,avx512bw,fma,popcnt")]
             unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
                 #[allow(dead_code)]
                 const $isa: $crate::cpu::isa::CpuIsa =
@@ -220,7 +222,7 @@ macro_rules! isa_dispatch {
                 $body
             }
             #[cfg(target_arch = "x86_64")]
-            #[target_feature(enable = "avx2,fma")]
+            #[target_feature(enable = "avx2,fma,popcnt")]
             unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
                 #[allow(dead_code)]
                 const $isa: $crate::cpu::isa::CpuIsa =
@@ -236,13 +238,13 @@ macro_rules! isa_dispatch {
             }
             match isa.isa() {
                 // SAFETY: a `CpuIsa` names only a path this CPU supports (checked when it
-                // was made): AVX-512F, AVX-512BW, AVX512_BF16 and FMA here.
+                // was made): AVX-512F, AVX-512BW, AVX512_BF16, FMA and POPCNT here.
                 #[cfg(target_arch = "x86_64")]
                 $crate::cpu::isa::Isa::Avx512Bf16 => unsafe { avx512bf16($($arg),*) },
-                // SAFETY: as above: AVX-512F, AVX-512BW and FMA.
+                // SAFETY: as above: AVX-512F, AVX-512BW, FMA and POPCNT.
                 #[cfg(target_arch = "x86_64")]
                 $crate::cpu::isa::Isa::Avx512 => unsafe { avx512($($arg),*) },
-                // SAFETY: as above: AVX2 and FMA.
+                // SAFETY: as above: AVX2, FMA and POPCNT.
                 #[cfg(target_arch = "x86_64")]
                 $crate::cpu::isa::Isa::Avx2 => unsafe { avx2($($arg),*) },
                 _ => scalar($($arg),*),

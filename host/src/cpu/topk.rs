@@ -1,16 +1,19 @@
 //! CPU exact top-k: a sampled pre-filter, then an exact select among its survivors; a
 //! radix select per row where the pre-filter does not apply.
 //!
-//! Long rows: a threshold `t` from a sample of the row (64 runs of 32) expected to keep
-//! about `2k` entries; one vectorised scan keeps every entry `≥ t` (ties included, so
-//! every entry of the top k survives when at least k do); the survivors are binned by
-//! value into 1024 bins by a monotone map (`(x − t)·scale`, so equal values share a bin
-//! and a larger value never lands lower), the bin holding the k-th largest is found from
-//! the top and sorted, which gives the exact k-th value `T` and how many entries equal to
-//! it are taken (the lowest positions); a last pass over the survivors (in position order)
-//! writes the positions. Compiled per vector path ([`crate::isa_dispatch`]): integer and
-//! comparison work only, the same result on every path. With fewer than k survivors the
-//! row takes the full path below.
+//! Long rows: a threshold `t` from a sample of the row (128 runs of 16 entries spread over
+//! it; its value of rank about `1.5k` scaled to the row, plus slack, found by the same
+//! select as below) expected to keep about `1.5k` entries; one branch-free vectorised
+//! scan keeps every entry `≥ t` (ties included, so every entry of the top k survives when
+//! at least k do); the survivors are binned by value into 1024 bins by a monotone map
+//! (`(x − t)·scale`, so equal values share a bin and a larger value never lands lower),
+//! the bin holding the k-th largest is found from the top and sorted, which gives the
+//! exact k-th value `T` and how many entries equal to it are taken (the lowest
+//! positions); a last vectorised pass over the survivors (in position order) writes the
+//! positions. Compiled per vector path ([`crate::isa_dispatch`]): comparison and
+//! integer work only, the same result on every path. With fewer than k survivors (a row
+//! whose sample misjudged it: about 4% of random-walk rows, none of i.i.d. ones) the row
+//! takes the full path below, exact as well.
 //!
 //! Values map to order-preserving u32 keys (`-0.0` folded into `+0.0`). Pass 1 builds a
 //! histogram of the top 11 key bits over the row's valid entries and finds the bin that
@@ -48,7 +51,7 @@ pub fn topk(isa: CpuIsa, op: &Topk<'_>, logits: &[f32], out: &mut [i32]) {
     out.par_chunks_mut(k)
         .zip(op.rows.par_iter())
         .enumerate()
-        .for_each_init(Scratch::default, |scratch, (r, (dst, range))| {
+        .for_each(|(r, (dst, range))| {
             let row = &logits[r * op.row_stride..][range.start as usize..range.end as usize];
             let n = if op.short_rows == ShortRows::TakeAll && row.len() <= k {
                 for (j, d) in dst[..row.len()].iter_mut().enumerate() {
@@ -56,18 +59,26 @@ pub fn topk(isa: CpuIsa, op: &Topk<'_>, logits: &[f32], out: &mut [i32]) {
                 }
                 row.len()
             } else {
-                select_row_with(isa, row, k, dst, scratch)
+                // The buffers of the rows this thread ran before: no allocation (and no
+                // page faults on fresh memory) per rayon job.
+                SCRATCH.with_borrow_mut(|scratch| select_row_with(isa, row, k, dst, scratch))
             };
             let base = range.start as usize;
-            for p in &mut dst[..n] {
-                let pos = *p as usize + base;
-                *p = match op.output {
-                    TopkOutput::Positions => pos as i32,
-                    TopkOutput::Slots {
-                        page_table,
-                        page_size,
-                    } => page_table.slot(range.request as usize, pos, page_size) as i32,
-                };
+            match op.output {
+                TopkOutput::Positions => {
+                    for p in &mut dst[..n] {
+                        *p += base as i32;
+                    }
+                }
+                TopkOutput::Slots {
+                    page_table,
+                    page_size,
+                } => page_table.slots_in_place(
+                    range.request as usize,
+                    base,
+                    &mut dst[..n],
+                    page_size,
+                ),
             }
             dst[n..].fill(-1);
         });
@@ -91,19 +102,33 @@ fn select_row_with(isa: CpuIsa, row: &[f32], k: usize, dst: &mut [i32], s: &mut 
 const PREFILTER_MIN: usize = 8192;
 /// Sample size of the pre-filter (entries).
 const SAMPLE: usize = 2048;
+/// Length of each contiguous run of the sample (entries).
+const RUN: usize = 16;
 /// Value bins of the survivors' select.
 const BINS: usize = 1024;
 
-/// The working buffers of the pre-filtered path, reused across the rows a rayon job
-/// runs.
+thread_local! {
+    /// The pre-filtered path's buffers of this thread.
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
+}
+
+/// The working buffers of the pre-filtered path, reused across the rows a thread runs.
 #[derive(Default)]
 struct Scratch {
+    /// The sample's valid entries.
     sample: Vec<f32>,
     /// Survivors' values and positions, in position order.
     vals: Vec<f32>,
     pos: Vec<i32>,
+    select: Select,
+}
+
+/// The buffers of [`Select::kth_largest`].
+#[derive(Default)]
+struct Select {
+    /// Four interleaved histograms of `BINS` bins.
     hist: Vec<u32>,
-    /// Each survivor's value bin.
+    /// Each value's bin.
     bins: Vec<u16>,
     /// The boundary bin's values.
     bin: Vec<f32>,
@@ -124,12 +149,12 @@ fn scan_at_least(isa: CpuIsa, row: &[f32], t: f32, vals: &mut Vec<f32>, pos: &mu
     vals.clear();
     pos.clear();
     let done = match isa.isa() {
-        // SAFETY: a `CpuIsa` names only a path this CPU supports (AVX-512F here).
+        // SAFETY: a `CpuIsa` names only a path this CPU supports (AVX-512F and POPCNT here).
         #[cfg(target_arch = "x86_64")]
         super::isa::Isa::Avx512Bf16 | super::isa::Isa::Avx512 => unsafe {
             scan_avx512(row, t, vals, pos)
         },
-        // SAFETY: as above (AVX2).
+        // SAFETY: as above (AVX2 and POPCNT).
         #[cfg(target_arch = "x86_64")]
         super::isa::Isa::Avx2 => unsafe { scan_avx2(row, t, vals, pos) },
         _ => 0,
@@ -144,12 +169,14 @@ fn scan_at_least(isa: CpuIsa, row: &[f32], t: f32, vals: &mut Vec<f32>, pos: &mu
 
 /// The AVX-512 scan over the first `row.len() / 16 · 16` entries (returned): each
 /// vector's passing lanes are compressed into a register and stored whole at the end
-/// of the output (which has room for 16 more), so a vector costs the same whatever passes.
+/// of the output (which has room for 16 more), whether any pass or not: no branch on the
+/// data (a few percent of lanes pass, so about half the vectors hold one, and a branch
+/// on that mispredicts every other vector).
 ///
 /// # Safety
-/// The CPU must support AVX-512F.
+/// The CPU must support AVX-512F and POPCNT.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,popcnt")]
 #[allow(
     clippy::incompatible_msrv,
     reason = "AVX-512 needs Rust 1.89, as the existing AVX-512 target features do"
@@ -169,16 +196,14 @@ unsafe fn scan_avx512(row: &[f32], t: f32, vals: &mut Vec<f32>, pos: &mut Vec<i3
         // SAFETY: `i + 16 ≤ n ≤ row.len()`.
         let x = unsafe { _mm512_loadu_ps(row.as_ptr().add(i)) };
         let m = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, tv);
-        if m != 0 {
-            let at = _mm512_add_epi32(iota, _mm512_set1_epi32(i as i32));
-            // SAFETY: `len ≤ i` entries kept so far and capacity `≥ n + 16`, so the 16
-            // lanes stored at `len` stay inside the allocation.
-            unsafe {
-                _mm512_storeu_ps(vp.add(len), _mm512_maskz_compress_ps(m, x));
-                _mm512_storeu_si512(pp.add(len).cast(), _mm512_maskz_compress_epi32(m, at));
-            }
-            len += m.count_ones() as usize;
+        let at = _mm512_add_epi32(iota, _mm512_set1_epi32(i as i32));
+        // SAFETY: `len ≤ i` entries kept so far and capacity `≥ n + 16`, so the 16
+        // lanes stored at `len` stay inside the allocation.
+        unsafe {
+            _mm512_storeu_ps(vp.add(len), _mm512_maskz_compress_ps(m, x));
+            _mm512_storeu_si512(pp.add(len).cast(), _mm512_maskz_compress_epi32(m, at));
         }
+        len += m.count_ones() as usize;
         i += 16;
     }
     // SAFETY: the first `len` entries of both were written above (f32/i32: any bits valid).
@@ -210,13 +235,13 @@ static PACK8: [[u32; 8]; 256] = {
 };
 
 /// The AVX2 scan over the first `row.len() / 8 · 8` entries (returned): a vector compare
-/// per 8 lanes; a vector with passing lanes is packed by a permutation from [`PACK8`] and
-/// stored whole at the end of the output (which has room for 8 more).
+/// per 8 lanes; every vector is packed by a permutation from [`PACK8`] and stored whole at
+/// the end of the output (which has room for 8 more), branch-free as the AVX-512 scan.
 ///
 /// # Safety
-/// The CPU must support AVX2.
+/// The CPU must support AVX2 and POPCNT.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,popcnt")]
 unsafe fn scan_avx2(row: &[f32], t: f32, vals: &mut Vec<f32>, pos: &mut Vec<i32>) -> usize {
     use std::arch::x86_64::*;
     let n = row.len() / 8 * 8;
@@ -231,18 +256,16 @@ unsafe fn scan_avx2(row: &[f32], t: f32, vals: &mut Vec<f32>, pos: &mut Vec<i32>
         // SAFETY: `i + 8 ≤ n ≤ row.len()`.
         let x = unsafe { _mm256_loadu_ps(row.as_ptr().add(i)) };
         let m = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(x, tv)) as usize;
-        if m != 0 {
-            // SAFETY: `m < 256`, a row of 8 u32 (32 bytes) of the table.
-            let perm = unsafe { _mm256_loadu_si256(PACK8[m].as_ptr().cast()) };
-            let at = _mm256_add_epi32(iota, _mm256_set1_epi32(i as i32));
-            // SAFETY: `len ≤ i` entries kept so far and capacity `≥ n + 8`: the 8 lanes
-            // stored at `len` stay inside the allocation.
-            unsafe {
-                _mm256_storeu_ps(vp.add(len), _mm256_permutevar8x32_ps(x, perm));
-                _mm256_storeu_si256(pp.add(len).cast(), _mm256_permutevar8x32_epi32(at, perm));
-            }
-            len += m.count_ones() as usize;
+        // SAFETY: `m < 256`, a row of 8 u32 (32 bytes) of the table.
+        let perm = unsafe { _mm256_loadu_si256(PACK8[m].as_ptr().cast()) };
+        let at = _mm256_add_epi32(iota, _mm256_set1_epi32(i as i32));
+        // SAFETY: `len ≤ i` entries kept so far and capacity `≥ n + 8`: the 8 lanes
+        // stored at `len` stay inside the allocation.
+        unsafe {
+            _mm256_storeu_ps(vp.add(len), _mm256_permutevar8x32_ps(x, perm));
+            _mm256_storeu_si256(pp.add(len).cast(), _mm256_permutevar8x32_epi32(at, perm));
         }
+        len += m.count_ones() as usize;
         i += 8;
     }
     // SAFETY: the first `len` entries of both were written above (f32/i32: any bits valid).
@@ -267,93 +290,238 @@ fn prefilter(
     if n < PREFILTER_MIN || n < 4 * k {
         return None;
     }
-    // 64 runs of 32 contiguous entries spread over the row: a few cache lines, not a pass.
-    let runs = SAMPLE / 32;
-    s.sample.clear();
-    for r in 0..runs {
-        s.sample.extend_from_slice(&row[r * (n / runs)..][..32]);
-    }
-    s.sample.retain(|&x| valid(x));
-    // Rank in the sample of about 2k entries of the row, plus slack.
-    let rank = (2 * k * s.sample.len()).div_ceil(n) + 16;
-    if rank >= s.sample.len() {
-        return None;
-    }
-    s.sample.select_nth_unstable_by(rank, |a, b| b.total_cmp(a));
-    let t = s.sample[rank];
+    let t = sampled_threshold(row, k, s)?;
     scan_at_least(isa, row, t, &mut s.vals, &mut s.pos);
     if s.vals.len() < k {
         return None;
     }
-    let (big, eq_need) = kth_value(t, k, s);
-    // Survivors above `big`, and the first `eq_need` equal to it, in position order:
-    // compacted in place (the write index never passes the read index).
-    let (mut out, mut eq) = (0usize, 0usize);
-    for i in 0..s.vals.len() {
-        let (v, p) = (s.vals[i], s.pos[i]);
-        let is_eq = v == big;
-        let take = v > big || (is_eq && eq < eq_need);
-        eq += is_eq as usize;
-        s.pos[out] = p;
-        out += take as usize;
-    }
+    let (big, eq_need) = s.select.kth_largest(&s.vals, t, k);
+    let out = take_top(isa, big, eq_need, &s.vals, &mut s.pos);
     debug_assert_eq!(out, k);
     dst[..k].copy_from_slice(&s.pos[..k]);
     Some(k)
 }
 
-/// The k-th largest of the survivors `s.vals` (all `≥ t`, none NaN, at least `k`) and how
-/// many survivors equal to it the top k takes.
+/// Compacts `pos` in place to the positions of the survivors above `big` and of the first
+/// `eq_need` equal to it (`vals[i]` is the value at `pos[i]`; position order kept); returns
+/// how many it kept. The write index never passes the read index, so a vector path
+/// stores whole vectors over lanes it has already read.
 #[inline(always)]
-fn kth_value(t: f32, k: usize, s: &mut Scratch) -> (f32, usize) {
-    // The largest finite survivor (16 independent lanes, branch-free: vectorises).
-    let mut lanes = [t; 16];
-    let mut chunks = s.vals.chunks_exact(16);
+fn take_top(isa: CpuIsa, big: f32, eq_need: usize, vals: &[f32], pos: &mut [i32]) -> usize {
+    let (mut out, mut eq, mut i) = (0usize, 0usize, 0usize);
+    match isa.isa() {
+        // SAFETY: a `CpuIsa` names only a path this CPU supports (AVX-512F and POPCNT here).
+        #[cfg(target_arch = "x86_64")]
+        super::isa::Isa::Avx512Bf16 | super::isa::Isa::Avx512 => unsafe {
+            (out, eq, i) = take_top_avx512(big, eq_need, vals, pos);
+        },
+        // SAFETY: as above (AVX2 and POPCNT).
+        #[cfg(target_arch = "x86_64")]
+        super::isa::Isa::Avx2 => unsafe {
+            (out, eq, i) = take_top_avx2(big, eq_need, vals, pos);
+        },
+        _ => {}
+    }
+    while i < vals.len() {
+        let (v, p) = (vals[i], pos[i]);
+        let is_eq = v == big;
+        let take = v > big || (is_eq && eq < eq_need);
+        eq += is_eq as usize;
+        pos[out] = p;
+        out += take as usize;
+        i += 1;
+    }
+    out
+}
+
+/// The AVX-512 part of [`take_top`] over the first `vals.len() / 16 · 16` survivors: a
+/// compare per 16 lanes, the kept positions compressed into a register and stored whole
+/// at the write index; lanes equal to `big` (in one or a few vectors) are taken in order
+/// up to `eq_need`. Returns (kept, equal lanes seen, survivors done).
+///
+/// # Safety
+/// The CPU must support AVX-512F and POPCNT; `pos.len() == vals.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,popcnt")]
+#[allow(
+    clippy::incompatible_msrv,
+    reason = "AVX-512 needs Rust 1.89, as the existing AVX-512 target features do"
+)]
+unsafe fn take_top_avx512(
+    big: f32,
+    eq_need: usize,
+    vals: &[f32],
+    pos: &mut [i32],
+) -> (usize, usize, usize) {
+    use std::arch::x86_64::*;
+    let n = vals.len().min(pos.len()) / 16 * 16;
+    let bv = _mm512_set1_ps(big);
+    let pp = pos.as_mut_ptr();
+    let (mut out, mut eq) = (0usize, 0usize);
+    let mut i = 0usize;
+    while i < n {
+        // SAFETY: `i + 16 ≤ n ≤ len` of both slices.
+        let (x, p) = unsafe {
+            (
+                _mm512_loadu_ps(vals.as_ptr().add(i)),
+                _mm512_loadu_si512(pp.add(i).cast()),
+            )
+        };
+        let mut take = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, bv);
+        let mut e = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(x, bv);
+        while e != 0 && eq < eq_need {
+            take |= e & e.wrapping_neg();
+            e &= e - 1;
+            eq += 1;
+        }
+        // SAFETY: `out ≤ i`, so the 16 lanes stored at `out` end at or before `i + 16 ≤
+        // n`: inside `pos`, over lanes already read.
+        unsafe { _mm512_storeu_si512(pp.add(out).cast(), _mm512_maskz_compress_epi32(take, p)) };
+        out += take.count_ones() as usize;
+        i += 16;
+    }
+    (out, eq, i)
+}
+
+/// A threshold from a sample of `row` (64 runs of 32 contiguous entries spread over it: a
+/// few cache lines, not a pass) that about `2k` entries of the row reach, with slack;
+/// `None` when the sample is too small to say.
+#[inline(always)]
+fn sampled_threshold(row: &[f32], k: usize, s: &mut Scratch) -> Option<f32> {
+    let n = row.len();
+    let runs = SAMPLE / RUN;
+    s.sample.clear();
+    for r in 0..runs {
+        s.sample.extend_from_slice(&row[r * (n / runs)..][..RUN]);
+    }
+    // Invalid entries (`-inf`, NaN) are rare: a branch-free test, and a filter only when
+    // the sample holds one.
+    if s.sample.iter().fold(false, |bad, &x| bad | !valid(x)) {
+        s.sample.retain(|&x| valid(x));
+    }
+    // Rank in the sample of about 2k entries of the row, plus slack.
+    let rank = (3 * k * s.sample.len()).div_ceil(2 * n) + 16;
+    if rank >= s.sample.len() {
+        return None;
+    }
+    // The smallest sample value (16 independent lanes, branch-free: vectorises), then
+    // the sample's `rank + 1`-th largest by the survivors' select.
+    let min = |m: f32, x: f32| if x < m { x } else { m };
+    let mut lanes = [f32::INFINITY; 16];
+    let mut chunks = s.sample.chunks_exact(16);
     for c in chunks.by_ref() {
         for (m, &x) in lanes.iter_mut().zip(c) {
-            *m = m.max(if x.is_finite() { x } else { t });
+            *m = min(*m, x);
         }
     }
-    let hi = chunks
+    let lo = chunks
         .remainder()
         .iter()
-        .copied()
-        .filter(|x| x.is_finite())
-        .fold(lanes.into_iter().fold(t, f32::max), f32::max);
-    // Monotone bins: `(x − t)·scale` rounds monotonically, +inf goes to the top bin.
-    let scale = if hi > t {
-        (BINS as f32 - 1.0) / (hi - t)
-    } else {
-        0.0
-    };
-    let bin = |x: f32| -> usize {
-        if x == f32::INFINITY {
-            BINS - 1
-        } else {
-            (((x - t) * scale) as i32).clamp(0, BINS as i32 - 1) as usize
-        }
-    };
-    // Each survivor's bin, computed once (a branch-free map that vectorises).
-    s.bins.clear();
-    s.bins.extend(s.vals.iter().map(|&v| bin(v) as u16));
-    s.hist.clear();
-    s.hist.resize(BINS, 0);
-    for &b in &s.bins {
-        s.hist[b as usize] += 1;
+        .fold(lanes.into_iter().fold(f32::INFINITY, min), |m, &x| {
+            min(m, x)
+        });
+    if !lo.is_finite() {
+        // Every sampled entry is +inf: the row decides nothing cheaper than the full path.
+        return None;
     }
-    let (b, need) = find_bin(&s.hist, k);
-    s.bin.clear();
-    s.bin.extend(
-        s.vals
+    Some(s.select.kth_largest(&s.sample, lo, rank + 1).0)
+}
+
+impl Select {
+    /// The `k`-th largest of `vals` (all `≥ t`, `t` finite, none NaN, at least `k` of them) and
+    /// how many entries equal to it the top `k` takes (`≥ 1`). Exact for any input: the
+    /// values are binned by a monotone map of `x − t` into `BINS` bins (ties share a bin, a
+    /// larger value never lands lower), the bin holding the `k`-th largest is found from the
+    /// top, and only that bin is sorted.
+    #[inline(always)]
+    fn kth_largest(&mut self, vals: &[f32], t: f32, k: usize) -> (f32, usize) {
+        let s = self;
+        // The largest finite survivor (16 independent lanes, branch-free: vectorises).
+        let mut lanes = [t; 16];
+        let mut chunks = vals.chunks_exact(16);
+        // No value is NaN or below `t`, so "finite" is "not +inf", and a plain compare
+        // (one `vmaxps`) is the maximum.
+        let finite_max = |m: f32, x: f32| {
+            let x = if x == f32::INFINITY { t } else { x };
+            if x > m {
+                x
+            } else {
+                m
+            }
+        };
+        for c in chunks.by_ref() {
+            for (m, &x) in lanes.iter_mut().zip(c) {
+                *m = finite_max(*m, x);
+            }
+        }
+        let hi = chunks
+            .remainder()
             .iter()
-            .zip(&s.bins)
-            .filter(|(_, &vb)| vb as usize == b)
-            .map(|(&v, _)| v),
-    );
-    s.bin.sort_unstable_by(|x, y| y.total_cmp(x));
-    let big = s.bin[need - 1];
-    let above = s.bin.iter().filter(|&&v| v > big).count();
-    (big, need - above)
+            .fold(lanes.into_iter().fold(t, finite_max), |m, &x| {
+                finite_max(m, x)
+            });
+        // Monotone bins: `(x − t)·scale` rounds monotonically, +inf goes to the top bin.
+        let scale = if hi > t {
+            (BINS as f32 - 1.0) / (hi - t)
+        } else {
+            0.0
+        };
+        // Each survivor's bin, computed once (a branch-free map that vectorises: the value is
+        // clamped into range as a float, so the conversion needs no saturation).
+        let top = (BINS - 1) as f32;
+        s.bins.clear();
+        s.bins.resize(vals.len(), 0);
+        for (b, &x) in s.bins.iter_mut().zip(vals) {
+            // `f32::max` ignores a NaN (`inf · 0` when every finite survivor equals `t`).
+            let y = if x == f32::INFINITY {
+                top
+            } else {
+                ((x - t) * scale).max(0.0).min(top)
+            };
+            // SAFETY: `y` is finite and in `[0, BINS − 1]`, so its truncation fits an i32.
+            *b = unsafe { y.to_int_unchecked::<i32>() } as u16;
+        }
+        // Counted into four interleaved histograms: most survivors lie just above `t`, so
+        // neighbours often share a bin, and one histogram would make each increment wait for
+        // the previous one's store.
+        s.hist.clear();
+        s.hist.resize(4 * BINS, 0);
+        let (h4, bins) = (&mut s.hist[..4 * BINS], &s.bins);
+        let mut quads = bins.chunks_exact(4);
+        for q in quads.by_ref() {
+            for (j, &b) in q.iter().enumerate() {
+                h4[j * BINS + (b as usize & (BINS - 1))] += 1;
+            }
+        }
+        for &b in quads.remainder() {
+            h4[b as usize & (BINS - 1)] += 1;
+        }
+        let (h0, rest) = h4.split_at_mut(BINS);
+        for part in rest.chunks_exact(BINS) {
+            for (a, &c) in h0.iter_mut().zip(part) {
+                *a += c;
+            }
+        }
+        let (b, need) = find_bin(h0, k);
+        // The boundary bin's values: a vectorised test per 32 survivors, and a scalar look
+        // only into the few blocks holding one.
+        s.bin.clear();
+        let b16 = b as u16;
+        for (vb, vv) in s.bins.chunks(32).zip(vals.chunks(32)) {
+            if vb.iter().fold(false, |any, &x| any | (x == b16)) {
+                s.bin.extend(
+                    vb.iter()
+                        .zip(vv)
+                        .filter(|(&x, _)| x == b16)
+                        .map(|(_, &v)| v),
+                );
+            }
+        }
+        s.bin.sort_unstable_by(|x, y| y.total_cmp(x));
+        let big = s.bin[need - 1];
+        let above = s.bin.iter().filter(|&&v| v > big).count();
+        (big, need - above)
+    }
 }
 
 /// The exact path over the whole row.
@@ -432,6 +600,53 @@ fn select_full(row: &[f32], k: usize, dst: &mut [i32]) -> usize {
     }
     debug_assert_eq!(n, k);
     n
+}
+
+/// The AVX2 part of [`take_top`] over the first `vals.len() / 8 · 8` survivors: as the
+/// AVX-512 one, with the kept lanes packed by a permutation from [`PACK8`].
+///
+/// # Safety
+/// The CPU must support AVX2 and POPCNT.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,popcnt")]
+unsafe fn take_top_avx2(
+    big: f32,
+    eq_need: usize,
+    vals: &[f32],
+    pos: &mut [i32],
+) -> (usize, usize, usize) {
+    use std::arch::x86_64::*;
+    let n = vals.len().min(pos.len()) / 8 * 8;
+    let bv = _mm256_set1_ps(big);
+    let pp = pos.as_mut_ptr();
+    let (mut out, mut eq) = (0usize, 0usize);
+    let mut i = 0usize;
+    while i < n {
+        // SAFETY: `i + 8 ≤ n ≤ len` of both slices.
+        let (x, p) = unsafe {
+            (
+                _mm256_loadu_ps(vals.as_ptr().add(i)),
+                _mm256_loadu_si256(pp.add(i).cast()),
+            )
+        };
+        let mut take = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_GT_OQ>(x, bv)) as usize;
+        let mut e = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(x, bv)) as usize;
+        while e != 0 && eq < eq_need {
+            take |= e & e.wrapping_neg();
+            e &= e - 1;
+            eq += 1;
+        }
+        // SAFETY: `take < 256`, a row of 8 u32 of the table; `out ≤ i`, so the 8 lanes
+        // stored at `out` end at or before `i + 8 ≤ n`: inside `pos`, over lanes already
+        // read.
+        unsafe {
+            let perm = _mm256_loadu_si256(PACK8[take].as_ptr().cast());
+            _mm256_storeu_si256(pp.add(out).cast(), _mm256_permutevar8x32_epi32(p, perm));
+        }
+        out += take.count_ones() as usize;
+        i += 8;
+    }
+    (out, eq, i)
 }
 
 /// Scanning bins from the top, returns the bin holding the `k`-th largest entry and how

@@ -53,6 +53,31 @@ impl<'a> PageTable<'a> {
         }
         .slot(page_size)
     }
+    /// Replaces each token position `base + d` (for `d` in `positions`) of request `r` with
+    /// its slot, for positions an op has validated (panics on a position outside the table
+    /// and, in debug builds, on a slot past `i32::MAX`). The same map as [`PageTable::slot`],
+    /// with shifts for a power-of-two page size (every deployment's: 1, 2, 64, 256) instead
+    /// of a division per position.
+    pub fn slots_in_place(&self, r: usize, base: usize, positions: &mut [i32], page_size: usize) {
+        let row = &self.pages[r * self.max_pages..][..self.max_pages];
+        if page_size.is_power_of_two() {
+            let (shift, mask) = (page_size.trailing_zeros(), page_size - 1);
+            for p in positions {
+                let pos = *p as usize + base;
+                let slot = ((row[pos >> shift] as usize) << shift) | (pos & mask);
+                debug_assert!(slot <= i32::MAX as usize);
+                *p = slot as i32;
+            }
+        } else {
+            for p in positions {
+                let pos = *p as usize + base;
+                let at = SlotAddr::of(pos, page_size);
+                let slot = row[at.page] as usize * page_size + at.offset;
+                debug_assert!(slot <= i32::MAX as usize);
+                *p = slot as i32;
+            }
+        }
+    }
     /// Checks that positions `start..end` of request `r` map to pages inside a pool of
     /// `num_pages` pages. Entries outside that range are never read and may be anything
     /// (`-1` for pages evicted before a window, say).

@@ -86,6 +86,16 @@ impl Topk<'_> {
             check_count("page_table columns", page_table.max_pages())?;
             for (i, q) in self.rows.iter().enumerate() {
                 let (r, start, end) = (q.request as usize, q.start as usize, q.end as usize);
+                // Fast accept: no entry negative, and the largest page's last slot fits.
+                let (lo, hi) = page_table
+                    .entries(r, start, end, page_size)?
+                    .fold((i32::MAX, i32::MIN), |(lo, hi), (_, p)| (lo.min(p), hi.max(p)));
+                let top = (hi.max(0) as usize)
+                    .checked_mul(page_size)
+                    .and_then(|s| s.checked_add(page_size - 1));
+                if lo >= 0 && top.is_some_and(|s| s <= i32::MAX as usize) {
+                    continue;
+                }
                 for (c, page) in page_table.entries(r, start, end, page_size)? {
                     let at = Index::Cell { row: r, col: c };
                     if page < 0 {
