@@ -139,25 +139,23 @@ fn write_kv_token_with(layout: &KvLayout, page: &mut [u8], offset: usize, kv: &[
         }
         KvDtype::Fp8DsMla => {
             let token = &mut page[row.clone()];
-            let scales = layout.scales_range().start;
-            for (t, tile) in nope.chunks_exact(FP8_DS_MLA_TILE).enumerate() {
-                let s = kv_tile_scale(amax(tile));
+            let at = layout.scales_range().start;
+            for_each_tile::<FP8_DS_MLA_TILE>(nope, |t, tile, s| {
                 quantize(
                     &mut token[t * FP8_DS_MLA_TILE..(t + 1) * FP8_DS_MLA_TILE],
                     tile,
                     s,
                 );
-                token[scales + 4 * t..scales + 4 * t + 4].copy_from_slice(&s.to_le_bytes());
-            }
+                token[at + 4 * t..at + 4 * t + 4].copy_from_slice(&s.to_le_bytes());
+            });
         }
         KvDtype::Model1Fp8 => {
             let mut scales = [0u8; MODEL1_SCALE_BYTES];
             let token = &mut page[row.clone()];
-            for (t, tile) in nope.chunks_exact(MODEL1_TILE).enumerate() {
-                let s = kv_tile_scale(amax(tile));
+            for_each_tile::<MODEL1_TILE>(nope, |t, tile, s| {
                 quantize(&mut token[t * MODEL1_TILE..(t + 1) * MODEL1_TILE], tile, s);
                 scales[t] = mx::ue8m0_encode(s);
-            }
+            });
             // The 7 scale bytes and the pad byte (0).
             let at = layout.tile_scale_range(offset).start;
             page[at..at + MODEL1_SCALE_BYTES].copy_from_slice(&scales);
@@ -165,6 +163,26 @@ fn write_kv_token_with(layout: &KvLayout, page: &mut [u8], offset: usize, kv: &[
     }
     put_bf16(&mut page[row][layout.rope_range()], rope);
 }
+
+/// Calls `f(tile index, tile, tile scale)` for the tiles of `TILE` values of `nope` in
+/// order. The tiles are taken [`TILE_BLOCK`] at a time: every tile's `amax` and scale
+/// first, then the quantisation, so the tiles' reductions and scale divisions are
+/// independent chains the CPU overlaps (one tile at a time waits for each scale).
+#[inline(always)]
+fn for_each_tile<const TILE: usize>(nope: &[bf16], mut f: impl FnMut(usize, &[bf16], f32)) {
+    for (b, block) in nope.chunks(TILE * TILE_BLOCK).enumerate() {
+        let mut scales = [0f32; TILE_BLOCK];
+        for (s, tile) in scales.iter_mut().zip(block.chunks_exact(TILE)) {
+            *s = kv_tile_scale(amax(tile));
+        }
+        for (i, (tile, &s)) in block.chunks_exact(TILE).zip(&scales).enumerate() {
+            f(b * TILE_BLOCK + i, tile, s);
+        }
+    }
+}
+
+/// Tiles whose scales [`for_each_tile`] computes together (model1_fp8's row: 448 / 64).
+const TILE_BLOCK: usize = 8;
 
 /// `amax` of bf16 values (NaN ignored), as [`amax_bf16`] but on the absolute-value bits:
 /// non-negative floats order like their bits, so this is an integer max that vectorises
@@ -193,11 +211,22 @@ fn amax(xs: &[bf16]) -> f32 {
 }
 
 /// `dst[i] = e4m3(src[i] / s)` (identical results on every vector path: the encoder is
-/// branch-free integer/f32 arithmetic).
+/// branch-free integer/f32 arithmetic). When `s` is a power of two whose reciprocal is a
+/// normal float (every KV tile scale, every ue8m0 index-K scale), `x / s` is computed as
+/// `x · (1/s)`: both are the exact quotient rounded once, so the bytes are the same, and a
+/// multiply costs a fraction of a division.
 #[inline(always)]
 fn quantize(dst: &mut [u8], src: &[bf16], s: f32) {
-    for (d, v) in dst.iter_mut().zip(src) {
-        *d = e4m3_encode(bf16_to_f32(v.to_bits()) / s);
+    let exp = (s.to_bits() >> 23) & 0xff;
+    if s.to_bits() & 0x807f_ffff == 0 && (2..=253).contains(&exp) {
+        let r = 1.0 / s;
+        for (d, v) in dst.iter_mut().zip(src) {
+            *d = e4m3_encode(bf16_to_f32(v.to_bits()) * r);
+        }
+    } else {
+        for (d, v) in dst.iter_mut().zip(src) {
+            *d = e4m3_encode(bf16_to_f32(v.to_bits()) / s);
+        }
     }
 }
 
@@ -270,4 +299,34 @@ pub fn scatter_by_page(
                 write(page, layout.slot_addr(slot).offset, t);
             }
         });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The reciprocal path gives the bytes of the division for every bf16 value (NaN,
+    /// infinities, subnormals included) at power-of-two scales across the whole range, and
+    /// other scales still divide.
+    #[test]
+    fn quantize_by_reciprocal_matches_division_bitwise() {
+        let src: Vec<bf16> = (0..=u16::MAX).map(bf16::from_bits).collect();
+        let mut scales: Vec<f32> = (-126..=127).map(|e| 2f32.powi(e)).collect();
+        scales.extend([
+            f32::INFINITY,
+            1e-4,
+            0.3,
+            448.0 / 3.0,
+            f32::MIN_POSITIVE / 4.0,
+        ]);
+        let mut dst = vec![0u8; src.len()];
+        for &s in &scales {
+            dst.fill(0xaa);
+            quantize(&mut dst, &src, s);
+            for (i, (&d, v)) in dst.iter().zip(&src).enumerate() {
+                let want = e4m3_encode(bf16_to_f32(v.to_bits()) / s);
+                assert_eq!(d, want, "bf16 bits {i:#06x}, scale {s:e}");
+            }
+        }
+    }
 }

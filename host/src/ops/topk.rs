@@ -89,7 +89,9 @@ impl Topk<'_> {
                 // Fast accept: no entry negative, and the largest page's last slot fits.
                 let (lo, hi) = page_table
                     .entries(r, start, end, page_size)?
-                    .fold((i32::MAX, i32::MIN), |(lo, hi), (_, p)| (lo.min(p), hi.max(p)));
+                    .fold((i32::MAX, i32::MIN), |(lo, hi), (_, p)| {
+                        (lo.min(p), hi.max(p))
+                    });
                 let top = (hi.max(0) as usize)
                     .checked_mul(page_size)
                     .and_then(|s| s.checked_add(page_size - 1));
