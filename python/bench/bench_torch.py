@@ -110,6 +110,21 @@ def main():
         "same_set_as_torch_topk": same,
     })
 
+    # top-k over long rows: the CLI bench's shape (`sparsekit bench --op topk`: 64 rows of
+    # 65536 standard-normal logits, k 2048)
+    rows, long_ctx = (4, 4096) if args.smoke else (64, 65536)
+    long_logits = torch.randn((rows, long_ctx), generator=g).to(dev)
+    long_lens = torch.full((rows,), long_ctx, dtype=torch.int32, device=dev)
+    ours = lambda: sgl_kernel.fast_topk_v2(long_logits, long_lens, topk)  # noqa: E731
+    ref = lambda: torch.topk(long_logits, topk, dim=-1).indices  # noqa: E731
+    mine = ours()
+    same = torch.equal(torch.sort(mine, -1).values.long(), torch.sort(ref(), -1).values)
+    results["cases"].append({
+        "case": f"fast_topk_v2 b={rows} len={long_ctx} k={topk}",
+        "ours_s": timed(ours, dev, repeats), "torch_s": timed(ref, dev, repeats),
+        "same_set_as_torch_topk": same,
+    })
+
     # sparse MLA decode (FlashMLA flash_mla_with_kvcache form, fp8_ds_mla)
     nb = max(1, (b * ctx) // block)
     toks = torch.randint(0, 256, (nb * block, 656), generator=g, dtype=torch.uint8)

@@ -71,11 +71,12 @@ def _relative_topk(score, lengths, topk, row_starts):
     ends = starts + lens.clamp_min(0)
     rows = torch.stack([torch.arange(b, device=dev, dtype=torch.int64), starts, ends],
                        dim=1).to(torch.int32)
-    pos = ops.topk(score, topk, rows=rows)
-    rel = torch.where(pos >= 0, pos - starts[:, None].to(torch.int32), pos)
-    j = torch.arange(topk, device=dev, dtype=torch.int32)[None, :]
-    short = torch.where(j < lens[:, None], j, torch.full_like(j, -1))
-    return torch.where((lens <= topk)[:, None], short, rel).contiguous()
+    # A section of at most `topk` columns takes all of them in order (the anchor's rule
+    # for short rows), which is our top-k's `take_all_short_rows`.
+    pos = ops.topk(score, topk, rows=rows, take_all_short_rows=True)
+    if row_starts is None:
+        return pos
+    return torch.where(pos >= 0, pos - starts[:, None].to(torch.int32), pos)
 
 
 def fast_topk_v2(score: torch.Tensor, lengths: torch.Tensor, topk: int,
