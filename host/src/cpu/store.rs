@@ -21,10 +21,46 @@ use crate::ops::{IndexKStore, KvStore};
 /// bf16 `[slots.len(), head_dim]`, `cache` whole pages of the layout.
 pub fn index_k_store(isa: CpuIsa, op: &IndexKStore<'_>, keys: &[bf16], cache: &mut [u8]) {
     let l = op.layout;
-    let d = l.head_dim();
-    scatter_by_page(cache, l.into(), op.slots, |page, off, t| {
-        write_index_k_token_on(isa, &l, page, off, &keys[t * d..(t + 1) * d])
+    scatter_by_page(cache, l.into(), op.slots, |page, tokens| {
+        write_index_k_tokens(isa, &l, page, tokens, keys)
     })
+}
+
+crate::isa_dispatch! {
+    /// Writes the index keys of `tokens` (`(offset in page, token)`, `keys` `[tokens,
+    /// head_dim]`) into `page`. fp8 keys are taken [`TILE_BLOCK`] tokens at a time: every
+    /// token's `amax` and scale first, then the quantisation, so the tokens' reductions and
+    /// scale divisions overlap (one token at a time waits for each scale).
+    fn write_index_k_tokens(
+        layout: &IndexKLayout,
+        page: &mut [u8],
+        tokens: &[(usize, usize)],
+        keys: &[bf16],
+    ) = |ISA| {
+        let d = layout.head_dim();
+        let key = |t: usize| &keys[t * d..(t + 1) * d];
+        match layout.dtype() {
+            IndexKDtype::Fp8E4m3 { scale } => {
+                for block in tokens.chunks(TILE_BLOCK) {
+                    let mut scales = [0f32; TILE_BLOCK];
+                    for (s, &(_, t)) in scales.iter_mut().zip(block) {
+                        *s = index_k_scale(amax(key(t)), scale);
+                    }
+                    for (&(off, t), &s) in block.iter().zip(&scales) {
+                        quantize(&mut page[layout.value_range(off)], key(t), s);
+                        if let Some(r) = layout.scale_range(off) {
+                            page[r].copy_from_slice(&s.to_le_bytes());
+                        }
+                    }
+                }
+            }
+            _ => {
+                for &(off, t) in tokens {
+                    write_index_k_token_with(layout, page, off, key(t));
+                }
+            }
+        }
+    };
 }
 
 /// [`KvStore`] on slices (validated by the caller) on the vector path `isa`: `kv` bf16
@@ -32,8 +68,10 @@ pub fn index_k_store(isa: CpuIsa, op: &IndexKStore<'_>, keys: &[bf16], cache: &m
 pub fn kv_store(isa: CpuIsa, op: &KvStore<'_>, kv: &[bf16], cache: &mut [u8]) {
     let l = op.layout;
     let d = l.d_qk();
-    scatter_by_page(cache, l.into(), op.slots, |page, off, t| {
-        write_kv_token_on(isa, &l, page, off, &kv[t * d..(t + 1) * d])
+    scatter_by_page(cache, l.into(), op.slots, |page, tokens| {
+        for &(off, t) in tokens {
+            write_kv_token_on(isa, &l, page, off, &kv[t * d..(t + 1) * d]);
+        }
     })
 }
 
@@ -181,7 +219,8 @@ fn for_each_tile<const TILE: usize>(nope: &[bf16], mut f: impl FnMut(usize, &[bf
     }
 }
 
-/// Tiles whose scales [`for_each_tile`] computes together (model1_fp8's row: 448 / 64).
+/// Tiles (or index-K tokens) whose scales are computed together (model1_fp8's row: 448 /
+/// 64 tiles).
 const TILE_BLOCK: usize = 8;
 
 /// `amax` of bf16 values (NaN ignored), as [`amax_bf16`] but on the absolute-value bits:
@@ -261,14 +300,14 @@ fn by_page(layout: PageLayout, pages: usize, slots: &[i64]) -> Vec<(usize, usize
     grouped
 }
 
-/// Applies `write(page_bytes, offset_in_page, token)` for every token with a slot, in
-/// parallel over the pages of `cache` (laid out as `layout`). Slots must be validated (in
-/// range, unique, or -1).
+/// Applies `write(page_bytes, tokens)` once per page of `cache` (laid out as `layout`)
+/// that tokens with a slot land in, in parallel over the pages; `tokens` holds their
+/// `(offset in page, token)` pairs. Slots must be validated (in range, unique, or -1).
 pub fn scatter_by_page(
     cache: &mut [u8],
     layout: PageLayout,
     slots: &[i64],
-    write: impl Fn(&mut [u8], usize, usize) + Sync,
+    write: impl Fn(&mut [u8], &[(usize, usize)]) + Sync,
 ) {
     let bytes_per_page = layout.bytes_per_page();
     let order = by_page(layout, cache.len() / bytes_per_page.max(1), slots);
@@ -291,14 +330,18 @@ pub fn scatter_by_page(
         tail = after;
         consumed = page + 1;
     }
-    pages
-        .into_par_iter()
-        .zip(groups.par_iter())
-        .for_each(|(page, (_, tokens))| {
-            for &(slot, t) in tokens.iter() {
-                write(page, layout.slot_addr(slot).offset, t);
-            }
-        });
+    pages.into_par_iter().zip(groups.par_iter()).for_each_init(
+        Vec::new,
+        |at, (page, (_, tokens))| {
+            at.clear();
+            at.extend(
+                tokens
+                    .iter()
+                    .map(|&(slot, t)| (layout.slot_addr(slot).offset, t)),
+            );
+            write(page, at);
+        },
+    );
 }
 
 #[cfg(test)]
