@@ -98,32 +98,22 @@ def main():
         "max_abs_diff": float((a - r)[fin].abs().max()) if bool(fin.any()) else 0.0,
     })
 
-    # top-k (sgl-kernel fast_topk_v2 form)
-    logits = a
-    ours = lambda: sgl_kernel.fast_topk_v2(logits, lens, topk)  # noqa: E731
-    ref = lambda: torch.topk(logits, topk, dim=-1).indices  # noqa: E731
-    mine = ours()
-    same = torch.equal(torch.sort(mine, -1).values.long(), torch.sort(ref(), -1).values)
-    results["cases"].append({
-        "case": f"fast_topk_v2 b={b} len={ctx} k={topk}",
-        "ours_s": timed(ours, dev, repeats), "torch_s": timed(ref, dev, repeats),
-        "same_set_as_torch_topk": same,
-    })
+    # top-k (sgl-kernel fast_topk_v2 form): the indexer's logits, then long rows at the CLI
+    # bench's shape (`sparsekit bench --op topk`: 64 rows of 65536 standard-normal logits)
+    def topk_case(scores, lengths):
+        ours = lambda: sgl_kernel.fast_topk_v2(scores, lengths, topk)  # noqa: E731
+        ref = lambda: torch.topk(scores, topk, dim=-1).indices  # noqa: E731
+        same = torch.equal(torch.sort(ours(), -1).values.long(), torch.sort(ref(), -1).values)
+        results["cases"].append({
+            "case": f"fast_topk_v2 b={scores.shape[0]} len={scores.shape[1]} k={topk}",
+            "ours_s": timed(ours, dev, repeats), "torch_s": timed(ref, dev, repeats),
+            "same_set_as_torch_topk": same,
+        })
 
-    # top-k over long rows: the CLI bench's shape (`sparsekit bench --op topk`: 64 rows of
-    # 65536 standard-normal logits, k 2048)
+    topk_case(a, lens)
     rows, long_ctx = (4, 4096) if args.smoke else (64, 65536)
-    long_logits = torch.randn((rows, long_ctx), generator=g).to(dev)
-    long_lens = torch.full((rows,), long_ctx, dtype=torch.int32, device=dev)
-    ours = lambda: sgl_kernel.fast_topk_v2(long_logits, long_lens, topk)  # noqa: E731
-    ref = lambda: torch.topk(long_logits, topk, dim=-1).indices  # noqa: E731
-    mine = ours()
-    same = torch.equal(torch.sort(mine, -1).values.long(), torch.sort(ref(), -1).values)
-    results["cases"].append({
-        "case": f"fast_topk_v2 b={rows} len={long_ctx} k={topk}",
-        "ours_s": timed(ours, dev, repeats), "torch_s": timed(ref, dev, repeats),
-        "same_set_as_torch_topk": same,
-    })
+    topk_case(torch.randn((rows, long_ctx), generator=g).to(dev),
+              torch.full((rows,), long_ctx, dtype=torch.int32, device=dev))
 
     # sparse MLA decode (FlashMLA flash_mla_with_kvcache form, fp8_ds_mla)
     nb = max(1, (b * ctx) // block)
