@@ -235,8 +235,10 @@ static PACK8: [[u32; 8]; 256] = {
 };
 
 /// The AVX2 scan over the first `row.len() / 8 · 8` entries (returned): a vector compare
-/// per 8 lanes; every vector is packed by a permutation from [`PACK8`] and stored whole at
-/// the end of the output (which has room for 8 more), branch-free as the AVX-512 scan.
+/// per 8 lanes; every vector's positions are packed by a permutation from [`PACK8`] and
+/// stored whole at the end of `pos` (which has room for 8 more), branch-free as the
+/// AVX-512 scan; the kept values are read back from the row afterwards (in cache, and one
+/// permute and store per vector fewer).
 ///
 /// # Safety
 /// The CPU must support AVX2 and POPCNT.
@@ -245,9 +247,8 @@ static PACK8: [[u32; 8]; 256] = {
 unsafe fn scan_avx2(row: &[f32], t: f32, vals: &mut Vec<f32>, pos: &mut Vec<i32>) -> usize {
     use std::arch::x86_64::*;
     let n = row.len() / 8 * 8;
-    vals.reserve(n + 8);
     pos.reserve(n + 8);
-    let (vp, pp) = (vals.as_mut_ptr(), pos.as_mut_ptr());
+    let pp = pos.as_mut_ptr();
     let tv = _mm256_set1_ps(t);
     let iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     let mut len = 0usize;
@@ -261,18 +262,15 @@ unsafe fn scan_avx2(row: &[f32], t: f32, vals: &mut Vec<f32>, pos: &mut Vec<i32>
         let at = _mm256_add_epi32(iota, _mm256_set1_epi32(i as i32));
         // SAFETY: `len ≤ i` entries kept so far and capacity `≥ n + 8`: the 8 lanes
         // stored at `len` stay inside the allocation.
-        unsafe {
-            _mm256_storeu_ps(vp.add(len), _mm256_permutevar8x32_ps(x, perm));
-            _mm256_storeu_si256(pp.add(len).cast(), _mm256_permutevar8x32_epi32(at, perm));
-        }
+        unsafe { _mm256_storeu_si256(pp.add(len).cast(), _mm256_permutevar8x32_epi32(at, perm)) };
         len += m.count_ones() as usize;
         i += 8;
     }
-    // SAFETY: the first `len` entries of both were written above (f32/i32: any bits valid).
-    unsafe {
-        vals.set_len(len);
-        pos.set_len(len);
-    }
+    // SAFETY: the first `len` entries were written above (i32: any bits valid).
+    unsafe { pos.set_len(len) };
+    // The values from the row (in cache: just scanned), rather than a second permute and
+    // store per vector.
+    vals.extend(pos.iter().map(|&j| row[j as usize]));
     n
 }
 
