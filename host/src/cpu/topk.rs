@@ -381,8 +381,8 @@ unsafe fn take_top_avx512(
     (out, eq, i)
 }
 
-/// A threshold from a sample of `row` (64 runs of 32 contiguous entries spread over it: a
-/// few cache lines, not a pass) that about `2k` entries of the row reach, with slack;
+/// A threshold from a sample of `row` (128 runs of 16 contiguous entries spread over it:
+/// a few cache lines, not a pass) that about `1.5k` entries of the row reach, with slack;
 /// `None` when the sample is too small to say.
 #[inline(always)]
 fn sampled_threshold(row: &[f32], k: usize, s: &mut Scratch) -> Option<f32> {
@@ -397,7 +397,7 @@ fn sampled_threshold(row: &[f32], k: usize, s: &mut Scratch) -> Option<f32> {
     if s.sample.iter().fold(false, |bad, &x| bad | !valid(x)) {
         s.sample.retain(|&x| valid(x));
     }
-    // Rank in the sample of about 2k entries of the row, plus slack.
+    // Rank in the sample of about 1.5k entries of the row, plus slack.
     let rank = (3 * k * s.sample.len()).div_ceil(2 * n) + 16;
     if rank >= s.sample.len() {
         return None;
