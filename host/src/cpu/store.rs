@@ -28,9 +28,8 @@ pub fn index_k_store(isa: CpuIsa, op: &IndexKStore<'_>, keys: &[bf16], cache: &m
 
 crate::isa_dispatch! {
     /// Writes the index keys of `tokens` (`(offset in page, token)`, `keys` `[tokens,
-    /// head_dim]`) into `page`. fp8 keys are taken [`TILE_BLOCK`] tokens at a time: every
-    /// token's `amax` and scale first, then the quantisation, so the tokens' reductions and
-    /// scale divisions overlap (one token at a time waits for each scale).
+    /// head_dim]`) into `page`; fp8 keys with their scales computed ahead
+    /// ([`scales_ahead`]).
     fn write_index_k_tokens(
         layout: &IndexKLayout,
         page: &mut [u8],
@@ -40,20 +39,11 @@ crate::isa_dispatch! {
         let d = layout.head_dim();
         let key = |t: usize| &keys[t * d..(t + 1) * d];
         match layout.dtype() {
-            IndexKDtype::Fp8E4m3 { scale } => {
-                for block in tokens.chunks(TILE_BLOCK) {
-                    let mut scales = [0f32; TILE_BLOCK];
-                    for (s, &(_, t)) in scales.iter_mut().zip(block) {
-                        *s = index_k_scale(amax(key(t)), scale);
-                    }
-                    for (&(off, t), &s) in block.iter().zip(&scales) {
-                        quantize(&mut page[layout.value_range(off)], key(t), s);
-                        if let Some(r) = layout.scale_range(off) {
-                            page[r].copy_from_slice(&s.to_le_bytes());
-                        }
-                    }
-                }
-            }
+            IndexKDtype::Fp8E4m3 { scale } => scales_ahead(
+                tokens.len(),
+                |i| index_k_scale(amax(key(tokens[i].1)), scale),
+                |i, s| put_fp8_key(layout, page, tokens[i].0, key(tokens[i].1), s),
+            ),
             _ => {
                 for &(off, t) in tokens {
                     write_index_k_token_with(layout, page, off, key(t));
@@ -99,11 +89,7 @@ fn write_index_k_token_with(layout: &IndexKLayout, page: &mut [u8], offset: usiz
     match layout.dtype() {
         IndexKDtype::Bf16 => put_bf16(values, key),
         IndexKDtype::Fp8E4m3 { scale } => {
-            let s = index_k_scale(amax(key), scale);
-            quantize(values, key, s);
-            if let Some(r) = layout.scale_range(offset) {
-                page[r].copy_from_slice(&s.to_le_bytes());
-            }
+            put_fp8_key(layout, page, offset, key, index_k_scale(amax(key), scale))
         }
         IndexKDtype::Fp4E2m1 => {
             let mut scales = [0u8; 64];
@@ -119,6 +105,15 @@ fn write_index_k_token_with(layout: &IndexKLayout, page: &mut [u8], offset: usiz
                 page[r].copy_from_slice(&scales[..n]);
             }
         }
+    }
+}
+
+/// Writes an fp8 index key quantised with scale `s`, and the scale, at `offset` of `page`.
+#[inline(always)]
+fn put_fp8_key(layout: &IndexKLayout, page: &mut [u8], offset: usize, key: &[bf16], s: f32) {
+    quantize(&mut page[layout.value_range(offset)], key, s);
+    if let Some(r) = layout.scale_range(offset) {
+        page[r].copy_from_slice(&s.to_le_bytes());
     }
 }
 
@@ -203,24 +198,35 @@ fn write_kv_token_with(layout: &KvLayout, page: &mut [u8], offset: usize, kv: &[
 }
 
 /// Calls `f(tile index, tile, tile scale)` for the tiles of `TILE` values of `nope` in
-/// order. The tiles are taken [`TILE_BLOCK`] at a time: every tile's `amax` and scale
-/// first, then the quantisation, so the tiles' reductions and scale divisions are
-/// independent chains the CPU overlaps (one tile at a time waits for each scale).
+/// order (see [`scales_ahead`]).
 #[inline(always)]
 fn for_each_tile<const TILE: usize>(nope: &[bf16], mut f: impl FnMut(usize, &[bf16], f32)) {
-    for (b, block) in nope.chunks(TILE * TILE_BLOCK).enumerate() {
+    let tile = |i: usize| &nope[i * TILE..(i + 1) * TILE];
+    scales_ahead(
+        nope.len() / TILE,
+        |i| kv_tile_scale(amax(tile(i))),
+        |i, s| f(i, tile(i), s),
+    )
+}
+
+/// Calls `f(i, scale(i))` for `i` in `0..n` in order, computing [`TILE_BLOCK`] scales
+/// before their calls: the scales' reductions and divisions are independent chains the
+/// CPU overlaps, where one item at a time would wait for each scale before quantising.
+#[inline(always)]
+fn scales_ahead(n: usize, scale: impl Fn(usize) -> f32, mut f: impl FnMut(usize, f32)) {
+    for start in (0..n).step_by(TILE_BLOCK) {
+        let end = (start + TILE_BLOCK).min(n);
         let mut scales = [0f32; TILE_BLOCK];
-        for (s, tile) in scales.iter_mut().zip(block.chunks_exact(TILE)) {
-            *s = kv_tile_scale(amax(tile));
+        for (i, s) in (start..end).zip(&mut scales) {
+            *s = scale(i);
         }
-        for (i, (tile, &s)) in block.chunks_exact(TILE).zip(&scales).enumerate() {
-            f(b * TILE_BLOCK + i, tile, s);
+        for (i, &s) in (start..end).zip(&scales) {
+            f(i, s);
         }
     }
 }
 
-/// Tiles (or index-K tokens) whose scales are computed together (model1_fp8's row: 448 /
-/// 64 tiles).
+/// Scales [`scales_ahead`] computes together (model1_fp8's row: 448 / 64 tiles).
 const TILE_BLOCK: usize = 8;
 
 /// `amax` of bf16 values (NaN ignored), as [`amax_bf16`] but on the absolute-value bits:

@@ -142,8 +142,7 @@ crate::isa_dispatch! {
 
 /// Replaces `vals`/`pos` with the entries of `row` that are `≥ t` and their positions, in
 /// position order (`t` finite: NaN and `-inf` never pass). The scan is the pre-filter's one
-/// pass over the row: a vector compare per 16 (AVX-512) or 8 (AVX2) lanes, and only
-/// the rare lanes that pass are stored.
+/// pass over the row: a vector compare per 16 (AVX-512) or 8 (AVX2) lanes, branch-free.
 #[inline(always)]
 fn scan_at_least(isa: CpuIsa, row: &[f32], t: f32, vals: &mut Vec<f32>, pos: &mut Vec<i32>) {
     vals.clear();
@@ -365,13 +364,13 @@ unsafe fn take_top_avx512(
                 _mm512_loadu_si512(pp.add(i).cast()),
             )
         };
-        let mut take = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, bv);
-        let mut e = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(x, bv);
-        while e != 0 && eq < eq_need {
-            take |= e & e.wrapping_neg();
-            e &= e - 1;
-            eq += 1;
-        }
+        let take = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, bv) as u64
+            | first_ties(
+                _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(x, bv) as u64,
+                &mut eq,
+                eq_need,
+            );
+        let take = take as u16;
         // SAFETY: `out ≤ i`, so the 16 lanes stored at `out` end at or before `i + 16 ≤
         // n`: inside `pos`, over lanes already read.
         unsafe { _mm512_storeu_si512(pp.add(out).cast(), _mm512_maskz_compress_epi32(take, p)) };
@@ -379,6 +378,63 @@ unsafe fn take_top_avx512(
         i += 16;
     }
     (out, eq, i)
+}
+
+/// The AVX2 part of [`take_top`] over the first `vals.len() / 8 · 8` survivors: as the
+/// AVX-512 one, with the kept lanes packed by a permutation from [`PACK8`].
+///
+/// # Safety
+/// The CPU must support AVX2 and POPCNT.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,popcnt")]
+unsafe fn take_top_avx2(
+    big: f32,
+    eq_need: usize,
+    vals: &[f32],
+    pos: &mut [i32],
+) -> (usize, usize, usize) {
+    use std::arch::x86_64::*;
+    let n = vals.len().min(pos.len()) / 8 * 8;
+    let bv = _mm256_set1_ps(big);
+    let pp = pos.as_mut_ptr();
+    let (mut out, mut eq) = (0usize, 0usize);
+    let mut i = 0usize;
+    while i < n {
+        // SAFETY: `i + 8 ≤ n ≤ len` of both slices.
+        let (x, p) = unsafe {
+            (
+                _mm256_loadu_ps(vals.as_ptr().add(i)),
+                _mm256_loadu_si256(pp.add(i).cast()),
+            )
+        };
+        let ties = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(x, bv)) as u64;
+        let take = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_GT_OQ>(x, bv)) as usize
+            | first_ties(ties, &mut eq, eq_need) as usize;
+        // SAFETY: `take < 256`, a row of 8 u32 of the table; `out ≤ i`, so the 8 lanes
+        // stored at `out` end at or before `i + 8 ≤ n`: inside `pos`, over lanes already
+        // read.
+        unsafe {
+            let perm = _mm256_loadu_si256(PACK8[take].as_ptr().cast());
+            _mm256_storeu_si256(pp.add(out).cast(), _mm256_permutevar8x32_epi32(p, perm));
+        }
+        out += take.count_ones() as usize;
+        i += 8;
+    }
+    (out, eq, i)
+}
+
+/// The lanes of `ties` (a mask of survivors equal to the k-th value) the top k takes: the
+/// lowest ones, while fewer than `eq_need` have been taken (`eq` counts them across
+/// vectors).
+#[inline(always)]
+fn first_ties(mut ties: u64, eq: &mut usize, eq_need: usize) -> u64 {
+    let mut take = 0;
+    while ties != 0 && *eq < eq_need {
+        take |= ties & ties.wrapping_neg();
+        ties &= ties - 1;
+        *eq += 1;
+    }
+    take
 }
 
 /// A threshold from a sample of `row` (128 runs of 16 contiguous entries spread over it:
@@ -402,27 +458,30 @@ fn sampled_threshold(row: &[f32], k: usize, s: &mut Scratch) -> Option<f32> {
     if rank >= s.sample.len() {
         return None;
     }
-    // The smallest sample value (16 independent lanes, branch-free: vectorises), then
-    // the sample's `rank + 1`-th largest by the survivors' select.
-    let min = |m: f32, x: f32| if x < m { x } else { m };
-    let mut lanes = [f32::INFINITY; 16];
-    let mut chunks = s.sample.chunks_exact(16);
-    for c in chunks.by_ref() {
-        for (m, &x) in lanes.iter_mut().zip(c) {
-            *m = min(*m, x);
-        }
-    }
-    let lo = chunks
-        .remainder()
-        .iter()
-        .fold(lanes.into_iter().fold(f32::INFINITY, min), |m, &x| {
-            min(m, x)
-        });
+    // The smallest sample value (no NaN in it: a plain compare is the minimum), then the
+    // sample's `rank + 1`-th largest by the survivors' select.
+    let lo = fold16(&s.sample, f32::INFINITY, |m, x| if x < m { x } else { m });
     if !lo.is_finite() {
         // Every sampled entry is +inf: the row decides nothing cheaper than the full path.
         return None;
     }
     Some(s.select.kth_largest(&s.sample, lo, rank + 1).0)
+}
+
+/// `f` folded over `xs` from `init` in 16 independent lanes, then across them: a
+/// branch-free `f` vectorises. `f` must be associative and commutative with `init` as its
+/// identity (a minimum or a maximum), so the lanes give the sequential result.
+#[inline(always)]
+fn fold16(xs: &[f32], init: f32, f: impl Fn(f32, f32) -> f32 + Copy) -> f32 {
+    let mut lanes = [init; 16];
+    let mut chunks = xs.chunks_exact(16);
+    for c in chunks.by_ref() {
+        for (m, &x) in lanes.iter_mut().zip(c) {
+            *m = f(*m, x);
+        }
+    }
+    let across = lanes.into_iter().fold(init, f);
+    chunks.remainder().iter().fold(across, |m, &x| f(m, x))
 }
 
 impl Select {
@@ -434,30 +493,16 @@ impl Select {
     #[inline(always)]
     fn kth_largest(&mut self, vals: &[f32], t: f32, k: usize) -> (f32, usize) {
         let s = self;
-        // The largest finite survivor (16 independent lanes, branch-free: vectorises).
-        let mut lanes = [t; 16];
-        let mut chunks = vals.chunks_exact(16);
-        // No value is NaN or below `t`, so "finite" is "not +inf", and a plain compare
-        // (one `vmaxps`) is the maximum.
-        let finite_max = |m: f32, x: f32| {
+        // The largest finite value. No value is NaN or below `t`, so "finite" is "not
+        // +inf", and a plain compare (one `vmaxps`) is the maximum.
+        let hi = fold16(vals, t, |m, x| {
             let x = if x == f32::INFINITY { t } else { x };
             if x > m {
                 x
             } else {
                 m
             }
-        };
-        for c in chunks.by_ref() {
-            for (m, &x) in lanes.iter_mut().zip(c) {
-                *m = finite_max(*m, x);
-            }
-        }
-        let hi = chunks
-            .remainder()
-            .iter()
-            .fold(lanes.into_iter().fold(t, finite_max), |m, &x| {
-                finite_max(m, x)
-            });
+        });
         // Monotone bins: `(x − t)·scale` rounds monotonically, +inf goes to the top bin.
         let scale = if hi > t {
             (BINS as f32 - 1.0) / (hi - t)
@@ -598,53 +643,6 @@ fn select_full(row: &[f32], k: usize, dst: &mut [i32]) -> usize {
     }
     debug_assert_eq!(n, k);
     n
-}
-
-/// The AVX2 part of [`take_top`] over the first `vals.len() / 8 · 8` survivors: as the
-/// AVX-512 one, with the kept lanes packed by a permutation from [`PACK8`].
-///
-/// # Safety
-/// The CPU must support AVX2 and POPCNT.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,popcnt")]
-unsafe fn take_top_avx2(
-    big: f32,
-    eq_need: usize,
-    vals: &[f32],
-    pos: &mut [i32],
-) -> (usize, usize, usize) {
-    use std::arch::x86_64::*;
-    let n = vals.len().min(pos.len()) / 8 * 8;
-    let bv = _mm256_set1_ps(big);
-    let pp = pos.as_mut_ptr();
-    let (mut out, mut eq) = (0usize, 0usize);
-    let mut i = 0usize;
-    while i < n {
-        // SAFETY: `i + 8 ≤ n ≤ len` of both slices.
-        let (x, p) = unsafe {
-            (
-                _mm256_loadu_ps(vals.as_ptr().add(i)),
-                _mm256_loadu_si256(pp.add(i).cast()),
-            )
-        };
-        let mut take = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_GT_OQ>(x, bv)) as usize;
-        let mut e = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(x, bv)) as usize;
-        while e != 0 && eq < eq_need {
-            take |= e & e.wrapping_neg();
-            e &= e - 1;
-            eq += 1;
-        }
-        // SAFETY: `take < 256`, a row of 8 u32 of the table; `out ≤ i`, so the 8 lanes
-        // stored at `out` end at or before `i + 8 ≤ n`: inside `pos`, over lanes already
-        // read.
-        unsafe {
-            let perm = _mm256_loadu_si256(PACK8[take].as_ptr().cast());
-            _mm256_storeu_si256(pp.add(out).cast(), _mm256_permutevar8x32_epi32(p, perm));
-        }
-        out += take.count_ones() as usize;
-        i += 8;
-    }
-    (out, eq, i)
 }
 
 /// Scanning bins from the top, returns the bin holding the `k`-th largest entry and how

@@ -70,9 +70,7 @@ impl<'a> PageTable<'a> {
             }
         } else {
             for p in positions {
-                let pos = *p as usize + base;
-                let at = SlotAddr::of(pos, page_size);
-                let slot = row[at.page] as usize * page_size + at.offset;
+                let slot = self.slot(r, *p as usize + base, page_size);
                 debug_assert!(slot <= i32::MAX as usize);
                 *p = slot as i32;
             }
