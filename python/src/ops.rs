@@ -74,9 +74,8 @@ pub(crate) fn index_k_store(
                 layout: layout.0,
                 slots: s,
             };
-            op.validate(kb, cb).map_err(py_err)?;
-            py.detach(|| cpu::store::index_k_store(CpuIsa::get(), &op, k, c));
-            Ok(())
+            py.detach(|| cpu::store::index_k_store(CpuIsa::get(), &op, k, c))
+                .map_err(py_err)
         }
         Device::Cuda(ordinal) => {
             let p = raw::index_k_store(
@@ -131,9 +130,8 @@ pub(crate) fn kv_store(
                 layout: layout.0,
                 slots: s,
             };
-            op.validate(kb, cb).map_err(py_err)?;
-            py.detach(|| cpu::store::kv_store(CpuIsa::get(), &op, k, c));
-            Ok(())
+            py.detach(|| cpu::store::kv_store(CpuIsa::get(), &op, k, c))
+                .map_err(py_err)
         }
         Device::Cuda(ordinal) => {
             let p = raw::kv_store(

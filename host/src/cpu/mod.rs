@@ -123,7 +123,8 @@ impl Backend for CpuBackend {
         op.validate(keys.len(), cache.len())?;
         let keys: &[bf16] = keys.typed("keys")?;
         let isa = self.isa;
-        self.run(|| store::index_k_store(isa, op, keys, cache.bytes_mut()));
+        // SAFETY: `op` validated above with these buffers.
+        self.run(|| unsafe { store::index_k_store_validated(isa, op, keys, cache.bytes_mut()) });
         Ok(())
     }
 
@@ -131,7 +132,8 @@ impl Backend for CpuBackend {
         op.validate(kv.len(), cache.len())?;
         let kv: &[bf16] = kv.typed("kv")?;
         let isa = self.isa;
-        self.run(|| store::kv_store(isa, op, kv, cache.bytes_mut()));
+        // SAFETY: `op` validated above with these buffers.
+        self.run(|| unsafe { store::kv_store_validated(isa, op, kv, cache.bytes_mut()) });
         Ok(())
     }
 

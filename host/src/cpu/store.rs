@@ -2,6 +2,9 @@
 //! (every layout: fp8 / fp4 / bf16 index keys; bf16, fp8_ds_mla, model1_fp8, bf16_512 KV).
 
 use half::bf16;
+use std::marker::PhantomData;
+use std::ops::Range;
+
 use rayon::prelude::*;
 
 use sparsekit_kernels::fp8::bf16_to_f32;
@@ -12,57 +15,224 @@ use super::isa::CpuIsa;
 use crate::dtype::amax_bf16;
 use crate::dtype::{e4m3_encode, index_k_scale, kv_tile_scale};
 use crate::layout::{
-    IndexKDtype, IndexKLayout, KvDtype, KvLayout, PageLayout, FP4_GROUP, FP8_DS_MLA_TILE,
-    MODEL1_SCALE_BYTES, MODEL1_TILE,
+    IndexKDtype, IndexKLayout, KvDtype, KvLayout, FP4_GROUP, FP8_DS_MLA_TILE, MODEL1_SCALE_BYTES,
+    MODEL1_TILE,
 };
 use crate::ops::{IndexKStore, KvStore};
+use crate::Result;
 
-/// [`IndexKStore`] on slices (validated by the caller) on the vector path `isa`: `keys`
-/// bf16 `[slots.len(), head_dim]`, `cache` whole pages of the layout.
-pub fn index_k_store(isa: CpuIsa, op: &IndexKStore<'_>, keys: &[bf16], cache: &mut [u8]) {
-    let l = op.layout;
-    scatter_by_page(cache, l.into(), op.slots, |page, tokens| {
-        write_index_k_tokens(isa, &l, page, tokens, keys)
-    })
+/// [`IndexKStore`] on slices on the vector path `isa`: `keys` bf16 `[slots.len(),
+/// head_dim]`, `cache` whole pages of the layout. Validates the call first
+/// ([`IndexKStore::validate`]: typed error, nothing written); then tokens are written in
+/// their order, in parallel over runs of [`TASK_TOKENS`].
+pub fn index_k_store(
+    isa: CpuIsa,
+    op: &IndexKStore<'_>,
+    keys: &[bf16],
+    cache: &mut [u8],
+) -> Result<()> {
+    op.validate(std::mem::size_of_val(keys), cache.len())?;
+    // SAFETY: validated just now.
+    unsafe { index_k_store_validated(isa, op, keys, cache) };
+    Ok(())
 }
 
+/// [`index_k_store`] after its validation.
+///
+/// # Safety
+/// [`IndexKStore::validate`] accepted `op` with these buffers (the tokens are written in
+/// parallel: a repeated slot would be a data race).
+pub(crate) unsafe fn index_k_store_validated(
+    isa: CpuIsa,
+    op: &IndexKStore<'_>,
+    keys: &[bf16],
+    cache: &mut [u8],
+) {
+    let (l, d) = (op.layout, op.layout.head_dim());
+    let spans = Spans::new(cache);
+    op.slots
+        .par_chunks(TASK_TOKENS)
+        .zip(keys.par_chunks(TASK_TOKENS * d))
+        .for_each(|(slots, keys)| write_index_k_tokens(isa, &l, &spans, slots, keys));
+}
+
+/// Tokens per parallel task of the stores.
+const TASK_TOKENS: usize = 64;
+
 crate::isa_dispatch! {
-    /// Writes the index keys of `tokens` (`(offset in page, token)`, `keys` `[tokens,
-    /// head_dim]`) into `page`; fp8 keys with their scales computed ahead
+    /// Writes the index keys `keys` (`[slots.len(), head_dim]`) at `slots` (validated:
+    /// unique, in the pool, or -1); fp8 keys with their scales computed ahead
     /// ([`scales_ahead`]).
     fn write_index_k_tokens(
         layout: &IndexKLayout,
-        page: &mut [u8],
-        tokens: &[(usize, usize)],
+        spans: &Spans<'_>,
+        slots: &[i64],
         keys: &[bf16],
     ) = |ISA| {
         let d = layout.head_dim();
-        let key = |t: usize| &keys[t * d..(t + 1) * d];
         match layout.dtype() {
             IndexKDtype::Fp8E4m3 { scale } => scales_ahead(
-                tokens.len(),
-                |i| index_k_scale(amax(key(tokens[i].1)), scale),
-                |i, s| put_fp8_key(layout, page, tokens[i].0, key(tokens[i].1), s),
+                slots.len(),
+                #[inline(always)]
+                |i| index_k_scale(amax(row(keys, i, d)), scale),
+                #[inline(always)]
+                |i, s| {
+                    if slots[i] >= 0 {
+                        // SAFETY: validated slots are unique, and distinct slots' spans
+                        // are disjoint.
+                        let (values, scale) =
+                            unsafe { spans.index_k_entry(layout, slots[i] as usize) };
+                        put_fp8_key(values, scale, row(keys, i, d), s);
+                    }
+                },
             ),
             _ => {
-                for &(off, t) in tokens {
-                    write_index_k_token_with(layout, page, off, key(t));
+                for (i, &slot) in slots.iter().enumerate() {
+                    if slot >= 0 {
+                        // SAFETY: as above.
+                        let (values, scales) = unsafe { spans.index_k_entry(layout, slot as usize) };
+                        write_index_k_entry(layout, values, scales, row(keys, i, d));
+                    }
                 }
             }
         }
     };
 }
 
-/// [`KvStore`] on slices (validated by the caller) on the vector path `isa`: `kv` bf16
-/// `[slots.len(), d_qk]`, `cache` whole pages of the layout.
-pub fn kv_store(isa: CpuIsa, op: &KvStore<'_>, kv: &[bf16], cache: &mut [u8]) {
-    let l = op.layout;
-    let d = l.d_qk();
-    scatter_by_page(cache, l.into(), op.slots, |page, tokens| {
-        for &(off, t) in tokens {
-            write_kv_token_on(isa, &l, page, off, &kv[t * d..(t + 1) * d]);
+/// [`KvStore`] on slices on the vector path `isa`: `kv` bf16 `[slots.len(), d_qk]`,
+/// `cache` whole pages of the layout. Validates the call first ([`KvStore::validate`]:
+/// typed error, nothing written); then tokens are written in their order, in parallel over
+/// runs of [`TASK_TOKENS`].
+pub fn kv_store(isa: CpuIsa, op: &KvStore<'_>, kv: &[bf16], cache: &mut [u8]) -> Result<()> {
+    op.validate(std::mem::size_of_val(kv), cache.len())?;
+    // SAFETY: validated just now.
+    unsafe { kv_store_validated(isa, op, kv, cache) };
+    Ok(())
+}
+
+/// [`kv_store`] after its validation.
+///
+/// # Safety
+/// [`KvStore::validate`] accepted `op` with these buffers (the tokens are written in
+/// parallel: a repeated slot would be a data race).
+pub(crate) unsafe fn kv_store_validated(
+    isa: CpuIsa,
+    op: &KvStore<'_>,
+    kv: &[bf16],
+    cache: &mut [u8],
+) {
+    let (l, d) = (op.layout, op.layout.d_qk());
+    let spans = Spans::new(cache);
+    op.slots
+        .par_chunks(TASK_TOKENS)
+        .zip(kv.par_chunks(TASK_TOKENS * d))
+        .for_each(|(slots, kv)| write_kv_tokens(isa, &l, &spans, slots, kv));
+}
+
+crate::isa_dispatch! {
+    /// Writes the tokens `kv` (`[slots.len(), d_qk]`) at `slots` (validated: unique, in
+    /// the pool, or -1).
+    fn write_kv_tokens(layout: &KvLayout, spans: &Spans<'_>, slots: &[i64], kv: &[bf16]) =
+        |ISA| {
+            let d = layout.d_qk();
+            for (i, &slot) in slots.iter().enumerate() {
+                if slot >= 0 {
+                    // SAFETY: validated slots are unique, and distinct slots' spans are
+                    // disjoint.
+                    let (token, scales) = unsafe { spans.kv_token(layout, slot as usize) };
+                    write_kv_row(layout, token, scales, row(kv, i, d));
+                }
+            }
+        };
+}
+
+/// A cache buffer that several threads write at once, each token's bytes by the thread
+/// that stores the token: [`Spans`] hands out the bytes of one slot at a time, and the
+/// spans of distinct slots are disjoint in every layout, so with unique slots no two live
+/// spans overlap.
+struct Spans<'a> {
+    ptr: *mut u8,
+    len: usize,
+    _cache: PhantomData<&'a mut [u8]>,
+}
+
+// SAFETY: a `Spans` is built from an exclusive borrow of the cache and hands out
+// non-overlapping spans only (the callers' contract), so sharing it between threads
+// shares no byte.
+unsafe impl Sync for Spans<'_> {}
+
+impl<'a> Spans<'a> {
+    fn new(cache: &'a mut [u8]) -> Self {
+        Spans {
+            ptr: cache.as_mut_ptr(),
+            len: cache.len(),
+            _cache: PhantomData,
         }
-    })
+    }
+
+    /// The bytes `r` of the cache (bounds-checked).
+    ///
+    /// # Safety
+    /// No other live reference overlaps `r`.
+    #[allow(clippy::mut_from_ref, reason = "disjoint spans of an exclusive borrow")]
+    #[inline(always)]
+    unsafe fn span(&self, r: Range<usize>) -> &mut [u8] {
+        assert!(
+            r.start <= r.end && r.end <= self.len,
+            "span {r:?} past the cache"
+        );
+        // SAFETY: in bounds (checked), not aliased (the caller's contract).
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(r.start), r.end - r.start) }
+    }
+
+    /// The row and the scale-section bytes (model1_fp8's 8, else none) of KV `slot`.
+    ///
+    /// # Safety
+    /// No other live span of this slot.
+    #[allow(clippy::mut_from_ref, reason = "disjoint spans of an exclusive borrow")]
+    #[inline(always)]
+    unsafe fn kv_token(&self, layout: &KvLayout, slot: usize) -> (&mut [u8], &mut [u8]) {
+        let row = layout.slot_token_bytes(slot);
+        let scales = match layout.scale_section_offset() {
+            Some(base) => {
+                let a = layout.slot_addr(slot);
+                let at = layout.page_bytes(a.page).start + base + a.offset * MODEL1_SCALE_BYTES;
+                at..at + MODEL1_SCALE_BYTES
+            }
+            None => 0..0,
+        };
+        // SAFETY: a slot's row and scale bytes are disjoint, and disjoint from every other
+        // slot's (the caller holds no other span of this slot).
+        unsafe { (self.span(row), self.span(scales)) }
+    }
+
+    /// The value and scale bytes (none for bf16) of index-K `slot`.
+    ///
+    /// # Safety
+    /// No other live span of this slot.
+    #[allow(clippy::mut_from_ref, reason = "disjoint spans of an exclusive borrow")]
+    #[inline(always)]
+    unsafe fn index_k_entry(&self, layout: &IndexKLayout, slot: usize) -> (&mut [u8], &mut [u8]) {
+        let values = layout.slot_value_bytes(slot);
+        let scales = layout.slot_scale_bytes(slot).unwrap_or(0..0);
+        // SAFETY: as in `kv_token`.
+        unsafe { (self.span(values), self.span(scales)) }
+    }
+}
+
+/// Two disjoint byte ranges of `page` as separate slices (`b` may be empty).
+fn two_spans(page: &mut [u8], a: Range<usize>, b: Range<usize>) -> (&mut [u8], &mut [u8]) {
+    if b.is_empty() {
+        return (&mut page[a], &mut []);
+    }
+    if a.end <= b.start {
+        let (lo, hi) = page.split_at_mut(b.start);
+        (&mut lo[a], &mut hi[..b.end - b.start])
+    } else {
+        debug_assert!(b.end <= a.start, "overlapping spans {a:?} {b:?}");
+        let (lo, hi) = page.split_at_mut(a.start);
+        (&mut hi[..a.end - a.start], &mut lo[b])
+    }
 }
 
 /// Writes the index key of the token at `offset` of `page` (one whole page of bytes), on
@@ -78,43 +248,41 @@ crate::isa_dispatch! {
         page: &mut [u8],
         offset: usize,
         key: &[bf16],
-    ) = |ISA| write_index_k_token_with(layout, page, offset, key);
+    ) = |ISA| {
+        let scales = layout.scale_range(offset).unwrap_or(0..0);
+        let (values, scales) = two_spans(page, layout.value_range(offset), scales);
+        write_index_k_entry(layout, values, scales, key)
+    };
 }
 
-/// The body of [`write_index_k_token_on`], inlined into each path's compilation (so are
-/// [`amax`], [`quantize`] and [`quantize_fp4_group`]).
+/// Writes one index key into its value bytes and scale bytes (none for bf16); inlined
+/// into each path's compilation (so are [`amax`], [`quantize`] and
+/// [`quantize_fp4_group`]).
 #[inline(always)]
-fn write_index_k_token_with(layout: &IndexKLayout, page: &mut [u8], offset: usize, key: &[bf16]) {
-    let values = &mut page[layout.value_range(offset)];
+fn write_index_k_entry(layout: &IndexKLayout, values: &mut [u8], scales: &mut [u8], key: &[bf16]) {
     match layout.dtype() {
         IndexKDtype::Bf16 => put_bf16(values, key),
         IndexKDtype::Fp8E4m3 { scale } => {
-            put_fp8_key(layout, page, offset, key, index_k_scale(amax(key), scale))
+            put_fp8_key(values, scales, key, index_k_scale(amax(key), scale))
         }
         IndexKDtype::Fp4E2m1 => {
-            let mut scales = [0u8; 64];
-            for (g, (dst, group)) in values
+            for ((dst, group), sc) in values
                 .chunks_exact_mut(FP4_GROUP / 2)
                 .zip(key.chunks_exact(FP4_GROUP))
-                .enumerate()
+                .zip(scales.iter_mut())
             {
-                scales[g] = quantize_fp4_group(dst, group);
-            }
-            if let Some(r) = layout.scale_range(offset) {
-                let n = r.len();
-                page[r].copy_from_slice(&scales[..n]);
+                *sc = quantize_fp4_group(dst, group);
             }
         }
     }
 }
 
-/// Writes an fp8 index key quantised with scale `s`, and the scale, at `offset` of `page`.
+/// Writes an fp8 index key quantised with scale `s` into `values`, and the scale (f32,
+/// little-endian) into `scale`.
 #[inline(always)]
-fn put_fp8_key(layout: &IndexKLayout, page: &mut [u8], offset: usize, key: &[bf16], s: f32) {
-    quantize(&mut page[layout.value_range(offset)], key, s);
-    if let Some(r) = layout.scale_range(offset) {
-        page[r].copy_from_slice(&s.to_le_bytes());
-    }
+fn put_fp8_key(values: &mut [u8], scale: &mut [u8], key: &[bf16], s: f32) {
+    quantize(values, key, s);
+    scale.copy_from_slice(&s.to_le_bytes());
 }
 
 /// Packs one group of 32 bf16 into 16 bytes of e2m1 codes (even element in the low nibble)
@@ -122,9 +290,11 @@ fn put_fp8_key(layout: &IndexKLayout, page: &mut [u8], offset: usize, key: &[bf1
 /// or ±inf gets scale `0xff` and codes 0.
 #[inline(always)]
 fn quantize_fp4_group(dst: &mut [u8], group: &[bf16]) -> u8 {
-    let max_bits = group
-        .iter()
-        .fold(0u32, |m, x| mx::bf16_abs_bits_max(m, x.to_bits()));
+    let max_bits = group.iter().fold(
+        0u32,
+        #[inline(always)]
+        |m, x| mx::bf16_abs_bits_max(m, x.to_bits()),
+    );
     if mx::abs_bits_non_finite(max_bits) {
         dst.fill(0);
         return mx::UE8M0_NAN;
@@ -132,13 +302,48 @@ fn quantize_fp4_group(dst: &mut [u8], group: &[bf16]) -> u8 {
     let s = mx::fp4_group_scale(bf16_to_f32(max_bits as u16));
     // All 32 codes first (one branch-free map that vectorises), then the nibble pairs.
     let mut codes = [0u8; FP4_GROUP];
-    for (c, x) in codes.iter_mut().zip(group) {
-        *c = mx::e2m1_encode(bf16_to_f32(x.to_bits()) / s);
+    let k = ((s.to_bits() >> 23) & 0xff) as i32 - 127;
+    if (-124..=125).contains(&k) {
+        // `|x| / 2^k` against e2m1's rounding thresholds is `|x|` against the thresholds
+        // times 2^k: on the bf16 patterns (order-preserving for non-negative values), the
+        // thresholds' exponents raised by `k` (exact, normal for this range of `k`).
+        // `a ≥ t` is `a > t − 1`.
+        let above = |t: f32, inclusive: bool| {
+            ((f32_to_bf16_bits_exact(t) as i32 + (k << 7)) - inclusive as i32) as u16
+        };
+        let thresholds = [
+            above(0.25, false),
+            above(0.75, true),
+            above(1.25, false),
+            above(1.75, true),
+            above(2.5, false),
+            above(3.5, true),
+            above(5.0, false),
+        ];
+        for (c, x) in codes.iter_mut().zip(group) {
+            let h = x.to_bits();
+            let a = h & 0x7fff;
+            let mut code = (h >> 12) & 8;
+            for &t in &thresholds {
+                code += (a > t) as u16;
+            }
+            *c = code as u8;
+        }
+    } else {
+        for (c, x) in codes.iter_mut().zip(group) {
+            *c = mx::e2m1_encode(bf16_to_f32(x.to_bits()) / s);
+        }
     }
     for (d, pair) in dst.iter_mut().zip(codes.chunks_exact(2)) {
         *d = pair[0] | pair[1] << 4;
     }
     mx::ue8m0_encode(s)
+}
+
+/// The bf16 bits of an f32 that is a bf16 value (its high half).
+#[inline(always)]
+fn f32_to_bf16_bits_exact(x: f32) -> u16 {
+    (x.to_bits() >> 16) as u16
 }
 
 /// Writes bf16 values as little-endian bytes.
@@ -158,55 +363,74 @@ pub fn write_kv_token(layout: &KvLayout, page: &mut [u8], offset: usize, kv: &[b
 crate::isa_dispatch! {
     /// [`write_kv_token`] on the vector path `isa` (the whole token compiled for it).
     pub fn write_kv_token_on(layout: &KvLayout, page: &mut [u8], offset: usize, kv: &[bf16]) =
-        |ISA| write_kv_token_with(layout, page, offset, kv);
+        |ISA| {
+            let scales = match layout.scale_section_offset() {
+                Some(base) => {
+                    let at = base + offset * MODEL1_SCALE_BYTES;
+                    at..at + MODEL1_SCALE_BYTES
+                }
+                None => 0..0,
+            };
+            let (token, scales) = two_spans(page, layout.token_range(offset), scales);
+            write_kv_row(layout, token, scales, kv)
+        };
 }
 
-/// The body of [`write_kv_token_on`], inlined into each path's compilation.
+/// Writes one KV token into its row and (model1_fp8) its 8 scale-section bytes: the 7
+/// ue8m0 tile scales and the pad byte (0). Inlined into each path's compilation.
 #[inline(always)]
-fn write_kv_token_with(layout: &KvLayout, page: &mut [u8], offset: usize, kv: &[bf16]) {
+fn write_kv_row(layout: &KvLayout, token: &mut [u8], scales: &mut [u8], kv: &[bf16]) {
     let (nope, rope) = kv.split_at(layout.nope_dim());
-    let row = layout.token_range(offset);
     match layout.dtype() {
-        KvDtype::Bf16 | KvDtype::Bf16x512 => {
-            put_bf16(&mut page[row.clone()][layout.nope_range()], nope)
-        }
+        KvDtype::Bf16 | KvDtype::Bf16x512 => put_bf16(&mut token[layout.nope_range()], nope),
         KvDtype::Fp8DsMla => {
-            let token = &mut page[row.clone()];
             let at = layout.scales_range().start;
-            for_each_tile::<FP8_DS_MLA_TILE>(nope, |t, tile, s| {
-                quantize(
-                    &mut token[t * FP8_DS_MLA_TILE..(t + 1) * FP8_DS_MLA_TILE],
-                    tile,
-                    s,
-                );
-                token[at + 4 * t..at + 4 * t + 4].copy_from_slice(&s.to_le_bytes());
-            });
+            for_each_tile::<FP8_DS_MLA_TILE>(
+                nope,
+                #[inline(always)]
+                |t, tile, s| {
+                    quantize(
+                        &mut token[t * FP8_DS_MLA_TILE..(t + 1) * FP8_DS_MLA_TILE],
+                        tile,
+                        s,
+                    );
+                    token[at + 4 * t..at + 4 * t + 4].copy_from_slice(&s.to_le_bytes());
+                },
+            );
         }
         KvDtype::Model1Fp8 => {
-            let mut scales = [0u8; MODEL1_SCALE_BYTES];
-            let token = &mut page[row.clone()];
-            for_each_tile::<MODEL1_TILE>(nope, |t, tile, s| {
-                quantize(&mut token[t * MODEL1_TILE..(t + 1) * MODEL1_TILE], tile, s);
-                scales[t] = mx::ue8m0_encode(s);
-            });
-            // The 7 scale bytes and the pad byte (0).
-            let at = layout.tile_scale_range(offset).start;
-            page[at..at + MODEL1_SCALE_BYTES].copy_from_slice(&scales);
+            let mut bytes = [0u8; MODEL1_SCALE_BYTES];
+            for_each_tile::<MODEL1_TILE>(
+                nope,
+                #[inline(always)]
+                |t, tile, s| {
+                    quantize(&mut token[t * MODEL1_TILE..(t + 1) * MODEL1_TILE], tile, s);
+                    bytes[t] = mx::ue8m0_encode(s);
+                },
+            );
+            scales.copy_from_slice(&bytes);
         }
     }
-    put_bf16(&mut page[row][layout.rope_range()], rope);
+    put_bf16(&mut token[layout.rope_range()], rope);
 }
 
 /// Calls `f(tile index, tile, tile scale)` for the tiles of `TILE` values of `nope` in
 /// order (see [`scales_ahead`]).
 #[inline(always)]
 fn for_each_tile<const TILE: usize>(nope: &[bf16], mut f: impl FnMut(usize, &[bf16], f32)) {
-    let tile = |i: usize| &nope[i * TILE..(i + 1) * TILE];
     scales_ahead(
         nope.len() / TILE,
-        |i| kv_tile_scale(amax(tile(i))),
-        |i, s| f(i, tile(i), s),
+        #[inline(always)]
+        |i| kv_tile_scale(amax(row(nope, i, TILE))),
+        #[inline(always)]
+        |i, s| f(i, row(nope, i, TILE), s),
     )
+}
+
+/// Row `i` of `xs` in rows of `n` values.
+#[inline(always)]
+fn row<T>(xs: &[T], i: usize, n: usize) -> &[T] {
+    &xs[i * n..(i + 1) * n]
 }
 
 /// Calls `f(i, scale(i))` for `i` in `0..n` in order, computing [`TILE_BLOCK`] scales
@@ -236,14 +460,15 @@ const TILE_BLOCK: usize = 8;
 #[inline(always)]
 fn amax(xs: &[bf16]) -> f32 {
     // NaN (above +inf in bits) counts as 0. 32 independent lanes, so the loop vectorises.
-    let abs = |x: &bf16| {
+    #[inline(always)]
+    fn abs(x: &bf16) -> u16 {
         let b = x.to_bits() & 0x7fff;
         if b > 0x7f80 {
             0
         } else {
             b
         }
-    };
+    }
     let mut lanes = [0u16; 32];
     let mut chunks = xs.chunks_exact(32);
     for c in chunks.by_ref() {
@@ -257,124 +482,343 @@ fn amax(xs: &[bf16]) -> f32 {
 
 /// `dst[i] = e4m3(src[i] / s)` (identical results on every vector path: the encoder is
 /// branch-free integer/f32 arithmetic). When `s` is a power of two whose reciprocal is a
-/// normal float (every KV tile scale, every ue8m0 index-K scale), `x / s` is computed as
-/// `x · (1/s)`: both are the exact quotient rounded once, so the bytes are the same, and a
-/// multiply costs a fraction of a division.
+/// normal float (every KV tile scale, every ue8m0 index-K scale), the quotient is exact
+/// and found on the bf16 bits ([`quantize_pow2`]), else `x / s` is computed in f32.
 #[inline(always)]
 fn quantize(dst: &mut [u8], src: &[bf16], s: f32) {
     let exp = (s.to_bits() >> 23) & 0xff;
-    if s.to_bits() & 0x807f_ffff == 0 && (2..=253).contains(&exp) {
-        let r = 1.0 / s;
-        for (d, v) in dst.iter_mut().zip(src) {
-            *d = e4m3_encode(bf16_to_f32(v.to_bits()) * r);
-        }
+    if s.to_bits() & 0x807f_ffff == 0 && (POW2_EXP_MIN..=253).contains(&exp) {
+        quantize_pow2(dst, src, exp as i32 - 127);
+    } else if s.is_normal() && (1.0 / s).is_normal() {
+        quantize_by_reciprocal(dst, src, s);
     } else {
-        for (d, v) in dst.iter_mut().zip(src) {
-            *d = e4m3_encode(bf16_to_f32(v.to_bits()) / s);
+        divide(dst, src, s);
+    }
+}
+
+/// `dst[i] = e4m3(src[i] / s)` by division.
+#[inline(always)]
+fn divide(dst: &mut [u8], src: &[bf16], s: f32) {
+    for (d, v) in dst.iter_mut().zip(src) {
+        *d = e4m3_encode(bf16_to_f32(v.to_bits()) / s);
+    }
+}
+
+/// `dst[i] = e4m3(src[i] / s)` for a normal `s` with a normal reciprocal `r` (the V3.2
+/// index-K scale `amax / 448`), without a division where that gives the same bytes:
+/// `x · r` is within 1.5 ulp of `x / s` and the rounded quotient within 0.5, so they
+/// encode alike unless an e4m3 rounding midpoint (low 20 bits of an f32 in e4m3's normal
+/// range `0x8_0000`) lies within 2 ulp of `x · r`, or the value falls in e4m3's subnormal
+/// range. A block of 32 holding such a value (rare: about 6 in 2^20 values) is divided.
+#[inline(always)]
+fn quantize_by_reciprocal(dst: &mut [u8], src: &[bf16], s: f32) {
+    const SUBNORMAL_TOP: u32 = 0x3c80_0000; // 2^-6, e4m3's smallest normal
+    let r = 1.0 / s;
+    let mut blocks = dst.chunks_exact_mut(32).zip(src.chunks_exact(32));
+    for (d, x) in blocks.by_ref() {
+        let mut doubt = 0u32;
+        for (d, v) in d.iter_mut().zip(x) {
+            let q = bf16_to_f32(v.to_bits()) * r;
+            let b = q.to_bits() & 0x7fff_ffff;
+            let subnormal = b.wrapping_sub(1) < SUBNORMAL_TOP - 1;
+            let near_midpoint = (b & 0xf_ffff).wrapping_sub(0x8_0000 - 3) <= 6;
+            doubt |= (subnormal | near_midpoint) as u32;
+            *d = e4m3_encode(q);
+        }
+        if doubt != 0 {
+            divide(d, x, s);
         }
     }
+    let n = src.len() / 32 * 32;
+    divide(&mut dst[n..], &src[n..], s);
 }
 
-/// The `(slot, token)` pairs of the tokens with a slot, grouped by page in ascending page
-/// order (in any order within a page): a counting sort over the `pages` of the pool when
-/// they are not many more than the tokens, else a sort.
-fn by_page(layout: PageLayout, pages: usize, slots: &[i64]) -> Vec<(usize, usize)> {
-    let page_of = |s: usize| layout.slot_addr(s).page;
-    let mut order: Vec<(usize, usize)> = slots
-        .iter()
-        .enumerate()
-        .filter(|(_, &s)| s >= 0)
-        .map(|(t, &s)| (s as usize, t))
-        .collect();
-    if pages == 0 || pages > 4 * order.len() + 1024 {
-        order.sort_unstable();
-        return order;
-    }
-    let mut start = vec![0usize; pages + 1];
-    for &(s, _) in &order {
-        start[page_of(s).min(pages - 1) + 1] += 1;
-    }
-    for p in 0..pages {
-        start[p + 1] += start[p];
-    }
-    let mut grouped = vec![(0usize, 0usize); order.len()];
-    for &(s, t) in &order {
-        let at = &mut start[page_of(s).min(pages - 1)];
-        grouped[*at] = (s, t);
-        *at += 1;
-    }
-    grouped
-}
+/// Smallest biased exponent of a scale [`quantize_pow2`] takes (`2^-116`: every bf16
+/// below the smallest normal then divides to below half the smallest e4m3 step).
+const POW2_EXP_MIN: u32 = 127 - 116;
 
-/// Applies `write(page_bytes, tokens)` once per page of `cache` (laid out as `layout`)
-/// that tokens with a slot land in, in parallel over the pages; `tokens` holds their
-/// `(offset in page, token)` pairs. Slots must be validated (in range, unique, or -1).
-pub fn scatter_by_page(
-    cache: &mut [u8],
-    layout: PageLayout,
-    slots: &[i64],
-    write: impl Fn(&mut [u8], &[(usize, usize)]) + Sync,
-) {
-    let bytes_per_page = layout.bytes_per_page();
-    let order = by_page(layout, cache.len() / bytes_per_page.max(1), slots);
-    // Group the sorted (slot, token) pairs by page and hand each group its page.
-    let mut groups: Vec<(usize, &[(usize, usize)])> = Vec::new();
-    let mut rest = &order[..];
-    while let Some(&(slot, _)) = rest.first() {
-        let page = layout.slot_addr(slot).page;
-        let n = rest.partition_point(|&(s, _)| layout.slot_addr(s).page == page);
-        groups.push((page, &rest[..n]));
-        rest = &rest[n..];
+/// `dst[i] = e4m3(src[i] / 2^k)` for `k` in `-116..=126`, on the 16-bit patterns: the
+/// quotient of a bf16 by a power of two is the bf16 with its exponent lowered by `k`, so
+/// for a result in e4m3's normal range the code is the pattern's round-to-nearest-even
+/// shift by 4 bits, re-biased — 16-bit lanes (32 values per AVX-512 vector) instead of
+/// 32-bit ones. Results below e4m3's smallest normal round to 0 when under half its
+/// smallest subnormal; a block of 32 holding one that does not (rare: `|x| / s` in
+/// `[2^-10, 2^-6)`) is encoded through f32, as are the values past the last whole block.
+/// Saturates at ±448 (`0x7e`, ±inf too), NaN gives `0x7f`, as [`e4m3_encode`].
+#[inline(always)]
+fn quantize_pow2(dst: &mut [u8], src: &[bf16], k: i32) {
+    // |x| patterns from `zero_below` up round to ±0; from `normal_from` up they are normal
+    // e4m3 values, whose code is `(a + 7 + lsb − rebias) >> 4`.
+    let zero_below = ((117 + k) << 7) as u16;
+    let normal_from = ((121 + k) << 7) as u16;
+    let rebias = ((120 + k) << 7) as u16;
+    let r = f32::from_bits(((127 - k) as u32) << 23);
+    let mut blocks = dst.chunks_exact_mut(32).zip(src.chunks_exact(32));
+    for (d, x) in blocks.by_ref() {
+        let mut subnormal = 0u16;
+        for (d, v) in d.iter_mut().zip(x) {
+            let h = v.to_bits();
+            let a = h & 0x7fff;
+            let normal = ((a + 7 + ((a >> 4) & 1)).wrapping_sub(rebias) >> 4).min(0x7e);
+            let mag = if a < zero_below { 0 } else { normal };
+            // ±inf saturates to 0x7e, NaN gives 0x7f.
+            let mag = if a >= 0x7f80 {
+                0x7e + (a > 0x7f80) as u16
+            } else {
+                mag
+            };
+            subnormal |= (a.wrapping_sub(zero_below) < normal_from - zero_below) as u16;
+            *d = ((h >> 8) & 0x80 | mag) as u8;
+        }
+        if subnormal != 0 {
+            for (d, v) in d.iter_mut().zip(x) {
+                *d = e4m3_encode(bf16_to_f32(v.to_bits()) * r);
+            }
+        }
     }
-    let mut pages: Vec<&mut [u8]> = Vec::with_capacity(groups.len());
-    let mut tail = cache;
-    let mut consumed = 0;
-    for &(page, _) in &groups {
-        let (_, from_page) = tail.split_at_mut((page - consumed) * bytes_per_page);
-        let (this, after) = from_page.split_at_mut(bytes_per_page);
-        pages.push(this);
-        tail = after;
-        consumed = page + 1;
+    let n = src.len() / 32 * 32;
+    for (d, v) in dst[n..].iter_mut().zip(&src[n..]) {
+        *d = e4m3_encode(bf16_to_f32(v.to_bits()) * r);
     }
-    pages.into_par_iter().zip(groups.par_iter()).for_each_init(
-        Vec::new,
-        |at, (page, (_, tokens))| {
-            at.clear();
-            at.extend(
-                tokens
-                    .iter()
-                    .map(|&(slot, t)| (layout.slot_addr(slot).offset, t)),
-            );
-            write(page, at);
-        },
-    );
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rand::seq::SliceRandom;
+    use rand::{Rng, SeedableRng};
 
-    /// The reciprocal path gives the bytes of the division for every bf16 value (NaN,
-    /// infinities, subnormals included) at power-of-two scales across the whole range, and
-    /// other scales still divide.
+    crate::isa_dispatch! {
+        fn quantize_on(dst: &mut [u8], src: &[bf16], s: f32) = |ISA| quantize(dst, src, s);
+    }
+
+    crate::isa_dispatch! {
+        fn fp4_groups_on(dst: &mut [u8], scales: &mut [u8], src: &[bf16]) = |ISA| {
+            for ((d, sc), g) in dst
+                .chunks_exact_mut(FP4_GROUP / 2)
+                .zip(scales.iter_mut())
+                .zip(src.chunks_exact(FP4_GROUP))
+            {
+                *sc = quantize_fp4_group(d, g);
+            }
+        };
+    }
+
+    /// The token-parallel stores write what one token at a time writes (the per-token
+    /// writers into each token's page, in order), on every vector path and layout: enough
+    /// tokens for several parallel tasks, random slots over a pool twice their size, some
+    /// tokens skipped (-1), page sizes that are and are not powers of two, the rest of the
+    /// cache poisoned; a repeated slot is a typed error that writes nothing.
     #[test]
-    fn quantize_by_reciprocal_matches_division_bitwise() {
-        let src: Vec<bf16> = (0..=u16::MAX).map(bf16::from_bits).collect();
+    fn parallel_stores_match_token_at_a_time() {
+        use crate::dtype::ScaleFormat;
+        use crate::error::Error;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        let tokens = 5 * TASK_TOKENS + 17;
+        for page_size in [64, 37] {
+            let pages = 2 * tokens.div_ceil(page_size);
+            let mut slots: Vec<i64> = (0..(pages * page_size) as i64).collect();
+            slots.shuffle(&mut rng);
+            slots.truncate(tokens);
+            for s in slots.iter_mut().filter(|_| rng.gen_bool(0.1)) {
+                *s = -1;
+            }
+            let mut repeated = slots.clone();
+            let at = repeated.iter().rposition(|&s| s >= 0).unwrap();
+            repeated[at] = repeated[..at].iter().copied().find(|&s| s >= 0).unwrap();
+            let values = |n: usize, rng: &mut rand_chacha::ChaCha8Rng| -> Vec<bf16> {
+                (0..n)
+                    .map(|_| {
+                        bf16::from_f32(
+                            rng.gen_range(-3.0f32..3.0) * 2f32.powi(rng.gen_range(-8..8)),
+                        )
+                    })
+                    .collect()
+            };
+            let poison = |n: usize| vec![0x5au8; n];
+            for dtype in [
+                KvDtype::Bf16,
+                KvDtype::Fp8DsMla,
+                KvDtype::Model1Fp8,
+                KvDtype::Bf16x512,
+            ] {
+                let l = match dtype {
+                    KvDtype::Model1Fp8 => KvLayout::model1_fp8(page_size),
+                    KvDtype::Bf16x512 => KvLayout::bf16_512(page_size),
+                    _ => KvLayout::new(dtype, 512, 64, page_size),
+                }
+                .unwrap();
+                let kv = values(tokens * l.d_qk(), &mut rng);
+                let bytes = l.buffer_bytes(pages);
+                for isa in CpuIsa::available() {
+                    let mut want = poison(bytes);
+                    for (t, &s) in slots.iter().enumerate().filter(|(_, &s)| s >= 0) {
+                        let a = l.slot_addr(s as usize);
+                        let page = &mut want[l.page_bytes(a.page)];
+                        write_kv_token_on(isa, &l, page, a.offset, row(&kv, t, l.d_qk()));
+                    }
+                    let mut got = poison(bytes);
+                    kv_store(
+                        isa,
+                        &KvStore {
+                            layout: l,
+                            slots: &slots,
+                        },
+                        &kv,
+                        &mut got,
+                    )
+                    .unwrap();
+                    assert!(got == want, "{} {} page {page_size}", l.dtype().name(), isa.isa());
+                    let mut untouched = poison(bytes);
+                    let op = KvStore {
+                        layout: l,
+                        slots: &repeated,
+                    };
+                    let e = kv_store(isa, &op, &kv, &mut untouched).unwrap_err();
+                    assert!(matches!(e, Error::DuplicateSlot { .. }), "{e}");
+                    assert!(untouched == poison(bytes));
+                }
+            }
+            for dtype in [
+                IndexKDtype::FP8,
+                IndexKDtype::Fp8E4m3 {
+                    scale: ScaleFormat::Ue8m0,
+                },
+                IndexKDtype::Bf16,
+                IndexKDtype::Fp4E2m1,
+            ] {
+                let l = IndexKLayout::new(dtype, 128, page_size).unwrap();
+                let keys = values(tokens * 128, &mut rng);
+                let bytes = l.buffer_bytes(pages);
+                for isa in CpuIsa::available() {
+                    let mut want = poison(bytes);
+                    for (t, &s) in slots.iter().enumerate().filter(|(_, &s)| s >= 0) {
+                        let a = l.slot_addr(s as usize);
+                        let page = &mut want[l.page_bytes(a.page)];
+                        write_index_k_token_on(isa, &l, page, a.offset, row(&keys, t, 128));
+                    }
+                    let mut got = poison(bytes);
+                    let op = IndexKStore {
+                        layout: l,
+                        slots: &slots,
+                    };
+                    index_k_store(isa, &op, &keys, &mut got).unwrap();
+                    assert!(got == want, "{} {} page {page_size}", l.dtype().name(), isa.isa());
+                    let mut untouched = poison(bytes);
+                    let op = IndexKStore {
+                        layout: l,
+                        slots: &repeated,
+                    };
+                    let e = index_k_store(isa, &op, &keys, &mut untouched).unwrap_err();
+                    assert!(matches!(e, Error::DuplicateSlot { .. }), "{e}");
+                    assert!(untouched == poison(bytes));
+                }
+            }
+        }
+    }
+
+    /// Every bf16 bit pattern once, shuffled (so blocks of 32 mix magnitudes).
+    fn all_bf16(rng: &mut impl Rng) -> Vec<bf16> {
+        let mut src: Vec<bf16> = (0..=u16::MAX).map(bf16::from_bits).collect();
+        src.shuffle(rng);
+        src
+    }
+
+    /// Every vector path of `quantize` gives the bytes of the division (e4m3 of the f32
+    /// quotient) for every bf16 value (NaN, infinities, subnormals included): at every
+    /// power-of-two scale (the 16-bit path), at random normal scales (the V3.2 index-K
+    /// `amax / 448`: the guarded reciprocal), at scales that divide, over a length with a
+    /// tail past the last block of 32.
+    #[test]
+    fn quantize_matches_division_bitwise() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        let src = all_bf16(&mut rng);
+        let src = &src[rng.gen_range(0..32)..src.len() - 7];
         let mut scales: Vec<f32> = (-126..=127).map(|e| 2f32.powi(e)).collect();
         scales.extend([
             f32::INFINITY,
+            f32::NAN,
+            0.0,
             1e-4,
             0.3,
             448.0 / 3.0,
             f32::MIN_POSITIVE / 4.0,
+            f32::MAX,
         ]);
+        scales.extend((0..24).map(|_| f32::from_bits(rng.gen_range(0x0080_0000..0x7f80_0000))));
+        scales.extend((0..24).map(|_| {
+            let amax = bf16::from_bits(rng.gen_range(0x0080..0x7f80)).to_f32();
+            amax / 448.0
+        }));
         let mut dst = vec![0u8; src.len()];
-        for &s in &scales {
-            dst.fill(0xaa);
-            quantize(&mut dst, &src, s);
-            for (i, (&d, v)) in dst.iter().zip(&src).enumerate() {
-                let want = e4m3_encode(bf16_to_f32(v.to_bits()) / s);
-                assert_eq!(d, want, "bf16 bits {i:#06x}, scale {s:e}");
+        for isa in CpuIsa::available() {
+            for &s in &scales {
+                dst.fill(0xaa);
+                quantize_on(isa, &mut dst, src, s);
+                for (d, v) in dst.iter().zip(src) {
+                    let want = e4m3_encode(bf16_to_f32(v.to_bits()) / s);
+                    assert_eq!(
+                        *d,
+                        want,
+                        "{} bf16 {:#06x}, scale {s:e}",
+                        isa.isa(),
+                        v.to_bits()
+                    );
+                }
+            }
+        }
+    }
+
+    /// Every vector path of the fp4 group quantiser gives the codes of the division by the
+    /// group's scale and that scale, for every bf16 value in groups whose largest
+    /// magnitude sets every scale exponent (and non-finite groups).
+    #[test]
+    fn fp4_groups_match_division_bitwise() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        let all = all_bf16(&mut rng);
+        for isa in CpuIsa::available() {
+            // Group maxima from 2^-133 (subnormal) to bf16's largest finite value.
+            for top in (0..0x7f80u16).step_by(0x7f) {
+                // 31 values of at most the maximum's magnitude, then the maximum.
+                let small: Vec<bf16> = all
+                    .iter()
+                    .copied()
+                    .filter(|v| v.to_bits() & 0x7fff <= top || v.to_bits() & 0x7fff > 0x7f80)
+                    .take(31 * 64)
+                    .collect();
+                let mut src = Vec::new();
+                for g in small.chunks_exact(31) {
+                    src.extend_from_slice(g);
+                    src.push(bf16::from_bits(top | (rng.gen::<u16>() & 0x8000)));
+                }
+                let groups = src.len() / FP4_GROUP;
+                let mut dst = vec![0xaau8; groups * FP4_GROUP / 2];
+                let mut scales = vec![0xaau8; groups];
+                fp4_groups_on(isa, &mut dst, &mut scales, &src);
+                for (g, group) in src.chunks_exact(FP4_GROUP).enumerate() {
+                    let max = group
+                        .iter()
+                        .fold(0u32, |m, x| mx::bf16_abs_bits_max(m, x.to_bits()));
+                    let (want_scale, codes): (u8, Vec<u8>) = if mx::abs_bits_non_finite(max) {
+                        (mx::UE8M0_NAN, vec![0; FP4_GROUP])
+                    } else {
+                        let s = mx::fp4_group_scale(bf16_to_f32(max as u16));
+                        let codes = group
+                            .iter()
+                            .map(|x| mx::e2m1_encode(bf16_to_f32(x.to_bits()) / s))
+                            .collect();
+                        (mx::ue8m0_encode(s), codes)
+                    };
+                    assert_eq!(scales[g], want_scale, "{} group max {top:#06x}", isa.isa());
+                    for (j, pair) in codes.chunks_exact(2).enumerate() {
+                        assert_eq!(
+                            dst[g * FP4_GROUP / 2 + j],
+                            pair[0] | pair[1] << 4,
+                            "{} group max {top:#06x}, pair {j}",
+                            isa.isa()
+                        );
+                    }
+                }
             }
         }
     }
