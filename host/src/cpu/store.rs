@@ -489,8 +489,6 @@ fn quantize(dst: &mut [u8], src: &[bf16], s: f32) {
     let exp = (s.to_bits() >> 23) & 0xff;
     if s.to_bits() & 0x807f_ffff == 0 && (POW2_EXP_MIN..=253).contains(&exp) {
         quantize_pow2(dst, src, exp as i32 - 127);
-    } else if s.is_normal() && (1.0 / s).is_normal() {
-        quantize_by_reciprocal(dst, src, s);
     } else {
         divide(dst, src, s);
     }
@@ -502,35 +500,6 @@ fn divide(dst: &mut [u8], src: &[bf16], s: f32) {
     for (d, v) in dst.iter_mut().zip(src) {
         *d = e4m3_encode(bf16_to_f32(v.to_bits()) / s);
     }
-}
-
-/// `dst[i] = e4m3(src[i] / s)` for a normal `s` with a normal reciprocal `r` (the V3.2
-/// index-K scale `amax / 448`), without a division where that gives the same bytes:
-/// `x · r` is within 1.5 ulp of `x / s` and the rounded quotient within 0.5, so they
-/// encode alike unless an e4m3 rounding midpoint (low 20 bits of an f32 in e4m3's normal
-/// range `0x8_0000`) lies within 2 ulp of `x · r`, or the value falls in e4m3's subnormal
-/// range. A block of 32 holding such a value (rare: about 6 in 2^20 values) is divided.
-#[inline(always)]
-fn quantize_by_reciprocal(dst: &mut [u8], src: &[bf16], s: f32) {
-    const SUBNORMAL_TOP: u32 = 0x3c80_0000; // 2^-6, e4m3's smallest normal
-    let r = 1.0 / s;
-    let mut blocks = dst.chunks_exact_mut(32).zip(src.chunks_exact(32));
-    for (d, x) in blocks.by_ref() {
-        let mut doubt = 0u32;
-        for (d, v) in d.iter_mut().zip(x) {
-            let q = bf16_to_f32(v.to_bits()) * r;
-            let b = q.to_bits() & 0x7fff_ffff;
-            let subnormal = b.wrapping_sub(1) < SUBNORMAL_TOP - 1;
-            let near_midpoint = (b & 0xf_ffff).wrapping_sub(0x8_0000 - 3) <= 6;
-            doubt |= (subnormal | near_midpoint) as u32;
-            *d = e4m3_encode(q);
-        }
-        if doubt != 0 {
-            divide(d, x, s);
-        }
-    }
-    let n = src.len() / 32 * 32;
-    divide(&mut dst[n..], &src[n..], s);
 }
 
 /// Smallest biased exponent of a scale [`quantize_pow2`] takes (`2^-116`: every bf16
@@ -727,8 +696,8 @@ mod tests {
     /// Every vector path of `quantize` gives the bytes of the division (e4m3 of the f32
     /// quotient) for every bf16 value (NaN, infinities, subnormals included): at every
     /// power-of-two scale (the 16-bit path), at random normal scales (the V3.2 index-K
-    /// `amax / 448`: the guarded reciprocal), at scales that divide, over a length with a
-    /// tail past the last block of 32.
+    /// `amax / 448`, divided) and special ones, over a length with a tail past the last
+    /// block of 32.
     #[test]
     fn quantize_matches_division_bitwise() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
