@@ -171,7 +171,10 @@ unsafe fn sum_avx2(page: &[u8]) -> (u64, usize) {
         };
         a = _mm256_add_epi64(a, mix(_mm256_xor_si256(x, ip)));
         b = _mm256_add_epi64(b, mix(_mm256_xor_si256(y, _mm256_add_epi64(ip, half))));
-        for (j, w) in page[at + 64..at + 64 + 8 * SCALAR_WORDS].chunks_exact(8).enumerate() {
+        for (j, w) in page[at + 64..at + 64 + 8 * SCALAR_WORDS]
+            .chunks_exact(8)
+            .enumerate()
+        {
             let mut bytes = [0u8; 8];
             bytes.copy_from_slice(w);
             scalar = scalar.wrapping_add(word_term(u64::from_le_bytes(bytes), word + j as u64));

@@ -637,7 +637,12 @@ mod tests {
                         &mut got,
                     )
                     .unwrap();
-                    assert!(got == want, "{} {} page {page_size}", l.dtype().name(), isa.isa());
+                    assert!(
+                        got == want,
+                        "{} {} page {page_size}",
+                        l.dtype().name(),
+                        isa.isa()
+                    );
                     let mut untouched = poison(bytes);
                     let op = KvStore {
                         layout: l,
@@ -672,7 +677,12 @@ mod tests {
                         slots: &slots,
                     };
                     index_k_store(isa, &op, &keys, &mut got).unwrap();
-                    assert!(got == want, "{} {} page {page_size}", l.dtype().name(), isa.isa());
+                    assert!(
+                        got == want,
+                        "{} {} page {page_size}",
+                        l.dtype().name(),
+                        isa.isa()
+                    );
                     let mut untouched = poison(bytes);
                     let op = IndexKStore {
                         layout: l,
