@@ -22,6 +22,7 @@ use super::dot::{bf16_daz, e4m3_f32, f32_daz, gemm_bf16_into, padded_cols, PairD
 use super::gemm::{gemm_pairs_into, Dims};
 use super::isa::{prefetch, CpuIsa};
 use super::transpose::transpose;
+use super::widen;
 use crate::layout::{IndexKDtype, IndexKLayout, FP4_GROUP};
 use crate::ops::{IndexerLogits, PageTable, QueryRange};
 use sparsekit_kernels::mx::{e2m1_to_f32, ue8m0_to_f32};
@@ -500,9 +501,7 @@ impl Ctx<'_> {
                     scale[j] = 1.0;
                 }
                 IndexKDtype::Fp8E4m3 { .. } => {
-                    for (x, &b) in dst.iter_mut().zip(vals) {
-                        *x = (e4m3_f32(b).to_bits() >> 16) as u16;
-                    }
+                    widen::e4m3_row(self.isa, vals, dst);
                     scale[j] = match l.slot_scale_bytes(slot) {
                         Some(r) => {
                             let b = &self.cache[r];
@@ -518,10 +517,10 @@ impl Ctx<'_> {
                         .zip(vals.chunks_exact(FP4_GROUP / 2))
                         .zip(scales)
                     {
-                        let s = ue8m0_to_f32(sb);
-                        for (x2, &b) in xs.chunks_exact_mut(2).zip(packed) {
-                            x2[0] = (f32_daz(e2m1_to_f32(b & 0xf) * s).to_bits() >> 16) as u16;
-                            x2[1] = (f32_daz(e2m1_to_f32(b >> 4) * s).to_bits() >> 16) as u16;
+                        // Always arrays: groups of FP4_GROUP = 32 values in 16 bytes.
+                        const _: () = assert!(FP4_GROUP == 32);
+                        if let (Ok(xs), Ok(packed)) = (xs.try_into(), packed.try_into()) {
+                            widen::fp4_group(self.isa, packed, sb, xs);
                         }
                     }
                     scale[j] = 1.0;

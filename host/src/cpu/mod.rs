@@ -21,6 +21,7 @@ pub mod sparse_mla_v4;
 pub mod store;
 pub mod topk;
 pub mod transpose;
+pub mod widen;
 
 use std::sync::Arc;
 

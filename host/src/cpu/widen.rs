@@ -1,0 +1,215 @@
+//! Quantised key rows widened to bf16 bits for the `vdpbf16ps` kernels: e4m3 codes (each
+//! code's value, exact: at most 4 significant bits) and fp4 groups (e2m1 × the group's
+//! ue8m0 scale, exact while the products stay normal). On the `avx512bf16` path by word
+//! table lookups (`vpermi2w`, `vpermw`: 32 values per instruction), elsewhere value by
+//! value; the same bits either way ([`tests`]).
+
+use sparsekit_kernels::fp8::decode_bits;
+use sparsekit_kernels::mx::{e2m1_to_f32, ue8m0_to_f32};
+
+use super::dot::{e4m3_f32, f32_daz};
+use super::isa::CpuIsa;
+
+/// bf16 bits of the e4m3 code `c`'s value: the top half of [`e4m3_f32`] (NaN `0x7fc0`).
+#[inline(always)]
+pub fn e4m3_bf16(c: u8) -> u16 {
+    (e4m3_f32(c).to_bits() >> 16) as u16
+}
+
+/// bf16 bits of the fp4 code `n` (4 bits) times the scale of ue8m0 byte `sb`, a subnormal
+/// product flushed to signed zero (what `vdpbf16ps` reads), NaN for scale byte `0xff`.
+#[inline(always)]
+pub fn fp4_bf16(n: u8, sb: u8) -> u16 {
+    (f32_daz(e2m1_to_f32(n) * ue8m0_to_f32(sb)).to_bits() >> 16) as u16
+}
+
+/// `out[i] = e4m3_bf16(codes[i])` on the vector path `isa`.
+pub fn e4m3_row(isa: CpuIsa, codes: &[u8], out: &mut [u16]) {
+    let n = codes.len().min(out.len());
+    #[cfg(target_arch = "x86_64")]
+    if isa.isa().bf16_dot() {
+        // SAFETY: the avx512bf16 path exists only on a CPU with AVX-512F and AVX-512BW.
+        unsafe { x86::e4m3_row(&codes[..n], &mut out[..n]) };
+        return;
+    }
+    let _ = isa;
+    for (x, &c) in out[..n].iter_mut().zip(&codes[..n]) {
+        *x = e4m3_bf16(c);
+    }
+}
+
+/// One fp4 group: the 32 values of `packed` (16 bytes, the even element in the low nibble)
+/// times the scale of ue8m0 byte `sb`, as bf16 bits ([`fp4_bf16`]), on the vector path
+/// `isa`.
+pub fn fp4_group(isa: CpuIsa, packed: &[u8; 16], sb: u8, out: &mut [u16; 32]) {
+    // Products of a nonzero e2m1 (0.5 ..= 6) and 2^(sb − 127) stay normal bf16 values for
+    // `sb` in 2..=252; other scales (and NaN, 0xff) go value by value.
+    #[cfg(target_arch = "x86_64")]
+    if isa.isa().bf16_dot() && (2..=252).contains(&sb) {
+        // SAFETY: as in `e4m3_row`.
+        unsafe { x86::fp4_group(packed, sb, out) };
+        return;
+    }
+    let _ = isa;
+    for (pair, &b) in out.chunks_exact_mut(2).zip(packed) {
+        pair[0] = fp4_bf16(b & 0xf, sb);
+        pair[1] = fp4_bf16(b >> 4, sb);
+    }
+}
+
+/// bf16 bits of the e4m3 magnitudes `0..128` (the sign is the code's top bit).
+const E4M3_MAGNITUDES: [u16; 128] = {
+    let mut t = [0u16; 128];
+    let mut c = 0;
+    while c < 128 {
+        t[c] = (decode_bits(c as u8).to_bits() >> 16) as u16;
+        c += 1;
+    }
+    t
+};
+
+/// bf16 bits of the e2m1 codes `0..16` (sign included: code 8 is −0).
+const E2M1_VALUES: [u16; 16] = [
+    0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0, 0x8000, 0xbf00, 0xbf80, 0xbfc0,
+    0xc000, 0xc040, 0xc080, 0xc0c0,
+];
+
+#[cfg(target_arch = "x86_64")]
+#[allow(
+    clippy::incompatible_msrv,
+    reason = "AVX-512 needs Rust 1.89, as the existing AVX-512 target features do"
+)]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{e4m3_bf16, E2M1_VALUES, E4M3_MAGNITUDES};
+
+    /// [`super::e4m3_row`]: 32 codes at a time, the magnitude from two 64-entry word
+    /// tables (`vpermi2w` on the low 6 bits, bit 6 picks the table), the sign or-ed in.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F and AVX-512BW; `codes` and `out` have the same length.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn e4m3_row(codes: &[u8], out: &mut [u16]) {
+        debug_assert_eq!(codes.len(), out.len());
+        // SAFETY: the tables are 128 words; every load and store below is inside `codes`
+        // (32 bytes from `i`, `i + 32 ≤ n`) and `out` (32 words from `i`).
+        unsafe {
+            let t = E4M3_MAGNITUDES.as_ptr();
+            let tab = |k: usize| _mm512_loadu_si512(t.add(32 * k).cast());
+            let (t0, t1, t2, t3) = (tab(0), tab(1), tab(2), tab(3));
+            let (bit6, signs) = (_mm512_set1_epi16(0x40), _mm512_set1_epi16(0x80));
+            let n = codes.len() / 32 * 32;
+            let mut i = 0;
+            while i < n {
+                let c = _mm512_cvtepu8_epi16(_mm256_loadu_si256(codes.as_ptr().add(i).cast()));
+                let low = _mm512_permutex2var_epi16(t0, c, t1);
+                let high = _mm512_permutex2var_epi16(t2, c, t3);
+                let v = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(c, bit6), low, high);
+                let sign = _mm512_slli_epi16::<8>(_mm512_and_si512(c, signs));
+                _mm512_storeu_si512(out.as_mut_ptr().add(i).cast(), _mm512_or_si512(v, sign));
+                i += 32;
+            }
+            for (x, &c) in out[n..].iter_mut().zip(&codes[n..]) {
+                *x = e4m3_bf16(c);
+            }
+        }
+    }
+
+    /// [`super::fp4_group`] for `sb` in `2..=252`: the 16 bytes widened to dwords (low
+    /// nibble in the low word, high nibble in the high word: element order), each word's
+    /// code looked up (`vpermw`), and `k = sb − 127` added to the exponent of the nonzero
+    /// ones (exact: the products stay normal).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F and AVX-512BW.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn fp4_group(packed: &[u8; 16], sb: u8, out: &mut [u16; 32]) {
+        // SAFETY: 16 bytes read from `packed`, 32 words written to `out`, 16 words of the
+        // table (the upper half of the vector is never indexed: codes are below 16).
+        unsafe {
+            let mut table = [0u16; 32];
+            table[..16].copy_from_slice(&E2M1_VALUES);
+            let t = _mm512_loadu_si512(table.as_ptr().cast());
+            let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(packed.as_ptr().cast()));
+            let codes = _mm512_or_si512(
+                _mm512_and_si512(b, _mm512_set1_epi32(0xf)),
+                _mm512_slli_epi32::<12>(_mm512_and_si512(b, _mm512_set1_epi32(0xf0))),
+            );
+            let v = _mm512_permutexvar_epi16(codes, t);
+            let nonzero = _mm512_test_epi16_mask(codes, _mm512_set1_epi16(7));
+            let k = ((sb as i32 - 127) << 7) as i16;
+            let v = _mm512_mask_add_epi16(v, nonzero, v, _mm512_set1_epi16(k));
+            _mm512_storeu_si512(out.as_mut_ptr().cast(), v);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// Every path widens every e4m3 code to [`e4m3_bf16`]'s bits, over rows of every
+    /// length around the vector width, codes in random order.
+    #[test]
+    fn e4m3_rows_are_identical_on_every_path() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        for len in (0..70).chain([128, 256, 448, 512, 1000]) {
+            let codes: Vec<u8> = (0..len)
+                .map(|i| if i < 256 { i as u8 } else { rng.gen() })
+                .collect();
+            let mut codes = codes;
+            codes.reverse();
+            for isa in CpuIsa::available() {
+                let mut out = vec![0xaaaau16; len];
+                e4m3_row(isa, &codes, &mut out);
+                for (&c, &x) in codes.iter().zip(&out) {
+                    assert_eq!(x, e4m3_bf16(c), "{} code {c:#04x}", isa.isa());
+                }
+            }
+        }
+        // Every code once, in one row.
+        let codes: Vec<u8> = (0..=255).collect();
+        for isa in CpuIsa::available() {
+            let mut out = vec![0u16; 256];
+            e4m3_row(isa, &codes, &mut out);
+            for (&c, &x) in codes.iter().zip(&out) {
+                assert_eq!(x, e4m3_bf16(c), "{} code {c:#04x}", isa.isa());
+            }
+        }
+    }
+
+    /// Every path widens every fp4 byte at every scale byte to [`fp4_bf16`]'s bits
+    /// (subnormal products flushed, NaN scale, the ends of the scale range).
+    #[test]
+    fn fp4_groups_are_identical_on_every_path() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        for sb in 0..=255u8 {
+            for chunk in 0..16 {
+                let mut packed = [0u8; 16];
+                for (j, p) in packed.iter_mut().enumerate() {
+                    *p = (chunk * 16 + j) as u8 ^ if chunk == 0 { 0 } else { rng.gen::<u8>() };
+                }
+                for isa in CpuIsa::available() {
+                    let mut out = [0xaaaau16; 32];
+                    fp4_group(isa, &packed, sb, &mut out);
+                    for (j, &b) in packed.iter().enumerate() {
+                        assert_eq!(
+                            out[2 * j],
+                            fp4_bf16(b & 0xf, sb),
+                            "{} sb {sb} byte {b:#04x}",
+                            isa.isa()
+                        );
+                        assert_eq!(
+                            out[2 * j + 1],
+                            fp4_bf16(b >> 4, sb),
+                            "{} sb {sb} byte {b:#04x}",
+                            isa.isa()
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
