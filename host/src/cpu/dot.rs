@@ -38,7 +38,6 @@
 //! f32.
 
 use super::isa::CpuIsa;
-use sparsekit_kernels::fp8::f32_to_bf16;
 
 /// bf16 bits as f32, a subnormal read as signed zero (what `vdpbf16ps` reads).
 #[inline(always)]
@@ -63,11 +62,22 @@ pub fn f32_daz(x: f32) -> f32 {
 /// to signed zero: the bf16 bits a dot product of every path reads.
 #[inline(always)]
 pub fn round_bf16_daz(x: f32) -> u16 {
-    let b = f32_to_bf16(x);
-    if b & 0x7f80 == 0 {
-        b & 0x8000
+    // `f32_to_bf16` without its early return, so that a row of these vectorises: round to
+    // nearest even by adding 0x7fff plus the kept part's lowest bit (the carry rounds up
+    // exactly when the dropped half exceeds one half, or equals it with an odd kept part);
+    // NaN keeps its top half, quietened.
+    let b = x.to_bits();
+    let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16;
+    let r = if b & 0x7fff_ffff > 0x7f80_0000 {
+        (b >> 16) | 0x0040
     } else {
-        b
+        rounded
+    };
+    let r = r as u16;
+    if r & 0x7f80 == 0 {
+        r & 0x8000
+    } else {
+        r
     }
 }
 
@@ -350,6 +360,37 @@ mod tests {
                 let e = rng.gen_range(112u16..142);
                 (rng.gen::<u16>() & 0x8000) | (e << 7) | (rng.gen::<u16>() & 0x7f)
             }
+        }
+    }
+
+    /// The branch-free rounding is `f32_to_bf16` with subnormals flushed, on every f32
+    /// class: all sign/exponent combinations with the mantissas around every rounding
+    /// boundary, and random patterns.
+    #[test]
+    fn round_bf16_daz_is_f32_to_bf16_flushed() {
+        use sparsekit_kernels::fp8::f32_to_bf16;
+        let want = |x: f32| {
+            let b = f32_to_bf16(x);
+            if b & 0x7f80 == 0 {
+                b & 0x8000
+            } else {
+                b
+            }
+        };
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        let mantissas = [
+            0u32, 1, 0x7fff, 0x8000, 0x8001, 0xffff, 0x1_0000, 0x1_7fff, 0x1_8000, 0x1_8001,
+            0x7f_7fff, 0x7f_8000, 0x7f_8001, 0x7f_ffff,
+        ];
+        for top in 0..=0x1ffu32 {
+            for &m in &mantissas {
+                let x = f32::from_bits(top << 23 | m);
+                assert_eq!(round_bf16_daz(x), want(x), "{:#010x}", x.to_bits());
+            }
+        }
+        for _ in 0..1_000_000 {
+            let x = f32::from_bits(rng.gen());
+            assert_eq!(round_bf16_daz(x), want(x), "{:#010x}", x.to_bits());
         }
     }
 
