@@ -25,6 +25,7 @@ use super::dot::{
 use super::gemm::{gemm_acc_pairs, gemm_pairs_into, Dims};
 use super::isa::{prefetch, CpuIsa};
 use super::transpose::transpose;
+use super::widen;
 use crate::layout::{KvDtype, KvLayout, FP8_DS_MLA_TILE, MODEL1_TILE};
 use sparsekit_kernels::mx::ue8m0_to_f32;
 
@@ -175,7 +176,13 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
             for (j, &(src, slot)) in block.iter().enumerate() {
                 next.get(j).map(fetch);
                 let s = &sources[src as usize];
-                exact &= load_row_bf16(s.layout, s.cache, slot, &mut kb[j * dqk..(j + 1) * dqk]);
+                exact &= load_row_bf16(
+                    isa,
+                    s.layout,
+                    s.cache,
+                    slot,
+                    &mut kb[j * dqk..(j + 1) * dqk],
+                );
             }
         }
         if !exact {
@@ -407,10 +414,19 @@ pub(crate) fn load_row(l: &KvLayout, cache: &[u8], slot: usize, row: &mut [f32])
     }
 }
 
+/// `k` when `s = 2^k` is a normal power of two (the tile scales our stores write), so
+/// that a tile widens by [`widen::e4m3_row_pow2`] (every product is then a bf16 value).
+#[inline(always)]
+fn pow2_exponent(s: f32) -> Option<i32> {
+    let b = s.to_bits();
+    let e = (b >> 23) as i32;
+    (b & 0x807f_ffff == 0 && (1..=254).contains(&e)).then_some(e - 127)
+}
+
 /// [`load_row`] as bf16 bits; whether every value is exactly a bf16 value (else the row
 /// is unusable and the block runs [`load_row`]'s f32 rows).
 #[inline(always)]
-fn load_row_bf16(l: &KvLayout, cache: &[u8], slot: usize, row: &mut [u16]) -> bool {
+fn load_row_bf16(isa: CpuIsa, l: &KvLayout, cache: &[u8], slot: usize, row: &mut [u16]) -> bool {
     let tok = &cache[l.slot_token_bytes(slot)];
     let dv = l.nope_dim();
     let (vrow, rope) = row.split_at_mut(dv);
@@ -431,6 +447,10 @@ fn load_row_bf16(l: &KvLayout, cache: &[u8], slot: usize, row: &mut [u16]) -> bo
             {
                 let s =
                     f32::from_le_bytes([sc[4 * t], sc[4 * t + 1], sc[4 * t + 2], sc[4 * t + 3]]);
+                if let Some(k) = pow2_exponent(s) {
+                    widen::e4m3_row_pow2(isa, codes, k, xs);
+                    continue;
+                }
                 for (x, &c) in xs.iter_mut().zip(codes) {
                     let v = f32_daz(e4m3_f32(c) * s);
                     low |= v.to_bits() & 0xffff;
@@ -447,6 +467,10 @@ fn load_row_bf16(l: &KvLayout, cache: &[u8], slot: usize, row: &mut [u16]) -> bo
                 .zip(sc)
             {
                 let s = ue8m0_to_f32(b);
+                if let Some(k) = pow2_exponent(s) {
+                    widen::e4m3_row_pow2(isa, codes, k, xs);
+                    continue;
+                }
                 for (x, &c) in xs.iter_mut().zip(codes) {
                     let v = f32_daz(e4m3_f32(c) * s);
                     low |= v.to_bits() & 0xffff;

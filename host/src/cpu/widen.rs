@@ -38,6 +38,26 @@ pub fn e4m3_row(isa: CpuIsa, codes: &[u8], out: &mut [u16]) {
     }
 }
 
+/// `out[i]` = the bf16 bits of `e4m3(codes[i]) · 2^k`, a subnormal product flushed to
+/// signed zero — `f32_daz(e4m3_f32(c) · s)`'s top half for the power-of-two scale `s =
+/// 2^k` — on the vector path `isa`. Exact (every product is a bf16 value).
+pub fn e4m3_row_pow2(isa: CpuIsa, codes: &[u8], k: i32, out: &mut [u16]) {
+    let n = codes.len().min(out.len());
+    // Nonzero e4m3 magnitudes span 2^-9 ..= 448: their products stay normal bf16 values
+    // for `k` in -117..=119 (the table path adds `k` to the exponent field).
+    #[cfg(target_arch = "x86_64")]
+    if isa.isa().bf16_dot() && (-117..=119).contains(&k) {
+        // SAFETY: as in `e4m3_row`.
+        unsafe { x86::e4m3_row_scaled(&codes[..n], k, &mut out[..n]) };
+        return;
+    }
+    let _ = isa;
+    let s = 2f32.powi(k);
+    for (x, &c) in out[..n].iter_mut().zip(&codes[..n]) {
+        *x = (f32_daz(e4m3_f32(c) * s).to_bits() >> 16) as u16;
+    }
+}
+
 /// One fp4 group: the 32 values of `packed` (16 bytes, the even element in the low nibble)
 /// times the scale of ue8m0 byte `sb`, as bf16 bits ([`fp4_bf16`]), on the vector path
 /// `isa`.
@@ -82,16 +102,29 @@ const E2M1_VALUES: [u16; 16] = [
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{e4m3_bf16, E2M1_VALUES, E4M3_MAGNITUDES};
+    use super::{e4m3_f32, f32_daz, E2M1_VALUES, E4M3_MAGNITUDES};
 
-    /// [`super::e4m3_row`]: 32 codes at a time, the magnitude from two 64-entry word
-    /// tables (`vpermi2w` on the low 6 bits, bit 6 picks the table), the sign or-ed in.
+    /// [`super::e4m3_row`].
     ///
     /// # Safety
     /// The CPU has AVX-512F and AVX-512BW; `codes` and `out` have the same length.
     #[target_feature(enable = "avx512f,avx512bw")]
     pub(super) unsafe fn e4m3_row(codes: &[u8], out: &mut [u16]) {
+        // SAFETY: the caller's.
+        unsafe { e4m3_row_scaled(codes, 0, out) }
+    }
+
+    /// [`super::e4m3_row_pow2`] for `k` in `-117..=119` (and [`super::e4m3_row`] at `k =
+    /// 0`): 32 codes at a time, the magnitude from two 64-entry word tables (`vpermi2w` on
+    /// the low 6 bits, bit 6 picks the table), `k` added to the exponent of the finite
+    /// nonzero ones, the sign or-ed in.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F and AVX-512BW; `codes` and `out` have the same length.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn e4m3_row_scaled(codes: &[u8], k: i32, out: &mut [u16]) {
         debug_assert_eq!(codes.len(), out.len());
+        debug_assert!((-117..=119).contains(&k));
         // SAFETY: the tables are 128 words; every load and store below is inside `codes`
         // (32 bytes from `i`, `i + 32 ≤ n`) and `out` (32 words from `i`).
         unsafe {
@@ -99,6 +132,8 @@ mod x86 {
             let tab = |k: usize| _mm512_loadu_si512(t.add(32 * k).cast());
             let (t0, t1, t2, t3) = (tab(0), tab(1), tab(2), tab(3));
             let (bit6, signs) = (_mm512_set1_epi16(0x40), _mm512_set1_epi16(0x80));
+            let (magnitude, nan) = (_mm512_set1_epi16(0x7f), _mm512_set1_epi16(0x7f));
+            let shift = _mm512_set1_epi16((k << 7) as i16);
             let n = codes.len() / 32 * 32;
             let mut i = 0;
             while i < n {
@@ -106,12 +141,16 @@ mod x86 {
                 let low = _mm512_permutex2var_epi16(t0, c, t1);
                 let high = _mm512_permutex2var_epi16(t2, c, t3);
                 let v = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(c, bit6), low, high);
+                let m = _mm512_and_si512(c, magnitude);
+                let scaled = _mm512_test_epi16_mask(m, m) & _mm512_cmpneq_epi16_mask(m, nan);
+                let v = _mm512_mask_add_epi16(v, scaled, v, shift);
                 let sign = _mm512_slli_epi16::<8>(_mm512_and_si512(c, signs));
                 _mm512_storeu_si512(out.as_mut_ptr().add(i).cast(), _mm512_or_si512(v, sign));
                 i += 32;
             }
+            let s = 2f32.powi(k);
             for (x, &c) in out[n..].iter_mut().zip(&codes[n..]) {
-                *x = e4m3_bf16(c);
+                *x = (f32_daz(e4m3_f32(c) * s).to_bits() >> 16) as u16;
             }
         }
     }
@@ -176,6 +215,24 @@ mod tests {
             e4m3_row(isa, &codes, &mut out);
             for (&c, &x) in codes.iter().zip(&out) {
                 assert_eq!(x, e4m3_bf16(c), "{} code {c:#04x}", isa.isa());
+            }
+        }
+    }
+
+    /// Every path widens every e4m3 code times every power of two to the f32 product's
+    /// bits (flushed), over rows with tails.
+    #[test]
+    fn scaled_e4m3_rows_are_identical_on_every_path() {
+        let codes: Vec<u8> = (0..=255u8).chain(0..=40).collect();
+        for k in -127..=127 {
+            let s = 2f32.powi(k);
+            for isa in CpuIsa::available() {
+                let mut out = vec![0xaaaau16; codes.len()];
+                e4m3_row_pow2(isa, &codes, k, &mut out);
+                for (&c, &x) in codes.iter().zip(&out) {
+                    let want = (f32_daz(e4m3_f32(c) * s).to_bits() >> 16) as u16;
+                    assert_eq!(x, want, "{} code {c:#04x} k {k}", isa.isa());
+                }
             }
         }
     }
