@@ -48,16 +48,31 @@ pub(crate) unsafe fn index_k_store_validated(
     keys: &[bf16],
     cache: &mut [u8],
 ) {
-    let (l, d) = (op.layout, op.layout.head_dim());
-    let spans = Spans::new(cache);
-    op.slots
-        .par_chunks(TASK_TOKENS)
-        .zip(keys.par_chunks(TASK_TOKENS * d))
-        .for_each(|(slots, keys)| write_index_k_tokens(isa, &l, &spans, slots, keys));
+    let l = op.layout;
+    in_runs(cache, op.slots, keys, l.head_dim(), |spans, slots, keys| {
+        write_index_k_tokens(isa, &l, spans, slots, keys)
+    });
 }
 
 /// Tokens per parallel task of the stores.
 const TASK_TOKENS: usize = 64;
+
+/// Calls `write(spans, slots, rows)` for the runs of [`TASK_TOKENS`] tokens in parallel:
+/// a run's slots and its rows of `input` (`[slots.len(), d]`), the cache shared as
+/// [`Spans`].
+fn in_runs(
+    cache: &mut [u8],
+    slots: &[i64],
+    input: &[bf16],
+    d: usize,
+    write: impl Fn(&Spans<'_>, &[i64], &[bf16]) + Sync,
+) {
+    let spans = Spans::new(cache);
+    slots
+        .par_chunks(TASK_TOKENS)
+        .zip(input.par_chunks(TASK_TOKENS * d.max(1)))
+        .for_each(|(slots, rows)| write(&spans, slots, rows));
+}
 
 crate::isa_dispatch! {
     /// Writes the index keys `keys` (`[slots.len(), head_dim]`) at `slots` (validated:
@@ -121,12 +136,10 @@ pub(crate) unsafe fn kv_store_validated(
     kv: &[bf16],
     cache: &mut [u8],
 ) {
-    let (l, d) = (op.layout, op.layout.d_qk());
-    let spans = Spans::new(cache);
-    op.slots
-        .par_chunks(TASK_TOKENS)
-        .zip(kv.par_chunks(TASK_TOKENS * d))
-        .for_each(|(slots, kv)| write_kv_tokens(isa, &l, &spans, slots, kv));
+    let l = op.layout;
+    in_runs(cache, op.slots, kv, l.d_qk(), |spans, slots, kv| {
+        write_kv_tokens(isa, &l, spans, slots, kv)
+    });
 }
 
 crate::isa_dispatch! {
