@@ -423,6 +423,24 @@ fn pow2_exponent(s: f32) -> Option<i32> {
     (b & 0x807f_ffff == 0 && (1..=254).contains(&e)).then_some(e - 127)
 }
 
+/// One e4m3 tile times its scale `s` as bf16 bits into `xs`, subnormals flushed; returns
+/// the or of the products' low 16 bits (nonzero: some product is not a bf16 value). A
+/// power-of-two scale widens by [`widen::e4m3_row_pow2`] (always exact).
+#[inline(always)]
+fn tile_bf16(isa: CpuIsa, codes: &[u8], s: f32, xs: &mut [u16]) -> u32 {
+    if let Some(k) = pow2_exponent(s) {
+        widen::e4m3_row_pow2(isa, codes, k, xs);
+        return 0;
+    }
+    let mut low = 0u32;
+    for (x, &c) in xs.iter_mut().zip(codes) {
+        let v = f32_daz(e4m3_f32(c) * s);
+        low |= v.to_bits() & 0xffff;
+        *x = (v.to_bits() >> 16) as u16;
+    }
+    low
+}
+
 /// [`load_row`] as bf16 bits; whether every value is exactly a bf16 value (else the row
 /// is unusable and the block runs [`load_row`]'s f32 rows).
 #[inline(always)]
@@ -430,7 +448,6 @@ fn load_row_bf16(isa: CpuIsa, l: &KvLayout, cache: &[u8], slot: usize, row: &mut
     let tok = &cache[l.slot_token_bytes(slot)];
     let dv = l.nope_dim();
     let (vrow, rope) = row.split_at_mut(dv);
-    let bits = |x: f32| (x.to_bits() >> 16) as u16;
     let mut low = 0u32;
     match l.dtype() {
         KvDtype::Bf16 | KvDtype::Bf16x512 => {
@@ -447,15 +464,7 @@ fn load_row_bf16(isa: CpuIsa, l: &KvLayout, cache: &[u8], slot: usize, row: &mut
             {
                 let s =
                     f32::from_le_bytes([sc[4 * t], sc[4 * t + 1], sc[4 * t + 2], sc[4 * t + 3]]);
-                if let Some(k) = pow2_exponent(s) {
-                    widen::e4m3_row_pow2(isa, codes, k, xs);
-                    continue;
-                }
-                for (x, &c) in xs.iter_mut().zip(codes) {
-                    let v = f32_daz(e4m3_f32(c) * s);
-                    low |= v.to_bits() & 0xffff;
-                    *x = bits(v);
-                }
+                low |= tile_bf16(isa, codes, s, xs);
             }
         }
         KvDtype::Model1Fp8 => {
@@ -467,15 +476,7 @@ fn load_row_bf16(isa: CpuIsa, l: &KvLayout, cache: &[u8], slot: usize, row: &mut
                 .zip(sc)
             {
                 let s = ue8m0_to_f32(b);
-                if let Some(k) = pow2_exponent(s) {
-                    widen::e4m3_row_pow2(isa, codes, k, xs);
-                    continue;
-                }
-                for (x, &c) in xs.iter_mut().zip(codes) {
-                    let v = f32_daz(e4m3_f32(c) * s);
-                    low |= v.to_bits() & 0xffff;
-                    *x = bits(v);
-                }
+                low |= tile_bf16(isa, codes, s, xs);
             }
         }
     }

@@ -501,7 +501,7 @@ impl Ctx<'_> {
                     scale[j] = 1.0;
                 }
                 IndexKDtype::Fp8E4m3 { .. } => {
-                    widen::e4m3_row(self.isa, vals, dst);
+                    widen::e4m3_row_pow2(self.isa, vals, 0, dst);
                     scale[j] = match l.slot_scale_bytes(slot) {
                         Some(r) => {
                             let b = &self.cache[r];
@@ -517,11 +517,7 @@ impl Ctx<'_> {
                         .zip(vals.chunks_exact(FP4_GROUP / 2))
                         .zip(scales)
                     {
-                        // Always arrays: groups of FP4_GROUP = 32 values in 16 bytes.
-                        const _: () = assert!(FP4_GROUP == 32);
-                        if let (Ok(xs), Ok(packed)) = (xs.try_into(), packed.try_into()) {
-                            widen::fp4_group(self.isa, packed, sb, xs);
-                        }
+                        widen::fp4_group(self.isa, packed, sb, xs);
                     }
                     scale[j] = 1.0;
                 }

@@ -149,8 +149,7 @@ unsafe fn sum_avx2(page: &[u8]) -> (u64, usize) {
     };
     // Each chunk: words 0..8 in two vectors, words 8..CHUNK_WORDS by the scalar unit (the
     // 64-bit multiplies there run beside the vector ones).
-    const SCALAR_WORDS: usize = AVX2_SCALAR_WORDS;
-    const CHUNK_WORDS: u64 = 8 + SCALAR_WORDS as u64;
+    const CHUNK_WORDS: u64 = 8 + AVX2_SCALAR_WORDS as u64;
     let n = page.len() / (8 * CHUNK_WORDS as usize) * (8 * CHUNK_WORDS as usize);
     let phi = |j: u64| PHI.wrapping_mul(j) as i64;
     let mut ip = _mm256_setr_epi64x(phi(0), phi(1), phi(2), phi(3));
@@ -171,7 +170,7 @@ unsafe fn sum_avx2(page: &[u8]) -> (u64, usize) {
         };
         a = _mm256_add_epi64(a, mix(_mm256_xor_si256(x, ip)));
         b = _mm256_add_epi64(b, mix(_mm256_xor_si256(y, _mm256_add_epi64(ip, half))));
-        for (j, w) in page[at + 64..at + 64 + 8 * SCALAR_WORDS]
+        for (j, w) in page[at + 64..at + 64 + 8 * AVX2_SCALAR_WORDS]
             .chunks_exact(8)
             .enumerate()
         {

@@ -206,14 +206,7 @@ impl<'a> Spans<'a> {
     #[inline(always)]
     unsafe fn kv_token(&self, layout: &KvLayout, slot: usize) -> (&mut [u8], &mut [u8]) {
         let row = layout.slot_token_bytes(slot);
-        let scales = match layout.scale_section_offset() {
-            Some(base) => {
-                let a = layout.slot_addr(slot);
-                let at = layout.page_bytes(a.page).start + base + a.offset * MODEL1_SCALE_BYTES;
-                at..at + MODEL1_SCALE_BYTES
-            }
-            None => 0..0,
-        };
+        let scales = layout.slot_scale_entry_bytes(slot).unwrap_or(0..0);
         // SAFETY: a slot's row and scale bytes are disjoint, and disjoint from every other
         // slot's (the caller holds no other span of this slot).
         unsafe { (self.span(row), self.span(scales)) }
@@ -377,13 +370,7 @@ crate::isa_dispatch! {
     /// [`write_kv_token`] on the vector path `isa` (the whole token compiled for it).
     pub fn write_kv_token_on(layout: &KvLayout, page: &mut [u8], offset: usize, kv: &[bf16]) =
         |ISA| {
-            let scales = match layout.scale_section_offset() {
-                Some(base) => {
-                    let at = base + offset * MODEL1_SCALE_BYTES;
-                    at..at + MODEL1_SCALE_BYTES
-                }
-                None => 0..0,
-            };
+            let scales = layout.scale_entry_range(offset).unwrap_or(0..0);
             let (token, scales) = two_spans(page, layout.token_range(offset), scales);
             write_kv_row(layout, token, scales, kv)
         };

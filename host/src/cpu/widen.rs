@@ -1,5 +1,5 @@
-//! Quantised key rows widened to bf16 bits for the `vdpbf16ps` kernels: e4m3 codes (each
-//! code's value, exact: at most 4 significant bits) and fp4 groups (e2m1 × the group's
+//! Quantised key rows widened to bf16 bits for the `vdpbf16ps` kernels: e4m3 codes times
+//! a power of two (exact: at most 4 significant bits) and fp4 groups (e2m1 × the group's
 //! ue8m0 scale, exact while the products stay normal). On the `avx512bf16` path by word
 //! table lookups (`vpermi2w`, `vpermw`: 32 values per instruction), elsewhere value by
 //! value; the same bits either way ([`tests`]).
@@ -10,12 +10,6 @@ use sparsekit_kernels::mx::{e2m1_to_f32, ue8m0_to_f32};
 use super::dot::{e4m3_f32, f32_daz};
 use super::isa::CpuIsa;
 
-/// bf16 bits of the e4m3 code `c`'s value: the top half of [`e4m3_f32`] (NaN `0x7fc0`).
-#[inline(always)]
-pub fn e4m3_bf16(c: u8) -> u16 {
-    (e4m3_f32(c).to_bits() >> 16) as u16
-}
-
 /// bf16 bits of the fp4 code `n` (4 bits) times the scale of ue8m0 byte `sb`, a subnormal
 /// product flushed to signed zero (what `vdpbf16ps` reads), NaN for scale byte `0xff`.
 #[inline(always)]
@@ -23,32 +17,18 @@ pub fn fp4_bf16(n: u8, sb: u8) -> u16 {
     (f32_daz(e2m1_to_f32(n) * ue8m0_to_f32(sb)).to_bits() >> 16) as u16
 }
 
-/// `out[i] = e4m3_bf16(codes[i])` on the vector path `isa`.
-pub fn e4m3_row(isa: CpuIsa, codes: &[u8], out: &mut [u16]) {
-    let n = codes.len().min(out.len());
-    #[cfg(target_arch = "x86_64")]
-    if isa.isa().bf16_dot() {
-        // SAFETY: the avx512bf16 path exists only on a CPU with AVX-512F and AVX-512BW.
-        unsafe { x86::e4m3_row(&codes[..n], &mut out[..n]) };
-        return;
-    }
-    let _ = isa;
-    for (x, &c) in out[..n].iter_mut().zip(&codes[..n]) {
-        *x = e4m3_bf16(c);
-    }
-}
-
 /// `out[i]` = the bf16 bits of `e4m3(codes[i]) · 2^k`, a subnormal product flushed to
 /// signed zero — `f32_daz(e4m3_f32(c) · s)`'s top half for the power-of-two scale `s =
-/// 2^k` — on the vector path `isa`. Exact (every product is a bf16 value).
+/// 2^k` (`k = 0`: the codes' own values) — on the vector path `isa`. Exact (every product
+/// is a bf16 value).
 pub fn e4m3_row_pow2(isa: CpuIsa, codes: &[u8], k: i32, out: &mut [u16]) {
     let n = codes.len().min(out.len());
     // Nonzero e4m3 magnitudes span 2^-9 ..= 448: their products stay normal bf16 values
     // for `k` in -117..=119 (the table path adds `k` to the exponent field).
     #[cfg(target_arch = "x86_64")]
     if isa.isa().bf16_dot() && (-117..=119).contains(&k) {
-        // SAFETY: as in `e4m3_row`.
-        unsafe { x86::e4m3_row_scaled(&codes[..n], k, &mut out[..n]) };
+        // SAFETY: the avx512bf16 path exists only on a CPU with AVX-512F and AVX-512BW.
+        unsafe { x86::e4m3_row(&codes[..n], k, &mut out[..n]) };
         return;
     }
     let _ = isa;
@@ -58,15 +38,17 @@ pub fn e4m3_row_pow2(isa: CpuIsa, codes: &[u8], k: i32, out: &mut [u16]) {
     }
 }
 
-/// One fp4 group: the 32 values of `packed` (16 bytes, the even element in the low nibble)
-/// times the scale of ue8m0 byte `sb`, as bf16 bits ([`fp4_bf16`]), on the vector path
-/// `isa`.
-pub fn fp4_group(isa: CpuIsa, packed: &[u8; 16], sb: u8, out: &mut [u16; 32]) {
+/// One fp4 group: the 32 values of `packed` (its first 16 bytes, the even element in the
+/// low nibble) times the scale of ue8m0 byte `sb`, as bf16 bits ([`fp4_bf16`]) into the
+/// first 32 words of `out`, on the vector path `isa`. Panics if `packed` is shorter than 16
+/// bytes or `out` than 32 words.
+pub fn fp4_group(isa: CpuIsa, packed: &[u8], sb: u8, out: &mut [u16]) {
+    let (packed, out) = (&packed[..16], &mut out[..32]);
     // Products of a nonzero e2m1 (0.5 ..= 6) and 2^(sb − 127) stay normal bf16 values for
     // `sb` in 2..=252; other scales (and NaN, 0xff) go value by value.
     #[cfg(target_arch = "x86_64")]
     if isa.isa().bf16_dot() && (2..=252).contains(&sb) {
-        // SAFETY: as in `e4m3_row`.
+        // SAFETY: as in `e4m3_row_pow2`; 16 bytes and 32 words (sliced above).
         unsafe { x86::fp4_group(packed, sb, out) };
         return;
     }
@@ -104,25 +86,14 @@ mod x86 {
 
     use super::{e4m3_f32, f32_daz, E2M1_VALUES, E4M3_MAGNITUDES};
 
-    /// [`super::e4m3_row`].
-    ///
-    /// # Safety
-    /// The CPU has AVX-512F and AVX-512BW; `codes` and `out` have the same length.
-    #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn e4m3_row(codes: &[u8], out: &mut [u16]) {
-        // SAFETY: the caller's.
-        unsafe { e4m3_row_scaled(codes, 0, out) }
-    }
-
-    /// [`super::e4m3_row_pow2`] for `k` in `-117..=119` (and [`super::e4m3_row`] at `k =
-    /// 0`): 32 codes at a time, the magnitude from two 64-entry word tables (`vpermi2w` on
+    /// [`super::e4m3_row_pow2`] for `k` in `-117..=119`: 32 codes at a time, the magnitude from two 64-entry word tables (`vpermi2w` on
     /// the low 6 bits, bit 6 picks the table), `k` added to the exponent of the finite
     /// nonzero ones, the sign or-ed in.
     ///
     /// # Safety
     /// The CPU has AVX-512F and AVX-512BW; `codes` and `out` have the same length.
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn e4m3_row_scaled(codes: &[u8], k: i32, out: &mut [u16]) {
+    pub(super) unsafe fn e4m3_row(codes: &[u8], k: i32, out: &mut [u16]) {
         debug_assert_eq!(codes.len(), out.len());
         debug_assert!((-117..=119).contains(&k));
         // SAFETY: the tables are 128 words; every load and store below is inside `codes`
@@ -132,7 +103,8 @@ mod x86 {
             let tab = |k: usize| _mm512_loadu_si512(t.add(32 * k).cast());
             let (t0, t1, t2, t3) = (tab(0), tab(1), tab(2), tab(3));
             let (bit6, signs) = (_mm512_set1_epi16(0x40), _mm512_set1_epi16(0x80));
-            let (magnitude, nan) = (_mm512_set1_epi16(0x7f), _mm512_set1_epi16(0x7f));
+            // Magnitude 0x7f is NaN: like 0, it keeps its table value.
+            let magnitude = _mm512_set1_epi16(0x7f);
             let shift = _mm512_set1_epi16((k << 7) as i16);
             let n = codes.len() / 32 * 32;
             let mut i = 0;
@@ -142,7 +114,7 @@ mod x86 {
                 let high = _mm512_permutex2var_epi16(t2, c, t3);
                 let v = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(c, bit6), low, high);
                 let m = _mm512_and_si512(c, magnitude);
-                let scaled = _mm512_test_epi16_mask(m, m) & _mm512_cmpneq_epi16_mask(m, nan);
+                let scaled = _mm512_test_epi16_mask(m, m) & _mm512_cmpneq_epi16_mask(m, magnitude);
                 let v = _mm512_mask_add_epi16(v, scaled, v, shift);
                 let sign = _mm512_slli_epi16::<8>(_mm512_and_si512(c, signs));
                 _mm512_storeu_si512(out.as_mut_ptr().add(i).cast(), _mm512_or_si512(v, sign));
@@ -161,9 +133,10 @@ mod x86 {
     /// ones (exact: the products stay normal).
     ///
     /// # Safety
-    /// The CPU has AVX-512F and AVX-512BW.
+    /// The CPU has AVX-512F and AVX-512BW; `packed` holds 16 bytes and `out` 32 words.
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn fp4_group(packed: &[u8; 16], sb: u8, out: &mut [u16; 32]) {
+    pub(super) unsafe fn fp4_group(packed: &[u8], sb: u8, out: &mut [u16]) {
+        debug_assert!(packed.len() >= 16 && out.len() >= 32);
         // SAFETY: 16 bytes read from `packed`, 32 words written to `out`, 16 words of the
         // table (the upper half of the vector is never indexed: codes are below 16).
         unsafe {
@@ -189,6 +162,12 @@ mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
 
+    /// bf16 bits of the e4m3 code `c`'s value: the top half of [`e4m3_f32`] (NaN
+    /// `0x7fc0`).
+    fn e4m3_bf16(c: u8) -> u16 {
+        (e4m3_f32(c).to_bits() >> 16) as u16
+    }
+
     /// Every path widens every e4m3 code to [`e4m3_bf16`]'s bits, over rows of every
     /// length around the vector width, codes in random order.
     #[test]
@@ -202,7 +181,7 @@ mod tests {
             codes.reverse();
             for isa in CpuIsa::available() {
                 let mut out = vec![0xaaaau16; len];
-                e4m3_row(isa, &codes, &mut out);
+                e4m3_row_pow2(isa, &codes, 0, &mut out);
                 for (&c, &x) in codes.iter().zip(&out) {
                     assert_eq!(x, e4m3_bf16(c), "{} code {c:#04x}", isa.isa());
                 }
@@ -212,7 +191,7 @@ mod tests {
         let codes: Vec<u8> = (0..=255).collect();
         for isa in CpuIsa::available() {
             let mut out = vec![0u16; 256];
-            e4m3_row(isa, &codes, &mut out);
+            e4m3_row_pow2(isa, &codes, 0, &mut out);
             for (&c, &x) in codes.iter().zip(&out) {
                 assert_eq!(x, e4m3_bf16(c), "{} code {c:#04x}", isa.isa());
             }

@@ -247,18 +247,23 @@ impl KvLayout {
     /// f32 each inside the row (fp8_ds_mla), one ue8m0 byte each in the scale section
     /// (model1_fp8, its pad byte excluded); empty for bf16.
     pub fn tile_scale_range(&self, offset: usize) -> Range<usize> {
-        debug_assert!(offset < self.page_size);
-        match self.scale_section_offset() {
-            Some(base) => {
-                let at = base + offset * MODEL1_SCALE_BYTES;
-                at..at + self.tiles_per_token()
-            }
+        match self.scale_entry_range(offset) {
+            Some(entry) => entry.start..entry.start + self.tiles_per_token(),
             None => {
                 let row = self.token_range(offset).start;
                 let s = self.scales_range();
                 row + s.start..row + s.end
             }
         }
+    }
+    /// Bytes of the token at `offset`'s whole entry in its page's scale section (model1_fp8:
+    /// the 7 ue8m0 tile scales and the pad byte); `None` for layouts without one.
+    pub fn scale_entry_range(&self, offset: usize) -> Option<Range<usize>> {
+        debug_assert!(offset < self.page_size);
+        self.scale_section_offset().map(|base| {
+            let at = base + offset * MODEL1_SCALE_BYTES;
+            at..at + MODEL1_SCALE_BYTES
+        })
     }
     /// Page and offset of `slot`.
     #[inline]
@@ -287,6 +292,15 @@ impl KvLayout {
         let r = self.tile_scale_range(a.offset);
         let base = self.page_bytes(a.page).start;
         base + r.start..base + r.end
+    }
+    /// Bytes of the scale-section entry of the token at `slot` in a pool of pages packed
+    /// from byte 0 (see [`Self::scale_entry_range`]).
+    #[inline]
+    pub fn slot_scale_entry_bytes(&self, slot: usize) -> Option<Range<usize>> {
+        let a = self.slot_addr(slot);
+        let base = self.page_bytes(a.page).start;
+        self.scale_entry_range(a.offset)
+            .map(|r| base + r.start..base + r.end)
     }
     /// Bytes of a buffer holding `num_pages` pages.
     pub fn buffer_bytes(&self, num_pages: usize) -> usize {

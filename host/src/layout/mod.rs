@@ -119,8 +119,9 @@ impl PageLayout {
             PageLayout::Kv(l) => (
                 0..l.token_range(n - 1).end,
                 // The scale section: 8 bytes a token (7 tile scales and the pad byte).
-                l.scale_section_offset()
-                    .map(|at| at..at + n * kv::MODEL1_SCALE_BYTES),
+                l.scale_entry_range(0)
+                    .zip(l.scale_entry_range(n - 1))
+                    .map(|(a, b)| a.start..b.end),
             ),
             PageLayout::IndexK(l) => (
                 0..l.value_range(n - 1).end,
