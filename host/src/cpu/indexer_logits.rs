@@ -386,24 +386,41 @@ impl Ctx<'_> {
         }
     }
 
+    /// The positions `from..to` of `request` split at page boundaries: `(j, slot, count)`
+    /// for positions `from + j .. from + j + count`, consecutive slots from `slot` in one
+    /// page (one page-table lookup and division per page, not per key).
+    #[inline(always)]
+    fn segments(
+        &self,
+        request: usize,
+        from: usize,
+        to: usize,
+    ) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+        let ps = self.layout.page_size();
+        let mut pos = from;
+        std::iter::from_fn(move || {
+            (pos < to).then(|| {
+                let end = to.min((pos / ps + 1) * ps);
+                let seg = (
+                    pos - from,
+                    self.page_table.slot(request, pos, ps),
+                    end - pos,
+                );
+                pos = end;
+                seg
+            })
+        })
+    }
+
     /// Prefetches the key bytes (values and scales) of positions `from..to` of `request`.
     #[inline(always)]
     fn prefetch_keys(&self, request: usize, from: usize, to: usize) {
         let l = &self.layout;
-        let ps = l.page_size();
-        let mut pos = from;
-        while pos < to {
-            let end = to.min((pos / ps + 1) * ps);
-            let (first, last) = (
-                self.page_table.slot(request, pos, ps),
-                self.page_table.slot(request, end - 1, ps),
-            );
-            let values = l.slot_value_bytes(first).start..l.slot_value_bytes(last).end;
-            prefetch(&self.cache[values]);
-            if let (Some(a), Some(b)) = (l.slot_scale_bytes(first), l.slot_scale_bytes(last)) {
-                prefetch(&self.cache[a.start..b.end]);
+        for (_, slot, count) in self.segments(request, from, to) {
+            prefetch(&self.cache[l.slot_run_value_bytes(slot, count)]);
+            if let Some(r) = l.slot_run_scale_bytes(slot, count) {
+                prefetch(&self.cache[r]);
             }
-            pos = end;
         }
     }
 
@@ -415,16 +432,27 @@ impl Ctx<'_> {
         if l.dtype() != IndexKDtype::Bf16 || n == 0 {
             return None;
         }
-        let ps = l.page_size();
-        let (first, last) = (
-            self.page_table.slot(request, b0, ps),
-            self.page_table.slot(request, b0 + n - 1, ps),
-        );
-        if first / ps != last / ps || last - first != n - 1 {
-            return None;
+        let mut segs = self.segments(request, b0, b0 + n);
+        match (segs.next(), segs.next()) {
+            (Some((_, slot, count)), None) => {
+                bytemuck::try_cast_slice(&self.cache[l.slot_run_value_bytes(slot, count)]).ok()
+            }
+            _ => None,
         }
-        let bytes = &self.cache[l.slot_value_bytes(first).start..l.slot_value_bytes(last).end];
-        bytemuck::try_cast_slice(bytes).ok()
+    }
+
+    /// Writes the f32 scales of the fp8 keys in slots `slot..slot + count` (one page) to
+    /// `out` (1 for a layout without scales).
+    #[inline(always)]
+    fn fp8_scales(&self, slot: usize, count: usize, out: &mut [f32]) {
+        match self.layout.slot_run_scale_bytes(slot, count) {
+            Some(r) => {
+                for (x, b) in out.iter_mut().zip(self.cache[r].chunks_exact(4)) {
+                    *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+            None => out[..count].fill(1.0),
+        }
     }
 
     /// Dequantises keys at positions `b0..b0+n` into rows of `krows[BLOCK][d]`.
@@ -432,33 +460,29 @@ impl Ctx<'_> {
     fn load_rows(&self, request: usize, b0: usize, n: usize, krows: &mut [f32], scale: &mut [f32]) {
         let l = &self.layout;
         let d = self.d;
-        for j in 0..n {
-            let slot = self.page_table.slot(request, b0 + j, l.page_size());
-            let vals = &self.cache[l.slot_value_bytes(slot)];
-            let dst = &mut krows[j * d..(j + 1) * d];
+        for (j, slot, count) in self.segments(request, b0, b0 + n) {
+            let vals = &self.cache[l.slot_run_value_bytes(slot, count)];
+            let dst = &mut krows[j * d..(j + count) * d];
+            let scale = &mut scale[j..j + count];
             match l.dtype() {
                 IndexKDtype::Bf16 => {
                     for (x, b) in dst.iter_mut().zip(vals.chunks_exact(2)) {
                         *x = bf16_daz(u16::from_le_bytes([b[0], b[1]]));
                     }
-                    scale[j] = 1.0;
+                    scale.fill(1.0);
                 }
                 IndexKDtype::Fp8E4m3 { .. } => {
                     for (x, &b) in dst.iter_mut().zip(vals) {
                         *x = e4m3_f32(b);
                     }
-                    scale[j] = match l.slot_scale_bytes(slot) {
-                        Some(r) => {
-                            let b = &self.cache[r];
-                            f32::from_le_bytes([b[0], b[1], b[2], b[3]])
-                        }
-                        None => 1.0,
-                    };
+                    self.fp8_scales(slot, count, scale);
                 }
                 IndexKDtype::Fp4E2m1 => {
                     // e2m1 × its group's power-of-two scale: exact in f32 (a NaN scale
                     // byte makes the group NaN).
-                    let scales = l.slot_scale_bytes(slot).map_or(&[][..], |r| &self.cache[r]);
+                    let scales = l
+                        .slot_run_scale_bytes(slot, count)
+                        .map_or(&[][..], |r| &self.cache[r]);
                     for ((xs, packed), &sb) in dst
                         .chunks_exact_mut(FP4_GROUP)
                         .zip(vals.chunks_exact(FP4_GROUP / 2))
@@ -470,14 +494,15 @@ impl Ctx<'_> {
                             x2[1] = f32_daz(e2m1_to_f32(b >> 4) * s);
                         }
                     }
-                    scale[j] = 1.0;
+                    scale.fill(1.0);
                 }
             }
         }
     }
 
     /// [`Ctx::load_rows`] as bf16 rows `kb[BLOCK][d]` (every key value is a bf16 value;
-    /// `vdpbf16ps` reads a subnormal as zero, as the f32 rows flush it).
+    /// `vdpbf16ps` reads a subnormal as zero, as the f32 rows flush it). A page's keys are
+    /// widened by one call (their value rows are adjacent).
     #[inline(always)]
     fn load_rows_bf16(
         &self,
@@ -489,29 +514,25 @@ impl Ctx<'_> {
     ) {
         let l = &self.layout;
         let d = self.d;
-        for j in 0..n {
-            let slot = self.page_table.slot(request, b0 + j, l.page_size());
-            let vals = &self.cache[l.slot_value_bytes(slot)];
-            let dst = &mut kb[j * d..(j + 1) * d];
+        for (j, slot, count) in self.segments(request, b0, b0 + n) {
+            let vals = &self.cache[l.slot_run_value_bytes(slot, count)];
+            let dst = &mut kb[j * d..(j + count) * d];
+            let scale = &mut scale[j..j + count];
             match l.dtype() {
                 IndexKDtype::Bf16 => {
                     for (x, b) in dst.iter_mut().zip(vals.chunks_exact(2)) {
                         *x = u16::from_le_bytes([b[0], b[1]]);
                     }
-                    scale[j] = 1.0;
+                    scale.fill(1.0);
                 }
                 IndexKDtype::Fp8E4m3 { .. } => {
                     widen::e4m3_row_pow2(self.isa, vals, 0, dst);
-                    scale[j] = match l.slot_scale_bytes(slot) {
-                        Some(r) => {
-                            let b = &self.cache[r];
-                            f32::from_le_bytes([b[0], b[1], b[2], b[3]])
-                        }
-                        None => 1.0,
-                    };
+                    self.fp8_scales(slot, count, scale);
                 }
                 IndexKDtype::Fp4E2m1 => {
-                    let scales = l.slot_scale_bytes(slot).map_or(&[][..], |r| &self.cache[r]);
+                    let scales = l
+                        .slot_run_scale_bytes(slot, count)
+                        .map_or(&[][..], |r| &self.cache[r]);
                     for ((xs, packed), &sb) in dst
                         .chunks_exact_mut(FP4_GROUP)
                         .zip(vals.chunks_exact(FP4_GROUP / 2))
@@ -519,7 +540,7 @@ impl Ctx<'_> {
                     {
                         widen::fp4_group(self.isa, packed, sb, xs);
                     }
-                    scale[j] = 1.0;
+                    scale.fill(1.0);
                 }
             }
         }

@@ -64,7 +64,9 @@ impl Isa {
             }
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => {
-                std::arch::is_x86_feature_detected!("fma")
+                // Every AVX-512 CPU has AVX2; checked too, as AVX-512 paths use AVX2 code
+                // for 8-wide edges.
+                Isa::Avx2.supported()
                     && std::arch::is_x86_feature_detected!("popcnt")
                     && std::arch::is_x86_feature_detected!("avx512f")
                     && std::arch::is_x86_feature_detected!("avx512bw")

@@ -1,6 +1,7 @@
 //! f32 matrix transposes (exact: values are moved, never computed), for the epilogues that
-//! read a GEMM's `Cᵀ` along its other dimension: 16 × 16 register tiles on AVX-512, 8 × 8
-//! on AVX2, element by element elsewhere and at the edges.
+//! read a GEMM's `Cᵀ` along its other dimension: 16 × 16 register tiles on AVX-512 (8 × 8
+//! ones on the strips a dimension that is not a multiple of 16 leaves), 8 × 8 on AVX2,
+//! element by element elsewhere and at the edges.
 
 use super::isa::{CpuIsa, Isa};
 
@@ -22,10 +23,24 @@ pub fn transpose(
     #[cfg(target_arch = "x86_64")]
     match isa.isa() {
         Isa::Avx512Bf16 | Isa::Avx512 => {
-            // SAFETY: the path's CpuIsa exists only on a CPU with AVX-512F; the slices hold
-            // the matrices (asserted above).
-            unsafe { x86::tiles16(m, n, src.as_ptr(), lds, dst.as_mut_ptr(), ldd) };
-            edges(m, n, m / 16 * 16, n / 16 * 16, src, lds, dst, ldd);
+            let (m16, n16, m8, n8) = (m / 16 * 16, n / 16 * 16, m / 8 * 8, n / 8 * 8);
+            // SAFETY: the path's CpuIsa exists only on a CPU with AVX-512F and AVX2
+            // (`Isa::supported`); the slices hold the matrices (asserted above). The three
+            // calls cover rows `0..m16` × columns `0..n16`, rows `0..m16` × columns
+            // `n16..n8` and rows `m16..m8` × columns `0..n8`: every pointer offset below is
+            // the first element of that sub-matrix (called only when it is not empty), inside both
+            // slices.
+            unsafe {
+                let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
+                x86::tiles16(m16, n16, s, lds, d, ldd);
+                if n8 > n16 && m16 > 0 {
+                    x86::tiles8(m16, n8 - n16, s.add(n16), lds, d.add(n16 * ldd), ldd);
+                }
+                if m8 > m16 && n8 > 0 {
+                    x86::tiles8(m8 - m16, n8, s.add(m16 * lds), lds, d.add(m16), ldd);
+                }
+            }
+            edges(m, n, m8, n8, src, lds, dst, ldd);
             return;
         }
         Isa::Avx2 => {
@@ -194,6 +209,8 @@ mod tests {
             (8, 24),
             (17, 9),
             (64, 8),
+            (8, 64),
+            (40, 56),
             (5, 128),
         ] {
             let (lds, ldd) = (n + 3, m + 5);

@@ -120,9 +120,11 @@ mod x86 {
                 _mm512_storeu_si512(out.as_mut_ptr().add(i).cast(), _mm512_or_si512(v, sign));
                 i += 32;
             }
-            let s = 2f32.powi(k);
-            for (x, &c) in out[n..].iter_mut().zip(&codes[n..]) {
-                *x = (f32_daz(e4m3_f32(c) * s).to_bits() >> 16) as u16;
+            if n < codes.len() {
+                let s = 2f32.powi(k);
+                for (x, &c) in out[n..].iter_mut().zip(&codes[n..]) {
+                    *x = (f32_daz(e4m3_f32(c) * s).to_bits() >> 16) as u16;
+                }
             }
         }
     }

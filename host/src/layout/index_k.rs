@@ -182,6 +182,27 @@ impl IndexKLayout {
         self.scale_range(a.offset)
             .map(|r| base + r.start..base + r.end)
     }
+    /// Bytes of the values of `count ≥ 1` consecutive slots from `slot`, all in one page: a
+    /// page stores its tokens' values adjacent in token order, so this is one range.
+    #[inline]
+    pub fn slot_run_value_bytes(&self, slot: usize, count: usize) -> Range<usize> {
+        let a = self.slot_addr(slot);
+        debug_assert!(count >= 1 && a.offset + count <= self.page_size);
+        let v = self.value_bytes_per_token();
+        let start = self.page_bytes(a.page).start + a.offset * v;
+        start..start + count * v
+    }
+    /// Bytes of the scales of `count ≥ 1` consecutive slots from `slot`, all in one page
+    /// (adjacent in token order, as the values; fp8, fp4).
+    #[inline]
+    pub fn slot_run_scale_bytes(&self, slot: usize, count: usize) -> Option<Range<usize>> {
+        let a = self.slot_addr(slot);
+        debug_assert!(count >= 1 && a.offset + count <= self.page_size);
+        let n = self.scale_bytes_per_token();
+        let base = self.page_bytes(a.page).start;
+        self.scale_section_offset()
+            .map(|s| base + s + a.offset * n..base + s + (a.offset + count) * n)
+    }
     /// Bytes of a buffer holding `num_pages` pages.
     pub fn buffer_bytes(&self, num_pages: usize) -> usize {
         self.bytes_per_page() * num_pages

@@ -51,6 +51,31 @@ fn slot_addresses_come_from_the_layout() {
 }
 
 #[test]
+fn slot_runs_are_the_union_of_their_slots() {
+    for dtype in [IndexKDtype::FP8, IndexKDtype::Bf16, IndexKDtype::Fp4E2m1] {
+        for (d, ps) in [(128, 64), (128, 37), (128, 1), (256, 256)] {
+            let l = IndexKLayout::new(dtype, d, ps).unwrap();
+            for (slot, count) in [(0, 1), (3 * ps, ps), (2 * ps + ps / 2, ps - ps / 2)] {
+                let (first, last) = (slot, slot + count - 1);
+                let values = l.slot_value_bytes(first).start..l.slot_value_bytes(last).end;
+                assert_eq!(
+                    l.slot_run_value_bytes(slot, count),
+                    values,
+                    "{l:?} {slot}+{count}"
+                );
+                assert_eq!(values.len(), count * l.value_bytes_per_token());
+                let scales = l.slot_scale_bytes(first).zip(l.slot_scale_bytes(last));
+                assert_eq!(
+                    l.slot_run_scale_bytes(slot, count),
+                    scales.map(|(a, b)| a.start..b.end),
+                    "{l:?} {slot}+{count}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn dsv32_kv_sizes() {
     let bf16 = KvLayout::new(KvDtype::Bf16, 512, 64, 64).unwrap();
     assert_eq!(bf16.bytes_per_token(), 1152);
