@@ -20,7 +20,8 @@
 use half::bf16;
 
 use super::dot::{
-    bf16_daz, e4m3_f32, f32_daz, gemm_bf16, gemm_bf16_into, padded_cols, round_bf16_daz, PairDims,
+    bf16_daz, e4m3_f32, f32_daz, gemm_bf16, gemm_bf16_into, padded_cols, round_bf16,
+    round_bf16_daz, PairDims,
 };
 use super::gemm::{gemm_acc_pairs, gemm_pairs_into, Dims};
 use super::isa::{prefetch, CpuIsa};
@@ -76,6 +77,10 @@ pub(crate) struct Scratch {
     pub(crate) sum: Vec<f32>,
     /// The token's valid keys: (source, slot), in attention order.
     pub(crate) valid: Vec<(u8, usize)>,
+    /// The first keys (at most [`BLOCK`]) of the task this rayon worker most likely runs
+    /// next, prefetched while the last block of this one is gathered; empty when that
+    /// task reads the same keys.
+    pub(crate) ahead: Vec<(u8, usize)>,
 }
 
 impl Scratch {
@@ -130,6 +135,7 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
         m,
         sum,
         valid,
+        ahead,
         ..
     } = scratch;
     // The keys are scattered cache rows: ask for each one a block before it is gathered
@@ -170,7 +176,11 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
     sum.fill(0.0);
     for (b, block) in valid.chunks(BLOCK).enumerate() {
         let n = block.len();
-        let next = valid.get((b + 1) * BLOCK..).unwrap_or(&[]);
+        // The next block's keys, or after the last block the next task's.
+        let next = match valid.get((b + 1) * BLOCK..) {
+            Some(rest) if !rest.is_empty() => rest,
+            _ => &ahead[..],
+        };
         let mut exact = bf16_dot;
         if bf16_dot {
             for (j, &(src, slot)) in block.iter().enumerate() {
@@ -284,6 +294,16 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
             gemm_acc_pairs(isa, dims, p, k, o);
         }
     }
+}
+
+crate::isa_dispatch! {
+    /// `dst[i] = bf16(o[i] · inv · factor)`: two f32 products in that order, then
+    /// [`round_bf16`] (as `half::bf16::from_f32`), compiled for the vector path.
+    pub(crate) fn scaled_to_bf16(o: &[f32], inv: f32, factor: f32, dst: &mut [bf16]) = |ISA| {
+        for (x, &v) in dst.iter_mut().zip(o) {
+            *x = bf16::from_bits(round_bf16(v * inv * factor));
+        }
+    };
 }
 
 /// Lanes of the softmax's reductions: a fixed structure, so every path (whatever its vector

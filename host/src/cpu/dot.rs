@@ -58,14 +58,13 @@ pub fn f32_daz(x: f32) -> f32 {
     })
 }
 
-/// f32 rounded to bf16 (nearest, ties to even; NaN stays NaN), a subnormal result flushed
-/// to signed zero: the bf16 bits a dot product of every path reads.
+/// f32 rounded to bf16 bits: nearest, ties to even, NaN stays NaN (quietened) — the bits
+/// of `half::bf16::from_f32`, without its early return so that a row of these vectorises.
 #[inline(always)]
-pub fn round_bf16_daz(x: f32) -> u16 {
-    // `f32_to_bf16` without its early return, so that a row of these vectorises: round to
-    // nearest even by adding 0x7fff plus the kept part's lowest bit (the carry rounds up
-    // exactly when the dropped half exceeds one half, or equals it with an odd kept part);
-    // NaN keeps its top half, quietened.
+pub fn round_bf16(x: f32) -> u16 {
+    // Round to nearest even by adding 0x7fff plus the kept part's lowest bit (the carry
+    // rounds up exactly when the dropped half exceeds one half, or equals it with an odd
+    // kept part); NaN keeps its top half, quietened.
     let b = x.to_bits();
     let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16;
     let r = if b & 0x7fff_ffff > 0x7f80_0000 {
@@ -73,7 +72,14 @@ pub fn round_bf16_daz(x: f32) -> u16 {
     } else {
         rounded
     };
-    let r = r as u16;
+    r as u16
+}
+
+/// [`round_bf16`] with a subnormal result flushed to signed zero: the bf16 bits a dot
+/// product of every path reads.
+#[inline(always)]
+pub fn round_bf16_daz(x: f32) -> u16 {
+    let r = round_bf16(x);
     if r & 0x7f80 == 0 {
         r & 0x8000
     } else {
@@ -391,6 +397,26 @@ mod tests {
         for _ in 0..1_000_000 {
             let x = f32::from_bits(rng.gen());
             assert_eq!(round_bf16_daz(x), want(x), "{:#010x}", x.to_bits());
+        }
+    }
+
+    #[test]
+    fn round_bf16_is_half_from_f32() {
+        let want = |x: f32| half::bf16::from_f32(x).to_bits();
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        let mantissas = [
+            0u32, 1, 0x7fff, 0x8000, 0x8001, 0xffff, 0x1_0000, 0x1_7fff, 0x1_8000, 0x1_8001,
+            0x40_0000, 0x7f_7fff, 0x7f_8000, 0x7f_8001, 0x7f_ffff,
+        ];
+        for top in 0..=0x1ffu32 {
+            for &m in &mantissas {
+                let x = f32::from_bits(top << 23 | m);
+                assert_eq!(round_bf16(x), want(x), "{:#010x}", x.to_bits());
+            }
+        }
+        for _ in 0..1_000_000 {
+            let x = f32::from_bits(rng.gen());
+            assert_eq!(round_bf16(x), want(x), "{:#010x}", x.to_bits());
         }
     }
 

@@ -18,9 +18,12 @@
 use half::bf16;
 use rayon::prelude::*;
 
+use std::cell::RefCell;
+
 use super::dot::{bf16_daz, e4m3_f32, f32_daz, gemm_bf16_into, padded_cols, PairDims};
 use super::gemm::{gemm_pairs_into, Dims};
 use super::isa::{prefetch, CpuIsa};
+use super::scratch;
 use super::transpose::transpose;
 use super::widen;
 use crate::layout::{IndexKDtype, IndexKLayout, FP4_GROUP};
@@ -86,15 +89,20 @@ pub fn indexer_logits(
         weights,
         cache,
     };
-    tasks
-        .into_par_iter()
-        .for_each_init(Scratch::default, |scratch, (g, col0, mut cells)| {
+    tasks.into_par_iter().for_each(|(g, col0, mut cells)| {
+        scratch::with(&SCRATCH, |scratch| {
             run_task(isa, &ctx, g, col0, &mut cells, scratch)
-        });
+        })
+    });
 }
 
-/// The working buffers of one task, reused by the tasks a rayon job runs (no allocation
-/// per task once sized).
+thread_local! {
+    /// This thread's working buffers ([`scratch`]).
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// The working buffers of one task, reused by every task its thread runs (no allocation
+/// once sized).
 #[derive(Default)]
 struct Scratch {
     /// Qᵀ `[d × m]` of the group's `m = rows × heads` query heads (f32 paths).

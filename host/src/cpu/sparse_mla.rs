@@ -9,9 +9,17 @@
 use half::bf16;
 use rayon::prelude::*;
 
-use super::attend::{attend_task, AttnDims, Scratch, Source};
+use std::cell::RefCell;
+
+use super::attend::{attend_task, scaled_to_bf16, AttnDims, Scratch, Source, BLOCK};
 use super::isa::CpuIsa;
+use super::scratch;
 use crate::ops::SparseMla;
+thread_local! {
+    /// This thread's working buffers ([`scratch`]).
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
 /// Heads per task at most.
 const MAX_HEAD_CHUNK: usize = 64;
 
@@ -33,37 +41,56 @@ pub fn sparse_mla(
         .unwrap_or(1);
     let (dqk, dv) = (op.layout.d_qk(), op.layout.nope_dim());
     let chunks_per_token = h / hc;
+    let n_tokens = out.len() / (h * dv).max(1);
     out.par_chunks_mut(hc * dv)
         .zip(lse.par_chunks_mut(hc))
         .enumerate()
-        .for_each_init(Scratch::default, |scratch, (task, (out, lse))| {
-            let t = task / chunks_per_token;
-            let h0 = (task % chunks_per_token) * hc;
-            let qrow = &q[(t * h + h0) * dqk..(t * h + h0 + hc) * dqk];
-            let idx = &indices[t * op.topk..(t + 1) * op.topk];
-            scratch.size(isa, dqk, dv, hc);
-            scratch.valid.clear();
-            scratch
-                .valid
-                .extend(idx.iter().filter(|&&i| i >= 0).map(|&i| (0, i as usize)));
-            let sources = [Source {
-                layout: &op.layout,
-                cache,
-            }];
-            let dims = AttnDims {
-                dqk,
-                dv,
-                hc,
-                scale: op.softmax_scale,
-            };
-            attend_task(isa, dims, qrow, &sources, scratch);
-            finish_v32(dims, &scratch.valid, scratch, out, lse);
+        .for_each(|(task, (out, lse))| {
+            scratch::with(&SCRATCH, |scratch| {
+                let t = task / chunks_per_token;
+                let h0 = (task % chunks_per_token) * hc;
+                let qrow = &q[(t * h + h0) * dqk..(t * h + h0 + hc) * dqk];
+                scratch.size(isa, dqk, dv, hc);
+                let keys = |t: usize| {
+                    indices[t * op.topk..(t + 1) * op.topk]
+                        .iter()
+                        .filter(|&&i| i >= 0)
+                        .map(|&i| (0, i as usize))
+                };
+                scratch.valid.clear();
+                scratch.valid.extend(keys(t));
+                // The next task (this worker's likely next) reads another token's keys when
+                // this is the token's last head chunk.
+                scratch.ahead.clear();
+                if h0 + hc == h && t + 1 < n_tokens {
+                    scratch.ahead.extend(keys(t + 1).take(BLOCK));
+                }
+                let sources = [Source {
+                    layout: &op.layout,
+                    cache,
+                }];
+                let dims = AttnDims {
+                    dqk,
+                    dv,
+                    hc,
+                    scale: op.softmax_scale,
+                };
+                attend_task(isa, dims, qrow, &sources, scratch);
+                finish_v32(isa, dims, &scratch.valid, scratch, out, lse);
+            })
         });
 }
 
 /// DeepSeek-V3.2's output of a task: `out = O / sum` (bf16), `lse = m + ln sum`; a token
 /// without a valid slot gets `out = 0`, `lse = -inf`.
-fn finish_v32(d: AttnDims, valid: &[(u8, usize)], s: &Scratch, out: &mut [bf16], lse: &mut [f32]) {
+fn finish_v32(
+    isa: CpuIsa,
+    d: AttnDims,
+    valid: &[(u8, usize)],
+    s: &Scratch,
+    out: &mut [bf16],
+    lse: &mut [f32],
+) {
     // "No valid slot" is decided by the slots, never by the sum: a NaN or infinite score
     // makes the sum NaN, and that NaN must reach out and lse (as in the reference), not
     // pass for the empty-attention values.
@@ -71,10 +98,8 @@ fn finish_v32(d: AttnDims, valid: &[(u8, usize)], s: &Scratch, out: &mut [bf16],
     for i in 0..d.hc {
         let dst = &mut out[i * dv..(i + 1) * dv];
         if !valid.is_empty() {
-            let inv = 1.0 / s.sum[i];
-            for (x, &o) in dst.iter_mut().zip(&s.o[i * dv..(i + 1) * dv]) {
-                *x = bf16::from_f32(o * inv);
-            }
+            // `o · inv · 1` is `o · inv`, bit for bit.
+            scaled_to_bf16(isa, &s.o[i * dv..(i + 1) * dv], 1.0 / s.sum[i], 1.0, dst);
             lse[i] = s.m[i] + s.sum[i].ln();
         } else {
             dst.fill(bf16::ZERO);

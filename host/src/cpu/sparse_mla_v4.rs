@@ -7,9 +7,17 @@
 use half::bf16;
 use rayon::prelude::*;
 
-use super::attend::{attend_task, AttnDims, Scratch, Source};
+use std::cell::RefCell;
+
+use super::attend::{attend_task, scaled_to_bf16, AttnDims, Scratch, Source, BLOCK};
 use super::isa::CpuIsa;
+use super::scratch;
 use crate::ops::SparseMlaV4;
+
+thread_local! {
+    /// This thread's working buffers ([`scratch`]).
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
 
 /// Heads per task at most.
 const MAX_HEAD_CHUNK: usize = 64;
@@ -38,6 +46,7 @@ pub fn sparse_mla_v4(
         .unwrap_or(1);
     let d = SparseMlaV4::D;
     let chunks_per_token = h / hc;
+    let n_tokens = out.len() / (h * d).max(1);
     let mut sources = vec![Source {
         layout: &op.main.layout,
         cache: call.main.0,
@@ -57,35 +66,51 @@ pub fn sparse_mla_v4(
     out.par_chunks_mut(hc * d)
         .zip(lse.par_chunks_mut(hc))
         .enumerate()
-        .for_each_init(Scratch::default, |scratch, (task, (out, lse))| {
-            let t = task / chunks_per_token;
-            let h0 = (task % chunks_per_token) * hc;
-            scratch.size(isa, d, d, hc);
-            scratch.valid.clear();
-            let lists = std::iter::once((&op.main, call.main.1)).chain(
-                op.extra
-                    .as_ref()
-                    .zip(call.extra)
-                    .map(|(c, (_, idx))| (c, idx)),
-            );
-            for (src, (c, idx)) in lists.enumerate() {
-                let used = &idx[t * c.topk..t * c.topk + c.length(t)];
-                scratch.valid.extend(
-                    used.iter()
-                        .filter(|&&i| i >= 0)
-                        .map(|&i| (src as u8, i as usize)),
-                );
-            }
-            let qrow = &call.q[(t * h + h0) * d..(t * h + h0 + hc) * d];
-            attend_task(isa, dims, qrow, &sources, scratch);
-            let sink = op.attn_sink.map(|s| &s[h0..h0 + hc]);
-            finish(dims, scratch, sink, out, lse);
+        .for_each(|(task, (out, lse))| {
+            scratch::with(&SCRATCH, |scratch| {
+                let t = task / chunks_per_token;
+                let h0 = (task % chunks_per_token) * hc;
+                scratch.size(isa, d, d, hc);
+                // Token `t`'s keys: main's used entries that are not -1, then extra's.
+                let keys = |t: usize| {
+                    let lists = std::iter::once((&op.main, call.main.1)).chain(
+                        op.extra
+                            .as_ref()
+                            .zip(call.extra)
+                            .map(|(c, (_, idx))| (c, idx)),
+                    );
+                    lists.enumerate().flat_map(move |(src, (c, idx))| {
+                        idx[t * c.topk..t * c.topk + c.length(t)]
+                            .iter()
+                            .filter(|&&i| i >= 0)
+                            .map(move |&i| (src as u8, i as usize))
+                    })
+                };
+                scratch.valid.clear();
+                scratch.valid.extend(keys(t));
+                // As in the V3.2 op: the next token's first keys after its last head chunk.
+                scratch.ahead.clear();
+                if h0 + hc == h && t + 1 < n_tokens {
+                    scratch.ahead.extend(keys(t + 1).take(BLOCK));
+                }
+                let qrow = &call.q[(t * h + h0) * d..(t * h + h0 + hc) * d];
+                attend_task(isa, dims, qrow, &sources, scratch);
+                let sink = op.attn_sink.map(|s| &s[h0..h0 + hc]);
+                finish(isa, dims, scratch, sink, out, lse);
+            })
         });
 }
 
 /// DeepSeek-V4's output of a task: `lse = m + ln sum` (without the sink), `out = O / sum ·
 /// 1 / (1 + exp(sink − lse))` (bf16); without a valid key `out = 0`, `lse = +inf`.
-fn finish(d: AttnDims, s: &Scratch, sink: Option<&[f32]>, out: &mut [bf16], lse: &mut [f32]) {
+fn finish(
+    isa: CpuIsa,
+    d: AttnDims,
+    s: &Scratch,
+    sink: Option<&[f32]>,
+    out: &mut [bf16],
+    lse: &mut [f32],
+) {
     let dv = d.dv;
     for i in 0..d.hc {
         let dst = &mut out[i * dv..(i + 1) * dv];
@@ -96,10 +121,7 @@ fn finish(d: AttnDims, s: &Scratch, sink: Option<&[f32]>, out: &mut [bf16], lse:
         }
         let l = s.m[i] + s.sum[i].ln();
         let factor = sink.map_or(1.0, |sk| 1.0 / (1.0 + (sk[i] - l).exp()));
-        let inv = 1.0 / s.sum[i];
-        for (x, &o) in dst.iter_mut().zip(&s.o[i * dv..(i + 1) * dv]) {
-            *x = bf16::from_f32(o * inv * factor);
-        }
+        scaled_to_bf16(isa, &s.o[i * dv..(i + 1) * dv], 1.0 / s.sum[i], factor, dst);
         lse[i] = l;
     }
 }
