@@ -214,13 +214,16 @@ fn matmul_matches_f64_reference() {
     let mut rng = rng("matmul_matches_f64_reference");
     for (name, make) in backends() {
         let b = make();
-        // Plain, odd sizes on both paths (row split ≥ 48 rows, column split below).
+        // Plain, odd sizes on both paths (row split from 128 rows per worker or for
+        // narrow outputs, column split below: narrow blocks under 48 rows, wider above).
         for &(rows, k, n) in &[
             (1, 7, 129),
             (5, 33, 200),
             (4, 64, 640),
             (61, 17, 19),
             (100, 130, 70),
+            (70, 300, 1100),
+            (520, 9, 300),
         ] {
             let mut op = Matmul::dense(rows, k, n);
             let x = randn(&mut rng, rows * k);

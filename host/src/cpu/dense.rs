@@ -23,11 +23,28 @@ use crate::model_ops::{
 /// Rows per parallel task for the cheap row-wise ops.
 const ROW_CHUNK: usize = 32;
 
-/// Below this many rows a matmul splits its columns across workers instead of its rows.
-const MATMUL_ROW_SPLIT: usize = 48;
+/// Rows per worker from which a matmul splits its rows across workers (each worker then
+/// streams every weight once for its rows); below, it splits its columns (the weights are
+/// streamed once in all, and every row of a column block reuses them from cache).
+const MATMUL_ROWS_PER_WORKER: usize = 128;
 
-/// Column block of the column-split matmul (a multiple of every vector tile width).
+/// Rows below which the column split uses its narrowest blocks (decode: many tasks).
+const MATMUL_FEW_ROWS: usize = 48;
+
+/// Narrowest and widest column block of the column split (multiples of every vector tile
+/// width): wide blocks when rows are many (each block re-reads every row of `x`).
 const MATMUL_COL_BLOCK: usize = 64;
+const MATMUL_COL_BLOCK_MAX: usize = 256;
+
+/// The column block of a column-split matmul of `rows × n` on `threads` workers: the
+/// narrowest for few rows, else about two blocks per worker, within the bounds above.
+fn col_block(rows: usize, n: usize, threads: usize) -> usize {
+    if rows < MATMUL_FEW_ROWS {
+        return MATMUL_COL_BLOCK;
+    }
+    let per_task = n / (2 * threads);
+    per_task.clamp(MATMUL_COL_BLOCK, MATMUL_COL_BLOCK_MAX) / MATMUL_COL_BLOCK * MATMUL_COL_BLOCK
+}
 
 /// The output rows of `view` as disjoint mutable slices, row `r` starting at element
 /// `(r, 0, 0)`. The view must have passed `check_out` for `rows` rows of `span` elements.
@@ -53,7 +70,7 @@ pub fn matmul(isa: CpuIsa, op: &Matmul, x: &[f32], w: &[f32], out: &mut [f32]) {
     }
     let (k, n) = (op.k, op.n);
     let threads = rayon::current_num_threads().max(1);
-    if op.rows >= MATMUL_ROW_SPLIT || n < 2 * MATMUL_COL_BLOCK {
+    if op.rows >= MATMUL_ROWS_PER_WORKER * threads || n < 2 * MATMUL_COL_BLOCK {
         // Row split: each task owns whole output rows and runs every group on them; one
         // task per worker, so that each streams the weights once for as many rows as it
         // can (the rows of a task change no bit).
@@ -92,15 +109,16 @@ pub fn matmul(isa: CpuIsa, op: &Matmul, x: &[f32], w: &[f32], out: &mut [f32]) {
                 }
             });
     } else {
-        // Column split for few rows (decode): each task computes one column block of one
-        // group into a private tile, copied into place afterwards.
-        let blocks = n.div_ceil(MATMUL_COL_BLOCK);
+        // Column split for few rows per worker: each task computes one column block of
+        // one group into a private tile, copied into place afterwards.
+        let cb = col_block(op.rows, n, threads);
+        let blocks = n.div_ceil(cb);
         let tiles: Vec<(usize, usize, Vec<f32>)> = (0..op.groups * blocks)
             .into_par_iter()
             .map(|t| {
                 let (g, b) = (t / blocks, t % blocks);
-                let j0 = b * MATMUL_COL_BLOCK;
-                let nb = MATMUL_COL_BLOCK.min(n - j0);
+                let j0 = b * cb;
+                let nb = cb.min(n - j0);
                 let mut tile = vec![0f32; op.rows * nb];
                 if op.accumulate == Accumulate::Add {
                     for r in 0..op.rows {

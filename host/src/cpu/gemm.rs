@@ -12,6 +12,9 @@
 //!   (odd index of each pair first), and for odd `k` the last index after an added `+0`
 //!   (the zero its missing partner contributes). On operands that are bf16 values this is
 //!   exactly what `vdpbf16ps` computes, so the `avx512bf16` path gives the same bits.
+use std::cell::Cell;
+use std::ops::Range;
+
 use super::isa::{CpuIsa, Isa};
 
 /// Rows of the register tile.
@@ -25,6 +28,12 @@ const KC: usize = 256;
 /// Columns per cache block of the register tiles: a `KC × NC` block of B (256 KiB) stays in
 /// L2 while every row block of A runs over it.
 const NC: usize = 256;
+
+/// Row stride of B (elements: 4 KiB) from which a block of it is packed before its row
+/// tiles run: rows that far apart cross a page each, which the hardware does not prefetch
+/// across (the dense model's weights); nearer rows (the attention's key rows, resident in
+/// cache) are read in place.
+const PACK_MIN_LDB: usize = 1024;
 
 /// Strided matrix views (elements, not bytes).
 #[derive(Clone, Copy, Debug)]
@@ -147,6 +156,8 @@ fn gemm_generic<const NR: usize, const PAIRS: bool, const ZERO: bool>(
 ) {
     let n_full = d.n / NR * NR;
     let steps = main_steps::<PAIRS>(d.k);
+    // This thread's packing buffer, taken for the call (a nested call finds it empty).
+    let mut buf = PACKED.take();
     let mut k0 = 0;
     // At least one block (a pair-order `k` of 1 has no main step, only its tail).
     let mut more = n_full > 0;
@@ -157,9 +168,27 @@ fn gemm_generic<const NR: usize, const PAIRS: bool, const ZERO: bool>(
             first: k0 == 0,
             last: k0 + KC >= steps,
         };
+        // Rows of B this block reads: its steps', and the pair order's odd tail.
+        let rows_end = if PAIRS && ks.last { d.k } else { ks.end };
         let mut j0 = 0;
         while j0 < n_full {
             let j1 = (j0 + NC).min(n_full);
+            let packed;
+            let packing = d.m > MR && d.ldb >= PACK_MIN_LDB && d.ldb != j1 - j0;
+            let b = if packing {
+                // The block's rows are a page or more apart: copy them together once for
+                // every row tile that reuses them (each row read in order, which the
+                // hardware prefetches; the tiles then read one contiguous panel).
+                packed = pack(&mut buf, b, d.ldb, k0..rows_end, j0..j1);
+                BView {
+                    b: &packed[..],
+                    ldb: j1 - j0,
+                    k0,
+                    j0,
+                }
+            } else {
+                BView::whole(b, d.ldb)
+            };
             let mut i = 0;
             while i < d.m {
                 let rows = MR.min(d.m - i);
@@ -186,6 +215,7 @@ fn gemm_generic<const NR: usize, const PAIRS: bool, const ZERO: bool>(
         more = !ks.last;
         k0 = ks.end;
     }
+    PACKED.set(buf);
     let mut j = n_full;
     if NR > 16 && d.n - j >= 16 {
         // One vector per row: 12 rows in flight.
@@ -213,6 +243,7 @@ fn narrow<const W: usize, const R: usize, const PAIRS: bool, const ZERO: bool>(
     j: usize,
 ) {
     let ks = Steps::all::<PAIRS>(d.k);
+    let b = BView::whole(b, d.ldb);
     let mut i = 0;
     while d.m - i >= R {
         tile::<R, W, PAIRS, ZERO>(d, a, b, c, i, j, ks);
@@ -230,6 +261,57 @@ fn narrow<const W: usize, const R: usize, const PAIRS: bool, const ZERO: bool>(
         }
     }
     debug_assert_eq!(i, d.m);
+}
+
+thread_local! {
+    /// The buffer [`pack`] fills, kept by each thread across calls (at most `KC + 1` rows
+    /// of `NC` columns).
+    static PACKED: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+}
+
+/// Copies rows `rows` × columns `cols` of B (`ldb` apart) into `buf`, row after row.
+#[inline(always)]
+fn pack<'b>(
+    buf: &'b mut Vec<f32>,
+    b: &[f32],
+    ldb: usize,
+    rows: Range<usize>,
+    cols: Range<usize>,
+) -> &'b [f32] {
+    let w = cols.len();
+    buf.resize(rows.len() * w, 0.0);
+    for (dst, p) in buf.chunks_exact_mut(w).zip(rows) {
+        dst.copy_from_slice(&b[p * ldb + cols.start..][..w]);
+    }
+    buf
+}
+
+/// The rows of B a tile reads: B itself (`ldb` apart), or a block of it packed (rows
+/// `k0..` and columns `j0..` of B, `ldb` = the block's width apart).
+#[derive(Clone, Copy)]
+struct BView<'a> {
+    b: &'a [f32],
+    ldb: usize,
+    k0: usize,
+    j0: usize,
+}
+
+impl<'a> BView<'a> {
+    #[inline(always)]
+    fn whole(b: &'a [f32], ldb: usize) -> Self {
+        BView {
+            b,
+            ldb,
+            k0: 0,
+            j0: 0,
+        }
+    }
+
+    /// Columns `j .. j + w` of B's row `p` (indices of B, not of the block).
+    #[inline(always)]
+    fn row(&self, p: usize, j: usize, w: usize) -> &'a [f32] {
+        &self.b[(p - self.k0) * self.ldb + (j - self.j0)..][..w]
+    }
 }
 
 /// The steps `start..end` of the accumulation order a tile runs: the first block starts
@@ -261,7 +343,7 @@ impl Steps {
 fn tile<const R: usize, const NR: usize, const PAIRS: bool, const ZERO: bool>(
     d: Dims,
     a: &[f32],
-    b: &[f32],
+    b: BView<'_>,
     c: &mut [f32],
     i: usize,
     j: usize,
@@ -276,7 +358,8 @@ fn tile<const R: usize, const NR: usize, const PAIRS: bool, const ZERO: bool>(
     for step in ks.start..ks.end {
         let p = order::<PAIRS>(step);
         // B's row segment, held in registers for the R rows.
-        let bp: [f32; NR] = b[p * d.ldb + j..][..NR]
+        let bp: [f32; NR] = b
+            .row(p, j, NR)
             .try_into()
             .unwrap_or_else(|_| unreachable!());
         for (r, row) in acc.iter_mut().enumerate() {
@@ -291,7 +374,7 @@ fn tile<const R: usize, const NR: usize, const PAIRS: bool, const ZERO: bool>(
     }
     if PAIRS && ks.last && d.k % 2 == 1 {
         let p = d.k - 1;
-        let bp = &b[p * d.ldb + j..][..NR];
+        let bp = b.row(p, j, NR);
         for (r, row) in acc.iter_mut().enumerate() {
             let av = a[(i + r) * d.lda + p];
             for (x, &bv) in row.iter_mut().zip(bp) {
@@ -380,6 +463,10 @@ mod tests {
             (13, 70, 600),
             (7, 300, 513),
             (20, 530, 257),
+            // Packed blocks of B (rows past the tile height, `ldb` wider than a block):
+            // whole k blocks, and a block whose rows end at the pair tail.
+            (9, 1030, 512),
+            (31, 1100, 257),
         ] {
             let d = Dims {
                 m,
