@@ -310,28 +310,29 @@ fn quantize_fp4_group(dst: &mut [u8], group: &[bf16]) -> u8 {
     let mut codes = [0u8; FP4_GROUP];
     let k = ((s.to_bits() >> 23) & 0xff) as i32 - 127;
     if (-124..=125).contains(&k) {
-        // `|x| / 2^k` against e2m1's rounding thresholds is `|x|` against the thresholds
-        // times 2^k: on the bf16 patterns (order-preserving for non-negative values), the
-        // thresholds' exponents raised by `k` (exact, normal for this range of `k`).
-        // `a ≥ t` is `a > t − 1`.
-        let above = |t: f32, inclusive: bool| {
-            ((f32_to_bf16_bits_exact(t) as i32 + (k << 7)) - inclusive as i32) as u16
-        };
-        let thresholds = [
-            above(0.25, false),
-            above(0.75, true),
-            above(1.25, false),
-            above(1.75, true),
-            above(2.5, false),
-            above(3.5, true),
-            above(5.0, false),
+        // `|x| / 2^k` is, on the bf16 patterns, `|x|`'s pattern minus `k` in the exponent
+        // field (exact for normal values; a pattern below zero is a value too small for any
+        // threshold): at most 6's pattern, as the group's largest magnitude divided by its
+        // scale is at most 6, and at least −125·128, so it fits an i16. Each threshold the
+        // quotient passes adds one to the code: the sign bit of `t − v` (`v ≥ t` is
+        // `v > t − 1`; `t − v` also fits an i16). Simple integer operations only, so the
+        // map vectorises over 16-bit lanes without mask registers or broadcasts.
+        let k7 = (k << 7) as i16;
+        const T: [i16; 7] = [
+            0x3e80,     // 0.25
+            0x3f40 - 1, // 0.75 (inclusive)
+            0x3fa0,     // 1.25
+            0x3fe0 - 1, // 1.75 (inclusive)
+            0x4020,     // 2.5
+            0x4060 - 1, // 3.5 (inclusive)
+            0x40a0,     // 5.0
         ];
         for (c, x) in codes.iter_mut().zip(group) {
             let h = x.to_bits();
-            let a = h & 0x7fff;
+            let v = ((h & 0x7fff) as i16).wrapping_sub(k7);
             let mut code = (h >> 12) & 8;
-            for &t in &thresholds {
-                code += (a > t) as u16;
+            for &t in &T {
+                code += (t.wrapping_sub(v) as u16) >> 15;
             }
             *c = code as u8;
         }
