@@ -31,7 +31,7 @@ use crate::layout::{KvDtype, KvLayout, FP8_DS_MLA_TILE, MODEL1_TILE};
 use sparsekit_kernels::mx::ue8m0_to_f32;
 
 /// Keys per block.
-pub(crate) const BLOCK: usize = 64;
+pub(crate) const BLOCK: usize = 128;
 
 /// One cache the keys of a task come from.
 #[derive(Clone, Copy, Debug)]

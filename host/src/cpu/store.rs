@@ -347,12 +347,6 @@ fn quantize_fp4_group(dst: &mut [u8], group: &[bf16]) -> u8 {
     mx::ue8m0_encode(s)
 }
 
-/// The bf16 bits of an f32 that is a bf16 value (its high half).
-#[inline(always)]
-fn f32_to_bf16_bits_exact(x: f32) -> u16 {
-    (x.to_bits() >> 16) as u16
-}
-
 /// Writes bf16 values as little-endian bytes.
 fn put_bf16(dst: &mut [u8], xs: &[bf16]) {
     for (d, v) in dst.chunks_exact_mut(2).zip(xs) {
