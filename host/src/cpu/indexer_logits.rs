@@ -424,11 +424,20 @@ impl Ctx<'_> {
     #[inline(always)]
     fn prefetch_keys(&self, request: usize, from: usize, to: usize) {
         let l = &self.layout;
-        for (_, slot, count) in self.segments(request, from, to) {
-            prefetch(&self.cache[l.slot_run_value_bytes(slot, count)]);
-            if let Some(r) = l.slot_run_scale_bytes(slot, count) {
-                prefetch(&self.cache[r]);
+        let ps = l.page_size();
+        let mut pos = from;
+        while pos < to {
+            let end = to.min((pos / ps + 1) * ps);
+            let (first, last) = (
+                self.page_table.slot(request, pos, ps),
+                self.page_table.slot(request, end - 1, ps),
+            );
+            let values = l.slot_value_bytes(first).start..l.slot_value_bytes(last).end;
+            prefetch(&self.cache[values]);
+            if let (Some(a), Some(b)) = (l.slot_scale_bytes(first), l.slot_scale_bytes(last)) {
+                prefetch(&self.cache[a.start..b.end]);
             }
+            pos = end;
         }
     }
 
@@ -440,13 +449,16 @@ impl Ctx<'_> {
         if l.dtype() != IndexKDtype::Bf16 || n == 0 {
             return None;
         }
-        let mut segs = self.segments(request, b0, b0 + n);
-        match (segs.next(), segs.next()) {
-            (Some((_, slot, count)), None) => {
-                bytemuck::try_cast_slice(&self.cache[l.slot_run_value_bytes(slot, count)]).ok()
-            }
-            _ => None,
+        let ps = l.page_size();
+        let (first, last) = (
+            self.page_table.slot(request, b0, ps),
+            self.page_table.slot(request, b0 + n - 1, ps),
+        );
+        if first / ps != last / ps || last - first != n - 1 {
+            return None;
         }
+        let bytes = &self.cache[l.slot_value_bytes(first).start..l.slot_value_bytes(last).end];
+        bytemuck::try_cast_slice(bytes).ok()
     }
 
     /// Writes the f32 scales of the fp8 keys in slots `slot..slot + count` (one page) to
