@@ -372,51 +372,31 @@ mod tests {
     /// The branch-free rounding is `f32_to_bf16` with subnormals flushed, on every f32
     /// class: all sign/exponent combinations with the mantissas around every rounding
     /// boundary, and random patterns.
+    /// Every sign and exponent at each rounding boundary (and subnormal / NaN patterns),
+    /// then a million random patterns: `round_bf16` gives `half`'s `from_f32` bits, and
+    /// `round_bf16_daz` the kernels' `f32_to_bf16` with a subnormal result flushed.
     #[test]
-    fn round_bf16_daz_is_f32_to_bf16_flushed() {
+    fn rounding_to_bf16_matches_the_references() {
         use sparsekit_kernels::fp8::f32_to_bf16;
-        let want = |x: f32| {
+        let check = |x: f32| {
             let b = f32_to_bf16(x);
-            if b & 0x7f80 == 0 {
-                b & 0x8000
-            } else {
-                b
-            }
+            let flushed = if b & 0x7f80 == 0 { b & 0x8000 } else { b };
+            assert_eq!(round_bf16_daz(x), flushed, "daz {:#010x}", x.to_bits());
+            let half = half::bf16::from_f32(x).to_bits();
+            assert_eq!(round_bf16(x), half, "{:#010x}", x.to_bits());
         };
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
-        let mantissas = [
-            0u32, 1, 0x7fff, 0x8000, 0x8001, 0xffff, 0x1_0000, 0x1_7fff, 0x1_8000, 0x1_8001,
-            0x7f_7fff, 0x7f_8000, 0x7f_8001, 0x7f_ffff,
-        ];
-        for top in 0..=0x1ffu32 {
-            for &m in &mantissas {
-                let x = f32::from_bits(top << 23 | m);
-                assert_eq!(round_bf16_daz(x), want(x), "{:#010x}", x.to_bits());
-            }
-        }
-        for _ in 0..1_000_000 {
-            let x = f32::from_bits(rng.gen());
-            assert_eq!(round_bf16_daz(x), want(x), "{:#010x}", x.to_bits());
-        }
-    }
-
-    #[test]
-    fn round_bf16_is_half_from_f32() {
-        let want = |x: f32| half::bf16::from_f32(x).to_bits();
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
         let mantissas = [
             0u32, 1, 0x7fff, 0x8000, 0x8001, 0xffff, 0x1_0000, 0x1_7fff, 0x1_8000, 0x1_8001,
             0x40_0000, 0x7f_7fff, 0x7f_8000, 0x7f_8001, 0x7f_ffff,
         ];
         for top in 0..=0x1ffu32 {
             for &m in &mantissas {
-                let x = f32::from_bits(top << 23 | m);
-                assert_eq!(round_bf16(x), want(x), "{:#010x}", x.to_bits());
+                check(f32::from_bits(top << 23 | m));
             }
         }
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
         for _ in 0..1_000_000 {
-            let x = f32::from_bits(rng.gen());
-            assert_eq!(round_bf16(x), want(x), "{:#010x}", x.to_bits());
+            check(f32::from_bits(rng.gen()));
         }
     }
 
