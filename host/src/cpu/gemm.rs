@@ -142,7 +142,8 @@ fn tail(x: f32, a: f32, b: f32) -> f32 {
 }
 
 /// Tiles C into `MR × NR` register blocks, run block by block of `KC` steps of `k` and
-/// `NC` columns (cache blocking: each block of B is reused by every row of A from L2);
+/// `NC` columns (cache blocking: each block of B is reused by every row of A from L2;
+/// a block whose rows are a page or more apart is first packed, see [`PACK_MIN_LDB`]);
 /// leftover columns (and a C narrower than one tile, as in the key-score GEMMs of few
 /// heads) use tiles of 16 and 8 columns that are taller than `MR` (enough independent
 /// accumulators to hide the FMA latency), then scalars; every element keeps the same
@@ -181,7 +182,7 @@ fn gemm_generic<const NR: usize, const PAIRS: bool, const ZERO: bool>(
                 // hardware prefetches; the tiles then read one contiguous panel).
                 packed = pack(&mut buf, b, d.ldb, k0..rows_end, j0..j1);
                 BView {
-                    b: &packed[..],
+                    b: packed,
                     ldb: j1 - j0,
                     k0,
                     j0,
