@@ -381,12 +381,12 @@ impl Ctx<'_> {
                             *a = wh.mul_add(x.max(0.0), *a);
                         }
                     }
-                    let (rs, re) = (row.start as usize, row.end as usize);
-                    for j in 0..n {
-                        let pos = b0 + j;
-                        if pos >= rs && pos < re {
-                            cell[pos - col0] = acc[j] * scale[j];
-                        }
+                    // The block's keys inside the row's range, as one run.
+                    let lo = (row.start as usize).clamp(b0, b0 + n) - b0;
+                    let hi = (row.end as usize).clamp(b0 + lo, b0 + n) - b0;
+                    let dst = &mut cell[b0 + lo - col0..b0 + hi - col0];
+                    for ((o, &a), &sc) in dst.iter_mut().zip(&acc[lo..hi]).zip(&scale[lo..hi]) {
+                        *o = a * sc;
                     }
                 }
             }
