@@ -153,3 +153,128 @@ fn every_vector_path_gives_identical_bits() {
         }
     }
 }
+
+/// The cpu backend's per-thread working buffers (attention, indexer, the matmul's packed
+/// blocks) carry nothing from one call to the next: a call made after larger ones (the
+/// buffers grown and filled with their values) gives the bits of the same call on a pool
+/// of fresh threads, whose buffers are empty.
+#[test]
+fn per_thread_buffers_carry_nothing_between_calls() {
+    use sparsekit_host::cpu::CpuBuffer;
+    use sparsekit_host::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};
+    use sparsekit_host::model_ops::Matmul;
+    use sparsekit_host::ops::{IndexerLogits, PageTable, SparseMla};
+    use sparsekit_host::{Backend, ModelDims, ModelOps};
+    use sparsekit_validation::conformance::seed;
+    use sparsekit_validation::fixtures::{self, bytes_of, case_rng, Paging};
+
+    let seed = seed();
+    let rng = &mut case_rng(seed, 0x1600);
+    let big = ModelDims::DSV32;
+    let small = ModelDims::TINY;
+    let lens = [300u32, 1, 77, 130];
+    // Each call: its output bytes (out, then lse where there is one).
+    let indexer = |rng: &mut _, d: ModelDims| {
+        let paging = Paging::new(rng, d.page_size, &lens, 1);
+        let l = IndexKLayout::new(IndexKDtype::FP8, d.index_head_dim, d.page_size).unwrap();
+        let pool = fixtures::index_k_pool(rng, &l, &paging);
+        let rows = sparsekit_host::ops::decode_rows(&lens, 1).unwrap();
+        let (q, w) = fixtures::indexer_inputs(rng, rows.len(), d.index_n_heads, l.head_dim());
+        move |b: &CpuBackend| {
+            let op = IndexerLogits {
+                layout: l,
+                n_heads: d.index_n_heads,
+                page_table: PageTable::new(&paging.table, paging.max_pages).unwrap(),
+                rows: rows.clone(),
+                row_stride: 301,
+            };
+            let mut out = b.upload(&fixtures::poison_f32(rows.len() * 301)).unwrap();
+            let (q, w, pool) = (
+                b.upload(bytes_of(&q)).unwrap(),
+                b.upload(bytes_of(&w)).unwrap(),
+                b.upload(&pool).unwrap(),
+            );
+            b.indexer_logits(&op, &q, &w, &pool, &mut out).unwrap();
+            b.download(&out).unwrap()
+        }
+    };
+    let attention = |rng: &mut _, d: ModelDims, h: usize| {
+        let paging = Paging::new(rng, d.page_size, &lens, 1);
+        let l = KvLayout::new(KvDtype::Bf16, d.kv_lora_rank, d.qk_rope_dim, d.page_size).unwrap();
+        let pool = fixtures::kv_pool(rng, &l, &paging);
+        let (n_tokens, topk) = (5, d.index_topk.min(150));
+        let indices = fixtures::mla_indices(rng, &paging, n_tokens, topk);
+        let q = fixtures::bf16_normal(rng, n_tokens * h * l.d_qk(), 1.0);
+        move |b: &CpuBackend| {
+            let op = SparseMla {
+                layout: l,
+                n_tokens,
+                n_heads: h,
+                topk,
+                softmax_scale: 1.0 / (l.d_qk() as f32).sqrt(),
+            };
+            let mut out = b
+                .upload(&fixtures::poison_bf16(n_tokens * h * l.nope_dim()))
+                .unwrap();
+            let mut lse = b.upload(&fixtures::poison_f32(n_tokens * h)).unwrap();
+            let (q, pool, idx) = (
+                b.upload(bytes_of(&q)).unwrap(),
+                b.upload(&pool).unwrap(),
+                b.upload(bytes_of(&indices)).unwrap(),
+            );
+            b.sparse_mla(&op, &q, &pool, &idx, &mut out, &mut lse)
+                .unwrap();
+            let mut bytes = b.download(&out).unwrap();
+            bytes.extend(b.download(&lse).unwrap());
+            bytes
+        }
+    };
+    let matmul = |rng: &mut _, rows: usize, k: usize, n: usize| {
+        let x: Vec<f32> = (0..rows * k)
+            .map(|_| fixtures::normal(rng) as f32)
+            .collect();
+        let w: Vec<f32> = (0..k * n)
+            .map(|_| 0.05 * fixtures::normal(rng) as f32)
+            .collect();
+        move |b: &CpuBackend| {
+            let buf = |v: &[f32]| CpuBuffer::from_bytes(bytes_of(v));
+            let mut out = CpuBuffer::from_bytes(&fixtures::poison_f32(rows * n));
+            ModelOps::matmul(b, &Matmul::dense(rows, k, n), &buf(&x), &buf(&w), &mut out).unwrap();
+            out.bytes().to_vec()
+        }
+    };
+    let calls: Vec<(&str, Box<dyn Fn(&CpuBackend) -> Vec<u8>>)> = vec![
+        ("indexer, V3.2 dims", Box::new(indexer(rng, big))),
+        ("indexer, tiny dims", Box::new(indexer(rng, small))),
+        (
+            "sparse_mla, V3.2 dims, 64 heads",
+            Box::new(attention(rng, big, 64)),
+        ),
+        (
+            "sparse_mla, tiny dims, 16 heads",
+            Box::new(attention(rng, small, 16)),
+        ),
+        (
+            "matmul 40 x 1100 x 1300",
+            Box::new(matmul(rng, 40, 1100, 1300)),
+        ),
+        (
+            "matmul 13 x 300 x 1030",
+            Box::new(matmul(rng, 13, 300, 1030)),
+        ),
+    ];
+    for isa in CpuIsa::available() {
+        // One pool runs every call, largest first; then each call alone on fresh threads.
+        let warm = CpuBackend::with_threads_and_isa(2, isa.isa()).unwrap();
+        let after_others: Vec<Vec<u8>> = calls.iter().map(|(_, run)| run(&warm)).collect();
+        for ((what, run), got) in calls.iter().zip(&after_others) {
+            let fresh = CpuBackend::with_threads_and_isa(2, isa.isa()).unwrap();
+            assert!(
+                run(&fresh) == *got,
+                "{what} on the {} path: a call after others differs from the same call on \
+                 fresh threads (SPARSEKIT_SEED={seed})",
+                isa.isa()
+            );
+        }
+    }
+}

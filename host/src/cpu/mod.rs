@@ -94,6 +94,15 @@ impl CpuBackend {
         })
     }
 
+    /// A backend with its own pool of `threads` worker threads, on the vector path `isa`;
+    /// an error when this CPU cannot run it.
+    pub fn with_threads_and_isa(threads: usize, isa: Isa) -> Result<Self> {
+        Ok(CpuBackend {
+            isa: CpuIsa::new(isa)?,
+            ..Self::with_threads(threads)?
+        })
+    }
+
     /// The vector path this backend's kernels run.
     pub fn isa(&self) -> Isa {
         self.isa.isa()
