@@ -243,7 +243,8 @@ fn per_thread_buffers_carry_nothing_between_calls() {
             out.bytes().to_vec()
         }
     };
-    let calls: Vec<(&str, Box<dyn Fn(&CpuBackend) -> Vec<u8>>)> = vec![
+    type Call = Box<dyn Fn(&CpuBackend) -> Vec<u8>>;
+    let calls: Vec<(&str, Call)> = vec![
         ("indexer, V3.2 dims", Box::new(indexer(rng, big))),
         ("indexer, tiny dims", Box::new(indexer(rng, small))),
         (
