@@ -13,6 +13,22 @@ sparsekit_validation::test_backend!(cpu_avx512, CpuBackend::with_isa(Isa::Avx512
 sparsekit_validation::test_backend!(cpu_avx2, CpuBackend::with_isa(Isa::Avx2));
 sparsekit_validation::test_backend!(cpu_scalar, CpuBackend::with_isa(Isa::Scalar));
 
+/// A sparse MLA call of the tests below, at the conventional softmax scale `1/√d_qk`.
+fn mla_op(
+    layout: sparsekit_host::layout::KvLayout,
+    n_tokens: usize,
+    n_heads: usize,
+    topk: usize,
+) -> sparsekit_host::ops::SparseMla {
+    sparsekit_host::ops::SparseMla {
+        layout,
+        n_tokens,
+        n_heads,
+        topk,
+        softmax_scale: 1.0 / (layout.d_qk() as f32).sqrt(),
+    }
+}
+
 #[test]
 fn the_default_backend_runs_the_process_default_path() {
     assert_eq!(CpuBackend::new().isa(), CpuIsa::get().isa());
@@ -37,7 +53,7 @@ fn the_default_backend_runs_the_process_default_path() {
 #[test]
 fn every_vector_path_gives_identical_bits() {
     use sparsekit_host::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};
-    use sparsekit_host::ops::{IndexerLogits, PageTable, QueryRange, SparseMla};
+    use sparsekit_host::ops::{IndexerLogits, PageTable, QueryRange};
     use sparsekit_host::{Backend, ModelDims};
     use sparsekit_validation::conformance::seed;
     use sparsekit_validation::fixtures::{self, bytes_of, case_rng, Paging};
@@ -124,13 +140,7 @@ fn every_vector_path_gives_identical_bits() {
             let indices = fixtures::mla_indices(rng, &paging, n_tokens, topk);
             for h in [16, 64] {
                 let q = fixtures::bf16_normal(rng, n_tokens * h * l.d_qk(), 1.0);
-                let op = SparseMla {
-                    layout: l,
-                    n_tokens,
-                    n_heads: h,
-                    topk,
-                    softmax_scale: 1.0 / (l.d_qk() as f32).sqrt(),
-                };
+                let op = mla_op(l, n_tokens, h, topk);
                 same(&format!("sparse_mla {} {dt:?} h{h}", d.name), &|b| {
                     let mut out = b
                         .upload(&fixtures::poison_bf16(n_tokens * h * l.nope_dim()))
@@ -163,7 +173,7 @@ fn per_thread_buffers_carry_nothing_between_calls() {
     use sparsekit_host::cpu::CpuBuffer;
     use sparsekit_host::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};
     use sparsekit_host::model_ops::Matmul;
-    use sparsekit_host::ops::{IndexerLogits, PageTable, SparseMla};
+    use sparsekit_host::ops::{IndexerLogits, PageTable};
     use sparsekit_host::{Backend, ModelDims, ModelOps};
     use sparsekit_validation::conformance::seed;
     use sparsekit_validation::fixtures::{self, bytes_of, case_rng, Paging};
@@ -206,13 +216,7 @@ fn per_thread_buffers_carry_nothing_between_calls() {
         let indices = fixtures::mla_indices(rng, &paging, n_tokens, topk);
         let q = fixtures::bf16_normal(rng, n_tokens * h * l.d_qk(), 1.0);
         move |b: &CpuBackend| {
-            let op = SparseMla {
-                layout: l,
-                n_tokens,
-                n_heads: h,
-                topk,
-                softmax_scale: 1.0 / (l.d_qk() as f32).sqrt(),
-            };
+            let op = mla_op(l, n_tokens, h, topk);
             let mut out = b
                 .upload(&fixtures::poison_bf16(n_tokens * h * l.nope_dim()))
                 .unwrap();

@@ -17,6 +17,8 @@
 //! operation sequence of a head depends only on its token's keys, never on the batch or
 //! the head chunking.
 
+use std::cell::RefCell;
+
 use half::bf16;
 
 use super::dot::{
@@ -80,10 +82,36 @@ pub(crate) struct Scratch {
     /// The first keys (at most [`BLOCK`]) of the task this rayon worker most likely runs
     /// next, prefetched while the last block of this one is gathered; empty when that
     /// task reads the same keys.
-    pub(crate) ahead: Vec<(u8, usize)>,
+    ahead: Vec<(u8, usize)>,
+}
+
+thread_local! {
+    /// This thread's working buffers for both attention ops ([`super::scratch`]).
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// Runs `f` with this thread's attention buffers ([`super::scratch::with`]).
+pub(crate) fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
+    super::scratch::with(&SCRATCH, f)
 }
 
 impl Scratch {
+    /// Before a task of token `t`: `valid` = `keys(t)`, and `ahead` = the first keys of
+    /// token `next` (the one this worker most likely runs next), or none.
+    pub(crate) fn plan<I: Iterator<Item = (u8, usize)>>(
+        &mut self,
+        t: usize,
+        next: Option<usize>,
+        keys: impl Fn(usize) -> I,
+    ) {
+        self.valid.clear();
+        self.valid.extend(keys(t));
+        self.ahead.clear();
+        if let Some(n) = next {
+            self.ahead.extend(keys(n).take(BLOCK));
+        }
+    }
+
     /// Sizes every buffer for `d_qk`, `d_v` and `hc` heads on the path `isa` (contents
     /// are reset by [`attend`]).
     pub(crate) fn size(&mut self, isa: CpuIsa, dqk: usize, dv: usize, hc: usize) {

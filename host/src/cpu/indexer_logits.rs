@@ -15,10 +15,10 @@
 //! the same operations in the same order whatever the grouping or the vectorisation:
 //! batch-invariant, and identical on every path.
 
+use std::cell::RefCell;
+
 use half::bf16;
 use rayon::prelude::*;
-
-use std::cell::RefCell;
 
 use super::dot::{bf16_daz, e4m3_f32, f32_daz, gemm_bf16_into, padded_cols, PairDims};
 use super::gemm::{gemm_pairs_into, Dims};

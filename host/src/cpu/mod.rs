@@ -6,7 +6,8 @@
 //! `store`, `indexer_logits`, `topk`, `sparse_mla` and `sparse_mla_v4` (over the attention
 //! core `attend`), `pages`, `dense` (the model's layers); `gemm` is the register-blocked f32
 //! matrix core, `dot` the bf16 dot product (the `vdpbf16ps` kernel and the arithmetic every
-//! path shares with it), `buffer` the host buffers, `scratch` the per-thread working buffers of the ops' tasks.
+//! path shares with it), `buffer` the host buffers, `scratch` the per-thread working
+//! buffers of the ops' tasks.
 
 pub mod attend;
 pub mod buffer;

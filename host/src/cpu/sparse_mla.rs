@@ -9,16 +9,9 @@
 use half::bf16;
 use rayon::prelude::*;
 
-use std::cell::RefCell;
-
-use super::attend::{attend_task, scaled_to_bf16, AttnDims, Scratch, Source, BLOCK};
+use super::attend::{attend_task, scaled_to_bf16, with_scratch, AttnDims, Scratch, Source};
 use super::isa::CpuIsa;
-use super::scratch;
 use crate::ops::SparseMla;
-thread_local! {
-    /// This thread's working buffers ([`scratch`]).
-    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
-}
 
 /// Heads per task at most.
 const MAX_HEAD_CHUNK: usize = 64;
@@ -41,12 +34,11 @@ pub fn sparse_mla(
         .unwrap_or(1);
     let (dqk, dv) = (op.layout.d_qk(), op.layout.nope_dim());
     let chunks_per_token = h / hc;
-    let n_tokens = out.len() / (h * dv).max(1);
     out.par_chunks_mut(hc * dv)
         .zip(lse.par_chunks_mut(hc))
         .enumerate()
         .for_each(|(task, (out, lse))| {
-            scratch::with(&SCRATCH, |scratch| {
+            with_scratch(|scratch| {
                 let t = task / chunks_per_token;
                 let h0 = (task % chunks_per_token) * hc;
                 let qrow = &q[(t * h + h0) * dqk..(t * h + h0 + hc) * dqk];
@@ -57,14 +49,10 @@ pub fn sparse_mla(
                         .filter(|&&i| i >= 0)
                         .map(|&i| (0, i as usize))
                 };
-                scratch.valid.clear();
-                scratch.valid.extend(keys(t));
                 // The next task (this worker's likely next) reads another token's keys when
                 // this is the token's last head chunk.
-                scratch.ahead.clear();
-                if h0 + hc == h && t + 1 < n_tokens {
-                    scratch.ahead.extend(keys(t + 1).take(BLOCK));
-                }
+                let next = (h0 + hc == h && t + 1 < op.n_tokens).then_some(t + 1);
+                scratch.plan(t, next, keys);
                 let sources = [Source {
                     layout: &op.layout,
                     cache,

@@ -7,17 +7,9 @@
 use half::bf16;
 use rayon::prelude::*;
 
-use std::cell::RefCell;
-
-use super::attend::{attend_task, scaled_to_bf16, AttnDims, Scratch, Source, BLOCK};
+use super::attend::{attend_task, scaled_to_bf16, with_scratch, AttnDims, Scratch, Source};
 use super::isa::CpuIsa;
-use super::scratch;
 use crate::ops::SparseMlaV4;
-
-thread_local! {
-    /// This thread's working buffers ([`scratch`]).
-    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
-}
 
 /// Heads per task at most.
 const MAX_HEAD_CHUNK: usize = 64;
@@ -46,7 +38,6 @@ pub fn sparse_mla_v4(
         .unwrap_or(1);
     let d = SparseMlaV4::D;
     let chunks_per_token = h / hc;
-    let n_tokens = out.len() / (h * d).max(1);
     let mut sources = vec![Source {
         layout: &op.main.layout,
         cache: call.main.0,
@@ -67,7 +58,7 @@ pub fn sparse_mla_v4(
         .zip(lse.par_chunks_mut(hc))
         .enumerate()
         .for_each(|(task, (out, lse))| {
-            scratch::with(&SCRATCH, |scratch| {
+            with_scratch(|scratch| {
                 let t = task / chunks_per_token;
                 let h0 = (task % chunks_per_token) * hc;
                 scratch.size(isa, d, d, hc);
@@ -86,13 +77,9 @@ pub fn sparse_mla_v4(
                             .map(move |&i| (src as u8, i as usize))
                     })
                 };
-                scratch.valid.clear();
-                scratch.valid.extend(keys(t));
                 // As in the V3.2 op: the next token's first keys after its last head chunk.
-                scratch.ahead.clear();
-                if h0 + hc == h && t + 1 < n_tokens {
-                    scratch.ahead.extend(keys(t + 1).take(BLOCK));
-                }
+                let next = (h0 + hc == h && t + 1 < op.n_tokens).then_some(t + 1);
+                scratch.plan(t, next, keys);
                 let qrow = &call.q[(t * h + h0) * d..(t * h + h0 + hc) * d];
                 attend_task(isa, dims, qrow, &sources, scratch);
                 let sink = op.attn_sink.map(|s| &s[h0..h0 + hc]);

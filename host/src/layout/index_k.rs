@@ -187,21 +187,24 @@ impl IndexKLayout {
     #[inline]
     pub fn slot_run_value_bytes(&self, slot: usize, count: usize) -> Range<usize> {
         let a = self.slot_addr(slot);
-        debug_assert!(count >= 1 && a.offset + count <= self.page_size);
-        let v = self.value_bytes_per_token();
-        let start = self.page_bytes(a.page).start + a.offset * v;
-        start..start + count * v
+        debug_assert!(count >= 1);
+        let base = self.page_bytes(a.page).start;
+        let (first, last) = (
+            self.value_range(a.offset),
+            self.value_range(a.offset + count - 1),
+        );
+        base + first.start..base + last.end
     }
     /// Bytes of the scales of `count ≥ 1` consecutive slots from `slot`, all in one page
     /// (adjacent in token order, as the values; fp8, fp4).
     #[inline]
     pub fn slot_run_scale_bytes(&self, slot: usize, count: usize) -> Option<Range<usize>> {
         let a = self.slot_addr(slot);
-        debug_assert!(count >= 1 && a.offset + count <= self.page_size);
-        let n = self.scale_bytes_per_token();
+        debug_assert!(count >= 1);
         let base = self.page_bytes(a.page).start;
-        self.scale_section_offset()
-            .map(|s| base + s + a.offset * n..base + s + (a.offset + count) * n)
+        self.scale_range(a.offset)
+            .zip(self.scale_range(a.offset + count - 1))
+            .map(|(first, last)| base + first.start..base + last.end)
     }
     /// Bytes of a buffer holding `num_pages` pages.
     pub fn buffer_bytes(&self, num_pages: usize) -> usize {
