@@ -12,7 +12,7 @@
 //!   check: per function, the warp-wide instructions of the PTX (mma/shfl/vote/bar) are
 //!          exactly the convergent calls of the optimised IR
 //!   ptxas -arch=sm_XX -v -o sparsekit_kernels.sm_XX.cubin (only if ptxas is found; errors
-//!          and spills at sm_90/sm_120 fail the build); the cubins are embedded too
+//!          and spills above sm_80 fail the build); the cubins are embedded too
 //!
 //! Why the IR is optimised here and not by rustc: LLVM may move or duplicate a call into
 //! lane-divergent control flow unless the call is `convergent`, and Rust cannot mark an
@@ -42,10 +42,18 @@ use std::time::Instant;
 mod ptxas;
 
 /// (arch, lowest PTX ISA version the arch needs, as an llc feature): sm_80 -> 7.0, sm_90 ->
-/// 7.8, sm_120 -> 8.7, so that drivers as old as the arch accept the module. LLVM cannot
-/// see inline asm: a kernel using the e4m3 `mma.sync ... m16n8k32` needs PTX 8.4, and the
-/// build raises the version for an arch whose PTX contains it ([`E4M3_PTX`]).
-const ARCHS: &[(&str, &str)] = &[("sm_80", "ptx70"), ("sm_90", "ptx78"), ("sm_120", "ptx87")];
+/// 7.8, sm_120 and sm_120a -> 8.7, so that drivers as old as the arch accept the module.
+/// LLVM cannot see inline asm: a kernel using the e4m3 `mma.sync ... m16n8k32` needs PTX
+/// 8.4, and the build raises the version for an arch whose PTX contains it
+/// ([`E4M3_PTX`]). `sm_120a` is the arch-specific target of compute capability 12.0 (RTX
+/// 50 series, RTX PRO Blackwell): its PTX also carries the block-scaled MXFP8 mma
+/// (`kind::mxf8f6f4`), which plain `sm_120` rejects, and loads only on 12.0 devices.
+const ARCHS: &[(&str, &str)] = &[
+    ("sm_80", "ptx70"),
+    ("sm_90", "ptx78"),
+    ("sm_120", "ptx87"),
+    ("sm_120a", "ptx87"),
+];
 
 /// PTX ISA version the e4m3 `mma.sync` needs.
 const E4M3_PTX: &str = "ptx84";

@@ -22,9 +22,20 @@ pub struct KernelResources {
     pub barriers: u32,
     /// Whether the SASS holds HMMA/QMMA instructions; `None` when no SASS was available.
     pub tensor_core: Option<bool>,
+    /// The SASS's tensor-core instructions: HMMA (bf16 `mma.sync`) and QMMA (fp8, and on
+    /// sm_120a the block-scaled `QMMA.SF` of the MXFP8 path), static counts; `None` when no
+    /// SASS was available.
+    pub sass_mma: Option<SassMma>,
     /// Warp-wide instructions of the kernel's PTX (`mma.sync`, `shfl.sync`, `vote.sync`,
     /// barriers), all convergent in the IR they came from (checked by the build).
     pub warp_ops: Option<WarpOpsCounts>,
+}
+
+/// Static tensor-core instruction counts of a kernel's SASS.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct SassMma {
+    pub hmma: u32,
+    pub qmma: u32,
 }
 
 /// [`crate::ptxas::WarpOps`] for the report.
@@ -50,6 +61,7 @@ pub fn kernels_of_log(arch: &str, log: &str) -> Vec<KernelResources> {
             stack_bytes: f.stack_bytes,
             barriers: f.barriers,
             tensor_core: None,
+            sass_mma: None,
             warp_ops: None,
         })
         .collect()
@@ -71,7 +83,12 @@ pub fn report() -> Vec<KernelResources> {
             .collect();
         for mut k in kernels_of_log(arch, log) {
             if !sass.is_empty() {
-                k.tensor_core = Some(sass.iter().any(|(n, h, q)| *n == k.kernel && h + q > 0));
+                let (hmma, qmma) = sass
+                    .iter()
+                    .find(|(n, _, _)| *n == k.kernel)
+                    .map_or((0, 0), |&(_, h, q)| (h, q));
+                k.tensor_core = Some(hmma + qmma > 0);
+                k.sass_mma = Some(SassMma { hmma, qmma });
             }
             k.warp_ops = warp
                 .iter()

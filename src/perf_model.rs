@@ -64,9 +64,10 @@ pub const DEVICES: [DeviceSpec; 3] = [
                  dense with PyTorch; NVIDIA's datasheet says 4.8 TB/s and 989 TFLOP/s); SM \
                  limits: CUDA C++ Programming Guide, compute capability 9.0",
     },
+    // The SM120 parts (compute capability 12.0) load the `sm_120a` image first.
     DeviceSpec {
         name: "RTX 5090",
-        arch: "sm_120",
+        arch: "sm_120a",
         sms: 170,
         max_threads_per_sm: 1536,
         max_blocks_per_sm: 32,
@@ -81,7 +82,7 @@ pub const DEVICES: [DeviceSpec; 3] = [
     },
     DeviceSpec {
         name: "RTX PRO 6000 Blackwell",
-        arch: "sm_120",
+        arch: "sm_120a",
         sms: 188,
         max_threads_per_sm: 1536,
         max_blocks_per_sm: 32,
@@ -171,7 +172,8 @@ impl GridTotals {
         let scale = p.grid as f64 / p.blocks_run.max(1) as f64;
         GridTotals {
             bytes: scale * (p.unique_load_bytes + p.unique_store_bytes) as f64,
-            mma_flops: scale * (4096.0 * p.mma_bf16 as f64 + 8192.0 * p.mma_e4m3 as f64),
+            mma_flops: scale
+                * (4096.0 * p.mma_bf16 as f64 + 8192.0 * (p.mma_e4m3 + p.mma_mxf8) as f64),
         }
     }
 }

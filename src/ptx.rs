@@ -1,4 +1,4 @@
-//! The PTX of `kernels-rs`, built by `build.rs` for sm_80, sm_90 and sm_120 and embedded in
+//! The PTX of `kernels-rs`, built by `build.rs` for sm_80, sm_90, sm_120 and sm_120a and embedded in
 //! the binary, with the cubins ptxas assembled from it, what `ptxas` and the SASS said about
 //! each kernel, and the warp-wide instructions of each function (the build checked them).
 
@@ -8,7 +8,9 @@ mod generated {
 pub use generated::{CUBINS, PTX, PTXAS_LOGS, PTX_BUILD_INFO, SASS_TENSOR_OPS, WARP_OPS};
 
 /// The PTX to load on a device of compute capability `major.minor`: the newest built arch
-/// not newer than the device (PTX for `sm_XY` JIT-compiles for any later SM).
+/// not newer than the device (PTX for `sm_XY` JIT-compiles for any later SM). The
+/// arch-specific `sm_XYa` builds are never chosen here (they run on `X.Y` only; the CUDA
+/// loader tries them first on such a device).
 pub fn ptx_for_device(major: u32, minor: u32) -> Option<(&'static str, &'static str)> {
     let dev = major * 10 + minor;
     PTX.iter()
@@ -18,7 +20,8 @@ pub fn ptx_for_device(major: u32, minor: u32) -> Option<(&'static str, &'static 
         .map(|(_, a, p)| (a, p))
 }
 
-/// `(major, minor)` of an `sm_XY` arch name (`sm_120` → (12, 0)).
+/// `(major, minor)` of an `sm_XY` arch name (`sm_120` → (12, 0)); `None` for the
+/// arch-specific `sm_XYa`.
 fn arch_cc(arch: &str) -> Option<(u32, u32)> {
     let n: u32 = arch.strip_prefix("sm_")?.parse().ok()?;
     Some((n / 10, n % 10))
@@ -59,7 +62,7 @@ mod tests {
             return;
         }
         let archs: Vec<&str> = PTX.iter().map(|(a, _)| *a).collect();
-        assert_eq!(archs, ["sm_80", "sm_90", "sm_120"]);
+        assert_eq!(archs, ["sm_80", "sm_90", "sm_120", "sm_120a"]);
         for (arch, ptx) in PTX {
             assert!(ptx.contains(&format!(".target {arch}")), "{arch}");
             for k in sparsekit_kernels::ENTRY_POINTS {
@@ -67,20 +70,26 @@ mod tests {
             }
         }
         if required {
-            assert_eq!(PTXAS_LOGS.len(), 3, "ptxas must have assembled every arch");
+            assert_eq!(PTXAS_LOGS.len(), 4, "ptxas must have assembled every arch");
         }
         assert_eq!(ptx_for_device(9, 0).map(|p| p.0), Some("sm_90"));
         assert_eq!(ptx_for_device(8, 9).map(|p| p.0), Some("sm_80"));
         assert_eq!(ptx_for_device(10, 0).map(|p| p.0), Some("sm_90"));
         assert_eq!(ptx_for_device(12, 0).map(|p| p.0), Some("sm_120"));
+        assert_eq!(ptx_for_device(12, 1).map(|p| p.0), Some("sm_120"));
+        // Only the sm_120a PTX carries the block-scaled MXFP8 mma, in sparse_mla_v4.
+        for (arch, ptx) in PTX {
+            let has = ptx.contains("kind::mxf8f6f4.block_scale");
+            assert_eq!(has, *arch == "sm_120a", "{arch}");
+        }
         assert!(ptx_for_device(7, 5).is_none());
         if required {
             let cubin_archs: Vec<&str> = CUBINS.iter().map(|(a, _)| *a).collect();
-            assert_eq!(cubin_archs, ["sm_80", "sm_90", "sm_120"]);
+            assert_eq!(cubin_archs, ["sm_80", "sm_90", "sm_120", "sm_120a"]);
             for (_, c) in CUBINS {
                 assert_eq!(&c[..4], b"\x7fELF", "a cubin is an ELF image");
             }
-            assert_eq!(WARP_OPS.len(), 3);
+            assert_eq!(WARP_OPS.len(), 4);
         }
     }
 

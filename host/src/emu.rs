@@ -16,6 +16,7 @@
 
 use std::sync::{Arc, Mutex};
 
+pub use sparsekit_kernels::emu::EmuTarget;
 use sparsekit_kernels::emu::{launch_kernel, profile_kernel, GlobalBuffers, Profile};
 use sparsekit_kernels::launch::KernelParams;
 
@@ -29,6 +30,7 @@ use crate::launcher::{KernelDevice, Span};
 pub struct EmuBackend {
     stream: StreamKind,
     profiler: Option<Arc<Profiler>>,
+    target: EmuTarget,
 }
 
 /// The profiles a profiling [`EmuBackend`] collected.
@@ -56,7 +58,21 @@ impl EmuBackend {
                 sample_blocks: sample_blocks.max(1),
                 profiles: Mutex::new(Vec::new()),
             })),
+            target: EmuTarget::Generic,
         }
+    }
+
+    /// This backend emulating `target`: [`EmuTarget::Sm120a`] runs the kernels as the
+    /// `sm_120a` PTX does (the block-scaled MXFP8 mma paths); the default,
+    /// [`EmuTarget::Generic`], as every other arch.
+    pub fn with_target(mut self, target: EmuTarget) -> Self {
+        self.target = target;
+        self
+    }
+
+    /// The GPU this backend emulates.
+    pub fn target(&self) -> EmuTarget {
+        self.target
     }
 
     /// The profiles of the launches so far (oldest first), emptied; empty unless the
@@ -126,14 +142,15 @@ unsafe impl KernelDevice for EmuBackend {
                 // SAFETY: the caller's contract: the addresses in `params` are those of
                 // buffers and staged metadata borrowed for this call (`spans`), and the
                 // launch is synchronous.
-                unsafe { launch_kernel(params, &buffers) }.map_err(fail)
+                unsafe { launch_kernel(self.target, params, &buffers) }.map_err(fail)
             }
             Some(prof) => {
                 let grid = params.launch().grid;
                 let blocks: Vec<u32> = (0..prof.sample_blocks.min(grid)).collect();
                 // SAFETY: as above.
                 let profile =
-                    unsafe { profile_kernel(params, &buffers, Some(&blocks)) }.map_err(fail)?;
+                    unsafe { profile_kernel(self.target, params, &buffers, Some(&blocks)) }
+                        .map_err(fail)?;
                 prof.profiles
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())

@@ -33,7 +33,7 @@ pub use audit::KernelAudit;
 pub use backend::{Backend, Event, KvInput, StreamKind};
 pub use cpu::CpuBackend;
 pub use dims::{ModelDims, V4Dims};
-pub use emu::EmuBackend;
+pub use emu::{EmuBackend, EmuTarget};
 pub use error::{Error, ErrorKind, Result};
 pub use layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};
 pub use model_ops::ModelOps;

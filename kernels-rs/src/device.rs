@@ -51,6 +51,7 @@ pub struct Device;
 
 impl Simt for Device {
     const HAS_FP8_MMA: bool = cfg!(target_feature = "sm_89");
+    const HAS_MXF8_MMA: bool = cfg!(target_feature = "sm_120a");
 
     #[inline(always)]
     fn thread_idx() -> u32 {
@@ -307,6 +308,44 @@ impl Simt for Device {
         {
             // No fp8 mma below sm_89: the instruction is never emitted there.
             let _ = (a, b, c);
+            // SAFETY: aborts the kernel.
+            unsafe { nvptx::trap() }
+        }
+    }
+    #[inline(always)]
+    fn mma_mxf8_e4m3_m16n8k32(
+        a: [u32; 4],
+        b: [u32; 2],
+        c: [f32; 4],
+        sfa: u32,
+        sfb: u32,
+    ) -> [f32; 4] {
+        #[cfg(target_feature = "sm_120a")]
+        {
+            let (d0, d1, d2, d3): (f32, f32, f32, f32);
+            // SAFETY: register-only warp instruction; all 32 lanes execute it (contract).
+            unsafe {
+                asm!(
+                    "mma.sync.aligned.m16n8k32.row.col.kind::mxf8f6f4.block_scale.scale_vec::1X.\
+                     f32.e4m3.e4m3.f32.ue8m0 \
+                     {{{d0}, {d1}, {d2}, {d3}}}, {{{a0}, {a1}, {a2}, {a3}}}, {{{b0}, {b1}}}, \
+                     {{{c0}, {c1}, {c2}, {c3}}}, {sa}, {{0, 0}}, {sb}, {{0, 0}};",
+                    d0 = out(reg32) d0, d1 = out(reg32) d1, d2 = out(reg32) d2, d3 = out(reg32) d3,
+                    a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3],
+                    b0 = in(reg32) b[0], b1 = in(reg32) b[1],
+                    c0 = in(reg32) c[0], c1 = in(reg32) c[1], c2 = in(reg32) c[2], c3 = in(reg32) c[3],
+                    sa = in(reg32) sfa, sb = in(reg32) sfb,
+                    // Not `pure` (see above).
+                    options(nomem, nostack, preserves_flags),
+                );
+            }
+            [d0, d1, d2, d3]
+        }
+        #[cfg(not(target_feature = "sm_120a"))]
+        {
+            // Only sm_120a has the block-scaled mma: the instruction is never emitted
+            // elsewhere (kernels take it only when `HAS_MXF8_MMA`).
+            let _ = (a, b, c, sfa, sfb);
             // SAFETY: aborts the kernel.
             unsafe { nvptx::trap() }
         }

@@ -82,6 +82,35 @@ pub fn fp4_group_scale(amax: f32) -> f32 {
     crate::fp8::round_up_pow2((amax / E2M1_MAX).max(FP4_SCALE_MIN))
 }
 
+/// The ue8m0 byte of the scale of an e4m3 group whose largest magnitude is `amax` (≥ 0):
+/// the smallest power of two `s ≥ 2^-127` with `amax / s ≤ 448` (byte 127, scale 1, for
+/// `amax = 0`; [`UE8M0_NAN`] for a NaN or infinite `amax`). No floor beyond the format's:
+/// the MXFP8 split of the queries keeps small groups at full precision. (`amax / 448` in
+/// f32 never rounds across a power of two for a bf16 `amax`.)
+#[inline(always)]
+pub fn e4m3_scale_byte(amax: f32) -> u8 {
+    let q = (amax / crate::fp8::E4M3_MAX).to_bits();
+    let (e, m) = (q >> 23, q & 0x7f_ffff);
+    let b = if e == 0 {
+        // Subnormal quotient: 2^-127 (byte 0) covers up to 2^-127, else 2^-126.
+        (q > 0x0040_0000) as u32
+    } else {
+        e + (m != 0) as u32
+    };
+    let b = if amax == 0.0 { 127 } else { b };
+    if amax.is_finite() {
+        b as u8
+    } else {
+        UE8M0_NAN
+    }
+}
+
+/// `1 / s` for the scale `s` of a ue8m0 byte `b ≤ 253`: `2^(127 − b)`, exact.
+#[inline(always)]
+pub fn ue8m0_inverse(b: u8) -> f32 {
+    f32::from_bits((254 - b as u32) << 23)
+}
+
 /// Largest `|x|` bits over bf16 values (`bits & 0x7fff`): a result `≥ 0x7f80` means the
 /// group holds NaN or ±inf.
 #[inline(always)]
@@ -103,6 +132,32 @@ pub fn abs_bits_non_finite(max_bits: u32) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The scale byte is the smallest power of two that keeps the group inside e4m3,
+    /// everywhere from subnormal bf16 to the bf16 maximum.
+    #[test]
+    fn e4m3_scale_bytes_are_the_smallest_that_fit() {
+        for bits in (0u32..0x7f80).step_by(7).chain([1, 0x7f7f]) {
+            let amax = f32::from_bits(bits << 16);
+            let b = e4m3_scale_byte(amax);
+            if amax == 0.0 {
+                assert_eq!(b, 127);
+                continue;
+            }
+            let s = f64::from(ue8m0_to_f32(b));
+            assert!(f64::from(amax) / s <= 448.0, "{amax:e}: byte {b}");
+            if b > 0 {
+                let smaller = f64::from(ue8m0_to_f32(b - 1));
+                assert!(
+                    f64::from(amax) / smaller > 448.0,
+                    "{amax:e}: byte {b} not smallest"
+                );
+            }
+            assert_eq!(ue8m0_inverse(b) as f64 * s, 1.0, "byte {b}");
+        }
+        assert_eq!(e4m3_scale_byte(f32::NAN), UE8M0_NAN);
+        assert_eq!(e4m3_scale_byte(f32::INFINITY), UE8M0_NAN);
+    }
 
     #[test]
     fn e2m1_round_trips_and_ties_go_even() {

@@ -18,6 +18,9 @@ use crate::global::{GlobalMut, GlobalPtr, Word};
 pub trait Simt {
     /// Whether `mma_e4m3_m16n8k32` exists (sm_89 and newer; always in the emulator).
     const HAS_FP8_MMA: bool;
+    /// Whether `mma_mxf8_e4m3_m16n8k32` exists (the block-scaled MXFP8 mma of `sm_120a`;
+    /// in the emulator, only on its `sm_120a` target).
+    const HAS_MXF8_MMA: bool;
 
     /// `threadIdx.x`.
     fn thread_idx() -> u32;
@@ -100,6 +103,20 @@ pub trait Simt {
     /// k 4t..4t+3 and 16+4t..; B regs = k 4t..4t+3, 16+4t.. × column g; C/D as bf16).
     /// Only valid when [`Simt::HAS_FP8_MMA`].
     fn mma_e4m3_m16n8k32(a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4];
+
+    /// `mma.sync.aligned.m16n8k32.row.col.kind::mxf8f6f4.block_scale.scale_vec::1X.f32.
+    /// e4m3.e4m3.f32.ue8m0`: `D = C + (2^(sa_r − 127) · A) · (2^(sb_c − 127) · B)` with the
+    /// e4m3 fragments of [`Simt::mma_e4m3_m16n8k32`] and one ue8m0 scale per A row and per
+    /// B column (`0xff`: NaN), byte 0 of the scale registers (selectors 0): lane `4g`
+    /// gives A row `g` (`sfa`) and B column `g` (`sfb`), lane `4g + 1` A row `g + 8`; the
+    /// other lanes' scale registers are ignored. Only valid when [`Simt::HAS_MXF8_MMA`].
+    fn mma_mxf8_e4m3_m16n8k32(
+        a: [u32; 4],
+        b: [u32; 2],
+        c: [f32; 4],
+        sfa: u32,
+        sfb: u32,
+    ) -> [f32; 4];
 
     /// Lane within the warp.
     #[inline(always)]

@@ -11,7 +11,7 @@ use std::time::Duration;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use sparsekit_kernels::emu::{
-    launch, Emu, EmuError, LaunchConfig, Params, RaceKind, SHFL_UNDEFINED, SMEM_POISON,
+    launch, Emu, EmuError, EmuSm120a, LaunchConfig, Params, RaceKind, SHFL_UNDEFINED, SMEM_POISON,
 };
 use sparsekit_kernels::global::GlobalMut;
 use sparsekit_kernels::simt::{warp_mask, Simt};
@@ -54,15 +54,30 @@ struct MmaArgs {
     b: *const u8,
     c: *const f32,
     d: *mut f32,
+    /// Block-scaled form only: ue8m0 scales of A's 16 rows and B's 8 columns per problem.
+    sa: *const u8,
+    sb: *const u8,
+}
+
+/// Which `mma.sync` a self-test runs.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum MmaKind {
+    Bf16,
+    E4m3,
+    /// The block-scaled MXFP8 form (e4m3 fragments plus ue8m0 row/column scales).
+    Mxf8,
 }
 
 /// Builds this lane's fragments straight from the PTX ISA tables (written independently
-/// of the emulator's layout code), runs the MMA and scatters D. `fp8`: e4m3 m16n8k32
-/// (1-byte elements, K = 32); otherwise bf16 m16n8k16 (2-byte elements, K = 16).
+/// of the emulator's layout code), runs the MMA and scatters D. e4m3 forms: m16n8k32
+/// (1-byte elements, K = 32); bf16: m16n8k16 (2-byte elements, K = 16). The block-scaled
+/// form's scale registers follow CUTLASS's SM120 map (lane `4g`: A row `g`, B column
+/// `g`; lane `4g + 1`: A row `g + 8`; byte 0), every other byte and lane holding junk.
 ///
 /// # Safety
 /// The buffers hold `grid_dim` problems.
-unsafe fn mma_kernel<S: Simt>(p: MmaArgs, fp8: bool) {
+unsafe fn mma_kernel<S: Simt>(p: MmaArgs, kind: MmaKind) {
+    let fp8 = kind != MmaKind::Bf16;
     let lane = S::lane_id() as usize;
     let (g, t) = (lane / 4, lane % 4);
     let k_dim = if fp8 { 32 } else { 16 };
@@ -102,10 +117,22 @@ unsafe fn mma_kernel<S: Simt>(p: MmaArgs, fp8: bool) {
         // SAFETY: in bounds.
         *c = unsafe { *p.c.add(cd(i)) };
     }
-    let d = if fp8 {
-        S::mma_e4m3_m16n8k32(ra, rb, c)
-    } else {
-        S::mma_bf16_m16n8k16(ra, rb, c)
+    let d = match kind {
+        MmaKind::Bf16 => S::mma_bf16_m16n8k16(ra, rb, c),
+        MmaKind::E4m3 => S::mma_e4m3_m16n8k32(ra, rb, c),
+        MmaKind::Mxf8 => {
+            let junk = 0x5a5a_5a00 | (lane as u32 * 37 % 256);
+            // SAFETY: in bounds of this block's scales.
+            let (row_a, col_b) = unsafe {
+                (
+                    u32::from(*p.sa.add(blk * 16 + g + 8 * (t & 1))),
+                    u32::from(*p.sb.add(blk * 8 + g)),
+                )
+            };
+            let sfa = if t < 2 { 0x3c5a_a500 | row_a } else { junk };
+            let sfb = if t == 0 { 0xa55a_3c00 | col_b } else { junk };
+            S::mma_mxf8_e4m3_m16n8k32(ra, rb, c, sfa, sfb)
+        }
     };
     for (i, d) in d.iter().enumerate() {
         // SAFETY: each lane writes its own four elements of its block's D.
@@ -153,10 +180,26 @@ fn random_e4m3(rng: &mut StdRng) -> u8 {
     }
 }
 
-fn check_mma(fp8: bool) {
+fn check_mma(kind: MmaKind) {
     const PROBLEMS: usize = 24;
+    let fp8 = kind != MmaKind::Bf16;
     let seed = seed();
     let mut rng = StdRng::seed_from_u64(seed);
+    // Scales 2^-24 ..= 2^24 (byte 127 ± 24); all 1 (byte 127) unless block-scaled.
+    let scales = |n: usize, rng: &mut StdRng| -> Vec<u8> {
+        (0..n)
+            .map(|_| {
+                if kind == MmaKind::Mxf8 {
+                    rng.gen_range(103..=151u8)
+                } else {
+                    127
+                }
+            })
+            .collect()
+    };
+    let sa = scales(PROBLEMS * 16, &mut rng);
+    let sb = scales(PROBLEMS * 8, &mut rng);
+    let pow2 = |b: u8| 2f64.powi(i32::from(b) - 127);
     let k_dim = if fp8 { 32 } else { 16 };
     let gen_elems = |n: usize, rng: &mut StdRng| -> Vec<u8> {
         (0..n)
@@ -189,11 +232,17 @@ fn check_mma(fp8: bool) {
             b: b.as_ptr(),
             c: c.as_ptr(),
             d: d.as_mut_ptr(),
+            sa: sa.as_ptr(),
+            sb: sb.as_ptr(),
         })
     };
     // SAFETY: the buffers hold PROBLEMS problems, one per block.
     run(cfg(PROBLEMS as u32, 32, 0), move || unsafe {
-        mma_kernel::<Emu>(args.get(), fp8)
+        if kind == MmaKind::Mxf8 {
+            mma_kernel::<EmuSm120a>(args.get(), kind)
+        } else {
+            mma_kernel::<Emu>(args.get(), kind)
+        }
     })
     .unwrap();
     for p in 0..PROBLEMS {
@@ -203,7 +252,9 @@ fn check_mma(fp8: bool) {
                 let mut magnitude = exact.abs();
                 for k in 0..k_dim {
                     let prod = value(&a, p * 16 * k_dim + i * k_dim + k)
-                        * value(&b, p * k_dim * 8 + k * 8 + j);
+                        * pow2(sa[p * 16 + i])
+                        * value(&b, p * k_dim * 8 + k * 8 + j)
+                        * pow2(sb[p * 8 + j]);
                     exact += prod;
                     magnitude += prod.abs();
                 }
@@ -211,9 +262,8 @@ fn check_mma(fp8: bool) {
                 let tol = magnitude * 2f64.powi(-22) + 1e-30;
                 assert!(
                     (got - exact).abs() <= tol,
-                    "{} mma problem {p} D[{i}][{j}] = {got}, naive matmul gives {exact} \
-                     (tolerance {tol}); seed {seed} (rerun with EMU_SEED={seed})",
-                    if fp8 { "e4m3" } else { "bf16" }
+                    "{kind:?} mma problem {p} D[{i}][{j}] = {got}, naive matmul gives {exact} \
+                     (tolerance {tol}); seed {seed} (rerun with EMU_SEED={seed})"
                 );
             }
         }
@@ -222,12 +272,46 @@ fn check_mma(fp8: bool) {
 
 #[test]
 fn mma_bf16_matches_naive_matmul() {
-    check_mma(false);
+    check_mma(MmaKind::Bf16);
 }
 
 #[test]
 fn mma_e4m3_matches_naive_matmul() {
-    check_mma(true);
+    check_mma(MmaKind::E4m3);
+}
+
+/// The block-scaled form: every row of A and column of B times its own ue8m0 scale, taken
+/// from the documented lane and byte only.
+#[test]
+fn mma_mxf8_block_scaled_matches_naive_matmul() {
+    check_mma(MmaKind::Mxf8);
+}
+
+/// The block-scaled mma does not exist on the generic target: a kernel that calls it
+/// there is a bug the emulator reports.
+#[test]
+fn mma_mxf8_is_refused_off_sm120a() {
+    let (a, b) = (vec![0u8; 512], vec![0u8; 256]);
+    let c = vec![0f32; 128];
+    let mut d = vec![0f32; 128];
+    let (sa, sb) = (vec![127u8; 16], vec![127u8; 8]);
+    // SAFETY: one problem, one block.
+    let args = unsafe {
+        Params::new(MmaArgs {
+            a: a.as_ptr(),
+            b: b.as_ptr(),
+            c: c.as_ptr(),
+            d: d.as_mut_ptr(),
+            sa: sa.as_ptr(),
+            sb: sb.as_ptr(),
+        })
+    };
+    // SAFETY: as above.
+    let r = run(cfg(1, 32, 0), move || unsafe {
+        mma_kernel::<Emu>(args.get(), MmaKind::Mxf8)
+    });
+    let e = r.expect_err("the generic target has no block-scaled mma");
+    assert!(e.to_string().contains("sm_120a"), "{e}");
 }
 
 // ---------------------------------------------------------------------------------------

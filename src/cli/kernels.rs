@@ -37,6 +37,7 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
             "stack_bytes",
             "barriers",
             "tensor_core",
+            "sass hmma/qmma",
             "mma/shfl/vote/bar",
         ]);
         for k in &rows {
@@ -49,6 +50,8 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
                 k.stack_bytes.to_string(),
                 k.barriers.to_string(),
                 k.tensor_core.map_or("?".into(), |b| b.to_string()),
+                k.sass_mma
+                    .map_or("?".into(), |m| format!("{}/{}", m.hmma, m.qmma)),
                 k.warp_ops.map_or("?".into(), |w| {
                     format!("{}/{}/{}/{}", w.mma, w.shfl, w.vote, w.bar)
                 }),

@@ -28,10 +28,10 @@ use sparsekit::host::{
     ModelOps,
 };
 use sparsekit::kernel_report::report;
-use sparsekit::kernels::emu::{Profile, SiteProfile, Space};
+use sparsekit::kernels::emu::{EmuTarget, Profile, SiteProfile, Space};
 use sparsekit::kernels::kernels::{sparse_mla_split, topk_chunk};
 use sparsekit::perf_model::{
-    occupancy, predict, widths_label, AccessSummary, GridTotals, Prediction, DEVICES,
+    occupancy, predict, widths_label, AccessSummary, DeviceSpec, GridTotals, Prediction, DEVICES,
 };
 use sparsekit::table::Table;
 use sparsekit_benches::inputs::{
@@ -631,8 +631,11 @@ struct Record {
     block: u32,
     smem_bytes: usize,
     blocks_emulated: u32,
+    /// The GPU the trace emulated: `generic` (every arch's PTX) or `sm_120a`.
+    target: &'static str,
     registers_sm_90: Option<u32>,
     registers_sm_120: Option<u32>,
+    registers_sm_120a: Option<u32>,
     access: AccessSummary,
     totals: GridTotals,
     /// Per device; empty when no ptxas report is embedded.
@@ -640,10 +643,26 @@ struct Record {
     sites: Vec<SiteRecord>,
 }
 
-fn record(case: &Case, p: &Profile) -> Record {
+/// Ops whose kernel takes an arch-specific path on `sm_120a` (the block-scaled MXFP8 score
+/// product of `sparse_mla_v4`): traced a second time as `sm_120a`, and that trace models the
+/// devices that load the `sm_120a` image. Every other kernel's code is the same on every
+/// arch, so its generic trace models all devices.
+const SM120A_OPS: &[&str] = &["sparse_mla_v4"];
+
+/// Whether a trace on `target` models `dev`.
+fn models(case: &Case, target: EmuTarget, dev: &DeviceSpec) -> bool {
+    let specific = dev.arch.ends_with('a');
+    match target {
+        EmuTarget::Sm120a => specific,
+        EmuTarget::Generic => !specific || !SM120A_OPS.contains(&case.op),
+    }
+}
+
+fn record(case: &Case, p: &Profile, target: EmuTarget) -> Record {
     let totals = GridTotals::of(p);
     let predictions = DEVICES
         .iter()
+        .filter(|dev| models(case, target, dev))
         .filter_map(|dev| {
             let regs = registers(&p.kernel, dev.arch)?;
             let occ = occupancy(dev, p.block, regs, p.smem_bytes as u32);
@@ -659,8 +678,10 @@ fn record(case: &Case, p: &Profile) -> Record {
         block: p.block,
         smem_bytes: p.smem_bytes,
         blocks_emulated: p.blocks_run,
+        target: target.name(),
         registers_sm_90: registers(&p.kernel, "sm_90"),
         registers_sm_120: registers(&p.kernel, "sm_120"),
+        registers_sm_120a: registers(&p.kernel, "sm_120a"),
         access: AccessSummary::of(p),
         totals,
         predictions,
@@ -701,10 +722,16 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
     let mut records = Vec::new();
     for case in &selected {
         bar.set_message(case.name.clone());
-        let emu = EmuBackend::profiling(args.blocks.max(case.min_blocks));
-        (case.run)(&emu).map_err(|e| format!("{}: {e}", case.name))?;
-        for p in emu.take_profiles() {
-            records.push(record(case, &p));
+        let mut targets = vec![EmuTarget::Generic];
+        if SM120A_OPS.contains(&case.op) {
+            targets.push(EmuTarget::Sm120a);
+        }
+        for target in targets {
+            let emu = EmuBackend::profiling(args.blocks.max(case.min_blocks)).with_target(target);
+            (case.run)(&emu).map_err(|e| format!("{}: {e}", case.name))?;
+            for p in emu.take_profiles() {
+                records.push(record(case, &p, target));
+            }
         }
         bar.inc(1);
     }
@@ -728,6 +755,15 @@ pub fn run(args: Args) -> Result<ExitCode, CliError> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The case's name, with the emulated target when it is not the generic one.
+fn case_label(r: &Record) -> String {
+    if r.target == EmuTarget::Generic.name() {
+        r.case.clone()
+    } else {
+        format!("{} [{}]", r.case, r.target)
+    }
+}
+
 fn print_tables(records: &[Record], sites: bool) {
     let mut t = Table::new([
         "case",
@@ -740,12 +776,12 @@ fn print_tables(records: &[Record], sites: bool) {
         "worst_site",
         "lanes",
         "bar/blk",
-        "regs 90/120",
+        "regs 90/120/120a",
     ]);
     for r in records {
         let a = &r.access;
         t.row([
-            r.case.clone(),
+            case_label(r),
             format!("{}×{}", r.grid, r.block),
             pct(a.load_efficiency),
             pct(a.store_efficiency),
@@ -755,11 +791,9 @@ fn print_tables(records: &[Record], sites: bool) {
             num(a.smem_worst_ways, 2),
             pct(a.active_lanes),
             format!("{:.1}", a.barriers_per_block),
-            format!(
-                "{}/{}",
-                r.registers_sm_90.map_or("?".into(), |x| x.to_string()),
-                r.registers_sm_120.map_or("?".into(), |x| x.to_string())
-            ),
+            [r.registers_sm_90, r.registers_sm_120, r.registers_sm_120a]
+                .map(|x| x.map_or("?".into(), |x| x.to_string()))
+                .join("/"),
         ]);
     }
     println!("Accesses (emulated blocks, per warp-level instruction):");
@@ -780,7 +814,7 @@ fn print_tables(records: &[Record], sites: bool) {
     for r in records {
         for p in &r.predictions {
             m.row([
-                r.case.clone(),
+                case_label(r),
                 p.device.to_string(),
                 format!("{} ({})", p.occupancy.blocks_per_sm, p.occupancy.limiter),
                 format!("{:.2}", p.waves),
@@ -818,7 +852,7 @@ fn print_tables(records: &[Record], sites: bool) {
         for r in records {
             for x in &r.sites {
                 s.row([
-                    r.case.clone(),
+                    case_label(r),
                     x.location.clone(),
                     x.space.to_string(),
                     x.op.clone(),

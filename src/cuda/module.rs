@@ -1,8 +1,11 @@
-//! Loading the kernels onto a device: the SASS ptxas built for the device's exact arch
-//! when this binary carries it, else the PTX of the newest arch not newer than the device
-//! (JIT-compiled by the driver), else the sm_80 PTX (the lowest PTX version, for drivers
-//! older than the newer archs' PTX). A candidate that fails to load is reported with the
-//! driver's error and, for PTX, the JIT compiler's log; the first one that loads is used.
+//! Loading the kernels onto a device: first the arch-specific images of the device's exact
+//! compute capability (`sm_120a` on 12.0: SASS, then PTX; they carry the block-scaled
+//! MXFP8 paths) unless [`GENERIC_ENV`] is `1`, then the SASS ptxas built for the device's
+//! arch when this binary carries it, else the PTX of the newest arch not newer than the
+//! device (JIT-compiled by the driver), else the sm_80 PTX (the lowest PTX version, for
+//! drivers older than the newer archs' PTX). A candidate that fails to load is reported
+//! with the driver's error and, for PTX, the JIT compiler's log; the first one that loads
+//! is used.
 
 use std::ffi::{c_void, CString};
 use std::sync::Arc;
@@ -12,7 +15,12 @@ use cudarc::driver::{CudaContext, CudaModule};
 use cudarc::nvrtc::Ptx;
 use sparsekit_host::{Error, Result};
 
-use crate::ptx::{cubin_for_device, ptx_for_device, PTX};
+use crate::ptx::{cubin_for_device, ptx_for_device, CUBINS, PTX};
+
+/// Set to `1` to skip the arch-specific images (`sm_120a`) and run the kernels every arch
+/// of the family runs (the bf16 tensor-core paths): for side-by-side benchmarks, or as a
+/// way around a driver that mishandles them.
+pub const GENERIC_ENV: &str = "SPARSEKIT_CUDA_GENERIC";
 
 /// One way to load the kernels.
 #[derive(Clone, Copy, Debug)]
@@ -41,10 +49,26 @@ impl Image {
 
 /// The images to try for a device of compute capability `major.minor`, in order.
 pub(super) fn candidates(major: u32, minor: u32) -> Vec<Image> {
+    let generic = std::env::var(GENERIC_ENV).is_ok_and(|v| v == "1");
+    candidates_for(major, minor, !generic)
+}
+
+/// [`candidates`], with or without the arch-specific images.
+fn candidates_for(major: u32, minor: u32, arch_specific: bool) -> Vec<Image> {
     let mut out = Vec::new();
     if major < 8 {
         // Below sm_80 nothing runs (the kernels need sm_80's mma and cp.async).
         return out;
+    }
+    if arch_specific {
+        // `sm_XYa` runs on compute capability X.Y only (no forward compatibility).
+        let name = format!("sm_{major}{minor}a");
+        if let Some(&(arch, bytes)) = CUBINS.iter().find(|(a, _)| *a == name) {
+            out.push(Image::Cubin { arch, bytes });
+        }
+        if let Some(&(arch, text)) = PTX.iter().find(|(a, _)| *a == name) {
+            out.push(Image::Ptx { arch, text });
+        }
     }
     if let Some((arch, bytes)) = cubin_for_device(major, minor) {
         out.push(Image::Cubin { arch, bytes });
@@ -160,10 +184,33 @@ mod tests {
             eprintln!("no PTX or cubins embedded: nothing to order");
             return;
         }
-        let labels =
-            |ma, mi| -> Vec<String> { candidates(ma, mi).iter().map(Image::label).collect() };
+        let labels = |ma, mi| -> Vec<String> {
+            candidates_for(ma, mi, true)
+                .iter()
+                .map(Image::label)
+                .collect()
+        };
         assert_eq!(labels(9, 0), ["cubin sm_90", "PTX sm_90", "PTX sm_80"]);
-        assert_eq!(labels(12, 0), ["cubin sm_120", "PTX sm_120", "PTX sm_80"]);
+        assert_eq!(
+            labels(12, 0),
+            [
+                "cubin sm_120a",
+                "PTX sm_120a",
+                "cubin sm_120",
+                "PTX sm_120",
+                "PTX sm_80"
+            ]
+        );
+        assert_eq!(
+            labels(12, 1),
+            ["cubin sm_120", "PTX sm_120", "PTX sm_80"],
+            "sm_120a images run on 12.0 only"
+        );
+        let generic: Vec<String> = candidates_for(12, 0, false)
+            .iter()
+            .map(Image::label)
+            .collect();
+        assert_eq!(generic, ["cubin sm_120", "PTX sm_120", "PTX sm_80"]);
         assert_eq!(labels(8, 9), ["cubin sm_80", "PTX sm_80"]);
         assert_eq!(
             labels(10, 0),

@@ -13,6 +13,40 @@ use sparsekit_validation::fixtures;
 
 sparsekit_validation::test_backend!(emu, Ok(EmuBackend::new()));
 
+/// DeepSeek-V4's attention checks on the emulator as `sm_120a`: the kernel's score product
+/// on the block-scaled MXFP8 mma (queries split into two e4m3 parts, the MODEL1 codes and
+/// tile scales as stored) where every cache is `model1_fp8`, the bf16 path elsewhere.
+mod emu_sm120a {
+    use sparsekit_host::{EmuBackend, EmuTarget};
+    use sparsekit_validation::conformance::{self as c, Op};
+
+    fn open() -> sparsekit_host::Result<EmuBackend> {
+        Ok(EmuBackend::new().with_target(EmuTarget::Sm120a))
+    }
+
+    #[test]
+    fn sparse_mla_v4() {
+        c::run_check("emu_sm120a", "sparse_mla_v4", open, |b| {
+            c::suite_op(b, Op::SparseMlaV4)
+        })
+    }
+
+    #[test]
+    fn documented_v4_sinks_and_empty_rows() {
+        c::run_check(
+            "emu_sm120a",
+            "documented_v4_sinks_and_empty_rows",
+            open,
+            |b| c::v4::sinks_and_empty_rows(b),
+        )
+    }
+
+    #[test]
+    fn nonfinite_v4() {
+        c::run_check("emu_sm120a", "nonfinite_v4", open, |b| c::v4::nonfinite(b))
+    }
+}
+
 #[test]
 fn emu_rejects_shapes_its_kernels_cannot_run() {
     errors::gpu_kernel_limits(&EmuBackend::new()).unwrap();

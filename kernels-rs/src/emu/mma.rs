@@ -17,6 +17,14 @@
 //! Within a 32-bit register the lowest-addressed element (the lower k) sits in the low
 //! bits: half-word 0 for bf16, byte 0 for e4m3.
 //!
+//! The block-scaled `kind::mxf8f6f4 … scale_vec::1X` form (sm_120a) takes the e4m3
+//! fragments above plus one ue8m0 scale per A row and per B column, in byte 0 of a scale
+//! register (byte and thread selectors 0): lane `4g` supplies A row `g` and B column `g`,
+//! lane `4g + 1` A row `g + 8`; the scale registers of lanes `4g + 2`, `4g + 3` (and lane
+//! `4g + 1`'s B scale) are ignored. This is the map of CUTLASS's SM120 block-scaled MMA
+//! traits (`SM120_16x8x32_TN_VS`: SFA `((2,2,8),32):((8,0,1),16)`, SFB
+//! `((4,8),32):((0,1),8)`), which a public probe on sm_121a hardware confirms.
+//!
 //! Arithmetic: `D[i][j] = C[i][j] + Σ_k A[i][k]·B[k][j]`, accumulated in f64 starting from
 //! C and adding the products in increasing k, then rounded once to f32 (round to nearest
 //! even). Every product of two bf16 or two e4m3 values is exact in f64. Real tensor cores
@@ -32,6 +40,8 @@ pub(crate) struct MmaFragments {
     pub b: [u32; 2],
     /// C fragment (accumulator in).
     pub c: [f32; 4],
+    /// Scale registers of the block-scaled form (`sfa`, `sfb`); unused otherwise.
+    pub scale: [u32; 2],
 }
 
 /// M dimension of both shapes.
@@ -85,9 +95,36 @@ fn c_coord(lane: usize, i: usize) -> (usize, usize) {
     (g + if i >= 2 { 8 } else { 0 }, 2 * t + i % 2)
 }
 
+/// Value of a ue8m0 scale byte: `2^(b − 127)`, NaN for `0xff` (exact in f64).
+fn ue8m0_to_f64(b: u8) -> f64 {
+    if b == 0xff {
+        f64::NAN
+    } else {
+        2f64.powi(i32::from(b) - 127)
+    }
+}
+
+/// The lane whose scale register gives A row `row` of the block-scaled form.
+fn sfa_lane(row: usize) -> usize {
+    4 * (row % 8) + row / 8
+}
+
+/// The lane whose scale register gives B column `col` of the block-scaled form.
+fn sfb_lane(col: usize) -> usize {
+    4 * col
+}
+
 /// Runs one warp-wide MMA with `per` elements per 32-bit register (2 for bf16, 4 for
-/// e4m3; K = 8 · per), each decoded by `decode` from its `32 / per` bits.
-fn mma(lanes: &[MmaFragments; 32], per: usize, decode: impl Fn(u32) -> f64) -> [[f32; 4]; 32] {
+/// e4m3; K = 8 · per), each decoded by `decode` from its `32 / per` bits; with
+/// `block_scaled`, A row `r` is multiplied by its ue8m0 scale (byte 0 of lane
+/// [`sfa_lane`]`(r)`'s `scale[0]`) and B column `c` by its own (lane [`sfb_lane`]`(c)`'s
+/// `scale[1]`), exactly.
+fn mma(
+    lanes: &[MmaFragments; 32],
+    per: usize,
+    decode: impl Fn(u32) -> f64,
+    block_scaled: bool,
+) -> [[f32; 4]; 32] {
     let k_dim = 8 * per;
     let bits = 32 / per;
     let elem_mask = (1u64 << bits) - 1;
@@ -113,6 +150,16 @@ fn mma(lanes: &[MmaFragments; 32], per: usize, decode: impl Fn(u32) -> f64) -> [
             c[row][col] = f64::from(v);
         }
     }
+    if block_scaled {
+        for (row, a) in a.iter_mut().enumerate() {
+            let s = ue8m0_to_f64(lanes[sfa_lane(row)].scale[0] as u8);
+            a.iter_mut().for_each(|x| *x *= s);
+        }
+        for col in 0..N {
+            let s = ue8m0_to_f64(lanes[sfb_lane(col)].scale[1] as u8);
+            b.iter_mut().for_each(|r| r[col] *= s);
+        }
+    }
     let mut out = [[0f32; 4]; 32];
     for (lane, d) in out.iter_mut().enumerate() {
         for (i, d) in d.iter_mut().enumerate() {
@@ -130,13 +177,20 @@ fn mma(lanes: &[MmaFragments; 32], per: usize, decode: impl Fn(u32) -> f64) -> [
 /// `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32` over the 32 lanes' fragments;
 /// returns each lane's D fragment.
 pub(crate) fn mma_bf16_m16n8k16(lanes: &[MmaFragments; 32]) -> [[f32; 4]; 32] {
-    mma(lanes, 2, |bits| bf16_to_f64(bits as u16))
+    mma(lanes, 2, |bits| bf16_to_f64(bits as u16), false)
 }
 
 /// `mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32` over the 32 lanes' fragments;
 /// returns each lane's D fragment.
 pub(crate) fn mma_e4m3_m16n8k32(lanes: &[MmaFragments; 32]) -> [[f32; 4]; 32] {
-    mma(lanes, 4, |bits| e4m3_to_f64(bits as u8))
+    mma(lanes, 4, |bits| e4m3_to_f64(bits as u8), false)
+}
+
+/// `mma.sync.aligned.m16n8k32.row.col.kind::mxf8f6f4.block_scale.scale_vec::1X.f32.e4m3.
+/// e4m3.f32.ue8m0` (scale selectors 0) over the 32 lanes' fragments and scale registers;
+/// returns each lane's D fragment.
+pub(crate) fn mma_mxf8_e4m3_m16n8k32(lanes: &[MmaFragments; 32]) -> [[f32; 4]; 32] {
+    mma(lanes, 4, |bits| e4m3_to_f64(bits as u8), true)
 }
 
 #[cfg(test)]
@@ -178,6 +232,26 @@ mod tests {
                 }
             }
             assert!(a.iter().chain(&b).chain(&c).all(|&n| n == 1));
+        }
+    }
+
+    /// Each A row and B column takes its scale from exactly one lane, and only lanes
+    /// `4g` and `4g + 1` supply any (the map of the module docs).
+    #[test]
+    fn block_scale_lanes() {
+        let rows: Vec<usize> = (0..M).map(sfa_lane).collect();
+        let cols: Vec<usize> = (0..N).map(sfb_lane).collect();
+        for lane in 0..32 {
+            let (g, t) = (lane / 4, lane % 4);
+            let want_rows: Vec<usize> = match t {
+                0 => vec![g],
+                1 => vec![g + 8],
+                _ => vec![],
+            };
+            let got: Vec<usize> = (0..M).filter(|&r| rows[r] == lane).collect();
+            assert_eq!(got, want_rows, "lane {lane}");
+            let got: Vec<usize> = (0..N).filter(|&c| cols[c] == lane).collect();
+            assert_eq!(got, if t == 0 { vec![g] } else { vec![] }, "lane {lane}");
         }
     }
 }

@@ -235,6 +235,7 @@ fn kernel_config<P: KernelParams>(params: &P) -> LaunchConfig {
 /// accesses the memory the kernel writes meanwhile. Accesses outside `buffers` are
 /// reported before they happen, so `buffers` must describe live memory.
 pub unsafe fn launch_kernel<P: KernelParams>(
+    target: EmuTarget,
     params: P,
     buffers: &GlobalBuffers,
 ) -> Result<(), EmuError> {
@@ -248,7 +249,10 @@ pub unsafe fn launch_kernel<P: KernelParams>(
     };
     // SAFETY: the kernel's contract is the caller's; the geometry is the kernel's own.
     run_launch(Carrier::default_for_launch(), cfg, setup, || unsafe {
-        P::run::<Emu>(p.get())
+        match target {
+            EmuTarget::Generic => P::run::<Emu>(p.get()),
+            EmuTarget::Sm120a => P::run::<EmuSm120a>(p.get()),
+        }
     })
 }
 
@@ -261,6 +265,7 @@ pub unsafe fn launch_kernel<P: KernelParams>(
 /// # Safety
 /// As [`launch_kernel`].
 pub unsafe fn profile_kernel<P: KernelParams>(
+    target: EmuTarget,
     params: P,
     buffers: &GlobalBuffers,
     blocks: Option<&[u32]>,
@@ -269,7 +274,12 @@ pub unsafe fn profile_kernel<P: KernelParams>(
     // SAFETY: as for `launch_kernel`.
     let p = unsafe { Params::new(params) };
     // SAFETY: as for `launch_kernel`.
-    profile_launch(cfg, buffers, blocks, || unsafe { P::run::<Emu>(p.get()) })
+    profile_launch(cfg, buffers, blocks, || unsafe {
+        match target {
+            EmuTarget::Generic => P::run::<Emu>(p.get()),
+            EmuTarget::Sm120a => P::run::<EmuSm120a>(p.get()),
+        }
+    })
 }
 
 /// [`launch`] with every global access checked against `buffers` (see
@@ -695,9 +705,9 @@ fn word_collective(kind: Kind, mask: u32, word: u32, param: u32) -> u32 {
 }
 
 /// Runs an MMA.
-fn mma_collective(kind: Kind, a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4] {
+fn mma_collective(kind: Kind, a: [u32; 4], b: [u32; 2], c: [f32; 4], scale: [u32; 2]) -> [f32; 4] {
     let input = Input {
-        frags: MmaFragments { a, b, c },
+        frags: MmaFragments { a, b, c, scale },
         ..Input::default()
     };
     let c = ctx();
@@ -706,15 +716,44 @@ fn mma_collective(kind: Kind, a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4]
     out
 }
 
-/// The emulator's [`Simt`] implementation (use it only inside [`launch`]).
+/// The GPU the emulator stands in for: which arch-specific instructions the kernels may
+/// take ([`Simt::HAS_MXF8_MMA`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum EmuTarget {
+    /// What every arch of the PTX runs (bf16 and e4m3 `mma.sync`; the PTX for sm_80,
+    /// sm_90 and sm_120).
+    #[default]
+    Generic,
+    /// sm_120a (RTX 50 series, RTX PRO Blackwell): also the block-scaled MXFP8 mma.
+    Sm120a,
+}
+
+impl EmuTarget {
+    /// `generic`, `sm_120a`.
+    pub fn name(self) -> &'static str {
+        match self {
+            EmuTarget::Generic => "generic",
+            EmuTarget::Sm120a => "sm_120a",
+        }
+    }
+}
+
+/// The emulator's [`Simt`] implementations (use them only inside [`launch`]):
+/// `MXF8` says whether the block-scaled mma exists ([`EmuTarget::Sm120a`]).
 ///
 /// # Panics
 /// Every method panics when called outside [`launch`].
 #[derive(Debug, Clone, Copy)]
-pub struct Emu;
+pub struct EmuArch<const MXF8: bool>;
 
-impl Simt for Emu {
+/// The emulator as every arch of the PTX ([`EmuTarget::Generic`]).
+pub type Emu = EmuArch<false>;
+/// The emulator as sm_120a ([`EmuTarget::Sm120a`]).
+pub type EmuSm120a = EmuArch<true>;
+
+impl<const MXF8: bool> Simt for EmuArch<MXF8> {
     const HAS_FP8_MMA: bool = true;
+    const HAS_MXF8_MMA: bool = MXF8;
 
     fn thread_idx() -> u32 {
         with_ctx(|c| c.thread)
@@ -889,10 +928,21 @@ impl Simt for Emu {
     }
 
     fn mma_bf16_m16n8k16(a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4] {
-        mma_collective(Kind::MmaBf16, a, b, c)
+        mma_collective(Kind::MmaBf16, a, b, c, [0; 2])
     }
 
     fn mma_e4m3_m16n8k32(a: [u32; 4], b: [u32; 2], c: [f32; 4]) -> [f32; 4] {
-        mma_collective(Kind::MmaE4m3, a, b, c)
+        mma_collective(Kind::MmaE4m3, a, b, c, [0; 2])
+    }
+
+    fn mma_mxf8_e4m3_m16n8k32(
+        a: [u32; 4],
+        b: [u32; 2],
+        c: [f32; 4],
+        sfa: u32,
+        sfb: u32,
+    ) -> [f32; 4] {
+        assert!(MXF8, "the block-scaled mma exists only on sm_120a");
+        mma_collective(Kind::MmaMxf8, a, b, c, [sfa, sfb])
     }
 }

@@ -189,9 +189,11 @@ pub struct Profile {
     pub sites: Vec<SiteProfile>,
     /// Completed `sync_threads` (block-wide barriers) over the blocks run.
     pub barriers: u64,
-    /// Warp-level `mma.sync` m16n8k16 bf16 and m16n8k32 e4m3 instructions.
+    /// Warp-level `mma.sync` m16n8k16 bf16, m16n8k32 e4m3 and block-scaled m16n8k32
+    /// MXFP8 (e4m3 × e4m3, ue8m0 scales) instructions.
     pub mma_bf16: u64,
     pub mma_e4m3: u64,
+    pub mma_mxf8: u64,
     /// Warp-level shuffles and ballots.
     pub shuffles: u64,
     pub ballots: u64,
@@ -247,6 +249,7 @@ pub(crate) struct Tracer {
     pub(crate) barriers: AtomicU64,
     pub(crate) mma_bf16: AtomicU64,
     pub(crate) mma_e4m3: AtomicU64,
+    pub(crate) mma_mxf8: AtomicU64,
     pub(crate) shuffles: AtomicU64,
     pub(crate) ballots: AtomicU64,
     blocks: AtomicU64,
@@ -376,6 +379,7 @@ impl Tracer {
             barriers: self.barriers.load(Ordering::Relaxed),
             mma_bf16: self.mma_bf16.load(Ordering::Relaxed),
             mma_e4m3: self.mma_e4m3.load(Ordering::Relaxed),
+            mma_mxf8: self.mma_mxf8.load(Ordering::Relaxed),
             shuffles: self.shuffles.load(Ordering::Relaxed),
             ballots: self.ballots.load(Ordering::Relaxed),
             unique_load_bytes: 32 * acc.unique[0].len() as u64,

@@ -53,6 +53,8 @@ pub(crate) enum Kind {
     MmaBf16,
     /// `mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32`.
     MmaE4m3,
+    /// `mma.sync.aligned.m16n8k32.row.col.kind::mxf8f6f4.block_scale…e4m3.e4m3…ue8m0`.
+    MmaMxf8,
 }
 
 impl fmt::Display for Kind {
@@ -64,6 +66,7 @@ impl fmt::Display for Kind {
             Self::Ballot => "ballot",
             Self::MmaBf16 => "mma_bf16_m16n8k16",
             Self::MmaE4m3 => "mma_e4m3_m16n8k32",
+            Self::MmaMxf8 => "mma_mxf8_e4m3_m16n8k32",
         })
     }
 }
@@ -71,7 +74,7 @@ impl fmt::Display for Kind {
 impl Kind {
     /// Whether this is a tensor-core MMA (which needs the full warp).
     fn is_mma(self) -> bool {
-        matches!(self, Self::MmaBf16 | Self::MmaE4m3)
+        matches!(self, Self::MmaBf16 | Self::MmaE4m3 | Self::MmaMxf8)
     }
 }
 
@@ -248,6 +251,7 @@ impl BlockSync {
                 let counter = match round.kind {
                     Kind::MmaBf16 => &t.mma_bf16,
                     Kind::MmaE4m3 => &t.mma_e4m3,
+                    Kind::MmaMxf8 => &t.mma_mxf8,
                     Kind::Ballot => &t.ballots,
                     _ => &t.shuffles,
                 };
@@ -353,12 +357,12 @@ fn compute(round: &Round) -> Result<Box<[Output; 32]>, String> {
                 out[lane as usize].word = bits;
             }
         }
-        Kind::MmaBf16 | Kind::MmaE4m3 => {
+        Kind::MmaBf16 | Kind::MmaE4m3 | Kind::MmaMxf8 => {
             let frags: [MmaFragments; 32] = std::array::from_fn(|l| round.inputs[l].frags);
-            let d = if round.kind == Kind::MmaBf16 {
-                mma::mma_bf16_m16n8k16(&frags)
-            } else {
-                mma::mma_e4m3_m16n8k32(&frags)
+            let d = match round.kind {
+                Kind::MmaBf16 => mma::mma_bf16_m16n8k16(&frags),
+                Kind::MmaE4m3 => mma::mma_e4m3_m16n8k32(&frags),
+                _ => mma::mma_mxf8_e4m3_m16n8k32(&frags),
             };
             for (o, d) in out.iter_mut().zip(d) {
                 o.d = d;

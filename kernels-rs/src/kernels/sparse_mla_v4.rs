@@ -1,12 +1,16 @@
 //! `sparse_mla_v4` on the GPU: DeepSeek-V4's sparse attention (K = V = a 512-d row, a
 //! main and an extra cache, the attention sink), on bf16 tensor cores (`mma.sync.m16n8k16`,
-//! f32 accumulation).
+//! f32 accumulation). On `sm_120a`, when every cache is `model1_fp8`, the scores' 448 NoPE
+//! dims run on the block-scaled MXFP8 mma instead (module `block_scaled`: the keys' codes
+//! and tile scales as stored, the queries split into two e4m3 parts); everything else is
+//! the same.
 //!
 //! # Launch geometry
 //!
 //! One block of [`THREADS`] = 128 threads (4 warps) per work item `(token, split, group of
 //! 16 heads)`, token-major; grid = items clamped to [`MAX_GRID`], grid-stride beyond.
-//! Shared memory [`SMEM`] bytes (36880: two blocks fit an SM120 SM's ~100 KiB).
+//! Shared memory [`SMEM`] bytes (45648, the block-scaled path's areas included on every
+//! arch: two blocks still fit an SM120 SM's ~100 KiB).
 //!
 //! # Algorithm (per item)
 //!
@@ -43,10 +47,14 @@
 //! | 16384 | 16 · 1024 | query rows, the same layout |
 //! | 32768 | 4096 | partial scores `[warp][n-tile][lane]` × 4 f32 |
 //! | 36864 | 16 | the split-completion flag |
+//! | 36880 | 16 · 512 | block-scaled path only: key codes (`code_addr`) |
+//! | 45072 | 16 · 8 | block-scaled path only: key scale bytes |
+//! | 45200 | 16 · 28 | block-scaled path only: query scale bytes |
 //!
 //! `swz` makes the 16-byte score-operand loads (rows `8j + g`, chunks `4p + t`), the V
 //! loads (rows `2t + e`, chunks `16w + 2g + h`) and the gather stores conflict-free.
 
+mod block_scaled;
 mod gather;
 
 use crate::global::{GlobalMut, V4};
@@ -76,8 +84,18 @@ const Q_OFF: u32 = BN * ROW;
 const PART_OFF: u32 = Q_OFF + V4_HEADS * ROW;
 const PART_BYTES: u32 = WARPS * NT as u32 * 32 * 16;
 const FLAG_OFF: u32 = PART_OFF + PART_BYTES;
+/// Bytes of a MODEL1 row's e4m3 codes (the NoPE dims) and its 64-dim tiles.
+const NOPE: u32 = 448;
+const NOPE_TILES: u32 = NOPE / 64;
+/// The block-scaled path's areas (`block_scaled`): key codes `[16][512]` (448 bytes of
+/// codes, then padding; see [`code_addr`]), key scale bytes `[16][8]`, query scale words
+/// `[16][7]`.
+const KC_OFF: u32 = FLAG_OFF + 16;
+const KC_ROW: u32 = 512;
+const KS_OFF: u32 = KC_OFF + BN * KC_ROW;
+const QS_OFF: u32 = KS_OFF + BN * 8;
 /// Dynamic shared memory per block.
-pub const SMEM: u32 = FLAG_OFF + 16;
+pub const SMEM: u32 = QS_OFF + V4_HEADS * NOPE_TILES * 4;
 /// The smallest split (positions of the main ‖ extra list), and the most splits.
 const MIN_SPLIT: u32 = 96;
 const MAX_SPLITS: u32 = 16;
@@ -138,6 +156,14 @@ fn swz(r: u32) -> u32 {
 #[inline(always)]
 fn chunk_addr(r: u32, c: u32) -> usize {
     (r * ROW + ((c ^ swz(r)) << 4)) as usize
+}
+
+/// Shared-memory byte offset of the 16-byte code unit `u` (< 32) of key `key` in the
+/// block-scaled path's code area: unit `u ^ 4` on odd keys, so that the score loads (keys
+/// `g`, units `4T + t`, eight lanes a phase) and the gather's stores hit distinct banks.
+#[inline(always)]
+fn code_addr(key: u32, u: u32) -> usize {
+    (KC_OFF + KC_ROW * key + 16 * (u ^ ((key & 1) << 2))) as usize
 }
 
 /// A work item: token-major, then split, then head group.
@@ -223,9 +249,16 @@ unsafe fn attend<S: Simt>(p: &SparseMlaV4Params, it: Item) {
     let split = p.split.max(1);
     let begin = it.split * split;
     let end = (begin + split).min(total);
+    let mxf8 = block_scaled::enabled::<S>(p);
     // The previous item's last reads of the Q area are behind its final barrier.
     // SAFETY: token < n_tokens.
-    unsafe { gather::stage_q::<S>(p, it.token, it.h0) };
+    unsafe {
+        if mxf8 {
+            block_scaled::stage_q::<S>(p, it.token, it.h0);
+        } else {
+            gather::stage_q::<S>(p, it.token, it.h0);
+        }
+    }
     // SAFETY: token < n_tokens; begin ≤ end ≤ total.
     let lens = unsafe { gather::Lens::load::<S>(p, it.token) };
     // SAFETY: as above.
@@ -248,10 +281,17 @@ unsafe fn attend<S: Simt>(p: &SparseMlaV4Params, it: Item) {
         // Everyone is done with the previous block's rows and partial scores.
         S::sync_threads();
         // SAFETY: k.slot is -1 or a validated slot; this thread's chunks only.
-        unsafe { gather::gather_key::<S>(p, k, key, sub) };
+        unsafe { gather::gather_key::<S>(p, k, key, sub, mxf8) };
         S::sync_threads();
-        // SAFETY: Q and key rows stored before the barrier; this warp's partial entries.
-        unsafe { scores::<S>(warp, lane, g, t) };
+        // SAFETY: Q and key rows (and codes) stored before the barrier; this warp's
+        // partial entries.
+        unsafe {
+            if mxf8 {
+                block_scaled::scores::<S>(warp, lane, g, t);
+            } else {
+                scores::<S>(warp, lane, g, t);
+            }
+        }
         S::sync_threads();
         // SAFETY: the partial scores are complete.
         let x = unsafe { summed_scores::<S>(lane, t, n, sl2) };
@@ -290,25 +330,45 @@ unsafe fn attend<S: Simt>(p: &SparseMlaV4Params, it: Item) {
 unsafe fn scores<S: Simt>(warp: u32, lane: u32, g: u32, t: u32) {
     let mut acc = [[0f32; 4]; NT];
     unroll!(4, pp, {
-        let pair = 4 * warp + pp as u32;
-        let c = 4 * pair + t;
-        // SAFETY: query rows g, g + 8 < 16, chunk c < 64.
-        let (qa, qb) = unsafe {
-            (
-                S::smem_load::<V4>(Q_OFF as usize + chunk_addr(g, c)).0,
-                S::smem_load::<V4>(Q_OFF as usize + chunk_addr(g + 8, c)).0,
-            )
-        };
-        // k-step 2·pair: dims 0..4 of the chunk; 2·pair + 1: dims 4..8.
-        let a0 = [qa[0], qb[0], qa[1], qb[1]];
-        let a1 = [qa[2], qb[2], qa[3], qb[3]];
-        unroll!(2, j, {
-            // SAFETY: key row 8j + g < 16, chunk c < 64.
-            let kb = unsafe { S::smem_load::<V4>(chunk_addr(8 * j as u32 + g, c)).0 };
-            acc[j] = S::mma_bf16_m16n8k16(a0, [kb[0], kb[1]], acc[j]);
-            acc[j] = S::mma_bf16_m16n8k16(a1, [kb[2], kb[3]], acc[j]);
-        });
+        // SAFETY: Q and key rows staged.
+        unsafe { pair_bf16::<S>(4 * warp + pp as u32, g, t, &mut acc) };
     });
+    // SAFETY: this warp's partial entries.
+    unsafe { store_partial::<S>(warp, lane, &acc) };
+}
+
+/// Adds the k-steps `2·pair`, `2·pair + 1` (dims `16·pair .. +16`, chunks `4·pair + t`
+/// per lane) of both n-tiles to `acc`, on the bf16 mma.
+///
+/// # Safety
+/// The pair's chunks of the Q area and of the key rows are staged.
+#[inline(always)]
+unsafe fn pair_bf16<S: Simt>(pair: u32, g: u32, t: u32, acc: &mut [[f32; 4]; NT]) {
+    let c = 4 * pair + t;
+    // SAFETY: query rows g, g + 8 < 16, chunk c < 64.
+    let (qa, qb) = unsafe {
+        (
+            S::smem_load::<V4>(Q_OFF as usize + chunk_addr(g, c)).0,
+            S::smem_load::<V4>(Q_OFF as usize + chunk_addr(g + 8, c)).0,
+        )
+    };
+    // k-step 2·pair: dims 0..4 of the chunk; 2·pair + 1: dims 4..8.
+    let a0 = [qa[0], qb[0], qa[1], qb[1]];
+    let a1 = [qa[2], qb[2], qa[3], qb[3]];
+    unroll!(2, j, {
+        // SAFETY: key row 8j + g < 16, chunk c < 64.
+        let kb = unsafe { S::smem_load::<V4>(chunk_addr(8 * j as u32 + g, c)).0 };
+        acc[j] = S::mma_bf16_m16n8k16(a0, [kb[0], kb[1]], acc[j]);
+        acc[j] = S::mma_bf16_m16n8k16(a1, [kb[2], kb[3]], acc[j]);
+    });
+}
+
+/// Stores warp `warp`'s partial scores (this lane's fragments of the 2 n-tiles).
+///
+/// # Safety
+/// Only this warp writes its partial entries, and no one reads them until the next barrier.
+#[inline(always)]
+unsafe fn store_partial<S: Simt>(warp: u32, lane: u32, acc: &[[f32; 4]; NT]) {
     unroll!(2, j, {
         let at = PART_OFF as usize + (((warp * NT as u32 + j as u32) * 32 + lane) * 16) as usize;
         // SAFETY: this lane's entry of this warp's partial area.

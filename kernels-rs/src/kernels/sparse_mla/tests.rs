@@ -9,7 +9,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::{sparse_mla_split, sparse_mla_workspace};
-use crate::emu::{launch_kernel, BufferAccess, GlobalBuffers};
+use crate::emu::{launch_kernel, BufferAccess, EmuTarget, GlobalBuffers};
 use crate::fp8::{bf16_to_f32, e4m3_decode, e4m3_encode, kv_tile_scale};
 use crate::global::{GlobalMut, GlobalPtr};
 use crate::params::{kv_format, SparseMlaParams};
@@ -187,7 +187,7 @@ fn run(c: Case, seed: u64) -> (f64, f64) {
     };
     // SAFETY: every address is a live buffer of the sizes in `p` (registered in `bufs`),
     // borrowed for the (synchronous) launch; the geometry is the kernel's.
-    if let Err(e) = unsafe { launch_kernel(p, &bufs) } {
+    if let Err(e) = unsafe { launch_kernel(EmuTarget::Generic, p, &bufs) } {
         panic!("{c:?}: {e}");
     }
     assert!(

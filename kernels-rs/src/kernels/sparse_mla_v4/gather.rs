@@ -2,7 +2,7 @@
 //! warp, with ballots), the gather of each key's 512-d row into shared memory as bf16
 //! (MODEL1 codes times their tile's ue8m0 scale, exactly), and the staging of the queries.
 
-use super::{chunk_addr, BN, D, Q_OFF, THREADS, TPK, V4_HEADS};
+use super::{chunk_addr, code_addr, BN, D, KS_OFF, Q_OFF, THREADS, TPK, V4_HEADS};
 use crate::fp8::e4m3x8_to_bf16;
 use crate::global::{GlobalPtr, V2, V4};
 use crate::kernels::FULL;
@@ -191,7 +191,7 @@ impl Scan {
 /// # Safety
 /// Readable.
 #[inline(always)]
-unsafe fn load16<S: Simt>(at: GlobalPtr<u8>, al16: bool) -> [u32; 4] {
+pub(super) unsafe fn load16<S: Simt>(at: GlobalPtr<u8>, al16: bool) -> [u32; 4] {
     if al16 {
         // SAFETY: caller's contract.
         unsafe { S::gld(at.cast::<V4>()).0 }
@@ -222,19 +222,36 @@ fn scale_bf16x2(w: u32, s: f32) -> u32 {
 /// 16-byte units `sub + 8i` of the key's row) into shared memory as bf16 chunks; zeros
 /// for a missing key. A MODEL1 code unit `u` (16 codes, tile `u / 4`) becomes two chunks,
 /// stored lower-first by lanes `sub < 4` and upper-first by the others (the 8 lanes of a
-/// key then hit 8 distinct bank groups).
+/// key then hit 8 distinct bank groups). With `codes` (the block-scaled path; every key a
+/// MODEL1 row) the code units `u < 32` are also kept as they are, at `code_addr(key, u)`
+/// (units 28..32, RoPE, in the row's padding), and thread `sub = 0` keeps the key's 8
+/// scale bytes at `KS_OFF + 8·key` (zero codes and scale bytes `0x7f` for a missing key).
 ///
 /// # Safety
 /// `k.slot` is -1 or a slot of its cache; only this thread touches its chunks between the
-/// enclosing barriers; the caches' rows are 4-byte aligned.
+/// enclosing barriers; the caches' rows are 4-byte aligned; with `codes`, every cache of
+/// the launch is `model1_fp8`.
 #[inline(always)]
-pub(super) unsafe fn gather_key<S: Simt>(p: &SparseMlaV4Params, k: Key, key: u32, sub: u32) {
+pub(super) unsafe fn gather_key<S: Simt>(
+    p: &SparseMlaV4Params,
+    k: Key,
+    key: u32,
+    sub: u32,
+    codes: bool,
+) {
     if k.slot < 0 {
-        let mut i = 0;
-        while i < 64 / TPK {
-            // SAFETY: chunk sub + 8i < 64 of row key < 16.
-            unsafe { S::smem_store(chunk_addr(key, sub + TPK * i), V4([0; 4])) };
-            i += 1;
+        unroll!(8, i, {
+            let u = sub + TPK * i as u32;
+            // SAFETY: chunk u < 64 of row key < 16.
+            unsafe { S::smem_store(chunk_addr(key, u), V4([0; 4])) };
+            if codes && i < 4 {
+                // SAFETY: code unit u < 32 of key < 16.
+                unsafe { S::smem_store(code_addr(key, u), V4([0; 4])) };
+            }
+        });
+        if codes && sub == 0 {
+            // SAFETY: the key's scale bytes.
+            unsafe { S::smem_store((KS_OFF + 8 * key) as usize, V2([0x7f7f_7f7f; 2])) };
         }
         return;
     }
@@ -256,12 +273,21 @@ pub(super) unsafe fn gather_key<S: Simt>(p: &SparseMlaV4Params, k: Key, key: u32
                 V2([S::gld(sc.cast::<u32>()), S::gld(sc.cast::<u32>().add(1))])
             }
         };
+        if codes && sub == 0 {
+            // SAFETY: the key's scale bytes.
+            unsafe { S::smem_store((KS_OFF + 8 * key) as usize, V2([s_lo, s_hi])) };
+        }
         let b = (sub >> 2) & 1;
         unroll!(8, i, {
             let u = sub + TPK * i as u32;
             if u < 36 {
                 // SAFETY: unit u of the 36 of a MODEL1 row.
                 let v = unsafe { load16::<S>(row.byte_add(16 * u as usize), al16) };
+                if codes && i < 4 {
+                    // Units 28..32 (RoPE) land in the code row's padding.
+                    // SAFETY: code unit u < 32 of key < 16.
+                    unsafe { S::smem_store(code_addr(key, u), V4(v)) };
+                }
                 if u < 28 {
                     // Codes of tile u / 4: two chunks of 8 bf16.
                     let tile = u / 4;

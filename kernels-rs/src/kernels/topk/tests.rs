@@ -5,7 +5,7 @@
 
 use super::*;
 use crate::emu::{
-    launch_checked, launch_kernel, BufferAccess, GlobalBuffers, LaunchConfig, Params,
+    launch_checked, launch_kernel, BufferAccess, EmuTarget, GlobalBuffers, LaunchConfig, Params,
 };
 use crate::global::{GlobalMut, GlobalPtr};
 use crate::launch::Launch;
@@ -272,7 +272,7 @@ fn slots_through_the_page_table() {
         _pad: 0,
     };
     // SAFETY: the buffers (registered) outlive the launch; the kernel's contract holds.
-    unsafe { launch_kernel(p, &bufs) }.unwrap();
+    unsafe { launch_kernel(EmuTarget::Generic, p, &bufs) }.unwrap();
     let want: Vec<i32> = naive(&row[4..], 4, 10)
         .into_iter()
         .map(|c| {
