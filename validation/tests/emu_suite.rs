@@ -37,13 +37,13 @@ mod emu_sm120a {
             "emu_sm120a",
             "documented_v4_sinks_and_empty_rows",
             open,
-            |b| c::v4::sinks_and_empty_rows(b),
+            c::v4::sinks_and_empty_rows,
         )
     }
 
     #[test]
     fn nonfinite_v4() {
-        c::run_check("emu_sm120a", "nonfinite_v4", open, |b| c::v4::nonfinite(b))
+        c::run_check("emu_sm120a", "nonfinite_v4", open, c::v4::nonfinite)
     }
 }
 

@@ -397,13 +397,21 @@ fn bits(x: &[bf16]) -> Vec<u16> {
     x.iter().map(|v| v.to_bits()).collect()
 }
 
-/// Non-finite inputs: a valid key holding NaN (bf16_512) or ±inf (model1_fp8: its tile's
-/// scale is NaN), queries holding NaN and inf, a token without a valid key: every head
-/// gets NaN exactly where the reference does, and the rest agrees with it.
+/// Non-finite inputs: a valid main key holding NaN (in its RoPE dims) and an extra key ±inf
+/// (model1_fp8: its tile's scale is NaN), queries holding NaN and inf, a token without a
+/// valid key: every head gets NaN exactly where the reference does, and the rest agrees
+/// with it. Run with a bf16_512 main cache and with a model1_fp8 one.
 pub fn nonfinite<B: Backend>(b: &B) -> Outcome {
+    // A bf16_512 main cache, then every cache model1_fp8 (the block-scaled path on
+    // sm_120a targets).
+    nonfinite_with(b, KvLayout::bf16_512(4)?)?;
+    nonfinite_with(b, KvLayout::model1_fp8(4)?)
+}
+
+fn nonfinite_with<B: Backend>(b: &B, ml: KvLayout) -> Outcome {
     let rng = &mut case_rng(super::seed(), 0x4e4e_0404);
     let (n, h, d) = (6usize, 16usize, SparseMlaV4::D);
-    let (ml, el) = (KvLayout::bf16_512(4)?, KvLayout::model1_fp8(3)?);
+    let el = KvLayout::model1_fp8(3)?;
     let (mk, ek) = (8usize, 6usize);
     let pool = |rng: &mut _, l: &KvLayout, slots: usize, spoil: &[(usize, usize, f32)]| {
         let mut kv = fixtures::token_rows(rng, slots, d);
@@ -490,7 +498,8 @@ pub fn nonfinite<B: Backend>(b: &B) -> Outcome {
             .map(|i| format!("token {} head {}", i / h, i % h))
             .collect();
         format!(
-            "sparse_mla_v4 non-finite: out {}; lse {}; NaN disagreements at {}",
+            "sparse_mla_v4 non-finite (main {:?}): out {}; lse {}; NaN disagreements at {}",
+            ml.dtype(),
             so.summary(),
             sl.summary(),
             bad.join(", ")

@@ -42,9 +42,9 @@
 
 use super::{chunk_addr, code_addr, pair_bf16, store_partial, NT, Q_OFF, THREADS, V4_HEADS};
 use super::{KS_OFF, NOPE_TILES, QS_OFF};
-use crate::fp8::{e4m3_encode, e4m3_to_f32};
+use crate::fp8::e4m3_encode;
 use crate::global::{V2, V4};
-use crate::mx::{bf16_abs_bits_max, e4m3_scale_byte, ue8m0_inverse, ue8m0_to_f32};
+use crate::mx::{bf16_abs_bits_max, e4m3_hi_part, e4m3_scale_byte, ue8m0_inverse, ue8m0_to_f32};
 use crate::params::{kv_format, SparseMlaV4Params, V4CacheParams};
 use crate::simt::Simt;
 
@@ -115,11 +115,10 @@ pub(super) unsafe fn stage_q<S: Simt>(p: &SparseMlaV4Params, token: u32, h0: u32
         let mut ramax = 0f32;
         unroll!(16, w, {
             unroll!(2, e, {
-                let v = val(w, e);
-                let c = e4m3_encode(v * inv);
+                let (c, rem) = e4m3_hi_part(val(w, e), s, inv);
                 hi[w / 2] |= (c as u32) << (8 * (2 * (w % 2) + e));
-                r[2 * w + e] = v - e4m3_to_f32(c) * s;
-                ramax = ramax.max(crate::fp8::abs(r[2 * w + e]));
+                r[2 * w + e] = rem;
+                ramax = ramax.max(crate::fp8::abs(rem));
             });
         });
         let sb = e4m3_scale_byte(ramax);
