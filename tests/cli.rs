@@ -91,8 +91,41 @@ fn profile_reports_every_kernel() {
         assert!(r["blocks_emulated"].as_u64().unwrap() >= 1);
         let preds = r["predictions"].as_array().unwrap();
         if with_ptx {
-            assert_eq!(preds.len(), 3, "{}", r["case"]);
             assert!(preds.iter().all(|p| p["time_us"].as_f64().unwrap() > 0.0));
+            // Every device is modelled once per case and kernel: by the generic trace, or
+            // (the SM120 parts, for kernels with an sm_120a path) by the sm_120a trace.
+            let devices_of = |target: &str| -> Vec<String> {
+                kernels
+                    .iter()
+                    .filter(|x| {
+                        x["case"] == r["case"]
+                            && x["kernel"] == r["kernel"]
+                            && x["target"] == target
+                    })
+                    .flat_map(|x| x["predictions"].as_array().unwrap().clone())
+                    .map(|p| p["device"].as_str().unwrap().to_string())
+                    .collect()
+            };
+            let (generic, sm120a) = (devices_of("generic"), devices_of("sm_120a"));
+            let mut all = [generic.clone(), sm120a.clone()].concat();
+            all.sort();
+            assert_eq!(
+                all,
+                ["H200", "RTX 5090", "RTX PRO 6000 Blackwell"],
+                "{}",
+                r["case"]
+            );
+            if r["kernel"] == "sparse_mla_v4" {
+                assert_eq!(generic, ["H200"], "{}", r["case"]);
+                assert_eq!(
+                    sm120a,
+                    ["RTX 5090", "RTX PRO 6000 Blackwell"],
+                    "{}",
+                    r["case"]
+                );
+            } else {
+                assert!(sm120a.is_empty(), "{}", r["case"]);
+            }
         }
     }
     // The same run twice gives the same figures (deterministic).
