@@ -159,3 +159,33 @@ fn profile_reports_every_kernel() {
         .unwrap();
     assert_eq!(bad.status.code(), Some(2));
 }
+
+/// `validate --backend emu-sm120a` runs the V4 attention cases on the emulated sm_120a
+/// image (the block-scaled score product) and passes; an unknown backend is a clear error.
+#[test]
+fn validate_runs_the_sm120a_emulator() {
+    let out = Command::new(env!("CARGO_BIN_EXE_sparsekit"))
+        .args([
+            "validate",
+            "--backend",
+            "emu-sm120a",
+            "--quick",
+            "--json",
+            "--op",
+            "sparse_mla_v4",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("sm_120a"), "{stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let records = v.as_array().unwrap();
+    assert!(records.len() >= 4, "{} records", records.len());
+    let bad = Command::new(env!("CARGO_BIN_EXE_sparsekit"))
+        .args(["validate", "--backend", "emu-sm121a", "--quick"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("emu-sm120a"));
+}

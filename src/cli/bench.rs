@@ -16,7 +16,7 @@ use super::{on_backend, CliError, OnBackend};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Backend to time: cpu, emu or cuda.
+    /// Backend to time: cpu, emu, emu-sm120a or cuda.
     #[arg(long, default_value = "cpu")]
     backend: String,
     /// Print the report as JSON instead of a table.

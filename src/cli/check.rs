@@ -21,7 +21,7 @@ pub struct Args {
     /// of tolerance, 2 a file is malformed, 3 both.
     #[arg(long, required = true, num_args = 1..)]
     golden: Vec<PathBuf>,
-    /// Backend to run the ops on: cpu, emu or cuda.
+    /// Backend to run the ops on: cpu, emu, emu-sm120a or cuda.
     #[arg(long, default_value = "cpu")]
     backend: String,
     /// Print one JSON record per file instead of a table.

@@ -51,14 +51,18 @@ pub trait OnBackend {
     fn run<B: sparsekit::host::ModelOps>(self, backend: &B) -> Result<Self::Output, CliError>;
 }
 
-/// Backend names accepted by `--backend`.
+/// Backend names accepted by `--backend` of `serve` and `repro`.
 pub const BACKENDS: &str = "cpu, emu, cuda";
 
-/// Opens the named backend (`cpu`, `emu`, `cuda`) and runs `work` on it. A missing CUDA
-/// driver or device, or a `SPARSEKIT_CPU_ISA` this CPU cannot run, is a clear error, never
-/// a panic.
+/// Backend names accepted by `--backend` of `validate`, `check` and `bench`: also the
+/// emulator as `sm_120a` (its block-scaled MXFP8 kernel paths).
+pub const KERNEL_BACKENDS: &str = "cpu, emu, emu-sm120a, cuda";
+
+/// Opens the named backend (`cpu`, `emu`, `emu-sm120a`, `cuda`) and runs `work` on it. A
+/// missing CUDA driver or device, or a `SPARSEKIT_CPU_ISA` this CPU cannot run, is a clear
+/// error, never a panic.
 pub fn on_backend<W: OnBackend>(name: &str, work: W) -> Result<W::Output, CliError> {
-    use sparsekit::host::{CpuBackend, EmuBackend};
+    use sparsekit::host::{CpuBackend, EmuBackend, EmuTarget};
     match name {
         "cpu" => {
             let b = CpuBackend::from_env().map_err(|e| format!("cpu backend: {e}"))?;
@@ -66,13 +70,17 @@ pub fn on_backend<W: OnBackend>(name: &str, work: W) -> Result<W::Output, CliErr
             work.run(&b)
         }
         "emu" => work.run(&EmuBackend::new()),
+        "emu-sm120a" => {
+            eprintln!("emu target: sm_120a (the block-scaled MXFP8 paths)");
+            work.run(&EmuBackend::new().with_target(EmuTarget::Sm120a))
+        }
         "cuda" => {
             let b = sparsekit::cuda::CudaBackend::new(0)
                 .map_err(|e| format!("cuda backend unavailable: {e}"))?;
             eprintln!("cuda device: {}", b.device());
             work.run(&b)
         }
-        other => Err(format!("unknown backend {other:?} (available: {BACKENDS})").into()),
+        other => Err(format!("unknown backend {other:?} (available: {KERNEL_BACKENDS})").into()),
     }
 }
 

@@ -12,7 +12,8 @@ use super::{on_backend, CliError, OnBackend};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Backend to validate: cpu, emu or cuda.
+    /// Backend to validate: cpu, emu, emu-sm120a (the emulator as sm_120a: the block-scaled
+    /// MXFP8 paths) or cuda.
     #[arg(long, default_value = "cpu")]
     backend: String,
     /// Print JSON records instead of a table.
