@@ -59,6 +59,34 @@ struct MmaArgs {
     sb: *const u8,
 }
 
+impl MmaArgs {
+    /// The launch parameters of problems held in these buffers.
+    ///
+    /// # Safety
+    /// As [`Params::new`]: the buffers outlive the launch and hold what the kernel reads
+    /// and writes.
+    unsafe fn params(
+        a: &[u8],
+        b: &[u8],
+        c: &[f32],
+        d: &mut [f32],
+        sa: &[u8],
+        sb: &[u8],
+    ) -> Params<Self> {
+        // SAFETY: the caller's contract.
+        unsafe {
+            Params::new(MmaArgs {
+                a: a.as_ptr(),
+                b: b.as_ptr(),
+                c: c.as_ptr(),
+                d: d.as_mut_ptr(),
+                sa: sa.as_ptr(),
+                sb: sb.as_ptr(),
+            })
+        }
+    }
+}
+
 /// Which `mma.sync` a self-test runs.
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum MmaKind {
@@ -226,16 +254,7 @@ fn check_mma(kind: MmaKind) {
         }
     };
     // SAFETY: each block reads its own problem and each lane writes its own D elements.
-    let args = unsafe {
-        Params::new(MmaArgs {
-            a: a.as_ptr(),
-            b: b.as_ptr(),
-            c: c.as_ptr(),
-            d: d.as_mut_ptr(),
-            sa: sa.as_ptr(),
-            sb: sb.as_ptr(),
-        })
-    };
+    let args = unsafe { MmaArgs::params(&a, &b, &c, &mut d, &sa, &sb) };
     // SAFETY: the buffers hold PROBLEMS problems, one per block.
     run(cfg(PROBLEMS as u32, 32, 0), move || unsafe {
         if kind == MmaKind::Mxf8 {
@@ -296,16 +315,7 @@ fn mma_mxf8_is_refused_off_sm120a() {
     let mut d = vec![0f32; 128];
     let (sa, sb) = (vec![127u8; 16], vec![127u8; 8]);
     // SAFETY: one problem, one block.
-    let args = unsafe {
-        Params::new(MmaArgs {
-            a: a.as_ptr(),
-            b: b.as_ptr(),
-            c: c.as_ptr(),
-            d: d.as_mut_ptr(),
-            sa: sa.as_ptr(),
-            sb: sb.as_ptr(),
-        })
-    };
+    let args = unsafe { MmaArgs::params(&a, &b, &c, &mut d, &sa, &sb) };
     // SAFETY: as above.
     let r = run(cfg(1, 32, 0), move || unsafe {
         mma_kernel::<Emu>(args.get(), MmaKind::Mxf8)

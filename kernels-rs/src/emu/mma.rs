@@ -31,6 +31,8 @@
 //! accumulate differently (truncating intermediate alignment, no f64), so results agree
 //! with hardware only to within a small tolerance, not bit for bit.
 
+use crate::mx::ue8m0_to_f32;
+
 /// One lane's operands of an `mma.sync`.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct MmaFragments {
@@ -95,15 +97,6 @@ fn c_coord(lane: usize, i: usize) -> (usize, usize) {
     (g + if i >= 2 { 8 } else { 0 }, 2 * t + i % 2)
 }
 
-/// Value of a ue8m0 scale byte: `2^(b − 127)`, NaN for `0xff` (exact in f64).
-fn ue8m0_to_f64(b: u8) -> f64 {
-    if b == 0xff {
-        f64::NAN
-    } else {
-        2f64.powi(i32::from(b) - 127)
-    }
-}
-
 /// The lane whose scale register gives A row `row` of the block-scaled form.
 fn sfa_lane(row: usize) -> usize {
     4 * (row % 8) + row / 8
@@ -152,11 +145,11 @@ fn mma(
     }
     if block_scaled {
         for (row, a) in a.iter_mut().enumerate() {
-            let s = ue8m0_to_f64(lanes[sfa_lane(row)].scale[0] as u8);
+            let s = f64::from(ue8m0_to_f32(lanes[sfa_lane(row)].scale[0] as u8));
             a.iter_mut().for_each(|x| *x *= s);
         }
         for col in 0..N {
-            let s = ue8m0_to_f64(lanes[sfb_lane(col)].scale[1] as u8);
+            let s = f64::from(ue8m0_to_f32(lanes[sfb_lane(col)].scale[1] as u8));
             b.iter_mut().for_each(|r| r[col] *= s);
         }
     }

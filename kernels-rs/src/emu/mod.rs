@@ -249,11 +249,22 @@ pub unsafe fn launch_kernel<P: KernelParams>(
     };
     // SAFETY: the kernel's contract is the caller's; the geometry is the kernel's own.
     run_launch(Carrier::default_for_launch(), cfg, setup, || unsafe {
-        match target {
-            EmuTarget::Generic => P::run::<Emu>(p.get()),
-            EmuTarget::Sm120a => P::run::<EmuSm120a>(p.get()),
-        }
+        run_as(target, p.get())
     })
+}
+
+/// Runs the kernel body on `target`'s [`Simt`] ([`Emu`] or [`EmuSm120a`]).
+///
+/// # Safety
+/// The kernel's contract ([`KernelParams::run`]), inside a launch.
+unsafe fn run_as<P: KernelParams>(target: EmuTarget, params: P) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match target {
+            EmuTarget::Generic => P::run::<Emu>(params),
+            EmuTarget::Sm120a => P::run::<EmuSm120a>(params),
+        }
+    }
 }
 
 /// [`launch_kernel`] with access tracing (see [`Profile`]): runs the blocks `blocks` of
@@ -274,12 +285,7 @@ pub unsafe fn profile_kernel<P: KernelParams>(
     // SAFETY: as for `launch_kernel`.
     let p = unsafe { Params::new(params) };
     // SAFETY: as for `launch_kernel`.
-    profile_launch(cfg, buffers, blocks, || unsafe {
-        match target {
-            EmuTarget::Generic => P::run::<Emu>(p.get()),
-            EmuTarget::Sm120a => P::run::<EmuSm120a>(p.get()),
-        }
-    })
+    profile_launch(cfg, buffers, blocks, || unsafe { run_as(target, p.get()) })
 }
 
 /// [`launch`] with every global access checked against `buffers` (see

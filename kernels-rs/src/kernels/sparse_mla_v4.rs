@@ -256,7 +256,7 @@ unsafe fn attend<S: Simt>(p: &SparseMlaV4Params, it: Item) {
         if mxf8 {
             block_scaled::stage_q::<S>(p, it.token, it.h0);
         } else {
-            gather::stage_q::<S>(p, it.token, it.h0);
+            gather::stage_q::<S>(p, it.token, it.h0, 0);
         }
     }
     // SAFETY: token < n_tokens; begin ≤ end ≤ total.

@@ -65,27 +65,11 @@ pub(super) fn enabled<S: Simt>(p: &SparseMlaV4Params) -> bool {
 /// has since the last one.
 #[inline(always)]
 pub(super) unsafe fn stage_q<S: Simt>(p: &SparseMlaV4Params, token: u32, h0: u32) {
-    let tid = S::thread_idx();
-    let row = |h: u32| {
-        p.q.add(((token as usize * p.n_heads as usize) + (h0 + h) as usize) * super::D as usize)
-            .cast::<u8>()
-    };
+    // SAFETY: forwarded; chunks 56..64 (the RoPE dims) only.
+    unsafe { super::gather::stage_q::<S>(p, token, h0, 56) };
     let aligned = p.q.addr() % 16 == 0;
-    let mut i = tid;
-    while i < V4_HEADS * 8 {
-        let (h, c) = (i / 8, 56 + i % 8);
-        let v = if h0 + h < p.n_heads {
-            // SAFETY: 8 bf16 of head h0 + h < n_heads of the token.
-            unsafe { super::gather::load16::<S>(row(h).byte_add(16 * c as usize), aligned) }
-        } else {
-            [0; 4]
-        };
-        // SAFETY: row h < 16, chunk c < 64: inside the Q area.
-        unsafe { S::smem_store(Q_OFF as usize + chunk_addr(h, c), V4(v)) };
-        i += THREADS;
-    }
     // One group (k-step `half` of tile `tile` of row `h`) per task.
-    let mut i = tid;
+    let mut i = S::thread_idx();
     while i < V4_HEADS * NOPE_TILES * 2 {
         let (h, tile, half) = (i / (2 * NOPE_TILES), (i / 2) % NOPE_TILES, i % 2);
         // The group's 32 bf16 (two per word): dims 64·tile + 16t + 8·half .. + 8 in
@@ -93,7 +77,8 @@ pub(super) unsafe fn stage_q<S: Simt>(p: &SparseMlaV4Params, token: u32, h0: u32
         let mut x = [0u32; 16];
         if h0 + h < p.n_heads {
             unroll!(4, t, {
-                let at = row(h).byte_add((128 * tile + 32 * t as u32 + 16 * half) as usize);
+                let at = super::gather::q_row(p, token, h0, h)
+                    .byte_add((128 * tile + 32 * t as u32 + 16 * half) as usize);
                 // SAFETY: 8 bf16 of the tile, inside head h0 + h's row.
                 let v = unsafe { super::gather::load16::<S>(at, aligned) };
                 unroll!(4, k, {

@@ -334,24 +334,30 @@ pub(super) unsafe fn gather_key<S: Simt>(
     }
 }
 
-/// Stages the group's queries (16 rows × 512 bf16, rows past `n_heads` zero) in the Q
-/// area, chunk-swizzled like the key rows.
+/// Head `h0 + h`'s query row of token `token` (512 bf16), as bytes.
+#[inline(always)]
+pub(super) fn q_row(p: &SparseMlaV4Params, token: u32, h0: u32, h: u32) -> GlobalPtr<u8> {
+    p.q.add(((token as usize * p.n_heads as usize) + (h0 + h) as usize) * D as usize)
+        .cast::<u8>()
+}
+
+/// Stages chunks `first..64` of the group's query rows (16 rows × 8 bf16 per chunk, rows
+/// past `n_heads` zero) in the Q area as bf16, chunk-swizzled like the key rows: all of
+/// them for the bf16 path (`first = 0`), the RoPE dims (`first = 56`) for the
+/// block-scaled one.
 ///
 /// # Safety
-/// `token < n_tokens`; no one reads the Q area until the next barrier, nor has since the
-/// last one.
+/// `token < n_tokens`; `first ≤ 64`; no one reads those chunks until the next barrier, nor
+/// has since the last one.
 #[inline(always)]
-pub(super) unsafe fn stage_q<S: Simt>(p: &SparseMlaV4Params, token: u32, h0: u32) {
-    let chunks = D / 8;
+pub(super) unsafe fn stage_q<S: Simt>(p: &SparseMlaV4Params, token: u32, h0: u32, first: u32) {
+    let chunks = D / 8 - first;
     let aligned = p.q.addr() % 16 == 0;
     let mut i = S::thread_idx();
     while i < V4_HEADS * chunks {
-        let (h, c) = (i / chunks, i % chunks);
+        let (h, c) = (i / chunks, first + i % chunks);
         let v = if h0 + h < p.n_heads {
-            let at =
-                p.q.add(((token as usize * p.n_heads as usize) + (h0 + h) as usize) * D as usize)
-                    .add(8 * c as usize)
-                    .cast::<u8>();
+            let at = q_row(p, token, h0, h).byte_add(16 * c as usize);
             // SAFETY: 8 bf16 of head h0 + h < n_heads of the token.
             unsafe { load16::<S>(at, aligned) }
         } else {
