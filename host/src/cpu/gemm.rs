@@ -17,8 +17,15 @@ use std::ops::Range;
 
 use super::isa::{CpuIsa, Isa};
 
-/// Rows of the register tile.
-const MR: usize = 6;
+/// Rows of a path's register tile: with two vectors of columns, 16 accumulators on
+/// AVX-512 (32 registers; two FMA units of 4 cycles' latency keep 8 in flight, and each
+/// step's 2 + 8 loads feed 16 FMAs), 12 on AVX2 (16 registers: 12 + 2 of B + 1 of A).
+const fn mr(isa: Isa) -> usize {
+    match isa {
+        Isa::Avx512Bf16 | Isa::Avx512 => 8,
+        Isa::Avx2 | Isa::Scalar => 6,
+    }
+}
 
 /// Steps of `k` per cache block of the register tiles (even, so a pair of the pair order
 /// never straddles two blocks). Each element's chain carries on from one block to the next
@@ -96,21 +103,21 @@ const fn nr(isa: Isa) -> usize {
 }
 
 crate::isa_dispatch! {
-    /// [`gemm_generic`] with the path's tile width, compiled for each path.
+    /// [`gemm_generic`] with the path's tile, compiled for each path.
     fn gemm_paths(d: Dims, a: &[f32], b: &[f32], c: &mut [f32])
-        = |ISA| gemm_generic::<{ nr(ISA.isa()) }, false, false>(d, a, b, c);
+        = |ISA| gemm_generic::<{ mr(ISA.isa()) }, { nr(ISA.isa()) }, false, false>(d, a, b, c);
 }
 
 crate::isa_dispatch! {
-    /// [`gemm_generic`] in pair order with the path's tile width, compiled for each path.
+    /// [`gemm_generic`] in pair order with the path's tile, compiled for each path.
     fn gemm_pairs_paths(d: Dims, a: &[f32], b: &[f32], c: &mut [f32])
-        = |ISA| gemm_generic::<{ nr(ISA.isa()) }, true, false>(d, a, b, c);
+        = |ISA| gemm_generic::<{ mr(ISA.isa()) }, { nr(ISA.isa()) }, true, false>(d, a, b, c);
 }
 
 crate::isa_dispatch! {
-    /// [`gemm_generic`] in pair order from zero, with the path's tile width.
+    /// [`gemm_generic`] in pair order from zero, with the path's tile.
     fn gemm_pairs_into_paths(d: Dims, a: &[f32], b: &[f32], c: &mut [f32])
-        = |ISA| gemm_generic::<{ nr(ISA.isa()) }, true, true>(d, a, b, c);
+        = |ISA| gemm_generic::<{ mr(ISA.isa()) }, { nr(ISA.isa()) }, true, true>(d, a, b, c);
 }
 
 /// The `step`-th index of the accumulation order over `k` (module docs): `step` itself,
@@ -149,7 +156,7 @@ fn tail(x: f32, a: f32, b: f32) -> f32 {
 /// accumulators to hide the FMA latency), then scalars; every element keeps the same
 /// per-element operation order.
 #[inline(always)]
-fn gemm_generic<const NR: usize, const PAIRS: bool, const ZERO: bool>(
+fn gemm_generic<const MR: usize, const NR: usize, const PAIRS: bool, const ZERO: bool>(
     d: Dims,
     a: &[f32],
     b: &[f32],
@@ -196,7 +203,9 @@ fn gemm_generic<const NR: usize, const PAIRS: bool, const ZERO: bool>(
                 let mut j = j0;
                 while j < j1 {
                     match rows {
-                        MR => tile::<MR, NR, PAIRS, ZERO>(d, a, b, c, i, j, ks),
+                        r if r == MR => tile::<MR, NR, PAIRS, ZERO>(d, a, b, c, i, j, ks),
+                        7 => tile::<7, NR, PAIRS, ZERO>(d, a, b, c, i, j, ks),
+                        6 => tile::<6, NR, PAIRS, ZERO>(d, a, b, c, i, j, ks),
                         5 => tile::<5, NR, PAIRS, ZERO>(d, a, b, c, i, j, ks),
                         4 => tile::<4, NR, PAIRS, ZERO>(d, a, b, c, i, j, ks),
                         3 => tile::<3, NR, PAIRS, ZERO>(d, a, b, c, i, j, ks),
@@ -356,20 +365,56 @@ fn tile<const R: usize, const NR: usize, const PAIRS: bool, const ZERO: bool>(
             row.copy_from_slice(&c[(i + r) * d.ldc + j..][..NR]);
         }
     }
-    for step in ks.start..ks.end {
-        let p = order::<PAIRS>(step);
-        // B's row segment, held in registers for the R rows.
-        let bp: [f32; NR] = b
-            .row(p, j, NR)
-            .try_into()
-            .unwrap_or_else(|_| unreachable!());
-        for (r, row) in acc.iter_mut().enumerate() {
-            debug_assert!((i + r) * d.lda + p < a.len());
-            // SAFETY: `check` asserted `a.len() >= (m - 1)·lda + k`, and the tiles cover
-            // rows `i + r < m` and `p < k` only.
-            let av = unsafe { *a.get_unchecked((i + r) * d.lda + p) };
-            for (x, &bv) in row.iter_mut().zip(&bp) {
-                *x = av.mul_add(bv, *x);
+    if ks.end > ks.start {
+        // Raw row pointers, so that each step is R broadcasts at fixed offsets from them,
+        // two vector loads of B and the FMAs (index arithmetic per step, with bounds
+        // checks, cost Intel cores as much as the FMAs).
+        let (p0, p1) = (ks.start, ks.end - 1);
+        assert!((i + R - 1) * d.lda + p1 < a.len() && p1 < d.k);
+        // The first and last rows of B the steps read are inside B (or its packed block).
+        let (b_first, b_last) = (b.row(p0, j, NR).as_ptr(), b.row(p1, j, NR).as_ptr());
+        // SAFETY: `b_first` and `b_last` point into the same slice (rows of one view).
+        let b_step = if p1 > p0 {
+            (unsafe { b_last.offset_from(b_first) }) as usize / (p1 - p0)
+        } else {
+            0
+        };
+        let rows: [*const f32; R] = std::array::from_fn(|r| {
+            // SAFETY: row `i + r < m` starts inside `a` (asserted above for the last row).
+            unsafe { a.as_ptr().add((i + r) * d.lda) }
+        });
+        // One step: `C[r][..] += A[r][p] · B[p][..]`, B's segment held in registers.
+        let mut step = |p: usize, bp: *const f32| {
+            // SAFETY: `p0 <= p <= p1`: B's row `p` (NR columns from `j`) lies between the
+            // first and last rows checked above, `A[i + r][p]` inside `a` (asserted).
+            let bv: [f32; NR] = unsafe { std::ptr::read_unaligned(bp as *const [f32; NR]) };
+            for (row, &ar) in acc.iter_mut().zip(&rows) {
+                // SAFETY: as above.
+                let av = unsafe { *ar.add(p) };
+                for (x, &y) in row.iter_mut().zip(&bv) {
+                    *x = av.mul_add(y, *x);
+                }
+            }
+        };
+        if PAIRS {
+            // Whole pairs (`start` and `end` even), the odd index of each first.
+            debug_assert!(ks.start % 2 == 0 && ks.end % 2 == 0);
+            let mut p = p0;
+            let mut bp = b_first;
+            while p < ks.end {
+                // SAFETY: rows `p` and `p + 1 <= p1` of the view, `b_step` apart.
+                let bq = unsafe { bp.add(b_step) };
+                step(order::<PAIRS>(p), bq);
+                step(order::<PAIRS>(p + 1), bp);
+                p += 2;
+                // Past the last row after the last pair: never read then.
+                bp = bp.wrapping_add(2 * b_step);
+            }
+        } else {
+            let mut bp = b_first;
+            for p in p0..=p1 {
+                step(p, bp);
+                bp = bp.wrapping_add(b_step);
             }
         }
     }
