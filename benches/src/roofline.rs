@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 use serde::Serialize;
-use sparsekit_host::cpu::{CpuIsa, Isa};
+use sparsekit_host::cpu::{peak, CpuIsa};
 
 use crate::cost::Cost;
 
@@ -126,39 +126,6 @@ pub fn copy_bandwidth(bytes: usize, runs: usize) -> f64 {
     (2 * words * 8) as f64 / best
 }
 
-/// Runs `iters` rounds of `N` independent FMAs (`a = a·x + y`) and returns a value that
-/// depends on every accumulator. A flat array and one simple loop: LLVM vectorises it at
-/// the enabled width and keeps every accumulator in a register (checked with objdump: 16
-/// register-only `vfmadd…ps zmm` per round for AVX-512, 12 `ymm` for AVX2). `N / lanes`
-/// independent chains cover FMA latency × issue width (4 cycles × 2 pipes on current x86
-/// cores) and leave registers for `x` and `y`.
-#[inline(always)]
-fn fma_chains<const N: usize>(iters: u64, x: f32, y: f32) -> f32 {
-    let mut acc = [1.0f32; N];
-    for _ in 0..iters {
-        for a in acc.iter_mut() {
-            *a = a.mul_add(x, y);
-        }
-    }
-    acc.iter().sum()
-}
-
-/// FMAs per round of a path's kernel: 16 zmm chains for AVX-512, 12 ymm chains (of 16
-/// registers) for AVX2, 32 for portable code.
-const fn fmas_per_round(isa: Isa) -> usize {
-    match isa {
-        Isa::Avx512Bf16 | Isa::Avx512 => 16 * 16,
-        Isa::Avx2 => 12 * 8,
-        Isa::Scalar => 32,
-    }
-}
-
-sparsekit_host::isa_dispatch! {
-    /// [`fma_chains`] with the path's chain count, compiled for the path.
-    fn fma_run(iters: u64, x: f32, y: f32) -> f32 =
-        |ISA| fma_chains::<{ fmas_per_round(ISA.isa()) }>(iters, x, y);
-}
-
 /// f32 FMA peak of all rayon threads together, in FLOP/s, and the vector path used (the
 /// CPU backend's default: the widest, or the one `SPARSEKIT_CPU_ISA` forces). Each run
 /// lasts about `target_s`; the best of `runs` is returned.
@@ -168,68 +135,27 @@ pub fn fma_peak(target_s: f64, runs: usize) -> (f64, &'static str) {
 
 /// [`fma_peak`] of the vector path `isa`.
 pub fn fma_peak_of(isa: CpuIsa, target_s: f64, runs: usize) -> (f64, &'static str) {
-    let fmas_per_round = fmas_per_round(isa.isa());
     // x < 1 and y > 0: every chain converges to y / (1 - x), far from overflow and denormals.
     let best = best_rate(target_s, runs, |iters| {
-        fma_run(isa, black_box(iters), black_box(0.999_9), black_box(1e-4))
+        peak::fma_rounds(isa, black_box(iters), black_box(0.999_9), black_box(1e-4))
     });
-    (2.0 * fmas_per_round as f64 * best, isa.isa().name())
+    (
+        peak::fma_flops_per_round(isa.isa()) * best,
+        isa.isa().name(),
+    )
 }
 
 /// The bf16 dot-product peak of all rayon threads, in FLOP/s, on a path with `vdpbf16ps`
 /// (0 on the others): 16 independent chains of the instruction per thread (each 16 lanes ×
-/// 2 multiply-adds), best of `runs` of about `target_s`.
+/// 2 multiply-adds, [`peak::dot_rounds`]), best of `runs` of about `target_s`.
 pub fn bf16_dot_peak(isa: CpuIsa, target_s: f64, runs: usize) -> f64 {
     if !isa.isa().bf16_dot() {
         return 0.0;
     }
-    #[cfg(target_arch = "x86_64")]
-    {
-        let best = best_rate(target_s, runs, |iters| {
-            // SAFETY: `isa` is the avx512bf16 path, which a `CpuIsa` names only on a CPU
-            // with AVX-512F and AVX512_BF16.
-            unsafe { dot_chains(black_box(iters)) }
-        });
-        DOT_FLOPS_PER_ROUND * best
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (target_s, runs);
-        0.0
-    }
-}
-
-/// FLOPs of one round of [`dot_chains`]: 16 instructions × 16 lanes × 2 pairs × 2.
-const DOT_FLOPS_PER_ROUND: f64 = 16.0 * 16.0 * 2.0 * 2.0;
-
-/// `iters` rounds of 16 independent `vdpbf16ps` chains; a value that depends on them all.
-///
-/// # Safety
-/// The CPU has AVX-512F and AVX512_BF16.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bf16")]
-#[allow(
-    clippy::incompatible_msrv,
-    reason = "AVX-512 intrinsics need Rust 1.89, as the AVX-512 target features already do"
-)]
-unsafe fn dot_chains(iters: u64) -> f32 {
-    use std::arch::x86_64::*;
-    // Pairs of 2^-20: each step adds 2^-39 to chains that start at 1: no overflow, no
-    // subnormals.
-    let pair = _mm512_set1_epi32(0x3580_3580);
-    // SAFETY: both are 512-bit vectors; every bit pattern is a valid `__m512bh`.
-    let x: __m512bh = unsafe { std::mem::transmute::<__m512i, __m512bh>(pair) };
-    let mut acc = [_mm512_set1_ps(1.0); 16];
-    for _ in 0..iters {
-        for a in acc.iter_mut() {
-            *a = _mm512_dpbf16_ps(*a, x, x);
-        }
-    }
-    let mut s = _mm512_setzero_ps();
-    for a in acc {
-        s = _mm512_add_ps(s, a);
-    }
-    _mm512_reduce_add_ps(s)
+    let best = best_rate(target_s, runs, |iters| {
+        peak::dot_rounds(isa, black_box(iters)).unwrap_or_default()
+    });
+    peak::DOT_FLOPS_PER_ROUND * best
 }
 
 /// Rounds per second of `kernel(iters)` on every rayon thread at once (rounds done by all
@@ -291,15 +217,6 @@ mod tests {
         for isa in CpuIsa::available() {
             let peak = bf16_dot_peak(isa, 0.002, 1);
             assert_eq!(peak > 0.0, isa.isa().bf16_dot(), "{}", isa.isa());
-        }
-    }
-
-    #[test]
-    fn chains_compute_the_recurrence() {
-        // 3 rounds of a = a·0.5 + 1 from 1: 1.5, 1.75, 1.875 in every lane, on every path.
-        for isa in CpuIsa::available() {
-            let per_round = fmas_per_round(isa.isa());
-            assert_eq!(fma_run(isa, 3, 0.5, 1.0), 1.875 * per_round as f32);
         }
     }
 }

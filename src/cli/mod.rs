@@ -66,7 +66,12 @@ pub fn on_backend<W: OnBackend>(name: &str, work: W) -> Result<W::Output, CliErr
     match name {
         "cpu" => {
             let b = CpuBackend::from_env().map_err(|e| format!("cpu backend: {e}"))?;
-            eprintln!("cpu vector path: {}", b.isa());
+            // Why the default is what it is on a CPU with the bf16 dot product.
+            let dot = match sparsekit::host::cpu::peak::bf16_dot_speedup() {
+                Some(s) => format!(" (bf16 dot product at {s:.2}× the f32 FMA rate here)"),
+                None => String::new(),
+            };
+            eprintln!("cpu vector path: {}{dot}", b.isa());
             work.run(&b)
         }
         "emu" => work.run(&EmuBackend::new()),

@@ -8,13 +8,15 @@
 //! path is a [`CpuIsa`]: a value that can only name a path this CPU supports, so a
 //! dispatch never enters code the CPU cannot execute. A [`CpuBackend`](super::CpuBackend)
 //! carries one ([`CpuBackend::with_isa`](super::CpuBackend::with_isa)); the process default
-//! ([`CpuIsa::get`]) is the widest path, or the one
-//! `SPARSEKIT_CPU_ISA=avx512bf16|avx512|avx2|scalar` forces, so every path can be tested and
-//! benchmarked on any machine that has it.
+//! ([`CpuIsa::get`]) is the fastest path ([`CpuIsa::detected`]: the widest, except that
+//! the bf16 dot product is used only where this core runs it faster than the f32 FMA), or
+//! the one `SPARSEKIT_CPU_ISA=avx512bf16|avx512|avx2|scalar` forces, so every path can be
+//! tested and benchmarked on any machine that has it.
 
 use std::fmt;
 use std::sync::OnceLock;
 
+use super::peak::{bf16_dot_speedup, BF16_DOT_MIN_SPEEDUP};
 use crate::error::{Error, Result};
 
 /// The environment variable that forces a path (`avx512bf16`, `avx512`, `avx2`, `scalar`).
@@ -118,9 +120,19 @@ impl CpuIsa {
     }
 
     /// The widest path this CPU supports.
-    pub fn detected() -> CpuIsa {
+    pub fn widest() -> CpuIsa {
         let isa = Isa::ALL.into_iter().find(|i| i.supported());
         CpuIsa(isa.unwrap_or(Isa::Scalar))
+    }
+
+    /// The path the CPU backend runs by default: the widest this CPU supports, except
+    /// that `avx512bf16` is taken only where its bf16 dot product multiplies at least
+    /// [`BF16_DOT_MIN_SPEEDUP`] times as fast as the f32 FMA on this core (measured once
+    /// per process, under a millisecond: [`bf16_dot_speedup`]); elsewhere `avx512`. On
+    /// cores where `vdpbf16ps` issues at half the FMA's rate (some Intel Xeons) the f32
+    /// path is the faster one; both give the same results ([`super::dot`]).
+    pub fn detected() -> CpuIsa {
+        CpuIsa(default_path(CpuIsa::widest().isa(), bf16_dot_speedup))
     }
 
     /// Every path this CPU supports, widest first.
@@ -180,6 +192,15 @@ impl CpuIsa {
     #[doc(hidden)]
     pub const unsafe fn assume_supported(isa: Isa) -> CpuIsa {
         CpuIsa(isa)
+    }
+}
+
+/// The default path given the widest one and the bf16 dot product's measured speed-up
+/// over the f32 FMA (asked for only when the widest path has the instruction).
+fn default_path(widest: Isa, speedup: impl FnOnce() -> Option<f64>) -> Isa {
+    match widest {
+        Isa::Avx512Bf16 if speedup().is_none_or(|s| s < BF16_DOT_MIN_SPEEDUP) => Isa::Avx512,
+        other => other,
     }
 }
 
@@ -301,8 +322,29 @@ mod tests {
             Err(Error::InvalidArgument { what: ISA_ENV, .. })
         ));
         let avail = CpuIsa::available();
-        assert_eq!(avail[0], CpuIsa::detected());
+        assert_eq!(avail[0], CpuIsa::widest());
+        assert!(avail.contains(&CpuIsa::detected()));
         assert_eq!(avail.last().map(|c| c.isa()), Some(Isa::Scalar));
+    }
+
+    #[test]
+    fn the_default_takes_the_bf16_dot_product_only_where_it_pays() {
+        let pick = |widest, s: Option<f64>| default_path(widest, || s);
+        assert_eq!(pick(Isa::Avx512Bf16, Some(2.0)), Isa::Avx512Bf16);
+        assert_eq!(
+            pick(Isa::Avx512Bf16, Some(BF16_DOT_MIN_SPEEDUP)),
+            Isa::Avx512Bf16
+        );
+        assert_eq!(pick(Isa::Avx512Bf16, Some(1.0)), Isa::Avx512);
+        assert_eq!(pick(Isa::Avx512Bf16, Some(0.5)), Isa::Avx512);
+        assert_eq!(pick(Isa::Avx512Bf16, None), Isa::Avx512);
+        for other in [Isa::Avx512, Isa::Avx2, Isa::Scalar] {
+            // Never measured, never changed.
+            assert_eq!(default_path(other, || unreachable!()), other);
+        }
+        // This machine: the rule applied to its own measurement.
+        let want = default_path(CpuIsa::widest().isa(), bf16_dot_speedup);
+        assert_eq!(CpuIsa::detected().isa(), want);
     }
 
     isa_dispatch! {

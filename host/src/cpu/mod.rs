@@ -17,6 +17,7 @@ pub mod gemm;
 pub mod indexer_logits;
 pub mod isa;
 pub mod pages;
+pub mod peak;
 mod scratch;
 pub mod sparse_mla;
 pub mod sparse_mla_v4;
@@ -60,7 +61,8 @@ impl Default for CpuBackend {
 
 impl CpuBackend {
     /// A backend on rayon's global thread pool and the process's default vector path
-    /// (the widest this CPU has, or the one `SPARSEKIT_CPU_ISA` forces).
+    /// ([`CpuIsa::detected`]: the fastest this CPU has, or the one `SPARSEKIT_CPU_ISA`
+    /// forces).
     pub fn new() -> Self {
         Self::default()
     }
@@ -74,7 +76,7 @@ impl CpuBackend {
         })
     }
 
-    /// A backend on the vector path of `SPARSEKIT_CPU_ISA` (or the widest one when unset);
+    /// A backend on the vector path of `SPARSEKIT_CPU_ISA` (or [`CpuIsa::detected`] when unset);
     /// an unknown name or a path this CPU lacks is an error (the CLI's `--backend cpu`).
     pub fn from_env() -> Result<Self> {
         Ok(CpuBackend {
