@@ -83,6 +83,9 @@ pub(crate) struct Scratch {
     /// next, prefetched while the last block of this one is gathered; empty when that
     /// task reads the same keys.
     ahead: Vec<(u8, usize)>,
+    /// How many of `valid`'s first keys the previous task of this thread prefetched (its
+    /// `ahead`): those are not asked for again.
+    fetched: usize,
 }
 
 thread_local! {
@@ -106,6 +109,13 @@ impl Scratch {
     ) {
         self.valid.clear();
         self.valid.extend(keys(t));
+        // The previous task's look-ahead is this task's first keys when it planned for
+        // this token (same keys: a stale list from another call simply does not match).
+        self.fetched = if self.valid.starts_with(&self.ahead) {
+            self.ahead.len()
+        } else {
+            0
+        };
         self.ahead.clear();
         if let Some(n) = next {
             self.ahead.extend(keys(n).take(BLOCK));
@@ -164,7 +174,7 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
         sum,
         valid,
         ahead,
-        ..
+        fetched,
     } = scratch;
     // The keys are scattered cache rows: ask for each one a block before it is gathered
     // (the first block now, then key j of the next block as key j of this one is
@@ -173,7 +183,9 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
         let s = &sources[src as usize];
         prefetch(&s.cache[s.layout.slot_token_bytes(slot)]);
     };
-    valid[..valid.len().min(BLOCK)].iter().for_each(fetch);
+    valid[(*fetched).min(BLOCK)..valid.len().min(BLOCK)]
+        .iter()
+        .for_each(fetch);
     // Qᵀ once per task, through `k` as a staging area (hc ≤ BLOCK rows): as bf16 pairs on
     // the avx512bf16 path, as f32 otherwise (there too when a block needs it).
     let mut have_qt = false;
