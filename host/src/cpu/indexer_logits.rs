@@ -22,7 +22,7 @@ use rayon::prelude::*;
 
 use super::dot::{bf16_daz, e4m3_f32, f32_daz, gemm_bf16_into, padded_cols, PairDims};
 use super::gemm::{gemm_pairs_into, Dims};
-use super::isa::{prefetch, CpuIsa};
+use super::isa::{prefetch, CpuIsa, Isa};
 use super::scratch;
 use super::transpose::transpose;
 use super::widen;
@@ -42,6 +42,16 @@ const SUB: usize = 16;
 /// Groups of at least this many rows vectorise the head sums over rows, smaller ones over
 /// keys.
 const ROW_VECTOR: usize = 16;
+/// Whether a group of `m` query heads (`rows × heads`) computes `C = Q · Kᵀ` (keys along
+/// the vectors) instead of `Cᵀ = K · Qᵀ`: fewer heads than `Cᵀ`'s register tile needs to
+/// fill its vectors without waiting on loads — two vectors of 16 on AVX-512, one of 8 on
+/// AVX2 (whose 8-column tile of 12 rows already runs at the FMA rate).
+const fn keys_along(isa: Isa, m: usize) -> bool {
+    match isa {
+        Isa::Avx512Bf16 | Isa::Avx512 => m < 32,
+        Isa::Avx2 | Isa::Scalar => m < 8,
+    }
+}
 
 /// Computes the logits on the vector path `isa`. Inputs are validated by the caller.
 pub fn indexer_logits(
@@ -121,6 +131,13 @@ struct Scratch {
     wt: Vec<f32>,
     /// A block's head sums `[BLOCK × rows]` (row-vectorised head sums).
     hsum: Vec<f32>,
+    /// Q `[m × d]` in Qᵀ's column order (few query heads, f32 paths).
+    qrows: Vec<f32>,
+    /// Q as bf16 `[m × d]` in Qᵀ's column order (few query heads, `avx512bf16`).
+    qb: Vec<u16>,
+    /// Kᵀ `[d × BLOCK]` (few query heads): f32, or bf16 pairs `[d/2 × BLOCK]` on
+    /// `avx512bf16` (the bits of the pairs, moved by the transpose).
+    kt: Vec<f32>,
 }
 
 /// A run of consecutive rows of one request whose key ranges form one span `lo..hi`.
@@ -220,14 +237,45 @@ impl Ctx<'_> {
             ct,
             wt,
             hsum,
+            qrows,
+            qb,
+            kt,
         } = scratch;
         let bf16_dot = self.isa.isa().bf16_dot();
         let ldq = padded_cols(m);
+        let by_rows = rr >= ROW_VECTOR;
+        // Few query heads: C [m × keys] = Q · Kᵀ directly (the same chains, element by
+        // element, as through Cᵀ: the same bits).
+        let keys_along = !by_rows && keys_along(self.isa.isa(), m);
         c.resize(BLOCK * m, 0.0);
         // `krows` stages Q in Qᵀ's column order (`hh·rr + r`) before the transpose.
         krows.resize(BLOCK.max(m) * d, 0.0);
         let staged = |r: usize, hh: usize| &qs[(r * h + hh) * d..][..d];
-        if bf16_dot {
+        if keys_along {
+            kt.resize(d * BLOCK, 0.0);
+            if bf16_dot {
+                qb.resize(m * d, 0);
+                kb.resize(BLOCK * d, 0);
+                for r in 0..rr {
+                    for hh in 0..h {
+                        let row = &mut qb[(hh * rr + r) * d..][..d];
+                        for (x, v) in row.iter_mut().zip(staged(r, hh)) {
+                            *x = v.to_bits();
+                        }
+                    }
+                }
+            } else {
+                qrows.resize(m * d, 0.0);
+                for r in 0..rr {
+                    for hh in 0..h {
+                        let row = &mut qrows[(hh * rr + r) * d..][..d];
+                        for (x, v) in row.iter_mut().zip(staged(r, hh)) {
+                            *x = bf16_daz(v.to_bits());
+                        }
+                    }
+                }
+            }
+        } else if bf16_dot {
             qp.resize(d / 2 * ldq, 0);
             kb.resize(BLOCK * d, 0);
             let half = d / 2;
@@ -254,7 +302,6 @@ impl Ctx<'_> {
             }
             transpose(self.isa, m, d, krows, d, qt, m);
         }
-        let by_rows = rr >= ROW_VECTOR;
         if by_rows {
             // Weights head-major too: `wt[hh·rr + r]`.
             wt.resize(m, 0.0);
@@ -285,7 +332,59 @@ impl Ctx<'_> {
                 let from = (next.start + s0).min(next.end);
                 self.prefetch_keys(g.request, from, (from + SUB).min(next.end));
             };
-            if bf16_dot {
+            if keys_along {
+                // Kᵀ, then C = Q · Kᵀ in column chunks of 2·SUB keys (each after the
+                // prefetch of the next block's keys of the same chunk).
+                let cols = (0..n)
+                    .step_by(2 * SUB)
+                    .map(|c0| (c0, (2 * SUB).min(n - c0)));
+                if bf16_dot {
+                    let a: &[u16] = match self.keys_in_place(g.request, b0, n) {
+                        Some(a) if a.as_ptr().align_offset(4) == 0 => {
+                            scale[..n].fill(1.0);
+                            a
+                        }
+                        _ => {
+                            self.load_rows_bf16(g.request, b0, n, kb, &mut scale);
+                            kb
+                        }
+                    };
+                    // A transpose moves bits only: Kᵀ's pairs arrive intact.
+                    let half = d / 2;
+                    let pairs: &[f32] = bytemuck::cast_slice(&a[..n * d]);
+                    transpose(self.isa, n, half, pairs, half, kt, BLOCK);
+                    let ktp: &[u32] = bytemuck::cast_slice(&kt[..]);
+                    for (c0, w) in cols {
+                        ahead(c0);
+                        ahead(c0 + SUB);
+                        let dims = PairDims {
+                            m,
+                            n: w,
+                            k2: half,
+                            lda: d,
+                            ldb: BLOCK,
+                            ldc: BLOCK,
+                        };
+                        gemm_bf16_into(self.isa, dims, qb, &ktp[c0..], &mut ct[c0..]);
+                    }
+                } else {
+                    self.load_rows(g.request, b0, n, krows, &mut scale);
+                    transpose(self.isa, n, d, krows, d, kt, BLOCK);
+                    for (c0, w) in cols {
+                        ahead(c0);
+                        ahead(c0 + SUB);
+                        let dims = Dims {
+                            m,
+                            n: w,
+                            k: d,
+                            lda: d,
+                            ldb: BLOCK,
+                            ldc: BLOCK,
+                        };
+                        gemm_pairs_into(self.isa, dims, qrows, &kt[c0..], &mut ct[c0..]);
+                    }
+                }
+            } else if bf16_dot {
                 // bf16 keys of one page are read where they are.
                 let a: &[u16] = match self.keys_in_place(g.request, b0, n) {
                     Some(a) => {
@@ -368,7 +467,9 @@ impl Ctx<'_> {
                 }
             } else {
                 // C = (Cᵀ)ᵀ: a (head, row)'s scores contiguous over the block's keys.
-                transpose(self.isa, n, m, c, m, ct, BLOCK);
+                if !keys_along {
+                    transpose(self.isa, n, m, c, m, ct, BLOCK);
+                }
                 for (r, cell) in cells.iter_mut().enumerate() {
                     let row = &self.rows[g.first + r];
                     let w = &self.weights[(g.first + r) * h..(g.first + r + 1) * h];
