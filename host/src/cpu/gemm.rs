@@ -164,6 +164,8 @@ fn gemm_generic<const MR: usize, const NR: usize, const PAIRS: bool, const ZERO:
 ) {
     let n_full = d.n / NR * NR;
     let steps = main_steps::<PAIRS>(d.k);
+    // Packed blocks of B as panels of one tile's width (two zmm vectors).
+    let panels = NR >= 32;
     // This thread's packing buffer, taken for the call (a nested call finds it empty).
     let mut buf = PACKED.take();
     let mut k0 = 0;
@@ -184,41 +186,47 @@ fn gemm_generic<const MR: usize, const NR: usize, const PAIRS: bool, const ZERO:
             let packed;
             let packing = d.m > MR && d.ldb >= PACK_MIN_LDB && d.ldb != j1 - j0;
             let b = if packing {
-                // The block's rows are a page or more apart: copy them together once for
-                // every row tile that reuses them (each row read in order, which the
-                // hardware prefetches; the tiles then read one contiguous panel).
-                packed = pack(&mut buf, b, d.ldb, k0..rows_end, j0..j1);
+                // The block's rows are a page or more apart: copy them once for every row
+                // tile that reuses them (each row of B read in order, which the hardware
+                // prefetches), on AVX-512 as panels of NR columns (a tile then reads one
+                // contiguous panel, which stays in L1 while the row tiles run over it), on
+                // AVX2 as one panel (row tiles in turn over the whole block measured
+                // faster there).
+                let w = if panels { NR } else { j1 - j0 };
+                packed = pack_panels(&mut buf, b, d.ldb, k0..rows_end, j0..j1, w);
                 BView {
                     b: packed,
-                    ldb: j1 - j0,
+                    ldb: w,
                     k0,
                     j0,
+                    panel: (w, rows_end - k0),
                 }
             } else {
                 BView::whole(b, d.ldb)
             };
-            let mut i = 0;
-            while i < d.m {
-                let rows = MR.min(d.m - i);
+            if packing && panels {
+                // Panel by panel, every row tile over each.
                 let mut j = j0;
                 while j < j1 {
-                    match rows {
-                        r if r == MR => tile::<MR, NR, PAIRS, ZERO>(d, a, b, c, i, j, ks),
-                        7 => tile::<7, NR, PAIRS, ZERO>(d, a, b, c, i, j, ks),
-                        6 => tile::<6, NR, PAIRS, ZERO>(d, a, b, c, i, j, ks),
-                        5 => tile::<5, NR, PAIRS, ZERO>(d, a, b, c, i, j, ks),
-                        4 => tile::<4, NR, PAIRS, ZERO>(d, a, b, c, i, j, ks),
-                        3 => tile::<3, NR, PAIRS, ZERO>(d, a, b, c, i, j, ks),
-                        2 => tile::<2, NR, PAIRS, ZERO>(d, a, b, c, i, j, ks),
-                        _ => {
-                            for r in i..i + rows {
-                                tile::<1, NR, PAIRS, ZERO>(d, a, b, c, r, j, ks);
-                            }
-                        }
+                    let mut i = 0;
+                    while i < d.m {
+                        let rows = MR.min(d.m - i);
+                        row_tile::<MR, NR, PAIRS, ZERO>(d, a, b, c, (i, rows, j), ks);
+                        i += rows;
                     }
                     j += NR;
                 }
-                i += rows;
+            } else {
+                let mut i = 0;
+                while i < d.m {
+                    let rows = MR.min(d.m - i);
+                    let mut j = j0;
+                    while j < j1 {
+                        row_tile::<MR, NR, PAIRS, ZERO>(d, a, b, c, (i, rows, j), ks);
+                        j += NR;
+                    }
+                    i += rows;
+                }
             }
             j0 = j1;
         }
@@ -239,6 +247,32 @@ fn gemm_generic<const MR: usize, const NR: usize, const PAIRS: bool, const ZERO:
     if j < d.n {
         for r in 0..d.m {
             edge::<PAIRS, ZERO>(d, a, b, c, r, j);
+        }
+    }
+}
+
+/// The tile of `rows ≤ MR` rows from `i` at column `j` (`at = (i, rows, j)`).
+#[inline(always)]
+fn row_tile<const MR: usize, const NR: usize, const PAIRS: bool, const ZERO: bool>(
+    d: Dims,
+    a: &[f32],
+    b: BView<'_>,
+    c: &mut [f32],
+    (i, rows, j): (usize, usize, usize),
+    ks: Steps,
+) {
+    match rows {
+        r if r == MR => tile::<MR, NR, PAIRS, ZERO>(d, a, b, c, i, j, ks),
+        7 => tile::<7, NR, PAIRS, ZERO>(d, a, b, c, i, j, ks),
+        6 => tile::<6, NR, PAIRS, ZERO>(d, a, b, c, i, j, ks),
+        5 => tile::<5, NR, PAIRS, ZERO>(d, a, b, c, i, j, ks),
+        4 => tile::<4, NR, PAIRS, ZERO>(d, a, b, c, i, j, ks),
+        3 => tile::<3, NR, PAIRS, ZERO>(d, a, b, c, i, j, ks),
+        2 => tile::<2, NR, PAIRS, ZERO>(d, a, b, c, i, j, ks),
+        _ => {
+            for r in i..i + rows {
+                tile::<1, NR, PAIRS, ZERO>(d, a, b, c, r, j, ks);
+            }
         }
     }
 }
@@ -279,31 +313,39 @@ thread_local! {
     static PACKED: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
 }
 
-/// Copies rows `rows` × columns `cols` of B (`ldb` apart) into `buf`, row after row.
+/// Copies rows `rows` × columns `cols` of B (`ldb` apart) into `buf` as panels of `w`
+/// columns (`cols.len()` a multiple of `w`): panel after panel, each row after row.
 #[inline(always)]
-fn pack<'b>(
+fn pack_panels<'b>(
     buf: &'b mut Vec<f32>,
     b: &[f32],
     ldb: usize,
     rows: Range<usize>,
     cols: Range<usize>,
+    w: usize,
 ) -> &'b [f32] {
-    let w = cols.len();
-    buf.resize(rows.len() * w, 0.0);
-    for (dst, p) in buf.chunks_exact_mut(w).zip(rows) {
-        dst.copy_from_slice(&b[p * ldb + cols.start..][..w]);
+    let (n, k) = (cols.len(), rows.len());
+    debug_assert!(n % w == 0);
+    buf.resize(k * n, 0.0);
+    for (r, p) in rows.enumerate() {
+        let src = &b[p * ldb + cols.start..][..n];
+        for (q, seg) in src.chunks_exact(w).enumerate() {
+            buf[(q * k + r) * w..][..w].copy_from_slice(seg);
+        }
     }
     buf
 }
 
-/// The rows of B a tile reads: B itself (`ldb` apart), or a block of it packed (rows
-/// `k0..` and columns `j0..` of B, `ldb` = the block's width apart).
+/// The rows of B a tile reads: B itself (`ldb` apart), or a block of it packed as panels
+/// (rows `k0..` and columns `j0..` of B; `panel = (w, k)`: panels of `w` columns and `k`
+/// rows one after the other, `ldb = w`).
 #[derive(Clone, Copy)]
 struct BView<'a> {
     b: &'a [f32],
     ldb: usize,
     k0: usize,
     j0: usize,
+    panel: (usize, usize),
 }
 
 impl<'a> BView<'a> {
@@ -314,13 +356,18 @@ impl<'a> BView<'a> {
             ldb,
             k0: 0,
             j0: 0,
+            panel: (usize::MAX, 0),
         }
     }
 
-    /// Columns `j .. j + w` of B's row `p` (indices of B, not of the block).
+    /// Columns `j .. j + w` of B's row `p` (indices of B, not of the block; in a packed
+    /// block, inside one panel).
     #[inline(always)]
     fn row(&self, p: usize, j: usize, w: usize) -> &'a [f32] {
-        &self.b[(p - self.k0) * self.ldb + (j - self.j0)..][..w]
+        let (p, j) = (p - self.k0, j - self.j0);
+        let (pw, pk) = self.panel;
+        let at = (j / pw) * pw * pk + p * self.ldb + j % pw;
+        &self.b[at..][..w]
     }
 }
 
