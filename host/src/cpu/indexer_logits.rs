@@ -121,8 +121,9 @@ struct Scratch {
     krows: Vec<f32>,
     /// Qᵀ packed as bf16 pairs `[d/2 × padded m]` (the `avx512bf16` path).
     qp: Vec<u32>,
-    /// Keys as bf16 `[BLOCK × d]` (the `avx512bf16` path).
-    kb: Vec<u16>,
+    /// Keys as bf16 `[BLOCK × d]` (the `avx512bf16` path), held as pairs so that their
+    /// rows can be moved as 32-bit words (the few-heads transpose).
+    kb: Vec<u32>,
     /// `Cᵀ [BLOCK × m]`.
     c: Vec<f32>,
     /// `C [m × BLOCK]` (few-row groups: their head sums run along keys).
@@ -255,7 +256,7 @@ impl Ctx<'_> {
             kt.resize(d * BLOCK, 0.0);
             if bf16_dot {
                 qb.resize(m * d, 0);
-                kb.resize(BLOCK * d, 0);
+                kb.resize(BLOCK * d / 2, 0);
                 for r in 0..rr {
                     for hh in 0..h {
                         let row = &mut qb[(hh * rr + r) * d..][..d];
@@ -277,7 +278,7 @@ impl Ctx<'_> {
             }
         } else if bf16_dot {
             qp.resize(d / 2 * ldq, 0);
-            kb.resize(BLOCK * d, 0);
+            kb.resize(BLOCK * d / 2, 0);
             let half = d / 2;
             for r in 0..rr {
                 for hh in 0..h {
@@ -345,6 +346,7 @@ impl Ctx<'_> {
                             a
                         }
                         _ => {
+                            let kb: &mut [u16] = bytemuck::cast_slice_mut(&mut kb[..]);
                             self.load_rows_bf16(g.request, b0, n, kb, &mut scale);
                             kb
                         }
@@ -392,6 +394,7 @@ impl Ctx<'_> {
                         a
                     }
                     None => {
+                        let kb: &mut [u16] = bytemuck::cast_slice_mut(&mut kb[..]);
                         self.load_rows_bf16(g.request, b0, n, kb, &mut scale);
                         kb
                     }
