@@ -420,12 +420,9 @@ fn tile<const R: usize, const NR: usize, const PAIRS: bool, const ZERO: bool>(
         assert!((i + R - 1) * d.lda + p1 < a.len() && p1 < d.k);
         // The first and last rows of B the steps read are inside B (or its packed block).
         let (b_first, b_last) = (b.row(p0, j, NR).as_ptr(), b.row(p1, j, NR).as_ptr());
-        // SAFETY: `b_first` and `b_last` point into the same slice (rows of one view).
-        let b_step = if p1 > p0 {
-            (unsafe { b_last.offset_from(b_first) }) as usize / (p1 - p0)
-        } else {
-            0
-        };
+        // Consecutive rows of the view (of a panel, in a packed block) are `ldb` apart.
+        let b_step = b.ldb;
+        debug_assert_eq!(b_first.wrapping_add((p1 - p0) * b_step), b_last);
         let rows: [*const f32; R] = std::array::from_fn(|r| {
             // SAFETY: row `i + r < m` starts inside `a` (asserted above for the last row).
             unsafe { a.as_ptr().add((i + r) * d.lda) }
