@@ -24,7 +24,7 @@ use super::dot::{bf16_daz, e4m3_f32, f32_daz, gemm_bf16_into, padded_cols, PairD
 use super::gemm::{gemm_pairs_into, Dims};
 use super::isa::{prefetch, CpuIsa, Isa};
 use super::scratch;
-use super::transpose::transpose;
+use super::transpose::{transpose, transpose_bytes};
 use super::widen;
 use crate::layout::{IndexKDtype, IndexKLayout, FP4_GROUP};
 use crate::ops::{IndexerLogits, PageTable, QueryRange};
@@ -139,6 +139,9 @@ struct Scratch {
     /// Kᵀ `[d × BLOCK]` (few query heads): f32, or bf16 pairs `[d/2 × BLOCK]` on
     /// `avx512bf16` (the bits of the pairs, moved by the transpose).
     kt: Vec<f32>,
+    /// Kᵀ as fp8 codes `[d × BLOCK]` (few query heads, fp8 keys, f32 paths): the codes
+    /// are transposed before they are widened.
+    ktb: Vec<u8>,
 }
 
 /// A run of consecutive rows of one request whose key ranges form one span `lo..hi`.
@@ -241,6 +244,7 @@ impl Ctx<'_> {
             qrows,
             qb,
             kt,
+            ktb,
         } = scratch;
         let bf16_dot = self.isa.isa().bf16_dot();
         let ldq = padded_cols(m);
@@ -252,8 +256,12 @@ impl Ctx<'_> {
         // `krows` stages Q in Qᵀ's column order (`hh·rr + r`) before the transpose.
         krows.resize(BLOCK.max(m) * d, 0.0);
         let staged = |r: usize, hh: usize| &qs[(r * h + hh) * d..][..d];
+        let fp8_keys = matches!(self.layout.dtype(), IndexKDtype::Fp8E4m3 { .. });
         if keys_along {
             kt.resize(d * BLOCK, 0.0);
+            if fp8_keys && !bf16_dot {
+                ktb.resize(d * BLOCK, 0);
+            }
             if bf16_dot {
                 qb.resize(m * d, 0);
                 kb.resize(BLOCK * d / 2, 0);
@@ -370,8 +378,12 @@ impl Ctx<'_> {
                         gemm_bf16_into(self.isa, dims, qb, &ktp[c0..], &mut ct[c0..]);
                     }
                 } else {
-                    self.load_rows(g.request, b0, n, krows, &mut scale);
-                    transpose(self.isa, n, d, krows, d, kt, BLOCK);
+                    if fp8_keys {
+                        self.load_cols_fp8(g.request, b0, n, ktb, kt, &mut scale);
+                    } else {
+                        self.load_rows(g.request, b0, n, krows, &mut scale);
+                        transpose(self.isa, n, d, krows, d, kt, BLOCK);
+                    }
                     for (c0, w) in cols {
                         ahead(c0);
                         ahead(c0 + SUB);
@@ -576,6 +588,37 @@ impl Ctx<'_> {
                 }
             }
             None => out[..count].fill(1.0),
+        }
+    }
+
+    /// fp8 keys at positions `b0..b0+n` as Kᵀ `kt[d][BLOCK]` (columns `0..n`; the values
+    /// of [`Ctx::load_rows`], transposed) and their scales: each page's codes transposed
+    /// as bytes into `ktb[d][BLOCK]`, then widened row by row (a quarter of the bits moved
+    /// by the transpose's shuffles).
+    #[inline(always)]
+    fn load_cols_fp8(
+        &self,
+        request: usize,
+        b0: usize,
+        n: usize,
+        ktb: &mut [u8],
+        kt: &mut [f32],
+        scale: &mut [f32],
+    ) {
+        let (l, d) = (&self.layout, self.d);
+        for (j, slot, count) in self.segments(request, b0, b0 + n) {
+            let codes = &self.cache[l.slot_run_value_bytes(slot, count)];
+            transpose_bytes(self.isa, count, d, codes, d, &mut ktb[j..], BLOCK);
+            self.fp8_scales(slot, count, &mut scale[j..j + count]);
+        }
+        for (row, codes) in kt
+            .chunks_exact_mut(BLOCK)
+            .zip(ktb.chunks_exact(BLOCK))
+            .take(d)
+        {
+            for (x, &b) in row[..n].iter_mut().zip(&codes[..n]) {
+                *x = e4m3_f32(b);
+            }
         }
     }
 

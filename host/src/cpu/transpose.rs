@@ -1,7 +1,8 @@
 //! f32 matrix transposes (exact: values are moved, never computed), for the epilogues that
 //! read a GEMM's `Cᵀ` along its other dimension: 16 × 16 register tiles on AVX-512 (8 × 8
 //! ones on the strips a dimension that is not a multiple of 16 leaves), 8 × 8 on AVX2,
-//! element by element elsewhere and at the edges.
+//! element by element elsewhere and at the edges. Byte matrices ([`transpose_bytes`], fp8
+//! keys before their decode) in 16 × 16 tiles, four (AVX-512) or two (AVX2) per register.
 
 use super::isa::{CpuIsa, Isa};
 
@@ -55,6 +56,72 @@ pub fn transpose(
     edges(m, n, 0, 0, src, lds, dst, ldd);
 }
 
+/// `dst[j·ldd + i] = src[i·lds + j]` for bytes, `i < m`, `j < n`. Panics if a slice is
+/// too short. A 16 × 16 byte tile takes as many shuffles as a 16 × 16 f32 one: moving fp8
+/// codes before they are widened moves a quarter of the bits per shuffle.
+pub fn transpose_bytes(
+    isa: CpuIsa,
+    m: usize,
+    n: usize,
+    src: &[u8],
+    lds: usize,
+    dst: &mut [u8],
+    ldd: usize,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(lds >= n && ldd >= m);
+    assert!(src.len() >= (m - 1) * lds + n && dst.len() >= (n - 1) * ldd + m);
+    #[cfg(target_arch = "x86_64")]
+    {
+        // Bytes per register row of the path's tiles.
+        let width = match isa.isa() {
+            Isa::Avx512Bf16 | Isa::Avx512 => Some(64),
+            Isa::Avx2 => Some(32),
+            Isa::Scalar => None,
+        };
+        if let Some(width) = width {
+            let (mt, nt) = (m / 16 * 16, n / width * width);
+            // SAFETY: the path's CpuIsa exists only on a CPU with its features (AVX-512BW,
+            // AVX2: `Isa::supported`); the slices hold the matrices (asserted above) and
+            // the tiles cover rows `0..mt` × columns `0..nt`.
+            unsafe {
+                let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
+                if width == 64 {
+                    x86::byte_tiles64(mt, nt, s, lds, d, ldd);
+                } else {
+                    x86::byte_tiles32(mt, nt, s, lds, d, ldd);
+                }
+            }
+            byte_edges(m, n, mt, nt, src, lds, dst, ldd);
+            return;
+        }
+    }
+    let _ = isa;
+    byte_edges(m, n, 0, 0, src, lds, dst, ldd);
+}
+
+/// The bytes outside the tiled `mt × nt` corner.
+#[allow(clippy::too_many_arguments)]
+fn byte_edges(
+    m: usize,
+    n: usize,
+    mt: usize,
+    nt: usize,
+    src: &[u8],
+    lds: usize,
+    dst: &mut [u8],
+    ldd: usize,
+) {
+    for i in 0..m {
+        let from = if i < mt { nt } else { 0 };
+        for j in from..n {
+            dst[j * ldd + i] = src[i * lds + j];
+        }
+    }
+}
+
 /// The elements outside the tiled `mt × nt` corner.
 #[allow(clippy::too_many_arguments)]
 fn edges(
@@ -82,6 +149,129 @@ fn edges(
 )]
 mod x86 {
     use std::arch::x86_64::*;
+
+    /// The 16 × 16 byte transposes of every 128-bit lane of 16 rows: `r[k]`'s lane `l` is
+    /// row `k`, columns `16l..16l + 16`; returns `o` with `o[c]`'s lane `l` = column
+    /// `16l + c`, rows `0..16`. Interleaves of bytes, words, dwords, qwords (in-lane
+    /// unpacks only); generic over the register (`__m512i` or `__m256i`) through the
+    /// four unpacks given.
+    #[inline(always)]
+    fn lanes16<V: Copy>(
+        r: [V; 16],
+        u8s: impl Fn(V, V) -> (V, V),
+        u16s: impl Fn(V, V) -> (V, V),
+        u32s: impl Fn(V, V) -> (V, V),
+        u64s: impl Fn(V, V) -> (V, V),
+    ) -> [V; 16] {
+        // After the byte step, t[2k] holds rows 2k, 2k+1 at columns 0..8 (byte pairs),
+        // t[2k+1] at columns 8..16.
+        let mut t = r;
+        for k in 0..8 {
+            (t[2 * k], t[2 * k + 1]) = u8s(r[2 * k], r[2 * k + 1]);
+        }
+        // u[4k + q]: rows 4k..4k+4 (4-byte groups) at columns 4q..4q+4.
+        let mut u = t;
+        for k in 0..4 {
+            (u[4 * k], u[4 * k + 1]) = u16s(t[4 * k], t[4 * k + 2]);
+            (u[4 * k + 2], u[4 * k + 3]) = u16s(t[4 * k + 1], t[4 * k + 3]);
+        }
+        // v[8h + 2q + e]: rows 8h..8h+8 (8-byte groups) at columns 4q + 2e, 4q + 2e + 1.
+        let mut v = u;
+        for h in 0..2 {
+            for q in 0..4 {
+                (v[8 * h + 2 * q], v[8 * h + 2 * q + 1]) = u32s(u[8 * h + q], u[8 * h + 4 + q]);
+            }
+        }
+        // o[c]: rows 0..16 at column c.
+        let mut o = v;
+        for g in 0..8 {
+            let (lo, hi) = u64s(v[g], v[8 + g]);
+            // v[g] covers columns 2g and 2g + 1 (g = 2q + e: 4q + 2e = 2g).
+            o[2 * g] = lo;
+            o[2 * g + 1] = hi;
+        }
+        o
+    }
+
+    /// Every whole tile of 16 rows × 64 bytes (four 16 × 16 byte transposes per register).
+    ///
+    /// # Safety
+    /// AVX-512F and AVX-512BW; `src` holds `m` rows of `lds` bytes, `dst` `n` rows of
+    /// `ldd`; `m % 16 == 0`, `n % 64 == 0`.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn byte_tiles64(
+        m: usize,
+        n: usize,
+        src: *const u8,
+        lds: usize,
+        dst: *mut u8,
+        ldd: usize,
+    ) {
+        for i0 in (0..m).step_by(16) {
+            for j0 in (0..n).step_by(64) {
+                // SAFETY: rows i0..i0+16 ≤ m, columns j0..j0+64 ≤ n of src; rows j0..j0+64
+                // of dst at columns i0..i0+16 likewise.
+                unsafe {
+                    let mut r = [_mm512_setzero_si512(); 16];
+                    for (k, x) in r.iter_mut().enumerate() {
+                        *x = _mm512_loadu_si512(src.add((i0 + k) * lds + j0).cast());
+                    }
+                    let o = lanes16(
+                        r,
+                        |a, b| (_mm512_unpacklo_epi8(a, b), _mm512_unpackhi_epi8(a, b)),
+                        |a, b| (_mm512_unpacklo_epi16(a, b), _mm512_unpackhi_epi16(a, b)),
+                        |a, b| (_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b)),
+                        |a, b| (_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b)),
+                    );
+                    for (c, x) in o.iter().enumerate() {
+                        let at = |l: usize| dst.add((j0 + 16 * l + c) * ldd + i0).cast();
+                        _mm_storeu_si128(at(0), _mm512_extracti32x4_epi32::<0>(*x));
+                        _mm_storeu_si128(at(1), _mm512_extracti32x4_epi32::<1>(*x));
+                        _mm_storeu_si128(at(2), _mm512_extracti32x4_epi32::<2>(*x));
+                        _mm_storeu_si128(at(3), _mm512_extracti32x4_epi32::<3>(*x));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Every whole tile of 16 rows × 32 bytes (two 16 × 16 byte transposes per register).
+    ///
+    /// # Safety
+    /// AVX2; as [`byte_tiles64`] with `n % 32 == 0`.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn byte_tiles32(
+        m: usize,
+        n: usize,
+        src: *const u8,
+        lds: usize,
+        dst: *mut u8,
+        ldd: usize,
+    ) {
+        for i0 in (0..m).step_by(16) {
+            for j0 in (0..n).step_by(32) {
+                // SAFETY: as in `byte_tiles64`, for 32 columns.
+                unsafe {
+                    let mut r = [_mm256_setzero_si256(); 16];
+                    for (k, x) in r.iter_mut().enumerate() {
+                        *x = _mm256_loadu_si256(src.add((i0 + k) * lds + j0).cast());
+                    }
+                    let o = lanes16(
+                        r,
+                        |a, b| (_mm256_unpacklo_epi8(a, b), _mm256_unpackhi_epi8(a, b)),
+                        |a, b| (_mm256_unpacklo_epi16(a, b), _mm256_unpackhi_epi16(a, b)),
+                        |a, b| (_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b)),
+                        |a, b| (_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b)),
+                    );
+                    for (c, x) in o.iter().enumerate() {
+                        let at = |l: usize| dst.add((j0 + 16 * l + c) * ldd + i0).cast();
+                        _mm_storeu_si128(at(0), _mm256_castsi256_si128(*x));
+                        _mm_storeu_si128(at(1), _mm256_extracti128_si256::<1>(*x));
+                    }
+                }
+            }
+        }
+    }
 
     /// Every whole 16 × 16 tile.
     ///
@@ -225,6 +415,46 @@ mod tests {
                 }
                 for j in 0..n {
                     assert!(dst[j * ldd + m..(j + 1) * ldd].iter().all(|&x| x == -1.0));
+                }
+            }
+        }
+    }
+
+    /// Byte transposes on every path: whole tiles of both widths, edges on each side,
+    /// strides wider than the matrices, random bytes; nothing written outside.
+    #[test]
+    fn every_path_transposes_bytes_of_every_shape() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        for (m, n) in [
+            (1, 1),
+            (16, 16),
+            (16, 64),
+            (128, 64),
+            (64, 128),
+            (37, 70),
+            (17, 33),
+            (15, 64),
+            (48, 96),
+            (5, 128),
+            (128, 7),
+        ] {
+            let (lds, ldd) = (n + rng.gen_range(0..5), m + rng.gen_range(0..5));
+            let src: Vec<u8> = (0..m * lds).map(|_| rng.gen()).collect();
+            for isa in CpuIsa::available() {
+                let mut dst = vec![0xa5u8; n * ldd];
+                let before = dst.clone();
+                transpose_bytes(isa, m, n, &src, lds, &mut dst, ldd);
+                for i in 0..m {
+                    for j in 0..n {
+                        assert_eq!(dst[j * ldd + i], src[i * lds + j], "{} {m}×{n}", isa.isa());
+                    }
+                }
+                for j in 0..n {
+                    assert_eq!(
+                        dst[j * ldd + m..(j + 1) * ldd],
+                        before[j * ldd + m..(j + 1) * ldd]
+                    );
                 }
             }
         }
