@@ -94,44 +94,24 @@ pub fn transpose_bytes(
                     x86::byte_tiles32(mt, nt, s, lds, d, ldd);
                 }
             }
-            byte_edges(m, n, mt, nt, src, lds, dst, ldd);
+            edges(m, n, mt, nt, src, lds, dst, ldd);
             return;
         }
     }
     let _ = isa;
-    byte_edges(m, n, 0, 0, src, lds, dst, ldd);
-}
-
-/// The bytes outside the tiled `mt × nt` corner.
-#[allow(clippy::too_many_arguments)]
-fn byte_edges(
-    m: usize,
-    n: usize,
-    mt: usize,
-    nt: usize,
-    src: &[u8],
-    lds: usize,
-    dst: &mut [u8],
-    ldd: usize,
-) {
-    for i in 0..m {
-        let from = if i < mt { nt } else { 0 };
-        for j in from..n {
-            dst[j * ldd + i] = src[i * lds + j];
-        }
-    }
+    edges(m, n, 0, 0, src, lds, dst, ldd);
 }
 
 /// The elements outside the tiled `mt × nt` corner.
 #[allow(clippy::too_many_arguments)]
-fn edges(
+fn edges<T: Copy>(
     m: usize,
     n: usize,
     mt: usize,
     nt: usize,
-    src: &[f32],
+    src: &[T],
     lds: usize,
-    dst: &mut [f32],
+    dst: &mut [T],
     ldd: usize,
 ) {
     for i in 0..m {
