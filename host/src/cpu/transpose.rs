@@ -173,11 +173,47 @@ mod x86 {
         o
     }
 
-    /// Every whole tile of 16 rows × 64 bytes (four 16 × 16 byte transposes per register).
+    /// Every whole tile of 16 rows × `16·L` bytes: `load` reads a row's `16·L` bytes into a
+    /// register of `L` 128-bit lanes, [`lanes16`] transposes each lane, `store` writes a
+    /// register's lanes to the `L` addresses given (lane `l` of output `c`: row
+    /// `16l + c` of `dst`).
     ///
     /// # Safety
-    /// AVX-512F and AVX-512BW; `src` holds `m` rows of `lds` bytes, `dst` `n` rows of
-    /// `ldd`; `m % 16 == 0`, `n % 64 == 0`.
+    /// `load` and `store` are sound for the path that calls; `src` holds `m` rows of `lds`
+    /// bytes, `dst` `n` rows of `ldd`; `m % 16 == 0`, `n % (16·L) == 0`.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    unsafe fn byte_tiles<V: Copy, const L: usize>(
+        (m, n): (usize, usize),
+        src: *const u8,
+        lds: usize,
+        dst: *mut u8,
+        ldd: usize,
+        load: impl Fn(*const u8) -> V,
+        transpose: impl Fn([V; 16]) -> [V; 16],
+        store: impl Fn(V, [*mut u8; L]),
+    ) {
+        for i0 in (0..m).step_by(16) {
+            for j0 in (0..n).step_by(16 * L) {
+                // SAFETY: rows i0..i0+16 ≤ m, columns j0..j0+16·L ≤ n of src; rows
+                // j0..j0+16·L of dst at columns i0..i0+16 likewise.
+                unsafe {
+                    let r: [V; 16] = std::array::from_fn(|k| load(src.add((i0 + k) * lds + j0)));
+                    for (c, &x) in transpose(r).iter().enumerate() {
+                        store(
+                            x,
+                            std::array::from_fn(|l| dst.add((j0 + 16 * l + c) * ldd + i0)),
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// [`byte_tiles`] of 16 rows × 64 bytes (four 16 × 16 byte transposes per register).
+    ///
+    /// # Safety
+    /// AVX-512F and AVX-512BW; as [`byte_tiles`] with `n % 64 == 0`.
     #[target_feature(enable = "avx512f,avx512bw")]
     pub(super) unsafe fn byte_tiles64(
         m: usize,
@@ -187,38 +223,39 @@ mod x86 {
         dst: *mut u8,
         ldd: usize,
     ) {
-        for i0 in (0..m).step_by(16) {
-            for j0 in (0..n).step_by(64) {
-                // SAFETY: rows i0..i0+16 ≤ m, columns j0..j0+64 ≤ n of src; rows j0..j0+64
-                // of dst at columns i0..i0+16 likewise.
-                unsafe {
-                    let mut r = [_mm512_setzero_si512(); 16];
-                    for (k, x) in r.iter_mut().enumerate() {
-                        *x = _mm512_loadu_si512(src.add((i0 + k) * lds + j0).cast());
-                    }
-                    let o = lanes16(
+        // SAFETY: the loads read 64 bytes and the stores write 16 at the addresses
+        // `byte_tiles` gives (inside the matrices, its contract); AVX-512BW is enabled.
+        unsafe {
+            byte_tiles::<__m512i, 4>(
+                (m, n),
+                src,
+                lds,
+                dst,
+                ldd,
+                |p| _mm512_loadu_si512(p.cast()),
+                |r| {
+                    lanes16(
                         r,
                         |a, b| (_mm512_unpacklo_epi8(a, b), _mm512_unpackhi_epi8(a, b)),
                         |a, b| (_mm512_unpacklo_epi16(a, b), _mm512_unpackhi_epi16(a, b)),
                         |a, b| (_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b)),
                         |a, b| (_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b)),
-                    );
-                    for (c, x) in o.iter().enumerate() {
-                        let at = |l: usize| dst.add((j0 + 16 * l + c) * ldd + i0).cast();
-                        _mm_storeu_si128(at(0), _mm512_extracti32x4_epi32::<0>(*x));
-                        _mm_storeu_si128(at(1), _mm512_extracti32x4_epi32::<1>(*x));
-                        _mm_storeu_si128(at(2), _mm512_extracti32x4_epi32::<2>(*x));
-                        _mm_storeu_si128(at(3), _mm512_extracti32x4_epi32::<3>(*x));
-                    }
-                }
-            }
+                    )
+                },
+                |x, at| {
+                    _mm_storeu_si128(at[0].cast(), _mm512_extracti32x4_epi32::<0>(x));
+                    _mm_storeu_si128(at[1].cast(), _mm512_extracti32x4_epi32::<1>(x));
+                    _mm_storeu_si128(at[2].cast(), _mm512_extracti32x4_epi32::<2>(x));
+                    _mm_storeu_si128(at[3].cast(), _mm512_extracti32x4_epi32::<3>(x));
+                },
+            )
         }
     }
 
-    /// Every whole tile of 16 rows × 32 bytes (two 16 × 16 byte transposes per register).
+    /// [`byte_tiles`] of 16 rows × 32 bytes (two 16 × 16 byte transposes per register).
     ///
     /// # Safety
-    /// AVX2; as [`byte_tiles64`] with `n % 32 == 0`.
+    /// AVX2; as [`byte_tiles`] with `n % 32 == 0`.
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn byte_tiles32(
         m: usize,
@@ -228,28 +265,29 @@ mod x86 {
         dst: *mut u8,
         ldd: usize,
     ) {
-        for i0 in (0..m).step_by(16) {
-            for j0 in (0..n).step_by(32) {
-                // SAFETY: as in `byte_tiles64`, for 32 columns.
-                unsafe {
-                    let mut r = [_mm256_setzero_si256(); 16];
-                    for (k, x) in r.iter_mut().enumerate() {
-                        *x = _mm256_loadu_si256(src.add((i0 + k) * lds + j0).cast());
-                    }
-                    let o = lanes16(
+        // SAFETY: as in `byte_tiles64`, 32-byte loads; AVX2 is enabled.
+        unsafe {
+            byte_tiles::<__m256i, 2>(
+                (m, n),
+                src,
+                lds,
+                dst,
+                ldd,
+                |p| _mm256_loadu_si256(p.cast()),
+                |r| {
+                    lanes16(
                         r,
                         |a, b| (_mm256_unpacklo_epi8(a, b), _mm256_unpackhi_epi8(a, b)),
                         |a, b| (_mm256_unpacklo_epi16(a, b), _mm256_unpackhi_epi16(a, b)),
                         |a, b| (_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b)),
                         |a, b| (_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b)),
-                    );
-                    for (c, x) in o.iter().enumerate() {
-                        let at = |l: usize| dst.add((j0 + 16 * l + c) * ldd + i0).cast();
-                        _mm_storeu_si128(at(0), _mm256_castsi256_si128(*x));
-                        _mm_storeu_si128(at(1), _mm256_extracti128_si256::<1>(*x));
-                    }
-                }
-            }
+                    )
+                },
+                |x, at| {
+                    _mm_storeu_si128(at[0].cast(), _mm256_castsi256_si128(x));
+                    _mm_storeu_si128(at[1].cast(), _mm256_extracti128_si256::<1>(x));
+                },
+            )
         }
     }
 
