@@ -94,6 +94,19 @@ pub fn ue8m0_value(b: u8) -> f64 {
     }
 }
 
+/// [`e4m3_value`] of every code (index with the code), computed once: the readers decode
+/// through it instead of evaluating the powers of two per value.
+fn e4m3_values() -> &'static [f64; 256] {
+    static TABLE: std::sync::OnceLock<[f64; 256]> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| std::array::from_fn(|c| e4m3_value(c as u8)))
+}
+
+/// [`ue8m0_value`] of every byte, computed once.
+fn ue8m0_values() -> &'static [f64; 256] {
+    static TABLE: std::sync::OnceLock<[f64; 256]> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| std::array::from_fn(|b| ue8m0_value(b as u8)))
+}
+
 /// The ue8m0 byte of a power of two `s` (found by halving/doubling from 1), `0xff` for
 /// an infinite or NaN `s`.
 pub fn ue8m0_byte(s: f64) -> u8 {
@@ -346,14 +359,14 @@ pub fn read_index_key(layout: &IndexKLayout, cache: &[u8], slot: usize) -> (Vec<
             let s = layout
                 .slot_scale_bytes(slot)
                 .map_or(1.0, |r| get_f32(cache, r.start));
-            (vals.iter().map(|&c| e4m3_value(c)).collect(), s)
+            (vals.iter().map(|&c| e4m3_values()[c as usize]).collect(), s)
         }
         IndexKDtype::Fp4E2m1 => {
             let sc = layout.slot_scale_bytes(slot).unwrap_or(0..0);
             let v = (0..layout.head_dim())
                 .map(|i| {
                     let code = vals[i / 2] >> (4 * (i % 2));
-                    e2m1_value(code) * ue8m0_value(cache[sc.start + i / FP4_GROUP])
+                    e2m1_value(code) * ue8m0_values()[cache[sc.start + i / FP4_GROUP] as usize]
                 })
                 .collect();
             (v, 1.0)
@@ -372,20 +385,51 @@ pub fn read_kv_token(layout: &KvLayout, cache: &[u8], slot: usize) -> Vec<f64> {
         KvDtype::Model1Fp8 => {
             let sc = layout.slot_tile_scale_bytes(slot);
             for i in 0..layout.nope_dim() {
-                out.push(e4m3_value(tok[i]) * ue8m0_value(cache[sc.start + i / MODEL1_TILE]));
+                out.push(
+                    e4m3_values()[tok[i] as usize]
+                        * ue8m0_values()[cache[sc.start + i / MODEL1_TILE] as usize],
+                );
             }
         }
         KvDtype::Fp8DsMla => {
             let sr = layout.scales_range();
             for i in 0..layout.nope_dim() {
                 let s = get_f32(tok, sr.start + 4 * (i / FP8_DS_MLA_TILE));
-                out.push(e4m3_value(tok[i]) * s);
+                out.push(e4m3_values()[tok[i] as usize] * s);
             }
         }
     }
     let rope = &tok[layout.rope_range()];
     out.extend((0..layout.rope_dim()).map(|i| get_bf16(rope, i)));
     out
+}
+
+/// `(Σ aᵢ·bᵢ, Σ |aᵢ·bᵢ|)` over the common length, in f64: four interleaved partial sums
+/// (so that the loop vectorises), added pairwise at the end. The products are exact for
+/// the values compared here (bf16 times bf16, or times an fp8 code and its f32 scale), so
+/// only the sums round, at f64's 2^-53; whether a sum is NaN or infinite does not depend
+/// on the order.
+pub(crate) fn dot_abs(a: &[f64], b: &[f64]) -> (f64, f64) {
+    let n = a.len().min(b.len());
+    let (ac, bc) = (a[..n].chunks_exact(4), b[..n].chunks_exact(4));
+    let (ar, br) = (ac.remainder(), bc.remainder());
+    let (mut dot, mut abs) = ([0.0f64; 4], [0.0f64; 4]);
+    for (x, y) in ac.zip(bc) {
+        for l in 0..4 {
+            let p = x[l] * y[l];
+            dot[l] += p;
+            abs[l] += p.abs();
+        }
+    }
+    for (x, y) in ar.iter().zip(br) {
+        let p = x * y;
+        dot[0] += p;
+        abs[0] += p.abs();
+    }
+    (
+        (dot[0] + dot[1]) + (dot[2] + dot[3]),
+        (abs[0] + abs[1]) + (abs[2] + abs[3]),
+    )
 }
 
 /// Reference indexer output for one row: `(logit, magnitude)` per column of the row
@@ -418,19 +462,18 @@ pub fn indexer_logits(
         .map(|(r, range)| {
             let mut logits = vec![f64::NEG_INFINITY; row_stride];
             let mut mag = vec![0.0; row_stride];
-            let qr = &q[r * n_heads * d..(r + 1) * n_heads * d];
+            // The row's queries in f64 once (exact), not once per key.
+            let qr: Vec<f64> = q[r * n_heads * d..(r + 1) * n_heads * d]
+                .iter()
+                .map(|x| x.to_f64())
+                .collect();
             let wr = &weights[r * n_heads..(r + 1) * n_heads];
             for pos in range.start as usize..range.end as usize {
                 let slot = page_table.slot(range.request as usize, pos, layout.page_size());
                 let (k, s) = read_index_key(layout, cache, slot);
                 let (mut acc, mut m) = (0.0, 0.0);
                 for h in 0..n_heads {
-                    let (mut dot, mut adot) = (0.0, 0.0);
-                    for (qv, kv) in qr[h * d..(h + 1) * d].iter().zip(&k) {
-                        let p = qv.to_f64() * kv;
-                        dot += p;
-                        adot += p.abs();
-                    }
+                    let (dot, adot) = dot_abs(&qr[h * d..(h + 1) * d], &k);
                     // ReLU as `fmax`: a NaN dot counts as 0 (as on every backend).
                     acc += wr[h] as f64 * dot.max(0.0);
                     // A non-finite dot is exact after the ReLU (0) or makes the logit
@@ -541,6 +584,7 @@ pub fn sparse_mla(
 ) -> MlaRef {
     let (dqk, dv) = (layout.d_qk(), layout.nope_dim());
     let scale = softmax_scale as f64;
+    let flush = crate::tolerance::dot_flush_magnitude(dqk + 1, crate::tolerance::MLA_LSE_ATOL);
     type TokenRef = (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, usize, f64);
     let per_token: Vec<TokenRef> = (0..n_tokens)
         .into_par_iter()
@@ -565,16 +609,8 @@ pub fn sparse_mla(
                     .collect();
                 let mut scores = Vec::with_capacity(keys.len());
                 for k in &keys {
-                    let (mut dot, mut adot) = (0.0, 0.0);
-                    for (a, b) in qh.iter().zip(k) {
-                        dot += a * b;
-                        adot += (a * b).abs();
-                    }
+                    let (dot, adot) = dot_abs(&qh, k);
                     scores.push(dot * scale);
-                    let flush = crate::tolerance::dot_flush_magnitude(
-                        dqk + 1,
-                        crate::tolerance::MLA_LSE_ATOL,
-                    );
                     lmag[h] = f64::max(lmag[h], (adot + flush) * scale.abs());
                 }
                 if keys.is_empty() {

@@ -253,8 +253,11 @@ pub fn dot_flush_magnitude(steps: usize, atol: f64) -> f64 {
 pub fn mla_out_magnitude(abs_out: f64, lse_magnitude: f64, n_valid: usize, v_max: f64) -> f64 {
     let n = n_valid as f64;
     let score = 2.0 * MLA_LSE_ATOL * lse_magnitude;
-    let accumulation = (3.0 * n + 2.0) * 2f64.powi(-23);
-    let underflow = (n + 1.0) * (2f64.powi(-120) * v_max + DOT_FLUSH);
+    // 2^-23 and 2^-120, as constants (this runs once per compared element).
+    const TWO_M23: f64 = 1.0 / 8_388_608.0;
+    const TWO_M120: f64 = TWO_M23 * TWO_M23 * TWO_M23 * TWO_M23 * TWO_M23 / 32.0;
+    let accumulation = (3.0 * n + 2.0) * TWO_M23;
+    let underflow = (n + 1.0) * (TWO_M120 * v_max + DOT_FLUSH);
     abs_out * ((1.0 + score) + (score.exp_m1() + accumulation) / MLA_P_ROUNDING)
         + underflow / MLA_P_ROUNDING
 }

@@ -436,9 +436,11 @@ fn tile<const R: usize, const NR: usize, const PAIRS: bool, const ZERO: bool>(
                 // SAFETY: rows `p` and `p + 1 <= p1` of the view, `b_step` apart.
                 let bq = unsafe { bp.add(b_step) };
                 // SAFETY: rows `p` and `p + 1` of the view (at `bq`, `bp`) and of A: as above.
+                // (`p` is even: `order(p) = p + 1`, `order(p + 1) = p`, written so that the
+                // compiler sees constant offsets from one index.)
                 unsafe {
-                    step(&mut acc, &rows, order::<PAIRS>(p), bq);
-                    step(&mut acc, &rows, order::<PAIRS>(p + 1), bp);
+                    step(&mut acc, &rows, p + 1, bq);
+                    step(&mut acc, &rows, p, bp);
                 }
                 p += 2;
                 // Past the last row after the last pair: never read then.

@@ -8,7 +8,7 @@ use half::bf16;
 use rayon::prelude::*;
 use sparsekit_host::ops::SparseMlaV4;
 
-use super::{read_kv_token, MlaRef};
+use super::{dot_abs, read_kv_token, MlaRef};
 
 /// Reference `sparse_mla_v4` for all tokens (parallel over tokens; naive inside). `main` and
 /// `extra` are each cache's bytes and indices.
@@ -20,6 +20,7 @@ pub fn sparse_mla_v4(
 ) -> MlaRef {
     let (h, d) = (op.n_heads, SparseMlaV4::D);
     let scale = op.softmax_scale as f64;
+    let flush = crate::tolerance::dot_flush_magnitude(d + 1, crate::tolerance::MLA_LSE_ATOL);
     type TokenRef = (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, usize, f64);
     let per_token: Vec<TokenRef> = (0..op.n_tokens)
         .into_par_iter()
@@ -45,16 +46,8 @@ pub fn sparse_mla_v4(
                     .collect();
                 let mut scores = Vec::with_capacity(keys.len());
                 for k in &keys {
-                    let (mut dot, mut adot) = (0.0, 0.0);
-                    for (a, b) in qh.iter().zip(k) {
-                        dot += a * b;
-                        adot += (a * b).abs();
-                    }
+                    let (dot, adot) = dot_abs(&qh, k);
                     scores.push(dot * scale);
-                    let flush = crate::tolerance::dot_flush_magnitude(
-                        d + 1,
-                        crate::tolerance::MLA_LSE_ATOL,
-                    );
                     lmag[hh] = f64::max(lmag[hh], (adot + flush) * scale.abs());
                 }
                 if keys.is_empty() {
