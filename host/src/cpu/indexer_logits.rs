@@ -20,7 +20,7 @@ use std::cell::RefCell;
 use half::bf16;
 use rayon::prelude::*;
 
-use super::dot::{bf16_daz, e4m3_f32, f32_daz, gemm_bf16_into, padded_cols, PairDims};
+use super::dot::{bf16_daz, f32_daz, gemm_bf16_into, padded_cols, PairDims};
 use super::gemm::{gemm_pairs_into, Dims};
 use super::isa::{prefetch, CpuIsa, Isa};
 use super::scratch;
@@ -616,9 +616,7 @@ impl Ctx<'_> {
             .zip(ktb.chunks_exact(BLOCK))
             .take(d)
         {
-            for (x, &b) in row[..n].iter_mut().zip(&codes[..n]) {
-                *x = e4m3_f32(b);
-            }
+            widen::e4m3_f32_row(self.isa, &codes[..n], &mut row[..n]);
         }
     }
 
@@ -639,9 +637,7 @@ impl Ctx<'_> {
                     scale.fill(1.0);
                 }
                 IndexKDtype::Fp8E4m3 { .. } => {
-                    for (x, &b) in dst.iter_mut().zip(vals) {
-                        *x = e4m3_f32(b);
-                    }
+                    widen::e4m3_f32_row(self.isa, vals, dst);
                     self.fp8_scales(slot, count, scale);
                 }
                 IndexKDtype::Fp4E2m1 => {

@@ -25,11 +25,11 @@ pub const ISA_ENV: &str = "SPARSEKIT_CPU_ISA";
 /// A vector code path.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Isa {
-    /// AVX-512F, AVX-512BW, AVX-512DQ and AVX512_BF16 (`vdpbf16ps`) with FMA and POPCNT.
+    /// AVX-512F, AVX-512BW, AVX-512DQ and AVX512_BF16 (`vdpbf16ps`) with FMA, POPCNT and F16C.
     Avx512Bf16,
-    /// AVX-512F, AVX-512BW and AVX-512DQ with FMA and POPCNT.
+    /// AVX-512F, AVX-512BW and AVX-512DQ with FMA, POPCNT and F16C.
     Avx512,
-    /// AVX2 with FMA and POPCNT.
+    /// AVX2 with FMA, POPCNT and F16C.
     Avx2,
     /// Portable code (`mul_add` via libm where the target has no FMA).
     Scalar,
@@ -79,6 +79,7 @@ impl Isa {
                 std::arch::is_x86_feature_detected!("fma")
                     && std::arch::is_x86_feature_detected!("popcnt")
                     && std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("f16c")
             }
             #[cfg(not(target_arch = "x86_64"))]
             Isa::Avx512Bf16 | Isa::Avx512 | Isa::Avx2 => false,
