@@ -245,7 +245,7 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
                     next.get(j).map(fetch);
                 }
                 let s = &sources[src as usize];
-                load_row(s.layout, s.cache, slot, &mut k[j * dqk..(j + 1) * dqk]);
+                load_row(isa, s.layout, s.cache, slot, &mut k[j * dqk..(j + 1) * dqk]);
             }
         }
         // Sᵀ[keys × hc] = K[keys × d_qk] · Qᵀ
@@ -432,7 +432,7 @@ pub(crate) fn exp_lanes(x: f32) -> f32 {
 /// Dequantises the token at `slot` into one f32 row `[latent | rope]` (every KV layout),
 /// subnormals flushed as the bf16 dot product reads them.
 #[inline(always)]
-pub(crate) fn load_row(l: &KvLayout, cache: &[u8], slot: usize, row: &mut [f32]) {
+pub(crate) fn load_row(isa: CpuIsa, l: &KvLayout, cache: &[u8], slot: usize, row: &mut [f32]) {
     let tok = &cache[l.slot_token_bytes(slot)];
     let dv = l.nope_dim();
     let (vrow, rope) = row.split_at_mut(dv);
@@ -452,9 +452,7 @@ pub(crate) fn load_row(l: &KvLayout, cache: &[u8], slot: usize, row: &mut [f32])
             {
                 let s =
                     f32::from_le_bytes([sc[4 * t], sc[4 * t + 1], sc[4 * t + 2], sc[4 * t + 3]]);
-                for (x, &c) in xs.iter_mut().zip(codes) {
-                    *x = f32_daz(e4m3_f32(c) * s);
-                }
+                scale_tile(isa, codes, s, xs);
             }
         }
         KvDtype::Model1Fp8 => {
@@ -464,15 +462,22 @@ pub(crate) fn load_row(l: &KvLayout, cache: &[u8], slot: usize, row: &mut [f32])
                 .zip(tok[l.nope_range()].chunks_exact(MODEL1_TILE))
                 .zip(sc)
             {
-                let s = ue8m0_to_f32(b);
-                for (x, &c) in xs.iter_mut().zip(codes) {
-                    *x = f32_daz(e4m3_f32(c) * s);
-                }
+                scale_tile(isa, codes, ue8m0_to_f32(b), xs);
             }
         }
     }
     for (x, b) in rope.iter_mut().zip(tok[l.rope_range()].chunks_exact(2)) {
         *x = bf16_of(b);
+    }
+}
+
+/// One e4m3 tile times its scale `s` into `xs`: `f32_daz(e4m3_f32(c) · s)` per code (the
+/// codes widened by [`widen::e4m3_f32_row`], then scaled and flushed in place).
+#[inline(always)]
+fn scale_tile(isa: CpuIsa, codes: &[u8], s: f32, xs: &mut [f32]) {
+    widen::e4m3_f32_row(isa, codes, xs);
+    for x in xs.iter_mut() {
+        *x = f32_daz(*x * s);
     }
 }
 
