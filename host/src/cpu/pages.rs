@@ -58,8 +58,9 @@ pub fn checksum(isa: CpuIsa, page: &[u8]) -> u64 {
     finish(sum, page.len() as u64)
 }
 
-/// The sum of the word terms of the first `page.len() / 128 · 128` bytes (returned), 8
-/// words per vector and two vectors in flight.
+/// The sum of the word terms of the first `page.len() / 64 · 64` bytes (returned), 8
+/// words per vector: four vectors in flight (two left an Intel core waiting on
+/// `vpmullq`'s latency), then vector by vector.
 ///
 /// # Safety
 /// The CPU must support AVX-512F and AVX-512DQ.
@@ -78,7 +79,7 @@ unsafe fn sum_avx512(page: &[u8]) -> (u64, usize) {
         let z = _mm512_mullo_epi64(z, _mm512_set1_epi64(0x94D0_49BB_1331_11EB_u64 as i64));
         _mm512_xor_si512(z, _mm512_srli_epi64::<31>(z))
     };
-    let n = page.len() / 128 * 128;
+    let n = page.len() / 256 * 256;
     // Word index · φ for lanes 0..8, stepped by 8 words per vector.
     let phi = |j: u64| PHI.wrapping_mul(j) as i64;
     let mut ip = _mm512_setr_epi64(
@@ -93,28 +94,46 @@ unsafe fn sum_avx512(page: &[u8]) -> (u64, usize) {
     );
     let step = _mm512_set1_epi64(phi(8));
     let (mut a, mut b) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+    let (mut c, mut d) = (_mm512_setzero_si512(), _mm512_setzero_si512());
     let mut at = 0;
     while at < n {
-        // SAFETY: `at + 128 ≤ n ≤ page.len()`.
-        let (x, y) = unsafe {
+        // SAFETY: `at + 256 ≤ n ≤ page.len()`.
+        let (x, y, z, w) = unsafe {
             let p = page.as_ptr().add(at);
             (
                 _mm512_loadu_si512(p.cast()),
                 _mm512_loadu_si512(p.add(64).cast()),
+                _mm512_loadu_si512(p.add(128).cast()),
+                _mm512_loadu_si512(p.add(192).cast()),
             )
         };
-        let ip2 = _mm512_add_epi64(ip, step);
+        let ip1 = _mm512_add_epi64(ip, step);
+        let ip2 = _mm512_add_epi64(ip1, step);
+        let ip3 = _mm512_add_epi64(ip2, step);
         a = _mm512_add_epi64(a, mix(_mm512_xor_si512(x, ip)));
-        b = _mm512_add_epi64(b, mix(_mm512_xor_si512(y, ip2)));
-        ip = _mm512_add_epi64(ip2, step);
-        at += 128;
+        b = _mm512_add_epi64(b, mix(_mm512_xor_si512(y, ip1)));
+        c = _mm512_add_epi64(c, mix(_mm512_xor_si512(z, ip2)));
+        d = _mm512_add_epi64(d, mix(_mm512_xor_si512(w, ip3)));
+        ip = _mm512_add_epi64(ip3, step);
+        at += 256;
     }
-    (_mm512_reduce_add_epi64(_mm512_add_epi64(a, b)) as u64, n)
+    // Whole vectors past the last group of four.
+    while at + 64 <= page.len() {
+        // SAFETY: `at + 64 ≤ page.len()`.
+        let x = unsafe { _mm512_loadu_si512(page.as_ptr().add(at).cast()) };
+        a = _mm512_add_epi64(a, mix(_mm512_xor_si512(x, ip)));
+        ip = _mm512_add_epi64(ip, step);
+        at += 64;
+    }
+    let sum = _mm512_add_epi64(_mm512_add_epi64(a, b), _mm512_add_epi64(c, d));
+    (_mm512_reduce_add_epi64(sum) as u64, at)
 }
 
-/// The sum of the word terms of the first `page.len() / 80 · 80` bytes (returned), in
-/// chunks of 10 words: 8 in two vectors of 4 (the 64-bit products from three 32-bit ones:
-/// AVX2 has no 64-bit multiply) and [`AVX2_SCALAR_WORDS`] on the scalar unit.
+/// The sum of the word terms of the first `page.len() / 32 · 32` bytes (returned): in
+/// chunks of 18 words — 16 in four vectors of 4 (the 64-bit products from three 32-bit
+/// ones: AVX2 has no 64-bit multiply; four independent mixes in flight, where two left an
+/// Intel core waiting on the multiplies' latency: bf16 pages 17.3 → 13.1 ms) and
+/// [`AVX2_SCALAR_WORDS`] on the scalar unit — then vector by vector.
 ///
 /// # Safety
 /// The CPU must support AVX2.
@@ -147,30 +166,39 @@ unsafe fn sum_avx2(page: &[u8]) -> (u64, usize) {
         let z = mul(z, m2, m2h);
         _mm256_xor_si256(z, _mm256_srli_epi64::<31>(z))
     };
-    // Each chunk: words 0..8 in two vectors, words 8..CHUNK_WORDS by the scalar unit (the
-    // 64-bit multiplies there run beside the vector ones).
-    const CHUNK_WORDS: u64 = 8 + AVX2_SCALAR_WORDS as u64;
+    // Each chunk: words 0..16 in four vectors, words 16..CHUNK_WORDS by the scalar unit
+    // (the 64-bit multiplies there run beside the vector ones).
+    const CHUNK_WORDS: u64 = 16 + AVX2_SCALAR_WORDS as u64;
     let n = page.len() / (8 * CHUNK_WORDS as usize) * (8 * CHUNK_WORDS as usize);
     let phi = |j: u64| PHI.wrapping_mul(j) as i64;
     let mut ip = _mm256_setr_epi64x(phi(0), phi(1), phi(2), phi(3));
-    let half = _mm256_set1_epi64x(phi(4));
+    // The next vector's word indices · φ: 4 words on.
+    let four = _mm256_set1_epi64x(phi(4));
     let step = _mm256_set1_epi64x(phi(CHUNK_WORDS));
     let (mut a, mut b) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+    let (mut c, mut d) = (_mm256_setzero_si256(), _mm256_setzero_si256());
     let mut scalar = 0u64;
-    let mut word = 8u64;
+    let mut word = 16u64;
     let mut at = 0;
     while at < n {
         // SAFETY: `at + 8 · CHUNK_WORDS ≤ n ≤ page.len()`.
-        let (x, y) = unsafe {
+        let (x, y, z, w) = unsafe {
             let p = page.as_ptr().add(at);
             (
                 _mm256_loadu_si256(p.cast()),
                 _mm256_loadu_si256(p.add(32).cast()),
+                _mm256_loadu_si256(p.add(64).cast()),
+                _mm256_loadu_si256(p.add(96).cast()),
             )
         };
+        let ip1 = _mm256_add_epi64(ip, four);
+        let ip2 = _mm256_add_epi64(ip1, four);
+        let ip3 = _mm256_add_epi64(ip2, four);
         a = _mm256_add_epi64(a, mix(_mm256_xor_si256(x, ip)));
-        b = _mm256_add_epi64(b, mix(_mm256_xor_si256(y, _mm256_add_epi64(ip, half))));
-        for (j, w) in page[at + 64..at + 64 + 8 * AVX2_SCALAR_WORDS]
+        b = _mm256_add_epi64(b, mix(_mm256_xor_si256(y, ip1)));
+        c = _mm256_add_epi64(c, mix(_mm256_xor_si256(z, ip2)));
+        d = _mm256_add_epi64(d, mix(_mm256_xor_si256(w, ip3)));
+        for (j, w) in page[at + 128..at + 128 + 8 * AVX2_SCALAR_WORDS]
             .chunks_exact(8)
             .enumerate()
         {
@@ -182,15 +210,25 @@ unsafe fn sum_avx2(page: &[u8]) -> (u64, usize) {
         word += CHUNK_WORDS;
         at += 8 * CHUNK_WORDS as usize;
     }
+    // Whole vectors past the last chunk (`ip` holds their first word's indices · φ).
+    while at + 32 <= page.len() {
+        // SAFETY: `at + 32 ≤ page.len()`.
+        let x = unsafe { _mm256_loadu_si256(page.as_ptr().add(at).cast()) };
+        a = _mm256_add_epi64(a, mix(_mm256_xor_si256(x, ip)));
+        ip = _mm256_add_epi64(ip, four);
+        at += 32;
+    }
     let mut lanes = [0u64; 4];
+    let sum = _mm256_add_epi64(_mm256_add_epi64(a, b), _mm256_add_epi64(c, d));
     // SAFETY: 32 bytes written into a 32-byte array.
-    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), _mm256_add_epi64(a, b)) };
-    (lanes.iter().fold(scalar, |s, &x| s.wrapping_add(x)), n)
+    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), sum) };
+    (lanes.iter().fold(scalar, |s, &x| s.wrapping_add(x)), at)
 }
 
-/// Words of each AVX2 chunk the scalar unit mixes beside the two vectors (2: one core
-/// hashes 17.7 GB/s of a hot page instead of 14.0 on an AMD EPYC; 3 or more measured
-/// slower, the scalar chain then being the longer).
+/// Words of each AVX2 chunk the scalar unit mixes beside the vectors (2, with two vectors
+/// a chunk: one core hashed 17.7 GB/s of a hot page instead of 14.0 on an AMD EPYC; 3 or
+/// more measured slower, the scalar chain then being the longer; on an Intel Xeon 0 and
+/// 2 measure the same with four vectors).
 const AVX2_SCALAR_WORDS: usize = 2;
 
 #[cfg(test)]
