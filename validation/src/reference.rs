@@ -36,10 +36,16 @@ pub fn e4m3_value(code: u8) -> f64 {
     sign * mag
 }
 
-/// Positive finite e4m3 values, ascending (codes 0x00..=0x7e).
-fn positive_values() -> &'static [f64; 127] {
-    static TABLE: std::sync::OnceLock<[f64; 127]> = std::sync::OnceLock::new();
+/// [`e4m3_value`] of every code (index with the code), computed once: the readers decode
+/// through it instead of evaluating the powers of two per value.
+fn e4m3_values() -> &'static [f64; 256] {
+    static TABLE: std::sync::OnceLock<[f64; 256]> = std::sync::OnceLock::new();
     TABLE.get_or_init(|| std::array::from_fn(|c| e4m3_value(c as u8)))
+}
+
+/// Positive finite e4m3 values, ascending (codes 0x00..=0x7e).
+fn positive_values() -> &'static [f64] {
+    &e4m3_values()[..=0x7e]
 }
 
 /// e4m3fn encoding by nearest-value search: ties go to the even code, magnitudes at or
@@ -92,13 +98,6 @@ pub fn ue8m0_value(b: u8) -> f64 {
     } else {
         2f64.powi(b as i32 - 127)
     }
-}
-
-/// [`e4m3_value`] of every code (index with the code), computed once: the readers decode
-/// through it instead of evaluating the powers of two per value.
-fn e4m3_values() -> &'static [f64; 256] {
-    static TABLE: std::sync::OnceLock<[f64; 256]> = std::sync::OnceLock::new();
-    TABLE.get_or_init(|| std::array::from_fn(|c| e4m3_value(c as u8)))
 }
 
 /// [`ue8m0_value`] of every byte, computed once.
