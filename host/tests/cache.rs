@@ -215,6 +215,46 @@ fn d3_a_panicking_io_job_fails_its_waiters_and_the_cache_goes_on() {
     assert_eq!((s.load_failures, s.loads), (1, 1), "{s:?}");
 }
 
+/// A load cancelled after its last copy but before its last layer is published (its
+/// only request aborted in that window) is a cancelled load: counted as one, its pages
+/// not served, and the next request loads the prefix again, bit-exact.
+#[test]
+fn a_load_cancelled_after_its_last_copy_is_counted_cancelled_and_not_served() {
+    let (c, ctl, e, a) = host_only_prefix(CacheConfig::new(4, 8));
+    c.wait_idle().unwrap();
+    // How many checksum calls one load's verification makes (the last one is the last
+    // layer's).
+    let before = ctl.io_checksums.load(Ordering::SeqCst);
+    assert_eq!(c.begin(2, &a).unwrap().loaded_pages, 2);
+    c.wait_idle().unwrap();
+    let per_load = ctl.io_checksums.load(Ordering::SeqCst) - before;
+    assert!(per_load >= LAYERS as u64, "{per_load}");
+    c.abort(2).unwrap();
+    assert_eq!(c.evict_device(2).unwrap(), 2);
+    let s0 = c.leak_check().unwrap();
+    assert_eq!((s0.loads, s0.cancelled_loads), (1, 0), "{s0:?}");
+
+    // Hold the next load at its last verification: every copy done, last layer unpublished.
+    ctl.checksum_gate.close();
+    ctl.hold_checksum_nth.store(per_load, Ordering::SeqCst);
+    let p = c.begin(3, &a).unwrap();
+    assert_eq!(p.loaded_pages, 2);
+    ctl.checksum_gate.wait_held(1);
+    c.abort(3).unwrap();
+    ctl.checksum_gate.open();
+    c.wait_idle().unwrap();
+    let s = c.leak_check().unwrap();
+    assert_eq!((s.loads, s.cancelled_loads), (1, 1), "{s:?}");
+    // Nothing of the cancelled load is served: the next request loads again, bit-exact.
+    let p = c.begin(4, &a).unwrap();
+    assert_eq!((p.loaded_pages, p.shared_in_flight_pages), (2, 0));
+    c.abort(4).unwrap();
+    assert_eq!(e.request(&*c, 5, &a, false).unwrap(), 2 * PAGE);
+    c.wait_idle().unwrap();
+    let s = c.leak_check().unwrap();
+    assert_eq!(s.load_failures, 0, "{s:?}");
+}
+
 /// Defect 4: holding a layer's guard (both views) while the io worker wants to write that
 /// layer cannot deadlock: one lock per layer, never a second one.
 #[test]

@@ -196,6 +196,14 @@ pub(crate) fn finalize_load<B: Backend>(sh: &Shared<B>, st: &mut State, id: u64,
     let Some(rec) = st.loads.remove(&id) else {
         return;
     };
+    // Cancelled after its last copy, before its last layer was published: `cancel_load`
+    // already failed the fence and took the pages; it is a cancelled load, not a load.
+    let res = match res {
+        Ok(()) if rec.cancel.load(Ordering::Acquire) => Err(Error::Cancelled(
+            "load cancelled after its last copy".into(),
+        )),
+        r => r,
+    };
     match &res {
         Ok(()) => {
             st.stats.loads += 1;

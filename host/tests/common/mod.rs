@@ -259,13 +259,50 @@ impl Expect {
     }
 }
 
+/// A gate calls can be held at while it is closed (each wait bounded by [`BOUND`]).
+#[derive(Debug, Default)]
+pub struct Gate {
+    closed: Mutex<bool>,
+    cv: Condvar,
+    /// Calls currently held.
+    waiting: AtomicU32,
+}
+
+impl Gate {
+    pub fn close(&self) {
+        *self.closed.lock().unwrap() = true;
+    }
+    pub fn open(&self) {
+        *self.closed.lock().unwrap() = false;
+        self.cv.notify_all();
+    }
+    /// Waits (bounded) until `n` calls are held.
+    pub fn wait_held(&self, n: u32) {
+        let t = Instant::now();
+        while self.waiting.load(Ordering::SeqCst) < n {
+            assert!(t.elapsed() < BOUND, "no call reached the gate");
+            std::thread::yield_now();
+        }
+    }
+    /// Waits (bounded) while the gate is closed, counted as held.
+    fn hold(&self) {
+        let mut closed = self.closed.lock().unwrap();
+        if *closed {
+            self.waiting.fetch_add(1, Ordering::SeqCst);
+            let t = Instant::now();
+            while *closed && t.elapsed() < BOUND {
+                closed = self.cv.wait_timeout(closed, BOUND).unwrap().0;
+            }
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
 /// Controls of a [`Flaky`] backend.
 #[derive(Debug, Default)]
 pub struct FlakyCtl {
-    gate_closed: Mutex<bool>,
-    gate_cv: Condvar,
-    /// Copies currently held at the closed gate.
-    pub waiting: AtomicU32,
+    /// Where page copies are held ([`FlakyCtl::close_gate`]).
+    gate: Gate,
     /// Fail the next N copies with `Error::Device`.
     pub fail_next: AtomicU32,
     /// Panic in the next N copies.
@@ -282,23 +319,25 @@ pub struct FlakyCtl {
     /// Hold only the cache io worker's copies at the closed gate (a reader's own copies
     /// — the `skip-index-wait` poison — pass).
     pub gate_io_only: AtomicBool,
+    /// Page checksum calls made by the cache io worker (its verification after copies).
+    pub io_checksums: AtomicU64,
+    /// When non-zero: the io worker's checksum call that counts this down to zero waits
+    /// at `checksum_gate` (while closed) — holds a load between its last copy and the
+    /// publication of its layer.
+    pub hold_checksum_nth: AtomicU64,
+    pub checksum_gate: Gate,
 }
 
 impl FlakyCtl {
     pub fn close_gate(&self) {
-        *self.gate_closed.lock().unwrap() = true;
+        self.gate.close();
     }
     pub fn open_gate(&self) {
-        *self.gate_closed.lock().unwrap() = false;
-        self.gate_cv.notify_all();
+        self.gate.open();
     }
     /// Waits (bounded) until `n` copies are held at the gate.
     pub fn wait_held(&self, n: u32) {
-        let t = Instant::now();
-        while self.waiting.load(Ordering::SeqCst) < n {
-            assert!(t.elapsed() < BOUND, "no copy reached the gate");
-            std::thread::yield_now();
-        }
+        self.gate.wait_held(n);
     }
     pub fn seed(&self, s: u64) {
         self.rng.store(s | 1, Ordering::Relaxed);
@@ -312,20 +351,30 @@ impl FlakyCtl {
         (x >> 33) as u32
     }
 
+    fn on_io_thread() -> bool {
+        std::thread::current().name() == Some("sparsekit-cache-io")
+    }
+
+    fn before_checksums(&self) {
+        if !Self::on_io_thread() {
+            return;
+        }
+        self.io_checksums.fetch_add(1, Ordering::SeqCst);
+        let last = self
+            .hold_checksum_nth
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            == Ok(1);
+        if last {
+            self.checksum_gate.hold();
+        }
+    }
+
     fn before_copy(&self) -> Result<()> {
         self.copies.fetch_add(1, Ordering::SeqCst);
-        {
-            let mut closed = self.gate_closed.lock().unwrap();
-            let exempt = self.gate_io_only.load(Ordering::SeqCst)
-                && std::thread::current().name() != Some("sparsekit-cache-io");
-            if *closed && !exempt {
-                self.waiting.fetch_add(1, Ordering::SeqCst);
-                let t = Instant::now();
-                while *closed && t.elapsed() < BOUND {
-                    closed = self.gate_cv.wait_timeout(closed, BOUND).unwrap().0;
-                }
-                self.waiting.fetch_sub(1, Ordering::SeqCst);
-            }
+        // Under `gate_io_only`, a reader's own copies pass.
+        let exempt = self.gate_io_only.load(Ordering::SeqCst) && !Self::on_io_thread();
+        if !exempt {
+            self.gate.hold();
         }
         if self
             .panic_next
@@ -457,6 +506,7 @@ impl Backend for Flaky {
         p: &Self::Buffer,
         o: &mut Self::Buffer,
     ) -> Result<()> {
+        self.ctl.before_checksums();
         self.inner.page_checksums(op, p, o)
     }
 }
