@@ -611,6 +611,11 @@ impl Ctx<'_> {
             transpose_bytes(self.isa, count, d, codes, d, &mut ktb[j..], BLOCK);
             self.fp8_scales(slot, count, &mut scale[j..j + count]);
         }
+        if n == BLOCK {
+            // Full rows: Kᵀ's rows are adjacent, one call widens them all.
+            widen::e4m3_f32_row(self.isa, &ktb[..d * BLOCK], &mut kt[..d * BLOCK]);
+            return;
+        }
         for (row, codes) in kt
             .chunks_exact_mut(BLOCK)
             .zip(ktb.chunks_exact(BLOCK))
