@@ -172,13 +172,13 @@ mod x86 {
             let fix = _mm512_set1_epi16(0x3f80 ^ 0x7e00);
             let mut i = 0;
             while i < n {
-                let c = _mm512_cvtepu8_epi16(_mm256_loadu_si256(codes.as_ptr().add(i).cast()));
-                // f16 bits of the codes times 2^-8: the sign to bit 15 and the 7 low bits
-                // to bits 7..14 (`(c << 8) >> 1` arithmetic, then bit 14 — the sign's copy —
-                // cleared); magnitude `0x7f` (NaN) becomes the quiet NaN `0x7e00` with its
+                // Sign-extended: a negative code's high byte is all ones.
+                let c = _mm512_cvtepi8_epi16(_mm256_loadu_si256(codes.as_ptr().add(i).cast()));
+                // f16 bits of the codes times 2^-8: the 7 low bits to bits 7..13 and the
+                // sign to bits 14 and 15 (`c << 7` of the sign-extended code), then bit 14
+                // cleared; magnitude `0x7f` (NaN) becomes the quiet NaN `0x7e00` with its
                 // sign (what `e4m3_f32`'s NaN narrows from).
-                let h =
-                    _mm512_and_si512(_mm512_srai_epi16::<1>(_mm512_slli_epi16::<8>(c)), clear14);
+                let h = _mm512_and_si512(_mm512_slli_epi16::<7>(c), clear14);
                 let nan = _mm512_cmpeq_epi16_mask(_mm512_and_si512(c, low7), low7);
                 let h = _mm512_mask_mov_epi16(h, nan, _mm512_xor_si512(h, fix));
                 let lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
@@ -208,10 +208,9 @@ mod x86 {
             let fix = _mm256_set1_epi16(0x3f80 ^ 0x7e00);
             let mut i = 0;
             while i < n {
-                let c = _mm256_cvtepu8_epi16(_mm_loadu_si128(codes.as_ptr().add(i).cast()));
+                let c = _mm256_cvtepi8_epi16(_mm_loadu_si128(codes.as_ptr().add(i).cast()));
                 // As in `e4m3_f32_row512`.
-                let h =
-                    _mm256_and_si256(_mm256_srai_epi16::<1>(_mm256_slli_epi16::<8>(c)), clear14);
+                let h = _mm256_and_si256(_mm256_slli_epi16::<7>(c), clear14);
                 let nan = _mm256_cmpeq_epi16(_mm256_and_si256(c, low7), low7);
                 let h = _mm256_xor_si256(h, _mm256_and_si256(nan, fix));
                 let lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
