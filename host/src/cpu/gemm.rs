@@ -277,7 +277,10 @@ fn row_tile<const MR: usize, const NR: usize, const PAIRS: bool, const ZERO: boo
     }
 }
 
-/// Columns `j .. j + W` of every row, in tiles of `R` rows (then 8, 4, 2, 1).
+/// Columns `j .. j + W` of every row, in tiles of `R` rows (then 8, 4, 2, 1). Where a
+/// tile of `R` would leave 1 to 7 rows of 16 or more, tiles of 8 take them instead (16
+/// rows as 8 + 8, not 12 + 4: a tile of 8 rows keeps enough FMAs in flight, one of 4
+/// waits on their latency half the time).
 #[inline(always)]
 fn narrow<const W: usize, const R: usize, const PAIRS: bool, const ZERO: bool>(
     d: Dims,
@@ -290,8 +293,18 @@ fn narrow<const W: usize, const R: usize, const PAIRS: bool, const ZERO: bool>(
     let b = BView::whole(b, d.ldb);
     let mut i = 0;
     while d.m - i >= R {
+        let left = d.m - i - R;
+        if R > 8 && (1..8).contains(&left) && d.m - i >= 16 {
+            break;
+        }
         tile::<R, W, PAIRS, ZERO>(d, a, b, c, i, j, ks);
         i += R;
+    }
+    if R > 8 {
+        while d.m - i >= 16 {
+            tile::<8, W, PAIRS, ZERO>(d, a, b, c, i, j, ks);
+            i += 8;
+        }
     }
     for step in [8, 4, 2, 1] {
         if step < R && d.m - i >= step {
@@ -563,6 +576,9 @@ mod tests {
             // Narrow C (key scores of few heads): tall 16- and 8-column tiles.
             (64, 16, 288),
             (64, 8, 64),
+            // Rows left as tiles of 8 (16 = 8 + 8, 19 = 8 + 8 + 2 + 1).
+            (16, 8, 64),
+            (19, 24, 33),
             (37, 24, 10),
             (100, 56, 7),
             (29, 61, 33),
