@@ -190,11 +190,7 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
     // the avx512bf16 path, as f32 otherwise (there too when a block needs it).
     let mut have_qt = false;
     let build_qt = |k: &mut [f32], qt: &mut [f32]| {
-        for (row, qr) in k.chunks_exact_mut(dqk).zip(q.chunks_exact(dqk)).take(hc) {
-            for (x, v) in row.iter_mut().zip(qr) {
-                *x = bf16_daz(v.to_bits());
-            }
-        }
+        widen::bf16s_f32_row(isa, &q[..hc * dqk], &mut k[..hc * dqk]);
         transpose(isa, hc, dqk, k, dqk, qt, hc);
     };
     if bf16_dot {
@@ -436,13 +432,8 @@ pub(crate) fn load_row(isa: CpuIsa, l: &KvLayout, cache: &[u8], slot: usize, row
     let tok = &cache[l.slot_token_bytes(slot)];
     let dv = l.nope_dim();
     let (vrow, rope) = row.split_at_mut(dv);
-    let bf16_of = |b: &[u8]| bf16_daz(u16::from_le_bytes([b[0], b[1]]));
     match l.dtype() {
-        KvDtype::Bf16 | KvDtype::Bf16x512 => {
-            for (x, b) in vrow.iter_mut().zip(tok[l.nope_range()].chunks_exact(2)) {
-                *x = bf16_of(b);
-            }
-        }
+        KvDtype::Bf16 | KvDtype::Bf16x512 => widen::bf16_f32_row(isa, &tok[l.nope_range()], vrow),
         KvDtype::Fp8DsMla => {
             let sc = &tok[l.scales_range()];
             for (t, (xs, codes)) in vrow
@@ -466,9 +457,7 @@ pub(crate) fn load_row(isa: CpuIsa, l: &KvLayout, cache: &[u8], slot: usize, row
             }
         }
     }
-    for (x, b) in rope.iter_mut().zip(tok[l.rope_range()].chunks_exact(2)) {
-        *x = bf16_of(b);
-    }
+    widen::bf16_f32_row(isa, &tok[l.rope_range()], rope);
 }
 
 /// One e4m3 tile times its scale `s` into `xs`: `f32_daz(e4m3_f32(c) · s)` per code (the

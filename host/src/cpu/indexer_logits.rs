@@ -636,9 +636,7 @@ impl Ctx<'_> {
             let scale = &mut scale[j..j + count];
             match l.dtype() {
                 IndexKDtype::Bf16 => {
-                    for (x, b) in dst.iter_mut().zip(vals.chunks_exact(2)) {
-                        *x = bf16_daz(u16::from_le_bytes([b[0], b[1]]));
-                    }
+                    widen::bf16_f32_row(self.isa, vals, dst);
                     scale.fill(1.0);
                 }
                 IndexKDtype::Fp8E4m3 { .. } => {

@@ -7,7 +7,7 @@
 use sparsekit_kernels::fp8::decode_bits;
 use sparsekit_kernels::mx::{e2m1_to_f32, ue8m0_to_f32};
 
-use super::dot::{e4m3_f32, f32_daz};
+use super::dot::{bf16_daz, e4m3_f32, f32_daz};
 use super::isa::{CpuIsa, Isa};
 
 /// bf16 bits of the fp4 code `n` (4 bits) times the scale of ue8m0 byte `sb`, a subnormal
@@ -64,6 +64,47 @@ pub fn e4m3_f32_row(isa: CpuIsa, codes: &[u8], out: &mut [f32]) {
     }
 }
 
+/// `out[i] = bf16_daz(bits)` of the little-endian bf16 in bytes `2i, 2i + 1` of `bytes`:
+/// the value as f32, a subnormal flushed to signed zero (what `vdpbf16ps` reads), on the
+/// vector path `isa`. The AVX paths flush in 16-bit lanes, then place each word in the high
+/// half of a zeroed dword (AVX-512: one zero-masked `vpermw` per 16 values; AVX2: word
+/// unpacks after a qword permute). Panics if `bytes` holds fewer than `2 · out.len()`.
+pub fn bf16_f32_row(isa: CpuIsa, bytes: &[u8], out: &mut [f32]) {
+    let bytes = &bytes[..2 * out.len()];
+    #[allow(unused_mut)]
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    match isa.isa() {
+        // SAFETY: the path exists only on a CPU with AVX-512F and AVX-512BW
+        // (`Isa::supported`); `bytes` holds `2 · out.len()` bytes (sliced above).
+        Isa::Avx512Bf16 | Isa::Avx512 => done = unsafe { x86::bf16_f32_row512(bytes, out) },
+        // SAFETY: as above, with AVX2.
+        Isa::Avx2 => done = unsafe { x86::bf16_f32_row256(bytes, out) },
+        Isa::Scalar => {}
+    }
+    let _ = isa;
+    for (x, b) in out[done..]
+        .iter_mut()
+        .zip(bytes[2 * done..].chunks_exact(2))
+    {
+        *x = bf16_daz(u16::from_le_bytes([b[0], b[1]]));
+    }
+}
+
+/// [`bf16_f32_row`] of bf16 values in memory (`out[i] = bf16_daz(v[i])`); panics if `v`
+/// is shorter than `out`.
+pub fn bf16s_f32_row(isa: CpuIsa, v: &[half::bf16], out: &mut [f32]) {
+    let v = &v[..out.len()];
+    if cfg!(target_endian = "little") {
+        // In memory, a bf16 is its bits' little-endian bytes here.
+        bf16_f32_row(isa, bytemuck::cast_slice(v), out);
+    } else {
+        for (x, b) in out.iter_mut().zip(v) {
+            *x = bf16_daz(b.to_bits());
+        }
+    }
+}
+
 /// One fp4 group: the 32 values of `packed` (its first 16 bytes, the even element in the
 /// low nibble) times the scale of ue8m0 byte `sb`, as bf16 bits ([`fp4_bf16`]) into the
 /// first 32 words of `out`, on the vector path `isa`. Panics if `packed` is shorter than 16
@@ -96,6 +137,19 @@ const E4M3_MAGNITUDES: [u16; 128] = {
     t
 };
 
+/// `vpermw` indices placing words `0..16` (`[0]`) or `16..32` (`[1]`) of a register in the
+/// odd words, i.e. the high halves of dwords `0..16` (the even words are masked to zero).
+const BF16_HIGH_WORDS: [[u16; 32]; 2] = {
+    let mut t = [[0u16; 32]; 2];
+    let mut j = 0;
+    while j < 32 {
+        t[0][j] = (j / 2) as u16;
+        t[1][j] = 16 + (j / 2) as u16;
+        j += 1;
+    }
+    t
+};
+
 /// bf16 bits of the e2m1 codes `0..16` (sign included: code 8 is −0).
 const E2M1_VALUES: [u16; 16] = [
     0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0, 0x8000, 0xbf00, 0xbf80, 0xbfc0,
@@ -110,7 +164,7 @@ const E2M1_VALUES: [u16; 16] = [
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{e4m3_f32, f32_daz, E2M1_VALUES, E4M3_MAGNITUDES};
+    use super::{e4m3_f32, f32_daz, BF16_HIGH_WORDS, E2M1_VALUES, E4M3_MAGNITUDES};
 
     /// [`super::e4m3_row_pow2`] for `k` in `-117..=119`: 32 codes at a time, the magnitude from two 64-entry word tables (`vpermi2w` on
     /// the low 6 bits, bit 6 picks the table), `k` added to the exponent of the finite
@@ -224,6 +278,75 @@ mod x86 {
         n
     }
 
+    /// [`super::bf16_f32_row`] on whole vectors of 32 values; returns how many it widened
+    /// (the rest are the caller's). Per 32: the exponent-zero words lose all but their
+    /// sign (`vptestnmw`, then a masked subtract of their magnitude), and two zero-masked
+    /// `vpermw` put words `0..16` and `16..32` in the high halves of zeroed dwords.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F and AVX-512BW; `bytes` holds `2 · out.len()` bytes.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn bf16_f32_row512(bytes: &[u8], out: &mut [f32]) -> usize {
+        debug_assert_eq!(bytes.len(), 2 * out.len());
+        let n = out.len() / 32 * 32;
+        // SAFETY: 64 bytes read from `bytes` at `2i` and 32 f32 written to `out` at `i`,
+        // with `i + 32 ≤ n`.
+        unsafe {
+            let (exponent, magnitude) = (_mm512_set1_epi16(0x7f80), _mm512_set1_epi16(0x7fff));
+            let lo_idx = _mm512_loadu_si512(BF16_HIGH_WORDS[0].as_ptr().cast());
+            let hi_idx = _mm512_loadu_si512(BF16_HIGH_WORDS[1].as_ptr().cast());
+            const HIGH_WORDS: __mmask32 = 0xaaaa_aaaa;
+            let mut i = 0;
+            while i < n {
+                let x = _mm512_loadu_si512(bytes.as_ptr().add(2 * i).cast());
+                let sub = _mm512_testn_epi16_mask(x, exponent);
+                let x = _mm512_mask_sub_epi16(x, sub, x, _mm512_and_si512(x, magnitude));
+                let o = out.as_mut_ptr().add(i);
+                _mm512_storeu_si512(
+                    o.cast(),
+                    _mm512_maskz_permutexvar_epi16(HIGH_WORDS, lo_idx, x),
+                );
+                _mm512_storeu_si512(
+                    o.add(16).cast(),
+                    _mm512_maskz_permutexvar_epi16(HIGH_WORDS, hi_idx, x),
+                );
+                i += 32;
+            }
+        }
+        n
+    }
+
+    /// [`super::bf16_f32_row`] with AVX2, 16 values at a time: the flush as in
+    /// [`bf16_f32_row512`] (a compare and two masks), qwords reordered so that each
+    /// lane's word unpacks with zero give words `0..8` and `8..16` in order.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `bytes` holds `2 · out.len()` bytes.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn bf16_f32_row256(bytes: &[u8], out: &mut [f32]) -> usize {
+        debug_assert_eq!(bytes.len(), 2 * out.len());
+        let n = out.len() / 16 * 16;
+        // SAFETY: 32 bytes read from `bytes` at `2i` and 16 f32 written to `out` at `i`,
+        // with `i + 16 ≤ n`.
+        unsafe {
+            let (exponent, magnitude) = (_mm256_set1_epi16(0x7f80), _mm256_set1_epi16(0x7fff));
+            let zero = _mm256_setzero_si256();
+            let mut i = 0;
+            while i < n {
+                let x = _mm256_loadu_si256(bytes.as_ptr().add(2 * i).cast());
+                let sub = _mm256_cmpeq_epi16(_mm256_and_si256(x, exponent), zero);
+                let x = _mm256_andnot_si256(_mm256_and_si256(sub, magnitude), x);
+                // Qwords 0, 2 | 1, 3: lane 0 holds words 0..4 and 8..12, lane 1 4..8, 12..16.
+                let x = _mm256_permute4x64_epi64::<0b11_01_10_00>(x);
+                let o = out.as_mut_ptr().add(i);
+                _mm256_storeu_si256(o.cast(), _mm256_unpacklo_epi16(zero, x));
+                _mm256_storeu_si256(o.add(8).cast(), _mm256_unpackhi_epi16(zero, x));
+                i += 16;
+            }
+        }
+        n
+    }
+
     /// [`super::fp4_group`] for `sb` in `2..=252`: the 16 bytes widened to dwords (low
     /// nibble in the low word, high nibble in the high word: element order), each word's
     /// code looked up (`vpermw`), and `k = sb − 127` added to the exponent of the nonzero
@@ -316,6 +439,34 @@ mod tests {
                         x.to_bits(),
                         e4m3_f32(c).to_bits(),
                         "{} code {c:#04x}",
+                        isa.isa()
+                    );
+                }
+            }
+        }
+    }
+
+    /// Every path widens bf16 values to [`bf16_daz`]'s bits: every bit pattern (NaNs,
+    /// infinities, subnormals of both signs), rows of every length around the vector
+    /// widths, the output poisoned first.
+    #[test]
+    fn bf16_f32_rows_are_identical_on_every_path() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        let mut all: Vec<u16> = (0..=u16::MAX).collect();
+        for i in (1..all.len()).rev() {
+            all.swap(i, rng.gen_range(0..=i));
+        }
+        for len in (0..70).chain([255, 1000, 65536]) {
+            let words = &all[..len];
+            let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+            for isa in CpuIsa::available() {
+                let mut out = vec![f32::from_bits(0x7fa5_a5a5); len];
+                bf16_f32_row(isa, &bytes, &mut out);
+                for (&w, &x) in words.iter().zip(&out) {
+                    assert_eq!(
+                        x.to_bits(),
+                        bf16_daz(w).to_bits(),
+                        "{} bits {w:#06x}",
                         isa.isa()
                     );
                 }
