@@ -114,9 +114,17 @@ fn edges<T: Copy>(
     dst: &mut [T],
     ldd: usize,
 ) {
-    for i in 0..m {
-        let from = if i < mt { nt } else { 0 };
-        for j in from..n {
+    // Rows of the tiled corner: their columns past it (none when the tiles cover them:
+    // then no row is visited at all).
+    if nt < n {
+        for i in 0..mt {
+            for j in nt..n {
+                dst[j * ldd + i] = src[i * lds + j];
+            }
+        }
+    }
+    for i in mt..m {
+        for j in 0..n {
             dst[j * ldd + i] = src[i * lds + j];
         }
     }
