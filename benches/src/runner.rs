@@ -100,7 +100,7 @@ pub fn run<B: ModelOps>(
 
 /// Runs every case of `suite` on each of `backends` side by side (e.g. the CPU backend on
 /// each of its vector paths): each case is built once and timed on every backend in
-/// alternation, `rounds` rounds (see [`time_side_by_side`]). One output per backend, in
+/// alternation, `rounds` rounds (see `time_side_by_side`). One output per backend, in
 /// order; `progress` is called with each case's `op/config` before it runs.
 pub fn run_side_by_side<B: ModelOps>(
     backends: &[B],

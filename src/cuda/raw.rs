@@ -7,7 +7,7 @@
 //! (`cuLaunchKernel` on the raw `CUstream`). It uses the device's **primary context**
 //! (`CudaContext::new` retains it), the one the CUDA runtime — and so PyTorch — uses, so
 //! device addresses from the other library are valid here. The kernels are loaded once per
-//! device ([`super::module::load`]: cubin for the exact arch, else PTX) and their
+//! device (`module::load`: cubin for the exact arch, else PTX) and their
 //! functions cached. A launch only enqueues: no allocation, no copy, no synchronisation,
 //! so it is safe inside CUDA graph capture on that stream — once the kernels are loaded:
 //! the first call on a device loads the module (a synchronous driver call), so make one

@@ -1,6 +1,6 @@
 //! The attention core shared by [`super::sparse_mla`] (DeepSeek-V3.2) and
 //! [`super::sparse_mla_v4`] (DeepSeek-V4): `hc` query heads of one token over its valid
-//! keys, in blocks of [`BLOCK`] in the order given (each block's scattered cache rows
+//! keys, in blocks of `BLOCK` (128) in the order given (each block's scattered cache rows
 //! prefetched before it is gathered).
 //!
 //! Per block, each key is dequantised once into a row `[latent | rope]` (V is the latent

@@ -1,7 +1,7 @@
 //! The bf16 dot product: the arithmetic every CPU path uses for the dot products of the
 //! indexer and of sparse attention, and its `vdpbf16ps` kernel (the `avx512bf16` path).
 //!
-//! # What `vdpbf16ps` computes (checked on this hardware: [`tests`])
+//! # What `vdpbf16ps` computes (checked on this hardware by this module's tests)
 //!
 //! `VDPBF16PS acc, a, b` treats each 32-bit lane of `a` and `b` as a pair of bf16 values
 //! (element 0 in the low half) and computes, per lane, as Intel's SDM states:

@@ -6,7 +6,7 @@
 //! buffers. Per block, the keys are dequantised to rows (the next block's pages are
 //! prefetched meanwhile) and `Cᵀ[keys × heads] = K · Qᵀ` runs as the bf16 dot product of
 //! [`super::dot`]: `vdpbf16ps` on bf16 rows on the `avx512bf16` path, f32 FMAs in the same
-//! order on f32 rows ([`gemm_acc_pairs`]) on the others, for the same bits (every key and
+//! order on f32 rows ([`gemm_acc_pairs`](super::gemm::gemm_acc_pairs)) on the others, for the same bits (every key and
 //! q value is a bf16 value: bf16 keys, e4m3 codes and e2m1 × a power-of-two scale are
 //! exact in bf16; the fp8 key's scale multiplies the head sum). Qᵀ is built once per task,
 //! head-major (a head's rows are adjacent). The weighted ReLU head sum then

@@ -24,7 +24,7 @@ use crate::Result;
 /// [`IndexKStore`] on slices on the vector path `isa`: `keys` bf16 `[slots.len(),
 /// head_dim]`, `cache` whole pages of the layout. Validates the call first
 /// ([`IndexKStore::validate`]: typed error, nothing written); then tokens are written in
-/// their order, in parallel over runs of [`TASK_TOKENS`].
+/// their order, in parallel over runs of `TASK_TOKENS`.
 pub fn index_k_store(
     isa: CpuIsa,
     op: &IndexKStore<'_>,
@@ -57,7 +57,7 @@ pub(crate) unsafe fn index_k_store_validated(
 /// Tokens per parallel task of the stores.
 const TASK_TOKENS: usize = 64;
 
-/// Calls `write(spans, slots, rows)` for the runs of [`TASK_TOKENS`] tokens in parallel:
+/// Calls `write(spans, slots, rows)` for the runs of `TASK_TOKENS` tokens in parallel:
 /// a run's slots and its rows of `input` (`[slots.len(), d]`), the cache shared as
 /// [`Spans`].
 fn in_runs(
@@ -117,7 +117,7 @@ crate::isa_dispatch! {
 /// [`KvStore`] on slices on the vector path `isa`: `kv` bf16 `[slots.len(), d_qk]`,
 /// `cache` whole pages of the layout. Validates the call first ([`KvStore::validate`]:
 /// typed error, nothing written); then tokens are written in their order, in parallel over
-/// runs of [`TASK_TOKENS`].
+/// runs of `TASK_TOKENS`.
 pub fn kv_store(isa: CpuIsa, op: &KvStore<'_>, kv: &[bf16], cache: &mut [u8]) -> Result<()> {
     op.validate(std::mem::size_of_val(kv), cache.len())?;
     // SAFETY: validated just now.

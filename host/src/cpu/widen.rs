@@ -1,8 +1,10 @@
-//! Quantised key rows widened to bf16 bits for the `vdpbf16ps` kernels: e4m3 codes times
-//! a power of two (exact: at most 4 significant bits) and fp4 groups (e2m1 × the group's
-//! ue8m0 scale, exact while the products stay normal). On the `avx512bf16` path by word
-//! table lookups (`vpermi2w`, `vpermw`: 32 values per instruction), elsewhere value by
-//! value; the same bits either way ([`tests`]).
+//! Cache rows widened for the kernels, the same bits on every vector path (this module's tests):
+//! - to bf16 bits for the `vdpbf16ps` kernels: e4m3 codes times a power of two (exact: at
+//!   most 4 significant bits) and fp4 groups (e2m1 × the group's ue8m0 scale, exact while
+//!   the products stay normal); on the `avx512bf16` path by word table lookups
+//!   (`vpermi2w`, `vpermw`: 32 values per instruction), elsewhere value by value;
+//! - to f32 for the FMA kernels: e4m3 codes (through f16 and F16C on the AVX paths) and
+//!   bf16 values (subnormals flushed to signed zero, as `vdpbf16ps` reads them).
 
 use sparsekit_kernels::fp8::decode_bits;
 use sparsekit_kernels::mx::{e2m1_to_f32, ue8m0_to_f32};

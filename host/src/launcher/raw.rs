@@ -9,7 +9,7 @@
 //! checked. Each builder takes the op's shapes, checks every buffer size in **bytes**
 //! through the op descriptor's own `validate` (with placeholder metadata of the right
 //! length, whose contents are trivially valid), then fills the kernel's parameter struct
-//! through [`kernel_params`](crate::kernel_params), the one place layouts become kernel
+//! through `kernel_params`, the one place layouts become kernel
 //! sizes. Addresses are kernel-visible (device) addresses, stored, never dereferenced.
 //!
 //! # The caller's contract (what makes the launch memory-safe)

@@ -483,7 +483,7 @@ fn warp_best<S: Simt>(mut best: (f32, u32)) -> (f32, u32) {
 }
 
 /// Argmax (see [`DenseArgmaxParams`]): thread `t` of a row's block scans columns
-/// `t, t + block, …`; candidates are combined by [`better`] across lanes (butterfly), then
+/// `t, t + block, …`; candidates are combined by `better` across lanes (butterfly), then
 /// across warps (through shared memory). `better` is a selection by a total order, so the
 /// result does not depend on how the row is split.
 ///

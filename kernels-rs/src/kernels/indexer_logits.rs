@@ -123,7 +123,11 @@ fn swz_g<const G: usize>(h: u32, unit: usize) -> usize {
 /// Indexer logits over fp8 or bf16 keys.
 ///
 /// # Safety
-/// As [`indexer_logits_fp4`], `format` fp8 or bf16.
+/// Launch with [`indexer_logits_launch`]; every pointer and size in `p` describes validated
+/// buffers (see [`IndexerLogitsParams`]): rows within `row_stride`, every position of every
+/// row's range mapped by the page table to a page of `cache`; `head_dim` a multiple of 16
+/// and at most [`MAX_HEAD_DIM`]; `q`, `weights` and the page rows 4-byte aligned.
+/// `format` fp8 or bf16.
 #[inline(always)]
 pub unsafe fn indexer_logits<S: Simt>(p: IndexerLogitsParams) {
     // SAFETY: forwarded.
@@ -133,7 +137,7 @@ pub unsafe fn indexer_logits<S: Simt>(p: IndexerLogitsParams) {
 /// Indexer logits over fp4 keys (`format` = fp4; see [`IndexerLogitsFp4Params`]).
 ///
 /// # Safety
-/// As [`indexer_logits_body`].
+/// As [`indexer_logits`], `format` fp4.
 #[inline(always)]
 pub unsafe fn indexer_logits_fp4<S: Simt>(p: IndexerLogitsFp4Params) {
     // SAFETY: forwarded.
@@ -143,10 +147,7 @@ pub unsafe fn indexer_logits_fp4<S: Simt>(p: IndexerLogitsFp4Params) {
 /// Indexer logits (`FP4`: the fp4 instantiations only, else the fp8 and bf16 ones).
 ///
 /// # Safety
-/// Launch with [`indexer_logits_launch`]; every pointer and size in `p` describes validated
-/// buffers (see [`IndexerLogitsParams`]): rows within `row_stride`, every position of every
-/// row's range mapped by the page table to a page of `cache`; `head_dim` a multiple of 16
-/// and at most [`MAX_HEAD_DIM`]; `q`, `weights` and the page rows 4-byte aligned.
+/// As [`indexer_logits`] (any `format` of the instantiation).
 #[inline(always)]
 unsafe fn indexer_logits_body<S: Simt, const FP4: bool>(p: IndexerLogitsParams) {
     let chunks = p.row_stride.div_ceil(KEYS_PER_BLOCK) as u64;

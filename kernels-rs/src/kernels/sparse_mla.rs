@@ -118,8 +118,8 @@ const MAX_SPLITS: usize = 16;
 /// Floats of a split record's row statistics (16 rows × m, l, l̃, pad).
 const STAT_FLOATS: u32 = 16 * 4;
 
-/// Indices per split of a token's `topk` indices: `topk` itself up to [`SPLIT`] (no
-/// split), else [`SPLIT`] or, past 16 splits, `⌈topk / 16⌉` rounded up to 32. Each split
+/// Indices per split of a token's `topk` indices: `topk` itself up to `SPLIT` (no
+/// split), else `SPLIT` or, past 16 splits, `⌈topk / 16⌉` rounded up to 32. Each split
 /// is attended by its own block and the splits are merged in index order, so more blocks
 /// fill the GPU at small batches; the split depends on `topk` only, so a token's result
 /// is the same in any batch.

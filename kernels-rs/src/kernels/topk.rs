@@ -83,7 +83,7 @@ const FLAG: usize = RESULT + 12;
 pub const SMEM_BYTES: u32 = (FLAG + 4) as u32;
 
 /// Positions per chunk of a long row: `max(8192, 4k)` rounded up to a multiple of
-/// [`TOPK_BLOCK`]. A chunk's candidates are at most a quarter of it, so the merge reads
+/// `TOPK_BLOCK`. A chunk's candidates are at most a quarter of it, so the merge reads
 /// at most a quarter of the row again; the size depends on `k` only.
 pub fn topk_chunk(k: u32) -> u32 {
     8192u32
