@@ -303,7 +303,7 @@ impl<B: Backend + 'static> HiCache<B> {
     /// theirs as [`HiCache::release_window`] gives back the request's frames of the pages
     /// its tokens left. So a request reserves all its pages up front but holds at most
     /// [`CacheSpec::frames_needed`] frames. A caller must not store into a page before it
-    /// has a frame (refused: [`LayerGuard::buffer_pages`](crate::cache::LayerGuard::buffer_pages) says `-1`).
+    /// has a frame (refused: [`LayerGuard::buffer_pages`](super::LayerGuard::buffer_pages) says `-1`).
     pub fn try_alloc_framed(
         &self,
         req: RequestId,

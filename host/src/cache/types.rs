@@ -8,10 +8,14 @@ use serde::Serialize;
 use super::alloc::PageRef;
 use super::faults::Faults;
 use super::pool::HostLayout;
+#[cfg(doc)]
+use super::{HiCache, Step};
+#[cfg(doc)]
+use crate::Error;
 
 pub type RequestId = u64;
 
-/// Sizes and switches of a [`HiCache`](crate::cache::HiCache).
+/// Sizes and switches of a [`HiCache`].
 #[derive(Clone, Debug)]
 pub struct CacheConfig {
     /// Pages in the device tier.
@@ -32,7 +36,7 @@ pub struct CacheConfig {
     /// eviction rarely has to wait for a backup.
     pub write_through: bool,
     /// The bound of every wait in the cache: a layer's ready token, a layer lock, free
-    /// pages. A wait that runs out returns [`Error::Timeout`](crate::Error::Timeout) (or `OutOfPages`).
+    /// pages. A wait that runs out returns [`Error::Timeout`] (or `OutOfPages`).
     pub wait_timeout: Duration,
     /// Most pages in one backup batch.
     pub max_backup_batch: usize,
@@ -58,8 +62,8 @@ impl CacheConfig {
     }
 }
 
-/// The cached prefix of a request, as matched by [`HiCache::begin`](crate::cache::HiCache::begin). Plain data: reading
-/// any of these pages goes through a [`Step`](crate::cache::Step).
+/// The cached prefix of a request, as matched by [`HiCache::begin`]. Plain data: reading
+/// any of these pages goes through a [`Step`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Prefix {
     /// Tokens covered (a multiple of the page size).
@@ -72,8 +76,8 @@ pub struct Prefix {
     pub shared_in_flight_pages: usize,
 }
 
-/// What [`HiCache::try_begin`](crate::cache::HiCache::try_begin) and [`HiCache::try_alloc`](crate::cache::HiCache::try_alloc) would find for a request now
-/// ([`HiCache::room`](crate::cache::HiCache::room)); nothing is locked or changed by asking.
+/// What [`HiCache::try_begin`] and [`HiCache::try_alloc`] would find for a request now
+/// ([`HiCache::room`]); nothing is locked or changed by asking.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Room {
     /// Pages of the matched prefix held in the device tier (ready or loading): no new
@@ -104,7 +108,7 @@ pub struct CacheStats {
     /// Window-pool frames (0 without a window) and how many are free.
     pub window_frames: usize,
     pub window_frames_free: usize,
-    /// Window rows given back before their page ([`HiCache::release_window`](crate::cache::HiCache::release_window), and cached
+    /// Window rows given back before their page ([`HiCache::release_window`], and cached
     /// pages' under frame pressure), in pages.
     pub window_released: u64,
     pub host_pages: usize,
@@ -124,7 +128,7 @@ pub struct CacheStats {
     /// and waited for them to land instead of reading them: each is a fence that was not
     /// honoured, caught by the landed stamps.
     pub landing_waits: u64,
-    /// Pages released by [`HiCache::discard_prefix`](crate::cache::HiCache::discard_prefix).
+    /// Pages released by [`HiCache::discard_prefix`].
     pub discarded_pages: u64,
     /// Panics of the io worker outside a job's containment (each failed the pending work;
     /// the worker went on).

@@ -6,7 +6,7 @@
 //! buffers. Per block, the keys are dequantised to rows (the next block's pages are
 //! prefetched meanwhile) and `Cᵀ[keys × heads] = K · Qᵀ` runs as the bf16 dot product of
 //! [`super::dot`]: `vdpbf16ps` on bf16 rows on the `avx512bf16` path, f32 FMAs in the same
-//! order on f32 rows ([`gemm_acc_pairs`](super::gemm::gemm_acc_pairs)) on the others, for the same bits (every key and
+//! order on f32 rows ([`gemm_acc_pairs`]) on the others, for the same bits (every key and
 //! q value is a bf16 value: bf16 keys, e4m3 codes and e2m1 × a power-of-two scale are
 //! exact in bf16; the fp8 key's scale multiplies the head sum). Qᵀ is built once per task,
 //! head-major (a head's rows are adjacent). The weighted ReLU head sum then
@@ -20,7 +20,9 @@ use std::cell::RefCell;
 use half::bf16;
 use rayon::prelude::*;
 
-use super::dot::{bf16_daz, f32_daz, gemm_bf16_into, padded_cols, PairDims};
+use super::dot::{f32_daz, gemm_bf16_into, padded_cols, PairDims};
+#[cfg(doc)]
+use super::gemm::gemm_acc_pairs;
 use super::gemm::{gemm_pairs_into, Dims};
 use super::isa::{prefetch, CpuIsa, Isa};
 use super::scratch;
@@ -278,9 +280,7 @@ impl Ctx<'_> {
                 for r in 0..rr {
                     for hh in 0..h {
                         let row = &mut qrows[(hh * rr + r) * d..][..d];
-                        for (x, v) in row.iter_mut().zip(staged(r, hh)) {
-                            *x = bf16_daz(v.to_bits());
-                        }
+                        widen::bf16s_f32_row(self.isa, staged(r, hh), row);
                     }
                 }
             }
@@ -304,9 +304,7 @@ impl Ctx<'_> {
             for r in 0..rr {
                 for hh in 0..h {
                     let row = &mut krows[(hh * rr + r) * d..][..d];
-                    for (x, v) in row.iter_mut().zip(staged(r, hh)) {
-                        *x = bf16_daz(v.to_bits());
-                    }
+                    widen::bf16s_f32_row(self.isa, staged(r, hh), row);
                 }
             }
             transpose(self.isa, m, d, krows, d, qt, m);
