@@ -7,7 +7,7 @@
 use rayon::prelude::*;
 use sparsekit_kernels::checksum::{finish, page_checksum, word_term, PHI};
 
-use super::isa::{CpuIsa, Isa};
+use super::isa::{prefetch, CpuIsa, Isa};
 use crate::ops::{CopyPages, PageChecksums};
 
 /// Copies the pages. Inputs are validated by the caller (ids in range, unique
@@ -31,11 +31,34 @@ pub fn copy_pages(op: &CopyPages<'_>, src: &[u8], dst: &mut [u8]) {
 }
 
 /// Checksums the pages on the vector path `isa`. Inputs are validated by the caller.
+///
+/// Each task hashes a run of [`PAGES_PER_TASK`] pages and asks for the next page's first
+/// [`PREFETCH_BYTES`] while it hashes the current one (the pages are scattered over the
+/// pool, so the hardware's stream prefetchers start cold on each); inside a page the
+/// vector loops ask [`PREFETCH_BYTES`] ahead themselves.
 pub fn page_checksums(isa: CpuIsa, op: &PageChecksums<'_>, pool: &[u8], out: &mut [u64]) {
-    out.par_iter_mut()
-        .zip(op.ids.par_iter())
-        .for_each(|(o, &id)| *o = checksum(isa, &pool[op.region.page_range(id as usize)]));
+    let page = |id: i32| &pool[op.region.page_range(id as usize)];
+    out.par_chunks_mut(PAGES_PER_TASK)
+        .zip(op.ids.par_chunks(PAGES_PER_TASK))
+        .for_each(|(out, ids)| {
+            for (j, (o, &id)) in out.iter_mut().zip(ids).enumerate() {
+                if let Some(&next) = ids.get(j + 1) {
+                    let next = page(next);
+                    prefetch(&next[..next.len().min(PREFETCH_BYTES)]);
+                }
+                *o = checksum(isa, page(id));
+            }
+        });
 }
+
+/// Pages one [`page_checksums`] task hashes in order.
+const PAGES_PER_TASK: usize = 8;
+
+/// How far ahead (bytes) the checksum loops ask for a page's bytes. The bf16 index-K
+/// pool of 2048 pages (151 MB, past the last-level cache of most machines' share): AVX2
+/// 14.7 → 9.6–10.2 ms, AVX-512 10.5 → 8.6–9.4 ms on an Intel Xeon (2 threads), against
+/// the hardware prefetchers alone; 1 KiB and 4 KiB ahead measured slower.
+const PREFETCH_BYTES: usize = 2048;
 
 /// One page's checksum on the vector path `isa` (equal to [`page_checksum`] on every path).
 pub fn checksum(isa: CpuIsa, page: &[u8]) -> u64 {
@@ -97,6 +120,9 @@ unsafe fn sum_avx512(page: &[u8]) -> (u64, usize) {
     let (mut c, mut d) = (_mm512_setzero_si512(), _mm512_setzero_si512());
     let mut at = 0;
     while at < n {
+        if let Some(ahead) = page.get(at + PREFETCH_BYTES..at + PREFETCH_BYTES + 256) {
+            prefetch(ahead);
+        }
         // SAFETY: `at + 256 ≤ n ≤ page.len()`.
         let (x, y, z, w) = unsafe {
             let p = page.as_ptr().add(at);
@@ -181,6 +207,10 @@ unsafe fn sum_avx2(page: &[u8]) -> (u64, usize) {
     let mut word = 16u64;
     let mut at = 0;
     while at < n {
+        let chunk = 8 * CHUNK_WORDS as usize;
+        if let Some(ahead) = page.get(at + PREFETCH_BYTES..at + PREFETCH_BYTES + chunk) {
+            prefetch(ahead);
+        }
         // SAFETY: `at + 8 · CHUNK_WORDS ≤ n ≤ page.len()`.
         let (x, y, z, w) = unsafe {
             let p = page.as_ptr().add(at);
