@@ -493,8 +493,35 @@ fn quantize(dst: &mut [u8], src: &[bf16], s: f32) {
 #[inline(always)]
 fn divide(dst: &mut [u8], src: &[bf16], s: f32) {
     for (d, v) in dst.iter_mut().zip(src) {
-        *d = e4m3_encode(bf16_to_f32(v.to_bits()) / s);
+        *d = encode_lanes(bf16_to_f32(v.to_bits()) / s);
     }
+}
+
+/// [`e4m3_encode`] (the same code for every f32) in fewer vector operations: the
+/// saturation and NaN selects become an unsigned minimum and an add of the NaN test, the
+/// rebias folds into the rounding add, and the subnormal result is masked from the
+/// rounded sum rather than subtracted. About 17 operations a lane against 25 for the
+/// reference's selects (AVX2 has no mask registers: each select is a compare and a blend).
+#[inline(always)]
+fn encode_lanes(x: f32) -> u8 {
+    let bits = x.to_bits();
+    let abits = bits & 0x7fff_ffff;
+    // Normal range: round at bit 20 to nearest even and rebias in one add (the carry runs
+    // into the exponent); 448 and above (inf, NaN too) saturate to 0x7e. Below the normal
+    // range the difference wraps to a large value: the subnormal select replaces it.
+    let t = abits.wrapping_add((0x7_ffff_u32 + ((abits >> 20) & 1)).wrapping_sub(120 << 23)) >> 20;
+    let normal = t.min(0x7e);
+    // Subnormal range (`|x| < 2^-6`): `|x| · 512 < 8` exactly, rounded to an integer
+    // (ties to even) in the low mantissa bits of `· + 2^23`.
+    // The two tests compare floats: one vector compare each (as integers, LLVM knows
+    // `abits` is non-negative, makes them unsigned, and AVX2 has no unsigned compare).
+    const TWO_23: f32 = 8_388_608.0;
+    let a = f32::from_bits(abits);
+    let sub = (a * 512.0 + TWO_23).to_bits() & 0xf;
+    let mag = if a < 1.0 / 64.0 { sub } else { normal };
+    // NaN: 0x7e + 1.
+    let mag = mag + a.is_nan() as u32;
+    ((bits >> 24) & 0x80 | mag) as u8
 }
 
 /// Smallest biased exponent of a scale [`quantize_pow2`] takes (`2^-116`: every bf16
@@ -696,6 +723,28 @@ mod tests {
         let mut src: Vec<bf16> = (0..=u16::MAX).map(bf16::from_bits).collect();
         src.shuffle(rng);
         src
+    }
+
+    /// The division path's encoder gives [`e4m3_encode`]'s code for every f32 sign and
+    /// exponent, with the mantissa's low bits where the roundings decide (the half-way
+    /// bit, the even bit, the bits below) at every value and a random rest; NaNs of
+    /// both signs and payloads.
+    #[test]
+    fn encode_lanes_is_e4m3_encode() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        for sign in [0, 0x8000_0000u32] {
+            for exp in 0..=255u32 {
+                for low in 0..1u32 << 12 {
+                    // Bits 20..23 (the kept mantissa), 16..20 just under them (the
+                    // half-way and sticky bits) from `low`; the rest random.
+                    let m = (low & 0xf) << 20 | (low >> 4 & 0xff) << 12 | rng.gen_range(0..1 << 12);
+                    for m in [m, m & !0xfff, m | 0xfff] {
+                        let x = f32::from_bits(sign | exp << 23 | m);
+                        assert_eq!(encode_lanes(x), e4m3_encode(x), "{:#010x}", x.to_bits());
+                    }
+                }
+            }
+        }
     }
 
     /// Every vector path of `quantize` gives the bytes of the division (e4m3 of the f32
