@@ -312,29 +312,22 @@ fn quantize_fp4_group(dst: &mut [u8], group: &[bf16]) -> u8 {
     if (-124..=125).contains(&k) {
         // `|x| / 2^k` is, on the bf16 patterns, `|x|`'s pattern minus `k` in the exponent
         // field (exact for normal values; a pattern below zero is a value too small for any
-        // threshold): at most 6's pattern, as the group's largest magnitude divided by its
-        // scale is at most 6, and at least −125·128, so it fits an i16. Each threshold the
-        // quotient passes adds one to the code: the sign bit of `t − v` (`v ≥ t` is
-        // `v > t − 1`; `t − v` also fits an i16). Simple integer operations only, so the
-        // map vectorises over 16-bit lanes without mask registers or broadcasts.
+        // code): at most 6's pattern, as the group's largest magnitude divided by its scale
+        // is at most 6, and at least −125·128, so it fits an i16. From 1.0 up the codes are
+        // e2m1's normal ones: the pattern rounded at bit 6 to nearest even (the carry runs
+        // into the exponent) and rebiased in one add, at most 7; below 1.0 two thresholds
+        // (0.25 exclusive, 0.75 inclusive: ties to the even code). Signed 16-bit
+        // operations and one select, so the map vectorises over 16-bit lanes (32 values
+        // per AVX-512 vector).
         let k7 = (k << 7) as i16;
-        const T: [i16; 7] = [
-            0x3e80,     // 0.25
-            0x3f40 - 1, // 0.75 (inclusive)
-            0x3fa0,     // 1.25
-            0x3fe0 - 1, // 1.75 (inclusive)
-            0x4020,     // 2.5
-            0x4060 - 1, // 3.5 (inclusive)
-            0x40a0,     // 5.0
-        ];
         for (c, x) in codes.iter_mut().zip(group) {
             let h = x.to_bits();
             let v = ((h & 0x7fff) as i16).wrapping_sub(k7);
-            let mut code = (h >> 12) & 8;
-            for &t in &T {
-                code += (t.wrapping_sub(v) as u16) >> 15;
-            }
-            *c = code as u8;
+            let lsb = (v >> 6) & 1;
+            let normal = (v.wrapping_add(0x1f + lsb).wrapping_sub(252 << 6) >> 6).min(7);
+            let small = (v > 0x3e80) as i16 + (v > 0x3f40 - 1) as i16;
+            let mag = if v >= 0x3f80 { normal } else { small };
+            *c = ((h >> 12) & 8) as u8 | mag as u8;
         }
     } else {
         for (c, x) in codes.iter_mut().zip(group) {
