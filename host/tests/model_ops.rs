@@ -12,7 +12,7 @@
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use sparsekit_host::cpu::CpuBuffer;
+use sparsekit_host::cpu::{CpuBuffer, CpuIsa};
 use sparsekit_host::model_ops::{
     inverse_rope_table, rope_table, Accumulate, Add, Argmax, Cast, DenseDtype, Embed, GatedPool,
     GatherRows, Matmul, ModelOps, RmsNorm, Rope, SwiGlu, View,
@@ -59,11 +59,12 @@ fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
-/// Backends under test: cpu on rayon's pool, cpu on 1 and 3 threads, emu.
+/// Backends under test: cpu on rayon's pool, cpu on 1 and 3 threads, emu, and cpu on each
+/// other vector path this machine runs.
 type MakeBackend = Box<dyn Fn() -> Box<dyn DenseBackend>>;
 
 fn backends() -> Vec<(&'static str, MakeBackend)> {
-    vec![
+    let mut v: Vec<(&'static str, MakeBackend)> = vec![
         ("cpu", Box::new(|| Box::new(CpuBackend::new()))),
         (
             "cpu1",
@@ -74,7 +75,17 @@ fn backends() -> Vec<(&'static str, MakeBackend)> {
             Box::new(|| Box::new(CpuBackend::with_threads(3).unwrap())),
         ),
         ("emu", Box::new(|| Box::new(EmuBackend::new()))),
-    ]
+    ];
+    let default = CpuBackend::new().isa();
+    for isa in CpuIsa::available().into_iter().map(|i| i.isa()) {
+        if isa != default {
+            v.push((
+                isa.name(),
+                Box::new(move || Box::new(CpuBackend::with_isa(isa).unwrap())),
+            ));
+        }
+    }
+    v
 }
 
 /// Object-safe slice of `ModelOps` over `CpuBuffer` so one test body covers every backend.
@@ -768,16 +779,24 @@ fn rejected_calls_write_nothing_on<B: ModelOps<Buffer = CpuBuffer>>(b: &B) {
     gated_pool_rejections(b);
 }
 
-/// The GPU dense kernels (run by the emulator) give the CPU backend's bits for every op:
-/// the same operation sequence per element, so a model's outputs agree across backends.
-/// Inputs include extreme and non-finite values where the op is defined on them.
+/// The GPU dense kernels (run by the emulator) give the CPU backend's bits for every op,
+/// on every vector path of the CPU backend this machine runs: the same operation sequence
+/// per element, so a model's outputs agree across backends and paths. Inputs include
+/// extreme and non-finite values where the op is defined on them.
 #[test]
 fn gpu_kernels_give_the_cpu_bits() {
     let mut rng = rng("gpu_kernels_give_the_cpu_bits");
-    let cpu = CpuBackend::new();
+    for isa in CpuIsa::available() {
+        let cpu = CpuBackend::with_isa(isa.isa()).unwrap();
+        gpu_kernels_give_the_cpu_bits_on(&cpu, &mut rng);
+    }
+}
+
+fn gpu_kernels_give_the_cpu_bits_on(cpu: &CpuBackend, rng: &mut ChaCha8Rng) {
     let emu = EmuBackend::new();
+    let isa = cpu.isa().name();
     let same = |what: &str, a: &CpuBuffer, b: &CpuBuffer| {
-        assert_eq!(a.bytes(), b.bytes(), "{what}: emu differs from cpu");
+        assert_eq!(a.bytes(), b.bytes(), "{what}: emu differs from cpu ({isa})");
     };
     // Matmul: tiles cut mid-way in rows and columns, k across several staged chunks,
     // grouped strided views, both accumulate modes.
@@ -792,9 +811,9 @@ fn gpu_kernels_give_the_cpu_bits() {
             row_stride: groups * (n + 2),
             group_stride: n + 2,
         };
-        let x = buf(&randn(&mut rng, 3 + rows * xv.row_stride));
-        let w = buf(&randn(&mut rng, groups * k * n));
-        let init = randn(&mut rng, 1 + rows * ov.row_stride);
+        let x = buf(&randn(rng, 3 + rows * xv.row_stride));
+        let w = buf(&randn(rng, groups * k * n));
+        let init = randn(rng, 1 + rows * ov.row_stride);
         for accumulate in [Accumulate::Overwrite, Accumulate::Add] {
             let op = Matmul {
                 rows,
@@ -806,17 +825,17 @@ fn gpu_kernels_give_the_cpu_bits() {
                 accumulate,
             };
             let (mut a, mut b) = (buf(&init), buf(&init));
-            ModelOps::matmul(&cpu, &op, &x, &w, &mut a).unwrap();
+            ModelOps::matmul(cpu, &op, &x, &w, &mut a).unwrap();
             ModelOps::matmul(&emu, &op, &x, &w, &mut b).unwrap();
             same("matmul", &a, &b);
         }
     }
     // RMSNorm over widths below, at and above the 16 lanes, huge values included.
     for &(rows, width) in &[(6, 7), (5, 16), (3, 1001)] {
-        let mut xs = randn(&mut rng, rows * width);
+        let mut xs = randn(rng, rows * width);
         xs[1] = 3.0e19;
         let x = buf(&xs);
-        let gamma = buf(&randn(&mut rng, width));
+        let gamma = buf(&randn(rng, width));
         let op = RmsNorm {
             rows,
             width,
@@ -825,7 +844,7 @@ fn gpu_kernels_give_the_cpu_bits() {
             out: View::dense(width),
         };
         let (mut a, mut b) = (poisoned(rows * width), poisoned(rows * width));
-        ModelOps::rms_norm(&cpu, &op, &x, &gamma, &mut a).unwrap();
+        ModelOps::rms_norm(cpu, &op, &x, &gamma, &mut a).unwrap();
         ModelOps::rms_norm(&emu, &op, &x, &gamma, &mut b).unwrap();
         same("rms_norm", &a, &b);
     }
@@ -834,7 +853,7 @@ fn gpu_kernels_give_the_cpu_bits() {
     let table = buf(&rope_table(rope_dim, max_pos, 10000.0));
     let positions: Vec<u32> = (0..7).map(|_| rng.gen_range(0..max_pos as u32)).collect();
     let v = View::grouped(heads, rope_dim + 2);
-    let x = buf(&randn(&mut rng, 7 * heads * (rope_dim + 2)));
+    let x = buf(&randn(rng, 7 * heads * (rope_dim + 2)));
     let op = Rope {
         heads,
         rope_dim,
@@ -847,7 +866,7 @@ fn gpu_kernels_give_the_cpu_bits() {
         poisoned(7 * heads * rope_dim),
         poisoned(7 * heads * rope_dim),
     );
-    ModelOps::rope(&cpu, &op, &table, &x, &mut a).unwrap();
+    ModelOps::rope(cpu, &op, &table, &x, &mut a).unwrap();
     ModelOps::rope(&emu, &op, &table, &x, &mut b).unwrap();
     same("rope", &a, &b);
     // SwiGLU with gates across exp's whole range (under- and overflow, NaN, ±inf).
@@ -861,12 +880,12 @@ fn gpu_kernels_give_the_cpu_bits() {
     gu[3] = -0.0;
     let op = SwiGlu { rows, width };
     let (mut a, mut b) = (poisoned(rows * width), poisoned(rows * width));
-    ModelOps::swiglu(&cpu, &op, &buf(&gu), &mut a).unwrap();
+    ModelOps::swiglu(cpu, &op, &buf(&gu), &mut a).unwrap();
     ModelOps::swiglu(&emu, &op, &buf(&gu), &mut b).unwrap();
     same("swiglu", &a, &b);
     // Embedding and row gathers.
     let (vocab, dim) = (50, 19);
-    let table = buf(&randn(&mut rng, vocab * dim));
+    let table = buf(&randn(rng, vocab * dim));
     let tokens: Vec<u32> = (0..11).map(|_| rng.gen_range(0..vocab as u32)).collect();
     let op = Embed {
         vocab,
@@ -874,7 +893,7 @@ fn gpu_kernels_give_the_cpu_bits() {
         tokens: &tokens,
     };
     let (mut a, mut b) = (poisoned(11 * dim), poisoned(11 * dim));
-    ModelOps::embed(&cpu, &op, &table, &mut a).unwrap();
+    ModelOps::embed(cpu, &op, &table, &mut a).unwrap();
     ModelOps::embed(&emu, &op, &table, &mut b).unwrap();
     same("embed", &a, &b);
     let op = GatherRows {
@@ -885,12 +904,12 @@ fn gpu_kernels_give_the_cpu_bits() {
         out: View::cols(dim, 0),
     };
     let (mut a, mut b) = (poisoned(11 * dim), poisoned(11 * dim));
-    ModelOps::gather_rows(&cpu, &op, &table, &mut a).unwrap();
+    ModelOps::gather_rows(cpu, &op, &table, &mut a).unwrap();
     ModelOps::gather_rows(&emu, &op, &table, &mut b).unwrap();
     same("gather_rows", &a, &b);
     // Residual add into a strided accumulator.
-    let x = buf(&randn(&mut rng, 8 * 40));
-    let init = randn(&mut rng, 8 * 45);
+    let x = buf(&randn(rng, 8 * 40));
+    let init = randn(rng, 8 * 45);
     let op = Add {
         rows: 8,
         width: 40,
@@ -898,11 +917,11 @@ fn gpu_kernels_give_the_cpu_bits() {
         acc: View::cols(45, 3),
     };
     let (mut a, mut b) = (buf(&init), buf(&init));
-    ModelOps::add(&cpu, &op, &x, &mut a).unwrap();
+    ModelOps::add(cpu, &op, &x, &mut a).unwrap();
     ModelOps::add(&emu, &op, &x, &mut b).unwrap();
     same("add", &a, &b);
     // Casts both ways, NaN payloads and rounding ties included.
-    let mut xs = randn(&mut rng, 4 * 2 * 33);
+    let mut xs = randn(rng, 4 * 2 * 33);
     xs[0] = f32::from_bits(0x7fc1_2345);
     xs[1] = f32::from_bits(0xff80_0001);
     xs[2] = 1.0 + f32::EPSILON * 64.0;
@@ -920,7 +939,7 @@ fn gpu_kernels_give_the_cpu_bits() {
         CpuBuffer::from_bytes(&[0xee; 4 * 2 * 33 * 2]),
         CpuBuffer::from_bytes(&[0xee; 4 * 2 * 33 * 2]),
     );
-    ModelOps::cast(&cpu, &op, &buf(&xs), &mut a).unwrap();
+    ModelOps::cast(cpu, &op, &buf(&xs), &mut a).unwrap();
     ModelOps::cast(&emu, &op, &buf(&xs), &mut b).unwrap();
     same("cast f32→bf16", &a, &b);
     let back = Cast {
@@ -929,12 +948,12 @@ fn gpu_kernels_give_the_cpu_bits() {
         ..op
     };
     let (mut c, mut d) = (poisoned(4 * 2 * 33), poisoned(4 * 2 * 33));
-    ModelOps::cast(&cpu, &back, &a, &mut c).unwrap();
+    ModelOps::cast(cpu, &back, &a, &mut c).unwrap();
     ModelOps::cast(&emu, &back, &a, &mut d).unwrap();
     same("cast bf16→f32", &c, &d);
     // Argmax over rows wider than a warp: ties across lanes, NaNs in several lanes.
     let width = 1000;
-    let mut l = randn(&mut rng, 6 * width);
+    let mut l = randn(rng, 6 * width);
     l[5] = 7.0;
     l[700] = 7.0;
     l[width + 900] = f32::NAN;
@@ -949,7 +968,7 @@ fn gpu_kernels_give_the_cpu_bits() {
         CpuBuffer::from_bytes(&[0xaa; 24]),
         CpuBuffer::from_bytes(&[0xaa; 24]),
     );
-    ModelOps::argmax(&cpu, &op, &buf(&l), &mut a).unwrap();
+    ModelOps::argmax(cpu, &op, &buf(&l), &mut a).unwrap();
     ModelOps::argmax(&emu, &op, &buf(&l), &mut b).unwrap();
     same("argmax", &a, &b);
     let got = b.typed::<u32>("o").unwrap().to_vec();
@@ -1361,6 +1380,13 @@ fn gated_pool_gpu_kernel_gives_the_cpu_bits() {
         let (mut a, mut b) = (poisoned(entries * width), poisoned(entries * width));
         ModelOps::gated_pool(&cpu, &op, &buf(&x), &buf(&bias), &mut a).unwrap();
         ModelOps::gated_pool(&emu, &op, &buf(&x), &buf(&bias), &mut b).unwrap();
+        // Every other vector path of the cpu backend: the same bytes.
+        for isa in CpuIsa::available() {
+            let other = CpuBackend::with_isa(isa.isa()).unwrap();
+            let mut c = poisoned(entries * width);
+            ModelOps::gated_pool(&other, &op, &buf(&x), &buf(&bias), &mut c).unwrap();
+            assert_eq!(a.bytes(), c.bytes(), "gated_pool on {}", isa.isa().name());
+        }
         let (a, b) = (f32s(&a), f32s(&b));
         if !non_finite {
             assert!(

@@ -223,8 +223,12 @@ fn put_bf16(dst: &mut [u8], xs: &[bf16]) {
     }
 }
 
-fn get_bf16(src: &[u8], i: usize) -> f64 {
-    bf16::from_bits(u16::from_le_bytes([src[2 * i], src[2 * i + 1]])).to_f64()
+/// The first `n` bf16 of little-endian bytes, as f64 (exact: a bf16's bits are an f32's
+/// top half; a NaN stays NaN).
+fn bf16s(src: &[u8], n: usize) -> impl Iterator<Item = f64> + '_ {
+    src[..2 * n]
+        .chunks_exact(2)
+        .map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16) as f64)
 }
 
 fn get_f32(src: &[u8], at: usize) -> f64 {
@@ -350,10 +354,7 @@ pub fn kv_store_with(
 pub fn read_index_key(layout: &IndexKLayout, cache: &[u8], slot: usize) -> (Vec<f64>, f64) {
     let vals = &cache[layout.slot_value_bytes(slot)];
     match layout.dtype() {
-        IndexKDtype::Bf16 => (
-            (0..layout.head_dim()).map(|i| get_bf16(vals, i)).collect(),
-            1.0,
-        ),
+        IndexKDtype::Bf16 => (bf16s(vals, layout.head_dim()).collect(), 1.0),
         IndexKDtype::Fp8E4m3 { .. } => {
             let s = layout
                 .slot_scale_bytes(slot)
@@ -378,9 +379,7 @@ pub fn read_kv_token(layout: &KvLayout, cache: &[u8], slot: usize) -> Vec<f64> {
     let tok = &cache[layout.slot_token_bytes(slot)];
     let mut out = Vec::with_capacity(layout.d_qk());
     match layout.dtype() {
-        KvDtype::Bf16 | KvDtype::Bf16x512 => {
-            out.extend((0..layout.nope_dim()).map(|i| get_bf16(tok, i)))
-        }
+        KvDtype::Bf16 | KvDtype::Bf16x512 => out.extend(bf16s(tok, layout.nope_dim())),
         KvDtype::Model1Fp8 => {
             let sc = layout.slot_tile_scale_bytes(slot);
             for i in 0..layout.nope_dim() {
@@ -399,36 +398,36 @@ pub fn read_kv_token(layout: &KvLayout, cache: &[u8], slot: usize) -> Vec<f64> {
         }
     }
     let rope = &tok[layout.rope_range()];
-    out.extend((0..layout.rope_dim()).map(|i| get_bf16(rope, i)));
+    out.extend(bf16s(rope, layout.rope_dim()));
     out
 }
 
-/// `(Σ aᵢ·bᵢ, Σ |aᵢ·bᵢ|)` over the common length, in f64: four interleaved partial sums
-/// (so that the loop vectorises), added pairwise at the end. The products are exact for
-/// the values compared here (bf16 times bf16, or times an fp8 code and its f32 scale), so
-/// only the sums round, at f64's 2^-53; whether a sum is NaN or infinite does not depend
-/// on the order.
+/// `(Σ aᵢ·bᵢ, Σ |aᵢ·bᵢ|)` over the common length, in f64: eight interleaved partial
+/// sums (the loop vectorises, and eight lanes are two or four vectors' worth of
+/// independent adds, so the adds' latency does not bound it), added pairwise at the end.
+/// The products are exact for the values compared here (bf16 times bf16, or times an fp8
+/// code and its f32 scale), so only the sums round, at f64's 2^-53; whether a sum is NaN
+/// or infinite does not depend on the order.
 pub(crate) fn dot_abs(a: &[f64], b: &[f64]) -> (f64, f64) {
+    const L: usize = 8;
     let n = a.len().min(b.len());
-    let (ac, bc) = (a[..n].chunks_exact(4), b[..n].chunks_exact(4));
+    let (ac, bc) = (a[..n].chunks_exact(L), b[..n].chunks_exact(L));
     let (ar, br) = (ac.remainder(), bc.remainder());
-    let (mut dot, mut abs) = ([0.0f64; 4], [0.0f64; 4]);
+    let (mut dot, mut abs) = ([0.0f64; L], [0.0f64; L]);
     for (x, y) in ac.zip(bc) {
-        for l in 0..4 {
+        for l in 0..L {
             let p = x[l] * y[l];
             dot[l] += p;
             abs[l] += p.abs();
         }
     }
-    for (x, y) in ar.iter().zip(br) {
+    for (l, (x, y)) in ar.iter().zip(br).enumerate() {
         let p = x * y;
-        dot[0] += p;
-        abs[0] += p.abs();
+        dot[l] += p;
+        abs[l] += p.abs();
     }
-    (
-        (dot[0] + dot[1]) + (dot[2] + dot[3]),
-        (abs[0] + abs[1]) + (abs[2] + abs[3]),
-    )
+    let pairwise = |v: [f64; L]| ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+    (pairwise(dot), pairwise(abs))
 }
 
 /// Reference indexer output for one row: `(logit, magnitude)` per column of the row

@@ -150,7 +150,7 @@ pub fn matmul(isa: CpuIsa, op: &Matmul, x: &[f32], w: &[f32], out: &mut [f32]) {
 }
 
 /// Sum of squares in the fixed lane order documented on [`RmsNorm`].
-#[inline]
+#[inline(always)]
 fn sum_squares(x: &[f32]) -> f32 {
     const L: usize = 16;
     let mut acc = [0f32; L];
@@ -174,45 +174,113 @@ fn sum_squares(x: &[f32]) -> f32 {
     acc[0]
 }
 
-/// [`RmsNorm`] on f32 slices (validated).
-pub fn rms_norm(op: &RmsNorm, x: &[f32], gamma: &[f32], out: &mut [f32]) {
+/// [`RmsNorm`] on f32 slices (validated), on the vector path `isa`.
+pub fn rms_norm(isa: CpuIsa, op: &RmsNorm, x: &[f32], gamma: &[f32], out: &mut [f32]) {
     let width = op.width;
     rows_mut(out, &op.out, op.rows)
         .with_min_len(ROW_CHUNK)
         .enumerate()
         .for_each(|(r, o)| {
             let xr = &x[op.x.offset + r * op.x.row_stride..][..width];
-            let inv = 1.0 / (sum_squares(xr) / width as f32 + op.eps).sqrt();
-            for ((o, &v), &g) in o[..width].iter_mut().zip(xr).zip(gamma) {
-                *o = (v * inv) * g;
-            }
+            rms_norm_row(isa, &mut o[..width], xr, gamma, op.eps);
         });
 }
 
-/// [`Rope`] on f32 slices (validated).
-pub fn rope(op: &Rope<'_>, table: &[f32], x: &[f32], out: &mut [f32]) {
-    let h = op.rope_dim / 2;
+// The row bodies of the element-wise ops, compiled for each vector path (the baseline
+// x86-64 build has no FMA: `mul_add` there is a call of the C library's `fmaf`, and its
+// loops are 128-bit at most). The same operations in the same order on every path, so
+// the same bits (`every_path_gives_the_scalar_bits`).
+
+crate::isa_dispatch! {
+    /// One row of [`RmsNorm`]: `o[i] = (x[i] · inv) · gamma[i]`, `inv = 1 / sqrt(Σ x² /
+    /// width + eps)` with the sum in [`sum_squares`]' order; `width = x.len()`.
+    fn rms_norm_row(o: &mut [f32], x: &[f32], gamma: &[f32], eps: f32) = |ISA| {
+        let inv = 1.0 / (sum_squares(x) / x.len() as f32 + eps).sqrt();
+        for ((o, &v), &g) in o.iter_mut().zip(x).zip(gamma) {
+            *o = (v * inv) * g;
+        }
+    };
+}
+
+crate::isa_dispatch! {
+    /// One head of [`Rope`]: the pairs `(x[i], x[i + h])` rotated by `(cs[2i], cs[2i + 1])`
+    /// (cosine, sine), `h = x.len() / 2`.
+    fn rope_head(o: &mut [f32], x: &[f32], cs: &[f32]) = |ISA| {
+        let h = x.len() / 2;
+        let (xa, xb) = x.split_at(h);
+        let (oa, ob) = o[..2 * h].split_at_mut(h);
+        for (((oa, ob), (&a, &b)), cs) in oa
+            .iter_mut()
+            .zip(ob.iter_mut())
+            .zip(xa.iter().zip(xb))
+            .zip(cs.chunks_exact(2))
+        {
+            let (c, s) = (cs[0], cs[1]);
+            *oa = a * c - b * s;
+            *ob = a * s + b * c;
+        }
+    };
+}
+
+crate::isa_dispatch! {
+    /// One row of [`SwiGlu`]: `o[i] = g[i] / (1 + exp(−g[i])) · u[i]` ([`exp_portable`]).
+    fn swiglu_row(o: &mut [f32], g: &[f32], u: &[f32]) = |ISA| {
+        for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+            *o = g / (1.0 + exp_portable(-g)) * u;
+        }
+    };
+}
+
+crate::isa_dispatch! {
+    /// One row of [`Add`]: `a[i] += x[i]`.
+    fn add_row(a: &mut [f32], x: &[f32]) = |ISA| {
+        for (a, &v) in a.iter_mut().zip(x) {
+            *a += v;
+        }
+    };
+}
+
+crate::isa_dispatch! {
+    /// One row of an f32 → bf16 [`Cast`]: round to nearest even, a NaN's top half with
+    /// the quiet bit set — `bf16::from_f32`'s bits, as integer operations and one select
+    /// that vectorise (`half`'s branches do not).
+    fn f32_bf16_row(o: &mut [bf16], x: &[f32]) = |ISA| {
+        for (o, &v) in o.iter_mut().zip(x) {
+            let b = v.to_bits();
+            // (Wraps for some NaN patterns only, whose result is the select's other arm.)
+            let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16;
+            let nan = (b & 0x7fff_ffff) > 0x7f80_0000;
+            *o = bf16::from_bits(if nan { (b >> 16) | 0x40 } else { rounded } as u16);
+        }
+    };
+}
+
+crate::isa_dispatch! {
+    /// One row of a bf16 → f32 [`Cast`] (exact).
+    fn bf16_f32_row(o: &mut [f32], x: &[bf16]) = |ISA| {
+        for (o, &v) in o.iter_mut().zip(x) {
+            *o = v.to_f32();
+        }
+    };
+}
+
+/// [`Rope`] on f32 slices (validated), on the vector path `isa`.
+pub fn rope(isa: CpuIsa, op: &Rope<'_>, table: &[f32], x: &[f32], out: &mut [f32]) {
+    let d = op.rope_dim / 2 * 2;
     rows_mut(out, &op.out, op.positions.len())
         .with_min_len(ROW_CHUNK)
         .enumerate()
         .for_each(|(r, o)| {
             let cs = &table[op.positions[r] as usize * op.rope_dim..][..op.rope_dim];
             for g in 0..op.heads {
-                let xi =
-                    &x[op.x.offset + r * op.x.row_stride + g * op.x.group_stride..][..op.rope_dim];
-                let o = &mut o[g * op.out.group_stride..][..op.rope_dim];
-                for i in 0..h {
-                    let (a, b) = (xi[i], xi[i + h]);
-                    let (c, s) = (cs[2 * i], cs[2 * i + 1]);
-                    o[i] = a * c - b * s;
-                    o[i + h] = a * s + b * c;
-                }
+                let xi = &x[op.x.offset + r * op.x.row_stride + g * op.x.group_stride..][..d];
+                rope_head(isa, &mut o[g * op.out.group_stride..][..d], xi, cs);
             }
         });
 }
 
-/// [`SwiGlu`] on f32 slices (validated).
-pub fn swiglu(op: &SwiGlu, gate_up: &[f32], out: &mut [f32]) {
+/// [`SwiGlu`] on f32 slices (validated), on the vector path `isa`.
+pub fn swiglu(isa: CpuIsa, op: &SwiGlu, gate_up: &[f32], out: &mut [f32]) {
     let w = op.width;
     if w == 0 {
         return;
@@ -222,9 +290,7 @@ pub fn swiglu(op: &SwiGlu, gate_up: &[f32], out: &mut [f32]) {
         .enumerate()
         .for_each(|(r, o)| {
             let (g, u) = gate_up[r * 2 * w..(r + 1) * 2 * w].split_at(w);
-            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                *o = g / (1.0 + exp_portable(-g)) * u;
-            }
+            swiglu_row(isa, o, g, u);
         });
 }
 
@@ -233,7 +299,7 @@ pub fn swiglu(op: &SwiGlu, gate_up: &[f32], out: &mut [f32]) {
 /// kernel's sequence (`dense_gated_pool`): the max pass (`m` from `−inf`, taking `z` when
 /// `z > m`), then per valid slot in order `w = exp_portable(z − m)`, `sum += w`,
 /// `acc += w · v` (from `+0.0`, each operation rounded, no FMA), then `acc / sum`.
-pub fn gated_pool(op: &GatedPool<'_>, x: &[f32], bias: &[f32], out: &mut [f32]) {
+pub fn gated_pool(isa: CpuIsa, op: &GatedPool<'_>, x: &[f32], bias: &[f32], out: &mut [f32]) {
     let (w, span) = (op.width, op.span);
     if w == 0 || span == 0 {
         return;
@@ -244,41 +310,56 @@ pub fn gated_pool(op: &GatedPool<'_>, x: &[f32], bias: &[f32], out: &mut [f32]) 
         .for_each_init(
             || vec![0f32; 2 * w],
             |scratch, (e, o)| {
-                let (m, sum) = scratch.split_at_mut(w);
                 let slots = &op.sources[e * span..(e + 1) * span];
-                m.fill(f32::NEG_INFINITY);
-                for (i, &s) in slots.iter().enumerate() {
-                    if s == GatedPool::EMPTY {
-                        continue;
-                    }
-                    let g = &x[s as usize * 2 * w + w..][..w];
-                    let b = &bias[i * w..][..w];
-                    for ((m, &g), &b) in m.iter_mut().zip(g).zip(b) {
-                        let z = g + b;
-                        if z > *m {
-                            *m = z;
-                        }
-                    }
-                }
-                sum.fill(0.0);
-                o.fill(0.0);
-                for (i, &s) in slots.iter().enumerate() {
-                    if s == GatedPool::EMPTY {
-                        continue;
-                    }
-                    let (v, g) = x[s as usize * 2 * w..][..2 * w].split_at(w);
-                    let b = &bias[i * w..][..w];
-                    for c in 0..w {
-                        let wt = exp_portable((g[c] + b[c]) - m[c]);
-                        sum[c] += wt;
-                        o[c] += wt * v[c];
-                    }
-                }
-                for (o, &s) in o.iter_mut().zip(sum.iter()) {
-                    *o /= s;
-                }
+                pool_entry(isa, o, scratch, slots, x, bias);
             },
         );
+}
+
+crate::isa_dispatch! {
+    /// One entry of [`GatedPool`] into `o` (`w = o.len()` channels) over its `slots`,
+    /// with `scratch` (`2w`) for the maxima and the sums.
+    fn pool_entry(
+        o: &mut [f32],
+        scratch: &mut [f32],
+        slots: &[u32],
+        x: &[f32],
+        bias: &[f32],
+    ) = |ISA| {
+        let w = o.len();
+        let (m, sum) = scratch.split_at_mut(w);
+        m.fill(f32::NEG_INFINITY);
+        for (i, &s) in slots.iter().enumerate() {
+            if s == GatedPool::EMPTY {
+                continue;
+            }
+            let g = &x[s as usize * 2 * w + w..][..w];
+            let b = &bias[i * w..][..w];
+            for ((m, &g), &b) in m.iter_mut().zip(g).zip(b) {
+                let z = g + b;
+                if z > *m {
+                    *m = z;
+                }
+            }
+        }
+        sum.fill(0.0);
+        o.fill(0.0);
+        for (i, &s) in slots.iter().enumerate() {
+            if s == GatedPool::EMPTY {
+                continue;
+            }
+            let (v, g) = x[s as usize * 2 * w..][..2 * w].split_at(w);
+            let b = &bias[i * w..][..w];
+            for c in 0..w {
+                let wt = exp_portable((g[c] + b[c]) - m[c]);
+                sum[c] += wt;
+                o[c] += wt * v[c];
+            }
+        }
+        for (o, &s) in o.iter_mut().zip(sum.iter()) {
+            *o /= s;
+        }
+    };
 }
 
 /// [`Embed`] on f32 slices (validated).
@@ -304,26 +385,24 @@ pub fn gather_rows(op: &GatherRows<'_>, x: &[f32], out: &mut [f32]) {
         });
 }
 
-/// [`Add`] on f32 slices (validated).
-pub fn add(op: &Add, x: &[f32], acc: &mut [f32]) {
+/// [`Add`] on f32 slices (validated), on the vector path `isa`.
+pub fn add(isa: CpuIsa, op: &Add, x: &[f32], acc: &mut [f32]) {
     let w = op.width;
     rows_mut(acc, &op.acc, op.rows)
         .with_min_len(ROW_CHUNK)
         .enumerate()
         .for_each(|(r, a)| {
             let xr = &x[op.x.offset + r * op.x.row_stride..][..w];
-            for (a, &v) in a[..w].iter_mut().zip(xr) {
-                *a += v;
-            }
+            add_row(isa, &mut a[..w], xr);
         });
 }
 
-/// Runs `f(row, group, src, dst)` for every `(row, group)` of a cast.
+/// Runs `convert(dst, src)` for the `width` elements of every `(row, group)` of a cast.
 fn cast_rows<S: Copy + Sync, D: Copy + Send>(
     op: &Cast,
     x: &[S],
     out: &mut [D],
-    convert: impl Fn(S) -> D + Sync,
+    convert: impl Fn(&mut [D], &[S]) + Sync,
 ) {
     if op.rows == 0 {
         return;
@@ -342,10 +421,7 @@ fn cast_rows<S: Copy + Sync, D: Copy + Send>(
             for g in 0..op.groups {
                 let src =
                     &x[op.x.offset + r * op.x.row_stride + g * op.x.group_stride..][..op.width];
-                let dst = &mut o[g * op.out.group_stride..][..op.width];
-                for (d, &s) in dst.iter_mut().zip(src) {
-                    *d = convert(s);
-                }
+                convert(&mut o[g * op.out.group_stride..][..op.width], src);
             }
         });
 }
@@ -392,7 +468,7 @@ impl ModelOps for CpuBackend {
         op.validate(x.len(), gamma.len(), out.len())?;
         let (x, gamma) = (x.typed::<f32>("x")?, gamma.typed::<f32>("gamma")?);
         let out = out.typed_mut::<f32>("out")?;
-        self.run(|| rms_norm(op, x, gamma, out));
+        self.run(|| rms_norm(self.isa, op, x, gamma, out));
         Ok(())
     }
 
@@ -406,7 +482,7 @@ impl ModelOps for CpuBackend {
         op.validate(table.len(), x.len(), out.len())?;
         let (table, x) = (table.typed::<f32>("table")?, x.typed::<f32>("x")?);
         let out = out.typed_mut::<f32>("out")?;
-        self.run(|| rope(op, table, x, out));
+        self.run(|| rope(self.isa, op, table, x, out));
         Ok(())
     }
 
@@ -414,7 +490,7 @@ impl ModelOps for CpuBackend {
         op.validate(gate_up.len(), out.len())?;
         let gate_up = gate_up.typed::<f32>("gate_up")?;
         let out = out.typed_mut::<f32>("out")?;
-        self.run(|| swiglu(op, gate_up, out));
+        self.run(|| swiglu(self.isa, op, gate_up, out));
         Ok(())
     }
 
@@ -438,7 +514,7 @@ impl ModelOps for CpuBackend {
         op.validate(x.len(), acc.len())?;
         let x = x.typed::<f32>("x")?;
         let acc = acc.typed_mut::<f32>("acc")?;
-        self.run(|| add(op, x, acc));
+        self.run(|| add(self.isa, op, x, acc));
         Ok(())
     }
 
@@ -448,22 +524,22 @@ impl ModelOps for CpuBackend {
             (DenseDtype::F32, DenseDtype::Bf16) => {
                 let x = x.typed::<f32>("x")?;
                 let out = out.typed_mut::<bf16>("out")?;
-                self.run(|| cast_rows(op, x, out, bf16::from_f32));
+                self.run(|| cast_rows(op, x, out, |o, x| f32_bf16_row(self.isa, o, x)));
             }
             (DenseDtype::Bf16, DenseDtype::F32) => {
                 let x = x.typed::<bf16>("x")?;
                 let out = out.typed_mut::<f32>("out")?;
-                self.run(|| cast_rows(op, x, out, bf16::to_f32));
+                self.run(|| cast_rows(op, x, out, |o, x| bf16_f32_row(self.isa, o, x)));
             }
             (DenseDtype::F32, DenseDtype::F32) => {
                 let x = x.typed::<f32>("x")?;
                 let out = out.typed_mut::<f32>("out")?;
-                self.run(|| cast_rows(op, x, out, |v| v));
+                self.run(|| cast_rows(op, x, out, <[f32]>::copy_from_slice));
             }
             (DenseDtype::Bf16, DenseDtype::Bf16) => {
                 let x = x.typed::<bf16>("x")?;
                 let out = out.typed_mut::<bf16>("out")?;
-                self.run(|| cast_rows(op, x, out, |v| v));
+                self.run(|| cast_rows(op, x, out, <[bf16]>::copy_from_slice));
             }
         }
         Ok(())
@@ -487,7 +563,34 @@ impl ModelOps for CpuBackend {
         op.validate(x.len(), bias.len(), out.len())?;
         let (x, bias) = (x.typed::<f32>("x")?, bias.typed::<f32>("bias")?);
         let out = out.typed_mut::<f32>("out")?;
-        self.run(|| gated_pool(op, x, bias, out));
+        self.run(|| gated_pool(self.isa, op, x, bias, out));
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// The f32 → bf16 row gives `bf16::from_f32`'s bits on every vector path, for every
+    /// top half with the low halves where the rounding decides (0, the tie, either side
+    /// of it, all ones) and a random one: NaNs of every payload and sign included.
+    #[test]
+    fn f32_bf16_row_is_half_from_f32() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        let x: Vec<f32> = (0..=u16::MAX as u32)
+            .flat_map(|hi| {
+                let r = rng.gen_range(0..0x1_0000u32);
+                [0, 0x7fff, 0x8000, 0x8001, 0xffff, r].map(move |lo| f32::from_bits(hi << 16 | lo))
+            })
+            .collect();
+        let want: Vec<u16> = x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+        for isa in CpuIsa::available() {
+            let mut o = vec![bf16::from_bits(0xdead); x.len()];
+            f32_bf16_row(isa, &mut o, &x);
+            let got: Vec<u16> = o.iter().map(|v| v.to_bits()).collect();
+            assert!(got == want, "{}", isa.isa().name());
+        }
     }
 }
