@@ -32,10 +32,10 @@ pub fn copy_pages(op: &CopyPages<'_>, src: &[u8], dst: &mut [u8]) {
 
 /// Checksums the pages on the vector path `isa`. Inputs are validated by the caller.
 ///
-/// Each task hashes a run of [`PAGES_PER_TASK`] pages and asks for the next page's first
-/// [`PREFETCH_BYTES`] while it hashes the current one (the pages are scattered over the
-/// pool, so the hardware's stream prefetchers start cold on each); inside a page the
-/// vector loops ask [`PREFETCH_BYTES`] ahead themselves.
+/// Each task hashes a run of 8 pages and asks for the next page's first 2 KiB while it
+/// hashes the current one (the pages are scattered over the pool, so the hardware's
+/// stream prefetchers start cold on each); inside a page the vector loops ask 2 KiB ahead
+/// themselves.
 pub fn page_checksums(isa: CpuIsa, op: &PageChecksums<'_>, pool: &[u8], out: &mut [u64]) {
     let page = |id: i32| &pool[op.region.page_range(id as usize)];
     out.par_chunks_mut(PAGES_PER_TASK)
