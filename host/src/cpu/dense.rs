@@ -12,6 +12,7 @@ use rayon::prelude::*;
 use sparsekit_kernels::math::exp_portable;
 
 use super::buffer::CpuBuffer;
+use super::dot::round_bf16;
 use super::gemm::{gemm_acc, Dims};
 use super::{CpuBackend, CpuIsa};
 use crate::error::Result;
@@ -189,7 +190,7 @@ pub fn rms_norm(isa: CpuIsa, op: &RmsNorm, x: &[f32], gamma: &[f32], out: &mut [
 // The row bodies of the element-wise ops, compiled for each vector path (the baseline
 // x86-64 build has no FMA: `mul_add` there is a call of the C library's `fmaf`, and its
 // loops are 128-bit at most). The same operations in the same order on every path, so
-// the same bits (`every_path_gives_the_scalar_bits`).
+// the same bits (`tests/model_ops.rs` compares every path with the GPU kernels).
 
 crate::isa_dispatch! {
     /// One row of [`RmsNorm`]: `o[i] = (x[i] · inv) · gamma[i]`, `inv = 1 / sqrt(Σ x² /
@@ -241,16 +242,11 @@ crate::isa_dispatch! {
 }
 
 crate::isa_dispatch! {
-    /// One row of an f32 → bf16 [`Cast`]: round to nearest even, a NaN's top half with
-    /// the quiet bit set — `bf16::from_f32`'s bits, as integer operations and one select
-    /// that vectorise (`half`'s branches do not).
+    /// One row of an f32 → bf16 [`Cast`]: `bf16::from_f32`'s bits by [`round_bf16`],
+    /// whose rows vectorise (`half`'s branches do not).
     fn f32_bf16_row(o: &mut [bf16], x: &[f32]) = |ISA| {
         for (o, &v) in o.iter_mut().zip(x) {
-            let b = v.to_bits();
-            // (Wraps for some NaN patterns only, whose result is the select's other arm.)
-            let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16;
-            let nan = (b & 0x7fff_ffff) > 0x7f80_0000;
-            *o = bf16::from_bits(if nan { (b >> 16) | 0x40 } else { rounded } as u16);
+            *o = bf16::from_bits(round_bf16(v));
         }
     };
 }
