@@ -10,7 +10,7 @@ use rayon::prelude::*;
 use sparsekit_kernels::fp8::bf16_to_f32;
 use sparsekit_kernels::mx;
 
-use super::isa::CpuIsa;
+use super::isa::{CpuIsa, Isa};
 #[cfg(doc)]
 use crate::dtype::amax_bf16;
 use crate::dtype::{e4m3_encode, index_k_scale, kv_tile_scale};
@@ -89,7 +89,10 @@ crate::isa_dispatch! {
             IndexKDtype::Fp8E4m3 { scale } => scales_ahead(
                 slots.len(),
                 #[inline(always)]
-                |i| index_k_scale(amax(row(keys, i, d)), scale),
+                |i| {
+                    let s = index_k_scale(amax(row(keys, i, d)), scale);
+                    (s, Divisor::new(ISA, s))
+                },
                 #[inline(always)]
                 |i, s| {
                     if slots[i] >= 0 {
@@ -97,7 +100,7 @@ crate::isa_dispatch! {
                         // are disjoint.
                         let (values, scale) =
                             unsafe { spans.index_k_entry(layout, slots[i] as usize) };
-                        put_fp8_key(values, scale, row(keys, i, d), s);
+                        put_fp8_key(ISA, values, scale, row(keys, i, d), s);
                     }
                 },
             ),
@@ -106,7 +109,7 @@ crate::isa_dispatch! {
                     if slot >= 0 {
                         // SAFETY: as above.
                         let (values, scales) = unsafe { spans.index_k_entry(layout, slot as usize) };
-                        write_index_k_entry(layout, values, scales, row(keys, i, d));
+                        write_index_k_entry(ISA, layout, values, scales, row(keys, i, d));
                     }
                 }
             }
@@ -153,7 +156,7 @@ crate::isa_dispatch! {
                     // SAFETY: validated slots are unique, and distinct slots' spans are
                     // disjoint.
                     let (token, scales) = unsafe { spans.kv_token(layout, slot as usize) };
-                    write_kv_row(layout, token, scales, row(kv, i, d));
+                    write_kv_row(ISA, layout, token, scales, row(kv, i, d));
                 }
             }
         };
@@ -257,7 +260,7 @@ crate::isa_dispatch! {
     ) = |ISA| {
         let scales = layout.scale_range(offset).unwrap_or(0..0);
         let (values, scales) = two_spans(page, layout.value_range(offset), scales);
-        write_index_k_entry(layout, values, scales, key)
+        write_index_k_entry(ISA, layout, values, scales, key)
     };
 }
 
@@ -265,11 +268,18 @@ crate::isa_dispatch! {
 /// into each path's compilation (so are [`amax`], [`quantize`] and
 /// [`quantize_fp4_group`]).
 #[inline(always)]
-fn write_index_k_entry(layout: &IndexKLayout, values: &mut [u8], scales: &mut [u8], key: &[bf16]) {
+fn write_index_k_entry(
+    isa: CpuIsa,
+    layout: &IndexKLayout,
+    values: &mut [u8],
+    scales: &mut [u8],
+    key: &[bf16],
+) {
     match layout.dtype() {
         IndexKDtype::Bf16 => put_bf16(values, key),
         IndexKDtype::Fp8E4m3 { scale } => {
-            put_fp8_key(values, scales, key, index_k_scale(amax(key), scale))
+            let s = index_k_scale(amax(key), scale);
+            put_fp8_key(isa, values, scales, key, (s, Divisor::new(isa, s)))
         }
         IndexKDtype::Fp4E2m1 => {
             for ((dst, group), sc) in values
@@ -283,11 +293,17 @@ fn write_index_k_entry(layout: &IndexKLayout, values: &mut [u8], scales: &mut [u
     }
 }
 
-/// Writes an fp8 index key quantised with scale `s` into `values`, and the scale (f32,
-/// little-endian) into `scale`.
+/// Writes an fp8 index key quantised with scale `s` (divided as `divisor`, its
+/// [`Divisor`]) into `values`, and the scale (f32, little-endian) into `scale`.
 #[inline(always)]
-fn put_fp8_key(values: &mut [u8], scale: &mut [u8], key: &[bf16], s: f32) {
-    quantize(values, key, s);
+fn put_fp8_key(
+    isa: CpuIsa,
+    values: &mut [u8],
+    scale: &mut [u8],
+    key: &[bf16],
+    (s, divisor): (f32, Divisor),
+) {
+    divisor.quantize(isa, values, key);
     scale.copy_from_slice(&s.to_le_bytes());
 }
 
@@ -360,14 +376,14 @@ crate::isa_dispatch! {
         |ISA| {
             let scales = layout.scale_entry_range(offset).unwrap_or(0..0);
             let (token, scales) = two_spans(page, layout.token_range(offset), scales);
-            write_kv_row(layout, token, scales, kv)
+            write_kv_row(ISA, layout, token, scales, kv)
         };
 }
 
 /// Writes one KV token into its row and (model1_fp8) its 8 scale-section bytes: the 7
 /// ue8m0 tile scales and the pad byte (0). Inlined into each path's compilation.
 #[inline(always)]
-fn write_kv_row(layout: &KvLayout, token: &mut [u8], scales: &mut [u8], kv: &[bf16]) {
+fn write_kv_row(isa: CpuIsa, layout: &KvLayout, token: &mut [u8], scales: &mut [u8], kv: &[bf16]) {
     let (nope, rope) = kv.split_at(layout.nope_dim());
     match layout.dtype() {
         KvDtype::Bf16 | KvDtype::Bf16x512 => put_bf16(&mut token[layout.nope_range()], nope),
@@ -378,6 +394,7 @@ fn write_kv_row(layout: &KvLayout, token: &mut [u8], scales: &mut [u8], kv: &[bf
                 #[inline(always)]
                 |t, tile, s| {
                     quantize(
+                        isa,
                         &mut token[t * FP8_DS_MLA_TILE..(t + 1) * FP8_DS_MLA_TILE],
                         tile,
                         s,
@@ -392,7 +409,12 @@ fn write_kv_row(layout: &KvLayout, token: &mut [u8], scales: &mut [u8], kv: &[bf
                 nope,
                 #[inline(always)]
                 |t, tile, s| {
-                    quantize(&mut token[t * MODEL1_TILE..(t + 1) * MODEL1_TILE], tile, s);
+                    quantize(
+                        isa,
+                        &mut token[t * MODEL1_TILE..(t + 1) * MODEL1_TILE],
+                        tile,
+                        s,
+                    );
                     bytes[t] = mx::ue8m0_encode(s);
                 },
             );
@@ -425,10 +447,14 @@ fn row<T>(xs: &[T], i: usize, n: usize) -> &[T] {
 /// before their calls: the scales' reductions and divisions are independent chains the
 /// CPU overlaps, where one item at a time would wait for each scale before quantising.
 #[inline(always)]
-fn scales_ahead(n: usize, scale: impl Fn(usize) -> f32, mut f: impl FnMut(usize, f32)) {
+fn scales_ahead<S: Copy + Default>(
+    n: usize,
+    scale: impl Fn(usize) -> S,
+    mut f: impl FnMut(usize, S),
+) {
     for start in (0..n).step_by(TILE_BLOCK) {
         let end = (start + TILE_BLOCK).min(n);
-        let mut scales = [0f32; TILE_BLOCK];
+        let mut scales = [S::default(); TILE_BLOCK];
         for (i, s) in (start..end).zip(&mut scales) {
             *s = scale(i);
         }
@@ -468,25 +494,322 @@ fn amax(xs: &[bf16]) -> f32 {
     bf16_to_f32(lanes.iter().copied().fold(m, u16::max))
 }
 
-/// `dst[i] = e4m3(src[i] / s)` (identical results on every vector path: the encoder is
-/// branch-free integer/f32 arithmetic). When `s` is a power of two whose reciprocal is a
-/// normal float (every KV tile scale, every ue8m0 index-K scale), the quotient is exact
-/// and found on the bf16 bits ([`quantize_pow2`]), else `x / s` is computed in f32.
+/// `dst[i] = e4m3(src[i] / s)` (identical results on every vector path: the encoders are
+/// branch-free integer/f32 arithmetic); see [`Divisor`].
 #[inline(always)]
-fn quantize(dst: &mut [u8], src: &[bf16], s: f32) {
-    let exp = (s.to_bits() >> 23) & 0xff;
-    if s.to_bits() & 0x807f_ffff == 0 && (POW2_EXP_MIN..=253).contains(&exp) {
-        quantize_pow2(dst, src, exp as i32 - 127);
-    } else {
-        divide(dst, src, s);
+fn quantize(isa: CpuIsa, dst: &mut [u8], src: &[bf16], s: f32) {
+    Divisor::new(isa, s).quantize(isa, dst, src);
+}
+
+/// How values are divided by one scale `s` and encoded as e4m3: found once per scale (a
+/// store computes a block of them ahead, [`scales_ahead`]), then used for its values.
+#[derive(Clone, Copy, Debug, Default)]
+enum Divisor {
+    /// `s = 2^k` with a normal reciprocal (every KV tile scale, every ue8m0 index-K
+    /// scale): the quotient is exact and found on the bf16 bits ([`quantize_pow2`]).
+    Pow2(i32),
+    /// Other scales with a [`DivisionPlan`], on the AVX2 and portable paths: integer
+    /// steps on the bf16 bits, the blocks the plan leaves undecided divided in f32.
+    Plan(f32, DivisionPlan),
+    /// Each quotient `x / s` computed in f32 (on the AVX-512 paths, 16 divisions a
+    /// vector, as fast as the plan's byte steps there).
+    Exact(f32),
+    /// No scale (the unused entries of a block computed ahead).
+    #[default]
+    Unused,
+}
+
+impl Divisor {
+    /// How the vector path `isa` divides by `s`.
+    #[inline(always)]
+    fn new(isa: CpuIsa, s: f32) -> Self {
+        let exp = (s.to_bits() >> 23) & 0xff;
+        if s.to_bits() & 0x807f_ffff == 0 && (POW2_EXP_MIN..=253).contains(&exp) {
+            return Divisor::Pow2(exp as i32 - 127);
+        }
+        if matches!(isa.isa(), Isa::Avx2 | Isa::Scalar) {
+            if let Some(plan) = DivisionPlan::new(s) {
+                return Divisor::Plan(s, plan);
+            }
+        }
+        Divisor::Exact(s)
+    }
+
+    /// `dst[i] = e4m3(src[i] / s)`.
+    #[inline(always)]
+    fn quantize(self, isa: CpuIsa, dst: &mut [u8], src: &[bf16]) {
+        match self {
+            Divisor::Pow2(k) => quantize_pow2(dst, src, k),
+            Divisor::Plan(s, plan) => plan.quantize(isa, dst, src, s),
+            Divisor::Exact(s) => divide_exactly(dst, src, s),
+            Divisor::Unused => {}
+        }
     }
 }
 
-/// `dst[i] = e4m3(src[i] / s)` by division.
+/// `dst[i] = e4m3(src[i] / s)`, each quotient computed in f32.
 #[inline(always)]
-fn divide(dst: &mut [u8], src: &[bf16], s: f32) {
+fn divide_exactly(dst: &mut [u8], src: &[bf16], s: f32) {
     for (d, v) in dst.iter_mut().zip(src) {
         *d = encode_lanes(bf16_to_f32(v.to_bits()) / s);
+    }
+}
+
+/// The division by one scale `s` as integer steps on bf16 patterns, with no division per
+/// value.
+///
+/// For a normal bf16 `x = (1 + m/128)·2^(E−127)` and `s = M·2^(e−127)` (`M` in `[1, 2)`),
+/// the f32 quotient is `RN((1 + m/128) / M)·2^(E−e)` whenever it is a normal f32, and the
+/// e4m3 rounding of a normal value looks at mantissa bits only, so the code is
+/// `R(m) + 8·(E − e) − 960`, where `R(m)` is the rounded 23-bit pattern of
+/// `RN((1 + m/128) / M)` shifted by 20 (`e4m3_encode`'s normal branch before its rebias).
+/// `R` is non-decreasing in `m` and its 128 values span at most 8 steps (a factor below 2
+/// holds at most 8 of e4m3's rounding points): `R(m) = R(0) + #{j : m ≥ t_j}` for eight
+/// thresholds, found per scale without dividing per `m` ([`DivisionPlan::new`]). A value's
+/// code is then its exponent field and 8 byte compares.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct DivisionPlan {
+    /// `t_j − 1` as signed bytes (`−1..=127`): `R` steps up at mantissas `m > t_j − 1`.
+    steps: [i8; 8],
+    /// `R(0) mod 8`: the offset of `F` (below) at exponent difference 0.
+    offset: u8,
+    /// The bf16 exponent field at which the clamped difference `D` starts (see
+    /// [`DivisionPlan::encode_block`]).
+    e_base: u8,
+}
+
+/// `F = code + F_BIAS` keeps the codes that matter in a byte: `F < 16` rounds to ±0 (the
+/// quotient is below `2^-10`), `16 ≤ F < 56` is e4m3's subnormal range (left to the
+/// division), `56..=174` the normal codes `8..=126`, above saturates.
+const F_BIAS: u8 = 48;
+/// The largest clamped exponent difference: `F ≥ 8·22 ≥ 126 + F_BIAS` saturates.
+const D_MAX: u8 = 22;
+
+/// The part of a [`DivisionPlan`] that depends on the scale's mantissa only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct PlanShape {
+    /// The scale's 23 mantissa bits (`u32::MAX` in the unused entries of [`KNOWN_SHAPES`]).
+    frac: u32,
+    /// As [`DivisionPlan::steps`].
+    steps: [i8; 8],
+    /// `R(0)`: the rounded pattern of `RN(1 / M)`.
+    base: u32,
+}
+
+impl PlanShape {
+    /// The shape of the scales with mantissa bits `frac` (`M = 1 + frac·2^-23`).
+    const fn new(frac: u32) -> Self {
+        let base = rounded_pattern((1.0 / f32::from_bits(frac | 127 << 23)).to_bits());
+        // `M·2^23`.
+        let m_s = (frac | 1 << 23) as u64;
+        let mut steps = [0i8; 8];
+        let mut j = 0;
+        while j < 8 {
+            // The smallest f32 pattern `g` whose rounded pattern is `c = base + j + 1`: the
+            // half-way point below `c` rounds up to `c` when `c` is even, else the next
+            // pattern. `RN(q) ≥ g` exactly when `q` reaches the midpoint `μ` between `g`
+            // and the f32 below it (a tie at `μ` rounds to the even one of the two: `g`
+            // when `g` is even). With `q = (128 + m) / (128·M)`, that is `128 + m ≥
+            // 128·μ·M` (strictly when `g` is odd), where `μ = (2^24 + 2·g_frac − 1)·
+            // 2^(g_exp − 151)`: `128·μ·M = a·m_s / 2^(167 − g_exp)`, exact in u64.
+            let c = base + j as u32 + 1;
+            let g = (c << 20) - 0x8_0000 + (c & 1);
+            let a = ((g & 0x7f_ffff) << 1 | 1 << 24) as u64 - 1;
+            let k = 167 - (g >> 23);
+            let p = a * m_s;
+            let t = if g & 1 == 0 {
+                (p + (1 << k) - 1) >> k
+            } else {
+                (p >> k) + 1
+            };
+            // `t − 128` clamped to `0..=128`, minus one.
+            let t = if t < 128 {
+                0
+            } else if t > 256 {
+                128
+            } else {
+                t - 128
+            };
+            steps[j] = (t as i16 - 1) as i8;
+            j += 1;
+        }
+        PlanShape { frac, steps, base }
+    }
+}
+
+/// `e4m3_encode`'s normal code of the positive f32 pattern `b` before its rebias: `b`
+/// rounded to nearest even at bit 20, shifted down by 20.
+const fn rounded_pattern(b: u32) -> u32 {
+    (b + 0x7_ffff + ((b >> 20) & 1)) >> 20
+}
+
+/// The shapes of the V3.2 index-K scales `max(amax, 1e-4) / 448` (a bf16 `amax` has 128
+/// mantissas), found at compile time, in the entry of their top 8 mantissa bits (one
+/// scale an entry: checked when the table is built).
+static KNOWN_SHAPES: [PlanShape; 256] = known_shapes();
+
+const fn known_shapes() -> [PlanShape; 256] {
+    let unused = PlanShape {
+        frac: u32::MAX,
+        steps: [0; 8],
+        base: 0,
+    };
+    let mut table = [unused; 256];
+    let mut i = 0;
+    while i <= 128 {
+        let amax = if i < 128 {
+            f32::from_bits(127 << 23 | i << 16)
+        } else {
+            sparsekit_kernels::fp8::SCALE_FLOOR
+        };
+        let frac = (amax / sparsekit_kernels::fp8::E4M3_MAX).to_bits() & 0x7f_ffff;
+        let at = (frac >> 15) as usize;
+        assert!(
+            table[at].frac == u32::MAX,
+            "two index-K scales share an entry"
+        );
+        table[at] = PlanShape::new(frac);
+        i += 1;
+    }
+    table
+}
+
+impl DivisionPlan {
+    /// The plan of scale `s`, or `None` where the integer steps would not hold: `s` not a
+    /// positive normal f32 with biased exponent in `13..=230` (below, a subnormal or
+    /// zero `x` could leave the rounding-to-zero range; above, ±inf and NaN inputs sit
+    /// inside the clamped exponent range). The index-K scales' shapes come from
+    /// [`KNOWN_SHAPES`], others are computed (about 8 multiplies).
+    #[inline(always)]
+    fn new(s: f32) -> Option<Self> {
+        let bits = s.to_bits();
+        let e = bits >> 23;
+        if !(13..=230).contains(&e) {
+            return None;
+        }
+        let frac = bits & 0x7f_ffff;
+        let known = &KNOWN_SHAPES[(frac >> 15) as usize];
+        let shape = if known.frac == frac {
+            *known
+        } else {
+            PlanShape::new(frac)
+        };
+        // F = R(m) − R(0) + 8·D + offset with D = E − e_base: 8·e_base = 8·e + 912 −
+        // R(0) + offset, so that F = code + F_BIAS.
+        Some(DivisionPlan {
+            steps: shape.steps,
+            offset: (shape.base & 7) as u8,
+            e_base: (e + 114 - (shape.base >> 3)) as u8,
+        })
+    }
+
+    /// `dst[i] = e4m3(src[i] / s)`: blocks of 32 on the bf16 patterns, the blocks left
+    /// undecided and the values past the last whole block by f32 division.
+    #[inline(always)]
+    fn quantize(&self, isa: CpuIsa, dst: &mut [u8], src: &[bf16], s: f32) {
+        let mut blocks = dst.chunks_exact_mut(32).zip(src.chunks_exact(32));
+        for (d, x) in blocks.by_ref() {
+            if !self.encode_block(isa, d, x) {
+                divide_exactly(d, x, s);
+            }
+        }
+        let n = src.len() / 32 * 32;
+        divide_exactly(&mut dst[n..], &src[n..], s);
+    }
+
+    /// Writes the codes of 32 values, or returns `false` (leaving `dst` to be rewritten)
+    /// when one of them falls in e4m3's subnormal range. Byte lanes, no branch: the
+    /// exponent difference `D = E − e_base` clamped to `0..=D_MAX` (below, the code is
+    /// ±0; above, saturated, ±inf included), `F = R(m) − R(0) + 8·D + offset`, the code
+    /// `min(F, 126 + F_BIAS) − F_BIAS` (saturating at 0), NaN one above 126, the sign
+    /// bit on top.
+    #[inline(always)]
+    fn encode_block(&self, isa: CpuIsa, dst: &mut [u8], src: &[bf16]) -> bool {
+        match isa.isa() {
+            // SAFETY: a `CpuIsa` names only a path this CPU supports (AVX2 is part of
+            // each of these).
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Bf16 | Isa::Avx512 | Isa::Avx2 => unsafe {
+                self.encode_block_avx2(dst, src)
+            },
+            _ => self.encode_block_portable(dst, src),
+        }
+    }
+
+    /// [`DivisionPlan::encode_block`] in AVX2 byte lanes: the 32 patterns packed to their
+    /// mantissa, exponent and sign bytes, then one 32-byte vector per step.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn encode_block_avx2(&self, dst: &mut [u8], src: &[bf16]) -> bool {
+        use std::arch::x86_64::*;
+        assert!(dst.len() >= 32 && src.len() >= 32, "a block is 32 values");
+        // SAFETY: 32 bf16 (64 bytes) read, 32 bytes written: in bounds (asserted).
+        let (h0, h1) = unsafe {
+            (
+                _mm256_loadu_si256(src.as_ptr().cast()),
+                _mm256_loadu_si256(src.as_ptr().add(16).cast()),
+            )
+        };
+        let low7 = _mm256_set1_epi16(0x7f);
+        let low8 = _mm256_set1_epi16(0xff);
+        // Bytes in the order 0–7, 16–23, 8–15, 24–31 (the packs work per 128-bit lane),
+        // put back by the final permute.
+        let m = _mm256_packus_epi16(_mm256_and_si256(h0, low7), _mm256_and_si256(h1, low7));
+        let e = _mm256_packus_epi16(
+            _mm256_and_si256(_mm256_srli_epi16::<7>(h0), low8),
+            _mm256_and_si256(_mm256_srli_epi16::<7>(h1), low8),
+        );
+        // Signed saturation keeps each pattern's sign in its byte's top bit.
+        let sign = _mm256_and_si256(_mm256_packs_epi16(h0, h1), _mm256_set1_epi8(-128));
+        let mut f = _mm256_set1_epi8(self.offset as i8);
+        for &t in &self.steps {
+            f = _mm256_sub_epi8(f, _mm256_cmpgt_epi8(m, _mm256_set1_epi8(t)));
+        }
+        let d = _mm256_min_epu8(
+            _mm256_subs_epu8(e, _mm256_set1_epi8(self.e_base as i8)),
+            _mm256_set1_epi8(D_MAX as i8),
+        );
+        // `d ≤ 22`: the 16-bit shift moves no bit across a byte.
+        let f = _mm256_add_epi8(f, _mm256_slli_epi16::<3>(d));
+        let below = _mm256_sub_epi8(f, _mm256_set1_epi8(16));
+        let undecided = _mm256_cmpeq_epi8(_mm256_min_epu8(below, _mm256_set1_epi8(39)), below);
+        let mag = _mm256_subs_epu8(
+            _mm256_min_epu8(f, _mm256_set1_epi8((126 + F_BIAS) as i8)),
+            _mm256_set1_epi8(F_BIAS as i8),
+        );
+        let nan = _mm256_and_si256(
+            _mm256_cmpeq_epi8(e, _mm256_set1_epi8(-1)),
+            _mm256_cmpgt_epi8(m, _mm256_setzero_si256()),
+        );
+        let code = _mm256_or_si256(_mm256_sub_epi8(mag, nan), sign);
+        let code = _mm256_permute4x64_epi64::<0b11_01_10_00>(code);
+        // SAFETY: as above.
+        unsafe { _mm256_storeu_si256(dst.as_mut_ptr().cast(), code) };
+        _mm256_movemask_epi8(undecided) == 0
+    }
+
+    /// [`DivisionPlan::encode_block`] lane by lane (the vector paths' steps).
+    #[inline(always)]
+    fn encode_block_portable(&self, dst: &mut [u8], src: &[bf16]) -> bool {
+        let mut lowest = u8::MAX;
+        for (d, x) in dst[..32].iter_mut().zip(&src[..32]) {
+            let h = x.to_bits();
+            let e = (h >> 7) as u8;
+            let m = (h & 0x7f) as i8;
+            let mut f = self.offset;
+            for &t in &self.steps {
+                f += (m > t) as u8;
+            }
+            f += e.saturating_sub(self.e_base).min(D_MAX) << 3;
+            lowest = lowest.min(f.wrapping_sub(16));
+            let mag = f.min(126 + F_BIAS).saturating_sub(F_BIAS) + (e == 0xff && m != 0) as u8;
+            *d = ((h >> 8) as u8 & 0x80) | mag;
+        }
+        lowest >= 40
     }
 }
 
@@ -573,7 +896,7 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     crate::isa_dispatch! {
-        fn quantize_on(dst: &mut [u8], src: &[bf16], s: f32) = |ISA| quantize(dst, src, s);
+        fn quantize_on(dst: &mut [u8], src: &[bf16], s: f32) = |ISA| quantize(ISA, dst, src, s);
     }
 
     crate::isa_dispatch! {
@@ -743,8 +1066,9 @@ mod tests {
     /// Every vector path of `quantize` gives the bytes of the division (e4m3 of the f32
     /// quotient) for every bf16 value (NaN, infinities, subnormals included): at every
     /// power-of-two scale (the 16-bit path), at random normal scales (the V3.2 index-K
-    /// `amax / 448`, divided) and special ones, over a length with a tail past the last
-    /// block of 32.
+    /// `amax / 448`: division plans on the AVX2 and portable paths, divided on AVX-512;
+    /// the plans' exponent range edges) and special ones, over a length with a tail past
+    /// the last block of 32.
     #[test]
     fn quantize_matches_division_bitwise() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
@@ -766,6 +1090,11 @@ mod tests {
             let amax = bf16::from_bits(rng.gen_range(0x0080..0x7f80)).to_f32();
             amax / 448.0
         }));
+        // At the edges of the division plans' exponent range, random mantissas.
+        scales.extend(
+            [11u32, 12, 13, 14, 229, 230, 231, 232]
+                .map(|e| f32::from_bits(e << 23 | rng.gen_range(1..1 << 23))),
+        );
         let mut dst = vec![0u8; src.len()];
         for isa in CpuIsa::available() {
             for &s in &scales {
@@ -781,6 +1110,123 @@ mod tests {
                         v.to_bits()
                     );
                 }
+            }
+        }
+    }
+
+    /// The compile-time table holds, for every index-K scale (every bf16 `amax` mantissa,
+    /// and the floor), the shape computed at run time, under its own mantissa.
+    #[test]
+    fn known_shapes_are_the_index_k_scales_shapes() {
+        let mut found = 0;
+        for amax in (0..128u32)
+            .map(|m| f32::from_bits(127 << 23 | m << 16))
+            .chain([sparsekit_kernels::fp8::SCALE_FLOOR])
+        {
+            for e in [-60, -3, 0, 7, 40] {
+                let s = index_k_scale(amax * 2f32.powi(e), crate::dtype::ScaleFormat::Fp32);
+                let frac = s.to_bits() & 0x7f_ffff;
+                let known = KNOWN_SHAPES[(frac >> 15) as usize];
+                if amax == sparsekit_kernels::fp8::SCALE_FLOOR && e < 0 {
+                    continue; // floored: the same scale as e = 0.
+                }
+                assert_eq!(known.frac, frac, "amax {amax:e} · 2^{e}");
+                assert_eq!(known, PlanShape::new(frac));
+                found += 1;
+            }
+        }
+        assert_eq!(found, 128 * 5 + 3);
+        let used = KNOWN_SHAPES.iter().filter(|k| k.frac != u32::MAX).count();
+        assert_eq!(used, 129);
+    }
+
+    /// A plan's steps are the f32 division's: for every mantissa `m` of a bf16 in
+    /// `[1, 2)`, the rounded pattern of `RN((1 + m/128) / M)` is `R(0)` plus the steps at
+    /// or below `m`, for random mantissas `M` and every index-K scale's.
+    #[test]
+    fn plan_steps_are_the_division_steps() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        let fracs = (0..4096)
+            .map(|_| rng.gen_range(0..1u32 << 23))
+            .chain([0, 1, 0x7f_ffff, 0x40_0000, 0x3f_ffff])
+            .chain(
+                KNOWN_SHAPES
+                    .iter()
+                    .map(|k| k.frac)
+                    .filter(|&f| f != u32::MAX),
+            );
+        for frac in fracs {
+            let shape = PlanShape::new(frac);
+            let m_s = f32::from_bits(127 << 23 | frac);
+            for m in 0..128u32 {
+                let q = f32::from_bits(127 << 23 | m << 16) / m_s;
+                let steps = shape
+                    .steps
+                    .iter()
+                    .filter(|&&t| m as i32 > i32::from(t))
+                    .count();
+                assert_eq!(
+                    rounded_pattern(q.to_bits()),
+                    shape.base + steps as u32,
+                    "mantissa {frac:#08x}, m {m}"
+                );
+            }
+        }
+    }
+
+    crate::isa_dispatch! {
+        fn encode_block_on(plan: &DivisionPlan, dst: &mut [u8], src: &[bf16]) -> bool =
+            |ISA| plan.encode_block(ISA, dst, src);
+    }
+
+    /// Blocks whose quotients are all in e4m3's normal range (or round to zero, or
+    /// saturate; ±inf and NaN too) are decided by the plan alone, on every path, with the
+    /// division's codes; one value in the subnormal range leaves the block undecided.
+    #[test]
+    fn plans_decide_blocks_outside_the_subnormal_range() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        let mut dst = [0u8; 32];
+        for _ in 0..2000 {
+            let amax = bf16::from_bits(rng.gen_range(0x0d00..0x7000)).to_f32();
+            let s = index_k_scale(amax, crate::dtype::ScaleFormat::Fp32);
+            let plan = DivisionPlan::new(s).unwrap();
+            let mut src: Vec<bf16> = (0..32)
+                .map(|_| {
+                    let q = match rng.gen_range(0..8) {
+                        0 => 2f32.powi(-12) * rng.gen::<f32>(),
+                        1 => 448.0 * rng.gen_range(1.0f32..1e6),
+                        2 => f32::INFINITY,
+                        3 => f32::NAN,
+                        _ => rng.gen_range(1.0f32 / 64.0..448.0),
+                    };
+                    let sign = if rng.gen() { -1.0 } else { 1.0 };
+                    bf16::from_f32(sign * q * s)
+                })
+                .collect();
+            for isa in CpuIsa::available() {
+                // Values rounded into bf16 can leave the ranges above by a rounding step.
+                let undecided = src.iter().any(|v| {
+                    let q = (bf16_to_f32(v.to_bits()) / s).abs();
+                    (2f32.powi(-11)..1.0 / 64.0 * 1.01).contains(&q)
+                });
+                dst.fill(0xaa);
+                let decided = encode_block_on(isa, &plan, &mut dst, &src);
+                if !undecided {
+                    assert!(decided, "{} scale {s:e}", isa.isa());
+                }
+                if decided {
+                    for (d, v) in dst.iter().zip(&src) {
+                        assert_eq!(*d, e4m3_encode(bf16_to_f32(v.to_bits()) / s));
+                    }
+                }
+            }
+            src[rng.gen_range(0..32)] = bf16::from_f32(s / 128.0);
+            for isa in CpuIsa::available() {
+                assert!(
+                    !encode_block_on(isa, &plan, &mut dst, &src),
+                    "{}",
+                    isa.isa()
+                );
             }
         }
     }
