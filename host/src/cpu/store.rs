@@ -91,7 +91,7 @@ crate::isa_dispatch! {
                 #[inline(always)]
                 |i| {
                     let s = index_k_scale(amax(row(keys, i, d)), scale);
-                    (s, Divisor::new(ISA, s))
+                    (s, Divisor::new(s))
                 },
                 #[inline(always)]
                 |i, s| {
@@ -279,7 +279,7 @@ fn write_index_k_entry(
         IndexKDtype::Bf16 => put_bf16(values, key),
         IndexKDtype::Fp8E4m3 { scale } => {
             let s = index_k_scale(amax(key), scale);
-            put_fp8_key(isa, values, scales, key, (s, Divisor::new(isa, s)))
+            put_fp8_key(isa, values, scales, key, (s, Divisor::new(s)))
         }
         IndexKDtype::Fp4E2m1 => {
             for ((dst, group), sc) in values
@@ -498,7 +498,7 @@ fn amax(xs: &[bf16]) -> f32 {
 /// branch-free integer/f32 arithmetic); see [`Divisor`].
 #[inline(always)]
 fn quantize(isa: CpuIsa, dst: &mut [u8], src: &[bf16], s: f32) {
-    Divisor::new(isa, s).quantize(isa, dst, src);
+    Divisor::new(s).quantize(isa, dst, src);
 }
 
 /// How values are divided by one scale `s` and encoded as e4m3: found once per scale (a
@@ -508,11 +508,10 @@ enum Divisor {
     /// `s = 2^k` with a normal reciprocal (every KV tile scale, every ue8m0 index-K
     /// scale): the quotient is exact and found on the bf16 bits ([`quantize_pow2`]).
     Pow2(i32),
-    /// Other scales with a [`DivisionPlan`], on the AVX2 and portable paths: integer
-    /// steps on the bf16 bits, the blocks the plan leaves undecided divided in f32.
+    /// Other scales with a [`DivisionPlan`]: integer steps on the bf16 bits, the blocks
+    /// the plan leaves undecided divided in f32.
     Plan(f32, DivisionPlan),
-    /// Each quotient `x / s` computed in f32 (on the AVX-512 paths, 16 divisions a
-    /// vector, as fast as the plan's byte steps there).
+    /// Each quotient `x / s` computed in f32 (scales outside the plans' range).
     Exact(f32),
     /// No scale (the unused entries of a block computed ahead).
     #[default]
@@ -520,19 +519,17 @@ enum Divisor {
 }
 
 impl Divisor {
-    /// How the vector path `isa` divides by `s`.
+    /// How values are divided by `s`.
     #[inline(always)]
-    fn new(isa: CpuIsa, s: f32) -> Self {
+    fn new(s: f32) -> Self {
         let exp = (s.to_bits() >> 23) & 0xff;
         if s.to_bits() & 0x807f_ffff == 0 && (POW2_EXP_MIN..=253).contains(&exp) {
             return Divisor::Pow2(exp as i32 - 127);
         }
-        if matches!(isa.isa(), Isa::Avx2 | Isa::Scalar) {
-            if let Some(plan) = DivisionPlan::new(s) {
-                return Divisor::Plan(s, plan);
-            }
+        match DivisionPlan::new(s) {
+            Some(plan) => Divisor::Plan(s, plan),
+            None => Divisor::Exact(s),
         }
-        Divisor::Exact(s)
     }
 
     /// `dst[i] = e4m3(src[i] / s)`.
@@ -707,6 +704,21 @@ impl DivisionPlan {
     /// undecided and the values past the last whole block by f32 division.
     #[inline(always)]
     fn quantize(&self, isa: CpuIsa, dst: &mut [u8], src: &[bf16], s: f32) {
+        // The AVX-512 paths take two blocks a vector.
+        #[cfg(target_arch = "x86_64")]
+        let (dst, src) = if matches!(isa.isa(), Isa::Avx512Bf16 | Isa::Avx512) {
+            for (d, x) in dst.chunks_exact_mut(64).zip(src.chunks_exact(64)) {
+                // SAFETY: a `CpuIsa` names only a path this CPU supports (AVX-512F and
+                // AVX-512BW on these two).
+                if !unsafe { self.encode_blocks_avx512(d, x) } {
+                    divide_exactly(d, x, s);
+                }
+            }
+            let n = src.len() / 64 * 64;
+            (&mut dst[n..], &src[n..])
+        } else {
+            (dst, src)
+        };
         let mut blocks = dst.chunks_exact_mut(32).zip(src.chunks_exact(32));
         for (d, x) in blocks.by_ref() {
             if !self.encode_block(isa, d, x) {
@@ -790,6 +802,71 @@ impl DivisionPlan {
         // SAFETY: as above.
         unsafe { _mm256_storeu_si256(dst.as_mut_ptr().cast(), code) };
         _mm256_movemask_epi8(undecided) == 0
+    }
+
+    /// [`DivisionPlan::encode_block`] for two blocks (64 values) in AVX-512 byte lanes,
+    /// with mask registers for the steps, the subnormal test and NaN; `false` when either
+    /// block is undecided.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F and AVX-512BW.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[inline]
+    unsafe fn encode_blocks_avx512(&self, dst: &mut [u8], src: &[bf16]) -> bool {
+        use std::arch::x86_64::*;
+        assert!(
+            dst.len() >= 64 && src.len() >= 64,
+            "two blocks are 64 values"
+        );
+        // SAFETY: 64 bf16 (128 bytes) read, 64 bytes written: in bounds (asserted).
+        let (h0, h1) = unsafe {
+            (
+                _mm512_loadu_si512(src.as_ptr().cast()),
+                _mm512_loadu_si512(src.as_ptr().add(32).cast()),
+            )
+        };
+        let low7 = _mm512_set1_epi16(0x7f);
+        let low8 = _mm512_set1_epi16(0xff);
+        // Bytes in 8-byte groups ordered h0, h1 per 128-bit lane, put back by the final
+        // permute.
+        let m = _mm512_packus_epi16(_mm512_and_si512(h0, low7), _mm512_and_si512(h1, low7));
+        let e = _mm512_packus_epi16(
+            _mm512_and_si512(_mm512_srli_epi16::<7>(h0), low8),
+            _mm512_and_si512(_mm512_srli_epi16::<7>(h1), low8),
+        );
+        let sign = _mm512_packs_epi16(h0, h1);
+        let one = _mm512_set1_epi8(1);
+        let mut f = _mm512_set1_epi8(self.offset as i8);
+        for &t in &self.steps {
+            f = _mm512_mask_add_epi8(f, _mm512_cmpgt_epi8_mask(m, _mm512_set1_epi8(t)), f, one);
+        }
+        let d = _mm512_min_epu8(
+            _mm512_subs_epu8(e, _mm512_set1_epi8(self.e_base as i8)),
+            _mm512_set1_epi8(D_MAX as i8),
+        );
+        // `d ≤ 22`: the 16-bit shift moves no bit across a byte.
+        let f = _mm512_add_epi8(f, _mm512_slli_epi16::<3>(d));
+        let undecided = _mm512_cmplt_epu8_mask(
+            _mm512_sub_epi8(f, _mm512_set1_epi8(16)),
+            _mm512_set1_epi8(40),
+        );
+        let mag = _mm512_subs_epu8(
+            _mm512_min_epu8(f, _mm512_set1_epi8((126 + F_BIAS) as i8)),
+            _mm512_set1_epi8(F_BIAS as i8),
+        );
+        let nan = _mm512_mask_cmpgt_epi8_mask(
+            _mm512_cmpeq_epi8_mask(e, _mm512_set1_epi8(-1)),
+            m,
+            _mm512_setzero_si512(),
+        );
+        let mag = _mm512_mask_add_epi8(mag, nan, mag, one);
+        // `mag | (sign & 0x80)`.
+        let code = _mm512_ternarylogic_epi32::<0xf8>(mag, sign, _mm512_set1_epi8(-128));
+        let code = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), code);
+        // SAFETY: as above.
+        unsafe { _mm512_storeu_si512(dst.as_mut_ptr().cast(), code) };
+        undecided == 0
     }
 
     /// [`DivisionPlan::encode_block`] lane by lane (the vector paths' steps).
@@ -1066,14 +1143,13 @@ mod tests {
     /// Every vector path of `quantize` gives the bytes of the division (e4m3 of the f32
     /// quotient) for every bf16 value (NaN, infinities, subnormals included): at every
     /// power-of-two scale (the 16-bit path), at random normal scales (the V3.2 index-K
-    /// `amax / 448`: division plans on the AVX2 and portable paths, divided on AVX-512;
-    /// the plans' exponent range edges) and special ones, over a length with a tail past
-    /// the last block of 32.
+    /// `amax / 448`, through division plans; the plans' exponent range edges) and special
+    /// ones, over a length with a tail past the last block of 32 (and of 64).
     #[test]
     fn quantize_matches_division_bitwise() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
-        let src = all_bf16(&mut rng);
-        let src = &src[rng.gen_range(0..32)..src.len() - 7];
+        let all = all_bf16(&mut rng);
+        let from = rng.gen_range(0..32);
         let mut scales: Vec<f32> = (-126..=127).map(|e| 2f32.powi(e)).collect();
         scales.extend([
             f32::INFINITY,
@@ -1095,11 +1171,18 @@ mod tests {
             [11u32, 12, 13, 14, 229, 230, 231, 232]
                 .map(|e| f32::from_bits(e << 23 | rng.gen_range(1..1 << 23))),
         );
-        let mut dst = vec![0u8; src.len()];
-        for isa in CpuIsa::available() {
+        let mut dst = vec![0u8; all.len()];
+        // Tails past the last block of 64 shorter and longer than 32.
+        for (isa, src) in CpuIsa::available().into_iter().flat_map(|isa| {
+            [
+                (isa, &all[from..all.len() - 7]),
+                (isa, &all[from..all.len() - 39]),
+            ]
+        }) {
+            let dst = &mut dst[..src.len()];
             for &s in &scales {
                 dst.fill(0xaa);
-                quantize_on(isa, &mut dst, src, s);
+                quantize_on(isa, dst, src, s);
                 for (d, v) in dst.iter().zip(src) {
                     let want = e4m3_encode(bf16_to_f32(v.to_bits()) / s);
                     assert_eq!(
@@ -1175,24 +1258,41 @@ mod tests {
     }
 
     crate::isa_dispatch! {
-        fn encode_block_on(plan: &DivisionPlan, dst: &mut [u8], src: &[bf16]) -> bool =
-            |ISA| plan.encode_block(ISA, dst, src);
+        /// The plan's encoders of path `ISA` on 64 values: two blocks of 32, and on the
+        /// AVX-512 paths the two-block encoder; whether each decided.
+        fn encoders_on(plan: &DivisionPlan, src: &[bf16]) -> Vec<(bool, Vec<u8>)> =
+            |ISA| {
+                let mut out = Vec::new();
+                let mut d = vec![0xaa; 64];
+                let halves = plan.encode_block(ISA, &mut d[..32], &src[..32])
+                    & plan.encode_block(ISA, &mut d[32..], &src[32..]);
+                out.push((halves, d));
+                #[cfg(target_arch = "x86_64")]
+                if matches!(ISA.isa(), Isa::Avx512Bf16 | Isa::Avx512) {
+                    let mut d = vec![0xaa; 64];
+                    // SAFETY: AVX-512F and AVX-512BW are part of these paths.
+                    let both = unsafe { plan.encode_blocks_avx512(&mut d, src) };
+                    out.push((both, d));
+                }
+                out
+            };
     }
 
     /// Blocks whose quotients are all in e4m3's normal range (or round to zero, or
-    /// saturate; ±inf and NaN too) are decided by the plan alone, on every path, with the
-    /// division's codes; one value in the subnormal range leaves the block undecided.
+    /// saturate; ±inf and NaN too) are decided by the plan alone, on every path and
+    /// encoder, with the division's codes; one value in the subnormal range leaves its
+    /// block undecided.
     #[test]
     fn plans_decide_blocks_outside_the_subnormal_range() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
-        let mut dst = [0u8; 32];
+        let mut checked = 0;
         for _ in 0..2000 {
             let amax = bf16::from_bits(rng.gen_range(0x0d00..0x7000)).to_f32();
             let s = index_k_scale(amax, crate::dtype::ScaleFormat::Fp32);
             let plan = DivisionPlan::new(s).unwrap();
-            let mut src: Vec<bf16> = (0..32)
+            let mut src: Vec<bf16> = (0..64)
                 .map(|_| {
-                    let q = match rng.gen_range(0..8) {
+                    let q = match rng.gen_range(0..16) {
                         0 => 2f32.powi(-12) * rng.gen::<f32>(),
                         1 => 448.0 * rng.gen_range(1.0f32..1e6),
                         2 => f32::INFINITY,
@@ -1203,32 +1303,30 @@ mod tests {
                     bf16::from_f32(sign * q * s)
                 })
                 .collect();
+            // Values rounded into bf16 can leave the ranges above by a rounding step.
+            let undecided = src.iter().any(|v| {
+                let q = (bf16_to_f32(v.to_bits()) / s).abs();
+                (2f32.powi(-11)..1.0 / 64.0 * 1.01).contains(&q)
+            });
             for isa in CpuIsa::available() {
-                // Values rounded into bf16 can leave the ranges above by a rounding step.
-                let undecided = src.iter().any(|v| {
-                    let q = (bf16_to_f32(v.to_bits()) / s).abs();
-                    (2f32.powi(-11)..1.0 / 64.0 * 1.01).contains(&q)
-                });
-                dst.fill(0xaa);
-                let decided = encode_block_on(isa, &plan, &mut dst, &src);
-                if !undecided {
-                    assert!(decided, "{} scale {s:e}", isa.isa());
-                }
-                if decided {
-                    for (d, v) in dst.iter().zip(&src) {
-                        assert_eq!(*d, e4m3_encode(bf16_to_f32(v.to_bits()) / s));
+                for (decided, dst) in encoders_on(isa, &plan, &src) {
+                    assert!(decided || undecided, "{} scale {s:e}", isa.isa());
+                    if decided {
+                        checked += 1;
+                        for (d, v) in dst.iter().zip(&src) {
+                            assert_eq!(*d, e4m3_encode(bf16_to_f32(v.to_bits()) / s));
+                        }
                     }
                 }
             }
-            src[rng.gen_range(0..32)] = bf16::from_f32(s / 128.0);
+            src[rng.gen_range(0..64)] = bf16::from_f32(s / 128.0);
             for isa in CpuIsa::available() {
-                assert!(
-                    !encode_block_on(isa, &plan, &mut dst, &src),
-                    "{}",
-                    isa.isa()
-                );
+                for (decided, _) in encoders_on(isa, &plan, &src) {
+                    assert!(!decided, "{}", isa.isa());
+                }
             }
         }
+        assert!(checked > 2000, "{checked} decided");
     }
 
     /// Every vector path of the fp4 group quantiser gives the codes of the division by the
