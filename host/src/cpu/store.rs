@@ -813,6 +813,10 @@ impl DivisionPlan {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw")]
     #[inline]
+    #[allow(
+        clippy::incompatible_msrv,
+        reason = "AVX-512 needs Rust 1.89, as the existing AVX-512 target features do"
+    )]
     unsafe fn encode_blocks_avx512(&self, dst: &mut [u8], src: &[bf16]) -> bool {
         use std::arch::x86_64::*;
         assert!(
