@@ -266,7 +266,7 @@ crate::isa_dispatch! {
 
 /// Writes one index key into its value bytes and scale bytes (none for bf16); inlined
 /// into each path's compilation (so are [`amax`], [`quantize`] and
-/// [`quantize_fp4_group`]).
+/// [`encode_fp4_group`]).
 #[inline(always)]
 fn write_index_k_entry(
     isa: CpuIsa,
@@ -281,15 +281,19 @@ fn write_index_k_entry(
             let s = index_k_scale(amax(key), scale);
             put_fp8_key(isa, values, scales, key, (s, Divisor::new(s)))
         }
-        IndexKDtype::Fp4E2m1 => {
-            for ((dst, group), sc) in values
-                .chunks_exact_mut(FP4_GROUP / 2)
-                .zip(key.chunks_exact(FP4_GROUP))
-                .zip(scales.iter_mut())
-            {
-                *sc = quantize_fp4_group(dst, group);
-            }
-        }
+        IndexKDtype::Fp4E2m1 => scales_ahead(
+            scales
+                .len()
+                .min(key.len() / FP4_GROUP)
+                .min(values.len() / (FP4_GROUP / 2)),
+            #[inline(always)]
+            |g| fp4_group_max(row(key, g, FP4_GROUP)),
+            #[inline(always)]
+            |g, max_bits| {
+                let dst = &mut values[g * FP4_GROUP / 2..(g + 1) * FP4_GROUP / 2];
+                scales[g] = encode_fp4_group(dst, row(key, g, FP4_GROUP), max_bits);
+            },
+        ),
     }
 }
 
@@ -307,16 +311,22 @@ fn put_fp8_key(
     scale.copy_from_slice(&s.to_le_bytes());
 }
 
-/// Packs one group of 32 bf16 into 16 bytes of e2m1 codes (even element in the low nibble)
-/// and returns its ue8m0 scale byte (see [`sparsekit_kernels::mx`]): a group holding NaN
-/// or ±inf gets scale `0xff` and codes 0.
+/// The largest absolute-value pattern of a group ([`mx::bf16_abs_bits_max`]): found for a
+/// key's groups before any is encoded ([`scales_ahead`]).
 #[inline(always)]
-fn quantize_fp4_group(dst: &mut [u8], group: &[bf16]) -> u8 {
-    let max_bits = group.iter().fold(
+fn fp4_group_max(group: &[bf16]) -> u32 {
+    group.iter().fold(
         0u32,
         #[inline(always)]
         |m, x| mx::bf16_abs_bits_max(m, x.to_bits()),
-    );
+    )
+}
+
+/// Packs one group of 32 bf16, whose [`fp4_group_max`] is `max_bits`, into 16 bytes of e2m1 codes (even element in the low nibble)
+/// and returns its ue8m0 scale byte (see [`sparsekit_kernels::mx`]): a group holding NaN
+/// or ±inf gets scale `0xff` and codes 0.
+#[inline(always)]
+fn encode_fp4_group(dst: &mut [u8], group: &[bf16], max_bits: u32) -> u8 {
     if mx::abs_bits_non_finite(max_bits) {
         dst.fill(0);
         return mx::UE8M0_NAN;
@@ -987,7 +997,7 @@ mod tests {
                 .zip(scales.iter_mut())
                 .zip(src.chunks_exact(FP4_GROUP))
             {
-                *sc = quantize_fp4_group(d, g);
+                *sc = encode_fp4_group(d, g, fp4_group_max(g));
             }
         };
     }
