@@ -13,7 +13,7 @@ use sparsekit_kernels::mx;
 use super::isa::{CpuIsa, Isa};
 #[cfg(doc)]
 use crate::dtype::amax_bf16;
-use crate::dtype::{e4m3_encode, index_k_scale, kv_tile_scale};
+use crate::dtype::{e4m3_encode, index_k_scale, kv_tile_scale, ScaleFormat};
 use crate::layout::{
     IndexKDtype, IndexKLayout, KvDtype, KvLayout, FP4_GROUP, FP8_DS_MLA_TILE, MODEL1_SCALE_BYTES,
     MODEL1_TILE,
@@ -49,9 +49,20 @@ pub(crate) unsafe fn index_k_store_validated(
     cache: &mut [u8],
 ) {
     let l = op.layout;
-    in_runs(cache, op.slots, keys, l.head_dim(), |spans, slots, keys| {
-        write_index_k_tokens(isa, &l, spans, slots, keys)
-    });
+    // fp8 keys in a compiled function of their own: sharing one with the other kinds, the
+    // fp8 division plans made fp4 keys 15% slower without touching their code.
+    in_runs(
+        cache,
+        op.slots,
+        keys,
+        l.head_dim(),
+        |spans, slots, keys| match l.dtype() {
+            IndexKDtype::Fp8E4m3 { scale } => {
+                write_fp8_index_k_tokens(isa, &l, scale, spans, slots, keys)
+            }
+            _ => write_index_k_tokens(isa, &l, spans, slots, keys),
+        },
+    );
 }
 
 /// Tokens per parallel task of the stores.
@@ -75,46 +86,90 @@ fn in_runs(
 }
 
 crate::isa_dispatch! {
+    /// Writes the fp8 index keys `keys` (`[slots.len(), head_dim]`, scales in `format`) at
+    /// `slots` (validated: unique, in the pool, or -1), their scales and divisors computed
+    /// ahead ([`scales_ahead`]).
+    fn write_fp8_index_k_tokens(
+        layout: &IndexKLayout,
+        format: ScaleFormat,
+        spans: &Spans<'_>,
+        slots: &[i64],
+        keys: &[bf16],
+    ) = |ISA| {
+        let d = layout.head_dim();
+        scales_ahead(
+            slots.len(),
+            #[inline(always)]
+            |i| {
+                let s = index_k_scale(amax(row(keys, i, d)), format);
+                (s, Divisor::new(s))
+            },
+            #[inline(always)]
+            |i, s| {
+                if slots[i] >= 0 {
+                    // SAFETY: validated slots are unique, and distinct slots' spans are
+                    // disjoint.
+                    let (values, scale) = unsafe { spans.index_k_entry(layout, slots[i] as usize) };
+                    put_fp8_key(ISA, values, scale, row(keys, i, d), s);
+                }
+            },
+        )
+    };
+}
+
+crate::isa_dispatch! {
     /// Writes the index keys `keys` (`[slots.len(), head_dim]`) at `slots` (validated:
-    /// unique, in the pool, or -1); fp8 keys with their scales computed ahead
-    /// ([`scales_ahead`]).
+    /// unique, in the pool, or -1), a token at a time (any layout; fp8 keys go through
+    /// [`write_fp8_index_k_tokens`]).
     fn write_index_k_tokens(
         layout: &IndexKLayout,
         spans: &Spans<'_>,
         slots: &[i64],
         keys: &[bf16],
     ) = |ISA| {
-        let d = layout.head_dim();
+        // The kind chosen once, outside the loop over tokens.
         match layout.dtype() {
-            IndexKDtype::Fp8E4m3 { scale } => scales_ahead(
-                slots.len(),
+            IndexKDtype::Fp4E2m1 => each_index_k_token(
+                layout,
+                spans,
+                slots,
+                keys,
+                // A closure, not the function item: the item's `FnMut` shim is compiled
+                // without the path's target features (30% slower).
+                #[allow(clippy::redundant_closure, reason = "see above")]
                 #[inline(always)]
-                |i| {
-                    let s = index_k_scale(amax(row(keys, i, d)), scale);
-                    (s, Divisor::new(s))
-                },
-                #[inline(always)]
-                |i, s| {
-                    if slots[i] >= 0 {
-                        // SAFETY: validated slots are unique, and distinct slots' spans
-                        // are disjoint.
-                        let (values, scale) =
-                            unsafe { spans.index_k_entry(layout, slots[i] as usize) };
-                        put_fp8_key(ISA, values, scale, row(keys, i, d), s);
-                    }
-                },
+                |values, scales, key| put_fp4_key(values, scales, key),
             ),
-            _ => {
-                for (i, &slot) in slots.iter().enumerate() {
-                    if slot >= 0 {
-                        // SAFETY: as above.
-                        let (values, scales) = unsafe { spans.index_k_entry(layout, slot as usize) };
-                        write_index_k_entry(ISA, layout, values, scales, row(keys, i, d));
-                    }
-                }
-            }
+            _ => each_index_k_token(
+                layout,
+                spans,
+                slots,
+                keys,
+                #[inline(always)]
+                |values, scales, key| write_index_k_entry(ISA, layout, values, scales, key),
+            ),
         }
     };
+}
+
+/// Calls `write(values, scales, key)` for each token whose slot is not -1, with the
+/// slot's value and scale bytes.
+#[inline(always)]
+fn each_index_k_token(
+    layout: &IndexKLayout,
+    spans: &Spans<'_>,
+    slots: &[i64],
+    keys: &[bf16],
+    mut write: impl FnMut(&mut [u8], &mut [u8], &[bf16]),
+) {
+    let d = layout.head_dim();
+    for (i, &slot) in slots.iter().enumerate() {
+        if slot >= 0 {
+            // SAFETY: validated slots are unique, and distinct slots' spans are disjoint.
+            let (values, scales) = unsafe { spans.index_k_entry(layout, slot as usize) };
+            write(values, scales, row(keys, i, d));
+        }
+    }
 }
 
 /// [`KvStore`] on slices on the vector path `isa`: `kv` bf16 `[slots.len(), d_qk]`,
@@ -281,19 +336,20 @@ fn write_index_k_entry(
             let s = index_k_scale(amax(key), scale);
             put_fp8_key(isa, values, scales, key, (s, Divisor::new(s)))
         }
-        IndexKDtype::Fp4E2m1 => scales_ahead(
-            scales
-                .len()
-                .min(key.len() / FP4_GROUP)
-                .min(values.len() / (FP4_GROUP / 2)),
-            #[inline(always)]
-            |g| fp4_group_max(row(key, g, FP4_GROUP)),
-            #[inline(always)]
-            |g, max_bits| {
-                let dst = &mut values[g * FP4_GROUP / 2..(g + 1) * FP4_GROUP / 2];
-                scales[g] = encode_fp4_group(dst, row(key, g, FP4_GROUP), max_bits);
-            },
-        ),
+        IndexKDtype::Fp4E2m1 => put_fp4_key(values, scales, key),
+    }
+}
+
+/// Writes an fp4 index key's codes into `values` and its groups' ue8m0 scales into
+/// `scales`, a group at a time (finding every group's largest magnitude first was slower).
+#[inline(always)]
+fn put_fp4_key(values: &mut [u8], scales: &mut [u8], key: &[bf16]) {
+    for ((dst, group), sc) in values
+        .chunks_exact_mut(FP4_GROUP / 2)
+        .zip(key.chunks_exact(FP4_GROUP))
+        .zip(scales.iter_mut())
+    {
+        *sc = encode_fp4_group(dst, group, fp4_group_max(group));
     }
 }
 
@@ -311,8 +367,7 @@ fn put_fp8_key(
     scale.copy_from_slice(&s.to_le_bytes());
 }
 
-/// The largest absolute-value pattern of a group ([`mx::bf16_abs_bits_max`]): found for a
-/// key's groups before any is encoded ([`scales_ahead`]).
+/// The largest absolute-value pattern of a group ([`mx::bf16_abs_bits_max`]).
 #[inline(always)]
 fn fp4_group_max(group: &[bf16]) -> u32 {
     group.iter().fold(
@@ -322,9 +377,9 @@ fn fp4_group_max(group: &[bf16]) -> u32 {
     )
 }
 
-/// Packs one group of 32 bf16, whose [`fp4_group_max`] is `max_bits`, into 16 bytes of e2m1 codes (even element in the low nibble)
-/// and returns its ue8m0 scale byte (see [`sparsekit_kernels::mx`]): a group holding NaN
-/// or ±inf gets scale `0xff` and codes 0.
+/// Packs one group of 32 bf16, whose [`fp4_group_max`] is `max_bits`, into 16 bytes of
+/// e2m1 codes (even element in the low nibble) and returns its ue8m0 scale byte (see
+/// [`sparsekit_kernels::mx`]): a group holding NaN or ±inf gets scale `0xff` and codes 0.
 #[inline(always)]
 fn encode_fp4_group(dst: &mut [u8], group: &[bf16], max_bits: u32) -> u8 {
     if mx::abs_bits_non_finite(max_bits) {
