@@ -101,7 +101,7 @@ pub fn e4m3_to_f32(code: u8) -> f32 {
 
 /// Rounds a positive normal f32 up to the next power of two (identity on powers of two).
 #[inline]
-pub fn round_up_pow2(s: f32) -> f32 {
+pub const fn round_up_pow2(s: f32) -> f32 {
     let bits = s.to_bits();
     if bits & 0x7f_ffff == 0 {
         s
@@ -113,7 +113,7 @@ pub fn round_up_pow2(s: f32) -> f32 {
 /// Per-token index-K scale from the token's `amax`; `pow2` rounds up to a power of two
 /// (the "ue8m0" format).
 #[inline]
-pub fn index_k_scale(amax: f32, pow2: bool) -> f32 {
+pub const fn index_k_scale(amax: f32, pow2: bool) -> f32 {
     let s = amax.max(SCALE_FLOOR) / E4M3_MAX;
     if pow2 {
         round_up_pow2(s)
