@@ -100,17 +100,14 @@ crate::isa_dispatch! {
         scales_ahead(
             slots.len(),
             #[inline(always)]
-            |i| {
-                let s = index_k_scale(amax(row(keys, i, d)), format);
-                (s, Divisor::new(s))
-            },
+            |i| index_k_scale(amax(row(keys, i, d)), format),
             #[inline(always)]
             |i, s| {
                 if slots[i] >= 0 {
                     // SAFETY: validated slots are unique, and distinct slots' spans are
                     // disjoint.
                     let (values, scale) = unsafe { spans.index_k_entry(layout, slots[i] as usize) };
-                    put_fp8_key(ISA, values, scale, row(keys, i, d), s);
+                    put_fp8_key(ISA, values, scale, row(keys, i, d), (s, Divisor::new(s)));
                 }
             },
         )
@@ -628,16 +625,85 @@ fn divide_exactly(dst: &mut [u8], src: &[bf16], s: f32) {
 /// `R` is non-decreasing in `m` and its 128 values span at most 8 steps (a factor below 2
 /// holds at most 8 of e4m3's rounding points): `R(m) = R(0) + #{j : m ≥ t_j}` for eight
 /// thresholds, found per scale without dividing per `m` ([`DivisionPlan::new`]). A value's
-/// code is then its exponent field and 8 byte compares.
+/// code is then its exponent field and a [`StepTable`] lookup of its mantissa.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct DivisionPlan {
-    /// `t_j − 1` as signed bytes (`−1..=127`): `R` steps up at mantissas `m > t_j − 1`.
-    steps: [i8; 8],
-    /// `R(0) mod 8`: the offset of `F` (below) at exponent difference 0.
-    offset: u8,
+    /// `R(m) − R(0) + (R(0) mod 8)` by the mantissa's top three bits.
+    table: StepTable,
     /// The bf16 exponent field at which the clamped difference `D` starts (see
     /// [`DivisionPlan::encode_block`]).
     e_base: u8,
+}
+
+/// The steps of `R` (see [`DivisionPlan`]) by bucket of 16 mantissas `h = m >> 4`, in three
+/// 8-byte tables that one byte shuffle each looks up for a whole vector. `R`'s steps are at
+/// least 8 mantissas apart — the quotient `(1 + m/128) / M` grows by `1/(128·M)` per
+/// mantissa and e4m3 rounds it in steps of `1/16` below 1 and `1/8` above, i.e. every `8·M`
+/// or `16·M` mantissas, `M ≥ 1` — so a bucket holds at most two of them, and `F(m) =
+/// count[h] + (m > first[h]) + (m > second[h])`. Aligned so that each table is one 8-byte
+/// load.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C, align(8))]
+struct StepTable {
+    /// `(R(0) mod 8)` plus the steps at or below the bucket's first mantissa `16·h`.
+    count: [u8; 8],
+    /// The bucket's first step inside it, as the mantissa it lies above (`127`: none).
+    first: [i8; 8],
+    /// Its second step inside it, likewise.
+    second: [i8; 8],
+}
+
+impl StepTable {
+    /// The table of the steps `steps` (`t_j − 1`, see [`PlanShape::steps`]) at offset
+    /// `offset`, or `None` if a bucket held three (not for any quotient of a bf16
+    /// mantissa: see above).
+    const fn new(steps: &[i8; 8], offset: u8) -> Option<Self> {
+        let mut table = StepTable {
+            count: [offset; 8],
+            first: [127; 8],
+            second: [127; 8],
+        };
+        let mut h = 0;
+        while h < 8 {
+            let lo = 16 * h as i16;
+            let mut j = 0;
+            while j < 8 {
+                // The step is taken from mantissa `t = steps[j] + 1` on.
+                let t = steps[j] as i16 + 1;
+                if t <= lo {
+                    table.count[h] += 1;
+                } else if t < lo + 16 {
+                    if table.first[h] == 127 {
+                        table.first[h] = steps[j];
+                    } else if table.second[h] == 127 {
+                        table.second[h] = steps[j];
+                    } else {
+                        return None;
+                    }
+                }
+                j += 1;
+            }
+            h += 1;
+        }
+        Some(table)
+    }
+
+    /// `F(m)` at exponent difference 0 for a mantissa `m` in `0..128`.
+    #[inline(always)]
+    fn at(&self, m: i8) -> u8 {
+        let h = (m as u8 >> 4) as usize & 7;
+        self.count[h] + (m > self.first[h]) as u8 + (m > self.second[h]) as u8
+    }
+
+    /// The three tables, each 8 bytes repeated over a vector's 128-bit lanes.
+    #[inline(always)]
+    fn words(&self) -> [i64; 3] {
+        [
+            i64::from_le_bytes(self.count),
+            i64::from_le_bytes(self.first.map(|c| c as u8)),
+            i64::from_le_bytes(self.second.map(|c| c as u8)),
+        ]
+    }
 }
 
 /// `F = code + F_BIAS` keeps the codes that matter in a byte: `F < 16` rounds to ±0 (the
@@ -652,10 +718,12 @@ const D_MAX: u8 = 22;
 struct PlanShape {
     /// The scale's 23 mantissa bits (`u32::MAX` in the unused entries of [`KNOWN_SHAPES`]).
     frac: u32,
-    /// As [`DivisionPlan::steps`].
+    /// `t_j − 1` as signed bytes (`−1..=127`): `R` steps up at mantissas `m > t_j − 1`.
     steps: [i8; 8],
     /// `R(0)`: the rounded pattern of `RN(1 / M)`.
     base: u32,
+    /// The steps by bucket, with `R(0) mod 8` (`None`: the plan does not apply).
+    table: Option<StepTable>,
 }
 
 impl PlanShape {
@@ -695,7 +763,12 @@ impl PlanShape {
             steps[j] = (t as i16 - 1) as i8;
             j += 1;
         }
-        PlanShape { frac, steps, base }
+        PlanShape {
+            frac,
+            steps,
+            base,
+            table: StepTable::new(&steps, (base & 7) as u8),
+        }
     }
 }
 
@@ -715,6 +788,7 @@ const fn known_shapes() -> [PlanShape; 256] {
         frac: u32::MAX,
         steps: [0; 8],
         base: 0,
+        table: None,
     };
     let mut table = [unused; 256];
     let mut i = 0;
@@ -732,6 +806,10 @@ const fn known_shapes() -> [PlanShape; 256] {
             "two index-K scales share an entry"
         );
         table[at] = PlanShape::new(frac);
+        assert!(
+            table[at].table.is_some(),
+            "a step table for every index-K scale"
+        );
         i += 1;
     }
     table
@@ -752,16 +830,20 @@ impl DivisionPlan {
         }
         let frac = bits & 0x7f_ffff;
         let known = &KNOWN_SHAPES[(frac >> 15) as usize];
+        // The plan built from the table in place: a copy of a whole shape (and a plan merged
+        // from two sources) went through the stack, where each key's vector load of it
+        // waited on a store-to-load forward that failed (one load from several stores).
+        let computed;
         let shape = if known.frac == frac {
-            *known
+            known
         } else {
-            PlanShape::new(frac)
+            computed = PlanShape::new(frac);
+            &computed
         };
         // F = R(m) − R(0) + 8·D + offset with D = E − e_base: 8·e_base = 8·e + 912 −
         // R(0) + offset, so that F = code + F_BIAS.
         Some(DivisionPlan {
-            steps: shape.steps,
-            offset: (shape.base & 7) as u8,
+            table: shape.table?,
             e_base: (e + 114 - (shape.base >> 3)) as u8,
         })
     }
@@ -843,10 +925,18 @@ impl DivisionPlan {
         );
         // Signed saturation keeps each pattern's sign in its byte's top bit.
         let sign = _mm256_and_si256(_mm256_packs_epi16(h0, h1), _mm256_set1_epi8(-128));
-        let mut f = _mm256_set1_epi8(self.offset as i8);
-        for &t in &self.steps {
-            f = _mm256_sub_epi8(f, _mm256_cmpgt_epi8(m, _mm256_set1_epi8(t)));
-        }
+        // The mantissas' buckets `m >> 4` (`m < 128`: the bits shifted in from the next
+        // byte are masked off), looked up in the step tables.
+        let [count, first, second] = self.table.words();
+        let (count, first, second) = (
+            _mm256_set1_epi64x(count),
+            _mm256_set1_epi64x(first),
+            _mm256_set1_epi64x(second),
+        );
+        let h = _mm256_and_si256(_mm256_srli_epi16::<4>(m), _mm256_set1_epi8(0x0f));
+        let f = _mm256_shuffle_epi8(count, h);
+        let f = _mm256_sub_epi8(f, _mm256_cmpgt_epi8(m, _mm256_shuffle_epi8(first, h)));
+        let f = _mm256_sub_epi8(f, _mm256_cmpgt_epi8(m, _mm256_shuffle_epi8(second, h)));
         let d = _mm256_min_epu8(
             _mm256_subs_epu8(e, _mm256_set1_epi8(self.e_base as i8)),
             _mm256_set1_epi8(D_MAX as i8),
@@ -907,10 +997,19 @@ impl DivisionPlan {
         );
         let sign = _mm512_packs_epi16(h0, h1);
         let one = _mm512_set1_epi8(1);
-        let mut f = _mm512_set1_epi8(self.offset as i8);
-        for &t in &self.steps {
-            f = _mm512_mask_add_epi8(f, _mm512_cmpgt_epi8_mask(m, _mm512_set1_epi8(t)), f, one);
-        }
+        // As in the AVX2 encoder.
+        let [count, first, second] = self.table.words();
+        let (count, first, second) = (
+            _mm512_set1_epi64(count),
+            _mm512_set1_epi64(first),
+            _mm512_set1_epi64(second),
+        );
+        let h = _mm512_and_si512(_mm512_srli_epi16::<4>(m), _mm512_set1_epi8(0x0f));
+        let f = _mm512_shuffle_epi8(count, h);
+        let above = _mm512_cmpgt_epi8_mask(m, _mm512_shuffle_epi8(first, h));
+        let f = _mm512_mask_add_epi8(f, above, f, one);
+        let above = _mm512_cmpgt_epi8_mask(m, _mm512_shuffle_epi8(second, h));
+        let f = _mm512_mask_add_epi8(f, above, f, one);
         let d = _mm512_min_epu8(
             _mm512_subs_epu8(e, _mm512_set1_epi8(self.e_base as i8)),
             _mm512_set1_epi8(D_MAX as i8),
@@ -947,11 +1046,7 @@ impl DivisionPlan {
             let h = x.to_bits();
             let e = (h >> 7) as u8;
             let m = (h & 0x7f) as i8;
-            let mut f = self.offset;
-            for &t in &self.steps {
-                f += (m > t) as u8;
-            }
-            f += e.saturating_sub(self.e_base).min(D_MAX) << 3;
+            let f = self.table.at(m) + (e.saturating_sub(self.e_base).min(D_MAX) << 3);
             lowest = lowest.min(f.wrapping_sub(16));
             let mag = f.min(126 + F_BIAS).saturating_sub(F_BIAS) + (e == 0xff && m != 0) as u8;
             *d = ((h >> 8) as u8 & 0x80) | mag;
@@ -1295,7 +1390,8 @@ mod tests {
 
     /// A plan's steps are the f32 division's: for every mantissa `m` of a bf16 in
     /// `[1, 2)`, the rounded pattern of `RN((1 + m/128) / M)` is `R(0)` plus the steps at
-    /// or below `m`, for random mantissas `M` and every index-K scale's.
+    /// or below `m`, for random mantissas `M` and every index-K scale's; the step table
+    /// (every scale mantissa has one) counts the same steps.
     #[test]
     fn plan_steps_are_the_division_steps() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
@@ -1310,6 +1406,7 @@ mod tests {
             );
         for frac in fracs {
             let shape = PlanShape::new(frac);
+            let table = shape.table.expect("a step table for every scale mantissa");
             let m_s = f32::from_bits(127 << 23 | frac);
             for m in 0..128u32 {
                 let q = f32::from_bits(127 << 23 | m << 16) / m_s;
@@ -1323,8 +1420,54 @@ mod tests {
                     shape.base + steps as u32,
                     "mantissa {frac:#08x}, m {m}"
                 );
+                assert_eq!(
+                    u32::from(table.at(m as i8)),
+                    (shape.base & 7) + steps as u32,
+                    "mantissa {frac:#08x}, m {m}: the step table"
+                );
             }
         }
+    }
+
+    /// `amax` is `amax_bf16` on keys of every length around the 32 lanes, with and without
+    /// NaN (anywhere, also as the largest pattern) and ±inf.
+    #[test]
+    fn amax_is_amax_bf16() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        for n in [0, 1, 31, 32, 33, 64, 100, 128, 512] {
+            for special in [None, Some(0x7fc1), Some(0xffff), Some(0x7f81), Some(0xff80)] {
+                let mut xs: Vec<bf16> = (0..n)
+                    .map(|_| bf16::from_bits(rng.gen_range(0..0x7f80) | rng.gen::<u16>() & 0x8000))
+                    .collect();
+                if let (Some(bits), false) = (special, xs.is_empty()) {
+                    let at = rng.gen_range(0..n);
+                    xs[at] = bf16::from_bits(bits);
+                }
+                assert_eq!(
+                    amax(&xs).to_bits(),
+                    crate::dtype::amax_bf16(&xs).to_bits(),
+                    "n {n}, {special:?}"
+                );
+            }
+        }
+    }
+
+    /// A step table counts the steps below each bucket and keeps those inside it; three
+    /// steps in one bucket (no scale's steps are that close) leave no table, so no plan.
+    #[test]
+    fn step_tables_hold_two_steps_a_bucket() {
+        let table = StepTable::new(&[-1, 3, 12, 40, 47, 127, 127, 127], 5).unwrap();
+        assert_eq!(table.count, [6, 8, 8, 10, 10, 10, 10, 10]);
+        assert_eq!(table.first, [3, 127, 40, 127, 127, 127, 127, 127]);
+        assert_eq!(table.second, [12, 127, 127, 127, 127, 127, 127, 127]);
+        let at: Vec<u8> = [0, 3, 4, 12, 13, 16, 40, 41, 47, 48, 127]
+            .iter()
+            .map(|&m| table.at(m))
+            .collect();
+        assert_eq!(at, [6, 6, 7, 7, 8, 8, 8, 9, 9, 10, 10]);
+        // Steps from mantissas 21, 27 and 31: three in bucket 1; 21, 27 and 32: two.
+        assert!(StepTable::new(&[-1, 20, 26, 30, 127, 127, 127, 127], 0).is_none());
+        assert!(StepTable::new(&[-1, 20, 26, 31, 127, 127, 127, 127], 0).is_some());
     }
 
     crate::isa_dispatch! {
