@@ -383,7 +383,8 @@ fn encode_fp4_group(dst: &mut [u8], group: &[bf16], max_bits: u32) -> u8 {
         dst.fill(0);
         return mx::UE8M0_NAN;
     }
-    let s = mx::fp4_group_scale(bf16_to_f32(max_bits as u16));
+    let scale_byte = fp4_scale_byte(max_bits);
+    let s = f32::from_bits(u32::from(scale_byte) << 23);
     // All 32 codes first (one branch-free map that vectorises), then the nibble pairs.
     let mut codes = [0u8; FP4_GROUP];
     let k = ((s.to_bits() >> 23) & 0xff) as i32 - 127;
@@ -415,7 +416,19 @@ fn encode_fp4_group(dst: &mut [u8], group: &[bf16], max_bits: u32) -> u8 {
     for (d, pair) in dst.iter_mut().zip(codes.chunks_exact(2)) {
         *d = pair[0] | pair[1] << 4;
     }
-    mx::ue8m0_encode(s)
+    scale_byte
+}
+
+/// The ue8m0 byte of [`mx::fp4_group_scale`] of a group whose [`fp4_group_max`] is the
+/// finite pattern `max_bits`, on the bits: for `amax = (1 + m/128)·2^(E−127)`, `amax / 6 =
+/// ((1 + m/128) / 1.5)·2^(E−129)` and the fraction is at most 1 exactly when `m ≤ 64`
+/// (f32's rounding of the quotient never crosses a power of two: the fractions nearest 1
+/// are 191/192 and 193/192), so the scale is `2^(E − 129 + (m > 64))`, floored at `2^-126`
+/// (byte 1; subnormal maxima too). No division on the group's dependency chain.
+#[inline(always)]
+fn fp4_scale_byte(max_bits: u32) -> u8 {
+    let (e, m) = (max_bits >> 7, max_bits & 0x7f);
+    (e + u32::from(m > 64)).saturating_sub(2).max(1) as u8
 }
 
 /// Writes bf16 values as little-endian bytes.
@@ -1449,6 +1462,16 @@ mod tests {
                     "n {n}, {special:?}"
                 );
             }
+        }
+    }
+
+    /// The scale byte on the bits is `mx::fp4_group_scale`'s for every finite bf16 group
+    /// maximum.
+    #[test]
+    fn fp4_scale_bytes_are_the_group_scales() {
+        for b in 0..0x7f80u32 {
+            let s = mx::fp4_group_scale(bf16_to_f32(b as u16));
+            assert_eq!(fp4_scale_byte(b), mx::ue8m0_encode(s), "max bits {b:#06x}");
         }
     }
 
