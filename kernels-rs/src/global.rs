@@ -88,6 +88,10 @@ macro_rules! address_methods {
             }
             /// The raw pointer (for the `Simt` implementations of this crate).
             #[inline(always)]
+            #[cfg_attr(
+                not(any(feature = "emu", target_arch = "nvptx64")),
+                allow(dead_code, reason = "only the emulator and the device read it")
+            )]
             pub(crate) fn raw(self) -> $raw {
                 self.ptr
             }

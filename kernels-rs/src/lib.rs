@@ -9,7 +9,7 @@
 //! Kernel parameter structs ([`params`]) are `#[repr(C)]`, defined once here and used by
 //! device code and every launcher; each names its kernel through [`KernelParams`]
 //! ([`launch`]), so a launcher cannot pass one kernel's parameters to another.
-#![cfg_attr(not(feature = "emu"), no_std)]
+#![cfg_attr(not(any(feature = "emu", test)), no_std)]
 #![cfg_attr(
     target_arch = "nvptx64",
     feature(
