@@ -436,6 +436,35 @@ fn encode_fp4_group(isa: CpuIsa, dst: &mut [u8], group: &[bf16], max_bits: u32) 
     scale_byte
 }
 
+/// The fields of 32 bf16 values in AVX2 byte lanes: `[mantissa (7 bits), biased exponent,
+/// sign]`, the sign byte the pattern's signed saturation (its top bit the sign). Bytes in
+/// the order 0–7, 16–23, 8–15, 24–31 (the packs work per 128-bit lane).
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn bf16_fields_avx2(src: &[bf16]) -> [std::arch::x86_64::__m256i; 3] {
+    use std::arch::x86_64::*;
+    assert!(src.len() >= 32, "32 values");
+    // SAFETY: 32 bf16 (64 bytes) read: in bounds (asserted).
+    let (h0, h1) = unsafe {
+        (
+            _mm256_loadu_si256(src.as_ptr().cast()),
+            _mm256_loadu_si256(src.as_ptr().add(16).cast()),
+        )
+    };
+    let low7 = _mm256_set1_epi16(0x7f);
+    let low8 = _mm256_set1_epi16(0xff);
+    let m = _mm256_packus_epi16(_mm256_and_si256(h0, low7), _mm256_and_si256(h1, low7));
+    let e = _mm256_packus_epi16(
+        _mm256_and_si256(_mm256_srli_epi16::<7>(h0), low8),
+        _mm256_and_si256(_mm256_srli_epi16::<7>(h1), low8),
+    );
+    [m, e, _mm256_packs_epi16(h0, h1)]
+}
+
 /// The packed e2m1 codes of one finite group of 32 bf16 (16 bytes into `dst`) divided by
 /// its scale `2^k` (`k` in `-124..=125`), in AVX2 byte lanes: 32 values a vector where the
 /// portable map's 16-bit lanes take 16 (on AVX-512 that map already fills a vector, and
@@ -458,26 +487,11 @@ fn encode_fp4_group(isa: CpuIsa, dst: &mut [u8], group: &[bf16], max_bits: u32) 
 unsafe fn fp4_codes_avx2(dst: &mut [u8], group: &[bf16], k: i32) {
     use std::arch::x86_64::*;
     assert!(
-        dst.len() >= FP4_GROUP / 2 && group.len() >= FP4_GROUP && (-124..=125).contains(&k),
+        dst.len() >= FP4_GROUP / 2 && (-124..=125).contains(&k),
         "one finite group of 32 values with its scale exponent"
     );
-    // SAFETY: 32 bf16 (64 bytes) read: in bounds (asserted).
-    let (h0, h1) = unsafe {
-        (
-            _mm256_loadu_si256(group.as_ptr().cast()),
-            _mm256_loadu_si256(group.as_ptr().add(16).cast()),
-        )
-    };
-    let low7 = _mm256_set1_epi16(0x7f);
-    let low8 = _mm256_set1_epi16(0xff);
-    // Bytes in the order 0–7, 16–23, 8–15, 24–31 (the packs work per 128-bit lane).
-    let m = _mm256_packus_epi16(_mm256_and_si256(h0, low7), _mm256_and_si256(h1, low7));
-    let e = _mm256_packus_epi16(
-        _mm256_and_si256(_mm256_srli_epi16::<7>(h0), low8),
-        _mm256_and_si256(_mm256_srli_epi16::<7>(h1), low8),
-    );
-    // Signed saturation keeps each pattern's sign in its byte's top bit.
-    let sign = _mm256_packs_epi16(h0, h1);
+    // SAFETY: AVX2 (this function's contract).
+    let [m, e, sign] = unsafe { bf16_fields_avx2(group) };
     let d = _mm256_min_epu8(
         _mm256_subs_epu8(e, _mm256_set1_epi8((k + 124) as i8)),
         _mm256_set1_epi8(6),
@@ -494,7 +508,10 @@ unsafe fn fp4_codes_avx2(dst: &mut [u8], group: &[bf16], k: i32) {
         _mm256_and_si256(_mm256_srli_epi16::<4>(sign), _mm256_set1_epi8(8)),
     );
     // Each 16-bit lane holds a pair (even code low): its byte is `(w | w >> 4) & 0xff`.
-    let pairs = _mm256_and_si256(_mm256_or_si256(code, _mm256_srli_epi16::<4>(code)), low8);
+    let pairs = _mm256_and_si256(
+        _mm256_or_si256(code, _mm256_srli_epi16::<4>(code)),
+        _mm256_set1_epi16(0xff),
+    );
     // Per 128-bit lane the packed pairs of values 0–7 and 16–23 (lane 0) or 8–15 and
     // 24–31 (lane 1), as dwords 0 and 1 of each lane: put in order 0, 4, 1, 5.
     let packed = _mm256_packus_epi16(pairs, _mm256_setzero_si256());
@@ -1003,25 +1020,11 @@ impl DivisionPlan {
     #[inline]
     unsafe fn encode_block_avx2(&self, dst: &mut [u8], src: &[bf16]) -> bool {
         use std::arch::x86_64::*;
-        assert!(dst.len() >= 32 && src.len() >= 32, "a block is 32 values");
-        // SAFETY: 32 bf16 (64 bytes) read, 32 bytes written: in bounds (asserted).
-        let (h0, h1) = unsafe {
-            (
-                _mm256_loadu_si256(src.as_ptr().cast()),
-                _mm256_loadu_si256(src.as_ptr().add(16).cast()),
-            )
-        };
-        let low7 = _mm256_set1_epi16(0x7f);
-        let low8 = _mm256_set1_epi16(0xff);
-        // Bytes in the order 0–7, 16–23, 8–15, 24–31 (the packs work per 128-bit lane),
-        // put back by the final permute.
-        let m = _mm256_packus_epi16(_mm256_and_si256(h0, low7), _mm256_and_si256(h1, low7));
-        let e = _mm256_packus_epi16(
-            _mm256_and_si256(_mm256_srli_epi16::<7>(h0), low8),
-            _mm256_and_si256(_mm256_srli_epi16::<7>(h1), low8),
-        );
-        // Signed saturation keeps each pattern's sign in its byte's top bit.
-        let sign = _mm256_and_si256(_mm256_packs_epi16(h0, h1), _mm256_set1_epi8(-128));
+        assert!(dst.len() >= 32, "a block is 32 values");
+        // SAFETY: AVX2 (this function's contract). The bytes' order is put back by the
+        // final permute.
+        let [m, e, sign] = unsafe { bf16_fields_avx2(src) };
+        let sign = _mm256_and_si256(sign, _mm256_set1_epi8(-128));
         // The mantissas' buckets `m >> 4` (`m < 128`: the bits shifted in from the next
         // byte are masked off), looked up in the step tables.
         let [count, first, second] = self.table.words();
