@@ -168,9 +168,10 @@ mod x86 {
 
     use super::{e4m3_f32, f32_daz, BF16_HIGH_WORDS, E2M1_VALUES, E4M3_MAGNITUDES};
 
-    /// [`super::e4m3_row_pow2`] for `k` in `-117..=119`: 32 codes at a time, the magnitude from two 64-entry word tables (`vpermi2w` on
-    /// the low 6 bits, bit 6 picks the table), `k` added to the exponent of the finite
-    /// nonzero ones, the sign or-ed in.
+    /// [`super::e4m3_row_pow2`] for `k` in `-117..=119`: 32 codes at a time, the
+    /// magnitude from two 64-entry word tables (`vpermi2w` on the low 6 bits, bit 6 picks
+    /// the table), `k` added to the exponent of the finite nonzero ones (no add at all
+    /// for `k = 0`, the fp8 index keys), the sign or-ed in from the sign-extended code.
     ///
     /// # Safety
     /// The CPU has AVX-512F and AVX-512BW; `codes` and `out` have the same length.
@@ -178,35 +179,60 @@ mod x86 {
     pub(super) unsafe fn e4m3_row(codes: &[u8], k: i32, out: &mut [u16]) {
         debug_assert_eq!(codes.len(), out.len());
         debug_assert!((-117..=119).contains(&k));
+        // SAFETY: the CPU features are this function's own (`e4m3_rows` is inlined into
+        // it); the lengths are equal (asserted by the caller's contract).
+        unsafe {
+            if k == 0 {
+                e4m3_rows::<false>(codes, 0, out)
+            } else {
+                e4m3_rows::<true>(codes, k, out)
+            }
+        }
+        let n = codes.len() / 32 * 32;
+        if n < codes.len() {
+            let s = 2f32.powi(k);
+            for (x, &c) in out[n..].iter_mut().zip(&codes[n..]) {
+                *x = (f32_daz(e4m3_f32(c) * s).to_bits() >> 16) as u16;
+            }
+        }
+    }
+
+    /// The whole vectors of [`e4m3_row`]; `SCALED = false` only for `k = 0`.
+    ///
+    /// # Safety
+    /// As [`e4m3_row`]'s.
+    #[inline(always)]
+    unsafe fn e4m3_rows<const SCALED: bool>(codes: &[u8], k: i32, out: &mut [u16]) {
         // SAFETY: the tables are 128 words; every load and store below is inside `codes`
-        // (32 bytes from `i`, `i + 32 ≤ n`) and `out` (32 words from `i`).
+        // (32 bytes from `i`, `i + 32 ≤ n`) and `out` (32 words from `i`); the CPU
+        // features are the caller's.
         unsafe {
             let t = E4M3_MAGNITUDES.as_ptr();
             let tab = |k: usize| _mm512_loadu_si512(t.add(32 * k).cast());
             let (t0, t1, t2, t3) = (tab(0), tab(1), tab(2), tab(3));
-            let (bit6, signs) = (_mm512_set1_epi16(0x40), _mm512_set1_epi16(0x80));
+            let (bit6, sign) = (_mm512_set1_epi16(0x40), _mm512_set1_epi16(i16::MIN));
             // Magnitude 0x7f is NaN: like 0, it keeps its table value.
             let magnitude = _mm512_set1_epi16(0x7f);
             let shift = _mm512_set1_epi16((k << 7) as i16);
             let n = codes.len() / 32 * 32;
             let mut i = 0;
             while i < n {
-                let c = _mm512_cvtepu8_epi16(_mm256_loadu_si256(codes.as_ptr().add(i).cast()));
+                // Sign-extended: bit 15 is the code's sign, bits 0..7 the code (the
+                // table lookups read the low 6 bits only).
+                let c = _mm512_cvtepi8_epi16(_mm256_loadu_si256(codes.as_ptr().add(i).cast()));
                 let low = _mm512_permutex2var_epi16(t0, c, t1);
                 let high = _mm512_permutex2var_epi16(t2, c, t3);
-                let v = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(c, bit6), low, high);
-                let m = _mm512_and_si512(c, magnitude);
-                let scaled = _mm512_test_epi16_mask(m, m) & _mm512_cmpneq_epi16_mask(m, magnitude);
-                let v = _mm512_mask_add_epi16(v, scaled, v, shift);
-                let sign = _mm512_slli_epi16::<8>(_mm512_and_si512(c, signs));
-                _mm512_storeu_si512(out.as_mut_ptr().add(i).cast(), _mm512_or_si512(v, sign));
-                i += 32;
-            }
-            if n < codes.len() {
-                let s = 2f32.powi(k);
-                for (x, &c) in out[n..].iter_mut().zip(&codes[n..]) {
-                    *x = (f32_daz(e4m3_f32(c) * s).to_bits() >> 16) as u16;
+                let mut v = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(c, bit6), low, high);
+                if SCALED {
+                    let m = _mm512_and_si512(c, magnitude);
+                    let scaled =
+                        _mm512_test_epi16_mask(m, m) & _mm512_cmpneq_epi16_mask(m, magnitude);
+                    v = _mm512_mask_add_epi16(v, scaled, v, shift);
                 }
+                // v | (c & sign): the table's magnitudes have bit 15 clear.
+                let v = _mm512_ternarylogic_epi32::<0xf8>(v, c, sign);
+                _mm512_storeu_si512(out.as_mut_ptr().add(i).cast(), v);
+                i += 32;
             }
         }
     }
