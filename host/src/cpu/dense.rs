@@ -2,18 +2,19 @@
 //! [`ModelOps`]. The GPU backends run the same arithmetic as kernels
 //! (`crate::launcher::dense`): the bits agree.
 //!
-//! Parallelism never changes a result: rows (or column blocks) are split across rayon
-//! workers, but every output element is computed by the same sequence of f32 operations
-//! wherever it lands. The matmul core is [`super::gemm::gemm_acc`] (one FMA per term, in
-//! order, on every ISA).
+//! Parallelism never changes a result: rows (or column blocks) are split across the
+//! calling thread and rayon's workers (the `tasks` module), but every output element is
+//! computed by the same sequence of f32 operations wherever it lands. The matmul core is
+//! [`super::gemm::gemm_acc`] (one FMA per term, in order, on every ISA).
 
 use half::bf16;
-use rayon::prelude::*;
 use sparsekit_kernels::math::exp_portable;
 
 use super::buffer::CpuBuffer;
 use super::dot::round_bf16;
 use super::gemm::{gemm_acc, Dims};
+use super::scratch;
+use super::tasks::{for_each_indexed, run_tasks};
 use super::{CpuBackend, CpuIsa};
 use crate::error::Result;
 use crate::model_ops::{
@@ -53,7 +54,7 @@ fn rows_mut<'a>(
     data: &'a mut [f32],
     view: &View,
     rows: usize,
-) -> impl IndexedParallelIterator<Item = &'a mut [f32]> {
+) -> impl Iterator<Item = &'a mut [f32]> {
     let start = view.offset.min(data.len());
     let tail = &mut data[start..];
     let stride = if rows <= 1 {
@@ -61,7 +62,7 @@ fn rows_mut<'a>(
     } else {
         view.row_stride
     };
-    tail.par_chunks_mut(stride).take(rows)
+    tail.chunks_mut(stride).take(rows)
 }
 
 /// [`Matmul`] on f32 slices (validated).
@@ -83,63 +84,63 @@ pub fn matmul(isa: CpuIsa, op: &Matmul, x: &[f32], w: &[f32], out: &mut [f32]) {
         } else {
             chunk * stride
         };
-        out_tail
-            .par_chunks_mut(chunk_elems)
+        let tasks: Vec<_> = out_tail
+            .chunks_mut(chunk_elems)
             .take(op.rows.div_ceil(chunk))
             .enumerate()
-            .for_each(|(ci, c)| {
-                let r0 = ci * chunk;
-                let m = chunk.min(op.rows - r0);
-                for g in 0..op.groups {
-                    let c = &mut c[g * op.out.group_stride..];
-                    if op.accumulate == Accumulate::Overwrite {
-                        for r in 0..m {
-                            c[r * op.out.row_stride..][..n].fill(0.0);
-                        }
+            .collect();
+        run_tasks(tasks, |(ci, c)| {
+            let r0 = ci * chunk;
+            let m = chunk.min(op.rows - r0);
+            for g in 0..op.groups {
+                let c = &mut c[g * op.out.group_stride..];
+                if op.accumulate == Accumulate::Overwrite {
+                    for r in 0..m {
+                        c[r * op.out.row_stride..][..n].fill(0.0);
                     }
-                    let a = &x[op.x.offset + r0 * op.x.row_stride + g * op.x.group_stride..];
-                    let d = Dims {
-                        m,
-                        n,
-                        k,
-                        lda: op.x.row_stride.max(k),
-                        ldb: n,
-                        ldc: op.out.row_stride.max(n),
-                    };
-                    gemm_acc(isa, d, a, &w[g * k * n..], c);
                 }
-            });
+                let a = &x[op.x.offset + r0 * op.x.row_stride + g * op.x.group_stride..];
+                let d = Dims {
+                    m,
+                    n,
+                    k,
+                    lda: op.x.row_stride.max(k),
+                    ldb: n,
+                    ldc: op.out.row_stride.max(n),
+                };
+                gemm_acc(isa, d, a, &w[g * k * n..], c);
+            }
+        });
     } else {
         // Column split for few rows per worker: each task computes one column block of
         // one group into a private tile, copied into place afterwards.
         let cb = col_block(op.rows, n, threads);
         let blocks = n.div_ceil(cb);
-        let tiles: Vec<(usize, usize, Vec<f32>)> = (0..op.groups * blocks)
-            .into_par_iter()
-            .map(|t| {
-                let (g, b) = (t / blocks, t % blocks);
-                let j0 = b * cb;
-                let nb = cb.min(n - j0);
-                let mut tile = vec![0f32; op.rows * nb];
-                if op.accumulate == Accumulate::Add {
-                    for r in 0..op.rows {
-                        let o = op.out.offset + r * op.out.row_stride + g * op.out.group_stride;
-                        tile[r * nb..][..nb].copy_from_slice(&out[o + j0..][..nb]);
-                    }
+        let mut tiles: Vec<(usize, usize, Vec<f32>)> = vec![(0, 0, Vec::new()); op.groups * blocks];
+        let out_ro: &[f32] = out;
+        run_tasks(tiles.iter_mut().enumerate().collect(), |(t, slot)| {
+            let (g, b) = (t / blocks, t % blocks);
+            let j0 = b * cb;
+            let nb = cb.min(n - j0);
+            let mut tile = vec![0f32; op.rows * nb];
+            if op.accumulate == Accumulate::Add {
+                for r in 0..op.rows {
+                    let o = op.out.offset + r * op.out.row_stride + g * op.out.group_stride;
+                    tile[r * nb..][..nb].copy_from_slice(&out_ro[o + j0..][..nb]);
                 }
-                let d = Dims {
-                    m: op.rows,
-                    n: nb,
-                    k,
-                    lda: op.x.row_stride.max(k),
-                    ldb: n,
-                    ldc: nb,
-                };
-                let a = &x[op.x.offset + g * op.x.group_stride..];
-                gemm_acc(isa, d, a, &w[g * k * n + j0..], &mut tile);
-                (g, j0, tile)
-            })
-            .collect();
+            }
+            let d = Dims {
+                m: op.rows,
+                n: nb,
+                k,
+                lda: op.x.row_stride.max(k),
+                ldb: n,
+                ldc: nb,
+            };
+            let a = &x[op.x.offset + g * op.x.group_stride..];
+            gemm_acc(isa, d, a, &w[g * k * n + j0..], &mut tile);
+            *slot = (g, j0, tile);
+        });
         for (g, j0, tile) in tiles {
             let nb = tile.len() / op.rows;
             for r in 0..op.rows {
@@ -178,13 +179,10 @@ fn sum_squares(x: &[f32]) -> f32 {
 /// [`RmsNorm`] on f32 slices (validated), on the vector path `isa`.
 pub fn rms_norm(isa: CpuIsa, op: &RmsNorm, x: &[f32], gamma: &[f32], out: &mut [f32]) {
     let width = op.width;
-    rows_mut(out, &op.out, op.rows)
-        .with_min_len(ROW_CHUNK)
-        .enumerate()
-        .for_each(|(r, o)| {
-            let xr = &x[op.x.offset + r * op.x.row_stride..][..width];
-            rms_norm_row(isa, &mut o[..width], xr, gamma, op.eps);
-        });
+    for_each_indexed(rows_mut(out, &op.out, op.rows), ROW_CHUNK, |r, o| {
+        let xr = &x[op.x.offset + r * op.x.row_stride..][..width];
+        rms_norm_row(isa, &mut o[..width], xr, gamma, op.eps);
+    });
 }
 
 // The row bodies of the element-wise ops, compiled for each vector path (the baseline
@@ -263,16 +261,17 @@ crate::isa_dispatch! {
 /// [`Rope`] on f32 slices (validated), on the vector path `isa`.
 pub fn rope(isa: CpuIsa, op: &Rope<'_>, table: &[f32], x: &[f32], out: &mut [f32]) {
     let d = op.rope_dim / 2 * 2;
-    rows_mut(out, &op.out, op.positions.len())
-        .with_min_len(ROW_CHUNK)
-        .enumerate()
-        .for_each(|(r, o)| {
+    for_each_indexed(
+        rows_mut(out, &op.out, op.positions.len()),
+        ROW_CHUNK,
+        |r, o| {
             let cs = &table[op.positions[r] as usize * op.rope_dim..][..op.rope_dim];
             for g in 0..op.heads {
                 let xi = &x[op.x.offset + r * op.x.row_stride + g * op.x.group_stride..][..d];
                 rope_head(isa, &mut o[g * op.out.group_stride..][..d], xi, cs);
             }
-        });
+        },
+    );
 }
 
 /// [`SwiGlu`] on f32 slices (validated), on the vector path `isa`.
@@ -281,13 +280,10 @@ pub fn swiglu(isa: CpuIsa, op: &SwiGlu, gate_up: &[f32], out: &mut [f32]) {
     if w == 0 {
         return;
     }
-    out.par_chunks_mut(w)
-        .with_min_len(ROW_CHUNK)
-        .enumerate()
-        .for_each(|(r, o)| {
-            let (g, u) = gate_up[r * 2 * w..(r + 1) * 2 * w].split_at(w);
-            swiglu_row(isa, o, g, u);
-        });
+    for_each_indexed(out.chunks_mut(w), ROW_CHUNK, |r, o| {
+        let (g, u) = gate_up[r * 2 * w..(r + 1) * 2 * w].split_at(w);
+        swiglu_row(isa, o, g, u);
+    });
 }
 
 /// [`GatedPool`] on f32 slices (validated). Entries are split across workers; within an
@@ -300,16 +296,18 @@ pub fn gated_pool(isa: CpuIsa, op: &GatedPool<'_>, x: &[f32], bias: &[f32], out:
     if w == 0 || span == 0 {
         return;
     }
-    out.par_chunks_mut(w)
-        .with_min_len((ROW_CHUNK / span).max(1))
-        .enumerate()
-        .for_each_init(
-            || vec![0f32; 2 * w],
-            |scratch, (e, o)| {
-                let slots = &op.sources[e * span..(e + 1) * span];
-                pool_entry(isa, o, scratch, slots, x, bias);
-            },
-        );
+    for_each_indexed(out.chunks_mut(w), (ROW_CHUNK / span).max(1), |e, o| {
+        let slots = &op.sources[e * span..(e + 1) * span];
+        scratch::with(&POOL_SCRATCH, |scratch| {
+            scratch.resize(2 * w, 0.0);
+            pool_entry(isa, o, scratch, slots, x, bias);
+        })
+    });
+}
+
+thread_local! {
+    /// This thread's maxima and sums of [`pool_entry`] (`2w`, [`scratch`]).
+    static POOL_SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 crate::isa_dispatch! {
@@ -364,33 +362,28 @@ pub fn embed(op: &Embed<'_>, table: &[f32], out: &mut [f32]) {
     if d == 0 {
         return;
     }
-    out.par_chunks_mut(d)
-        .with_min_len(ROW_CHUNK)
-        .zip(op.tokens)
-        .for_each(|(o, &t)| o.copy_from_slice(&table[t as usize * d..][..d]));
+    for_each_indexed(out.chunks_mut(d).zip(op.tokens), ROW_CHUNK, |_, (o, &t)| {
+        o.copy_from_slice(&table[t as usize * d..][..d])
+    });
 }
 
 /// [`GatherRows`] on f32 slices (validated).
 pub fn gather_rows(op: &GatherRows<'_>, x: &[f32], out: &mut [f32]) {
     let w = op.width;
-    rows_mut(out, &op.out, op.rows.len())
-        .with_min_len(ROW_CHUNK)
-        .zip(op.rows)
-        .for_each(|(o, &r)| {
-            o[..w].copy_from_slice(&x[op.x.offset + r as usize * op.x.row_stride..][..w])
-        });
+    for_each_indexed(
+        rows_mut(out, &op.out, op.rows.len()).zip(op.rows),
+        ROW_CHUNK,
+        |_, (o, &r)| o[..w].copy_from_slice(&x[op.x.offset + r as usize * op.x.row_stride..][..w]),
+    );
 }
 
 /// [`Add`] on f32 slices (validated), on the vector path `isa`.
 pub fn add(isa: CpuIsa, op: &Add, x: &[f32], acc: &mut [f32]) {
     let w = op.width;
-    rows_mut(acc, &op.acc, op.rows)
-        .with_min_len(ROW_CHUNK)
-        .enumerate()
-        .for_each(|(r, a)| {
-            let xr = &x[op.x.offset + r * op.x.row_stride..][..w];
-            add_row(isa, &mut a[..w], xr);
-        });
+    for_each_indexed(rows_mut(acc, &op.acc, op.rows), ROW_CHUNK, |r, a| {
+        let xr = &x[op.x.offset + r * op.x.row_stride..][..w];
+        add_row(isa, &mut a[..w], xr);
+    });
 }
 
 /// Runs `convert(dst, src)` for the `width` elements of every `(row, group)` of a cast.
@@ -409,25 +402,19 @@ fn cast_rows<S: Copy + Sync, D: Copy + Send>(
     } else {
         op.out.row_stride
     };
-    tail.par_chunks_mut(stride)
-        .take(op.rows)
-        .with_min_len(ROW_CHUNK)
-        .enumerate()
-        .for_each(|(r, o)| {
-            for g in 0..op.groups {
-                let src =
-                    &x[op.x.offset + r * op.x.row_stride + g * op.x.group_stride..][..op.width];
-                convert(&mut o[g * op.out.group_stride..][..op.width], src);
-            }
-        });
+    for_each_indexed(tail.chunks_mut(stride).take(op.rows), ROW_CHUNK, |r, o| {
+        for g in 0..op.groups {
+            let src = &x[op.x.offset + r * op.x.row_stride + g * op.x.group_stride..][..op.width];
+            convert(&mut o[g * op.out.group_stride..][..op.width], src);
+        }
+    });
 }
 
 /// [`Argmax`] on f32 slices (validated).
 pub fn argmax(op: &Argmax, logits: &[f32], out: &mut [u32]) {
-    out.par_iter_mut()
-        .with_min_len(ROW_CHUNK)
-        .enumerate()
-        .for_each(|(r, o)| *o = argmax_row(&logits[r * op.width..(r + 1) * op.width]));
+    for_each_indexed(out.iter_mut(), ROW_CHUNK, |r, o| {
+        *o = argmax_row(&logits[r * op.width..(r + 1) * op.width])
+    });
 }
 
 /// Column of the largest value, lowest on ties, NaN above every number.

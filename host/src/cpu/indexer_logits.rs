@@ -18,7 +18,6 @@
 use std::cell::RefCell;
 
 use half::bf16;
-use rayon::prelude::*;
 
 use super::dot::{f32_daz, gemm_bf16_into, padded_cols, PairDims};
 #[cfg(doc)]
@@ -26,6 +25,7 @@ use super::gemm::gemm_acc_pairs;
 use super::gemm::{gemm_pairs_into, Dims};
 use super::isa::{prefetch, CpuIsa, Isa};
 use super::scratch;
+use super::tasks::run_tasks;
 use super::transpose::{transpose, transpose_bytes};
 use super::widen;
 use crate::layout::{IndexKDtype, IndexKLayout, FP4_GROUP};
@@ -101,7 +101,7 @@ pub fn indexer_logits(
         weights,
         cache,
     };
-    tasks.into_par_iter().for_each(|(g, col0, mut cells)| {
+    run_tasks(tasks, |(g, col0, mut cells)| {
         scratch::with(&SCRATCH, |scratch| {
             run_task(isa, &ctx, g, col0, &mut cells, scratch)
         })

@@ -7,7 +7,8 @@
 //! core `attend`), `pages`, `dense` (the model's layers); `gemm` is the register-blocked f32
 //! matrix core, `dot` the bf16 dot product (the `vdpbf16ps` kernel and the arithmetic every
 //! path shares with it), `buffer` the host buffers, `scratch` the per-thread working
-//! buffers of the ops' tasks.
+//! buffers of the ops' tasks, `tasks` how an op's tasks are run (the calling thread works
+//! alongside rayon's pool).
 
 pub mod attend;
 pub mod buffer;
@@ -22,6 +23,7 @@ mod scratch;
 pub mod sparse_mla;
 pub mod sparse_mla_v4;
 pub mod store;
+mod tasks;
 pub mod topk;
 pub mod transpose;
 pub mod widen;

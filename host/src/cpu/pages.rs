@@ -4,10 +4,10 @@
 //! sum modulo 2^64 of one mixed term per 8-byte word, so lanes may sum their words apart
 //! and add up at the end — the same digest, bit for bit, on every vector path.
 
-use rayon::prelude::*;
 use sparsekit_kernels::checksum::{finish, page_checksum, word_term, PHI};
 
 use super::isa::{prefetch, CpuIsa, Isa};
+use super::tasks::run_tasks;
 use crate::ops::{CopyPages, PageChecksums};
 
 /// Copies the pages. Inputs are validated by the caller (ids in range, unique
@@ -26,8 +26,9 @@ pub fn copy_pages(op: &CopyPages<'_>, src: &[u8], dst: &mut [u8]) {
         .zip(op.src_ids)
         .filter_map(|(&d, &s)| slots[d as usize].take().map(|page| (page, s as usize)))
         .collect();
-    work.into_par_iter()
-        .for_each(|(page, s)| page.copy_from_slice(&src[op.src.page_range(s)]));
+    run_tasks(work, |(page, s)| {
+        page.copy_from_slice(&src[op.src.page_range(s)])
+    });
 }
 
 /// Checksums the pages on the vector path `isa`. Inputs are validated by the caller.
@@ -38,17 +39,19 @@ pub fn copy_pages(op: &CopyPages<'_>, src: &[u8], dst: &mut [u8]) {
 /// themselves.
 pub fn page_checksums(isa: CpuIsa, op: &PageChecksums<'_>, pool: &[u8], out: &mut [u64]) {
     let page = |id: i32| &pool[op.region.page_range(id as usize)];
-    out.par_chunks_mut(PAGES_PER_TASK)
-        .zip(op.ids.par_chunks(PAGES_PER_TASK))
-        .for_each(|(out, ids)| {
-            for (j, (o, &id)) in out.iter_mut().zip(ids).enumerate() {
-                if let Some(&next) = ids.get(j + 1) {
-                    let next = page(next);
-                    prefetch(&next[..next.len().min(PREFETCH_BYTES)]);
-                }
-                *o = checksum(isa, page(id));
+    let tasks: Vec<_> = out
+        .chunks_mut(PAGES_PER_TASK)
+        .zip(op.ids.chunks(PAGES_PER_TASK))
+        .collect();
+    run_tasks(tasks, |(out, ids)| {
+        for (j, (o, &id)) in out.iter_mut().zip(ids).enumerate() {
+            if let Some(&next) = ids.get(j + 1) {
+                let next = page(next);
+                prefetch(&next[..next.len().min(PREFETCH_BYTES)]);
             }
-        });
+            *o = checksum(isa, page(id));
+        }
+    });
 }
 
 /// Pages one [`page_checksums`] task hashes in order.

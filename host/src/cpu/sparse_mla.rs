@@ -7,10 +7,10 @@
 //! slot gets `out = 0`, `lse = -inf`, decided by the slots (a NaN score gives NaN).
 
 use half::bf16;
-use rayon::prelude::*;
 
 use super::attend::{attend_task, scaled_to_bf16, with_scratch, AttnDims, Scratch, Source};
 use super::isa::CpuIsa;
+use super::tasks::run_tasks;
 use crate::ops::SparseMla;
 
 /// Heads per task at most.
@@ -34,39 +34,41 @@ pub fn sparse_mla(
         .unwrap_or(1);
     let (dqk, dv) = (op.layout.d_qk(), op.layout.nope_dim());
     let chunks_per_token = h / hc;
-    out.par_chunks_mut(hc * dv)
-        .zip(lse.par_chunks_mut(hc))
+    let tasks: Vec<_> = out
+        .chunks_mut(hc * dv)
+        .zip(lse.chunks_mut(hc))
         .enumerate()
-        .for_each(|(task, (out, lse))| {
-            with_scratch(|scratch| {
-                let t = task / chunks_per_token;
-                let h0 = (task % chunks_per_token) * hc;
-                let qrow = &q[(t * h + h0) * dqk..(t * h + h0 + hc) * dqk];
-                scratch.size(isa, dqk, dv, hc);
-                let keys = |t: usize| {
-                    indices[t * op.topk..(t + 1) * op.topk]
-                        .iter()
-                        .filter(|&&i| i >= 0)
-                        .map(|&i| (0, i as usize))
-                };
-                // The next task (this worker's likely next) reads another token's keys when
-                // this is the token's last head chunk.
-                let next = (h0 + hc == h && t + 1 < op.n_tokens).then_some(t + 1);
-                scratch.plan(t, next, keys);
-                let sources = [Source {
-                    layout: &op.layout,
-                    cache,
-                }];
-                let dims = AttnDims {
-                    dqk,
-                    dv,
-                    hc,
-                    scale: op.softmax_scale,
-                };
-                attend_task(isa, dims, qrow, &sources, scratch);
-                finish_v32(isa, dims, &scratch.valid, scratch, out, lse);
-            })
-        });
+        .collect();
+    run_tasks(tasks, |(task, (out, lse))| {
+        with_scratch(|scratch| {
+            let t = task / chunks_per_token;
+            let h0 = (task % chunks_per_token) * hc;
+            let qrow = &q[(t * h + h0) * dqk..(t * h + h0 + hc) * dqk];
+            scratch.size(isa, dqk, dv, hc);
+            let keys = |t: usize| {
+                indices[t * op.topk..(t + 1) * op.topk]
+                    .iter()
+                    .filter(|&&i| i >= 0)
+                    .map(|&i| (0, i as usize))
+            };
+            // The next task (this worker's likely next) reads another token's keys when
+            // this is the token's last head chunk.
+            let next = (h0 + hc == h && t + 1 < op.n_tokens).then_some(t + 1);
+            scratch.plan(t, next, keys);
+            let sources = [Source {
+                layout: &op.layout,
+                cache,
+            }];
+            let dims = AttnDims {
+                dqk,
+                dv,
+                hc,
+                scale: op.softmax_scale,
+            };
+            attend_task(isa, dims, qrow, &sources, scratch);
+            finish_v32(isa, dims, &scratch.valid, scratch, out, lse);
+        })
+    });
 }
 
 /// DeepSeek-V3.2's output of a task: `out = O / sum` (bf16), `lse = m + ln sum`; a token

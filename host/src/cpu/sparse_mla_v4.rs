@@ -5,10 +5,10 @@
 //! valid key. Per (token, head chunk) task, as the V3.2 op: batch-invariant.
 
 use half::bf16;
-use rayon::prelude::*;
 
 use super::attend::{attend_task, scaled_to_bf16, with_scratch, AttnDims, Scratch, Source};
 use super::isa::CpuIsa;
+use super::tasks::run_tasks;
 use crate::ops::SparseMlaV4;
 
 /// Heads per task at most.
@@ -54,38 +54,40 @@ pub fn sparse_mla_v4(
         hc,
         scale: op.softmax_scale,
     };
-    out.par_chunks_mut(hc * d)
-        .zip(lse.par_chunks_mut(hc))
+    let tasks: Vec<_> = out
+        .chunks_mut(hc * d)
+        .zip(lse.chunks_mut(hc))
         .enumerate()
-        .for_each(|(task, (out, lse))| {
-            with_scratch(|scratch| {
-                let t = task / chunks_per_token;
-                let h0 = (task % chunks_per_token) * hc;
-                scratch.size(isa, d, d, hc);
-                // Token `t`'s keys: main's used entries that are not -1, then extra's.
-                let keys = |t: usize| {
-                    let lists = std::iter::once((&op.main, call.main.1)).chain(
-                        op.extra
-                            .as_ref()
-                            .zip(call.extra)
-                            .map(|(c, (_, idx))| (c, idx)),
-                    );
-                    lists.enumerate().flat_map(move |(src, (c, idx))| {
-                        idx[t * c.topk..t * c.topk + c.length(t)]
-                            .iter()
-                            .filter(|&&i| i >= 0)
-                            .map(move |&i| (src as u8, i as usize))
-                    })
-                };
-                // As in the V3.2 op: the next token's first keys after its last head chunk.
-                let next = (h0 + hc == h && t + 1 < op.n_tokens).then_some(t + 1);
-                scratch.plan(t, next, keys);
-                let qrow = &call.q[(t * h + h0) * d..(t * h + h0 + hc) * d];
-                attend_task(isa, dims, qrow, &sources, scratch);
-                let sink = op.attn_sink.map(|s| &s[h0..h0 + hc]);
-                finish(isa, dims, scratch, sink, out, lse);
-            })
-        });
+        .collect();
+    run_tasks(tasks, |(task, (out, lse))| {
+        with_scratch(|scratch| {
+            let t = task / chunks_per_token;
+            let h0 = (task % chunks_per_token) * hc;
+            scratch.size(isa, d, d, hc);
+            // Token `t`'s keys: main's used entries that are not -1, then extra's.
+            let keys = |t: usize| {
+                let lists = std::iter::once((&op.main, call.main.1)).chain(
+                    op.extra
+                        .as_ref()
+                        .zip(call.extra)
+                        .map(|(c, (_, idx))| (c, idx)),
+                );
+                lists.enumerate().flat_map(move |(src, (c, idx))| {
+                    idx[t * c.topk..t * c.topk + c.length(t)]
+                        .iter()
+                        .filter(|&&i| i >= 0)
+                        .map(move |&i| (src as u8, i as usize))
+                })
+            };
+            // As in the V3.2 op: the next token's first keys after its last head chunk.
+            let next = (h0 + hc == h && t + 1 < op.n_tokens).then_some(t + 1);
+            scratch.plan(t, next, keys);
+            let qrow = &call.q[(t * h + h0) * d..(t * h + h0 + hc) * d];
+            attend_task(isa, dims, qrow, &sources, scratch);
+            let sink = op.attn_sink.map(|s| &s[h0..h0 + hc]);
+            finish(isa, dims, scratch, sink, out, lse);
+        })
+    });
 }
 
 /// DeepSeek-V4's output of a task: `lse = m + ln sum` (without the sink), `out = O / sum ·

@@ -5,12 +5,11 @@ use half::bf16;
 use std::marker::PhantomData;
 use std::ops::Range;
 
-use rayon::prelude::*;
-
 use sparsekit_kernels::fp8::bf16_to_f32;
 use sparsekit_kernels::mx;
 
 use super::isa::{CpuIsa, Isa};
+use super::tasks::run_tasks;
 #[cfg(doc)]
 use crate::dtype::amax_bf16;
 use crate::dtype::{e4m3_encode, index_k_scale, kv_tile_scale, ScaleFormat};
@@ -79,10 +78,11 @@ fn in_runs(
     write: impl Fn(&Spans<'_>, &[i64], &[bf16]) + Sync,
 ) {
     let spans = Spans::new(cache);
-    slots
-        .par_chunks(TASK_TOKENS)
-        .zip(input.par_chunks(TASK_TOKENS * d.max(1)))
-        .for_each(|(slots, rows)| write(&spans, slots, rows));
+    let tasks: Vec<_> = slots
+        .chunks(TASK_TOKENS)
+        .zip(input.chunks(TASK_TOKENS * d.max(1)))
+        .collect();
+    run_tasks(tasks, |(slots, rows)| write(&spans, slots, rows));
 }
 
 crate::isa_dispatch! {

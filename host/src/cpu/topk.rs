@@ -23,9 +23,8 @@
 //! (the lowest positions). Output is the merge of both position-ordered lists, so the row
 //! is written in ascending position order. Exact for every input, ties included.
 
-use rayon::prelude::*;
-
 use super::isa::CpuIsa;
+use super::tasks::run_tasks;
 use crate::ops::{ShortRows, Topk, TopkOutput};
 
 /// Order-preserving map of a non-NaN f32 to u32.
@@ -48,40 +47,33 @@ fn valid(x: f32) -> bool {
 /// Runs top-k over every row on the vector path `isa`. Inputs are validated by the caller.
 pub fn topk(isa: CpuIsa, op: &Topk<'_>, logits: &[f32], out: &mut [i32]) {
     let k = op.k;
-    out.par_chunks_mut(k)
-        .zip(op.rows.par_iter())
-        .enumerate()
-        .for_each(|(r, (dst, range))| {
-            let row = &logits[r * op.row_stride..][range.start as usize..range.end as usize];
-            let n = if op.short_rows == ShortRows::TakeAll && row.len() <= k {
-                for (j, d) in dst[..row.len()].iter_mut().enumerate() {
-                    *d = j as i32;
-                }
-                row.len()
-            } else {
-                // The buffers of the rows this thread ran before: no allocation (and no
-                // page faults on fresh memory) per rayon job.
-                SCRATCH.with_borrow_mut(|scratch| select_row_with(isa, row, k, dst, scratch))
-            };
-            let base = range.start as usize;
-            match op.output {
-                TopkOutput::Positions => {
-                    for p in &mut dst[..n] {
-                        *p += base as i32;
-                    }
-                }
-                TopkOutput::Slots {
-                    page_table,
-                    page_size,
-                } => page_table.slots_in_place(
-                    range.request as usize,
-                    base,
-                    &mut dst[..n],
-                    page_size,
-                ),
+    let tasks: Vec<_> = out.chunks_mut(k).zip(op.rows).enumerate().collect();
+    run_tasks(tasks, |(r, (dst, range))| {
+        let row = &logits[r * op.row_stride..][range.start as usize..range.end as usize];
+        let n = if op.short_rows == ShortRows::TakeAll && row.len() <= k {
+            for (j, d) in dst[..row.len()].iter_mut().enumerate() {
+                *d = j as i32;
             }
-            dst[n..].fill(-1);
-        });
+            row.len()
+        } else {
+            // The buffers of the rows this thread ran before: no allocation (and no
+            // page faults on fresh memory) per rayon job.
+            SCRATCH.with_borrow_mut(|scratch| select_row_with(isa, row, k, dst, scratch))
+        };
+        let base = range.start as usize;
+        match op.output {
+            TopkOutput::Positions => {
+                for p in &mut dst[..n] {
+                    *p += base as i32;
+                }
+            }
+            TopkOutput::Slots {
+                page_table,
+                page_size,
+            } => page_table.slots_in_place(range.request as usize, base, &mut dst[..n], page_size),
+        }
+        dst[n..].fill(-1);
+    });
 }
 
 /// Writes the positions (relative to `row`) of the top `k` valid entries of `row` into

@@ -1,0 +1,216 @@
+//! Running an op's tasks: rayon's work stealing when the caller is a pool worker; from
+//! any other thread (the serving engine's, a user's), the caller works through the tasks
+//! itself alongside helper jobs on rayon's pool instead of handing the whole op over and
+//! sleeping until it ends.
+//!
+//! Handing an op to the pool from outside costs two cross-thread wake-ups per call (the
+//! workers', then the caller's), each a futex wake of an idle core: on the 2-vCPU guests
+//! of `benches/RESULTS.md` they added 40–80 µs to the median of a 250 µs attention call.
+//! Here the caller starts on the first task at once (the helpers join when they wake),
+//! and after its last task waits for the helpers' last ones by spinning for at most
+//! [`SPIN_LIMIT`] before it blocks. Which thread runs a task never changes its result
+//! (every op's tasks are independent and batch-invariant).
+
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use rayon::prelude::*;
+
+/// The longest the calling thread spins for the helpers' last tasks before it blocks in
+/// rayon's scope (which ends when they do).
+const SPIN_LIMIT: Duration = Duration::from_micros(500);
+
+/// Runs `f` once on every task. On a rayon worker: `into_par_iter` on its pool. From any
+/// other thread: the caller and up to `rayon::current_num_threads() − 1` helper jobs on
+/// the global pool claim runs of consecutive tasks until none is left. A panic in `f`
+/// reaches the caller once every task has ended (the other tasks still run), as with
+/// rayon's own iterators.
+pub(crate) fn run_tasks<T: Send>(tasks: Vec<T>, f: impl Fn(T) + Sync + Send) {
+    run_runs(tasks, 1, f)
+}
+
+/// `f(i, item)` for the `i`-th item of `items`, as [`run_tasks`] with runs of at least
+/// `min_run` items (cheap row-wise ops: a task per row would cost more than the row).
+pub(crate) fn for_each_indexed<T: Send>(
+    items: impl IntoIterator<Item = T>,
+    min_run: usize,
+    f: impl Fn(usize, T) + Sync + Send,
+) {
+    let items: Vec<(usize, T)> = items.into_iter().enumerate().collect();
+    run_runs(items, min_run, |(i, t)| f(i, t))
+}
+
+/// The tasks, each taken once by whichever thread claims its index.
+struct Slots<T>(Vec<UnsafeCell<Option<T>>>);
+
+// SAFETY: a slot is only touched through `take`, whose contract gives each index to one
+// thread; the tasks themselves move between threads (`T: Send`).
+unsafe impl<T: Send> Sync for Slots<T> {}
+
+impl<T> Slots<T> {
+    /// The task at `i`.
+    ///
+    /// # Safety
+    /// No other thread takes (or is taking) index `i`.
+    unsafe fn take(&self, i: usize) -> Option<T> {
+        // SAFETY: exclusive access to slot `i` (the caller's contract).
+        self.0.get(i).and_then(|c| unsafe { (*c.get()).take() })
+    }
+}
+
+fn run_runs<T: Send>(tasks: Vec<T>, min_run: usize, f: impl Fn(T) + Sync + Send) {
+    let n = tasks.len();
+    let min_run = min_run.max(1);
+    if n <= min_run {
+        tasks.into_iter().for_each(f);
+        return;
+    }
+    if rayon::current_thread_index().is_some() {
+        tasks.into_par_iter().with_min_len(min_run).for_each(f);
+        return;
+    }
+    let slots = Slots(
+        tasks
+            .into_iter()
+            .map(|t| UnsafeCell::new(Some(t)))
+            .collect(),
+    );
+    let threads = rayon::current_num_threads().min(n.div_ceil(min_run)).max(1);
+    let next = AtomicUsize::new(0);
+    let done = AtomicUsize::new(0);
+    // Guided runs of consecutive tasks: a claim takes `1/(2·threads)` of what is left (a
+    // thread's next task is then most often the next one, which the ops' look-ahead
+    // prefetches assume), down to `min_run` at the end (for the balance). Every index is
+    // handed out by exactly one successful exchange.
+    let claim = || {
+        let mut first = next.load(Ordering::Relaxed);
+        loop {
+            if first >= n {
+                return None;
+            }
+            let len = (n - first)
+                .div_ceil(2 * threads)
+                .max(min_run)
+                .min(n - first);
+            match next.compare_exchange_weak(
+                first,
+                first + len,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return Some(first..first + len),
+                Err(now) => first = now,
+            }
+        }
+    };
+    let drain = || {
+        while let Some(run) = claim() {
+            for i in run {
+                // SAFETY: `i` belongs to this thread's claimed run (claims are disjoint).
+                if let Some(t) = unsafe { slots.take(i) } {
+                    f(t);
+                }
+                done.fetch_add(1, Ordering::Release);
+            }
+        }
+    };
+    let helpers = threads - 1;
+    rayon::in_place_scope(|s| {
+        for _ in 0..helpers {
+            s.spawn(|_| drain());
+        }
+        drain();
+        // The helpers' last tasks: spin briefly (the scope's own wait blocks on a
+        // condition variable, whose wake-up is the cost this module avoids).
+        let start = Instant::now();
+        while done.load(Ordering::Acquire) < n && start.elapsed() < SPIN_LIMIT {
+            std::hint::spin_loop();
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU64;
+
+    /// Every task runs exactly once, from an outside thread and from inside a pool, with
+    /// fewer, as many and more tasks than threads.
+    #[test]
+    fn every_task_runs_once() {
+        for n in [0, 1, 2, 3, 17, 200, 5000] {
+            let hits: Vec<AtomicU64> = (0..n).map(|_| AtomicU64::new(0)).collect();
+            run_tasks((0..n).collect(), |i: usize| {
+                hits[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(
+                hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+                "outside, n {n}"
+            );
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(3)
+                .build()
+                .unwrap_or_else(|e| panic!("{e}"));
+            let hits: Vec<AtomicU64> = (0..n).map(|_| AtomicU64::new(0)).collect();
+            pool.install(|| {
+                run_tasks((0..n).collect(), |i: usize| {
+                    hits[i].fetch_add(1, Ordering::Relaxed);
+                })
+            });
+            assert!(
+                hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+                "inside, n {n}"
+            );
+        }
+    }
+
+    /// Indexed items in runs: every index once, with its own item, for run lengths below,
+    /// at and above the item count.
+    #[test]
+    fn indexed_items_keep_their_index() {
+        for (n, min_run) in [(0, 4), (3, 4), (4, 4), (100, 1), (100, 32), (1000, 32)] {
+            let mut out = vec![usize::MAX; n];
+            for_each_indexed(out.iter_mut(), min_run, |i, x| *x = i);
+            assert!(
+                out.iter().enumerate().all(|(i, &x)| x == i),
+                "n {n} runs {min_run}"
+            );
+        }
+    }
+
+    /// Tasks that own disjoint mutable slices write them all.
+    #[test]
+    fn tasks_own_their_outputs() {
+        let mut out = vec![0u32; 1000];
+        let tasks: Vec<(usize, &mut [u32])> = out.chunks_mut(7).enumerate().collect();
+        run_tasks(tasks, |(t, chunk)| {
+            for (j, x) in chunk.iter_mut().enumerate() {
+                *x = (t * 7 + j) as u32;
+            }
+        });
+        assert!(out.iter().enumerate().all(|(i, &x)| x == i as u32));
+    }
+
+    /// A panicking task reaches the caller (from whichever thread it ran on), and the
+    /// call returns instead of hanging.
+    #[test]
+    fn a_panicking_task_reaches_the_caller() {
+        for bad in [0, 5, 39] {
+            let r = std::panic::catch_unwind(|| {
+                run_tasks((0..40).collect(), |i: usize| {
+                    if i == bad {
+                        panic!("task {i}");
+                    }
+                })
+            });
+            assert!(r.is_err(), "task {bad}'s panic was lost");
+        }
+        // The pool still works afterwards.
+        let count = AtomicU64::new(0);
+        run_tasks((0..40).collect(), |_: usize| {
+            count.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(count.load(Ordering::Relaxed), 40);
+    }
+}
