@@ -8,7 +8,7 @@
 //! every wait in the cache can be bounded.
 
 pub use parking_lot::{Condvar, Mutex, MutexGuard};
-pub use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+pub use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 /// Starts a named thread.
 pub fn spawn<F>(name: &str, f: F) -> std::io::Result<std::thread::JoinHandle<()>>

@@ -12,6 +12,7 @@
 
 pub mod attend;
 pub mod buffer;
+mod claims;
 pub mod dense;
 pub mod dot;
 pub mod gemm;

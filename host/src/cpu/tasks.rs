@@ -17,6 +17,8 @@ use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 
+use super::claims::Claims;
+
 /// The longest the calling thread spins for the helpers' last tasks before it blocks in
 /// rayon's scope (which ends when they do).
 const SPIN_LIMIT: Duration = Duration::from_micros(500);
@@ -77,37 +79,12 @@ fn run_runs<T: Send>(tasks: Vec<T>, min_run: usize, f: impl Fn(T) + Sync + Send)
             .collect(),
     );
     let threads = rayon::current_num_threads().min(n.div_ceil(min_run)).max(1);
-    let next = AtomicUsize::new(0);
+    let claims = Claims::new(n, threads, min_run);
     let done = AtomicUsize::new(0);
-    // Guided runs of consecutive tasks: a claim takes `1/(2·threads)` of what is left (a
-    // thread's next task is then most often the next one, which the ops' look-ahead
-    // prefetches assume), down to `min_run` at the end (for the balance). Every index is
-    // handed out by exactly one successful exchange.
-    let claim = || {
-        let mut first = next.load(Ordering::Relaxed);
-        loop {
-            if first >= n {
-                return None;
-            }
-            let len = (n - first)
-                .div_ceil(2 * threads)
-                .max(min_run)
-                .min(n - first);
-            match next.compare_exchange_weak(
-                first,
-                first + len,
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => return Some(first..first + len),
-                Err(now) => first = now,
-            }
-        }
-    };
     let drain = || {
-        while let Some(run) = claim() {
+        while let Some(run) = claims.claim() {
             for i in run {
-                // SAFETY: `i` belongs to this thread's claimed run (claims are disjoint).
+                // SAFETY: `i` is in this thread's claimed run; runs are disjoint.
                 if let Some(t) = unsafe { slots.take(i) } {
                     f(t);
                 }
@@ -122,10 +99,18 @@ fn run_runs<T: Send>(tasks: Vec<T>, min_run: usize, f: impl Fn(T) + Sync + Send)
         }
         drain();
         // The helpers' last tasks: spin briefly (the scope's own wait blocks on a
-        // condition variable, whose wake-up is the cost this module avoids).
+        // condition variable, whose wake-up is the cost this module avoids), yielding the
+        // core after the first spins in case a helper waits for it (more runnable threads
+        // than cores: several callers at once).
         let start = Instant::now();
+        let mut spins = 0u32;
         while done.load(Ordering::Acquire) < n && start.elapsed() < SPIN_LIMIT {
-            std::hint::spin_loop();
+            if spins < 64 {
+                spins += 1;
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
         }
     });
 }
@@ -190,6 +175,39 @@ mod tests {
             }
         });
         assert!(out.iter().enumerate().all(|(i, &x)| x == i as u32));
+    }
+
+    /// Several outside threads at once (the serving engine's and a user's, say): every
+    /// call runs each of its tasks once and returns within a bounded time.
+    #[test]
+    fn concurrent_callers_each_finish() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        for c in 0..4u64 {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for round in 0..50u64 {
+                    let n = 1 + (c * 13 + round * 7) as usize % 97;
+                    let sum = AtomicU64::new(0);
+                    run_tasks((0..n as u64).collect(), |i| {
+                        sum.fetch_add(i + 1, Ordering::Relaxed);
+                    });
+                    let want = (n * (n + 1) / 2) as u64;
+                    if sum.load(Ordering::Relaxed) != want {
+                        let _ = tx.send(Err(format!("caller {c} round {round}")));
+                        return;
+                    }
+                }
+                let _ = tx.send(Ok(c));
+            });
+        }
+        drop(tx);
+        for _ in 0..4 {
+            match rx.recv_timeout(Duration::from_secs(60)) {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => panic!("{e}: a task ran twice or not at all"),
+                Err(e) => panic!("a caller did not finish: {e}"),
+            }
+        }
     }
 
     /// A panicking task reaches the caller (from whichever thread it ran on), and the
