@@ -61,6 +61,7 @@ impl<T> Slots<T> {
     }
 }
 
+/// [`run_tasks`] with claims of at least `min_run` tasks (but the last).
 fn run_runs<T: Send>(tasks: Vec<T>, min_run: usize, f: impl Fn(T) + Sync + Send) {
     let n = tasks.len();
     let min_run = min_run.max(1);
