@@ -103,12 +103,21 @@ impl Suite {
                 next_n,
             });
         }
-        let topk = vec![TopkShape {
-            rows: topk_rows,
-            context,
-            k: d.index_topk,
-            page_size: d.page_size,
-        }];
+        let topk = vec![
+            TopkShape {
+                rows: topk_rows,
+                context,
+                k: d.index_topk,
+                page_size: d.page_size,
+            },
+            // The serving model's decode: one row a sequence over its context.
+            TopkShape {
+                rows: tiny_batch,
+                context: tiny_ctx,
+                k: t.index_topk,
+                page_size: t.page_size,
+            },
+        ];
         let mut sparse_mla = Vec::new();
         for dtype in [KvDtype::Bf16, KvDtype::Fp8DsMla] {
             sparse_mla.push(SparseMlaShape {

@@ -90,9 +90,12 @@ fn select_row_with(isa: CpuIsa, row: &[f32], k: usize, dst: &mut [i32], s: &mut 
     }
 }
 
-/// Rows shorter than this (or than `4k`) skip the pre-filter.
-const PREFILTER_MIN: usize = 8192;
-/// Sample size of the pre-filter (entries).
+/// Rows shorter than this (or than `4k`) skip the pre-filter. Down to here the pre-filter
+/// with its quarter-row sample beats the full path (one thread, k = n/16: 1024 entries
+/// 3.75 → 1.29 µs, 256 entries 1.55 → 1.18 µs).
+const PREFILTER_MIN: usize = 256;
+/// Sample size of the pre-filter (entries) from rows of `4 · SAMPLE` entries up; a quarter
+/// of a shorter row.
 const SAMPLE: usize = 2048;
 /// Length of each contiguous run of the sample (entries).
 const RUN: usize = 16;
@@ -429,13 +432,14 @@ fn first_ties(mut ties: u64, eq: &mut usize, eq_need: usize) -> u64 {
     take
 }
 
-/// A threshold from a sample of `row` (128 runs of 16 contiguous entries spread over it:
-/// a few cache lines, not a pass) that about `1.5k` entries of the row reach, with slack;
-/// `None` when the sample is too small to say.
+/// A threshold from a sample of `row` (128 runs of 16 contiguous entries spread over it —
+/// a few cache lines, not a pass — or on a row shorter than 8192 entries a quarter of it
+/// in such runs) that about `1.5k` entries of the row reach, with slack; `None` when the
+/// sample is too small to say.
 #[inline(always)]
 fn sampled_threshold(row: &[f32], k: usize, s: &mut Scratch) -> Option<f32> {
     let n = row.len();
-    let runs = SAMPLE / RUN;
+    let runs = (n / (4 * RUN)).min(SAMPLE / RUN);
     s.sample.clear();
     for r in 0..runs {
         s.sample.extend_from_slice(&row[r * (n / runs)..][..RUN]);
@@ -714,6 +718,11 @@ mod prefilter_tests {
             (70_001, 100),
             (131_072, 2048),
             (20_000, 4000),
+            // Short rows: the serving model's decode (2048 keys, top 64), a quarter-row
+            // sample.
+            (2048, 64),
+            (1024, 16),
+            (4099, 512),
         ] {
             let mut row: Vec<f32> = (0..n).map(|_| rng.gen_range(-3.0f32..3.0)).collect();
             // Some ties near the top and invalid entries.
@@ -744,8 +753,10 @@ mod extreme_tests {
     #[test]
     fn prefilter_is_exact_on_extreme_rows() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
-        let (n, k) = (40_000usize, 1000usize);
-        for case in 0..6 {
+        for (n, k, case) in (0..6)
+            .map(|c| (40_000usize, 1000usize, c))
+            .chain((0..6).map(|c| (2048, 64, c)))
+        {
             let mut row: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
             for _ in 0..n / 20 {
                 let i = rng.gen_range(0..n);
@@ -776,11 +787,11 @@ mod extreme_tests {
                 let mut a = vec![-1; k];
                 let s = &mut Scratch::default();
                 if let Some(na) = prefiltered(isa, &row, k, &mut a, s) {
-                    assert_eq!((na, &a), (nb, &b), "case {case} {}", isa.isa());
+                    assert_eq!((na, &a), (nb, &b), "n {n} case {case} {}", isa.isa());
                 }
                 let mut c = vec![-1; k];
                 let nc = select_row_with(isa, &row, k, &mut c, s);
-                assert_eq!((nc, &c), (nb, &b), "case {case} {}", isa.isa());
+                assert_eq!((nc, &c), (nb, &b), "n {n} case {case} {}", isa.isa());
             }
         }
     }
