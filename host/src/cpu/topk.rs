@@ -101,6 +101,9 @@ const SAMPLE: usize = 2048;
 const RUN: usize = 16;
 /// Value bins of the survivors' select.
 const BINS: usize = 1024;
+/// The fewest bins: selects over fewer values than [`BINS`] use about one bin a value
+/// (a power of two), so that clearing the histograms costs no more than filling them.
+const MIN_BINS: usize = 64;
 
 thread_local! {
     /// The pre-filtered path's buffers of this thread.
@@ -483,12 +486,13 @@ fn fold16(xs: &[f32], init: f32, f: impl Fn(f32, f32) -> f32 + Copy) -> f32 {
 impl Select {
     /// The `k`-th largest of `vals` (all `≥ t`, `t` finite, none NaN, at least `k` of them) and
     /// how many entries equal to it the top `k` takes (`≥ 1`). Exact for any input: the
-    /// values are binned by a monotone map of `x − t` into `BINS` bins (ties share a bin, a
+    /// values are binned by a monotone map of `x − t` into up to `BINS` bins (ties share a bin, a
     /// larger value never lands lower), the bin holding the `k`-th largest is found from the
     /// top, and only that bin is sorted.
     #[inline(always)]
     fn kth_largest(&mut self, vals: &[f32], t: f32, k: usize) -> (f32, usize) {
         let s = self;
+        let nb = vals.len().next_power_of_two().clamp(MIN_BINS, BINS);
         // The largest finite value. No value is NaN or below `t`, so "finite" is "not
         // +inf", and a plain compare (one `vmaxps`) is the maximum.
         let hi = fold16(vals, t, |m, x| {
@@ -501,13 +505,13 @@ impl Select {
         });
         // Monotone bins: `(x − t)·scale` rounds monotonically, +inf goes to the top bin.
         let scale = if hi > t {
-            (BINS as f32 - 1.0) / (hi - t)
+            (nb as f32 - 1.0) / (hi - t)
         } else {
             0.0
         };
         // Each survivor's bin, computed once (a branch-free map that vectorises: the value is
         // clamped into range as a float, so the conversion needs no saturation).
-        let top = (BINS - 1) as f32;
+        let top = (nb - 1) as f32;
         s.bins.clear();
         s.bins.resize(vals.len(), 0);
         for (b, &x) in s.bins.iter_mut().zip(vals) {
@@ -517,26 +521,26 @@ impl Select {
             } else {
                 ((x - t) * scale).max(0.0).min(top)
             };
-            // SAFETY: `y` is finite and in `[0, BINS − 1]`, so its truncation fits an i32.
+            // SAFETY: `y` is finite and in `[0, nb − 1]`, so its truncation fits an i32.
             *b = unsafe { y.to_int_unchecked::<i32>() } as u16;
         }
         // Counted into four interleaved histograms: most survivors lie just above `t`, so
         // neighbours often share a bin, and one histogram would make each increment wait for
         // the previous one's store.
         s.hist.clear();
-        s.hist.resize(4 * BINS, 0);
-        let (h4, bins) = (&mut s.hist[..4 * BINS], &s.bins);
+        s.hist.resize(4 * nb, 0);
+        let (h4, bins) = (&mut s.hist[..4 * nb], &s.bins);
         let mut quads = bins.chunks_exact(4);
         for q in quads.by_ref() {
             for (j, &b) in q.iter().enumerate() {
-                h4[j * BINS + (b as usize & (BINS - 1))] += 1;
+                h4[j * nb + (b as usize & (nb - 1))] += 1;
             }
         }
         for &b in quads.remainder() {
-            h4[b as usize & (BINS - 1)] += 1;
+            h4[b as usize & (nb - 1)] += 1;
         }
-        let (h0, rest) = h4.split_at_mut(BINS);
-        for part in rest.chunks_exact(BINS) {
+        let (h0, rest) = h4.split_at_mut(nb);
+        for part in rest.chunks_exact(nb) {
             for (a, &c) in h0.iter_mut().zip(part) {
                 *a += c;
             }
