@@ -14,7 +14,7 @@ use super::buffer::CpuBuffer;
 use super::dot::round_bf16;
 use super::gemm::{gemm_acc, Dims};
 use super::scratch;
-use super::tasks::{for_each_indexed, run_tasks};
+use super::tasks::for_each_indexed;
 use super::{CpuBackend, CpuIsa};
 use crate::error::Result;
 use crate::model_ops::{
@@ -84,12 +84,10 @@ pub fn matmul(isa: CpuIsa, op: &Matmul, x: &[f32], w: &[f32], out: &mut [f32]) {
         } else {
             chunk * stride
         };
-        let tasks: Vec<_> = out_tail
+        let chunks = out_tail
             .chunks_mut(chunk_elems)
-            .take(op.rows.div_ceil(chunk))
-            .enumerate()
-            .collect();
-        run_tasks(tasks, |(ci, c)| {
+            .take(op.rows.div_ceil(chunk));
+        for_each_indexed(chunks, 1, |ci, c| {
             let r0 = ci * chunk;
             let m = chunk.min(op.rows - r0);
             for g in 0..op.groups {
@@ -116,9 +114,10 @@ pub fn matmul(isa: CpuIsa, op: &Matmul, x: &[f32], w: &[f32], out: &mut [f32]) {
         // one group into a private tile, copied into place afterwards.
         let cb = col_block(op.rows, n, threads);
         let blocks = n.div_ceil(cb);
-        let mut tiles: Vec<(usize, usize, Vec<f32>)> = vec![(0, 0, Vec::new()); op.groups * blocks];
+        // Tile `t` is column block `t % blocks` of group `t / blocks`.
+        let mut tiles: Vec<Vec<f32>> = vec![Vec::new(); op.groups * blocks];
         let out_ro: &[f32] = out;
-        run_tasks(tiles.iter_mut().enumerate().collect(), |(t, slot)| {
+        for_each_indexed(tiles.iter_mut(), 1, |t, slot| {
             let (g, b) = (t / blocks, t % blocks);
             let j0 = b * cb;
             let nb = cb.min(n - j0);
@@ -139,9 +138,10 @@ pub fn matmul(isa: CpuIsa, op: &Matmul, x: &[f32], w: &[f32], out: &mut [f32]) {
             };
             let a = &x[op.x.offset + g * op.x.group_stride..];
             gemm_acc(isa, d, a, &w[g * k * n + j0..], &mut tile);
-            *slot = (g, j0, tile);
+            *slot = tile;
         });
-        for (g, j0, tile) in tiles {
+        for (t, tile) in tiles.iter().enumerate() {
+            let (g, j0) = (t / blocks, t % blocks * cb);
             let nb = tile.len() / op.rows;
             for r in 0..op.rows {
                 let o = op.out.offset + r * op.out.row_stride + g * op.out.group_stride + j0;

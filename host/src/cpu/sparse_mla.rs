@@ -10,7 +10,7 @@ use half::bf16;
 
 use super::attend::{attend_task, scaled_to_bf16, with_scratch, AttnDims, Scratch, Source};
 use super::isa::CpuIsa;
-use super::tasks::run_tasks;
+use super::tasks::for_each_indexed;
 use crate::ops::SparseMla;
 
 /// Heads per task at most.
@@ -34,12 +34,8 @@ pub fn sparse_mla(
         .unwrap_or(1);
     let (dqk, dv) = (op.layout.d_qk(), op.layout.nope_dim());
     let chunks_per_token = h / hc;
-    let tasks: Vec<_> = out
-        .chunks_mut(hc * dv)
-        .zip(lse.chunks_mut(hc))
-        .enumerate()
-        .collect();
-    run_tasks(tasks, |(task, (out, lse))| {
+    let tasks = out.chunks_mut(hc * dv).zip(lse.chunks_mut(hc));
+    for_each_indexed(tasks, 1, |task, (out, lse)| {
         with_scratch(|scratch| {
             let t = task / chunks_per_token;
             let h0 = (task % chunks_per_token) * hc;

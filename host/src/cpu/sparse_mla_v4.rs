@@ -8,7 +8,7 @@ use half::bf16;
 
 use super::attend::{attend_task, scaled_to_bf16, with_scratch, AttnDims, Scratch, Source};
 use super::isa::CpuIsa;
-use super::tasks::run_tasks;
+use super::tasks::for_each_indexed;
 use crate::ops::SparseMlaV4;
 
 /// Heads per task at most.
@@ -54,12 +54,8 @@ pub fn sparse_mla_v4(
         hc,
         scale: op.softmax_scale,
     };
-    let tasks: Vec<_> = out
-        .chunks_mut(hc * d)
-        .zip(lse.chunks_mut(hc))
-        .enumerate()
-        .collect();
-    run_tasks(tasks, |(task, (out, lse))| {
+    let tasks = out.chunks_mut(hc * d).zip(lse.chunks_mut(hc));
+    for_each_indexed(tasks, 1, |task, (out, lse)| {
         with_scratch(|scratch| {
             let t = task / chunks_per_token;
             let h0 = (task % chunks_per_token) * hc;

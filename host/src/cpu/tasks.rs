@@ -33,7 +33,8 @@ pub(crate) fn run_tasks<T: Send>(tasks: Vec<T>, f: impl Fn(T) + Sync + Send) {
 }
 
 /// `f(i, item)` for the `i`-th item of `items`, as [`run_tasks`] with runs of at least
-/// `min_run` items (cheap row-wise ops: a task per row would cost more than the row).
+/// `min_run` items (1 for an op's tasks; more for cheap row-wise ops, where a task per row
+/// would cost more than the row).
 pub(crate) fn for_each_indexed<T: Send>(
     items: impl IntoIterator<Item = T>,
     min_run: usize,

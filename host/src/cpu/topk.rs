@@ -24,7 +24,7 @@
 //! is written in ascending position order. Exact for every input, ties included.
 
 use super::isa::CpuIsa;
-use super::tasks::run_tasks;
+use super::tasks::for_each_indexed;
 use crate::ops::{ShortRows, Topk, TopkOutput};
 
 /// Order-preserving map of a non-NaN f32 to u32.
@@ -47,8 +47,7 @@ fn valid(x: f32) -> bool {
 /// Runs top-k over every row on the vector path `isa`. Inputs are validated by the caller.
 pub fn topk(isa: CpuIsa, op: &Topk<'_>, logits: &[f32], out: &mut [i32]) {
     let k = op.k;
-    let tasks: Vec<_> = out.chunks_mut(k).zip(op.rows).enumerate().collect();
-    run_tasks(tasks, |(r, (dst, range))| {
+    for_each_indexed(out.chunks_mut(k).zip(op.rows), 1, |r, (dst, range)| {
         let row = &logits[r * op.row_stride..][range.start as usize..range.end as usize];
         let n = if op.short_rows == ShortRows::TakeAll && row.len() <= k {
             for (j, d) in dst[..row.len()].iter_mut().enumerate() {
@@ -57,7 +56,7 @@ pub fn topk(isa: CpuIsa, op: &Topk<'_>, logits: &[f32], out: &mut [i32]) {
             row.len()
         } else {
             // The buffers of the rows this thread ran before: no allocation (and no
-            // page faults on fresh memory) per rayon job.
+            // page faults on fresh memory) per task.
             SCRATCH.with_borrow_mut(|scratch| select_row_with(isa, row, k, dst, scratch))
         };
         let base = range.start as usize;
