@@ -84,19 +84,22 @@ impl Topk<'_> {
             }
             check_count("page_size", page_size)?;
             check_count("page_table columns", page_table.max_pages())?;
+            // The largest page id whose last slot fits the i32 output.
+            let last_whole_page = (i32::MAX as usize)
+                .checked_sub(page_size - 1)
+                .map(|s| (s / page_size) as u32);
             for (i, q) in self.rows.iter().enumerate() {
                 let (r, start, end) = (q.request as usize, q.start as usize, q.end as usize);
-                // Fast accept: no entry negative, and the largest page's last slot fits.
-                let (lo, hi) = page_table
-                    .entries(r, start, end, page_size)?
-                    .fold((i32::MAX, i32::MIN), |(lo, hi), (_, p)| {
-                        (lo.min(p), hi.max(p))
-                    });
-                let top = (hi.max(0) as usize)
-                    .checked_mul(page_size)
-                    .and_then(|s| s.checked_add(page_size - 1));
-                if lo >= 0 && top.is_some_and(|s| s <= i32::MAX as usize) {
-                    continue;
+                // Fast accept: every entry in `0..=last_page`, the pages whose every slot
+                // fits an i32 (a negative entry is above it as a u32): one unsigned
+                // compare an entry, vectorised.
+                if let Some(last_page) = last_whole_page {
+                    let outside = page_table
+                        .entries(r, start, end, page_size)?
+                        .fold(false, |out, (_, p)| out | (p as u32 > last_page));
+                    if !outside {
+                        continue;
+                    }
                 }
                 for (c, page) in page_table.entries(r, start, end, page_size)? {
                     let at = Index::Cell { row: r, col: c };
@@ -157,6 +160,16 @@ mod tests {
         assert!(e.contains("page_table[1][1] = 536870912"), "{e}");
         assert!(e.contains("does not fit in the i32 top-k output"), "{e}");
         assert!(!e.contains("pool"), "{e}");
+        // The last page whose every slot fits: slot 2^29·4 − 1 = i32::MAX is accepted.
+        let pages = [0, 1, 2, 3, (1 << 29) - 1, 5];
+        let last = Topk {
+            output: TopkOutput::Slots {
+                page_table: PageTable::new(&pages, 3).unwrap(),
+                page_size: 4,
+            },
+            ..op
+        };
+        last.validate(16 * 4, 2 * 4).unwrap();
         // An unmapped page inside the range: named by its cell and the row it serves.
         let pages = [0, 1, 2, 3, -1, 5];
         let op = Topk {
