@@ -15,6 +15,7 @@ pub mod buffer;
 mod claims;
 pub mod dense;
 pub mod dot;
+mod gate;
 pub mod gemm;
 pub mod indexer_logits;
 pub mod isa;

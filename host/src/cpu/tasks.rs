@@ -7,27 +7,33 @@
 //! workers', then the caller's), each a futex wake of an idle core: on the 2-vCPU guests
 //! of `benches/RESULTS.md` they added 40–80 µs to the median of a 250 µs attention call.
 //! Here the caller starts on the first task at once (the helpers join when they wake),
-//! and after its last task waits for the helpers' last ones by spinning for at most
-//! [`SPIN_LIMIT`] before it blocks. Which thread runs a task never changes its result
-//! (every op's tasks are independent and batch-invariant).
+//! and after its last task waits only for the helpers that joined ([`super::gate`]: one
+//! that wakes after the caller's last claim finds the gate closed and leaves without
+//! touching the op), spinning for at most [`SPIN_LIMIT`] before it parks. Which thread
+//! runs a task never changes its result (every op's tasks are independent and
+//! batch-invariant).
 
+use std::any::Any;
 use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use parking_lot::Mutex;
 use rayon::prelude::*;
 
 use super::claims::Claims;
+use super::gate::Gate;
 
-/// The longest the calling thread spins for the helpers' last tasks before it blocks in
-/// rayon's scope (which ends when they do).
+/// The longest the calling thread spins (then yields) for the helpers' last tasks before
+/// it parks.
 const SPIN_LIMIT: Duration = Duration::from_micros(500);
 
 /// Runs `f` once on every task. On a rayon worker: `into_par_iter` on its pool. From any
 /// other thread: the caller and up to `rayon::current_num_threads() − 1` helper jobs on
 /// the global pool claim runs of consecutive tasks until none is left. A panic in `f`
-/// reaches the caller once every task has ended (the other tasks still run), as with
-/// rayon's own iterators.
+/// reaches the caller once no thread runs a task of the call any more (the other
+/// threads' tasks still run; the rest of the panicking thread's run does not).
 pub(crate) fn run_tasks<T: Send>(tasks: Vec<T>, f: impl Fn(T) + Sync + Send) {
     run_runs(tasks, 1, f)
 }
@@ -82,45 +88,110 @@ fn run_runs<T: Send>(tasks: Vec<T>, min_run: usize, f: impl Fn(T) + Sync + Send)
     );
     let threads = rayon::current_num_threads().min(n.div_ceil(min_run)).max(1);
     let claims = Claims::new(n, threads, min_run);
-    let done = AtomicUsize::new(0);
+    // The first panic of a task, for the caller to resume once every thread is out.
+    let panicked: Mutex<Option<Box<dyn Any + Send>>> = Mutex::new(None);
     let drain = || {
-        while let Some(run) = claims.claim() {
-            for i in run {
-                // SAFETY: `i` is in this thread's claimed run; runs are disjoint.
-                if let Some(t) = unsafe { slots.take(i) } {
-                    f(t);
+        let run_all = || {
+            while let Some(run) = claims.claim() {
+                for i in run {
+                    // SAFETY: `i` is in this thread's claimed run; runs are disjoint.
+                    if let Some(t) = unsafe { slots.take(i) } {
+                        f(t);
+                    }
                 }
-                done.fetch_add(1, Ordering::Release);
             }
+        };
+        if let Err(p) = panic::catch_unwind(AssertUnwindSafe(run_all)) {
+            panicked.lock().get_or_insert(p);
         }
     };
-    let helpers = threads - 1;
-    rayon::in_place_scope(|s| {
-        for _ in 0..helpers {
-            s.spawn(|_| drain());
+    let op: &(dyn Fn() + Sync) = &drain;
+    let op: *const (dyn Fn() + Sync + '_) = op;
+    // SAFETY: only the lifetime is erased. Helpers call `op` only between a successful
+    // `Gate::enter` and their `Gate::leave`, and `Admission`'s drop (which runs before
+    // `drain` and what it borrows go away, unwinding or not) closes the gate and waits
+    // until every helper that entered has left.
+    let op: *const (dyn Fn() + Sync + 'static) = unsafe { std::mem::transmute(op) };
+    let admission = Admission(Arc::new(Shared {
+        gate: Gate::new(),
+        op,
+        caller: std::thread::current(),
+    }));
+    for _ in 1..threads {
+        let shared = Arc::clone(&admission.0);
+        rayon::spawn(move || shared.help());
+    }
+    drain();
+    drop(admission);
+    if let Some(p) = panicked.into_inner() {
+        panic::resume_unwind(p);
+    }
+}
+
+/// What a caller's helper jobs share with it: the gate, the op (its drain, valid while a
+/// helper is inside the gate) and the caller's thread (to unpark it).
+struct Shared {
+    gate: Gate,
+    op: *const (dyn Fn() + Sync + 'static),
+    caller: std::thread::Thread,
+}
+
+// SAFETY: `op` points to a `Sync` closure, called (by shared reference) only by helpers
+// inside the gate, while the caller keeps it alive (see `run_runs`); the rest is `Send`
+// and `Sync`.
+unsafe impl Send for Shared {}
+// SAFETY: as above.
+unsafe impl Sync for Shared {}
+
+impl Shared {
+    /// A helper job: runs the op if the caller has not closed the gate yet; wakes the
+    /// caller if it is the last one out after the close. Never unwinds (the op catches
+    /// its tasks' panics).
+    fn help(&self) {
+        if self.gate.enter() {
+            // SAFETY: inside the gate, `op` is alive (see `run_runs`).
+            unsafe { (*self.op)() };
+            if self.gate.leave() {
+                self.caller.unpark();
+            }
         }
-        drain();
-        // The helpers' last tasks: spin briefly (the scope's own wait blocks on a
-        // condition variable, whose wake-up is the cost this module avoids), yielding the
-        // core after the first spins in case a helper waits for it (more runnable threads
-        // than cores: several callers at once).
+    }
+}
+
+/// Closes the gate when dropped and waits until the helpers inside have left: spinning
+/// (they are in their last task, which the caller's own drain just missed), then
+/// yielding, for at most [`SPIN_LIMIT`], then parked until the last one out unparks it
+/// (each park bounded, so a lost wake-up costs at most [`PARK_SLICE`]).
+struct Admission(Arc<Shared>);
+
+/// The longest one park of the caller waiting for its helpers lasts.
+const PARK_SLICE: Duration = Duration::from_millis(1);
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        let gate = &self.0.gate;
+        gate.close();
         let start = Instant::now();
         let mut spins = 0u32;
-        while done.load(Ordering::Acquire) < n && start.elapsed() < SPIN_LIMIT {
+        while !gate.is_empty() {
             if spins < 64 {
                 spins += 1;
                 std::hint::spin_loop();
-            } else {
+            } else if start.elapsed() < SPIN_LIMIT {
+                // The helper may be waiting for this core (more runnable threads than
+                // cores: several callers at once).
                 std::thread::yield_now();
+            } else {
+                std::thread::park_timeout(PARK_SLICE);
             }
         }
-    });
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::AtomicU64;
+    use std::sync::atomic::{AtomicU64, Ordering};
 
     /// Every task runs exactly once, from an outside thread and from inside a pool, with
     /// fewer, as many and more tasks than threads.
@@ -209,6 +280,46 @@ mod tests {
                 Ok(Err(e)) => panic!("{e}: a task ran twice or not at all"),
                 Err(e) => panic!("a caller did not finish: {e}"),
             }
+        }
+    }
+
+    /// With every worker of the pool busy, an outside caller runs all its tasks itself
+    /// and returns: it does not wait for helper jobs that have not started (they find the
+    /// gate closed when they do).
+    #[test]
+    fn the_caller_does_not_wait_for_helpers_that_have_not_started() {
+        let workers = rayon::current_num_threads();
+        let (started_tx, started) = std::sync::mpsc::channel();
+        let mut releases = Vec::new();
+        let (timed_out_tx, timed_out) = std::sync::mpsc::channel();
+        for _ in 0..workers {
+            let (release_tx, release) = std::sync::mpsc::channel::<()>();
+            releases.push(release_tx);
+            let (started_tx, timed_out_tx) = (started_tx.clone(), timed_out_tx.clone());
+            rayon::spawn(move || {
+                let _ = started_tx.send(());
+                let waited = release.recv_timeout(Duration::from_secs(20));
+                let _ = timed_out_tx.send(waited.is_err());
+            });
+        }
+        for _ in 0..workers {
+            started
+                .recv_timeout(Duration::from_secs(20))
+                .unwrap_or_else(|e| panic!("a worker did not start: {e}"));
+        }
+        let count = AtomicU64::new(0);
+        run_tasks((0..100).collect(), |_: usize| {
+            count.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(count.load(Ordering::Relaxed), 100);
+        for r in releases {
+            let _ = r.send(());
+        }
+        for _ in 0..workers {
+            let late = timed_out
+                .recv_timeout(Duration::from_secs(30))
+                .unwrap_or_else(|e| panic!("a worker did not end: {e}"));
+            assert!(!late, "the caller waited for the busy pool");
         }
     }
 
