@@ -54,10 +54,17 @@ fn time<B: Backend, C>(
     Ok(t.pop().unwrap_or_default())
 }
 
+/// Calls shorter than this (seconds) get one untimed call at the start of each of their
+/// backend's turns (see [`time_side_by_side`]); longer ones do not need it, and it would
+/// make the run much longer.
+const REWARM_BELOW_S: f64 = 0.05;
+
 /// Builds a case once (with `backends[0]`: the inputs are buffers every backend of the
 /// slice reads) and times it on each backend in alternation: warm-up calls on each, then
 /// `rounds` rounds of `opts.samples` calls per backend, so that every backend sees the
-/// same load. Per backend, every per-call time in round order.
+/// same load; with several backends, each turn of a backend whose calls are short starts
+/// with one untimed call, as the first turn starts after its warm-up. Per backend, every
+/// per-call time in round order.
 fn time_side_by_side<B: Backend, C>(
     backends: &[B],
     opts: RunOptions,
@@ -66,15 +73,26 @@ fn time_side_by_side<B: Backend, C>(
     run: &mut impl FnMut(&mut C, &B) -> Result<()>,
 ) -> Result<Vec<Vec<f64>>> {
     let mut case = build()?;
+    // Per backend: whether its calls are short enough that the first one after another
+    // backend's turn is not representative (caches and TLB hold the other path's data,
+    // the worker threads have gone to sleep) and is rerun untimed each round.
+    let mut rewarm = Vec::with_capacity(backends.len());
     for b in backends {
+        let start = Instant::now();
         for _ in 0..opts.warmup {
             run(&mut case, b)?;
         }
         b.synchronize()?;
+        let per_call = start.elapsed().as_secs_f64() / opts.warmup.max(1) as f64;
+        rewarm.push(backends.len() > 1 && opts.warmup > 0 && per_call < REWARM_BELOW_S);
     }
     let mut t = vec![Vec::with_capacity(opts.samples.max(1) * rounds.max(1)); backends.len()];
     for _ in 0..rounds.max(1) {
-        for (b, t) in backends.iter().zip(&mut t) {
+        for ((b, t), &rewarm) in backends.iter().zip(&mut t).zip(&rewarm) {
+            if rewarm {
+                run(&mut case, b)?;
+                b.synchronize()?;
+            }
             for _ in 0..opts.samples.max(1) {
                 let start = Instant::now();
                 run(&mut case, b)?;
@@ -235,4 +253,39 @@ pub fn backend_copy_roofline<B: Backend>(backend: &B, suite: &Suite) -> Result<R
         bf16_dot_flops_per_s: 0.0,
         threads: 0,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sparsekit_host::CpuBackend;
+
+    /// Side by side, each turn of a backend with short calls starts with one untimed
+    /// call; alone, a backend gets none (its calls follow each other already).
+    #[test]
+    fn short_calls_are_rewarmed_at_each_turn_side_by_side() {
+        let cpu = CpuBackend::new();
+        let opts = RunOptions {
+            warmup: 1,
+            samples: 2,
+        };
+        let pair = [cpu.clone(), cpu];
+        let mut seen = [0usize; 2];
+        let t = time_side_by_side(&pair, opts, 3, || Ok(()), &mut |_, b| {
+            seen[usize::from(!std::ptr::eq(b, &pair[0]))] += 1;
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        // Timed calls only in the output.
+        assert_eq!(t.iter().map(Vec::len).collect::<Vec<_>>(), [6, 6]);
+        // 1 warm-up + 3 turns × (1 untimed + 2 timed).
+        assert_eq!(seen, [10, 10]);
+        let mut alone = 0usize;
+        time_side_by_side(&pair[..1], opts, 3, || Ok(()), &mut |_, _| {
+            alone += 1;
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(alone, 1 + 3 * 2);
+    }
 }
