@@ -52,6 +52,7 @@ fn the_default_backend_runs_the_process_default_path() {
 /// that range in a few outputs).
 #[test]
 fn every_vector_path_gives_identical_bits() {
+    use rand::Rng;
     use sparsekit_host::layout::{IndexKDtype, IndexKLayout, KvDtype, KvLayout};
     use sparsekit_host::ops::{IndexerLogits, PageTable, QueryRange};
     use sparsekit_host::{Backend, ModelDims};
@@ -107,11 +108,27 @@ fn every_vector_path_gives_identical_bits() {
             start: 0,
             end: 261 + j,
         }));
-        for dt in [IndexKDtype::FP8, IndexKDtype::Bf16] {
+        // Both index-K dtypes, then fp8 keys with NaN codes in a few keys and two query
+        // values past 2^119 (the avx2 path's f16 keys fall back to f32 for both).
+        for (dt, odd) in [
+            (IndexKDtype::FP8, false),
+            (IndexKDtype::Bf16, false),
+            (IndexKDtype::FP8, true),
+        ] {
             let l = IndexKLayout::new(dt, d.index_head_dim, d.page_size).unwrap();
-            let pool = fixtures::index_k_pool(rng, &l, &paging);
+            let mut pool = fixtures::index_k_pool(rng, &l, &paging);
             let h = d.index_n_heads;
-            let (q, w) = fixtures::indexer_inputs(rng, rows.len(), h, l.head_dim());
+            let (mut q, w) = fixtures::indexer_inputs(rng, rows.len(), h, l.head_dim());
+            if odd {
+                let slots = pool.len() / l.bytes_per_page() * l.page_size();
+                for slot in (rng.gen_range(0..97)..slots).step_by(97) {
+                    let at = l.slot_value_bytes(slot).start + slot % l.head_dim();
+                    pool[at] = 0x7f | (slot as u8 & 0x80);
+                }
+                let dq = l.head_dim();
+                q[(h + 1) * dq + 3] = half::bf16::from_f32(2f32.powi(120));
+                q[(2 * h + 2) * dq + 5] = half::bf16::from_f32(-(2f32.powi(125)));
+            }
             let op = IndexerLogits {
                 layout: l,
                 n_heads: h,
@@ -119,18 +136,21 @@ fn every_vector_path_gives_identical_bits() {
                 rows: rows.clone(),
                 row_stride: 301,
             };
-            same(&format!("indexer_logits {} {dt:?}", d.name), &|b| {
-                let mut out = b.upload(&fixtures::poison_f32(rows.len() * 301)).unwrap();
-                b.indexer_logits(
-                    &op,
-                    &b.upload(bytes_of(&q)).unwrap(),
-                    &b.upload(bytes_of(&w)).unwrap(),
-                    &b.upload(&pool).unwrap(),
-                    &mut out,
-                )
-                .unwrap();
-                f32s(b.download(&out).unwrap())
-            });
+            same(
+                &format!("indexer_logits {} {dt:?} odd {odd}", d.name),
+                &|b| {
+                    let mut out = b.upload(&fixtures::poison_f32(rows.len() * 301)).unwrap();
+                    b.indexer_logits(
+                        &op,
+                        &b.upload(bytes_of(&q)).unwrap(),
+                        &b.upload(bytes_of(&w)).unwrap(),
+                        &b.upload(&pool).unwrap(),
+                        &mut out,
+                    )
+                    .unwrap();
+                    f32s(b.download(&out).unwrap())
+                },
+            );
         }
         for dt in [KvDtype::Bf16, KvDtype::Fp8DsMla] {
             let l = KvLayout::new(dt, d.kv_lora_rank, d.qk_rope_dim, d.page_size).unwrap();

@@ -532,10 +532,173 @@ fn edge<const PAIRS: bool, const ZERO: bool>(
     }
 }
 
+/// Lanes of a splatted operand ([`splat`]): one AVX2 vector.
+pub const SPLAT: usize = 8;
+
+/// `out[i·SPLAT..(i + 1)·SPLAT] = [x[i]; SPLAT]`: the A operand of
+/// [`gemm_pairs_into_f16b`] (each element as a whole vector, which an FMA then reads from
+/// memory: no broadcast register per row of the tile).
+pub fn splat(x: &[f32], out: &mut Vec<f32>) {
+    out.clear();
+    out.extend(x.iter().flat_map(|&v| [v; SPLAT]));
+}
+
+/// `C[m×n] = A · B` with [`gemm_pairs_into`]'s bits (pair order from `+0`), A given
+/// transposed and splatted (`at8` = [`splat`] of Aᵀ, `k × m` with rows `d.lda ≥ m` apart:
+/// element `(i, p)` of A at `at8[(p·d.lda + i)·SPLAT..]`) and B as f16 bits
+/// (`b[p·d.ldb + j]`), each widened exactly to f32 as it is loaded. On the `avx2` path with
+/// `m` and `n` multiples of 8 and `k` even: tiles of 8 rows × 8 columns, B loaded through
+/// `vcvtph2ps` (one conversion per 8 FMAs, instead of widened rows stored and reloaded),
+/// A read by the FMAs themselves; elsewhere element by element. For the key scores of few
+/// query heads over fp8 keys ([`super::widen::e4m3_f16_row`]). Panics if a slice is too
+/// short for `d`.
+pub fn gemm_pairs_into_f16b(isa: CpuIsa, d: Dims, at8: &[f32], b: &[u16], c: &mut [f32]) {
+    if d.m == 0 || d.n == 0 {
+        return;
+    }
+    assert!(d.lda >= d.m && d.ldb >= d.n && d.ldc >= d.n);
+    assert!(d.k == 0 || at8.len() >= ((d.k - 1) * d.lda + d.m) * SPLAT);
+    assert!(d.k == 0 || b.len() >= (d.k - 1) * d.ldb + d.n);
+    assert!(c.len() >= (d.m - 1) * d.ldc + d.n);
+    #[cfg(target_arch = "x86_64")]
+    if isa.isa() == Isa::Avx2 && d.m % 8 == 0 && d.n % 8 == 0 && d.k % 2 == 0 {
+        // SAFETY: the avx2 path's CPU has AVX2, FMA and F16C (`Isa::supported`); the
+        // slices hold `d` (asserted above), the shape is the kernel's.
+        unsafe { f16b_avx2(d, at8, b, c) };
+        return;
+    }
+    let _ = isa;
+    let pairs = main_steps::<true>(d.k);
+    for i in 0..d.m {
+        for j in 0..d.n {
+            let bv = |p: usize| half::f16::from_bits(b[p * d.ldb + j]).to_f32();
+            let mut x = 0f32;
+            for step in 0..pairs {
+                let p = order::<true>(step);
+                x = at8[(p * d.lda + i) * SPLAT].mul_add(bv(p), x);
+            }
+            if d.k % 2 == 1 {
+                x = tail(x, at8[((d.k - 1) * d.lda + i) * SPLAT], bv(d.k - 1));
+            }
+            c[i * d.ldc + j] = x;
+        }
+    }
+}
+
+/// [`gemm_pairs_into_f16b`]'s AVX2 tiles: per step of `k`, one `vcvtph2ps` load of 8
+/// columns of B and 8 FMAs, each reading its splatted element of A from memory (8 chains
+/// in flight: the two FMA units' latency; 9 of the 16 registers).
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; `m` and `n` are multiples of 8, `k` is even, and the
+/// slices hold `d` (as [`gemm_pairs_into_f16b`] asserts).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16b_avx2(d: Dims, at8: &[f32], b: &[u16], c: &mut [f32]) {
+    use std::arch::x86_64::*;
+    for i0 in (0..d.m).step_by(8) {
+        for j0 in (0..d.n).step_by(8) {
+            // SAFETY: every read is Aᵀ[p][i0..i0 + 8] or B[p][j0..j0 + 8] with `p < k`,
+            // every write C[i0 + r][j0..j0 + 8]: inside the slices by the caller's
+            // contract.
+            unsafe {
+                let mut acc = [_mm256_setzero_ps(); 8];
+                let mut p = 0;
+                while p < d.k {
+                    // The odd index of each pair first.
+                    for q in [p + 1, p] {
+                        let bv =
+                            _mm256_cvtph_ps(_mm_loadu_si128(b.as_ptr().add(q * d.ldb + j0).cast()));
+                        let ap = at8.as_ptr().add((q * d.lda + i0) * SPLAT);
+                        for (r, x) in acc.iter_mut().enumerate() {
+                            let av = _mm256_loadu_ps(ap.add(r * SPLAT));
+                            *x = _mm256_fmadd_ps(av, bv, *x);
+                        }
+                    }
+                    p += 2;
+                }
+                for (r, x) in acc.iter().enumerate() {
+                    _mm256_storeu_ps(c.as_mut_ptr().add((i0 + r) * d.ldc + j0), *x);
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
+
+    /// The f16-B GEMM gives [`gemm_pairs_into`]'s bits (B widened first, A untransposed)
+    /// on every path, on the AVX2 kernel's shapes and the element-wise rest: random f16
+    /// values of every class but NaN (subnormals, zeros of both signs, infinities), A
+    /// with exact-cancelling signs, C poisoned.
+    #[test]
+    fn f16b_matches_the_pair_order_on_widened_b() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        for (m, n, k) in [
+            (8, 8, 64),
+            (16, 32, 64),
+            (8, 64, 128),
+            (8, 24, 2),
+            (5, 13, 7),
+        ] {
+            let (lda, ldb, ldc) = (m + 3, n + 8, n + 5);
+            let bh: Vec<u16> = (0..k * ldb)
+                .map(|_| loop {
+                    let x: u16 = rng.gen();
+                    // Not NaN (an exponent of all ones with a nonzero mantissa).
+                    if x & 0x7c00 != 0x7c00 || x & 0x3ff == 0 {
+                        break x;
+                    }
+                })
+                .collect();
+            let at: Vec<f32> = (0..k * lda)
+                .map(|_| rng.gen_range(-2.0f32..2.0) * [1.0, 0.0, 1e-30][rng.gen_range(0..3)])
+                .collect();
+            // A row-major and B widened, for the reference.
+            let a: Vec<f32> = (0..m * k).map(|x| at[(x % k) * lda + x / k]).collect();
+            let bf: Vec<f32> = bh
+                .iter()
+                .map(|&x| half::f16::from_bits(x).to_f32())
+                .collect();
+            let mut want = vec![f32::NAN; m * ldc];
+            let dr = Dims {
+                m,
+                n,
+                k,
+                lda: k,
+                ldb,
+                ldc,
+            };
+            gemm_pairs_into(CpuIsa::new(Isa::Scalar).unwrap(), dr, &a, &bf, &mut want);
+            let mut at8 = Vec::new();
+            splat(&at, &mut at8);
+            for isa in CpuIsa::available() {
+                let mut got = vec![f32::NAN; m * ldc];
+                let d = Dims {
+                    m,
+                    n,
+                    k,
+                    lda,
+                    ldb,
+                    ldc,
+                };
+                gemm_pairs_into_f16b(isa, d, &at8, &bh, &mut got);
+                for i in 0..m {
+                    for j in 0..n {
+                        let (g, w) = (got[i * ldc + j], want[i * ldc + j]);
+                        assert!(
+                            g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                            "{} {m}x{n}x{k} ({i}, {j}): {g} vs {w}",
+                            isa.isa()
+                        );
+                    }
+                }
+            }
+        }
+    }
 
     fn naive(d: Dims, a: &[f32], b: &[f32], c: &mut [f32], pairs: bool) {
         for i in 0..d.m {

@@ -22,13 +22,13 @@ use half::bf16;
 use super::dot::{f32_daz, gemm_bf16_into, padded_cols, PairDims};
 #[cfg(doc)]
 use super::gemm::gemm_acc_pairs;
-use super::gemm::{gemm_pairs_into, Dims};
+use super::gemm::{gemm_pairs_into, gemm_pairs_into_f16b, splat, Dims};
 use super::isa::{prefetch, CpuIsa, Isa};
 use super::scratch;
 use super::tasks::run_tasks;
 use super::transpose::{transpose, transpose_bytes};
 use super::widen;
-use crate::layout::{IndexKDtype, IndexKLayout, FP4_GROUP};
+use crate::layout::{IndexKDtype, IndexKLayout, SlotAddr, FP4_GROUP};
 use crate::ops::{IndexerLogits, PageTable, QueryRange};
 use sparsekit_kernels::mx::{e2m1_to_f32, ue8m0_to_f32};
 
@@ -54,6 +54,64 @@ const fn keys_along(isa: Isa, m: usize) -> bool {
         Isa::Avx2 | Isa::Scalar => m < 8,
     }
 }
+
+/// Whether a group of `m` query heads over fp8 keys of `d` dims, with query values `q`,
+/// takes the f16 route on the vector path `isa`: on `avx2` (no bf16 dot product), key
+/// columns as f16 bits `2^-8` times their values ([`widen::e4m3_f16_row`]: a third of the
+/// f32 widening's instructions) that the score GEMM widens as it loads them
+/// ([`gemm_pairs_into_f16b`]), against Q times `2^8`. Each product is the same real number,
+/// so the same bits — unless `2^8 · q` overflows: a finite `|q| ≥ 2^119` keeps the f32
+/// route (as does a block holding a NaN code, which the f16 form cannot carry).
+fn f16_keys(isa: Isa, m: usize, d: usize, q: &[bf16]) -> bool {
+    isa == Isa::Avx2
+        && m % 8 == 0
+        && m * d <= F16_KEYS_MAX_QT
+        && d % 2 == 0
+        && q.iter().all(|v| {
+            let x = v.to_f32().abs();
+            !(x.is_finite() && x >= 2f32.powi(119))
+        })
+}
+
+/// Widens the codes `ktb[d][BLOCK]` (columns `0..n`) to f32 `kt[d][BLOCK]`: their values.
+#[inline(always)]
+fn widen_cols_f32(isa: CpuIsa, d: usize, n: usize, ktb: &[u8], kt: &mut [f32]) {
+    if n == BLOCK {
+        // Full rows: Kᵀ's rows are adjacent, one call widens them all.
+        widen::e4m3_f32_row(isa, &ktb[..d * BLOCK], &mut kt[..d * BLOCK]);
+        return;
+    }
+    for (row, codes) in kt
+        .chunks_exact_mut(BLOCK)
+        .zip(ktb.chunks_exact(BLOCK))
+        .take(d)
+    {
+        widen::e4m3_f32_row(isa, &codes[..n], &mut row[..n]);
+    }
+}
+
+/// Widens the codes `ktb[d][BLOCK]` (columns `0..n`) to the f16 form `kh[d][BLOCK]`
+/// ([`widen::e4m3_f16_row`]); returns whether a code is NaN (the form is then unusable).
+#[inline(always)]
+fn widen_cols_f16(isa: CpuIsa, d: usize, n: usize, ktb: &[u8], kh: &mut [u16]) -> bool {
+    if n == BLOCK {
+        return widen::e4m3_f16_row(isa, &ktb[..d * BLOCK], &mut kh[..d * BLOCK]);
+    }
+    let mut nan = false;
+    for (row, codes) in kh
+        .chunks_exact_mut(BLOCK)
+        .zip(ktb.chunks_exact(BLOCK))
+        .take(d)
+    {
+        nan |= widen::e4m3_f16_row(isa, &codes[..n], &mut row[..n]);
+    }
+    nan
+}
+
+/// Largest Qᵀ (elements, `m × d`) of the f16 route: splatted, 16 KiB, which stay in L1 with
+/// a block's keys (a larger one is read from L2 by every FMA: 64 heads × 128 took 1.6×
+/// the f32 route's time).
+const F16_KEYS_MAX_QT: usize = 512;
 
 /// Computes the logits on the vector path `isa`. Inputs are validated by the caller.
 pub fn indexer_logits(
@@ -144,6 +202,9 @@ struct Scratch {
     /// Kᵀ as fp8 codes `[d × BLOCK]` (few query heads, fp8 keys, f32 paths): the codes
     /// are transposed before they are widened.
     ktb: Vec<u8>,
+    /// Kᵀ as f16 bits `[d × BLOCK]`, each `2^-8` times its key value (the f16 keys of
+    /// the `avx2` path, [`f16_keys`]).
+    kh: Vec<u16>,
 }
 
 /// A run of consecutive rows of one request whose key ranges form one span `lo..hi`.
@@ -247,22 +308,27 @@ impl Ctx<'_> {
             qb,
             kt,
             ktb,
+            kh,
         } = scratch;
         let bf16_dot = self.isa.isa().bf16_dot();
         let ldq = padded_cols(m);
         let by_rows = rr >= ROW_VECTOR;
+        let fp8_keys = matches!(self.layout.dtype(), IndexKDtype::Fp8E4m3 { .. });
+        let f16_keys = !by_rows && fp8_keys && f16_keys(self.isa.isa(), m, d, qs);
         // Few query heads: C [m × keys] = Q · Kᵀ directly (the same chains, element by
         // element, as through Cᵀ: the same bits).
-        let keys_along = !by_rows && keys_along(self.isa.isa(), m);
+        let keys_along = !by_rows && (keys_along(self.isa.isa(), m) || f16_keys);
         c.resize(BLOCK * m, 0.0);
         // `krows` stages Q in Qᵀ's column order (`hh·rr + r`) before the transpose.
         krows.resize(BLOCK.max(m) * d, 0.0);
         let staged = |r: usize, hh: usize| &qs[(r * h + hh) * d..][..d];
-        let fp8_keys = matches!(self.layout.dtype(), IndexKDtype::Fp8E4m3 { .. });
         if keys_along {
             kt.resize(d * BLOCK, 0.0);
             if fp8_keys && !bf16_dot {
                 ktb.resize(d * BLOCK, 0);
+            }
+            if f16_keys {
+                kh.resize(d * BLOCK, 0);
             }
             if bf16_dot {
                 qb.resize(m * d, 0);
@@ -282,6 +348,15 @@ impl Ctx<'_> {
                         let row = &mut qrows[(hh * rr + r) * d..][..d];
                         widen::bf16s_f32_row(self.isa, staged(r, hh), row);
                     }
+                }
+                if f16_keys {
+                    // Qᵀ times 2^8 for the keys' f16 form (2^-8 times their values): the
+                    // same products (`f16_keys` excluded an overflow); splatted.
+                    transpose(self.isa, m, d, qrows, d, krows, m);
+                    for x in krows[..d * m].iter_mut() {
+                        *x *= 256.0;
+                    }
+                    splat(&krows[..d * m], qt);
                 }
             }
         } else if bf16_dot {
@@ -376,13 +451,35 @@ impl Ctx<'_> {
                         gemm_bf16_into(self.isa, dims, qb, &ktp[c0..], &mut ct[c0..]);
                     }
                 } else {
+                    let mut f16_done = false;
                     if fp8_keys {
-                        self.load_cols_fp8(g.request, b0, n, ktb, kt, &mut scale);
+                        self.transpose_fp8(g.request, b0, n, ktb, &mut scale);
+                        if f16_keys && !widen_cols_f16(self.isa, d, n, ktb, kh) {
+                            // No NaN code in the block: C from the keys' f16 form.
+                            for (c0, w) in cols.clone() {
+                                ahead(c0);
+                                ahead(c0 + SUB);
+                                // Whole vectors of keys (lanes past `n`: stale finite
+                                // scores, never written out).
+                                let dims = Dims {
+                                    m,
+                                    n: w.next_multiple_of(8),
+                                    k: d,
+                                    lda: m,
+                                    ldb: BLOCK,
+                                    ldc: BLOCK,
+                                };
+                                gemm_pairs_into_f16b(self.isa, dims, qt, &kh[c0..], &mut ct[c0..]);
+                            }
+                            f16_done = true;
+                        } else {
+                            widen_cols_f32(self.isa, d, n, ktb, kt);
+                        }
                     } else {
                         self.load_rows(g.request, b0, n, krows, &mut scale);
                         transpose(self.isa, n, d, krows, d, kt, BLOCK);
                     }
-                    for (c0, w) in cols {
+                    for (c0, w) in cols.filter(|_| !f16_done) {
                         ahead(c0);
                         ahead(c0 + SUB);
                         let dims = Dims {
@@ -522,7 +619,7 @@ impl Ctx<'_> {
         let mut pos = from;
         std::iter::from_fn(move || {
             (pos < to).then(|| {
-                let end = to.min((pos / ps + 1) * ps);
+                let end = to.min(pos - SlotAddr::of(pos, ps).offset + ps);
                 let seg = (
                     pos - from,
                     self.page_table.slot(request, pos, ps),
@@ -541,7 +638,7 @@ impl Ctx<'_> {
         let ps = l.page_size();
         let mut pos = from;
         while pos < to {
-            let end = to.min((pos / ps + 1) * ps);
+            let end = to.min(pos - SlotAddr::of(pos, ps).offset + ps);
             let (first, last) = (
                 self.page_table.slot(request, pos, ps),
                 self.page_table.slot(request, end - 1, ps),
@@ -568,7 +665,7 @@ impl Ctx<'_> {
             self.page_table.slot(request, b0, ps),
             self.page_table.slot(request, b0 + n - 1, ps),
         );
-        if first / ps != last / ps || last - first != n - 1 {
+        if SlotAddr::of(first, ps).page != SlotAddr::of(last, ps).page || last - first != n - 1 {
             return None;
         }
         let bytes = &self.cache[l.slot_value_bytes(first).start..l.slot_value_bytes(last).end];
@@ -589,18 +686,16 @@ impl Ctx<'_> {
         }
     }
 
-    /// fp8 keys at positions `b0..b0+n` as Kᵀ `kt[d][BLOCK]` (columns `0..n`; the values
-    /// of [`Ctx::load_rows`], transposed) and their scales: each page's codes transposed
-    /// as bytes into `ktb[d][BLOCK]`, then widened row by row (a quarter of the bits moved
-    /// by the transpose's shuffles).
+    /// The fp8 codes of positions `b0..b0+n` as Kᵀ `ktb[d][BLOCK]` (columns `0..n`: each
+    /// page's codes transposed as bytes, a quarter of the bits an f32 transpose's shuffles
+    /// move) and their scales.
     #[inline(always)]
-    fn load_cols_fp8(
+    fn transpose_fp8(
         &self,
         request: usize,
         b0: usize,
         n: usize,
         ktb: &mut [u8],
-        kt: &mut [f32],
         scale: &mut [f32],
     ) {
         let (l, d) = (&self.layout, self.d);
@@ -608,18 +703,6 @@ impl Ctx<'_> {
             let codes = &self.cache[l.slot_run_value_bytes(slot, count)];
             transpose_bytes(self.isa, count, d, codes, d, &mut ktb[j..], BLOCK);
             self.fp8_scales(slot, count, &mut scale[j..j + count]);
-        }
-        if n == BLOCK {
-            // Full rows: Kᵀ's rows are adjacent, one call widens them all.
-            widen::e4m3_f32_row(self.isa, &ktb[..d * BLOCK], &mut kt[..d * BLOCK]);
-            return;
-        }
-        for (row, codes) in kt
-            .chunks_exact_mut(BLOCK)
-            .zip(ktb.chunks_exact(BLOCK))
-            .take(d)
-        {
-            widen::e4m3_f32_row(self.isa, &codes[..n], &mut row[..n]);
         }
     }
 

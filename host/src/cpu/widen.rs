@@ -83,6 +83,37 @@ pub fn e4m3_f32_row(isa: CpuIsa, codes: &[u8], out: &mut [f32]) {
     }
 }
 
+/// `out[i]` = the f16 bits of `e4m3(codes[i]) · 2^-8`, exact for every code but NaN (an
+/// e4m3 code's fields moved into an f16's: exponent field 4 bits → 5, mantissa 3 → 10; a
+/// subnormal code becomes an f16 subnormal); returns whether a code is NaN (`0x7f`,
+/// `0xff`; its output then is a finite value, not its own). Same bits on every path. For
+/// kernels that widen the f16 as they load it (F16C: `vcvtph2ps`), with the `2^8` folded
+/// into the other operand.
+pub fn e4m3_f16_row(isa: CpuIsa, codes: &[u8], out: &mut [u16]) -> bool {
+    let n = codes.len().min(out.len());
+    let (codes, out) = (&codes[..n], &mut out[..n]);
+    #[allow(unused_mut)]
+    let (mut done, mut nan) = (0, false);
+    #[cfg(target_arch = "x86_64")]
+    if isa.isa() != Isa::Scalar {
+        // SAFETY: every vector path's CPU has AVX2 (`Isa::supported`); equal lengths.
+        (done, nan) = unsafe { x86::e4m3_f16_row256(codes, out) };
+    }
+    let _ = isa;
+    for (x, &c) in out[done..].iter_mut().zip(&codes[done..]) {
+        *x = e4m3_f16(c);
+        nan |= c & 0x7f == 0x7f;
+    }
+    nan
+}
+
+/// The f16 bits of [`e4m3_f16_row`] for one code: its sign-extended byte shifted left by
+/// 7 (magnitude to bits 7..14, sign to 15), bit 14 (the byte's sign, shifted) cleared.
+#[inline(always)]
+fn e4m3_f16(c: u8) -> u16 {
+    ((c as i8 as i16 as u16) << 7) & 0xbfff
+}
+
 /// `out[i] = bf16_daz(bits)` of the little-endian bf16 in bytes `2i, 2i + 1` of `bytes`:
 /// the value as f32, a subnormal flushed to signed zero (what `vdpbf16ps` reads), on the
 /// vector path `isa`. The AVX paths flush in 16-bit lanes, then place each word in the high
@@ -441,6 +472,39 @@ mod x86 {
         n
     }
 
+    /// [`super::e4m3_f16_row`] on whole vectors of 32 codes: returns how many it widened
+    /// (the rest are the caller's) and whether one of them is NaN.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `codes` and `out` have the same length.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn e4m3_f16_row256(codes: &[u8], out: &mut [u16]) -> (usize, bool) {
+        debug_assert_eq!(codes.len(), out.len());
+        let n = codes.len() / 32 * 32;
+        // SAFETY: 32 bytes read from `codes` and 32 u16 written to `out` at `i`, with
+        // `i + 32 ≤ n`.
+        unsafe {
+            let clear14 = _mm256_set1_epi16(0xbfffu16 as i16);
+            let sign = _mm256_set1_epi8(0x80u8 as i8);
+            let mut nan = _mm256_setzero_si256();
+            let mut i = 0;
+            while i < n {
+                let p = codes.as_ptr().add(i);
+                // NaN codes: `c | 0x80 == 0xff`.
+                let c = _mm256_loadu_si256(p.cast());
+                let ones = _mm256_cmpeq_epi8(c, c);
+                nan = _mm256_or_si256(nan, _mm256_cmpeq_epi8(_mm256_or_si256(c, sign), ones));
+                for half in 0..2 {
+                    let w = _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(16 * half).cast()));
+                    let h = _mm256_and_si256(_mm256_slli_epi16::<7>(w), clear14);
+                    _mm256_storeu_si256(out.as_mut_ptr().add(i + 16 * half).cast(), h);
+                }
+                i += 32;
+            }
+            (n, _mm256_testz_si256(nan, nan) == 0)
+        }
+    }
+
     /// [`e4m3_f32_row512`] with AVX2 and F16C, 16 codes at a time.
     ///
     /// # Safety
@@ -581,6 +645,38 @@ mod tests {
     /// `0x7fc0`).
     fn e4m3_bf16(c: u8) -> u16 {
         (e4m3_f32(c).to_bits() >> 16) as u16
+    }
+
+    /// Every path gives every e4m3 code's f16 form (`2^-8` times its value, exactly) and
+    /// flags a NaN code wherever it sits (vector part or tail), and only then.
+    #[test]
+    fn e4m3_f16_rows_are_exact_and_flag_nan_anywhere() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        let is_nan = |c: u8| c & 0x7f == 0x7f;
+        for len in (0..70).chain([256, 1000]) {
+            let mut codes: Vec<u8> = (0..len)
+                .map(|i| if i < 256 { i as u8 } else { rng.gen() })
+                .collect();
+            codes.reverse();
+            // Without NaN codes, then with one at a random place.
+            for c in codes.iter_mut().filter(|c| is_nan(**c)) {
+                *c ^= 1;
+            }
+            for with_nan in [false, true] {
+                if with_nan && len > 0 {
+                    codes[rng.gen_range(0..len)] = [0x7f, 0xff][rng.gen_range(0..2)];
+                }
+                for isa in CpuIsa::available() {
+                    let mut out = vec![0x7e00u16; len];
+                    let nan = e4m3_f16_row(isa, &codes, &mut out);
+                    assert_eq!(nan, with_nan && len > 0, "{} len {len}", isa.isa());
+                    for (&c, &x) in codes.iter().zip(&out).filter(|(c, _)| !is_nan(**c)) {
+                        let v = half::f16::from_bits(x).to_f32() * 256.0;
+                        assert_eq!(v.to_bits(), e4m3_f32(c).to_bits(), "{} {c:#04x}", isa.isa());
+                    }
+                }
+            }
+        }
     }
 
     /// Every path widens every e4m3 code to [`e4m3_bf16`]'s bits, over rows of every

@@ -63,12 +63,21 @@ pub struct SlotAddr {
 
 impl SlotAddr {
     /// Splits `slot` for pages of `page_size` tokens (also splits a token position into
-    /// its page-table entry and offset).
+    /// its page-table entry and offset). A power-of-two page size (every deployment's)
+    /// takes a shift and a mask instead of a division (tens of cycles on x86, once per
+    /// key of a gather).
     #[inline]
     pub fn of(slot: usize, page_size: usize) -> Self {
-        SlotAddr {
-            page: slot / page_size,
-            offset: slot % page_size,
+        if page_size.is_power_of_two() {
+            SlotAddr {
+                page: slot >> page_size.trailing_zeros(),
+                offset: slot & (page_size - 1),
+            }
+        } else {
+            SlotAddr {
+                page: slot / page_size,
+                offset: slot % page_size,
+            }
         }
     }
 
