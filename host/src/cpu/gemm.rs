@@ -549,7 +549,8 @@ pub fn splat(x: &[f32], out: &mut Vec<f32>) {
 /// (`b[p·d.ldb + j]`), each widened exactly to f32 as it is loaded. On the `avx2` path with
 /// `m` and `n` multiples of 8 and `k` even: tiles of 8 rows × 8 columns, B loaded through
 /// `vcvtph2ps` (one conversion per 8 FMAs, instead of widened rows stored and reloaded),
-/// A read by the FMAs themselves; elsewhere element by element. For the key scores of few
+/// A read by the FMAs themselves; on the AVX-512 paths (`n` a multiple of 16) tiles of 8
+/// rows × 32 columns, A broadcast from memory; elsewhere element by element. For the key scores of few
 /// query heads over fp8 keys ([`super::widen::e4m3_f16_row`]). Panics if a slice is too
 /// short for `d`.
 pub fn gemm_pairs_into_f16b(isa: CpuIsa, d: Dims, at8: &[f32], b: &[u16], c: &mut [f32]) {
@@ -561,11 +562,21 @@ pub fn gemm_pairs_into_f16b(isa: CpuIsa, d: Dims, at8: &[f32], b: &[u16], c: &mu
     assert!(d.k == 0 || b.len() >= (d.k - 1) * d.ldb + d.n);
     assert!(c.len() >= (d.m - 1) * d.ldc + d.n);
     #[cfg(target_arch = "x86_64")]
-    if isa.isa() == Isa::Avx2 && d.m % 8 == 0 && d.n % 8 == 0 && d.k % 2 == 0 {
-        // SAFETY: the avx2 path's CPU has AVX2, FMA and F16C (`Isa::supported`); the
-        // slices hold `d` (asserted above), the shape is the kernel's.
-        unsafe { f16b_avx2(d, at8, b, c) };
-        return;
+    if d.m % 8 == 0 && d.k % 2 == 0 {
+        match isa.isa() {
+            Isa::Avx2 if d.n % 8 == 0 => {
+                // SAFETY: the avx2 path's CPU has AVX2, FMA and F16C (`Isa::supported`);
+                // the slices hold `d` (asserted above), the shape is the kernel's.
+                unsafe { f16b_avx2(d, at8, b, c) };
+                return;
+            }
+            Isa::Avx512 | Isa::Avx512Bf16 if d.n % 16 == 0 => {
+                // SAFETY: the AVX-512 paths' CPU has AVX-512F (`Isa::supported`); as above.
+                unsafe { f16b_avx512(d, at8, b, c) };
+                return;
+            }
+            _ => {}
+        }
     }
     let _ = isa;
     let pairs = main_steps::<true>(d.k);
@@ -581,6 +592,88 @@ pub fn gemm_pairs_into_f16b(isa: CpuIsa, d: Dims, at8: &[f32], b: &[u16], c: &mu
                 x = tail(x, at8[((d.k - 1) * d.lda + i) * SPLAT], bv(d.k - 1));
             }
             c[i * d.ldc + j] = x;
+        }
+    }
+}
+
+/// [`gemm_pairs_into_f16b`]'s AVX-512 tiles: 8 rows × 32 columns (then 16), per step of
+/// `k` two `vcvtph2ps` loads of 16 columns of B and 16 FMAs, each broadcasting its element
+/// of A from memory (16 chains in flight).
+///
+/// # Safety
+/// The CPU has AVX-512F; `m` is a multiple of 8, `n` of 16, `k` is even, and the slices
+/// hold `d` (as [`gemm_pairs_into_f16b`] asserts).
+#[cfg(target_arch = "x86_64")]
+#[allow(
+    clippy::incompatible_msrv,
+    reason = "AVX-512 needs Rust 1.89, as the existing AVX-512 target features do"
+)]
+#[target_feature(enable = "avx512f")]
+unsafe fn f16b_avx512(d: Dims, at8: &[f32], b: &[u16], c: &mut [f32]) {
+    for i0 in (0..d.m).step_by(8) {
+        let mut j0 = 0;
+        while j0 < d.n {
+            // SAFETY: the caller's contract; tiles inside `m × n`.
+            unsafe {
+                if d.n - j0 >= 32 {
+                    f16b_tile512::<2>(d, at8, b, c, i0, j0);
+                    j0 += 32;
+                } else {
+                    f16b_tile512::<1>(d, at8, b, c, i0, j0);
+                    j0 += 16;
+                }
+            }
+        }
+    }
+}
+
+/// The `8 × 16·NV` tile of [`f16b_avx512`] at `(i0, j0)`.
+///
+/// # Safety
+/// As [`f16b_avx512`], with the tile inside `m × n`.
+#[cfg(target_arch = "x86_64")]
+#[allow(
+    clippy::incompatible_msrv,
+    reason = "AVX-512 needs Rust 1.89, as the existing AVX-512 target features do"
+)]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn f16b_tile512<const NV: usize>(
+    d: Dims,
+    at8: &[f32],
+    b: &[u16],
+    c: &mut [f32],
+    i0: usize,
+    j0: usize,
+) {
+    use std::arch::x86_64::*;
+    // SAFETY: every read is Aᵀ[p][i0 + r] (lane 0 of its splat) or B[p][j0..j0 + 16·NV]
+    // with `p < k`, every write C[i0 + r][j0..j0 + 16·NV]: inside the slices by the
+    // caller's contract.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); NV]; 8];
+        let mut p = 0;
+        while p < d.k {
+            // The odd index of each pair first.
+            for q in [p + 1, p] {
+                let bp = b.as_ptr().add(q * d.ldb + j0);
+                let bv: [__m512; NV] = std::array::from_fn(|v| {
+                    _mm512_cvtph_ps(_mm256_loadu_si256(bp.add(16 * v).cast()))
+                });
+                let ap = at8.as_ptr().add((q * d.lda + i0) * SPLAT);
+                for (r, row) in acc.iter_mut().enumerate() {
+                    let av = _mm512_set1_ps(*ap.add(r * SPLAT));
+                    for (x, &y) in row.iter_mut().zip(&bv) {
+                        *x = _mm512_fmadd_ps(av, y, *x);
+                    }
+                }
+            }
+            p += 2;
+        }
+        for (r, row) in acc.iter().enumerate() {
+            for (v, x) in row.iter().enumerate() {
+                _mm512_storeu_ps(c.as_mut_ptr().add((i0 + r) * d.ldc + j0 + 16 * v), *x);
+            }
         }
     }
 }
@@ -641,6 +734,8 @@ mod tests {
             (8, 8, 64),
             (16, 32, 64),
             (8, 64, 128),
+            (8, 48, 64),
+            (16, 16, 6),
             (8, 24, 2),
             (5, 13, 7),
         ] {

@@ -56,14 +56,14 @@ const fn keys_along(isa: Isa, m: usize) -> bool {
 }
 
 /// Whether a group of `m` query heads over fp8 keys of `d` dims, with query values `q`,
-/// takes the f16 route on the vector path `isa`: on `avx2` (no bf16 dot product), key
-/// columns as f16 bits `2^-8` times their values ([`widen::e4m3_f16_row`]: a third of the
+/// takes the f16 route on the vector path `isa`: on `avx2` and `avx512` (no bf16 dot
+/// product), key columns as f16 bits `2^-8` times their values ([`widen::e4m3_f16_row`]: a third of the
 /// f32 widening's instructions) that the score GEMM widens as it loads them
 /// ([`gemm_pairs_into_f16b`]), against Q times `2^8`. Each product is the same real number,
 /// so the same bits — unless `2^8 · q` overflows: a finite `|q| ≥ 2^119` keeps the f32
 /// route (as does a block holding a NaN code, which the f16 form cannot carry).
 fn f16_keys(isa: Isa, m: usize, d: usize, q: &[bf16]) -> bool {
-    isa == Isa::Avx2
+    matches!(isa, Isa::Avx2 | Isa::Avx512)
         && m % 8 == 0
         && m * d <= F16_KEYS_MAX_QT
         && d % 2 == 0
@@ -203,7 +203,7 @@ struct Scratch {
     /// are transposed before they are widened.
     ktb: Vec<u8>,
     /// Kᵀ as f16 bits `[d × BLOCK]`, each `2^-8` times its key value (the f16 keys of
-    /// the `avx2` path, [`f16_keys`]).
+    /// the `avx2` and `avx512` paths, [`f16_keys`]).
     kh: Vec<u16>,
 }
 
@@ -463,7 +463,7 @@ impl Ctx<'_> {
                                 // scores, never written out).
                                 let dims = Dims {
                                     m,
-                                    n: w.next_multiple_of(8),
+                                    n: w.next_multiple_of(16),
                                     k: d,
                                     lda: m,
                                     ldb: BLOCK,

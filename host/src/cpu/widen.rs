@@ -95,9 +95,13 @@ pub fn e4m3_f16_row(isa: CpuIsa, codes: &[u8], out: &mut [u16]) -> bool {
     #[allow(unused_mut)]
     let (mut done, mut nan) = (0, false);
     #[cfg(target_arch = "x86_64")]
-    if isa.isa() != Isa::Scalar {
-        // SAFETY: every vector path's CPU has AVX2 (`Isa::supported`); equal lengths.
-        (done, nan) = unsafe { x86::e4m3_f16_row256(codes, out) };
+    match isa.isa() {
+        // SAFETY: the AVX-512 paths' CPU has AVX-512F and AVX-512BW (`Isa::supported`);
+        // equal lengths.
+        Isa::Avx512Bf16 | Isa::Avx512 => (done, nan) = unsafe { x86::e4m3_f16_row512(codes, out) },
+        // SAFETY: the avx2 path's CPU has AVX2 (`Isa::supported`); equal lengths.
+        Isa::Avx2 => (done, nan) = unsafe { x86::e4m3_f16_row256(codes, out) },
+        Isa::Scalar => {}
     }
     let _ = isa;
     for (x, &c) in out[done..].iter_mut().zip(&codes[done..]) {
@@ -470,6 +474,38 @@ mod x86 {
             }
         }
         n
+    }
+
+    /// [`super::e4m3_f16_row`] on whole vectors of 64 codes: returns how many it widened
+    /// (the rest are the caller's) and whether one of them is NaN.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F and AVX-512BW; `codes` and `out` have the same length.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn e4m3_f16_row512(codes: &[u8], out: &mut [u16]) -> (usize, bool) {
+        debug_assert_eq!(codes.len(), out.len());
+        let n = codes.len() / 64 * 64;
+        // SAFETY: 64 bytes read from `codes` and 64 u16 written to `out` at `i`, with
+        // `i + 64 ≤ n`.
+        unsafe {
+            let clear14 = _mm512_set1_epi16(0xbfffu16 as i16);
+            let (sign, ones) = (_mm512_set1_epi8(0x80u8 as i8), _mm512_set1_epi8(-1));
+            let mut nan: __mmask64 = 0;
+            let mut i = 0;
+            while i < n {
+                let p = codes.as_ptr().add(i);
+                // NaN codes: `c | 0x80 == 0xff`.
+                let c = _mm512_loadu_si512(p.cast());
+                nan |= _mm512_cmpeq_epi8_mask(_mm512_or_si512(c, sign), ones);
+                for half in 0..2 {
+                    let w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(p.add(32 * half).cast()));
+                    let h = _mm512_and_si512(_mm512_slli_epi16::<7>(w), clear14);
+                    _mm512_storeu_si512(out.as_mut_ptr().add(i + 32 * half).cast(), h);
+                }
+                i += 64;
+            }
+            (n, nan != 0)
+        }
     }
 
     /// [`super::e4m3_f16_row`] on whole vectors of 32 codes: returns how many it widened
