@@ -550,9 +550,9 @@ pub fn splat(x: &[f32], out: &mut Vec<f32>) {
 /// `m` and `n` multiples of 8 and `k` even: tiles of 8 rows × 8 columns, B loaded through
 /// `vcvtph2ps` (one conversion per 8 FMAs, instead of widened rows stored and reloaded),
 /// A read by the FMAs themselves; on the AVX-512 paths (`n` a multiple of 16) tiles of 8
-/// rows × 32 columns, A broadcast from memory; elsewhere element by element. For the key scores of few
-/// query heads over fp8 keys ([`super::widen::e4m3_f16_row`]). Panics if a slice is too
-/// short for `d`.
+/// rows × 32 columns, A broadcast from memory; elsewhere element by element. For the key
+/// scores of few query heads over fp8 keys ([`super::widen::e4m3_f16_row`]). Panics if a
+/// slice is too short for `d`.
 pub fn gemm_pairs_into_f16b(isa: CpuIsa, d: Dims, at8: &[f32], b: &[u16], c: &mut [f32]) {
     if d.m == 0 || d.n == 0 {
         return;

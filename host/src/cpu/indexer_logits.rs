@@ -8,8 +8,10 @@
 //! [`super::dot`]: `vdpbf16ps` on bf16 rows on the `avx512bf16` path, f32 FMAs in the same
 //! order on f32 rows ([`gemm_acc_pairs`]) on the others, for the same bits (every key and
 //! q value is a bf16 value: bf16 keys, e4m3 codes and e2m1 × a power-of-two scale are
-//! exact in bf16; the fp8 key's scale multiplies the head sum). Qᵀ is built once per task,
-//! head-major (a head's rows are adjacent). The weighted ReLU head sum then
+//! exact in bf16; the fp8 key's scale multiplies the head sum; without the bf16 dot
+//! product, fp8 keys of few-head groups go as f16, exactly 2^-8 times their values, see
+//! `f16_keys`). Qᵀ is built once per task, head-major (a head's rows are adjacent). The
+//! weighted ReLU head sum then
 //! runs in head order, vectorised over 16 keys (groups of few rows: decode) or over 16 rows
 //! (long prefill groups), compiled for the CPU's vector ISA. Every logit is computed with
 //! the same operations in the same order whatever the grouping or the vectorisation:
@@ -57,11 +59,11 @@ const fn keys_along(isa: Isa, m: usize) -> bool {
 
 /// Whether a group of `m` query heads over fp8 keys of `d` dims, with query values `q`,
 /// takes the f16 route on the vector path `isa`: on `avx2` and `avx512` (no bf16 dot
-/// product), key columns as f16 bits `2^-8` times their values ([`widen::e4m3_f16_row`]: a third of the
-/// f32 widening's instructions) that the score GEMM widens as it loads them
-/// ([`gemm_pairs_into_f16b`]), against Q times `2^8`. Each product is the same real number,
-/// so the same bits — unless `2^8 · q` overflows: a finite `|q| ≥ 2^119` keeps the f32
-/// route (as does a block holding a NaN code, which the f16 form cannot carry).
+/// product), key columns as f16 bits `2^-8` times their values ([`widen::e4m3_f16_row`]:
+/// a third of the f32 widening's instructions) that the score GEMM widens as it loads
+/// them ([`gemm_pairs_into_f16b`]), against Q times `2^8`. Each product is the same real
+/// number, so the same bits — unless `2^8 · q` overflows: a finite `|q| ≥ 2^119` keeps the
+/// f32 route (as does a block holding a NaN code, which the f16 form cannot carry).
 fn f16_keys(isa: Isa, m: usize, d: usize, q: &[bf16]) -> bool {
     matches!(isa, Isa::Avx2 | Isa::Avx512)
         && m % 8 == 0
