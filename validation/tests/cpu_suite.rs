@@ -109,7 +109,8 @@ fn every_vector_path_gives_identical_bits() {
             end: 261 + j,
         }));
         // Both index-K dtypes, then fp8 keys with NaN codes in a few keys and two query
-        // values past 2^119 (the avx2 path's f16 keys fall back to f32 for both).
+        // values past 2^119 (the f16 keys of the avx2 and avx512 paths fall back to f32 for
+        // both).
         for (dt, odd) in [
             (IndexKDtype::FP8, false),
             (IndexKDtype::Bf16, false),

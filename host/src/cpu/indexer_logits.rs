@@ -75,39 +75,29 @@ fn f16_keys(isa: Isa, m: usize, d: usize, q: &[bf16]) -> bool {
         })
 }
 
-/// Widens the codes `ktb[d][BLOCK]` (columns `0..n`) to f32 `kt[d][BLOCK]`: their values.
+/// Widens the codes `ktb[d][BLOCK]` (columns `0..n`) into `out[d][BLOCK]` by `row`
+/// (codes, outputs; full rows, which are adjacent, in one call) and ORs what it returns
+/// (the f16 form's NaN flag).
 #[inline(always)]
-fn widen_cols_f32(isa: CpuIsa, d: usize, n: usize, ktb: &[u8], kt: &mut [f32]) {
+fn widen_cols<T>(
+    d: usize,
+    n: usize,
+    ktb: &[u8],
+    out: &mut [T],
+    mut row: impl FnMut(&[u8], &mut [T]) -> bool,
+) -> bool {
     if n == BLOCK {
-        // Full rows: Kᵀ's rows are adjacent, one call widens them all.
-        widen::e4m3_f32_row(isa, &ktb[..d * BLOCK], &mut kt[..d * BLOCK]);
-        return;
+        return row(&ktb[..d * BLOCK], &mut out[..d * BLOCK]);
     }
-    for (row, codes) in kt
+    let mut any = false;
+    for (o, codes) in out
         .chunks_exact_mut(BLOCK)
         .zip(ktb.chunks_exact(BLOCK))
         .take(d)
     {
-        widen::e4m3_f32_row(isa, &codes[..n], &mut row[..n]);
+        any |= row(&codes[..n], &mut o[..n]);
     }
-}
-
-/// Widens the codes `ktb[d][BLOCK]` (columns `0..n`) to the f16 form `kh[d][BLOCK]`
-/// ([`widen::e4m3_f16_row`]); returns whether a code is NaN (the form is then unusable).
-#[inline(always)]
-fn widen_cols_f16(isa: CpuIsa, d: usize, n: usize, ktb: &[u8], kh: &mut [u16]) -> bool {
-    if n == BLOCK {
-        return widen::e4m3_f16_row(isa, &ktb[..d * BLOCK], &mut kh[..d * BLOCK]);
-    }
-    let mut nan = false;
-    for (row, codes) in kh
-        .chunks_exact_mut(BLOCK)
-        .zip(ktb.chunks_exact(BLOCK))
-        .take(d)
-    {
-        nan |= widen::e4m3_f16_row(isa, &codes[..n], &mut row[..n]);
-    }
-    nan
+    any
 }
 
 /// Largest Qᵀ (elements, `m × d`) of the f16 route: splatted, 16 KiB, which stay in L1 with
@@ -453,46 +443,51 @@ impl Ctx<'_> {
                         gemm_bf16_into(self.isa, dims, qb, &ktp[c0..], &mut ct[c0..]);
                     }
                 } else {
-                    let mut f16_done = false;
-                    if fp8_keys {
+                    // Kᵀ as the keys' f16 form (no NaN code in the block) or as f32.
+                    let f16 = if fp8_keys {
                         self.transpose_fp8(g.request, b0, n, ktb, &mut scale);
-                        if f16_keys && !widen_cols_f16(self.isa, d, n, ktb, kh) {
-                            // No NaN code in the block: C from the keys' f16 form.
-                            for (c0, w) in cols.clone() {
-                                ahead(c0);
-                                ahead(c0 + SUB);
-                                // Whole vectors of keys (lanes past `n`: stale finite
-                                // scores, never written out).
-                                let dims = Dims {
-                                    m,
-                                    n: w.next_multiple_of(16),
-                                    k: d,
-                                    lda: m,
-                                    ldb: BLOCK,
-                                    ldc: BLOCK,
-                                };
-                                gemm_pairs_into_f16b(self.isa, dims, qt, &kh[c0..], &mut ct[c0..]);
-                            }
-                            f16_done = true;
-                        } else {
-                            widen_cols_f32(self.isa, d, n, ktb, kt);
+                        let f16 = f16_keys
+                            && !widen_cols(d, n, ktb, kh, |c, o| {
+                                widen::e4m3_f16_row(self.isa, c, o)
+                            });
+                        if !f16 {
+                            widen_cols(d, n, ktb, kt, |c, o| {
+                                widen::e4m3_f32_row(self.isa, c, o);
+                                false
+                            });
                         }
+                        f16
                     } else {
                         self.load_rows(g.request, b0, n, krows, &mut scale);
                         transpose(self.isa, n, d, krows, d, kt, BLOCK);
-                    }
-                    for (c0, w) in cols.filter(|_| !f16_done) {
+                        false
+                    };
+                    for (c0, w) in cols {
                         ahead(c0);
                         ahead(c0 + SUB);
-                        let dims = Dims {
-                            m,
-                            n: w,
-                            k: d,
-                            lda: d,
-                            ldb: BLOCK,
-                            ldc: BLOCK,
-                        };
-                        gemm_pairs_into(self.isa, dims, qrows, &kt[c0..], &mut ct[c0..]);
+                        if f16 {
+                            // Whole vectors of keys (lanes past `n`: stale finite scores,
+                            // never written out).
+                            let dims = Dims {
+                                m,
+                                n: w.next_multiple_of(16),
+                                k: d,
+                                lda: m,
+                                ldb: BLOCK,
+                                ldc: BLOCK,
+                            };
+                            gemm_pairs_into_f16b(self.isa, dims, qt, &kh[c0..], &mut ct[c0..]);
+                        } else {
+                            let dims = Dims {
+                                m,
+                                n: w,
+                                k: d,
+                                lda: d,
+                                ldb: BLOCK,
+                                ldc: BLOCK,
+                            };
+                            gemm_pairs_into(self.isa, dims, qrows, &kt[c0..], &mut ct[c0..]);
+                        }
                     }
                 }
             } else if bf16_dot {
