@@ -12,7 +12,7 @@ use sparsekit_kernels::math::exp_portable;
 
 use super::buffer::CpuBuffer;
 use super::dot::round_bf16;
-use super::gemm::{gemm_acc, Dims};
+use super::gemm::{gemm_acc, gemm_into, Dims};
 use super::scratch;
 use super::tasks::for_each_indexed;
 use super::{CpuBackend, CpuIsa};
@@ -92,11 +92,6 @@ pub fn matmul(isa: CpuIsa, op: &Matmul, x: &[f32], w: &[f32], out: &mut [f32]) {
             let m = chunk.min(op.rows - r0);
             for g in 0..op.groups {
                 let c = &mut c[g * op.out.group_stride..];
-                if op.accumulate == Accumulate::Overwrite {
-                    for r in 0..m {
-                        c[r * op.out.row_stride..][..n].fill(0.0);
-                    }
-                }
                 let a = &x[op.x.offset + r0 * op.x.row_stride + g * op.x.group_stride..];
                 let d = Dims {
                     m,
@@ -106,7 +101,11 @@ pub fn matmul(isa: CpuIsa, op: &Matmul, x: &[f32], w: &[f32], out: &mut [f32]) {
                     ldb: n,
                     ldc: op.out.row_stride.max(n),
                 };
-                gemm_acc(isa, d, a, &w[g * k * n..], c);
+                // Overwrite: the chains start from +0 (C is not read: no zeroing pass).
+                match op.accumulate {
+                    Accumulate::Overwrite => gemm_into(isa, d, a, &w[g * k * n..], c),
+                    Accumulate::Add => gemm_acc(isa, d, a, &w[g * k * n..], c),
+                }
             }
         });
     } else {

@@ -61,6 +61,18 @@ pub fn gemm_acc(isa: CpuIsa, d: Dims, a: &[f32], b: &[f32], c: &mut [f32]) {
     }
 }
 
+/// [`gemm_acc`] into `C = A · B`: each element's chain starts from `+0` instead of C's
+/// value (the same bits as zeroing C first; C is not read, so it is not zeroed either).
+pub fn gemm_into(isa: CpuIsa, d: Dims, a: &[f32], b: &[f32], c: &mut [f32]) {
+    if check(d, a, b, c) {
+        gemm_into_paths(isa, d, a, b, c)
+    } else if d.k == 0 {
+        for i in 0..d.m {
+            c[i * d.ldc..][..d.n].fill(0.0);
+        }
+    }
+}
+
 /// `C += A · B` with each element's products in the bf16 dot-product order (module docs),
 /// on the vector path `isa` (f32 FMAs on every path: `avx512bf16` callers with bf16
 /// operands use [`super::dot`] instead, for the same bits). Panics if a slice is too short.
@@ -106,6 +118,12 @@ crate::isa_dispatch! {
     /// [`gemm_generic`] with the path's tile, compiled for each path.
     fn gemm_paths(d: Dims, a: &[f32], b: &[f32], c: &mut [f32])
         = |ISA| gemm_generic::<{ mr(ISA.isa()) }, { nr(ISA.isa()) }, false, false>(d, a, b, c);
+}
+
+crate::isa_dispatch! {
+    /// [`gemm_generic`] from zero with the path's tile, compiled for each path.
+    fn gemm_into_paths(d: Dims, a: &[f32], b: &[f32], c: &mut [f32])
+        = |ISA| gemm_generic::<{ mr(ISA.isa()) }, { nr(ISA.isa()) }, false, true>(d, a, b, c);
 }
 
 crate::isa_dispatch! {
