@@ -134,7 +134,7 @@ struct Scratch {
 /// The buffers of [`Select::kth_largest`].
 #[derive(Default)]
 struct Select {
-    /// Four interleaved histograms of `BINS` bins.
+    /// Four interleaved histograms of up to `BINS` bins (one for a small select).
     hist: Vec<u32>,
     /// Each value's bin.
     bins: Vec<u16>,
