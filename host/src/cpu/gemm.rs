@@ -64,12 +64,8 @@ pub fn gemm_acc(isa: CpuIsa, d: Dims, a: &[f32], b: &[f32], c: &mut [f32]) {
 /// [`gemm_acc`] into `C = A · B`: each element's chain starts from `+0` instead of C's
 /// value (the same bits as zeroing C first; C is not read, so it is not zeroed either).
 pub fn gemm_into(isa: CpuIsa, d: Dims, a: &[f32], b: &[f32], c: &mut [f32]) {
-    if check(d, a, b, c) {
+    if check_into(d, a, b, c) {
         gemm_into_paths(isa, d, a, b, c)
-    } else if d.k == 0 {
-        for i in 0..d.m {
-            c[i * d.ldc..][..d.n].fill(0.0);
-        }
     }
 }
 
@@ -85,13 +81,21 @@ pub fn gemm_acc_pairs(isa: CpuIsa, d: Dims, a: &[f32], b: &[f32], c: &mut [f32])
 /// [`gemm_acc_pairs`] into `C = A · B`: each element's chain starts from `+0` instead of
 /// C's value (the same bits as zeroing C first; C is not read).
 pub fn gemm_pairs_into(isa: CpuIsa, d: Dims, a: &[f32], b: &[f32], c: &mut [f32]) {
-    if check(d, a, b, c) {
+    if check_into(d, a, b, c) {
         gemm_pairs_into_paths(isa, d, a, b, c)
-    } else if d.k == 0 {
+    }
+}
+
+/// [`check`] for a GEMM into C: with nothing to sum (`k = 0`) C's rows are set to `+0`
+/// here.
+fn check_into(d: Dims, a: &[f32], b: &[f32], c: &mut [f32]) -> bool {
+    let run = check(d, a, b, c);
+    if !run && d.k == 0 && d.n > 0 {
         for i in 0..d.m {
             c[i * d.ldc..][..d.n].fill(0.0);
         }
     }
+    run
 }
 
 /// Asserts the slices hold `d`; whether there is anything to compute.
@@ -868,6 +872,8 @@ mod tests {
             // whole k blocks, and a block whose rows end at the pair tail.
             (9, 1030, 512),
             (31, 1100, 257),
+            // Nothing to sum: C unchanged, or +0 from the "into" forms.
+            (5, 9, 0),
         ] {
             let d = Dims {
                 m,
@@ -896,21 +902,23 @@ mod tests {
                     }
                     let same = c1.iter().zip(&c2).all(|(x, y)| x.to_bits() == y.to_bits());
                     assert!(same, "m={m} n={n} k={k} pairs={pairs} {:?}", isa.isa());
+                    // From zero: the bits of accumulating into zeros, C never read.
+                    let mut z = vec![0f32; c0.len()];
+                    naive(d, &a, &b, &mut z, pairs);
+                    c1.fill(f32::NAN);
                     if pairs {
-                        // From zero: the bits of accumulating into zeros.
-                        let mut z = vec![0f32; c0.len()];
-                        naive(d, &a, &b, &mut z, true);
-                        c1.fill(f32::NAN);
                         gemm_pairs_into(isa, d, &a, &b, &mut c1);
-                        for i in 0..m {
-                            for j in 0..n {
-                                let e = i * d.ldc + j;
-                                assert_eq!(
-                                    c1[e].to_bits(),
-                                    z[e].to_bits(),
-                                    "into m={m} n={n} k={k}"
-                                );
-                            }
+                    } else {
+                        gemm_into(isa, d, &a, &b, &mut c1);
+                    }
+                    for i in 0..m {
+                        for j in 0..n {
+                            let e = i * d.ldc + j;
+                            assert_eq!(
+                                c1[e].to_bits(),
+                                z[e].to_bits(),
+                                "into m={m} n={n} k={k} pairs={pairs}"
+                            );
                         }
                     }
                 }
