@@ -465,9 +465,9 @@ fn tile<const R: usize, const NR: usize, const PAIRS: bool, const ZERO: bool>(
         // Up to 8 rows, each row's pointer stays in a register of its own and every
         // broadcast reads `[row + 4p]`: seeing that the rows are `lda` apart, LLVM instead
         // rebuilt them each step from one pointer with a chain of `lea`s (and on AVX2
-        // spilled a register), which took FMA ports' issue slots (AVX2 sparse_mla 3-8%
-        // faster without, AVX-512 indexer 5-7%). Taller tiles have too few registers for
-        // that and keep the chain.
+        // spilled a register), which took issue slots on the FMA ports (without it: AVX2
+        // sparse_mla 4-11% faster, AVX-512 indexer up to 5%; benches/RESULTS.md). Taller
+        // tiles have too few registers for that and keep the chain.
         let rows = if R <= 8 {
             std::hint::black_box(rows)
         } else {
