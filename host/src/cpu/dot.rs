@@ -447,16 +447,8 @@ mod tests {
             let (mut got, mut want) = (vec![f32::NAN; c0.len()], c0.clone());
             gemm_bf16_into(isa, d, &a, &b, &mut got);
             emulate(d, &a, &b, &mut want, true);
-            for i in 0..m {
-                for j in 0..n {
-                    let e = i * d.ldc + j;
-                    assert_eq!(
-                        got[e].to_bits(),
-                        want[e].to_bits(),
-                        "into m={m} n={n} k2={k2}"
-                    );
-                }
-            }
+            let what = format!("into m={m} n={n} k2={k2}");
+            crate::cpu::gemm::assert_view_bits(&got, &want, (m, n, d.ldc), &what);
         }
     }
 

@@ -757,6 +757,28 @@ unsafe fn f16b_avx2(d: Dims, at8: &[f32], b: &[u16], c: &mut [f32]) {
     }
 }
 
+/// Asserts that the `m × n` view (rows `ldc` apart) of `got` has `want`'s bits, element by
+/// element (what lies between the rows is not compared): the GEMM tests' check of an
+/// "into" product, whose C is poisoned outside the view.
+#[cfg(test)]
+pub(crate) fn assert_view_bits(
+    got: &[f32],
+    want: &[f32],
+    (m, n, ldc): (usize, usize, usize),
+    what: &str,
+) {
+    for i in 0..m {
+        for j in 0..n {
+            let e = i * ldc + j;
+            assert_eq!(
+                got[e].to_bits(),
+                want[e].to_bits(),
+                "{what} row {i} column {j}"
+            );
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -946,16 +968,8 @@ mod tests {
                     } else {
                         gemm_into(isa, d, &a, &b, &mut c1);
                     }
-                    for i in 0..m {
-                        for j in 0..n {
-                            let e = i * d.ldc + j;
-                            assert_eq!(
-                                c1[e].to_bits(),
-                                z[e].to_bits(),
-                                "into m={m} n={n} k={k} pairs={pairs}"
-                            );
-                        }
-                    }
+                    let what = format!("into m={m} n={n} k={k} pairs={pairs}");
+                    assert_view_bits(&c1, &z, (m, n, d.ldc), &what);
                 }
             }
         }
