@@ -27,6 +27,7 @@ use super::dot::{
 };
 use super::gemm::{gemm_acc_pairs, gemm_pairs_into, Dims};
 use super::isa::{prefetch, CpuIsa};
+use super::scratch::Aligned;
 use super::transpose::transpose;
 use super::widen;
 use crate::layout::{KvDtype, KvLayout, FP8_DS_MLA_TILE, MODEL1_TILE};
@@ -56,24 +57,24 @@ pub(crate) struct AttnDims {
 #[derive(Default)]
 pub(crate) struct Scratch {
     /// Qᵀ `[d_qk × hc]`.
-    qt: Vec<f32>,
+    qt: Aligned<f32>,
     /// Dequantised key block `[BLOCK × d_qk]` (V = its first d_v columns).
-    k: Vec<f32>,
+    k: Aligned<f32>,
     /// Scores `Sᵀ [BLOCK × hc]`.
-    st: Vec<f32>,
+    st: Aligned<f32>,
     /// Scores transposed `S [hc × BLOCK]`, then the probabilities (rounded to bf16 in
     /// place on the f32 paths).
-    p: Vec<f32>,
+    p: Aligned<f32>,
     /// Qᵀ as bf16 pairs `[d_qk/2 × padded hc]` (`avx512bf16`).
-    qp: Vec<u32>,
+    qp: Aligned<u32>,
     /// Key block as bf16 `[BLOCK × d_qk]` (`avx512bf16`).
-    kb: Vec<u16>,
+    kb: Aligned<u16>,
     /// V as bf16 pairs of keys `[BLOCK/2 × padded d_v]` (`avx512bf16`).
-    vp: Vec<u32>,
+    vp: Aligned<u32>,
     /// Probabilities as bf16 `[hc × BLOCK]` (`avx512bf16`).
-    pb: Vec<u16>,
+    pb: Aligned<u16>,
     /// Output accumulators `[hc × d_v]`.
-    pub(crate) o: Vec<f32>,
+    pub(crate) o: Aligned<f32>,
     /// Per head: running max, running sum.
     pub(crate) m: Vec<f32>,
     pub(crate) sum: Vec<f32>,

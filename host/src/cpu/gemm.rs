@@ -16,6 +16,7 @@ use std::cell::Cell;
 use std::ops::Range;
 
 use super::isa::{CpuIsa, Isa};
+use super::scratch::Aligned;
 
 /// Rows of a path's register tile: with two vectors of columns, 16 accumulators on
 /// AVX-512 (32 registers; two FMA units of 4 cycles' latency keep 8 in flight, and each
@@ -345,14 +346,14 @@ fn narrow<const W: usize, const R: usize, const PAIRS: bool, const ZERO: bool>(
 thread_local! {
     /// The buffer [`pack`] fills, kept by each thread across calls (at most `KC + 1` rows
     /// of `NC` columns).
-    static PACKED: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+    static PACKED: Cell<Aligned<f32>> = const { Cell::new(Aligned::new()) };
 }
 
 /// Copies rows `rows` × columns `cols` of B (`ldb` apart) into `buf` as panels of `w`
 /// columns (`cols.len()` a multiple of `w`): panel after panel, each row after row.
 #[inline(always)]
 fn pack_panels<'b>(
-    buf: &'b mut Vec<f32>,
+    buf: &'b mut Aligned<f32>,
     b: &[f32],
     ldb: usize,
     rows: Range<usize>,
@@ -570,13 +571,13 @@ pub const SPLAT: usize = 8;
 
 /// `out[i·SPLAT..(i + 1)·SPLAT] = [x[i]; SPLAT]`: the A operand of
 /// [`gemm_pairs_into_f16b`] (each element as a whole vector, which an FMA then reads from
-/// memory: no broadcast register per row of the tile). `out` is resized to `SPLAT ·
-/// x.len()` (a buffer of that size already is written in place, without a zeroing pass).
-/// Inlined into its caller, so that it runs on the caller's vector path (a broadcast and
-/// one store per element; compiled apart it was SSE2, 4% of the few-head indexer).
+/// memory: no broadcast register per row of the tile). Writes `out[..SPLAT · x.len()]`
+/// and nothing else; panics if `out` is shorter. Inlined into its caller, so that it runs
+/// on the caller's vector path (a broadcast and one store per element; compiled apart it
+/// was SSE2, 4% of the few-head indexer).
 #[inline(always)]
-pub fn splat(x: &[f32], out: &mut Vec<f32>) {
-    out.resize(x.len() * SPLAT, 0.0);
+pub fn splat(x: &[f32], out: &mut [f32]) {
+    let out = &mut out[..x.len() * SPLAT];
     for (o, &v) in out.chunks_exact_mut(SPLAT).zip(x) {
         o.fill(v);
     }
@@ -829,7 +830,7 @@ mod tests {
                 ldc,
             };
             gemm_pairs_into(CpuIsa::new(Isa::Scalar).unwrap(), dr, &a, &bf, &mut want);
-            let mut at8 = Vec::new();
+            let mut at8 = vec![f32::NAN; at.len() * SPLAT];
             splat(&at, &mut at8);
             for isa in CpuIsa::available() {
                 let mut got = vec![f32::NAN; m * ldc];
@@ -883,22 +884,25 @@ mod tests {
         }
     }
 
-    /// A splat into a reused buffer (longer, shorter, or of the same size, all poisoned)
-    /// holds exactly `SPLAT` copies of each value and nothing else.
+    /// A splat into a poisoned buffer (of its size or longer) writes exactly `SPLAT`
+    /// copies of each value over its span and leaves the rest; a shorter one panics.
     #[test]
-    fn splat_rewrites_a_reused_buffer_whole() {
+    fn splat_writes_exactly_its_span() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
-        let mut out = Vec::new();
-        for (len, poison) in [(37, 0), (37, 37 * SPLAT), (5, 400), (64, 3)] {
+        for (len, extra) in [(37, 0), (37, 5), (1, 400), (64, 3)] {
             let x: Vec<f32> = (0..len).map(|_| rng.gen_range(-9.0f32..9.0)).collect();
-            out.clear();
-            out.resize(poison, f32::NAN);
+            let mut out = vec![f32::NAN; len * SPLAT + extra];
             splat(&x, &mut out);
-            assert_eq!(out.len(), len * SPLAT);
             for (i, o) in out.iter().enumerate() {
-                assert_eq!(o.to_bits(), x[i / SPLAT].to_bits(), "{len} {poison} {i}");
+                if i < len * SPLAT {
+                    assert_eq!(o.to_bits(), x[i / SPLAT].to_bits(), "{len} {extra} {i}");
+                } else {
+                    assert!(o.is_nan(), "{len} {extra} {i}: written past the span");
+                }
             }
         }
+        let short = std::panic::catch_unwind(|| splat(&[1.0; 4], &mut [0.0; 4 * SPLAT - 1]));
+        assert!(short.is_err());
     }
 
     #[test]

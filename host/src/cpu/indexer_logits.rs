@@ -24,9 +24,9 @@ use half::bf16;
 use super::dot::{f32_daz, gemm_bf16_into, padded_cols, PairDims};
 #[cfg(doc)]
 use super::gemm::gemm_acc_pairs;
-use super::gemm::{gemm_pairs_into, gemm_pairs_into_f16b, splat, Dims};
+use super::gemm::{gemm_pairs_into, gemm_pairs_into_f16b, splat, Dims, SPLAT};
 use super::isa::{prefetch, CpuIsa, Isa};
-use super::scratch;
+use super::scratch::{self, Aligned};
 use super::tasks::run_tasks;
 use super::transpose::{transpose, transpose_bytes};
 use super::widen;
@@ -168,35 +168,35 @@ thread_local! {
 #[derive(Default)]
 struct Scratch {
     /// Qᵀ `[d × m]` of the group's `m = rows × heads` query heads (f32 paths).
-    qt: Vec<f32>,
+    qt: Aligned<f32>,
     /// Dequantised keys `[BLOCK × d]` (f32 paths).
-    krows: Vec<f32>,
+    krows: Aligned<f32>,
     /// Qᵀ packed as bf16 pairs `[d/2 × padded m]` (the `avx512bf16` path).
-    qp: Vec<u32>,
+    qp: Aligned<u32>,
     /// Keys as bf16 `[BLOCK × d]` (the `avx512bf16` path), held as pairs so that their
     /// rows can be moved as 32-bit words (the few-heads transpose).
-    kb: Vec<u32>,
+    kb: Aligned<u32>,
     /// `Cᵀ [BLOCK × m]`.
-    c: Vec<f32>,
+    c: Aligned<f32>,
     /// `C [m × BLOCK]` (few-row groups: their head sums run along keys).
-    ct: Vec<f32>,
+    ct: Aligned<f32>,
     /// Weights head-major `[heads × rows]` (row-vectorised head sums).
-    wt: Vec<f32>,
+    wt: Aligned<f32>,
     /// A block's head sums `[BLOCK × rows]` (row-vectorised head sums).
-    hsum: Vec<f32>,
+    hsum: Aligned<f32>,
     /// Q `[m × d]` in Qᵀ's column order (few query heads, f32 paths).
-    qrows: Vec<f32>,
+    qrows: Aligned<f32>,
     /// Q as bf16 `[m × d]` in Qᵀ's column order (few query heads, `avx512bf16`).
-    qb: Vec<u16>,
+    qb: Aligned<u16>,
     /// Kᵀ `[d × BLOCK]` (few query heads): f32, or bf16 pairs `[d/2 × BLOCK]` on
     /// `avx512bf16` (the bits of the pairs, moved by the transpose).
-    kt: Vec<f32>,
+    kt: Aligned<f32>,
     /// Kᵀ as fp8 codes `[d × BLOCK]` (few query heads, fp8 keys, f32 paths): the codes
     /// are transposed before they are widened.
-    ktb: Vec<u8>,
+    ktb: Aligned<u8>,
     /// Kᵀ as f16 bits `[d × BLOCK]`, each `2^-8` times its key value (the f16 keys of
     /// the `avx2` and `avx512` paths, [`f16_keys`]).
-    kh: Vec<u16>,
+    kh: Aligned<u16>,
 }
 
 /// A run of consecutive rows of one request whose key ranges form one span `lo..hi`.
@@ -348,6 +348,7 @@ impl Ctx<'_> {
                     for x in krows[..d * m].iter_mut() {
                         *x *= 256.0;
                     }
+                    qt.resize(d * m * SPLAT, 0.0);
                     splat(&krows[..d * m], qt);
                 }
             }

@@ -4,9 +4,80 @@
 //! tasks) costs as much as the arithmetic. A set grows to the largest call its thread has
 //! run and is kept for the thread's life; its contents carry nothing from one task to the
 //! next (every task sizes and resets what it reads).
+//!
+//! The buffers themselves are [`Aligned`]: their first element starts a cache line, as the
+//! host buffers' do, so that the vector loads of the GEMM tiles never straddle two lines.
 
 use std::cell::RefCell;
+use std::marker::PhantomData;
+use std::ops::{Deref, DerefMut};
 use std::thread::LocalKey;
+
+use bytemuck::{Pod, Zeroable};
+
+/// One cache line of storage (64 bytes, 64-byte aligned).
+#[derive(Clone, Copy, Pod, Zeroable)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
+
+/// A growable buffer of `T` (a plain value of at most 64 bytes, a divisor of 64) whose
+/// first element is 64-byte aligned: a `Vec` from the allocator starts only 16-byte
+/// aligned (a large one 16 bytes past a page), and then every other 32-byte load and every
+/// 64-byte load of a row crosses two cache lines (AVX-512 GEMM tiles measured 20% slower
+/// on such a buffer). Dereferences to `[T]` of its length.
+pub(crate) struct Aligned<T> {
+    lines: Vec<Line>,
+    len: usize,
+    _t: PhantomData<T>,
+}
+
+impl<T> Aligned<T> {
+    /// An empty buffer (no allocation).
+    pub(crate) const fn new() -> Self {
+        Aligned {
+            lines: Vec::new(),
+            len: 0,
+            _t: PhantomData,
+        }
+    }
+}
+
+impl<T> Default for Aligned<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<T: Pod> Aligned<T> {
+    /// Sets the length to `len` elements: the first `min(len, old len)` keep their values,
+    /// new ones are `value` (as [`Vec::resize`]).
+    pub(crate) fn resize(&mut self, len: usize, value: T) {
+        let old = self.len;
+        let lines = (len * std::mem::size_of::<T>()).div_ceil(64);
+        if lines > self.lines.len() {
+            self.lines.resize(lines, Line::zeroed());
+        }
+        self.len = len;
+        if len > old {
+            self[old..].fill(value);
+        }
+    }
+}
+
+impl<T: Pod> Deref for Aligned<T> {
+    type Target = [T];
+    #[inline(always)]
+    fn deref(&self) -> &[T] {
+        &bytemuck::cast_slice(&self.lines)[..self.len]
+    }
+}
+
+impl<T: Pod> DerefMut for Aligned<T> {
+    #[inline(always)]
+    fn deref_mut(&mut self) -> &mut [T] {
+        &mut bytemuck::cast_slice_mut(&mut self.lines)[..self.len]
+    }
+}
 
 /// Runs `f` with this thread's set in `key`, or with a fresh default set when the thread's
 /// one is already borrowed (an op called from inside another op's task on the same thread).
@@ -41,5 +112,29 @@ mod tests {
         assert_eq!(outer, [1, 2, 3]);
         assert_eq!(inner, [9]);
         assert_eq!(with(&SET, |v| v.len()), 3);
+    }
+
+    /// `Aligned` starts on a cache line at every size and resizes as `Vec` does.
+    #[test]
+    fn aligned_resizes_like_a_vec_and_stays_aligned() {
+        let mut a = Aligned::<u16>::default();
+        let mut v = Vec::<u16>::new();
+        for (i, len) in [0usize, 1, 31, 32, 33, 7, 100_000, 5, 70_000]
+            .into_iter()
+            .enumerate()
+        {
+            a.resize(len, i as u16 + 1);
+            v.resize(len, i as u16 + 1);
+            assert_eq!(&a[..], &v[..], "len {len}");
+            assert_eq!(a.as_ptr() as usize % 64, 0);
+            // A write through the slice lands in the buffer.
+            if let Some(x) = a.last_mut() {
+                *x = 0xbeef;
+                *v.last_mut().unwrap() = 0xbeef;
+            }
+        }
+        let mut f = Aligned::<f32>::default();
+        f.resize(3, 1.5);
+        assert_eq!(&f[..], [1.5; 3]);
     }
 }
