@@ -344,7 +344,7 @@ fn narrow<const W: usize, const R: usize, const PAIRS: bool, const ZERO: bool>(
 }
 
 thread_local! {
-    /// The buffer [`pack`] fills, kept by each thread across calls (at most `KC + 1` rows
+    /// The buffer [`pack_panels`] fills, kept by each thread across calls (at most `KC + 1` rows
     /// of `NC` columns).
     static PACKED: Cell<Aligned<f32>> = const { Cell::new(Aligned::new()) };
 }

@@ -5,8 +5,9 @@
 //! run and is kept for the thread's life; its contents carry nothing from one task to the
 //! next (every task sizes and resets what it reads).
 //!
-//! The buffers themselves are [`Aligned`]: their first element starts a cache line, as the
-//! host buffers' do, so that the vector loads of the GEMM tiles never straddle two lines.
+//! The buffers the GEMM tiles read (the attention's, the indexer's, the GEMM's packed
+//! blocks) are [`Aligned`]: their first element starts a cache line, as the host buffers'
+//! does, so that a vector load of a row never straddles two lines.
 
 use std::cell::RefCell;
 use std::marker::PhantomData;
@@ -49,9 +50,16 @@ impl<T> Default for Aligned<T> {
 }
 
 impl<T: Pod> Aligned<T> {
+    /// Whole elements fill a line (checked when the type is used, at compile time).
+    const FITS: () = assert!(
+        std::mem::size_of::<T>() > 0 && 64 % std::mem::size_of::<T>() == 0,
+        "an Aligned element's size must divide 64"
+    );
+
     /// Sets the length to `len` elements: the first `min(len, old len)` keep their values,
     /// new ones are `value` (as [`Vec::resize`]).
     pub(crate) fn resize(&mut self, len: usize, value: T) {
+        let () = Self::FITS;
         let old = self.len;
         let lines = (len * std::mem::size_of::<T>()).div_ceil(64);
         if lines > self.lines.len() {
