@@ -5,9 +5,12 @@ use bytemuck::{Pod, Zeroable};
 
 use crate::error::{Error, Result};
 
+/// One cache line of storage (64 bytes, 64-byte aligned): the unit of every aligned
+/// buffer of the backend (these host buffers, and the ops' working buffers,
+/// [`super::scratch::Aligned`]).
 #[derive(Clone, Copy, Pod, Zeroable)]
 #[repr(C, align(64))]
-struct Line([u8; 64]);
+pub(crate) struct Line([u8; 64]);
 
 /// A byte buffer in host memory, 64-byte aligned.
 #[derive(Clone)]

@@ -16,10 +16,7 @@ use std::thread::LocalKey;
 
 use bytemuck::{Pod, Zeroable};
 
-/// One cache line of storage (64 bytes, 64-byte aligned).
-#[derive(Clone, Copy, Pod, Zeroable)]
-#[repr(C, align(64))]
-struct Line([u8; 64]);
+use super::buffer::Line;
 
 /// A growable buffer of `T` (a plain value of at most 64 bytes, a divisor of 64) whose
 /// first element is 64-byte aligned: a `Vec` from the allocator starts only 16-byte
