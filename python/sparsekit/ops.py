@@ -36,6 +36,11 @@ the page table and the request count, page-table entries and page ids outside th
 are clamped into it (the values read are then wrong, never out of bounds). Set
 ``SPARSEKIT_CHECK_DEVICE_METADATA=1`` to have CUDA calls check the metadata on the host
 instead (a synchronisation per call; for debugging, not under graph capture).
+
+Integer metadata may be int32 or int64; the kernels read int32. An int64 value outside
+int32's range is never wrapped (``2**32 + 3`` would read slot 3): on CPU it is a
+``ValueError``, on CUDA it saturates to int32's bound, which is out of range like any
+other value the sanitising handles.
 """
 
 from __future__ import annotations
@@ -114,6 +119,10 @@ def _written(name: str, t: torch.Tensor) -> torch.Tensor:
 
 def _pages(name: str, cache: torch.Tensor, layout) -> int:
     """Pages in a contiguous cache tensor of ``layout``."""
+    if not isinstance(layout, (IndexKLayout, KvLayout)):
+        raise TypeError(
+            f"layout: expected an IndexKLayout or a KvLayout, got {type(layout).__name__}"
+        )
     _written(name, cache)
     nbytes = cache.numel() * cache.element_size()
     page = layout.bytes_per_page
@@ -124,8 +133,33 @@ def _pages(name: str, cache: torch.Tensor, layout) -> int:
     return nbytes // page
 
 
+_I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
+
+
+def _narrow_i32(name: str, t: torch.Tensor) -> torch.Tensor:
+    """An int32 or int64 tensor as int32, never wrapping: an int64 value outside int32's
+    range is a ``ValueError`` on CPU (and on CUDA with
+    ``SPARSEKIT_CHECK_DEVICE_METADATA=1``); on CUDA it saturates to int32's bound, which
+    stays outside every buffer, so the sanitising treats it as any other value out of
+    range (a wrapped ``2**32 + 3`` would read slot 3)."""
+    if t.dtype == torch.int32:
+        return t
+    if t.device.type == "cpu" or _check_device_metadata():
+        h = t.cpu()
+        bad = (h < _I32_MIN) | (h > _I32_MAX)
+        if h.numel() and bool(bad.any()):
+            at = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"{name}{''.join(f'[{i}]' for i in at)} = {int(h[at])} does not fit in int32"
+            )
+        return t.to(torch.int32)
+    return t.clamp(_I32_MIN, _I32_MAX).to(torch.int32)
+
+
 def _int_tensor(name: str, t, dtype, *, ndim=None) -> torch.Tensor:
     t = _tensor(name, t, dtypes=(torch.int32, torch.int64), ndim=ndim)
+    if dtype == torch.int32:
+        return _narrow_i32(name, t).contiguous()
     return t.to(dtype).contiguous()
 
 
@@ -157,16 +191,25 @@ def decode_rows(context_lens: torch.Tensor, next_n: int = 1) -> torch.Tensor:
     ``context_lens`` ``[b]``: request ``b`` with context ``L`` contributes ``next_n`` rows,
     row ``j`` seeing ``[0, L - next_n + j + 1)``; ``[b, next_n]``: row ``(b, j)`` sees
     ``[0, context_lens[b, j])``. Rows are ordered by request, then ``j``. On CPU a context
-    shorter than ``next_n`` (or a negative length) is a ``ValueError``; on CUDA it is
-    clamped to an empty range.
+    shorter than ``next_n`` (``[b]``), a negative length (``[b, next_n]``) or an int64
+    length outside int32 is a ``ValueError``; on CUDA the first two become empty ranges
+    and the last saturates.
     """
     context_lens = _tensor("context_lens", context_lens, dtypes=(torch.int32, torch.int64))
     if not isinstance(next_n, int) or next_n < 1:
         raise ValueError(f"next_n: must be a positive int, got {next_n!r}")
     dev = context_lens.device
-    lens = context_lens.to(torch.int64)
+    # Every end is then at most a length, inside int32.
+    lens = _narrow_i32("context_lens", context_lens).to(torch.int64)
+    cpu = dev.type == "cpu"
     if lens.dim() == 1:
         b = lens.shape[0]
+        # Checked before anything of next_n's size is allocated.
+        if cpu and b and bool((lens < next_n).any()):
+            r = int((lens < next_n).nonzero()[0][0])
+            raise ValueError(
+                f"context_lens[{r}] = {int(lens[r])}: a context shorter than next_n={next_n}"
+            )
         j = torch.arange(next_n, device=dev, dtype=torch.int64)
         ends = lens[:, None] - (next_n - 1 - j)[None, :]
     elif lens.dim() == 2:
@@ -182,16 +225,14 @@ def decode_rows(context_lens: torch.Tensor, next_n: int = 1) -> torch.Tensor:
         raise ValueError(
             f"context_lens: expected [b] or [b, next_n], got shape {list(lens.shape)}"
         )
-    if dev.type == "cpu" and ends.numel() and bool((ends < 0).any()):
-        r = int((ends < 0).nonzero()[0][0])
-        raise ValueError(
-            f"context_lens[{r}]: a context shorter than next_n={next_n} (or negative)"
-        )
+    if cpu and ends.numel() and bool((ends < 0).any()):
+        r, c = (int(x) for x in (ends < 0).nonzero()[0])
+        raise ValueError(f"context_lens[{r}][{c}] = {int(ends[r, c])} is negative")
     per = ends.shape[1]
-    ends = ends.clamp_min(0).reshape(-1)
-    req = torch.arange(b, device=dev, dtype=torch.int64).repeat_interleave(per)
+    ends = ends.clamp_min(0).to(torch.int32).reshape(-1)
+    req = torch.arange(b, device=dev, dtype=torch.int32).repeat_interleave(per)
     rows = torch.stack([req, torch.zeros_like(ends), ends], dim=1)
-    return rows.to(torch.int32).contiguous()
+    return rows.contiguous()
 
 
 def _rows_arg(rows, context_lens, next_n, n_expected: Optional[int], device) -> torch.Tensor:

@@ -134,7 +134,12 @@ impl Tensor {
             .ok_or_else(|| PyValueError::new_err(format!("{}: size overflows", self.name)))
     }
 
+    /// Row-major with no gaps, as torch's `is_contiguous()`: a tensor with no element is
+    /// contiguous whatever its strides (`torch.empty(3, 0)` has strides `(1, 1)`).
     pub(crate) fn is_contiguous(&self) -> bool {
+        if self.shape.contains(&0) {
+            return true;
+        }
         let mut expect = 1isize;
         for (&d, &s) in self.shape.iter().zip(&self.strides).rev() {
             if d != 1 && s != expect {
@@ -185,7 +190,8 @@ impl Tensor {
 
     /// The rows of a 2-D tensor with unit column stride as a row-major buffer of
     /// `[rows, row_stride]` elements (`row_stride = stride(0) ≥ shape[1]`), when its storage
-    /// covers every row's full stride: returns `row_stride`.
+    /// covers every row's full stride: returns `row_stride` (0 for rows of no column, which
+    /// read nothing).
     pub(crate) fn row_major_2d(&self) -> PyResult<usize> {
         if self.shape.len() != 2 {
             return Err(PyValueError::new_err(format!(
@@ -194,7 +200,7 @@ impl Tensor {
             )));
         }
         let (rows, cols) = (self.shape[0], self.shape[1]);
-        let row_stride = if rows <= 1 {
+        let row_stride = if rows <= 1 || cols == 0 {
             cols
         } else {
             self.strides[0].max(0) as usize

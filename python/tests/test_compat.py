@@ -384,6 +384,63 @@ def test_sgl_kernel_errors(device):
             sgl_kernel.fast_topk_v2(score, torch.tensor([101, 5, 7], dtype=torch.int32), 16)
 
 
+def test_sgl_kernel_indices_beyond_int32_and_aliased_outputs(device, gen):
+    """An index past int32 (an int64 offset or page-table entry) is refused on CPU and is
+    -1 (none) on CUDA, never a wrapped one; raw_indices sharing page_indices' memory is
+    refused."""
+    score = torch.randn((2, 50), generator=gen, device=device)
+    lengths = torch.tensor([50, 5], dtype=torch.int32, device=device)
+    offs = torch.tensor([2**31 - 2, 0], dtype=torch.int64, device=device)
+    table = torch.randint(0, 1000, (2, 50), generator=gen, dtype=torch.int64).to(device)
+    table[0] = 2**32 + 7
+    cu = torch.arange(3, dtype=torch.int32, device=device)
+    if device.type == "cpu":
+        with pytest.raises(ValueError, match="topk_indices_offset.*does not fit in int32"):
+            sgl_kernel.fast_topk_transform_ragged_fused(score, lengths, offs, 8)
+        with pytest.raises(ValueError, match="page_table_size_1.*does not fit in int32"):
+            sgl_kernel.fast_topk_transform_fused(score, lengths, table, cu, 8)
+    else:
+        out = sgl_kernel.fast_topk_transform_ragged_fused(score, lengths, offs, 8).cpu()
+        rel = sgl_kernel.fast_topk_v2(score, lengths, 8).cpu()
+        # Row 0: 2**31 - 2 + p fits only for p <= 1.
+        assert torch.equal(out[0], torch.where(rel[0] <= 1, rel[0] + (2**31 - 2), -1))
+        assert torch.equal(out[1], rel[1])
+        out = sgl_kernel.fast_topk_transform_fused(score, lengths, table, cu, 8).cpu()
+        assert bool((out[0] == -1).all())
+    pi = torch.empty((2, 8), dtype=torch.int32, device=device)
+    pt = torch.zeros((2, 7), dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="raw_indices"):
+        sgl_kernel.deepseek_v4_topk_transform_512(score, lengths, pt, pi, 8, pi)
+    with pytest.raises(ValueError, match="raw_indices"):
+        sgl_kernel.deepseek_v4_topk_transform_512(score, lengths, pt, pi, 8, pi.view(-1)[:16].view(2, 8))
+
+
+def test_flash_mla_v32_path_checks_lengths_and_sink_as_v4_does(device, gen):
+    """On CPU, the V3.2 form refuses a topk_length outside [0, topk] and a NaN sink, as the
+    V4 form does (before: masked silently, NaN output)."""
+    if device.type != "cpu":
+        pytest.skip("the checks are CPU-side (CUDA sanitises on the device)")
+    s_q, s_kv, h_q, topk = 3, 20, 4, 8
+    q = torch.randn((s_q, h_q, 576), generator=gen).to(torch.bfloat16)
+    kv = torch.randn((s_kv, 1, 576), generator=gen).to(torch.bfloat16)
+    idx = torch.randint(0, s_kv, (s_q, 1, topk), generator=gen, dtype=torch.int32)
+    for bad in (-3, topk + 1):
+        tl = torch.tensor([topk, bad, 0], dtype=torch.int32)
+        with pytest.raises(ValueError, match="topk_length"):
+            flash_mla.flash_mla_sparse_fwd(q, kv, idx, 0.1, 512, topk_length=tl)
+    sink = torch.zeros(h_q)
+    sink[2] = float("nan")
+    with pytest.raises(ValueError, match=r"attn_sink\[2\] is NaN"):
+        flash_mla.flash_mla_sparse_fwd(q, kv, idx, 0.1, 512, attn_sink=sink)
+    cache, _ = _flashmla_cache(gen, 2, 64)
+    qk = torch.randn((1, s_q, h_q, 576), generator=gen).to(torch.bfloat16)
+    ik = torch.randint(0, 128, (1, s_q, 64), generator=gen, dtype=torch.int32)
+    with pytest.raises(ValueError, match="topk_length"):
+        flash_mla.flash_mla_with_kvcache(qk, cache, None, None, 512, flash_mla.get_mla_metadata()[0],
+                                         is_fp8_kvcache=True, indices=ik,
+                                         topk_length=torch.tensor([65], dtype=torch.int32))
+
+
 def test_flash_mla_with_kvcache_bf16_cache_beyond_anchor(device, gen):
     """A bf16 KV cache [blocks, block, 1, 576] (FlashMLA's sparse form takes fp8 only),
     batch 4 with ragged valid counts and an odd page size."""

@@ -390,3 +390,60 @@ def test_layouts_and_package_surface():
     archs, info, isa = sparsekit.build_info()
     assert isinstance(info, str) and isa
     assert isinstance(sparsekit.cuda_driver_present(), bool)
+
+
+# ------------------------------------------------------------------ integer metadata
+
+
+def test_int64_metadata_outside_int32_is_never_wrapped(device, gen):
+    """An int64 entry beyond int32 (2**32 + 3 wraps to 3) is refused on CPU; on CUDA it
+    saturates, so it is out of range like any other (skipped, clamped), never slot 3."""
+    layout, cache, _ = _kv_pool(gen, device, "bf16", pages=2)
+    q = torch.randn((2, 4, 576), generator=gen).to(torch.bfloat16).to(device)
+    idx = torch.randint(0, 32, (2, 5), generator=gen, dtype=torch.int64)
+    wide = idx.clone()
+    wide[1, 2] = 2**32 + 3
+    pool = cache.view(-1, layout.bytes_per_page)
+    ids = torch.tensor([2**32 + 1], dtype=torch.int64, device=device)
+    if device.type == "cpu":
+        with pytest.raises(ValueError, match=r"indices\[1\]\[2\] = 4294967299 does not fit in int32"):
+            ops.sparse_mla(q, cache, wide, layout)
+        with pytest.raises(ValueError, match="src_ids"):
+            ops.copy_pages(pool, torch.zeros_like(pool), ids, ids.new_zeros(1), layout)
+        with pytest.raises(ValueError, match="context_lens"):
+            ops.topk(torch.randn((1, 16)), 2, context_lens=torch.tensor([2**32 + 4]))
+        return
+    skipped = idx.clone()
+    skipped[1, 2] = -1
+    got = ops.sparse_mla(q, cache, wide.to(device), layout)
+    want = ops.sparse_mla(q, cache, skipped.to(device), layout)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_decode_rows_checks_every_short_context(device):
+    if device.type == "cpu":
+        for lens, n in (([1], 2), ([0], 1), ([5, 3], 4)):
+            with pytest.raises(ValueError, match="shorter than next_n"):
+                ops.decode_rows(torch.tensor(lens), n)
+        with pytest.raises(ValueError, match=r"context_lens\[0\]\[1\] = -1 is negative"):
+            ops.decode_rows(torch.tensor([[3, -1]]), 2)
+    else:
+        rows = ops.decode_rows(torch.tensor([1], device=device), 2)
+        assert rows.cpu().tolist() == [[0, 0, 0], [0, 0, 1]]
+    # A [b, next_n] length of 0 is an empty row, and a context of exactly next_n is fine.
+    assert ops.decode_rows(torch.tensor([[0, 2]], device=device), 2).cpu().tolist() == [
+        [0, 0, 0], [0, 0, 2]]
+    assert ops.decode_rows(torch.tensor([2], device=device), 2).cpu().tolist() == [
+        [0, 0, 1], [0, 0, 2]]
+
+
+def test_zero_width_logits_and_a_wrong_layout_type(device, gen):
+    out = ops.topk(torch.empty((3, 0), device=device), 2)
+    assert out.shape == (3, 2) and bool((out == -1).all())
+    layout, cache, _ = _kv_pool(gen, device, "bf16", pages=2)
+    pool = cache.view(-1, layout.bytes_per_page)
+    none = torch.zeros(0, dtype=torch.int32, device=device)
+    with pytest.raises(TypeError, match="layout"):
+        ops.copy_pages(pool, torch.zeros_like(pool), none, none, "bf16")
+    with pytest.raises(TypeError, match="layout"):
+        ops.page_checksums(pool, none, "bf16")

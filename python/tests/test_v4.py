@@ -477,6 +477,25 @@ def test_sparse_mla_v4_ragged(rng, main_dtype, extra_dtype):
                          f"{main_dtype}+{extra_dtype} sink={with_sink}")
 
 
+def test_sparse_mla_v4_with_no_main_index(rng):
+    """A main top-k of 0 as torch makes it (``torch.empty((t, 0))``: strides (1, 1), which
+    torch calls contiguous) beside the extra cache: the extra cache alone is attended."""
+    layout, _, pool, _ = _v4_cache(rng, "bf16_512", 3, 5)
+    e_layout, e_ref, e_pool, e_poisoned = _v4_cache(rng, "model1_fp8", 2, 9)
+    t, h, e_topk = 3, 2, 6
+    e_idx = _indices(rng, t, e_topk, 18, e_poisoned, [e_topk] * t)
+    q = _bf16_round(rng.standard_normal((t, h, 512)).astype(np.float32))
+    none = torch.empty((t, 0), dtype=torch.int32)
+    assert none.stride() == (1, 1) and none.is_contiguous()
+    out, lse = ops.sparse_mla_v4(_bf16_tensor(q), torch.from_numpy(pool), none, layout,
+                                 extra_cache=torch.from_numpy(e_pool),
+                                 extra_indices=torch.from_numpy(e_idx), extra_layout=e_layout)
+    keys = [np.array([e_ref.decode(e_pool, s) for s in e_idx[i] if s >= 0]).reshape(-1, 512)
+            for i in range(t)]
+    want = _ref_attention(q, keys, 512 ** -0.5, None)
+    _check_attention(out.float().numpy(), lse.numpy(), want, keys, "no main index")
+
+
 def test_sparse_mla_v4_infinite_sinks_and_defaults(rng):
     layout, ref, pool, poisoned = _v4_cache(rng, "bf16_512", 3, 5)
     t, h, topk = 4, 4, 9

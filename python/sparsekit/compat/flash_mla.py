@@ -239,13 +239,19 @@ def _v4_indices(name, idx, cache, remap, lengths, length_name):
     i = idx.to(torch.int64)
     i = torch.where((i >= 0) & (i < capacity), i, torch.full_like(i, -1))
     i = remap(i).to(torch.int32)
+    _check_lengths(length_name, lengths, i.shape[1], name)
+    return i
+
+
+def _check_lengths(length_name, lengths, topk, name):
+    """On CPU, a ``ValueError`` unless every length (``[T]``, or None) is in ``[0, topk]``
+    (FlashMLA's contract; on CUDA the lengths mask the indices as they are)."""
     if lengths is not None and lengths.device.type == "cpu" and lengths.numel():
-        bad = (lengths < 0) | (lengths > i.shape[1])
+        bad = (lengths < 0) | (lengths > topk)
         if bool(bad.any()):
             r = int(bad.nonzero()[0][0])
             raise ValueError(f"{length_name}: {int(lengths[r])} (for query {r}) is outside "
-                             f"[0, {i.shape[1]}] (the top-k of {name})")
-    return i
+                             f"[0, {topk}] (the top-k of {name})")
 
 
 def _valid(idx: torch.Tensor, capacity: int, length: Optional[torch.Tensor]) -> torch.Tensor:
@@ -282,6 +288,9 @@ def _sink(out_f32, lse, attn_sink, h):
     sink = ops._tensor("attn_sink", attn_sink, dtypes=(torch.float32,), shape=(h,))
     if sink.device != out_f32.device:
         raise ValueError(f"attn_sink: on {sink.device}, but q is on {out_f32.device}")
+    if sink.device.type == "cpu" and bool(sink.isnan().any()):
+        # As sparse_mla_v4 refuses it on the V4 path.
+        raise ValueError(f"attn_sink[{int(sink.isnan().nonzero()[0][0])}] is NaN")
     factor = torch.sigmoid(lse - sink[None, :])  # 1 / (1 + exp(sink - lse))
     factor = torch.where(lse == float("-inf"), torch.zeros_like(factor), factor)
     return out_f32 * factor[..., None]
@@ -299,13 +308,13 @@ def _attend_v4(q_t, k_cache, idx, tl, extra_k_cache, e_idx, etl, attn_sink, is_f
         ei = _v4_indices("extra_indices_in_kvcache", e_idx, extra_k_cache, e_remap, etl,
                          "extra_topk_length")
         extra = dict(extra_cache=e_pages, extra_indices=ei, extra_layout=e_layout,
-                     extra_lengths=None if etl is None else etl.to(torch.int32))
+                     extra_lengths=etl)
     sink = None
     if attn_sink is not None:
         sink = ops._tensor("attn_sink", attn_sink, dtypes=(torch.float32,),
                            shape=(q_t.shape[1],))
     return ops.sparse_mla_v4(q_t, pages, i, layout, scale,
-                             lengths=None if tl is None else tl.to(torch.int32),
+                             lengths=tl,
                              attn_sink=sink, **extra)
 
 
@@ -414,6 +423,9 @@ def flash_mla_with_kvcache(
         sched.tile_scheduler_metadata = None
         sched.num_splits = None
         return out, lse
+    _check_lengths("topk_length", tl, idx.shape[-1], "indices")
+    if e_idx is not None:
+        _check_lengths("extra_topk_length", etl, e_idx.shape[-1], "extra_indices_in_kvcache")
     out, lse = _attend(q_t, "k_cache", k_cache, idx.reshape(b * s_q, -1), tl, d_qk,
                        head_dim_v, is_fp8_kvcache, scale)
     out_f = None
@@ -472,6 +484,7 @@ def flash_mla_sparse_fwd(
         tl = ops._tensor("topk_length", topk_length, dtypes=(torch.int32, torch.int64),
                          shape=(s_q,)).to(torch.int64)
     ops._same_device(q=q, kv=kv, indices=idx, attn_sink=attn_sink, topk_length=topk_length)
+    _check_lengths("topk_length", tl, idx.shape[-1], "indices")
     s_kv = kv.shape[0]
     if d_v == d_qk:
         kv2 = kv.reshape(s_kv, d_qk).contiguous()

@@ -50,6 +50,21 @@ def _lengths(name, t, b, device):
     return t.to(torch.int64)
 
 
+def _overlap(a, b):
+    """Whether the bytes of two contiguous tensors overlap."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _indices_i32(name, x):
+    """int64 indices handed back to the caller as int32: on CPU one outside int32 is a
+    ``ValueError``; on CUDA it becomes ``-1`` (none) rather than a wrapped index."""
+    if x.device.type == "cpu" or ops._check_device_metadata():
+        return ops._narrow_i32(name, x)
+    fits = (x >= ops._I32_MIN) & (x <= ops._I32_MAX)
+    return torch.where(fits, x, torch.full_like(x, -1)).to(torch.int32)
+
+
 def _relative_topk(score, lengths, topk, row_starts):
     """``int32 [B, topk]``: per row, positions relative to its start, anchor semantics."""
     score = ops._tensor("score", score, dtypes=(torch.float32,), ndim=2)
@@ -69,14 +84,14 @@ def _relative_topk(score, lengths, topk, row_starts):
                 f"is not inside the {width} columns of score"
             )
     ends = starts + lens.clamp_min(0)
-    rows = torch.stack([torch.arange(b, device=dev, dtype=torch.int64), starts, ends],
-                       dim=1).to(torch.int32)
+    rows = ops._narrow_i32("lengths", torch.stack(
+        [torch.arange(b, device=dev, dtype=torch.int64), starts, ends], dim=1))
     # A section of at most `topk` columns takes all of them in order (the anchor's rule
     # for short rows), which is our top-k's `take_all_short_rows`.
     pos = ops.topk(score, topk, rows=rows, take_all_short_rows=True)
     if row_starts is None:
         return pos
-    return torch.where(pos >= 0, pos - starts[:, None].to(torch.int32), pos)
+    return torch.where(pos >= 0, pos - rows[:, 1:2], pos)
 
 
 def fast_topk_v2(score: torch.Tensor, lengths: torch.Tensor, topk: int,
@@ -126,7 +141,7 @@ def fast_topk_transform_fused(score: torch.Tensor, lengths: torch.Tensor,
     rows = pt.index_select(0, req) if n_req > 0 else torch.zeros((b, max(width, 1)), dtype=pt.dtype, device=dev)
     if width == 0:
         return torch.full_like(rel, -1)
-    got = torch.gather(rows, 1, safe).to(torch.int32)
+    got = _indices_i32("page_table_size_1", torch.gather(rows, 1, safe))
     return torch.where(rel >= 0, got, rel).contiguous()
 
 
@@ -137,7 +152,8 @@ def fast_topk_transform_ragged_fused(score: torch.Tensor, lengths: torch.Tensor,
     ``p + topk_indices_offset[i]`` (an index into ragged, non-paged KV); ``-1`` stays."""
     rel = _relative_topk(score, lengths, topk, row_starts)
     off = _lengths("topk_indices_offset", topk_indices_offset, rel.shape[0], rel.device)
-    return torch.where(rel >= 0, rel + off[:, None].to(torch.int32), rel).contiguous()
+    idx = torch.where(rel >= 0, rel.to(torch.int64) + off[:, None], rel.to(torch.int64))
+    return _indices_i32("index + topk_indices_offset", idx).contiguous()
 
 
 def deepseek_v4_topk_transform_512(scores: torch.Tensor, seq_lens: torch.Tensor,
@@ -193,9 +209,12 @@ def deepseek_v4_topk_transform_512(scores: torch.Tensor, seq_lens: torch.Tensor,
     if raw_indices is not None:
         ri = ops._tensor("raw_indices", raw_indices, dtypes=(torch.int32,), shape=(b, k))
         ops._written("raw_indices", ri)
-    rows = torch.stack([torch.arange(b, device=dev, dtype=torch.int64),
-                        torch.zeros(b, device=dev, dtype=torch.int64),
-                        lens.clamp_min(0)], dim=1).to(torch.int32)
+        if ri.device == pi.device and ri.numel() and _overlap(ri, pi):
+            raise ValueError("raw_indices: shares memory with page_indices (the second "
+                             "top-k would overwrite the slots)")
+    rows = ops._narrow_i32("seq_lens", torch.stack(
+        [torch.arange(b, device=dev, dtype=torch.int64),
+         torch.zeros(b, device=dev, dtype=torch.int64), lens.clamp_min(0)], dim=1))
     ops.topk(scores, k, rows=rows, page_table=pt, page_size=page_size, out=pi,
              take_all_short_rows=True)
     if ri is not None:
