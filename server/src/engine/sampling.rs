@@ -5,8 +5,8 @@
 //!
 //! Before the draw, a request may adjust the logits (repetition, presence and frequency
 //! penalties, a logit bias) and restrict the candidates (no end of turn or stop token
-//! before `min_new_tokens`; only bytes that continue a JSON object under
-//! `response_format: json_object`). A request that uses none of these samples from the
+//! before `min_new_tokens`, unless nothing else may follow; only bytes that continue a
+//! JSON object under `response_format: json_object`). A request that uses none of these samples from the
 //! model's logits untouched: the same bits as before these options existed.
 
 use serde::Serialize;
@@ -248,10 +248,11 @@ impl SeqView<'_> {
         self.tokens.len().saturating_sub(self.prompt_len)
     }
 
-    /// Whether `token` may be drawn now (`min_new_tokens`, the JSON object).
-    fn allows(&self, token: u32, p: &SamplingParams) -> bool {
+    /// Whether `token` may be drawn now (the JSON object, and `min_new_tokens` when
+    /// `with_min`).
+    fn allows(&self, token: u32, p: &SamplingParams, with_min: bool) -> bool {
         let stop = token == END || p.stop_token_ids.contains(&token);
-        if stop && self.generated() < p.min_new_tokens {
+        if with_min && stop && self.generated() < p.min_new_tokens {
             return false;
         }
         match self.json {
@@ -299,13 +300,21 @@ pub fn sample_in(
         .then(|| p.adjust(logits, seq.tokens, seq.prompt_len));
     let row = adjusted.as_deref().unwrap_or(logits);
     let restricted = p.min_new_tokens > 0 || seq.json.is_some();
-    let cand: Vec<(u32, f32)> = row
-        .iter()
-        .enumerate()
-        .filter(|(t, _)| is_generable(*t as u32))
-        .filter(|(t, _)| !restricted || seq.allows(*t as u32, p))
-        .map(|(t, &l)| (t as u32, l))
-        .collect();
+    let candidates = |with_min: bool| -> Vec<(u32, f32)> {
+        row.iter()
+            .enumerate()
+            .filter(|(t, _)| is_generable(*t as u32))
+            .filter(|(t, _)| !restricted || seq.allows(*t as u32, p, with_min))
+            .map(|(t, &l)| (t as u32, l))
+            .collect()
+    };
+    let mut cand = candidates(true);
+    if cand.is_empty() && p.min_new_tokens > 0 {
+        // `min_new_tokens` yields when it would forbid every token: the JSON object is
+        // complete (only end of turn may follow), or every generable token stops. The
+        // request then stops before it, as nothing else may follow.
+        cand = candidates(false);
+    }
     let Some(&(first, first_l)) = cand.first() else {
         return Err(EngineError::StepFailed(format!(
             "no token may follow at position {position}"
@@ -464,6 +473,12 @@ mod tests {
             ..bias
         };
         assert_eq!(pick(&held), b'b' as u32);
+        // ...unless nothing else may follow: every generable token stops.
+        let all_stop = SamplingParams {
+            stop_token_ids: (0..256).collect(),
+            ..held.clone()
+        };
+        assert_eq!(pick(&all_stop), END);
         // The JSON object: only `{` or whitespace can start it.
         let j = JsonObjectState::new();
         let jv = SeqView {
@@ -471,6 +486,21 @@ mod tests {
             ..view
         };
         assert_eq!(sample_in(&l, &greedy, 9, &jv).ok(), Some(b'{' as u32));
+        // A complete object before min_new_tokens: only end of turn may follow, so it does.
+        let mut done = JsonObjectState::new();
+        for b in *b"{}" {
+            done.push(b);
+        }
+        assert!(done.is_complete());
+        let dv = SeqView {
+            json: Some(&done),
+            ..view
+        };
+        let min = SamplingParams {
+            min_new_tokens: 100,
+            ..greedy.clone()
+        };
+        assert_eq!(sample_in(&l, &min, 9, &dv).ok(), Some(END));
     }
 
     #[test]

@@ -303,8 +303,8 @@ impl GenerateBody {
     }
 }
 
-/// `POST /abort_request`: a client id (every request in flight labelled with it) or a
-/// server id.
+/// `POST /abort_request`: a client id (every request in flight the caller's address
+/// labelled with it) or a server id.
 #[derive(Clone, Debug, Deserialize)]
 pub struct AbortBody {
     pub rid: String,

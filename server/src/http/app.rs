@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 
 use super::api::{parse, AbortBody, ApiError, DetokenizeBody, TokenizeBody};
 use super::framing::INVALID_CONTENT_LENGTH;
-use super::ids::{check_client_id, ClientIds};
+use super::ids::{self, check_client_id, ClientAddr, ClientIds, Owner};
 use super::response::{error_response, json_response, text_response, Resp};
 use super::{auth, ServerConfig};
 use crate::engine::tokenizer::{self, VOCAB_SIZE};
@@ -37,6 +37,9 @@ pub(crate) struct App {
 pub(crate) struct Meta {
     /// `X-Request-Id`, checked.
     pub request_id: Option<String>,
+    /// Whose labels the request may set and abort by ([`ids::owner`] of its
+    /// [`ClientAddr`]).
+    pub owner: Owner,
 }
 
 fn header(req: &Request<Incoming>, name: impl hyper::header::AsHeaderName) -> Option<&[u8]> {
@@ -137,7 +140,10 @@ impl App {
                 .insert(CONNECTION, HeaderValue::from_static("close"));
             return r;
         }
-        let mut meta = Meta::default();
+        let mut meta = Meta {
+            owner: ids::owner(req.extensions().get::<ClientAddr>().copied()),
+            ..Meta::default()
+        };
         if let Some(v) = header(&req, "x-request-id") {
             let id = String::from_utf8_lossy(v).into_owned();
             if let Err(e) = check_client_id(&id, "x-request-id") {
@@ -198,7 +204,7 @@ impl App {
                 let r = match self.body(req).await {
                     Err(e) => Err(e),
                     Ok(body) => match path.as_str() {
-                        "/abort_request" => self.abort(&body),
+                        "/abort_request" => self.abort(&body, &meta),
                         "/tokenize" => self.tokenize(&body),
                         _ => self.detokenize(&body),
                     },
@@ -281,12 +287,12 @@ impl App {
         })
     }
 
-    /// Aborts the requests labelled `rid` by their clients, and the request whose server
-    /// id is `rid`.
-    fn abort(&self, body: &[u8]) -> Result<Resp, ApiError> {
+    /// Aborts the caller's requests labelled `rid` (never another client's: see
+    /// [`super::ids`]), and the request whose server id is `rid`.
+    fn abort(&self, body: &[u8], meta: &Meta) -> Result<Resp, ApiError> {
         let b: AbortBody = parse(body)?;
         let mut aborted = false;
-        for id in self.client_ids.lookup(&b.rid) {
+        for id in self.client_ids.lookup(meta.owner, &b.rid) {
             aborted |= self.engine.abort(&id);
         }
         aborted |= self.engine.abort(&b.rid);

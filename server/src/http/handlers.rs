@@ -52,14 +52,20 @@ fn with_request_id(mut r: Resp, id: &str) -> Resp {
 }
 
 impl App {
-    /// Submits a request labelled `label` by its client (when given).
-    fn start(&self, req: GenerateRequest, label: Option<&str>) -> Result<Running, ApiError> {
+    /// Submits a request labelled `label` by its client (when given), the label owned by
+    /// `meta.owner`.
+    fn start(
+        &self,
+        req: GenerateRequest,
+        label: Option<&str>,
+        meta: &Meta,
+    ) -> Result<Running, ApiError> {
         let handle = self.engine.submit(req).map_err(|e| ApiError {
             counted: true,
             ..ApiError::from(e)
         })?;
         let name = label.unwrap_or(handle.rid()).to_string();
-        let label = label.map(|l| self.client_ids.register(l, handle.rid()));
+        let label = label.map(|l| self.client_ids.register(meta.owner, l, handle.rid()));
         Ok(Running {
             handle,
             _label: label,
@@ -154,7 +160,7 @@ impl App {
         let seed = sampling.seed;
         let req = GenerateRequest::new(b.tokens()?, sampling);
         let prompt_tokens = req.prompt.len();
-        let r = self.start(req, label)?;
+        let r = self.start(req, label, meta)?;
         let rid = r.name.clone();
         let digests = b.return_logits_digest;
         if b.stream {
@@ -219,6 +225,7 @@ impl App {
         let run = self.start(
             GenerateRequest::new(prompt, sampling),
             meta.request_id.as_deref(),
+            meta,
         )?;
         let id = format!("cmpl-{}", run.name);
         let (model, created) = (self.model.clone(), unix_now());
@@ -281,6 +288,7 @@ impl App {
         let run = self.start(
             GenerateRequest::new(plan.prompt.clone(), sampling),
             meta.request_id.as_deref(),
+            meta,
         )?;
         let id = format!("chatcmpl-{}", run.name);
         let (model, created) = (self.model.clone(), unix_now());

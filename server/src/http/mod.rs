@@ -36,7 +36,7 @@ pub mod tools;
 
 use std::convert::Infallible;
 use std::future::Future;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -188,12 +188,15 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
 async fn serve_connection(
     app: Arc<App>,
     stream: TcpStream,
+    peer: IpAddr,
     slot: ConnSlot,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let state = slot.state().clone();
     let svc_state = state.clone();
-    let svc = service_fn(move |req| {
+    let svc = service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
+        // Whose labels the request sets and aborts by (`ids`).
+        req.extensions_mut().insert(ids::ClientAddr(peer));
         let app = app.clone();
         let guard = svc_state.enter();
         async move {
@@ -317,7 +320,7 @@ pub async fn serve(
                 let _ = stream.set_nodelay(true);
                 match table.admit(peer.ip()) {
                     Admission::Normal(slot) => {
-                        tokio::spawn(serve_connection(app.clone(), stream, slot, stop_rx.clone()));
+                        tokio::spawn(serve_connection(app.clone(), stream, peer.ip(), slot, stop_rx.clone()));
                     }
                     Admission::Reserve(slot) => {
                         let limits = table.limits().clone();

@@ -118,7 +118,19 @@ pub fn parse(buf: &[u8]) -> Reply {
 
 /// One raw exchange on a fresh connection, read to its end.
 pub async fn raw(addr: SocketAddr, request: Vec<u8>) -> Reply {
-    let mut s = TcpStream::connect(addr).await.unwrap();
+    let s = TcpStream::connect(addr).await.unwrap();
+    exchange(s, request).await
+}
+
+/// [`raw`] from the local address `from` (another loopback address is another client).
+pub async fn raw_from(from: std::net::IpAddr, addr: SocketAddr, request: Vec<u8>) -> Reply {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(SocketAddr::new(from, 0)).unwrap();
+    let s = socket.connect(addr).await.unwrap();
+    exchange(s, request).await
+}
+
+async fn exchange(mut s: TcpStream, request: Vec<u8>) -> Reply {
     s.write_all(&request).await.unwrap();
     let mut buf = Vec::new();
     tokio::time::timeout(LIMIT, s.read_to_end(&mut buf))
@@ -150,6 +162,16 @@ pub async fn post_with(addr: SocketAddr, path: &str, headers: &[(&str, &str)], v
     raw(
         addr,
         request("POST", path, headers, v.to_string().as_bytes()),
+    )
+    .await
+}
+
+/// [`post`] from the local address `from`.
+pub async fn post_from(from: std::net::IpAddr, addr: SocketAddr, path: &str, v: &Value) -> Reply {
+    raw_from(
+        from,
+        addr,
+        request("POST", path, &[], v.to_string().as_bytes()),
     )
     .await
 }

@@ -282,3 +282,51 @@ async fn unsupported_and_malformed_options_are_400s_naming_the_parameter() {
     );
     server.shutdown(Duration::from_secs(5)).await.unwrap();
 }
+
+/// `min_tokens` never fails a request: where it would forbid every token (the JSON object
+/// is complete, or every token is a stop token) it yields, and the request stops there —
+/// a 200, not a 500 "engine step failed".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn min_tokens_yields_when_nothing_else_may_follow() {
+    let (engine, server) = start(ServerConfig::default()).await;
+    let a = server.addr;
+    let mut early = 0;
+    for seed in 0..6 {
+        let body = json!({"model": "tiny", "prompt": "x", "max_tokens": 30, "min_tokens": 30,
+                          "seed": seed, "response_format": {"type": "json_object"}});
+        let r = post(a, "/v1/completions", &body).await;
+        assert_eq!(r.status, 200, "seed {seed}: {}", r.text());
+        let r = r.json();
+        let t = text(&r);
+        let mut j = JsonObjectState::new();
+        assert!(
+            t.bytes().all(|b| j.push(b)),
+            "seed {seed}: not a JSON object prefix: {t:?}"
+        );
+        if r["choices"][0]["finish_reason"] == "stop" {
+            assert!(
+                j.is_complete(),
+                "seed {seed}: stopped inside the object: {t:?}"
+            );
+            early += 1;
+        }
+    }
+    assert!(
+        early > 0,
+        "no seed closed its object before min_tokens: the case is untested"
+    );
+    let every: Vec<u32> = (0..258).collect();
+    let body = json!({"model": "tiny", "prompt": "x", "max_tokens": 5, "min_tokens": 1,
+                      "stop_token_ids": every});
+    let r = post(a, "/v1/completions", &body).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["choices"][0]["finish_reason"], "stop");
+    assert_eq!(r.json()["usage"]["completion_tokens"], 1);
+    assert_eq!(
+        engine
+            .metrics()
+            .requests_with(sparsekit_server::metrics::RequestStatus::Failed),
+        0
+    );
+    server.shutdown(Duration::from_secs(5)).await.unwrap();
+}

@@ -1,6 +1,6 @@
 //! One client cannot touch another's request: server ids are unguessable, client ids are
-//! labels that squat nothing, and with an API key nothing but the public routes answers
-//! without it — `/abort_request` included.
+//! labels that squat nothing and abort only their own client's requests, and with an API
+//! key nothing but the public routes answers without it — `/abort_request` included.
 
 use std::time::Duration;
 
@@ -82,6 +82,45 @@ async fn no_client_can_abort_or_squat_another_clients_request() {
         assert_eq!(last["meta_info"]["finish_reason"]["type"], "abort");
     }
     assert_eq!(engine.metrics().requests_with(RequestStatus::Aborted), 5);
+    server.shutdown(Duration::from_secs(5)).await.unwrap();
+}
+
+/// A label is its client's: another client (another address) aborting `job-1` — a label
+/// anyone can guess — reaches only its own `job-1`, never the first client's; the first
+/// client's abort reaches its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_label_aborts_only_its_own_clients_requests() {
+    let (engine, server) = start_with(ServerConfig::default(), pages(2048)).await;
+    let a = server.addr;
+    let (alice, mallory): (std::net::IpAddr, std::net::IpAddr) =
+        ([127, 0, 0, 1].into(), [127, 0, 0, 2].into());
+    let long = json!({"text": "victim", "rid": "job-1", "stream": true,
+                      "sampling_params": {"max_new_tokens": 3000, "ignore_eos": true}});
+    let (l1, l2) = (long.clone(), long);
+    let victim = tokio::spawn(async move { post_from(alice, a, "/generate", &l1).await });
+    let own = tokio::spawn(async move { post_from(mallory, a, "/generate", &l2).await });
+    until("both run", || engine.stats().running == 2).await;
+    let r = post_from(mallory, a, "/abort_request", &json!({"rid": "job-1"})).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["aborted"], true, "its own job-1");
+    let own = tokio::time::timeout(LIMIT, own).await.unwrap().unwrap();
+    let last = own.events().pop().unwrap();
+    assert_eq!(last["meta_info"]["finish_reason"]["type"], "abort");
+    // The victim still runs: nothing of mallory's reaches it.
+    until("mallory's request has ended", || {
+        engine.stats().running == 1
+    })
+    .await;
+    let r = post_from(mallory, a, "/abort_request", &json!({"rid": "job-1"})).await;
+    assert_eq!(r.json()["aborted"], false, "another client's job-1 aborted");
+    assert_eq!(engine.stats().running, 1);
+    // Its own client aborts it.
+    let r = post_from(alice, a, "/abort_request", &json!({"rid": "job-1"})).await;
+    assert_eq!(r.json()["aborted"], true);
+    let victim = tokio::time::timeout(LIMIT, victim).await.unwrap().unwrap();
+    let last = victim.events().pop().unwrap();
+    assert_eq!(last["meta_info"]["finish_reason"]["type"], "abort");
+    assert_eq!(engine.metrics().requests_with(RequestStatus::Aborted), 2);
     server.shutdown(Duration::from_secs(5)).await.unwrap();
 }
 
