@@ -7,7 +7,9 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
-use hyper::header::{HeaderValue, ACCEPT, AUTHORIZATION, CONNECTION, CONTENT_LENGTH, ORIGIN};
+use hyper::header::{
+    HeaderValue, ACCEPT, AUTHORIZATION, CONNECTION, CONTENT_LENGTH, CONTENT_TYPE, ORIGIN,
+};
 use hyper::{Method, Request};
 use serde_json::{json, Value};
 
@@ -42,6 +44,40 @@ pub(crate) struct Meta {
     pub owner: Owner,
 }
 
+/// A 415 unless a request body's `Content-Type` is JSON (`application/json` or
+/// `application/*+json`, parameters allowed) or absent, as the FastAPI servers (vLLM,
+/// SGLang) decide. A cross-site "simple" request from a browser (`text/plain`, a form)
+/// then never reaches a route: a page the user visits cannot generate or abort on a server
+/// without an API key, since a JSON body needs a CORS preflight ([`super::cors`]).
+fn json_body_type(content_type: Option<&[u8]>) -> Result<(), ApiError> {
+    let Some(raw) = content_type else {
+        return Ok(());
+    };
+    let mime = std::str::from_utf8(raw)
+        .unwrap_or("")
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    let json = mime == "application/json"
+        || mime
+            .strip_prefix("application/")
+            .is_some_and(|t| t.ends_with("+json"));
+    if json {
+        return Ok(());
+    }
+    Err(ApiError::status(
+        415,
+        "invalid_request_error",
+        format!(
+            "Content-Type {:?} is not JSON: send application/json",
+            String::from_utf8_lossy(raw)
+        ),
+    )
+    .with_param("content-type"))
+}
+
 fn header(req: &Request<Incoming>, name: impl hyper::header::AsHeaderName) -> Option<&[u8]> {
     req.headers().get(name).map(HeaderValue::as_bytes)
 }
@@ -72,8 +108,10 @@ impl App {
         error_response(&e)
     }
 
-    /// Reads the body, refusing more than `max_body_bytes` (by header and by count).
+    /// Reads a JSON body: a 415 for a `Content-Type` that is not JSON ([`json_body_type`]),
+    /// a 413 past `max_body_bytes` (by header and by count).
     async fn body(&self, req: Request<Incoming>) -> Result<Bytes, ApiError> {
+        json_body_type(header(&req, CONTENT_TYPE))?;
         let max = self.cfg.max_body_bytes;
         let too_large = || {
             ApiError::status(

@@ -100,17 +100,25 @@ fn top_k(k: Option<i64>, param: &str) -> Result<usize, ApiError> {
     }
 }
 
-/// `logit_bias`: token ids (as JSON object keys) to biases.
+/// `logit_bias`: token ids (as JSON object keys: decimal digits only) to biases, one entry
+/// per token (`"65"` and `"065"` name one token twice: a 400, so that no sum of entries
+/// passes the bound on a bias).
 fn logit_bias(m: &HashMap<String, f32>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let bad = |msg: String| ApiError::bad_request(msg).with_param("logit_bias");
     let mut v = Vec::with_capacity(m.len());
     for (k, &b) in m {
-        let t: u32 = k.trim().parse().map_err(|_| {
-            ApiError::bad_request(format!("logit_bias keys are token ids, got {k:?}"))
-                .with_param("logit_bias")
-        })?;
+        let t = if !k.is_empty() && k.bytes().all(|c| c.is_ascii_digit()) {
+            k.parse::<u32>().ok()
+        } else {
+            None
+        };
+        let t = t.ok_or_else(|| bad(format!("logit_bias keys are token ids, got {k:?}")))?;
         v.push((t, b));
     }
     v.sort_by_key(|&(t, _)| t);
+    if let Some(w) = v.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(bad(format!("logit_bias names token {} twice", w[0].0)));
+    }
     Ok(v)
 }
 
@@ -318,6 +326,12 @@ mod tests {
                 "response_format.type",
             ),
             (serde_json::json!({"logit_bias": {"x": 1}}), "logit_bias"),
+            (serde_json::json!({"logit_bias": {" 65": 1}}), "logit_bias"),
+            (serde_json::json!({"logit_bias": {"+65": 1}}), "logit_bias"),
+            (
+                serde_json::json!({"logit_bias": {"65": 60, "065": 60}}),
+                "logit_bias",
+            ),
             (serde_json::json!({"logit_bias": {"9999": 1}}), "logit_bias"),
             (serde_json::json!({"logit_bias": {"65": 101}}), "logit_bias"),
             (

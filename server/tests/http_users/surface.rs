@@ -358,6 +358,67 @@ async fn cors_is_opt_in() {
     server.shutdown(Duration::from_secs(5)).await.unwrap();
 }
 
+/// A body that is not declared JSON is a 415 on every JSON route, before anything runs: a
+/// browser's cross-site "simple" POST (`text/plain`, a form) cannot generate or abort on a
+/// server without an API key. JSON (parameters allowed, `+json` types) and no
+/// `Content-Type` at all are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_not_declared_json_is_a_415() {
+    let (engine, server) = start(ServerConfig::default()).await;
+    let a = server.addr;
+    let body = br#"{"model": "tiny", "prompt": "x", "max_tokens": 2}"#;
+    let abort = br#"{"rid": "job-1"}"#;
+    let gen = br#"{"text": "x", "sampling_params": {"max_new_tokens": 2}}"#;
+    let send = |path: &'static str, ct: Option<&'static str>, b: &'static [u8]| async move {
+        let mut r = format!(
+            "POST {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n",
+            b.len()
+        );
+        if let Some(ct) = ct {
+            r.push_str(&format!("Content-Type: {ct}\r\n"));
+        }
+        r.push_str("\r\n");
+        let mut r = r.into_bytes();
+        r.extend_from_slice(b);
+        raw(a, r).await
+    };
+    for ct in [
+        "text/plain",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+        "application/jsonx",
+        "text/json",
+    ] {
+        for (path, b) in [
+            ("/v1/completions", &body[..]),
+            ("/v1/chat/completions", &body[..]),
+            ("/generate", &gen[..]),
+            ("/abort_request", &abort[..]),
+            ("/tokenize", &body[..]),
+            ("/detokenize", &br#"{"tokens": [65]}"#[..]),
+        ] {
+            let r = send(path, Some(ct), b).await;
+            assert_eq!(r.status, 415, "{path} {ct}: {}", r.text());
+            assert_eq!(r.error().0, "content-type", "{path} {ct}");
+        }
+    }
+    assert_eq!(
+        engine.metrics().requests_with(RequestStatus::Ok),
+        0,
+        "nothing ran"
+    );
+    for ct in [
+        None,
+        Some("application/json"),
+        Some("Application/JSON; charset=utf-8"),
+        Some("application/vnd.api+json"),
+    ] {
+        let r = send("/v1/completions", ct, &body[..]).await;
+        assert_eq!(r.status, 200, "{ct:?}: {}", r.text());
+    }
+    server.shutdown(Duration::from_secs(5)).await.unwrap();
+}
+
 /// Issue 18: `Content-Length: abc` got hyper's empty 400.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_malformed_content_length_gets_a_json_400() {
