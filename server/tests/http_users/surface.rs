@@ -419,6 +419,21 @@ async fn a_body_not_declared_json_is_a_415() {
     server.shutdown(Duration::from_secs(5)).await.unwrap();
 }
 
+/// `HEAD /health` (a load balancer's probe) answers as `GET` does, without a body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn head_health_answers_without_a_body() {
+    let (_engine, server) = start(ServerConfig::default()).await;
+    let a = server.addr;
+    for path in ["/health", "/health_generate"] {
+        let r = raw(a, request("HEAD", path, &[], b"")).await;
+        assert_eq!(r.status, 200, "{path}");
+        assert!(r.body.is_empty(), "{path}: {:?}", r.text());
+    }
+    let r = raw(a, request("HEAD", "/v1/models", &[], b"")).await;
+    assert_eq!(r.status, 405);
+    server.shutdown(Duration::from_secs(5)).await.unwrap();
+}
+
 /// Issue 18: `Content-Length: abc` got hyper's empty 400.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_malformed_content_length_gets_a_json_400() {
