@@ -6,7 +6,7 @@
 # out/device/python (the device check runs its pytest suite on CUDA tensors there).
 # cudarc loads the driver at run time, so nothing CUDA is needed to build. The debug
 # info is stripped from the three binaries (function names stay, for backtraces): with it
-# the bundle is ~165 MB, without it ~55 MB, so that it travels with the working tree to a
+# the bundle is ~165 MB, without it ~52 MB, so that it travels with the working tree to a
 # device machine that takes 64 MiB in all.
 #
 #   bash scripts/device-bundle.sh            # then carry out/device and scripts/

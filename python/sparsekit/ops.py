@@ -37,10 +37,10 @@ are clamped into it (the values read are then wrong, never out of bounds). Set
 ``SPARSEKIT_CHECK_DEVICE_METADATA=1`` to have CUDA calls check the metadata on the host
 instead (a synchronisation per call; for debugging, not under graph capture).
 
-Integer metadata may be int32 or int64; the kernels read int32. An int64 value outside
-int32's range is never wrapped (``2**32 + 3`` would read slot 3): on CPU it is a
-``ValueError``, on CUDA it saturates to int32's bound, which is out of range like any
-other value the sanitising handles.
+Integer metadata may be int32 or int64; the kernels read it as int32 (but the stores'
+slots, int64). An int64 value outside int32's range is never wrapped (``2**32 + 3`` would
+read slot 3): on CPU it is a ``ValueError``; on CUDA one above becomes int32's maximum
+and one below ``-1``, out of range like any other value the sanitising handles.
 """
 
 from __future__ import annotations
@@ -139,9 +139,10 @@ _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 def _narrow_i32(name: str, t: torch.Tensor) -> torch.Tensor:
     """An int32 or int64 tensor as int32, never wrapping: an int64 value outside int32's
     range is a ``ValueError`` on CPU (and on CUDA with
-    ``SPARSEKIT_CHECK_DEVICE_METADATA=1``); on CUDA it saturates to int32's bound, which
-    stays outside every buffer, so the sanitising treats it as any other value out of
-    range (a wrapped ``2**32 + 3`` would read slot 3)."""
+    ``SPARSEKIT_CHECK_DEVICE_METADATA=1``); on CUDA one above it becomes int32's maximum
+    and one below it ``-1``, both outside every buffer, so the sanitising treats them as
+    any other value out of range (a wrapped ``2**32 + 3`` would read slot 3, and
+    ``i32::MIN`` times an even page size wraps to page 0)."""
     if t.dtype == torch.int32:
         return t
     if t.device.type == "cpu" or _check_device_metadata():
@@ -153,7 +154,8 @@ def _narrow_i32(name: str, t: torch.Tensor) -> torch.Tensor:
                 f"{name}{''.join(f'[{i}]' for i in at)} = {int(h[at])} does not fit in int32"
             )
         return t.to(torch.int32)
-    return t.clamp(_I32_MIN, _I32_MAX).to(torch.int32)
+    low = torch.full_like(t, -1)
+    return torch.where(t < _I32_MIN, low, t.clamp(max=_I32_MAX)).to(torch.int32)
 
 
 def _int_tensor(name: str, t, dtype, *, ndim=None) -> torch.Tensor:
@@ -192,8 +194,8 @@ def decode_rows(context_lens: torch.Tensor, next_n: int = 1) -> torch.Tensor:
     row ``j`` seeing ``[0, L - next_n + j + 1)``; ``[b, next_n]``: row ``(b, j)`` sees
     ``[0, context_lens[b, j])``. Rows are ordered by request, then ``j``. On CPU a context
     shorter than ``next_n`` (``[b]``), a negative length (``[b, next_n]``) or an int64
-    length outside int32 is a ``ValueError``; on CUDA the first two become empty ranges
-    and the last saturates.
+    length outside int32 is a ``ValueError``; on CUDA an end that falls below 0 is
+    clamped to 0 (an empty row) and an int64 length past int32 saturates.
     """
     context_lens = _tensor("context_lens", context_lens, dtypes=(torch.int32, torch.int64))
     if not isinstance(next_n, int) or next_n < 1:

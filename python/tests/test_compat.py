@@ -388,7 +388,7 @@ def test_sgl_kernel_indices_beyond_int32_and_aliased_outputs(device, gen):
     """An index past int32 (an int64 offset or page-table entry) is refused on CPU and is
     -1 (none) on CUDA, never a wrapped one; raw_indices sharing page_indices' memory is
     refused."""
-    score = torch.randn((2, 50), generator=gen, device=device)
+    score = torch.randn((2, 50), generator=gen).to(device)
     lengths = torch.tensor([50, 5], dtype=torch.int32, device=device)
     offs = torch.tensor([2**31 - 2, 0], dtype=torch.int64, device=device)
     table = torch.randint(0, 1000, (2, 50), generator=gen, dtype=torch.int64).to(device)
@@ -407,6 +407,14 @@ def test_sgl_kernel_indices_beyond_int32_and_aliased_outputs(device, gen):
         assert torch.equal(out[1], rel[1])
         out = sgl_kernel.fast_topk_transform_fused(score, lengths, table, cu, 8).cpu()
         assert bool((out[0] == -1).all())
+    # An unused row's entries are never narrowed: any int64 there is fine.
+    unused = torch.tensor([50, 0], dtype=torch.int32, device=device)
+    wide = torch.randint(0, 1000, (2, 50), generator=gen, dtype=torch.int64).to(device)
+    wide[1] = 2**40
+    out = sgl_kernel.fast_topk_transform_fused(score, unused, wide, cu, 8).cpu()
+    assert bool((out[1] == -1).all())
+    rel = sgl_kernel.fast_topk_v2(score, unused, 8).cpu()
+    assert torch.equal(out[0], torch.gather(wide[0].cpu(), 0, rel[0].long()).to(torch.int32))
     pi = torch.empty((2, 8), dtype=torch.int32, device=device)
     pt = torch.zeros((2, 7), dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="raw_indices"):

@@ -396,13 +396,15 @@ def test_layouts_and_package_surface():
 
 
 def test_int64_metadata_outside_int32_is_never_wrapped(device, gen):
-    """An int64 entry beyond int32 (2**32 + 3 wraps to 3) is refused on CPU; on CUDA it
-    saturates, so it is out of range like any other (skipped, clamped), never slot 3."""
+    """An int64 entry beyond int32 (2**32 + 3 wraps to 3) is refused on CPU; on CUDA it is
+    out of range like any other (skipped, clamped), never slot 3 (nor, below int32, a
+    wrapped page 0)."""
     layout, cache, _ = _kv_pool(gen, device, "bf16", pages=2)
     q = torch.randn((2, 4, 576), generator=gen).to(torch.bfloat16).to(device)
     idx = torch.randint(0, 32, (2, 5), generator=gen, dtype=torch.int64)
     wide = idx.clone()
     wide[1, 2] = 2**32 + 3
+    wide[1, 4] = -(2**40)
     pool = cache.view(-1, layout.bytes_per_page)
     ids = torch.tensor([2**32 + 1], dtype=torch.int64, device=device)
     if device.type == "cpu":
@@ -414,7 +416,7 @@ def test_int64_metadata_outside_int32_is_never_wrapped(device, gen):
             ops.topk(torch.randn((1, 16)), 2, context_lens=torch.tensor([2**32 + 4]))
         return
     skipped = idx.clone()
-    skipped[1, 2] = -1
+    skipped[1, 2] = skipped[1, 4] = -1
     got = ops.sparse_mla(q, cache, wide.to(device), layout)
     want = ops.sparse_mla(q, cache, skipped.to(device), layout)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

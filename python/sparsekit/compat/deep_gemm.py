@@ -241,7 +241,7 @@ def fp8_mqa_logits(q: torch.Tensor, kv: Tuple[torch.Tensor, torch.Tensor],
         scs = torch.nn.functional.pad(sbytes, (0, 0, 0, pad)).reshape(n_pages, page * 4)
         cache = torch.cat([vals, scs], dim=1).contiguous()
         table = torch.arange(n_pages, dtype=torch.int32, device=dev)[None, :]
-        rows = ops._narrow_i32("cu_seq_len_k_start",
+        rows = ops._narrow_i32("cu_seq_len_k_start/end",
                                torch.stack([torch.zeros_like(ks), ks, ke], dim=1))
         layout = IndexKLayout("fp8_e4m3", d, page)
         return ops.indexer_logits(q, weights, cache, table, layout, rows=rows,

@@ -84,7 +84,7 @@ def _relative_topk(score, lengths, topk, row_starts):
                 f"is not inside the {width} columns of score"
             )
     ends = starts + lens.clamp_min(0)
-    rows = ops._narrow_i32("lengths", torch.stack(
+    rows = ops._narrow_i32("row_starts/lengths", torch.stack(
         [torch.arange(b, device=dev, dtype=torch.int64), starts, ends], dim=1))
     # A section of at most `topk` columns takes all of them in order (the anchor's rule
     # for short rows), which is our top-k's `take_all_short_rows`.
@@ -141,8 +141,9 @@ def fast_topk_transform_fused(score: torch.Tensor, lengths: torch.Tensor,
     rows = pt.index_select(0, req) if n_req > 0 else torch.zeros((b, max(width, 1)), dtype=pt.dtype, device=dev)
     if width == 0:
         return torch.full_like(rel, -1)
-    got = _indices_i32("page_table_size_1", torch.gather(rows, 1, safe))
-    return torch.where(rel >= 0, got, rel).contiguous()
+    # Only the entries the top-k selected are narrowed (an unused row may hold anything).
+    got = torch.where(rel >= 0, torch.gather(rows, 1, safe).to(torch.int64), rel.to(torch.int64))
+    return _indices_i32("page_table_size_1", got).contiguous()
 
 
 def fast_topk_transform_ragged_fused(score: torch.Tensor, lengths: torch.Tensor,

@@ -46,9 +46,8 @@ pub(crate) struct Meta {
 
 /// A 415 unless a request body's `Content-Type` is JSON (`application/json` or
 /// `application/*+json`, parameters allowed) or absent, as the FastAPI servers (vLLM,
-/// SGLang) decide. A cross-site "simple" request from a browser (`text/plain`, a form)
-/// then never reaches a route: a page the user visits cannot generate or abort on a server
-/// without an API key, since a JSON body needs a CORS preflight ([`super::cors`]).
+/// SGLang) decide. (Browser pages of other origins are refused before this, by their
+/// `Origin`: [`super::cors::Cors::refuses`].)
 fn json_body_type(content_type: Option<&[u8]>) -> Result<(), ApiError> {
     let Some(raw) = content_type else {
         return Ok(());
@@ -168,6 +167,17 @@ impl App {
     async fn gate(self: Arc<Self>, req: Request<Incoming>) -> Resp {
         if req.method() == Method::OPTIONS {
             return self.cors.preflight(req.headers());
+        }
+        let origin = req.headers().get(ORIGIN);
+        if req.method() == Method::POST && self.cors.refuses(origin) {
+            let o = origin.map_or_else(String::new, |o| {
+                String::from_utf8_lossy(o.as_bytes()).into_owned()
+            });
+            return error_response(&ApiError::status(
+                403,
+                "invalid_request_error",
+                format!("a POST from the web page origin {o:?} is not allowed (--allowed-origins)"),
+            ));
         }
         if req.headers().contains_key(INVALID_CONTENT_LENGTH) {
             let mut r = error_response(

@@ -2,7 +2,9 @@
 //! the API. Preflights (`OPTIONS`) are answered without the API key (browsers send none);
 //! every response to an allowed origin carries `Access-Control-Allow-Origin` and exposes
 //! `X-Request-Id`. With no origins listed (the default) the server sends no CORS headers
-//! and browsers keep their same-origin rule.
+//! and browsers keep their same-origin rule. A POST from a browser page of any other
+//! origin (its `Origin` header) is a 403 before any route runs ([`Cors::refuses`]): the
+//! same-origin rule only keeps a page from reading an answer, not from sending the request.
 
 use hyper::header::{HeaderMap, HeaderValue, ORIGIN, VARY};
 
@@ -48,6 +50,15 @@ impl Cors {
         let origin = origin?;
         let s = origin.to_str().ok()?;
         self.origins.iter().any(|o| o == s).then(|| origin.clone())
+    }
+
+    /// Whether a state-changing request (a POST) from `origin` is refused: it comes from a
+    /// browser page (`Origin` present) whose origin is not allowed. A browser sends
+    /// `Origin` with every cross-origin POST, a `no-cors` one included (which needs no
+    /// preflight and may carry no `Content-Type`); clients that are not browsers send none.
+    /// So a page the user visits cannot generate or abort through the user's browser.
+    pub fn refuses(&self, origin: Option<&HeaderValue>) -> bool {
+        origin.is_some() && self.allow(origin).is_none()
     }
 
     /// The answer to a preflight (`OPTIONS`).

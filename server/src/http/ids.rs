@@ -6,7 +6,8 @@
 //! address that sent its request ([`Owner`]): `/abort_request` with a label aborts that
 //! address's requests in flight with it, never another client's (labels are guessable:
 //! `job-1`); with a server id it aborts that request from anywhere (the id is the
-//! capability: only its client and the server know it).
+//! capability: only its client and the server know it). Behind a proxy or a NAT every
+//! client has one address: the proxy is then the client, and keeps its clients apart.
 
 use std::collections::HashMap;
 use std::net::IpAddr;

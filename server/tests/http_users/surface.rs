@@ -341,7 +341,19 @@ async fn cors_is_opt_in() {
         r.header("access-control-expose-headers"),
         Some("x-request-id")
     );
-    // Another origin: no CORS headers (the browser refuses), and no preflight.
+    // An allowed origin's POST is served.
+    let r = post_with(
+        a,
+        "/v1/completions",
+        &[
+            ("Origin", "https://app.example"),
+            ("Authorization", "Bearer k"),
+        ],
+        &json!({"model": "tiny", "prompt": "x", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    // Another origin: no CORS headers (the browser refuses), no preflight, no POST.
     let r = get_with(a, "/health", &[("Origin", "https://evil.example")]).await;
     assert_eq!(r.header("access-control-allow-origin"), None);
     let pre = raw(
@@ -355,13 +367,25 @@ async fn cors_is_opt_in() {
     )
     .await;
     assert_eq!(pre.status, 403);
+    let r = post_with(
+        a,
+        "/v1/completions",
+        &[
+            ("Origin", "https://evil.example"),
+            ("Authorization", "Bearer k"),
+        ],
+        &json!({"model": "tiny", "prompt": "x", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(r.status, 403, "{}", r.text());
     server.shutdown(Duration::from_secs(5)).await.unwrap();
 }
 
-/// A body that is not declared JSON is a 415 on every JSON route, before anything runs: a
-/// browser's cross-site "simple" POST (`text/plain`, a form) cannot generate or abort on a
-/// server without an API key. JSON (parameters allowed, `+json` types) and no
-/// `Content-Type` at all are served.
+/// A body that is not declared JSON is a 415 on every JSON route, before anything runs;
+/// JSON (parameters allowed, `+json` types) and no `Content-Type` at all are served. A POST
+/// from a browser page of another origin (its `Origin`, sent with every cross-origin POST,
+/// a `no-cors` one without a `Content-Type` included) is a 403: a page the user visits
+/// cannot generate or abort on a server without an API key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_not_declared_json_is_a_415() {
     let (engine, server) = start(ServerConfig::default()).await;
@@ -416,6 +440,22 @@ async fn a_body_not_declared_json_is_a_415() {
         let r = send("/v1/completions", ct, &body[..]).await;
         assert_eq!(r.status, 200, "{ct:?}: {}", r.text());
     }
+    // A browser page's POST: refused whatever its body type (CORS is off here).
+    for (path, b) in [("/generate", &gen[..]), ("/abort_request", &abort[..])] {
+        let mut r = format!(
+            "POST {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\
+             Origin: https://evil.example\r\nContent-Length: {}\r\n\r\n",
+            b.len()
+        )
+        .into_bytes();
+        r.extend_from_slice(b);
+        let r = raw(a, r).await;
+        assert_eq!(r.status, 403, "{path}: {}", r.text());
+    }
+    assert_eq!(engine.metrics().requests_with(RequestStatus::Ok), 4);
+    // A GET from a page is answered (the browser keeps the answer from it).
+    let r = get_with(a, "/health", &[("Origin", "https://evil.example")]).await;
+    assert_eq!(r.status, 200);
     server.shutdown(Duration::from_secs(5)).await.unwrap();
 }
 
