@@ -136,13 +136,14 @@ def _pages(name: str, cache: torch.Tensor, layout) -> int:
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 
 
-def _narrow_i32(name: str, t: torch.Tensor) -> torch.Tensor:
+def _narrow_i32(name: str, t: torch.Tensor, *, above: int = _I32_MAX) -> torch.Tensor:
     """An int32 or int64 tensor as int32, never wrapping: an int64 value outside int32's
     range is a ``ValueError`` on CPU (and on CUDA with
-    ``SPARSEKIT_CHECK_DEVICE_METADATA=1``); on CUDA one above it becomes int32's maximum
-    and one below it ``-1``, both outside every buffer, so the sanitising treats them as
-    any other value out of range (a wrapped ``2**32 + 3`` would read slot 3, and
-    ``i32::MIN`` times an even page size wraps to page 0)."""
+    ``SPARSEKIT_CHECK_DEVICE_METADATA=1``); on CUDA one above it becomes ``above``
+    (int32's maximum: out of every buffer, a length that clamps to its row; ``-1``, none,
+    for indices handed back to a caller) and one below it ``-1``, so the sanitising
+    treats them as any other value out of range (a wrapped ``2**32 + 3`` would read slot
+    3, and ``i32::MIN`` times an even page size wraps to page 0)."""
     if t.dtype == torch.int32:
         return t
     if t.device.type == "cpu" or _check_device_metadata():
@@ -154,8 +155,8 @@ def _narrow_i32(name: str, t: torch.Tensor) -> torch.Tensor:
                 f"{name}{''.join(f'[{i}]' for i in at)} = {int(h[at])} does not fit in int32"
             )
         return t.to(torch.int32)
-    low = torch.full_like(t, -1)
-    return torch.where(t < _I32_MIN, low, t.clamp(max=_I32_MAX)).to(torch.int32)
+    out = torch.where(t > _I32_MAX, torch.full_like(t, above), t)
+    return torch.where(t < _I32_MIN, torch.full_like(t, -1), out).to(torch.int32)
 
 
 def _int_tensor(name: str, t, dtype, *, ndim=None) -> torch.Tensor:

@@ -56,15 +56,6 @@ def _overlap(a, b):
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
-def _indices_i32(name, x):
-    """int64 indices handed back to the caller as int32: on CPU one outside int32 is a
-    ``ValueError``; on CUDA it becomes ``-1`` (none) rather than a wrapped index."""
-    if x.device.type == "cpu" or ops._check_device_metadata():
-        return ops._narrow_i32(name, x)
-    fits = (x >= ops._I32_MIN) & (x <= ops._I32_MAX)
-    return torch.where(fits, x, torch.full_like(x, -1)).to(torch.int32)
-
-
 def _relative_topk(score, lengths, topk, row_starts):
     """``int32 [B, topk]``: per row, positions relative to its start, anchor semantics."""
     score = ops._tensor("score", score, dtypes=(torch.float32,), ndim=2)
@@ -143,7 +134,8 @@ def fast_topk_transform_fused(score: torch.Tensor, lengths: torch.Tensor,
         return torch.full_like(rel, -1)
     # Only the entries the top-k selected are narrowed (an unused row may hold anything).
     got = torch.where(rel >= 0, torch.gather(rows, 1, safe).to(torch.int64), rel.to(torch.int64))
-    return _indices_i32("page_table_size_1", got).contiguous()
+    # Handed back to the caller: on CUDA one past int32 is -1 (none).
+    return ops._narrow_i32("page_table_size_1", got, above=-1).contiguous()
 
 
 def fast_topk_transform_ragged_fused(score: torch.Tensor, lengths: torch.Tensor,
@@ -154,7 +146,7 @@ def fast_topk_transform_ragged_fused(score: torch.Tensor, lengths: torch.Tensor,
     rel = _relative_topk(score, lengths, topk, row_starts)
     off = _lengths("topk_indices_offset", topk_indices_offset, rel.shape[0], rel.device)
     idx = torch.where(rel >= 0, rel.to(torch.int64) + off[:, None], rel.to(torch.int64))
-    return _indices_i32("index + topk_indices_offset", idx).contiguous()
+    return ops._narrow_i32("index + topk_indices_offset", idx, above=-1).contiguous()
 
 
 def deepseek_v4_topk_transform_512(scores: torch.Tensor, seq_lens: torch.Tensor,

@@ -6,8 +6,9 @@
 //! Before the draw, a request may adjust the logits (repetition, presence and frequency
 //! penalties, a logit bias) and restrict the candidates (no end of turn or stop token
 //! before `min_new_tokens`, unless nothing else may follow; only bytes that continue a
-//! JSON object under `response_format: json_object`). A request that uses none of these samples from the
-//! model's logits untouched: the same bits as before these options existed.
+//! JSON object under `response_format: json_object`). A request that uses none of these
+//! samples from the model's logits untouched: the same bits as before these options
+//! existed.
 
 use serde::Serialize;
 

@@ -218,10 +218,11 @@ impl App {
             ))
         };
         let get = req.method() == Method::GET;
+        let head = req.method() == Method::HEAD;
         let post = req.method() == Method::POST;
         match path.as_str() {
             // HEAD too (load balancers probe with it; hyper sends no body for a HEAD).
-            "/health" | "/health_generate" if get || req.method() == Method::HEAD => self.health(),
+            "/health" | "/health_generate" if get || head => self.health(),
             "/server_info" | "/get_server_info" if get => json_response(200, &self.server_info()),
             "/metrics" if get => {
                 let accept = req.headers().get(ACCEPT).and_then(|v| v.to_str().ok());

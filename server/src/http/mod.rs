@@ -320,7 +320,8 @@ pub async fn serve(
                 let _ = stream.set_nodelay(true);
                 match table.admit(peer.ip()) {
                     Admission::Normal(slot) => {
-                        tokio::spawn(serve_connection(app.clone(), stream, peer.ip(), slot, stop_rx.clone()));
+                        let stop = stop_rx.clone();
+                        tokio::spawn(serve_connection(app.clone(), stream, peer.ip(), slot, stop));
                     }
                     Admission::Reserve(slot) => {
                         let limits = table.limits().clone();

@@ -341,17 +341,14 @@ async fn cors_is_opt_in() {
         r.header("access-control-expose-headers"),
         Some("x-request-id")
     );
+    // A completion posted from a page of `origin`, with the key.
+    let post_from_page = |origin: &'static str| async move {
+        let body = json!({"model": "tiny", "prompt": "x", "max_tokens": 2});
+        let headers = [("Origin", origin), ("Authorization", "Bearer k")];
+        post_with(a, "/v1/completions", &headers, &body).await
+    };
     // An allowed origin's POST is served.
-    let r = post_with(
-        a,
-        "/v1/completions",
-        &[
-            ("Origin", "https://app.example"),
-            ("Authorization", "Bearer k"),
-        ],
-        &json!({"model": "tiny", "prompt": "x", "max_tokens": 2}),
-    )
-    .await;
+    let r = post_from_page("https://app.example").await;
     assert_eq!(r.status, 200, "{}", r.text());
     // Another origin: no CORS headers (the browser refuses), no preflight, no POST.
     let r = get_with(a, "/health", &[("Origin", "https://evil.example")]).await;
@@ -367,16 +364,7 @@ async fn cors_is_opt_in() {
     )
     .await;
     assert_eq!(pre.status, 403);
-    let r = post_with(
-        a,
-        "/v1/completions",
-        &[
-            ("Origin", "https://evil.example"),
-            ("Authorization", "Bearer k"),
-        ],
-        &json!({"model": "tiny", "prompt": "x", "max_tokens": 2}),
-    )
-    .await;
+    let r = post_from_page("https://evil.example").await;
     assert_eq!(r.status, 403, "{}", r.text());
     server.shutdown(Duration::from_secs(5)).await.unwrap();
 }
@@ -393,18 +381,19 @@ async fn a_body_not_declared_json_is_a_415() {
     let body = br#"{"model": "tiny", "prompt": "x", "max_tokens": 2}"#;
     let abort = br#"{"rid": "job-1"}"#;
     let gen = br#"{"text": "x", "sampling_params": {"max_new_tokens": 2}}"#;
-    let send = |path: &'static str, ct: Option<&'static str>, b: &'static [u8]| async move {
+    // A POST with exactly `headers` (no Content-Type unless given).
+    let send = |path: &'static str, headers: &[(&str, &str)], b: &'static [u8]| {
         let mut r = format!(
             "POST {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n",
             b.len()
         );
-        if let Some(ct) = ct {
-            r.push_str(&format!("Content-Type: {ct}\r\n"));
+        for (k, v) in headers {
+            r.push_str(&format!("{k}: {v}\r\n"));
         }
         r.push_str("\r\n");
         let mut r = r.into_bytes();
         r.extend_from_slice(b);
-        raw(a, r).await
+        raw(a, r)
     };
     for ct in [
         "text/plain",
@@ -421,7 +410,7 @@ async fn a_body_not_declared_json_is_a_415() {
             ("/tokenize", &body[..]),
             ("/detokenize", &br#"{"tokens": [65]}"#[..]),
         ] {
-            let r = send(path, Some(ct), b).await;
+            let r = send(path, &[("Content-Type", ct)], b).await;
             assert_eq!(r.status, 415, "{path} {ct}: {}", r.text());
             assert_eq!(r.error().0, "content-type", "{path} {ct}");
         }
@@ -437,19 +426,13 @@ async fn a_body_not_declared_json_is_a_415() {
         Some("Application/JSON; charset=utf-8"),
         Some("application/vnd.api+json"),
     ] {
-        let r = send("/v1/completions", ct, &body[..]).await;
+        let ct: Vec<_> = ct.map(|v| ("Content-Type", v)).into_iter().collect();
+        let r = send("/v1/completions", &ct, &body[..]).await;
         assert_eq!(r.status, 200, "{ct:?}: {}", r.text());
     }
     // A browser page's POST: refused whatever its body type (CORS is off here).
     for (path, b) in [("/generate", &gen[..]), ("/abort_request", &abort[..])] {
-        let mut r = format!(
-            "POST {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\
-             Origin: https://evil.example\r\nContent-Length: {}\r\n\r\n",
-            b.len()
-        )
-        .into_bytes();
-        r.extend_from_slice(b);
-        let r = raw(a, r).await;
+        let r = send(path, &[("Origin", "https://evil.example")], b).await;
         assert_eq!(r.status, 403, "{path}: {}", r.text());
     }
     assert_eq!(engine.metrics().requests_with(RequestStatus::Ok), 4);
