@@ -4,7 +4,9 @@
 //!
 //! The root package holds the CLI, the embedded PTX ([`ptx`]) with its resource report
 //! ([`kernel_report`]), and the CUDA backend; the kernels, host backends and validation
-//! live in the workspace crates re-exported here.
+//! live in the workspace crates re-exported here. Without the default `cli` feature the
+//! library is the CUDA backend, the PTX and its reports alone (what the Python extension
+//! links).
 
 pub mod cuda;
 mod cuda_model_ops;
@@ -16,4 +18,6 @@ pub mod table;
 
 pub use sparsekit_host as host;
 pub use sparsekit_kernels as kernels;
+/// The validation suite (with the `cli` feature, on by default).
+#[cfg(feature = "cli")]
 pub use sparsekit_validation as validation;

@@ -52,6 +52,46 @@ fn cpu_isa_override_forces_the_path() {
 /// `sparsekit profile --quick --json`: every kernel is profiled, the figures are in range,
 /// the model states its devices, and with the PTX embedded every launch gets a prediction
 /// per device.
+/// `sparsekit kernels` (the resource report ptxas gave the build): where PTX is required
+/// (CI), one record for every kernel on every arch, each using registers and none spilling
+/// above sm_80 (the build refuses those); elsewhere a report, or a failure that says how to
+/// get one.
+#[test]
+fn kernels_reports_every_kernel_on_every_arch() {
+    let out = Command::new(env!("CARGO_BIN_EXE_sparsekit"))
+        .args(["kernels", "--json"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let required = std::env::var("SPARSEKIT_REQUIRE_PTX").is_ok_and(|v| v == "1");
+    if !out.status.success() {
+        assert!(!required, "SPARSEKIT_REQUIRE_PTX=1 but no report: {stderr}");
+        assert!(stderr.contains("no ptxas report embedded"), "{stderr}");
+        assert!(stderr.contains("scripts/setup-gpu-tools.sh"), "{stderr}");
+        return;
+    }
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = rows.as_array().unwrap();
+    let archs = sparsekit::kernel_report::archs();
+    assert_eq!(archs, ["sm_80", "sm_90", "sm_120", "sm_120a"]);
+    assert_eq!(
+        rows.len(),
+        archs.len() * sparsekit::kernels::ENTRY_POINTS.len()
+    );
+    for arch in &archs {
+        for k in sparsekit::kernels::ENTRY_POINTS {
+            let r = rows
+                .iter()
+                .find(|r| r["kernel"] == *k && r["arch"] == *arch)
+                .unwrap_or_else(|| panic!("no record of {k} on {arch}"));
+            assert!(r["registers"].as_u64().unwrap() > 0, "{k} {arch}");
+            if *arch != "sm_80" {
+                assert_eq!(r["spill_bytes"], 0, "{k} {arch}");
+            }
+        }
+    }
+}
+
 #[test]
 fn profile_reports_every_kernel() {
     let out = Command::new(env!("CARGO_BIN_EXE_sparsekit"))
