@@ -22,8 +22,11 @@
 //! Env knobs: SPARSEKIT_REQUIRE_PTX=1 (missing toolchain is an error),
 //! SPARSEKIT_SKIP_PTX=1 (never build PTX), SPARSEKIT_NIGHTLY (toolchain name,
 //! default "nightly"), SPARSEKIT_PTX_TARGET_DIR (inner target dir, default
-//! OUT_DIR/ptx-target), PTXAS (path to ptxas), SPARSEKIT_PTXAS_VERBOSE=1
-//! (ptxas -v summary as cargo warnings).
+//! OUT_DIR/ptx-target), SPARSEKIT_PTX_CACHE (a directory where the built files are kept
+//! under a key of everything they are made from, so that another build of the same
+//! sources — `cargo clippy`, a second target dir — copies them instead of rebuilding;
+//! unset: no cache), PTXAS (path to ptxas), SPARSEKIT_PTXAS_VERBOSE=1 (ptxas -v summary
+//! as cargo warnings, on a fresh build only).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a build script fails by panicking
 
@@ -88,6 +91,7 @@ fn main() {
         "SPARSEKIT_SKIP_PTX",
         "SPARSEKIT_NIGHTLY",
         "SPARSEKIT_PTX_TARGET_DIR",
+        "SPARSEKIT_PTX_CACHE",
         "SPARSEKIT_PTXAS_VERBOSE",
         "PTXAS",
     ] {
@@ -128,6 +132,8 @@ fn env_flag(name: &str) -> bool {
 struct Nightly {
     sysroot: PathBuf,
     llvm_bin: PathBuf,
+    /// `rustc -vV` of the toolchain (version, commit, LLVM): part of the cache key.
+    version: String,
 }
 
 /// Locate the nightly toolchain + rust-src + llvm-tools, or explain how to get them.
@@ -191,7 +197,11 @@ fn find_nightly() -> Result<Nightly, Skip> {
             missing.join(" "),
         )));
     }
-    Ok(Nightly { sysroot, llvm_bin })
+    Ok(Nightly {
+        sysroot,
+        llvm_bin,
+        version: vv.into_owned(),
+    })
 }
 
 /// When the nightly toolchain is missing, rerun once rustup installs one
@@ -228,6 +238,15 @@ fn build_all(manifest_dir: &Path, kernels_dir: &Path, out_dir: &Path) -> Result<
             return Err(Skip(msg.into()));
         }
         println!("cargo:warning=sparsekit: {msg}");
+    }
+    let cache = env::var_os("SPARSEKIT_PTX_CACHE")
+        .filter(|d| !d.is_empty())
+        .map(|d| PathBuf::from(d).join(cache_key(manifest_dir, &nightly, ptxas.as_deref())));
+    if let Some(hit) = cache
+        .as_deref()
+        .and_then(|dir| restore_cached(dir, out_dir))
+    {
+        return Ok(hit);
     }
     let verbose = env_flag("SPARSEKIT_PTXAS_VERBOSE");
     let mut entries = Vec::new();
@@ -279,7 +298,8 @@ fn build_all(manifest_dir: &Path, kernels_dir: &Path, out_dir: &Path) -> Result<
         );
 
         // 4. llc -> PTX, at the arch's lowest PTX version (raised for the e4m3 mma).
-        let ptx = out_dir.join(format!("{KERNEL_CRATE}.{arch}.ptx"));
+        let named = Built::named(out_dir, arch);
+        let ptx = named.ptx.clone();
         let llc = |feature: &str| {
             run(
                 Command::new(nightly.llvm_bin.join(exe("llc")))
@@ -299,20 +319,22 @@ fn build_all(manifest_dir: &Path, kernels_dir: &Path, out_dir: &Path) -> Result<
         if fs::read_to_string(&ptx).unwrap().contains(".e4m3.e4m3") && ptx_feature < E4M3_PTX {
             llc(E4M3_PTX);
         }
-        check_warp_wide(&nightly, &internal, &ptx, arch, out_dir);
+        check_warp_wide(&nightly, &internal, &ptx, arch, &named.warp_ops);
 
         // 5. ptxas: assemble (errors and spills at sm_90+ fail the build), then summarise
         //    the SASS tensor-core instructions per kernel when cuobjdump is available.
+        let (cubin, log_path, sass_path) = (
+            named.cubin.clone().unwrap(),
+            named.ptxas_log.clone().unwrap(),
+            named.sass.clone().unwrap(),
+        );
         let mut built = Built {
-            arch: arch.to_string(),
-            ptx: ptx.clone(),
             ptxas_log: None,
             sass: None,
             cubin: None,
-            warp_ops: out_dir.join(format!("warp_ops.{arch}.tsv")),
+            ..named
         };
         if let Some(ptxas) = &ptxas {
-            let cubin = out_dir.join(format!("{KERNEL_CRATE}.{arch}.cubin"));
             let out = Command::new(ptxas)
                 .arg(format!("-arch={arch}"))
                 .arg("-v")
@@ -322,7 +344,6 @@ fn build_all(manifest_dir: &Path, kernels_dir: &Path, out_dir: &Path) -> Result<
                 .output()
                 .unwrap_or_else(|e| panic!("cannot run ptxas {}: {e}", ptxas.display()));
             let log = String::from_utf8_lossy(&out.stderr).into_owned();
-            let log_path = out_dir.join(format!("ptxas.{arch}.log"));
             fs::write(&log_path, &log).unwrap();
             if !out.status.success() {
                 panic!("ptxas -arch={arch} failed on {}:\n{log}", ptx.display());
@@ -344,9 +365,8 @@ fn build_all(manifest_dir: &Path, kernels_dir: &Path, out_dir: &Path) -> Result<
             built.ptxas_log = Some(log_path);
             built.cubin = Some(cubin.clone());
             if let Some(sass) = sass_summary(ptxas, &cubin) {
-                let path = out_dir.join(format!("sass.{arch}.tsv"));
-                fs::write(&path, sass).unwrap();
-                built.sass = Some(path);
+                fs::write(&sass_path, sass).unwrap();
+                built.sass = Some(sass_path);
             }
         }
         entries.push(built);
@@ -356,7 +376,149 @@ fn build_all(manifest_dir: &Path, kernels_dir: &Path, out_dir: &Path) -> Result<
         format!("{:.2}s\n", t0.elapsed().as_secs_f64()),
     )
     .unwrap();
+    if let Some(dir) = &cache {
+        store_cached(dir, &entries);
+    }
     Ok(entries)
+}
+
+/// The cache key of this build: a hash of everything the built files depend on — this
+/// script and the ptxas parser it includes, the kernel crate's manifest and sources, the
+/// nightly toolchain's version, and which ptxas (with its version) and cuobjdump run.
+fn cache_key(manifest_dir: &Path, nightly: &Nightly, ptxas: Option<&Path>) -> String {
+    use std::hash::{DefaultHasher, Hasher};
+    let mut files = vec![
+        manifest_dir.join("build.rs"),
+        manifest_dir.join("src/ptxas.rs"),
+        manifest_dir.join("kernels-rs/Cargo.toml"),
+    ];
+    let mut dirs = vec![manifest_dir.join("kernels-rs/src")];
+    while let Some(d) = dirs.pop() {
+        for e in fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                dirs.push(p);
+            } else {
+                files.push(p);
+            }
+        }
+    }
+    files.sort();
+    // Two differently seeded 64-bit hashes: 128 bits of key.
+    let mut h = [DefaultHasher::new(), DefaultHasher::new()];
+    h[1].write(b"second");
+    let mut feed = |bytes: &[u8]| {
+        for x in h.iter_mut() {
+            x.write_usize(bytes.len());
+            x.write(bytes);
+        }
+    };
+    for f in &files {
+        feed(
+            f.strip_prefix(manifest_dir)
+                .unwrap_or(f)
+                .to_string_lossy()
+                .as_bytes(),
+        );
+        feed(&fs::read(f).unwrap());
+    }
+    feed(nightly.version.as_bytes());
+    let tool_version = |tool: &Path| {
+        let out = Command::new(tool).arg("--version").output();
+        let v = out.map(|o| o.stdout).unwrap_or_default();
+        format!("{}\n{}", tool.display(), String::from_utf8_lossy(&v))
+    };
+    match ptxas {
+        Some(p) => {
+            feed(tool_version(p).as_bytes());
+            let cuobjdump = env::var_os("CUOBJDUMP")
+                .map(PathBuf::from)
+                .or_else(|| p.parent().map(|d| d.join(exe("cuobjdump"))));
+            feed(
+                cuobjdump
+                    .filter(|c| c.is_file())
+                    .map(|c| tool_version(&c))
+                    .unwrap_or_default()
+                    .as_bytes(),
+            );
+        }
+        None => feed(b"no ptxas"),
+    }
+    format!("{:016x}{:016x}", h[0].finish(), h[1].finish())
+}
+
+/// The built files of every arch from the cache entry `dir` into `out_dir`; `None` (build
+/// afresh) when the entry is missing or incomplete.
+fn restore_cached(dir: &Path, out_dir: &Path) -> Option<Vec<Built>> {
+    let mut entries = Vec::new();
+    for &(arch, _) in ARCHS {
+        let b = Built::named(out_dir, arch);
+        let name = |p: &Path| dir.join(p.file_name().unwrap());
+        for required in [&b.ptx, &b.warp_ops] {
+            if !name(required).is_file() {
+                return None;
+            }
+        }
+        let mut copied = Built {
+            ptxas_log: None,
+            sass: None,
+            cubin: None,
+            ..Built::named(out_dir, arch)
+        };
+        fs::copy(name(&b.ptx), &b.ptx).ok()?;
+        fs::copy(name(&b.warp_ops), &b.warp_ops).ok()?;
+        for (from, to) in [
+            (b.ptxas_log, &mut copied.ptxas_log),
+            (b.sass, &mut copied.sass),
+            (b.cubin, &mut copied.cubin),
+        ] {
+            let from = from.unwrap();
+            if name(&from).is_file() {
+                fs::copy(name(&from), &from).ok()?;
+                *to = Some(from);
+            }
+        }
+        entries.push(copied);
+    }
+    fs::write(
+        out_dir.join("ptx-build-time.txt"),
+        format!("cached: {}\n", dir.display()),
+    )
+    .ok()?;
+    Some(entries)
+}
+
+/// Keeps the built files of every arch as the cache entry `dir` (written beside it, then
+/// renamed: an entry is complete or absent). A cache that cannot be written is a warning.
+fn store_cached(dir: &Path, entries: &[Built]) {
+    let tmp = dir.with_extension(format!("tmp{}", std::process::id()));
+    let write = || -> std::io::Result<()> {
+        fs::create_dir_all(&tmp)?;
+        for b in entries {
+            let files = [
+                Some(&b.ptx),
+                Some(&b.warp_ops),
+                b.ptxas_log.as_ref(),
+                b.sass.as_ref(),
+                b.cubin.as_ref(),
+            ];
+            for f in files.into_iter().flatten() {
+                fs::copy(f, tmp.join(f.file_name().unwrap()))?;
+            }
+        }
+        match fs::rename(&tmp, dir) {
+            // Another build stored the same entry first.
+            Err(_) if dir.is_dir() => fs::remove_dir_all(&tmp),
+            r => r,
+        }
+    };
+    if let Err(e) = write() {
+        let _ = fs::remove_dir_all(&tmp);
+        println!(
+            "cargo:warning=sparsekit: cannot keep the PTX in SPARSEKIT_PTX_CACHE ({}): {e}",
+            dir.display()
+        );
+    }
 }
 
 /// The environment of the inner (nightly, nvptx64) cargo: the outer cargo
@@ -575,6 +737,20 @@ fn run(cmd: &mut Command, what: &str) {
     }
 }
 
+impl Built {
+    /// Where every file of `arch` goes in `out_dir` (each optional one as present).
+    fn named(out_dir: &Path, arch: &str) -> Built {
+        Built {
+            arch: arch.to_string(),
+            ptx: out_dir.join(format!("{KERNEL_CRATE}.{arch}.ptx")),
+            ptxas_log: Some(out_dir.join(format!("ptxas.{arch}.log"))),
+            sass: Some(out_dir.join(format!("sass.{arch}.tsv"))),
+            cubin: Some(out_dir.join(format!("{KERNEL_CRATE}.{arch}.cubin"))),
+            warp_ops: out_dir.join(format!("warp_ops.{arch}.tsv")),
+        }
+    }
+}
+
 /// What was built for one arch.
 struct Built {
     arch: String,
@@ -723,8 +899,8 @@ fn mark_warp_wide_convergent(nightly: &Nightly, input: &Path, output: &Path) {
 /// `shfl.sync`, `vote.sync` and barrier instructions of the PTX are exactly the warp-wide
 /// calls of the optimised IR that llc compiled, and every one of those calls is
 /// `convergent` (so no LLVM pass could move or duplicate it into divergent control flow).
-/// Writes the counts (`warp_ops.<arch>.tsv`, embedded for `sparsekit kernels`).
-fn check_warp_wide(nightly: &Nightly, final_bc: &Path, ptx: &Path, arch: &str, out_dir: &Path) {
+/// Writes the counts to `warp_ops` (`warp_ops.<arch>.tsv`, embedded for `sparsekit kernels`).
+fn check_warp_wide(nightly: &Nightly, final_bc: &Path, ptx: &Path, arch: &str, warp_ops: &Path) {
     let dis = Command::new(nightly.llvm_bin.join(exe("llvm-dis")))
         .arg(final_bc)
         .arg("-o")
@@ -779,5 +955,5 @@ fn check_warp_wide(nightly: &Nightly, final_bc: &Path, ptx: &Path, arch: &str, o
             );
         }
     }
-    fs::write(out_dir.join(format!("warp_ops.{arch}.tsv")), tsv).unwrap();
+    fs::write(warp_ops, tsv).unwrap();
 }
