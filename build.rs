@@ -323,17 +323,13 @@ fn build_all(manifest_dir: &Path, kernels_dir: &Path, out_dir: &Path) -> Result<
 
         // 5. ptxas: assemble (errors and spills at sm_90+ fail the build), then summarise
         //    the SASS tensor-core instructions per kernel when cuobjdump is available.
+        // The optional files' names, each set again once its file is written.
+        let mut built = named;
         let (cubin, log_path, sass_path) = (
-            named.cubin.clone().unwrap(),
-            named.ptxas_log.clone().unwrap(),
-            named.sass.clone().unwrap(),
+            built.cubin.take().unwrap(),
+            built.ptxas_log.take().unwrap(),
+            built.sass.take().unwrap(),
         );
-        let mut built = Built {
-            ptxas_log: None,
-            sass: None,
-            cubin: None,
-            ..named
-        };
         if let Some(ptxas) = &ptxas {
             let out = Command::new(ptxas)
                 .arg(format!("-arch={arch}"))
@@ -450,35 +446,30 @@ fn cache_key(manifest_dir: &Path, nightly: &Nightly, ptxas: Option<&Path>) -> St
 /// The built files of every arch from the cache entry `dir` into `out_dir`; `None` (build
 /// afresh) when the entry is missing or incomplete.
 fn restore_cached(dir: &Path, out_dir: &Path) -> Option<Vec<Built>> {
+    // Copies the entry's file of `to`'s name to `to`: `Some(false)` where the entry has
+    // none, `None` where the copy fails.
+    let restore = |to: &Path| -> Option<bool> {
+        let from = dir.join(to.file_name()?);
+        if !from.is_file() {
+            return Some(false);
+        }
+        fs::copy(&from, to).ok().map(|_| true)
+    };
     let mut entries = Vec::new();
     for &(arch, _) in ARCHS {
-        let b = Built::named(out_dir, arch);
-        let name = |p: &Path| dir.join(p.file_name().unwrap());
-        for required in [&b.ptx, &b.warp_ops] {
-            if !name(required).is_file() {
-                return None;
+        let mut built = Built::named(out_dir, arch);
+        if !(restore(&built.ptx)? && restore(&built.warp_ops)?) {
+            return None;
+        }
+        // An optional file the entry lacks (no ptxas or cuobjdump) stays absent.
+        for slot in [&mut built.ptxas_log, &mut built.sass, &mut built.cubin] {
+            if let Some(p) = slot.take() {
+                if restore(&p)? {
+                    *slot = Some(p);
+                }
             }
         }
-        let mut copied = Built {
-            ptxas_log: None,
-            sass: None,
-            cubin: None,
-            ..Built::named(out_dir, arch)
-        };
-        fs::copy(name(&b.ptx), &b.ptx).ok()?;
-        fs::copy(name(&b.warp_ops), &b.warp_ops).ok()?;
-        for (from, to) in [
-            (b.ptxas_log, &mut copied.ptxas_log),
-            (b.sass, &mut copied.sass),
-            (b.cubin, &mut copied.cubin),
-        ] {
-            let from = from.unwrap();
-            if name(&from).is_file() {
-                fs::copy(name(&from), &from).ok()?;
-                *to = Some(from);
-            }
-        }
-        entries.push(copied);
+        entries.push(built);
     }
     fs::write(
         out_dir.join("ptx-build-time.txt"),

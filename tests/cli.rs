@@ -49,9 +49,6 @@ fn cpu_isa_override_forces_the_path() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("SPARSEKIT_CPU_ISA"));
 }
 
-/// `sparsekit profile --quick --json`: every kernel is profiled, the figures are in range,
-/// the model states its devices, and with the PTX embedded every launch gets a prediction
-/// per device.
 /// `sparsekit kernels` (the resource report ptxas gave the build): where PTX is required
 /// (CI), one record for every kernel on every arch, each using registers and none spilling
 /// above sm_80 (the build refuses those); elsewhere a report, or a failure that says how to
@@ -92,6 +89,9 @@ fn kernels_reports_every_kernel_on_every_arch() {
     }
 }
 
+/// `sparsekit profile --quick --json`: every kernel is profiled, the figures are in range,
+/// the model states its devices, and with the PTX embedded every launch gets a prediction
+/// per device.
 #[test]
 fn profile_reports_every_kernel() {
     let out = Command::new(env!("CARGO_BIN_EXE_sparsekit"))
