@@ -21,8 +21,11 @@ Conventions (as in the Rust crates and ``docs/golden.md``):
   row ``j`` seeing ``[0, L - next_n + j + 1)``; or ``[b, next_n]``: row ``(b, j)`` sees
   ``[0, context_lens[b, j])``).
 
-Non-contiguous *inputs* are copied (``.contiguous()``); tensors written in place (caches,
-``out=``) must be contiguous and are refused otherwise.
+Non-contiguous *inputs* are copied (``.contiguous()``), and lazily negated or conjugated
+views (torch's neg and conj bits) resolved; tensors written in place (caches, ``out=``)
+must be contiguous and carry neither bit, and are refused otherwise. The ops have no
+backward: under grad mode a tensor that requires grad is refused (``ValueError``), and
+every in-place write counts in the tensor's autograd version, as torch's own do.
 
 On CPU tensors every metadata entry is checked (a slot, page id, range or index outside
 the cache is a ``ValueError`` and nothing is written). On CUDA tensors the call is
@@ -71,6 +74,11 @@ _FP8 = tuple(
     getattr(torch, n) for n in ("float8_e4m3fn",) if hasattr(torch, n)
 )
 
+# What a tensor of cache bytes may be typed as: raw bytes, or the e4m3 values those bytes
+# are (any other 1-byte dtype, such as float8_e5m2 or an fnuz variant, would mean other
+# values for the same bytes).
+_CACHE_BYTES = (torch.uint8,) + _FP8
+
 
 # ------------------------------------------------------------------ argument checks
 
@@ -80,6 +88,12 @@ def _tensor(name: str, t, *, dtypes=None, ndim=None, shape=None) -> torch.Tensor
     ``ValueError`` for a wrong rank or shape); ``shape`` entries of ``None`` are free."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            f"{name}: requires grad, but sparsekit's ops have no backward (no gradient "
+            "would flow through them); call them under torch.no_grad() or "
+            f"torch.inference_mode(), or pass {name}.detach()"
+        )
     if dtypes is not None and t.dtype not in dtypes:
         want = " or ".join(str(d) for d in dtypes)
         raise TypeError(f"{name}: dtype {t.dtype} is not supported (expected {want})")
@@ -108,7 +122,36 @@ def _same_device(**tensors) -> torch.device:
     return t0.device
 
 
+def _resolved(t: torch.Tensor) -> torch.Tensor:
+    """An input whose memory holds its values: a lazily negated or conjugated view
+    (torch's neg and conj bits, e.g. ``torch._neg_view``: its memory holds the values
+    before the negation, and ``.contiguous()`` keeps the bit) resolved, a lazily zero
+    tensor (no memory at all) made real."""
+    if t._is_zerotensor():
+        return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+    return t.resolve_conj().resolve_neg()
+
+
+def _values(t: torch.Tensor) -> torch.Tensor:
+    """An input's values in a contiguous tensor (see ``_resolved``)."""
+    return _resolved(t).contiguous()
+
+
+def _wrote(*tensors: torch.Tensor) -> None:
+    """Counts the native call's in-place writes in each tensor's autograd version, as
+    torch's own in-place ops do: a graph that saved one of them for its backward then
+    refuses to run instead of reading the new values."""
+    for t in tensors:
+        torch.autograd.graph.increment_version(t)
+
+
 def _written(name: str, t: torch.Tensor) -> torch.Tensor:
+    if t.is_neg() or t.is_conj():
+        raise ValueError(
+            f"{name}: is written in place and must not be a lazily negated or conjugated "
+            "view (torch's neg or conj bit); resolve it (.resolve_neg(), .resolve_conj()) "
+            "and write into the result"
+        )
     if not t.is_contiguous():
         raise ValueError(
             f"{name}: is written in place and must be contiguous "
@@ -162,8 +205,8 @@ def _narrow_i32(name: str, t: torch.Tensor, *, above: int = _I32_MAX) -> torch.T
 def _int_tensor(name: str, t, dtype, *, ndim=None) -> torch.Tensor:
     t = _tensor(name, t, dtypes=(torch.int32, torch.int64), ndim=ndim)
     if dtype == torch.int32:
-        return _narrow_i32(name, t).contiguous()
-    return t.to(dtype).contiguous()
+        return _values(_narrow_i32(name, t))
+    return _values(t.to(dtype))
 
 
 def _stream(device: torch.device):
@@ -235,7 +278,7 @@ def decode_rows(context_lens: torch.Tensor, next_n: int = 1) -> torch.Tensor:
     ends = ends.clamp_min(0).to(torch.int32).reshape(-1)
     req = torch.arange(b, device=dev, dtype=torch.int32).repeat_interleave(per)
     rows = torch.stack([req, torch.zeros_like(ends), ends], dim=1)
-    return rows.contiguous()
+    return _values(rows)
 
 
 def _rows_arg(rows, context_lens, next_n, n_expected: Optional[int], device) -> torch.Tensor:
@@ -315,7 +358,8 @@ def index_k_store(keys: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor,
     dev = _same_device(keys=keys, cache=cache)
     pages = _pages("cache", cache, layout)
     slots = _store_slots(slots, keys.shape[0], pages * layout.page_size, dev)
-    _native.index_k_store(layout, keys.contiguous(), slots, cache, _stream(dev))
+    _native.index_k_store(layout, _values(keys), slots, cache, _stream(dev))
+    _wrote(cache)
     return cache
 
 
@@ -333,7 +377,8 @@ def kv_store(kv: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor,
     dev = _same_device(kv=kv, cache=cache)
     pages = _pages("cache", cache, layout)
     slots = _store_slots(slots, kv.shape[0], pages * layout.page_size, dev)
-    _native.kv_store(layout, kv.contiguous(), slots, cache, _stream(dev))
+    _native.kv_store(layout, _values(kv), slots, cache, _stream(dev))
+    _wrote(cache)
     return cache
 
 
@@ -418,8 +463,9 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor,
         r = _sanitize_rows(r, width=row_stride, n_requests=pt.shape[0],
                            covered=pt.shape[1] * layout.page_size)
     qb = q.to(torch.bfloat16) if q.dtype != torch.bfloat16 else q
-    _native.indexer_logits(layout, qb.contiguous(), weights.contiguous(), cache, pt, r, out,
+    _native.indexer_logits(layout, _values(qb), _values(weights), cache, pt, r, out,
                            _stream(dev))
+    _wrote(out)
     return out
 
 
@@ -472,14 +518,15 @@ def topk(logits: torch.Tensor, k: int, *, rows: Optional[torch.Tensor] = None,
     else:
         _written("out", _tensor("out", out, dtypes=(torch.int32,), shape=(n, k)))
         _same_device(logits=logits, out=out)
+    logits = _resolved(logits)
     if logits.stride(-1) != 1 or (n > 1 and logits.stride(0) < width):
-        logits = logits.contiguous()
+        logits = _values(logits)
     elif n > 1 and logits.stride(0) > width:
         # A padded row stride (DeepGEMM's aligned logits) is read in place when the
         # storage covers every row's full stride; otherwise packed.
         need = (logits.storage_offset() + n * logits.stride(0)) * 4
         if logits.untyped_storage().nbytes() < need:
-            logits = logits.contiguous()
+            logits = _values(logits)
     if dev.type == "cuda":
         if _check_device_metadata():
             _host_check_rows(r, width=width, n_requests=None if pt is None else pt.shape[0])
@@ -492,6 +539,7 @@ def topk(logits: torch.Tensor, k: int, *, rows: Optional[torch.Tensor] = None,
                      take_all_short_rows)
     else:
         _native.topk(logits, r, k, out, pt, page_size, None, None, None, take_all_short_rows)
+    _wrote(out)
     return out
 
 
@@ -550,10 +598,11 @@ def sparse_mla(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor,
                                  f"(cache holds {capacity} slots)")
         idx = torch.where((idx >= 0) & (idx < capacity), idx, -1)
         ws, cn = _scratch(_native.sparse_mla_scratch_bytes(layout, t, h, idx.shape[1]), dev)
-        _native.sparse_mla(layout, q.contiguous(), cache, idx, out, lse, softmax_scale,
+        _native.sparse_mla(layout, _values(q), cache, idx, out, lse, softmax_scale,
                            ws, cn, _stream(dev))
     else:
-        _native.sparse_mla(layout, q.contiguous(), cache, idx, out, lse, softmax_scale)
+        _native.sparse_mla(layout, _values(q), cache, idx, out, lse, softmax_scale)
+    _wrote(out, lse)
     return out, lse
 
 
@@ -615,8 +664,8 @@ def _v4_cache(names, cache, indices, lengths, layout, t: int, device):
             lens = lens.clamp(0, topk_)
         idx = torch.where((idx >= 0) & (idx < capacity), idx, -1)
     if lens is not None:
-        lens = lens.to(torch.int32).contiguous()
-    return cache, idx.contiguous(), lens, topk_
+        lens = _values(lens.to(torch.int32))
+    return cache, _values(idx), lens, topk_
 
 
 def sparse_mla_v4(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor,
@@ -683,7 +732,7 @@ def sparse_mla_v4(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor,
         if dev.type == "cpu" and bool(sink.isnan().any()):
             i = int(sink.isnan().nonzero()[0][0])
             raise ValueError(f"attn_sink[{i}] is NaN")
-        sink = sink.contiguous()
+        sink = _values(sink)
     if softmax_scale is None:
         softmax_scale = 512 ** -0.5
     softmax_scale = float(softmax_scale)
@@ -697,13 +746,14 @@ def sparse_mla_v4(q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor,
         _written("lse", _tensor("lse", lse, dtypes=(torch.float32,), shape=(t, h)))
     _same_device(q=q, out=out, lse=lse)
     e = (None, None, None, None) if extra is None else extra
-    args = (layout, q.contiguous(), cache, idx, out, lse, softmax_scale, lens,
+    args = (layout, _values(q), cache, idx, out, lse, softmax_scale, lens,
             extra_layout if extra is not None else None, e[0], e[1], e[2], sink)
     if dev.type == "cuda":
         ws, cn = _scratch(_native.sparse_mla_v4_scratch_bytes(t, h, topk_total), dev)
         _native.sparse_mla_v4(*args, ws, cn, _stream(dev))
     else:
         _native.sparse_mla_v4(*args)
+    _wrote(out, lse)
     return out, lse
 
 
@@ -742,6 +792,7 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor,
     if dev.type == "cuda" and si.shape[0] > 0 and (sp == 0 or dp == 0):
         raise ValueError("src: a pool with no page")
     _native.copy_pages(layout, src, dst, si, di, _stream(dev))
+    _wrote(dst)
     return dst
 
 
@@ -763,4 +814,5 @@ def page_checksums(pool: torch.Tensor, ids: torch.Tensor, layout, *,
     if dev.type == "cuda" and ids.shape[0] > 0 and pages == 0:
         raise ValueError("pool: holds no page")
     _native.page_checksums(layout, pool, ids, out, _stream(dev))
+    _wrote(out)
     return out

@@ -101,6 +101,25 @@ impl Tensor {
             .and_then(|s| s.extract())
             .map_err(|e| attr_err(name, "storage_offset()", e))?;
         let extent = storage_bytes.saturating_sub(offset.saturating_mul(itemsize));
+        // A lazily negated or conjugated view (torch's neg and conj bits) holds the
+        // un-negated values in memory, and `data_ptr()` points at them: read as bytes, it
+        // would give the wrong signs, and a write into it would land negated.
+        for (bit, what, resolve) in [
+            ("is_neg", "negated", "resolve_neg"),
+            ("is_conj", "conjugated", "resolve_conj"),
+        ] {
+            let set: bool = obj
+                .call_method0(bit)
+                .and_then(|b| b.extract())
+                .map_err(|e| attr_err(name, bit, e))?;
+            if set {
+                return Err(PyValueError::new_err(format!(
+                    "{name}: is a lazily {what} view (torch's {} bit): its memory holds other \
+                     values; call .{resolve}() first",
+                    &bit[3..],
+                )));
+            }
+        }
         let dtype = dtype.trim_start_matches("torch.").to_string();
         let t = Tensor {
             name,
@@ -115,6 +134,15 @@ impl Tensor {
         if t.shape.len() != t.strides.len() {
             return Err(PyValueError::new_err(format!(
                 "{name}: shape and stride() disagree"
+            )));
+        }
+        // A tensor with elements but no memory: a lazily zero tensor, a fake or functional
+        // tensor (torch.compile's tracing), a wrapper subclass. Its storage may still report
+        // a size, so nothing else would stop a read or write at address 0.
+        if t.addr == 0 && t.numel()? > 0 {
+            return Err(PyValueError::new_err(format!(
+                "{name}: has no memory of its own (data_ptr() is 0: a lazily zero, fake or \
+                 functional tensor, or a wrapper subclass); pass a tensor that holds its values"
             )));
         }
         Ok(t)

@@ -124,6 +124,9 @@ def test_deep_gemm_errors(device):
         deep_gemm.fp8_paged_mqa_logits(q.float(), kv, w, cl, bt, meta, 32)
     with pytest.raises(NotImplementedError, match="fp4"):
         deep_gemm.fp8_fp4_paged_mqa_logits((q, torch.zeros(1)), kv, w, cl, bt, meta, 32)
+    for other in [torch.float8_e5m2, torch.int8]:
+        with pytest.raises(TypeError, match="kv_cache.*uint8"):
+            deep_gemm.fp8_paged_mqa_logits(q, kv.view(other), w, cl, bt, meta, 32)
     if device.type == "cpu":
         with pytest.raises(ValueError, match="max_context_len"):
             deep_gemm.fp8_paged_mqa_logits(q, kv, w, cl, bt, meta, 3)
@@ -288,6 +291,11 @@ def test_flash_mla_errors(device):
     with pytest.raises(ValueError, match="kv"):
         flash_mla.flash_mla_sparse_fwd(q[0], torch.zeros((4, 2, 576), dtype=torch.bfloat16, device=device),
                                        idx[0][:, None], 0.1)
+    # A 1-byte dtype whose bytes mean other values than e4m3's is refused, not reinterpreted.
+    for other in [torch.float8_e5m2, torch.int8, torch.bool]:
+        with pytest.raises(TypeError, match="k_cache.*float8_e4m3fn or uint8"):
+            flash_mla.flash_mla_with_kvcache(q, cache.view(other), None, None, 512, meta(),
+                                             indices=idx, is_fp8_kvcache=True)
 
 
 # ------------------------------------------------------------------ sgl-kernel

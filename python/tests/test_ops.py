@@ -449,3 +449,91 @@ def test_zero_width_logits_and_a_wrong_layout_type(device, gen):
         ops.copy_pages(pool, torch.zeros_like(pool), none, none, "bf16")
     with pytest.raises(TypeError, match="layout"):
         ops.page_checksums(pool, none, "bf16")
+
+
+def test_negated_views_read_their_values_and_are_never_written(device, gen):
+    """torch's lazily negated views keep the values before the negation in memory (and
+    ``.contiguous()`` keeps the bit): every input reads the view's values, a written
+    tensor with the bit is refused with nothing written, and the native layer refuses the
+    bit rather than read the wrong signs."""
+    layout, pool, table, _, _ = _ragged_index_k(gen, device, lens=(20, 33, 7, 16))
+    q = torch.randn((4, 8, 128), generator=gen).to(torch.bfloat16).to(device)
+    w = torch.randn((4, 8), generator=gen).to(device)
+    cl = torch.tensor([20, 33, 7, 16], dtype=torch.int32, device=device)
+    t = table.to(device)
+    want = ops.indexer_logits(-q, -w, pool, t, layout, context_lens=cl)
+    got = ops.indexer_logits(torch._neg_view(q), torch._neg_view(w), pool, t, layout,
+                             context_lens=cl)
+    assert not torch.isnan(want).any() and torch.equal(got, want)
+    assert bool((want[:, :7] != 0).any())  # the signs matter: ReLU of the dot products
+
+    buf = torch.randn((4, 256), generator=gen).to(device)
+    logits = buf[:, :200]  # a padded row stride, otherwise read in place
+    assert torch.equal(ops.topk(torch._neg_view(logits), 16), ops.topk(-logits, 16))
+
+    out = torch.full((4, table.shape[1] * layout.page_size), 7.0, device=device)
+    with pytest.raises(ValueError, match="out.*negated"):
+        ops.indexer_logits(q, w, pool, t, layout, context_lens=cl, out=torch._neg_view(out))
+    assert bool((out == 7.0).all())
+
+    rows = torch.stack([torch.arange(4, dtype=torch.int32), torch.zeros(4, dtype=torch.int32),
+                        cl.cpu()], dim=1).to(device)
+    with pytest.raises(ValueError, match="q: .*negated.*resolve_neg"):
+        sparsekit._native.indexer_logits(layout, torch._neg_view(q), w, pool, t, rows,
+                                         out, None)
+    assert bool((out == 7.0).all())
+
+
+def test_no_backward_and_in_place_writes_seen_by_autograd(device, gen):
+    """The ops have no backward: under grad mode a tensor that requires grad is refused
+    (its gradient would silently miss the op), under no_grad it is fine; an in-place write
+    bumps the tensor's autograd version, so a graph that saved it refuses its backward."""
+    layout = KvLayout("bf16", 512, 64, 16)
+    cache = torch.zeros((2, 16, 1, layout.bytes_per_token), dtype=torch.uint8, device=device)
+    kv = torch.randn((5, 576), generator=gen).to(torch.bfloat16).to(device)
+    slots = torch.tensor([3, 17, 0, 30, 9], device=device)
+    ops.kv_store(kv, slots, cache, layout)
+    q = torch.randn((3, 4, 576), generator=gen).to(torch.bfloat16).to(device)
+    idx = torch.tensor([[3, 17, 0], [30, 9, -1], [0, 0, 3]], dtype=torch.int32, device=device)
+    want, _ = ops.sparse_mla(q, cache, idx, layout)
+    assert bool((want != 0).any())
+
+    qg = q.clone().requires_grad_()
+    with pytest.raises(ValueError, match="q: requires grad.*no backward"):
+        ops.sparse_mla(qg, cache, idx, layout)
+    with torch.no_grad():
+        got, _ = ops.sparse_mla(qg, cache, idx, layout)
+    assert torch.equal(got, want)
+
+    w = torch.ones(4, dtype=torch.bfloat16, device=device, requires_grad=True)
+    out = torch.full((3, 4, 512), 1.0, dtype=torch.bfloat16, device=device)
+    loss = (out * w[None, :, None]).sum()  # saves `out` for w's gradient
+    v = out._version
+    ops.sparse_mla(q, cache, idx, layout, out=out)
+    assert out._version > v and torch.equal(out, want)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+    v = cache._version
+    ops.kv_store(kv[:1], torch.tensor([1], device=device), cache, layout)
+    assert cache._version > v
+
+
+def test_tensors_without_memory_are_made_real_or_refused(device, gen):
+    """A lazily zero tensor has no memory (data_ptr() 0): an input one reads as zeros, and
+    the native layer refuses any tensor with elements at address 0 instead of touching it."""
+    layout = KvLayout("bf16", 512, 64, 16)
+    cache = torch.zeros((2, 16, 1, layout.bytes_per_token), dtype=torch.uint8, device=device)
+    ops.kv_store(torch.randn((32, 576), generator=gen).to(torch.bfloat16).to(device),
+                 torch.arange(32, device=device), cache, layout)
+    idx = torch.tensor([[3, 17, 0]] * 2, dtype=torch.int32, device=device)
+    zq = torch._efficientzerotensor((2, 4, 576), dtype=torch.bfloat16, device=device)
+    assert zq.data_ptr() == 0
+    out, lse = ops.sparse_mla(zq, cache, idx, layout)
+    ref, ref_lse = ops.sparse_mla(torch.zeros((2, 4, 576), dtype=torch.bfloat16, device=device),
+                                  cache, idx, layout)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    assert bool((out != 0).any())  # zero scores: the mean of the three values
+    lse_out = torch.empty((2, 4), device=device)
+    with pytest.raises(ValueError, match="q: has no memory"):
+        sparsekit._native.sparse_mla(layout, zq, cache, idx, torch.empty_like(out), lse_out, 0.1)

@@ -99,6 +99,8 @@ def _paged_index_k(kv_cache: torch.Tensor, head_dim: int, allow_fp4: bool = Fals
     fp4)``; ``fp4`` (only when ``allow_fp4``) when a 4-D cache's last dim is the fp4 key's
     ``head_dim / 2 + head_dim / 32`` bytes."""
     kv = ops._tensor("kv_cache", kv_cache)
+    if kv.dtype not in ops._CACHE_BYTES:
+        raise TypeError(f"kv_cache: dtype {kv.dtype} is not torch.uint8 (or float8_e4m3fn)")
     token = head_dim + 4
     fp4_token = head_dim // 2 + head_dim // 32
     fp4 = False
@@ -124,8 +126,6 @@ def _paged_index_k(kv_cache: torch.Tensor, head_dim: int, allow_fp4: bool = Fals
             f"kv_cache: expected [num_blocks, block_kv, 1, {token}] or "
             f"[num_blocks, block_kv * {token}], got {list(kv.shape)}"
         )
-    if kv.dtype.itemsize != 1:
-        raise TypeError(f"kv_cache: dtype {kv.dtype} is not a byte type (torch.uint8)")
     page = block_kv * token
     if not kv.is_contiguous():
         if kv.dim() == 4 and kv.stride(1) == token and kv.stride(3) == 1 and kv.stride(0) >= page:

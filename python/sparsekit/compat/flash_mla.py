@@ -110,7 +110,7 @@ def _kv_layout(name: str, cache: torch.Tensor, d_qk: int, d_v: int, is_fp8: bool
     if rope < 0:
         raise ValueError(f"head_dim_v: {d_v} is above q's head dim {d_qk}")
     if is_fp8:
-        if c.element_size() != 1:
+        if c.dtype not in ops._CACHE_BYTES:
             raise TypeError(f"{name}: an fp8 cache must be float8_e4m3fn or uint8, got {c.dtype}")
         try:
             layout = KvLayout("fp8_ds_mla", d_v, rope, block)
@@ -174,7 +174,7 @@ def _kv_layout_v4(name: str, cache: torch.Tensor, is_fp8: bool):
         return idx
 
     if is_fp8:
-        if c.element_size() != 1:
+        if c.dtype not in ops._CACHE_BYTES:
             raise TypeError(f"{name}: a MODEL1 fp8 cache must be float8_e4m3fn or uint8, got {c.dtype}")
         if last != _MODEL1_TOKEN:
             raise ValueError(f"{name}: a MODEL1 fp8 cache has {_MODEL1_TOKEN} bytes per token "
