@@ -28,6 +28,27 @@ pub(crate) unsafe fn host_rows(rows: &Tensor) -> PyResult<Vec<QueryRange>> {
         .collect()
 }
 
+/// The page table `ps` of `requests × max_pages` entries. A table of no column maps no
+/// position: a `ValueError` naming the first row that sees one (the library's table needs
+/// a row length to count its requests).
+pub(crate) fn page_table_of<'a>(
+    ps: &'a [i32],
+    requests: usize,
+    max_pages: usize,
+    rows: &[QueryRange],
+) -> PyResult<PageTable<'a>> {
+    if max_pages == 0 {
+        if let Some((i, r)) = rows.iter().enumerate().find(|(_, r)| r.start < r.end) {
+            return Err(PyValueError::new_err(format!(
+                "page_table: has no column (shape [{requests}, 0]), but rows[{i}] sees \
+                 positions [{}, {})",
+                r.start, r.end
+            )));
+        }
+    }
+    PageTable::new(ps, max_pages.max(1)).map_err(py_err)
+}
+
 pub(crate) fn check_2d(t: &Tensor, cols: usize) -> PyResult<usize> {
     if t.shape.len() != 2 || t.shape[1] != cols {
         return Err(PyValueError::new_err(format!(
@@ -233,7 +254,7 @@ pub(crate) fn indexer_logits(
             let op = IndexerLogits {
                 layout: layout.0,
                 n_heads,
-                page_table: PageTable::new(ps, max_pages.max(1)).map_err(py_err)?,
+                page_table: page_table_of(ps, n_req, max_pages, &host)?,
                 rows: host,
                 row_stride,
             };
@@ -409,7 +430,7 @@ pub(crate) fn topk(
             }
             let output = match (&pt, ps, page_size) {
                 (Some(p), Some(ps), Some(page_size)) => TopkOutput::Slots {
-                    page_table: PageTable::new(ps, p.shape[1].max(1)).map_err(py_err)?,
+                    page_table: page_table_of(ps, p.shape[0], p.shape[1], &host)?,
                     page_size,
                 },
                 _ => TopkOutput::Positions,

@@ -232,6 +232,12 @@ def test_indexer_errors(device, gen):
             ops.indexer_logits(q, w, pool, t, layout, context_lens=cl, row_stride=10)
         with pytest.raises(ValueError, match="context_lens"):
             ops.indexer_logits(q, w, pool, t, layout, context_lens=-cl)
+        none = torch.zeros((4, 0), dtype=torch.int32)
+        with pytest.raises(ValueError, match=r"page_table: has no column .*rows\[0\]"):
+            ops.indexer_logits(q, w, pool, none, layout, context_lens=cl, row_stride=40)
+        with pytest.raises(ValueError, match=r"page_table: has no column .*rows\[1\]"):
+            ops.topk(torch.randn((4, 40)), 4, page_table=none, page_size=16,
+                     rows=torch.tensor([[0, 0, 0], [1, 2, 5], [2, 0, 0], [3, 0, 0]]))
 
 
 # ------------------------------------------------------------------ top-k
