@@ -66,13 +66,13 @@ fn python_package_pytest_suite_on_cpu() {
     let probe = Command::new(&py)
         .args([
             "-c",
-            "import torch, pytest; import maturin; print(torch.__version__)",
+            "import torch, pytest, maturin, mypy; print(torch.__version__)",
         ])
         .output();
     let missing = match &probe {
         Err(e) => Some(format!("{py} is not runnable: {e}")),
         Ok(o) if !o.status.success() => Some(format!(
-            "{py} lacks torch, pytest or maturin ({})",
+            "{py} lacks torch, pytest, maturin or mypy ({})",
             String::from_utf8_lossy(&o.stderr)
                 .lines()
                 .last()
@@ -111,7 +111,11 @@ fn python_package_pytest_suite_on_cpu() {
         "validation",
         "benches",
     ] {
-        newest(&root.join(d), &[".rs", ".py", ".toml"], &mut inputs);
+        newest(
+            &root.join(d),
+            &[".rs", ".py", ".pyi", ".typed", ".toml"],
+            &mut inputs,
+        );
     }
     for f in ["build.rs", "Cargo.toml", "Cargo.lock"] {
         if let Ok(t) = std::fs::metadata(root.join(f)).and_then(|m| m.modified()) {

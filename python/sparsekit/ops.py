@@ -281,7 +281,8 @@ def decode_rows(context_lens: torch.Tensor, next_n: int = 1) -> torch.Tensor:
     return _values(rows)
 
 
-def _rows_arg(rows, context_lens, next_n, n_expected: Optional[int], device) -> torch.Tensor:
+def _rows_arg(rows, context_lens, next_n, n_expected: Optional[int],
+              device) -> Optional[torch.Tensor]:
     if rows is not None and context_lens is not None:
         raise ValueError("rows: give rows or context_lens, not both")
     if rows is not None:
@@ -530,7 +531,7 @@ def topk(logits: torch.Tensor, k: int, *, rows: Optional[torch.Tensor] = None,
     if dev.type == "cuda":
         if _check_device_metadata():
             _host_check_rows(r, width=width, n_requests=None if pt is None else pt.shape[0])
-        covered = None if pt is None else pt.shape[1] * page_size
+        covered = None if pt is None or page_size is None else pt.shape[1] * page_size
         r = _sanitize_rows(r, width=width, n_requests=None if pt is None else pt.shape[0],
                            covered=covered)
         row_stride = logits.stride(0) if n > 1 else width
