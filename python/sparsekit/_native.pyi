@@ -14,6 +14,7 @@ __all__ = [
     "kv_store",
     "indexer_logits",
     "topk",
+    "decode_rows",
     "topk_scratch_bytes",
     "sparse_mla",
     "sparse_mla_scratch_bytes",
@@ -123,6 +124,7 @@ def indexer_logits(
     out: torch.Tensor,
     stream: Optional[int] = None,
 ) -> None: ...
+def decode_rows(context_lens: torch.Tensor, next_n: int, out: torch.Tensor) -> None: ...
 def topk_scratch_bytes(n_rows: int, row_stride: int, k: int) -> Tuple[int, int]: ...
 def topk(
     logits: torch.Tensor,

@@ -245,6 +245,17 @@ def decode_rows(context_lens: torch.Tensor, next_n: int = 1) -> torch.Tensor:
     if not isinstance(next_n, int) or next_n < 1:
         raise ValueError(f"next_n: must be a positive int, got {next_n!r}")
     dev = context_lens.device
+    if dev.type == "cpu" and context_lens.dim() in (1, 2):
+        # The same rows and checks in one native pass (the torch ops below cost ~30 µs).
+        if context_lens.dim() == 2 and context_lens.shape[1] != next_n:
+            if next_n != 1:
+                raise ValueError(f"context_lens: shape {list(context_lens.shape)} does not "
+                                 f"match next_n={next_n}")
+            next_n = context_lens.shape[1]
+        if next_n >= 1:
+            rows = torch.empty((context_lens.shape[0] * next_n, 3), dtype=torch.int32)
+            _native.decode_rows(_values(context_lens), next_n, rows)
+            return rows
     # Every end is then at most a length, inside int32.
     lens = _narrow_i32("context_lens", context_lens).to(torch.int64)
     cpu = dev.type == "cpu"

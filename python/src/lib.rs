@@ -84,6 +84,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kv_store, m)?)?;
     m.add_function(wrap_pyfunction!(indexer_logits, m)?)?;
     m.add_function(wrap_pyfunction!(topk, m)?)?;
+    m.add_function(wrap_pyfunction!(decode_rows, m)?)?;
     m.add_function(wrap_pyfunction!(topk_scratch_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(sparse_mla, m)?)?;
     m.add_function(wrap_pyfunction!(sparse_mla_scratch_bytes, m)?)?;

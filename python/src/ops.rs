@@ -49,6 +49,104 @@ pub(crate) fn page_table_of<'a>(
     PageTable::new(ps, max_pages.max(1)).map_err(py_err)
 }
 
+/// `decode_rows(context_lens, next_n, out)`: the query rows of the decode form into `out`
+/// (int32 `[b · next_n, 3]`, CPU, contiguous), from `context_lens` (int32 or int64, CPU,
+/// contiguous): `[b]`, request `b` of context `L` contributing rows `j < next_n` that see
+/// `[0, L − next_n + j + 1)`; or `[b, next_n]`, row `(b, j)` seeing `[0, lens[b, j])`.
+/// A length outside int32, a context shorter than `next_n` (`[b]`) or a negative length
+/// (`[b, next_n]`) is a `ValueError` naming the first one, and `out` is not written.
+/// `sparsekit.ops.decode_rows`' CPU path (its torch ops cost ~30 µs a call).
+#[pyfunction]
+pub(crate) fn decode_rows(
+    context_lens: &Bound<'_, PyAny>,
+    next_n: usize,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let lens = Tensor::of("context_lens", context_lens)?;
+    let out = Tensor::of("out", out)?;
+    lens.dtype_in(&["int32", "int64"])?.contiguous()?;
+    out.dtype_in(&["int32"])?.contiguous()?;
+    if common_device(&[&lens, &out])? != Device::Cpu {
+        return Err(PyValueError::new_err(
+            "context_lens: decode_rows here takes CPU tensors",
+        ));
+    }
+    let (b, per, two_d) = match lens.shape.as_slice() {
+        [b] => (*b, next_n, false),
+        [b, n] if *n == next_n => (*b, next_n, true),
+        s => {
+            return Err(PyValueError::new_err(format!(
+                "context_lens: expected [b] or [b, {next_n}], got shape {s:?}"
+            )))
+        }
+    };
+    if next_n == 0 {
+        return Err(PyValueError::new_err(
+            "next_n: must be a positive int, got 0",
+        ));
+    }
+    let n_rows = b
+        .checked_mul(per)
+        .filter(|&n| i32::try_from(n).is_ok())
+        .ok_or_else(|| PyValueError::new_err("context_lens: more rows than int32 can count"))?;
+    if out.shape != [n_rows, 3] {
+        return Err(PyValueError::new_err(format!(
+            "out: expected shape [{n_rows}, 3], got {:?}",
+            out.shape
+        )));
+    }
+    let (lb, ob) = (lens.bytes()?, out.bytes()?);
+    no_overlap(&[(&out, ob)], &[(&lens, lb)])?;
+    // SAFETY: contiguous CPU tensors alive for the call, sizes checked against their
+    // storage; the output overlaps the input nowhere.
+    let (wide, os) = unsafe {
+        let wide: Vec<i64> = match lens.dtype.as_str() {
+            "int32" => lens.slice::<i32>(lb)?.iter().map(|&x| x.into()).collect(),
+            _ => lens.slice::<i64>(lb)?.to_vec(),
+        };
+        (wide, out.slice_mut::<i32>(ob)?)
+    };
+    let at = |i: usize| {
+        if two_d {
+            format!("context_lens[{}][{}]", i / per, i % per)
+        } else {
+            format!("context_lens[{i}]")
+        }
+    };
+    // Checked in full before anything is written.
+    for (i, &l) in wide.iter().enumerate() {
+        if i32::try_from(l).is_err() {
+            return Err(PyValueError::new_err(format!(
+                "{} = {l} does not fit in int32",
+                at(i)
+            )));
+        }
+        if two_d && l < 0 {
+            return Err(PyValueError::new_err(format!(
+                "{} = {l} is negative",
+                at(i)
+            )));
+        }
+        if !two_d && l < next_n as i64 {
+            return Err(PyValueError::new_err(format!(
+                "{} = {l}: a context shorter than next_n={next_n}",
+                at(i)
+            )));
+        }
+    }
+    for (r, row) in os.chunks_exact_mut(3).enumerate() {
+        let (req, j) = (r / per, r % per);
+        let end = if two_d {
+            wide[r]
+        } else {
+            wide[req] - (next_n - 1 - j) as i64
+        };
+        // In range: every length fits in int32 and every end lies in 0..=its length.
+        row.copy_from_slice(&[req as i32, 0, end as i32]);
+    }
+    Ok(())
+}
+
 pub(crate) fn check_2d(t: &Tensor, cols: usize) -> PyResult<usize> {
     if t.shape.len() != 2 || t.shape[1] != cols {
         return Err(PyValueError::new_err(format!(

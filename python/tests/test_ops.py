@@ -445,6 +445,32 @@ def test_decode_rows_checks_every_short_context(device):
         [0, 0, 1], [0, 0, 2]]
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_decode_rows_match_their_definition(device, gen, dtype):
+    """Both forms against the definition, on random lengths (the CPU path is native)."""
+    for next_n in (1, 2, 3):
+        lens = torch.randint(next_n, 500, (7,), generator=gen)
+        got = ops.decode_rows(lens.to(dtype).to(device), next_n).cpu()
+        want = [[b, 0, int(lens[b]) - next_n + j + 1] for b in range(7) for j in range(next_n)]
+        assert got.dtype == torch.int32 and got.tolist() == want
+        lens2 = torch.randint(0, 500, (5, next_n), generator=gen)
+        got = ops.decode_rows(lens2.to(dtype).to(device), next_n).cpu()
+        want = [[b, 0, int(lens2[b, j])] for b in range(5) for j in range(next_n)]
+        assert got.tolist() == want
+    # [b, n] with the default next_n takes n; a view with strides is read by value.
+    lens2 = torch.randint(0, 500, (4, 6), generator=gen).to(dtype).to(device)
+    assert ops.decode_rows(lens2[:, ::2]).cpu().tolist() == [
+        [b, 0, int(lens2[b, 2 * j])] for b in range(4) for j in range(3)]
+    assert ops.decode_rows(torch.zeros((3, 0), dtype=dtype, device=device)).shape == (0, 3)
+    if device.type == "cpu":
+        with pytest.raises(ValueError, match=r"context_lens\[1\] = 2147483648 does not fit"):
+            ops.decode_rows(torch.tensor([5, 2**31, 7]))
+        with pytest.raises(ValueError, match=r"context_lens\[2\] = 1: a context shorter"):
+            ops.decode_rows(torch.tensor([5, 3, 1], dtype=dtype), 2)
+        with pytest.raises(ValueError, match="does not match next_n=2"):
+            ops.decode_rows(torch.tensor([[5, 3, 1]], dtype=dtype), 2)
+
+
 def test_zero_width_logits_and_a_wrong_layout_type(device, gen):
     out = ops.topk(torch.empty((3, 0), device=device), 2)
     assert out.shape == (3, 2) and bool((out == -1).all())
