@@ -140,7 +140,8 @@ def _values(t: torch.Tensor) -> torch.Tensor:
 def _wrote(*tensors: torch.Tensor) -> None:
     """Counts the native call's in-place writes in each tensor's autograd version, as
     torch's own in-place ops do: a graph that saved one of them for its backward then
-    refuses to run instead of reading the new values."""
+    refuses to run instead of reading the new values (an inference tensor, which has no
+    version, takes it as a no-op)."""
     for t in tensors:
         torch.autograd.graph.increment_version(t)
 

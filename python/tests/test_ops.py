@@ -550,6 +550,12 @@ def test_no_backward_and_in_place_writes_seen_by_autograd(device, gen):
     ops.kv_store(kv[:1], torch.tensor([1], device=device), cache, layout)
     assert cache._version > v
 
+    # A pool made under inference mode (a serving engine's) is written from grad mode too.
+    with torch.inference_mode():
+        pool = torch.zeros_like(cache)
+    ops.kv_store(kv, slots, pool, layout)
+    assert torch.equal(ops.sparse_mla(q, pool, idx, layout)[0], want)
+
 
 def test_tensors_without_memory_are_made_real_or_refused(device, gen):
     """A lazily zero tensor has no memory (data_ptr() 0): an input one reads as zeros, and
