@@ -402,7 +402,7 @@ impl Engine {
             prefill_end: req.prompt.len(),
             reuse: true,
             fallbacks: 0,
-            text: TextStream::new(&req.sampling.stop),
+            text: TextStream::with_min_tokens(&req.sampling.stop, req.sampling.min_new_tokens),
             tokens: req.prompt,
             computed: 0,
             params: req.sampling,

@@ -3,14 +3,19 @@
 //! OpenAI error shape.
 //!
 //! Parsing is strict about types (a wrong type names the field in a 400) and lenient about
-//! unknown fields (clients send many we do not use). Sampling options are in
-//! [`super::options`]: each is honoured or refused with a 400 naming it, never ignored.
+//! unknown fields (clients send many we do not use), except the options of other servers'
+//! APIs that would change the answer ([`super::options::NOT_HONOURED_OPENAI`] and the
+//! like): those are refused. Sampling options are in [`super::options`]: each is honoured
+//! or refused with a 400 naming it, never ignored.
 
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+use super::options::{
+    refuse_not_honoured, NOT_HONOURED_GENERATE, NOT_HONOURED_OPENAI, NOT_HONOURED_SGL_SAMPLING,
+};
 pub use super::options::{OpenAiSampling, SglSampling, Stop, StreamOptions};
 use crate::engine::sampling::SamplingParams;
 use crate::engine::tokenizer;
@@ -204,10 +209,24 @@ impl CompletionRequest {
     /// Parses the body, sampling fields included.
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
         let v = parse_json(body)?;
+        refuse_not_honoured(&v, NOT_HONOURED_OPENAI, "")?;
         let mut r: Self = from_value(&v)?;
         r.sampling = from_value(&v)?;
+        check_stream_options(r.stream, &r.stream_options)?;
         Ok(r)
     }
+}
+
+/// `stream_options` only with `stream` (OpenAI's rule: without a stream it would do
+/// nothing).
+fn check_stream_options(stream: bool, o: &Option<StreamOptions>) -> Result<(), ApiError> {
+    if o.is_some() && !stream {
+        return Err(
+            ApiError::bad_request("stream_options is only allowed when stream is true")
+                .with_param("stream_options"),
+        );
+    }
+    Ok(())
 }
 
 /// Content of a chat message: text or a list of parts (only `text` parts are supported).
@@ -263,8 +282,18 @@ impl ChatRequest {
     /// Parses the body, sampling fields included.
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
         let v = parse_json(body)?;
+        refuse_not_honoured(&v, NOT_HONOURED_OPENAI, "")?;
+        // The prompt always ends with the assistant's turn opened (vLLM's default).
+        if v.get("add_generation_prompt") == Some(&Value::Bool(false)) {
+            return Err(ApiError::bad_request(
+                "add_generation_prompt false is not supported by this server (the reply \
+                 always starts a new assistant turn)",
+            )
+            .with_param("add_generation_prompt"));
+        }
         let mut r: Self = from_value(&v)?;
         r.sampling = from_value(&v)?;
+        check_stream_options(r.stream, &r.stream_options)?;
         Ok(r)
     }
 }
@@ -286,6 +315,16 @@ pub struct GenerateBody {
 }
 
 impl GenerateBody {
+    /// Parses the body, refusing the SGLang options this server does not implement.
+    pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
+        let v = parse_json(body)?;
+        refuse_not_honoured(&v, NOT_HONOURED_GENERATE, "")?;
+        if let Some(sp) = v.get("sampling_params") {
+            refuse_not_honoured(sp, NOT_HONOURED_SGL_SAMPLING, "sampling_params.")?;
+        }
+        from_value(&v)
+    }
+
     /// Prompt tokens: `input_ids` as given, or `text` with `<|bos|>` first.
     pub fn tokens(&self) -> Result<Vec<u32>, ApiError> {
         match (&self.text, &self.input_ids) {
@@ -369,6 +408,69 @@ mod tests {
         assert!(e.is_some_and(|e| e.message.contains("object")));
         let e = CompletionRequest::parse(br#"{"prompt":"x"}"#).err();
         assert!(e.is_some_and(|e| e.message.contains("model")));
+    }
+
+    #[test]
+    fn other_servers_options_that_change_the_reply_are_refused() {
+        let param = |r: Result<(), ApiError>| r.err().and_then(|e| e.param);
+        let completion = |extra: &str| {
+            let body = format!(r#"{{"model":"tiny","prompt":"x"{extra}}}"#);
+            param(CompletionRequest::parse(body.as_bytes()).map(|_| ()))
+        };
+        assert_eq!(
+            completion(r#","guided_json":{}"#),
+            Some("guided_json".into())
+        );
+        assert_eq!(
+            completion(r#","prompt_logprobs":1"#),
+            Some("prompt_logprobs".into())
+        );
+        assert_eq!(
+            completion(r#","stream_options":{}"#),
+            Some("stream_options".into())
+        );
+        // null and false ask for nothing; other unknown fields are ignored.
+        for extra in [
+            r#","guided_json":null"#,
+            r#","include_stop_str_in_output":false"#,
+            r#","stream":true,"stream_options":{"include_usage":true}"#,
+            r#","metadata":{"a":"b"},"service_tier":"auto""#,
+        ] {
+            assert_eq!(completion(extra), None, "{extra}");
+        }
+        let chat = |extra: &str| {
+            let body = format!(
+                r#"{{"model":"tiny","messages":[{{"role":"user","content":"x"}}]{extra}}}"#
+            );
+            param(ChatRequest::parse(body.as_bytes()).map(|_| ()))
+        };
+        assert_eq!(
+            chat(r#","add_generation_prompt":false"#),
+            Some("add_generation_prompt".into())
+        );
+        assert_eq!(chat(r#","add_generation_prompt":true"#), None);
+        assert_eq!(
+            chat(r#","reasoning_effort":"low""#),
+            Some("reasoning_effort".into())
+        );
+        let generate = |body: &str| param(GenerateBody::parse(body.as_bytes()).map(|_| ()));
+        assert_eq!(
+            generate(r#"{"text":"x","return_logprob":true}"#),
+            Some("return_logprob".into())
+        );
+        assert_eq!(
+            generate(r#"{"text":"x","sampling_params":{"no_stop_trim":true}}"#),
+            Some("sampling_params.no_stop_trim".into())
+        );
+        assert_eq!(
+            generate(r#"{"text":"x","return_logprob":false,"sampling_params":{}}"#),
+            None
+        );
+        // SGLang's logit_bias is honoured like OpenAI's.
+        let b = GenerateBody::parse(br#"{"text":"x","sampling_params":{"logit_bias":{"65":-5}}}"#)
+            .and_then(|b| b.params())
+            .unwrap_or_else(|e| panic!("{e:?}"));
+        assert_eq!(b.logit_bias, vec![(65, -5.0)]);
     }
 
     #[test]

@@ -151,7 +151,7 @@ impl App {
         body: &[u8],
         meta: &Meta,
     ) -> Result<Resp, ApiError> {
-        let b: GenerateBody = super::api::parse(body)?;
+        let b = GenerateBody::parse(body)?;
         if let Some(rid) = &b.rid {
             check_client_id(rid, "rid")?;
         }

@@ -4,7 +4,10 @@
 //! `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `response_format`
 //! `text` and `json_object`), refused with a 400 naming it (`n` > 1, `best_of` > 1,
 //! `logprobs`, `top_logprobs`, `echo`, `suffix`, `min_p` > 0, `response_format`
-//! `json_schema`, `functions`), and a 400 for a malformed value of any of them.
+//! `json_schema` or a schema with `json_object`, `functions`, `max_tokens` and
+//! `max_completion_tokens` that disagree, and the options of other servers' APIs in
+//! [`NOT_HONOURED_OPENAI`], [`NOT_HONOURED_GENERATE`] and [`NOT_HONOURED_SGL_SAMPLING`]),
+//! and a 400 for a malformed value of any of them.
 //!
 //! A request without a `seed` gets a fresh one (53 random bits, exact in JSON): it is
 //! reported in the response (`seed`, or `meta_info.seed`) so the reply can be replayed.
@@ -75,15 +78,96 @@ pub struct OpenAiSampling {
     pub function_call: Option<Value>,
 }
 
-/// `response_format`.
+/// `response_format`: its `type`, and whatever else it carries (a schema given with
+/// `json_object`, as some servers take it, is refused rather than left unenforced).
 #[derive(Clone, Debug, Deserialize)]
 pub struct ResponseFormat {
     #[serde(rename = "type")]
     pub kind: String,
+    #[serde(flatten)]
+    pub rest: serde_json::Map<String, Value>,
 }
 
 /// Default generation budget when a request names none (capped by the context left).
 pub const DEFAULT_MAX_TOKENS: usize = 256;
+
+/// Options of other servers' OpenAI-style APIs (vLLM's, newer OpenAI's) that change what
+/// is generated or returned, which this server does not implement. Unknown fields are
+/// otherwise ignored (clients send many harmless ones), but a request naming one of these
+/// with a value other than `null` or `false` would get an answer that silently is not
+/// what it asked for: it is refused, the field named.
+pub const NOT_HONOURED_OPENAI: &[&str] = &[
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    "structured_outputs",
+    "structural_tag",
+    "include_stop_str_in_output",
+    "prompt_logprobs",
+    "use_beam_search",
+    "allowed_token_ids",
+    "bad_words",
+    "truncate_prompt_tokens",
+    "logits_processors",
+    "return_tokens_as_token_ids",
+    "continue_final_message",
+    "chat_template",
+    "chat_template_kwargs",
+    "documents",
+    "mm_processor_kwargs",
+    "reasoning_effort",
+    "modalities",
+    "audio",
+    "prediction",
+    "web_search_options",
+];
+
+/// The same for SGLang's `/generate`: its body's fields.
+pub const NOT_HONOURED_GENERATE: &[&str] = &[
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "token_ids_logprob",
+    "return_text_in_logprobs",
+    "return_hidden_states",
+    "image_data",
+    "audio_data",
+    "video_data",
+    "lora_path",
+    "custom_logit_processor",
+    "session_params",
+];
+
+/// The same for `/generate`'s `sampling_params`.
+pub const NOT_HONOURED_SGL_SAMPLING: &[&str] = &[
+    "no_stop_trim",
+    "stop_regex",
+    "custom_params",
+    "structural_tag",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+];
+
+/// A 400 naming the first field of `obj` in `names` whose value is not `null` or `false`
+/// (`prefix` goes before the name: `sampling_params.`).
+pub fn refuse_not_honoured(obj: &Value, names: &[&str], prefix: &str) -> Result<(), ApiError> {
+    let Some(map) = obj.as_object() else {
+        return Ok(());
+    };
+    match names.iter().find(|n| {
+        map.get(**n)
+            .is_some_and(|v| !v.is_null() && v != &Value::Bool(false))
+    }) {
+        Some(n) => Err(unsupported(
+            &format!("{prefix}{n}"),
+            &format!("{prefix}{n}"),
+        )),
+        None => Ok(()),
+    }
+}
 
 fn unsupported(param: &str, what: &str) -> ApiError {
     ApiError::bad_request(format!("{what} is not supported by this server")).with_param(param)
@@ -103,8 +187,8 @@ fn top_k(k: Option<i64>, param: &str) -> Result<usize, ApiError> {
 /// `logit_bias`: token ids (as JSON object keys: decimal digits only) to biases, one entry
 /// per token (`"65"` and `"065"` name one token twice: a 400, so that no sum of entries
 /// passes the bound on a bias).
-fn logit_bias(m: &HashMap<String, f32>) -> Result<Vec<(u32, f32)>, ApiError> {
-    let bad = |msg: String| ApiError::bad_request(msg).with_param("logit_bias");
+fn logit_bias(m: &HashMap<String, f32>, param: &str) -> Result<Vec<(u32, f32)>, ApiError> {
+    let bad = |msg: String| ApiError::bad_request(msg).with_param(param);
     let mut v = Vec::with_capacity(m.len());
     for (k, &b) in m {
         let t = if !k.is_empty() && k.bytes().all(|c| c.is_ascii_digit()) {
@@ -188,10 +272,31 @@ impl OpenAiSampling {
                 .with_param("response_format.type"))
             }
         };
+        if let Some(key) = self.response_format.as_ref().and_then(|f| {
+            f.rest
+                .iter()
+                .find(|(k, v)| k.as_str() != "type" && !v.is_null())
+                .map(|(k, _)| k.clone())
+        }) {
+            let p = format!("response_format.{key}");
+            return Err(unsupported(&p, &p));
+        }
+        // The field the client sent (both only when they agree).
+        let max_param = match (self.max_tokens, self.max_completion_tokens) {
+            (Some(a), Some(b)) if a != b => {
+                return Err(ApiError::bad_request(format!(
+                    "max_tokens ({a}) and max_completion_tokens ({b}) disagree: give one"
+                ))
+                .with_param("max_completion_tokens"))
+            }
+            (None, Some(_)) => "max_completion_tokens",
+            _ => "max_tokens",
+        };
         let max = match self.max_completion_tokens.or(self.max_tokens) {
             Some(0) => {
                 return Err(
-                    ApiError::bad_request("max_tokens must be at least 1").with_param("max_tokens")
+                    ApiError::bad_request(format!("{max_param} must be at least 1"))
+                        .with_param(max_param),
                 )
             }
             Some(m) => usize::try_from(m).unwrap_or(usize::MAX),
@@ -212,7 +317,7 @@ impl OpenAiSampling {
             logit_bias: self
                 .logit_bias
                 .as_ref()
-                .map(logit_bias)
+                .map(|m| logit_bias(m, "logit_bias"))
                 .transpose()?
                 .unwrap_or_default(),
             repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
@@ -221,7 +326,11 @@ impl OpenAiSampling {
             json_object,
         };
         p.check().map_err(|e| {
-            ApiError::bad_request(e.message).with_param(openai_param(e.field).to_string())
+            let field = match openai_param(e.field) {
+                "max_tokens" => max_param,
+                f => f,
+            };
+            ApiError::bad_request(e.message).with_param(field.to_string())
         })?;
         Ok(p)
     }
@@ -249,6 +358,7 @@ pub struct SglSampling {
     pub json_schema: Option<Value>,
     pub regex: Option<Value>,
     pub ebnf: Option<Value>,
+    pub logit_bias: Option<HashMap<String, f32>>,
 }
 
 impl SglSampling {
@@ -290,6 +400,12 @@ impl SglSampling {
             repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
             presence_penalty: self.presence_penalty.unwrap_or(0.0),
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            logit_bias: self
+                .logit_bias
+                .as_ref()
+                .map(|m| logit_bias(m, &param("logit_bias")))
+                .transpose()?
+                .unwrap_or_default(),
             ..Default::default()
         };
         p.check()
@@ -345,6 +461,22 @@ mod tests {
             (
                 serde_json::json!({"presence_penalty": 3}),
                 "presence_penalty",
+            ),
+            (
+                serde_json::json!({"response_format": {"type": "json_object", "schema": {}}}),
+                "response_format.schema",
+            ),
+            (
+                serde_json::json!({"max_tokens": 5, "max_completion_tokens": 6}),
+                "max_completion_tokens",
+            ),
+            (
+                serde_json::json!({"max_completion_tokens": 0}),
+                "max_completion_tokens",
+            ),
+            (
+                serde_json::json!({"max_completion_tokens": 5, "min_tokens": 9}),
+                "min_tokens",
             ),
         ] {
             let e = params(body.clone()).err();
