@@ -116,13 +116,84 @@ impl From<EngineError> for ApiError {
     }
 }
 
-/// Parses a JSON body that must be an object.
+/// A JSON value none of whose objects names a key twice. `serde_json::Value` keeps the
+/// last of a repeated key, so `{"max_tokens": 5, "max_tokens": 100000}` would run with
+/// 100000 and `{"65": 60, "65": 60}` pass the one-entry-per-token rule of `logit_bias`:
+/// such a body is refused instead.
+struct UniqueKeys(Value);
+
+impl<'de> Deserialize<'de> for UniqueKeys {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(UniqueKeysVisitor).map(UniqueKeys)
+    }
+}
+
+struct UniqueKeysVisitor;
+
+impl<'de> serde::de::Visitor<'de> for UniqueKeysVisitor {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(v.to_owned()))
+    }
+    fn visit_string<E>(self, v: String) -> Result<Value, E> {
+        Ok(Value::String(v))
+    }
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_none<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        UniqueKeys::deserialize(d).map(|u| u.0)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut v = Vec::new();
+        while let Some(UniqueKeys(x)) = seq.next_element()? {
+            v.push(x);
+        }
+        Ok(Value::Array(v))
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut m = serde_json::Map::new();
+        while let Some(k) = map.next_key::<String>()? {
+            let UniqueKeys(v) = map.next_value()?;
+            if m.contains_key(&k) {
+                return Err(serde::de::Error::custom(format_args!(
+                    "the key {k:?} appears twice in one object"
+                )));
+            }
+            m.insert(k, v);
+        }
+        Ok(Value::Object(m))
+    }
+}
+
+/// Parses a JSON body that must be an object (no object in it naming a key twice).
 pub fn parse_json(body: &[u8]) -> Result<Value, ApiError> {
-    let v: Value = serde_json::from_slice(body).map_err(|e| {
-        ApiError::bad_request(format!(
-            "We could not parse the JSON body of your request ({e}). Send valid JSON."
-        ))
-    })?;
+    let v: Value = serde_json::from_slice::<UniqueKeys>(body)
+        .map(|u| u.0)
+        .map_err(|e| {
+            ApiError::bad_request(format!(
+                "We could not parse the JSON body of your request ({e}). Send valid JSON."
+            ))
+        })?;
     if !v.is_object() {
         return Err(ApiError::bad_request(
             "the request body must be a JSON object",
@@ -408,6 +479,29 @@ mod tests {
         assert!(e.is_some_and(|e| e.message.contains("object")));
         let e = CompletionRequest::parse(br#"{"prompt":"x"}"#).err();
         assert!(e.is_some_and(|e| e.message.contains("model")));
+    }
+
+    #[test]
+    fn a_key_given_twice_is_refused_at_any_depth() {
+        for body in [
+            &br#"{"model":"tiny","prompt":"x","max_tokens":5,"max_tokens":100000}"#[..],
+            br#"{"model":"tiny","prompt":"x","logit_bias":{"65":60,"65":60}}"#,
+            br#"{"model":"tiny","prompt":"x","stop":[{"a":1,"a":2}]}"#,
+        ] {
+            let e = CompletionRequest::parse(body).err();
+            assert!(
+                e.as_ref()
+                    .is_some_and(|e| e.status == 400 && e.message.contains("appears twice")),
+                "{e:?}"
+            );
+        }
+        // The same keys in different objects, every JSON type, nesting: read as before.
+        let v = parse_json(br#"{"a":{"x":1},"b":{"x":[1,-2,3.5,"s",null,true,{"x":{}}]}}"#)
+            .unwrap_or_else(|e| panic!("{e:?}"));
+        assert_eq!(
+            v,
+            serde_json::json!({"a":{"x":1},"b":{"x":[1,-2,3.5,"s",null,true,{"x":{}}]}})
+        );
     }
 
     #[test]
