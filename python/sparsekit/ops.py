@@ -245,47 +245,32 @@ def decode_rows(context_lens: torch.Tensor, next_n: int = 1) -> torch.Tensor:
     context_lens = _tensor("context_lens", context_lens, dtypes=(torch.int32, torch.int64))
     if not isinstance(next_n, int) or next_n < 1:
         raise ValueError(f"next_n: must be a positive int, got {next_n!r}")
-    dev = context_lens.device
-    if dev.type == "cpu" and context_lens.dim() in (1, 2):
-        # The same rows and checks in one native pass (the torch ops below cost ~30 µs).
-        if context_lens.dim() == 2 and context_lens.shape[1] != next_n:
+    if context_lens.dim() == 2:
+        if context_lens.shape[1] != next_n:
             if next_n != 1:
                 raise ValueError(f"context_lens: shape {list(context_lens.shape)} does not "
                                  f"match next_n={next_n}")
             next_n = context_lens.shape[1]
-        if next_n >= 1:
-            rows = torch.empty((context_lens.shape[0] * next_n, 3), dtype=torch.int32)
+    elif context_lens.dim() != 1:
+        raise ValueError(
+            f"context_lens: expected [b] or [b, next_n], got shape {list(context_lens.shape)}"
+        )
+    dev = context_lens.device
+    if dev.type == "cpu":
+        # The rows and every check in one native pass (torch ops would cost ~30 µs).
+        rows = torch.empty((context_lens.shape[0] * next_n, 3), dtype=torch.int32)
+        if rows.numel():
             _native.decode_rows(_values(context_lens), next_n, rows)
-            return rows
-    # Every end is then at most a length, inside int32.
+        return rows
+    # On CUDA nothing is read back: every end is at most a length, inside int32, and one
+    # that falls below 0 becomes an empty row.
     lens = _narrow_i32("context_lens", context_lens).to(torch.int64)
-    cpu = dev.type == "cpu"
+    b = lens.shape[0]
     if lens.dim() == 1:
-        b = lens.shape[0]
-        # Checked before anything of next_n's size is allocated.
-        if cpu and b and bool((lens < next_n).any()):
-            r = int((lens < next_n).nonzero()[0][0])
-            raise ValueError(
-                f"context_lens[{r}] = {int(lens[r])}: a context shorter than next_n={next_n}"
-            )
         j = torch.arange(next_n, device=dev, dtype=torch.int64)
         ends = lens[:, None] - (next_n - 1 - j)[None, :]
-    elif lens.dim() == 2:
-        b = lens.shape[0]
-        if lens.shape[1] != next_n:
-            if next_n != 1:
-                raise ValueError(
-                    f"context_lens: shape {list(lens.shape)} does not match next_n={next_n}"
-                )
-            next_n = lens.shape[1]
-        ends = lens
     else:
-        raise ValueError(
-            f"context_lens: expected [b] or [b, next_n], got shape {list(lens.shape)}"
-        )
-    if cpu and ends.numel() and bool((ends < 0).any()):
-        r, c = (int(x) for x in (ends < 0).nonzero()[0])
-        raise ValueError(f"context_lens[{r}][{c}] = {int(ends[r, c])} is negative")
+        ends = lens
     per = ends.shape[1]
     ends = ends.clamp_min(0).to(torch.int32).reshape(-1)
     req = torch.arange(b, device=dev, dtype=torch.int32).repeat_interleave(per)

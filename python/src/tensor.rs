@@ -104,9 +104,9 @@ impl Tensor {
         // A lazily negated or conjugated view (torch's neg and conj bits) holds the
         // un-negated values in memory, and `data_ptr()` points at them: read as bytes, it
         // would give the wrong signs, and a write into it would land negated.
-        for (bit, what, resolve) in [
-            ("is_neg", "negated", "resolve_neg"),
-            ("is_conj", "conjugated", "resolve_conj"),
+        for (bit, flag, what, resolve) in [
+            ("is_neg", "neg", "negated", "resolve_neg"),
+            ("is_conj", "conj", "conjugated", "resolve_conj"),
         ] {
             let set: bool = obj
                 .call_method0(bit)
@@ -114,9 +114,8 @@ impl Tensor {
                 .map_err(|e| attr_err(name, bit, e))?;
             if set {
                 return Err(PyValueError::new_err(format!(
-                    "{name}: is a lazily {what} view (torch's {} bit): its memory holds other \
-                     values; call .{resolve}() first",
-                    &bit[3..],
+                    "{name}: is a lazily {what} view (torch's {flag} bit): its memory holds \
+                     other values; call .{resolve}() first"
                 )));
             }
         }
