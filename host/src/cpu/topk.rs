@@ -266,9 +266,9 @@ static PACK8: [[u32; 8]; 256] = {
 };
 
 /// The AVX2 scan over the first `row.len() / 8 · 8` entries (returned): a vector compare
-/// per 8 lanes; every vector's positions are packed by a permutation from [`PACK8`] and
-/// stored whole at the end of `pos` (which has room for 8 more), branch-free as the
-/// AVX-512 scan; the kept values are read back from the row afterwards (in cache, and one
+/// per 8 lanes; every vector's passing positions are its first position plus the lanes
+/// that [`PACK8`] lists for the mask, stored whole at the end of `pos` (which has room for
+/// 8 more), branch-free as the AVX-512 scan; the kept values are read back from the row afterwards (in cache, and one
 /// permute and store per vector fewer).
 ///
 /// # Safety
@@ -281,10 +281,12 @@ unsafe fn scan_avx2(row: &[f32], t: f32, vals: &mut Vec<f32>, pos: &mut Vec<i32>
     pos.reserve(n + 8);
     let pp = pos.as_mut_ptr();
     let tv = _mm256_set1_ps(t);
-    // The lanes' positions, stepped by 8 each vector (built from `i` each time, LLVM
-    // splits the add into two permutes, a broadcast and an `or`: three shuffles a
-    // vector on the one port that runs them).
-    let mut at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    // The vector's first position in every lane, stepped by 8 each vector (built from `i`
+    // each time, LLVM splits the add into two permutes, a broadcast and an `or`: three
+    // shuffles a vector on the one port that runs them). The packed positions are then
+    // that plus the table's lane numbers: an add, where permuting a vector of positions
+    // took a lane-crossing `vpermd` (three micro-ops on Zen 1).
+    let mut at = _mm256_setzero_si256();
     let eight = _mm256_set1_epi32(8);
     let mut len = 0usize;
     let mut i = 0usize;
@@ -296,7 +298,7 @@ unsafe fn scan_avx2(row: &[f32], t: f32, vals: &mut Vec<f32>, pos: &mut Vec<i32>
         let perm = unsafe { _mm256_loadu_si256(PACK8[m].as_ptr().cast()) };
         // SAFETY: `len ≤ i` entries kept so far and capacity `≥ n + 8`: the 8 lanes
         // stored at `len` stay inside the allocation.
-        unsafe { _mm256_storeu_si256(pp.add(len).cast(), _mm256_permutevar8x32_epi32(at, perm)) };
+        unsafe { _mm256_storeu_si256(pp.add(len).cast(), _mm256_add_epi32(at, perm)) };
         len += m.count_ones() as usize;
         at = _mm256_add_epi32(at, eight);
         i += 8;
