@@ -268,8 +268,8 @@ static PACK8: [[u32; 8]; 256] = {
 /// The AVX2 scan over the first `row.len() / 8 · 8` entries (returned): a vector compare
 /// per 8 lanes; every vector's passing positions are its first position plus the lanes
 /// that [`PACK8`] lists for the mask, stored whole at the end of `pos` (which has room for
-/// 8 more), branch-free as the AVX-512 scan; the kept values are read back from the row afterwards (in cache, and one
-/// permute and store per vector fewer).
+/// 8 more), branch-free as the AVX-512 scan; the kept values are read back from the row
+/// afterwards (in cache, and one permute and store per vector fewer).
 ///
 /// # Safety
 /// The CPU must support AVX2 and POPCNT.
@@ -295,10 +295,10 @@ unsafe fn scan_avx2(row: &[f32], t: f32, vals: &mut Vec<f32>, pos: &mut Vec<i32>
         let x = unsafe { _mm256_loadu_ps(row.as_ptr().add(i)) };
         let m = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(x, tv)) as usize;
         // SAFETY: `m < 256`, a row of 8 u32 (32 bytes) of the table.
-        let perm = unsafe { _mm256_loadu_si256(PACK8[m].as_ptr().cast()) };
+        let lanes = unsafe { _mm256_loadu_si256(PACK8[m].as_ptr().cast()) };
         // SAFETY: `len ≤ i` entries kept so far and capacity `≥ n + 8`: the 8 lanes
         // stored at `len` stay inside the allocation.
-        unsafe { _mm256_storeu_si256(pp.add(len).cast(), _mm256_add_epi32(at, perm)) };
+        unsafe { _mm256_storeu_si256(pp.add(len).cast(), _mm256_add_epi32(at, lanes)) };
         len += m.count_ones() as usize;
         at = _mm256_add_epi32(at, eight);
         i += 8;
