@@ -67,6 +67,21 @@ pub(crate) unsafe fn index_k_store_validated(
 /// Tokens per parallel task of the stores.
 const TASK_TOKENS: usize = 64;
 
+/// How many tokens ahead of the one it writes a store asks for the destination's cache
+/// lines ([`Spans::prefetch`]): the slots are scattered over the pool, so each token's
+/// lines miss, and a write that misses waits for the line to be read first (with the
+/// requests made four tokens early, one thread of an AMD EPYC Zen 1 guest stored fp8_ds_mla
+/// rows about 20% faster; 2 and 8 tokens measured the same).
+const STORE_AHEAD: usize = 4;
+
+/// The slot written [`STORE_AHEAD`] tokens after token `i` of `slots`, if any (not -1).
+#[inline(always)]
+fn slot_ahead(slots: &[i64], i: usize) -> Option<usize> {
+    slots
+        .get(i + STORE_AHEAD)
+        .and_then(|&s| usize::try_from(s).ok())
+}
+
 /// Calls `write(spans, slots, rows)` for the runs of `TASK_TOKENS` tokens in parallel:
 /// a run's slots and its rows of `input` (`[slots.len(), d]`), the cache shared as
 /// [`Spans`].
@@ -103,6 +118,9 @@ crate::isa_dispatch! {
             |i| index_k_scale(amax(row(keys, i, d)), format),
             #[inline(always)]
             |i, s| {
+                if let Some(ahead) = slot_ahead(slots, i) {
+                    spans.prefetch_index_k_entry(layout, ahead);
+                }
                 if slots[i] >= 0 {
                     // SAFETY: validated slots are unique, and distinct slots' spans are
                     // disjoint.
@@ -161,6 +179,9 @@ fn each_index_k_token(
 ) {
     let d = layout.head_dim();
     for (i, &slot) in slots.iter().enumerate() {
+        if let Some(ahead) = slot_ahead(slots, i) {
+            spans.prefetch_index_k_entry(layout, ahead);
+        }
         if slot >= 0 {
             // SAFETY: validated slots are unique, and distinct slots' spans are disjoint.
             let (values, scales) = unsafe { spans.index_k_entry(layout, slot as usize) };
@@ -204,6 +225,9 @@ crate::isa_dispatch! {
         |ISA| {
             let d = layout.d_qk();
             for (i, &slot) in slots.iter().enumerate() {
+                if let Some(ahead) = slot_ahead(slots, i) {
+                    spans.prefetch(layout.slot_token_bytes(ahead));
+                }
                 if slot >= 0 {
                     // SAFETY: validated slots are unique, and distinct slots' spans are
                     // disjoint.
@@ -251,6 +275,39 @@ impl<'a> Spans<'a> {
         );
         // SAFETY: in bounds (checked), not aliased (the caller's contract).
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(r.start), r.end - r.start) }
+    }
+
+    /// Asks for the cache lines that bytes `r` of the cache touch (the part inside the
+    /// cache), to be written soon: a hint, which reads nothing the program can observe,
+    /// never faults and creates no reference, so it may name bytes another thread writes.
+    #[inline(always)]
+    fn prefetch(&self, r: Range<usize>) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let end = r.end.min(self.len);
+            let mut at = r.start;
+            while at < end {
+                // SAFETY: `at < end ≤ len`: inside the cache allocation. A prefetch is a hint
+                // (see above); SSE is part of the x86_64 baseline.
+                unsafe {
+                    let p = self.ptr.add(at);
+                    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast());
+                    // The next line's first byte.
+                    at += 64 - (p as usize % 64);
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = r;
+    }
+
+    /// [`Spans::prefetch`] of index-K `slot`'s value and scale bytes.
+    #[inline(always)]
+    fn prefetch_index_k_entry(&self, layout: &IndexKLayout, slot: usize) {
+        self.prefetch(layout.slot_value_bytes(slot));
+        if let Some(scales) = layout.slot_scale_bytes(slot) {
+            self.prefetch(scales);
+        }
     }
 
     /// The row and the scale-section bytes (model1_fp8's 8, else none) of KV `slot`.
