@@ -67,11 +67,12 @@ pub(crate) unsafe fn index_k_store_validated(
 /// Tokens per parallel task of the stores.
 const TASK_TOKENS: usize = 64;
 
-/// How many tokens ahead of the one it writes a store asks for the destination's cache
-/// lines ([`Spans::prefetch`]): the slots are scattered over the pool, so each token's
-/// lines miss, and a write that misses waits for the line to be read first (with the
-/// requests made four tokens early, one thread of an AMD EPYC Zen 1 guest stored fp8_ds_mla
-/// rows about 20% faster; 2 and 8 tokens measured the same).
+/// How many tokens ahead of the one it writes the KV store asks for the destination row's
+/// cache lines ([`Spans::prefetch`]): the slots are scattered over the pool, so each row's
+/// lines miss, and a write that misses waits for the line to be read first. On an AMD EPYC
+/// Zen 1 guest, four tokens early stored fp8_ds_mla rows (656 bytes) 10% faster on one
+/// thread and 20% on two; 2 and 8 tokens measured the same. The index-K entries (one or two
+/// lines and a few scale bytes) gain nothing: fp4 keys stored 12% slower with the requests.
 const STORE_AHEAD: usize = 4;
 
 /// The slot written [`STORE_AHEAD`] tokens after token `i` of `slots`, if any (not -1).
@@ -118,9 +119,6 @@ crate::isa_dispatch! {
             |i| index_k_scale(amax(row(keys, i, d)), format),
             #[inline(always)]
             |i, s| {
-                if let Some(ahead) = slot_ahead(slots, i) {
-                    spans.prefetch_index_k_entry(layout, ahead);
-                }
                 if slots[i] >= 0 {
                     // SAFETY: validated slots are unique, and distinct slots' spans are
                     // disjoint.
@@ -179,9 +177,6 @@ fn each_index_k_token(
 ) {
     let d = layout.head_dim();
     for (i, &slot) in slots.iter().enumerate() {
-        if let Some(ahead) = slot_ahead(slots, i) {
-            spans.prefetch_index_k_entry(layout, ahead);
-        }
         if slot >= 0 {
             // SAFETY: validated slots are unique, and distinct slots' spans are disjoint.
             let (values, scales) = unsafe { spans.index_k_entry(layout, slot as usize) };
@@ -299,15 +294,6 @@ impl<'a> Spans<'a> {
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = r;
-    }
-
-    /// [`Spans::prefetch`] of index-K `slot`'s value and scale bytes.
-    #[inline(always)]
-    fn prefetch_index_k_entry(&self, layout: &IndexKLayout, slot: usize) {
-        self.prefetch(layout.slot_value_bytes(slot));
-        if let Some(scales) = layout.slot_scale_bytes(slot) {
-            self.prefetch(scales);
-        }
     }
 
     /// The row and the scale-section bytes (model1_fp8's 8, else none) of KV `slot`.
