@@ -281,19 +281,39 @@ macro_rules! isa_dispatch {
 /// for gathers of scattered cache rows. It changes no result and never faults.
 #[inline(always)]
 pub fn prefetch(bytes: &[u8]) {
+    prefetch_lines::<false>(bytes.as_ptr(), bytes.len());
+}
+
+/// One prefetch per 64-byte line that the `len` bytes from `start` touch, the line holding
+/// the last byte included (steps of 64 bytes from an unaligned start would leave it out);
+/// into L1 when `L1`, else L2 and closer. An address rather than a slice, for callers that
+/// may not form a reference to the bytes (a cache other threads are writing). It reads
+/// nothing the program can observe and never faults, whatever the address.
+#[inline(always)]
+pub(crate) fn prefetch_lines<const L1: bool>(start: *const u8, len: usize) {
     #[cfg(target_arch = "x86_64")]
-    for off in (0..bytes.len()).step_by(64) {
-        let p = bytes[off..].as_ptr().cast::<i8>();
-        // SAFETY: a prefetch is a hint: it reads nothing the program can observe and never
-        // faults (here the address is inside `bytes` anyway); SSE is part of the x86_64
-        // baseline. (`unsafe` only for toolchains where the intrinsic is still unsafe.)
-        #[allow(unused_unsafe)]
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(p)
-        };
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
+        let mut off = 0;
+        while off < len {
+            let p = start.wrapping_add(off).cast::<i8>();
+            // SAFETY: a prefetch is a hint: it reads nothing the program can observe and
+            // never faults, at any address; SSE is part of the x86_64 baseline. (`unsafe`
+            // only for toolchains where the intrinsic is still unsafe.)
+            #[allow(unused_unsafe)]
+            unsafe {
+                if L1 {
+                    _mm_prefetch::<_MM_HINT_T0>(p)
+                } else {
+                    _mm_prefetch::<_MM_HINT_T1>(p)
+                }
+            };
+            // The next line's first byte.
+            off += 64 - (p as usize % 64);
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = bytes;
+    let _ = (start, len);
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@ use std::ops::Range;
 use sparsekit_kernels::fp8::bf16_to_f32;
 use sparsekit_kernels::mx;
 
-use super::isa::{CpuIsa, Isa};
+use super::isa::{prefetch_lines, CpuIsa, Isa};
 use super::tasks::run_tasks;
 #[cfg(doc)]
 use crate::dtype::amax_bf16;
@@ -273,27 +273,14 @@ impl<'a> Spans<'a> {
     }
 
     /// Asks for the cache lines that bytes `r` of the cache touch (the part inside the
-    /// cache), to be written soon: a hint, which reads nothing the program can observe,
-    /// never faults and creates no reference, so it may name bytes another thread writes.
+    /// cache) into L1, to be written soon ([`prefetch_lines`]: a hint that makes no
+    /// reference, so it may name bytes another thread writes).
     #[inline(always)]
     fn prefetch(&self, r: Range<usize>) {
-        #[cfg(target_arch = "x86_64")]
-        {
-            let end = r.end.min(self.len);
-            let mut at = r.start;
-            while at < end {
-                // SAFETY: `at < end ≤ len`: inside the cache allocation. A prefetch is a hint
-                // (see above); SSE is part of the x86_64 baseline.
-                unsafe {
-                    let p = self.ptr.add(at);
-                    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast());
-                    // The next line's first byte.
-                    at += 64 - (p as usize % 64);
-                }
-            }
+        let end = r.end.min(self.len);
+        if r.start < end {
+            prefetch_lines::<true>(self.ptr.wrapping_add(r.start), end - r.start);
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = r;
     }
 
     /// The row and the scale-section bytes (model1_fp8's 8, else none) of KV `slot`.
