@@ -202,21 +202,13 @@ fn gemm_generic<const MR: usize, const NR: usize, const PAIRS: bool, const ZERO:
         return;
     }
     let n_full = d.n / NR * NR;
-    let steps = main_steps::<PAIRS>(d.k);
     // Packed blocks of B as panels of one tile's width (two zmm vectors).
     let panels = NR >= 32;
     // This thread's packing buffer, taken for the call (a nested call finds it empty).
     let mut buf = PACKED.take();
-    let mut k0 = 0;
-    // At least one block (a pair-order `k` of 1 has no main step, only its tail).
-    let mut more = n_full > 0;
-    while more {
-        let ks = Steps {
-            start: k0,
-            end: (k0 + KC).min(steps),
-            first: k0 == 0,
-            last: k0 + KC >= steps,
-        };
+    // No block when every column is left to the narrower tiles.
+    for ks in Steps::blocks::<PAIRS>(d.k).filter(|_| n_full > 0) {
+        let k0 = ks.start;
         // Rows of B this block reads: its steps', and the pair order's odd tail.
         let rows_end = if PAIRS && ks.last { d.k } else { ks.end };
         let mut j0 = 0;
@@ -270,8 +262,6 @@ fn gemm_generic<const MR: usize, const NR: usize, const PAIRS: bool, const ZERO:
             }
             j0 = j1;
         }
-        more = !ks.last;
-        k0 = ks.end;
     }
     PACKED.set(buf);
     rest_columns::<NR, PAIRS, ZERO>(d, a, b, c, n_full);
@@ -310,20 +300,11 @@ fn few_rows_of<const W: usize, const PAIRS: bool, const ZERO: bool>(
     c: &mut [f32],
 ) {
     let n_full = d.n / W * W;
-    let steps = main_steps::<PAIRS>(d.k);
     let bv = BView {
         ahead: B_AHEAD,
         ..BView::whole(b, d.ldb)
     };
-    let mut k0 = 0;
-    let mut more = n_full > 0;
-    while more {
-        let ks = Steps {
-            start: k0,
-            end: (k0 + KC).min(steps),
-            first: k0 == 0,
-            last: k0 + KC >= steps,
-        };
+    for ks in Steps::blocks::<PAIRS>(d.k).filter(|_| n_full > 0) {
         for j in (0..n_full).step_by(W) {
             let mut i = 0;
             while i < d.m {
@@ -343,8 +324,6 @@ fn few_rows_of<const W: usize, const PAIRS: bool, const ZERO: bool>(
                 i += rows;
             }
         }
-        more = !ks.last;
-        k0 = ks.end;
     }
     rest_columns::<W, PAIRS, ZERO>(d, a, b, c, n_full);
 }
@@ -523,6 +502,20 @@ struct Steps {
 }
 
 impl Steps {
+    /// The blocks of [`KC`] steps that tiles run in turn over all of `k`: at least one (a
+    /// pair-order `k` of 1 has no main step, only its tail, and a `k` of 0 still starts
+    /// the "into" forms' chains from zero).
+    #[inline(always)]
+    fn blocks<const PAIRS: bool>(k: usize) -> impl Iterator<Item = Steps> {
+        let steps = main_steps::<PAIRS>(k);
+        (0..steps.max(1)).step_by(KC).map(move |k0| Steps {
+            start: k0,
+            end: (k0 + KC).min(steps),
+            first: k0 == 0,
+            last: k0 + KC >= steps,
+        })
+    }
+
     /// Every step in one block.
     #[inline(always)]
     fn all<const PAIRS: bool>(k: usize) -> Steps {
