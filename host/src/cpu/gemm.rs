@@ -311,16 +311,7 @@ fn few_rows_of<const W: usize, const PAIRS: bool, const ZERO: bool>(
                 // Only the strip's first row tile asks for B's rows ahead.
                 let bv = if i == 0 { bv } else { BView { ahead: 0, ..bv } };
                 let rows = (d.m - i).min(8);
-                match rows {
-                    8 => tile::<8, W, PAIRS, ZERO>(d, a, bv, c, i, j, ks),
-                    7 => tile::<7, W, PAIRS, ZERO>(d, a, bv, c, i, j, ks),
-                    6 => tile::<6, W, PAIRS, ZERO>(d, a, bv, c, i, j, ks),
-                    5 => tile::<5, W, PAIRS, ZERO>(d, a, bv, c, i, j, ks),
-                    4 => tile::<4, W, PAIRS, ZERO>(d, a, bv, c, i, j, ks),
-                    3 => tile::<3, W, PAIRS, ZERO>(d, a, bv, c, i, j, ks),
-                    2 => tile::<2, W, PAIRS, ZERO>(d, a, bv, c, i, j, ks),
-                    _ => tile::<1, W, PAIRS, ZERO>(d, a, bv, c, i, j, ks),
-                }
+                row_tile::<8, W, PAIRS, ZERO>(d, a, bv, c, (i, rows, j), ks);
                 i += rows;
             }
         }
@@ -1075,8 +1066,8 @@ mod tests {
             // Few rows over rows of B a page apart (`few_rows`: B read in place, its rows
             // asked for ahead): 8 rows (8-column tiles on AVX2) over several k blocks
             // with leftover columns, two row tiles (the second finds B in cache), rows
-            // within one tile's height, a k shorter than the
-            // rows asked for ahead, a single step.
+            // within one tile's height, a k shorter than the rows asked for ahead, a
+            // single step.
             (8, 1030, 600),
             (16, 1030, 300),
             (13, 1025, 41),
