@@ -43,10 +43,11 @@ const NC: usize = 256;
 /// cache) are read in place.
 const PACK_MIN_LDB: usize = 1024;
 
-/// Most rows of C that [`few_rows`] computes (in tiles of up to 8 rows, whose accumulators
-/// every path's register file holds for one vector of columns or more). One thread, 7168 ×
-/// 1536 weights on Zen 1: 16 rows 20.7–24.5 ms against 25.4–32.1 packed; 32 rows 38.3–40.2
-/// against 35.2–38.5.
+/// Most rows of C that [`few_rows`] computes. One thread, 7168 × 1536 weights on Zen 1
+/// (tiles of 8 columns then): 16 rows 20.7–24.5 ms against 25.4–32.1 packed; 32 rows
+/// 38.3–40.2 against 35.2–38.5. 4096 × 1024 weights on an Intel Xeon (AVX2 | AVX-512):
+/// 16 rows 1.29–1.30 | 0.68–0.75 ms against 1.49–1.79 | 0.87–1.04 packed, 32 rows
+/// 2.55–2.65 | 1.08–1.34 against 2.37–2.74 | 1.25–1.59.
 const FEW_ROWS: usize = 16;
 
 /// Rows of B ahead of its current step whose lines a [`few_rows`] tile asks for. Its B rows
@@ -198,7 +199,7 @@ fn gemm_generic<const MR: usize, const NR: usize, const PAIRS: bool, const ZERO:
     c: &mut [f32],
 ) {
     if d.m <= FEW_ROWS && d.ldb >= PACK_MIN_LDB {
-        few_rows::<MR, NR, PAIRS, ZERO>(d, a, b, c);
+        few_rows::<NR, PAIRS, ZERO>(d, a, b, c);
         return;
     }
     let n_full = d.n / NR * NR;
@@ -273,27 +274,29 @@ fn gemm_generic<const MR: usize, const NR: usize, const PAIRS: bool, const ZERO:
 /// copying is not overlapped with the FMAs): for each block of [`KC`] steps (A's rows stay
 /// in L1) and each strip of columns, the strip's first row tile asks for B's lines
 /// [`B_AHEAD`] rows ahead of the row it reads, and the strip's other row tiles find them
-/// in L1. Tiles of up to 8 rows, `NR` columns wide, or 8 on the `avx2` path where `m` is
-/// above `MR` (8 rows × one vector: 8 accumulators). The same chains as the packed path:
-/// the same bits.
+/// in L1 or L2. Tiles of up to 8 rows × 32 columns on AVX-512 (16 accumulators), of 2
+/// rows × 32 columns on AVX2 (8 accumulators; each row of B read a whole 128 bytes at a
+/// time: one thread, 4096 × 1024 weights on an Intel Xeon, 1 to 16 rows 1.3–2.6× as fast
+/// as tiles of 8 or 16 columns and up to 8 rows). The same chains as the packed path: the
+/// same bits.
 #[inline(always)]
-fn few_rows<const MR: usize, const NR: usize, const PAIRS: bool, const ZERO: bool>(
+fn few_rows<const NR: usize, const PAIRS: bool, const ZERO: bool>(
     d: Dims,
     a: &[f32],
     b: &[f32],
     c: &mut [f32],
 ) {
-    debug_assert!(d.m <= FEW_ROWS && MR <= 8 && (NR == 16 || NR == 32));
-    if d.m <= MR || NR > 16 {
-        few_rows_of::<NR, PAIRS, ZERO>(d, a, b, c);
+    debug_assert!(d.m <= FEW_ROWS && (NR == 16 || NR == 32));
+    if NR > 16 {
+        few_rows_of::<8, NR, PAIRS, ZERO>(d, a, b, c);
     } else {
-        few_rows_of::<8, PAIRS, ZERO>(d, a, b, c);
+        few_rows_of::<2, 32, PAIRS, ZERO>(d, a, b, c);
     }
 }
 
-/// [`few_rows`] with tiles of `W` columns.
+/// [`few_rows`] with tiles of up to `H` rows × `W` columns.
 #[inline(always)]
-fn few_rows_of<const W: usize, const PAIRS: bool, const ZERO: bool>(
+fn few_rows_of<const H: usize, const W: usize, const PAIRS: bool, const ZERO: bool>(
     d: Dims,
     a: &[f32],
     b: &[f32],
@@ -310,8 +313,8 @@ fn few_rows_of<const W: usize, const PAIRS: bool, const ZERO: bool>(
             while i < d.m {
                 // Only the strip's first row tile asks for B's rows ahead.
                 let bv = if i == 0 { bv } else { BView { ahead: 0, ..bv } };
-                let rows = (d.m - i).min(8);
-                row_tile::<8, W, PAIRS, ZERO>(d, a, bv, c, (i, rows, j), ks);
+                let rows = (d.m - i).min(H);
+                row_tile::<H, W, PAIRS, ZERO>(d, a, bv, c, (i, rows, j), ks);
                 i += rows;
             }
         }
@@ -1064,11 +1067,12 @@ mod tests {
             (9, 1030, 512),
             (31, 1100, 257),
             // Few rows over rows of B a page apart (`few_rows`: B read in place, its rows
-            // asked for ahead): 8 rows (8-column tiles on AVX2) over several k blocks
-            // with leftover columns, two row tiles (the second finds B in cache), rows
-            // within one tile's height, a k shorter than the rows asked for ahead, a
-            // single step.
+            // asked for ahead): 8 rows over several k blocks with leftover columns,
+            // several row tiles (the later ones find B in cache), rows within one tile's
+            // height, leftover columns in tiles of 16 and 8, a k shorter than the rows
+            // asked for ahead, a single step.
             (8, 1030, 600),
+            (5, 1048, 70),
             (16, 1030, 300),
             (13, 1025, 41),
             (7, 1040, 513),
