@@ -43,12 +43,21 @@ const NC: usize = 256;
 /// cache) are read in place.
 const PACK_MIN_LDB: usize = 1024;
 
-/// Most rows of C that [`few_rows`] computes. One thread, 7168 × 1536 weights on Zen 1
-/// (tiles of 8 columns then): 16 rows 20.7–24.5 ms against 25.4–32.1 packed; 32 rows
-/// 38.3–40.2 against 35.2–38.5. 4096 × 1024 weights on an Intel Xeon (AVX2 | AVX-512):
-/// 16 rows 1.29–1.30 | 0.68–0.75 ms against 1.49–1.79 | 0.87–1.04 packed, 32 rows
-/// 2.55–2.65 | 1.08–1.34 against 2.37–2.74 | 1.25–1.59.
-const FEW_ROWS: usize = 16;
+/// Most rows of C that [`few_rows`] computes on a path whose tiles are `nr` columns wide:
+/// 24 on AVX-512, 16 on AVX2. One thread, 7168 × 1536 weights on Zen 1 (AVX2, tiles of 8
+/// columns then): 16 rows 20.7–24.5 ms against 25.4–32.1 packed; 32 rows 38.3–40.2 against
+/// 35.2–38.5. Two threads, 4096 × 1024 weights on an Intel Xeon, few-row path against
+/// packed (AVX2 | AVX-512, ms): 16 rows 1.29–1.30 against 1.49–1.79 | 0.68–0.75 against
+/// 0.87–1.04; 24 rows 1.77–1.98 against 2.00–2.09 | 0.88–0.95 against 1.13–2.43; 32 rows
+/// 2.55–2.65 against 2.37–2.74 | 1.08–1.54 against 1.25–1.79; 48 rows (AVX-512)
+/// 1.63–2.46 against 1.88–2.47.
+const fn few_rows_max(nr: usize) -> usize {
+    if nr > 16 {
+        24
+    } else {
+        16
+    }
+}
 
 /// Rows of B ahead of its current step whose lines a [`few_rows`] tile asks for. Its B rows
 /// are a page apart, which the hardware does not prefetch across; a step of 8 rows takes
@@ -198,7 +207,7 @@ fn gemm_generic<const MR: usize, const NR: usize, const PAIRS: bool, const ZERO:
     b: &[f32],
     c: &mut [f32],
 ) {
-    if d.m <= FEW_ROWS && d.ldb >= PACK_MIN_LDB {
+    if d.m <= few_rows_max(NR) && d.ldb >= PACK_MIN_LDB {
         few_rows::<NR, PAIRS, ZERO>(d, a, b, c);
         return;
     }
@@ -268,7 +277,7 @@ fn gemm_generic<const MR: usize, const NR: usize, const PAIRS: bool, const ZERO:
     rest_columns::<NR, PAIRS, ZERO>(d, a, b, c, n_full);
 }
 
-/// [`gemm_generic`] for a C of at most [`FEW_ROWS`] rows over a B whose rows are a page or
+/// [`gemm_generic`] for a C of at most [`few_rows_max`] rows over a B whose rows are a page or
 /// more apart: a decode step's matmul over row-major weights (`x[m × k] · w[k × n]`).
 /// B is read in place, not packed (a packed copy is read by few row tiles, and its
 /// copying is not overlapped with the FMAs): for each block of [`KC`] steps (A's rows stay
@@ -286,7 +295,7 @@ fn few_rows<const NR: usize, const PAIRS: bool, const ZERO: bool>(
     b: &[f32],
     c: &mut [f32],
 ) {
-    debug_assert!(d.m <= FEW_ROWS && (NR == 16 || NR == 32));
+    debug_assert!(d.m <= few_rows_max(NR) && (NR == 16 || NR == 32));
     if NR > 16 {
         few_rows_of::<8, NR, PAIRS, ZERO>(d, a, b, c);
     } else {
@@ -1067,12 +1076,14 @@ mod tests {
             (9, 1030, 512),
             (31, 1100, 257),
             // Few rows over rows of B a page apart (`few_rows`: B read in place, its rows
-            // asked for ahead): 8 rows over several k blocks with leftover columns,
-            // several row tiles (the later ones find B in cache), rows within one tile's
-            // height, leftover columns in tiles of 16 and 8, a k shorter than the rows
-            // asked for ahead, a single step.
+            // asked for ahead): 8 rows over several k blocks with leftover columns;
+            // leftover columns in tiles of 16 and 8; 21 rows as tiles of 8, 8 and 5 on
+            // AVX-512 (packed on AVX2); several row tiles (the later ones find B in
+            // cache); rows within one tile's height; a k shorter than the rows asked for
+            // ahead; a single step.
             (8, 1030, 600),
             (5, 1048, 70),
+            (21, 1060, 300),
             (16, 1030, 300),
             (13, 1025, 41),
             (7, 1040, 513),
