@@ -285,7 +285,7 @@ fn gemm_generic<const MR: usize, const NR: usize, const PAIRS: bool, const ZERO:
 /// [`B_AHEAD`] rows ahead of the row it reads, and the strip's other row tiles find them
 /// in L1 or L2. Tiles of up to 8 rows × 32 columns on AVX-512 (16 accumulators), of 2
 /// rows × 32 columns on AVX2 (8 accumulators; each row of B read a whole 128 bytes at a
-/// time: one thread, 4096 × 1024 weights on an Intel Xeon, 1 to 16 rows 1.3–2.6× as fast
+/// time: two threads, 4096 × 1024 weights on an Intel Xeon, 1 to 16 rows 1.3–2.6× as fast
 /// as tiles of 8 or 16 columns and up to 8 rows). The same chains as the packed path: the
 /// same bits.
 #[inline(always)]
@@ -1071,9 +1071,9 @@ mod tests {
             (13, 70, 600),
             (7, 300, 513),
             (20, 530, 257),
-            // Packed blocks of B (rows past the tile height, `ldb` wider than a block):
-            // whole k blocks, and a block whose rows end at the pair tail.
-            (9, 1030, 512),
+            // Packed blocks of B (more rows than `few_rows` takes, `ldb` wider than a
+            // block): whole k blocks, and a block whose rows end at the pair tail.
+            (40, 1030, 512),
             (31, 1100, 257),
             // Few rows over rows of B a page apart (`few_rows`: B read in place, its rows
             // asked for ahead): 8 rows over several k blocks with leftover columns;
