@@ -248,15 +248,8 @@ fn gemm_generic<const MR: usize, const NR: usize, const PAIRS: bool, const ZERO:
             };
             if packing && panels {
                 // Panel by panel, every row tile over each.
-                let mut j = j0;
-                while j < j1 {
-                    let mut i = 0;
-                    while i < d.m {
-                        let rows = MR.min(d.m - i);
-                        row_tile::<MR, NR, PAIRS, ZERO>(d, a, b, c, (i, rows, j), ks);
-                        i += rows;
-                    }
-                    j += NR;
+                for j in (j0..j1).step_by(NR) {
+                    column_tiles::<MR, NR, PAIRS, ZERO>(d, a, b, c, j, ks);
                 }
             } else {
                 let mut i = 0;
@@ -318,17 +311,30 @@ fn few_rows_of<const H: usize, const W: usize, const PAIRS: bool, const ZERO: bo
     };
     for ks in Steps::blocks::<PAIRS>(d.k).filter(|_| n_full > 0) {
         for j in (0..n_full).step_by(W) {
-            let mut i = 0;
-            while i < d.m {
-                // Only the strip's first row tile asks for B's rows ahead.
-                let bv = if i == 0 { bv } else { BView { ahead: 0, ..bv } };
-                let rows = (d.m - i).min(H);
-                row_tile::<H, W, PAIRS, ZERO>(d, a, bv, c, (i, rows, j), ks);
-                i += rows;
-            }
+            column_tiles::<H, W, PAIRS, ZERO>(d, a, bv, c, j, ks);
         }
     }
     rest_columns::<W, PAIRS, ZERO>(d, a, b, c, n_full);
+}
+
+/// Every row of C at columns `j .. j + W`, in tiles of up to `H` rows from the top. Only
+/// the first tile asks for B's rows ahead (`b.ahead`): the later ones find them in cache.
+#[inline(always)]
+fn column_tiles<const H: usize, const W: usize, const PAIRS: bool, const ZERO: bool>(
+    d: Dims,
+    a: &[f32],
+    b: BView<'_>,
+    c: &mut [f32],
+    j: usize,
+    ks: Steps,
+) {
+    let mut i = 0;
+    while i < d.m {
+        let bv = if i == 0 { b } else { BView { ahead: 0, ..b } };
+        let rows = (d.m - i).min(H);
+        row_tile::<H, W, PAIRS, ZERO>(d, a, bv, c, (i, rows, j), ks);
+        i += rows;
+    }
 }
 
 /// The columns from `j` that the tiles of `NR` columns left: a tile of 16 (when `NR` is
@@ -582,45 +588,30 @@ fn tile<const R: usize, const NR: usize, const PAIRS: bool, const ZERO: bool>(
         for q in 0..ahead {
             ask(b_first.wrapping_add(q * b_step));
         }
+        // Steps of k per iteration: one, or in pair order a whole pair (`start` and `end`
+        // even), the odd index of each first.
+        let s = if PAIRS { 2 } else { 1 };
+        debug_assert!(!PAIRS || (ks.start % 2 == 0 && ks.end % 2 == 0));
         let mut p = p0;
+        // Passes the last row after the last iteration: never read then.
         let mut bp = b_first;
-        if PAIRS {
-            // Whole pairs (`start` and `end` even), the odd index of each first.
-            debug_assert!(ks.start % 2 == 0 && ks.end % 2 == 0);
-            // `bp` passes the last row after the last pair: never read then.
-            if ahead > 0 {
-                while p + ahead + 2 <= ks.end {
-                    ask(bp.wrapping_add(ahead * b_step));
-                    ask(bp.wrapping_add((ahead + 1) * b_step));
-                    // SAFETY: rows `p` and `p + 1 <= p1` of the view, at `bp` and `b_step`
-                    // after it, and of A: as above.
-                    unsafe { pair_step(&mut acc, &rows, p, bp, b_step) };
-                    p += 2;
-                    bp = bp.wrapping_add(2 * b_step);
+        if ahead > 0 {
+            while p + ahead + s <= ks.end {
+                for q in ahead..ahead + s {
+                    ask(bp.wrapping_add(q * b_step));
                 }
+                // SAFETY: rows `p .. p + s <= p1 + 1` of the view, at `bp` and `b_step`
+                // apart, and of A: as above.
+                unsafe { steps::<PAIRS, R, NR>(&mut acc, &rows, p, bp, b_step) };
+                p += s;
+                bp = bp.wrapping_add(s * b_step);
             }
-            while p < ks.end {
-                // SAFETY: as in the loop above.
-                unsafe { pair_step(&mut acc, &rows, p, bp, b_step) };
-                p += 2;
-                bp = bp.wrapping_add(2 * b_step);
-            }
-        } else {
-            if ahead > 0 {
-                while p + ahead <= p1 {
-                    ask(bp.wrapping_add(ahead * b_step));
-                    // SAFETY: `p0 <= p <= p1`: row `p` of the view at `bp`, of A: as above.
-                    unsafe { step(&mut acc, &rows, p, bp) };
-                    p += 1;
-                    bp = bp.wrapping_add(b_step);
-                }
-            }
-            while p <= p1 {
-                // SAFETY: as in the loop above.
-                unsafe { step(&mut acc, &rows, p, bp) };
-                p += 1;
-                bp = bp.wrapping_add(b_step);
-            }
+        }
+        while p < ks.end {
+            // SAFETY: as in the loop above.
+            unsafe { steps::<PAIRS, R, NR>(&mut acc, &rows, p, bp, b_step) };
+            p += s;
+            bp = bp.wrapping_add(s * b_step);
         }
     }
     if PAIRS && ks.last && d.k % 2 == 1 {
@@ -638,14 +629,15 @@ fn tile<const R: usize, const NR: usize, const PAIRS: bool, const ZERO: bool>(
     }
 }
 
-/// The pair order's two steps from an even `p`: index `p + 1` (B's row at `bp + b_step`),
-/// then `p` (at `bp`), written so that the compiler sees constant offsets from one index.
+/// One iteration of a tile's loop from step `p` (B's row `p` at `bp`): [`step`] `p`, or
+/// in pair order (`p` even) index `p + 1` (B's row at `bp + b_step`) then `p`, written so
+/// that the compiler sees constant offsets from one index.
 ///
 /// # Safety
-/// As [`step`] for both: `rows[r].add(p + 1)` is an element of A, and `bp` and
-/// `bp + b_step` point at `NR` readable `f32`.
+/// As [`step`] for each index: `rows[r].add(p)` (and `rows[r].add(p + 1)` in pair order)
+/// is an element of A, and `bp` (and `bp + b_step`) point at `NR` readable `f32`.
 #[inline(always)]
-unsafe fn pair_step<const R: usize, const NR: usize>(
+unsafe fn steps<const PAIRS: bool, const R: usize, const NR: usize>(
     acc: &mut [[f32; NR]; R],
     rows: &[*const f32; R],
     p: usize,
@@ -654,7 +646,9 @@ unsafe fn pair_step<const R: usize, const NR: usize>(
 ) {
     // SAFETY: the caller's contract.
     unsafe {
-        step(acc, rows, p + 1, bp.add(b_step));
+        if PAIRS {
+            step(acc, rows, p + 1, bp.add(b_step));
+        }
         step(acc, rows, p, bp);
     }
 }
