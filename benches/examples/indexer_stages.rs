@@ -1,21 +1,27 @@
 //! `cargo run --release -p sparsekit-benches --example indexer_stages -- [ROUNDS]`: the
-//! three stages of the few-head indexer decode's f16 route (the route of the `avx2` and
-//! `avx512` paths for fp8 keys and groups of 8 query heads), each timed alone on one
-//! thread over one block of 64 keys of 64 dims held in L1: the byte transpose of the codes
-//! (`Kᵀ`), their widening to the f16 form, and the score GEMM `C[8 × 64] = Q · Kᵀ` that
-//! widens the f16 as it loads it. Prints ns per key for each stage (the least of
-//! `ROUNDS`, default 5) and what the key's 1024 FLOP (8 heads × 64 dims) would take at the
-//! path's f32 FMA rate measured on the same thread: the stages' sum against the op's time per
-//! key shows what the op spends outside them (prefetch, epilogue, memory).
+//! stages of the few-head indexer decode (fp8 keys, a group of 8 query heads) on the
+//! `avx2` and `avx512` paths, each timed alone on one thread over one block of 64 keys of
+//! 64 dims held in L1, in ns per key (the least of `ROUNDS`, default 5):
+//!
+//! - the f16 route, which the op takes: the byte transpose of the codes (`Kᵀ`), their
+//!   widening to the f16 form, and the score GEMM `C[8 × 64] = Q · Kᵀ` that widens the
+//!   f16 as it loads it (column chunks of 32 keys, as the op calls it);
+//! - the Cᵀ route, its alternative: the codes widened to f32 rows, `Cᵀ[64 × 8] = K · Qᵀ`
+//!   (row chunks of 16 keys, register tiles of 12 rows × 8 heads on AVX2) and `C = (Cᵀ)ᵀ`
+//!   for the head sums.
+//!
+//! "FMA bound" is the key's 1024 FLOP (8 heads × 64 dims) at the path's f32 FMA rate
+//! measured on the same thread. The stages' sum against the op's time per key shows what
+//! the op spends outside them (prefetch, epilogue, memory).
 
 use std::hint::black_box;
 use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
-use sparsekit_host::cpu::gemm::{gemm_pairs_into_f16b, splat, Dims, SPLAT};
+use sparsekit_host::cpu::gemm::{gemm_pairs_into, gemm_pairs_into_f16b, splat, Dims, SPLAT};
 use sparsekit_host::cpu::peak::{fma_flops_per_round, fma_rounds};
-use sparsekit_host::cpu::transpose::transpose_bytes;
-use sparsekit_host::cpu::widen::e4m3_f16_row;
+use sparsekit_host::cpu::transpose::{transpose, transpose_bytes};
+use sparsekit_host::cpu::widen::{e4m3_f16_row, e4m3_f32_row};
 use sparsekit_host::cpu::{CpuIsa, Isa};
 
 /// Keys per block and dims per key (the tiny model's index head: 64).
@@ -60,24 +66,25 @@ fn main() {
         .collect();
     let mut at8 = vec![0f32; DIM * HEADS * SPLAT];
     splat(&qt, &mut at8);
-    println!("ns per key, one thread, the least of {rounds} rounds:");
-    println!("| path | transpose | widen | GEMM | sum | FMA bound | GEMM at |");
+    let paths: Vec<CpuIsa> = CpuIsa::available()
+        .into_iter()
+        .filter(|isa| matches!(isa.isa(), Isa::Avx2 | Isa::Avx512))
+        .collect();
+    println!("ns per key, one thread, the least of {rounds} rounds.");
+    println!("\nThe f16 route (the op's):\n");
+    println!("| path | byte transpose | e4m3 → f16 | score GEMM | sum | FMA bound | GEMM at |");
     println!("|---|---:|---:|---:|---:|---:|---:|");
-    for isa in CpuIsa::available() {
-        if !matches!(isa.isa(), Isa::Avx2 | Isa::Avx512) {
-            continue;
-        }
+    for &isa in &paths {
         let mut ktb = vec![0u8; KEYS * DIM];
         let mut kh = vec![0u16; KEYS * DIM];
         let mut c = vec![f32::NAN; HEADS * KEYS];
-        let transpose = ns_per_key(rounds, || {
+        let t = ns_per_key(rounds, || {
             transpose_bytes(isa, KEYS, DIM, black_box(&codes), DIM, &mut ktb, KEYS);
         });
-        let widen = ns_per_key(rounds, || {
+        let w = ns_per_key(rounds, || {
             black_box(e4m3_f16_row(isa, black_box(&ktb), &mut kh));
         });
-        // As the op calls it: column chunks of 32 keys.
-        let gemm = ns_per_key(rounds, || {
+        let g = ns_per_key(rounds, || {
             for c0 in [0, 32] {
                 let dims = Dims {
                     m: HEADS,
@@ -91,19 +98,66 @@ fn main() {
             }
             black_box(&mut c);
         });
-        assert!(
-            c.iter().all(|x| x.is_finite()),
-            "the GEMM left a score unset"
-        );
-        // FLOP per key (an FMA is 2) over the path's FMA rate on this thread, in ns.
-        let ideal = (2 * HEADS * DIM) as f64 / fma_rate(isa, rounds) * 1e9;
+        assert!(c.iter().all(|x| x.is_finite()), "a score left unset");
+        let bound = fma_bound(isa, rounds);
+        let name = isa.isa().name();
+        let sum = t + w + g;
         println!(
-            "| {} | {transpose:.2} | {widen:.2} | {gemm:.2} | {:.2} | {ideal:.2} | {:.2} |",
-            isa.isa().name(),
-            transpose + widen + gemm,
-            ideal / gemm,
+            "| {name} | {t:.2} | {w:.2} | {g:.2} | {sum:.2} | {bound:.2} | {:.2} |",
+            bound / g
         );
     }
+    println!("\nThe Cᵀ route:\n");
+    println!(
+        "| path | e4m3 → f32 rows | score GEMM | transpose of C | sum | FMA bound | GEMM at |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    // Qᵀ unscaled: the f32 rows hold the keys' values.
+    let qt1: Vec<f32> = qt.iter().map(|x| x / 256.0).collect();
+    for &isa in &paths {
+        let mut kf = vec![0f32; KEYS * DIM];
+        let mut ct = vec![f32::NAN; KEYS * HEADS];
+        let mut c = vec![f32::NAN; HEADS * KEYS];
+        let w = ns_per_key(rounds, || {
+            e4m3_f32_row(isa, black_box(&codes), &mut kf);
+        });
+        let g = ns_per_key(rounds, || {
+            for s0 in (0..KEYS).step_by(16) {
+                let dims = Dims {
+                    m: 16,
+                    n: HEADS,
+                    k: DIM,
+                    lda: DIM,
+                    ldb: HEADS,
+                    ldc: HEADS,
+                };
+                gemm_pairs_into(
+                    isa,
+                    dims,
+                    black_box(&kf[s0 * DIM..]),
+                    &qt1,
+                    &mut ct[s0 * HEADS..],
+                );
+            }
+            black_box(&mut ct);
+        });
+        let t = ns_per_key(rounds, || {
+            transpose(isa, KEYS, HEADS, black_box(&ct), HEADS, &mut c, KEYS);
+        });
+        assert!(c.iter().all(|x| x.is_finite()), "a score left unset");
+        let bound = fma_bound(isa, rounds);
+        let name = isa.isa().name();
+        let sum = t + w + g;
+        println!(
+            "| {name} | {w:.2} | {g:.2} | {t:.2} | {sum:.2} | {bound:.2} | {:.2} |",
+            bound / g
+        );
+    }
+}
+
+/// A key's FLOP (an FMA is 2) at [`fma_rate`], in ns.
+fn fma_bound(isa: CpuIsa, rounds: usize) -> f64 {
+    (2 * HEADS * DIM) as f64 / fma_rate(isa, rounds) * 1e9
 }
 
 /// The f32 FMA rate of `isa` on this thread (FLOP/s), the best of `rounds` runs of about
