@@ -70,11 +70,12 @@ fn main() {
         .into_iter()
         .filter(|isa| matches!(isa.isa(), Isa::Avx2 | Isa::Avx512))
         .collect();
-    println!("ns per key, one thread, the least of {rounds} rounds.");
-    println!("\nThe f16 route (the op's):\n");
-    println!("| path | byte transpose | e4m3 → f16 | score GEMM | sum | FMA bound | GEMM at |");
-    println!("|---|---:|---:|---:|---:|---:|---:|");
+    // Qᵀ unscaled for the Cᵀ route: its f32 rows hold the keys' values.
+    let qt1: Vec<f32> = qt.iter().map(|x| x / 256.0).collect();
+    let (mut f16_rows, mut ct_rows) = (Vec::new(), Vec::new());
     for &isa in &paths {
+        let bound = fma_bound(isa, rounds);
+        // The f16 route.
         let mut ktb = vec![0u8; KEYS * DIM];
         let mut kh = vec![0u16; KEYS * DIM];
         let mut c = vec![f32::NAN; HEADS * KEYS];
@@ -98,26 +99,11 @@ fn main() {
             }
             black_box(&mut c);
         });
-        assert!(c.iter().all(|x| x.is_finite()), "a score left unset");
-        let bound = fma_bound(isa, rounds);
-        let name = isa.isa().name();
-        let sum = t + w + g;
-        println!(
-            "| {name} | {t:.2} | {w:.2} | {g:.2} | {sum:.2} | {bound:.2} | {:.2} |",
-            bound / g
-        );
-    }
-    println!("\nThe Cᵀ route:\n");
-    println!(
-        "| path | e4m3 → f32 rows | score GEMM | transpose of C | sum | FMA bound | GEMM at |"
-    );
-    println!("|---|---:|---:|---:|---:|---:|---:|");
-    // Qᵀ unscaled: the f32 rows hold the keys' values.
-    let qt1: Vec<f32> = qt.iter().map(|x| x / 256.0).collect();
-    for &isa in &paths {
+        f16_rows.push(row(isa, [t, w, g], g, bound));
+        // The Cᵀ route.
         let mut kf = vec![0f32; KEYS * DIM];
         let mut ct = vec![f32::NAN; KEYS * HEADS];
-        let mut c = vec![f32::NAN; HEADS * KEYS];
+        let mut c2 = vec![f32::NAN; HEADS * KEYS];
         let w = ns_per_key(rounds, || {
             e4m3_f32_row(isa, black_box(&codes), &mut kf);
         });
@@ -131,28 +117,47 @@ fn main() {
                     ldb: HEADS,
                     ldc: HEADS,
                 };
-                gemm_pairs_into(
-                    isa,
-                    dims,
-                    black_box(&kf[s0 * DIM..]),
-                    &qt1,
-                    &mut ct[s0 * HEADS..],
-                );
+                let (a, out) = (&kf[s0 * DIM..], &mut ct[s0 * HEADS..]);
+                gemm_pairs_into(isa, dims, black_box(a), &qt1, out);
             }
             black_box(&mut ct);
         });
         let t = ns_per_key(rounds, || {
-            transpose(isa, KEYS, HEADS, black_box(&ct), HEADS, &mut c, KEYS);
+            transpose(isa, KEYS, HEADS, black_box(&ct), HEADS, &mut c2, KEYS);
         });
-        assert!(c.iter().all(|x| x.is_finite()), "a score left unset");
-        let bound = fma_bound(isa, rounds);
-        let name = isa.isa().name();
-        let sum = t + w + g;
-        println!(
-            "| {name} | {w:.2} | {g:.2} | {t:.2} | {sum:.2} | {bound:.2} | {:.2} |",
-            bound / g
+        ct_rows.push(row(isa, [w, g, t], g, bound));
+        // The same products in the same order: the same bits (and none left unset).
+        assert!(
+            c.iter()
+                .zip(&c2)
+                .all(|(x, y)| x.is_finite() && x.to_bits() == y.to_bits()),
+            "{}: the two routes' scores differ",
+            isa.isa().name()
         );
     }
+    println!("ns per key, one thread, the least of {rounds} rounds.");
+    println!("\nThe f16 route (the op's):\n");
+    println!("| path | byte transpose | e4m3 → f16 | score GEMM | sum | FMA bound | GEMM at |");
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    f16_rows.iter().for_each(|r| println!("{r}"));
+    println!("\nThe Cᵀ route:\n");
+    println!(
+        "| path | e4m3 → f32 rows | score GEMM | transpose of C | sum | FMA bound | GEMM at |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    ct_rows.iter().for_each(|r| println!("{r}"));
+}
+
+/// A table row: the path, its three stages (ns per key), their sum, the FMA bound and the
+/// GEMM's fraction of it.
+fn row(isa: CpuIsa, stages: [f64; 3], gemm: f64, bound: f64) -> String {
+    let [a, b, c] = stages;
+    let name = isa.isa().name();
+    format!(
+        "| {name} | {a:.2} | {b:.2} | {c:.2} | {:.2} | {bound:.2} | {:.2} |",
+        a + b + c,
+        bound / gemm
+    )
 }
 
 /// A key's FLOP (an FMA is 2) at [`fma_rate`], in ns.
