@@ -7,9 +7,12 @@
 //! are f32 values (`fl32`), computed here in f64 and rounded once to f32, which equals the
 //! f32 operation for a quotient of two f32 values.
 
+use std::sync::OnceLock;
+
 use half::bf16;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
+use sparsekit_host::cpu::{CpuIsa, Isa};
 use sparsekit_host::dtype::ScaleFormat;
 use sparsekit_host::layout::{
     IndexKDtype, IndexKLayout, KvDtype, KvLayout, FP4_GROUP, FP8_DS_MLA_TILE, MODEL1_SCALE_BYTES,
@@ -403,24 +406,40 @@ pub fn read_kv_token(layout: &KvLayout, cache: &[u8], slot: usize) -> Vec<f64> {
 }
 
 /// `(Σ aᵢ·bᵢ, Σ |aᵢ·bᵢ|)` over the common length, in f64: eight interleaved partial
-/// sums (the loop vectorises, and eight lanes are two or four vectors' worth of
-/// independent adds, so the adds' latency does not bound it), added pairwise at the end.
+/// sums (eight lanes: one AVX-512 vector or two AVX2 ones of independent adds, so the adds'
+/// latency does not bound it), added pairwise at the end.
 /// The products are exact for the values compared here (bf16 times bf16, or times an fp8
 /// code and its f32 scale), so only the sums round, at f64's 2^-53; whether a sum is NaN
 /// or infinite does not depend on the order.
+///
+/// The lanes run on the widest vector path of this CPU ([`CpuIsa::widest`], whatever path
+/// the kernels are forced to): each lane does the same operations in the same order on
+/// every path, so the bits are the same (this module's tests). The references' hottest
+/// loop: over a quarter of `sparsekit repro`'s time as LLVM compiled it for SSE2.
 pub(crate) fn dot_abs(a: &[f64], b: &[f64]) -> (f64, f64) {
-    const L: usize = 8;
+    static WIDEST: OnceLock<CpuIsa> = OnceLock::new();
+    dot_abs_on(*WIDEST.get_or_init(CpuIsa::widest), a, b)
+}
+
+/// Lanes of [`dot_abs`]'s partial sums.
+const L: usize = 8;
+
+/// [`dot_abs`] with its lanes on the vector path `isa`.
+fn dot_abs_on(isa: CpuIsa, a: &[f64], b: &[f64]) -> (f64, f64) {
     let n = a.len().min(b.len());
-    let (ac, bc) = (a[..n].chunks_exact(L), b[..n].chunks_exact(L));
-    let (ar, br) = (ac.remainder(), bc.remainder());
-    let (mut dot, mut abs) = ([0.0f64; L], [0.0f64; L]);
-    for (x, y) in ac.zip(bc) {
-        for l in 0..L {
-            let p = x[l] * y[l];
-            dot[l] += p;
-            abs[l] += p.abs();
-        }
-    }
+    // Whole chunks of L, then the rest.
+    let m = n - n % L;
+    let ((ac, ar), (bc, br)) = (a[..n].split_at(m), b[..n].split_at(m));
+    let (mut dot, mut abs) = match isa.isa() {
+        // SAFETY: a `CpuIsa` names only a path this CPU supports (checked when it was
+        // made): AVX-512F on the AVX-512 paths.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Bf16 | Isa::Avx512 => unsafe { x86::lanes_avx512(ac, bc) },
+        // SAFETY: as above: AVX2 on the avx2 path.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { x86::lanes_avx2(ac, bc) },
+        _ => lanes(ac, bc),
+    };
     for (l, (x, y)) in ar.iter().zip(br).enumerate() {
         let p = x * y;
         dot[l] += p;
@@ -428,6 +447,85 @@ pub(crate) fn dot_abs(a: &[f64], b: &[f64]) -> (f64, f64) {
     }
     let pairwise = |v: [f64; L]| ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
     (pairwise(dot), pairwise(abs))
+}
+
+/// Lane `l` of the result: `(Σ x[l]·y[l], Σ |x[l]·y[l]|)` over the chunks of L of `ac`
+/// and `bc` (equal lengths, multiples of L), in order.
+fn lanes(ac: &[f64], bc: &[f64]) -> ([f64; L], [f64; L]) {
+    let (mut dot, mut abs) = ([0.0f64; L], [0.0f64; L]);
+    for (x, y) in ac.chunks_exact(L).zip(bc.chunks_exact(L)) {
+        for l in 0..L {
+            let p = x[l] * y[l];
+            dot[l] += p;
+            abs[l] += p.abs();
+        }
+    }
+    (dot, abs)
+}
+
+/// [`lanes`] in explicit vectors (LLVM's own vectorisation of it mixed scalar adds and
+/// shuffles in): the same operations on each lane.
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::L;
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// The CPU has AVX-512F; `ac` and `bc` as in [`super::lanes`].
+    #[allow(
+        clippy::incompatible_msrv,
+        reason = "AVX-512 needs Rust 1.89, as the host crate's AVX-512 target features do"
+    )]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn lanes_avx512(ac: &[f64], bc: &[f64]) -> ([f64; L], [f64; L]) {
+        let (mut dot, mut abs) = (_mm512_setzero_pd(), _mm512_setzero_pd());
+        for (x, y) in ac.chunks_exact(L).zip(bc.chunks_exact(L)) {
+            // SAFETY: `x` and `y` hold 8 f64: one unaligned vector each.
+            let p =
+                unsafe { _mm512_mul_pd(_mm512_loadu_pd(x.as_ptr()), _mm512_loadu_pd(y.as_ptr())) };
+            dot = _mm512_add_pd(dot, p);
+            abs = _mm512_add_pd(abs, _mm512_abs_pd(p));
+        }
+        let (mut d, mut a) = ([0.0; L], [0.0; L]);
+        // SAFETY: `d` and `a` are arrays of 8 f64.
+        unsafe {
+            _mm512_storeu_pd(d.as_mut_ptr(), dot);
+            _mm512_storeu_pd(a.as_mut_ptr(), abs);
+        }
+        (d, a)
+    }
+
+    /// # Safety
+    /// The CPU has AVX2 (AVX for these operations); `ac` and `bc` as in [`super::lanes`].
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn lanes_avx2(ac: &[f64], bc: &[f64]) -> ([f64; L], [f64; L]) {
+        let zero = _mm256_setzero_pd();
+        let (mut dot, mut abs) = ([zero; 2], [zero; 2]);
+        // Clears the sign bit: |p|.
+        let magnitude = _mm256_castsi256_pd(_mm256_set1_epi64x(i64::MAX));
+        for (x, y) in ac.chunks_exact(L).zip(bc.chunks_exact(L)) {
+            for h in 0..2 {
+                // SAFETY: lanes `4h .. 4h + 4` of chunks of 8 f64.
+                let p = unsafe {
+                    _mm256_mul_pd(
+                        _mm256_loadu_pd(x.as_ptr().add(4 * h)),
+                        _mm256_loadu_pd(y.as_ptr().add(4 * h)),
+                    )
+                };
+                dot[h] = _mm256_add_pd(dot[h], p);
+                abs[h] = _mm256_add_pd(abs[h], _mm256_and_pd(p, magnitude));
+            }
+        }
+        let (mut d, mut a) = ([0.0; L], [0.0; L]);
+        for h in 0..2 {
+            // SAFETY: lanes `4h .. 4h + 4` of arrays of 8 f64.
+            unsafe {
+                _mm256_storeu_pd(d.as_mut_ptr().add(4 * h), dot[h]);
+                _mm256_storeu_pd(a.as_mut_ptr().add(4 * h), abs[h]);
+            }
+        }
+        (d, a)
+    }
 }
 
 /// Reference indexer output for one row: `(logit, magnitude)` per column of the row
@@ -694,6 +792,40 @@ pub fn page_checksum(page: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dot_abs_has_the_same_bits_on_every_vector_path() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        for n in [0, 1, 7, 8, 9, 63, 64, 65, 128, 513] {
+            // Magnitudes over many binades, so that the order of the adds shows in the bits.
+            let mut v = || -> Vec<f64> {
+                (0..n)
+                    .map(|_| rng.gen_range(-1.0..1.0) * 2f64.powi(rng.gen_range(-30..30)))
+                    .collect()
+            };
+            let (a, b) = (v(), v());
+            let want = dot_abs_on(CpuIsa::SCALAR, &a, &b);
+            assert!(want.0.is_finite() && want.1 >= want.0.abs(), "{want:?}");
+            for isa in CpuIsa::available() {
+                let got = dot_abs_on(isa, &a, &b);
+                assert_eq!(
+                    (got.0.to_bits(), got.1.to_bits()),
+                    (want.0.to_bits(), want.1.to_bits()),
+                    "{isa:?}, n = {n}"
+                );
+            }
+            assert_eq!(dot_abs(&a, &b), want);
+            // A NaN anywhere gives a NaN sum on every path.
+            if n > 0 {
+                let mut a = a.clone();
+                a[n / 2] = f64::NAN;
+                for isa in CpuIsa::available() {
+                    assert!(dot_abs_on(isa, &a, &b).0.is_nan(), "{isa:?}, n = {n}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn reference_codec_agrees_with_library_on_all_codes_and_midpoints() {
