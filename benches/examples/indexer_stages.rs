@@ -10,8 +10,8 @@
 //!   (row chunks of 16 keys, register tiles of 12 rows × 8 heads on AVX2) and `C = (Cᵀ)ᵀ`
 //!   for the head sums.
 //!
-//! "FMA bound" is the key's 1024 FLOP (8 heads × 64 dims) at the path's f32 FMA rate
-//! measured on the same thread. The stages' sum against the op's time per key shows what
+//! "FMA bound" is the key's 1024 FLOP (8 heads × 64 dims) at the path's f32 FMA rate on
+//! one thread (the roofline's measurement, in a pool of one thread). The stages' sum against the op's time per key shows what
 //! the op spends outside them (prefetch, epilogue, memory). Both routes do the same
 //! products in the same order: their scores must be the same bits, or the run fails.
 
@@ -19,8 +19,8 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
+use sparsekit_benches::roofline::fma_peak_of;
 use sparsekit_host::cpu::gemm::{gemm_pairs_into, gemm_pairs_into_f16b, splat, Dims, SPLAT};
-use sparsekit_host::cpu::peak::{fma_flops_per_round, fma_rounds};
 use sparsekit_host::cpu::transpose::{transpose, transpose_bytes};
 use sparsekit_host::cpu::widen::{e4m3_f16_row, e4m3_f32_row};
 use sparsekit_host::cpu::{CpuIsa, Isa};
@@ -46,12 +46,14 @@ fn ns_per_key(rounds: usize, mut f: impl FnMut()) -> f64 {
         .fold(f64::INFINITY, f64::min)
 }
 
-fn main() {
+fn main() -> Result<(), Box<dyn std::error::Error>> {
     let rounds = std::env::args()
         .nth(1)
         .and_then(|a| a.parse().ok())
         .unwrap_or(5usize)
         .max(1);
+    // The stages run on this thread: the FMA rate they are held to is one thread's too.
+    let one_thread = rayon::ThreadPoolBuilder::new().num_threads(1).build()?;
     let mut rng = rand_chacha::ChaCha8Rng::from_entropy();
     // Random e4m3 codes, never the NaN codes (0x7f, 0xff): the f16 route's domain.
     let codes: Vec<u8> = (0..KEYS * DIM)
@@ -75,7 +77,7 @@ fn main() {
     let qt1: Vec<f32> = qt.iter().map(|x| x / 256.0).collect();
     let (mut f16_rows, mut ct_rows) = (Vec::new(), Vec::new());
     for &isa in &paths {
-        let bound = fma_bound(isa, rounds);
+        let bound = fma_bound(isa, rounds, &one_thread);
         // The f16 route.
         let mut ktb = vec![0u8; KEYS * DIM];
         let mut kh = vec![0u16; KEYS * DIM];
@@ -147,6 +149,7 @@ fn main() {
     );
     println!("|---|---:|---:|---:|---:|---:|---:|");
     ct_rows.iter().for_each(|r| println!("{r}"));
+    Ok(())
 }
 
 /// A table row: the path, its three stages (ns per key), their sum, the FMA bound and the
@@ -161,25 +164,9 @@ fn row(isa: CpuIsa, stages: [f64; 3], gemm: f64, bound: f64) -> String {
     )
 }
 
-/// A key's FLOP (an FMA is 2) at [`fma_rate`], in ns.
-fn fma_bound(isa: CpuIsa, rounds: usize) -> f64 {
-    (2 * HEADS * DIM) as f64 / fma_rate(isa, rounds) * 1e9
-}
-
-/// The f32 FMA rate of `isa` on this thread (FLOP/s), the best of `rounds` runs of about
-/// 20 ms.
-fn fma_rate(isa: CpuIsa, rounds: usize) -> f64 {
-    const ITERS: u64 = 10_000_000;
-    (0..rounds)
-        .map(|_| {
-            let start = Instant::now();
-            black_box(fma_rounds(
-                isa,
-                black_box(ITERS),
-                black_box(0.999_9),
-                black_box(1e-4),
-            ));
-            ITERS as f64 * fma_flops_per_round(isa.isa()) / start.elapsed().as_secs_f64()
-        })
-        .fold(0.0, f64::max)
+/// A key's FLOP (an FMA is 2) at the f32 FMA rate of `isa` on the one thread of `pool`
+/// (the roofline's measurement, best of `rounds` runs of about 20 ms), in ns.
+fn fma_bound(isa: CpuIsa, rounds: usize, pool: &rayon::ThreadPool) -> f64 {
+    let (rate, _) = pool.install(|| fma_peak_of(isa, 0.02, rounds));
+    (2 * HEADS * DIM) as f64 / rate * 1e9
 }
