@@ -405,41 +405,111 @@ pub fn read_kv_token(layout: &KvLayout, cache: &[u8], slot: usize) -> Vec<f64> {
     out
 }
 
-/// `(Σ aᵢ·bᵢ, Σ |aᵢ·bᵢ|)` over the common length, in f64: eight interleaved partial
-/// sums (eight lanes: one AVX-512 vector or two AVX2 ones of independent adds, so the adds'
-/// latency does not bound it), added pairwise at the end.
+/// bf16 values in f64 (exact: a bf16 is the upper half of an f32).
+fn bf16_f64s(xs: &[bf16]) -> Vec<f64> {
+    xs.iter()
+        .map(|x| f32::from_bits((x.to_bits() as u32) << 16) as f64)
+        .collect()
+}
+
+/// `o[i] += c·v[i]·f` and `a[i] += c·|v[i]|·f` over the common length: the softmax
+/// weight `c` of a row `v` into the output and its absolute scale. Each product rounds in
+/// that order, with no fused multiply-add, so every vector path gives the same bits; the
+/// loop runs on the widest one of this CPU (the crate itself is built for SSE2).
+pub(crate) fn weigh_into(o: &mut [f64], a: &mut [f64], v: &[f64], c: f64, f: f64) {
+    weigh_into_on(widest(), o, a, v, c, f)
+}
+
+/// [`weigh_into`] on the vector path `isa`.
+fn weigh_into_on(isa: CpuIsa, o: &mut [f64], a: &mut [f64], v: &[f64], c: f64, f: f64) {
+    #[inline(always)]
+    fn body(o: &mut [f64], a: &mut [f64], v: &[f64], c: f64, f: f64) {
+        for ((x, y), v) in o.iter_mut().zip(a.iter_mut()).zip(v) {
+            *x += c * v * f;
+            *y += c * v.abs() * f;
+        }
+    }
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[cfg(target_arch = "x86_64")]
+    #[allow(
+        clippy::incompatible_msrv,
+        reason = "AVX-512 needs Rust 1.89, as the host crate's AVX-512 target features do"
+    )]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn avx512(o: &mut [f64], a: &mut [f64], v: &[f64], c: f64, f: f64) {
+        body(o, a, v, c, f)
+    }
+    /// # Safety
+    /// The CPU has AVX2.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn avx2(o: &mut [f64], a: &mut [f64], v: &[f64], c: f64, f: f64) {
+        body(o, a, v, c, f)
+    }
+    match isa.isa() {
+        // SAFETY: a `CpuIsa` names only a path this CPU supports: AVX-512F here.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Bf16 | Isa::Avx512 => unsafe { avx512(o, a, v, c, f) },
+        // SAFETY: as above: AVX2.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2(o, a, v, c, f) },
+        _ => body(o, a, v, c, f),
+    }
+}
+
+/// The widest vector path of this CPU, detected once.
+fn widest() -> CpuIsa {
+    static WIDEST: OnceLock<CpuIsa> = OnceLock::new();
+    *WIDEST.get_or_init(CpuIsa::widest)
+}
+
+/// Lanes of [`dot_abs_on`]'s partial sums.
+const L: usize = 8;
+
+/// Partial sums of a lane each: `(dot, abs)`.
+type Lanes = ([f64; L], [f64; L]);
+
+/// `(Σ aᵢ·bᵢ, Σ |aᵢ·bᵢ|)` over the common length of `a` and `b`, in f64: eight
+/// interleaved partial sums (eight lanes: one AVX-512 vector or two AVX2 ones of
+/// independent adds, on the vector path `isa`), added pairwise at the end.
 /// The products are exact for the values compared here (bf16 times bf16, or times an fp8
 /// code and its f32 scale), so only the sums round, at f64's 2^-53; whether a sum is NaN
 /// or infinite does not depend on the order.
 ///
-/// The lanes run on the widest vector path of this CPU ([`CpuIsa::widest`], whatever path
-/// the kernels are forced to): each lane does the same operations in the same order on
-/// every path, so the bits are the same (this module's tests). The references' hottest
-/// loop: over a quarter of `sparsekit repro`'s time as LLVM compiled it for SSE2.
-pub(crate) fn dot_abs(a: &[f64], b: &[f64]) -> (f64, f64) {
-    static WIDEST: OnceLock<CpuIsa> = OnceLock::new();
-    dot_abs_on(*WIDEST.get_or_init(CpuIsa::widest), a, b)
-}
-
-/// Lanes of [`dot_abs`]'s partial sums.
-const L: usize = 8;
-
-/// [`dot_abs`] with its lanes on the vector path `isa`.
+/// Each lane does the same operations in the same order on every path, so the bits are
+/// the same (this module's tests). The references' hottest loop: over a quarter of
+/// `sparsekit repro`'s time as LLVM compiled it for SSE2, before it ran in explicit
+/// vectors and then several chains side by side ([`dot_abs_each`]).
 fn dot_abs_on(isa: CpuIsa, a: &[f64], b: &[f64]) -> (f64, f64) {
     let n = a.len().min(b.len());
     // Whole chunks of L, then the rest.
     let m = n - n % L;
-    let ((ac, ar), (bc, br)) = (a[..n].split_at(m), b[..n].split_at(m));
-    let (mut dot, mut abs) = match isa.isa() {
-        // SAFETY: a `CpuIsa` names only a path this CPU supports (checked when it was
-        // made): AVX-512F on the AVX-512 paths.
+    let lanes = match isa.isa() {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Bf16 | Isa::Avx512 => unsafe { x86::lanes_avx512(ac, bc) },
-        // SAFETY: as above: AVX2 on the avx2 path.
+        Isa::Avx512Bf16 | Isa::Avx512 => {
+            // SAFETY: a `CpuIsa` names only a path this CPU supports (checked when it
+            // was made): AVX-512F on the AVX-512 paths. Both slices hold `m` elements.
+            let [l] = unsafe { x86::lanes_avx512(&a[..m], [&b[..m]]) };
+            l
+        }
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { x86::lanes_avx2(ac, bc) },
-        _ => lanes(ac, bc),
+        Isa::Avx2 => {
+            // SAFETY: as above: AVX2 on the avx2 path.
+            let [l] = unsafe { x86::lanes_avx2(&a[..m], [&b[..m]]) };
+            l
+        }
+        _ => {
+            let [l] = lanes(&a[..m], [&b[..m]]);
+            l
+        }
     };
+    finish(lanes, &a[m..n], &b[m..n])
+}
+
+/// Adds the products of the rest `ar`, `br` (fewer than L elements) to lanes `0..`, then
+/// the lanes pairwise.
+fn finish((mut dot, mut abs): Lanes, ar: &[f64], br: &[f64]) -> (f64, f64) {
     for (l, (x, y)) in ar.iter().zip(br).enumerate() {
         let p = x * y;
         dot[l] += p;
@@ -449,82 +519,161 @@ fn dot_abs_on(isa: CpuIsa, a: &[f64], b: &[f64]) -> (f64, f64) {
     (pairwise(dot), pairwise(abs))
 }
 
-/// Lane `l` of the result: `(Σ x[l]·y[l], Σ |x[l]·y[l]|)` over the chunks of L of `ac`
-/// and `bc` (equal lengths, multiples of L), in order.
-fn lanes(ac: &[f64], bc: &[f64]) -> ([f64; L], [f64; L]) {
-    let (mut dot, mut abs) = ([0.0f64; L], [0.0f64; L]);
-    for (x, y) in ac.chunks_exact(L).zip(bc.chunks_exact(L)) {
-        for l in 0..L {
-            let p = x[l] * y[l];
-            dot[l] += p;
-            abs[l] += p.abs();
+/// `f(i, (Σ x·yᵢ, Σ |x·yᵢ|))` for each `yᵢ` of `ys`, in order, on the widest vector path
+/// of this CPU ([`CpuIsa::widest`], whatever path the kernels are forced to): the bits of
+/// [`dot_abs_on`] on any path. Up to [`GROUP`] of the `y`s run side by side, so that their
+/// chains of adds overlap (one key against a row's heads, one query against a token's
+/// keys).
+pub(crate) fn dot_abs_each<'y>(
+    x: &[f64],
+    ys: impl IntoIterator<Item = &'y [f64]>,
+    f: impl FnMut(usize, (f64, f64)),
+) {
+    dot_abs_each_on(widest(), x, ys, f)
+}
+
+/// The `y`s [`dot_abs_each`] runs side by side.
+const GROUP: usize = 4;
+
+/// [`dot_abs_each`] on the vector path `isa`.
+fn dot_abs_each_on<'y>(
+    isa: CpuIsa,
+    x: &[f64],
+    ys: impl IntoIterator<Item = &'y [f64]>,
+    mut f: impl FnMut(usize, (f64, f64)),
+) {
+    let mut group: [&[f64]; GROUP] = [&[]; GROUP];
+    let (mut len, mut first) = (0, 0);
+    for y in ys {
+        group[len] = y;
+        len += 1;
+        if len == GROUP {
+            for (j, r) in dot_abs_group(isa, x, group).into_iter().enumerate() {
+                f(first + j, r);
+            }
+            (len, first) = (0, first + GROUP);
         }
     }
-    (dot, abs)
+    for (j, y) in group[..len].iter().enumerate() {
+        f(first + j, dot_abs_on(isa, x, y));
+    }
+}
+
+/// [`dot_abs_on`] of `x` with each of `ys` (one at a time where their lengths differ).
+fn dot_abs_group(isa: CpuIsa, x: &[f64], ys: [&[f64]; GROUP]) -> [(f64, f64); GROUP] {
+    let n = x.len();
+    if ys.iter().any(|y| y.len() != n) {
+        return ys.map(|y| dot_abs_on(isa, x, y));
+    }
+    let m = n - n % L;
+    let (xc, yc) = (&x[..m], ys.map(|y| &y[..m]));
+    let lanes: [Lanes; GROUP] = match isa.isa() {
+        // SAFETY: as in `dot_abs_on`; every slice holds `m` elements.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Bf16 | Isa::Avx512 => unsafe { x86::lanes_avx512(xc, yc) },
+        // Two at a time: four `y`s' sixteen accumulators would fill all the AVX2
+        // registers.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => {
+            // SAFETY: as above: AVX2 on the avx2 path.
+            let [a, b] = unsafe { x86::lanes_avx2(xc, [yc[0], yc[1]]) };
+            // SAFETY: as above.
+            let [c, d] = unsafe { x86::lanes_avx2(xc, [yc[2], yc[3]]) };
+            [a, b, c, d]
+        }
+        _ => lanes(xc, yc),
+    };
+    std::array::from_fn(|i| finish(lanes[i], &x[m..], &ys[i][m..]))
+}
+
+/// Lane `l` of each result: `(Σ x[l]·y[l], Σ |x[l]·y[l]|)` over the chunks of L of `xc`
+/// and of each `y` of `yc` (all of `xc`'s length, a multiple of L), in order.
+fn lanes<const N: usize>(xc: &[f64], yc: [&[f64]; N]) -> [Lanes; N] {
+    let mut out = [([0.0f64; L], [0.0f64; L]); N];
+    for (c, x) in xc.chunks_exact(L).enumerate() {
+        for ((dot, abs), y) in out.iter_mut().zip(&yc) {
+            let y = &y[c * L..][..L];
+            for l in 0..L {
+                let p = x[l] * y[l];
+                dot[l] += p;
+                abs[l] += p.abs();
+            }
+        }
+    }
+    out
 }
 
 /// [`lanes`] in explicit vectors (LLVM's own vectorisation of it mixed scalar adds and
 /// shuffles in): the same operations on each lane.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::L;
+    use super::{Lanes, L};
     use std::arch::x86_64::*;
 
     /// # Safety
-    /// The CPU has AVX-512F; `ac` and `bc` as in [`super::lanes`].
+    /// The CPU has AVX-512F; every slice of `yc` holds `xc.len()` elements, a multiple of
+    /// L.
     #[allow(
         clippy::incompatible_msrv,
         reason = "AVX-512 needs Rust 1.89, as the host crate's AVX-512 target features do"
     )]
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn lanes_avx512(ac: &[f64], bc: &[f64]) -> ([f64; L], [f64; L]) {
-        let (mut dot, mut abs) = (_mm512_setzero_pd(), _mm512_setzero_pd());
-        for (x, y) in ac.chunks_exact(L).zip(bc.chunks_exact(L)) {
-            // SAFETY: `x` and `y` hold 8 f64: one unaligned vector each.
-            let p =
-                unsafe { _mm512_mul_pd(_mm512_loadu_pd(x.as_ptr()), _mm512_loadu_pd(y.as_ptr())) };
-            dot = _mm512_add_pd(dot, p);
-            abs = _mm512_add_pd(abs, _mm512_abs_pd(p));
+    pub(super) unsafe fn lanes_avx512<const N: usize>(xc: &[f64], yc: [&[f64]; N]) -> [Lanes; N] {
+        let (mut dot, mut abs) = ([_mm512_setzero_pd(); N], [_mm512_setzero_pd(); N]);
+        for (c, x) in xc.chunks_exact(L).enumerate() {
+            // SAFETY: `x` holds 8 f64: one unaligned vector.
+            let xv = unsafe { _mm512_loadu_pd(x.as_ptr()) };
+            for i in 0..N {
+                // SAFETY: chunk `c` of `yc[i]`, as long as `xc` (the caller's contract).
+                let p = _mm512_mul_pd(xv, unsafe { _mm512_loadu_pd(yc[i].as_ptr().add(c * L)) });
+                dot[i] = _mm512_add_pd(dot[i], p);
+                abs[i] = _mm512_add_pd(abs[i], _mm512_abs_pd(p));
+            }
         }
-        let (mut d, mut a) = ([0.0; L], [0.0; L]);
-        // SAFETY: `d` and `a` are arrays of 8 f64.
-        unsafe {
-            _mm512_storeu_pd(d.as_mut_ptr(), dot);
-            _mm512_storeu_pd(a.as_mut_ptr(), abs);
+        let mut out = [([0.0; L], [0.0; L]); N];
+        for ((d, a), i) in out.iter_mut().zip(0..N) {
+            // SAFETY: `d` and `a` are arrays of 8 f64.
+            unsafe {
+                _mm512_storeu_pd(d.as_mut_ptr(), dot[i]);
+                _mm512_storeu_pd(a.as_mut_ptr(), abs[i]);
+            }
         }
-        (d, a)
+        out
     }
 
     /// # Safety
-    /// The CPU has AVX2 (AVX for these operations); `ac` and `bc` as in [`super::lanes`].
+    /// The CPU has AVX2 (AVX for these operations); the slices as in [`lanes_avx512`].
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn lanes_avx2(ac: &[f64], bc: &[f64]) -> ([f64; L], [f64; L]) {
+    pub(super) unsafe fn lanes_avx2<const N: usize>(xc: &[f64], yc: [&[f64]; N]) -> [Lanes; N] {
         let zero = _mm256_setzero_pd();
-        let (mut dot, mut abs) = ([zero; 2], [zero; 2]);
+        let (mut dot, mut abs) = ([[zero; 2]; N], [[zero; 2]; N]);
         // Clears the sign bit: |p|.
         let magnitude = _mm256_castsi256_pd(_mm256_set1_epi64x(i64::MAX));
-        for (x, y) in ac.chunks_exact(L).zip(bc.chunks_exact(L)) {
+        for (c, x) in xc.chunks_exact(L).enumerate() {
             for h in 0..2 {
-                // SAFETY: lanes `4h .. 4h + 4` of chunks of 8 f64.
-                let p = unsafe {
-                    _mm256_mul_pd(
-                        _mm256_loadu_pd(x.as_ptr().add(4 * h)),
-                        _mm256_loadu_pd(y.as_ptr().add(4 * h)),
-                    )
-                };
-                dot[h] = _mm256_add_pd(dot[h], p);
-                abs[h] = _mm256_add_pd(abs[h], _mm256_and_pd(p, magnitude));
+                // SAFETY: lanes `4h .. 4h + 4` of a chunk of 8 f64.
+                let xv = unsafe { _mm256_loadu_pd(x.as_ptr().add(4 * h)) };
+                for i in 0..N {
+                    // SAFETY: lanes `4h .. 4h + 4` of chunk `c` of `yc[i]`, as long as `xc`
+                    // (the caller's contract).
+                    let yv = unsafe { _mm256_loadu_pd(yc[i].as_ptr().add(c * L + 4 * h)) };
+                    let p = _mm256_mul_pd(xv, yv);
+                    dot[i][h] = _mm256_add_pd(dot[i][h], p);
+                    abs[i][h] = _mm256_add_pd(abs[i][h], _mm256_and_pd(p, magnitude));
+                }
             }
         }
-        let (mut d, mut a) = ([0.0; L], [0.0; L]);
-        for h in 0..2 {
-            // SAFETY: lanes `4h .. 4h + 4` of arrays of 8 f64.
-            unsafe {
-                _mm256_storeu_pd(d.as_mut_ptr().add(4 * h), dot[h]);
-                _mm256_storeu_pd(a.as_mut_ptr().add(4 * h), abs[h]);
+        let mut out = [([0.0; L], [0.0; L]); N];
+        for ((d, a), i) in out.iter_mut().zip(0..N) {
+            for h in 0..2 {
+                // SAFETY: lanes `4h .. 4h + 4` of arrays of 8 f64.
+                unsafe {
+                    _mm256_storeu_pd(d.as_mut_ptr().add(4 * h), dot[i][h]);
+                    _mm256_storeu_pd(a.as_mut_ptr().add(4 * h), abs[i][h]);
+                }
             }
         }
-        (d, a)
+        out
     }
 }
 
@@ -559,17 +708,14 @@ pub fn indexer_logits(
             let mut logits = vec![f64::NEG_INFINITY; row_stride];
             let mut mag = vec![0.0; row_stride];
             // The row's queries in f64 once (exact), not once per key.
-            let qr: Vec<f64> = q[r * n_heads * d..(r + 1) * n_heads * d]
-                .iter()
-                .map(|x| x.to_f64())
-                .collect();
+            let qr = bf16_f64s(&q[r * n_heads * d..(r + 1) * n_heads * d]);
             let wr = &weights[r * n_heads..(r + 1) * n_heads];
             for pos in range.start as usize..range.end as usize {
                 let slot = page_table.slot(range.request as usize, pos, layout.page_size());
                 let (k, s) = read_index_key(layout, cache, slot);
                 let (mut acc, mut m) = (0.0, 0.0);
-                for h in 0..n_heads {
-                    let (dot, adot) = dot_abs(&qr[h * d..(h + 1) * d], &k);
+                // The key against each head's query, heads in order.
+                dot_abs_each(&k, qr.chunks_exact(d), |h, (dot, adot)| {
                     // ReLU as `fmax`: a NaN dot counts as 0 (as on every backend).
                     acc += wr[h] as f64 * dot.max(0.0);
                     // A non-finite dot is exact after the ReLU (0) or makes the logit
@@ -577,7 +723,7 @@ pub fn indexer_logits(
                     if dot.is_finite() {
                         m += (wr[h] as f64).abs() * (adot + flush);
                     }
-                }
+                });
                 logits[pos] = acc * s;
                 mag[pos] = m * s;
             }
@@ -601,13 +747,21 @@ pub fn topk_row(row: &[f32], k: usize) -> Vec<usize> {
     let mut idx: Vec<usize> = (0..row.len())
         .filter(|&i| !row[i].is_nan() && row[i] != f32::NEG_INFINITY)
         .collect();
-    idx.sort_by(|&a, &b| {
+    // Larger first, ties to the lower position: a total order (positions differ), so the
+    // first `k` after a selection are the first `k` of a full sort.
+    let order = |&a: &usize, &b: &usize| {
         row[b]
             .partial_cmp(&row[a])
             .unwrap_or(std::cmp::Ordering::Equal)
             .then(a.cmp(&b))
-    });
-    idx.truncate(k);
+    };
+    if k == 0 {
+        return Vec::new();
+    }
+    if idx.len() > k {
+        idx.select_nth_unstable_by(k - 1, order);
+        idx.truncate(k);
+    }
     idx.sort_unstable();
     idx
 }
@@ -699,16 +853,12 @@ pub fn sparse_mla(
             let mut lse = vec![f64::NEG_INFINITY; n_heads];
             let mut lmag = vec![0.0; n_heads];
             for h in 0..n_heads {
-                let qh: Vec<f64> = q[(t * n_heads + h) * dqk..(t * n_heads + h + 1) * dqk]
-                    .iter()
-                    .map(|x| x.to_f64())
-                    .collect();
+                let qh = bf16_f64s(&q[(t * n_heads + h) * dqk..(t * n_heads + h + 1) * dqk]);
                 let mut scores = Vec::with_capacity(keys.len());
-                for k in &keys {
-                    let (dot, adot) = dot_abs(&qh, k);
+                dot_abs_each(&qh, keys.iter().map(Vec::as_slice), |_, (dot, adot)| {
                     scores.push(dot * scale);
                     lmag[h] = f64::max(lmag[h], (adot + flush) * scale.abs());
-                }
+                });
                 if keys.is_empty() {
                     continue;
                 }
@@ -719,10 +869,8 @@ pub fn sparse_mla(
                 let o = &mut out[h * dv..(h + 1) * dv];
                 let a = &mut abs[h * dv..(h + 1) * dv];
                 for (wj, k) in w.iter().zip(&keys) {
-                    for ((x, y), v) in o.iter_mut().zip(a.iter_mut()).zip(&k[..dv]) {
-                        *x += wj / sum * v;
-                        *y += wj / sum * v.abs();
-                    }
+                    // `wj / sum · v` (times 1: the same bits).
+                    weigh_into(o, a, &k[..dv], wj / sum, 1.0);
                 }
             }
             (out, lse, abs, lmag, keys.len(), vmax)
@@ -798,10 +946,12 @@ mod tests {
         use rand::{Rng, SeedableRng};
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
         for n in [0, 1, 7, 8, 9, 63, 64, 65, 128, 513] {
-            // Magnitudes over many binades, so that the order of the adds shows in the bits.
+            // Magnitudes over many binades (the order of the adds shows in the bits) or
+            // few (so does the rounding of each product).
             let mut v = || -> Vec<f64> {
+                let e = if rng.gen_bool(0.5) { 30 } else { 2 };
                 (0..n)
-                    .map(|_| rng.gen_range(-1.0..1.0) * 2f64.powi(rng.gen_range(-30..30)))
+                    .map(|_| rng.gen_range(-1.0..1.0) * 2f64.powi(rng.gen_range(-e..e)))
                     .collect()
             };
             let (a, b) = (v(), v());
@@ -815,7 +965,6 @@ mod tests {
                     "{isa:?}, n = {n}"
                 );
             }
-            assert_eq!(dot_abs(&a, &b), want);
             // A NaN anywhere gives a NaN sum on every path.
             if n > 0 {
                 let mut a = a.clone();
@@ -824,6 +973,122 @@ mod tests {
                     assert!(dot_abs_on(isa, &a, &b).0.is_nan(), "{isa:?}, n = {n}");
                 }
             }
+        }
+    }
+
+    #[test]
+    fn dot_abs_each_has_the_bits_of_one_pair_at_a_time() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        // Magnitudes over many binades (the order of the adds shows in the bits) or few
+        // (so does the rounding of each product).
+        let mut v = |n: usize| -> Vec<f64> {
+            let e = if rng.gen_bool(0.5) { 30 } else { 2 };
+            (0..n)
+                .map(|_| rng.gen_range(-1.0..1.0) * 2f64.powi(rng.gen_range(-e..e)))
+                .collect()
+        };
+        // Every count of `y`s around a whole group, lengths with and without a rest,
+        // and groups with one `y` of another length (taken one at a time).
+        for (n, count, odd) in [(64, 9, None), (67, 4, None), (5, 7, None), (576, 5, None)]
+            .into_iter()
+            .chain([(72, 8, Some(2)), (33, 4, Some(0)), (0, 3, None)])
+        {
+            let x = v(n);
+            let mut ys: Vec<Vec<f64>> = (0..count).map(|_| v(n)).collect();
+            if let Some(i) = odd {
+                ys[i] = v(n + 9);
+            }
+            // A NaN in one `y` stays in its own result.
+            if n > 0 {
+                ys[count - 1][n / 3] = f64::NAN;
+            }
+            let want: Vec<(f64, f64)> = ys
+                .iter()
+                .map(|y| dot_abs_on(CpuIsa::SCALAR, &x, y))
+                .collect();
+            for isa in CpuIsa::available() {
+                let mut got = Vec::new();
+                dot_abs_each_on(isa, &x, ys.iter().map(Vec::as_slice), |i, r| {
+                    assert_eq!(i, got.len(), "{isa:?}: in order");
+                    got.push(r);
+                });
+                assert_eq!(got.len(), count);
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    if n > 0 && i == count - 1 {
+                        assert!(g.0.is_nan() && w.0.is_nan(), "{isa:?}, n = {n}, y {i}");
+                        continue;
+                    }
+                    assert!(w.0.is_finite() || n == 0, "{w:?}");
+                    assert_eq!(
+                        (g.0.to_bits(), g.1.to_bits()),
+                        (w.0.to_bits(), w.1.to_bits()),
+                        "{isa:?}, n = {n}, y {i} of {count}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn weigh_into_has_the_same_bits_on_every_vector_path() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        for n in [1, 7, 8, 13, 64, 513] {
+            let mut v = || -> Vec<f64> {
+                (0..n)
+                    .map(|_| rng.gen_range(-1.0..1.0) * 2f64.powi(rng.gen_range(-20..20)))
+                    .collect()
+            };
+            let (o, a, x) = (v(), v(), v());
+            let (c, f) = (rng.gen_range(0.0..1.0), rng.gen_range(0.5..1.0));
+            let want: Vec<(u64, u64)> = (0..n)
+                .map(|i| {
+                    (
+                        (o[i] + c * x[i] * f).to_bits(),
+                        (a[i] + c * x[i].abs() * f).to_bits(),
+                    )
+                })
+                .collect();
+            for isa in CpuIsa::available() {
+                let (mut o, mut a) = (o.clone(), a.clone());
+                weigh_into_on(isa, &mut o, &mut a, &x, c, f);
+                let got: Vec<(u64, u64)> = o
+                    .iter()
+                    .zip(&a)
+                    .map(|(o, a)| (o.to_bits(), a.to_bits()))
+                    .collect();
+                assert_eq!(got, want, "{isa:?}, n = {n}");
+            }
+        }
+    }
+
+    #[test]
+    fn topk_row_selects_what_a_full_sort_keeps() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        for _ in 0..200 {
+            let n = rng.gen_range(0..300);
+            // Few distinct values, so ties are everywhere; both zeros, NaN and ±inf too.
+            let pool = [
+                1.5,
+                -2.0,
+                0.0,
+                -0.0,
+                7.25,
+                f32::INFINITY,
+                f32::NEG_INFINITY,
+                f32::NAN,
+            ];
+            let row: Vec<f32> = (0..n).map(|_| pool[rng.gen_range(0..pool.len())]).collect();
+            let k = rng.gen_range(0..n + 3);
+            let mut want: Vec<usize> = (0..n)
+                .filter(|&i| !row[i].is_nan() && row[i] != f32::NEG_INFINITY)
+                .collect();
+            want.sort_by(|&a, &b| row[b].partial_cmp(&row[a]).unwrap().then(a.cmp(&b)));
+            want.truncate(k);
+            want.sort_unstable();
+            assert_eq!(topk_row(&row, k), want, "n = {n}, k = {k}, {row:?}");
         }
     }
 

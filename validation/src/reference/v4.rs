@@ -8,7 +8,7 @@ use half::bf16;
 use rayon::prelude::*;
 use sparsekit_host::ops::SparseMlaV4;
 
-use super::{dot_abs, read_kv_token, MlaRef};
+use super::{bf16_f64s, dot_abs_each, read_kv_token, weigh_into, MlaRef};
 
 /// Reference `sparse_mla_v4` for all tokens (parallel over tokens; naive inside). `main` and
 /// `extra` are each cache's bytes and indices.
@@ -40,16 +40,12 @@ pub fn sparse_mla_v4(
             let mut lse = vec![f64::INFINITY; h];
             let mut lmag = vec![0.0; h];
             for hh in 0..h {
-                let qh: Vec<f64> = q[(t * h + hh) * d..(t * h + hh + 1) * d]
-                    .iter()
-                    .map(|x| x.to_f64())
-                    .collect();
+                let qh = bf16_f64s(&q[(t * h + hh) * d..(t * h + hh + 1) * d]);
                 let mut scores = Vec::with_capacity(keys.len());
-                for k in &keys {
-                    let (dot, adot) = dot_abs(&qh, k);
+                dot_abs_each(&qh, keys.iter().map(Vec::as_slice), |_, (dot, adot)| {
                     scores.push(dot * scale);
                     lmag[hh] = f64::max(lmag[hh], (adot + flush) * scale.abs());
-                }
+                });
                 if keys.is_empty() {
                     continue;
                 }
@@ -63,10 +59,7 @@ pub fn sparse_mla_v4(
                 let o = &mut out[hh * d..(hh + 1) * d];
                 let a = &mut abs[hh * d..(hh + 1) * d];
                 for (wj, k) in w.iter().zip(&keys) {
-                    for ((x, y), v) in o.iter_mut().zip(a.iter_mut()).zip(k) {
-                        *x += wj / sum * v * factor;
-                        *y += wj / sum * v.abs() * factor;
-                    }
+                    weigh_into(o, a, k, wj / sum, factor);
                 }
             }
             (out, lse, abs, lmag, keys.len(), vmax)
