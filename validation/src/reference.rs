@@ -231,7 +231,7 @@ fn put_bf16(dst: &mut [u8], xs: &[bf16]) {
 fn bf16s(src: &[u8], n: usize) -> impl Iterator<Item = f64> + '_ {
     src[..2 * n]
         .chunks_exact(2)
-        .map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16) as f64)
+        .map(|b| bf16_bits_f64(u16::from_le_bytes([b[0], b[1]])))
 }
 
 fn get_f32(src: &[u8], at: usize) -> f64 {
@@ -405,11 +405,14 @@ pub fn read_kv_token(layout: &KvLayout, cache: &[u8], slot: usize) -> Vec<f64> {
     out
 }
 
-/// bf16 values in f64 (exact: a bf16 is the upper half of an f32).
+/// The bf16 of bits `b` in f64 (exact: a bf16 is the upper half of an f32).
+fn bf16_bits_f64(b: u16) -> f64 {
+    f32::from_bits((b as u32) << 16) as f64
+}
+
+/// bf16 values in f64.
 fn bf16_f64s(xs: &[bf16]) -> Vec<f64> {
-    xs.iter()
-        .map(|x| f32::from_bits((x.to_bits() as u32) << 16) as f64)
-        .collect()
+    xs.iter().map(|x| bf16_bits_f64(x.to_bits())).collect()
 }
 
 /// `o[i] += c·v[i]·f` and `a[i] += c·|v[i]|·f` over the common length: the softmax
@@ -485,25 +488,7 @@ fn dot_abs_on(isa: CpuIsa, a: &[f64], b: &[f64]) -> (f64, f64) {
     let n = a.len().min(b.len());
     // Whole chunks of L, then the rest.
     let m = n - n % L;
-    let lanes = match isa.isa() {
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Bf16 | Isa::Avx512 => {
-            // SAFETY: a `CpuIsa` names only a path this CPU supports (checked when it
-            // was made): AVX-512F on the AVX-512 paths. Both slices hold `m` elements.
-            let [l] = unsafe { x86::lanes_avx512(&a[..m], [&b[..m]]) };
-            l
-        }
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => {
-            // SAFETY: as above: AVX2 on the avx2 path.
-            let [l] = unsafe { x86::lanes_avx2(&a[..m], [&b[..m]]) };
-            l
-        }
-        _ => {
-            let [l] = lanes(&a[..m], [&b[..m]]);
-            l
-        }
-    };
+    let [lanes] = lanes_on(isa, &a[..m], [&b[..m]]);
     finish(lanes, &a[m..n], &b[m..n])
 }
 
@@ -567,23 +552,38 @@ fn dot_abs_group(isa: CpuIsa, x: &[f64], ys: [&[f64]; GROUP]) -> [(f64, f64); GR
     }
     let m = n - n % L;
     let (xc, yc) = (&x[..m], ys.map(|y| &y[..m]));
-    let lanes: [Lanes; GROUP] = match isa.isa() {
-        // SAFETY: as in `dot_abs_on`; every slice holds `m` elements.
+    let lanes = lanes_on(isa, xc, yc);
+    std::array::from_fn(|i| finish(lanes[i], &x[m..], &ys[i][m..]))
+}
+
+/// [`lanes`] on the vector path `isa` (every slice of `yc` as long as `xc`, a multiple
+/// of L).
+fn lanes_on<const N: usize>(isa: CpuIsa, xc: &[f64], yc: [&[f64]; N]) -> [Lanes; N] {
+    assert!(xc.len() % L == 0 && yc.iter().all(|y| y.len() == xc.len()));
+    match isa.isa() {
+        // SAFETY: a `CpuIsa` names only a path this CPU supports (checked when it was
+        // made): AVX-512F on the AVX-512 paths. The slices are as asserted above.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Bf16 | Isa::Avx512 => unsafe { x86::lanes_avx512(xc, yc) },
-        // Two at a time: four `y`s' sixteen accumulators would fill all the AVX2
+        // Two `y`s at a time: four `y`s' sixteen accumulators would fill all the AVX2
         // registers.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => {
-            // SAFETY: as above: AVX2 on the avx2 path.
-            let [a, b] = unsafe { x86::lanes_avx2(xc, [yc[0], yc[1]]) };
-            // SAFETY: as above.
-            let [c, d] = unsafe { x86::lanes_avx2(xc, [yc[2], yc[3]]) };
-            [a, b, c, d]
+            let mut out = [([0.0; L], [0.0; L]); N];
+            for (o, ys) in out.chunks_mut(2).zip(yc.chunks(2)) {
+                // SAFETY: as above: AVX2 on the avx2 path.
+                let pair = |a, b| unsafe { x86::lanes_avx2(xc, [a, b]) };
+                // SAFETY: as above.
+                let one = |a| unsafe { x86::lanes_avx2(xc, [a]) };
+                match *ys {
+                    [a, b] => o.copy_from_slice(&pair(a, b)),
+                    _ => o.copy_from_slice(&one(ys[0])),
+                }
+            }
+            out
         }
         _ => lanes(xc, yc),
-    };
-    std::array::from_fn(|i| finish(lanes[i], &x[m..], &ys[i][m..]))
+    }
 }
 
 /// Lane `l` of each result: `(Σ x[l]·y[l], Σ |x[l]·y[l]|)` over the chunks of L of `xc`
