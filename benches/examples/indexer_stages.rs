@@ -11,8 +11,9 @@
 //!   for the head sums.
 //!
 //! "FMA bound" is the key's 1024 FLOP (8 heads × 64 dims) at the path's f32 FMA rate on
-//! one thread (the roofline's measurement, in a pool of one thread). The stages' sum against the op's time per key shows what
-//! the op spends outside them (prefetch, epilogue, memory). Both routes do the same
+//! one thread (the roofline's measurement, in a pool of one thread). The stages' sum
+//! against the op's time per key shows what the op spends outside them (prefetch,
+//! epilogue, memory). Both routes do the same
 //! products in the same order: their scores must be the same bits, or the run fails.
 
 use std::hint::black_box;
