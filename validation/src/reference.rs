@@ -423,42 +423,14 @@ pub(crate) fn weigh_into(o: &mut [f64], a: &mut [f64], v: &[f64], c: f64, f: f64
     weigh_into_on(widest(), o, a, v, c, f)
 }
 
-/// [`weigh_into`] on the vector path `isa`.
-fn weigh_into_on(isa: CpuIsa, o: &mut [f64], a: &mut [f64], v: &[f64], c: f64, f: f64) {
-    #[inline(always)]
-    fn body(o: &mut [f64], a: &mut [f64], v: &[f64], c: f64, f: f64) {
+sparsekit_host::isa_dispatch! {
+    /// [`weigh_into`] on the vector path `isa`.
+    fn weigh_into_on(o: &mut [f64], a: &mut [f64], v: &[f64], c: f64, f: f64) = |ISA| {
         for ((x, y), v) in o.iter_mut().zip(a.iter_mut()).zip(v) {
             *x += c * v * f;
             *y += c * v.abs() * f;
         }
-    }
-    /// # Safety
-    /// The CPU has AVX-512F.
-    #[cfg(target_arch = "x86_64")]
-    #[allow(
-        clippy::incompatible_msrv,
-        reason = "AVX-512 needs Rust 1.89, as the host crate's AVX-512 target features do"
-    )]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn avx512(o: &mut [f64], a: &mut [f64], v: &[f64], c: f64, f: f64) {
-        body(o, a, v, c, f)
-    }
-    /// # Safety
-    /// The CPU has AVX2.
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
-    unsafe fn avx2(o: &mut [f64], a: &mut [f64], v: &[f64], c: f64, f: f64) {
-        body(o, a, v, c, f)
-    }
-    match isa.isa() {
-        // SAFETY: a `CpuIsa` names only a path this CPU supports: AVX-512F here.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Bf16 | Isa::Avx512 => unsafe { avx512(o, a, v, c, f) },
-        // SAFETY: as above: AVX2.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { avx2(o, a, v, c, f) },
-        _ => body(o, a, v, c, f),
-    }
+    };
 }
 
 /// The widest vector path of this CPU, detected once.
