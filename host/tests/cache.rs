@@ -6,7 +6,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};

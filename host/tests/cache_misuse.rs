@@ -5,7 +5,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic
 
-mod common;
+use crate::common;
 
 use common::{cache, read_pages, source, spec, LAYERS};
 use sparsekit_host::cache::{BufferKind, CacheConfig};

@@ -7,7 +7,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic
 
-mod common;
+use crate::common;
 
 use common::{cache, spec, Expect, LAYERS, PAGE};
 use proptest::prelude::*;

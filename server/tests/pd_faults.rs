@@ -6,7 +6,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod pd_common;
+use crate::pd_common;
 
 use std::sync::{mpsc, Arc};
 

@@ -4,8 +4,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic
 
-#[path = "pd_common/mod.rs"]
-mod pd_common;
+use crate::pd_common;
 
 use std::time::Duration;
 
