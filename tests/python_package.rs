@@ -145,7 +145,7 @@ fn python_package_pytest_suite_on_cpu() {
             .arg(&wheels)
             .arg(root.join("python"))
             .env("CARGO_TARGET_DIR", work.join("cargo"))
-            .env("MATURIN_PEP517_ARGS", "--profile dev"));
+            .env("MATURIN_PEP517_ARGS", "--profile pytest"));
         assert!(
             o.status.success(),
             "building the wheel failed:\n{}",
