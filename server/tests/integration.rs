@@ -1,6 +1,6 @@
 //! The server's integration tests, one module per file beside this one, built as one test
 //! binary: each binary of its own links the whole server and compiles its generic code
-//! again (13 binaries took about 240 s of CPU to build, one takes a fraction of that).
+//! again (13 binaries took 285 s of CPU to build, this one 87 s; `benches/RESULTS.md`).
 //!
 //! Run one file's tests with its module name as the filter, e.g.
 //! `cargo test -p sparsekit-server --test integration harness::`.
