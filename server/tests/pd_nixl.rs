@@ -76,16 +76,14 @@ fn runtime_or_skip(test: &str) -> Option<PathBuf> {
     dir
 }
 
-/// This test binary, running only `test` (a test function of this module), as child `role`, told that the NIXL runtime is
-/// in `lib` (or nowhere), stdin/stdout piped.
+/// This test binary, running only `test` (a test function of this module), as child
+/// `role`, told that the NIXL runtime is in `lib` (or nowhere), stdin/stdout piped.
 fn child(test: &str, role: &str, lib: Option<&PathBuf>, env: &[(&str, String)]) -> Child {
-    // The test's full name in this binary: its module path without the crate's name.
-    let module = module_path!().split_once("::").map_or("", |(_, m)| m);
-    let test = if module.is_empty() {
-        test.to_string()
-    } else {
-        format!("{module}::{test}")
-    };
+    // The test's full name in the binary: this module's path without the crate's name.
+    let (_, module) = module_path!()
+        .split_once("::")
+        .expect("pd_nixl is a module of the integration binary");
+    let test = format!("{module}::{test}");
     let mut c = Command::new(std::env::current_exe().unwrap());
     c.args([test.as_str(), "--exact", "--nocapture", "--test-threads=1"])
         .env(CHILD, role)
