@@ -582,6 +582,24 @@ mod x86 {
     use super::{Lanes, L};
     use std::arch::x86_64::*;
 
+    /// A vector at any address: the same bytes, aligned to 1.
+    #[repr(C, packed)]
+    #[derive(Clone, Copy)]
+    struct Unaligned<T: Copy>(T);
+
+    /// The vector at `p`, which need not be aligned. Not `_mm*_loadu_pd`: with debug
+    /// assertions (the tests' build) they copy through a temporary whose address their
+    /// overlap check compares, and the loop then ran through memory (as in the host
+    /// crate's `cpu::raw`).
+    ///
+    /// # Safety
+    /// `p` points at `size_of::<T>()` readable bytes.
+    #[inline(always)]
+    unsafe fn load<T: Copy>(p: *const f64) -> T {
+        // SAFETY: the caller's contract; the field is copied out by value.
+        unsafe { (*p.cast::<Unaligned<T>>()).0 }
+    }
+
     /// # Safety
     /// The CPU has AVX-512F; every slice of `yc` holds `xc.len()` elements, a multiple of
     /// L.
@@ -594,10 +612,10 @@ mod x86 {
         let (mut dot, mut abs) = ([_mm512_setzero_pd(); N], [_mm512_setzero_pd(); N]);
         for (c, x) in xc.chunks_exact(L).enumerate() {
             // SAFETY: `x` holds 8 f64: one unaligned vector.
-            let xv = unsafe { _mm512_loadu_pd(x.as_ptr()) };
+            let xv: __m512d = unsafe { load(x.as_ptr()) };
             for i in 0..N {
                 // SAFETY: chunk `c` of `yc[i]`, as long as `xc` (the caller's contract).
-                let p = _mm512_mul_pd(xv, unsafe { _mm512_loadu_pd(yc[i].as_ptr().add(c * L)) });
+                let p = _mm512_mul_pd(xv, unsafe { load(yc[i].as_ptr().add(c * L)) });
                 dot[i] = _mm512_add_pd(dot[i], p);
                 abs[i] = _mm512_add_pd(abs[i], _mm512_abs_pd(p));
             }
@@ -624,11 +642,11 @@ mod x86 {
         for (c, x) in xc.chunks_exact(L).enumerate() {
             for h in 0..2 {
                 // SAFETY: lanes `4h .. 4h + 4` of a chunk of 8 f64.
-                let xv = unsafe { _mm256_loadu_pd(x.as_ptr().add(4 * h)) };
+                let xv: __m256d = unsafe { load(x.as_ptr().add(4 * h)) };
                 for i in 0..N {
                     // SAFETY: lanes `4h .. 4h + 4` of chunk `c` of `yc[i]`, as long as `xc`
                     // (the caller's contract).
-                    let yv = unsafe { _mm256_loadu_pd(yc[i].as_ptr().add(c * L + 4 * h)) };
+                    let yv: __m256d = unsafe { load(yc[i].as_ptr().add(c * L + 4 * h)) };
                     let p = _mm256_mul_pd(xv, yv);
                     dot[i][h] = _mm256_add_pd(dot[i][h], p);
                     abs[i][h] = _mm256_add_pd(abs[i][h], _mm256_and_pd(p, magnitude));

@@ -550,8 +550,10 @@ fn tile<const R: usize, const NR: usize, const PAIRS: bool, const ZERO: bool>(
 ) {
     let mut acc = [[0f32; NR]; R];
     if !(ZERO && ks.first) {
+        // Not `copy_from_slice`: its overlap check (debug assertions) would keep `acc` in
+        // memory through the loop below ([`super::raw`]).
         for (r, row) in acc.iter_mut().enumerate() {
-            row.copy_from_slice(&c[(i + r) * d.ldc + j..][..NR]);
+            super::raw::copy(row, &c[(i + r) * d.ldc + j..][..NR]);
         }
     }
     if ks.end > ks.start {
@@ -625,7 +627,7 @@ fn tile<const R: usize, const NR: usize, const PAIRS: bool, const ZERO: bool>(
         }
     }
     for (r, row) in acc.iter().enumerate() {
-        c[(i + r) * d.ldc + j..][..NR].copy_from_slice(row);
+        super::raw::copy(&mut c[(i + r) * d.ldc + j..][..NR], row);
     }
 }
 
@@ -669,10 +671,10 @@ unsafe fn step<const R: usize, const NR: usize>(
     bp: *const f32,
 ) {
     // SAFETY: `bp` points at NR readable f32 (the caller's contract).
-    let bv: [f32; NR] = unsafe { std::ptr::read_unaligned(bp as *const [f32; NR]) };
+    let bv: [f32; NR] = unsafe { super::raw::read(bp.cast()) };
     for (row, &ar) in acc.iter_mut().zip(rows) {
         // SAFETY: `ar.add(p)` is inside A (the caller's contract).
-        let av = unsafe { *ar.add(p) };
+        let av = unsafe { super::raw::read(ar.add(p)) };
         for (x, &y) in row.iter_mut().zip(&bv) {
             *x = av.mul_add(y, *x);
         }

@@ -8,7 +8,7 @@
 //! matrix core, `dot` the bf16 dot product (the `vdpbf16ps` kernel and the arithmetic every
 //! path shares with it), `buffer` the host buffers, `scratch` the per-thread working
 //! buffers of the ops' tasks, `tasks` how an op's tasks are run (the calling thread works
-//! alongside rayon's pool).
+//! alongside rayon's pool), `raw` the inner loops' reads through raw pointers.
 
 pub mod attend;
 pub mod buffer;
@@ -21,6 +21,7 @@ pub mod indexer_logits;
 pub mod isa;
 pub mod pages;
 pub mod peak;
+mod raw;
 mod scratch;
 pub mod sparse_mla;
 pub mod sparse_mla_v4;
