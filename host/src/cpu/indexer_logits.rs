@@ -561,16 +561,23 @@ impl Ctx<'_> {
                         r0 += cnt;
                     }
                 }
+                // The scratch's slice taken once, not through its `Deref` per key.
+                let hsum: &[f32] = &hsum[..n * rr];
                 for (r, (cell, row)) in cells
                     .iter_mut()
                     .zip(&self.rows[g.first..g.first + rr])
                     .enumerate()
                 {
-                    let from = (row.start as usize).max(b0);
-                    let to = (row.end as usize).min(b0 + n);
-                    for pos in from..to {
-                        let j = pos - b0;
-                        cell[pos - col0] = hsum[j * rr + r] * scale[j];
+                    // The block's keys inside the row's range (`j` from the block's start).
+                    let lo = (row.start as usize).clamp(b0, b0 + n) - b0;
+                    let hi = (row.end as usize).clamp(b0 + lo, b0 + n) - b0;
+                    if lo == hi {
+                        continue;
+                    }
+                    let dst = &mut cell[b0 + lo - col0..b0 + hi - col0];
+                    let sums = hsum[lo * rr + r..].iter().step_by(rr);
+                    for ((o, &x), &sc) in dst.iter_mut().zip(sums).zip(&scale[lo..hi]) {
+                        *o = x * sc;
                     }
                 }
             } else {
