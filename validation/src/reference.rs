@@ -593,7 +593,8 @@ mod x86 {
     /// crate's `cpu::raw`).
     ///
     /// # Safety
-    /// `p` points at `size_of::<T>()` readable bytes.
+    /// `p` points at `size_of::<T>()` readable bytes that hold a valid `T` (any bits, for
+    /// the vectors read here).
     #[inline(always)]
     unsafe fn load<T: Copy>(p: *const f64) -> T {
         // SAFETY: the caller's contract; the field is copied out by value.

@@ -329,10 +329,12 @@ mod x86 {
                 let bp = b.add(p * d.ldb);
                 let mut bv = [_mm512_setzero_si512(); NV];
                 for (v, x) in bv.iter_mut().enumerate() {
-                    *x = _mm512_loadu_si512(bp.add(16 * v).cast());
+                    // Not `_mm512_loadu_si512` nor `read_unaligned`: with debug assertions
+                    // their checked copies run through the stack ([`crate::cpu::raw`]).
+                    *x = crate::cpu::raw::read(bp.add(16 * v).cast::<__m512i>());
                 }
                 for (r, row) in acc.iter_mut().enumerate() {
-                    let pair = a.add(r * d.lda + 2 * p).cast::<i32>().read_unaligned();
+                    let pair = crate::cpu::raw::read(a.add(r * d.lda + 2 * p).cast::<i32>());
                     let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair));
                     for (x, &bx) in row.iter_mut().zip(&bv) {
                         *x = _mm512_dpbf16_ps(*x, av, std::mem::transmute::<__m512i, __m512bh>(bx));

@@ -835,12 +835,14 @@ unsafe fn f16b_tile512<const NV: usize>(
             // The odd index of each pair first.
             for q in [p + 1, p] {
                 let bp = b.as_ptr().add(q * d.ldb + j0);
+                // Reads through [`super::raw`]: the intrinsics' checked copies (debug
+                // assertions) would run each load through the stack.
                 let bv: [__m512; NV] = std::array::from_fn(|v| {
-                    _mm512_cvtph_ps(_mm256_loadu_si256(bp.add(16 * v).cast()))
+                    _mm512_cvtph_ps(super::raw::read(bp.add(16 * v).cast::<__m256i>()))
                 });
                 let ap = at8.as_ptr().add((q * d.lda + i0) * SPLAT);
                 for (r, row) in acc.iter_mut().enumerate() {
-                    let av = _mm512_set1_ps(*ap.add(r * SPLAT));
+                    let av = _mm512_set1_ps(super::raw::read(ap.add(r * SPLAT)));
                     for (x, &y) in row.iter_mut().zip(&bv) {
                         *x = _mm512_fmadd_ps(av, y, *x);
                     }
@@ -878,11 +880,12 @@ unsafe fn f16b_avx2(d: Dims, at8: &[f32], b: &[u16], c: &mut [f32]) {
                 while p < d.k {
                     // The odd index of each pair first.
                     for q in [p + 1, p] {
-                        let bv =
-                            _mm256_cvtph_ps(_mm_loadu_si128(b.as_ptr().add(q * d.ldb + j0).cast()));
+                        // Reads through [`super::raw`], as in the AVX-512 tile.
+                        let bp = b.as_ptr().add(q * d.ldb + j0);
+                        let bv = _mm256_cvtph_ps(super::raw::read(bp.cast::<__m128i>()));
                         let ap = at8.as_ptr().add((q * d.lda + i0) * SPLAT);
                         for (r, x) in acc.iter_mut().enumerate() {
-                            let av = _mm256_loadu_ps(ap.add(r * SPLAT));
+                            let av: __m256 = super::raw::read(ap.add(r * SPLAT).cast());
                             *x = _mm256_fmadd_ps(av, bv, *x);
                         }
                     }
