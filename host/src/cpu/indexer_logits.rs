@@ -18,6 +18,7 @@
 //! batch-invariant, and identical on every path.
 
 use std::cell::RefCell;
+use std::ops::Range;
 
 use half::bf16;
 
@@ -207,6 +208,15 @@ struct Group {
     request: usize,
     lo: usize,
     hi: usize,
+}
+
+/// The keys of the block `b0 .. b0 + n` inside `row`'s range, as one run of positions
+/// from the block's start (empty where they do not meet).
+#[inline(always)]
+fn keys_in_block(row: &QueryRange, b0: usize, n: usize) -> Range<usize> {
+    let lo = (row.start as usize).clamp(b0, b0 + n) - b0;
+    let hi = (row.end as usize).clamp(b0 + lo, b0 + n) - b0;
+    lo..hi
 }
 
 fn group_rows(rows: &[QueryRange], max_rows: usize) -> Vec<Group> {
@@ -557,7 +567,9 @@ impl Ctx<'_> {
                                 }
                             }
                         }
-                        hs[r0..r0 + cnt].copy_from_slice(&a16[..cnt]);
+                        // Not `copy_from_slice`: its overlap check (debug assertions)
+                        // would keep `a16` in memory through the loops above.
+                        super::raw::copy(&mut hs[r0..r0 + cnt], &a16[..cnt]);
                         r0 += cnt;
                     }
                 }
@@ -568,9 +580,7 @@ impl Ctx<'_> {
                     .zip(&self.rows[g.first..g.first + rr])
                     .enumerate()
                 {
-                    // The block's keys inside the row's range (`j` from the block's start).
-                    let lo = (row.start as usize).clamp(b0, b0 + n) - b0;
-                    let hi = (row.end as usize).clamp(b0 + lo, b0 + n) - b0;
+                    let Range { start: lo, end: hi } = keys_in_block(row, b0, n);
                     if lo == hi {
                         continue;
                     }
@@ -597,9 +607,7 @@ impl Ctx<'_> {
                             *a = wh.mul_add(x.max(0.0), *a);
                         }
                     }
-                    // The block's keys inside the row's range, as one run.
-                    let lo = (row.start as usize).clamp(b0, b0 + n) - b0;
-                    let hi = (row.end as usize).clamp(b0 + lo, b0 + n) - b0;
+                    let Range { start: lo, end: hi } = keys_in_block(row, b0, n);
                     let dst = &mut cell[b0 + lo - col0..b0 + hi - col0];
                     for ((o, &a), &sc) in dst.iter_mut().zip(&acc[lo..hi]).zip(&scale[lo..hi]) {
                         *o = a * sc;

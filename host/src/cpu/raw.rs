@@ -1,5 +1,5 @@
-//! Reads through raw pointers for the kernels' inner loops, compiled to the same
-//! instructions with debug assertions (the tests' profile) as without.
+//! Reads through raw pointers, and copies, for the kernels' inner loops: compiled to the
+//! same instructions with debug assertions (the tests' profile) as without.
 //!
 //! With debug assertions the standard library checks its `unsafe` preconditions:
 //! `ptr::read_unaligned` (and the `_mm*_loadu_*` intrinsics built on it) and
