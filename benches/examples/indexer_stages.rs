@@ -8,7 +8,10 @@
 //!   f16 as it loads it (column chunks of 32 keys, as the op calls it);
 //! - the Cᵀ route, its alternative: the codes widened to f32 rows, `Cᵀ[64 × 8] = K · Qᵀ`
 //!   (row chunks of 16 keys, register tiles of 12 rows × 8 heads on AVX2) and `C = (Cᵀ)ᵀ`
-//!   for the head sums.
+//!   for the head sums;
+//! - where the CPU has AVX512_BF16, the `avx512bf16` path's route (the op's there): the
+//!   codes widened to bf16 rows, Kᵀ as their pairs transposed in 32-bit units, and the
+//!   `vdpbf16ps` score GEMM, against the bf16 dot product's rate on one thread.
 //!
 //! "FMA bound" is the key's 1024 FLOP (8 heads × 64 dims) at the path's f32 FMA rate on
 //! one thread (the roofline's measurement, in a pool of one thread). The stages' sum
@@ -20,10 +23,11 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
-use sparsekit_benches::roofline::fma_peak_of;
+use sparsekit_benches::roofline::{bf16_dot_peak, fma_peak_of};
+use sparsekit_host::cpu::dot::{gemm_bf16_into, round_bf16, PairDims};
 use sparsekit_host::cpu::gemm::{gemm_pairs_into, gemm_pairs_into_f16b, splat, Dims, SPLAT};
 use sparsekit_host::cpu::transpose::{transpose, transpose_bytes};
-use sparsekit_host::cpu::widen::{e4m3_f16_row, e4m3_f32_row};
+use sparsekit_host::cpu::widen::{e4m3_f16_row, e4m3_f32_row, e4m3_row_pow2};
 use sparsekit_host::cpu::{CpuIsa, Isa};
 
 /// Keys per block and dims per key (the tiny model's index head: 64).
@@ -139,6 +143,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             isa.isa().name()
         );
     }
+    let dot_row = bf16_dot_route(&codes, &qt1, rounds, &one_thread);
     println!("ns per key, one thread, the least of {rounds} rounds.");
     println!("\nThe f16 route (the op's):\n");
     println!("| path | byte transpose | e4m3 → f16 | score GEMM | sum | FMA bound | GEMM at |");
@@ -150,7 +155,65 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     println!("|---|---:|---:|---:|---:|---:|---:|");
     ct_rows.iter().for_each(|r| println!("{r}"));
+    if let Some(r) = dot_row {
+        println!("\nThe bf16 rows on `vdpbf16ps` (bound: the bf16 dot product's rate):\n");
+        println!(
+            "| path | e4m3 → bf16 rows | 32-bit transpose | score GEMM | sum | bf16 bound | GEMM at |"
+        );
+        println!("|---|---:|---:|---:|---:|---:|---:|");
+        println!("{r}");
+    }
     Ok(())
+}
+
+/// The `avx512bf16` path's route for fp8 keys, where the CPU has it: the codes widened to
+/// bf16 rows, their pairs transposed as 32-bit units (`Kᵀ`), the score GEMM on the pairs.
+fn bf16_dot_route(
+    codes: &[u8],
+    qt1: &[f32],
+    rounds: usize,
+    pool: &rayon::ThreadPool,
+) -> Option<String> {
+    let isa = CpuIsa::available()
+        .into_iter()
+        .find(|isa| isa.isa().bf16_dot())?;
+    let rate = pool.install(|| bf16_dot_peak(isa, 0.02, rounds));
+    let bound = (2 * HEADS * DIM) as f64 / rate * 1e9;
+    // Q as bf16 rows [heads × dims] (the op's `qb`): Qᵀ's columns.
+    let qb: Vec<u16> = (0..HEADS * DIM)
+        .map(|i| round_bf16(qt1[(i % DIM) * HEADS + i / DIM]))
+        .collect();
+    let half = DIM / 2;
+    let dims = |n: usize, ldb: usize| PairDims {
+        m: HEADS,
+        n,
+        k2: half,
+        lda: DIM,
+        ldb,
+        ldc: KEYS,
+    };
+    let mut kb = vec![0u16; KEYS * DIM];
+    let mut kt = vec![0f32; half * KEYS];
+    let mut c = vec![f32::NAN; HEADS * KEYS];
+    let w = ns_per_key(rounds, || e4m3_row_pow2(isa, black_box(codes), 0, &mut kb));
+    let t = ns_per_key(rounds, || {
+        let pairs: &[f32] = bytemuck::cast_slice(&kb);
+        transpose(isa, KEYS, half, black_box(pairs), half, &mut kt, KEYS);
+    });
+    let g = ns_per_key(rounds, || {
+        let ktp: &[u32] = bytemuck::cast_slice(&kt);
+        for c0 in [0, 32] {
+            gemm_bf16_into(
+                isa,
+                dims(32, KEYS),
+                black_box(&qb),
+                &ktp[c0..],
+                &mut c[c0..],
+            );
+        }
+        black_box(&mut c);
+    });
+    Some(row(isa, [w, t, g], g, bound))
 }
 
 /// A table row: the path, its three stages (ns per key), their sum, the FMA bound and the
