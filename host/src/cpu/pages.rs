@@ -130,10 +130,10 @@ unsafe fn sum_avx512(page: &[u8]) -> (u64, usize) {
         let (x, y, z, w) = unsafe {
             let p = page.as_ptr().add(at);
             (
-                _mm512_loadu_si512(p.cast()),
-                _mm512_loadu_si512(p.add(64).cast()),
-                _mm512_loadu_si512(p.add(128).cast()),
-                _mm512_loadu_si512(p.add(192).cast()),
+                crate::cpu::raw::read::<__m512i>(p.cast()),
+                crate::cpu::raw::read::<__m512i>(p.add(64).cast()),
+                crate::cpu::raw::read::<__m512i>(p.add(128).cast()),
+                crate::cpu::raw::read::<__m512i>(p.add(192).cast()),
             )
         };
         let ip1 = _mm512_add_epi64(ip, step);
@@ -149,7 +149,7 @@ unsafe fn sum_avx512(page: &[u8]) -> (u64, usize) {
     // Whole vectors past the last group of four.
     while at + 64 <= page.len() {
         // SAFETY: `at + 64 ≤ page.len()`.
-        let x = unsafe { _mm512_loadu_si512(page.as_ptr().add(at).cast()) };
+        let x = unsafe { crate::cpu::raw::read::<__m512i>(page.as_ptr().add(at).cast()) };
         a = _mm512_add_epi64(a, mix(_mm512_xor_si512(x, ip)));
         ip = _mm512_add_epi64(ip, step);
         at += 64;
@@ -218,10 +218,10 @@ unsafe fn sum_avx2(page: &[u8]) -> (u64, usize) {
         let (x, y, z, w) = unsafe {
             let p = page.as_ptr().add(at);
             (
-                _mm256_loadu_si256(p.cast()),
-                _mm256_loadu_si256(p.add(32).cast()),
-                _mm256_loadu_si256(p.add(64).cast()),
-                _mm256_loadu_si256(p.add(96).cast()),
+                crate::cpu::raw::read::<__m256i>(p.cast()),
+                crate::cpu::raw::read::<__m256i>(p.add(32).cast()),
+                crate::cpu::raw::read::<__m256i>(p.add(64).cast()),
+                crate::cpu::raw::read::<__m256i>(p.add(96).cast()),
             )
         };
         let ip1 = _mm256_add_epi64(ip, four);
@@ -246,7 +246,7 @@ unsafe fn sum_avx2(page: &[u8]) -> (u64, usize) {
     // Whole vectors past the last chunk (`ip` holds their first word's indices · φ).
     while at + 32 <= page.len() {
         // SAFETY: `at + 32 ≤ page.len()`.
-        let x = unsafe { _mm256_loadu_si256(page.as_ptr().add(at).cast()) };
+        let x = unsafe { crate::cpu::raw::read::<__m256i>(page.as_ptr().add(at).cast()) };
         a = _mm256_add_epi64(a, mix(_mm256_xor_si256(x, ip)));
         ip = _mm256_add_epi64(ip, four);
         at += 32;
@@ -254,7 +254,7 @@ unsafe fn sum_avx2(page: &[u8]) -> (u64, usize) {
     let mut lanes = [0u64; 4];
     let sum = _mm256_add_epi64(_mm256_add_epi64(a, b), _mm256_add_epi64(c, d));
     // SAFETY: 32 bytes written into a 32-byte array.
-    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), sum) };
+    unsafe { crate::cpu::raw::write::<__m256i>(lanes.as_mut_ptr().cast(), sum) };
     (lanes.iter().fold(scalar, |s, &x| s.wrapping_add(x)), at)
 }
 

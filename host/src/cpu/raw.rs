@@ -27,6 +27,17 @@ pub(crate) unsafe fn read<T: Copy>(p: *const T) -> T {
     unsafe { (*p.cast::<Unaligned<T>>()).0 }
 }
 
+/// Writes `v` at `p`, which need not be aligned (the store of [`read`]'s load).
+///
+/// # Safety
+/// `p` points at `size_of::<T>()` writable bytes.
+#[inline(always)]
+pub(crate) unsafe fn write<T: Copy>(p: *mut T, v: T) {
+    // SAFETY: the caller's contract; `Unaligned<T>` has `T`'s size and alignment 1, and
+    // it is written whole, by value (`T: Copy`: nothing is dropped).
+    unsafe { *p.cast::<Unaligned<T>>() = Unaligned(v) }
+}
+
 /// `dst[i] = src[i]` for every `i`: `copy_from_slice` without the overlap check that
 /// makes `dst`'s address escape (see the module's doc).
 ///
@@ -50,7 +61,7 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     #[test]
-    fn reads_at_every_offset_and_copies_exactly() {
+    fn reads_and_writes_at_every_offset_and_copies_exactly() {
         let seed: u64 = rand::random();
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let bytes: Vec<u8> = (0..64).map(|_| rng.gen()).collect();
@@ -62,6 +73,17 @@ mod tests {
                 .map(|c| u32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
                 .collect();
             assert_eq!(x.to_vec(), want, "offset {off}, seed {seed}");
+        }
+        for off in 0..=48 {
+            let mut out = vec![0u8; 64];
+            let x: [u32; 4] = std::array::from_fn(|_| rng.gen());
+            // SAFETY: bytes `off .. off + 16` of `out`, at any alignment.
+            unsafe { write(out.as_mut_ptr().add(off).cast(), x) };
+            let mut want = vec![0u8; 64];
+            for (w, v) in want[off..off + 16].chunks_exact_mut(4).zip(x) {
+                w.copy_from_slice(&v.to_ne_bytes());
+            }
+            assert_eq!(out, want, "write at offset {off}, seed {seed}");
         }
         let src: Vec<u32> = (0..13).map(|_| rng.gen()).collect();
         let mut dst = vec![!src[0]; 13];

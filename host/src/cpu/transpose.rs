@@ -240,7 +240,7 @@ mod x86 {
                 lds,
                 dst,
                 ldd,
-                |p| _mm512_loadu_si512(p.cast()),
+                |p| crate::cpu::raw::read::<__m512i>(p.cast()),
                 |r| {
                     lanes16(
                         r,
@@ -251,10 +251,22 @@ mod x86 {
                     )
                 },
                 |x, at| {
-                    _mm_storeu_si128(at[0].cast(), _mm512_extracti32x4_epi32::<0>(x));
-                    _mm_storeu_si128(at[1].cast(), _mm512_extracti32x4_epi32::<1>(x));
-                    _mm_storeu_si128(at[2].cast(), _mm512_extracti32x4_epi32::<2>(x));
-                    _mm_storeu_si128(at[3].cast(), _mm512_extracti32x4_epi32::<3>(x));
+                    crate::cpu::raw::write::<__m128i>(
+                        at[0].cast(),
+                        _mm512_extracti32x4_epi32::<0>(x),
+                    );
+                    crate::cpu::raw::write::<__m128i>(
+                        at[1].cast(),
+                        _mm512_extracti32x4_epi32::<1>(x),
+                    );
+                    crate::cpu::raw::write::<__m128i>(
+                        at[2].cast(),
+                        _mm512_extracti32x4_epi32::<2>(x),
+                    );
+                    crate::cpu::raw::write::<__m128i>(
+                        at[3].cast(),
+                        _mm512_extracti32x4_epi32::<3>(x),
+                    );
                 },
             )
         }
@@ -281,7 +293,7 @@ mod x86 {
                 lds,
                 dst,
                 ldd,
-                |p| _mm256_loadu_si256(p.cast()),
+                |p| crate::cpu::raw::read::<__m256i>(p.cast()),
                 |r| {
                     lanes16(
                         r,
@@ -292,8 +304,11 @@ mod x86 {
                     )
                 },
                 |x, at| {
-                    _mm_storeu_si128(at[0].cast(), _mm256_castsi256_si128(x));
-                    _mm_storeu_si128(at[1].cast(), _mm256_extracti128_si256::<1>(x));
+                    crate::cpu::raw::write::<__m128i>(at[0].cast(), _mm256_castsi256_si128(x));
+                    crate::cpu::raw::write::<__m128i>(
+                        at[1].cast(),
+                        _mm256_extracti128_si256::<1>(x),
+                    );
                 },
             )
         }
@@ -319,11 +334,11 @@ mod x86 {
                 unsafe {
                     let mut r = [_mm512_setzero_ps(); 16];
                     for (k, x) in r.iter_mut().enumerate() {
-                        *x = _mm512_loadu_ps(src.add((i0 + k) * lds + j0));
+                        *x = crate::cpu::raw::read::<__m512>(src.add((i0 + k) * lds + j0).cast());
                     }
                     let t = transpose16(r);
                     for (k, x) in t.iter().enumerate() {
-                        _mm512_storeu_ps(dst.add((j0 + k) * ldd + i0), *x);
+                        crate::cpu::raw::write::<__m512>(dst.add((j0 + k) * ldd + i0).cast(), *x);
                     }
                 }
             }
@@ -384,7 +399,7 @@ mod x86 {
                 unsafe {
                     let mut r = [_mm256_setzero_ps(); 8];
                     for (k, x) in r.iter_mut().enumerate() {
-                        *x = _mm256_loadu_ps(src.add((i0 + k) * lds + j0));
+                        *x = crate::cpu::raw::read::<__m256>(src.add((i0 + k) * lds + j0).cast());
                     }
                     let mut t = [_mm256_setzero_ps(); 8];
                     for k in 0..4 {
@@ -402,8 +417,11 @@ mod x86 {
                     for c in 0..4 {
                         let lo = _mm256_permute2f128_ps::<0x20>(u[c], u[4 + c]);
                         let hi = _mm256_permute2f128_ps::<0x31>(u[c], u[4 + c]);
-                        _mm256_storeu_ps(dst.add((j0 + c) * ldd + i0), lo);
-                        _mm256_storeu_ps(dst.add((j0 + 4 + c) * ldd + i0), hi);
+                        crate::cpu::raw::write::<__m256>(dst.add((j0 + c) * ldd + i0).cast(), lo);
+                        crate::cpu::raw::write::<__m256>(
+                            dst.add((j0 + 4 + c) * ldd + i0).cast(),
+                            hi,
+                        );
                     }
                 }
             }
