@@ -1,15 +1,17 @@
-//! Reads through raw pointers, and copies, for the kernels' inner loops: compiled to the
-//! same instructions with debug assertions (the tests' profile) as without.
+//! Reads and writes through raw pointers, and copies, for the kernels' inner loops:
+//! compiled to the same instructions with debug assertions (the tests' profile) as
+//! without.
 //!
 //! With debug assertions the standard library checks its `unsafe` preconditions:
-//! `ptr::read_unaligned` (and the `_mm*_loadu_*` intrinsics built on it) and
-//! `copy_from_slice` compare the addresses of source and destination to prove they do not
-//! overlap. Comparing an address makes it escape, so LLVM then keeps the destination
-//! (a temporary, or a tile's accumulators) in memory: in the f32 GEMM tile every FMA was
-//! followed by a store of its accumulator, and the tests ran the model's matmuls 2.5×
-//! slower than with the checks off (benches/RESULTS.md, "The tests' build"). A read
-//! through a pointer to a `packed` wrapper is an unaligned load with no such comparison;
-//! only the null check of every raw-pointer read remains.
+//! `ptr::read_unaligned` and `ptr::write_unaligned` (and the `_mm*_loadu_*` and
+//! `_mm*_storeu_*` intrinsics built on them) and `copy_from_slice` compare the addresses
+//! of source and destination to prove they do not overlap. Comparing an address makes it
+//! escape, so LLVM then keeps the temporary (a loaded or stored vector, or a tile's
+//! accumulators) in memory: in the f32 GEMM tile every FMA was followed by a store of its
+//! accumulator, and the tests ran the model's matmuls 2.5× slower than with the checks off
+//! (benches/RESULTS.md, "The tests' build"). A read or write through a pointer to a
+//! `packed` wrapper is an unaligned load or store with no such comparison; only the null
+//! check of every raw-pointer access remains.
 
 /// A `T` at any address: the same bytes as `T`, aligned to 1.
 #[repr(C, packed)]
