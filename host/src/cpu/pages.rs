@@ -7,6 +7,8 @@
 use sparsekit_kernels::checksum::{finish, page_checksum, word_term, PHI};
 
 use super::isa::{prefetch, CpuIsa, Isa};
+#[cfg(target_arch = "x86_64")]
+use super::raw;
 use super::tasks::run_tasks;
 use crate::ops::{CopyPages, PageChecksums};
 
@@ -130,10 +132,10 @@ unsafe fn sum_avx512(page: &[u8]) -> (u64, usize) {
         let (x, y, z, w) = unsafe {
             let p = page.as_ptr().add(at);
             (
-                crate::cpu::raw::read::<__m512i>(p.cast()),
-                crate::cpu::raw::read::<__m512i>(p.add(64).cast()),
-                crate::cpu::raw::read::<__m512i>(p.add(128).cast()),
-                crate::cpu::raw::read::<__m512i>(p.add(192).cast()),
+                raw::read::<__m512i>(p.cast()),
+                raw::read::<__m512i>(p.add(64).cast()),
+                raw::read::<__m512i>(p.add(128).cast()),
+                raw::read::<__m512i>(p.add(192).cast()),
             )
         };
         let ip1 = _mm512_add_epi64(ip, step);
@@ -149,7 +151,7 @@ unsafe fn sum_avx512(page: &[u8]) -> (u64, usize) {
     // Whole vectors past the last group of four.
     while at + 64 <= page.len() {
         // SAFETY: `at + 64 ≤ page.len()`.
-        let x = unsafe { crate::cpu::raw::read::<__m512i>(page.as_ptr().add(at).cast()) };
+        let x = unsafe { raw::read::<__m512i>(page.as_ptr().add(at).cast()) };
         a = _mm512_add_epi64(a, mix(_mm512_xor_si512(x, ip)));
         ip = _mm512_add_epi64(ip, step);
         at += 64;
@@ -218,10 +220,10 @@ unsafe fn sum_avx2(page: &[u8]) -> (u64, usize) {
         let (x, y, z, w) = unsafe {
             let p = page.as_ptr().add(at);
             (
-                crate::cpu::raw::read::<__m256i>(p.cast()),
-                crate::cpu::raw::read::<__m256i>(p.add(32).cast()),
-                crate::cpu::raw::read::<__m256i>(p.add(64).cast()),
-                crate::cpu::raw::read::<__m256i>(p.add(96).cast()),
+                raw::read::<__m256i>(p.cast()),
+                raw::read::<__m256i>(p.add(32).cast()),
+                raw::read::<__m256i>(p.add(64).cast()),
+                raw::read::<__m256i>(p.add(96).cast()),
             )
         };
         let ip1 = _mm256_add_epi64(ip, four);
@@ -246,7 +248,7 @@ unsafe fn sum_avx2(page: &[u8]) -> (u64, usize) {
     // Whole vectors past the last chunk (`ip` holds their first word's indices · φ).
     while at + 32 <= page.len() {
         // SAFETY: `at + 32 ≤ page.len()`.
-        let x = unsafe { crate::cpu::raw::read::<__m256i>(page.as_ptr().add(at).cast()) };
+        let x = unsafe { raw::read::<__m256i>(page.as_ptr().add(at).cast()) };
         a = _mm256_add_epi64(a, mix(_mm256_xor_si256(x, ip)));
         ip = _mm256_add_epi64(ip, four);
         at += 32;
@@ -254,7 +256,7 @@ unsafe fn sum_avx2(page: &[u8]) -> (u64, usize) {
     let mut lanes = [0u64; 4];
     let sum = _mm256_add_epi64(_mm256_add_epi64(a, b), _mm256_add_epi64(c, d));
     // SAFETY: 32 bytes written into a 32-byte array.
-    unsafe { crate::cpu::raw::write::<__m256i>(lanes.as_mut_ptr().cast(), sum) };
+    unsafe { raw::write::<__m256i>(lanes.as_mut_ptr().cast(), sum) };
     (lanes.iter().fold(scalar, |s, &x| s.wrapping_add(x)), at)
 }
 

@@ -9,6 +9,8 @@ use sparsekit_kernels::fp8::bf16_to_f32;
 use sparsekit_kernels::mx;
 
 use super::isa::{prefetch_lines, CpuIsa, Isa};
+#[cfg(target_arch = "x86_64")]
+use super::raw;
 use super::tasks::run_tasks;
 #[cfg(doc)]
 use crate::dtype::amax_bf16;
@@ -481,8 +483,8 @@ unsafe fn bf16_fields_avx2(src: &[bf16]) -> [std::arch::x86_64::__m256i; 3] {
     // SAFETY: 32 bf16 (64 bytes) read: in bounds (asserted).
     let (h0, h1) = unsafe {
         (
-            crate::cpu::raw::read::<__m256i>(src.as_ptr().cast()),
-            crate::cpu::raw::read::<__m256i>(src.as_ptr().add(16).cast()),
+            raw::read::<__m256i>(src.as_ptr().cast()),
+            raw::read::<__m256i>(src.as_ptr().add(16).cast()),
         )
     };
     let low7 = _mm256_set1_epi16(0x7f);
@@ -547,9 +549,7 @@ unsafe fn fp4_codes_avx2(dst: &mut [u8], group: &[bf16], k: i32) {
     let packed = _mm256_packus_epi16(pairs, _mm256_setzero_si256());
     let packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 3, 6, 7));
     // SAFETY: 16 bytes written: in bounds (asserted).
-    unsafe {
-        crate::cpu::raw::write::<__m128i>(dst.as_mut_ptr().cast(), _mm256_castsi256_si128(packed))
-    };
+    unsafe { raw::write::<__m128i>(dst.as_mut_ptr().cast(), _mm256_castsi256_si128(packed)) };
 }
 
 /// The ue8m0 byte of [`mx::fp4_group_scale`] of a group whose [`fp4_group_max`] is the
@@ -1088,7 +1088,7 @@ impl DivisionPlan {
         let code = _mm256_or_si256(_mm256_sub_epi8(mag, nan), sign);
         let code = _mm256_permute4x64_epi64::<0b11_01_10_00>(code);
         // SAFETY: as above.
-        unsafe { crate::cpu::raw::write::<__m256i>(dst.as_mut_ptr().cast(), code) };
+        unsafe { raw::write::<__m256i>(dst.as_mut_ptr().cast(), code) };
         _mm256_movemask_epi8(undecided) == 0
     }
 
@@ -1114,8 +1114,8 @@ impl DivisionPlan {
         // SAFETY: 64 bf16 (128 bytes) read, 64 bytes written: in bounds (asserted).
         let (h0, h1) = unsafe {
             (
-                crate::cpu::raw::read::<__m512i>(src.as_ptr().cast()),
-                crate::cpu::raw::read::<__m512i>(src.as_ptr().add(32).cast()),
+                raw::read::<__m512i>(src.as_ptr().cast()),
+                raw::read::<__m512i>(src.as_ptr().add(32).cast()),
             )
         };
         let low7 = _mm512_set1_epi16(0x7f);
@@ -1166,7 +1166,7 @@ impl DivisionPlan {
         let code = _mm512_ternarylogic_epi32::<0xf8>(mag, sign, _mm512_set1_epi8(-128));
         let code = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), code);
         // SAFETY: as above.
-        unsafe { crate::cpu::raw::write::<__m512i>(dst.as_mut_ptr().cast(), code) };
+        unsafe { raw::write::<__m512i>(dst.as_mut_ptr().cast(), code) };
         undecided == 0
     }
 

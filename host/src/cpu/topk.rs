@@ -27,6 +27,8 @@
 //! is written in ascending position order. Exact for every input, ties included.
 
 use super::isa::CpuIsa;
+#[cfg(target_arch = "x86_64")]
+use super::raw;
 use super::tasks::for_each_indexed;
 use crate::ops::{ShortRows, Topk, TopkOutput};
 
@@ -217,20 +219,14 @@ unsafe fn scan_avx512<const VALUES: bool>(
     let mut i = 0usize;
     while i < n {
         // SAFETY: `i + 16 ≤ n ≤ row.len()`.
-        let x = unsafe { crate::cpu::raw::read::<__m512>(row.as_ptr().add(i).cast()) };
+        let x = unsafe { raw::read::<__m512>(row.as_ptr().add(i).cast()) };
         let m = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, tv);
         // SAFETY: `len ≤ i` entries kept so far and capacity `≥ n + 16`, so the 16
         // lanes stored at `len` stay inside the allocation.
         unsafe {
-            crate::cpu::raw::write::<__m512i>(
-                pp.add(len).cast(),
-                _mm512_maskz_compress_epi32(m, at),
-            );
+            raw::write::<__m512i>(pp.add(len).cast(), _mm512_maskz_compress_epi32(m, at));
             if VALUES {
-                crate::cpu::raw::write::<__m512>(
-                    vp.add(len).cast(),
-                    _mm512_maskz_compress_ps(m, x),
-                );
+                raw::write::<__m512>(vp.add(len).cast(), _mm512_maskz_compress_ps(m, x));
             }
         }
         len += m.count_ones() as usize;
@@ -298,15 +294,13 @@ unsafe fn scan_avx2(row: &[f32], t: f32, vals: &mut Vec<f32>, pos: &mut Vec<i32>
     let mut i = 0usize;
     while i < n {
         // SAFETY: `i + 8 ≤ n ≤ row.len()`.
-        let x = unsafe { crate::cpu::raw::read::<__m256>(row.as_ptr().add(i).cast()) };
+        let x = unsafe { raw::read::<__m256>(row.as_ptr().add(i).cast()) };
         let m = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(x, tv)) as usize;
         // SAFETY: `m < 256`, a row of 8 u32 (32 bytes) of the table.
-        let lanes = unsafe { crate::cpu::raw::read::<__m256i>(PACK8[m].as_ptr().cast()) };
+        let lanes = unsafe { raw::read::<__m256i>(PACK8[m].as_ptr().cast()) };
         // SAFETY: `len ≤ i` entries kept so far and capacity `≥ n + 8`: the 8 lanes
         // stored at `len` stay inside the allocation.
-        unsafe {
-            crate::cpu::raw::write::<__m256i>(pp.add(len).cast(), _mm256_add_epi32(at, lanes))
-        };
+        unsafe { raw::write::<__m256i>(pp.add(len).cast(), _mm256_add_epi32(at, lanes)) };
         len += m.count_ones() as usize;
         at = _mm256_add_epi32(at, eight);
         i += 8;
@@ -410,8 +404,8 @@ unsafe fn take_top_avx512(
         // SAFETY: `i + 16 ≤ n ≤ len` of both slices.
         let (x, p) = unsafe {
             (
-                crate::cpu::raw::read::<__m512>(vals.as_ptr().add(i).cast()),
-                crate::cpu::raw::read::<__m512i>(pp.add(i).cast()),
+                raw::read::<__m512>(vals.as_ptr().add(i).cast()),
+                raw::read::<__m512i>(pp.add(i).cast()),
             )
         };
         let take = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, bv) as u64
@@ -423,12 +417,7 @@ unsafe fn take_top_avx512(
         let take = take as u16;
         // SAFETY: `out ≤ i`, so the 16 lanes stored at `out` end at or before `i + 16 ≤
         // n`: inside `pos`, over lanes already read.
-        unsafe {
-            crate::cpu::raw::write::<__m512i>(
-                pp.add(out).cast(),
-                _mm512_maskz_compress_epi32(take, p),
-            )
-        };
+        unsafe { raw::write::<__m512i>(pp.add(out).cast(), _mm512_maskz_compress_epi32(take, p)) };
         out += take.count_ones() as usize;
         i += 16;
     }
@@ -458,8 +447,8 @@ unsafe fn take_top_avx2(
         // SAFETY: `i + 8 ≤ n ≤ len` of both slices.
         let (x, p) = unsafe {
             (
-                crate::cpu::raw::read::<__m256>(vals.as_ptr().add(i).cast()),
-                crate::cpu::raw::read::<__m256i>(pp.add(i).cast()),
+                raw::read::<__m256>(vals.as_ptr().add(i).cast()),
+                raw::read::<__m256i>(pp.add(i).cast()),
             )
         };
         let ties = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(x, bv)) as u64;
@@ -469,11 +458,8 @@ unsafe fn take_top_avx2(
         // stored at `out` end at or before `i + 8 ≤ n`: inside `pos`, over lanes already
         // read.
         unsafe {
-            let perm = crate::cpu::raw::read::<__m256i>(PACK8[take].as_ptr().cast());
-            crate::cpu::raw::write::<__m256i>(
-                pp.add(out).cast(),
-                _mm256_permutevar8x32_epi32(p, perm),
-            );
+            let perm = raw::read::<__m256i>(PACK8[take].as_ptr().cast());
+            raw::write::<__m256i>(pp.add(out).cast(), _mm256_permutevar8x32_epi32(p, perm));
         }
         out += take.count_ones() as usize;
         i += 8;

@@ -138,6 +138,8 @@ fn edges<T: Copy>(
 mod x86 {
     use std::arch::x86_64::*;
 
+    use crate::cpu::raw;
+
     /// The 16 × 16 byte transposes of every 128-bit lane of 16 rows: `r[k]`'s lane `l` is
     /// row `k`, columns `16l..16l + 16`; returns `o` with `o[c]`'s lane `l` = column
     /// `16l + c`, rows `0..16`. Interleaves of bytes, words, dwords, qwords (in-lane
@@ -240,7 +242,7 @@ mod x86 {
                 lds,
                 dst,
                 ldd,
-                |p| crate::cpu::raw::read::<__m512i>(p.cast()),
+                |p| raw::read::<__m512i>(p.cast()),
                 |r| {
                     lanes16(
                         r,
@@ -251,22 +253,10 @@ mod x86 {
                     )
                 },
                 |x, at| {
-                    crate::cpu::raw::write::<__m128i>(
-                        at[0].cast(),
-                        _mm512_extracti32x4_epi32::<0>(x),
-                    );
-                    crate::cpu::raw::write::<__m128i>(
-                        at[1].cast(),
-                        _mm512_extracti32x4_epi32::<1>(x),
-                    );
-                    crate::cpu::raw::write::<__m128i>(
-                        at[2].cast(),
-                        _mm512_extracti32x4_epi32::<2>(x),
-                    );
-                    crate::cpu::raw::write::<__m128i>(
-                        at[3].cast(),
-                        _mm512_extracti32x4_epi32::<3>(x),
-                    );
+                    raw::write::<__m128i>(at[0].cast(), _mm512_extracti32x4_epi32::<0>(x));
+                    raw::write::<__m128i>(at[1].cast(), _mm512_extracti32x4_epi32::<1>(x));
+                    raw::write::<__m128i>(at[2].cast(), _mm512_extracti32x4_epi32::<2>(x));
+                    raw::write::<__m128i>(at[3].cast(), _mm512_extracti32x4_epi32::<3>(x));
                 },
             )
         }
@@ -293,7 +283,7 @@ mod x86 {
                 lds,
                 dst,
                 ldd,
-                |p| crate::cpu::raw::read::<__m256i>(p.cast()),
+                |p| raw::read::<__m256i>(p.cast()),
                 |r| {
                     lanes16(
                         r,
@@ -304,11 +294,8 @@ mod x86 {
                     )
                 },
                 |x, at| {
-                    crate::cpu::raw::write::<__m128i>(at[0].cast(), _mm256_castsi256_si128(x));
-                    crate::cpu::raw::write::<__m128i>(
-                        at[1].cast(),
-                        _mm256_extracti128_si256::<1>(x),
-                    );
+                    raw::write::<__m128i>(at[0].cast(), _mm256_castsi256_si128(x));
+                    raw::write::<__m128i>(at[1].cast(), _mm256_extracti128_si256::<1>(x));
                 },
             )
         }
@@ -334,11 +321,11 @@ mod x86 {
                 unsafe {
                     let mut r = [_mm512_setzero_ps(); 16];
                     for (k, x) in r.iter_mut().enumerate() {
-                        *x = crate::cpu::raw::read::<__m512>(src.add((i0 + k) * lds + j0).cast());
+                        *x = raw::read::<__m512>(src.add((i0 + k) * lds + j0).cast());
                     }
                     let t = transpose16(r);
                     for (k, x) in t.iter().enumerate() {
-                        crate::cpu::raw::write::<__m512>(dst.add((j0 + k) * ldd + i0).cast(), *x);
+                        raw::write::<__m512>(dst.add((j0 + k) * ldd + i0).cast(), *x);
                     }
                 }
             }
@@ -399,7 +386,7 @@ mod x86 {
                 unsafe {
                     let mut r = [_mm256_setzero_ps(); 8];
                     for (k, x) in r.iter_mut().enumerate() {
-                        *x = crate::cpu::raw::read::<__m256>(src.add((i0 + k) * lds + j0).cast());
+                        *x = raw::read::<__m256>(src.add((i0 + k) * lds + j0).cast());
                     }
                     let mut t = [_mm256_setzero_ps(); 8];
                     for k in 0..4 {
@@ -417,11 +404,8 @@ mod x86 {
                     for c in 0..4 {
                         let lo = _mm256_permute2f128_ps::<0x20>(u[c], u[4 + c]);
                         let hi = _mm256_permute2f128_ps::<0x31>(u[c], u[4 + c]);
-                        crate::cpu::raw::write::<__m256>(dst.add((j0 + c) * ldd + i0).cast(), lo);
-                        crate::cpu::raw::write::<__m256>(
-                            dst.add((j0 + 4 + c) * ldd + i0).cast(),
-                            hi,
-                        );
+                        raw::write::<__m256>(dst.add((j0 + c) * ldd + i0).cast(), lo);
+                        raw::write::<__m256>(dst.add((j0 + 4 + c) * ldd + i0).cast(), hi);
                     }
                 }
             }

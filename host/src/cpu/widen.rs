@@ -259,6 +259,8 @@ const E2M1_VALUES: [u16; 16] = [
 mod x86 {
     use std::arch::x86_64::*;
 
+    use crate::cpu::raw;
+
     use super::{
         e4m3_f32, f32_daz, BF16_HIGH_WORDS, E2M1_VALUES, E4M3_MAGNITUDES, E4M3_MAGNITUDE_BYTES,
         VBMI_ORDER,
@@ -299,10 +301,10 @@ mod x86 {
         // SAFETY: each table is 128 bytes: two 64-byte loads each.
         unsafe {
             [
-                crate::cpu::raw::read::<__m512i>(hi.as_ptr().cast()),
-                crate::cpu::raw::read::<__m512i>(hi.as_ptr().add(64).cast()),
-                crate::cpu::raw::read::<__m512i>(lo.as_ptr().cast()),
-                crate::cpu::raw::read::<__m512i>(lo.as_ptr().add(64).cast()),
+                raw::read::<__m512i>(hi.as_ptr().cast()),
+                raw::read::<__m512i>(hi.as_ptr().add(64).cast()),
+                raw::read::<__m512i>(lo.as_ptr().cast()),
+                raw::read::<__m512i>(lo.as_ptr().add(64).cast()),
             ]
         }
     }
@@ -322,14 +324,14 @@ mod x86 {
         // `i + 64 ≤ n`; the features are this function's own.
         unsafe {
             let tables = e4m3_byte_tables();
-            let order = crate::cpu::raw::read::<__m512i>(VBMI_ORDER[0].as_ptr().cast());
+            let order = raw::read::<__m512i>(VBMI_ORDER[0].as_ptr().cast());
             let mut i = 0;
             while i < n {
-                let c = crate::cpu::raw::read::<__m512i>(codes.as_ptr().add(i).cast());
+                let c = raw::read::<__m512i>(codes.as_ptr().add(i).cast());
                 let (hi, lo) = e4m3_bf16_bytes(_mm512_permutexvar_epi8(order, c), &tables);
                 let o = out.as_mut_ptr().add(i);
-                crate::cpu::raw::write::<__m512i>(o.cast(), _mm512_unpacklo_epi8(lo, hi));
-                crate::cpu::raw::write::<__m512i>(o.add(32).cast(), _mm512_unpackhi_epi8(lo, hi));
+                raw::write::<__m512i>(o.cast(), _mm512_unpacklo_epi8(lo, hi));
+                raw::write::<__m512i>(o.add(32).cast(), _mm512_unpackhi_epi8(lo, hi));
                 i += 64;
             }
         }
@@ -352,27 +354,18 @@ mod x86 {
         // `i + 64 ≤ n`; the features are this function's own.
         unsafe {
             let tables = e4m3_byte_tables();
-            let order = crate::cpu::raw::read::<__m512i>(VBMI_ORDER[1].as_ptr().cast());
+            let order = raw::read::<__m512i>(VBMI_ORDER[1].as_ptr().cast());
             let zero = _mm512_setzero_si512();
             let mut i = 0;
             while i < n {
-                let c = crate::cpu::raw::read::<__m512i>(codes.as_ptr().add(i).cast());
+                let c = raw::read::<__m512i>(codes.as_ptr().add(i).cast());
                 let (hi, lo) = e4m3_bf16_bytes(_mm512_permutexvar_epi8(order, c), &tables);
                 let (w0, w1) = (_mm512_unpacklo_epi8(lo, hi), _mm512_unpackhi_epi8(lo, hi));
                 let o = out.as_mut_ptr().add(i);
-                crate::cpu::raw::write::<__m512i>(o.cast(), _mm512_unpacklo_epi16(zero, w0));
-                crate::cpu::raw::write::<__m512i>(
-                    o.add(16).cast(),
-                    _mm512_unpackhi_epi16(zero, w0),
-                );
-                crate::cpu::raw::write::<__m512i>(
-                    o.add(32).cast(),
-                    _mm512_unpacklo_epi16(zero, w1),
-                );
-                crate::cpu::raw::write::<__m512i>(
-                    o.add(48).cast(),
-                    _mm512_unpackhi_epi16(zero, w1),
-                );
+                raw::write::<__m512i>(o.cast(), _mm512_unpacklo_epi16(zero, w0));
+                raw::write::<__m512i>(o.add(16).cast(), _mm512_unpackhi_epi16(zero, w0));
+                raw::write::<__m512i>(o.add(32).cast(), _mm512_unpacklo_epi16(zero, w1));
+                raw::write::<__m512i>(o.add(48).cast(), _mm512_unpackhi_epi16(zero, w1));
                 i += 64;
             }
         }
@@ -419,7 +412,7 @@ mod x86 {
         // features are the caller's.
         unsafe {
             let t = E4M3_MAGNITUDES.as_ptr();
-            let tab = |k: usize| crate::cpu::raw::read::<__m512i>(t.add(32 * k).cast());
+            let tab = |k: usize| raw::read::<__m512i>(t.add(32 * k).cast());
             let (t0, t1, t2, t3) = (tab(0), tab(1), tab(2), tab(3));
             let (bit6, sign) = (_mm512_set1_epi16(0x40), _mm512_set1_epi16(i16::MIN));
             // Magnitude 0x7f is NaN: like 0, it keeps its table value.
@@ -430,9 +423,7 @@ mod x86 {
             while i < n {
                 // Sign-extended: bit 15 is the code's sign, bits 0..7 the code (the
                 // table lookups read the low 6 bits only).
-                let c = _mm512_cvtepi8_epi16(crate::cpu::raw::read::<__m256i>(
-                    codes.as_ptr().add(i).cast(),
-                ));
+                let c = _mm512_cvtepi8_epi16(raw::read::<__m256i>(codes.as_ptr().add(i).cast()));
                 let low = _mm512_permutex2var_epi16(t0, c, t1);
                 let high = _mm512_permutex2var_epi16(t2, c, t3);
                 let mut v = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(c, bit6), low, high);
@@ -444,7 +435,7 @@ mod x86 {
                 }
                 // v | (c & sign): the table's magnitudes have bit 15 clear.
                 let v = _mm512_ternarylogic_epi32::<0xf8>(v, c, sign);
-                crate::cpu::raw::write::<__m512i>(out.as_mut_ptr().add(i).cast(), v);
+                raw::write::<__m512i>(out.as_mut_ptr().add(i).cast(), v);
                 i += 32;
             }
         }
@@ -468,9 +459,7 @@ mod x86 {
             let mut i = 0;
             while i < n {
                 // Sign-extended: a negative code's high byte is all ones.
-                let c = _mm512_cvtepi8_epi16(crate::cpu::raw::read::<__m256i>(
-                    codes.as_ptr().add(i).cast(),
-                ));
+                let c = _mm512_cvtepi8_epi16(raw::read::<__m256i>(codes.as_ptr().add(i).cast()));
                 // f16 bits of the codes times 2^-8: the 7 low bits to bits 7..13 and the
                 // sign to bits 14 and 15 (`c << 7` of the sign-extended code), then bit 14
                 // cleared; magnitude `0x7f` (NaN) becomes the quiet NaN `0x7e00` with its
@@ -481,8 +470,8 @@ mod x86 {
                 let lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
                 let hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(h));
                 let o = out.as_mut_ptr().add(i);
-                crate::cpu::raw::write::<__m512>(o.cast(), _mm512_mul_ps(lo, two8));
-                crate::cpu::raw::write::<__m512>(o.add(16).cast(), _mm512_mul_ps(hi, two8));
+                raw::write::<__m512>(o.cast(), _mm512_mul_ps(lo, two8));
+                raw::write::<__m512>(o.add(16).cast(), _mm512_mul_ps(hi, two8));
                 i += 32;
             }
         }
@@ -508,17 +497,12 @@ mod x86 {
             while i < n {
                 let p = codes.as_ptr().add(i);
                 // NaN codes: `c | 0x80 == 0xff`.
-                let c = crate::cpu::raw::read::<__m512i>(p.cast());
+                let c = raw::read::<__m512i>(p.cast());
                 nan |= _mm512_cmpeq_epi8_mask(_mm512_or_si512(c, sign), ones);
                 for half in 0..2 {
-                    let w = _mm512_cvtepi8_epi16(crate::cpu::raw::read::<__m256i>(
-                        p.add(32 * half).cast(),
-                    ));
+                    let w = _mm512_cvtepi8_epi16(raw::read::<__m256i>(p.add(32 * half).cast()));
                     let h = _mm512_and_si512(_mm512_slli_epi16::<7>(w), clear14);
-                    crate::cpu::raw::write::<__m512i>(
-                        out.as_mut_ptr().add(i + 32 * half).cast(),
-                        h,
-                    );
+                    raw::write::<__m512i>(out.as_mut_ptr().add(i + 32 * half).cast(), h);
                 }
                 i += 64;
             }
@@ -545,18 +529,13 @@ mod x86 {
             while i < n {
                 let p = codes.as_ptr().add(i);
                 // NaN codes: `c | 0x80 == 0xff`.
-                let c = crate::cpu::raw::read::<__m256i>(p.cast());
+                let c = raw::read::<__m256i>(p.cast());
                 let ones = _mm256_cmpeq_epi8(c, c);
                 nan = _mm256_or_si256(nan, _mm256_cmpeq_epi8(_mm256_or_si256(c, sign), ones));
                 for half in 0..2 {
-                    let w = _mm256_cvtepi8_epi16(crate::cpu::raw::read::<__m128i>(
-                        p.add(16 * half).cast(),
-                    ));
+                    let w = _mm256_cvtepi8_epi16(raw::read::<__m128i>(p.add(16 * half).cast()));
                     let h = _mm256_and_si256(_mm256_slli_epi16::<7>(w), clear14);
-                    crate::cpu::raw::write::<__m256i>(
-                        out.as_mut_ptr().add(i + 16 * half).cast(),
-                        h,
-                    );
+                    raw::write::<__m256i>(out.as_mut_ptr().add(i + 16 * half).cast(), h);
                 }
                 i += 32;
             }
@@ -580,9 +559,7 @@ mod x86 {
             let fix = _mm256_set1_epi16(0x3f80 ^ 0x7e00);
             let mut i = 0;
             while i < n {
-                let c = _mm256_cvtepi8_epi16(crate::cpu::raw::read::<__m128i>(
-                    codes.as_ptr().add(i).cast(),
-                ));
+                let c = _mm256_cvtepi8_epi16(raw::read::<__m128i>(codes.as_ptr().add(i).cast()));
                 // As in `e4m3_f32_row512`.
                 let h = _mm256_and_si256(_mm256_slli_epi16::<7>(c), clear14);
                 let nan = _mm256_cmpeq_epi16(_mm256_and_si256(c, low7), low7);
@@ -590,8 +567,8 @@ mod x86 {
                 let lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
                 let hi = _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(h));
                 let o = out.as_mut_ptr().add(i);
-                crate::cpu::raw::write::<__m256>(o.cast(), _mm256_mul_ps(lo, two8));
-                crate::cpu::raw::write::<__m256>(o.add(8).cast(), _mm256_mul_ps(hi, two8));
+                raw::write::<__m256>(o.cast(), _mm256_mul_ps(lo, two8));
+                raw::write::<__m256>(o.add(8).cast(), _mm256_mul_ps(hi, two8));
                 i += 16;
             }
         }
@@ -613,20 +590,20 @@ mod x86 {
         // with `i + 32 ≤ n`.
         unsafe {
             let (exponent, magnitude) = (_mm512_set1_epi16(0x7f80), _mm512_set1_epi16(0x7fff));
-            let lo_idx = crate::cpu::raw::read::<__m512i>(BF16_HIGH_WORDS[0].as_ptr().cast());
-            let hi_idx = crate::cpu::raw::read::<__m512i>(BF16_HIGH_WORDS[1].as_ptr().cast());
+            let lo_idx = raw::read::<__m512i>(BF16_HIGH_WORDS[0].as_ptr().cast());
+            let hi_idx = raw::read::<__m512i>(BF16_HIGH_WORDS[1].as_ptr().cast());
             const HIGH_WORDS: __mmask32 = 0xaaaa_aaaa;
             let mut i = 0;
             while i < n {
-                let x = crate::cpu::raw::read::<__m512i>(bytes.as_ptr().add(2 * i).cast());
+                let x = raw::read::<__m512i>(bytes.as_ptr().add(2 * i).cast());
                 let sub = _mm512_testn_epi16_mask(x, exponent);
                 let x = _mm512_mask_sub_epi16(x, sub, x, _mm512_and_si512(x, magnitude));
                 let o = out.as_mut_ptr().add(i);
-                crate::cpu::raw::write::<__m512i>(
+                raw::write::<__m512i>(
                     o.cast(),
                     _mm512_maskz_permutexvar_epi16(HIGH_WORDS, lo_idx, x),
                 );
-                crate::cpu::raw::write::<__m512i>(
+                raw::write::<__m512i>(
                     o.add(16).cast(),
                     _mm512_maskz_permutexvar_epi16(HIGH_WORDS, hi_idx, x),
                 );
@@ -653,14 +630,14 @@ mod x86 {
             let zero = _mm256_setzero_si256();
             let mut i = 0;
             while i < n {
-                let x = crate::cpu::raw::read::<__m256i>(bytes.as_ptr().add(2 * i).cast());
+                let x = raw::read::<__m256i>(bytes.as_ptr().add(2 * i).cast());
                 let sub = _mm256_cmpeq_epi16(_mm256_and_si256(x, exponent), zero);
                 let x = _mm256_andnot_si256(_mm256_and_si256(sub, magnitude), x);
                 // Qwords 0, 2 | 1, 3: lane 0 holds words 0..4 and 8..12, lane 1 4..8, 12..16.
                 let x = _mm256_permute4x64_epi64::<0b11_01_10_00>(x);
                 let o = out.as_mut_ptr().add(i);
-                crate::cpu::raw::write::<__m256i>(o.cast(), _mm256_unpacklo_epi16(zero, x));
-                crate::cpu::raw::write::<__m256i>(o.add(8).cast(), _mm256_unpackhi_epi16(zero, x));
+                raw::write::<__m256i>(o.cast(), _mm256_unpacklo_epi16(zero, x));
+                raw::write::<__m256i>(o.add(8).cast(), _mm256_unpackhi_epi16(zero, x));
                 i += 16;
             }
         }
@@ -682,8 +659,8 @@ mod x86 {
         unsafe {
             let mut table = [0u16; 32];
             table[..16].copy_from_slice(&E2M1_VALUES);
-            let t = crate::cpu::raw::read::<__m512i>(table.as_ptr().cast());
-            let b = _mm512_cvtepu8_epi32(crate::cpu::raw::read::<__m128i>(packed.as_ptr().cast()));
+            let t = raw::read::<__m512i>(table.as_ptr().cast());
+            let b = _mm512_cvtepu8_epi32(raw::read::<__m128i>(packed.as_ptr().cast()));
             let codes = _mm512_or_si512(
                 _mm512_and_si512(b, _mm512_set1_epi32(0xf)),
                 _mm512_slli_epi32::<12>(_mm512_and_si512(b, _mm512_set1_epi32(0xf0))),
@@ -692,7 +669,7 @@ mod x86 {
             let nonzero = _mm512_test_epi16_mask(codes, _mm512_set1_epi16(7));
             let k = ((sb as i32 - 127) << 7) as i16;
             let v = _mm512_mask_add_epi16(v, nonzero, v, _mm512_set1_epi16(k));
-            crate::cpu::raw::write::<__m512i>(out.as_mut_ptr().cast(), v);
+            raw::write::<__m512i>(out.as_mut_ptr().cast(), v);
         }
     }
 }
