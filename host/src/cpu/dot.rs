@@ -321,7 +321,7 @@ mod x86 {
                     *x = if v + 1 == NV {
                         _mm512_maskz_loadu_ps(last, p)
                     } else {
-                        _mm512_loadu_ps(p)
+                        crate::cpu::raw::read::<__m512>(p.cast())
                     };
                 }
             }
@@ -347,7 +347,7 @@ mod x86 {
                     if v + 1 == NV {
                         _mm512_mask_storeu_ps(p, last, x);
                     } else {
-                        _mm512_storeu_ps(p, x);
+                        crate::cpu::raw::write::<__m512>(p.cast(), x);
                     }
                 }
             }
