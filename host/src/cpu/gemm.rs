@@ -852,7 +852,7 @@ unsafe fn f16b_tile512<const NV: usize>(
         }
         for (r, row) in acc.iter().enumerate() {
             for (v, x) in row.iter().enumerate() {
-                crate::cpu::raw::write::<__m512>(
+                super::raw::write::<__m512>(
                     c.as_mut_ptr().add((i0 + r) * d.ldc + j0 + 16 * v).cast(),
                     *x,
                 );
@@ -895,7 +895,7 @@ unsafe fn f16b_avx2(d: Dims, at8: &[f32], b: &[u16], c: &mut [f32]) {
                     p += 2;
                 }
                 for (r, x) in acc.iter().enumerate() {
-                    crate::cpu::raw::write::<__m256>(
+                    super::raw::write::<__m256>(
                         c.as_mut_ptr().add((i0 + r) * d.ldc + j0).cast(),
                         *x,
                     );

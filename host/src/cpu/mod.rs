@@ -8,7 +8,8 @@
 //! matrix core, `dot` the bf16 dot product (the `vdpbf16ps` kernel and the arithmetic every
 //! path shares with it), `buffer` the host buffers, `scratch` the per-thread working
 //! buffers of the ops' tasks, `tasks` how an op's tasks are run (the calling thread works
-//! alongside rayon's pool), `raw` the inner loops' reads through raw pointers and copies.
+//! alongside rayon's pool), `raw` the inner loops' reads and writes through raw pointers,
+//! and copies.
 
 pub mod attend;
 pub mod buffer;
