@@ -226,12 +226,22 @@ fn put_bf16(dst: &mut [u8], xs: &[bf16]) {
     }
 }
 
-/// The first `n` bf16 of little-endian bytes, as f64 (exact: a bf16's bits are an f32's
-/// top half; a NaN stays NaN).
-fn bf16s(src: &[u8], n: usize) -> impl Iterator<Item = f64> + '_ {
-    src[..2 * n]
-        .chunks_exact(2)
-        .map(|b| bf16_bits_f64(u16::from_le_bytes([b[0], b[1]])))
+/// Appends the first `n` bf16 of little-endian bytes to `out`, as f64 (exact: a bf16's
+/// bits are an f32's top half; a NaN stays NaN), on the widest vector path of this CPU.
+fn extend_bf16s(out: &mut Vec<f64>, src: &[u8], n: usize) {
+    let at = out.len();
+    out.resize(at + n, 0.0);
+    bf16s_into_on(widest(), &src[..2 * n], &mut out[at..]);
+}
+
+sparsekit_host::isa_dispatch! {
+    /// `out[i]` = the bf16 of bytes `2i, 2i + 1` of `src` (little-endian) in f64, over the
+    /// common length, on the vector path `isa`.
+    fn bf16s_into_on(src: &[u8], out: &mut [f64]) = |ISA| {
+        for (o, b) in out.iter_mut().zip(src.chunks_exact(2)) {
+            *o = bf16_bits_f64(u16::from_le_bytes([b[0], b[1]]));
+        }
+    };
 }
 
 fn get_f32(src: &[u8], at: usize) -> f64 {
@@ -355,24 +365,39 @@ pub fn kv_store_with(
 /// The dequantised index key stored at `slot` (values already multiplied by nothing) and
 /// its scale (1 for bf16).
 pub fn read_index_key(layout: &IndexKLayout, cache: &[u8], slot: usize) -> (Vec<f64>, f64) {
+    let mut v = Vec::with_capacity(layout.head_dim());
+    let s = read_index_key_into(layout, cache, slot, &mut v);
+    (v, s)
+}
+
+/// [`read_index_key`] into `out` (its values replaced; no allocation once it has room):
+/// returns the scale.
+fn read_index_key_into(
+    layout: &IndexKLayout,
+    cache: &[u8],
+    slot: usize,
+    out: &mut Vec<f64>,
+) -> f64 {
     let vals = &cache[layout.slot_value_bytes(slot)];
+    out.clear();
     match layout.dtype() {
-        IndexKDtype::Bf16 => (bf16s(vals, layout.head_dim()).collect(), 1.0),
+        IndexKDtype::Bf16 => {
+            extend_bf16s(out, vals, layout.head_dim());
+            1.0
+        }
         IndexKDtype::Fp8E4m3 { .. } => {
-            let s = layout
+            out.extend(vals.iter().map(|&c| e4m3_values()[c as usize]));
+            layout
                 .slot_scale_bytes(slot)
-                .map_or(1.0, |r| get_f32(cache, r.start));
-            (vals.iter().map(|&c| e4m3_values()[c as usize]).collect(), s)
+                .map_or(1.0, |r| get_f32(cache, r.start))
         }
         IndexKDtype::Fp4E2m1 => {
             let sc = layout.slot_scale_bytes(slot).unwrap_or(0..0);
-            let v = (0..layout.head_dim())
-                .map(|i| {
-                    let code = vals[i / 2] >> (4 * (i % 2));
-                    e2m1_value(code) * ue8m0_values()[cache[sc.start + i / FP4_GROUP] as usize]
-                })
-                .collect();
-            (v, 1.0)
+            out.extend((0..layout.head_dim()).map(|i| {
+                let code = vals[i / 2] >> (4 * (i % 2));
+                e2m1_value(code) * ue8m0_values()[cache[sc.start + i / FP4_GROUP] as usize]
+            }));
+            1.0
         }
     }
 }
@@ -382,7 +407,7 @@ pub fn read_kv_token(layout: &KvLayout, cache: &[u8], slot: usize) -> Vec<f64> {
     let tok = &cache[layout.slot_token_bytes(slot)];
     let mut out = Vec::with_capacity(layout.d_qk());
     match layout.dtype() {
-        KvDtype::Bf16 | KvDtype::Bf16x512 => out.extend(bf16s(tok, layout.nope_dim())),
+        KvDtype::Bf16 | KvDtype::Bf16x512 => extend_bf16s(&mut out, tok, layout.nope_dim()),
         KvDtype::Model1Fp8 => {
             let sc = layout.slot_tile_scale_bytes(slot);
             for i in 0..layout.nope_dim() {
@@ -401,7 +426,7 @@ pub fn read_kv_token(layout: &KvLayout, cache: &[u8], slot: usize) -> Vec<f64> {
         }
     }
     let rope = &tok[layout.rope_range()];
-    out.extend(bf16s(rope, layout.rope_dim()));
+    extend_bf16s(&mut out, rope, layout.rope_dim());
     out
 }
 
@@ -419,6 +444,11 @@ fn bf16_f64s(xs: &[bf16]) -> Vec<f64> {
 /// weight `c` of a row `v` into the output and its absolute scale. Each product rounds in
 /// that order, with no fused multiply-add, so every vector path gives the same bits; the
 /// loop runs on the widest one of this CPU (the crate itself is built for SSE2).
+///
+/// With `c, f ≥ 0` (the softmax's weights and the sink's factor) `c·|v|·f` is
+/// `|c·v·f|` (rounding is symmetric in sign), so the product is taken once, and `·f` is
+/// skipped when `f = 1` (`x·1 = x`): the same bits, two or three fewer operations an
+/// element (a NaN result may differ in its sign bit only).
 pub(crate) fn weigh_into(o: &mut [f64], a: &mut [f64], v: &[f64], c: f64, f: f64) {
     weigh_into_on(widest(), o, a, v, c, f)
 }
@@ -426,9 +456,24 @@ pub(crate) fn weigh_into(o: &mut [f64], a: &mut [f64], v: &[f64], c: f64, f: f64
 sparsekit_host::isa_dispatch! {
     /// [`weigh_into`] on the vector path `isa`.
     fn weigh_into_on(o: &mut [f64], a: &mut [f64], v: &[f64], c: f64, f: f64) = |ISA| {
-        for ((x, y), v) in o.iter_mut().zip(a.iter_mut()).zip(v) {
-            *x += c * v * f;
-            *y += c * v.abs() * f;
+        let rows = o.iter_mut().zip(a.iter_mut()).zip(v);
+        if c >= 0.0 && f == 1.0 {
+            for ((x, y), v) in rows {
+                let p = c * v;
+                *x += p;
+                *y += p.abs();
+            }
+        } else if c >= 0.0 && f >= 0.0 {
+            for ((x, y), v) in rows {
+                let p = c * v * f;
+                *x += p;
+                *y += p.abs();
+            }
+        } else {
+            for ((x, y), v) in rows {
+                *x += c * v * f;
+                *y += c * v.abs() * f;
+            }
         }
     };
 }
@@ -460,6 +505,10 @@ fn dot_abs_on(isa: CpuIsa, a: &[f64], b: &[f64]) -> (f64, f64) {
     let n = a.len().min(b.len());
     // Whole chunks of L, then the rest.
     let m = n - n % L;
+    if m == n {
+        let [sums] = sums_on(isa, &a[..n], [&b[..n]]);
+        return sums;
+    }
     let [lanes] = lanes_on(isa, &a[..m], [&b[..m]]);
     finish(lanes, &a[m..n], &b[m..n])
 }
@@ -524,8 +573,39 @@ fn dot_abs_group(isa: CpuIsa, x: &[f64], ys: [&[f64]; GROUP]) -> [(f64, f64); GR
     }
     let m = n - n % L;
     let (xc, yc) = (&x[..m], ys.map(|y| &y[..m]));
+    if m == n {
+        return sums_on(isa, xc, yc);
+    }
     let lanes = lanes_on(isa, xc, yc);
     std::array::from_fn(|i| finish(lanes[i], &x[m..], &ys[i][m..]))
+}
+
+/// [`finish`] of [`lanes_on`] with no rest: on the vector paths the lanes are added
+/// pairwise in registers (the same adds, operands in the same order: the same bits),
+/// not stored and added one by one.
+fn sums_on<const N: usize>(isa: CpuIsa, xc: &[f64], yc: [&[f64]; N]) -> [(f64, f64); N] {
+    assert!(xc.len() % L == 0 && yc.iter().all(|y| y.len() == xc.len()));
+    match isa.isa() {
+        // SAFETY: as in `lanes_on`: AVX-512F on the AVX-512 paths; the slices as asserted.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Bf16 | Isa::Avx512 => unsafe { x86::sums_avx512(xc, yc) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => {
+            let mut out = [(0.0, 0.0); N];
+            for (o, ys) in out.chunks_mut(2).zip(yc.chunks(2)) {
+                // SAFETY: as above: AVX2 on the avx2 path.
+                let pair = |a, b| unsafe { x86::sums_avx2(xc, [a, b]) };
+                // SAFETY: as above.
+                let one = |a| unsafe { x86::sums_avx2(xc, [a]) };
+                match *ys {
+                    [a, b] => o.copy_from_slice(&pair(a, b)),
+                    _ => o.copy_from_slice(&one(ys[0])),
+                }
+            }
+            out
+        }
+        _ => lanes(xc, yc).map(|l| finish(l, &[], &[])),
+    }
 }
 
 /// [`lanes`] on the vector path `isa` (every slice of `yc` as long as `xc`, a multiple
@@ -601,6 +681,9 @@ mod x86 {
         unsafe { (*p.cast::<Unaligned<T>>()).0 }
     }
 
+    /// The accumulators of [`lanes_avx512`]: each `y`'s eight lanes of `x·y` and of
+    /// `|x·y|`, over the chunks of 8 in order.
+    ///
     /// # Safety
     /// The CPU has AVX-512F; every slice of `yc` holds `xc.len()` elements, a multiple of
     /// L.
@@ -609,7 +692,11 @@ mod x86 {
         reason = "AVX-512 needs Rust 1.89, as the host crate's AVX-512 target features do"
     )]
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn lanes_avx512<const N: usize>(xc: &[f64], yc: [&[f64]; N]) -> [Lanes; N] {
+    #[inline]
+    unsafe fn acc_avx512<const N: usize>(
+        xc: &[f64],
+        yc: [&[f64]; N],
+    ) -> ([__m512d; N], [__m512d; N]) {
         let (mut dot, mut abs) = ([_mm512_setzero_pd(); N], [_mm512_setzero_pd(); N]);
         for (c, x) in xc.chunks_exact(L).enumerate() {
             // SAFETY: `x` holds 8 f64: one unaligned vector.
@@ -621,6 +708,19 @@ mod x86 {
                 abs[i] = _mm512_add_pd(abs[i], _mm512_abs_pd(p));
             }
         }
+        (dot, abs)
+    }
+
+    /// # Safety
+    /// As [`acc_avx512`].
+    #[allow(
+        clippy::incompatible_msrv,
+        reason = "AVX-512 needs Rust 1.89, as the host crate's AVX-512 target features do"
+    )]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn lanes_avx512<const N: usize>(xc: &[f64], yc: [&[f64]; N]) -> [Lanes; N] {
+        // SAFETY: the caller's contract.
+        let (dot, abs) = unsafe { acc_avx512(xc, yc) };
         let mut out = [([0.0; L], [0.0; L]); N];
         for ((d, a), i) in out.iter_mut().zip(0..N) {
             // SAFETY: `d` and `a` are arrays of 8 f64.
@@ -632,10 +732,62 @@ mod x86 {
         out
     }
 
+    /// [`lanes_avx512`] with each `y`'s lanes added pairwise in registers.
+    ///
     /// # Safety
-    /// The CPU has AVX2 (AVX for these operations); the slices as in [`lanes_avx512`].
+    /// As [`acc_avx512`].
+    #[allow(
+        clippy::incompatible_msrv,
+        reason = "AVX-512 needs Rust 1.89, as the host crate's AVX-512 target features do"
+    )]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn sums_avx512<const N: usize>(
+        xc: &[f64],
+        yc: [&[f64]; N],
+    ) -> [(f64, f64); N] {
+        // SAFETY: the caller's contract.
+        let (dot, abs) = unsafe { acc_avx512(xc, yc) };
+        let mut out = [(0.0, 0.0); N];
+        for (o, i) in out.iter_mut().zip(0..N) {
+            // SAFETY: AVX-512F, as this function's caller ensures.
+            *o = unsafe { (pairwise512(dot[i]), pairwise512(abs[i])) };
+        }
+        out
+    }
+
+    /// `((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7))` of `v`'s lanes, each add with
+    /// [`super::finish`]'s operands in its order: lane 2j of the first sum is `v2j +
+    /// v2j+1`, lane 4j of the second `(v4j + v4j+1) + (v4j+2 + v4j+3)`, then lane 0 plus
+    /// lane 4. (A function, not a closure: a closure would not get the target feature,
+    /// and its intrinsics would be calls.)
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[allow(
+        clippy::incompatible_msrv,
+        reason = "AVX-512 needs Rust 1.89, as the host crate's AVX-512 target features do"
+    )]
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn pairwise512(v: __m512d) -> f64 {
+        let s = _mm512_add_pd(v, _mm512_permute_pd::<0b0101_0101>(v));
+        let s = _mm512_add_pd(s, _mm512_permutex_pd::<0b00_00_11_10>(s));
+        let lo = _mm_cvtsd_f64(_mm512_castpd512_pd128(s));
+        let hi = _mm_cvtsd_f64(_mm256_castpd256_pd128(_mm512_extractf64x4_pd::<1>(s)));
+        lo + hi
+    }
+
+    /// The accumulators of [`lanes_avx2`] (each lane of 8 as half `h` of a pair).
+    ///
+    /// # Safety
+    /// The CPU has AVX2 (AVX for these operations); the slices as in [`acc_avx512`].
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn lanes_avx2<const N: usize>(xc: &[f64], yc: [&[f64]; N]) -> [Lanes; N] {
+    #[inline]
+    #[allow(clippy::type_complexity, reason = "two arrays of vector pairs")]
+    unsafe fn acc_avx2<const N: usize>(
+        xc: &[f64],
+        yc: [&[f64]; N],
+    ) -> ([[__m256d; 2]; N], [[__m256d; 2]; N]) {
         let zero = _mm256_setzero_pd();
         let (mut dot, mut abs) = ([[zero; 2]; N], [[zero; 2]; N]);
         // Clears the sign bit: |p|.
@@ -654,6 +806,15 @@ mod x86 {
                 }
             }
         }
+        (dot, abs)
+    }
+
+    /// # Safety
+    /// As [`acc_avx2`].
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn lanes_avx2<const N: usize>(xc: &[f64], yc: [&[f64]; N]) -> [Lanes; N] {
+        // SAFETY: the caller's contract.
+        let (dot, abs) = unsafe { acc_avx2(xc, yc) };
         let mut out = [([0.0; L], [0.0; L]); N];
         for ((d, a), i) in out.iter_mut().zip(0..N) {
             for h in 0..2 {
@@ -665,6 +826,38 @@ mod x86 {
             }
         }
         out
+    }
+
+    /// [`lanes_avx2`] with each `y`'s lanes added pairwise in registers.
+    ///
+    /// # Safety
+    /// As [`acc_avx2`].
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn sums_avx2<const N: usize>(xc: &[f64], yc: [&[f64]; N]) -> [(f64, f64); N] {
+        // SAFETY: the caller's contract.
+        let (dot, abs) = unsafe { acc_avx2(xc, yc) };
+        let mut out = [(0.0, 0.0); N];
+        for (o, i) in out.iter_mut().zip(0..N) {
+            let [d0, d1] = dot[i];
+            let [a0, a1] = abs[i];
+            // SAFETY: AVX2, as this function's caller ensures.
+            *o = unsafe { (pairwise4(d0) + pairwise4(d1), pairwise4(a0) + pairwise4(a1)) };
+        }
+        out
+    }
+
+    /// `(v0 + v1) + (v2 + v3)` of `v`'s lanes as in [`pairwise512`] (lane 0 of the first
+    /// sum is `v0 + v1`, lane 2 `v2 + v3`): the halves of [`super::finish`]'s sum.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 (AVX for these operations).
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn pairwise4(v: __m256d) -> f64 {
+        let s = _mm256_add_pd(v, _mm256_permute_pd::<0b0101>(v));
+        let lo = _mm_cvtsd_f64(_mm256_castpd256_pd128(s));
+        let hi = _mm_cvtsd_f64(_mm256_extractf128_pd::<1>(s));
+        lo + hi
     }
 }
 
@@ -701,9 +894,10 @@ pub fn indexer_logits(
             // The row's queries in f64 once (exact), not once per key.
             let qr = bf16_f64s(&q[r * n_heads * d..(r + 1) * n_heads * d]);
             let wr = &weights[r * n_heads..(r + 1) * n_heads];
+            let mut k = Vec::with_capacity(d);
             for pos in range.start as usize..range.end as usize {
                 let slot = page_table.slot(range.request as usize, pos, layout.page_size());
-                let (k, s) = read_index_key(layout, cache, slot);
+                let s = read_index_key_into(layout, cache, slot, &mut k);
                 let (mut acc, mut m) = (0.0, 0.0);
                 // The key against each head's query, heads in order.
                 dot_abs_each(&k, qr.chunks_exact(d), |h, (dot, adot)| {
@@ -800,10 +994,25 @@ impl MlaRef {
     /// [`crate::tolerance::mla_out_magnitude`] of its `A`, its head's score scale and its
     /// token's slot count.
     pub fn out_magnitude(&self, i: usize) -> f64 {
-        let head = i / self.d_v;
+        self.head_scale(i / self.d_v).of(self.out_abs[i])
+    }
+
+    /// [`MlaRef::out_magnitude`] of every output element in order (the same bits), each
+    /// head's shared terms computed once rather than per element.
+    pub fn out_magnitudes(&self) -> impl Iterator<Item = f64> + '_ {
+        self.out_abs
+            .chunks(self.d_v.max(1))
+            .enumerate()
+            .flat_map(move |(head, abs)| {
+                let s = self.head_scale(head);
+                abs.iter().map(move |&a| s.of(a))
+            })
+    }
+
+    /// The terms of head `head`'s (row-major `[token, head]`) bound.
+    fn head_scale(&self, head: usize) -> crate::tolerance::MlaOutScale {
         let token = head / self.n_heads;
-        crate::tolerance::mla_out_magnitude(
-            self.out_abs[i],
+        crate::tolerance::MlaOutScale::new(
             self.score_slack * self.lse_magnitude[head],
             self.n_valid[token],
             self.v_max[token],
@@ -1032,26 +1241,99 @@ mod tests {
                     .collect()
             };
             let (o, a, x) = (v(), v(), v());
-            let (c, f) = (rng.gen_range(0.0..1.0), rng.gen_range(0.5..1.0));
-            let want: Vec<(u64, u64)> = (0..n)
-                .map(|i| {
-                    (
-                        (o[i] + c * x[i] * f).to_bits(),
-                        (a[i] + c * x[i].abs() * f).to_bits(),
-                    )
-                })
-                .collect();
-            for isa in CpuIsa::available() {
-                let (mut o, mut a) = (o.clone(), a.clone());
-                weigh_into_on(isa, &mut o, &mut a, &x, c, f);
-                let got: Vec<(u64, u64)> = o
-                    .iter()
-                    .zip(&a)
-                    .map(|(o, a)| (o.to_bits(), a.to_bits()))
+            let c = rng.gen_range(0.0..1.0);
+            // The three loops: f = 1, f ≥ 0, and a negative weight.
+            for (c, f) in [(c, 1.0), (c, rng.gen_range(0.5..1.0)), (-c, 0.75)] {
+                let want: Vec<(u64, u64)> = (0..n)
+                    .map(|i| {
+                        (
+                            (o[i] + c * x[i] * f).to_bits(),
+                            (a[i] + c * x[i].abs() * f).to_bits(),
+                        )
+                    })
                     .collect();
-                assert_eq!(got, want, "{isa:?}, n = {n}");
+                for isa in CpuIsa::available() {
+                    let (mut o, mut a) = (o.clone(), a.clone());
+                    weigh_into_on(isa, &mut o, &mut a, &x, c, f);
+                    let got: Vec<(u64, u64)> = o
+                        .iter()
+                        .zip(&a)
+                        .map(|(o, a)| (o.to_bits(), a.to_bits()))
+                        .collect();
+                    assert_eq!(got, want, "{isa:?}, n = {n}, c = {c}, f = {f}");
+                }
             }
         }
+    }
+
+    #[test]
+    fn out_magnitudes_have_the_bits_of_out_magnitude() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        let (tokens, heads, dv) = (3, 5, 7);
+        let mut v = |n: usize| -> Vec<f64> {
+            (0..n)
+                .map(|_| rng.gen_range(0.0..4.0) * 2f64.powi(rng.gen_range(-30..10)))
+                .collect()
+        };
+        let r = MlaRef {
+            out: v(tokens * heads * dv),
+            lse: v(tokens * heads),
+            out_abs: v(tokens * heads * dv),
+            lse_magnitude: v(tokens * heads),
+            n_valid: vec![0, 17, 2048],
+            v_max: v(tokens),
+            n_heads: heads,
+            d_v: dv,
+            score_slack: 1.5,
+        };
+        let each: Vec<u64> = (0..r.out.len())
+            .map(|i| r.out_magnitude(i).to_bits())
+            .collect();
+        let all: Vec<u64> = r.out_magnitudes().map(f64::to_bits).collect();
+        assert_eq!(all, each);
+        // And the formula itself, for one element of each token.
+        for t in 0..tokens {
+            let (i, head) = (t * heads * dv + 3, t * heads);
+            let want = crate::tolerance::mla_out_magnitude(
+                r.out_abs[i],
+                1.5 * r.lse_magnitude[head],
+                r.n_valid[t],
+                r.v_max[t],
+            );
+            assert_eq!(r.out_magnitude(i).to_bits(), want.to_bits());
+        }
+    }
+
+    #[test]
+    fn bf16s_into_has_the_bits_of_the_scalar_widening_on_every_path() {
+        // Every bf16 bit pattern (NaNs, infinities, subnormals, both zeros), shuffled.
+        use rand::seq::SliceRandom;
+        use rand::SeedableRng;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        let mut bits: Vec<u16> = (0..=u16::MAX).collect();
+        bits.shuffle(&mut rng);
+        let bytes: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
+        let want: Vec<u64> = bits
+            .iter()
+            .map(|&b| (f32::from_bits((b as u32) << 16) as f64).to_bits())
+            .collect();
+        for isa in CpuIsa::available() {
+            // Odd lengths and offsets: the vector loops' tails.
+            for (at, n) in [(0, bits.len()), (1, 13), (5, 1000)] {
+                let mut out = vec![f64::NAN; n];
+                bf16s_into_on(isa, &bytes[2 * at..2 * (at + n)], &mut out);
+                let got: Vec<u64> = out.iter().map(|x| x.to_bits()).collect();
+                assert_eq!(got, want[at..at + n], "{isa:?}, at {at}, n {n}");
+            }
+        }
+        let mut ext = vec![1.0];
+        extend_bf16s(&mut ext, &bytes, 3);
+        assert_eq!(ext[0], 1.0);
+        assert_eq!(
+            ext[1..].iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            want[..3]
+        );
     }
 
     #[test]

@@ -251,15 +251,38 @@ pub fn dot_flush_magnitude(steps: usize, atol: f64) -> f64 {
 /// sum of the P-rounding, score, f32 accumulation and underflow terms of the derived
 /// bound (the underflow term with the bf16 dot product's flushes).
 pub fn mla_out_magnitude(abs_out: f64, lse_magnitude: f64, n_valid: usize, v_max: f64) -> f64 {
-    let n = n_valid as f64;
-    let score = 2.0 * MLA_LSE_ATOL * lse_magnitude;
-    // 2^-23 and 2^-120, as constants (this runs once per compared element).
-    const TWO_M23: f64 = 1.0 / 8_388_608.0;
-    const TWO_M120: f64 = TWO_M23 * TWO_M23 * TWO_M23 * TWO_M23 * TWO_M23 / 32.0;
-    let accumulation = (3.0 * n + 2.0) * TWO_M23;
-    let underflow = (n + 1.0) * (TWO_M120 * v_max + DOT_FLUSH);
-    abs_out * ((1.0 + score) + (score.exp_m1() + accumulation) / MLA_P_ROUNDING)
-        + underflow / MLA_P_ROUNDING
+    MlaOutScale::new(lse_magnitude, n_valid, v_max).of(abs_out)
+}
+
+/// [`mla_out_magnitude`] with the terms shared by a head's elements computed once (its
+/// `exp_m1` among them): `of(abs_out)` gives the same bits as `mla_out_magnitude`.
+#[derive(Clone, Copy, Debug)]
+pub struct MlaOutScale {
+    /// Multiplies `A_c`.
+    factor: f64,
+    /// Added to it (the underflow term).
+    floor: f64,
+}
+
+impl MlaOutScale {
+    /// The head's terms: `lse_magnitude`, `n_valid` and `v_max` as in [`mla_out_magnitude`].
+    pub fn new(lse_magnitude: f64, n_valid: usize, v_max: f64) -> Self {
+        let n = n_valid as f64;
+        let score = 2.0 * MLA_LSE_ATOL * lse_magnitude;
+        const TWO_M23: f64 = 1.0 / 8_388_608.0;
+        const TWO_M120: f64 = TWO_M23 * TWO_M23 * TWO_M23 * TWO_M23 * TWO_M23 / 32.0;
+        let accumulation = (3.0 * n + 2.0) * TWO_M23;
+        let underflow = (n + 1.0) * (TWO_M120 * v_max + DOT_FLUSH);
+        MlaOutScale {
+            factor: (1.0 + score) + (score.exp_m1() + accumulation) / MLA_P_ROUNDING,
+            floor: underflow / MLA_P_ROUNDING,
+        }
+    }
+
+    /// The magnitude of an element whose `A_c` is `abs_out`.
+    pub fn of(&self, abs_out: f64) -> f64 {
+        abs_out * self.factor + self.floor
+    }
 }
 
 /// Every tolerance, in one table.

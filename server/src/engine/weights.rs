@@ -5,6 +5,9 @@
 //! output variance for projections), rounded to bf16 precision so a GPU path with bf16
 //! weights would read the same numbers.
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -38,8 +41,57 @@ pub fn splitmix64(mut x: u64) -> u64 {
 
 /// The values of tensor `tensor` of config `config` under `seed`: `n` values uniform in
 /// `[-scale, scale)` plus `offset`, rounded to bf16 precision.
+///
+/// A pure function, so the process keeps what it generated (up to [`MEMO_BYTES`] in all)
+/// and hands out copies: the harness builds an engine of the same model for every
+/// configuration and round, and the generator was a few per cent of its time.
 pub fn synth(seed: u64, config: &str, tensor: &str, n: usize, scale: f32, offset: f32) -> Vec<f32> {
-    let key = splitmix64(seed ^ splitmix64(fnv1a(format!("{config}/{tensor}").as_bytes())));
+    let id = (
+        seed,
+        format!("{config}/{tensor}"),
+        n,
+        scale.to_bits(),
+        offset.to_bits(),
+    );
+    let memo = MEMO.get_or_init(Default::default);
+    // A poisoned lock only means another thread panicked while holding it: the map is
+    // still whole (every insert is one call).
+    let lock = || {
+        memo.lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    };
+    if let Some(v) = lock().values.get(&id) {
+        return v.to_vec();
+    }
+    let v = generate(seed, &id.1, n, scale, offset);
+    let mut m = lock();
+    let bytes = 4 * n;
+    if m.bytes + bytes <= MEMO_BYTES && !m.values.contains_key(&id) {
+        m.bytes += bytes;
+        m.values.insert(id, v.as_slice().into());
+    }
+    v
+}
+
+/// The most bytes of tensors [`synth`] keeps for later calls (larger models are generated
+/// again each time).
+pub const MEMO_BYTES: usize = 256 << 20;
+
+/// (seed, "config/tensor", n, scale bits, offset bits).
+type TensorId = (u64, String, usize, u32, u32);
+
+/// [`synth`]'s kept tensors.
+#[derive(Default)]
+struct Memo {
+    values: HashMap<TensorId, Arc<[f32]>>,
+    bytes: usize,
+}
+
+static MEMO: OnceLock<Mutex<Memo>> = OnceLock::new();
+
+/// [`synth`]'s generator: `name` is `"config/tensor"`.
+fn generate(seed: u64, name: &str, n: usize, scale: f32, offset: f32) -> Vec<f32> {
+    let key = splitmix64(seed ^ splitmix64(fnv1a(name.as_bytes())));
     let mut v = vec![0f32; n];
     v.par_chunks_mut(CHUNK).enumerate().for_each(|(c, out)| {
         let mut rng = ChaCha8Rng::seed_from_u64(splitmix64(key ^ splitmix64(c as u64)));
@@ -347,7 +399,9 @@ mod tests {
     #[test]
     fn synth_is_a_function_of_seed_config_and_name() {
         let a = synth(7, "tiny", "w", CHUNK + 100, 0.5, 0.0);
+        // The second call is served from the memo: the generator's values.
         assert_eq!(a, synth(7, "tiny", "w", CHUNK + 100, 0.5, 0.0));
+        assert_eq!(a, generate(7, "tiny/w", CHUNK + 100, 0.5, 0.0));
         // A prefix is the same tensor's prefix (chunks are independent of length).
         assert_eq!(a[..50], synth(7, "tiny", "w", 50, 0.5, 0.0)[..]);
         assert_ne!(a, synth(8, "tiny", "w", CHUNK + 100, 0.5, 0.0));
