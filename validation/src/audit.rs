@@ -6,7 +6,7 @@ use half::bf16;
 use sparsekit_host::ops::{IndexerLogits, Op, SparseMla, SparseMlaV4, Topk};
 use sparsekit_host::KernelAudit;
 
-use crate::golden::topk_expected;
+use crate::golden::topk_expected_for;
 use crate::reference;
 use crate::tolerance::{self, judge_topk_row, DataType, ErrorStats, Quantity};
 
@@ -111,7 +111,7 @@ impl KernelAudit for ReferenceAudit {
         for (ri, range) in op.rows.iter().enumerate() {
             let row = &logits[ri * stride..(ri + 1) * stride];
             let g = &got[ri * k..(ri + 1) * k];
-            let (want, by_entry) = topk_expected(row, range, k, &op.output, op.short_rows);
+            let (want, by_entry) = topk_expected_for(row, range, k, &op.output, op.short_rows, g);
             let value = |v: &i32| by_entry.get(v).copied();
             let got_vals: Vec<f64> = g
                 .iter()

@@ -46,6 +46,47 @@ pub fn topk_expected(
     (topk_want(row, range, k, output, short), by_entry)
 }
 
+/// [`topk_expected`] with the map holding only the entries of `got` and of the reference's
+/// pick (all a judge of the row looks up), each with the value `topk_expected` gives it:
+/// no map of the whole range per row (the serving audit's top-k check spent more on
+/// that map than on the selection).
+pub fn topk_expected_for(
+    row: &[f32],
+    range: &QueryRange,
+    k: usize,
+    output: &TopkOutput<'_>,
+    short: ShortRows,
+    got: &[i32],
+) -> (Vec<i32>, std::collections::HashMap<i32, f64>) {
+    let want = topk_want(row, range, k, output, short);
+    let (s, e) = (
+        range.start as usize,
+        range.end.min(row.len() as u32) as usize,
+    );
+    let needed: std::collections::HashSet<i32> = got
+        .iter()
+        .chain(&want)
+        .copied()
+        .filter(|&v| v >= 0)
+        .collect();
+    let by_entry = match output {
+        // An entry is its position.
+        TopkOutput::Positions => needed
+            .iter()
+            .filter(|&&v| (s..e).contains(&(v as usize)))
+            .map(|&v| (v, row[v as usize] as f64))
+            .collect(),
+        // Positions in order, as `topk_expected` maps them (a later position of the same
+        // slot wins there too).
+        TopkOutput::Slots { .. } => (s..e)
+            .map(|pos| (encode_position(output, range, pos), pos))
+            .filter(|(c, _)| needed.contains(c))
+            .map(|(c, pos)| (c, row[pos] as f64))
+            .collect(),
+    };
+    (want, by_entry)
+}
+
 pub(super) fn encode_position(output: &TopkOutput<'_>, range: &QueryRange, pos: usize) -> i32 {
     match output {
         TopkOutput::Positions => pos as i32,
@@ -173,4 +214,66 @@ pub(super) struct Judged {
     pub dtype: DataType,
     pub quantities: Vec<QuantityReport>,
     pub notes: Vec<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may panic
+
+    use rand::seq::SliceRandom;
+    use rand::{Rng, SeedableRng};
+    use sparsekit_host::ops::PageTable;
+
+    use super::*;
+
+    /// The restricted map holds every entry a judge looks up, with `topk_expected`'s value,
+    /// for both output kinds, short rows and entries that select nothing of the range.
+    #[test]
+    fn topk_expected_for_agrees_with_topk_expected_on_every_entry_it_is_asked() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        let ps = 16;
+        // Request 1's pages in a shuffled order (one repeated, as a corrupt table might).
+        let mut pages: Vec<i32> = (0..8).collect();
+        pages.shuffle(&mut rng);
+        pages[7] = pages[2];
+        let table: Vec<i32> = (100..108).chain(pages).collect();
+        let page_table = PageTable::new(&table, 8).unwrap();
+        let row: Vec<f32> = (0..8 * ps).map(|_| rng.gen_range(-4.0..4.0)).collect();
+        for output in [
+            TopkOutput::Positions,
+            TopkOutput::Slots {
+                page_table,
+                page_size: ps,
+            },
+        ] {
+            for (start, end, k) in [(5, 120, 17), (0, 128, 64), (30, 40, 16), (3, 127, 9)] {
+                for short in [ShortRows::SelectValid, ShortRows::TakeAll] {
+                    let range = QueryRange {
+                        request: 1,
+                        start,
+                        end,
+                    };
+                    let end = (end as usize).min(row.len());
+                    // The kernel's picks: some in range, some outside it, padding.
+                    let mut got: Vec<i32> = (0..k)
+                        .map(|_| match rng.gen_range(0..4) {
+                            0 => -1,
+                            1 => rng.gen_range(-5..300),
+                            _ => {
+                                encode_position(&output, &range, rng.gen_range(start as usize..end))
+                            }
+                        })
+                        .collect();
+                    got.sort_unstable();
+                    let (want, all) = topk_expected(&row, &range, k, &output, short);
+                    let (want2, some) = topk_expected_for(&row, &range, k, &output, short, &got);
+                    assert_eq!(want, want2);
+                    for v in got.iter().chain(&want) {
+                        assert_eq!(some.get(v), all.get(v), "entry {v}");
+                    }
+                    assert!(!some.is_empty());
+                }
+            }
+        }
+    }
 }

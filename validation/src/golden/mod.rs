@@ -46,7 +46,7 @@ pub use conventions::{
     Conventions, Division, EmptyLse, InvalidIndices, KeyDequant, LseLayout, TopkPadding,
 };
 pub use format::Tensor;
-pub use judge::topk_expected;
+pub use judge::{topk_expected, topk_expected_for};
 pub use safetensors::Dtype;
 
 use crate::tolerance::{DataType, ErrorStats};
