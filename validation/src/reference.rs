@@ -590,22 +590,35 @@ fn sums_on<const N: usize>(isa: CpuIsa, xc: &[f64], yc: [&[f64]; N]) -> [(f64, f
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Bf16 | Isa::Avx512 => unsafe { x86::sums_avx512(xc, yc) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => {
-            let mut out = [(0.0, 0.0); N];
-            for (o, ys) in out.chunks_mut(2).zip(yc.chunks(2)) {
-                // SAFETY: as above: AVX2 on the avx2 path.
-                let pair = |a, b| unsafe { x86::sums_avx2(xc, [a, b]) };
-                // SAFETY: as above.
-                let one = |a| unsafe { x86::sums_avx2(xc, [a]) };
-                match *ys {
-                    [a, b] => o.copy_from_slice(&pair(a, b)),
-                    _ => o.copy_from_slice(&one(ys[0])),
-                }
-            }
-            out
-        }
+        Isa::Avx2 => two_at_a_time(
+            yc,
+            (0.0, 0.0),
+            // SAFETY: as above: AVX2 on the avx2 path.
+            |a, b| unsafe { x86::sums_avx2(xc, [a, b]) },
+            // SAFETY: as above.
+            |a| unsafe { x86::sums_avx2(xc, [a]) },
+        ),
         _ => lanes(xc, yc).map(|l| finish(l, &[], &[])),
     }
+}
+
+/// `pair` over the `y`s of `yc` two at a time, `one` over the last of an odd count: the
+/// AVX2 loops (four `y`s' sixteen accumulators would fill all the AVX2 registers).
+#[cfg(target_arch = "x86_64")]
+fn two_at_a_time<'y, T: Copy, const N: usize>(
+    yc: [&'y [f64]; N],
+    zero: T,
+    pair: impl Fn(&'y [f64], &'y [f64]) -> [T; 2],
+    one: impl Fn(&'y [f64]) -> [T; 1],
+) -> [T; N] {
+    let mut out = [zero; N];
+    for (o, ys) in out.chunks_mut(2).zip(yc.chunks(2)) {
+        match *ys {
+            [a, b] => o.copy_from_slice(&pair(a, b)),
+            _ => o.copy_from_slice(&one(ys[0])),
+        }
+    }
+    out
 }
 
 /// [`lanes`] on the vector path `isa` (every slice of `yc` as long as `xc`, a multiple
@@ -617,23 +630,15 @@ fn lanes_on<const N: usize>(isa: CpuIsa, xc: &[f64], yc: [&[f64]; N]) -> [Lanes;
         // made): AVX-512F on the AVX-512 paths. The slices are as asserted above.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Bf16 | Isa::Avx512 => unsafe { x86::lanes_avx512(xc, yc) },
-        // Two `y`s at a time: four `y`s' sixteen accumulators would fill all the AVX2
-        // registers.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => {
-            let mut out = [([0.0; L], [0.0; L]); N];
-            for (o, ys) in out.chunks_mut(2).zip(yc.chunks(2)) {
-                // SAFETY: as above: AVX2 on the avx2 path.
-                let pair = |a, b| unsafe { x86::lanes_avx2(xc, [a, b]) };
-                // SAFETY: as above.
-                let one = |a| unsafe { x86::lanes_avx2(xc, [a]) };
-                match *ys {
-                    [a, b] => o.copy_from_slice(&pair(a, b)),
-                    _ => o.copy_from_slice(&one(ys[0])),
-                }
-            }
-            out
-        }
+        Isa::Avx2 => two_at_a_time(
+            yc,
+            ([0.0; L], [0.0; L]),
+            // SAFETY: as above: AVX2 on the avx2 path.
+            |a, b| unsafe { x86::lanes_avx2(xc, [a, b]) },
+            // SAFETY: as above.
+            |a| unsafe { x86::lanes_avx2(xc, [a]) },
+        ),
         _ => lanes(xc, yc),
     }
 }
