@@ -446,9 +446,8 @@ fn bf16_f64s(xs: &[bf16]) -> Vec<f64> {
 /// loop runs on the widest one of this CPU (the crate itself is built for SSE2).
 ///
 /// With `c, f ≥ 0` (the softmax's weights and the sink's factor) `c·|v|·f` is
-/// `|c·v·f|` (rounding is symmetric in sign), so the product is taken once, and `·f` is
-/// skipped when `f = 1` (`x·1 = x`): the same bits, two or three fewer operations an
-/// element (a NaN result may differ in its sign bit only).
+/// `|c·v·f|` (rounding is symmetric in sign), so the product is taken once: the same
+/// bits, two fewer operations an element (a NaN result may differ in its sign bit only).
 pub(crate) fn weigh_into(o: &mut [f64], a: &mut [f64], v: &[f64], c: f64, f: f64) {
     weigh_into_on(widest(), o, a, v, c, f)
 }
@@ -457,13 +456,7 @@ sparsekit_host::isa_dispatch! {
     /// [`weigh_into`] on the vector path `isa`.
     fn weigh_into_on(o: &mut [f64], a: &mut [f64], v: &[f64], c: f64, f: f64) = |ISA| {
         let rows = o.iter_mut().zip(a.iter_mut()).zip(v);
-        if c >= 0.0 && f == 1.0 {
-            for ((x, y), v) in rows {
-                let p = c * v;
-                *x += p;
-                *y += p.abs();
-            }
-        } else if c >= 0.0 && f >= 0.0 {
+        if c >= 0.0 && f >= 0.0 {
             for ((x, y), v) in rows {
                 let p = c * v * f;
                 *x += p;
@@ -1247,7 +1240,7 @@ mod tests {
             };
             let (o, a, x) = (v(), v(), v());
             let c = rng.gen_range(0.0..1.0);
-            // The three loops: f = 1, f ≥ 0, and a negative weight.
+            // Both loops: f = 1 and f ≥ 0 (the product taken once), a negative weight.
             for (c, f) in [(c, 1.0), (c, rng.gen_range(0.5..1.0)), (-c, 0.75)] {
                 let want: Vec<(u64, u64)> = (0..n)
                     .map(|i| {

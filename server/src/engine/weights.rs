@@ -6,7 +6,7 @@
 //! weights would read the same numbers.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Mutex, OnceLock};
 
 use half::bf16;
 use rand::{Rng, SeedableRng};
@@ -83,7 +83,7 @@ type TensorId = (u64, String, usize, u32, u32);
 /// [`synth`]'s kept tensors.
 #[derive(Default)]
 struct Memo {
-    values: HashMap<TensorId, Arc<[f32]>>,
+    values: HashMap<TensorId, Box<[f32]>>,
     bytes: usize,
 }
 

@@ -59,10 +59,7 @@ pub fn topk_expected_for(
     got: &[i32],
 ) -> (Vec<i32>, std::collections::HashMap<i32, f64>) {
     let want = topk_want(row, range, k, output, short);
-    let (s, e) = (
-        range.start as usize,
-        range.end.min(row.len() as u32) as usize,
-    );
+    let (s, e) = (range.start as usize, (range.end as usize).min(row.len()));
     let needed: std::collections::HashSet<i32> = got
         .iter()
         .chain(&want)
