@@ -62,7 +62,10 @@ impl Isa {
             Isa::Scalar => true,
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512Bf16 => {
-                Isa::Avx512.supported() && std::arch::is_x86_feature_detected!("avx512bf16")
+                // VL for the 256-bit forms of `vdpbf16ps` (every AVX512_BF16 CPU has it).
+                Isa::Avx512.supported()
+                    && std::arch::is_x86_feature_detected!("avx512bf16")
+                    && std::arch::is_x86_feature_detected!("avx512vl")
             }
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => {
