@@ -309,10 +309,11 @@ mod x86 {
     }
 
     /// Every row of a product of at most 8 columns, in tiles of one 256-bit vector: 16
-    /// rows, then 8, 4, 2, 1. A 512-bit tile would leave half of every lane idle; on AMD
-    /// Zen 4 the 256-bit instruction issues twice as often, so the same 16 accumulators
-    /// run at 0.8–0.85 of the 512-bit instruction's rate (a few heads' scores, `Sᵀ =
-    /// K · Qᵀ`, keys along the rows: no transpose of K).
+    /// rows, then 8, 4, 2, 1. A 512-bit tile would leave half of its lanes idle; on AMD
+    /// Zen 4 the 256-bit instruction issues twice as often (the same FLOP rate), and in the
+    /// indexer's tiny decode this tile's share of the profile puts it at about 0.84 of
+    /// that rate (a few heads' scores, `Sᵀ = K · Qᵀ`, keys along the rows: no transpose
+    /// of K).
     ///
     /// # Safety
     /// As [`gemm`], with `d.n <= 8`; the CPU also has AVX-512VL (every AVX512_BF16 CPU
