@@ -167,8 +167,8 @@ fn run(isa: CpuIsa, d: PairDims, a: &[u16], b: &[u32], c: &mut [f32], zero: bool
     #[cfg(target_arch = "x86_64")]
     if isa.isa().bf16_dot() {
         // SAFETY: a `CpuIsa` of the avx512bf16 path exists only on a CPU with AVX-512F,
-        // AVX-512BW and AVX512_BF16 (checked when it was made); the slices hold `d`
-        // (asserted above), which is all the kernel reads and writes.
+        // AVX-512BW, AVX-512VL and AVX512_BF16 (checked when it was made); the slices hold
+        // `d` (asserted above), which is all the kernel reads and writes.
         unsafe { x86::gemm(d, a.as_ptr(), b.as_ptr(), c.as_mut_ptr(), zero) };
         return;
     }
@@ -224,12 +224,12 @@ mod x86 {
     /// row in register tiles.
     ///
     /// # Safety
-    /// The CPU has AVX-512F, AVX-512BW and AVX512_BF16; the pointers hold `d` as
+    /// The CPU has AVX-512F, AVX-512BW, AVX-512VL and AVX512_BF16; the pointers hold `d` as
     /// [`super::gemm_bf16`] checks.
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
     pub(super) unsafe fn gemm(d: PairDims, a: *const u16, b: *const u32, c: *mut f32, zero: bool) {
         if d.n <= 8 {
-            // SAFETY: as this function's contract (8 columns or fewer).
+            // SAFETY: this function's contract, with 8 columns or fewer.
             unsafe {
                 if zero {
                     rows8::<true>(&d, a, b, c)
@@ -316,8 +316,7 @@ mod x86 {
     /// of K).
     ///
     /// # Safety
-    /// As [`gemm`], with `d.n <= 8`; the CPU also has AVX-512VL (every AVX512_BF16 CPU
-    /// does, and the path checks it).
+    /// As [`gemm`], with `d.n <= 8`.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx512vl")]
     #[inline]
     unsafe fn rows8<const ZERO: bool>(d: &PairDims, a: *const u16, b: *const u32, c: *mut f32) {

@@ -25,7 +25,8 @@ pub const ISA_ENV: &str = "SPARSEKIT_CPU_ISA";
 /// A vector code path.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Isa {
-    /// AVX-512F, AVX-512BW, AVX-512DQ and AVX512_BF16 (`vdpbf16ps`) with FMA, POPCNT and F16C.
+    /// AVX-512F, AVX-512BW, AVX-512DQ, AVX-512VL and AVX512_BF16 (`vdpbf16ps`) with FMA,
+    /// POPCNT and F16C.
     Avx512Bf16,
     /// AVX-512F, AVX-512BW and AVX-512DQ with FMA, POPCNT and F16C.
     Avx512,
