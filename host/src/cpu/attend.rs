@@ -253,9 +253,9 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
         // prefetch of its share of the next block's keys: the requests spread over the
         // GEMM instead of queueing up at once (the rows of a chunk change no bit).
         let chunks = n.div_ceil(SUB);
-        let ahead = next.len().min(BLOCK);
+        let n_next = next.len().min(BLOCK);
         for c in 0..chunks {
-            next[c * ahead / chunks..(c + 1) * ahead / chunks]
+            next[c * n_next / chunks..(c + 1) * n_next / chunks]
                 .iter()
                 .for_each(fetch);
             let (s0, rows) = (c * SUB, SUB.min(n - c * SUB));
