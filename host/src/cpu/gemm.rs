@@ -252,11 +252,11 @@ fn gemm_generic<const MR: usize, const NR: usize, const PAIRS: bool, const ZERO:
         };
         let b = if packing {
             // The block's rows are a page or more apart: copy them once for every row
-            // tile that reuses them (each row of B read in order, which the hardware
-            // prefetches), on AVX-512 as panels of NR columns (a tile then reads one
-            // contiguous panel, which stays in L1 while the row tiles run over it), on
-            // AVX2 as one panel (row tiles in turn over the whole block measured
-            // faster there).
+            // tile that reuses them (each row of B read in order; after the first block,
+            // its rows were asked for while the previous one ran), on AVX-512 as panels
+            // of NR columns (a tile then reads one contiguous panel, which stays in L1
+            // while the row tiles run over it), on AVX2 as one panel (row tiles in turn
+            // over the whole block measured faster there).
             let w = if panels { NR } else { j1 - j0 };
             packed = pack_panels(&mut buf, b, d.ldb, k0..rows_end, j0..j1, w);
             BView {
