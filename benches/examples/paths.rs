@@ -31,10 +31,11 @@ fn main() {
     suite.retain_ops(&ops);
     // SPARSEKIT_CASE=SUBSTR: only the cases whose config names contain it.
     if let Ok(case) = std::env::var("SPARSEKIT_CASE") {
-        use sparsekit_benches::{indexer_logits_id, sparse_mla_id};
+        use sparsekit_benches::{indexer_logits_id, sparse_mla_id, topk_id};
         suite
             .indexer_logits
             .retain(|s| indexer_logits_id(s).contains(&case));
+        suite.topk.retain(|s| topk_id(s).contains(&case));
         suite
             .sparse_mla
             .retain(|s| sparse_mla_id(s).contains(&case));

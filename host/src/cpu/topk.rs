@@ -1,19 +1,20 @@
 //! CPU exact top-k: a pre-filter by a threshold, then an exact select among its
 //! survivors; a radix select per row where the pre-filter does not apply.
 //!
-//! A threshold `t` first. Rows up to 16384 entries: the `k`-th largest of the maxima of
-//! about `2k` blocks of the row, which at least `k` entries reach whatever the row (about
-//! `1.4k` on i.i.d. rows). Longer rows: from a sample of the row (128 runs of 16 entries
-//! spread over it; its value of rank about `1.5k` scaled to the row, plus slack, found by
-//! the same select as below), expected to keep about `1.5k` entries. One branch-free
-//! vectorised scan keeps every entry `≥ t` (ties included, so every entry of the top k
-//! survives when at least k do); the survivors are binned by value into up to 1024 bins
-//! (about one a survivor) by a monotone map (`(x − t)·scale`, so equal values share a
-//! bin and a larger value never lands lower),
-//! the bin holding the k-th largest is found from the top and sorted, which gives the
-//! exact k-th value `T` and how many entries equal to it are taken (the lowest
-//! positions); a last vectorised pass over the survivors (in position order) writes the
-//! positions. Compiled per vector path ([`crate::isa_dispatch`]): comparison and
+//! A threshold `t` first. Rows up to 16384 entries: about the `k`-th largest of the
+//! maxima of about `2k` blocks of the row (at most 4 blocks' maxima more reach it), which
+//! at least `k` entries reach whatever the row (about `1.4k` on i.i.d. rows). Longer rows:
+//! from a sample of the row (128 runs of 16 entries spread over it; about its value of
+//! rank `1.5k` scaled to the row, plus slack), expected to keep about `1.5k` entries. One
+//! branch-free vectorised scan keeps every entry `≥ t` (ties included, so every entry of
+//! the top k survives when at least k do). The exact k-th value `T` of the survivors comes
+//! from a bisection over the order-preserving keys (below) between `t` and their maximum,
+//! each step one vectorised count of the survivors at or above the midpoint, until at
+//! most 16 survivors lie between the bounds; those are sorted. How many entries equal to
+//! `T` are taken (the lowest positions) follows from a count of those above it, and a last
+//! vectorised pass over the survivors (in position order) writes the positions. The
+//! thresholds come from the same bisection, stopped once at most 4 more than asked reach
+//! the lower bound. Compiled per vector path ([`crate::isa_dispatch`]): comparison and
 //! integer work only, the same result on every path. With fewer than k survivors (a long
 //! row whose sample misjudged it: about 4% of random-walk rows, none of i.i.d. ones) the
 //! row takes the full path below, exact as well.
@@ -47,6 +48,279 @@ fn key(x: f32) -> u32 {
 #[inline(always)]
 fn valid(x: f32) -> bool {
     x > f32::NEG_INFINITY
+}
+
+/// The f32 whose [`key`] is `k` (`+0.0` for the key of zero).
+#[inline(always)]
+fn unkey(k: u32) -> f32 {
+    f32::from_bits(if k & 0x8000_0000 != 0 {
+        k & 0x7FFF_FFFF
+    } else {
+        !k
+    })
+}
+
+/// How many of `vals` are `≥ t` (or `> t` when `ABOVE`) on the vector path `isa`: a
+/// compare and a population count per vector, the tail's lanes masked.
+#[inline(always)]
+fn count_at_least<const ABOVE: bool>(isa: CpuIsa, vals: &[f32], t: f32) -> usize {
+    let pass = |x: f32| if ABOVE { x > t } else { x >= t };
+    match isa.isa() {
+        // SAFETY: a `CpuIsa` names only a path this CPU supports (AVX-512F and POPCNT here).
+        #[cfg(target_arch = "x86_64")]
+        super::isa::Isa::Avx512Bf16 | super::isa::Isa::Avx512 => unsafe {
+            count_avx512::<ABOVE>(vals, t)
+        },
+        // SAFETY: as above (AVX2 and POPCNT).
+        #[cfg(target_arch = "x86_64")]
+        super::isa::Isa::Avx2 => unsafe {
+            let n = vals.len() / 8 * 8;
+            count_avx2::<ABOVE>(&vals[..n], t) + vals[n..].iter().filter(|&&x| pass(x)).count()
+        },
+        _ => vals.iter().filter(|&&x| pass(x)).count(),
+    }
+}
+
+/// The AVX-512 [`count_at_least`]: a compare into a mask and its population count per 16
+/// lanes, four counts in flight; the last partial vector's lanes masked.
+///
+/// # Safety
+/// The CPU must support AVX-512F and POPCNT.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,popcnt")]
+#[allow(
+    clippy::incompatible_msrv,
+    reason = "AVX-512 needs Rust 1.89, as the existing AVX-512 target features do"
+)]
+unsafe fn count_avx512<const ABOVE: bool>(vals: &[f32], t: f32) -> usize {
+    use std::arch::x86_64::*;
+    let tv = _mm512_set1_ps(t);
+    let cmp = |m: __mmask16, x: __m512| -> u32 {
+        if ABOVE {
+            _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(m, x, tv).count_ones()
+        } else {
+            _mm512_mask_cmp_ps_mask::<_CMP_GE_OQ>(m, x, tv).count_ones()
+        }
+    };
+    let p = vals.as_ptr();
+    let (n, mut c) = (vals.len(), [0u32; 4]);
+    let mut i = 0;
+    while i + 64 <= n {
+        for (j, c) in c.iter_mut().enumerate() {
+            // SAFETY: `i + 16·j + 16 ≤ i + 64 ≤ n`.
+            *c += cmp(!0, unsafe { raw::read::<__m512>(p.add(i + 16 * j).cast()) });
+        }
+        i += 64;
+    }
+    while i + 16 <= n {
+        // SAFETY: `i + 16 ≤ n`.
+        c[0] += cmp(!0, unsafe { raw::read::<__m512>(p.add(i).cast()) });
+        i += 16;
+    }
+    if i < n {
+        let m = (1u16 << (n - i)) - 1;
+        // SAFETY: the masked load reads only the `n − i < 16` lanes inside `vals`.
+        c[1] += cmp(m, unsafe { _mm512_maskz_loadu_ps(m, p.add(i)) });
+    }
+    c.iter().sum::<u32>() as usize
+}
+
+/// The AVX2 [`count_at_least`] over whole vectors of 8 (`vals.len()` a multiple of 8): a
+/// compare, its sign mask and a population count per vector, four counts in flight.
+///
+/// # Safety
+/// The CPU must support AVX2 and POPCNT; `vals.len() % 8 == 0`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,popcnt")]
+unsafe fn count_avx2<const ABOVE: bool>(vals: &[f32], t: f32) -> usize {
+    use std::arch::x86_64::*;
+    let tv = _mm256_set1_ps(t);
+    let cmp = |x: __m256| -> u32 {
+        let m = if ABOVE {
+            _mm256_cmp_ps::<_CMP_GT_OQ>(x, tv)
+        } else {
+            _mm256_cmp_ps::<_CMP_GE_OQ>(x, tv)
+        };
+        (_mm256_movemask_ps(m) as u32).count_ones()
+    };
+    let p = vals.as_ptr();
+    let (n, mut c) = (vals.len(), [0u32; 4]);
+    let mut i = 0;
+    while i + 32 <= n {
+        for (j, c) in c.iter_mut().enumerate() {
+            // SAFETY: `i + 8·j + 8 ≤ i + 32 ≤ n`.
+            *c += cmp(unsafe { raw::read::<__m256>(p.add(i + 8 * j).cast()) });
+        }
+        i += 32;
+    }
+    while i + 8 <= n {
+        // SAFETY: `i + 8 ≤ n`.
+        c[0] += cmp(unsafe { raw::read::<__m256>(p.add(i).cast()) });
+        i += 8;
+    }
+    c.iter().sum::<u32>() as usize
+}
+
+/// A range of keys `[lo, hi)` that brackets a select: `at_lo` values are `≥ unkey(lo)`
+/// (at least the `k` asked for) and `at_hi < k` are `≥ unkey(hi)`.
+#[derive(Clone, Copy)]
+struct Bracket {
+    lo: u32,
+    at_lo: usize,
+    hi: u32,
+    at_hi: usize,
+}
+
+/// Narrows a bracket of the `k`-th largest of `vals` (none NaN; all `≥ lo`, `lo` not NaN,
+/// at least `k` of them) by bisection over the order-preserving keys, from `lo` up to past
+/// the largest value, until `enough` holds or the bracket is one key wide: each step one
+/// vectorised count of the values at or above the midpoint.
+#[inline(always)]
+fn bisect(
+    isa: CpuIsa,
+    vals: &[f32],
+    lo: f32,
+    k: usize,
+    enough: impl Fn(&Bracket) -> bool,
+) -> Bracket {
+    let top = fold16(vals, lo, |m, x| if x > m { x } else { m });
+    let mut b = Bracket {
+        lo: key(lo),
+        at_lo: vals.len(),
+        hi: key(top) + 1,
+        at_hi: 0,
+    };
+    while b.hi - b.lo > 1 && !enough(&b) {
+        let mid = b.lo + (b.hi - b.lo) / 2;
+        let at = count_at_least::<false>(isa, vals, unkey(mid));
+        if at >= k {
+            (b.lo, b.at_lo) = (mid, at);
+        } else {
+            (b.hi, b.at_hi) = (mid, at);
+        }
+    }
+    b
+}
+
+/// A threshold that at least `k` of `vals` reach and at most `k + slack` do (fewer steps
+/// than the exact `k`-th largest; more only where ties or values one key apart decide):
+/// same input contract as [`bisect`].
+#[inline(always)]
+fn reached_by(isa: CpuIsa, vals: &[f32], lo: f32, k: usize, slack: usize) -> f32 {
+    unkey(bisect(isa, vals, lo, k, |b| b.at_lo <= k + slack).lo)
+}
+
+/// The most values a bracket holds before [`kth_largest`] stops narrowing it and sorts them.
+const BRACKET: usize = 16;
+
+/// The `k`-th largest of `vals` (same input contract as [`bisect`]), exact for any input:
+/// [`bisect`] until at most [`BRACKET`] values lie in the bracket, then those values
+/// sorted (`bin` holds them). A bracket one key wide holds one value (its copies).
+#[inline(always)]
+fn kth_largest(isa: CpuIsa, vals: &[f32], lo: f32, k: usize, bin: &mut Vec<f32>) -> f32 {
+    let b = bisect(isa, vals, lo, k, |b| b.at_lo - b.at_hi <= BRACKET);
+    if b.hi - b.lo == 1 {
+        return unkey(b.lo);
+    }
+    values_between(isa, vals, unkey(b.lo), unkey(b.hi), bin);
+    bin.sort_unstable_by(|x, y| y.total_cmp(x));
+    bin[k - b.at_hi - 1]
+}
+
+/// Replaces `bin` with the values of `vals` at or above `lo` and not at or above `hi`
+/// (which may be NaN, the key past +inf: nothing is at or above it), in order:
+/// branch-free, the passing lanes packed and stored whole as in [`scan_at_least`].
+#[inline(always)]
+fn values_between(isa: CpuIsa, vals: &[f32], lo: f32, hi: f32, bin: &mut Vec<f32>) {
+    bin.clear();
+    let done = match isa.isa() {
+        // SAFETY: a `CpuIsa` names only a path this CPU supports (AVX-512F and POPCNT here).
+        #[cfg(target_arch = "x86_64")]
+        super::isa::Isa::Avx512Bf16 | super::isa::Isa::Avx512 => unsafe {
+            between_avx512(vals, lo, hi, bin)
+        },
+        // SAFETY: as above (AVX2 and POPCNT).
+        #[cfg(target_arch = "x86_64")]
+        super::isa::Isa::Avx2 => unsafe { between_avx2(vals, lo, hi, bin) },
+        _ => 0,
+    };
+    // `x < hi` or `hi` NaN: not `x ≥ hi` for the values here (none NaN).
+    bin.extend(
+        vals[done..]
+            .iter()
+            .filter(|&&x| x >= lo && (x < hi || hi.is_nan())),
+    );
+}
+
+/// The AVX-512 [`values_between`] over the first `vals.len() / 16 · 16` values (returned).
+///
+/// # Safety
+/// The CPU must support AVX-512F and POPCNT.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,popcnt")]
+#[allow(
+    clippy::incompatible_msrv,
+    reason = "AVX-512 needs Rust 1.89, as the existing AVX-512 target features do"
+)]
+unsafe fn between_avx512(vals: &[f32], lo: f32, hi: f32, bin: &mut Vec<f32>) -> usize {
+    use std::arch::x86_64::*;
+    let n = vals.len() / 16 * 16;
+    // Room for every value plus one whole vector past the last kept one.
+    bin.reserve(n + 16);
+    let (lv, hv, bp) = (_mm512_set1_ps(lo), _mm512_set1_ps(hi), bin.as_mut_ptr());
+    let mut len = 0usize;
+    let mut i = 0usize;
+    while i < n {
+        // SAFETY: `i + 16 ≤ n ≤ vals.len()`.
+        let x = unsafe { raw::read::<__m512>(vals.as_ptr().add(i).cast()) };
+        // `NGE_UQ`: not `x ≥ hi`, true where `hi` is NaN.
+        let m =
+            _mm512_mask_cmp_ps_mask::<_CMP_NGE_UQ>(_mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, lv), x, hv);
+        // SAFETY: `len ≤ i` values kept so far and capacity `≥ n + 16`: the 16 lanes
+        // stored at `len` stay inside the allocation.
+        unsafe { raw::write::<__m512>(bp.add(len).cast(), _mm512_maskz_compress_ps(m, x)) };
+        len += m.count_ones() as usize;
+        i += 16;
+    }
+    // SAFETY: the first `len` values were written above (f32: any bits valid).
+    unsafe { bin.set_len(len) };
+    n
+}
+
+/// The AVX2 [`values_between`] over the first `vals.len() / 8 · 8` values (returned): the
+/// passing lanes packed by a permutation from [`PACK8`].
+///
+/// # Safety
+/// The CPU must support AVX2 and POPCNT.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,popcnt")]
+unsafe fn between_avx2(vals: &[f32], lo: f32, hi: f32, bin: &mut Vec<f32>) -> usize {
+    use std::arch::x86_64::*;
+    let n = vals.len() / 8 * 8;
+    bin.reserve(n + 8);
+    let (lv, hv, bp) = (_mm256_set1_ps(lo), _mm256_set1_ps(hi), bin.as_mut_ptr());
+    let mut len = 0usize;
+    let mut i = 0usize;
+    while i < n {
+        // SAFETY: `i + 8 ≤ n ≤ vals.len()`.
+        let x = unsafe { raw::read::<__m256>(vals.as_ptr().add(i).cast()) };
+        let pass = _mm256_and_ps(
+            _mm256_cmp_ps::<_CMP_GE_OQ>(x, lv),
+            _mm256_cmp_ps::<_CMP_NGE_UQ>(x, hv),
+        );
+        let m = _mm256_movemask_ps(pass) as usize;
+        // SAFETY: `m < 256`, a row of 8 u32 of the table; `len ≤ i` values kept so far
+        // and capacity `≥ n + 8`: the 8 lanes stored at `len` stay inside the allocation.
+        unsafe {
+            let perm = raw::read::<__m256i>(PACK8[m].as_ptr().cast());
+            raw::write::<__m256>(bp.add(len).cast(), _mm256_permutevar8x32_ps(x, perm));
+        }
+        len += m.count_ones() as usize;
+        i += 8;
+    }
+    // SAFETY: the first `len` values were written above (f32: any bits valid).
+    unsafe { bin.set_len(len) };
+    n
 }
 
 /// Runs top-k over every row on the vector path `isa`. Inputs are validated by the caller.
@@ -107,15 +381,9 @@ const BLOCK_ROW_MAX: usize = 16_384;
 const SAMPLE: usize = 2048;
 /// Length of each contiguous run of the sample (entries).
 const RUN: usize = 16;
-/// Value bins of the survivors' select.
-const BINS: usize = 1024;
-/// The fewest bins: selects over fewer values than [`BINS`] use about one bin a value
-/// (a power of two), so that clearing the histograms costs no more than filling them.
-const MIN_BINS: usize = 64;
-/// The most values a select counts into a single histogram rather than four interleaved
-/// ones (the serving top-k's two selects of about 100 values a row: one thread, 32 rows of
-/// 2048, k 64, AVX2 28.0 → 26.1 µs, avx512 27.2 → 24.2 µs).
-const SMALL_SELECT: usize = 256;
+/// How many more than asked the pre-filter's thresholds may keep (of the block maxima or
+/// the sample), saving the bisection's last steps.
+const SLACK: usize = 4;
 
 thread_local! {
     /// The pre-filtered path's buffers of this thread.
@@ -130,17 +398,7 @@ struct Scratch {
     /// Survivors' values and positions, in position order.
     vals: Vec<f32>,
     pos: Vec<i32>,
-    select: Select,
-}
-
-/// The buffers of [`Select::kth_largest`].
-#[derive(Default)]
-struct Select {
-    /// Four interleaved histograms of up to `BINS` bins (one for a small select).
-    hist: Vec<u32>,
-    /// Each value's bin.
-    bins: Vec<u16>,
-    /// The boundary bin's values.
+    /// The exact select's last bracket.
     bin: Vec<f32>,
 }
 
@@ -328,15 +586,16 @@ fn prefilter(
         return None;
     }
     let t = match blocks(n, k) {
-        Some(b) => block_threshold(row, k, b, s)?,
-        None if n >= 4 * k => sampled_threshold(row, k, s)?,
+        Some(b) => block_threshold(isa, row, k, b, s)?,
+        None if n >= 4 * k => sampled_threshold(isa, row, k, s)?,
         None => return None,
     };
     scan_at_least(isa, row, t, &mut s.vals, &mut s.pos);
     if s.vals.len() < k {
         return None;
     }
-    let (big, eq_need) = s.select.kth_largest(&s.vals, t, k);
+    let big = kth_largest(isa, &s.vals, t, k, &mut s.bin);
+    let eq_need = k - count_at_least::<true>(isa, &s.vals, big);
     let out = take_top(isa, big, eq_need, &s.vals, &mut s.pos);
     debug_assert_eq!(out, k);
     dst[..k].copy_from_slice(&s.pos[..k]);
@@ -494,28 +753,26 @@ fn blocks(n: usize, k: usize) -> Option<usize> {
 
 /// A threshold that at least `k` entries of `row` reach, from `b` blocks of the row
 /// (block `j` holds the entries at `j`, `j + b`, `j + 2b`, … below `row.len() / b · b`):
-/// the `k`-th largest of the blocks' maxima. The `k` blocks whose maxima reach it hold `k`
-/// distinct such entries, so the scan keeps at least `k` whatever the row; on i.i.d. rows
-/// with `b = 2k` (the top half of the maxima) it keeps about `1.4k`. One vectorised
-/// pass of maxima (NaN and `-inf` never win), then the survivors' select over the `b`
-/// maxima. `None` when fewer than `k` blocks hold a valid entry, or every block's maximum
-/// is `+inf`.
+/// a value that at least `k` and at most `k + SLACK` of the blocks' maxima reach (where
+/// ties allow). The `k` blocks whose maxima reach it hold `k` distinct such entries, so
+/// the scan keeps at least `k` whatever the row; on i.i.d. rows with `b = 2k` (the top half
+/// of the maxima) it keeps about `1.4k`. One vectorised pass of maxima (NaN and `-inf`
+/// never win), then [`reached_by`] over the `b` maxima. `None` when fewer than `k` blocks
+/// hold a valid entry, or every block's maximum is `+inf`.
 #[inline(always)]
-fn block_threshold(row: &[f32], k: usize, b: usize, s: &mut Scratch) -> Option<f32> {
+fn block_threshold(isa: CpuIsa, row: &[f32], k: usize, b: usize, s: &mut Scratch) -> Option<f32> {
     let maxima = &mut s.sample;
     maxima.clear();
     let per_block = row.len() / b;
-    // Sixteen blocks at a time, their maxima in registers (a loop over the whole row per
-    // block would store and reload them every chunk).
-    for j in (0..b).step_by(16) {
-        let mut m = [f32::NEG_INFINITY; 16];
-        for c in 0..per_block {
-            for (m, &x) in m.iter_mut().zip(&row[c * b + j..][..16]) {
-                // `x > m` is false for a NaN `x`: the maximum of the valid entries.
-                *m = if x > *m { x } else { *m };
-            }
-        }
-        maxima.extend_from_slice(&m);
+    // Sixty-four blocks at a time (four vectors: four chains of maxima in flight), then
+    // sixteen, their maxima in registers (a loop over the whole row per block would store
+    // and reload them every chunk).
+    let wide = b / 64 * 64;
+    for j in (0..wide).step_by(64) {
+        maxima.extend_from_slice(&column_maxima::<64>(row, b, j, per_block));
+    }
+    for j in (wide..b).step_by(16) {
+        maxima.extend_from_slice(&column_maxima::<16>(row, b, j, per_block));
     }
     // A block of invalid entries only (rare): its maximum is `-inf`.
     if maxima.iter().fold(false, |bad, &x| bad | !valid(x)) {
@@ -528,7 +785,21 @@ fn block_threshold(row: &[f32], k: usize, b: usize, s: &mut Scratch) -> Option<f
     if !lo.is_finite() {
         return None;
     }
-    Some(s.select.kth_largest(&s.sample, lo, k).0)
+    Some(reached_by(isa, &s.sample, lo, k, SLACK))
+}
+
+/// The maxima of blocks `j..j + W` of `row` split into blocks of stride `b` with
+/// `per_block` entries each ([`block_threshold`]): `-inf` for a block without a valid entry.
+#[inline(always)]
+fn column_maxima<const W: usize>(row: &[f32], b: usize, j: usize, per_block: usize) -> [f32; W] {
+    let mut m = [f32::NEG_INFINITY; W];
+    for c in 0..per_block {
+        for (m, &x) in m.iter_mut().zip(&row[c * b + j..][..W]) {
+            // `x > m` is false for a NaN `x`: the maximum of the valid entries.
+            *m = if x > *m { x } else { *m };
+        }
+    }
+    m
 }
 
 /// A threshold from a sample of `row` (128 runs of 16 contiguous entries spread over it —
@@ -536,7 +807,7 @@ fn block_threshold(row: &[f32], k: usize, b: usize, s: &mut Scratch) -> Option<f
 /// in such runs) that about `1.5k` entries of the row reach, with slack; `None` when the
 /// sample is too small to say.
 #[inline(always)]
-fn sampled_threshold(row: &[f32], k: usize, s: &mut Scratch) -> Option<f32> {
+fn sampled_threshold(isa: CpuIsa, row: &[f32], k: usize, s: &mut Scratch) -> Option<f32> {
     let n = row.len();
     let runs = (n / (4 * RUN)).min(SAMPLE / RUN);
     s.sample.clear();
@@ -553,14 +824,15 @@ fn sampled_threshold(row: &[f32], k: usize, s: &mut Scratch) -> Option<f32> {
     if rank >= s.sample.len() {
         return None;
     }
-    // The smallest sample value (no NaN in it: a plain compare is the minimum), then the
-    // sample's `rank + 1`-th largest by the survivors' select.
+    // The smallest sample value (no NaN in it: a plain compare is the minimum), then about
+    // the sample's `rank + 1`-th largest (a value that `rank + 1` to `rank + 1 + SLACK` of
+    // the sample reach).
     let lo = fold16(&s.sample, f32::INFINITY, |m, x| if x < m { x } else { m });
     if !lo.is_finite() {
         // Every sampled entry is +inf: the row decides nothing cheaper than the full path.
         return None;
     }
-    Some(s.select.kth_largest(&s.sample, lo, rank + 1).0)
+    Some(reached_by(isa, &s.sample, lo, rank + 1, SLACK))
 }
 
 /// `f` folded over `xs` from `init` in 16 independent lanes, then across them: a
@@ -577,98 +849,6 @@ fn fold16(xs: &[f32], init: f32, f: impl Fn(f32, f32) -> f32 + Copy) -> f32 {
     }
     let across = lanes.into_iter().fold(init, f);
     chunks.remainder().iter().fold(across, |m, &x| f(m, x))
-}
-
-impl Select {
-    /// The `k`-th largest of `vals` (all `≥ t`, `t` finite, none NaN, at least `k` of them) and
-    /// how many entries equal to it the top `k` takes (`≥ 1`). Exact for any input: the
-    /// values are binned by a monotone map of `x − t` into up to `BINS` bins (ties share a bin, a
-    /// larger value never lands lower), the bin holding the `k`-th largest is found from the
-    /// top, and only that bin is sorted.
-    #[inline(always)]
-    fn kth_largest(&mut self, vals: &[f32], t: f32, k: usize) -> (f32, usize) {
-        let s = self;
-        let nb = vals.len().next_power_of_two().clamp(MIN_BINS, BINS);
-        // The largest finite value. No value is NaN or below `t`, so "finite" is "not
-        // +inf", and a plain compare (one `vmaxps`) is the maximum.
-        let hi = fold16(vals, t, |m, x| {
-            let x = if x == f32::INFINITY { t } else { x };
-            if x > m {
-                x
-            } else {
-                m
-            }
-        });
-        // Monotone bins: `(x − t)·scale` rounds monotonically, +inf goes to the top bin.
-        let scale = if hi > t {
-            (nb as f32 - 1.0) / (hi - t)
-        } else {
-            0.0
-        };
-        // Each survivor's bin, computed once (a branch-free map that vectorises: the value is
-        // clamped into range as a float, so the conversion needs no saturation).
-        let top = (nb - 1) as f32;
-        s.bins.clear();
-        s.bins.resize(vals.len(), 0);
-        for (b, &x) in s.bins.iter_mut().zip(vals) {
-            // `f32::max` ignores a NaN (`inf · 0` when every finite survivor equals `t`).
-            let y = if x == f32::INFINITY {
-                top
-            } else {
-                ((x - t) * scale).max(0.0).min(top)
-            };
-            // SAFETY: `y` is finite and in `[0, nb − 1]`, so its truncation fits an i32.
-            *b = unsafe { y.to_int_unchecked::<i32>() } as u16;
-        }
-        // Counted into four interleaved histograms: most survivors lie just above `t`, so
-        // neighbours often share a bin, and one histogram would make each increment wait for
-        // the previous one's store. A select of at most `SMALL_SELECT` values counts into
-        // one: there, clearing and merging four cost more than those waits.
-        let ways = if vals.len() <= SMALL_SELECT { 1 } else { 4 };
-        s.hist.clear();
-        s.hist.resize(ways * nb, 0);
-        let (h4, bins) = (&mut s.hist[..ways * nb], &s.bins);
-        if ways == 1 {
-            for &b in bins.iter() {
-                h4[b as usize & (nb - 1)] += 1;
-            }
-        } else {
-            let mut quads = bins.chunks_exact(4);
-            for q in quads.by_ref() {
-                for (j, &b) in q.iter().enumerate() {
-                    h4[j * nb + (b as usize & (nb - 1))] += 1;
-                }
-            }
-            for &b in quads.remainder() {
-                h4[b as usize & (nb - 1)] += 1;
-            }
-        }
-        let (h0, rest) = h4.split_at_mut(nb);
-        for part in rest.chunks_exact(nb) {
-            for (a, &c) in h0.iter_mut().zip(part) {
-                *a += c;
-            }
-        }
-        let (b, need) = find_bin(h0, k);
-        // The boundary bin's values: a vectorised test per 32 survivors, and a scalar look
-        // only into the few blocks holding one.
-        s.bin.clear();
-        let b16 = b as u16;
-        for (vb, vv) in s.bins.chunks(32).zip(vals.chunks(32)) {
-            if vb.iter().fold(false, |any, &x| any | (x == b16)) {
-                s.bin.extend(
-                    vb.iter()
-                        .zip(vv)
-                        .filter(|(&x, _)| x == b16)
-                        .map(|(_, &v)| v),
-                );
-            }
-        }
-        s.bin.sort_unstable_by(|x, y| y.total_cmp(x));
-        let big = s.bin[need - 1];
-        let above = s.bin.iter().filter(|&&v| v > big).count();
-        (big, need - above)
-    }
 }
 
 /// The exact path over the whole row.
@@ -966,6 +1146,98 @@ mod extreme_tests {
                 let mut c = vec![-1; k];
                 let nc = select_row_with(isa, &row, k, &mut c, s);
                 assert_eq!((nc, &c), (nb, &b), "n {n} case {case} {}", isa.isa());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod select_tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// A random draw from awkward values: ties, signed zeros, infinities, the largest and
+    /// the subnormal magnitudes, both signs.
+    fn awkward(rng: &mut impl Rng, case: usize) -> f32 {
+        match (case, rng.gen_range(0..10)) {
+            (0, _) => rng.gen_range(-3.0f32..3.0),
+            (1, _) => rng.gen_range(0..3) as f32,
+            (_, 0) => f32::INFINITY,
+            (_, 1) => {
+                if rng.gen() {
+                    0.0
+                } else {
+                    -0.0
+                }
+            }
+            (_, 2) => f32::MAX * if rng.gen() { 1.0 } else { -1.0 },
+            (_, 3) => f32::from_bits(rng.gen_range(1..0x0080_0000)),
+            (_, 4) => -f32::from_bits(rng.gen_range(1..0x0080_0000)),
+            (_, 5) => 1e30 * rng.gen_range(-1.0f32..1.0),
+            _ => rng.gen_range(-1e-3f32..1e-3),
+        }
+    }
+
+    /// The bisection's exact select, its thresholds and the bracket's extraction agree
+    /// with a sort on every vector path, at lengths that leave every tail of a vector.
+    #[test]
+    fn bisection_selects_match_a_sort() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        for trial in 0..600 {
+            let n = match trial % 3 {
+                0 => rng.gen_range(1..40),
+                1 => rng.gen_range(40..300),
+                _ => rng.gen_range(300..3000),
+            };
+            let case = trial % 4;
+            let vals: Vec<f32> = (0..n).map(|_| awkward(&mut rng, case)).collect();
+            let mut sorted = vals.clone();
+            sorted.sort_by(|x, y| y.total_cmp(x));
+            let lo = *sorted.last().expect("n > 0");
+            let k = rng.gen_range(1..=n);
+            let at_least = |t: f32| vals.iter().filter(|&&x| x >= t).count();
+            for isa in CpuIsa::available() {
+                let name = isa.isa();
+                let got = kth_largest(isa, &vals, lo, k, &mut Vec::new());
+                assert!(
+                    got == sorted[k - 1],
+                    "{name} n {n} k {k} case {case}: {got} vs {}",
+                    sorted[k - 1]
+                );
+                let t = reached_by(isa, &vals, lo, k, SLACK);
+                let at = at_least(t);
+                assert!(
+                    at >= k && t <= sorted[k - 1],
+                    "{name} n {n} k {k}: {t} {at}"
+                );
+                assert!(
+                    at <= k + SLACK || at_least(unkey(key(t) + 1)) < k,
+                    "{name} n {n} k {k} case {case}: {at} reach {t}"
+                );
+                for t in [lo, sorted[k - 1], sorted[n / 2]] {
+                    let want = (0..n).filter(|&i| vals[i] >= t).count();
+                    assert_eq!(count_at_least::<false>(isa, &vals, t), want, "{name}");
+                    let above = vals.iter().filter(|&&x| x > t).count();
+                    assert_eq!(count_at_least::<true>(isa, &vals, t), above, "{name}");
+                }
+                let (a, b) = (
+                    sorted[n - 1 - rng.gen_range(0..n)],
+                    sorted[rng.gen_range(0..n)],
+                );
+                for hi in [b, f32::NAN] {
+                    let mut bin = vec![f32::NAN; 3];
+                    values_between(isa, &vals, a, hi, &mut bin);
+                    let want: Vec<f32> = vals
+                        .iter()
+                        .copied()
+                        .filter(|&x| x >= a && (x < hi || hi.is_nan()))
+                        .collect();
+                    assert_eq!(
+                        bin.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        "{name} n {n} [{a}, {hi})"
+                    );
+                }
             }
         }
     }
