@@ -402,6 +402,8 @@ struct Scratch {
     pos: Vec<i32>,
     /// The exact select's last bracket.
     bin: Vec<f32>,
+    /// Survivors' positions as 16-bit words (the AVX-512 scan with VBMI2).
+    words: Vec<u16>,
 }
 
 crate::isa_dispatch! {
@@ -412,9 +414,19 @@ crate::isa_dispatch! {
 
 /// Replaces `vals`/`pos` with the entries of `row` that are `≥ t` and their positions, in
 /// position order (`t` finite: NaN and `-inf` never pass). The scan is the pre-filter's one
-/// pass over the row: a vector compare per 16 (AVX-512) or 8 (AVX2) lanes, branch-free.
+/// pass over the row: a vector compare per 16 (AVX-512) or 8 (AVX2) lanes, branch-free; a
+/// row of at most [`BLOCK_ROW_MAX`] entries on a CPU with VBMI2 packs its positions as
+/// 16-bit words, 32 lanes at a time (one thread, 32 rows of 2048, k 64, Zen 4: 18.0 →
+/// 14.7 µs).
 #[inline(always)]
-fn scan_at_least(isa: CpuIsa, row: &[f32], t: f32, vals: &mut Vec<f32>, pos: &mut Vec<i32>) {
+fn scan_at_least(
+    isa: CpuIsa,
+    row: &[f32],
+    t: f32,
+    vals: &mut Vec<f32>,
+    pos: &mut Vec<i32>,
+    words: &mut Vec<u16>,
+) {
     vals.clear();
     pos.clear();
     let done = match isa.isa() {
@@ -423,6 +435,10 @@ fn scan_at_least(isa: CpuIsa, row: &[f32], t: f32, vals: &mut Vec<f32>, pos: &mu
         super::isa::Isa::Avx512Bf16 | super::isa::Isa::Avx512 => unsafe {
             if row.len() > BLOCK_ROW_MAX {
                 scan_avx512::<true>(row, t, vals, pos)
+            } else if has_word_compress() {
+                // SAFETY: AVX-512BW and VBMI2 checked just now; `row.len() ≤ BLOCK_ROW_MAX
+                // < 2¹⁶`.
+                scan_avx512_words(row, t, vals, pos, words)
             } else {
                 scan_avx512::<false>(row, t, vals, pos)
             }
@@ -504,6 +520,77 @@ unsafe fn scan_avx512<const VALUES: bool>(
     if !VALUES {
         vals.extend(pos.iter().map(|&j| row[j as usize]));
     }
+    n
+}
+
+/// Whether this CPU compresses 16-bit lanes (AVX-512BW and VBMI2: Ice Lake and Zen 4 on,
+/// not Skylake-X or Cooper Lake). Read once by std, then a load.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn has_word_compress() -> bool {
+    std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("avx512vbmi2")
+}
+
+/// The AVX-512 scan of a row shorter than 2¹⁶ entries over its first `row.len() / 32 · 32`
+/// entries (returned), as [`scan_avx512`] without values but 32 lanes at a time: the two
+/// vectors' masks joined, the passing positions compressed as 16-bit words and stored
+/// whole at the end of `words` (half the compresses and stores), then widened into `pos`
+/// and the values read back from the row.
+///
+/// # Safety
+/// The CPU must support AVX-512F, AVX-512BW, VBMI2 and POPCNT; `row.len() ≤ 65536`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vbmi2,popcnt")]
+#[allow(
+    clippy::incompatible_msrv,
+    reason = "AVX-512 needs Rust 1.89, as the existing AVX-512 target features do"
+)]
+unsafe fn scan_avx512_words(
+    row: &[f32],
+    t: f32,
+    vals: &mut Vec<f32>,
+    pos: &mut Vec<i32>,
+    words: &mut Vec<u16>,
+) -> usize {
+    use std::arch::x86_64::*;
+    let n = row.len() / 32 * 32;
+    words.clear();
+    // Room for every entry plus one whole vector of 32 words past the last kept one.
+    words.reserve(n + 32);
+    let wp = words.as_mut_ptr();
+    let tv = _mm512_set1_ps(t);
+    let mut at = _mm512_set_epi16(
+        31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9,
+        8, 7, 6, 5, 4, 3, 2, 1, 0,
+    );
+    let step = _mm512_set1_epi16(32);
+    let mut len = 0usize;
+    let mut i = 0usize;
+    while i < n {
+        // SAFETY: `i + 32 ≤ n ≤ row.len()`.
+        let (x0, x1) = unsafe {
+            (
+                raw::read::<__m512>(row.as_ptr().add(i).cast()),
+                raw::read::<__m512>(row.as_ptr().add(i + 16).cast()),
+            )
+        };
+        let m = _mm512_kunpackw(
+            _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x1, tv) as u32,
+            _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x0, tv) as u32,
+        );
+        // SAFETY: `len ≤ i` words kept so far and capacity `≥ n + 32`: the 32 lanes stored
+        // at `len` stay inside the allocation.
+        unsafe { raw::write::<__m512i>(wp.add(len).cast(), _mm512_maskz_compress_epi16(m, at)) };
+        len += m.count_ones() as usize;
+        // Positions stay below 2¹⁶ (`row.len() ≤ 65536`): the 16-bit add does not wrap.
+        at = _mm512_add_epi16(at, step);
+        i += 32;
+    }
+    // SAFETY: the first `len` words were written above (u16: any bits valid).
+    unsafe { words.set_len(len) };
+    pos.extend(words.iter().map(|&j| i32::from(j)));
+    vals.extend(words.iter().map(|&j| row[usize::from(j)]));
     n
 }
 
@@ -592,7 +679,7 @@ fn prefilter(
         None if n >= 4 * k => sampled_threshold(isa, row, k, s)?,
         None => return None,
     };
-    scan_at_least(isa, row, t, &mut s.vals, &mut s.pos);
+    scan_at_least(isa, row, t, &mut s.vals, &mut s.pos, &mut s.words);
     if s.vals.len() < k {
         return None;
     }
@@ -1240,6 +1327,81 @@ mod select_tests {
                         "{name} n {n} [{a}, {hi})"
                     );
                 }
+            }
+        }
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod scan_tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// Every vector scan this CPU runs keeps exactly the entries `≥ t` with their
+    /// positions, in order: the one a path picks and the ones it passes over here (the
+    /// 16-bit one where VBMI2 is present, the 32-bit one otherwise).
+    #[test]
+    fn every_scan_keeps_what_a_filter_keeps() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        for _ in 0..300 {
+            let n = rng.gen_range(0..BLOCK_ROW_MAX + 1);
+            let mut row: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+            for _ in 0..n / 50 {
+                let i = rng.gen_range(0..n);
+                row[i] = [f32::NAN, f32::NEG_INFINITY, f32::INFINITY, -0.0][rng.gen_range(0..4)];
+            }
+            let t = if n > 0 && rng.gen() {
+                row[rng.gen_range(0..n)].clamp(-1.0, 1.0)
+            } else {
+                rng.gen_range(-1.0f32..1.0)
+            };
+            let want: Vec<(i32, u32)> = (0..n)
+                .filter(|&j| row[j] >= t)
+                .map(|j| (j as i32, row[j].to_bits()))
+                .collect();
+            // Each scan, finished by the scalar tail as `scan_at_least` does.
+            let check = |name: &str, done: usize, vals: &mut Vec<f32>, pos: &mut Vec<i32>| {
+                for (j, &x) in row.iter().enumerate().skip(done) {
+                    if x >= t {
+                        vals.push(x);
+                        pos.push(j as i32);
+                    }
+                }
+                let got: Vec<(i32, u32)> = pos
+                    .iter()
+                    .zip(vals.iter())
+                    .map(|(&p, v)| (p, v.to_bits()))
+                    .collect();
+                assert_eq!(got, want, "{name} n {n} t {t}");
+            };
+            let (mut vals, mut pos, mut words) = (Vec::new(), Vec::new(), Vec::new());
+            let popcnt = std::arch::is_x86_feature_detected!("popcnt");
+            if popcnt && std::arch::is_x86_feature_detected!("avx2") {
+                vals.clear();
+                pos.clear();
+                // SAFETY: AVX2 and POPCNT checked just now.
+                let done = unsafe { scan_avx2(&row, t, &mut vals, &mut pos) };
+                check("avx2", done, &mut vals, &mut pos);
+            }
+            if popcnt && std::arch::is_x86_feature_detected!("avx512f") {
+                vals.clear();
+                pos.clear();
+                // SAFETY: AVX-512F and POPCNT checked just now.
+                let done = unsafe { scan_avx512::<false>(&row, t, &mut vals, &mut pos) };
+                check("avx512", done, &mut vals, &mut pos);
+                vals.clear();
+                pos.clear();
+                // SAFETY: as above.
+                let done = unsafe { scan_avx512::<true>(&row, t, &mut vals, &mut pos) };
+                check("avx512 values", done, &mut vals, &mut pos);
+            }
+            if popcnt && std::arch::is_x86_feature_detected!("avx512f") && has_word_compress() {
+                vals.clear();
+                pos.clear();
+                // SAFETY: AVX-512F, BW, VBMI2 and POPCNT checked just now; `n ≤
+                // BLOCK_ROW_MAX`.
+                let done = unsafe { scan_avx512_words(&row, t, &mut vals, &mut pos, &mut words) };
+                check("avx512 words", done, &mut vals, &mut pos);
             }
         }
     }
