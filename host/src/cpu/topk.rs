@@ -11,10 +11,10 @@
 //! from a bisection over the order-preserving keys (below) between `t` and their maximum,
 //! each step one vectorised count of the survivors at or above the midpoint, until at
 //! most 4 survivors lie between the bounds; those are sorted. How many entries equal to
-//! `T` are taken (the lowest positions) follows from a count of those above it, and a last
-//! vectorised pass over the survivors (in position order) writes the positions. The
-//! thresholds come from the same bisection, stopped once at most 4 more than asked reach
-//! the lower bound. Compiled per vector path ([`crate::isa_dispatch`]): comparison and
+//! `T` are taken (the lowest positions) follows from how many lie above it (the count at
+//! the bracket's high end, plus the sorted values above `T`), and a last vectorised pass
+//! over the survivors (in position order) writes the positions. The thresholds come from
+//! the same bisection, stopped once at most 4 more than asked reach the lower bound. Compiled per vector path ([`crate::isa_dispatch`]): comparison and
 //! integer work only, the same result on every path. With fewer than k survivors (a long
 //! row whose sample misjudged it: about 4% of random-walk rows, none of i.i.d. ones) the
 //! row takes the full path below, exact as well.
@@ -60,22 +60,20 @@ fn unkey(k: u32) -> f32 {
     })
 }
 
-/// How many of `vals` are `≥ t` (or `> t` when `ABOVE`) on the vector path `isa`: a
-/// compare and a population count per vector, the tail's lanes masked.
+/// How many of `vals` are `≥ t` on the vector path `isa`: a compare and a population
+/// count per vector, the tail's lanes masked.
 #[inline(always)]
-fn count_at_least<const ABOVE: bool>(isa: CpuIsa, vals: &[f32], t: f32) -> usize {
-    let pass = |x: f32| if ABOVE { x > t } else { x >= t };
+fn count_at_least(isa: CpuIsa, vals: &[f32], t: f32) -> usize {
+    let pass = |x: f32| x >= t;
     match isa.isa() {
         // SAFETY: a `CpuIsa` names only a path this CPU supports (AVX-512F and POPCNT here).
         #[cfg(target_arch = "x86_64")]
-        super::isa::Isa::Avx512Bf16 | super::isa::Isa::Avx512 => unsafe {
-            count_avx512::<ABOVE>(vals, t)
-        },
+        super::isa::Isa::Avx512Bf16 | super::isa::Isa::Avx512 => unsafe { count_avx512(vals, t) },
         // SAFETY: as above (AVX2 and POPCNT).
         #[cfg(target_arch = "x86_64")]
         super::isa::Isa::Avx2 => unsafe {
             let n = vals.len() / 8 * 8;
-            count_avx2::<ABOVE>(&vals[..n], t) + vals[n..].iter().filter(|&&x| pass(x)).count()
+            count_avx2(&vals[..n], t) + vals[n..].iter().filter(|&&x| pass(x)).count()
         },
         _ => vals.iter().filter(|&&x| pass(x)).count(),
     }
@@ -92,15 +90,11 @@ fn count_at_least<const ABOVE: bool>(isa: CpuIsa, vals: &[f32], t: f32) -> usize
     clippy::incompatible_msrv,
     reason = "AVX-512 needs Rust 1.89, as the existing AVX-512 target features do"
 )]
-unsafe fn count_avx512<const ABOVE: bool>(vals: &[f32], t: f32) -> usize {
+unsafe fn count_avx512(vals: &[f32], t: f32) -> usize {
     use std::arch::x86_64::*;
     let tv = _mm512_set1_ps(t);
     let cmp = |m: __mmask16, x: __m512| -> u32 {
-        if ABOVE {
-            _mm512_mask_cmp_ps_mask::<_CMP_GT_OQ>(m, x, tv).count_ones()
-        } else {
-            _mm512_mask_cmp_ps_mask::<_CMP_GE_OQ>(m, x, tv).count_ones()
-        }
+        _mm512_mask_cmp_ps_mask::<_CMP_GE_OQ>(m, x, tv).count_ones()
     };
     let p = vals.as_ptr();
     let (n, mut c) = (vals.len(), [0u32; 4]);
@@ -132,16 +126,11 @@ unsafe fn count_avx512<const ABOVE: bool>(vals: &[f32], t: f32) -> usize {
 /// The CPU must support AVX2 and POPCNT; `vals.len() % 8 == 0`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,popcnt")]
-unsafe fn count_avx2<const ABOVE: bool>(vals: &[f32], t: f32) -> usize {
+unsafe fn count_avx2(vals: &[f32], t: f32) -> usize {
     use std::arch::x86_64::*;
     let tv = _mm256_set1_ps(t);
     let cmp = |x: __m256| -> u32 {
-        let m = if ABOVE {
-            _mm256_cmp_ps::<_CMP_GT_OQ>(x, tv)
-        } else {
-            _mm256_cmp_ps::<_CMP_GE_OQ>(x, tv)
-        };
-        (_mm256_movemask_ps(m) as u32).count_ones()
+        (_mm256_movemask_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(x, tv)) as u32).count_ones()
     };
     let p = vals.as_ptr();
     let (n, mut c) = (vals.len(), [0u32; 4]);
@@ -192,7 +181,7 @@ fn bisect(
     };
     while b.hi - b.lo > 1 && !enough(&b) {
         let mid = b.lo + (b.hi - b.lo) / 2;
-        let at = count_at_least::<false>(isa, vals, unkey(mid));
+        let at = count_at_least(isa, vals, unkey(mid));
         if at >= k {
             (b.lo, b.at_lo) = (mid, at);
         } else {
@@ -215,18 +204,20 @@ fn reached_by(isa: CpuIsa, vals: &[f32], lo: f32, k: usize, slack: usize) -> f32
 /// two steps it saved).
 const BRACKET: usize = 4;
 
-/// The `k`-th largest of `vals` (same input contract as [`bisect`]), exact for any input:
-/// [`bisect`] until at most [`BRACKET`] values lie in the bracket, then those values
-/// sorted (`bin` holds them). A bracket one key wide holds one value (its copies).
+/// The `k`-th largest of `vals` (same input contract as [`bisect`]) and how many values are
+/// above it, exact for any input: [`bisect`] until at most [`BRACKET`] values lie in the
+/// bracket, then those values sorted (`bin` holds them). A bracket one key wide holds one
+/// value (its copies), and the values above it are those at or above its high end.
 #[inline(always)]
-fn kth_largest(isa: CpuIsa, vals: &[f32], lo: f32, k: usize, bin: &mut Vec<f32>) -> f32 {
+fn kth_largest(isa: CpuIsa, vals: &[f32], lo: f32, k: usize, bin: &mut Vec<f32>) -> (f32, usize) {
     let b = bisect(isa, vals, lo, k, |b| b.at_lo - b.at_hi <= BRACKET);
     if b.hi - b.lo == 1 {
-        return unkey(b.lo);
+        return (unkey(b.lo), b.at_hi);
     }
     values_between(isa, vals, unkey(b.lo), unkey(b.hi), bin);
     bin.sort_unstable_by(|x, y| y.total_cmp(x));
-    bin[k - b.at_hi - 1]
+    let big = bin[k - b.at_hi - 1];
+    (big, b.at_hi + bin.iter().take_while(|&&x| x > big).count())
 }
 
 /// Replaces `bin` with the values of `vals` at or above `lo` and not at or above `hi`
@@ -683,8 +674,8 @@ fn prefilter(
     if s.vals.len() < k {
         return None;
     }
-    let big = kth_largest(isa, &s.vals, t, k, &mut s.bin);
-    let eq_need = k - count_at_least::<true>(isa, &s.vals, big);
+    let (big, above) = kth_largest(isa, &s.vals, t, k, &mut s.bin);
+    let eq_need = k - above;
     let out = take_top(isa, big, eq_need, &s.vals, &mut s.pos);
     debug_assert_eq!(out, k);
     dst[..k].copy_from_slice(&s.pos[..k]);
@@ -1287,11 +1278,16 @@ mod select_tests {
             let at_least = |t: f32| vals.iter().filter(|&&x| x >= t).count();
             for isa in CpuIsa::available() {
                 let name = isa.isa();
-                let got = kth_largest(isa, &vals, lo, k, &mut Vec::new());
+                let (got, above) = kth_largest(isa, &vals, lo, k, &mut Vec::new());
                 assert!(
                     got == sorted[k - 1],
                     "{name} n {n} k {k} case {case}: {got} vs {}",
                     sorted[k - 1]
+                );
+                let want_above = vals.iter().filter(|&&x| x > got).count();
+                assert_eq!(
+                    above, want_above,
+                    "{name} n {n} k {k} case {case}: above {got}"
                 );
                 let t = reached_by(isa, &vals, lo, k, SLACK);
                 let at = at_least(t);
@@ -1305,9 +1301,7 @@ mod select_tests {
                 );
                 for t in [lo, sorted[k - 1], sorted[n / 2]] {
                     let want = (0..n).filter(|&i| vals[i] >= t).count();
-                    assert_eq!(count_at_least::<false>(isa, &vals, t), want, "{name}");
-                    let above = vals.iter().filter(|&&x| x > t).count();
-                    assert_eq!(count_at_least::<true>(isa, &vals, t), above, "{name}");
+                    assert_eq!(count_at_least(isa, &vals, t), want, "{name}");
                 }
                 let (a, b) = (
                     sorted[n - 1 - rng.gen_range(0..n)],
