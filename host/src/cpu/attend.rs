@@ -22,8 +22,8 @@ use std::cell::RefCell;
 use half::bf16;
 
 use super::dot::{
-    bf16_daz, e4m3_f32, f32_daz, gemm_bf16, gemm_bf16_into, padded_cols, round_bf16,
-    round_bf16_daz, PairDims,
+    bf16_daz, e4m3_f32, f32_daz, gemm_bf16_into, gemm_bf16_pair_major, gemm_bf16_pair_major_into,
+    padded_cols, round_bf16, round_bf16_daz, PairDims,
 };
 use super::gemm::{gemm_acc_pairs, gemm_pairs_into, Dims};
 use super::isa::{prefetch, CpuIsa};
@@ -68,22 +68,27 @@ pub(crate) struct Scratch {
     qt: Aligned<f32>,
     /// Dequantised key block `[BLOCK × d_qk]` (V = its first d_v columns).
     k: Aligned<f32>,
-    /// Scores `Sᵀ [BLOCK × hc]`.
+    /// Scores `Sᵀ [BLOCK × padded hc]` (a key's heads adjacent; the pad columns zeroed
+    /// before each block's softmax), then the probabilities in place.
     st: Aligned<f32>,
-    /// Scores transposed `S [hc × BLOCK]`, then the probabilities (rounded to bf16 in
-    /// place on the f32 paths).
+    /// The rounded probabilities `P [hc × BLOCK]` (the f32 paths).
     p: Aligned<f32>,
+    /// The softmax's per-lane partials `[LANES × padded hc]`.
+    lanes: Aligned<f32>,
+    /// The block's new running max per head (padded hc).
+    mx: Vec<f32>,
     /// Qᵀ as bf16 pairs `[d_qk/2 × padded hc]` (`avx512bf16`).
     qp: Aligned<u32>,
     /// Key block as bf16 `[BLOCK × d_qk]` (`avx512bf16`).
     kb: Aligned<u16>,
     /// V as bf16 pairs of keys `[BLOCK/2 × padded d_v]` (`avx512bf16`).
     vp: Aligned<u32>,
-    /// Probabilities as bf16 `[hc × BLOCK]` (`avx512bf16`).
-    pb: Aligned<u16>,
+    /// Probabilities as bf16 pairs of keys, pair-major `[BLOCK/2 × padded hc]`
+    /// (`avx512bf16`).
+    pb: Aligned<u32>,
     /// Output accumulators `[hc × d_v]`.
     pub(crate) o: Aligned<f32>,
-    /// Per head: running max, running sum.
+    /// Per head: running max, running sum (padded hc entries; the pad's are unused).
     pub(crate) m: Vec<f32>,
     pub(crate) sum: Vec<f32>,
     /// The token's valid keys: (source, slot), in attention order.
@@ -134,19 +139,22 @@ impl Scratch {
     /// Sizes every buffer for `d_qk`, `d_v` and `hc` heads on the path `isa` (contents
     /// are reset by [`attend`]).
     pub(crate) fn size(&mut self, isa: CpuIsa, dqk: usize, dv: usize, hc: usize) {
+        let hcp = padded_cols(hc);
         self.qt.resize(dqk * hc, 0.0);
         self.k.resize(BLOCK * dqk, 0.0);
-        self.st.resize(BLOCK * hc, 0.0);
+        self.st.resize(BLOCK * hcp, 0.0);
         self.p.resize(hc.max(1) * BLOCK, 0.0);
+        self.lanes.resize(LANES * hcp, 0.0);
+        self.mx.resize(hcp, 0.0);
         if isa.isa().bf16_dot() {
-            self.qp.resize(dqk / 2 * padded_cols(hc), 0);
+            self.qp.resize(dqk / 2 * hcp, 0);
             self.kb.resize(BLOCK * dqk, 0);
             self.vp.resize(BLOCK / 2 * padded_cols(dv), 0);
-            self.pb.resize(hc * BLOCK, 0);
+            self.pb.resize(BLOCK / 2 * hcp, 0);
         }
         self.o.resize(hc * dv, 0.0);
-        self.m.resize(hc, 0.0);
-        self.sum.resize(hc, 0.0);
+        self.m.resize(hcp, 0.0);
+        self.sum.resize(hcp, 0.0);
     }
 }
 
@@ -168,12 +176,14 @@ crate::isa_dispatch! {
 fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch: &mut Scratch) {
     let AttnDims { dqk, dv, hc, .. } = d;
     let bf16_dot = isa.isa().bf16_dot() && dqk % 2 == 0;
-    let (ldq, ldv) = (padded_cols(hc), padded_cols(dv));
+    let (hcp, ldv) = (padded_cols(hc), padded_cols(dv));
     let Scratch {
         qt,
         k,
         st,
         p,
+        lanes,
+        mx,
         qp,
         kb,
         vp,
@@ -203,20 +213,16 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
         transpose(isa, hc, dqk, k, dqk, qt, hc);
     };
     if bf16_dot {
+        // A row's pairs of bf16 are its bytes read as 32-bit words (element 0 low), and a
+        // transpose moves bits only: the pairs arrive intact.
         let half = dqk / 2;
-        for (row, qr) in k.chunks_exact_mut(half).zip(q.chunks_exact(dqk)).take(hc) {
-            for (x, v) in row.iter_mut().zip(qr.chunks_exact(2)) {
-                *x = f32::from_bits(v[0].to_bits() as u32 | (v[1].to_bits() as u32) << 16);
-            }
-        }
-        // A transpose moves bits only: the pairs arrive intact.
+        bytemuck::cast_slice_mut::<f32, bf16>(&mut k[..hc * half]).copy_from_slice(&q[..hc * dqk]);
         let qp_bits: &mut [f32] = bytemuck::cast_slice_mut(&mut qp[..]);
-        transpose(isa, hc, half, k, half, qp_bits, ldq);
+        transpose(isa, hc, half, k, half, qp_bits, hcp);
     } else {
         build_qt(k, qt);
         have_qt = true;
     }
-    o.fill(0.0);
     m.fill(f32::NEG_INFINITY);
     sum.fill(0.0);
     for (b, block) in valid.chunks(BLOCK).enumerate() {
@@ -265,10 +271,10 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
                     n: hc,
                     k2: dqk / 2,
                     lda: dqk,
-                    ldb: ldq,
-                    ldc: hc,
+                    ldb: hcp,
+                    ldc: hcp,
                 };
-                gemm_bf16_into(isa, dims, &kb[s0 * dqk..], qp, &mut st[s0 * hc..]);
+                gemm_bf16_into(isa, dims, &kb[s0 * dqk..], qp, &mut st[s0 * hcp..]);
             } else {
                 let dims = Dims {
                     m: rows,
@@ -276,19 +282,27 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
                     k: dqk,
                     lda: dqk,
                     ldb: hc,
-                    ldc: hc,
+                    ldc: hcp,
                 };
-                gemm_pairs_into(isa, dims, &k[s0 * dqk..], qt, &mut st[s0 * hc..]);
+                gemm_pairs_into(isa, dims, &k[s0 * dqk..], qt, &mut st[s0 * hcp..]);
             }
         }
-        // S = (Sᵀ)ᵀ: a head's scores contiguous, then the online softmax along them.
-        transpose(isa, n, hc, st, hc, p, BLOCK);
-        for i in 0..hc {
-            let row = &mut p[i * BLOCK..i * BLOCK + n];
-            let (mi, bsum) = softmax_row(row, d.scale, m[i]);
-            let corr = exp_lanes(m[i] - mi);
-            (m[i], sum[i]) = (mi, sum[i] * corr + bsum);
-            // Rescale O when the running max moved (`x · 1 = x` otherwise).
+        // The online softmax over the block's keys, on Sᵀ as it is (a key's heads side by
+        // side, whole vectors of heads). The pad heads, never written by the GEMMs, are
+        // zeroed first: the softmax runs on them too, on values that stay in range.
+        let st = &mut st[..n * hcp];
+        if hc < hcp {
+            for row in st.chunks_exact_mut(hcp) {
+                row[hc..].fill(0.0);
+            }
+        }
+        softmax_block(st, hcp, d.scale, (m, sum, mx, lanes));
+        // The first block writes O (its GEMM's chains start from +0: the bits of a zeroed O
+        // rescaled by `exp(-inf) = 0`); later ones rescale it where the max moved (`x · 1 =
+        // x` otherwise) and add to it.
+        let first = b == 0;
+        for i in (0..hc).filter(|_| !first) {
+            let corr = lanes[i];
             if corr != 1.0 {
                 for x in &mut o[i * dv..(i + 1) * dv] {
                     *x *= corr;
@@ -297,14 +311,11 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
         }
         // O += P · V, V = the first d_v columns of K.
         if exact {
-            // P's pad pair and V's pad row for an odd block: zeros.
-            for i in 0..hc {
-                for j in 0..n {
-                    pb[i * BLOCK + j] = round_bf16_daz(p[i * BLOCK + j]);
-                }
-                if n % 2 == 1 {
-                    pb[i * BLOCK + n] = 0;
-                }
+            // P as bf16 pairs of keys, pair-major (a pair's heads adjacent); for an odd
+            // block the pad key's probability is zero, as is V's pad row.
+            for (pr, keys) in pb.chunks_exact_mut(hcp).zip(st.chunks(2 * hcp)) {
+                let (lo, hi) = keys.split_at(hcp);
+                bf16_pairs(lo, hi, pr);
             }
             for (jp, row) in vp.chunks_exact_mut(ldv).take(n.div_ceil(2)).enumerate() {
                 let lo = &kb[2 * jp * dqk..][..dv];
@@ -323,17 +334,21 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
                 m: hc,
                 n: dv,
                 k2: n.div_ceil(2),
-                lda: BLOCK,
+                lda: hcp,
                 ldb: ldv,
                 ldc: dv,
             };
-            gemm_bf16(isa, dims, pb, vp, o);
-        } else {
-            for row in p.chunks_exact_mut(BLOCK).take(hc) {
-                for x in &mut row[..n] {
-                    *x = bf16_daz(round_bf16_daz(*x));
-                }
+            if first {
+                gemm_bf16_pair_major_into(isa, dims, pb, vp, o);
+            } else {
+                gemm_bf16_pair_major(isa, dims, pb, vp, o);
             }
+        } else {
+            // P rounded to bf16 values, then as rows of heads for the f32 GEMM.
+            for x in st.iter_mut() {
+                *x = bf16_daz(round_bf16_daz(*x));
+            }
+            transpose(isa, n, hc, st, hcp, p, BLOCK);
             let dims = Dims {
                 m: hc,
                 n: dv,
@@ -342,7 +357,11 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
                 ldb: dqk,
                 ldc: dv,
             };
-            gemm_acc_pairs(isa, dims, p, k, o);
+            if first {
+                gemm_pairs_into(isa, dims, p, k, o);
+            } else {
+                gemm_acc_pairs(isa, dims, p, k, o);
+            }
         }
     }
 }
@@ -351,8 +370,20 @@ crate::isa_dispatch! {
     /// `dst[i] = bf16(o[i] · inv · factor)`: two f32 products in that order, then
     /// [`round_bf16`] (as `half::bf16::from_f32`), compiled for the vector path.
     pub(crate) fn scaled_to_bf16(o: &[f32], inv: f32, factor: f32, dst: &mut [bf16]) = |ISA| {
-        for (x, &v) in dst.iter_mut().zip(o) {
-            *x = bf16::from_bits(round_bf16(v * inv * factor));
+        let one = |x: &mut bf16, v: f32| *x = bf16::from_bits(round_bf16(v * inv * factor));
+        let mut dc = dst.chunks_exact_mut(16);
+        let mut oc = o.chunks_exact(16);
+        for (d, v) in (&mut dc).zip(&mut oc) {
+            // Through local vectors (packed in registers, then one store).
+            let v = vec16(v);
+            let mut x = [bf16::ZERO; 16];
+            for (x, &v) in x.iter_mut().zip(&v) {
+                one(x, v);
+            }
+            d.copy_from_slice(&x);
+        }
+        for (x, &v) in dc.into_remainder().iter_mut().zip(oc.remainder()) {
+            one(x, v);
         }
     };
 }
@@ -361,41 +392,106 @@ crate::isa_dispatch! {
 /// width) does the same operations.
 const LANES: usize = 16;
 
-/// One head's scores of a block, in place: `x·scale`, the new running max `m' = max(m,
-/// max x)` (±0 read as +0), then `exp(x − m')`. Returns `m'` and the block's sum of the
-/// exponentials, summed in [`LANES`] lanes (score `j` into lane `j % 16`, in order) then a
-/// fixed pairwise tree.
+/// The online softmax of one block, in place on its scores `st` (`Sᵀ`: the block's keys,
+/// each a row of `hcp` heads, a multiple of 16). Per head `h`: `x·scale`, the new running
+/// max `m' = max(m, max x)` (±0 read as +0), then `exp(x − m')`; the block's sum of the
+/// exponentials in [`LANES`] lanes (key `j` into lane `j % 16`, in key order) then a fixed
+/// pairwise tree; `sum ← sum · c + block sum` and `m ← m'`, where `c = exp(m − m')` is
+/// left in `lanes[h]` (the caller rescales `O` by it). Each head's operations are those of
+/// a scalar loop over its keys, whatever the vector width.
 #[inline(always)]
-fn softmax_row(row: &mut [f32], scale: f32, m: f32) -> (f32, f32) {
-    let mut mx = [f32::NEG_INFINITY; LANES];
-    for c in row.chunks_mut(LANES) {
-        for (x, a) in c.iter_mut().zip(&mut mx) {
-            *x *= scale;
-            *a = a.max(*x);
+fn softmax_block(
+    st: &mut [f32],
+    hcp: usize,
+    scale: f32,
+    (m, sum, mx, lanes): (&mut [f32], &mut [f32], &mut [f32], &mut [f32]),
+) {
+    let lanes = &mut lanes[..LANES * hcp];
+    lanes.fill(f32::NEG_INFINITY);
+    for (j, row) in st.chunks_exact_mut(hcp).enumerate() {
+        let lane = &mut lanes[(j % LANES) * hcp..][..hcp];
+        for (xs, acc) in row.chunks_exact_mut(16).zip(lane.chunks_exact_mut(16)) {
+            // Through local vectors: the compiler cannot tell the two slices apart.
+            let (mut x, mut a) = (vec16(xs), vec16(acc));
+            for (x, a) in x.iter_mut().zip(&mut a) {
+                *x *= scale;
+                *a = a.max(*x);
+            }
+            xs.copy_from_slice(&x);
+            acc.copy_from_slice(&a);
         }
     }
-    let m = tree(mx, f32::max).max(m) + 0.0;
-    let mut sum = [0f32; LANES];
-    for c in row.chunks_mut(LANES) {
-        for (x, a) in c.iter_mut().zip(&mut sum) {
-            *x = exp_lanes(*x - m);
-            *a += *x;
+    tree_rows(lanes, hcp, f32::max);
+    for ((x, &l), &mo) in mx.iter_mut().zip(&lanes[..hcp]).zip(&m[..]) {
+        *x = l.max(mo) + 0.0;
+    }
+    lanes.fill(0.0);
+    for (j, row) in st.chunks_exact_mut(hcp).enumerate() {
+        let lane = &mut lanes[(j % LANES) * hcp..][..hcp];
+        for ((xs, acc), ms) in row
+            .chunks_exact_mut(16)
+            .zip(lane.chunks_exact_mut(16))
+            .zip(mx.chunks_exact(16))
+        {
+            let (mut x, mut a, ms) = (vec16(xs), vec16(acc), vec16(ms));
+            for ((x, a), &mm) in x.iter_mut().zip(&mut a).zip(&ms) {
+                *x = exp_lanes(*x - mm);
+                *a += *x;
+            }
+            xs.copy_from_slice(&x);
+            acc.copy_from_slice(&a);
         }
     }
-    (m, tree(sum, |a, b| a + b))
+    tree_rows(lanes, hcp, |a, b| a + b);
+    for (((mo, so), c), &mn) in m
+        .iter_mut()
+        .zip(sum.iter_mut())
+        .zip(lanes.iter_mut())
+        .zip(&mx[..])
+    {
+        let corr = exp_lanes(*mo - mn);
+        (*mo, *so) = (mn, *so * corr + *c);
+        *c = corr;
+    }
 }
 
-/// `f` over the lanes as a pairwise tree: 16 → 8 → 4 → 2 → 1.
+/// `f` over [`LANES`] rows of `w` columns as a pairwise tree per column (rows 16 → 8 → 4
+/// → 2 → 1: row `i` takes `f(row i, row i + half)`): row 0 ends up holding each column's
+/// result.
 #[inline(always)]
-fn tree(mut a: [f32; LANES], f: impl Fn(f32, f32) -> f32) -> f32 {
-    let mut w = LANES;
-    while w > 1 {
-        w /= 2;
-        for i in 0..w {
-            a[i] = f(a[i], a[i + w]);
+fn tree_rows(lanes: &mut [f32], w: usize, f: impl Fn(f32, f32) -> f32) {
+    let mut half = LANES;
+    while half > 1 {
+        half /= 2;
+        let (lo, hi) = lanes.split_at_mut(half * w);
+        for (a, &b) in lo.iter_mut().zip(&hi[..half * w]) {
+            *a = f(*a, b);
         }
     }
-    a[0]
+}
+
+/// `out[h] = bf16(lo[h]) | bf16(hi[h]) << 16` (each rounded, subnormals flushed); `hi`
+/// empty: the pad key, zero.
+#[inline(always)]
+fn bf16_pairs(lo: &[f32], hi: &[f32], out: &mut [u32]) {
+    let zeros = [0f32; 16];
+    let his = hi.chunks_exact(16).chain(std::iter::repeat(&zeros[..]));
+    for ((o, l), h) in out.chunks_exact_mut(16).zip(lo.chunks_exact(16)).zip(his) {
+        let (l, h) = (vec16(l), vec16(h));
+        let mut x = [0u32; 16];
+        for ((x, &l), &h) in x.iter_mut().zip(&l).zip(&h) {
+            *x = round_bf16_daz(l) as u32 | (round_bf16_daz(h) as u32) << 16;
+        }
+        o.copy_from_slice(&x);
+    }
+}
+
+/// The first 16 values of `s` as an array (a vector the compiler keeps in registers).
+#[inline(always)]
+fn vec16(s: &[f32]) -> [f32; 16] {
+    let mut v = [0f32; 16];
+    v.copy_from_slice(&s[..16]);
+    v
 }
 
 /// `exp(x)`: the bits of [`sparsekit_kernels::math::exp_portable`] (correctly rounded f32
@@ -524,9 +620,11 @@ fn load_row_bf16(isa: CpuIsa, l: &KvLayout, cache: &[u8], slot: usize, row: &mut
     let mut low = 0u32;
     match l.dtype() {
         KvDtype::Bf16 | KvDtype::Bf16x512 => {
-            for (x, b) in vrow.iter_mut().zip(tok[l.nope_range()].chunks_exact(2)) {
-                *x = u16::from_le_bytes([b[0], b[1]]);
-            }
+            // The latent and rope values are adjacent: one copy of the row's bytes.
+            let row: &mut [u8] = bytemuck::cast_slice_mut(row);
+            let n = row.len();
+            row.copy_from_slice(&tok[..n]);
+            return true;
         }
         KvDtype::Fp8DsMla => {
             let sc = &tok[l.scales_range()];

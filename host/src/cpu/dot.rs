@@ -136,15 +136,57 @@ pub const fn padded_cols(n: usize) -> usize {
 /// `vdpbf16ps` kernel; on any other path an emulation of it with f32 FMAs (exact, with
 /// its flushes: for tests, not speed). Panics if a slice is too short for `d`.
 pub fn gemm_bf16(isa: CpuIsa, d: PairDims, a: &[u16], b: &[u32], c: &mut [f32]) {
-    run(isa, d, a, b, c, false)
+    run(isa, d, AStep::rows(&d), a, b, c, false)
 }
 
 /// [`gemm_bf16`] into `C = A · B`: each element's chain starts from `+0` (C is not read).
 pub fn gemm_bf16_into(isa: CpuIsa, d: PairDims, a: &[u16], b: &[u32], c: &mut [f32]) {
-    run(isa, d, a, b, c, true)
+    run(isa, d, AStep::rows(&d), a, b, c, true)
 }
 
-fn run(isa: CpuIsa, d: PairDims, a: &[u16], b: &[u32], c: &mut [f32], zero: bool) {
+/// [`gemm_bf16`] with `A` stored pair-major: `a[p · lda + i]` holds row `i`'s pair `p`
+/// (`A[i][2p]` in its low half; `lda` in pairs, at least `m`). The same arithmetic and
+/// bits as [`gemm_bf16`] on the row-major `A`; a register tile's pairs of one step are
+/// then adjacent (attention's probabilities: a key pair's heads side by side).
+pub fn gemm_bf16_pair_major(isa: CpuIsa, d: PairDims, a: &[u32], b: &[u32], c: &mut [f32]) {
+    assert!(d.lda >= d.m, "pair-major A: lda {} < m {}", d.lda, d.m);
+    let step = AStep {
+        row: 2,
+        pair: 2 * d.lda,
+    };
+    run(isa, d, step, bytemuck::cast_slice(a), b, c, false)
+}
+
+/// [`gemm_bf16_pair_major`] into `C = A · B` (as [`gemm_bf16_into`]).
+pub fn gemm_bf16_pair_major_into(isa: CpuIsa, d: PairDims, a: &[u32], b: &[u32], c: &mut [f32]) {
+    assert!(d.lda >= d.m, "pair-major A: lda {} < m {}", d.lda, d.m);
+    let step = AStep {
+        row: 2,
+        pair: 2 * d.lda,
+    };
+    run(isa, d, step, bytemuck::cast_slice(a), b, c, true)
+}
+
+/// Where `A`'s pairs lie, in bf16 elements: row `i`'s pair `p` starts at
+/// `i · row + p · pair`.
+#[derive(Clone, Copy, Debug)]
+struct AStep {
+    row: usize,
+    pair: usize,
+}
+
+impl AStep {
+    /// Row-major `A` (the module's layout): rows `lda` apart, a row's pairs adjacent.
+    fn rows(d: &PairDims) -> Self {
+        assert!(d.lda >= 2 * d.k2, "A: lda {} < 2·k2 {}", d.lda, 2 * d.k2);
+        AStep {
+            row: d.lda,
+            pair: 2,
+        }
+    }
+}
+
+fn run(isa: CpuIsa, d: PairDims, s: AStep, a: &[u16], b: &[u32], c: &mut [f32], zero: bool) {
     if d.m == 0 || d.n == 0 {
         return;
     }
@@ -160,8 +202,8 @@ fn run(isa: CpuIsa, d: PairDims, a: &[u16], b: &[u32], c: &mut [f32], zero: bool
     if d.k2 == 0 {
         return;
     }
-    assert!(d.lda >= 2 * d.k2 && d.ldb >= padded_cols(d.n) && d.ldc >= d.n);
-    assert!(a.len() >= (d.m - 1) * d.lda + 2 * d.k2);
+    assert!(d.ldb >= padded_cols(d.n) && d.ldc >= d.n);
+    assert!(a.len() >= (d.m - 1) * s.row + (d.k2 - 1) * s.pair + 2);
     assert!(b.len() >= (d.k2 - 1) * d.ldb + padded_cols(d.n));
     assert!(c.len() >= (d.m - 1) * d.ldc + d.n);
     #[cfg(target_arch = "x86_64")]
@@ -169,15 +211,15 @@ fn run(isa: CpuIsa, d: PairDims, a: &[u16], b: &[u32], c: &mut [f32], zero: bool
         // SAFETY: a `CpuIsa` of the avx512bf16 path exists only on a CPU with AVX-512F,
         // AVX-512BW, AVX-512VL and AVX512_BF16 (checked when it was made); the slices hold
         // `d` (asserted above), which is all the kernel reads and writes.
-        unsafe { x86::gemm(d, a.as_ptr(), b.as_ptr(), c.as_mut_ptr(), zero) };
+        unsafe { x86::gemm(d, s, a.as_ptr(), b.as_ptr(), c.as_mut_ptr(), zero) };
         return;
     }
     let _ = isa;
-    emulate(d, a, b, c, zero);
+    emulate(d, s, a, b, c, zero);
 }
 
 /// The kernel's arithmetic in f32 FMAs with its flushes (module docs).
-fn emulate(d: PairDims, a: &[u16], b: &[u32], c: &mut [f32], zero: bool) {
+fn emulate(d: PairDims, s: AStep, a: &[u16], b: &[u32], c: &mut [f32], zero: bool) {
     let ftz = |x: f32| {
         if x.is_subnormal() {
             0f32.copysign(x)
@@ -192,8 +234,8 @@ fn emulate(d: PairDims, a: &[u16], b: &[u32], c: &mut [f32], zero: bool) {
                 let pb = b[p * d.ldb + j];
                 let (b0, b1) = (bf16_daz(pb as u16), bf16_daz((pb >> 16) as u16));
                 let (a0, a1) = (
-                    bf16_daz(a[i * d.lda + 2 * p]),
-                    bf16_daz(a[i * d.lda + 2 * p + 1]),
+                    bf16_daz(a[i * s.row + p * s.pair]),
+                    bf16_daz(a[i * s.row + p * s.pair + 1]),
                 );
                 x = ftz(a1.mul_add(b1, x));
                 x = ftz(a0.mul_add(b0, x));
@@ -215,7 +257,7 @@ fn emulate(d: PairDims, a: &[u16], b: &[u32], c: &mut [f32], zero: bool) {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::PairDims;
+    use super::{AStep, PairDims};
 
     /// Columns of a tile: four vectors of 16.
     const TILE_COLS: usize = 64;
@@ -227,14 +269,21 @@ mod x86 {
     /// The CPU has AVX-512F, AVX-512BW, AVX-512VL and AVX512_BF16; the pointers hold `d` as
     /// [`super::gemm_bf16`] checks.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-    pub(super) unsafe fn gemm(d: PairDims, a: *const u16, b: *const u32, c: *mut f32, zero: bool) {
+    pub(super) unsafe fn gemm(
+        d: PairDims,
+        s: AStep,
+        a: *const u16,
+        b: *const u32,
+        c: *mut f32,
+        zero: bool,
+    ) {
         if d.n <= 8 {
             // SAFETY: this function's contract, with 8 columns or fewer.
             unsafe {
                 if zero {
-                    rows8::<true>(&d, a, b, c)
+                    rows8::<true>(&d, s, a, b, c)
                 } else {
-                    rows8::<false>(&d, a, b, c)
+                    rows8::<false>(&d, s, a, b, c)
                 }
             };
             return;
@@ -254,14 +303,14 @@ mod x86 {
             unsafe {
                 let (bj, cj) = (b.add(j), c.add(j));
                 match (nv, zero) {
-                    (4, false) => rows::<6, 4, false>(&d, a, bj, cj, last),
-                    (3, false) => rows::<8, 3, false>(&d, a, bj, cj, last),
-                    (2, false) => rows::<12, 2, false>(&d, a, bj, cj, last),
-                    (_, false) => rows::<16, 1, false>(&d, a, bj, cj, last),
-                    (4, true) => rows::<6, 4, true>(&d, a, bj, cj, last),
-                    (3, true) => rows::<8, 3, true>(&d, a, bj, cj, last),
-                    (2, true) => rows::<12, 2, true>(&d, a, bj, cj, last),
-                    (_, true) => rows::<16, 1, true>(&d, a, bj, cj, last),
+                    (4, false) => rows::<6, 4, false>(&d, s, a, bj, cj, last),
+                    (3, false) => rows::<8, 3, false>(&d, s, a, bj, cj, last),
+                    (2, false) => rows::<12, 2, false>(&d, s, a, bj, cj, last),
+                    (_, false) => rows::<16, 1, false>(&d, s, a, bj, cj, last),
+                    (4, true) => rows::<6, 4, true>(&d, s, a, bj, cj, last),
+                    (3, true) => rows::<8, 3, true>(&d, s, a, bj, cj, last),
+                    (2, true) => rows::<12, 2, true>(&d, s, a, bj, cj, last),
+                    (_, true) => rows::<16, 1, true>(&d, s, a, bj, cj, last),
                 }
             }
             j += TILE_COLS;
@@ -276,6 +325,7 @@ mod x86 {
     #[inline]
     unsafe fn rows<const R: usize, const NV: usize, const ZERO: bool>(
         d: &PairDims,
+        s: AStep,
         a: *const u16,
         b: *const u32,
         c: *mut f32,
@@ -286,20 +336,20 @@ mod x86 {
         // caller's precondition), on a CPU with the features.
         unsafe {
             while d.m - i >= R {
-                tile::<R, NV, ZERO>(d, a.add(i * d.lda), b, c.add(i * d.ldc), last);
+                tile::<R, NV, ZERO>(d, s, a.add(i * s.row), b, c.add(i * d.ldc), last);
                 i += R;
             }
             if NV <= 2 && d.m - i >= 8 {
-                tile::<8, NV, ZERO>(d, a.add(i * d.lda), b, c.add(i * d.ldc), last);
+                tile::<8, NV, ZERO>(d, s, a.add(i * s.row), b, c.add(i * d.ldc), last);
                 i += 8;
             }
             for step in [4, 2, 1] {
                 if d.m - i >= step {
-                    let (ai, ci) = (a.add(i * d.lda), c.add(i * d.ldc));
+                    let (ai, ci) = (a.add(i * s.row), c.add(i * d.ldc));
                     match step {
-                        4 => tile::<4, NV, ZERO>(d, ai, b, ci, last),
-                        2 => tile::<2, NV, ZERO>(d, ai, b, ci, last),
-                        _ => tile::<1, NV, ZERO>(d, ai, b, ci, last),
+                        4 => tile::<4, NV, ZERO>(d, s, ai, b, ci, last),
+                        2 => tile::<2, NV, ZERO>(d, s, ai, b, ci, last),
+                        _ => tile::<1, NV, ZERO>(d, s, ai, b, ci, last),
                     }
                     i += step;
                 }
@@ -319,7 +369,13 @@ mod x86 {
     /// As [`gemm`], with `d.n <= 8`.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx512vl")]
     #[inline]
-    unsafe fn rows8<const ZERO: bool>(d: &PairDims, a: *const u16, b: *const u32, c: *mut f32) {
+    unsafe fn rows8<const ZERO: bool>(
+        d: &PairDims,
+        s: AStep,
+        a: *const u16,
+        b: *const u32,
+        c: *mut f32,
+    ) {
         debug_assert!(d.n <= 8);
         let last: __mmask8 = if d.n == 8 { 0xff } else { (1u8 << d.n) - 1 };
         let mut i = 0;
@@ -327,17 +383,17 @@ mod x86 {
         // of B (whole vectors: `ldb` is padded to 16) and the `n` columns of C.
         unsafe {
             while d.m - i >= 16 {
-                tile8::<16, ZERO>(d, a.add(i * d.lda), b, c.add(i * d.ldc), last);
+                tile8::<16, ZERO>(d, s, a.add(i * s.row), b, c.add(i * d.ldc), last);
                 i += 16;
             }
             for step in [8, 4, 2, 1] {
                 if d.m - i >= step {
-                    let (ai, ci) = (a.add(i * d.lda), c.add(i * d.ldc));
+                    let (ai, ci) = (a.add(i * s.row), c.add(i * d.ldc));
                     match step {
-                        8 => tile8::<8, ZERO>(d, ai, b, ci, last),
-                        4 => tile8::<4, ZERO>(d, ai, b, ci, last),
-                        2 => tile8::<2, ZERO>(d, ai, b, ci, last),
-                        _ => tile8::<1, ZERO>(d, ai, b, ci, last),
+                        8 => tile8::<8, ZERO>(d, s, ai, b, ci, last),
+                        4 => tile8::<4, ZERO>(d, s, ai, b, ci, last),
+                        2 => tile8::<2, ZERO>(d, s, ai, b, ci, last),
+                        _ => tile8::<1, ZERO>(d, s, ai, b, ci, last),
                     }
                     i += step;
                 }
@@ -355,6 +411,7 @@ mod x86 {
     #[inline]
     unsafe fn tile8<const R: usize, const ZERO: bool>(
         d: &PairDims,
+        s: AStep,
         a: *const u16,
         b: *const u32,
         c: *mut f32,
@@ -374,7 +431,7 @@ mod x86 {
                 let bv = crate::cpu::raw::read::<__m256i>(b.add(p * d.ldb).cast());
                 let bv: __m256bh = std::mem::transmute::<__m256i, __m256bh>(bv);
                 for (r, x) in acc.iter_mut().enumerate() {
-                    let pair = crate::cpu::raw::read(a.add(r * d.lda + 2 * p).cast::<i32>());
+                    let pair = crate::cpu::raw::read(a.add(r * s.row + p * s.pair).cast::<i32>());
                     let av: __m256bh = std::mem::transmute(_mm256_set1_epi32(pair));
                     // A's pair second: its broadcast folds into the memory operand.
                     *x = _mm256_dpbf16_ps(*x, bv, av);
@@ -395,6 +452,7 @@ mod x86 {
     #[inline]
     unsafe fn tile<const R: usize, const NV: usize, const ZERO: bool>(
         d: &PairDims,
+        s: AStep,
         a: *const u16,
         b: *const u32,
         c: *mut f32,
@@ -423,7 +481,7 @@ mod x86 {
                     *x = crate::cpu::raw::read(bp.add(16 * v).cast::<__m512i>());
                 }
                 for (r, row) in acc.iter_mut().enumerate() {
-                    let pair = crate::cpu::raw::read(a.add(r * d.lda + 2 * p).cast::<i32>());
+                    let pair = crate::cpu::raw::read(a.add(r * s.row + p * s.pair).cast::<i32>());
                     let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair));
                     for (x, &bx) in row.iter_mut().zip(&bv) {
                         // A's pair as the second source: LLVM folds its broadcast into
@@ -542,17 +600,41 @@ mod tests {
             let c0: Vec<f32> = (0..m * d.ldc)
                 .map(|_| f32::from_bits((bits(&mut rng) as u32) << 16 | rng.gen::<u16>() as u32))
                 .collect();
+            let rows = AStep::rows(&d);
             let (mut got, mut want) = (c0.clone(), c0.clone());
             gemm_bf16(isa, d, &a, &b, &mut got);
-            emulate(d, &a, &b, &mut want, false);
+            emulate(d, rows, &a, &b, &mut want, false);
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert_eq!(g.to_bits(), w.to_bits(), "m={m} n={n} k2={k2} element {i}");
             }
+            // The same A stored pair-major (pairs `m + 3` apart): the same bits.
+            let lda = m + 3;
+            let mut at = vec![0u32; k2 * lda];
+            for i in 0..m {
+                for p in 0..k2 {
+                    let (lo, hi) = (a[i * d.lda + 2 * p], a[i * d.lda + 2 * p + 1]);
+                    at[p * lda + i] = lo as u32 | (hi as u32) << 16;
+                }
+            }
+            let dt = PairDims { lda, ..d };
+            let mut got_t = c0.clone();
+            gemm_bf16_pair_major(isa, dt, &at, &b, &mut got_t);
+            assert!(
+                got_t
+                    .iter()
+                    .zip(&want)
+                    .all(|(g, w)| g.to_bits() == w.to_bits()),
+                "pair-major m={m} n={n} k2={k2}"
+            );
             let (mut got, mut want) = (vec![f32::NAN; c0.len()], c0.clone());
             gemm_bf16_into(isa, d, &a, &b, &mut got);
-            emulate(d, &a, &b, &mut want, true);
+            emulate(d, rows, &a, &b, &mut want, true);
             let what = format!("into m={m} n={n} k2={k2}");
             crate::cpu::gemm::assert_view_bits(&got, &want, (m, n, d.ldc), &what);
+            let mut got_t = vec![f32::NAN; c0.len()];
+            gemm_bf16_pair_major_into(isa, dt, &at, &b, &mut got_t);
+            let what = format!("pair-major into m={m} n={n} k2={k2}");
+            crate::cpu::gemm::assert_view_bits(&got_t, &want, (m, n, d.ldc), &what);
         }
     }
 
@@ -599,7 +681,7 @@ mod tests {
                 ldb,
                 ldc: n,
             };
-            emulate(d, &a16, &bp, &mut want, false);
+            emulate(d, AStep::rows(&d), &a16, &bp, &mut want, false);
             let a32: Vec<f32> = a16.iter().map(|&x| bf16_daz(x)).collect();
             let b32: Vec<f32> = bk.iter().map(|&x| bf16_daz(x)).collect();
             for isa in CpuIsa::available() {
