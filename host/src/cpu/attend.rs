@@ -73,10 +73,8 @@ pub(crate) struct Scratch {
     st: Aligned<f32>,
     /// The rounded probabilities `P [hc × BLOCK]` (the f32 paths).
     p: Aligned<f32>,
-    /// The softmax's per-lane partials `[LANES × padded hc]`.
-    lanes: Aligned<f32>,
-    /// The block's new running max per head (padded hc).
-    mx: Vec<f32>,
+    /// Per head (padded hc): the factor `O` is rescaled by after a block's softmax.
+    corr: Vec<f32>,
     /// Qᵀ as bf16 pairs `[d_qk/2 × padded hc]` (`avx512bf16`).
     qp: Aligned<u32>,
     /// Key block as bf16 `[BLOCK × d_qk]` (`avx512bf16`).
@@ -144,8 +142,7 @@ impl Scratch {
         self.k.resize(BLOCK * dqk, 0.0);
         self.st.resize(BLOCK * hcp, 0.0);
         self.p.resize(hc.max(1) * BLOCK, 0.0);
-        self.lanes.resize(LANES * hcp, 0.0);
-        self.mx.resize(hcp, 0.0);
+        self.corr.resize(hcp, 0.0);
         if isa.isa().bf16_dot() {
             self.qp.resize(dqk / 2 * hcp, 0);
             self.kb.resize(BLOCK * dqk, 0);
@@ -182,8 +179,7 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
         k,
         st,
         p,
-        lanes,
-        mx,
+        corr,
         qp,
         kb,
         vp,
@@ -296,13 +292,13 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
                 row[hc..].fill(0.0);
             }
         }
-        softmax_block(st, hcp, d.scale, (m, sum, mx, lanes));
+        softmax_block(st, hcp, d.scale, (m, sum, corr));
         // The first block writes O (its GEMM's chains start from +0: the bits of a zeroed O
         // rescaled by `exp(-inf) = 0`); later ones rescale it where the max moved (`x · 1 =
         // x` otherwise) and add to it.
         let first = b == 0;
         for i in (0..hc).filter(|_| !first) {
-            let corr = lanes[i];
+            let corr = corr[i];
             if corr != 1.0 {
                 for x in &mut o[i * dv..(i + 1) * dv] {
                     *x *= corr;
@@ -370,20 +366,8 @@ crate::isa_dispatch! {
     /// `dst[i] = bf16(o[i] · inv · factor)`: two f32 products in that order, then
     /// [`round_bf16`] (as `half::bf16::from_f32`), compiled for the vector path.
     pub(crate) fn scaled_to_bf16(o: &[f32], inv: f32, factor: f32, dst: &mut [bf16]) = |ISA| {
-        let one = |x: &mut bf16, v: f32| *x = bf16::from_bits(round_bf16(v * inv * factor));
-        let mut dc = dst.chunks_exact_mut(16);
-        let mut oc = o.chunks_exact(16);
-        for (d, v) in (&mut dc).zip(&mut oc) {
-            // Through local vectors (packed in registers, then one store).
-            let v = vec16(v);
-            let mut x = [bf16::ZERO; 16];
-            for (x, &v) in x.iter_mut().zip(&v) {
-                one(x, v);
-            }
-            d.copy_from_slice(&x);
-        }
-        for (x, &v) in dc.into_remainder().iter_mut().zip(oc.remainder()) {
-            one(x, v);
+        for (x, &v) in dst.iter_mut().zip(o) {
+            *x = bf16::from_bits(round_bf16(v * inv * factor));
         }
     };
 }
@@ -396,78 +380,99 @@ const LANES: usize = 16;
 /// each a row of `hcp` heads, a multiple of 16). Per head `h`: `x·scale`, the new running
 /// max `m' = max(m, max x)` (±0 read as +0), then `exp(x − m')`; the block's sum of the
 /// exponentials in [`LANES`] lanes (key `j` into lane `j % 16`, in key order) then a fixed
-/// pairwise tree; `sum ← sum · c + block sum` and `m ← m'`, where `c = exp(m − m')` is
-/// left in `lanes[h]` (the caller rescales `O` by it). Each head's operations are those of
-/// a scalar loop over its keys, whatever the vector width.
+/// pairwise tree (16 → 8 → 4 → 2 → 1); `sum ← sum · c + block sum` and `m ← m'`, where
+/// `c = exp(m − m')` is left in `corr[h]` (the caller rescales `O` by it). Each head's
+/// operations are those of a scalar loop over its keys, whatever the vector width.
+///
+/// Written for the compiler's vectoriser: 16 heads at a time, the lanes' partials in a
+/// local array (a slice there could alias `st`, and the per-head loop would stay scalar).
 #[inline(always)]
 fn softmax_block(
     st: &mut [f32],
     hcp: usize,
     scale: f32,
-    (m, sum, mx, lanes): (&mut [f32], &mut [f32], &mut [f32], &mut [f32]),
+    (m, sum, corr): (&mut [f32], &mut [f32], &mut [f32]),
 ) {
-    let lanes = &mut lanes[..LANES * hcp];
-    lanes.fill(f32::NEG_INFINITY);
-    for (j, row) in st.chunks_exact_mut(hcp).enumerate() {
-        let lane = &mut lanes[(j % LANES) * hcp..][..hcp];
-        for (xs, acc) in row.chunks_exact_mut(16).zip(lane.chunks_exact_mut(16)) {
-            // Through local vectors: the compiler cannot tell the two slices apart.
-            let (mut x, mut a) = (vec16(xs), vec16(acc));
-            for (x, a) in x.iter_mut().zip(&mut a) {
-                *x *= scale;
-                *a = a.max(*x);
+    let n = st.len() / hcp;
+    // Key `j`'s lane is `j % 16`: a group of 16 keys feeds every lane once, and the lane
+    // index of a full group is a constant once the loop is unrolled (the partials stay in
+    // registers); the last, partial group indexes them at run time.
+    let full = n / LANES * LANES;
+    for h0 in (0..hcp).step_by(H) {
+        let mut acc = [[f32::NEG_INFINITY; H]; LANES];
+        for g in (0..full).step_by(LANES) {
+            for (l, a) in acc.iter_mut().enumerate() {
+                scale_max(&mut st[(g + l) * hcp + h0..][..H], scale, a);
             }
-            xs.copy_from_slice(&x);
-            acc.copy_from_slice(&a);
         }
-    }
-    tree_rows(lanes, hcp, f32::max);
-    for ((x, &l), &mo) in mx.iter_mut().zip(&lanes[..hcp]).zip(&m[..]) {
-        *x = l.max(mo) + 0.0;
-    }
-    lanes.fill(0.0);
-    for (j, row) in st.chunks_exact_mut(hcp).enumerate() {
-        let lane = &mut lanes[(j % LANES) * hcp..][..hcp];
-        for ((xs, acc), ms) in row
-            .chunks_exact_mut(16)
-            .zip(lane.chunks_exact_mut(16))
-            .zip(mx.chunks_exact(16))
-        {
-            let (mut x, mut a, ms) = (vec16(xs), vec16(acc), vec16(ms));
-            for ((x, a), &mm) in x.iter_mut().zip(&mut a).zip(&ms) {
-                *x = exp_lanes(*x - mm);
-                *a += *x;
+        for j in full..n {
+            scale_max(&mut st[j * hcp + h0..][..H], scale, &mut acc[j - full]);
+        }
+        let mut mx = tree16(acc, f32::max);
+        for (x, &mo) in mx.iter_mut().zip(&m[h0..h0 + H]) {
+            *x = x.max(mo) + 0.0;
+        }
+        let mut acc = [[0f32; H]; LANES];
+        for g in (0..full).step_by(LANES) {
+            for (l, a) in acc.iter_mut().enumerate() {
+                exp_sum(&mut st[(g + l) * hcp + h0..][..H], &mx, a);
             }
-            xs.copy_from_slice(&x);
-            acc.copy_from_slice(&a);
         }
-    }
-    tree_rows(lanes, hcp, |a, b| a + b);
-    for (((mo, so), c), &mn) in m
-        .iter_mut()
-        .zip(sum.iter_mut())
-        .zip(lanes.iter_mut())
-        .zip(&mx[..])
-    {
-        let corr = exp_lanes(*mo - mn);
-        (*mo, *so) = (mn, *so * corr + *c);
-        *c = corr;
+        for j in full..n {
+            exp_sum(&mut st[j * hcp + h0..][..H], &mx, &mut acc[j - full]);
+        }
+        let bsum = tree16(acc, |a, b| a + b);
+        for h in 0..H {
+            let (mo, mn) = (m[h0 + h], mx[h]);
+            let c = exp_lanes(mo - mn);
+            (m[h0 + h], sum[h0 + h]) = (mn, sum[h0 + h] * c + bsum[h]);
+            corr[h0 + h] = c;
+        }
     }
 }
 
-/// `f` over [`LANES`] rows of `w` columns as a pairwise tree per column (rows 16 → 8 → 4
-/// → 2 → 1: row `i` takes `f(row i, row i + half)`): row 0 ends up holding each column's
-/// result.
+/// Heads a step of [`softmax_block`] covers.
+const H: usize = 16;
+
+/// One key's 16 heads: `x·scale` in place, and the running max of its lane.
 #[inline(always)]
-fn tree_rows(lanes: &mut [f32], w: usize, f: impl Fn(f32, f32) -> f32) {
+fn scale_max(row: &mut [f32], scale: f32, acc: &mut [f32; H]) {
+    let mut x = [0f32; H];
+    x.copy_from_slice(row);
+    for (x, a) in x.iter_mut().zip(acc) {
+        *x *= scale;
+        *a = a.max(*x);
+    }
+    row.copy_from_slice(&x);
+}
+
+/// One key's 16 heads: `exp(x − m)` in place, added to its lane's sums.
+#[inline(always)]
+fn exp_sum(row: &mut [f32], m: &[f32; H], acc: &mut [f32; H]) {
+    let mut x = [0f32; H];
+    x.copy_from_slice(row);
+    for ((x, a), &mm) in x.iter_mut().zip(acc).zip(m) {
+        *x = exp_lanes(*x - mm);
+        *a += *x;
+    }
+    row.copy_from_slice(&x);
+}
+
+/// `f` over [`LANES`] rows of 16 columns as a pairwise tree per column (row `i` takes
+/// `f(row i, row i + half)`, half = 8, 4, 2, 1): each column's result.
+#[inline(always)]
+fn tree16(mut a: [[f32; 16]; LANES], f: impl Fn(f32, f32) -> f32) -> [f32; 16] {
     let mut half = LANES;
     while half > 1 {
         half /= 2;
-        let (lo, hi) = lanes.split_at_mut(half * w);
-        for (a, &b) in lo.iter_mut().zip(&hi[..half * w]) {
-            *a = f(*a, b);
+        for i in 0..half {
+            let hi = a[i + half];
+            for (x, &y) in a[i].iter_mut().zip(&hi) {
+                *x = f(*x, y);
+            }
         }
     }
+    a[0]
 }
 
 /// `out[h] = bf16(lo[h]) | bf16(hi[h]) << 16` (each rounded, subnormals flushed); `hi`
@@ -477,21 +482,13 @@ fn bf16_pairs(lo: &[f32], hi: &[f32], out: &mut [u32]) {
     let zeros = [0f32; 16];
     let his = hi.chunks_exact(16).chain(std::iter::repeat(&zeros[..]));
     for ((o, l), h) in out.chunks_exact_mut(16).zip(lo.chunks_exact(16)).zip(his) {
-        let (l, h) = (vec16(l), vec16(h));
+        // Into a local vector first: `out` could alias `lo` as far as the compiler knows.
         let mut x = [0u32; 16];
-        for ((x, &l), &h) in x.iter_mut().zip(&l).zip(&h) {
+        for ((x, &l), &h) in x.iter_mut().zip(l).zip(h) {
             *x = round_bf16_daz(l) as u32 | (round_bf16_daz(h) as u32) << 16;
         }
         o.copy_from_slice(&x);
     }
-}
-
-/// The first 16 values of `s` as an array (a vector the compiler keeps in registers).
-#[inline(always)]
-fn vec16(s: &[f32]) -> [f32; 16] {
-    let mut v = [0f32; 16];
-    v.copy_from_slice(&s[..16]);
-    v
 }
 
 /// `exp(x)`: the bits of [`sparsekit_kernels::math::exp_portable`] (correctly rounded f32
