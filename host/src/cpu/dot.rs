@@ -33,8 +33,9 @@
 //! per step, far inside every tolerance; ordinary data never comes near it).
 //!
 //! The operands of the kernel: `A` row-major bf16 (`[m × 2·k2]`, a pair is two adjacent
-//! elements of a row), `B` packed as pairs (`[k2][ldb]` of u32: pair `p` of column `j`
-//! holds `B[2p][j]` in its low half and `B[2p+1][j]` in its high half), `C` row-major
+//! elements of a row; or pair-major, `[k2][lda]` of u32, for
+//! [`gemm_bf16_pair_major`]), `B` packed as pairs (`[k2][ldb]` of u32: pair `p` of column
+//! `j` holds `B[2p][j]` in its low half and `B[2p+1][j]` in its high half), `C` row-major
 //! f32.
 
 use super::isa::CpuIsa;
@@ -149,22 +150,28 @@ pub fn gemm_bf16_into(isa: CpuIsa, d: PairDims, a: &[u16], b: &[u32], c: &mut [f
 /// bits as [`gemm_bf16`] on the row-major `A`; a register tile's pairs of one step are
 /// then adjacent (attention's probabilities: a key pair's heads side by side).
 pub fn gemm_bf16_pair_major(isa: CpuIsa, d: PairDims, a: &[u32], b: &[u32], c: &mut [f32]) {
-    assert!(d.lda >= d.m, "pair-major A: lda {} < m {}", d.lda, d.m);
-    let step = AStep {
-        row: 2,
-        pair: 2 * d.lda,
-    };
-    run(isa, d, step, bytemuck::cast_slice(a), b, c, false)
+    run(
+        isa,
+        d,
+        AStep::pair_major(&d),
+        bytemuck::cast_slice(a),
+        b,
+        c,
+        false,
+    )
 }
 
 /// [`gemm_bf16_pair_major`] into `C = A · B` (as [`gemm_bf16_into`]).
 pub fn gemm_bf16_pair_major_into(isa: CpuIsa, d: PairDims, a: &[u32], b: &[u32], c: &mut [f32]) {
-    assert!(d.lda >= d.m, "pair-major A: lda {} < m {}", d.lda, d.m);
-    let step = AStep {
-        row: 2,
-        pair: 2 * d.lda,
-    };
-    run(isa, d, step, bytemuck::cast_slice(a), b, c, true)
+    run(
+        isa,
+        d,
+        AStep::pair_major(&d),
+        bytemuck::cast_slice(a),
+        b,
+        c,
+        true,
+    )
 }
 
 /// Where `A`'s pairs lie, in bf16 elements: row `i`'s pair `p` starts at
@@ -176,13 +183,27 @@ struct AStep {
 }
 
 impl AStep {
-    /// Row-major `A` (the module's layout): rows `lda` apart, a row's pairs adjacent.
+    /// Row-major `A` (the module's layout): rows `lda` elements apart, a row's pairs
+    /// adjacent.
     fn rows(d: &PairDims) -> Self {
-        assert!(d.lda >= 2 * d.k2, "A: lda {} < 2·k2 {}", d.lda, 2 * d.k2);
         AStep {
             row: d.lda,
             pair: 2,
         }
+    }
+
+    /// Pair-major `A`: the rows' pairs of one step adjacent, steps `lda` pairs apart.
+    fn pair_major(d: &PairDims) -> Self {
+        AStep {
+            row: 2,
+            pair: 2 * d.lda,
+        }
+    }
+
+    /// Whether no two of `A`'s pairs overlap: a row's `k2` pairs fit before the next row
+    /// (row-major), or a step's `m` pairs before the next step (pair-major).
+    fn disjoint(&self, d: &PairDims) -> bool {
+        (self.pair == 2 && self.row >= 2 * d.k2) || (self.row == 2 && self.pair >= 2 * d.m)
     }
 }
 
@@ -202,6 +223,7 @@ fn run(isa: CpuIsa, d: PairDims, s: AStep, a: &[u16], b: &[u32], c: &mut [f32], 
     if d.k2 == 0 {
         return;
     }
+    assert!(s.disjoint(&d), "A's pairs overlap: {d:?}");
     assert!(d.ldb >= padded_cols(d.n) && d.ldc >= d.n);
     assert!(a.len() >= (d.m - 1) * s.row + (d.k2 - 1) * s.pair + 2);
     assert!(b.len() >= (d.k2 - 1) * d.ldb + padded_cols(d.n));
