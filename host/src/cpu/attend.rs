@@ -297,11 +297,12 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
         // rescaled by `exp(-inf) = 0`); later ones rescale it where the max moved (`x · 1 =
         // x` otherwise) and add to it.
         let first = b == 0;
-        for i in (0..hc).filter(|_| !first) {
-            let corr = corr[i];
-            if corr != 1.0 {
-                for x in &mut o[i * dv..(i + 1) * dv] {
-                    *x *= corr;
+        if !first {
+            for (orow, &c) in o.chunks_exact_mut(dv).zip(&corr[..hc]) {
+                if c != 1.0 {
+                    for x in orow {
+                        *x *= c;
+                    }
                 }
             }
         }
@@ -458,10 +459,10 @@ fn exp_sum(row: &mut [f32], m: &[f32; H], acc: &mut [f32; H]) {
     row.copy_from_slice(&x);
 }
 
-/// `f` over [`LANES`] rows of 16 columns as a pairwise tree per column (row `i` takes
+/// `f` over [`LANES`] rows of [`H`] columns as a pairwise tree per column (row `i` takes
 /// `f(row i, row i + half)`, half = 8, 4, 2, 1): each column's result.
 #[inline(always)]
-fn tree16(mut a: [[f32; 16]; LANES], f: impl Fn(f32, f32) -> f32) -> [f32; 16] {
+fn tree16(mut a: [[f32; H]; LANES], f: impl Fn(f32, f32) -> f32) -> [f32; H] {
     let mut half = LANES;
     while half > 1 {
         half /= 2;
