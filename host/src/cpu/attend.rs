@@ -4,7 +4,9 @@
 //! prefetched before it is gathered).
 //!
 //! Per block, each key is dequantised once into a row `[latent | rope]` (V is the latent
-//! columns of the same row); `Sᵀ = K · Qᵀ` and `O += P · V` are bf16 dot products in the
+//! columns of the same row; on the `avx512bf16` path a bf16 cache's rows are read where
+//! they lie, through [`super::dot::gemm_bf16_gathered_into`], instead of being copied
+//! together); `Sᵀ = K · Qᵀ` and `O += P · V` are bf16 dot products in the
 //! order of [`super::dot`]: `vdpbf16ps` on bf16 rows on the `avx512bf16` path, f32 FMAs in
 //! the same order ([`gemm_acc_pairs`], whose tall narrow tiles keep `Sᵀ` fast when heads
 //! are few) on the others, for the same bits. The probabilities are rounded to bf16
@@ -22,8 +24,8 @@ use std::cell::RefCell;
 use half::bf16;
 
 use super::dot::{
-    bf16_daz, e4m3_f32, f32_daz, gemm_bf16_into, gemm_bf16_pair_major, gemm_bf16_pair_major_into,
-    padded_cols, round_bf16, round_bf16_daz, PairDims,
+    bf16_daz, e4m3_f32, f32_daz, gemm_bf16_gathered_into, gemm_bf16_pair_major,
+    gemm_bf16_pair_major_into, padded_cols, round_bf16, round_bf16_daz, PairDims,
 };
 use super::gemm::{gemm_acc_pairs, gemm_pairs_into, Dims};
 use super::isa::{prefetch, CpuIsa};
@@ -77,7 +79,7 @@ pub(crate) struct Scratch {
     corr: Vec<f32>,
     /// Qᵀ as bf16 pairs `[d_qk/2 × padded hc]` (`avx512bf16`).
     qp: Aligned<u32>,
-    /// Key block as bf16 `[BLOCK × d_qk]` (`avx512bf16`).
+    /// Key block as bf16 `[BLOCK × d_qk]` (`avx512bf16`; the keys not read in place).
     kb: Aligned<u16>,
     /// V as bf16 pairs of keys `[BLOCK/2 × padded d_v]` (`avx512bf16`).
     vp: Aligned<u32>,
@@ -229,16 +231,21 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
             _ => &ahead[..],
         };
         let mut exact = bf16_dot;
+        // The block's key rows as bf16 (`avx512bf16`): a bf16 cache's rows where they lie,
+        // the others dequantised into `kb`.
+        let mut krows: [&[u16]; BLOCK] = [&[]; BLOCK];
         if bf16_dot {
-            for (j, &(src, slot)) in block.iter().enumerate() {
+            for ((r, &(src, slot)), row) in
+                krows.iter_mut().zip(block).zip(kb.chunks_exact_mut(dqk))
+            {
                 let s = &sources[src as usize];
-                exact &= load_row_bf16(
-                    isa,
-                    s.layout,
-                    s.cache,
-                    slot,
-                    &mut kb[j * dqk..(j + 1) * dqk],
-                );
+                *r = match cache_row_bf16(s.layout, s.cache, slot, dqk) {
+                    Some(r) => r,
+                    None => {
+                        exact &= load_row_bf16(isa, s.layout, s.cache, slot, row);
+                        row
+                    }
+                };
             }
         }
         if !exact {
@@ -270,7 +277,8 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
                     ldb: hcp,
                     ldc: hcp,
                 };
-                gemm_bf16_into(isa, dims, &kb[s0 * dqk..], qp, &mut st[s0 * hcp..]);
+                let rows = &krows[s0..s0 + rows];
+                gemm_bf16_gathered_into(isa, dims, rows, qp, &mut st[s0 * hcp..]);
             } else {
                 let dims = Dims {
                     m: rows,
@@ -315,9 +323,9 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
                 bf16_pairs(lo, hi, pr);
             }
             for (jp, row) in vp.chunks_exact_mut(ldv).take(n.div_ceil(2)).enumerate() {
-                let lo = &kb[2 * jp * dqk..][..dv];
+                let lo = &krows[2 * jp][..dv];
                 if 2 * jp + 1 < n {
-                    let hi = &kb[(2 * jp + 1) * dqk..][..dv];
+                    let hi = &krows[2 * jp + 1][..dv];
                     for ((x, &l), &h) in row.iter_mut().zip(lo).zip(hi) {
                         *x = l as u32 | (h as u32) << 16;
                     }
@@ -606,6 +614,20 @@ fn tile_bf16(isa: CpuIsa, codes: &[u8], s: f32, xs: &mut [u16]) -> u32 {
         *x = (v.to_bits() >> 16) as u16;
     }
     low
+}
+
+/// The token at `slot` as the bf16 row `[latent | rope]` of `dqk` values where it lies in
+/// the cache: a bf16 layout's row, if its bytes are 2-byte aligned; `None` otherwise
+/// (copy it with [`load_row_bf16`]).
+#[inline(always)]
+fn cache_row_bf16<'c>(l: &KvLayout, cache: &'c [u8], slot: usize, dqk: usize) -> Option<&'c [u16]> {
+    match l.dtype() {
+        KvDtype::Bf16 | KvDtype::Bf16x512 => {
+            let tok = &cache[l.slot_token_bytes(slot)];
+            bytemuck::try_cast_slice(&tok[..2 * dqk]).ok()
+        }
+        KvDtype::Fp8DsMla | KvDtype::Model1Fp8 => None,
+    }
 }
 
 /// [`load_row`] as bf16 bits; whether every value is exactly a bf16 value (else the row

@@ -174,6 +174,54 @@ pub fn gemm_bf16_pair_major_into(isa: CpuIsa, d: PairDims, a: &[u32], b: &[u32],
     )
 }
 
+/// [`gemm_bf16_into`] with each row of `A` its own slice (`rows[i]` is row `i`, pair `p`
+/// at `rows[i][2p..2p + 2]`): scattered rows, such as a cache's bf16 key rows, read where
+/// they lie instead of being copied together first. `d.m` is `rows.len()`; `d.lda` is not
+/// read. The same arithmetic and bits as [`gemm_bf16_into`] on the rows copied together.
+/// Panics if a row is shorter than `2 · d.k2` or a slice is too short for `d`.
+pub fn gemm_bf16_gathered_into(
+    isa: CpuIsa,
+    d: PairDims,
+    rows: &[&[u16]],
+    b: &[u32],
+    c: &mut [f32],
+) {
+    assert_eq!(rows.len(), d.m, "one slice per row of A");
+    if d.m == 0 || d.n == 0 {
+        return;
+    }
+    assert!(d.ldc >= d.n && c.len() >= (d.m - 1) * d.ldc + d.n);
+    if d.k2 == 0 {
+        for i in 0..d.m {
+            c[i * d.ldc..][..d.n].fill(0.0);
+        }
+        return;
+    }
+    assert!(
+        rows.iter().all(|r| r.len() >= 2 * d.k2),
+        "a row of A is shorter than 2·k2"
+    );
+    assert!(d.ldb >= padded_cols(d.n));
+    assert!(b.len() >= (d.k2 - 1) * d.ldb + padded_cols(d.n));
+    #[cfg(target_arch = "x86_64")]
+    if isa.isa().bf16_dot() {
+        // SAFETY: as in `run`: the path's features are present; every row holds `k2`
+        // pairs and B and C hold `d` (asserted above).
+        unsafe {
+            x86::gemm(
+                d,
+                x86::Gathered(rows.as_ptr()),
+                b.as_ptr(),
+                c.as_mut_ptr(),
+                true,
+            )
+        };
+        return;
+    }
+    let _ = isa;
+    emulate(d, |i, p| (rows[i][2 * p], rows[i][2 * p + 1]), b, c, true);
+}
+
 /// Where `A`'s pairs lie, in bf16 elements: row `i`'s pair `p` starts at
 /// `i · row + p · pair`.
 #[derive(Clone, Copy, Debug)]
@@ -233,15 +281,31 @@ fn run(isa: CpuIsa, d: PairDims, s: AStep, a: &[u16], b: &[u32], c: &mut [f32], 
         // SAFETY: a `CpuIsa` of the avx512bf16 path exists only on a CPU with AVX-512F,
         // AVX-512BW, AVX-512VL and AVX512_BF16 (checked when it was made); the slices hold
         // `d` (asserted above), which is all the kernel reads and writes.
-        unsafe { x86::gemm(d, s, a.as_ptr(), b.as_ptr(), c.as_mut_ptr(), zero) };
+        unsafe {
+            let a = x86::Strided { a: a.as_ptr(), s };
+            x86::gemm(d, a, b.as_ptr(), c.as_mut_ptr(), zero)
+        };
         return;
     }
     let _ = isa;
-    emulate(d, s, a, b, c, zero);
+    emulate(
+        d,
+        |i, p| (a[i * s.row + p * s.pair], a[i * s.row + p * s.pair + 1]),
+        b,
+        c,
+        zero,
+    );
 }
 
-/// The kernel's arithmetic in f32 FMAs with its flushes (module docs).
-fn emulate(d: PairDims, s: AStep, a: &[u16], b: &[u32], c: &mut [f32], zero: bool) {
+/// The kernel's arithmetic in f32 FMAs with its flushes (module docs); `pair(i, p)` is
+/// row `i`'s pair `p` of `A` (low, high).
+fn emulate(
+    d: PairDims,
+    pair: impl Fn(usize, usize) -> (u16, u16),
+    b: &[u32],
+    c: &mut [f32],
+    zero: bool,
+) {
     let ftz = |x: f32| {
         if x.is_subnormal() {
             0f32.copysign(x)
@@ -255,10 +319,8 @@ fn emulate(d: PairDims, s: AStep, a: &[u16], b: &[u32], c: &mut [f32], zero: boo
             for p in 0..d.k2 {
                 let pb = b[p * d.ldb + j];
                 let (b0, b1) = (bf16_daz(pb as u16), bf16_daz((pb >> 16) as u16));
-                let (a0, a1) = (
-                    bf16_daz(a[i * s.row + p * s.pair]),
-                    bf16_daz(a[i * s.row + p * s.pair + 1]),
-                );
+                let (a0, a1) = pair(i, p);
+                let (a0, a1) = (bf16_daz(a0), bf16_daz(a1));
                 x = ftz(a1.mul_add(b1, x));
                 x = ftz(a0.mul_add(b0, x));
             }
@@ -281,6 +343,60 @@ mod x86 {
 
     use super::{AStep, PairDims};
 
+    /// Where a kernel reads `A`'s pairs.
+    pub(super) trait APairs: Copy {
+        /// The same rows from row `i` on.
+        ///
+        /// # Safety
+        /// Row `i` exists.
+        unsafe fn at_row(self, i: usize) -> Self;
+        /// Row `r`'s pair `p` (two bf16 values, read as one unaligned 32-bit word).
+        ///
+        /// # Safety
+        /// Row `r` and its pair `p` exist.
+        unsafe fn pair(self, r: usize, p: usize) -> *const i32;
+    }
+
+    /// `A` in one buffer, its pairs placed by an [`AStep`].
+    #[derive(Clone, Copy)]
+    pub(super) struct Strided {
+        pub(super) a: *const u16,
+        pub(super) s: AStep,
+    }
+
+    impl APairs for Strided {
+        #[inline(always)]
+        unsafe fn at_row(self, i: usize) -> Self {
+            Strided {
+                // SAFETY: the caller's contract (row `i` is inside the buffer).
+                a: unsafe { self.a.add(i * self.s.row) },
+                s: self.s,
+            }
+        }
+        #[inline(always)]
+        unsafe fn pair(self, r: usize, p: usize) -> *const i32 {
+            // SAFETY: the caller's contract.
+            unsafe { self.a.add(r * self.s.row + p * self.s.pair).cast() }
+        }
+    }
+
+    /// `A` as one slice per row ([`super::gemm_bf16_gathered_into`]).
+    #[derive(Clone, Copy)]
+    pub(super) struct Gathered<'a>(pub(super) *const &'a [u16]);
+
+    impl APairs for Gathered<'_> {
+        #[inline(always)]
+        unsafe fn at_row(self, i: usize) -> Self {
+            // SAFETY: the caller's contract (row `i`'s slice exists).
+            Gathered(unsafe { self.0.add(i) })
+        }
+        #[inline(always)]
+        unsafe fn pair(self, r: usize, p: usize) -> *const i32 {
+            // SAFETY: the caller's contract: the slice of row `r` exists and holds pair `p`.
+            unsafe { (*self.0.add(r)).as_ptr().add(2 * p).cast() }
+        }
+    }
+
     /// Columns of a tile: four vectors of 16.
     const TILE_COLS: usize = 64;
 
@@ -291,21 +407,14 @@ mod x86 {
     /// The CPU has AVX-512F, AVX-512BW, AVX-512VL and AVX512_BF16; the pointers hold `d` as
     /// [`super::gemm_bf16`] checks.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-    pub(super) unsafe fn gemm(
-        d: PairDims,
-        s: AStep,
-        a: *const u16,
-        b: *const u32,
-        c: *mut f32,
-        zero: bool,
-    ) {
+    pub(super) unsafe fn gemm(d: PairDims, a: impl APairs, b: *const u32, c: *mut f32, zero: bool) {
         if d.n <= 8 {
             // SAFETY: this function's contract, with 8 columns or fewer.
             unsafe {
                 if zero {
-                    rows8::<true>(&d, s, a, b, c)
+                    rows8::<true>(&d, a, b, c)
                 } else {
-                    rows8::<false>(&d, s, a, b, c)
+                    rows8::<false>(&d, a, b, c)
                 }
             };
             return;
@@ -325,14 +434,14 @@ mod x86 {
             unsafe {
                 let (bj, cj) = (b.add(j), c.add(j));
                 match (nv, zero) {
-                    (4, false) => rows::<6, 4, false>(&d, s, a, bj, cj, last),
-                    (3, false) => rows::<8, 3, false>(&d, s, a, bj, cj, last),
-                    (2, false) => rows::<12, 2, false>(&d, s, a, bj, cj, last),
-                    (_, false) => rows::<16, 1, false>(&d, s, a, bj, cj, last),
-                    (4, true) => rows::<6, 4, true>(&d, s, a, bj, cj, last),
-                    (3, true) => rows::<8, 3, true>(&d, s, a, bj, cj, last),
-                    (2, true) => rows::<12, 2, true>(&d, s, a, bj, cj, last),
-                    (_, true) => rows::<16, 1, true>(&d, s, a, bj, cj, last),
+                    (4, false) => rows::<6, 4, false>(&d, a, bj, cj, last),
+                    (3, false) => rows::<8, 3, false>(&d, a, bj, cj, last),
+                    (2, false) => rows::<12, 2, false>(&d, a, bj, cj, last),
+                    (_, false) => rows::<16, 1, false>(&d, a, bj, cj, last),
+                    (4, true) => rows::<6, 4, true>(&d, a, bj, cj, last),
+                    (3, true) => rows::<8, 3, true>(&d, a, bj, cj, last),
+                    (2, true) => rows::<12, 2, true>(&d, a, bj, cj, last),
+                    (_, true) => rows::<16, 1, true>(&d, a, bj, cj, last),
                 }
             }
             j += TILE_COLS;
@@ -347,8 +456,7 @@ mod x86 {
     #[inline]
     unsafe fn rows<const R: usize, const NV: usize, const ZERO: bool>(
         d: &PairDims,
-        s: AStep,
-        a: *const u16,
+        a: impl APairs,
         b: *const u32,
         c: *mut f32,
         last: __mmask16,
@@ -358,20 +466,20 @@ mod x86 {
         // caller's precondition), on a CPU with the features.
         unsafe {
             while d.m - i >= R {
-                tile::<R, NV, ZERO>(d, s, a.add(i * s.row), b, c.add(i * d.ldc), last);
+                tile::<R, NV, ZERO>(d, a.at_row(i), b, c.add(i * d.ldc), last);
                 i += R;
             }
             if NV <= 2 && d.m - i >= 8 {
-                tile::<8, NV, ZERO>(d, s, a.add(i * s.row), b, c.add(i * d.ldc), last);
+                tile::<8, NV, ZERO>(d, a.at_row(i), b, c.add(i * d.ldc), last);
                 i += 8;
             }
             for step in [4, 2, 1] {
                 if d.m - i >= step {
-                    let (ai, ci) = (a.add(i * s.row), c.add(i * d.ldc));
+                    let (ai, ci) = (a.at_row(i), c.add(i * d.ldc));
                     match step {
-                        4 => tile::<4, NV, ZERO>(d, s, ai, b, ci, last),
-                        2 => tile::<2, NV, ZERO>(d, s, ai, b, ci, last),
-                        _ => tile::<1, NV, ZERO>(d, s, ai, b, ci, last),
+                        4 => tile::<4, NV, ZERO>(d, ai, b, ci, last),
+                        2 => tile::<2, NV, ZERO>(d, ai, b, ci, last),
+                        _ => tile::<1, NV, ZERO>(d, ai, b, ci, last),
                     }
                     i += step;
                 }
@@ -391,13 +499,7 @@ mod x86 {
     /// As [`gemm`], with `d.n <= 8`.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx512vl")]
     #[inline]
-    unsafe fn rows8<const ZERO: bool>(
-        d: &PairDims,
-        s: AStep,
-        a: *const u16,
-        b: *const u32,
-        c: *mut f32,
-    ) {
+    unsafe fn rows8<const ZERO: bool>(d: &PairDims, a: impl APairs, b: *const u32, c: *mut f32) {
         debug_assert!(d.n <= 8);
         let last: __mmask8 = if d.n == 8 { 0xff } else { (1u8 << d.n) - 1 };
         let mut i = 0;
@@ -405,17 +507,17 @@ mod x86 {
         // of B (whole vectors: `ldb` is padded to 16) and the `n` columns of C.
         unsafe {
             while d.m - i >= 16 {
-                tile8::<16, ZERO>(d, s, a.add(i * s.row), b, c.add(i * d.ldc), last);
+                tile8::<16, ZERO>(d, a.at_row(i), b, c.add(i * d.ldc), last);
                 i += 16;
             }
             for step in [8, 4, 2, 1] {
                 if d.m - i >= step {
-                    let (ai, ci) = (a.add(i * s.row), c.add(i * d.ldc));
+                    let (ai, ci) = (a.at_row(i), c.add(i * d.ldc));
                     match step {
-                        8 => tile8::<8, ZERO>(d, s, ai, b, ci, last),
-                        4 => tile8::<4, ZERO>(d, s, ai, b, ci, last),
-                        2 => tile8::<2, ZERO>(d, s, ai, b, ci, last),
-                        _ => tile8::<1, ZERO>(d, s, ai, b, ci, last),
+                        8 => tile8::<8, ZERO>(d, ai, b, ci, last),
+                        4 => tile8::<4, ZERO>(d, ai, b, ci, last),
+                        2 => tile8::<2, ZERO>(d, ai, b, ci, last),
+                        _ => tile8::<1, ZERO>(d, ai, b, ci, last),
                     }
                     i += step;
                 }
@@ -433,8 +535,7 @@ mod x86 {
     #[inline]
     unsafe fn tile8<const R: usize, const ZERO: bool>(
         d: &PairDims,
-        s: AStep,
-        a: *const u16,
+        a: impl APairs,
         b: *const u32,
         c: *mut f32,
         last: __mmask8,
@@ -453,7 +554,7 @@ mod x86 {
                 let bv = crate::cpu::raw::read::<__m256i>(b.add(p * d.ldb).cast());
                 let bv: __m256bh = std::mem::transmute::<__m256i, __m256bh>(bv);
                 for (r, x) in acc.iter_mut().enumerate() {
-                    let pair = crate::cpu::raw::read(a.add(r * s.row + p * s.pair).cast::<i32>());
+                    let pair = crate::cpu::raw::read(a.pair(r, p));
                     let av: __m256bh = std::mem::transmute(_mm256_set1_epi32(pair));
                     // A's pair second: its broadcast folds into the memory operand.
                     *x = _mm256_dpbf16_ps(*x, bv, av);
@@ -474,8 +575,7 @@ mod x86 {
     #[inline]
     unsafe fn tile<const R: usize, const NV: usize, const ZERO: bool>(
         d: &PairDims,
-        s: AStep,
-        a: *const u16,
+        a: impl APairs,
         b: *const u32,
         c: *mut f32,
         last: __mmask16,
@@ -503,7 +603,7 @@ mod x86 {
                     *x = crate::cpu::raw::read(bp.add(16 * v).cast::<__m512i>());
                 }
                 for (r, row) in acc.iter_mut().enumerate() {
-                    let pair = crate::cpu::raw::read(a.add(r * s.row + p * s.pair).cast::<i32>());
+                    let pair = crate::cpu::raw::read(a.pair(r, p));
                     let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair));
                     for (x, &bx) in row.iter_mut().zip(&bv) {
                         // A's pair as the second source: LLVM folds its broadcast into
@@ -535,6 +635,7 @@ mod x86 {
 mod tests {
     use super::*;
     use crate::cpu::isa::Isa;
+    use rand::seq::SliceRandom;
     use rand::{Rng, SeedableRng};
 
     /// Random bf16 bits: mostly normal values over a wide exponent range (cancellations and
@@ -622,10 +723,15 @@ mod tests {
             let c0: Vec<f32> = (0..m * d.ldc)
                 .map(|_| f32::from_bits((bits(&mut rng) as u32) << 16 | rng.gen::<u16>() as u32))
                 .collect();
-            let rows = AStep::rows(&d);
             let (mut got, mut want) = (c0.clone(), c0.clone());
             gemm_bf16(isa, d, &a, &b, &mut got);
-            emulate(d, rows, &a, &b, &mut want, false);
+            emulate(
+                d,
+                |i, p| (a[i * d.lda + 2 * p], a[i * d.lda + 2 * p + 1]),
+                &b,
+                &mut want,
+                false,
+            );
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert_eq!(g.to_bits(), w.to_bits(), "m={m} n={n} k2={k2} element {i}");
             }
@@ -650,13 +756,36 @@ mod tests {
             );
             let (mut got, mut want) = (vec![f32::NAN; c0.len()], c0.clone());
             gemm_bf16_into(isa, d, &a, &b, &mut got);
-            emulate(d, rows, &a, &b, &mut want, true);
+            emulate(
+                d,
+                |i, p| (a[i * d.lda + 2 * p], a[i * d.lda + 2 * p + 1]),
+                &b,
+                &mut want,
+                true,
+            );
             let what = format!("into m={m} n={n} k2={k2}");
             crate::cpu::gemm::assert_view_bits(&got, &want, (m, n, d.ldc), &what);
             let mut got_t = vec![f32::NAN; c0.len()];
             gemm_bf16_pair_major_into(isa, dt, &at, &b, &mut got_t);
             let what = format!("pair-major into m={m} n={n} k2={k2}");
             crate::cpu::gemm::assert_view_bits(&got_t, &want, (m, n, d.ldc), &what);
+            // The rows scattered in shuffled order at odd element offsets (unaligned
+            // words), each its own slice, some longer than the row: the same bits.
+            let span = 2 * k2 + 5;
+            let mut place: Vec<usize> = (0..m).collect();
+            place.shuffle(&mut rng);
+            let mut store: Vec<u16> = (0..m * span + 1).map(|_| bits(&mut rng)).collect();
+            for (i, &at) in place.iter().enumerate() {
+                store[1 + at * span..][..2 * k2].copy_from_slice(&a[i * d.lda..][..2 * k2]);
+            }
+            let rows: Vec<&[u16]> = place
+                .iter()
+                .map(|&at| &store[1 + at * span..][..2 * k2 + rng.gen_range(0..4)])
+                .collect();
+            let mut got_g = vec![f32::NAN; c0.len()];
+            gemm_bf16_gathered_into(isa, d, &rows, &b, &mut got_g);
+            let what = format!("gathered into m={m} n={n} k2={k2}");
+            crate::cpu::gemm::assert_view_bits(&got_g, &want, (m, n, d.ldc), &what);
         }
     }
 
@@ -703,7 +832,13 @@ mod tests {
                 ldb,
                 ldc: n,
             };
-            emulate(d, AStep::rows(&d), &a16, &bp, &mut want, false);
+            emulate(
+                d,
+                |i, p| (a16[i * d.lda + 2 * p], a16[i * d.lda + 2 * p + 1]),
+                &bp,
+                &mut want,
+                false,
+            );
             let a32: Vec<f32> = a16.iter().map(|&x| bf16_daz(x)).collect();
             let b32: Vec<f32> = bk.iter().map(|&x| bf16_daz(x)).collect();
             for isa in CpuIsa::available() {

@@ -93,3 +93,77 @@ fn finish_v32(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{KvDtype, KvLayout};
+    use rand::{Rng, SeedableRng};
+
+    /// A bf16 cache's key rows are read where they lie when their bytes are 2-byte aligned
+    /// and copied first otherwise: on every path, a cache starting at an odd address gives
+    /// the bits of the same cache aligned (ragged batch: 5 tokens, some slots `-1`, blocks
+    /// of 128 keys and a partial one; outputs poisoned first).
+    #[test]
+    fn an_unaligned_bf16_cache_gives_the_aligned_bits() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        let (page, pages, n_tokens, h, topk) = (16, 13, 5, 24, 150);
+        for dtype in [KvDtype::Bf16, KvDtype::Bf16x512] {
+            let layout = match dtype {
+                KvDtype::Bf16 => KvLayout::new(dtype, 64, 32, page).unwrap(),
+                _ => KvLayout::bf16_512(page).unwrap(),
+            };
+            let (dqk, dv) = (layout.d_qk(), layout.nope_dim());
+            let op = SparseMla {
+                layout,
+                n_tokens,
+                n_heads: h,
+                topk,
+                softmax_scale: 0.7 / (dqk as f32).sqrt(),
+            };
+            let value =
+                |rng: &mut rand_chacha::ChaCha8Rng| bf16::from_f32(rng.gen_range(-2.0..2.0));
+            let mut cache = vec![0u8; layout.buffer_bytes(pages) + 1];
+            for b in cache.chunks_exact_mut(2) {
+                b.copy_from_slice(&value(&mut rng).to_le_bytes());
+            }
+            let q: Vec<bf16> = (0..n_tokens * h * dqk).map(|_| value(&mut rng)).collect();
+            let slots = (pages * page) as i32;
+            let indices: Vec<i32> = (0..n_tokens * topk)
+                .map(|i| match (i / topk, rng.gen_range(0..10)) {
+                    (3, _) => -1, // a token with no valid slot
+                    (_, 0) => -1,
+                    _ => rng.gen_range(0..slots),
+                })
+                .collect();
+            let mut odd = vec![0u8; cache.len() + 1];
+            odd[1..].copy_from_slice(&cache);
+            let (aligned, unaligned) = (&cache[..cache.len() - 1], &odd[1..cache.len()]);
+            assert_eq!(aligned.as_ptr() as usize % 2, 0);
+            assert_eq!(unaligned.as_ptr() as usize % 2, 1);
+            for isa in CpuIsa::available() {
+                let run = |c: &[u8]| {
+                    let mut out = vec![bf16::NAN; n_tokens * h * dv];
+                    let mut lse = vec![f32::NAN; n_tokens * h];
+                    sparse_mla(isa, &op, &q, c, &indices, &mut out, &mut lse);
+                    (out, lse)
+                };
+                let (oa, la) = run(aligned);
+                let (ou, lu) = run(unaligned);
+                assert!(
+                    oa.iter().all(|x| !x.is_nan()) && la.iter().take(3 * h).all(|x| x.is_finite())
+                );
+                let differ = oa
+                    .iter()
+                    .zip(&ou)
+                    .position(|(a, u)| a.to_bits() != u.to_bits());
+                assert_eq!(differ, None, "{} {dtype:?}: out differs at", isa.isa());
+                let differ = la
+                    .iter()
+                    .zip(&lu)
+                    .position(|(a, u)| a.to_bits() != u.to_bits());
+                assert_eq!(differ, None, "{} {dtype:?}: lse differs at", isa.isa());
+            }
+        }
+    }
+}
