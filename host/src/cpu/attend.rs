@@ -25,7 +25,7 @@ use half::bf16;
 
 use super::dot::{
     bf16_daz, e4m3_f32, f32_daz, gemm_bf16_gathered_into, gemm_bf16_pair_major,
-    gemm_bf16_pair_major_into, padded_cols, round_bf16, round_bf16_daz, PairDims,
+    gemm_bf16_pair_major_into, padded_cols, round_bf16_daz, scaled_bf16_row, PairDims,
 };
 use super::gemm::{gemm_acc_pairs, gemm_pairs_into, Dims};
 use super::isa::{prefetch, CpuIsa};
@@ -371,14 +371,10 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
     }
 }
 
-crate::isa_dispatch! {
-    /// `dst[i] = bf16(o[i] · inv · factor)`: two f32 products in that order, then
-    /// [`round_bf16`] (as `half::bf16::from_f32`), compiled for the vector path.
-    pub(crate) fn scaled_to_bf16(o: &[f32], inv: f32, factor: f32, dst: &mut [bf16]) = |ISA| {
-        for (x, &v) in dst.iter_mut().zip(o) {
-            *x = bf16::from_bits(round_bf16(v * inv * factor));
-        }
-    };
+/// `dst[i] = bf16(o[i] · inv · factor)`: two f32 products in that order, then
+/// [`super::dot::round_bf16`] (as `half::bf16::from_f32`), by [`scaled_bf16_row`].
+pub(crate) fn scaled_to_bf16(isa: CpuIsa, o: &[f32], inv: f32, factor: f32, dst: &mut [bf16]) {
+    scaled_bf16_row(isa, o, inv, factor, bytemuck::cast_slice_mut(dst));
 }
 
 /// Lanes of the softmax's reductions: a fixed structure, so every path (whatever its vector

@@ -76,6 +76,29 @@ pub fn round_bf16(x: f32) -> u16 {
     r as u16
 }
 
+/// `out[i] = round_bf16(x[i] · a · b)` (two f32 products in that order, then [`round_bf16`]:
+/// `half::bf16::from_f32`'s bits) for `i < min(x.len(), out.len())`. On the `avx512bf16`
+/// path by `vcvtne2ps2bf16` (32 values per instruction; it rounds as [`round_bf16`] does,
+/// NaN quietened the same way, but reads a subnormal as zero: a vector holding a subnormal
+/// product is converted value by value instead); elsewhere value by value, for the
+/// compiler to vectorise. The same bits on every path.
+pub fn scaled_bf16_row(isa: CpuIsa, x: &[f32], a: f32, b: f32, out: &mut [u16]) {
+    let n = x.len().min(out.len());
+    let (x, out) = (&x[..n], &mut out[..n]);
+    #[allow(unused_mut)]
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if isa.isa().bf16_dot() {
+        // SAFETY: the avx512bf16 path exists only on a CPU with AVX-512F, AVX-512BW and
+        // AVX512_BF16 (checked when its `CpuIsa` was made); `x` and `out` have one length.
+        done = unsafe { x86::scaled_bf16_row(x, a, b, out) };
+    }
+    let _ = isa;
+    for (o, &v) in out[done..].iter_mut().zip(&x[done..]) {
+        *o = round_bf16(v * a * b);
+    }
+}
+
 /// [`round_bf16`] with a subnormal result flushed to signed zero: the bf16 bits a dot
 /// product of every path reads.
 #[inline(always)]
@@ -397,6 +420,52 @@ mod x86 {
         }
     }
 
+    /// [`super::scaled_bf16_row`] over whole vectors of 32 values; returns how many values
+    /// it converted (the caller converts the rest).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F, AVX-512BW and AVX512_BF16; `x.len() == out.len()`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn scaled_bf16_row(x: &[f32], a: f32, b: f32, out: &mut [u16]) -> usize {
+        debug_assert_eq!(x.len(), out.len());
+        let (va, vb) = (_mm512_set1_ps(a), _mm512_set1_ps(b));
+        let (abs, one, top) = (
+            _mm512_set1_epi32(0x7fff_ffff),
+            _mm512_set1_epi32(1),
+            _mm512_set1_epi32(0x7f_ffff),
+        );
+        let whole = x.len() / 32 * 32;
+        for (xs, os) in x[..whole]
+            .chunks_exact(32)
+            .zip(out[..whole].chunks_exact_mut(32))
+        {
+            // SAFETY: 32 readable f32 at `xs` and 32 writable u16 at `os` (whole chunks);
+            // the features are the caller's.
+            unsafe {
+                let lo = crate::cpu::raw::read::<__m512>(xs.as_ptr().cast());
+                let hi = crate::cpu::raw::read::<__m512>(xs.as_ptr().add(16).cast());
+                let (lo, hi) = (
+                    _mm512_mul_ps(_mm512_mul_ps(lo, va), vb),
+                    _mm512_mul_ps(_mm512_mul_ps(hi, va), vb),
+                );
+                // A subnormal has |bits| in 1 ..= 0x7fffff: `|bits| - 1 < 0x7fffff`.
+                let sub = |v: __m512| {
+                    let m = _mm512_and_si512(_mm512_castps_si512(v), abs);
+                    _mm512_cmplt_epu32_mask(_mm512_sub_epi32(m, one), top)
+                };
+                if sub(lo) | sub(hi) != 0 {
+                    for (o, &v) in os.iter_mut().zip(xs) {
+                        *o = super::round_bf16(v * a * b);
+                    }
+                    continue;
+                }
+                let r: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+                crate::cpu::raw::write::<__m512i>(os.as_mut_ptr().cast(), r);
+            }
+        }
+        whole
+    }
+
     /// Columns of a tile: four vectors of 16.
     const TILE_COLS: usize = 64;
 
@@ -679,6 +748,50 @@ mod tests {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
         for _ in 0..1_000_000 {
             check(f32::from_bits(rng.gen()));
+        }
+    }
+
+    /// `scaled_bf16_row` gives `round_bf16(x · a · b)` on every path, for every class of
+    /// product: normal, subnormal (alone in its vector or not), zero, infinite, NaN, and
+    /// rounding ties; lengths not a multiple of 32.
+    #[test]
+    fn scaled_rows_round_as_round_bf16() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        for round in 0..200 {
+            let n = rng.gen_range(0..300);
+            let x: Vec<f32> = (0..n)
+                .map(|_| match rng.gen_range(0..40) {
+                    0 => f32::from_bits(rng.gen::<u32>() & 0x807f_ffff), // subnormal or 0
+                    1 => f32::from_bits(rng.gen::<u32>() | 0x7f80_0000), // inf or NaN
+                    2 => f32::from_bits((rng.gen::<u32>() & 0xffff_0000) | 0x8000), // tie
+                    _ if round % 2 == 0 => f32::from_bits(rng.gen()),
+                    _ => rng.gen_range(-8.0f32..8.0),
+                })
+                .collect();
+            let (a, b) = match round % 4 {
+                0 => (1.0, 1.0),
+                1 => (rng.gen_range(0.01f32..100.0), 1.0),
+                2 => (rng.gen_range(0.01f32..100.0), rng.gen_range(-2.0f32..2.0)),
+                _ => (2f32.powi(-120), 0.5), // many products subnormal
+            };
+            for isa in CpuIsa::available() {
+                let mut got = vec![0xdead_u16; n + 3];
+                scaled_bf16_row(isa, &x, a, b, &mut got);
+                for (i, (&g, &v)) in got.iter().zip(&x).enumerate() {
+                    let want = round_bf16(v * a * b);
+                    assert_eq!(
+                        g,
+                        want,
+                        "{} x[{i}] = {:#010x}, a={a} b={b}",
+                        isa.isa(),
+                        v.to_bits()
+                    );
+                }
+                assert!(
+                    got[n..].iter().all(|&g| g == 0xdead),
+                    "wrote past the input"
+                );
+            }
         }
     }
 
