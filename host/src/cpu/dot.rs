@@ -33,10 +33,10 @@
 //! per step, far inside every tolerance; ordinary data never comes near it).
 //!
 //! The operands of the kernel: `A` row-major bf16 (`[m × 2·k2]`, a pair is two adjacent
-//! elements of a row; or pair-major, `[k2][lda]` of u32, for
-//! [`gemm_bf16_pair_major`]), `B` packed as pairs (`[k2][ldb]` of u32: pair `p` of column
-//! `j` holds `B[2p][j]` in its low half and `B[2p+1][j]` in its high half), `C` row-major
-//! f32.
+//! elements of a row; or pair-major, `[k2][lda]` of u32, for [`gemm_bf16_pair_major`]; or
+//! one slice per row, for [`gemm_bf16_gathered_into`]), `B` packed as pairs (`[k2][ldb]`
+//! of u32: pair `p` of column `j` holds `B[2p][j]` in its low half and `B[2p+1][j]` in its
+//! high half), `C` row-major f32.
 
 use super::isa::CpuIsa;
 
