@@ -481,16 +481,28 @@ fn tree16(mut a: [[f32; H]; LANES], f: impl Fn(f32, f32) -> f32) -> [f32; H] {
 }
 
 /// `out[h] = bf16(lo[h]) | bf16(hi[h]) << 16` (each rounded, subnormals flushed); `hi`
-/// empty: the pad key, zero.
+/// empty: the pad key, zero. Whole vectors of 16 heads (`out.len()` a multiple of 16).
 #[inline(always)]
 fn bf16_pairs(lo: &[f32], hi: &[f32], out: &mut [u32]) {
-    let zeros = [0f32; 16];
-    let his = hi.chunks_exact(16).chain(std::iter::repeat(&zeros[..]));
-    for ((o, l), h) in out.chunks_exact_mut(16).zip(lo.chunks_exact(16)).zip(his) {
-        // Into a local vector first: `out` could alias `lo` as far as the compiler knows.
+    const ZEROS: [f32; 16] = [0.0; 16];
+    for (v, o) in out.chunks_exact_mut(16).enumerate() {
+        // Fixed-size copies in and out: the loop below then has a constant trip count and
+        // no operand the compiler must suspect of aliasing `out` (with a chain of slices
+        // it kept a runtime-length loop, whose scalar stores the vector copy then waited
+        // on).
+        let mut l = [0f32; 16];
+        l.copy_from_slice(&lo[16 * v..][..16]);
+        let h = match hi.get(16 * v..16 * v + 16) {
+            Some(h) => {
+                let mut a = [0f32; 16];
+                a.copy_from_slice(h);
+                a
+            }
+            None => ZEROS,
+        };
         let mut x = [0u32; 16];
-        for ((x, &l), &h) in x.iter_mut().zip(l).zip(h) {
-            *x = round_bf16_daz(l) as u32 | (round_bf16_daz(h) as u32) << 16;
+        for i in 0..16 {
+            x[i] = round_bf16_daz(l[i]) as u32 | (round_bf16_daz(h[i]) as u32) << 16;
         }
         o.copy_from_slice(&x);
     }
