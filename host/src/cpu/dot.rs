@@ -160,12 +160,12 @@ pub const fn padded_cols(n: usize) -> usize {
 /// `vdpbf16ps` kernel; on any other path an emulation of it with f32 FMAs (exact, with
 /// its flushes: for tests, not speed). Panics if a slice is too short for `d`.
 pub fn gemm_bf16(isa: CpuIsa, d: PairDims, a: &[u16], b: &[u32], c: &mut [f32]) {
-    run(isa, d, AStep::rows(&d), a, b, c, false)
+    run(isa, d, A::strided(AStep::rows(&d), a), b, c, false)
 }
 
 /// [`gemm_bf16`] into `C = A · B`: each element's chain starts from `+0` (C is not read).
 pub fn gemm_bf16_into(isa: CpuIsa, d: PairDims, a: &[u16], b: &[u32], c: &mut [f32]) {
-    run(isa, d, AStep::rows(&d), a, b, c, true)
+    run(isa, d, A::strided(AStep::rows(&d), a), b, c, true)
 }
 
 /// [`gemm_bf16`] with `A` stored pair-major: `a[p · lda + i]` holds row `i`'s pair `p`
@@ -173,28 +173,14 @@ pub fn gemm_bf16_into(isa: CpuIsa, d: PairDims, a: &[u16], b: &[u32], c: &mut [f
 /// bits as [`gemm_bf16`] on the row-major `A`; a register tile's pairs of one step are
 /// then adjacent (attention's probabilities: a key pair's heads side by side).
 pub fn gemm_bf16_pair_major(isa: CpuIsa, d: PairDims, a: &[u32], b: &[u32], c: &mut [f32]) {
-    run(
-        isa,
-        d,
-        AStep::pair_major(&d),
-        bytemuck::cast_slice(a),
-        b,
-        c,
-        false,
-    )
+    let a = A::strided(AStep::pair_major(&d), bytemuck::cast_slice(a));
+    run(isa, d, a, b, c, false)
 }
 
 /// [`gemm_bf16_pair_major`] into `C = A · B` (as [`gemm_bf16_into`]).
 pub fn gemm_bf16_pair_major_into(isa: CpuIsa, d: PairDims, a: &[u32], b: &[u32], c: &mut [f32]) {
-    run(
-        isa,
-        d,
-        AStep::pair_major(&d),
-        bytemuck::cast_slice(a),
-        b,
-        c,
-        true,
-    )
+    let a = A::strided(AStep::pair_major(&d), bytemuck::cast_slice(a));
+    run(isa, d, a, b, c, true)
 }
 
 /// [`gemm_bf16_into`] with each row of `A` its own slice (`rows[i]` is row `i`, pair `p`
@@ -210,39 +196,7 @@ pub fn gemm_bf16_gathered_into(
     c: &mut [f32],
 ) {
     assert_eq!(rows.len(), d.m, "one slice per row of A");
-    if d.m == 0 || d.n == 0 {
-        return;
-    }
-    assert!(d.ldc >= d.n && c.len() >= (d.m - 1) * d.ldc + d.n);
-    if d.k2 == 0 {
-        for i in 0..d.m {
-            c[i * d.ldc..][..d.n].fill(0.0);
-        }
-        return;
-    }
-    assert!(
-        rows.iter().all(|r| r.len() >= 2 * d.k2),
-        "a row of A is shorter than 2·k2"
-    );
-    assert!(d.ldb >= padded_cols(d.n));
-    assert!(b.len() >= (d.k2 - 1) * d.ldb + padded_cols(d.n));
-    #[cfg(target_arch = "x86_64")]
-    if isa.isa().bf16_dot() {
-        // SAFETY: as in `run`: the path's features are present; every row holds `k2`
-        // pairs and B and C hold `d` (asserted above).
-        unsafe {
-            x86::gemm(
-                d,
-                x86::Gathered(rows.as_ptr()),
-                b.as_ptr(),
-                c.as_mut_ptr(),
-                true,
-            )
-        };
-        return;
-    }
-    let _ = isa;
-    emulate(d, |i, p| (rows[i][2 * p], rows[i][2 * p + 1]), b, c, true);
+    run(isa, d, A::Rows(rows), b, c, true)
 }
 
 /// Where `A`'s pairs lie, in bf16 elements: row `i`'s pair `p` starts at
@@ -278,7 +232,36 @@ impl AStep {
     }
 }
 
-fn run(isa: CpuIsa, d: PairDims, s: AStep, a: &[u16], b: &[u32], c: &mut [f32], zero: bool) {
+/// `A` as a caller passes it: one buffer with its pairs placed by an [`AStep`], or one
+/// slice per row.
+#[derive(Clone, Copy)]
+enum A<'a> {
+    Strided { a: &'a [u16], s: AStep },
+    Rows(&'a [&'a [u16]]),
+}
+
+impl<'a> A<'a> {
+    fn strided(s: AStep, a: &'a [u16]) -> Self {
+        A::Strided { a, s }
+    }
+
+    /// Panics unless `A` holds `d.m` rows of `d.k2` pairs (`d.m`, `d.k2` positive) and,
+    /// in one buffer, no two pairs overlap.
+    fn check(&self, d: &PairDims) {
+        match *self {
+            A::Strided { a, s } => {
+                assert!(s.disjoint(d), "A's pairs overlap: {d:?}");
+                assert!(a.len() >= (d.m - 1) * s.row + (d.k2 - 1) * s.pair + 2);
+            }
+            A::Rows(rows) => assert!(
+                rows.len() >= d.m && rows.iter().all(|r| r.len() >= 2 * d.k2),
+                "a row of A is shorter than 2·k2"
+            ),
+        }
+    }
+}
+
+fn run(isa: CpuIsa, d: PairDims, a: A<'_>, b: &[u32], c: &mut [f32], zero: bool) {
     if d.m == 0 || d.n == 0 {
         return;
     }
@@ -294,30 +277,36 @@ fn run(isa: CpuIsa, d: PairDims, s: AStep, a: &[u16], b: &[u32], c: &mut [f32], 
     if d.k2 == 0 {
         return;
     }
-    assert!(s.disjoint(&d), "A's pairs overlap: {d:?}");
+    a.check(&d);
     assert!(d.ldb >= padded_cols(d.n) && d.ldc >= d.n);
-    assert!(a.len() >= (d.m - 1) * s.row + (d.k2 - 1) * s.pair + 2);
     assert!(b.len() >= (d.k2 - 1) * d.ldb + padded_cols(d.n));
     assert!(c.len() >= (d.m - 1) * d.ldc + d.n);
     #[cfg(target_arch = "x86_64")]
     if isa.isa().bf16_dot() {
         // SAFETY: a `CpuIsa` of the avx512bf16 path exists only on a CPU with AVX-512F,
-        // AVX-512BW, AVX-512VL and AVX512_BF16 (checked when it was made); the slices hold
-        // `d` (asserted above), which is all the kernel reads and writes.
+        // AVX-512BW, AVX-512VL and AVX512_BF16 (checked when it was made); A's buffer (or
+        // each of its `m` rows), B and C hold `d` (asserted above), which is all the
+        // kernel reads and writes.
         unsafe {
-            let a = x86::Strided { a: a.as_ptr(), s };
-            x86::gemm(d, a, b.as_ptr(), c.as_mut_ptr(), zero)
+            let (b, c) = (b.as_ptr(), c.as_mut_ptr());
+            match a {
+                A::Strided { a, s } => x86::gemm(d, x86::Strided { a: a.as_ptr(), s }, b, c, zero),
+                A::Rows(rows) => x86::gemm(d, x86::Gathered(rows.as_ptr()), b, c, zero),
+            }
         };
         return;
     }
     let _ = isa;
-    emulate(
-        d,
-        |i, p| (a[i * s.row + p * s.pair], a[i * s.row + p * s.pair + 1]),
-        b,
-        c,
-        zero,
-    );
+    match a {
+        A::Strided { a, s } => emulate(
+            d,
+            |i, p| (a[i * s.row + p * s.pair], a[i * s.row + p * s.pair + 1]),
+            b,
+            c,
+            zero,
+        ),
+        A::Rows(rows) => emulate(d, |i, p| (rows[i][2 * p], rows[i][2 * p + 1]), b, c, zero),
+    }
 }
 
 /// The kernel's arithmetic in f32 FMAs with its flushes (module docs); `pair(i, p)` is
