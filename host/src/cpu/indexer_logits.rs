@@ -512,9 +512,7 @@ impl Ctx<'_> {
                 // cost to show (AMD Zen 4, one thread, 32 decode rows of 8 heads over 2048
                 // fp8 keys: 675–680 µs against 750–757 µs in calls of 16 keys; 64 heads
                 // unchanged).
-                for (s0, _) in chunks {
-                    ahead(s0);
-                }
+                self.prefetch_keys(g.request, next.start, next.end);
                 // bf16 keys of one page are read where they are.
                 let a: &[u16] = match self.keys_in_place(g.request, b0, n) {
                     Some(a) => {
