@@ -40,6 +40,10 @@ fn main() {
             .sparse_mla
             .retain(|s| sparse_mla_id(s).contains(&case));
         suite.sparse_mla_v4.retain(|s| s.id().contains(&case));
+        suite.stores.retain(|s| s.id().1.contains(&case));
+        suite.copies.retain(|s| s.id().contains(&case));
+        suite.checksums.retain(|s| s.id().contains(&case));
+        suite.matmuls.retain(|s| s.id().contains(&case));
     }
     let opts = RunOptions { warmup: 1, samples };
     // SPARSEKIT_QUICK_ROOF=1: a short roofline (for profiling the ops).
