@@ -288,6 +288,16 @@ pub fn prefetch(bytes: &[u8]) {
     prefetch_lines::<false>(bytes.as_ptr(), bytes.len());
 }
 
+/// Most lines of a run that [`prefetch_lines`] asks for at fixed offsets from its first
+/// line; a longer run goes line by line with the next line's address worked out in
+/// between. Short runs (a key row of the attention, a 16-token page of the tiny model's
+/// index keys) are then a few instructions each: AMD Zen 4, two threads, the tiny decode
+/// (`fp8_e4m3/b32_ctx2048_h8_d64_n1`) 340.7 → 323.2 µs, serving attention `t32` 148.8 →
+/// 142.9 µs. Long runs from memory (the 64-head indexer's chunks of 32 lines) measured
+/// faster asked for at the slower pace: 22.8 ms against 24.3 with every run at fixed
+/// offsets.
+const SHORT_RUN_LINES: usize = 16;
+
 /// One prefetch per 64-byte line that the `len` bytes from `start` touch, the line holding
 /// the last byte included (steps of 64 bytes from an unaligned start would leave it out);
 /// into L1 when `L1`, else L2 and closer. An address rather than a slice, for callers that
@@ -296,33 +306,90 @@ pub fn prefetch(bytes: &[u8]) {
 #[inline(always)]
 pub(crate) fn prefetch_lines<const L1: bool>(start: *const u8, len: usize) {
     #[cfg(target_arch = "x86_64")]
-    {
+    each_line(start, len, |p| {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
-        let mut off = 0;
-        while off < len {
-            let p = start.wrapping_add(off).cast::<i8>();
-            // SAFETY: a prefetch is a hint: it reads nothing the program can observe and
-            // never faults, at any address; SSE is part of the x86_64 baseline. (`unsafe`
-            // only for toolchains where the intrinsic is still unsafe.)
-            #[allow(unused_unsafe)]
-            unsafe {
-                if L1 {
-                    _mm_prefetch::<_MM_HINT_T0>(p)
-                } else {
-                    _mm_prefetch::<_MM_HINT_T1>(p)
-                }
-            };
-            // The next line's first byte.
-            off += 64 - (p as usize % 64);
+        // SAFETY: a prefetch is a hint: it reads nothing the program can observe and never
+        // faults, at any address; SSE is part of the x86_64 baseline. (`unsafe` only for
+        // toolchains where the intrinsic is still unsafe.)
+        #[allow(unused_unsafe)]
+        unsafe {
+            if L1 {
+                _mm_prefetch::<_MM_HINT_T0>(p.cast())
+            } else {
+                _mm_prefetch::<_MM_HINT_T1>(p.cast())
+            }
         }
-    }
+    });
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (start, len);
+}
+
+/// Calls `f` once with an address inside each 64-byte line that the `len` bytes from
+/// `start` touch, in order: a short run ([`SHORT_RUN_LINES`]) with each line's start, at
+/// fixed steps from the first; a longer one with `start`, then each next line's start.
+/// The pointers only move `wrapping`: they are never dereferenced.
+#[inline(always)]
+fn each_line(start: *const u8, len: usize, mut f: impl FnMut(*const u8)) {
+    if len == 0 {
+        return;
+    }
+    let skip = start as usize % 64;
+    let lines = (skip + len).div_ceil(64);
+    if lines <= SHORT_RUN_LINES {
+        let first = start.wrapping_sub(skip);
+        for l in 0..lines {
+            f(first.wrapping_add(64 * l));
+        }
+        return;
+    }
+    let mut off = 0;
+    while off < len {
+        let p = start.wrapping_add(off);
+        f(p);
+        // The next line's first byte.
+        off += 64 - (p as usize % 64);
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// Every line the bytes touch is asked for exactly once, in order, and no other: short
+    /// and long runs, every start within a line, runs ending on a line's last byte or
+    /// first, and nothing for no bytes.
+    #[test]
+    fn each_line_visits_exactly_the_touched_lines() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        let base = 64 * rng.gen_range(1usize..1 << 20);
+        let mut cases: Vec<(usize, usize)> = vec![(0, 0), (63, 0), (0, 1), (63, 1), (63, 2)];
+        for lines in [
+            1,
+            2,
+            SHORT_RUN_LINES - 1,
+            SHORT_RUN_LINES,
+            SHORT_RUN_LINES + 1,
+            40,
+        ] {
+            for skip in [0, 1, 32, 63] {
+                let end = 64 * lines - skip;
+                cases.extend([(skip, end), (skip, end - 1), (skip, end + 1)]);
+            }
+        }
+        cases.extend((0..200).map(|_| (rng.gen_range(0..64), rng.gen_range(0..3000))));
+        for (skip, len) in cases {
+            let start = base + skip;
+            let mut got = Vec::new();
+            each_line(start as *const u8, len, |p| got.push(p as usize / 64));
+            let want: Vec<usize> = if len == 0 {
+                vec![]
+            } else {
+                (start / 64..=(start + len - 1) / 64).collect()
+            };
+            assert_eq!(got, want, "start {start:#x} len {len}");
+        }
+    }
 
     #[test]
     fn env_values_select_supported_paths_and_reject_the_rest() {
