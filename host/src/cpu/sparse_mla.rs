@@ -101,11 +101,12 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     /// A bf16 cache's key rows are read where they lie when their bytes are 2-byte aligned
-    /// and copied first otherwise: on every path, a cache starting at an odd address gives
-    /// the bits of the same cache aligned (ragged batch: 5 tokens, some slots `-1`, blocks
+    /// and copied first otherwise, and so are the queries' pairs when 4-byte aligned: on
+    /// every path, a cache starting at an odd address, or the queries at the other 4-byte
+    /// alignment, give the bits of the aligned run (ragged batch: 5 tokens, some slots `-1`, blocks
     /// of 128 keys and a partial one; outputs poisoned first).
     #[test]
-    fn an_unaligned_bf16_cache_gives_the_aligned_bits() {
+    fn unaligned_caches_and_queries_give_the_aligned_bits() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
         let (page, pages, n_tokens, h, topk) = (16, 13, 5, 24, 150);
         for dtype in [KvDtype::Bf16, KvDtype::Bf16x512] {
@@ -141,28 +142,49 @@ mod tests {
             let (aligned, unaligned) = (&cache[..cache.len() - 1], &odd[1..cache.len()]);
             assert_eq!(aligned.as_ptr() as usize % 2, 0);
             assert_eq!(unaligned.as_ptr() as usize % 2, 1);
+            // The queries again at the other 4-byte alignment: on the bf16 dot product's
+            // path one copy is read in place as pairs, the other copied first.
+            let mut q_buf = vec![bf16::ZERO; q.len() + 1];
+            let shift = usize::from(q_buf.as_ptr() as usize % 4 == q.as_ptr() as usize % 4);
+            q_buf[shift..shift + q.len()].copy_from_slice(&q);
+            let q_other = &q_buf[shift..shift + q.len()];
+            assert_ne!(q.as_ptr() as usize % 4, q_other.as_ptr() as usize % 4);
             for isa in CpuIsa::available() {
-                let run = |c: &[u8]| {
+                let run = |q: &[bf16], c: &[u8]| {
                     let mut out = vec![bf16::NAN; n_tokens * h * dv];
                     let mut lse = vec![f32::NAN; n_tokens * h];
-                    sparse_mla(isa, &op, &q, c, &indices, &mut out, &mut lse);
+                    sparse_mla(isa, &op, q, c, &indices, &mut out, &mut lse);
                     (out, lse)
                 };
-                let (oa, la) = run(aligned);
-                let (ou, lu) = run(unaligned);
+                let (oa, la) = run(&q, aligned);
                 assert!(
                     oa.iter().all(|x| !x.is_nan()) && la.iter().take(3 * h).all(|x| x.is_finite())
                 );
-                let differ = oa
-                    .iter()
-                    .zip(&ou)
-                    .position(|(a, u)| a.to_bits() != u.to_bits());
-                assert_eq!(differ, None, "{} {dtype:?}: out differs at", isa.isa());
-                let differ = la
-                    .iter()
-                    .zip(&lu)
-                    .position(|(a, u)| a.to_bits() != u.to_bits());
-                assert_eq!(differ, None, "{} {dtype:?}: lse differs at", isa.isa());
+                for (what, (ou, lu)) in [
+                    ("an odd-addressed cache", run(&q, unaligned)),
+                    ("the queries' other alignment", run(q_other, aligned)),
+                ] {
+                    let differ = oa
+                        .iter()
+                        .zip(&ou)
+                        .position(|(a, u)| a.to_bits() != u.to_bits());
+                    assert_eq!(
+                        differ,
+                        None,
+                        "{} {dtype:?}, {what}: out differs at",
+                        isa.isa()
+                    );
+                    let differ = la
+                        .iter()
+                        .zip(&lu)
+                        .position(|(a, u)| a.to_bits() != u.to_bits());
+                    assert_eq!(
+                        differ,
+                        None,
+                        "{} {dtype:?}, {what}: lse differs at",
+                        isa.isa()
+                    );
+                }
             }
         }
     }
