@@ -328,6 +328,7 @@ pub(crate) fn prefetch_lines<const L1: bool>(start: *const u8, len: usize) {
 /// `start` touch, in order: a short run ([`SHORT_RUN_LINES`]) with each line's start, at
 /// fixed steps from the first; a longer one with `start`, then each next line's start.
 /// The pointers only move `wrapping`: they are never dereferenced.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 #[inline(always)]
 fn each_line(start: *const u8, len: usize, mut f: impl FnMut(*const u8)) {
     if len == 0 {
