@@ -259,6 +259,14 @@ impl<'a> A<'a> {
             ),
         }
     }
+
+    /// Row `i`'s pair `p` (low, high); panics outside `A`.
+    fn pair(&self, i: usize, p: usize) -> (u16, u16) {
+        match *self {
+            A::Strided { a, s } => (a[i * s.row + p * s.pair], a[i * s.row + p * s.pair + 1]),
+            A::Rows(rows) => (rows[i][2 * p], rows[i][2 * p + 1]),
+        }
+    }
 }
 
 fn run(isa: CpuIsa, d: PairDims, a: A<'_>, b: &[u32], c: &mut [f32], zero: bool) {
@@ -297,27 +305,11 @@ fn run(isa: CpuIsa, d: PairDims, a: A<'_>, b: &[u32], c: &mut [f32], zero: bool)
         return;
     }
     let _ = isa;
-    match a {
-        A::Strided { a, s } => emulate(
-            d,
-            |i, p| (a[i * s.row + p * s.pair], a[i * s.row + p * s.pair + 1]),
-            b,
-            c,
-            zero,
-        ),
-        A::Rows(rows) => emulate(d, |i, p| (rows[i][2 * p], rows[i][2 * p + 1]), b, c, zero),
-    }
+    emulate(d, a, b, c, zero);
 }
 
-/// The kernel's arithmetic in f32 FMAs with its flushes (module docs); `pair(i, p)` is
-/// row `i`'s pair `p` of `A` (low, high).
-fn emulate(
-    d: PairDims,
-    pair: impl Fn(usize, usize) -> (u16, u16),
-    b: &[u32],
-    c: &mut [f32],
-    zero: bool,
-) {
+/// The kernel's arithmetic in f32 FMAs with its flushes (module docs).
+fn emulate(d: PairDims, a: A<'_>, b: &[u32], c: &mut [f32], zero: bool) {
     let ftz = |x: f32| {
         if x.is_subnormal() {
             0f32.copysign(x)
@@ -331,7 +323,7 @@ fn emulate(
             for p in 0..d.k2 {
                 let pb = b[p * d.ldb + j];
                 let (b0, b1) = (bf16_daz(pb as u16), bf16_daz((pb >> 16) as u16));
-                let (a0, a1) = pair(i, p);
+                let (a0, a1) = a.pair(i, p);
                 let (a0, a1) = (bf16_daz(a0), bf16_daz(a1));
                 x = ftz(a1.mul_add(b1, x));
                 x = ftz(a0.mul_add(b0, x));
@@ -827,13 +819,7 @@ mod tests {
                 .collect();
             let (mut got, mut want) = (c0.clone(), c0.clone());
             gemm_bf16(isa, d, &a, &b, &mut got);
-            emulate(
-                d,
-                |i, p| (a[i * d.lda + 2 * p], a[i * d.lda + 2 * p + 1]),
-                &b,
-                &mut want,
-                false,
-            );
+            emulate(d, A::strided(AStep::rows(&d), &a), &b, &mut want, false);
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert_eq!(g.to_bits(), w.to_bits(), "m={m} n={n} k2={k2} element {i}");
             }
@@ -858,13 +844,7 @@ mod tests {
             );
             let (mut got, mut want) = (vec![f32::NAN; c0.len()], c0.clone());
             gemm_bf16_into(isa, d, &a, &b, &mut got);
-            emulate(
-                d,
-                |i, p| (a[i * d.lda + 2 * p], a[i * d.lda + 2 * p + 1]),
-                &b,
-                &mut want,
-                true,
-            );
+            emulate(d, A::strided(AStep::rows(&d), &a), &b, &mut want, true);
             let what = format!("into m={m} n={n} k2={k2}");
             crate::cpu::gemm::assert_view_bits(&got, &want, (m, n, d.ldc), &what);
             let mut got_t = vec![f32::NAN; c0.len()];
@@ -934,13 +914,7 @@ mod tests {
                 ldb,
                 ldc: n,
             };
-            emulate(
-                d,
-                |i, p| (a16[i * d.lda + 2 * p], a16[i * d.lda + 2 * p + 1]),
-                &bp,
-                &mut want,
-                false,
-            );
+            emulate(d, A::strided(AStep::rows(&d), &a16), &bp, &mut want, false);
             let a32: Vec<f32> = a16.iter().map(|&x| bf16_daz(x)).collect();
             let b32: Vec<f32> = bk.iter().map(|&x| bf16_daz(x)).collect();
             for isa in CpuIsa::available() {

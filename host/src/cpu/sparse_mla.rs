@@ -100,11 +100,18 @@ mod tests {
     use crate::layout::{KvDtype, KvLayout};
     use rand::{Rng, SeedableRng};
 
+    /// The index of the first element whose bits differ between `a` and `b`.
+    fn first_difference<T: bytemuck::Pod>(a: &[T], b: &[T]) -> Option<usize> {
+        a.iter()
+            .zip(b)
+            .position(|(x, y)| bytemuck::bytes_of(x) != bytemuck::bytes_of(y))
+    }
+
     /// A bf16 cache's key rows are read where they lie when their bytes are 2-byte aligned
     /// and copied first otherwise, and so are the queries' pairs when 4-byte aligned: on
     /// every path, a cache starting at an odd address, or the queries at the other 4-byte
-    /// alignment, give the bits of the aligned run (ragged batch: 5 tokens, some slots `-1`, blocks
-    /// of 128 keys and a partial one; outputs poisoned first).
+    /// alignment, give the bits of the aligned run (ragged batch: 5 tokens, some slots
+    /// `-1`, blocks of 128 keys and a partial one; outputs poisoned first).
     #[test]
     fn unaligned_caches_and_queries_give_the_aligned_bits() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
@@ -164,26 +171,13 @@ mod tests {
                     ("an odd-addressed cache", run(&q, unaligned)),
                     ("the queries' other alignment", run(q_other, aligned)),
                 ] {
-                    let differ = oa
-                        .iter()
-                        .zip(&ou)
-                        .position(|(a, u)| a.to_bits() != u.to_bits());
-                    assert_eq!(
-                        differ,
-                        None,
-                        "{} {dtype:?}, {what}: out differs at",
-                        isa.isa()
-                    );
-                    let differ = la
-                        .iter()
-                        .zip(&lu)
-                        .position(|(a, u)| a.to_bits() != u.to_bits());
-                    assert_eq!(
-                        differ,
-                        None,
-                        "{} {dtype:?}, {what}: lse differs at",
-                        isa.isa()
-                    );
+                    for (name, differ) in [
+                        ("out", first_difference(&oa, &ou)),
+                        ("lse", first_difference(&la, &lu)),
+                    ] {
+                        let isa = isa.isa();
+                        assert_eq!(differ, None, "{isa} {dtype:?}, {what}: {name} differs at");
+                    }
                 }
             }
         }
