@@ -666,19 +666,30 @@ fn load_row_bf16(isa: CpuIsa, l: &KvLayout, cache: &[u8], slot: usize, row: &mut
         }
         KvDtype::Fp8DsMla => {
             let sc = &tok[l.scales_range()];
+            let scale = |t: usize| {
+                f32::from_le_bytes([sc[4 * t], sc[4 * t + 1], sc[4 * t + 2], sc[4 * t + 3]])
+            };
+            let exponent = |t| pow2_exponent(scale(t));
+            if pow2_tiles(isa, &tok[l.nope_range()], FP8_DS_MLA_TILE, exponent, vrow) {
+                rope_row(tok, l, rope);
+                return true;
+            }
             for (t, (xs, codes)) in vrow
                 .chunks_exact_mut(FP8_DS_MLA_TILE)
                 .zip(tok[l.nope_range()].chunks_exact(FP8_DS_MLA_TILE))
                 .enumerate()
             {
-                let s =
-                    f32::from_le_bytes([sc[4 * t], sc[4 * t + 1], sc[4 * t + 2], sc[4 * t + 3]]);
-                low |= tile_bf16(isa, codes, s, xs);
+                low |= tile_bf16(isa, codes, scale(t), xs);
             }
         }
         KvDtype::Model1Fp8 => {
             // e4m3 × a power of two (or NaN): always a bf16 value.
             let sc = &cache[l.slot_tile_scale_bytes(slot)];
+            let exponent = |t: usize| pow2_exponent(ue8m0_to_f32(sc[t]));
+            if pow2_tiles(isa, &tok[l.nope_range()], MODEL1_TILE, exponent, vrow) {
+                rope_row(tok, l, rope);
+                return true;
+            }
             for ((xs, codes), &b) in vrow
                 .chunks_exact_mut(MODEL1_TILE)
                 .zip(tok[l.nope_range()].chunks_exact(MODEL1_TILE))
@@ -689,10 +700,46 @@ fn load_row_bf16(isa: CpuIsa, l: &KvLayout, cache: &[u8], slot: usize, row: &mut
             }
         }
     }
+    rope_row(tok, l, rope);
+    low == 0
+}
+
+/// The rope part of a cache row `tok` (bf16 in every layout) into `rope`.
+#[inline(always)]
+fn rope_row(tok: &[u8], l: &KvLayout, rope: &mut [u16]) {
     for (x, b) in rope.iter_mut().zip(tok[l.rope_range()].chunks_exact(2)) {
         *x = u16::from_le_bytes([b[0], b[1]]);
     }
-    low == 0
+}
+
+/// Most tiles in a cache row's latent part ([`pow2_tiles`]' exponents on the stack).
+const MAX_TILES: usize = 16;
+
+/// A row's latent tiles of `tile` codes in one [`widen::e4m3_tiles_pow2`] call when every
+/// tile's scale is a power of two `2^exponent(t)` with the exponent in -117..=119,
+/// widening into `out`; false (nothing written) otherwise, for the caller's tile-by-tile
+/// route.
+#[inline(always)]
+fn pow2_tiles(
+    isa: CpuIsa,
+    codes: &[u8],
+    tile: usize,
+    exponent: impl Fn(usize) -> Option<i32>,
+    out: &mut [u16],
+) -> bool {
+    let nt = out.len() / tile;
+    let mut ks = [0i32; MAX_TILES];
+    if nt > MAX_TILES || nt * tile != out.len() {
+        return false;
+    }
+    for (t, k) in ks[..nt].iter_mut().enumerate() {
+        match exponent(t) {
+            Some(e) if (-117..=119).contains(&e) => *k = e,
+            _ => return false,
+        }
+    }
+    widen::e4m3_tiles_pow2(isa, codes, tile, &ks[..nt], out);
+    true
 }
 
 #[cfg(test)]

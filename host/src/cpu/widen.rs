@@ -6,9 +6,11 @@
 //! - to f32 for the FMA kernels: e4m3 codes (through f16 and F16C on the AVX paths) and
 //!   bf16 values (subnormals flushed to signed zero, as `vdpbf16ps` reads them).
 //!
-//! On AVX-512 CPUs with VBMI (detected at run time, not a path of its own), e4m3 codes
-//! unscaled (to bf16 for the fp8 index keys, to f32 on the AVX-512 paths) go through two
-//! 128-entry byte tables instead (`vpermi2b`: 64 codes per lookup), the same bits.
+//! On AVX-512 CPUs with VBMI (detected at run time, not a path of its own), e4m3 codes go
+//! through two 128-entry byte tables instead (`vpermi2b`: 64 codes per lookup), the same
+//! bits: to bf16 for the fp8 index keys and, a power-of-two scale added to the exponents,
+//! for the KV caches' tiles (a row's tiles in one call, [`e4m3_tiles_pow2`]); to f32 on
+//! the AVX-512 paths.
 
 use sparsekit_kernels::fp8::decode_bits;
 use sparsekit_kernels::mx::{e2m1_to_f32, ue8m0_to_f32};
@@ -33,9 +35,12 @@ pub fn e4m3_row_pow2(isa: CpuIsa, codes: &[u8], k: i32, out: &mut [u16]) {
     // for `k` in -117..=119 (the table path adds `k` to the exponent field).
     #[cfg(target_arch = "x86_64")]
     if isa.isa().bf16_dot() && (-117..=119).contains(&k) {
-        let done = if k == 0 && x86::has_vbmi() {
-            // SAFETY: AVX-512F/BW (the avx512bf16 path) and VBMI (checked); equal lengths.
-            unsafe { x86::e4m3_bf16_row_vbmi(&codes[..n], &mut out[..n]) }
+        let done = if x86::has_vbmi() {
+            let whole = n / 64 * 64;
+            // SAFETY: AVX-512F/BW (the avx512bf16 path) and VBMI (checked); `whole` codes
+            // and words, one tile of them, its `k` in range.
+            unsafe { x86::e4m3_bf16_tiles_vbmi(&codes[..whole], whole, &[k], &mut out[..whole]) };
+            whole
         } else {
             0
         };
@@ -47,6 +52,38 @@ pub fn e4m3_row_pow2(isa: CpuIsa, codes: &[u8], k: i32, out: &mut [u16]) {
     let s = 2f32.powi(k);
     for (x, &c) in out[..n].iter_mut().zip(&codes[..n]) {
         *x = (f32_daz(e4m3_f32(c) * s).to_bits() >> 16) as u16;
+    }
+}
+
+/// [`e4m3_row_pow2`] of each tile of `tile` codes with its own exponent: tile `t` is
+/// `codes[t·tile..(t + 1)·tile]` times `2^ks[t]`, into the same words of `out`. One call
+/// for a cache row's tiles: on the `avx512bf16` path with VBMI, tiles of whole vectors of
+/// 64 and every `k` in -117..=119 go through the byte tables (loaded once per row, a
+/// masked exponent add per vector); anything else tile by tile. Reads and writes the
+/// first `tile · ks.len()` values; panics if `codes` or `out` is shorter.
+pub fn e4m3_tiles_pow2(isa: CpuIsa, codes: &[u8], tile: usize, ks: &[i32], out: &mut [u16]) {
+    let n = tile * ks.len();
+    let (codes, out) = (&codes[..n], &mut out[..n]);
+    #[cfg(target_arch = "x86_64")]
+    if isa.isa().bf16_dot()
+        && tile % 64 == 0
+        && x86::has_vbmi()
+        && ks.iter().all(|k| (-117..=119).contains(k))
+    {
+        // SAFETY: AVX-512F/BW (the avx512bf16 path) and VBMI (checked); `n` codes and
+        // words, tiles of whole vectors, every `k` in range.
+        unsafe { x86::e4m3_bf16_tiles_vbmi(codes, tile, ks, out) };
+        return;
+    }
+    if tile == 0 {
+        return;
+    }
+    for ((c, o), &k) in codes
+        .chunks_exact(tile)
+        .zip(out.chunks_exact_mut(tile))
+        .zip(ks)
+    {
+        e4m3_row_pow2(isa, c, k, o);
     }
 }
 
@@ -309,33 +346,51 @@ mod x86 {
         }
     }
 
-    /// e4m3 codes to bf16 bits (`k = 0` of [`super::e4m3_row_pow2`]) by byte tables, 64
-    /// codes at a time (about 40% faster than the word tables); returns how many it
-    /// widened (a multiple of 64, the rest are the caller's).
+    /// [`super::e4m3_tiles_pow2`] by byte tables: 64 codes at a time (about 40% faster
+    /// than the word tables at `k = 0`), the bf16 bits of each code's value, then `k` added
+    /// to the exponent field of the nonzero finite ones (a magnitude of neither 0 nor
+    /// `0x7f`); products stay normal for `k` in -117..=119.
     ///
     /// # Safety
-    /// The CPU has AVX-512F, AVX-512BW and AVX-512 VBMI; `codes` and `out` have the same
-    /// length.
+    /// The CPU has AVX-512F, AVX-512BW and AVX-512 VBMI; `codes` and `out` hold `tile ·
+    /// ks.len()` values, `tile` a multiple of 64, every `k` in -117..=119.
     #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
-    pub(super) unsafe fn e4m3_bf16_row_vbmi(codes: &[u8], out: &mut [u16]) -> usize {
-        debug_assert_eq!(codes.len(), out.len());
-        let n = codes.len() / 64 * 64;
+    pub(super) unsafe fn e4m3_bf16_tiles_vbmi(
+        codes: &[u8],
+        tile: usize,
+        ks: &[i32],
+        out: &mut [u16],
+    ) {
+        debug_assert!(tile % 64 == 0 && codes.len() == tile * ks.len() && out.len() == codes.len());
         // SAFETY: 64 bytes read from `codes` and 64 words written to `out` at `i`, with
-        // `i + 64 ≤ n`; the features are this function's own.
+        // `i + 64 ≤ (t + 1)·tile ≤` both lengths; the features are this function's own.
         unsafe {
             let tables = e4m3_byte_tables();
             let order = raw::read::<__m512i>(VBMI_ORDER[0].as_ptr().cast());
-            let mut i = 0;
-            while i < n {
-                let c = raw::read::<__m512i>(codes.as_ptr().add(i).cast());
-                let (hi, lo) = e4m3_bf16_bytes(_mm512_permutexvar_epi8(order, c), &tables);
-                let o = out.as_mut_ptr().add(i);
-                raw::write::<__m512i>(o.cast(), _mm512_unpacklo_epi8(lo, hi));
-                raw::write::<__m512i>(o.add(32).cast(), _mm512_unpackhi_epi8(lo, hi));
-                i += 64;
+            let magnitude = _mm512_set1_epi8(0x7f);
+            for (t, &k) in ks.iter().enumerate() {
+                let shift = _mm512_set1_epi16((k << 7) as i16);
+                let mut i = t * tile;
+                while i < (t + 1) * tile {
+                    let c = raw::read::<__m512i>(codes.as_ptr().add(i).cast());
+                    let (hi, lo) = e4m3_bf16_bytes(_mm512_permutexvar_epi8(order, c), &tables);
+                    let (mut w0, mut w1) =
+                        (_mm512_unpacklo_epi8(lo, hi), _mm512_unpackhi_epi8(lo, hi));
+                    if k != 0 {
+                        // Code `j`'s bit (in code order, as the words are): finite nonzero.
+                        let m = _mm512_and_si512(c, magnitude);
+                        let scaled =
+                            _mm512_test_epi8_mask(m, m) & _mm512_cmpneq_epi8_mask(m, magnitude);
+                        w0 = _mm512_mask_add_epi16(w0, scaled as __mmask32, w0, shift);
+                        w1 = _mm512_mask_add_epi16(w1, (scaled >> 32) as __mmask32, w1, shift);
+                    }
+                    let o = out.as_mut_ptr().add(i);
+                    raw::write::<__m512i>(o.cast(), w0);
+                    raw::write::<__m512i>(o.add(32).cast(), w1);
+                    i += 64;
+                }
             }
         }
-        n
     }
 
     /// [`super::e4m3_f32_row`] by byte tables: the bf16 bits of each code (exact: every
@@ -785,10 +840,10 @@ mod tests {
             assert_eq!(done, n);
             check_f32(&out, "byte tables");
             let mut words = vec![0xaaaau16; n];
-            // SAFETY: as above.
-            let done = unsafe { x86::e4m3_bf16_row_vbmi(&codes, &mut words) };
-            assert_eq!(done, n);
-            for (&c, &x) in codes.iter().zip(&words) {
+            let whole = n / 64 * 64;
+            // SAFETY: as above; one tile of whole vectors, `k = 0`.
+            unsafe { x86::e4m3_bf16_tiles_vbmi(&codes[..whole], whole, &[0], &mut words[..whole]) };
+            for (&c, &x) in codes.iter().zip(&words[..whole]) {
                 assert_eq!(x, e4m3_bf16(c), "byte tables code {c:#04x}");
             }
         }
@@ -863,6 +918,42 @@ mod tests {
                 for (&c, &x) in codes.iter().zip(&out) {
                     let want = (f32_daz(e4m3_f32(c) * s).to_bits() >> 16) as u16;
                     assert_eq!(x, want, "{} code {c:#04x} k {k}", isa.isa());
+                }
+            }
+        }
+    }
+
+    /// Every path widens a row of tiles, each at its own power of two, to the f32
+    /// products' bits (flushed): tiles of 64 and 128 (the byte tables on a VBMI CPU) and of
+    /// 16 and 96 (tile by tile), exponents across and past the fast range, every code in
+    /// random order, the output poisoned first.
+    #[test]
+    fn tiles_at_their_own_scales_are_identical_on_every_path() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        for tile in [64, 128, 16, 96] {
+            for _ in 0..40 {
+                let nt = rng.gen_range(1..9);
+                let mut codes: Vec<u8> = (0..tile * nt).map(|i| i as u8).collect();
+                for i in (1..codes.len()).rev() {
+                    codes.swap(i, rng.gen_range(0..=i));
+                }
+                let ks: Vec<i32> = (0..nt)
+                    .map(|_| match rng.gen_range(0..6) {
+                        0 => 0,
+                        1 => -117,
+                        2 => 119,
+                        3 => rng.gen_range(-127..=127),
+                        _ => rng.gen_range(-20..=20),
+                    })
+                    .collect();
+                for isa in CpuIsa::available() {
+                    let mut out = vec![0xaaaau16; codes.len()];
+                    e4m3_tiles_pow2(isa, &codes, tile, &ks, &mut out);
+                    for (i, (&c, &x)) in codes.iter().zip(&out).enumerate() {
+                        let k = ks[i / tile];
+                        let want = (f32_daz(e4m3_f32(c) * 2f32.powi(k)).to_bits() >> 16) as u16;
+                        assert_eq!(x, want, "{} tile {tile} code {c:#04x} k {k}", isa.isa());
+                    }
                 }
             }
         }
