@@ -801,13 +801,7 @@ impl Ctx<'_> {
                     let scales = l
                         .slot_run_scale_bytes(slot, count)
                         .map_or(&[][..], |r| &self.cache[r]);
-                    for ((xs, packed), &sb) in dst
-                        .chunks_exact_mut(FP4_GROUP)
-                        .zip(vals.chunks_exact(FP4_GROUP / 2))
-                        .zip(scales)
-                    {
-                        widen::fp4_group(self.isa, packed, sb, xs);
-                    }
+                    widen::fp4_groups(self.isa, vals, scales, dst);
                     scale.fill(1.0);
                 }
             }

@@ -201,16 +201,36 @@ pub fn bf16s_f32_row(isa: CpuIsa, v: &[half::bf16], out: &mut [f32]) {
 /// first 32 words of `out`, on the vector path `isa`. Panics if `packed` is shorter than 16
 /// bytes or `out` than 32 words.
 pub fn fp4_group(isa: CpuIsa, packed: &[u8], sb: u8, out: &mut [u16]) {
-    let (packed, out) = (&packed[..16], &mut out[..32]);
-    // Products of a nonzero e2m1 (0.5 ..= 6) and 2^(sb − 127) stay normal bf16 values for
-    // `sb` in 2..=252; other scales (and NaN, 0xff) go value by value.
+    fp4_groups(isa, &packed[..16], &[sb], &mut out[..32]);
+}
+
+/// [`fp4_group`] for `scales.len()` groups in a row: group `g` is `packed[16g..16g + 16]`
+/// at scale byte `scales[g]`, into `out[32g..32g + 32]` (a segment of index keys in one
+/// call: the table is loaded once). Panics if `packed` is shorter than 16 bytes a group or
+/// `out` than 32 words a group.
+pub fn fp4_groups(isa: CpuIsa, packed: &[u8], scales: &[u8], out: &mut [u16]) {
+    let groups = scales.len();
+    let (packed, out) = (&packed[..16 * groups], &mut out[..32 * groups]);
     #[cfg(target_arch = "x86_64")]
-    if isa.isa().bf16_dot() && (2..=252).contains(&sb) {
-        // SAFETY: as in `e4m3_row_pow2`; 16 bytes and 32 words (sliced above).
-        unsafe { x86::fp4_group(packed, sb, out) };
+    if isa.isa().bf16_dot() {
+        // SAFETY: the avx512bf16 path's CPU has AVX-512F and AVX-512BW; 16 bytes and 32
+        // words per scale byte (sliced above).
+        unsafe { x86::fp4_groups(packed, scales, out) };
         return;
     }
     let _ = isa;
+    for ((o, p), &sb) in out
+        .chunks_exact_mut(32)
+        .zip(packed.chunks_exact(16))
+        .zip(scales)
+    {
+        fp4_group_values(p, sb, o);
+    }
+}
+
+/// [`fp4_group`] value by value ([`fp4_bf16`]).
+#[inline(always)]
+fn fp4_group_values(packed: &[u8], sb: u8, out: &mut [u16]) {
     for (pair, &b) in out.chunks_exact_mut(2).zip(packed) {
         pair[0] = fp4_bf16(b & 0xf, sb);
         pair[1] = fp4_bf16(b >> 4, sb);
@@ -699,32 +719,46 @@ mod x86 {
         n
     }
 
-    /// [`super::fp4_group`] for `sb` in `2..=252`: the 16 bytes widened to dwords (low
-    /// nibble in the low word, high nibble in the high word: element order), each word's
-    /// code looked up (`vpermw`), and `k = sb − 127` added to the exponent of the nonzero
-    /// ones (exact: the products stay normal).
+    /// [`super::fp4_groups`]: per group with `sb` in `2..=252` (products of a nonzero
+    /// e2m1, 0.5 ..= 6, and `2^(sb − 127)` stay normal bf16 values), the 16 bytes widened
+    /// to dwords (low nibble in the low word, high nibble in the high word: element order),
+    /// each word's code looked up (`vpermw`), and `k = sb − 127` added to the exponent of
+    /// the nonzero ones (exact); other scales (and NaN, `0xff`) value by value.
     ///
     /// # Safety
-    /// The CPU has AVX-512F and AVX-512BW; `packed` holds 16 bytes and `out` 32 words.
+    /// The CPU has AVX-512F and AVX-512BW; `packed` holds 16 bytes and `out` 32 words per
+    /// scale byte.
     #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn fp4_group(packed: &[u8], sb: u8, out: &mut [u16]) {
-        debug_assert!(packed.len() >= 16 && out.len() >= 32);
-        // SAFETY: 16 bytes read from `packed`, 32 words written to `out`, 16 words of the
-        // table (the upper half of the vector is never indexed: codes are below 16).
+    pub(super) unsafe fn fp4_groups(packed: &[u8], scales: &[u8], out: &mut [u16]) {
+        debug_assert!(packed.len() >= 16 * scales.len() && out.len() >= 32 * scales.len());
+        // SAFETY: per group `g`, 16 bytes read from `packed` and 32 words written to `out`
+        // at `16g` and `32g` (the caller's lengths); 16 words of the table (the upper half
+        // of the vector is never indexed: codes are below 16).
         unsafe {
             let mut table = [0u16; 32];
             table[..16].copy_from_slice(&E2M1_VALUES);
             let t = raw::read::<__m512i>(table.as_ptr().cast());
-            let b = _mm512_cvtepu8_epi32(raw::read::<__m128i>(packed.as_ptr().cast()));
-            let codes = _mm512_or_si512(
-                _mm512_and_si512(b, _mm512_set1_epi32(0xf)),
-                _mm512_slli_epi32::<12>(_mm512_and_si512(b, _mm512_set1_epi32(0xf0))),
-            );
-            let v = _mm512_permutexvar_epi16(codes, t);
-            let nonzero = _mm512_test_epi16_mask(codes, _mm512_set1_epi16(7));
-            let k = ((sb as i32 - 127) << 7) as i16;
-            let v = _mm512_mask_add_epi16(v, nonzero, v, _mm512_set1_epi16(k));
-            raw::write::<__m512i>(out.as_mut_ptr().cast(), v);
+            let (low, high) = (_mm512_set1_epi32(0xf), _mm512_set1_epi32(0xf0));
+            let magnitude = _mm512_set1_epi16(7);
+            for (g, &sb) in scales.iter().enumerate() {
+                if !(2..=252).contains(&sb) {
+                    let (p, o) = (&packed[16 * g..][..16], &mut out[32 * g..][..32]);
+                    super::fp4_group_values(p, sb, o);
+                    continue;
+                }
+                let o = out.as_mut_ptr().add(32 * g);
+                let b =
+                    _mm512_cvtepu8_epi32(raw::read::<__m128i>(packed.as_ptr().add(16 * g).cast()));
+                let codes = _mm512_or_si512(
+                    _mm512_and_si512(b, low),
+                    _mm512_slli_epi32::<12>(_mm512_and_si512(b, high)),
+                );
+                let v = _mm512_permutexvar_epi16(codes, t);
+                let nonzero = _mm512_test_epi16_mask(codes, magnitude);
+                let k = ((sb as i32 - 127) << 7) as i16;
+                let v = _mm512_mask_add_epi16(v, nonzero, v, _mm512_set1_epi16(k));
+                raw::write::<__m512i>(o.cast(), v);
+            }
         }
     }
 }
@@ -954,6 +988,28 @@ mod tests {
                         let want = (f32_daz(e4m3_f32(c) * 2f32.powi(k)).to_bits() >> 16) as u16;
                         assert_eq!(x, want, "{} tile {tile} code {c:#04x} k {k}", isa.isa());
                     }
+                }
+            }
+        }
+    }
+
+    /// A row of fp4 groups at random scale bytes (the vector route's range, its ends and
+    /// the bytes past them) gives each group's [`fp4_group`] bits, on every path.
+    #[test]
+    fn fp4_rows_of_groups_are_identical_on_every_path() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        for groups in [1, 2, 4, 9] {
+            let packed: Vec<u8> = (0..16 * groups).map(|_| rng.gen()).collect();
+            let scales: Vec<u8> = (0..groups)
+                .map(|_| [0, 1, 2, 127, 252, 253, 255, rng.gen()][rng.gen_range(0..8)])
+                .collect();
+            for isa in CpuIsa::available() {
+                let mut out = vec![0xaaaau16; 32 * groups];
+                fp4_groups(isa, &packed, &scales, &mut out);
+                for (g, &sb) in scales.iter().enumerate() {
+                    let mut want = [0u16; 32];
+                    fp4_group_values(&packed[16 * g..][..16], sb, &mut want);
+                    assert_eq!(out[32 * g..][..32], want, "{} group {g} sb {sb}", isa.isa());
                 }
             }
         }
