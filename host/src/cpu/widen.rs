@@ -44,8 +44,10 @@ pub fn e4m3_row_pow2(isa: CpuIsa, codes: &[u8], k: i32, out: &mut [u16]) {
         } else {
             0
         };
-        // SAFETY: the avx512bf16 path exists only on a CPU with AVX-512F and AVX-512BW.
-        unsafe { x86::e4m3_row(&codes[done..n], k, &mut out[done..n]) };
+        if done < n {
+            // SAFETY: the avx512bf16 path exists only on a CPU with AVX-512F and AVX-512BW.
+            unsafe { x86::e4m3_row(&codes[done..n], k, &mut out[done..n]) };
+        }
         return;
     }
     let _ = isa;
