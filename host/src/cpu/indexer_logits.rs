@@ -22,7 +22,7 @@ use std::ops::Range;
 
 use half::bf16;
 
-use super::dot::{f32_daz, gemm_bf16_into, padded_cols, PairDims};
+use super::dot::{gemm_bf16_into, padded_cols, PairDims};
 #[cfg(doc)]
 use super::gemm::gemm_acc_pairs;
 use super::gemm::{gemm_pairs_into, gemm_pairs_into_f16b, splat, Dims, SPLAT};
@@ -31,9 +31,8 @@ use super::scratch::{self, Aligned};
 use super::tasks::run_tasks;
 use super::transpose::{transpose, transpose_bytes};
 use super::widen;
-use crate::layout::{IndexKDtype, IndexKLayout, SlotAddr, FP4_GROUP};
+use crate::layout::{IndexKDtype, IndexKLayout, SlotAddr};
 use crate::ops::{IndexerLogits, PageTable, QueryRange};
-use sparsekit_kernels::mx::{e2m1_to_f32, ue8m0_to_f32};
 
 /// Keys per block (columns of one GEMM).
 const BLOCK: usize = 64;
@@ -751,17 +750,7 @@ impl Ctx<'_> {
                     let scales = l
                         .slot_run_scale_bytes(slot, count)
                         .map_or(&[][..], |r| &self.cache[r]);
-                    for ((xs, packed), &sb) in dst
-                        .chunks_exact_mut(FP4_GROUP)
-                        .zip(vals.chunks_exact(FP4_GROUP / 2))
-                        .zip(scales)
-                    {
-                        let s = ue8m0_to_f32(sb);
-                        for (x2, &b) in xs.chunks_exact_mut(2).zip(packed) {
-                            x2[0] = f32_daz(e2m1_to_f32(b & 0xf) * s);
-                            x2[1] = f32_daz(e2m1_to_f32(b >> 4) * s);
-                        }
-                    }
+                    widen::fp4_f32_groups(self.isa, vals, scales, dst);
                     scale.fill(1.0);
                 }
             }

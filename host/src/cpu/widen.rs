@@ -3,8 +3,9 @@
 //!   most 4 significant bits) and fp4 groups (e2m1 × the group's ue8m0 scale, exact while
 //!   the products stay normal); on the `avx512bf16` path by word table lookups
 //!   (`vpermi2w`, `vpermw`: 32 values per instruction), elsewhere value by value;
-//! - to f32 for the FMA kernels: e4m3 codes (through f16 and F16C on the AVX paths) and
-//!   bf16 values (subnormals flushed to signed zero, as `vdpbf16ps` reads them).
+//! - to f32 for the FMA kernels: e4m3 codes (through f16 and F16C on the AVX paths), fp4
+//!   groups (an 8-entry `vpermps` table on the AVX paths) and bf16 values (subnormals
+//!   flushed to signed zero, as `vdpbf16ps` reads them).
 //!
 //! On AVX-512 CPUs with VBMI (detected at run time, not a path of its own), e4m3 codes go
 //! through two 128-entry byte tables instead (`vpermi2b`: 64 codes per lookup), the same
@@ -230,6 +231,43 @@ pub fn fp4_groups(isa: CpuIsa, packed: &[u8], scales: &[u8], out: &mut [u16]) {
     }
 }
 
+/// fp4 groups as f32, for the FMA kernels: group `g` is `packed[16g..16g + 16]` (the even
+/// element in the low nibble) at scale byte `scales[g]`, and `out[32g + i]` gets its
+/// element `i` as `f32_daz(e2m1 · ue8m0 scale)` (exact but for that flush; a NaN scale
+/// byte gives NaN). On the AVX paths 8 values at a time (an 8-entry `vpermps` table,
+/// the sign or-ed in, one multiply) for scale bytes 2..=254, whose products are never
+/// subnormal; the others value by value. Panics if `packed` is shorter than 16 bytes a
+/// group or `out` than 32 values a group.
+pub fn fp4_f32_groups(isa: CpuIsa, packed: &[u8], scales: &[u8], out: &mut [f32]) {
+    let groups = scales.len();
+    let (packed, out) = (&packed[..16 * groups], &mut out[..32 * groups]);
+    #[cfg(target_arch = "x86_64")]
+    if isa.isa() != Isa::Scalar {
+        // SAFETY: every vector path's CPU has AVX2 (`Isa::supported`); 16 bytes and 32
+        // values per scale byte (sliced above).
+        unsafe { x86::fp4_f32_groups256(packed, scales, out) };
+        return;
+    }
+    let _ = isa;
+    for ((o, p), &sb) in out
+        .chunks_exact_mut(32)
+        .zip(packed.chunks_exact(16))
+        .zip(scales)
+    {
+        fp4_f32_group_values(p, sb, o);
+    }
+}
+
+/// One group of [`fp4_f32_groups`] value by value.
+#[inline(always)]
+fn fp4_f32_group_values(packed: &[u8], sb: u8, out: &mut [f32]) {
+    let s = ue8m0_to_f32(sb);
+    for (x2, &b) in out.chunks_exact_mut(2).zip(packed) {
+        x2[0] = f32_daz(e2m1_to_f32(b & 0xf) * s);
+        x2[1] = f32_daz(e2m1_to_f32(b >> 4) * s);
+    }
+}
+
 /// [`fp4_group`] value by value ([`fp4_bf16`]).
 #[inline(always)]
 fn fp4_group_values(packed: &[u8], sb: u8, out: &mut [u16]) {
@@ -321,8 +359,8 @@ mod x86 {
     use crate::cpu::raw;
 
     use super::{
-        e4m3_f32, f32_daz, BF16_HIGH_WORDS, E2M1_VALUES, E4M3_MAGNITUDES, E4M3_MAGNITUDE_BYTES,
-        VBMI_ORDER,
+        e2m1_to_f32, e4m3_f32, f32_daz, BF16_HIGH_WORDS, E2M1_VALUES, E4M3_MAGNITUDES,
+        E4M3_MAGNITUDE_BYTES, VBMI_ORDER,
     };
 
     /// Whether the CPU has AVX-512 VBMI (byte permutes), for the e4m3 byte-table lookups
@@ -721,6 +759,48 @@ mod x86 {
         n
     }
 
+    /// [`super::fp4_f32_groups`] on AVX2: per group with `sb` in `2..=254` (every nonzero
+    /// product at least 0.5 · 2^-125: normal; the multiply rounds as the scalar one), the
+    /// 32 codes in element order as bytes (nibbles split, then interleaved), 8 at a time
+    /// widened to dwords, their magnitudes looked up (`vpermps` reads the low 3 bits), the
+    /// sign (bit 3) moved to bit 31, times the scale; other scale bytes value by value.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `packed` holds 16 bytes and `out` 32 values per scale byte.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn fp4_f32_groups256(packed: &[u8], scales: &[u8], out: &mut [f32]) {
+        debug_assert!(packed.len() >= 16 * scales.len() && out.len() >= 32 * scales.len());
+        let magnitudes: [f32; 8] = std::array::from_fn(|i| e2m1_to_f32(i as u8));
+        // SAFETY: per group `g`, 16 bytes read from `packed` at `16g` and 32 values
+        // written to `out` at `32g` (the caller's lengths); the table is 8 values.
+        unsafe {
+            let table = raw::read::<__m256>(magnitudes.as_ptr().cast());
+            let (nibble, sign) = (_mm_set1_epi8(0x0f), _mm256_set1_epi32(8));
+            for (g, &sb) in scales.iter().enumerate() {
+                if !(2..=254).contains(&sb) {
+                    let (p, o) = (&packed[16 * g..][..16], &mut out[32 * g..][..32]);
+                    super::fp4_f32_group_values(p, sb, o);
+                    continue;
+                }
+                let s = _mm256_set1_ps(f32::from_bits((sb as u32) << 23));
+                let b = raw::read::<__m128i>(packed.as_ptr().add(16 * g).cast());
+                let lo = _mm_and_si128(b, nibble);
+                let hi = _mm_and_si128(_mm_srli_epi16::<4>(b), nibble);
+                let codes = [_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)];
+                let o = out.as_mut_ptr().add(32 * g);
+                for (h, &c) in codes.iter().enumerate() {
+                    for (q, c8) in [c, _mm_srli_si128::<8>(c)].into_iter().enumerate() {
+                        let d = _mm256_cvtepu8_epi32(c8);
+                        let mag = _mm256_permutevar8x32_ps(table, d);
+                        let sg = _mm256_slli_epi32::<28>(_mm256_and_si256(d, sign));
+                        let v = _mm256_or_ps(mag, _mm256_castsi256_ps(sg));
+                        raw::write::<__m256>(o.add(16 * h + 8 * q).cast(), _mm256_mul_ps(v, s));
+                    }
+                }
+            }
+        }
+    }
+
     /// [`super::fp4_groups`]: per group with `sb` in `2..=252` (products of a nonzero
     /// e2m1, 0.5 ..= 6, and `2^(sb − 127)` stay normal bf16 values), the 16 bytes widened
     /// to dwords (low nibble in the low word, high nibble in the high word: element order),
@@ -990,6 +1070,40 @@ mod tests {
                         let want = (f32_daz(e4m3_f32(c) * 2f32.powi(k)).to_bits() >> 16) as u16;
                         assert_eq!(x, want, "{} tile {tile} code {c:#04x} k {k}", isa.isa());
                     }
+                }
+            }
+        }
+    }
+
+    /// Every path gives every fp4 byte at every scale byte, as f32, the scalar formula's
+    /// bits (flushed subnormals at the low scales, infinities at the top ones, NaN at
+    /// `0xff`), in rows of several groups, the output poisoned first.
+    #[test]
+    fn fp4_f32_groups_are_identical_on_every_path() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        let all: Vec<u8> = (0..=255).collect();
+        for sb0 in (0..=255u8).step_by(3) {
+            let scales: Vec<u8> = (0..16)
+                .map(|g| sb0.wrapping_add(g as u8 * rng.gen_range(0..3)))
+                .collect();
+            let packed: Vec<u8> = (0..16 * scales.len())
+                .map(|i| all[i % 256] ^ rng.gen::<u8>() & 0x11)
+                .collect();
+            for isa in CpuIsa::available() {
+                let mut out = vec![f32::from_bits(0x7fa5_a5a5); 32 * scales.len()];
+                fp4_f32_groups(isa, &packed, &scales, &mut out);
+                for (i, &x) in out.iter().enumerate() {
+                    let (g, j) = (i / 32, i % 32);
+                    let b = packed[16 * g + j / 2];
+                    let n = if j % 2 == 0 { b & 0xf } else { b >> 4 };
+                    let want = f32_daz(e2m1_to_f32(n) * ue8m0_to_f32(scales[g]));
+                    assert_eq!(
+                        x.to_bits(),
+                        want.to_bits(),
+                        "{} sb {} code {n}",
+                        isa.isa(),
+                        scales[g]
+                    );
                 }
             }
         }
