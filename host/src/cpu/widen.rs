@@ -222,13 +222,7 @@ pub fn fp4_groups(isa: CpuIsa, packed: &[u8], scales: &[u8], out: &mut [u16]) {
         return;
     }
     let _ = isa;
-    for ((o, p), &sb) in out
-        .chunks_exact_mut(32)
-        .zip(packed.chunks_exact(16))
-        .zip(scales)
-    {
-        fp4_group_values(p, sb, o);
-    }
+    each_group(packed, scales, out, fp4_group_values);
 }
 
 /// fp4 groups as f32, for the FMA kernels: group `g` is `packed[16g..16g + 16]` (the even
@@ -249,12 +243,19 @@ pub fn fp4_f32_groups(isa: CpuIsa, packed: &[u8], scales: &[u8], out: &mut [f32]
         return;
     }
     let _ = isa;
+    each_group(packed, scales, out, fp4_f32_group_values);
+}
+
+/// `group(packed, scale byte, out)` for each fp4 group of a row: 16 bytes of `packed` and
+/// 32 values of `out` per scale byte.
+#[inline(always)]
+fn each_group<T>(packed: &[u8], scales: &[u8], out: &mut [T], group: impl Fn(&[u8], u8, &mut [T])) {
     for ((o, p), &sb) in out
         .chunks_exact_mut(32)
         .zip(packed.chunks_exact(16))
         .zip(scales)
     {
-        fp4_f32_group_values(p, sb, o);
+        group(p, sb, o);
     }
 }
 
