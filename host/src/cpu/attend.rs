@@ -716,9 +716,8 @@ fn rope_row(tok: &[u8], l: &KvLayout, rope: &mut [u16]) {
 const MAX_TILES: usize = 16;
 
 /// A row's latent tiles of `tile` codes in one [`widen::e4m3_tiles_pow2`] call when every
-/// tile's scale is a power of two `2^exponent(t)` with the exponent in -117..=119,
-/// widening into `out`; false (nothing written) otherwise, for the caller's tile-by-tile
-/// route.
+/// tile's scale is a normal power of two `2^exponent(t)`, widening into `out`; false
+/// (nothing written) otherwise, for the caller's tile-by-tile route.
 #[inline(always)]
 fn pow2_tiles(
     isa: CpuIsa,
@@ -734,8 +733,8 @@ fn pow2_tiles(
     }
     for (t, k) in ks[..nt].iter_mut().enumerate() {
         match exponent(t) {
-            Some(e) if (-117..=119).contains(&e) => *k = e,
-            _ => return false,
+            Some(e) => *k = e,
+            None => return false,
         }
     }
     widen::e4m3_tiles_pow2(isa, codes, tile, &ks[..nt], out);

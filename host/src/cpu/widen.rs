@@ -26,16 +26,19 @@ pub fn fp4_bf16(n: u8, sb: u8) -> u16 {
     (f32_daz(e2m1_to_f32(n) * ue8m0_to_f32(sb)).to_bits() >> 16) as u16
 }
 
+/// The exponents `k` of the table routes of [`e4m3_row_pow2`] and [`e4m3_tiles_pow2`]:
+/// nonzero e4m3 magnitudes span 2^-9 ..= 448, so their products with `2^k` stay normal
+/// bf16 values and `k` can be added to the exponent field.
+const TABLE_K: std::ops::RangeInclusive<i32> = -117..=119;
+
 /// `out[i]` = the bf16 bits of `e4m3(codes[i]) · 2^k`, a subnormal product flushed to
 /// signed zero — `f32_daz(e4m3_f32(c) · s)`'s top half for the power-of-two scale `s =
 /// 2^k` (`k = 0`: the codes' own values) — on the vector path `isa`. Exact (every product
 /// is a bf16 value).
 pub fn e4m3_row_pow2(isa: CpuIsa, codes: &[u8], k: i32, out: &mut [u16]) {
     let n = codes.len().min(out.len());
-    // Nonzero e4m3 magnitudes span 2^-9 ..= 448: their products stay normal bf16 values
-    // for `k` in -117..=119 (the table path adds `k` to the exponent field).
     #[cfg(target_arch = "x86_64")]
-    if isa.isa().bf16_dot() && (-117..=119).contains(&k) {
+    if isa.isa().bf16_dot() && TABLE_K.contains(&k) {
         let done = if x86::has_vbmi() {
             let whole = n / 64 * 64;
             // SAFETY: AVX-512F/BW (the avx512bf16 path) and VBMI (checked); `whole` codes
@@ -71,7 +74,7 @@ pub fn e4m3_tiles_pow2(isa: CpuIsa, codes: &[u8], tile: usize, ks: &[i32], out: 
     if isa.isa().bf16_dot()
         && tile % 64 == 0
         && x86::has_vbmi()
-        && ks.iter().all(|k| (-117..=119).contains(k))
+        && ks.iter().all(|k| TABLE_K.contains(k))
     {
         // SAFETY: AVX-512F/BW (the avx512bf16 path) and VBMI (checked); `n` codes and
         // words, tiles of whole vectors, every `k` in range.
