@@ -10,7 +10,8 @@
 //! q value is a bf16 value: bf16 keys, e4m3 codes and e2m1 × a power-of-two scale are
 //! exact in bf16; the fp8 key's scale multiplies the head sum; without the bf16 dot
 //! product, fp8 keys of few-head groups go as f16, exactly 2^-8 times their values, see
-//! `f16_keys`). Qᵀ is built once per task, head-major (a head's rows are adjacent). The
+//! `f16_keys`). On the `avx512bf16` path fp8 keys are read where they lie, a page run at
+//! a time, and widened by the GEMM itself ([`gemm_e4m3_into`]). Qᵀ is built once per task, head-major (a head's rows are adjacent). The
 //! weighted ReLU head sum then
 //! runs in head order, vectorised over 16 keys (groups of few rows: decode) or over 16 rows
 //! (long prefill groups), compiled for the CPU's vector ISA. Every logit is computed with
@@ -22,7 +23,7 @@ use std::ops::Range;
 
 use half::bf16;
 
-use super::dot::{gemm_bf16_into, padded_cols, PairDims};
+use super::dot::{gemm_bf16_into, gemm_e4m3_into, padded_cols, PairDims};
 #[cfg(doc)]
 use super::gemm::gemm_acc_pairs;
 use super::gemm::{gemm_pairs_into, gemm_pairs_into_f16b, splat, Dims, SPLAT};
@@ -407,6 +408,8 @@ impl Ctx<'_> {
         }
         let mut scale = [1f32; BLOCK];
         let mut acc = [0f32; BLOCK];
+        // A block's page runs of fp8 codes (the `avx512bf16` route without `keys_along`).
+        let mut runs: Vec<&[u8]> = Vec::new();
         let mut b0 = lo;
         self.prefetch_keys(g.request, lo, hi.min(lo + BLOCK));
         while b0 < hi {
@@ -512,18 +515,6 @@ impl Ctx<'_> {
                 // fp8 keys: 675–680 µs against 750–757 µs in calls of 16 keys; 64 heads
                 // unchanged).
                 self.prefetch_keys(g.request, next.start, next.end);
-                // bf16 keys of one page are read where they are.
-                let a: &[u16] = match self.keys_in_place(g.request, b0, n) {
-                    Some(a) => {
-                        scale[..n].fill(1.0);
-                        a
-                    }
-                    None => {
-                        let kb: &mut [u16] = bytemuck::cast_slice_mut(&mut kb[..]);
-                        self.load_rows_bf16(g.request, b0, n, kb, &mut scale);
-                        kb
-                    }
-                };
                 let dims = PairDims {
                     m: n,
                     n: m,
@@ -532,7 +523,30 @@ impl Ctx<'_> {
                     ldb: ldq,
                     ldc: m,
                 };
-                gemm_bf16_into(self.isa, dims, a, qp, c);
+                let kb: &mut [u16] = bytemuck::cast_slice_mut(&mut kb[..]);
+                if fp8_keys {
+                    // The codes where they lie (a page's rows are adjacent), widened by the
+                    // GEMM itself.
+                    runs.clear();
+                    for (j, slot, count) in self.segments(g.request, b0, b0 + n) {
+                        runs.push(&self.cache[self.layout.slot_run_value_bytes(slot, count)]);
+                        self.fp8_scales(slot, count, &mut scale[j..j + count]);
+                    }
+                    gemm_e4m3_into(self.isa, dims, &runs, kb, qp, c);
+                } else {
+                    // bf16 keys of one page are read where they are.
+                    let a: &[u16] = match self.keys_in_place(g.request, b0, n) {
+                        Some(a) => {
+                            scale[..n].fill(1.0);
+                            a
+                        }
+                        None => {
+                            self.load_rows_bf16(g.request, b0, n, kb, &mut scale);
+                            kb
+                        }
+                    };
+                    gemm_bf16_into(self.isa, dims, a, qp, c);
+                }
             } else {
                 self.load_rows(g.request, b0, n, krows, &mut scale);
                 for (s0, rows) in chunks {

@@ -357,7 +357,7 @@ const E2M1_VALUES: [u16; 16] = [
     clippy::incompatible_msrv,
     reason = "AVX-512 needs Rust 1.89, as the existing AVX-512 target features do"
 )]
-mod x86 {
+pub(super) mod x86 {
     use std::arch::x86_64::*;
 
     use crate::cpu::raw;
@@ -370,7 +370,7 @@ mod x86 {
     /// Whether the CPU has AVX-512 VBMI (byte permutes), for the e4m3 byte-table lookups
     /// (std caches the answer: one atomic load).
     #[inline(always)]
-    pub(super) fn has_vbmi() -> bool {
+    pub(in crate::cpu) fn has_vbmi() -> bool {
         std::is_x86_feature_detected!("avx512vbmi")
     }
 
@@ -410,6 +410,63 @@ mod x86 {
         }
     }
 
+    /// The e4m3 → bf16 byte-table lookup with its tables in registers, for kernels that
+    /// widen codes 64 at a time between instructions of their own (the e4m3 keys of
+    /// [`crate::cpu::dot::gemm_e4m3_into`]).
+    #[derive(Clone, Copy)]
+    pub(in crate::cpu) struct E4m3Words {
+        tables: [__m512i; 4],
+        order: __m512i,
+    }
+
+    impl E4m3Words {
+        /// The tables and the code order of the word unpacks.
+        ///
+        /// # Safety
+        /// The CPU has AVX-512F.
+        #[inline(always)]
+        pub(in crate::cpu) unsafe fn load() -> Self {
+            // SAFETY: the tables' own loads (the feature is the caller's); `VBMI_ORDER[0]`
+            // is 64 bytes.
+            unsafe {
+                E4m3Words {
+                    tables: e4m3_byte_tables(),
+                    order: raw::read::<__m512i>(VBMI_ORDER[0].as_ptr().cast()),
+                }
+            }
+        }
+
+        /// The bf16 bits of the 64 codes `c`, in code order: codes `0..32` in the first
+        /// vector, `32..64` in the second (exact: every e4m3 value is a bf16 value).
+        ///
+        /// # Safety
+        /// The CPU has AVX-512F, AVX-512BW and AVX-512 VBMI.
+        #[inline(always)]
+        pub(in crate::cpu) unsafe fn words(&self, c: __m512i) -> (__m512i, __m512i) {
+            // SAFETY: register operations only; the features are the caller's.
+            unsafe {
+                let (hi, lo) =
+                    e4m3_bf16_bytes(_mm512_permutexvar_epi8(self.order, c), &self.tables);
+                (_mm512_unpacklo_epi8(lo, hi), _mm512_unpackhi_epi8(lo, hi))
+            }
+        }
+
+        /// [`Self::words`] of the 64 codes at `codes`, written to the 64 words at `out`.
+        ///
+        /// # Safety
+        /// As [`Self::words`]; 64 bytes are readable at `codes` and 64 words writable at
+        /// `out` (no alignment needed).
+        #[inline(always)]
+        pub(in crate::cpu) unsafe fn widen64(&self, codes: *const u8, out: *mut u16) {
+            // SAFETY: the caller's contract.
+            unsafe {
+                let (w0, w1) = self.words(raw::read::<__m512i>(codes.cast()));
+                raw::write::<__m512i>(out.cast(), w0);
+                raw::write::<__m512i>(out.add(32).cast(), w1);
+            }
+        }
+    }
+
     /// [`super::e4m3_tiles_pow2`] by byte tables: 64 codes at a time (about 40% faster
     /// than the word tables at `k = 0`), the bf16 bits of each code's value, then `k` added
     /// to the exponent field of the nonzero finite ones (a magnitude of neither 0 nor
@@ -429,17 +486,14 @@ mod x86 {
         // SAFETY: 64 bytes read from `codes` and 64 words written to `out` at `i`, with
         // `i + 64 ≤ (t + 1)·tile ≤` both lengths; the features are this function's own.
         unsafe {
-            let tables = e4m3_byte_tables();
-            let order = raw::read::<__m512i>(VBMI_ORDER[0].as_ptr().cast());
+            let lookup = E4m3Words::load();
             let magnitude = _mm512_set1_epi8(0x7f);
             for (t, &k) in ks.iter().enumerate() {
                 let shift = _mm512_set1_epi16((k << 7) as i16);
                 let mut i = t * tile;
                 while i < (t + 1) * tile {
                     let c = raw::read::<__m512i>(codes.as_ptr().add(i).cast());
-                    let (hi, lo) = e4m3_bf16_bytes(_mm512_permutexvar_epi8(order, c), &tables);
-                    let (mut w0, mut w1) =
-                        (_mm512_unpacklo_epi8(lo, hi), _mm512_unpackhi_epi8(lo, hi));
+                    let (mut w0, mut w1) = lookup.words(c);
                     if k != 0 {
                         // Code `j`'s bit (in code order, as the words are): finite nonzero.
                         let m = _mm512_and_si512(c, magnitude);
