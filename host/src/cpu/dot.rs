@@ -215,8 +215,9 @@ pub fn gemm_bf16_gathered_into(
 /// although the permutes and the dot products share the vector pipes there. Anything
 /// else widens every row first.
 ///
-/// Panics if a run is not whole rows, the runs do not hold `d.m` rows, `kb` is shorter
-/// than `d.m · 2·k2`, or `b` or `c` is too short for `d`.
+/// With `k2 = 0` C is zeroed and the runs are not read. Panics if a run is not whole
+/// rows, the runs do not hold `d.m` rows, `kb` is shorter than `d.m · 2·k2`, or `b` or
+/// `c` is too short for `d`.
 pub fn gemm_e4m3_into(
     isa: CpuIsa,
     d: PairDims,
@@ -230,6 +231,10 @@ pub fn gemm_e4m3_into(
     if d.m == 0 || d.n == 0 {
         return;
     }
+    if ldk == 0 {
+        // Empty sums: C is zeroed, as by `gemm_bf16_into` (the runs are not read).
+        return gemm_bf16_into(isa, d, &[], b, c);
+    }
     // A run's rows (`None` unless whole), without a division for rows of a power of two
     // (a call covers a few keys: the divisions showed in the tiny indexer decode).
     let rows = |len: usize| match ldk.is_power_of_two() {
@@ -237,7 +242,7 @@ pub fn gemm_e4m3_into(
         false => (len % ldk == 0).then_some(len / ldk),
     };
     assert!(
-        ldk > 0 && runs.iter().try_fold(0, |m, r| Some(m + rows(r.len())?)) == Some(d.m),
+        runs.iter().try_fold(0, |m, r| Some(m + rows(r.len())?)) == Some(d.m),
         "the runs hold {} rows of {ldk} codes",
         d.m
     );
@@ -1138,6 +1143,24 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// With no pairs (`k2 = 0`) C is zeroed, whatever the runs.
+    #[test]
+    fn e4m3_keys_of_no_pairs_zero_c() {
+        let d = PairDims {
+            m: 3,
+            n: 5,
+            k2: 0,
+            lda: 0,
+            ldb: 16,
+            ldc: 6,
+        };
+        for isa in CpuIsa::available() {
+            let mut c = vec![f32::NAN; 3 * 6];
+            gemm_e4m3_into(isa, d, &[&[1, 2, 3]], &mut [], &[], &mut c);
+            crate::cpu::gemm::assert_view_bits(&c, &[0.0; 18], (3, 5, 6), "k2 = 0");
         }
     }
 
