@@ -51,27 +51,28 @@ const ROW_VECTOR: usize = 16;
 /// Whether a group of `m` query heads (`rows × heads`) computes `C = Q · Kᵀ` (keys along
 /// the vectors) instead of `Cᵀ = K · Qᵀ`: fewer heads than `Cᵀ`'s register tile needs to
 /// fill its vectors without waiting on loads — two vectors of 16 on AVX-512, one of 8 on
-/// AVX2 (whose 8-column tile of 12 rows already runs at the FMA rate). On `avx512bf16`
-/// a group of at most 8 heads takes `Cᵀ` again: its tile of 16 keys × one 256-bit vector
-/// of heads needs no transpose of K (on AMD Zen 4, one thread, 32 decode rows of 8 heads
-/// over 2048 fp8 keys: 729–737 µs against 750–790 µs keys along, both builds at once).
+/// AVX2 (whose 8-column tile of 12 rows already runs at the FMA rate). On the AVX-512
+/// paths a group of at most 8 heads takes `Cᵀ` again: its tile of 16 keys × one 256-bit
+/// vector of heads needs no transpose of K (AMD Zen 4, one thread, 32 decode rows of 8
+/// heads over 2048 fp8 keys: `avx512bf16` 729–737 µs against 750–790 µs keys along;
+/// `avx512` 1010 µs against 1140 µs for keys along as f16, the block's GEMM in one call).
 const fn keys_along(isa: Isa, m: usize) -> bool {
     match isa {
-        Isa::Avx512Bf16 => m > 8 && m < 32,
-        Isa::Avx512 => m < 32,
+        Isa::Avx512Bf16 | Isa::Avx512 => m > 8 && m < 32,
         Isa::Avx2 | Isa::Scalar => m < 8,
     }
 }
 
 /// Whether a group of `m` query heads over fp8 keys of `d` dims, with query values `q`,
-/// takes the f16 route on the vector path `isa`: on `avx2` and `avx512` (no bf16 dot
-/// product), key columns as f16 bits `2^-8` times their values ([`widen::e4m3_f16_row`]:
+/// takes the f16 route on the vector path `isa`: on `avx2`, and on `avx512` (no bf16 dot
+/// product) for more than 8 heads (fewer take `Cᵀ`, see [`keys_along`]), key columns as
+/// f16 bits `2^-8` times their values ([`widen::e4m3_f16_row`]:
 /// a third of the f32 widening's instructions) that the score GEMM widens as it loads
 /// them ([`gemm_pairs_into_f16b`]), against Q times `2^8`. Each product is the same real
 /// number, so the same bits — unless `2^8 · q` overflows: a finite `|q| ≥ 2^119` keeps the
 /// f32 route (as does a block holding a NaN code, which the f16 form cannot carry).
 fn f16_keys(isa: Isa, m: usize, d: usize, q: &[bf16]) -> bool {
-    matches!(isa, Isa::Avx2 | Isa::Avx512)
+    (isa == Isa::Avx2 || (isa == Isa::Avx512 && m > 8))
         && m % 8 == 0
         && m * d <= F16_KEYS_MAX_QT
         && d % 2 == 0
@@ -549,17 +550,33 @@ impl Ctx<'_> {
                 }
             } else {
                 self.load_rows(g.request, b0, n, krows, &mut scale);
-                for (s0, rows) in chunks {
-                    ahead(s0);
+                if m <= 8 {
+                    // A few heads: the next block's keys asked for first, then the block
+                    // in one call (16-key calls are short enough for their fixed cost to
+                    // show, as on the bf16 route).
+                    self.prefetch_keys(g.request, next.start, next.end);
                     let dims = Dims {
-                        m: rows,
+                        m: n,
                         n: m,
                         k: d,
                         lda: d,
                         ldb: m,
                         ldc: m,
                     };
-                    gemm_pairs_into(self.isa, dims, &krows[s0 * d..], qt, &mut c[s0 * m..]);
+                    gemm_pairs_into(self.isa, dims, krows, qt, c);
+                } else {
+                    for (s0, rows) in chunks {
+                        ahead(s0);
+                        let dims = Dims {
+                            m: rows,
+                            n: m,
+                            k: d,
+                            lda: d,
+                            ldb: m,
+                            ldc: m,
+                        };
+                        gemm_pairs_into(self.isa, dims, &krows[s0 * d..], qt, &mut c[s0 * m..]);
+                    }
                 }
             }
             // The weighted ReLU head sum of every (row, key): `Σ_hh w·max(c, 0)` with one
