@@ -550,10 +550,11 @@ impl Ctx<'_> {
                 }
             } else {
                 self.load_rows(g.request, b0, n, krows, &mut scale);
-                if m <= 8 {
-                    // A few heads: the next block's keys asked for first, then the block
-                    // in one call (16-key calls are short enough for their fixed cost to
-                    // show, as on the bf16 route).
+                if m <= 8 && self.isa.isa() == Isa::Avx512 {
+                    // A few heads on AVX-512's 8-column tiles: the next block's keys asked
+                    // for first, then the block in one call (in calls of 16 keys the fixed
+                    // cost showed: AMD Zen 4, one thread, the tiny decode 1080 against
+                    // 1010 µs; as on the bf16 route).
                     self.prefetch_keys(g.request, next.start, next.end);
                     let dims = Dims {
                         m: n,
