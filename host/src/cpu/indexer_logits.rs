@@ -11,10 +11,10 @@
 //! exact in bf16; the fp8 key's scale multiplies the head sum; without the bf16 dot
 //! product, fp8 keys of few-head groups go as f16, exactly 2^-8 times their values, see
 //! `f16_keys`). On the `avx512bf16` path fp8 keys are read where they lie, a page run at
-//! a time, and widened by the GEMM itself ([`gemm_e4m3_into`]). Qᵀ is built once per task, head-major (a head's rows are adjacent). The
-//! weighted ReLU head sum then
-//! runs in head order, vectorised over 16 keys (groups of few rows: decode) or over 16 rows
-//! (long prefill groups), compiled for the CPU's vector ISA. Every logit is computed with
+//! a time, and widened by the GEMM itself ([`gemm_e4m3_into`]). Qᵀ is built once per
+//! task, head-major (a head's rows are adjacent). The weighted ReLU head sum then runs in
+//! head order, vectorised over 16 keys (groups of few rows: decode) or over 16 rows (long
+//! prefill groups), compiled for the CPU's vector ISA. Every logit is computed with
 //! the same operations in the same order whatever the grouping or the vectorisation:
 //! batch-invariant, and identical on every path.
 
@@ -417,10 +417,9 @@ impl Ctx<'_> {
             let n = BLOCK.min(hi - b0);
             // The next block's keys (scattered pages) come in while this one is computed.
             let next = (b0 + n)..hi.min(b0 + n + BLOCK);
-            // Cᵀ[keys × m] = K[keys × d] · Qᵀ[d × m], in chunks of SUB keys, each after
-            // the prefetch of the next block's keys of the same chunk (requests spread over
-            // the block's compute instead of queueing up at once).
-            let chunks = (0..n).step_by(SUB).map(|s0| (s0, SUB.min(n - s0)));
+            // The next block's keys of the chunk of SUB keys from `s0`, asked for before
+            // that chunk's GEMM (requests spread over the block's compute instead of
+            // queueing up at once).
             let ahead = |s0: usize| {
                 let from = (next.start + s0).min(next.end);
                 self.prefetch_keys(g.request, from, (from + SUB).min(next.end));
@@ -550,34 +549,29 @@ impl Ctx<'_> {
                 }
             } else {
                 self.load_rows(g.request, b0, n, krows, &mut scale);
-                if m <= 8 && self.isa.isa() == Isa::Avx512 {
-                    // A few heads on AVX-512's 8-column tiles: the next block's keys asked
-                    // for first, then the block in one call (in calls of 16 keys the fixed
-                    // cost showed: AMD Zen 4, one thread, the tiny decode 1080 against
-                    // 1010 µs; as on the bf16 route).
+                // Cᵀ[keys × m] = K[keys × d] · Qᵀ[d × m], in chunks of SUB keys, each after
+                // `ahead`. A few heads on AVX-512's 8-column tiles instead ask for the next
+                // block's keys first, then run the block in one call (in calls of 16 keys
+                // the fixed cost showed: AMD Zen 4, one thread, the tiny decode 1080
+                // against 1010 µs; as on the bf16 route).
+                let whole = m <= 8 && self.isa.isa() == Isa::Avx512;
+                if whole {
                     self.prefetch_keys(g.request, next.start, next.end);
+                }
+                let sub = if whole { n } else { SUB };
+                for s0 in (0..n).step_by(sub) {
+                    if !whole {
+                        ahead(s0);
+                    }
                     let dims = Dims {
-                        m: n,
+                        m: sub.min(n - s0),
                         n: m,
                         k: d,
                         lda: d,
                         ldb: m,
                         ldc: m,
                     };
-                    gemm_pairs_into(self.isa, dims, krows, qt, c);
-                } else {
-                    for (s0, rows) in chunks {
-                        ahead(s0);
-                        let dims = Dims {
-                            m: rows,
-                            n: m,
-                            k: d,
-                            lda: d,
-                            ldb: m,
-                            ldc: m,
-                        };
-                        gemm_pairs_into(self.isa, dims, &krows[s0 * d..], qt, &mut c[s0 * m..]);
-                    }
+                    gemm_pairs_into(self.isa, dims, &krows[s0 * d..], qt, &mut c[s0 * m..]);
                 }
             }
             // The weighted ReLU head sum of every (row, key): `Σ_hh w·max(c, 0)` with one
