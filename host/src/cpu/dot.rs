@@ -235,6 +235,119 @@ pub fn gemm_e4m3_into(
         // Empty sums: C is zeroed, as by `gemm_bf16_into` (the runs are not read).
         return gemm_bf16_into(isa, d, &[], b, c);
     }
+    check_runs(&d, runs, kb);
+    #[cfg(target_arch = "x86_64")]
+    if isa.isa().bf16_dot() && super::widen::x86::has_vbmi() && d.n <= 8 && ldk % 64 == 0 {
+        assert!(d.ldb >= padded_cols(d.n) && d.ldc >= d.n);
+        assert!(b.len() >= (d.k2 - 1) * d.ldb + padded_cols(d.n));
+        assert!(c.len() >= (d.m - 1) * d.ldc + d.n);
+        // SAFETY: the avx512bf16 path exists only on a CPU with AVX-512F, AVX-512BW,
+        // AVX-512VL and AVX512_BF16, and VBMI was checked; the runs hold `m` rows of `ldk`
+        // codes, `kb` holds `m` rows of `ldk` words, B and C hold `d` (all asserted above).
+        unsafe {
+            let c = x86::StoreC {
+                c: c.as_mut_ptr(),
+                ldc: d.ldc,
+                last: x86::mask8(d.n),
+            };
+            x86::gemm_e4m3_rows8(&d, runs, kb.as_mut_ptr(), b.as_ptr(), c)
+        };
+        return;
+    }
+    widen_runs(isa, runs, kb);
+    gemm_bf16_into(isa, d, kb, b, c);
+}
+
+/// Widens `runs` into `kb` (a run's rows are adjacent there too: one call each).
+fn widen_runs(isa: CpuIsa, runs: &[&[u8]], kb: &mut [u16]) {
+    let mut at = 0;
+    for run in runs {
+        super::widen::e4m3_row_pow2(isa, run, 0, &mut kb[at..at + run.len()]);
+        at += run.len();
+    }
+}
+
+/// The weighted ReLU sum of each row of [`gemm_e4m3_into`]'s `C`, times the row's scale:
+///
+/// ```text
+/// s = +0;  for j in 0..n: s = fma(w[j], max(C[i][j], 0), s)   // in column order
+/// out[i] = s · scale[i]
+/// ```
+///
+/// (`max` gives 0 for a NaN score; each step rounds once.) The same bits as
+/// [`gemm_e4m3_into`] into `c` followed by that loop, which is what every route but one
+/// runs. That one (the `avx512bf16` path on a CPU with AVX-512 VBMI, at most 8 columns,
+/// rows of whole vectors of 64 codes) never stores `C`: each register tile's 16 rows are
+/// transposed in registers and summed there. The indexer's few-head decode (one query
+/// row: `C`'s columns are its heads) spends on it what it spent on storing `C`,
+/// transposing it and reading it back.
+///
+/// `c` is working space on the other routes (`d.ldc` as in [`gemm_e4m3_into`]; its
+/// contents are unspecified on return). Panics as [`gemm_e4m3_into`] does, or if `w` has
+/// fewer than `d.n` weights, or `scale` or `out` fewer than `d.m` values.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "a GEMM's operands plus its epilogue's"
+)]
+pub fn gemm_e4m3_relu_sums(
+    isa: CpuIsa,
+    d: PairDims,
+    runs: &[&[u8]],
+    kb: &mut [u16],
+    b: &[u32],
+    w: &[f32],
+    scale: &[f32],
+    c: &mut [f32],
+    out: &mut [f32],
+) {
+    assert!(w.len() >= d.n, "one weight per column");
+    assert!(
+        scale.len() >= d.m && out.len() >= d.m,
+        "one scale and one output per row"
+    );
+    let ldk = 2 * d.k2;
+    #[cfg(target_arch = "x86_64")]
+    if isa.isa().bf16_dot()
+        && super::widen::x86::has_vbmi()
+        && d.m > 0
+        && (1..=8).contains(&d.n)
+        && ldk > 0
+        && ldk % 64 == 0
+    {
+        let d = PairDims { lda: ldk, ..d };
+        check_runs(&d, runs, kb);
+        assert!(d.ldb >= padded_cols(d.n));
+        assert!(b.len() >= (d.k2 - 1) * d.ldb + padded_cols(d.n));
+        let sums = x86::ReluSums {
+            w: w.as_ptr(),
+            n: d.n,
+            scale: scale.as_ptr(),
+            out: out.as_mut_ptr(),
+        };
+        // SAFETY: as in `gemm_e4m3_into`'s call (the same checks above); the sums read `n`
+        // weights and `m` scales and write `m` outputs (asserted above).
+        unsafe { x86::gemm_e4m3_rows8(&d, runs, kb.as_mut_ptr(), b.as_ptr(), sums) };
+        return;
+    }
+    gemm_e4m3_into(isa, d, runs, kb, b, c);
+    for (i, (o, &sc)) in out[..d.m].iter_mut().zip(scale).enumerate() {
+        let row = if d.n == 0 {
+            &[][..]
+        } else {
+            &c[i * d.ldc..][..d.n]
+        };
+        let mut s = 0f32;
+        for (&wj, &x) in w.iter().zip(row) {
+            s = wj.mul_add(x.max(0.0), s);
+        }
+        *o = s * sc;
+    }
+}
+
+/// Panics unless `runs` hold `d.m` whole rows of `d.lda` codes and `kb` as many rows of
+/// widened words.
+fn check_runs(d: &PairDims, runs: &[&[u8]], kb: &[u16]) {
+    let ldk = d.lda;
     // A run's rows (`None` unless whole), without a division for rows of a power of two
     // (a call covers a few keys: the divisions showed in the tiny indexer decode).
     let rows = |len: usize| match ldk.is_power_of_two() {
@@ -250,24 +363,6 @@ pub fn gemm_e4m3_into(
         kb.len() >= d.m * ldk,
         "the widened rows' buffer is shorter than the shape"
     );
-    #[cfg(target_arch = "x86_64")]
-    if isa.isa().bf16_dot() && super::widen::x86::has_vbmi() && d.n <= 8 && ldk % 64 == 0 {
-        assert!(d.ldb >= padded_cols(d.n) && d.ldc >= d.n);
-        assert!(b.len() >= (d.k2 - 1) * d.ldb + padded_cols(d.n));
-        assert!(c.len() >= (d.m - 1) * d.ldc + d.n);
-        // SAFETY: the avx512bf16 path exists only on a CPU with AVX-512F, AVX-512BW,
-        // AVX-512VL and AVX512_BF16, and VBMI was checked; the runs hold `m` rows of `ldk`
-        // codes, `kb` holds `m` rows of `ldk` words, B and C hold `d` (all asserted above).
-        unsafe { x86::gemm_e4m3_rows8(&d, runs, kb.as_mut_ptr(), b.as_ptr(), c.as_mut_ptr()) };
-        return;
-    }
-    // A run's rows are adjacent in `kb` too: one call each.
-    let mut at = 0;
-    for run in runs {
-        super::widen::e4m3_row_pow2(isa, run, 0, &mut kb[at..at + run.len()]);
-        at += run.len();
-    }
-    gemm_bf16_into(isa, d, kb, b, c);
 }
 
 /// Where `A`'s pairs lie, in bf16 elements: row `i`'s pair `p` starts at
@@ -641,18 +736,140 @@ mod x86 {
     #[inline]
     unsafe fn rows8<const ZERO: bool>(d: &PairDims, a: impl APairs, b: *const u32, c: *mut f32) {
         debug_assert!(d.n <= 8);
-        let last: __mmask8 = if d.n == 8 { 0xff } else { (1u8 << d.n) - 1 };
+        let last = mask8(d.n);
+        let mut out = StoreC {
+            c,
+            ldc: d.ldc,
+            last,
+        };
         let mut i = 0;
         // SAFETY: every call covers rows `i .. i + rows <= m` of A and C only, 8 columns
         // of B (whole vectors: `ldb` is padded to 16) and the `n` columns of C.
         unsafe {
             while d.m - i >= 16 {
-                tile8::<16, ZERO>(d, a.at_row(i), b, c.add(i * d.ldc), last, |_| {});
+                let init = c.add(i * d.ldc);
+                let acc = tile8::<16, ZERO>(d, a.at_row(i), b, init, last, |_| {});
+                out.rows(i, &acc);
                 i += 16;
             }
-            i = tail8::<ZERO>(d, a, b, c, last, i);
+            i = tail8::<ZERO>(d, a, b, c, last, i, &mut out);
         }
         debug_assert_eq!(i, d.m);
+    }
+
+    /// The lanes of `n <= 8` columns.
+    #[inline(always)]
+    pub(super) fn mask8(n: usize) -> __mmask8 {
+        if n >= 8 {
+            0xff
+        } else {
+            (1u8 << n) - 1
+        }
+    }
+
+    /// What becomes of a register tile's rows of a product of at most 8 columns (one
+    /// 256-bit vector per row, lanes past the columns unspecified).
+    pub(super) trait Out8 {
+        /// Takes rows `i .. i + acc.len()` of C, `acc[r]` holding row `i + r`.
+        ///
+        /// # Safety
+        /// The CPU has AVX-512F and AVX-512VL; the rows exist in the output's shape.
+        unsafe fn rows(&mut self, i: usize, acc: &[__m256]);
+    }
+
+    /// C stored: row `i` at `c[i · ldc ..]`, the lanes of `last`.
+    pub(super) struct StoreC {
+        pub(super) c: *mut f32,
+        pub(super) ldc: usize,
+        pub(super) last: __mmask8,
+    }
+
+    impl Out8 for StoreC {
+        #[inline(always)]
+        unsafe fn rows(&mut self, i: usize, acc: &[__m256]) {
+            for (r, &x) in acc.iter().enumerate() {
+                // SAFETY: the caller's contract: row `i + r`'s columns of `last` exist.
+                unsafe { _mm256_mask_storeu_ps(self.c.add((i + r) * self.ldc), self.last, x) };
+            }
+        }
+    }
+
+    /// [`super::gemm_e4m3_relu_sums`]'s sums: `out[i] = scale[i] · Σ_j w[j]·max(C[i][j], 0)`
+    /// over the first `n` columns, one FMA per column in column order from `+0`, on 8 rows
+    /// at a time transposed in registers (a vector per column).
+    pub(super) struct ReluSums {
+        pub(super) w: *const f32,
+        pub(super) n: usize,
+        pub(super) scale: *const f32,
+        pub(super) out: *mut f32,
+    }
+
+    impl Out8 for ReluSums {
+        #[inline(always)]
+        unsafe fn rows(&mut self, i: usize, acc: &[__m256]) {
+            for (g, rows) in acc.chunks(8).enumerate() {
+                let at = i + 8 * g;
+                let count = rows.len();
+                // SAFETY: register operations, then `n <= 8` weights, and rows
+                // `at .. at + count` of the scales and outputs (the caller's contract).
+                unsafe {
+                    let zero = _mm256_setzero_ps();
+                    let mut x = [zero; 8];
+                    x[..count].copy_from_slice(rows);
+                    let cols = transpose8(x);
+                    let mut sum = zero;
+                    for (j, &col) in cols.iter().enumerate().take(self.n) {
+                        let wj = _mm256_set1_ps(*self.w.add(j));
+                        // `max(x, 0)` as the scalar route's `f32::max` compiles: 0 for NaN.
+                        sum = _mm256_fmadd_ps(wj, _mm256_max_ps(col, zero), sum);
+                    }
+                    if count == 8 {
+                        let sc = crate::cpu::raw::read::<__m256>(self.scale.add(at).cast());
+                        crate::cpu::raw::write(self.out.add(at).cast(), _mm256_mul_ps(sum, sc));
+                    } else {
+                        let m = mask8(count);
+                        let sc = _mm256_maskz_loadu_ps(m, self.scale.add(at));
+                        _mm256_mask_storeu_ps(self.out.add(at), m, _mm256_mul_ps(sum, sc));
+                    }
+                }
+            }
+        }
+    }
+
+    /// The 8 × 8 transpose: `out[j]`'s lane `r` is `rows[r]`'s lane `j`.
+    ///
+    /// # Safety
+    /// The CPU has AVX.
+    #[inline(always)]
+    unsafe fn transpose8(rows: [__m256; 8]) -> [__m256; 8] {
+        // SAFETY: register operations; the feature is the caller's.
+        unsafe {
+            let [r0, r1, r2, r3, r4, r5, r6, r7] = rows;
+            // Pairs of rows interleaved: (r0 r1) columns 0 1 | 4 5, and 2 3 | 6 7.
+            let (t0, t1) = (_mm256_unpacklo_ps(r0, r1), _mm256_unpackhi_ps(r0, r1));
+            let (t2, t3) = (_mm256_unpacklo_ps(r2, r3), _mm256_unpackhi_ps(r2, r3));
+            let (t4, t5) = (_mm256_unpacklo_ps(r4, r5), _mm256_unpackhi_ps(r4, r5));
+            let (t6, t7) = (_mm256_unpacklo_ps(r6, r7), _mm256_unpackhi_ps(r6, r7));
+            // Four rows of one column per 128-bit half: columns 0 | 4, 1 | 5, 2 | 6, 3 | 7.
+            let s0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+            let s1 = _mm256_shuffle_ps::<0xee>(t0, t2);
+            let s2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+            let s3 = _mm256_shuffle_ps::<0xee>(t1, t3);
+            let s4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+            let s5 = _mm256_shuffle_ps::<0xee>(t4, t6);
+            let s6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+            let s7 = _mm256_shuffle_ps::<0xee>(t5, t7);
+            [
+                _mm256_permute2f128_ps::<0x20>(s0, s4),
+                _mm256_permute2f128_ps::<0x20>(s1, s5),
+                _mm256_permute2f128_ps::<0x20>(s2, s6),
+                _mm256_permute2f128_ps::<0x20>(s3, s7),
+                _mm256_permute2f128_ps::<0x31>(s0, s4),
+                _mm256_permute2f128_ps::<0x31>(s1, s5),
+                _mm256_permute2f128_ps::<0x31>(s2, s6),
+                _mm256_permute2f128_ps::<0x31>(s3, s7),
+            ]
+        }
     }
 
     /// The rows `i..` of [`rows8`] after its tiles of 16 (fewer than 16): tiles of 8, 4, 2
@@ -662,24 +879,30 @@ mod x86 {
     /// As [`rows8`], with `d.m - i < 16`.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx512vl")]
     #[inline]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "a tile's operands and its output"
+    )]
     unsafe fn tail8<const ZERO: bool>(
         d: &PairDims,
         a: impl APairs,
         b: *const u32,
-        c: *mut f32,
+        c: *const f32,
         last: __mmask8,
         mut i: usize,
+        out: &mut impl Out8,
     ) -> usize {
-        // SAFETY: every call covers rows `i .. i + step <= m` only (the caller's contract).
+        // SAFETY: every call covers rows `i .. i + step <= m` only (the caller's contract;
+        // `c` is read only when accumulating, and then holds C).
         unsafe {
             for step in [8, 4, 2, 1] {
                 if d.m - i >= step {
-                    let (ai, ci) = (a.at_row(i), c.add(i * d.ldc));
+                    let (ai, ci) = (a.at_row(i), c.wrapping_add(i * d.ldc));
                     match step {
-                        8 => tile8::<8, ZERO>(d, ai, b, ci, last, |_| {}),
-                        4 => tile8::<4, ZERO>(d, ai, b, ci, last, |_| {}),
-                        2 => tile8::<2, ZERO>(d, ai, b, ci, last, |_| {}),
-                        _ => tile8::<1, ZERO>(d, ai, b, ci, last, |_| {}),
+                        8 => out.rows(i, &tile8::<8, ZERO>(d, ai, b, ci, last, |_| {})),
+                        4 => out.rows(i, &tile8::<4, ZERO>(d, ai, b, ci, last, |_| {})),
+                        2 => out.rows(i, &tile8::<2, ZERO>(d, ai, b, ci, last, |_| {})),
+                        _ => out.rows(i, &tile8::<1, ZERO>(d, ai, b, ci, last, |_| {})),
                     }
                     i += step;
                 }
@@ -691,32 +914,34 @@ mod x86 {
     /// [`super::gemm_e4m3_into`]'s interleaved route: the first 16 rows widened, then each
     /// tile of 16 rows ([`tile8`]) widens the next 16 rows' codes (64 at a time, one
     /// lookup every second pair step: `16 · 2·k2 / 64 = k2 / 2` lookups), the rows after
-    /// the last whole tile included; the tail tiles find their rows widened.
+    /// the last whole tile included; the tail tiles find their rows widened. Each tile's
+    /// rows of C go to `out` (stored, or summed: [`super::gemm_e4m3_relu_sums`]).
     ///
     /// # Safety
     /// The CPU has AVX-512F, AVX-512BW, AVX-512VL, AVX512_BF16 and AVX-512 VBMI;
     /// `2 · d.k2` is a positive multiple of 64 and `d.lda` equals it; `runs` holds `d.m`
     /// rows of `d.lda` codes, each run whole rows; `kb` holds `d.m` rows of `d.lda` words;
-    /// `d.n <= 8`, and `b` and `c` hold `d` as [`super::gemm_bf16_into`] checks.
+    /// `1 <= d.n <= 8`, `b` holds `d` as [`super::gemm_bf16_into`] checks, and `out`
+    /// takes `d.m` rows.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi")]
     pub(super) unsafe fn gemm_e4m3_rows8(
         d: &PairDims,
         runs: &[&[u8]],
         kb: *mut u16,
         b: *const u32,
-        c: *mut f32,
+        mut out: impl Out8,
     ) {
         // SAFETY: the caller's contract; `a` reads `kb`'s rows of `d.lda` words.
         unsafe {
             match d.lda {
-                64 => e4m3_rows8(d, runs, kb, Rows::<64>(kb), b, c),
-                128 => e4m3_rows8(d, runs, kb, Rows::<128>(kb), b, c),
+                64 => e4m3_rows8(d, runs, kb, Rows::<64>(kb), b, &mut out),
+                128 => e4m3_rows8(d, runs, kb, Rows::<128>(kb), b, &mut out),
                 _ => {
                     let s = AStep {
                         row: d.lda,
                         pair: 2,
                     };
-                    e4m3_rows8(d, runs, kb, Strided { a: kb, s }, b, c)
+                    e4m3_rows8(d, runs, kb, Strided { a: kb, s }, b, &mut out)
                 }
             }
         }
@@ -734,11 +959,11 @@ mod x86 {
         kb: *mut u16,
         a: impl APairs,
         b: *const u32,
-        c: *mut f32,
+        out: &mut impl Out8,
     ) {
         debug_assert!(d.n <= 8 && d.lda == 2 * d.k2 && d.lda % 64 == 0);
         let (ldk, per_row) = (d.lda, d.lda / 64);
-        let last: __mmask8 = if d.n == 8 { 0xff } else { (1u8 << d.n) - 1 };
+        let last = mask8(d.n);
         // The rows' codes, in order: the run and the next row's offset in it.
         let (mut run, mut at) = (0, 0);
         let mut codes: *const u8 = std::ptr::null();
@@ -779,32 +1004,35 @@ mod x86 {
                         }
                     }
                 };
-                tile8::<16, true>(d, a.at_row(i), b, c.add(i * d.ldc), last, ahead);
+                let acc = tile8::<16, true>(d, a.at_row(i), b, std::ptr::null(), last, ahead);
                 debug_assert!(r == end, "a tile widens the next tile's rows");
+                out.rows(i, &acc);
                 done = end;
                 i += 16;
             }
-            tail8::<true>(d, a, b, c, last, i);
+            tail8::<true>(d, a, b, std::ptr::null(), last, i, out);
         }
     }
 
-    /// One register tile of `R` rows × one 256-bit vector of 8 columns (masked by `last`),
-    /// over the whole contraction: the arithmetic of [`tile`] per element. `step(p)` runs
-    /// before the products of pair step `p` (work of the caller's to interleave with them;
-    /// it must not write the tile's rows of A).
+    /// One register tile of `R` rows × one 256-bit vector of 8 columns, over the whole
+    /// contraction: the arithmetic of [`tile`] per element; returns the rows of C (lanes
+    /// past `last` unspecified). Unless `ZERO`, each row's chain starts from C's row at
+    /// `c` (the lanes of `last`). `step(p)` runs before the products of pair step `p`
+    /// (work of the caller's to interleave with them; it must not write the tile's rows of
+    /// A).
     ///
     /// # Safety
-    /// As [`rows8`], for rows `0 .. R` from the pointers.
+    /// As [`rows8`], for rows `0 .. R` from the pointers (`c` is read only unless `ZERO`).
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16,avx512vl")]
     #[inline]
     unsafe fn tile8<const R: usize, const ZERO: bool>(
         d: &PairDims,
         a: impl APairs,
         b: *const u32,
-        c: *mut f32,
+        c: *const f32,
         last: __mmask8,
         mut step: impl FnMut(usize),
-    ) {
+    ) -> [__m256; R] {
         // SAFETY: every access below is inside the tile's rows of A and C and the first 8
         // columns of B's rows (the caller's precondition); the reads of A are unaligned
         // 4-byte loads.
@@ -826,9 +1054,7 @@ mod x86 {
                     *x = _mm256_dpbf16_ps(*x, bv, av);
                 }
             }
-            for (r, &x) in acc.iter().enumerate() {
-                _mm256_mask_storeu_ps(c.add(r * d.ldc), last, x);
-            }
+            acc
         }
     }
 
@@ -1140,6 +1366,81 @@ mod tests {
                         gemm_e4m3_into(isa, d, &runs, &mut kb, &b, &mut got);
                         assert!(kb[..m * ldk] == want_kb[..], "{what}: the widened rows");
                         crate::cpu::gemm::assert_view_bits(&got, &want, (m, n, d.ldc), &what);
+                    }
+                }
+            }
+        }
+    }
+
+    /// `gemm_e4m3_relu_sums` gives, on every path, the bits of its definition:
+    /// `gemm_e4m3_into`'s C, then each row's sum of `w[j]·max(c, 0)` by scalar FMAs in
+    /// column order from `+0`, times the row's scale. Random codes (NaN ones too: a NaN
+    /// score counts as 0), weights and scales of both signs, rows of 64, 128 and 10 codes,
+    /// every tail after the tiles of 16 and 8, 1 to 9 columns; the outputs poisoned, and
+    /// nothing written past `m`.
+    #[test]
+    fn e4m3_relu_sums_give_the_definitions_bits() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        let same = |x: f32, y: f32| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan());
+        for &k2 in &[32, 64, 5] {
+            for &m in &[1, 3, 7, 8, 9, 15, 16, 17, 24, 31, 33, 64] {
+                for &n in &[1, 2, 5, 7, 8, 9] {
+                    let ldk = 2 * k2;
+                    let d = PairDims {
+                        m,
+                        n,
+                        k2,
+                        lda: 0,
+                        ldb: padded_cols(n) + 16,
+                        ldc: n + 1,
+                    };
+                    // NaN codes (`0x7f`, `0xff`) in about one row of 6, not in 40%.
+                    let codes: Vec<u8> = (0..m * ldk)
+                        .map(|_| match rng.gen::<u8>() {
+                            c if c & 0x7f == 0x7f && rng.gen_range(0..64) != 0 => c ^ 1,
+                            c => c,
+                        })
+                        .collect();
+                    let b: Vec<u32> = (0..k2 * d.ldb)
+                        .map(|_| {
+                            let mut q = || round_bf16(rng.gen_range(-2.0f32..2.0));
+                            q() as u32 | (q() as u32) << 16
+                        })
+                        .collect();
+                    let mut runs: Vec<&[u8]> = Vec::new();
+                    let mut at = 0;
+                    while at < m {
+                        let rows = rng.gen_range(1..=(m - at).min(20));
+                        runs.push(&codes[at * ldk..(at + rows) * ldk]);
+                        at += rows;
+                    }
+                    let w: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+                    let scale: Vec<f32> = (0..m).map(|_| rng.gen_range(-3.0f32..3.0)).collect();
+                    for isa in CpuIsa::available() {
+                        let what = format!("{} m={m} n={n} k2={k2}", isa.isa());
+                        let mut kb = vec![0xffff_u16; m * ldk];
+                        let mut c = vec![f32::NAN; m * d.ldc];
+                        gemm_e4m3_into(isa, d, &runs, &mut kb, &b, &mut c);
+                        let want: Vec<f32> = (0..m)
+                            .map(|i| {
+                                let row = &c[i * d.ldc..][..n];
+                                let s = w.iter().zip(row).fold(0f32, |s, (&wj, &x)| {
+                                    wj.mul_add(if x > 0.0 { x } else { 0.0 }, s)
+                                });
+                                s * scale[i]
+                            })
+                            .collect();
+                        let mut out = vec![f32::NAN; m + 3];
+                        out[m..].fill(-7.0);
+                        let mut c = vec![f32::NAN; m * d.ldc];
+                        let mut kb = vec![0xffff_u16; m * ldk];
+                        gemm_e4m3_relu_sums(
+                            isa, d, &runs, &mut kb, &b, &w, &scale, &mut c, &mut out,
+                        );
+                        for (i, (&x, &y)) in out.iter().zip(&want).enumerate() {
+                            assert!(same(x, y), "{what}: row {i}: {x} against {y}");
+                        }
+                        assert!(out[m..].iter().all(|&x| x == -7.0), "{what}: past the rows");
                     }
                 }
             }

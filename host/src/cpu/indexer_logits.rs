@@ -14,7 +14,9 @@
 //! a time, and widened by the GEMM itself ([`gemm_e4m3_into`]). Qᵀ is built once per
 //! task, head-major (a head's rows are adjacent). The weighted ReLU head sum then runs in
 //! head order, vectorised over 16 keys (groups of few rows: decode) or over 16 rows (long
-//! prefill groups), compiled for the CPU's vector ISA. Every logit is computed with
+//! prefill groups), compiled for the CPU's vector ISA; for one query row of at most 8
+//! heads over fp8 keys on `avx512bf16` it is the GEMM's own epilogue, on its register
+//! tiles transposed ([`gemm_e4m3_relu_sums`]). Every logit is computed with
 //! the same operations in the same order whatever the grouping or the vectorisation:
 //! batch-invariant, and identical on every path.
 
@@ -23,7 +25,7 @@ use std::ops::Range;
 
 use half::bf16;
 
-use super::dot::{gemm_bf16_into, gemm_e4m3_into, padded_cols, PairDims};
+use super::dot::{gemm_bf16_into, gemm_e4m3_into, gemm_e4m3_relu_sums, padded_cols, PairDims};
 #[cfg(doc)]
 use super::gemm::gemm_acc_pairs;
 use super::gemm::{gemm_pairs_into, gemm_pairs_into_f16b, splat, Dims, SPLAT};
@@ -409,6 +411,9 @@ impl Ctx<'_> {
         }
         let mut scale = [1f32; BLOCK];
         let mut acc = [0f32; BLOCK];
+        // The `Cᵀ` route of fp8 keys on the bf16 dot product for one query row: the head
+        // sums are the GEMM's epilogue (the same operations in the same order).
+        let sums_in_gemm = bf16_dot && fp8_keys && !keys_along && rr == 1;
         // A block's page runs of fp8 codes (the `avx512bf16` route without `keys_along`).
         let mut runs: Vec<&[u8]> = Vec::new();
         let mut b0 = lo;
@@ -532,7 +537,14 @@ impl Ctx<'_> {
                         runs.push(&self.cache[self.layout.slot_run_value_bytes(slot, count)]);
                         self.fp8_scales(slot, count, &mut scale[j..j + count]);
                     }
-                    gemm_e4m3_into(self.isa, dims, &runs, kb, qp, c);
+                    if sums_in_gemm {
+                        // One query row: `C`'s columns are its heads, and the GEMM leaves
+                        // each key's weighted head sum (times its scale) in `acc`.
+                        let w = &self.weights[g.first * h..(g.first + 1) * h];
+                        gemm_e4m3_relu_sums(self.isa, dims, &runs, kb, qp, w, &scale, c, &mut acc);
+                    } else {
+                        gemm_e4m3_into(self.isa, dims, &runs, kb, qp, c);
+                    }
                 } else {
                     // bf16 keys of one page are read where they are.
                     let a: &[u16] = match self.keys_in_place(g.request, b0, n) {
@@ -622,6 +634,12 @@ impl Ctx<'_> {
                     for ((o, &x), &sc) in dst.iter_mut().zip(sums).zip(&scale[lo..hi]) {
                         *o = x * sc;
                     }
+                }
+            } else if sums_in_gemm {
+                let row = &self.rows[g.first];
+                let Range { start: lo, end: hi } = keys_in_block(row, b0, n);
+                if let Some(cell) = cells.first_mut() {
+                    cell[b0 + lo - col0..b0 + hi - col0].copy_from_slice(&acc[lo..hi]);
                 }
             } else {
                 // C = (Cᵀ)ᵀ: a (head, row)'s scores contiguous over the block's keys.
