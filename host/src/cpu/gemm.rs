@@ -17,6 +17,8 @@ use std::ops::Range;
 
 use super::isa::{CpuIsa, Isa};
 use super::scratch::Aligned;
+#[cfg(target_arch = "x86_64")]
+use super::tile_out::Out8;
 
 /// Rows of a path's register tile: with two vectors of columns, 16 accumulators on
 /// AVX-512 (32 registers; two FMA units of 4 cycles' latency keep 8 in flight, and each
@@ -113,12 +115,85 @@ pub fn gemm_pairs_into(isa: CpuIsa, d: Dims, a: &[f32], b: &[f32], c: &mut [f32]
     }
     #[cfg(target_arch = "x86_64")]
     if matches!(isa.isa(), Isa::Avx512 | Isa::Avx512Bf16) && d.n <= 8 && d.k % 2 == 0 {
+        let c = super::tile_out::StoreC {
+            c: c.as_mut_ptr(),
+            ldc: d.ldc,
+            last: super::tile_out::mask8(d.n),
+        };
         // SAFETY: the AVX-512 paths' CPU has AVX-512F and AVX-512VL (`Isa::supported`);
         // the slices hold `d` (checked above), `n ≤ 8`, `k` even and positive.
         unsafe { pairs_rows8_avx512(d, a, b, c) };
         return;
     }
     gemm_pairs_into_paths(isa, d, a, b, c)
+}
+
+/// The weighted ReLU sum of each row of [`gemm_pairs_into`]'s `C`, times the row's scale:
+/// `s = +0; for j in 0..n: s = fma(w[j], max(C[i][j], 0), s)` in column order, then
+/// `out[i] = s · scale[i]` (`max` gives 0 for a NaN score). The same bits as
+/// [`gemm_pairs_into`] into `c` followed by that loop, which every other route runs; on
+/// the AVX-512 paths, for at most 8 columns and even `k`, `C` is never stored: each
+/// register tile's rows are transposed and summed in registers (as
+/// [`super::dot::gemm_e4m3_relu_sums`] does for e4m3 keys).
+///
+/// `c` is working space on the other routes (its contents are unspecified on return).
+/// Panics as [`gemm_pairs_into`] does, or if `w` has fewer than `d.n` weights, or `scale`
+/// or `out` fewer than `d.m` values.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "a GEMM's operands plus its epilogue's"
+)]
+pub fn gemm_pairs_relu_sums(
+    isa: CpuIsa,
+    d: Dims,
+    a: &[f32],
+    b: &[f32],
+    w: &[f32],
+    scale: &[f32],
+    c: &mut [f32],
+    out: &mut [f32],
+) {
+    assert!(w.len() >= d.n, "one weight per column");
+    assert!(
+        scale.len() >= d.m && out.len() >= d.m,
+        "one scale and one output per row"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if matches!(isa.isa(), Isa::Avx512 | Isa::Avx512Bf16)
+        && d.m > 0
+        && (1..=8).contains(&d.n)
+        && d.k > 0
+        && d.k % 2 == 0
+    {
+        assert!(d.lda >= d.k && d.ldb >= d.n);
+        assert!(a.len() >= (d.m - 1) * d.lda + d.k);
+        assert!(b.len() >= (d.k - 1) * d.ldb + d.n);
+        let sums = super::tile_out::ReluSums {
+            w: w.as_ptr(),
+            n: d.n,
+            scale: scale.as_ptr(),
+            out: out.as_mut_ptr(),
+        };
+        // SAFETY: the AVX-512 paths' CPU has AVX-512F and AVX-512VL (`Isa::supported`); A
+        // and B hold `d` (asserted above: C is not written), `n ≤ 8`, `k` even and
+        // positive; the sums read `n` weights and `m` scales and write `m` outputs
+        // (asserted above).
+        unsafe { pairs_rows8_avx512(d, a, b, sums) };
+        return;
+    }
+    gemm_pairs_into(isa, d, a, b, c);
+    for (i, (o, &sc)) in out[..d.m].iter_mut().zip(scale).enumerate() {
+        let row = if d.n == 0 {
+            &[][..]
+        } else {
+            &c[i * d.ldc..][..d.n]
+        };
+        let mut s = 0f32;
+        for (&wj, &x) in w.iter().zip(row) {
+            s = wj.mul_add(x.max(0.0), s);
+        }
+        *o = s * sc;
+    }
 }
 
 /// [`gemm_pairs_into`] for at most 8 columns on AVX-512: tiles of 16 rows, then of 8, 4,
@@ -129,22 +204,24 @@ pub fn gemm_pairs_into(isa: CpuIsa, d: Dims, a: &[f32], b: &[f32], c: &mut [f32]
 /// the forced `avx512` path, their score GEMM took 57 cycles per key of 64 dims, against
 /// 32 at the FMA rate.
 ///
+/// Each tile's rows of C go to `out` (stored, or summed: [`gemm_pairs_relu_sums`]).
+///
 /// # Safety
-/// The CPU has AVX-512F and AVX-512VL; `n ≤ 8`, `k` even and positive, and the slices
-/// hold `d` (as [`check`] asserts).
+/// The CPU has AVX-512F and AVX-512VL; `n ≤ 8`, `k` even and positive, A and B hold `d`
+/// (as [`check`] asserts), and `out` takes `m` rows.
 #[cfg(target_arch = "x86_64")]
 #[allow(
     clippy::incompatible_msrv,
     reason = "AVX-512 needs Rust 1.89, as the existing AVX-512 target features do"
 )]
 #[target_feature(enable = "avx512f,avx512vl")]
-unsafe fn pairs_rows8_avx512(d: Dims, a: &[f32], b: &[f32], c: &mut [f32]) {
+unsafe fn pairs_rows8_avx512(d: Dims, a: &[f32], b: &[f32], mut out: impl Out8) {
     // SAFETY: the caller's contract; `L` is `d.lda` where it is not 0.
     unsafe {
         match d.lda {
-            64 => pairs_rows8::<64>(d, a, b, c),
-            128 => pairs_rows8::<128>(d, a, b, c),
-            _ => pairs_rows8::<0>(d, a, b, c),
+            64 => pairs_rows8::<64>(d, a, b, &mut out),
+            128 => pairs_rows8::<128>(d, a, b, &mut out),
+            _ => pairs_rows8::<0>(d, a, b, &mut out),
         }
     }
 }
@@ -162,23 +239,23 @@ unsafe fn pairs_rows8_avx512(d: Dims, a: &[f32], b: &[f32], c: &mut [f32]) {
 )]
 #[target_feature(enable = "avx512f,avx512vl")]
 #[inline]
-unsafe fn pairs_rows8<const L: usize>(d: Dims, a: &[f32], b: &[f32], c: &mut [f32]) {
+unsafe fn pairs_rows8<const L: usize>(d: Dims, a: &[f32], b: &[f32], out: &mut impl Out8) {
     debug_assert!(L == 0 || L == d.lda);
-    let last: u8 = if d.n == 8 { 0xff } else { (1u8 << d.n) - 1 };
+    let last = super::tile_out::mask8(d.n);
     let mut i = 0;
     // SAFETY: every call covers rows `i .. i + R ≤ m` only (the caller's contract).
     unsafe {
         while d.m - i >= 16 {
-            pairs_tile8::<16, L>(d, a, b, c, i, last);
+            out.rows(i, &pairs_tile8::<16, L>(d, a, b, i, last));
             i += 16;
         }
         for step in [8, 4, 2, 1] {
             if d.m - i >= step {
                 match step {
-                    8 => pairs_tile8::<8, L>(d, a, b, c, i, last),
-                    4 => pairs_tile8::<4, L>(d, a, b, c, i, last),
-                    2 => pairs_tile8::<2, L>(d, a, b, c, i, last),
-                    _ => pairs_tile8::<1, L>(d, a, b, c, i, last),
+                    8 => out.rows(i, &pairs_tile8::<8, L>(d, a, b, i, last)),
+                    4 => out.rows(i, &pairs_tile8::<4, L>(d, a, b, i, last)),
+                    2 => out.rows(i, &pairs_tile8::<2, L>(d, a, b, i, last)),
+                    _ => out.rows(i, &pairs_tile8::<1, L>(d, a, b, i, last)),
                 }
                 i += step;
             }
@@ -187,7 +264,8 @@ unsafe fn pairs_rows8<const L: usize>(d: Dims, a: &[f32], b: &[f32], c: &mut [f3
     debug_assert_eq!(i, d.m);
 }
 
-/// The tile of `R` rows from row `i0` of [`pairs_rows8`].
+/// The tile of `R` rows from row `i0` of [`pairs_rows8`]: returns its rows of C (lanes
+/// past `last` unspecified).
 ///
 /// # Safety
 /// As [`pairs_rows8`], with rows `i0 .. i0 + R` inside `m`.
@@ -202,13 +280,12 @@ unsafe fn pairs_tile8<const R: usize, const L: usize>(
     d: Dims,
     a: &[f32],
     b: &[f32],
-    c: &mut [f32],
     i0: usize,
     last: u8,
-) {
+) -> [std::arch::x86_64::__m256; R] {
     use std::arch::x86_64::*;
     // SAFETY: every read is A[i0 + r][q] or B[q][0..8] (masked to `n` columns) with
-    // `q < k`, every write C[i0 + r][0..n]: inside the slices by the caller's contract.
+    // `q < k`: inside the slices by the caller's contract.
     unsafe {
         let lda = if L == 0 { d.lda } else { L };
         let (ap, bp) = (a.as_ptr().add(i0 * lda), b.as_ptr());
@@ -225,9 +302,7 @@ unsafe fn pairs_tile8<const R: usize, const L: usize>(
             }
             p += 2;
         }
-        for (r, x) in acc.iter().enumerate() {
-            _mm256_mask_storeu_ps(c.as_mut_ptr().add((i0 + r) * d.ldc), last, *x);
-        }
+        acc
     }
 }
 
@@ -1281,6 +1356,63 @@ mod tests {
                             let gaps = got.chunks(d.ldc).all(|r| r[n..].iter().all(|x| x.is_nan()));
                             assert!(gaps, "{what}: wrote past the columns");
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    /// `gemm_pairs_relu_sums` gives, on every path, the bits of its definition:
+    /// `gemm_pairs_into`'s C, then each row's sum of `w[j]·max(c, 0)` by scalar FMAs in
+    /// column order from `+0`, times the row's scale. NaN scores (a NaN in a row of A) count
+    /// as 0; weights and scales of both signs; rows 64 and 128 apart and not, every tail
+    /// after the tiles of 16 and 8, 1 to 9 columns, odd `k` (the other route); outputs
+    /// poisoned, nothing written past `m`.
+    #[test]
+    fn relu_sums_give_the_definitions_bits() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        let same = |x: f32, y: f32| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan());
+        for &k in &[64usize, 128, 10, 7] {
+            for &m in &[1usize, 5, 8, 9, 15, 16, 17, 24, 33, 64] {
+                for n in 1..=9usize {
+                    let lda = if m % 2 == 0 { k } else { k + 5 };
+                    let d = Dims {
+                        m,
+                        n,
+                        k,
+                        lda,
+                        ldb: n,
+                        ldc: n + 2,
+                    };
+                    let mut a: Vec<f32> = (0..m * lda).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                    for _ in 0..m / 6 {
+                        let at = rng.gen_range(0..a.len());
+                        a[at] = f32::NAN;
+                    }
+                    let b: Vec<f32> = (0..k * n).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                    let w: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+                    let scale: Vec<f32> = (0..m).map(|_| rng.gen_range(-3.0f32..3.0)).collect();
+                    for isa in CpuIsa::available() {
+                        let what = format!("{} m={m} n={n} k={k} lda={lda}", isa.isa());
+                        let mut c = vec![f32::NAN; m * d.ldc];
+                        gemm_pairs_into(isa, d, &a, &b, &mut c);
+                        let want: Vec<f32> = (0..m)
+                            .map(|i| {
+                                let row = &c[i * d.ldc..][..n];
+                                let s = w.iter().zip(row).fold(0f32, |s, (&wj, &x)| {
+                                    wj.mul_add(if x > 0.0 { x } else { 0.0 }, s)
+                                });
+                                s * scale[i]
+                            })
+                            .collect();
+                        let mut out = vec![f32::NAN; m + 3];
+                        out[m..].fill(-7.0);
+                        let mut c = vec![f32::NAN; m * d.ldc];
+                        gemm_pairs_relu_sums(isa, d, &a, &b, &w, &scale, &mut c, &mut out);
+                        for (i, (&x, &y)) in out.iter().zip(&want).enumerate() {
+                            assert!(same(x, y), "{what}: row {i}: {x} against {y}");
+                        }
+                        assert!(out[m..].iter().all(|&x| x == -7.0), "{what}: past the rows");
                     }
                 }
             }

@@ -15,8 +15,9 @@
 //! task, head-major (a head's rows are adjacent). The weighted ReLU head sum then runs in
 //! head order, vectorised over 16 keys (groups of few rows: decode) or over 16 rows (long
 //! prefill groups), compiled for the CPU's vector ISA; for one query row of at most 8
-//! heads over fp8 keys on `avx512bf16` it is the GEMM's own epilogue, on its register
-//! tiles transposed ([`gemm_e4m3_relu_sums`]). Every logit is computed with
+//! heads on the AVX-512 paths (fp8 keys on `avx512bf16`) it is the GEMM's own epilogue,
+//! on its register tiles transposed ([`gemm_e4m3_relu_sums`], [`gemm_pairs_relu_sums`]).
+//! Every logit is computed with
 //! the same operations in the same order whatever the grouping or the vectorisation:
 //! batch-invariant, and identical on every path.
 
@@ -28,7 +29,9 @@ use half::bf16;
 use super::dot::{gemm_bf16_into, gemm_e4m3_into, gemm_e4m3_relu_sums, padded_cols, PairDims};
 #[cfg(doc)]
 use super::gemm::gemm_acc_pairs;
-use super::gemm::{gemm_pairs_into, gemm_pairs_into_f16b, splat, Dims, SPLAT};
+use super::gemm::{
+    gemm_pairs_into, gemm_pairs_into_f16b, gemm_pairs_relu_sums, splat, Dims, SPLAT,
+};
 use super::isa::{prefetch, CpuIsa, Isa};
 use super::scratch::{self, Aligned};
 use super::tasks::run_tasks;
@@ -411,9 +414,12 @@ impl Ctx<'_> {
         }
         let mut scale = [1f32; BLOCK];
         let mut acc = [0f32; BLOCK];
-        // The `Cᵀ` route of fp8 keys on the bf16 dot product for one query row: the head
-        // sums are the GEMM's epilogue (the same operations in the same order).
-        let sums_in_gemm = bf16_dot && fp8_keys && !keys_along && rr == 1;
+        // A few heads' `Cᵀ` in one call per block (fp8 keys on the bf16 dot product; on
+        // `avx512`, AVX-512's 8-column tiles; see below).
+        let whole_f32 = !bf16_dot && m <= 8 && self.isa.isa() == Isa::Avx512;
+        // Those routes for one query row: the head sums are the GEMM's epilogue (the same
+        // operations in the same order).
+        let sums_in_gemm = !keys_along && rr == 1 && ((bf16_dot && fp8_keys) || whole_f32);
         // A block's page runs of fp8 codes (the `avx512bf16` route without `keys_along`).
         let mut runs: Vec<&[u8]> = Vec::new();
         let mut b0 = lo;
@@ -565,8 +571,9 @@ impl Ctx<'_> {
                 // `ahead`. A few heads on AVX-512's 8-column tiles instead ask for the next
                 // block's keys first, then run the block in one call (in calls of 16 keys
                 // the fixed cost showed: AMD Zen 4, one thread, the tiny decode 1080
-                // against 1010 µs; as on the bf16 route).
-                let whole = m <= 8 && self.isa.isa() == Isa::Avx512;
+                // against 1010 µs; as on the bf16 route); for one query row the call leaves
+                // the head sums in `acc`.
+                let whole = whole_f32;
                 if whole {
                     self.prefetch_keys(g.request, next.start, next.end);
                 }
@@ -583,7 +590,13 @@ impl Ctx<'_> {
                         ldb: m,
                         ldc: m,
                     };
-                    gemm_pairs_into(self.isa, dims, &krows[s0 * d..], qt, &mut c[s0 * m..]);
+                    let (a, c) = (&krows[s0 * d..], &mut c[s0 * m..]);
+                    if sums_in_gemm {
+                        let w = &self.weights[g.first * h..(g.first + 1) * h];
+                        gemm_pairs_relu_sums(self.isa, dims, a, qt, w, &scale, c, &mut acc);
+                    } else {
+                        gemm_pairs_into(self.isa, dims, a, qt, c);
+                    }
                 }
             }
             // The weighted ReLU head sum of every (row, key): `Σ_hh w·max(c, 0)` with one

@@ -28,6 +28,7 @@ pub mod sparse_mla;
 pub mod sparse_mla_v4;
 pub mod store;
 mod tasks;
+mod tile_out;
 pub mod topk;
 pub mod transpose;
 pub mod widen;
