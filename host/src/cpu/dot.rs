@@ -300,11 +300,7 @@ pub fn gemm_e4m3_relu_sums(
     c: &mut [f32],
     out: &mut [f32],
 ) {
-    assert!(w.len() >= d.n, "one weight per column");
-    assert!(
-        scale.len() >= d.m && out.len() >= d.m,
-        "one scale and one output per row"
-    );
+    super::gemm::check_relu_sums((d.m, d.n), w, scale, out);
     let ldk = 2 * d.k2;
     #[cfg(target_arch = "x86_64")]
     if isa.isa().bf16_dot()
@@ -330,18 +326,7 @@ pub fn gemm_e4m3_relu_sums(
         return;
     }
     gemm_e4m3_into(isa, d, runs, kb, b, c);
-    for (i, (o, &sc)) in out[..d.m].iter_mut().zip(scale).enumerate() {
-        let row = if d.n == 0 {
-            &[][..]
-        } else {
-            &c[i * d.ldc..][..d.n]
-        };
-        let mut s = 0f32;
-        for (&wj, &x) in w.iter().zip(row) {
-            s = wj.mul_add(x.max(0.0), s);
-        }
-        *o = s * sc;
-    }
+    super::gemm::relu_sums(c, (d.m, d.n, d.ldc), w, scale, out);
 }
 
 /// Panics unless `runs` hold `d.m` whole rows of `d.lda` codes and `kb` as many rows of
@@ -1267,7 +1252,6 @@ mod tests {
     #[test]
     fn e4m3_relu_sums_give_the_definitions_bits() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
-        let same = |x: f32, y: f32| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan());
         for &k2 in &[32, 64, 5] {
             for &m in &[1, 3, 7, 8, 9, 15, 16, 17, 24, 31, 33, 64] {
                 for &n in &[1, 2, 5, 7, 8, 9] {
@@ -1307,26 +1291,15 @@ mod tests {
                         let mut kb = vec![0xffff_u16; m * ldk];
                         let mut c = vec![f32::NAN; m * d.ldc];
                         gemm_e4m3_into(isa, d, &runs, &mut kb, &b, &mut c);
-                        let want: Vec<f32> = (0..m)
-                            .map(|i| {
-                                let row = &c[i * d.ldc..][..n];
-                                let s = w.iter().zip(row).fold(0f32, |s, (&wj, &x)| {
-                                    wj.mul_add(if x > 0.0 { x } else { 0.0 }, s)
-                                });
-                                s * scale[i]
-                            })
-                            .collect();
                         let mut out = vec![f32::NAN; m + 3];
                         out[m..].fill(-7.0);
-                        let mut c = vec![f32::NAN; m * d.ldc];
-                        let mut kb = vec![0xffff_u16; m * ldk];
+                        let mut work = vec![f32::NAN; m * d.ldc];
+                        kb.fill(0xffff);
                         gemm_e4m3_relu_sums(
-                            isa, d, &runs, &mut kb, &b, &w, &scale, &mut c, &mut out,
+                            isa, d, &runs, &mut kb, &b, &w, &scale, &mut work, &mut out,
                         );
-                        for (i, (&x, &y)) in out.iter().zip(&want).enumerate() {
-                            assert!(same(x, y), "{what}: row {i}: {x} against {y}");
-                        }
-                        assert!(out[m..].iter().all(|&x| x == -7.0), "{what}: past the rows");
+                        let shape = (m, n, d.ldc);
+                        crate::cpu::gemm::assert_relu_sums(&out, &c, shape, &w, &scale, &what);
                     }
                 }
             }

@@ -153,11 +153,7 @@ pub fn gemm_pairs_relu_sums(
     c: &mut [f32],
     out: &mut [f32],
 ) {
-    assert!(w.len() >= d.n, "one weight per column");
-    assert!(
-        scale.len() >= d.m && out.len() >= d.m,
-        "one scale and one output per row"
-    );
+    check_relu_sums((d.m, d.n), w, scale, out);
     #[cfg(target_arch = "x86_64")]
     if matches!(isa.isa(), Isa::Avx512 | Isa::Avx512Bf16)
         && d.m > 0
@@ -182,18 +178,60 @@ pub fn gemm_pairs_relu_sums(
         return;
     }
     gemm_pairs_into(isa, d, a, b, c);
-    for (i, (o, &sc)) in out[..d.m].iter_mut().zip(scale).enumerate() {
-        let row = if d.n == 0 {
-            &[][..]
-        } else {
-            &c[i * d.ldc..][..d.n]
-        };
+    relu_sums(c, (d.m, d.n, d.ldc), w, scale, out);
+}
+
+/// Panics unless the `relu_sums` GEMMs' `w` has `n` weights, and `scale` and `out` `m`
+/// values, for `(m, n)`.
+pub(crate) fn check_relu_sums((m, n): (usize, usize), w: &[f32], scale: &[f32], out: &[f32]) {
+    assert!(w.len() >= n, "one weight per column");
+    assert!(
+        scale.len() >= m && out.len() >= m,
+        "one scale and one output per row"
+    );
+}
+
+/// The `relu_sums` GEMMs' epilogue on a stored C of `(m, n, ldc)`: `out[i] = scale[i] ·
+/// s`, `s` summed from `+0` by `s = fma(w[j], max(C[i][j], 0), s)` in column order.
+pub(crate) fn relu_sums(
+    c: &[f32],
+    (m, n, ldc): (usize, usize, usize),
+    w: &[f32],
+    scale: &[f32],
+    out: &mut [f32],
+) {
+    for (i, (o, &sc)) in out[..m].iter_mut().zip(scale).enumerate() {
+        let row = if n == 0 { &[][..] } else { &c[i * ldc..][..n] };
         let mut s = 0f32;
         for (&wj, &x) in w.iter().zip(row) {
             s = wj.mul_add(x.max(0.0), s);
         }
         *o = s * sc;
     }
+}
+
+/// Checks `out` (of `m + 3` values) against the `relu_sums` definition computed here on
+/// the stored C `c` of `(m, n, ldc)`: the same bits (or NaN for NaN), and the 3 values
+/// past `m` still `-7`.
+#[cfg(test)]
+pub(crate) fn assert_relu_sums(
+    out: &[f32],
+    c: &[f32],
+    (m, n, ldc): (usize, usize, usize),
+    w: &[f32],
+    scale: &[f32],
+    what: &str,
+) {
+    for i in 0..m {
+        let row = &c[i * ldc..][..n];
+        let s = w.iter().zip(row).fold(0f32, |s, (&wj, &x)| {
+            wj.mul_add(if x > 0.0 { x } else { 0.0 }, s)
+        });
+        let (got, want) = (out[i], s * scale[i]);
+        let same = got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan());
+        assert!(same, "{what}: row {i}: {got} against {want}");
+    }
+    assert!(out[m..].iter().all(|&x| x == -7.0), "{what}: past the rows");
 }
 
 /// [`gemm_pairs_into`] for at most 8 columns on AVX-512: tiles of 16 rows, then of 8, 4,
@@ -1371,7 +1409,6 @@ mod tests {
     #[test]
     fn relu_sums_give_the_definitions_bits() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
-        let same = |x: f32, y: f32| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan());
         for &k in &[64usize, 128, 10, 7] {
             for &m in &[1usize, 5, 8, 9, 15, 16, 17, 24, 33, 64] {
                 for n in 1..=9usize {
@@ -1396,23 +1433,11 @@ mod tests {
                         let what = format!("{} m={m} n={n} k={k} lda={lda}", isa.isa());
                         let mut c = vec![f32::NAN; m * d.ldc];
                         gemm_pairs_into(isa, d, &a, &b, &mut c);
-                        let want: Vec<f32> = (0..m)
-                            .map(|i| {
-                                let row = &c[i * d.ldc..][..n];
-                                let s = w.iter().zip(row).fold(0f32, |s, (&wj, &x)| {
-                                    wj.mul_add(if x > 0.0 { x } else { 0.0 }, s)
-                                });
-                                s * scale[i]
-                            })
-                            .collect();
                         let mut out = vec![f32::NAN; m + 3];
                         out[m..].fill(-7.0);
-                        let mut c = vec![f32::NAN; m * d.ldc];
-                        gemm_pairs_relu_sums(isa, d, &a, &b, &w, &scale, &mut c, &mut out);
-                        for (i, (&x, &y)) in out.iter().zip(&want).enumerate() {
-                            assert!(same(x, y), "{what}: row {i}: {x} against {y}");
-                        }
-                        assert!(out[m..].iter().all(|&x| x == -7.0), "{what}: past the rows");
+                        let mut work = vec![f32::NAN; m * d.ldc];
+                        gemm_pairs_relu_sums(isa, d, &a, &b, &w, &scale, &mut work, &mut out);
+                        assert_relu_sums(&out, &c, (m, n, d.ldc), &w, &scale, &what);
                     }
                 }
             }
