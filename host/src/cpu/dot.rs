@@ -282,6 +282,10 @@ fn widen_runs(isa: CpuIsa, runs: &[&[u8]], kb: &mut [u16]) {
 /// row: `C`'s columns are its heads) spends on it what it spent on storing `C`,
 /// transposing it and reading it back.
 ///
+/// Meant for a few columns: the other routes sum each row as one chain of FMAs, at one
+/// FMA's latency per column (64 columns made the indexer's 64-head decode 3 times slower
+/// than its own head sums, vectorised over keys).
+///
 /// `c` is working space on the other routes (`d.ldc` as in [`gemm_e4m3_into`]; its
 /// contents are unspecified on return). Panics as [`gemm_e4m3_into`] does, or if `w` has
 /// fewer than `d.n` weights, or `scale` or `out` fewer than `d.m` values.

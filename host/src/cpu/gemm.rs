@@ -136,6 +136,10 @@ pub fn gemm_pairs_into(isa: CpuIsa, d: Dims, a: &[f32], b: &[f32], c: &mut [f32]
 /// register tile's rows are transposed and summed in registers (as
 /// [`super::dot::gemm_e4m3_relu_sums`] does for e4m3 keys).
 ///
+/// Meant for a few columns: the other routes sum each row as one chain of FMAs, at one
+/// FMA's latency per column (64 columns made the indexer's 64-head decode 3 times slower
+/// than its own head sums, vectorised over keys).
+///
 /// `c` is working space on the other routes (its contents are unspecified on return).
 /// Panics as [`gemm_pairs_into`] does, or if `w` has fewer than `d.n` weights, or `scale`
 /// or `out` fewer than `d.m` values.
