@@ -1040,8 +1040,8 @@ pub fn splat(x: &[f32], out: &mut [f32]) {
 /// transposed and splatted (`at8` = [`splat`] of Aᵀ, `k × m` with rows `d.lda ≥ m` apart:
 /// element `(i, p)` of A at `at8[(p·d.lda + i)·SPLAT..]`) and B as f16 bits
 /// (`b[p·d.ldb + j]`), each widened exactly to f32 as it is loaded. On the `avx2` path with
-/// `m` and `n` multiples of 8 and `k` even: tiles of 8 rows × 8 columns, B loaded through
-/// `vcvtph2ps` (one conversion per 8 FMAs, instead of widened rows stored and reloaded),
+/// `m` and `n` multiples of 8 and `k` even: tiles of 4 rows × 16 columns (or 8 × 8), B
+/// loaded through `vcvtph2ps` (instead of widened rows stored and reloaded),
 /// A read by the FMAs themselves; on the AVX-512 paths (`n` a multiple of 16) tiles of 8
 /// rows × 32 columns, A broadcast from memory; elsewhere element by element. For the key
 /// scores of few query heads over fp8 keys ([`super::widen::e4m3_f16_row`]). Panics if a
@@ -1176,9 +1176,12 @@ unsafe fn f16b_tile512<const NV: usize>(
     }
 }
 
-/// [`gemm_pairs_into_f16b`]'s AVX2 tiles: per step of `k`, one `vcvtph2ps` load of 8
-/// columns of B and 8 FMAs, each reading its splatted element of A from memory (8 chains
-/// in flight: the two FMA units' latency; 9 of the 16 registers).
+/// [`gemm_pairs_into_f16b`]'s AVX2 tiles, 8 chains in flight (the two FMA units'
+/// latency), each FMA reading its splatted element of A from memory: 4 rows × 16 columns
+/// where `n` allows (per step of `k` two `vcvtph2ps` loads of B and 4 of A for 8 FMAs),
+/// else 8 rows × 8 columns (one of B and 8 of A). The 9 loads of the 8 × 8 tile were more
+/// than the load ports keep up with: AMD Zen 4 on forced `avx2`, one thread, the tiny
+/// indexer decode 1180 against 1120 µs (2 rows × 32 columns: 1120 µs).
 ///
 /// # Safety
 /// The CPU has AVX2, FMA and F16C; `m` and `n` are multiples of 8, `k` is even, and the
@@ -1186,35 +1189,69 @@ unsafe fn f16b_tile512<const NV: usize>(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn f16b_avx2(d: Dims, at8: &[f32], b: &[u16], c: &mut [f32]) {
+    // SAFETY: the caller's contract; every tile is inside `m × n`.
+    unsafe {
+        if d.n % 16 == 0 && d.m % 4 == 0 {
+            for i0 in (0..d.m).step_by(4) {
+                for j0 in (0..d.n).step_by(16) {
+                    f16b_tile_avx2::<4, 2>(d, at8, b, c, i0, j0);
+                }
+            }
+        } else {
+            for i0 in (0..d.m).step_by(8) {
+                for j0 in (0..d.n).step_by(8) {
+                    f16b_tile_avx2::<8, 1>(d, at8, b, c, i0, j0);
+                }
+            }
+        }
+    }
+}
+
+/// One tile of [`f16b_avx2`]: `R` rows × `V` vectors of 8 columns from `(i0, j0)`.
+///
+/// # Safety
+/// As [`f16b_avx2`], with the tile inside `m × n`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn f16b_tile_avx2<const R: usize, const V: usize>(
+    d: Dims,
+    at8: &[f32],
+    b: &[u16],
+    c: &mut [f32],
+    i0: usize,
+    j0: usize,
+) {
     use std::arch::x86_64::*;
-    for i0 in (0..d.m).step_by(8) {
-        for j0 in (0..d.n).step_by(8) {
-            // SAFETY: every read is Aᵀ[p][i0..i0 + 8] or B[p][j0..j0 + 8] with `p < k`,
-            // every write C[i0 + r][j0..j0 + 8]: inside the slices by the caller's
-            // contract.
-            unsafe {
-                let mut acc = [_mm256_setzero_ps(); 8];
-                let mut p = 0;
-                while p < d.k {
-                    // The odd index of each pair first.
-                    for q in [p + 1, p] {
-                        // Reads through [`super::raw`], as in the AVX-512 tile.
-                        let bp = b.as_ptr().add(q * d.ldb + j0);
-                        let bv = _mm256_cvtph_ps(super::raw::read(bp.cast::<__m128i>()));
-                        let ap = at8.as_ptr().add((q * d.lda + i0) * SPLAT);
-                        for (r, x) in acc.iter_mut().enumerate() {
-                            let av: __m256 = super::raw::read(ap.add(r * SPLAT).cast());
-                            *x = _mm256_fmadd_ps(av, bv, *x);
-                        }
+    // SAFETY: every read is Aᵀ[p][i0..i0 + R] or B[p][j0..j0 + 8V] with `p < k`, every
+    // write C[i0 + r][j0..j0 + 8V]: inside the slices by the caller's contract.
+    unsafe {
+        let mut acc = [[_mm256_setzero_ps(); V]; R];
+        let mut p = 0;
+        while p < d.k {
+            // The odd index of each pair first.
+            for q in [p + 1, p] {
+                // Reads through [`super::raw`], as in the AVX-512 tile.
+                let bp = b.as_ptr().add(q * d.ldb + j0);
+                let bv: [__m256; V] = std::array::from_fn(|v| {
+                    _mm256_cvtph_ps(super::raw::read(bp.add(8 * v).cast::<__m128i>()))
+                });
+                let ap = at8.as_ptr().add((q * d.lda + i0) * SPLAT);
+                for (r, row) in acc.iter_mut().enumerate() {
+                    let av: __m256 = super::raw::read(ap.add(r * SPLAT).cast());
+                    for (x, &y) in row.iter_mut().zip(&bv) {
+                        *x = _mm256_fmadd_ps(av, y, *x);
                     }
-                    p += 2;
                 }
-                for (r, x) in acc.iter().enumerate() {
-                    super::raw::write::<__m256>(
-                        c.as_mut_ptr().add((i0 + r) * d.ldc + j0).cast(),
-                        *x,
-                    );
-                }
+            }
+            p += 2;
+        }
+        for (r, row) in acc.iter().enumerate() {
+            for (v, x) in row.iter().enumerate() {
+                super::raw::write::<__m256>(
+                    c.as_mut_ptr().add((i0 + r) * d.ldc + j0 + 8 * v).cast(),
+                    *x,
+                );
             }
         }
     }
