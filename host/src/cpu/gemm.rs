@@ -1040,7 +1040,7 @@ pub fn splat(x: &[f32], out: &mut [f32]) {
 /// transposed and splatted (`at8` = [`splat`] of Aᵀ, `k × m` with rows `d.lda ≥ m` apart:
 /// element `(i, p)` of A at `at8[(p·d.lda + i)·SPLAT..]`) and B as f16 bits
 /// (`b[p·d.ldb + j]`), each widened exactly to f32 as it is loaded. On the `avx2` path with
-/// `m` and `n` multiples of 8 and `k` even: tiles of 4 rows × 16 columns (or 8 × 8), B
+/// `m` and `n` multiples of 8 and `k` even: tiles of 4 rows × 24 columns (or 8 × 8), B
 /// loaded through `vcvtph2ps` (instead of widened rows stored and reloaded),
 /// A read by the FMAs themselves; on the AVX-512 paths (`n` a multiple of 16) tiles of 8
 /// rows × 32 columns, A broadcast from memory; elsewhere element by element. For the key
@@ -1176,12 +1176,14 @@ unsafe fn f16b_tile512<const NV: usize>(
     }
 }
 
-/// [`gemm_pairs_into_f16b`]'s AVX2 tiles, 8 chains in flight (the two FMA units'
-/// latency), each FMA reading its splatted element of A from memory: 4 rows × 16 columns
-/// where `n` allows (per step of `k` two `vcvtph2ps` loads of B and 4 of A for 8 FMAs),
-/// else 8 rows × 8 columns (one of B and 8 of A). The 9 loads of the 8 × 8 tile were more
-/// than the load ports keep up with: AMD Zen 4 on forced `avx2`, one thread, the tiny
-/// indexer decode 1180 against 1120 µs (2 rows × 32 columns: 1120 µs).
+/// [`gemm_pairs_into_f16b`]'s AVX2 tiles, each FMA reading its splatted element of A from
+/// memory. Where `n` is a multiple of 16: 4 rows × 24 columns (per step of `k` three
+/// `vcvtph2ps` loads of B and 4 of A for 12 FMAs, 12 chains in flight), the last 16 or 8
+/// columns 4 × 16 or 4 × 8; else 8 rows × 8 columns (one load of B and 8 of A for 8 FMAs:
+/// 8 chains, just the two FMA units' latency). The 9 loads of the 8 × 8 tile were more than
+/// the load ports keep up with: AMD Zen 4 on forced `avx2`, one thread, the tiny indexer
+/// decode 1180 µs with 8 × 8, 1120 µs with 4 × 16 (as with 2 × 32), and in calls of a whole
+/// block 1070 µs with 4 × 16, 1020 µs with 4 × 24.
 ///
 /// # Safety
 /// The CPU has AVX2, FMA and F16C; `m` and `n` are multiples of 8, `k` is even, and the
@@ -1193,8 +1195,15 @@ unsafe fn f16b_avx2(d: Dims, at8: &[f32], b: &[u16], c: &mut [f32]) {
     unsafe {
         if d.n % 16 == 0 && d.m % 4 == 0 {
             for i0 in (0..d.m).step_by(4) {
-                for j0 in (0..d.n).step_by(16) {
-                    f16b_tile_avx2::<4, 2>(d, at8, b, c, i0, j0);
+                let mut j0 = 0;
+                while d.n - j0 >= 24 {
+                    f16b_tile_avx2::<4, 3>(d, at8, b, c, i0, j0);
+                    j0 += 24;
+                }
+                match d.n - j0 {
+                    16 => f16b_tile_avx2::<4, 2>(d, at8, b, c, i0, j0),
+                    8 => f16b_tile_avx2::<4, 1>(d, at8, b, c, i0, j0),
+                    _ => {}
                 }
             }
         } else {
