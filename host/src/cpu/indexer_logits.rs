@@ -17,9 +17,8 @@
 //! prefill groups), compiled for the CPU's vector ISA; for one query row of at most 8
 //! heads on the AVX-512 paths (fp8 keys on `avx512bf16`) it is the GEMM's own epilogue,
 //! on its register tiles transposed ([`gemm_e4m3_relu_sums`], [`gemm_pairs_relu_sums`]).
-//! Every logit is computed with
-//! the same operations in the same order whatever the grouping or the vectorisation:
-//! batch-invariant, and identical on every path.
+//! Every logit is computed with the same operations in the same order whatever the
+//! grouping or the vectorisation: batch-invariant, and identical on every path.
 
 use std::cell::RefCell;
 use std::ops::Range;
