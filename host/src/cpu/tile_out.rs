@@ -75,7 +75,7 @@ impl Out8 for ReluSums {
                 let mut sum = zero;
                 for (j, &col) in cols.iter().enumerate().take(self.n) {
                     let wj = _mm256_set1_ps(*self.w.add(j));
-                    // `max(x, 0)` as the scalar route's `f32::max` compiles: 0 for NaN.
+                    // `x` where `x > 0`, else +0 (NaN too), as `f32::max(x, 0.0)` gives.
                     sum = _mm256_fmadd_ps(wj, _mm256_max_ps(col, zero), sum);
                 }
                 if count == 8 {
