@@ -281,7 +281,7 @@ fn widen_runs(isa: CpuIsa, runs: &[&[u8]], kb: &mut [u16]) {
 /// transposed in registers and summed there. For the indexer's few-head decode (one
 /// query row: `C`'s columns are its heads) that costs less than storing `C`, transposing
 /// it and reading it back (AMD Zen 4, one thread, 8 heads over 2048 fp8 keys of 32
-/// requests: 578 against 538 µs).
+/// requests: 538 against 578 µs).
 ///
 /// Meant for a few columns: the other routes sum each row as one chain of FMAs, at one
 /// FMA's latency per column (64 columns made the indexer's 64-head decode 3 times slower
