@@ -235,27 +235,51 @@ pub fn gemm_e4m3_into(
         // Empty sums: C is zeroed, as by `gemm_bf16_into` (the runs are not read).
         return gemm_bf16_into(isa, d, &[], b, c);
     }
-    check_runs(&d, runs, kb);
     #[cfg(target_arch = "x86_64")]
-    if isa.isa().bf16_dot() && super::widen::x86::has_vbmi() && d.n <= 8 && ldk % 64 == 0 {
-        assert!(d.ldb >= padded_cols(d.n) && d.ldc >= d.n);
-        assert!(b.len() >= (d.k2 - 1) * d.ldb + padded_cols(d.n));
-        assert!(c.len() >= (d.m - 1) * d.ldc + d.n);
-        // SAFETY: the avx512bf16 path exists only on a CPU with AVX-512F, AVX-512BW,
-        // AVX-512VL and AVX512_BF16, and VBMI was checked; the runs hold `m` rows of `ldk`
-        // codes, `kb` holds `m` rows of `ldk` words, B and C hold `d` (all asserted above).
-        unsafe {
-            let c = x86::StoreC {
-                c: c.as_mut_ptr(),
-                ldc: d.ldc,
-                last: x86::mask8(d.n),
-            };
-            x86::gemm_e4m3_rows8(&d, runs, kb.as_mut_ptr(), b.as_ptr(), c)
+    {
+        assert!(d.ldc >= d.n && c.len() >= (d.m - 1) * d.ldc + d.n);
+        let out = x86::StoreC {
+            c: c.as_mut_ptr(),
+            ldc: d.ldc,
+            last: x86::mask8(d.n),
         };
-        return;
+        if e4m3_rows8_route(isa, &d, runs, kb, b, out) {
+            return;
+        }
     }
+    check_runs(&d, runs, kb);
     widen_runs(isa, runs, kb);
     gemm_bf16_into(isa, d, kb, b, c);
+}
+
+/// Runs the interleaved route of [`gemm_e4m3_into`] into `out` where the path and the
+/// shape allow it (the `avx512bf16` path on a CPU with AVX-512 VBMI, 1 to 8 columns, rows
+/// of whole vectors of 64 codes: `d.lda` is the rows' length), and says whether it did.
+/// Panics if the runs, `kb` or B do not hold `d` (the caller has checked what `out`
+/// writes).
+#[cfg(target_arch = "x86_64")]
+fn e4m3_rows8_route(
+    isa: CpuIsa,
+    d: &PairDims,
+    runs: &[&[u8]],
+    kb: &mut [u16],
+    b: &[u32],
+    out: impl x86::Out8,
+) -> bool {
+    let ldk = d.lda;
+    let fits = d.m > 0 && (1..=8).contains(&d.n) && ldk > 0 && ldk % 64 == 0;
+    if !(fits && isa.isa().bf16_dot() && super::widen::x86::has_vbmi()) {
+        return false;
+    }
+    check_runs(d, runs, kb);
+    assert!(d.ldb >= padded_cols(d.n));
+    assert!(b.len() >= (d.k2 - 1) * d.ldb + padded_cols(d.n));
+    // SAFETY: the avx512bf16 path exists only on a CPU with AVX-512F, AVX-512BW, AVX-512VL
+    // and AVX512_BF16, and VBMI was checked; the runs hold `m` rows of `ldk` codes, `kb`
+    // holds `m` rows of `ldk` words, B holds `d` (all asserted above), and `out` takes `m`
+    // rows (the caller's contract).
+    unsafe { x86::gemm_e4m3_rows8(d, runs, kb.as_mut_ptr(), b.as_ptr(), out) };
+    true
 }
 
 /// Widens `runs` into `kb` (a run's rows are adjacent there too: one call each).
@@ -306,29 +330,19 @@ pub fn gemm_e4m3_relu_sums(
     out: &mut [f32],
 ) {
     super::gemm::check_relu_sums((d.m, d.n), w, scale, out);
-    let ldk = 2 * d.k2;
     #[cfg(target_arch = "x86_64")]
-    if isa.isa().bf16_dot()
-        && super::widen::x86::has_vbmi()
-        && d.m > 0
-        && (1..=8).contains(&d.n)
-        && ldk > 0
-        && ldk % 64 == 0
     {
-        let d = PairDims { lda: ldk, ..d };
-        check_runs(&d, runs, kb);
-        assert!(d.ldb >= padded_cols(d.n));
-        assert!(b.len() >= (d.k2 - 1) * d.ldb + padded_cols(d.n));
+        // The sums read `n` weights and `m` scales and write `m` outputs (checked above).
         let sums = x86::ReluSums {
             w: w.as_ptr(),
             n: d.n,
             scale: scale.as_ptr(),
             out: out.as_mut_ptr(),
         };
-        // SAFETY: as in `gemm_e4m3_into`'s call (the same checks above); the sums read `n`
-        // weights and `m` scales and write `m` outputs (asserted above).
-        unsafe { x86::gemm_e4m3_rows8(&d, runs, kb.as_mut_ptr(), b.as_ptr(), sums) };
-        return;
+        let dk = PairDims { lda: 2 * d.k2, ..d };
+        if e4m3_rows8_route(isa, &dk, runs, kb, b, sums) {
+            return;
+        }
     }
     gemm_e4m3_into(isa, d, runs, kb, b, c);
     super::gemm::relu_sums(c, (d.m, d.n, d.ldc), w, scale, out);
@@ -1189,6 +1203,29 @@ mod tests {
         }
     }
 
+    /// `codes`' rows of `ldk` split into runs of 1 to 20 rows, in order; with `empty`, an
+    /// empty run before about one run in three (several in a row too).
+    fn random_runs<'a>(
+        rng: &mut impl Rng,
+        codes: &'a [u8],
+        ldk: usize,
+        empty: Option<&'a [u8]>,
+    ) -> Vec<&'a [u8]> {
+        let m = codes.len() / ldk;
+        let mut runs = Vec::new();
+        let mut at = 0;
+        while at < m {
+            if let Some(e) = empty.filter(|_| rng.gen_range(0..3) == 0) {
+                runs.push(e);
+                continue;
+            }
+            let rows = rng.gen_range(1..=(m - at).min(20));
+            runs.push(&codes[at * ldk..(at + rows) * ldk]);
+            at += rows;
+        }
+        runs
+    }
+
     /// `gemm_e4m3_into` gives, on every path, the bits of its definition: each code
     /// widened to its bf16 value (the scalar formula), then `gemm_bf16_into` on those rows
     /// (`kb` holds them on return). Every code (NaN and subnormal ones included), rows of
@@ -1217,17 +1254,7 @@ mod tests {
                     // Empty runs (often several in a row) point into other codes: a
                     // route that read one would widen those.
                     let other: Vec<u8> = (0..ldk * 2).map(|_| rng.gen()).collect();
-                    let mut runs: Vec<&[u8]> = Vec::new();
-                    let mut at = 0;
-                    while at < m {
-                        if rng.gen_range(0..3) == 0 {
-                            runs.push(&other[ldk..ldk]);
-                            continue;
-                        }
-                        let rows = rng.gen_range(1..=(m - at).min(20));
-                        runs.push(&codes[at * ldk..(at + rows) * ldk]);
-                        at += rows;
-                    }
+                    let runs = random_runs(&mut rng, &codes, ldk, Some(&other[ldk..ldk]));
                     let want_kb: Vec<u16> = codes
                         .iter()
                         .map(|&c| (f32_daz(e4m3_f32(c)).to_bits() >> 16) as u16)
@@ -1282,13 +1309,7 @@ mod tests {
                             q() as u32 | (q() as u32) << 16
                         })
                         .collect();
-                    let mut runs: Vec<&[u8]> = Vec::new();
-                    let mut at = 0;
-                    while at < m {
-                        let rows = rng.gen_range(1..=(m - at).min(20));
-                        runs.push(&codes[at * ldk..(at + rows) * ldk]);
-                        at += rows;
-                    }
+                    let runs = random_runs(&mut rng, &codes, ldk, None);
                     let w: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
                     let scale: Vec<f32> = (0..m).map(|_| rng.gen_range(-3.0f32..3.0)).collect();
                     for isa in CpuIsa::available() {

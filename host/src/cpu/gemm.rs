@@ -114,18 +114,35 @@ pub fn gemm_pairs_into(isa: CpuIsa, d: Dims, a: &[f32], b: &[f32], c: &mut [f32]
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if matches!(isa.isa(), Isa::Avx512 | Isa::Avx512Bf16) && d.n <= 8 && d.k % 2 == 0 {
-        let c = super::tile_out::StoreC {
+    {
+        // C holds `d` (checked above).
+        let out = super::tile_out::StoreC {
             c: c.as_mut_ptr(),
             ldc: d.ldc,
             last: super::tile_out::mask8(d.n),
         };
-        // SAFETY: the AVX-512 paths' CPU has AVX-512F and AVX-512VL (`Isa::supported`);
-        // the slices hold `d` (checked above), `n ≤ 8`, `k` even and positive.
-        unsafe { pairs_rows8_avx512(d, a, b, c) };
-        return;
+        if rows8_route(isa, d, a, b, out) {
+            return;
+        }
     }
     gemm_pairs_into_paths(isa, d, a, b, c)
+}
+
+/// Runs [`pairs_rows8_avx512`] into `out` where the path and the shape allow it (the
+/// AVX-512 paths, 1 to 8 columns, `k` even and positive), and says whether it did. Panics
+/// if A or B does not hold `d` (the caller has checked what `out` writes).
+#[cfg(target_arch = "x86_64")]
+fn rows8_route(isa: CpuIsa, d: Dims, a: &[f32], b: &[f32], out: impl Out8) -> bool {
+    let fits = d.m > 0 && (1..=8).contains(&d.n) && d.k > 0 && d.k % 2 == 0;
+    if !(fits && matches!(isa.isa(), Isa::Avx512 | Isa::Avx512Bf16)) {
+        return false;
+    }
+    check_ab(d, a, b);
+    // SAFETY: the AVX-512 paths' CPU has AVX-512F and AVX-512VL (`Isa::supported`); A and
+    // B hold `d` (asserted above), `n ≤ 8`, `k` even and positive, and `out` takes `m`
+    // rows (the caller's contract).
+    unsafe { pairs_rows8_avx512(d, a, b, out) };
+    true
 }
 
 /// The weighted ReLU sum of each row of [`gemm_pairs_into`]'s `C`, times the row's scale:
@@ -159,27 +176,17 @@ pub fn gemm_pairs_relu_sums(
 ) {
     check_relu_sums((d.m, d.n), w, scale, out);
     #[cfg(target_arch = "x86_64")]
-    if matches!(isa.isa(), Isa::Avx512 | Isa::Avx512Bf16)
-        && d.m > 0
-        && (1..=8).contains(&d.n)
-        && d.k > 0
-        && d.k % 2 == 0
     {
-        assert!(d.lda >= d.k && d.ldb >= d.n);
-        assert!(a.len() >= (d.m - 1) * d.lda + d.k);
-        assert!(b.len() >= (d.k - 1) * d.ldb + d.n);
+        // The sums read `n` weights and `m` scales and write `m` outputs (checked above).
         let sums = super::tile_out::ReluSums {
             w: w.as_ptr(),
             n: d.n,
             scale: scale.as_ptr(),
             out: out.as_mut_ptr(),
         };
-        // SAFETY: the AVX-512 paths' CPU has AVX-512F and AVX-512VL (`Isa::supported`); A
-        // and B hold `d` (asserted above: C is not written), `n ≤ 8`, `k` even and
-        // positive; the sums read `n` weights and `m` scales and write `m` outputs
-        // (asserted above).
-        unsafe { pairs_rows8_avx512(d, a, b, sums) };
-        return;
+        if rows8_route(isa, d, a, b, sums) {
+            return;
+        }
     }
     gemm_pairs_into(isa, d, a, b, c);
     relu_sums(c, (d.m, d.n, d.ldc), w, scale, out);
@@ -365,11 +372,16 @@ fn check(d: Dims, a: &[f32], b: &[f32], c: &mut [f32]) -> bool {
     if d.m == 0 || d.n == 0 {
         return false;
     }
-    assert!(d.lda >= d.k && d.ldb >= d.n && d.ldc >= d.n);
+    check_ab(d, a, b);
+    assert!(d.ldc >= d.n && c.len() >= (d.m - 1) * d.ldc + d.n);
+    d.k > 0
+}
+
+/// Panics unless A and B hold `d` (`m > 0` and `n > 0`).
+fn check_ab(d: Dims, a: &[f32], b: &[f32]) {
+    assert!(d.lda >= d.k && d.ldb >= d.n);
     assert!(a.len() >= (d.m - 1) * d.lda + d.k);
     assert!(d.k == 0 || b.len() >= (d.k - 1) * d.ldb + d.n);
-    assert!(c.len() >= (d.m - 1) * d.ldc + d.n);
-    d.k > 0
 }
 
 /// Register-tile width (f32 columns) of a path: two vectors.

@@ -590,13 +590,12 @@ impl Ctx<'_> {
                 // the fixed cost showed: AMD Zen 4, one thread, the tiny decode 1080
                 // against 1010 µs; as on the bf16 route); for one query row the call leaves
                 // the head sums in `sums`.
-                let whole = whole_f32;
-                if whole {
+                if whole_f32 {
                     self.prefetch_keys(g.request, next.start, next.end);
                 }
-                let sub = if whole { n } else { SUB };
+                let sub = if whole_f32 { n } else { SUB };
                 for s0 in (0..n).step_by(sub) {
-                    if !whole {
+                    if !whole_f32 {
                         ahead(s0);
                     }
                     let dims = Dims {
