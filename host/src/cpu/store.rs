@@ -409,7 +409,8 @@ fn fp4_group_max(group: &[bf16]) -> u32 {
 /// Packs one group of 32 bf16, whose [`fp4_group_max`] is `max_bits`, into 16 bytes of
 /// e2m1 codes (even element in the low nibble) and returns its ue8m0 scale byte (see
 /// [`sparsekit_kernels::mx`]): a group holding NaN or ±inf gets scale `0xff` and codes 0.
-/// Identical bytes on every path (the AVX2 path in byte lanes, [`fp4_codes_avx2`]).
+/// Identical bytes on every path (the vector paths in byte lanes, [`fp4_codes_avx2`]; the
+/// scalar path, and a scale outside the byte lanes' range, in the portable 16-bit map).
 #[inline(always)]
 fn encode_fp4_group(isa: CpuIsa, dst: &mut [u8], group: &[bf16], max_bits: u32) -> u8 {
     if mx::abs_bits_non_finite(max_bits) {
@@ -422,8 +423,9 @@ fn encode_fp4_group(isa: CpuIsa, dst: &mut [u8], group: &[bf16], max_bits: u32) 
     let mut codes = [0u16; FP4_GROUP];
     let k = ((s.to_bits() >> 23) & 0xff) as i32 - 127;
     #[cfg(target_arch = "x86_64")]
-    if isa.isa() == Isa::Avx2 && (-124..=125).contains(&k) {
-        // SAFETY: a `CpuIsa` names only a path this CPU supports.
+    if isa.isa() != Isa::Scalar && (-124..=125).contains(&k) {
+        // SAFETY: a `CpuIsa` names only a path this CPU supports, and every vector path
+        // includes AVX2 (`Isa::supported`).
         unsafe { fp4_codes_avx2(dst, group, k) };
         return scale_byte;
     }
@@ -499,8 +501,9 @@ unsafe fn bf16_fields_avx2(src: &[bf16]) -> [std::arch::x86_64::__m256i; 3] {
 
 /// The packed e2m1 codes of one finite group of 32 bf16 (16 bytes into `dst`) divided by
 /// its scale `2^k` (`k` in `-124..=125`), in AVX2 byte lanes: 32 values a vector where the
-/// portable map's 16-bit lanes take 16 (on AVX-512 that map already fills a vector, and
-/// this encoder measured no faster there).
+/// portable map's 16-bit lanes take 16. The AVX-512 paths use it too: there the 16-bit map
+/// fills a vector as well, but on a Zen 4 the whole fp4 store ran 16% faster with this
+/// encoder (on a Xeon the two measured the same; `benches/RESULTS.md`).
 ///
 /// The quotient's biased exponent is `E − k` (its mantissa `m` the value's 7 bits), and
 /// e2m1's code is a function of the binade `D = clamp(E − k − 124, 0, 6)` and two
