@@ -1226,44 +1226,50 @@ const POW2_EXP_MIN: u32 = 127 - 116;
 /// for a result in e4m3's normal range the code is the pattern's round-to-nearest-even
 /// shift by 4 bits, re-biased — 16-bit lanes (32 values per AVX-512 vector) instead of
 /// 32-bit ones. Results below e4m3's smallest normal round to 0 when under half its
-/// smallest subnormal; a block of 32 holding one that does not (rare: `|x| / s` in
-/// `[2^-10, 2^-6)`) is encoded through f32, as are the values past the last whole block.
-/// Saturates at ±448 (`0x7e`, ±inf too), NaN gives `0x7f`, as [`e4m3_encode`].
+/// smallest subnormal; where one does not (rare: `|x| / s` in `[2^-10, 2^-6)`) the whole
+/// blocks of 32 are encoded again through f32, as are the values past the last whole
+/// block and every value for `k > 119` (a tile whose largest magnitude is within a factor 2 of
+/// bf16's largest). Saturates at ±448 (`0x7e`, ±inf too), NaN gives `0x7f`, as
+/// [`e4m3_encode`].
 #[inline(always)]
 fn quantize_pow2(dst: &mut [u8], src: &[bf16], k: i32) {
+    let r = f32::from_bits(((127 - k) as u32) << 23);
+    let by_f32 = |dst: &mut [u8], src: &[bf16]| {
+        for (d, v) in dst.iter_mut().zip(src) {
+            *d = e4m3_encode(bf16_to_f32(v.to_bits()) * r);
+        }
+    };
+    if k > 119 {
+        by_f32(dst, src);
+        return;
+    }
     // |x| patterns from `zero_below` up round to ±0; from `normal_from` up they are normal
-    // e4m3 values, whose code is `(a + 7 + lsb − rebias) >> 4`.
+    // e4m3 values, whose code is `(a + 7 + lsb − rebias) >> 4`. Below `zero_below` the
+    // saturating subtraction gives 0 (`zero_below + 8 ≤ rebias`), and with `k ≤ 119`
+    // every pattern from +inf's (`0x7f80`) up saturates to `0x7e`, so the map is one
+    // expression with no select; NaN (above +inf) adds one.
     let zero_below = ((117 + k) << 7) as u16;
     let normal_from = ((121 + k) << 7) as u16;
     let rebias = ((120 + k) << 7) as u16;
-    let r = f32::from_bits(((127 - k) as u32) << 23);
-    let mut blocks = dst.chunks_exact_mut(32).zip(src.chunks_exact(32));
-    for (d, x) in blocks.by_ref() {
-        let mut subnormal = 0u16;
-        for (d, v) in d.iter_mut().zip(x) {
+    // Per lane, the least `a − zero_below` (wrapping) over the whole blocks: below
+    // `normal_from − zero_below` when a value falls between the two. Reduced once, at the
+    // end: then the whole blocks are encoded through f32 (rare).
+    let mut band = [u16::MAX; 32];
+    for (d, x) in dst.chunks_exact_mut(32).zip(src.chunks_exact(32)) {
+        for ((d, v), band) in d.iter_mut().zip(x).zip(&mut band) {
             let h = v.to_bits();
             let a = h & 0x7fff;
-            let normal = ((a + 7 + ((a >> 4) & 1)).wrapping_sub(rebias) >> 4).min(0x7e);
-            let mag = if a < zero_below { 0 } else { normal };
-            // ±inf saturates to 0x7e, NaN gives 0x7f.
-            let mag = if a >= 0x7f80 {
-                0x7e + (a > 0x7f80) as u16
-            } else {
-                mag
-            };
-            subnormal |= (a.wrapping_sub(zero_below) < normal_from - zero_below) as u16;
+            let mag = ((a + 7 + ((a >> 4) & 1)).saturating_sub(rebias) >> 4).min(0x7e);
+            let mag = mag + u16::from(a > 0x7f80);
+            *band = (*band).min(a.wrapping_sub(zero_below));
             *d = ((h >> 8) & 0x80 | mag) as u8;
-        }
-        if subnormal != 0 {
-            for (d, v) in d.iter_mut().zip(x) {
-                *d = e4m3_encode(bf16_to_f32(v.to_bits()) * r);
-            }
         }
     }
     let n = src.len() / 32 * 32;
-    for (d, v) in dst[n..].iter_mut().zip(&src[n..]) {
-        *d = e4m3_encode(bf16_to_f32(v.to_bits()) * r);
+    if band.iter().fold(u16::MAX, |m, &b| m.min(b)) < normal_from - zero_below {
+        by_f32(&mut dst[..n], &src[..n]);
     }
+    by_f32(&mut dst[n..], &src[n..]);
 }
 
 #[cfg(test)]
@@ -1444,7 +1450,9 @@ mod tests {
     /// quotient) for every bf16 value (NaN, infinities, subnormals included): at every
     /// power-of-two scale (the 16-bit path), at random normal scales (the V3.2 index-K
     /// `amax / 448`, through division plans; the plans' exponent range edges) and special
-    /// ones, over a length with a tail past the last block of 32 (and of 64).
+    /// ones, in calls of a store's lengths (a tile of 64 or 128, a key of 128) and of lengths
+    /// with tails past the last block of 32 (and of 64): a block falling back to f32 must
+    /// not hide another call's blocks.
     #[test]
     fn quantize_matches_division_bitwise() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
@@ -1482,7 +1490,15 @@ mod tests {
             let dst = &mut dst[..src.len()];
             for &s in &scales {
                 dst.fill(0xaa);
-                quantize_on(isa, dst, src, s);
+                let mut at = 0;
+                for len in [128, 64, 96, 32, 200, 71].into_iter().cycle() {
+                    let end = (at + len).min(src.len());
+                    quantize_on(isa, &mut dst[at..end], &src[at..end], s);
+                    at = end;
+                    if at == src.len() {
+                        break;
+                    }
+                }
                 for (d, v) in dst.iter().zip(src) {
                     let want = e4m3_encode(bf16_to_f32(v.to_bits()) / s);
                     assert_eq!(
