@@ -27,13 +27,35 @@ impl std::fmt::Debug for CpuBuffer {
 
 impl CpuBuffer {
     /// A zero-filled buffer of `len` bytes (from 2 MiB on, on huge pages where Linux
-    /// allows: see `huge_pages`).
+    /// allows: see `HugeRange`).
     pub fn zeroed(len: usize) -> Self {
-        // Zero-filled by the allocator: a large one as fresh pages, untouched, so that the
-        // huge-page advice still applies to all of them.
-        let lines = bytemuck::allocation::zeroed_vec::<Line>(len.div_ceil(64));
+        Self::zeroed_collapsing_from(len, COLLAPSE_MIN)
+    }
+
+    /// [`CpuBuffer::zeroed`], its huge pages collapsed from `collapse_min` bytes on.
+    fn zeroed_collapsing_from(len: usize, collapse_min: usize) -> Self {
+        let n = len.div_ceil(64);
+        let mut lines = Vec::<Line>::with_capacity(n);
+        // The advice first, then the zeros: the allocator's own zeroing of an over-aligned
+        // allocation (Rust's `alloc_zeroed` at 64 bytes is `alloc` and a fill) would fault
+        // every page in before the advice, on 4 KiB pages, and Linux applies
+        // `MADV_HUGEPAGE` only to pages faulted in after it.
         #[cfg(target_os = "linux")]
-        huge_pages(bytemuck::cast_slice(&lines));
+        let huge = HugeRange::of(lines.as_ptr().cast(), n * 64);
+        #[cfg(target_os = "linux")]
+        huge.advise();
+        // SAFETY: the capacity holds `n` lines; every byte is written before `set_len`
+        // makes them readable, and an all-zero `Line` is valid (`Pod`).
+        unsafe {
+            std::ptr::write_bytes(lines.as_mut_ptr(), 0, n);
+            lines.set_len(n);
+        }
+        #[cfg(target_os = "linux")]
+        if n * 64 >= collapse_min {
+            huge.collapse();
+        }
+        #[cfg(not(target_os = "linux"))]
+        let _ = collapse_min;
         CpuBuffer { lines, len }
     }
     /// A buffer holding a copy of `bytes`.
@@ -70,30 +92,52 @@ impl CpuBuffer {
     }
 }
 
-/// Backs the 2 MiB-aligned interior of a fresh buffer with transparent huge pages where
-/// the kernel allows: advised (`MADV_HUGEPAGE`, for the pages faulted in later) and, from
-/// [`COLLAPSE_MIN`] bytes on (cache pools), collapsed at once (`MADV_COLLAPSE`, Linux 6.1+:
-/// some kernels never fault huge pages in, and a collapse does not depend on the fault
-/// path). A pool's scattered rows then miss no TLB entry each (the tiny model's attention
-/// over a 38 MB pool: 5% of its time). Collapsing commits the interior's memory now
-/// instead of at first write. Only advice: a refusal (no THP, an older kernel, no huge
-/// page free) changes nothing else.
+/// The 2 MiB-aligned interior of a fresh buffer, to be backed with transparent huge pages
+/// where the kernel allows: advised (`MADV_HUGEPAGE`) before the buffer's first write, so
+/// that its pages fault in huge, and from [`COLLAPSE_MIN`] bytes on (cache pools) also
+/// collapsed once written (`MADV_COLLAPSE`, Linux 6.1+: some kernels never fault huge pages
+/// in, and a collapse does not depend on the fault path). A pool's scattered rows then
+/// miss no TLB entry each (the tiny model's attention over a 38 MB pool: 5% of its time).
+/// Only advice: a refusal (no THP, an older kernel, no huge page free) changes nothing
+/// else.
 #[cfg(target_os = "linux")]
-fn huge_pages(bytes: &[u8]) {
-    const HUGE: usize = 2 << 20;
-    // Linux's value on every architecture (`libc` names it only for glibc targets).
-    const MADV_COLLAPSE: libc::c_int = 25;
-    let start = (bytes.as_ptr() as usize).next_multiple_of(HUGE);
-    let end = (bytes.as_ptr() as usize + bytes.len()) / HUGE * HUGE;
-    if end > start {
-        let (at, len) = (start as *mut libc::c_void, end - start);
-        // SAFETY: `start..end` lies inside `bytes`, memory this process owns (a Vec's
-        // allocation, zero-filled); both advices change how its pages are backed, never
-        // their contents or the mapping, and their results are ignored (advice only).
-        unsafe {
-            libc::madvise(at, len, libc::MADV_HUGEPAGE);
-            if bytes.len() >= COLLAPSE_MIN {
-                libc::madvise(at, len, MADV_COLLAPSE);
+struct HugeRange {
+    start: usize,
+    end: usize,
+}
+
+#[cfg(target_os = "linux")]
+impl HugeRange {
+    /// The whole 2 MiB pages inside the `len` bytes at `at`.
+    fn of(at: *const u8, len: usize) -> Self {
+        const HUGE: usize = 2 << 20;
+        HugeRange {
+            start: (at as usize).next_multiple_of(HUGE),
+            end: (at as usize + len) / HUGE * HUGE,
+        }
+    }
+
+    fn advise(&self) {
+        self.madvise(libc::MADV_HUGEPAGE);
+    }
+
+    fn collapse(&self) {
+        // Linux's value on every architecture (`libc` names it only for glibc targets).
+        const MADV_COLLAPSE: libc::c_int = 25;
+        self.madvise(MADV_COLLAPSE);
+    }
+
+    fn madvise(&self, advice: libc::c_int) {
+        if self.end > self.start {
+            // SAFETY: `start..end` lies inside an allocation this process owns (a fresh
+            // buffer's); these advices change how its pages are backed, never their
+            // contents or the mapping, and their results are ignored (advice only).
+            unsafe {
+                libc::madvise(
+                    self.start as *mut libc::c_void,
+                    self.end - self.start,
+                    advice,
+                );
             }
         }
     }
@@ -102,7 +146,6 @@ fn huge_pages(bytes: &[u8]) {
 /// Bytes from which a fresh buffer's huge pages are collapsed at allocation: cache pools.
 /// Smaller buffers (the engine's activations, a few MB allocated per forward call: the
 /// eager zeroing cost its prefill 8%) keep the advice alone.
-#[cfg(target_os = "linux")]
 const COLLAPSE_MIN: usize = 16 << 20;
 
 fn misfit<T>(what: &'static str, len: usize) -> Error {
@@ -172,5 +215,76 @@ mod tests {
             let copy = CpuBuffer::from_bytes(b.bytes());
             assert_eq!(copy.bytes(), b.bytes());
         }
+    }
+
+    /// KiB of `/proc/self/smaps`' `AnonHugePages` in the mappings that overlap `range`.
+    #[cfg(target_os = "linux")]
+    fn huge_kib(range: std::ops::Range<usize>) -> u64 {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap_or_default();
+        let mut overlaps = false;
+        let mut kib = 0;
+        for line in smaps.lines() {
+            let head = line.split_whitespace().next().unwrap_or("");
+            if let Some((a, b)) = head.split_once('-') {
+                if let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16))
+                {
+                    overlaps = a < range.end && range.start < b;
+                    continue;
+                }
+            }
+            if let Some(v) = line.strip_prefix("AnonHugePages:") {
+                if overlaps {
+                    kib += v
+                        .trim()
+                        .trim_end_matches("kB")
+                        .trim()
+                        .parse::<u64>()
+                        .unwrap_or(0);
+                }
+            }
+        }
+        kib
+    }
+
+    /// A fresh buffer's pages fault in huge wherever Linux faults huge pages in for memory
+    /// advised before its first write (a fresh mapping, advised and then written, is the
+    /// control): the advice must come before the zeroing. Collapsing is off here, and the
+    /// buffer is larger than glibc's largest mmap threshold (32 MiB), so it is a fresh
+    /// mapping and not recycled heap memory.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn fresh_buffers_fault_in_on_huge_pages_where_linux_does() {
+        const LEN: usize = 36 << 20;
+        // SAFETY: a new private anonymous mapping, written only inside its bounds, and
+        // unmapped at the end.
+        let control = unsafe {
+            let p = libc::mmap(
+                std::ptr::null_mut(),
+                LEN,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            );
+            assert_ne!(p, libc::MAP_FAILED, "mmap");
+            let range = HugeRange::of(p.cast(), LEN);
+            range.advise();
+            std::ptr::write_bytes(p.cast::<u8>(), 1, LEN);
+            let kib = huge_kib(range.start..range.end);
+            libc::munmap(p, LEN);
+            kib
+        };
+        let b = CpuBuffer::zeroed_collapsing_from(LEN, usize::MAX);
+        let range = HugeRange::of(b.bytes().as_ptr(), LEN);
+        let kib = huge_kib(range.start..range.end);
+        if control == 0 {
+            eprintln!("this kernel faults no huge page in for advised memory; checked: {kib} KiB");
+            return;
+        }
+        // Most of the interior (the control's share, less a few pages Linux may refuse).
+        assert!(
+            kib * 2 >= control,
+            "{kib} KiB of huge pages in a fresh buffer, {control} KiB in the control"
+        );
     }
 }
