@@ -93,10 +93,17 @@ pub fn scaled_bf16_row(isa: CpuIsa, x: &[f32], a: f32, b: f32, out: &mut [u16]) 
         // AVX512_BF16 (checked when its `CpuIsa` was made); `x` and `out` have one length.
         done = unsafe { x86::scaled_bf16_row(x, a, b, out) };
     }
-    let _ = isa;
-    for (o, &v) in out[done..].iter_mut().zip(&x[done..]) {
-        *o = round_bf16(v * a * b);
-    }
+    scaled_bf16_values(isa, &x[done..], a, b, &mut out[done..]);
+}
+
+crate::isa_dispatch! {
+    /// [`scaled_bf16_row`] value by value, compiled for the path so that it vectorises at
+    /// the path's width (the portable build has only SSE2: 4 lanes and no blend).
+    fn scaled_bf16_values(x: &[f32], a: f32, b: f32, out: &mut [u16]) = |ISA| {
+        for (o, &v) in out.iter_mut().zip(x) {
+            *o = round_bf16(v * a * b);
+        }
+    };
 }
 
 /// [`round_bf16`] with a subnormal result flushed to signed zero: the bf16 bits a dot
