@@ -286,18 +286,31 @@ mod tests {
         assert_eq!(check(&out, &lse), Ok(()), "seed {seed}");
         let i = (2 * h + 1) * d + 100;
         let mut bad = out.clone();
-        // Moved by at least 0.25 whatever its value (`x · 1.5 + 0.25` left values near
-        // its fixed point −0.5 inside the tolerance: a seed-dependent miss).
+        // Moved past twice the element's own tolerance, and by at least 0.25 whatever its
+        // value. A fixed move was seed-dependent: `x · 1.5 + 0.25` left values near its
+        // fixed point −0.5 inside the tolerance, and `x + 0.25 + |x| / 2` left elements
+        // whose bound (large scores make it loose) exceeded the move.
+        let r = reference::sparse_mla_v4(&op, &q, (&mp, &mi), Some((&ep, &ei)));
+        let t = tolerance::get(Op::SparseMlaV4, Quantity::Out, ml.dtype().into())
+            .unwrap_or_else(|e| panic!("{e}"));
+        let magnitude = r.out_magnitudes().nth(i).unwrap_or(f64::NAN);
+        let allowed = t.atol * magnitude + t.rtol * r.out[i].abs();
+        assert!(allowed.is_finite(), "the bound at {i} (seed {seed})");
         let x = bad[i].to_f64();
-        bad[i] = bf16::from_f64(x + 0.25 + 0.5 * x.abs());
+        bad[i] = bf16::from_f64(x + 0.25 + 0.5 * x.abs() + 2.0 * allowed);
         assert!(
             check(&bad, &lse).is_err(),
             "a wrong value passed (seed {seed})"
         );
         bad[i] = bf16::NAN;
         assert!(check(&bad, &lse).is_err(), "NaN passed (seed {seed})");
+        // Likewise past twice its tolerance.
+        let tl = tolerance::get(Op::SparseMlaV4, Quantity::Lse, ml.dtype().into())
+            .unwrap_or_else(|e| panic!("{e}"));
+        let allowed = tl.atol * r.lse_magnitude[4] + tl.rtol * r.lse[4].abs();
+        assert!(allowed.is_finite(), "the lse bound (seed {seed})");
         let mut bad_lse = lse.clone();
-        bad_lse[4] += 0.5;
+        bad_lse[4] += (0.5 + 2.0 * allowed) as f32;
         assert!(
             check(&out, &bad_lse).is_err(),
             "a wrong lse passed (seed {seed})"
