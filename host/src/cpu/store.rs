@@ -1228,8 +1228,8 @@ const POW2_EXP_MIN: u32 = 127 - 116;
 /// 32-bit ones. Results below e4m3's smallest normal round to 0 when under half its
 /// smallest subnormal; where one does not (rare: `|x| / s` in `[2^-10, 2^-6)`) the whole
 /// blocks of 32 are encoded again through f32, as are the values past the last whole
-/// block and every value for `k > 119` (a tile whose largest magnitude is within a factor 2 of
-/// bf16's largest). Saturates at ±448 (`0x7e`, ±inf too), NaN gives `0x7f`, as
+/// block and every value for `k > 119` (a tile whose largest magnitude is within a factor
+/// 2 of bf16's largest). Saturates at ±448 (`0x7e`, ±inf too), NaN gives `0x7f`, as
 /// [`e4m3_encode`].
 #[inline(always)]
 fn quantize_pow2(dst: &mut [u8], src: &[bf16], k: i32) {
