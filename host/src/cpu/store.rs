@@ -75,7 +75,11 @@ const TASK_TOKENS: usize = 64;
 /// Zen 1 guest, four tokens early stored fp8_ds_mla rows (656 bytes) 10% faster on one
 /// thread and 20% on two; 2 and 8 tokens measured the same. The index-K entries (one or two
 /// lines and a few scale bytes) gain nothing: fp4 keys stored 12% slower with the requests.
-const STORE_AHEAD: usize = 4;
+/// Eight since the Zen 4 guest of 2026-12-07 (`benches/RESULTS.md`): the same or up to 2%
+/// faster than four when the host was quiet, and bf16 rows 19% faster in a stretch when the
+/// host's memory was loaded (a bf16 row takes less time to write than a quantised one, so
+/// it needs more tokens of warning).
+const STORE_AHEAD: usize = 8;
 
 /// The slot written [`STORE_AHEAD`] tokens after token `i` of `slots`, if any (not -1).
 #[inline(always)]
