@@ -36,7 +36,13 @@ use crate::engine::kv::{KvSpace, KvStep, LayerCache, SeqId};
 use crate::engine::weights::{LayerWeights, MlpWeights, Weights};
 use crate::error::EngineError;
 
+mod activations;
+#[cfg(test)]
+mod tests;
 mod v4;
+
+pub use activations::DEFAULT_POOL_BYTES;
+use activations::{Act, ActivationPool};
 
 /// Logits of the rows of a step that asked for them.
 #[derive(Clone, Debug, PartialEq)]
@@ -66,14 +72,8 @@ pub struct Model<B: Backend> {
     check: Option<Arc<KernelCheck>>,
     /// An injected kernel bug (harness only).
     fault: Option<KernelFault>,
-}
-
-fn alloc_f32<B: Backend>(b: &B, elems: usize) -> Result<B::Buffer, EngineError> {
-    Ok(b.alloc(elems * 4)?)
-}
-
-fn alloc_bf16<B: Backend>(b: &B, elems: usize) -> Result<B::Buffer, EngineError> {
-    Ok(b.alloc(elems * 2)?)
+    /// Idle activation buffers, handed out again (see [`activations`]).
+    acts: ActivationPool<B::Buffer>,
 }
 
 impl<B: Backend + ModelOps> Model<B> {
@@ -87,7 +87,33 @@ impl<B: Backend + ModelOps> Model<B> {
             weights,
             check: None,
             fault: None,
+            acts: ActivationPool::new(DEFAULT_POOL_BYTES),
         })
+    }
+
+    /// Keeps at most `max_bytes` of idle activation buffers for reuse by later ops,
+    /// layers and steps ([`DEFAULT_POOL_BYTES`] by default; 0 allocates every activation
+    /// anew). Reuse changes no result: every activation is written whole before it is
+    /// read.
+    pub fn with_activation_pool(mut self, max_bytes: usize) -> Self {
+        self.acts = ActivationPool::new(max_bytes);
+        self
+    }
+
+    /// An activation buffer of `bytes` bytes, contents unspecified: the output of an op
+    /// that writes all of it.
+    fn act(&self, bytes: usize) -> Result<Act<'_, B::Buffer>, EngineError> {
+        Ok(self.acts.take(&*self.backend, bytes)?)
+    }
+
+    /// [`Self::act`] for `elems` f32 values.
+    fn f32s(&self, elems: usize) -> Result<Act<'_, B::Buffer>, EngineError> {
+        self.act(elems * 4)
+    }
+
+    /// [`Self::act`] for `elems` bf16 values.
+    fn bf16s(&self, elems: usize) -> Result<Act<'_, B::Buffer>, EngineError> {
+        self.act(elems * 2)
     }
 
     /// Re-checks a sample of this model's DSA kernel calls with `check`.
@@ -241,7 +267,7 @@ impl<B: Backend + ModelOps> Model<B> {
         }
         let seqs: Vec<_> = batch.chunks.iter().map(|c| c.seq).collect();
         let mut step = space.step(&seqs)?;
-        let mut h = self.embed(batch)?;
+        let mut h = self.embed_act(batch)?;
         for l in 0..self.cfg.n_layers {
             let mut cache = step.layer(l)?;
             self.forward_layer(l, batch, &mut h, &mut cache)?;
@@ -252,9 +278,14 @@ impl<B: Backend + ModelOps> Model<B> {
 
     /// The residual stream of the step's rows after the embedding: f32 `[rows, hidden]`.
     pub fn embed(&self, batch: &StepBatch) -> Result<B::Buffer, EngineError> {
+        Ok(self.embed_act(batch)?.into_inner())
+    }
+
+    /// [`Self::embed`] into an activation buffer.
+    fn embed_act(&self, batch: &StepBatch) -> Result<Act<'_, B::Buffer>, EngineError> {
         let b = &*self.backend;
         let d = self.cfg.hidden;
-        let mut h = alloc_f32(b, batch.len() * d)?;
+        let mut h = self.f32s(batch.len() * d)?;
         b.embed(
             &Embed {
                 vocab: self.cfg.vocab(),
@@ -278,7 +309,7 @@ impl<B: Backend + ModelOps> Model<B> {
                 vocab,
             });
         }
-        let mut hs = alloc_f32(b, s * d)?;
+        let mut hs = self.f32s(s * d)?;
         b.gather_rows(
             &GatherRows {
                 width: d,
@@ -290,16 +321,16 @@ impl<B: Backend + ModelOps> Model<B> {
             h,
             &mut hs,
         )?;
-        let mut hn = alloc_f32(b, s * d)?;
+        let mut hn = self.f32s(s * d)?;
         b.rms_norm(&self.norm(s, d), &hs, &self.weights.final_norm, &mut hn)?;
-        let mut logits = alloc_f32(b, s * vocab)?;
+        let mut logits = self.f32s(s * vocab)?;
         b.matmul(
             &Matmul::dense(s, d, vocab),
             &hn,
             &self.weights.lm_head,
             &mut logits,
         )?;
-        let mut am = b.alloc(s * 4)?;
+        let mut am = self.act(s * 4)?;
         b.argmax(
             &Argmax {
                 rows: s,
@@ -373,16 +404,16 @@ impl<B: Backend + ModelOps> Model<B> {
         };
 
         // 1. Queries.
-        let mut x = alloc_f32(b, t * d)?;
+        let mut x = self.f32s(t * d)?;
         b.rms_norm(&self.norm(t, d), h, &w.attn_norm, &mut x)?;
-        let mut qa = alloc_f32(b, t * r)?;
+        let mut qa = self.f32s(t * r)?;
         b.matmul(&Matmul::dense(t, d, r), &x, &w.wq_a, &mut qa)?;
-        let mut qan = alloc_f32(b, t * r)?;
+        let mut qan = self.f32s(t * r)?;
         b.rms_norm(&self.norm(t, r), &qa, &w.q_norm, &mut qan)?;
         drop(qa);
-        let mut qb = alloc_f32(b, t * nh * qhd)?;
+        let mut qb = self.f32s(t * nh * qhd)?;
         b.matmul(&Matmul::dense(t, r, nh * qhd), &qan, &w.wq_b, &mut qb)?;
-        let mut q = alloc_f32(b, t * nh * dqk)?;
+        let mut q = self.f32s(t * nh * dqk)?;
         b.matmul(
             &Matmul {
                 rows: t,
@@ -408,14 +439,14 @@ impl<B: Backend + ModelOps> Model<B> {
             &mut q,
         )?;
         drop(qb);
-        let mut q16 = alloc_bf16(b, t * nh * dqk)?;
+        let mut q16 = self.bf16s(t * nh * dqk)?;
         b.cast(&to_bf16(nh * dqk), &q, &mut q16)?;
         drop(q);
 
         // 2. Latent KV.
-        let mut kva = alloc_f32(b, t * dqk)?;
+        let mut kva = self.f32s(t * dqk)?;
         b.matmul(&Matmul::dense(t, d, dqk), &x, &w.wkv_a, &mut kva)?;
-        let mut kv = alloc_f32(b, t * dqk)?;
+        let mut kv = self.f32s(t * dqk)?;
         b.rms_norm(
             &RmsNorm {
                 x: View::dense(dqk),
@@ -433,29 +464,29 @@ impl<B: Backend + ModelOps> Model<B> {
             &mut kv,
         )?;
         drop(kva);
-        let mut kv16 = alloc_bf16(b, t * dqk)?;
+        let mut kv16 = self.bf16s(t * dqk)?;
         b.cast(&to_bf16(dqk), &kv, &mut kv16)?;
         drop(kv);
 
         // 3. Indexer queries, key, head weights.
-        let mut iq = alloc_f32(b, t * ih * id)?;
+        let mut iq = self.f32s(t * ih * id)?;
         b.matmul(&Matmul::dense(t, r, ih * id), &qan, &w.wq_index, &mut iq)?;
         drop(qan);
-        let mut iqr = alloc_f32(b, t * ih * id)?;
+        let mut iqr = self.f32s(t * ih * id)?;
         self.rope_prefix(ih, id, pos, &iq, &mut iqr)?;
         drop(iq);
-        let mut iq16 = alloc_bf16(b, t * ih * id)?;
+        let mut iq16 = self.bf16s(t * ih * id)?;
         b.cast(&to_bf16(ih * id), &iqr, &mut iq16)?;
         drop(iqr);
-        let mut ik = alloc_f32(b, t * id)?;
+        let mut ik = self.f32s(t * id)?;
         b.matmul(&Matmul::dense(t, d, id), &x, &w.wk_index, &mut ik)?;
-        let mut ikn = alloc_f32(b, t * id)?;
+        let mut ikn = self.f32s(t * id)?;
         b.rms_norm(&self.norm(t, id), &ik, &w.k_norm_index, &mut ikn)?;
         self.rope_prefix(1, id, pos, &ikn, &mut ik)?;
-        let mut ik16 = alloc_bf16(b, t * id)?;
+        let mut ik16 = self.bf16s(t * id)?;
         b.cast(&to_bf16(id), &ik, &mut ik16)?;
         drop((ik, ikn));
-        let mut iw = alloc_f32(b, t * ih)?;
+        let mut iw = self.f32s(t * ih)?;
         b.matmul(&Matmul::dense(t, d, ih), &x, &w.w_index_heads, &mut iw)?;
         drop(x);
 
@@ -470,7 +501,7 @@ impl<B: Backend + ModelOps> Model<B> {
         let (kv_cache, ik_cache) = cache.views(&reads)?;
         let table = PageTable::new(&batch.page_table, batch.max_pages)?;
         let stride = batch.row_stride;
-        let mut scores = alloc_f32(b, t * stride)?;
+        let mut scores = self.f32s(t * stride)?;
         let logits_op = IndexerLogits {
             layout: ik_layout,
             n_heads: ih,
@@ -486,7 +517,7 @@ impl<B: Backend + ModelOps> Model<B> {
         )?;
         drop((iq16, iw));
         let k = c.index_topk;
-        let mut slots = b.alloc(t * k * 4)?;
+        let mut slots = self.act(t * k * 4)?;
         let topk_op = Topk {
             short_rows: sparsekit_host::ops::ShortRows::SelectValid,
             k,
@@ -501,14 +532,14 @@ impl<B: Backend + ModelOps> Model<B> {
         if let Some(f) = &self.fault {
             let mut v: Vec<i32> = bytemuck::pod_collect_to_vec(&b.download(&slots)?);
             f.apply_topk(&topk_op, &mut v);
-            slots = b.upload(bytemuck::cast_slice(&v))?;
+            *slots = b.upload(bytemuck::cast_slice(&v))?;
         }
         self.audited(AuditedOp::Topk, &[&scores, &slots], |a, x| {
             a.topk(&topk_op, &x[0], &x[1])
         })?;
         drop(scores);
-        let mut o16 = alloc_bf16(b, t * nh * lat)?;
-        let mut lse = alloc_f32(b, t * nh)?;
+        let mut o16 = self.bf16s(t * nh * lat)?;
+        let mut lse = self.f32s(t * nh)?;
         let mla_op = SparseMla {
             layout: kv_layout,
             n_tokens: t,
@@ -525,7 +556,7 @@ impl<B: Backend + ModelOps> Model<B> {
         drop((q16, slots, lse));
 
         // 5. Values and output projection (+ residual).
-        let mut o = alloc_f32(b, t * nh * lat)?;
+        let mut o = self.f32s(t * nh * lat)?;
         b.cast(
             &Cast {
                 from: DenseDtype::Bf16,
@@ -536,7 +567,7 @@ impl<B: Backend + ModelOps> Model<B> {
             &mut o,
         )?;
         drop(o16);
-        let mut ov = alloc_f32(b, t * nh * vh)?;
+        let mut ov = self.f32s(t * nh * vh)?;
         b.matmul(
             &Matmul {
                 rows: t,
@@ -576,12 +607,12 @@ impl<B: Backend + ModelOps> Model<B> {
     ) -> Result<(), EngineError> {
         let b = &*self.backend;
         let (d, i) = (self.cfg.hidden, self.cfg.intermediate);
-        let mut xm = alloc_f32(b, t * d)?;
+        let mut xm = self.f32s(t * d)?;
         b.rms_norm(&self.norm(t, d), h, &w.norm, &mut xm)?;
-        let mut gu = alloc_f32(b, t * 2 * i)?;
+        let mut gu = self.f32s(t * 2 * i)?;
         b.matmul(&Matmul::dense(t, d, 2 * i), &xm, &w.gate_up, &mut gu)?;
         drop(xm);
-        let mut act = alloc_f32(b, t * i)?;
+        let mut act = self.f32s(t * i)?;
         b.swiglu(
             &sparsekit_host::model_ops::SwiGlu { rows: t, width: i },
             &gu,

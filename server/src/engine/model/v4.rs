@@ -37,7 +37,8 @@ use sparsekit_host::ops::{
 };
 use sparsekit_host::{Backend, KvInput, KvLayout, V4Dims};
 
-use super::{alloc_bf16, alloc_f32, Model};
+use super::activations::Act;
+use super::Model;
 use crate::engine::batch::StepBatch;
 use crate::engine::config::V4Attention;
 use crate::engine::kernel_check::AuditedOp;
@@ -144,32 +145,32 @@ impl<B: Backend + ModelOps> Model<B> {
         let pos = &batch.positions[..];
 
         // 1. Queries.
-        let mut x = alloc_f32(b, t * d)?;
+        let mut x = self.f32s(t * d)?;
         b.rms_norm(&self.norm(t, d), h, &w.attn_norm, &mut x)?;
-        let mut qa = alloc_f32(b, t * r)?;
+        let mut qa = self.f32s(t * r)?;
         b.matmul(&Matmul::dense(t, d, r), &x, &w.wq_a, &mut qa)?;
-        let mut qan = alloc_f32(b, t * r)?;
+        let mut qan = self.f32s(t * r)?;
         b.rms_norm(&self.norm(t, r), &qa, &w.q_norm, &mut qan)?;
         drop(qa);
-        let mut qb = alloc_f32(b, t * nh * row)?;
+        let mut qb = self.f32s(t * nh * row)?;
         b.matmul(&Matmul::dense(t, r, nh * row), &qan, &w.wq_b, &mut qb)?;
-        let mut qn = alloc_f32(b, t * nh * row)?;
+        let mut qn = self.f32s(t * nh * row)?;
         b.rms_norm(&self.norm(t * nh, row), &qb, &w.q_head_norm, &mut qn)?;
         drop(qb);
-        let mut q = alloc_f32(b, t * nh * row)?;
+        let mut q = self.f32s(t * nh * row)?;
         self.rope_tail(nh, pos, &self.weights.rope, &qn, &mut q)?;
         drop(qn);
-        let mut q16 = alloc_bf16(b, t * nh * row)?;
+        let mut q16 = self.bf16s(t * nh * row)?;
         b.cast(&to_bf16(t, nh * row), &q, &mut q16)?;
         drop(q);
 
         // 2. The window's KV row.
-        let mut kvp = alloc_f32(b, t * row)?;
+        let mut kvp = self.f32s(t * row)?;
         b.matmul(&Matmul::dense(t, d, row), &x, &w.wkv, &mut kvp)?;
-        let mut kv = alloc_f32(b, t * row)?;
+        let mut kv = self.f32s(t * row)?;
         self.norm_and_rope(t, row, nope, &kvp, &w.kv_norm, pos, &mut kv)?;
         drop(kvp);
-        let mut kv16 = alloc_bf16(b, t * row)?;
+        let mut kv16 = self.bf16s(t * row)?;
         b.cast(&to_bf16(t, row), &kv, &mut kv16)?;
         drop(kv);
         cache.store_kind(b, BufferKind::Kv, &batch.slots, &kv16)?;
@@ -195,7 +196,7 @@ impl<B: Backend + ModelOps> Model<B> {
         let iw = match &w.indexer {
             Some(ix) => {
                 let ih = c.index_heads();
-                let mut iw = alloc_f32(b, t * ih)?;
+                let mut iw = self.f32s(t * ih)?;
                 b.matmul(&Matmul::dense(t, d, ih), &x, &ix.heads, &mut iw)?;
                 Some(iw)
             }
@@ -292,8 +293,8 @@ impl<B: Backend + ModelOps> Model<B> {
             },
             attn_sink: Some(&w.sink),
         };
-        let mut o16 = alloc_bf16(b, t * nh * row)?;
-        let mut lse = alloc_f32(b, t * nh)?;
+        let mut o16 = self.bf16s(t * nh * row)?;
+        let mut lse = self.f32s(t * nh)?;
         b.sparse_mla_v4(
             &op,
             &q16,
@@ -325,9 +326,9 @@ impl<B: Backend + ModelOps> Model<B> {
         drop((q16, win_idx, extra, lse));
 
         // 5. The inverse rotation of the output's rope dims, the output projection.
-        let mut o = alloc_f32(b, t * nh * row)?;
+        let mut o = self.f32s(t * nh * row)?;
         b.cast(&to_f32(t, nh * row), &o16, &mut o)?;
-        let mut ou = alloc_f32(b, t * nh * row)?;
+        let mut ou = self.f32s(t * nh * row)?;
         b.cast(&to_f32(t, nh * row), &o16, &mut ou)?;
         drop(o16);
         let inverse = self.weights.inverse_rope.as_ref().ok_or_else(|| {
@@ -384,9 +385,9 @@ impl<B: Backend + ModelOps> Model<B> {
             ));
         }
         // Every raw token's state row, then the entries the step completes.
-        let mut st = alloc_f32(b, t * width)?;
+        let mut st = self.f32s(t * width)?;
         b.matmul(&Matmul::dense(t, d, width), x, w_state, &mut st)?;
-        let mut st16 = alloc_bf16(b, t * width)?;
+        let mut st16 = self.bf16s(t * width)?;
         b.cast(&to_bf16(t, width), &st, &mut st16)?;
         drop(st);
         cache.store_kind(b, BufferKind::State, &batch.slots, &st16)?;
@@ -400,7 +401,7 @@ impl<B: Backend + ModelOps> Model<B> {
         // The windows' state rows, read back (bit moves: bf16 pairs as f32 words).
         let pool = cache.view(BufferKind::State, reads)?;
         let n = plan.gather.len();
-        let mut g = alloc_bf16(b, n * width)?;
+        let mut g = self.bf16s(n * width)?;
         b.gather_rows(
             &GatherRows {
                 width: width / 2,
@@ -413,7 +414,7 @@ impl<B: Backend + ModelOps> Model<B> {
             &mut g,
         )?;
         let pooled = |comp: &Compressor<B::Buffer>, offset: usize, w: usize| {
-            let mut xs = alloc_f32(b, n * 2 * w)?;
+            let mut xs = self.f32s(n * 2 * w)?;
             b.cast(
                 &Cast {
                     rows: n,
@@ -427,7 +428,7 @@ impl<B: Backend + ModelOps> Model<B> {
                 &g,
                 &mut xs,
             )?;
-            let mut out = alloc_f32(b, entries * w)?;
+            let mut out = self.f32s(entries * w)?;
             b.gated_pool(
                 &GatedPool {
                     entries,
@@ -443,7 +444,7 @@ impl<B: Backend + ModelOps> Model<B> {
             Ok::<_, EngineError>(out)
         };
         let ckv = pooled(kv_comp, 0, row)?;
-        let mut e = alloc_f32(b, entries * row)?;
+        let mut e = self.f32s(entries * row)?;
         self.norm_and_rope(
             entries,
             row,
@@ -454,7 +455,7 @@ impl<B: Backend + ModelOps> Model<B> {
             &mut e,
         )?;
         drop(ckv);
-        let mut e16 = alloc_bf16(b, entries * row)?;
+        let mut e16 = self.bf16s(entries * row)?;
         b.cast(&to_bf16(entries, row), &e, &mut e16)?;
         drop(e);
         cache.store_kind(b, kind, &plan.slots, &e16)?;
@@ -462,13 +463,13 @@ impl<B: Backend + ModelOps> Model<B> {
         if let Some(ix) = &w.indexer {
             let id = c.index_head_dim();
             let pk = pooled(&ix.compressor, 2 * row, id)?;
-            let mut kn = alloc_f32(b, entries * id)?;
+            let mut kn = self.f32s(entries * id)?;
             b.rms_norm(&self.norm(entries, id), &pk, &ix.compressor.norm, &mut kn)?;
             drop(pk);
-            let mut k = alloc_f32(b, entries * id)?;
+            let mut k = self.f32s(entries * id)?;
             self.rope_prefix(1, id, &plan.positions, &kn, &mut k)?;
             drop(kn);
-            let mut k16 = alloc_bf16(b, entries * id)?;
+            let mut k16 = self.bf16s(entries * id)?;
             b.cast(&to_bf16(entries, id), &k, &mut k16)?;
             drop(k);
             cache.store_kind(b, BufferKind::IndexK, &plan.slots, &k16)?;
@@ -482,7 +483,7 @@ impl<B: Backend + ModelOps> Model<B> {
         w: &V4LayerWeights<B::Buffer>,
         qan: &B::Buffer,
         pos: &[u32],
-    ) -> Result<B::Buffer, EngineError> {
+    ) -> Result<Act<'_, B::Buffer>, EngineError> {
         let b = &*self.backend;
         let c = &self.cfg;
         let (t, r, ih, id) = (
@@ -494,12 +495,12 @@ impl<B: Backend + ModelOps> Model<B> {
         let ix = w.indexer.as_ref().ok_or_else(|| {
             EngineError::InvalidConfig(format!("a CSA layer of {} has no indexer", c.name))
         })?;
-        let mut iq = alloc_f32(b, t * ih * id)?;
+        let mut iq = self.f32s(t * ih * id)?;
         b.matmul(&Matmul::dense(t, r, ih * id), qan, &ix.wq, &mut iq)?;
-        let mut iqr = alloc_f32(b, t * ih * id)?;
+        let mut iqr = self.f32s(t * ih * id)?;
         self.rope_prefix(ih, id, pos, &iq, &mut iqr)?;
         drop(iq);
-        let mut iq16 = alloc_bf16(b, t * ih * id)?;
+        let mut iq16 = self.bf16s(t * ih * id)?;
         b.cast(&to_bf16(t, ih * id), &iqr, &mut iq16)?;
         Ok(iq16)
     }
@@ -541,7 +542,7 @@ impl<B: Backend + ModelOps> Model<B> {
             .max(1);
         let ik_cache = cache.view(BufferKind::IndexK, reads)?;
         let spec = cache.spec();
-        let mut scores = alloc_f32(b, t * stride)?;
+        let mut scores = self.f32s(t * stride)?;
         let logits_op = IndexerLogits {
             layout: spec.index_k,
             n_heads: ih,
@@ -556,7 +557,7 @@ impl<B: Backend + ModelOps> Model<B> {
             |a, x| a.indexer_logits(&logits_op, &x[0], &x[1], &x[2], &x[3]),
         )?;
         let k = c.index_topk;
-        let mut slots = b.alloc(t * k * 4)?;
+        let mut slots = self.act(t * k * 4)?;
         let topk_op = Topk {
             short_rows: ShortRows::TakeAll,
             k,
@@ -571,7 +572,8 @@ impl<B: Backend + ModelOps> Model<B> {
         self.audited(AuditedOp::Topk, &[&scores, &slots], |a, x| {
             a.topk(&topk_op, &x[0], &x[1])
         })?;
-        Ok((slots, k))
+        // Kept: the HCA layers' indices are uploaded, so `extra` holds plain buffers.
+        Ok((slots.into_inner(), k))
     }
 
     /// `out = x` with rope on the last [`ROPE`] dims of each of `heads` heads of 512, at
