@@ -225,15 +225,18 @@ fn matmul_matches_f64_reference() {
     let mut rng = rng("matmul_matches_f64_reference");
     for (name, make) in backends() {
         let b = make();
-        // Plain, odd sizes on both paths (row split from 128 rows per worker or for
-        // narrow outputs, column split below: narrow blocks under 48 rows, wider above).
+        // Plain, odd sizes on both paths (row split from 128 rows per worker, for narrow
+        // outputs, or for weights of at most 2 MiB from 8 rows per worker; column split
+        // otherwise: narrow blocks under 48 rows, wider above).
         for &(rows, k, n) in &[
             (1, 7, 129),
             (5, 33, 200),
             (4, 64, 640),
             (61, 17, 19),
             (100, 130, 70),
+            (33, 20, 1100),
             (70, 300, 1100),
+            (49, 520, 1040),
             (520, 9, 300),
         ] {
             let mut op = Matmul::dense(rows, k, n);

@@ -12,7 +12,7 @@ use sparsekit_kernels::math::exp_portable;
 
 use super::buffer::CpuBuffer;
 use super::dot::round_bf16;
-use super::gemm::{gemm_acc, gemm_into, Dims};
+use super::gemm::{few_rows_tile, gemm_acc, gemm_into, Dims};
 use super::scratch;
 use super::tasks::for_each_indexed;
 use super::{CpuBackend, CpuIsa};
@@ -27,7 +27,8 @@ const ROW_CHUNK: usize = 32;
 
 /// Rows per worker from which a matmul splits its rows across workers (each worker then
 /// streams every weight once for its rows); below, it splits its columns (the weights are
-/// streamed once in all, and every row of a column block reuses them from cache).
+/// streamed once in all, and every row of a column block reuses them from cache), unless
+/// its weights are small ([`splits_rows`]).
 const MATMUL_ROWS_PER_WORKER: usize = 128;
 
 /// Rows below which the column split uses its narrowest blocks (decode: many tasks).
@@ -37,6 +38,52 @@ const MATMUL_FEW_ROWS: usize = 48;
 /// width): wide blocks when rows are many (each block re-reads every row of `x`).
 const MATMUL_COL_BLOCK: usize = 64;
 const MATMUL_COL_BLOCK_MAX: usize = 256;
+
+/// Most bytes of weights (f32, every group) for which a matmul of few rows per worker
+/// still splits its rows: below it the weights stay in cache for the second worker's
+/// read, and a column split's tasks (each packing its block of the weights, filling and
+/// copying a tile) cost more than they save.
+const MATMUL_ROW_SPLIT_MAX_WEIGHTS: usize = 2 << 20;
+
+/// Rows per worker from which small weights (above) are split by rows.
+const MATMUL_ROW_SPLIT_MIN_ROWS: usize = 8;
+
+/// Most passes over the weights of a row-split task on the few-rows GEMM path (its tile's
+/// height each): beyond it, each pass costing another read of the weights from L2, the
+/// column split is faster.
+const MATMUL_ROW_SPLIT_MAX_PASSES: usize = 3;
+
+/// Whether a matmul of `rows × k · k × n` in `groups` on `threads` workers splits its
+/// rows (one task per worker) rather than its columns.
+///
+/// Zen 4, two threads (µs, column split → row split): on `avx512bf16`, 16 × 64 · 64 × 4096
+/// 115 → 51, 32 × 128 · 128 × 1024 66 → 41, 32 × 128 · 128 × 512 (accumulating) 45 → 21,
+/// 48 × 256 · 256 × 2048 349 → 233; on forced `avx2`, where 16 rows a worker take 8
+/// passes of the few-rows tile, 32 × 64 · 64 × 4096 132–176 → 245–257 (kept on columns),
+/// 32 × 128 · 128 × 512 38–58 → 21–23.
+fn splits_rows(isa: CpuIsa, op: &Matmul, threads: usize) -> bool {
+    let (rows, k, n) = (op.rows, op.k, op.n);
+    if rows >= MATMUL_ROWS_PER_WORKER * threads || n < 2 * MATMUL_COL_BLOCK {
+        return true;
+    }
+    let weights = op
+        .groups
+        .saturating_mul(k)
+        .saturating_mul(n)
+        .saturating_mul(4);
+    if weights > MATMUL_ROW_SPLIT_MAX_WEIGHTS || rows < MATMUL_ROW_SPLIT_MIN_ROWS * threads {
+        return false;
+    }
+    match few_rows_tile(isa, row_chunk(rows, threads), n) {
+        Some(tile) => row_chunk(rows, threads) <= MATMUL_ROW_SPLIT_MAX_PASSES * tile,
+        None => true,
+    }
+}
+
+/// Rows per task of a row-split matmul: one task per worker, at least 6 rows.
+fn row_chunk(rows: usize, threads: usize) -> usize {
+    rows.div_ceil(threads).max(6)
+}
 
 /// The column block of a column-split matmul of `rows × n` on `threads` workers: the
 /// narrowest for few rows, else about two blocks per worker, within the bounds above.
@@ -72,11 +119,11 @@ pub fn matmul(isa: CpuIsa, op: &Matmul, x: &[f32], w: &[f32], out: &mut [f32]) {
     }
     let (k, n) = (op.k, op.n);
     let threads = rayon::current_num_threads().max(1);
-    if op.rows >= MATMUL_ROWS_PER_WORKER * threads || n < 2 * MATMUL_COL_BLOCK {
+    if splits_rows(isa, op, threads) {
         // Row split: each task owns whole output rows and runs every group on them; one
         // task per worker, so that each streams the weights once for as many rows as it
         // can (the rows of a task change no bit).
-        let chunk = op.rows.div_ceil(threads).max(6);
+        let chunk = row_chunk(op.rows, threads);
         let out_tail = &mut out[op.out.offset..];
         let stride = op.out.row_stride.max(1);
         let chunk_elems = if op.rows == 1 {

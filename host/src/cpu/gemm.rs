@@ -61,6 +61,14 @@ const fn few_rows_max(nr: usize) -> usize {
     }
 }
 
+/// Whether a C of `m` rows over a B whose rows are `ldb` elements apart runs on the
+/// [`few_rows`] path of `isa`, and if so its tile's height (rows of C per pass over B:
+/// 8 on AVX-512, 2 on AVX2 and the portable path).
+pub(crate) fn few_rows_tile(isa: CpuIsa, m: usize, ldb: usize) -> Option<usize> {
+    let nr = nr(isa.isa());
+    (m <= few_rows_max(nr) && ldb >= PACK_MIN_LDB).then_some(if nr > 16 { 8 } else { 2 })
+}
+
 /// Rows of B ahead of its current step whose lines a [`few_rows`] tile asks for. Its B rows
 /// are a page apart, which the hardware does not prefetch across; a step of 8 rows takes
 /// about 8 cycles, and 16–24 rows ahead measured best (one thread, m8 × 4096 × 1024, Zen 1:
