@@ -74,7 +74,7 @@ fn splits_rows(isa: CpuIsa, op: &Matmul, threads: usize) -> bool {
     if weights > MATMUL_ROW_SPLIT_MAX_WEIGHTS || rows < MATMUL_ROW_SPLIT_MIN_ROWS * threads {
         return false;
     }
-    match few_rows_tile(isa, row_chunk(rows, threads), n) {
+    match few_rows_tile(isa, row_chunk(rows, threads)) {
         Some(tile) => row_chunk(rows, threads) <= MATMUL_ROW_SPLIT_MAX_PASSES * tile,
         None => true,
     }
