@@ -266,6 +266,7 @@ impl<B: Backend + ModelOps> Model<B> {
             });
         }
         let seqs: Vec<_> = batch.chunks.iter().map(|c| c.seq).collect();
+        self.acts.start_step();
         let mut step = space.step(&seqs)?;
         let mut h = self.embed_act(batch)?;
         for l in 0..self.cfg.n_layers {

@@ -9,6 +9,11 @@
 //! again holding whatever it last held. Only the residual stream is accumulated into,
 //! and it is written whole by the embedding first.
 //!
+//! A step's lengths depend on its rows, which change from step to step; a buffer that
+//! neither the last step nor the current one gave back is freed when the next step
+//! starts ([`ActivationPool::start_step`]), so the pool holds about two steps' buffers,
+//! and never more than its bound.
+//!
 //! [`Matmul`]: sparsekit_host::model_ops::Matmul
 //! [`Accumulate::Overwrite`]: sparsekit_host::model_ops::Accumulate
 
@@ -17,8 +22,8 @@ use std::sync::{Mutex, MutexGuard};
 
 use sparsekit_host::Backend;
 
-/// Bytes of idle buffers a model keeps by default (a few steps' activations of the
-/// models this engine runs; beyond it the oldest idle buffers are freed).
+/// Bytes of idle buffers a model keeps at most by default (beyond it the oldest idle
+/// buffers are freed).
 pub const DEFAULT_POOL_BYTES: usize = 256 << 20;
 
 /// Idle activation buffers of one model, by exact length in bytes (the ops check exact
@@ -29,10 +34,12 @@ pub(crate) struct ActivationPool<Buf> {
 }
 
 struct Idle<Buf> {
-    /// `(bytes, buffer)`, oldest first.
-    bufs: Vec<(usize, Buf)>,
+    /// `(bytes, step given back, buffer)`, oldest first.
+    bufs: Vec<(usize, u64, Buf)>,
     /// Sum of the lengths in `bufs`.
     bytes: usize,
+    /// The current step ([`ActivationPool::start_step`]).
+    step: u64,
 }
 
 impl<Buf> std::fmt::Debug for ActivationPool<Buf> {
@@ -53,9 +60,27 @@ impl<Buf> ActivationPool<Buf> {
             idle: Mutex::new(Idle {
                 bufs: Vec::new(),
                 bytes: 0,
+                step: 0,
             }),
             max_bytes,
         }
+    }
+
+    /// Starts a step: frees the idle buffers given back before the previous step
+    /// (outside the lock).
+    pub(crate) fn start_step(&self) {
+        let freed: Vec<(usize, u64, Buf)> = {
+            let mut idle = self.idle();
+            idle.step += 1;
+            let keep_from = idle.step - 1;
+            let (keep, freed): (Vec<_>, Vec<_>) = std::mem::take(&mut idle.bufs)
+                .into_iter()
+                .partition(|(_, given, _)| *given >= keep_from);
+            idle.bufs = keep;
+            idle.bytes -= freed.iter().map(|(n, _, _)| n).sum::<usize>();
+            freed
+        };
+        drop(freed);
     }
 
     /// The idle list. A panic while it was held cannot leave it inconsistent (each
@@ -74,10 +99,10 @@ impl<Buf> ActivationPool<Buf> {
     ) -> sparsekit_host::Result<Act<'_, Buf>> {
         let reused = {
             let mut idle = self.idle();
-            match idle.bufs.iter().rposition(|(n, _)| *n == bytes) {
+            match idle.bufs.iter().rposition(|(n, _, _)| *n == bytes) {
                 Some(i) => {
                     idle.bytes -= bytes;
-                    Some(idle.bufs.remove(i).1)
+                    Some(idle.bufs.remove(i).2)
                 }
                 None => None,
             }
@@ -99,9 +124,10 @@ impl<Buf> ActivationPool<Buf> {
         if bytes > self.max_bytes {
             return;
         }
-        let freed: Vec<(usize, Buf)> = {
+        let freed: Vec<(usize, u64, Buf)> = {
             let mut idle = self.idle();
-            idle.bufs.push((bytes, buf));
+            let step = idle.step;
+            idle.bufs.push((bytes, step, buf));
             idle.bytes += bytes;
             let mut n = 0;
             let mut over = idle.bytes.saturating_sub(self.max_bytes);
@@ -110,7 +136,7 @@ impl<Buf> ActivationPool<Buf> {
                 n += 1;
             }
             let freed: Vec<_> = idle.bufs.drain(..n).collect();
-            idle.bytes -= freed.iter().map(|(n, _)| n).sum::<usize>();
+            idle.bytes -= freed.iter().map(|(n, _, _)| n).sum::<usize>();
             freed
         };
         drop(freed);
@@ -125,7 +151,7 @@ impl<Buf> ActivationPool<Buf> {
         backend: &B,
     ) -> sparsekit_host::Result<()> {
         let mut idle = self.idle();
-        for (n, buf) in idle.bufs.iter_mut() {
+        for (n, _, buf) in idle.bufs.iter_mut() {
             *buf = backend.upload(&vec![0xFF; *n])?;
         }
         Ok(())
@@ -229,6 +255,27 @@ mod tests {
         let off = ActivationPool::new(0);
         drop(off.take(&b, 64).unwrap());
         assert_eq!(off.idle_counts(), (0, 0));
+    }
+
+    #[test]
+    fn a_step_frees_what_neither_it_nor_the_last_step_gave_back() {
+        let b = CpuBackend::new();
+        let pool = ActivationPool::new(1 << 20);
+        pool.start_step();
+        drop(pool.take(&b, 100).unwrap());
+        pool.start_step();
+        drop(pool.take(&b, 200).unwrap());
+        // The last step's buffer and this one's stay.
+        assert_eq!(pool.idle_counts(), (2, 300));
+        pool.start_step();
+        // The 100 was given back two steps ago: freed.
+        assert_eq!(pool.idle_counts(), (1, 200));
+        // Taken and given back again this step: it stays one more step.
+        drop(pool.take(&b, 200).unwrap());
+        pool.start_step();
+        assert_eq!(pool.idle_counts(), (1, 200));
+        pool.start_step();
+        assert_eq!(pool.idle_counts(), (0, 0));
     }
 
     #[test]
