@@ -4,6 +4,8 @@
 
 use std::sync::Arc;
 
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 use sparsekit_host::{CpuBackend, IndexKDtype, KvDtype};
 
 use super::Model;
@@ -11,25 +13,11 @@ use crate::engine::batch::{SeqChunk, StepBatch};
 use crate::engine::config::ModelConfig;
 use crate::engine::kv::{KvSpace, PagedKvSpace};
 
-/// Random token ids (a fresh seed each run, printed).
-fn tokens(rng: &mut u64, n: usize) -> Vec<u32> {
-    (0..n)
-        .map(|_| {
-            *rng ^= *rng << 13;
-            *rng ^= *rng >> 7;
-            *rng ^= *rng << 17;
-            (*rng % 256) as u32
-        })
-        .collect()
-}
-
 fn poisoned_pool_matches_fresh_buffers(cfg: ModelConfig) {
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(1, |d| d.as_nanos() as u64)
-        | 1;
+    // A fresh seed each run (weights and tokens), printed.
+    let seed: u64 = rand::random();
     eprintln!("{}: seed {seed}", cfg.name);
-    let mut rng = seed;
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let b = Arc::new(CpuBackend::new());
     let fresh = Model::new(b.clone(), cfg, seed)
         .unwrap()
@@ -45,7 +33,10 @@ fn poisoned_pool_matches_fresh_buffers(cfg: ModelConfig) {
     let steps: [[usize; 4]; 3] = [[37, 5, 70, 19], [1, 23, 1, 1], [1, 1, 1, 1]];
     let mut done = [0usize; 4];
     for (si, lens) in steps.iter().enumerate() {
-        let toks: Vec<Vec<u32>> = lens.iter().map(|&n| tokens(&mut rng, n)).collect();
+        let toks: Vec<Vec<u32>> = lens
+            .iter()
+            .map(|&n| (0..n).map(|_| rng.gen_range(0..256)).collect())
+            .collect();
         let mut logits = Vec::new();
         for (space, model) in spaces.iter_mut().zip([&fresh, &pooled]) {
             for (s, &n) in lens.iter().enumerate() {
