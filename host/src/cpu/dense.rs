@@ -74,10 +74,8 @@ fn splits_rows(isa: CpuIsa, op: &Matmul, threads: usize) -> bool {
     if weights > MATMUL_ROW_SPLIT_MAX_WEIGHTS || rows < MATMUL_ROW_SPLIT_MIN_ROWS * threads {
         return false;
     }
-    match few_rows_tile(isa, row_chunk(rows, threads)) {
-        Some(tile) => row_chunk(rows, threads) <= MATMUL_ROW_SPLIT_MAX_PASSES * tile,
-        None => true,
-    }
+    let chunk = row_chunk(rows, threads);
+    few_rows_tile(isa, chunk).is_none_or(|tile| chunk <= MATMUL_ROW_SPLIT_MAX_PASSES * tile)
 }
 
 /// Rows per task of a row-split matmul: one task per worker, at least 6 rows.

@@ -566,9 +566,9 @@ fn gemm_generic<const MR: usize, const NR: usize, const PAIRS: bool, const ZERO:
 
 /// [`gemm_generic`] for a C of at most [`few_rows_max`] rows over a B read from memory
 /// ([`takes_few_rows`]): a decode step's matmul over row-major weights
-/// (`x[m × k] · w[k × n]`). B is read in place, not packed (a packed copy is read by few row tiles, and its
-/// copying is not overlapped with the FMAs): for each block of [`KC`] steps (A's rows stay
-/// in L1) and each strip of columns, the strip's first row tile asks for B's lines
+/// (`x[m × k] · w[k × n]`). B is read in place, not packed (a packed copy is read by few
+/// row tiles, and its copying is not overlapped with the FMAs): for each block of [`KC`]
+/// steps (A's rows stay in L1) and each strip of columns, the strip's first row tile asks for B's lines
 /// [`B_AHEAD`] rows ahead of the row it reads, and the strip's other row tiles find them
 /// in L1 or L2. Tiles of up to 8 rows × 32 columns on AVX-512 (16 accumulators), of 2
 /// rows × 32 columns on AVX2 (8 accumulators; each row of B read a whole 128 bytes at a
