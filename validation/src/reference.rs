@@ -581,7 +581,7 @@ fn sums_on<const N: usize>(isa: CpuIsa, xc: &[f64], yc: [&[f64]; N]) -> [(f64, f
     match isa.isa() {
         // SAFETY: as in `lanes_on`: AVX-512F on the AVX-512 paths; the slices as asserted.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Bf16 | Isa::Avx512 => unsafe { x86::sums_avx512(xc, yc) },
+        Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512 => unsafe { x86::sums_avx512(xc, yc) },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => two_at_a_time(
             yc,
@@ -622,7 +622,7 @@ fn lanes_on<const N: usize>(isa: CpuIsa, xc: &[f64], yc: [&[f64]; N]) -> [Lanes;
         // SAFETY: a `CpuIsa` names only a path this CPU supports (checked when it was
         // made): AVX-512F on the AVX-512 paths. The slices are as asserted above.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Bf16 | Isa::Avx512 => unsafe { x86::lanes_avx512(xc, yc) },
+        Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512 => unsafe { x86::lanes_avx512(xc, yc) },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => two_at_a_time(
             yc,

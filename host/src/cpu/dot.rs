@@ -38,7 +38,7 @@
 //! of u32: pair `p` of column `j` holds `B[2p][j]` in its low half and `B[2p+1][j]` in its
 //! high half), `C` row-major f32.
 
-use super::isa::CpuIsa;
+use super::isa::{CpuIsa, Isa};
 
 /// bf16 bits as f32, a subnormal read as signed zero (what `vdpbf16ps` reads).
 #[inline(always)]
@@ -481,7 +481,16 @@ fn run(isa: CpuIsa, d: PairDims, a: A<'_>, b: &[u32], c: &mut [f32], zero: bool)
         };
         return;
     }
-    let _ = isa;
+    #[cfg(target_arch = "x86_64")]
+    if let (Isa::Amx, A::Strided { a, s }) = (isa.isa(), a) {
+        if s.pair == 2 && super::amx::takes(&d) {
+            // SAFETY: a `CpuIsa` of the amx path exists only where `amx::available`; `k2`
+            // is a positive multiple of 16 (`takes`), `m` and `n` are positive, and A
+            // (row-major: `s.row` is `lda`), B and C hold `d` (asserted above).
+            unsafe { super::amx::gemm(PairDims { lda: s.row, ..d }, a, b, c, zero) };
+            return;
+        }
+    }
     emulate(d, a, b, c, zero);
 }
 
@@ -1452,6 +1461,10 @@ mod tests {
                     "{} m={m} n={n} k={k}",
                     isa.isa()
                 );
+                if !isa.isa().same_bits() {
+                    // `amx`'s tiles accumulate their own way (`super::amx`'s tests).
+                    continue;
+                }
                 let mut got = c0.clone();
                 gemm_bf16(isa, d, &a16, &bp, &mut got);
                 assert!(

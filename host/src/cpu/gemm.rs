@@ -25,7 +25,7 @@ use super::tile_out::Out8;
 /// step's 2 + 8 loads feed 16 FMAs), 12 on AVX2 (16 registers: 12 + 2 of B + 1 of A).
 const fn mr(isa: Isa) -> usize {
     match isa {
-        Isa::Avx512Bf16 | Isa::Avx512 => 8,
+        Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512 => 8,
         Isa::Avx2 | Isa::Scalar => 6,
     }
 }
@@ -154,7 +154,7 @@ pub fn gemm_pairs_into(isa: CpuIsa, d: Dims, a: &[f32], b: &[f32], c: &mut [f32]
 #[cfg(target_arch = "x86_64")]
 fn rows8_route(isa: CpuIsa, d: Dims, a: &[f32], b: &[f32], out: impl Out8) -> bool {
     let fits = d.m > 0 && (1..=8).contains(&d.n) && d.k > 0 && d.k % 2 == 0;
-    if !(fits && matches!(isa.isa(), Isa::Avx512 | Isa::Avx512Bf16)) {
+    if !(fits && matches!(isa.isa(), Isa::Amx | Isa::Avx512 | Isa::Avx512Bf16)) {
         return false;
     }
     check_ab(d, a, b);
@@ -407,7 +407,7 @@ fn check_ab(d: Dims, a: &[f32], b: &[f32]) {
 /// Register-tile width (f32 columns) of a path: two vectors.
 const fn nr(isa: Isa) -> usize {
     match isa {
-        Isa::Avx512Bf16 | Isa::Avx512 => 32,
+        Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512 => 32,
         Isa::Avx2 | Isa::Scalar => 16,
     }
 }
@@ -1095,7 +1095,7 @@ pub fn gemm_pairs_into_f16b(isa: CpuIsa, d: Dims, at8: &[f32], b: &[u16], c: &mu
                 unsafe { f16b_avx2(d, at8, b, c) };
                 return;
             }
-            Isa::Avx512 | Isa::Avx512Bf16 if d.n % 16 == 0 => {
+            Isa::Amx | Isa::Avx512 | Isa::Avx512Bf16 if d.n % 16 == 0 => {
                 // SAFETY: the AVX-512 paths' CPU has AVX-512F (`Isa::supported`); as above.
                 unsafe { f16b_avx512(d, at8, b, c) };
                 return;

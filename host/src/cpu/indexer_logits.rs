@@ -18,13 +18,18 @@
 //! heads on the AVX-512 paths (fp8 keys on `avx512bf16`) it is the GEMM's own epilogue,
 //! on its register tiles transposed ([`gemm_e4m3_relu_sums`], [`gemm_pairs_relu_sums`]).
 //! Every logit is computed with the same operations in the same order whatever the
-//! grouping or the vectorisation: batch-invariant, and identical on every path.
+//! grouping or the vectorisation: batch-invariant, and identical on every path but one.
+//! That one, `amx`, runs the bf16 route's `Cᵀ = K · Qᵀ` for every group on AMX tiles
+//! ([`super::amx`]: fp8 keys widened to bf16 rows first, bf16 keys read in place) and
+//! the `avx512` code for the rest: its scores are batch-invariant and within tolerance,
+//! not bit-identical to the other paths'.
 
 use std::cell::RefCell;
 use std::ops::Range;
 
 use half::bf16;
 
+use super::amx::TILE_PAIRS;
 use super::dot::{gemm_bf16_into, gemm_e4m3_into, gemm_e4m3_relu_sums, padded_cols, PairDims};
 #[cfg(doc)]
 use super::gemm::gemm_acc_pairs;
@@ -63,7 +68,7 @@ const ROW_VECTOR: usize = 16;
 /// `avx512` 1010 µs against 1140 µs for keys along as f16, the block's GEMM in one call).
 const fn keys_along(isa: Isa, m: usize) -> bool {
     match isa {
-        Isa::Avx512Bf16 | Isa::Avx512 => m > 8 && m < 32,
+        Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512 => m > 8 && m < 32,
         Isa::Avx2 | Isa::Scalar => m < 8,
     }
 }
@@ -183,9 +188,9 @@ struct Scratch {
     qt: Aligned<f32>,
     /// Dequantised keys `[BLOCK × d]` (f32 paths).
     krows: Aligned<f32>,
-    /// Qᵀ packed as bf16 pairs `[d/2 × padded m]` (the `avx512bf16` path).
+    /// Qᵀ packed as bf16 pairs `[d/2 × padded m]` (the bf16 route: `avx512bf16`, `amx`).
     qp: Aligned<u32>,
-    /// Keys as bf16 `[BLOCK × d]` (the `avx512bf16` path), held as pairs so that their
+    /// Keys as bf16 `[BLOCK × d]` (the bf16 route), held as pairs so that their
     /// rows can be moved as 32-bit words (the few-heads transpose).
     kb: Aligned<u32>,
     /// `Cᵀ [BLOCK × m]`.
@@ -323,14 +328,19 @@ impl Ctx<'_> {
             ktb,
             kh,
         } = scratch;
-        let bf16_dot = self.isa.isa().bf16_dot();
+        // The `amx` path's tiles take the bf16 route's `Cᵀ = K · Qᵀ` (any number of heads)
+        // for whole tiles of pairs; elsewhere it runs the `avx512` routes.
+        let tiles = self.isa.isa() == Isa::Amx && d % (2 * TILE_PAIRS) == 0;
+        // The bf16 route: keys as bf16 rows, Q as pairs (`vdpbf16ps`, or AMX tiles).
+        let bf16_dot = self.isa.isa().bf16_dot() || tiles;
+        let visa = self.isa.vector();
         let ldq = padded_cols(m);
         let by_rows = rr >= ROW_VECTOR;
         let fp8_keys = matches!(self.layout.dtype(), IndexKDtype::Fp8E4m3 { .. });
-        let f16_keys = !by_rows && fp8_keys && f16_keys(self.isa.isa(), m, d, qs);
+        let f16_keys = !by_rows && !tiles && fp8_keys && f16_keys(visa, m, d, qs);
         // Few query heads: C [m × keys] = Q · Kᵀ directly (the same chains, element by
         // element, as through Cᵀ: the same bits).
-        let keys_along = !by_rows && (keys_along(self.isa.isa(), m) || f16_keys);
+        let keys_along = !by_rows && !tiles && (keys_along(visa, m) || f16_keys);
         c.resize(BLOCK * m, 0.0);
         // `krows` stages Q in Qᵀ's column order (`hh·rr + r`) before the transpose.
         krows.resize(BLOCK.max(m) * d, 0.0);
@@ -420,11 +430,11 @@ impl Ctx<'_> {
         let mut sums = [0f32; BLOCK];
         // A few heads' `Cᵀ` in one call per block (fp8 keys on the bf16 dot product; on
         // `avx512`, AVX-512's 8-column tiles; see below).
-        let whole_f32 = !bf16_dot && m <= 8 && self.isa.isa() == Isa::Avx512;
+        let whole_f32 = !bf16_dot && m <= 8 && visa == Isa::Avx512;
         // Those routes for one query row: the head sums are the GEMM's epilogue (the same
         // operations in the same order).
         let sums_in_gemm =
-            !keys_along && m <= 8 && rr == 1 && ((bf16_dot && fp8_keys) || whole_f32);
+            !keys_along && !tiles && m <= 8 && rr == 1 && ((bf16_dot && fp8_keys) || whole_f32);
         // A block's page runs of fp8 codes (the `avx512bf16` route without `keys_along`).
         let mut runs: Vec<&[u8]> = Vec::new();
         let mut b0 = lo;

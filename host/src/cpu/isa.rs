@@ -10,8 +10,13 @@
 //! carries one ([`CpuBackend::with_isa`](super::CpuBackend::with_isa)); the process default
 //! ([`CpuIsa::get`]) is the fastest path ([`CpuIsa::detected`]: the widest, except that
 //! the bf16 dot product is used only where this core runs it faster than the f32 FMA), or
-//! the one `SPARSEKIT_CPU_ISA=avx512bf16|avx512|avx2|scalar` forces, so every path can be
-//! tested and benchmarked on any machine that has it.
+//! the one `SPARSEKIT_CPU_ISA=amx|avx512bf16|avx512|avx2|scalar` forces, so every path can
+//! be tested and benchmarked on any machine that has it.
+//!
+//! One path is the exception to "the same bits": `amx` ([`Isa::Amx`]) runs the `avx512`
+//! code with Intel AMX tiles for the indexer's score GEMM, whose accumulation no other
+//! path reproduces ([`super::amx`]). It is deterministic and batch-invariant, within
+//! tolerance of the others, and only ever runs when asked for by name.
 
 use std::fmt;
 use std::sync::OnceLock;
@@ -19,12 +24,20 @@ use std::sync::OnceLock;
 use super::peak::{bf16_dot_speedup, BF16_DOT_MIN_SPEEDUP};
 use crate::error::{Error, Result};
 
-/// The environment variable that forces a path (`avx512bf16`, `avx512`, `avx2`, `scalar`).
+/// The environment variable that forces a path (`amx`, `avx512bf16`, `avx512`, `avx2`,
+/// `scalar`).
 pub const ISA_ENV: &str = "SPARSEKIT_CPU_ISA";
 
 /// A vector code path.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Isa {
+    /// The `avx512` path's code, with Intel AMX-BF16 tiles (`tdpbf16ps`) for the indexer's
+    /// score GEMM ([`super::amx`]). Its scores are deterministic and batch-invariant, within
+    /// tolerance of the other paths but **not bit-identical** to them (the tile
+    /// instruction's accumulation is its own), so it is never the default: forced with
+    /// `SPARSEKIT_CPU_ISA=amx` or [`CpuBackend::with_isa`](super::CpuBackend::with_isa).
+    /// Needs AVX-512 and a Linux kernel that grants the process AMX's tile state.
+    Amx,
     /// AVX-512F, AVX-512BW, AVX-512DQ, AVX-512VL and AVX512_BF16 (`vdpbf16ps`) with FMA,
     /// POPCNT and F16C.
     Avx512Bf16,
@@ -38,11 +51,18 @@ pub enum Isa {
 
 impl Isa {
     /// Every path, widest first.
-    pub const ALL: [Isa; 4] = [Isa::Avx512Bf16, Isa::Avx512, Isa::Avx2, Isa::Scalar];
+    pub const ALL: [Isa; 5] = [
+        Isa::Amx,
+        Isa::Avx512Bf16,
+        Isa::Avx512,
+        Isa::Avx2,
+        Isa::Scalar,
+    ];
 
     /// The name `SPARSEKIT_CPU_ISA` takes.
     pub fn name(self) -> &'static str {
         match self {
+            Isa::Amx => "amx",
             Isa::Avx512Bf16 => "avx512bf16",
             Isa::Avx512 => "avx512",
             Isa::Avx2 => "avx2",
@@ -61,6 +81,8 @@ impl Isa {
     pub fn supported(self) -> bool {
         match self {
             Isa::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Amx => Isa::Avx512.supported() && super::amx::available(),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512Bf16 => {
                 // VL for the 256-bit forms of `vdpbf16ps` (every AVX512_BF16 CPU has it).
@@ -86,7 +108,7 @@ impl Isa {
                     && std::arch::is_x86_feature_detected!("f16c")
             }
             #[cfg(not(target_arch = "x86_64"))]
-            Isa::Avx512Bf16 | Isa::Avx512 | Isa::Avx2 => false,
+            Isa::Amx | Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512 | Isa::Avx2 => false,
         }
     }
 
@@ -94,6 +116,27 @@ impl Isa {
     /// (`vdpbf16ps`) rather than f32 FMAs (same results: [`super::dot`]).
     pub const fn bf16_dot(self) -> bool {
         matches!(self, Isa::Avx512Bf16)
+    }
+
+    /// Whether the path's GEMMs take bf16 rows (the bf16 route: `vdpbf16ps` or AMX tiles),
+    /// so that its AVX-512 code widens keys to bf16 rather than f32.
+    pub const fn bf16_rows(self) -> bool {
+        matches!(self, Isa::Avx512Bf16 | Isa::Amx)
+    }
+
+    /// The vector path whose code this path runs outside its own kernels: `avx512` for
+    /// `amx` (whose only code of its own is the tile GEMM), else the path itself.
+    pub const fn vector(self) -> Isa {
+        match self {
+            Isa::Amx => Isa::Avx512,
+            other => other,
+        }
+    }
+
+    /// Whether the path's indexer scores are bit-identical to every other such path's
+    /// (every path but `amx`: [`super::amx`]).
+    pub const fn same_bits(self) -> bool {
+        !matches!(self, Isa::Amx)
     }
 }
 
@@ -124,9 +167,12 @@ impl CpuIsa {
         }
     }
 
-    /// The widest path this CPU supports.
+    /// The widest path this CPU supports whose results are those of every other path
+    /// (never `amx`: [`Isa::same_bits`]).
     pub fn widest() -> CpuIsa {
-        let isa = Isa::ALL.into_iter().find(|i| i.supported());
+        let isa = Isa::ALL
+            .into_iter()
+            .find(|i| i.same_bits() && i.supported());
         CpuIsa(isa.unwrap_or(Isa::Scalar))
     }
 
@@ -160,7 +206,7 @@ impl CpuIsa {
                 }),
                 None => Err(Error::InvalidArgument {
                     what: ISA_ENV,
-                    detail: format!("{v:?} is not one of avx512bf16, avx512, avx2, scalar"),
+                    detail: format!("{v:?} is not one of amx, avx512bf16, avx512, avx2, scalar"),
                 }),
             },
         }
@@ -187,6 +233,11 @@ impl CpuIsa {
     /// The path.
     pub const fn isa(self) -> Isa {
         self.0
+    }
+
+    /// The vector path whose code runs outside the path's own kernels ([`Isa::vector`]).
+    pub const fn vector(self) -> Isa {
+        self.0.vector()
     }
 
     /// `isa` without checking the CPU (for [`isa_dispatch!`], inside a path that is only
@@ -269,9 +320,10 @@ macro_rules! isa_dispatch {
                 // was made): AVX-512F, AVX-512BW, AVX512_BF16, FMA and POPCNT here.
                 #[cfg(target_arch = "x86_64")]
                 $crate::cpu::isa::Isa::Avx512Bf16 => unsafe { avx512bf16($($arg),*) },
-                // SAFETY: as above: AVX-512F, AVX-512BW, FMA and POPCNT.
+                // SAFETY: as above: AVX-512F, AVX-512BW, FMA and POPCNT (`amx` runs the
+                // `avx512` code outside its tile kernels, and requires its features).
                 #[cfg(target_arch = "x86_64")]
-                $crate::cpu::isa::Isa::Avx512 => unsafe { avx512($($arg),*) },
+                $crate::cpu::isa::Isa::Avx512 | $crate::cpu::isa::Isa::Amx => unsafe { avx512($($arg),*) },
                 // SAFETY: as above: AVX2, FMA and POPCNT.
                 #[cfg(target_arch = "x86_64")]
                 $crate::cpu::isa::Isa::Avx2 => unsafe { avx2($($arg),*) },
@@ -415,7 +467,14 @@ mod tests {
             Err(Error::InvalidArgument { what: ISA_ENV, .. })
         ));
         let avail = CpuIsa::available();
-        assert_eq!(avail[0], CpuIsa::widest());
+        // The widest path with the shared bits comes first, after `amx` where it runs.
+        let shared: Vec<CpuIsa> = avail
+            .iter()
+            .copied()
+            .filter(|i| i.isa().same_bits())
+            .collect();
+        assert_eq!(shared[0], CpuIsa::widest());
+        assert_eq!(avail[0].isa() == Isa::Amx, Isa::Amx.supported());
         assert!(avail.contains(&CpuIsa::detected()));
         assert_eq!(avail.last().map(|c| c.isa()), Some(Isa::Scalar));
     }
@@ -453,7 +512,8 @@ mod tests {
         assert_eq!(want.0, Isa::Scalar);
         for isa in CpuIsa::available() {
             let got = path_sum(isa, &xs);
-            assert_eq!(got.0, isa.isa());
+            // `amx` runs the `avx512` code outside its tile kernels.
+            assert_eq!(got.0, isa.vector());
             assert_eq!(got.1.to_bits(), want.1.to_bits(), "{:?}", isa.isa());
         }
     }

@@ -70,7 +70,7 @@ pub fn checksum(isa: CpuIsa, page: &[u8]) -> u64 {
     let (sum, done) = match isa.isa() {
         // SAFETY: a `CpuIsa` names only a path this CPU supports (AVX-512F and DQ here).
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Bf16 | Isa::Avx512 => unsafe { sum_avx512(page) },
+        Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512 => unsafe { sum_avx512(page) },
         // SAFETY: as above (AVX2).
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { sum_avx2(page) },

@@ -26,7 +26,7 @@ pub const BF16_DOT_MIN_SPEEDUP: f64 = 1.25;
 /// leave registers for the operands.
 pub const fn fmas_per_round(isa: Isa) -> usize {
     match isa {
-        Isa::Avx512Bf16 | Isa::Avx512 => 16 * 16,
+        Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512 => 16 * 16,
         Isa::Avx2 => 12 * 8,
         Isa::Scalar => 32,
     }

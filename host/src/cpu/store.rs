@@ -1007,7 +1007,7 @@ impl DivisionPlan {
     fn quantize(&self, isa: CpuIsa, dst: &mut [u8], src: &[bf16], s: f32) {
         // The AVX-512 paths take two blocks a vector.
         #[cfg(target_arch = "x86_64")]
-        let (dst, src) = if matches!(isa.isa(), Isa::Avx512Bf16 | Isa::Avx512) {
+        let (dst, src) = if matches!(isa.isa(), Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512) {
             for (d, x) in dst.chunks_exact_mut(64).zip(src.chunks_exact(64)) {
                 // SAFETY: a `CpuIsa` names only a path this CPU supports (AVX-512F and
                 // AVX-512BW on these two).
@@ -1042,7 +1042,7 @@ impl DivisionPlan {
             // SAFETY: a `CpuIsa` names only a path this CPU supports (AVX2 is part of
             // each of these).
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512Bf16 | Isa::Avx512 | Isa::Avx2 => unsafe {
+            Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512 | Isa::Avx2 => unsafe {
                 self.encode_block_avx2(dst, src)
             },
             _ => self.encode_block_portable(dst, src),
@@ -1646,7 +1646,7 @@ mod tests {
                     & plan.encode_block(ISA, &mut d[32..], &src[32..]);
                 out.push((halves, d));
                 #[cfg(target_arch = "x86_64")]
-                if matches!(ISA.isa(), Isa::Avx512Bf16 | Isa::Avx512) {
+                if matches!(ISA.isa(), Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512) {
                     let mut d = vec![0xaa; 64];
                     // SAFETY: AVX-512F and AVX-512BW are part of these paths.
                     let both = unsafe { plan.encode_blocks_avx512(&mut d, src) };

@@ -68,7 +68,9 @@ fn count_at_least(isa: CpuIsa, vals: &[f32], t: f32) -> usize {
     match isa.isa() {
         // SAFETY: a `CpuIsa` names only a path this CPU supports (AVX-512F and POPCNT here).
         #[cfg(target_arch = "x86_64")]
-        super::isa::Isa::Avx512Bf16 | super::isa::Isa::Avx512 => unsafe { count_avx512(vals, t) },
+        super::isa::Isa::Amx | super::isa::Isa::Avx512Bf16 | super::isa::Isa::Avx512 => unsafe {
+            count_avx512(vals, t)
+        },
         // SAFETY: as above (AVX2 and POPCNT).
         #[cfg(target_arch = "x86_64")]
         super::isa::Isa::Avx2 => unsafe {
@@ -229,7 +231,7 @@ fn values_between(isa: CpuIsa, vals: &[f32], lo: f32, hi: f32, bin: &mut Vec<f32
     let done = match isa.isa() {
         // SAFETY: a `CpuIsa` names only a path this CPU supports (AVX-512F and POPCNT here).
         #[cfg(target_arch = "x86_64")]
-        super::isa::Isa::Avx512Bf16 | super::isa::Isa::Avx512 => unsafe {
+        super::isa::Isa::Amx | super::isa::Isa::Avx512Bf16 | super::isa::Isa::Avx512 => unsafe {
             between_avx512(vals, lo, hi, bin)
         },
         // SAFETY: as above (AVX2 and POPCNT).
@@ -423,7 +425,7 @@ fn scan_at_least(
     let done = match isa.isa() {
         // SAFETY: a `CpuIsa` names only a path this CPU supports (AVX-512F and POPCNT here).
         #[cfg(target_arch = "x86_64")]
-        super::isa::Isa::Avx512Bf16 | super::isa::Isa::Avx512 => unsafe {
+        super::isa::Isa::Amx | super::isa::Isa::Avx512Bf16 | super::isa::Isa::Avx512 => unsafe {
             if row.len() > BLOCK_ROW_MAX {
                 scan_avx512::<true>(row, t, vals, pos)
             } else if has_word_compress() {
@@ -692,7 +694,7 @@ fn take_top(isa: CpuIsa, big: f32, eq_need: usize, vals: &[f32], pos: &mut [i32]
     match isa.isa() {
         // SAFETY: a `CpuIsa` names only a path this CPU supports (AVX-512F and POPCNT here).
         #[cfg(target_arch = "x86_64")]
-        super::isa::Isa::Avx512Bf16 | super::isa::Isa::Avx512 => unsafe {
+        super::isa::Isa::Amx | super::isa::Isa::Avx512Bf16 | super::isa::Isa::Avx512 => unsafe {
             (out, eq, i) = take_top_avx512(big, eq_need, vals, pos);
         },
         // SAFETY: as above (AVX2 and POPCNT).

@@ -23,7 +23,7 @@ pub fn transpose(
     assert!(src.len() >= (m - 1) * lds + n && dst.len() >= (n - 1) * ldd + m);
     #[cfg(target_arch = "x86_64")]
     match isa.isa() {
-        Isa::Avx512Bf16 | Isa::Avx512 => {
+        Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512 => {
             let (m16, n16, m8, n8) = (m / 16 * 16, n / 16 * 16, m / 8 * 8, n / 8 * 8);
             // SAFETY: the path's CpuIsa exists only on a CPU with AVX-512F and AVX2
             // (`Isa::supported`); the slices hold the matrices (asserted above). The three
@@ -77,7 +77,7 @@ pub fn transpose_bytes(
     {
         // Bytes per register row of the path's tiles.
         let width = match isa.isa() {
-            Isa::Avx512Bf16 | Isa::Avx512 => Some(64),
+            Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512 => Some(64),
             Isa::Avx2 => Some(32),
             Isa::Scalar => None,
         };

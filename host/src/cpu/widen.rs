@@ -38,10 +38,10 @@ const TABLE_K: std::ops::RangeInclusive<i32> = -117..=119;
 pub fn e4m3_row_pow2(isa: CpuIsa, codes: &[u8], k: i32, out: &mut [u16]) {
     let n = codes.len().min(out.len());
     #[cfg(target_arch = "x86_64")]
-    if isa.isa().bf16_dot() && TABLE_K.contains(&k) {
+    if isa.isa().bf16_rows() && TABLE_K.contains(&k) {
         let done = if x86::has_vbmi() {
             let whole = n / 64 * 64;
-            // SAFETY: AVX-512F/BW (the avx512bf16 path) and VBMI (checked); `whole` codes
+            // SAFETY: AVX-512F/BW (the avx512bf16 and amx paths) and VBMI (checked); `whole` codes
             // and words, one tile of them, its `k` in range.
             unsafe { x86::e4m3_bf16_tiles_vbmi(&codes[..whole], whole, &[k], &mut out[..whole]) };
             whole
@@ -49,7 +49,8 @@ pub fn e4m3_row_pow2(isa: CpuIsa, codes: &[u8], k: i32, out: &mut [u16]) {
             0
         };
         if done < n {
-            // SAFETY: the avx512bf16 path exists only on a CPU with AVX-512F and AVX-512BW.
+            // SAFETY: the avx512bf16 and amx paths exist only on a CPU with AVX-512F and
+            // AVX-512BW.
             unsafe { x86::e4m3_row(&codes[done..n], k, &mut out[done..n]) };
         }
         return;
@@ -71,7 +72,7 @@ pub fn e4m3_tiles_pow2(isa: CpuIsa, codes: &[u8], tile: usize, ks: &[i32], out: 
     let n = tile * ks.len();
     let (codes, out) = (&codes[..n], &mut out[..n]);
     #[cfg(target_arch = "x86_64")]
-    if isa.isa().bf16_dot()
+    if isa.isa().bf16_rows()
         && tile % 64 == 0
         && x86::has_vbmi()
         && ks.iter().all(|k| TABLE_K.contains(k))
@@ -106,7 +107,7 @@ pub fn e4m3_f32_row(isa: CpuIsa, codes: &[u8], out: &mut [f32]) {
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
     match isa.isa() {
-        Isa::Avx512Bf16 | Isa::Avx512 => {
+        Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512 => {
             if x86::has_vbmi() {
                 // SAFETY: AVX-512F/BW (the path's, `Isa::supported`) and VBMI (checked);
                 // `codes` and `out` have the same length.
@@ -139,9 +140,11 @@ pub fn e4m3_f16_row(isa: CpuIsa, codes: &[u8], out: &mut [u16]) -> bool {
     let (mut done, mut nan) = (0, false);
     #[cfg(target_arch = "x86_64")]
     match isa.isa() {
-        // SAFETY: the AVX-512 paths' CPU has AVX-512F and AVX-512BW (`Isa::supported`);
-        // equal lengths.
-        Isa::Avx512Bf16 | Isa::Avx512 => (done, nan) = unsafe { x86::e4m3_f16_row512(codes, out) },
+        Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512 => {
+            // SAFETY: the AVX-512 paths' CPU has AVX-512F and AVX-512BW
+            // (`Isa::supported`); equal lengths.
+            (done, nan) = unsafe { x86::e4m3_f16_row512(codes, out) }
+        }
         // SAFETY: the avx2 path's CPU has AVX2 (`Isa::supported`); equal lengths.
         Isa::Avx2 => (done, nan) = unsafe { x86::e4m3_f16_row256(codes, out) },
         Isa::Scalar => {}
@@ -172,9 +175,11 @@ pub fn bf16_f32_row(isa: CpuIsa, bytes: &[u8], out: &mut [f32]) {
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
     match isa.isa() {
-        // SAFETY: the path exists only on a CPU with AVX-512F and AVX-512BW
-        // (`Isa::supported`); `bytes` holds `2 · out.len()` bytes (sliced above).
-        Isa::Avx512Bf16 | Isa::Avx512 => done = unsafe { x86::bf16_f32_row512(bytes, out) },
+        Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512 => {
+            // SAFETY: the path exists only on a CPU with AVX-512F and AVX-512BW
+            // (`Isa::supported`); `bytes` holds `2 · out.len()` bytes (sliced above).
+            done = unsafe { x86::bf16_f32_row512(bytes, out) }
+        }
         // SAFETY: as above, with AVX2.
         Isa::Avx2 => done = unsafe { x86::bf16_f32_row256(bytes, out) },
         Isa::Scalar => {}
@@ -218,8 +223,8 @@ pub fn fp4_groups(isa: CpuIsa, packed: &[u8], scales: &[u8], out: &mut [u16]) {
     let groups = scales.len();
     let (packed, out) = (&packed[..16 * groups], &mut out[..32 * groups]);
     #[cfg(target_arch = "x86_64")]
-    if isa.isa().bf16_dot() {
-        // SAFETY: the avx512bf16 path's CPU has AVX-512F and AVX-512BW; 16 bytes and 32
+    if isa.isa().bf16_rows() {
+        // SAFETY: the avx512bf16 and amx paths' CPU has AVX-512F and AVX-512BW; 16 bytes and 32
         // words per scale byte (sliced above).
         unsafe { x86::fp4_groups(packed, scales, out) };
         return;
