@@ -24,6 +24,9 @@ pub struct Cost {
     /// on a CPU path with the bf16 dot-product instruction they are read against its peak
     /// ([`crate::roofline::Roofline::compute_peak`]), elsewhere against the f32 FMA peak.
     pub bf16_dot: bool,
+    /// The FLOPs are the GEMM the `amx` path runs on AMX tiles (the indexer's scores):
+    /// there they are read against the tile peak.
+    pub tiles: bool,
 }
 
 /// Merged length of the half-open ranges (any order, possibly overlapping).
@@ -74,6 +77,7 @@ pub fn indexer_logits(
         bytes,
         flops: pairs * (2 * h * d + 2 * h),
         bf16_dot: true,
+        tiles: true,
     }
 }
 
@@ -87,6 +91,7 @@ pub fn topk(rows: &[QueryRange], k: usize) -> Cost {
         bytes: read + rows.len() as u64 * k as u64 * 4,
         flops: 0,
         bf16_dot: false,
+        tiles: false,
     }
 }
 
@@ -104,6 +109,7 @@ pub fn sparse_mla(layout: &KvLayout, n_tokens: usize, n_heads: usize, indices: &
         bytes,
         flops: valid * 2 * h * (dqk + dv),
         bf16_dot: true,
+        tiles: false,
     }
 }
 

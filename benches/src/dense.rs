@@ -33,6 +33,7 @@ impl MatmulShape {
             bytes: 4 * (m * k + k * n + m * n),
             flops: 2 * m * k * n,
             bf16_dot: false,
+            tiles: false,
         }
     }
 }

@@ -324,6 +324,7 @@ impl SparseMlaShape {
             bytes: per_token.bytes * self.n_tokens as u64,
             flops: per_token.flops * self.n_tokens as u64,
             bf16_dot: true,
+            tiles: false,
         }
     }
 }

@@ -48,6 +48,7 @@ impl SparseMlaV4Shape {
             bytes: rows + idx + io,
             flops: t * (keys(&self.main) + keys(&self.extra)) * 2 * h * 512 * 2,
             bf16_dot: true,
+            tiles: false,
         }
     }
 

@@ -68,6 +68,7 @@ impl StoreShape {
             bytes: (tokens * (in_elems * 2 + 8 + out_bytes)) as u64,
             flops: 0,
             bf16_dot: false,
+            tiles: false,
         }
     }
 }
@@ -155,6 +156,7 @@ impl CopyShape {
             bytes: 2 * (self.pages * self.layout.bytes_per_page()) as u64,
             flops: 0,
             bf16_dot: false,
+            tiles: false,
         }
     }
 }
@@ -225,6 +227,7 @@ impl ChecksumShape {
             bytes: (self.pages * self.layout.bytes_per_page()) as u64,
             flops: 0,
             bf16_dot: false,
+            tiles: false,
         }
     }
 }

@@ -141,6 +141,9 @@ impl PathsReport {
                     r.bf16_dot_flops_per_s / 1e9
                 );
             }
+            if r.tile_flops_per_s > 0.0 {
+                let _ = write!(s, ", AMX tile peak {:.1} GFLOP/s", r.tile_flops_per_s / 1e9);
+            }
             let _ = writeln!(
                 s,
                 ", copy {:.1} GB/s (read+write)",

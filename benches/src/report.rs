@@ -208,6 +208,11 @@ impl Report {
                     ", bf16 dot-product peak {:.1} GFLOP/s (vdpbf16ps: the bound of the bf16 dot products)",
                     r.bf16_dot_flops_per_s / 1e9
                 )
+            } else if r.tile_flops_per_s > 0.0 {
+                format!(
+                    ", AMX tile peak {:.1} GFLOP/s (tdpbf16ps: the bound of the indexer's scores)",
+                    r.tile_flops_per_s / 1e9
+                )
             } else {
                 String::new()
             }
@@ -270,6 +275,7 @@ impl Report {
 pub fn bound_name(row: &Row) -> String {
     match (row.bound, row.peak) {
         (Bound::Compute, "bf16 dot") => "compute (bf16 dot)".to_string(),
+        (Bound::Compute, "AMX tiles") => "compute (AMX tiles)".to_string(),
         (b, _) => b.name().to_string(),
     }
 }
@@ -311,6 +317,7 @@ mod tests {
             fma_flops_per_s: 100e9,
             fma_isa: "test",
             bf16_dot_flops_per_s: 0.0,
+            tile_flops_per_s: 0.0,
             threads: 2,
         }
     }
@@ -321,6 +328,7 @@ mod tests {
             bytes: 1_000_000_000,
             flops: 200_000_000_000,
             bf16_dot: false,
+            tiles: false,
         };
         // 2 s of compute vs 0.1 s of memory: compute-bound; measured median 4 s.
         let row = Row::new("op", "cfg", c, &[5.0, 4.0, 3.0], &roof()).unwrap();
@@ -334,6 +342,7 @@ mod tests {
             bytes: 10_000_000_000,
             flops: 0,
             bf16_dot: false,
+            tiles: false,
         };
         let row = Row::new("op", "cfg", m, &[2.0, 2.0], &roof()).unwrap();
         assert_eq!(row.bound, Bound::Memory);
@@ -342,10 +351,12 @@ mod tests {
         // bf16 dot products go against the bf16 peak where there is one.
         let dot = Cost {
             bf16_dot: true,
+            tiles: false,
             ..c
         };
         let with_dot = Roofline {
             bf16_dot_flops_per_s: 400e9,
+            tile_flops_per_s: 0.0,
             ..roof()
         };
         let r = Row::new("op", "cfg", dot, &[4.0], &with_dot).unwrap();

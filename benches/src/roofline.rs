@@ -29,15 +29,21 @@ pub struct Roofline {
     /// `vdpbf16ps` does 32 per 512-bit vector), all threads; 0 on a path without the
     /// instruction.
     pub bf16_dot_flops_per_s: f64,
+    /// The AMX-BF16 tile peak in FLOP/s (`tdpbf16ps`: 16 × 16 × 32 multiply-adds), all
+    /// threads; 0 on a path without tiles (every path but `amx`).
+    pub tile_flops_per_s: f64,
     /// Worker threads used for all.
     pub threads: usize,
 }
 
 impl Roofline {
-    /// The compute ceiling `cost` is read against, and its name: the bf16 dot-product peak
-    /// for bf16 dot products on a path that has the instruction, else the f32 FMA peak.
+    /// The compute ceiling `cost` is read against, and its name: the tile peak for the
+    /// GEMM the `amx` path runs on tiles, the bf16 dot-product peak for bf16 dot products
+    /// on a path that has the instruction, else the f32 FMA peak.
     pub fn compute_peak(&self, cost: &Cost) -> (f64, &'static str) {
-        if cost.bf16_dot && self.bf16_dot_flops_per_s > 0.0 {
+        if cost.tiles && self.tile_flops_per_s > 0.0 {
+            (self.tile_flops_per_s, "AMX tiles")
+        } else if cost.bf16_dot && self.bf16_dot_flops_per_s > 0.0 {
             (self.bf16_dot_flops_per_s, "bf16 dot")
         } else {
             (self.fma_flops_per_s, "f32 FMA")
@@ -64,6 +70,7 @@ impl Roofline {
             fma_flops_per_s,
             fma_isa,
             bf16_dot_flops_per_s: self.bf16_dot_flops_per_s.max(other.bf16_dot_flops_per_s),
+            tile_flops_per_s: self.tile_flops_per_s.max(other.tile_flops_per_s),
             threads: self.threads.max(other.threads),
         }
     }
@@ -96,6 +103,7 @@ pub fn measure_path(isa: CpuIsa, effort: Effort) -> Roofline {
         fma_flops_per_s,
         fma_isa,
         bf16_dot_flops_per_s: bf16_dot_peak(isa, fma_target_s, fma_runs),
+        tile_flops_per_s: tile_peak(isa, fma_target_s, fma_runs),
         threads: rayon::current_num_threads(),
     }
 }
@@ -158,6 +166,19 @@ pub fn bf16_dot_peak(isa: CpuIsa, target_s: f64, runs: usize) -> f64 {
     peak::DOT_FLOPS_PER_ROUND * best
 }
 
+/// The AMX tile peak of all rayon threads, in FLOP/s, on the `amx` path (0 on the
+/// others): four independent accumulator tiles per thread ([`peak::tile_rounds`]), best of
+/// `runs` of about `target_s`.
+pub fn tile_peak(isa: CpuIsa, target_s: f64, runs: usize) -> f64 {
+    if peak::tile_rounds(isa, 1).is_none() {
+        return 0.0;
+    }
+    let best = best_rate(target_s, runs, |iters| {
+        peak::tile_rounds(isa, black_box(iters)).unwrap_or_default()
+    });
+    peak::TILE_FLOPS_PER_ROUND * best
+}
+
 /// Rounds per second of `kernel(iters)` on every rayon thread at once (rounds done by all
 /// threads over the wall time): about `target_s` per run, the best of `runs`.
 fn best_rate(target_s: f64, runs: usize, kernel: impl Fn(u64) -> f32 + Sync) -> f64 {
@@ -192,6 +213,7 @@ fn best_rate(target_s: f64, runs: usize, kernel: impl Fn(u64) -> f32 + Sync) -> 
 )]
 mod tests {
     use super::*;
+    use sparsekit_host::cpu::Isa;
 
     #[test]
     fn quick_measurements_are_positive_and_finite() {
@@ -213,10 +235,13 @@ mod tests {
         assert_eq!(b.fma_flops_per_s, r.fma_flops_per_s);
         assert_eq!(b.copy_bytes_per_s, low.copy_bytes_per_s);
         assert_eq!(b.bf16_dot_flops_per_s, r.bf16_dot_flops_per_s);
-        // Only a path with the instruction has a bf16 dot-product peak.
+        // Only a path with the instruction has a bf16 dot-product peak, only `amx` a tile
+        // peak.
         for isa in CpuIsa::available() {
             let peak = bf16_dot_peak(isa, 0.002, 1);
             assert_eq!(peak > 0.0, isa.isa().bf16_dot(), "{}", isa.isa());
+            let tiles = tile_peak(isa, 0.002, 1);
+            assert_eq!(tiles > 0.0, isa.isa() == Isa::Amx, "{}", isa.isa());
         }
     }
 }

@@ -251,6 +251,7 @@ pub fn backend_copy_roofline<B: Backend>(backend: &B, suite: &Suite) -> Result<R
         fma_flops_per_s: f64::INFINITY,
         fma_isa: "not measured",
         bf16_dot_flops_per_s: 0.0,
+        tile_flops_per_s: 0.0,
         threads: 0,
     })
 }

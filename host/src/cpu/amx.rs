@@ -209,6 +209,29 @@ pub unsafe fn gemm(d: PairDims, a: &[u16], b: &[u32], c: &mut [f32], zero: bool)
     unsafe { x86::release() };
 }
 
+/// `iters` rounds of four independent `tdpbf16ps` on operands held in tiles (every pair
+/// 2^-20 · 2^-20, the accumulators from 1: no overflow, no subnormals); the sum of one
+/// accumulator row, which depends on every round. The tile peak's timing kernel
+/// ([`super::peak::tile_rounds`]).
+///
+/// # Safety
+/// [`available`] returned true.
+#[cfg(target_arch = "x86_64")]
+pub unsafe fn peak_rounds(iters: u64) -> f32 {
+    #[repr(C, align(64))]
+    struct Tile([u32; 256]);
+    let ops = Tile([0x3580_3580; 256]);
+    let mut acc = Tile([0x3f80_0000; 256]); // 1.0
+    let cfg = TileConfig::new();
+    // SAFETY: the caller's contract; `ops` and `acc` are whole tiles of 64-byte rows.
+    unsafe {
+        x86::load_config(&cfg);
+        x86::peak(ops.0.as_ptr().cast(), acc.0.as_mut_ptr().cast(), iters);
+        x86::release();
+    }
+    (0..16).map(|j| f32::from_bits(acc.0[j])).sum()
+}
+
 /// The tile configuration `ldtilecfg` reads: palette 1, tiles 0–7 all 16 rows × 64 bytes.
 #[repr(C, align(64))]
 struct TileConfig([u8; 64]);
@@ -249,6 +272,45 @@ mod x86 {
     pub(super) unsafe fn release() {
         // SAFETY: the caller's contract.
         unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    }
+
+    /// Loads tiles 0–3 from `acc` and 4–7 from `ops`, runs `iters` rounds of
+    /// `tdpbf16ps` into 0–3, and stores tile 0 back to `acc`.
+    ///
+    /// # Safety
+    /// The configuration of [`load_config`] is loaded; `ops` and `acc` are 1 KiB tiles of
+    /// 64-byte rows.
+    #[inline(always)]
+    pub(super) unsafe fn peak(ops: *const u8, acc: *mut u8, iters: u64) {
+        // SAFETY: the caller's contract.
+        unsafe {
+            asm!(
+                "tileloadd tmm0, [{acc} + {ld}]",
+                "tileloadd tmm1, [{acc} + {ld}]",
+                "tileloadd tmm2, [{acc} + {ld}]",
+                "tileloadd tmm3, [{acc} + {ld}]",
+                "tileloadd tmm4, [{ops} + {ld}]",
+                "tileloadd tmm5, [{ops} + {ld}]",
+                "tileloadd tmm6, [{ops} + {ld}]",
+                "tileloadd tmm7, [{ops} + {ld}]",
+                "test {n}, {n}",
+                "jz 3f",
+                "2:",
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm7",
+                "tdpbf16ps tmm2, tmm5, tmm6",
+                "tdpbf16ps tmm3, tmm5, tmm7",
+                "dec {n}",
+                "jnz 2b",
+                "3:",
+                "tilestored [{acc} + {ld}], tmm0",
+                acc = in(reg) acc,
+                ops = in(reg) ops,
+                ld = in(reg) 64usize,
+                n = inout(reg) iters => _,
+                options(nostack),
+            );
+        }
     }
 
     /// `C[32 × 32] (+)= A[32 × 32·kt] · B[16·kt pairs × 32]`: C tiles 0–3 (`c`, `c + 64`,

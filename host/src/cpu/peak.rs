@@ -116,6 +116,28 @@ mod x86 {
     }
 }
 
+/// FLOPs of one round of [`tile_rounds`]: 4 `tdpbf16ps` × 16 × 16 × 32 multiply-adds × 2.
+pub const TILE_FLOPS_PER_ROUND: f64 = 4.0 * 16.0 * 16.0 * 32.0 * 2.0;
+
+/// `iters` rounds of four independent `tdpbf16ps` on AMX tiles (operands in tiles, no
+/// loads); a value that depends on them all. `None` on a path without tiles (all but
+/// `amx`).
+pub fn tile_rounds(isa: CpuIsa, iters: u64) -> Option<f32> {
+    if isa.isa() != Isa::Amx {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: a `CpuIsa` of the amx path exists only where AMX tiles are available.
+        Some(unsafe { super::amx::peak_rounds(iters) })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = iters;
+        None
+    }
+}
+
 /// The bf16 dot product's FLOP rate over the f32 FMA's, on one core of this CPU; `None`
 /// where the CPU has no `vdpbf16ps` (or AVX-512). Measured once per process on the calling
 /// thread (both kernels alternated, best of 9 runs of about 10 µs each, under 1 ms in all),
@@ -164,6 +186,12 @@ mod tests {
             match dot_rounds(isa, 3) {
                 Some(v) => assert_eq!(v, 256.0, "{}", isa.isa()),
                 None => assert!(!isa.isa().bf16_dot()),
+            }
+            // One accumulator row of 16, each 1 + 3 rounds × 32 products of 2^-40: 16 in
+            // f32, on the amx path only.
+            match tile_rounds(isa, 3) {
+                Some(v) => assert_eq!(v, 16.0, "{}", isa.isa()),
+                None => assert_ne!(isa.isa(), Isa::Amx),
             }
         }
     }
