@@ -648,6 +648,24 @@ fn lost_confirmation_and_teardown_release_everything() {
     d.leak_check().unwrap();
 }
 
+/// A peer whose kernels compute with another arithmetic (the CPU's opt-in `amx` path on
+/// one node only) is refused at connection: its pages would not hold our bits.
+#[test]
+fn a_peer_of_another_arithmetic_is_refused() {
+    use sparsekit_server::pd::{check_peer, hello, Arithmetic, Role};
+    let s = spec(KvDtype::Bf16, IndexKDtype::FP8);
+    let mut peer = hello(Role::Decode, &s, 4, Vec::new());
+    assert!(check_peer(&s, &peer, Role::Decode).is_ok());
+    peer.arithmetic = match peer.arithmetic {
+        Arithmetic::Shared => Arithmetic::AmxTiles,
+        Arithmetic::AmxTiles => Arithmetic::Shared,
+    };
+    assert!(matches!(
+        check_peer(&s, &peer, Role::Decode),
+        Err(PdError::Incompatible(why)) if why.contains("arithmetic")
+    ));
+}
+
 /// Layouts are never adapted: a peer with another index-K layout is refused at
 /// connection, and a bootstrap naming other layouts is refused with an abort.
 #[test]

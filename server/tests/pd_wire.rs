@@ -6,8 +6,8 @@
 use proptest::prelude::*;
 use sparsekit_host::cache::{BufferKind, PageRef};
 use sparsekit_server::pd::wire::{
-    decode_frame, Bootstrap, FrameReader, Hello, Message, Role, WireError, Written, HEADER_LEN,
-    MAGIC, MAX_REASON,
+    decode_frame, Arithmetic, Bootstrap, FrameReader, Hello, Message, Role, WireError, Written,
+    HEADER_LEN, MAGIC, MAX_REASON,
 };
 
 fn page() -> impl Strategy<Value = PageRef> {
@@ -36,6 +36,11 @@ fn message() -> impl Strategy<Value = Message> {
                 spec_fingerprint: sf,
                 num_layers: l,
                 page_size: ps,
+                arithmetic: if lp % 2 == 0 {
+                    Arithmetic::Shared
+                } else {
+                    Arithmetic::AmxTiles
+                },
                 landing_pages: lp,
                 transport: t,
             })),

@@ -49,7 +49,7 @@ pub use landing::{LandingGeometry, LandingZone};
 pub use receiver::{Outcome, Receiver, ReceiverConfig};
 pub use sender::{Job, Liveness, Sender, SenderConfig, StagedLayer};
 pub use stats::{PdStats, PdStatsSnapshot};
-pub use wire::{Hello, Message, Role};
+pub use wire::{Arithmetic, Hello, Message, Role};
 
 /// Ends a cache request when dropped, unless [`RequestGuard::keep`] handed it over: a
 /// request a PD side began is never left live by an early return or a panic.
@@ -125,15 +125,25 @@ pub fn hello(role: Role, spec: &CacheSpec, landing_pages: usize, transport: Vec<
         spec_fingerprint: spec.fingerprint(),
         num_layers: spec.num_layers as u32,
         page_size: spec.page_size() as u32,
+        arithmetic: Arithmetic::of_this_process(),
         landing_pages: landing_pages.min(u32::MAX as usize) as u32,
         transport,
     }
 }
 
 /// Checks a peer's handshake against our `spec`: the expected role, the same layouts of
-/// both kinds, layers and page size (and a landing zone when the peer is decode).
+/// both kinds, layers and page size, the same arithmetic (and a landing zone when the peer
+/// is decode).
 pub fn check_peer(spec: &CacheSpec, peer: &Hello, role: Role) -> Result<(), PdError> {
     let mut bad = Vec::new();
+    let ours = Arithmetic::of_this_process();
+    if peer.arithmetic != ours {
+        bad.push(format!(
+            "arithmetic {} (ours {}: set SPARSEKIT_CPU_ISA=amx on both nodes or neither)",
+            peer.arithmetic.name(),
+            ours.name()
+        ));
+    }
     if peer.role != role {
         bad.push(format!(
             "role {} (expected {})",

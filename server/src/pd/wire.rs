@@ -33,8 +33,8 @@ pub const MAGIC: [u8; 4] = *b"SKPD";
 /// The protocol version this build speaks (and the only one it accepts). 2: `Hello`
 /// carries the whole-spec fingerprint and page kinds are numbered by
 /// [`BufferKind::index`] (V4's compressed-KV and state pools). 3: prefill's `Pending`
-/// heartbeat.
-pub const VERSION: u16 = 3;
+/// heartbeat. 4: `Hello` carries the kernels' arithmetic ([`Arithmetic`]).
+pub const VERSION: u16 = 4;
 /// Bytes of the frame header.
 pub const HEADER_LEN: usize = 20;
 /// Largest payload accepted (bytes).
@@ -135,12 +135,46 @@ pub struct Hello {
     pub num_layers: u32,
     /// Tokens per page.
     pub page_size: u32,
+    /// The arithmetic of the sender's kernels: the bits its pages hold depend on it.
+    pub arithmetic: Arithmetic,
     /// Pages of the sender's landing zone (decode; 0 for prefill): the page ids a
     /// bootstrap may name are below this.
     pub landing_pages: u32,
     /// Transport-specific connection data (NIXL: agent metadata and the landing zone's
     /// address); opaque to the protocol.
     pub transport: Vec<u8>,
+}
+
+/// Which arithmetic an endpoint's kernels compute with. Every backend and CPU path gives
+/// the same bits but one: the CPU's opt-in `amx` path scores the indexer on AMX tiles
+/// (`sparsekit_host::cpu::amx`). Two endpoints of one deployment must agree, or a prompt
+/// served over PD would not give the tokens it gives on one node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arithmetic {
+    /// The bits every backend and CPU path shares.
+    Shared,
+    /// The CPU's `amx` path: indexer scores from AMX tiles.
+    AmxTiles,
+}
+
+impl Arithmetic {
+    /// The arithmetic of this process's default CPU path (`SPARSEKIT_CPU_ISA`), which the
+    /// serving engine's CPU backend runs.
+    pub fn of_this_process() -> Arithmetic {
+        if sparsekit_host::cpu::CpuIsa::get().isa().same_bits() {
+            Arithmetic::Shared
+        } else {
+            Arithmetic::AmxTiles
+        }
+    }
+
+    /// Its name in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Arithmetic::Shared => "shared",
+            Arithmetic::AmxTiles => "amx tiles",
+        }
+    }
 }
 
 /// Decode → prefill: transfer this prompt's KV and index-K into these pages.
@@ -272,6 +306,10 @@ impl Message {
                 put_u64(&mut p, h.spec_fingerprint);
                 put_u32(&mut p, h.num_layers);
                 put_u32(&mut p, h.page_size);
+                p.push(match h.arithmetic {
+                    Arithmetic::Shared => 0,
+                    Arithmetic::AmxTiles => 1,
+                });
                 put_u32(&mut p, h.landing_pages);
                 put_u32(&mut p, h.transport.len() as u32);
                 p.extend_from_slice(&h.transport);
@@ -468,6 +506,11 @@ fn decode_payload(h: Header, payload: &[u8]) -> Result<Message, WireError> {
             let spec_fingerprint = r.u64("spec fingerprint")?;
             let num_layers = r.u32("layers")?;
             let page_size = r.u32("page size")?;
+            let arithmetic = match r.u8("arithmetic")? {
+                0 => Arithmetic::Shared,
+                1 => Arithmetic::AmxTiles,
+                x => return Err(r.bad(format!("arithmetic {x}"))),
+            };
             let landing_pages = r.u32("landing pages")?;
             let n = r.count("transport info", 1, MAX_TRANSPORT_INFO)?;
             let transport = r.bytes(n, "transport info")?.to_vec();
@@ -481,6 +524,7 @@ fn decode_payload(h: Header, payload: &[u8]) -> Result<Message, WireError> {
                 spec_fingerprint,
                 num_layers,
                 page_size,
+                arithmetic,
                 landing_pages,
                 transport,
             })
