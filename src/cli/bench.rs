@@ -33,7 +33,7 @@ pub struct Args {
     #[arg(long, value_delimiter = ',')]
     op: Vec<String>,
     /// The cpu backend on these vector paths side by side in one run (`all`, or a list of
-    /// avx512bf16, avx512, avx2, scalar): each case is built once and timed on every path
+    /// amx, avx512bf16, avx512, avx2, scalar): each case is built once and timed on every path
     /// in alternation, each path read against its own roofline; `--samples` calls per
     /// path and round.
     #[arg(long, value_delimiter = ',')]
@@ -118,7 +118,9 @@ fn paths(args: &Args) -> Result<ExitCode, CliError> {
             .iter()
             .map(|name| {
                 let isa = Isa::parse(name).ok_or_else(|| {
-                    format!("unknown vector path {name:?} (avx512bf16, avx512, avx2, scalar, all)")
+                    format!(
+                        "unknown vector path {name:?} (amx, avx512bf16, avx512, avx2, scalar, all)"
+                    )
                 })?;
                 CpuIsa::new(isa).map_err(|e| CliError::from(format!("{name}: {e}")))
             })

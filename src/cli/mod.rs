@@ -68,6 +68,10 @@ pub fn on_backend<W: OnBackend>(name: &str, work: W) -> Result<W::Output, CliErr
             let b = CpuBackend::from_env().map_err(|e| format!("cpu backend: {e}"))?;
             // Why the default is what it is on a CPU with the bf16 dot product.
             let dot = match sparsekit::host::cpu::peak::bf16_dot_speedup() {
+                _ if !b.isa().same_bits() => {
+                    " (indexer scores on AMX tiles: within tolerance, not the other paths' bits)"
+                        .to_string()
+                }
                 Some(s) => format!(" (bf16 dot product at {s:.2}× the f32 FMA rate here)"),
                 None => String::new(),
             };
