@@ -12,7 +12,7 @@
 //! Unlike every other path, the bits are **not** those of [`super::dot`]'s one arithmetic:
 //! the instruction's accumulation inside a tile is not a sequence of f32 FMAs in either
 //! pair order, nor one rounding per pair or per instruction (on the Xeon these lines were
-//! written on, 37,000 to 51,000 of 51,200 random results differed from each such model in
+//! written on, 30,000 to 51,000 of 51,200 random results differed from each such model in
 //! the last bits). Its error is that of an f32 accumulation over `k2` pairs, inside the
 //! tolerance table's f32 term, and each element is computed the same way whatever else the
 //! call holds (its row of `A`, its column of `B`, the same instructions over the pairs):
@@ -41,7 +41,7 @@ const TILE_ROWS: usize = 16;
 /// Whether this CPU and OS let the process use AMX-BF16 tiles: the CPU has AMX-TILE and
 /// AMX-BF16 with a tile palette of at least 8 tiles of 16 rows × 64 bytes, and the kernel
 /// granted this process the tile data state (`arch_prctl(ARCH_REQ_XCOMP_PERM,
-/// XFEATURE_XTILEDATA)`: Linux asks for it once per process; without it a tile
+/// XFEATURE_XTILEDATA)`: Linux wants it asked for once per process; without it a tile
 /// instruction faults). Asked once; the answer is kept.
 pub fn available() -> bool {
     static AVAILABLE: OnceLock<bool> = OnceLock::new();
