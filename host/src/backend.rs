@@ -157,6 +157,28 @@ impl Event {
     }
 }
 
+/// Which arithmetic a backend's kernels compute with. Every backend and CPU path gives the
+/// same bits but one: the CPU's opt-in `amx` path scores the indexer on AMX tiles
+/// ([`crate::cpu::amx`]). Pages written under one arithmetic hold other bits than the
+/// other's, so two engines that exchange pages (prefill/decode) must agree.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Arithmetic {
+    /// The bits every backend and CPU path shares.
+    Shared,
+    /// The CPU's `amx` path: indexer scores from AMX tiles.
+    AmxTiles,
+}
+
+impl Arithmetic {
+    /// Its name in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Arithmetic::Shared => "shared",
+            Arithmetic::AmxTiles => "amx tiles",
+        }
+    }
+}
+
 /// A compute backend (`cpu`, `emu`, `cuda`).
 pub trait Backend: Send + Sync + Debug {
     /// An untyped byte buffer owned by this backend.
@@ -164,6 +186,12 @@ pub trait Backend: Send + Sync + Debug {
 
     /// Short name (`cpu`, `emu`, `cuda`).
     fn name(&self) -> &str;
+
+    /// The arithmetic of this backend's kernels ([`Arithmetic`]): `Shared` unless a
+    /// backend says otherwise.
+    fn arithmetic(&self) -> Arithmetic {
+        Arithmetic::Shared
+    }
 
     /// Copies `bytes` into a new buffer of exactly that length.
     fn upload(&self, bytes: &[u8]) -> Result<Self::Buffer>;

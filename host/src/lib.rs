@@ -30,7 +30,7 @@ pub mod ops;
 mod sync;
 
 pub use audit::KernelAudit;
-pub use backend::{Backend, Event, KvInput, StreamKind};
+pub use backend::{Arithmetic, Backend, Event, KvInput, StreamKind};
 pub use cpu::CpuBackend;
 pub use dims::{ModelDims, V4Dims};
 pub use emu::{EmuBackend, EmuTarget};

@@ -655,15 +655,25 @@ fn a_peer_of_another_arithmetic_is_refused() {
     use sparsekit_server::pd::{check_peer, hello, Arithmetic, Role};
     let s = spec(KvDtype::Bf16, IndexKDtype::FP8);
     let mut peer = hello(Role::Decode, &s, 4, Vec::new());
-    assert!(check_peer(&s, &peer, Role::Decode).is_ok());
-    peer.arithmetic = match peer.arithmetic {
-        Arithmetic::Shared => Arithmetic::AmxTiles,
-        Arithmetic::AmxTiles => Arithmetic::Shared,
-    };
+    assert!(check_peer(&s, Arithmetic::Shared, &peer, Role::Decode).is_ok());
     assert!(matches!(
-        check_peer(&s, &peer, Role::Decode),
+        check_peer(&s, Arithmetic::AmxTiles, &peer, Role::Decode),
         Err(PdError::Incompatible(why)) if why.contains("arithmetic")
     ));
+    peer.arithmetic = Arithmetic::AmxTiles;
+    assert!(check_peer(&s, Arithmetic::AmxTiles, &peer, Role::Decode).is_ok());
+    assert!(matches!(
+        check_peer(&s, Arithmetic::Shared, &peer, Role::Decode),
+        Err(PdError::Incompatible(why)) if why.contains("arithmetic")
+    ));
+    // The CPU backend reports its path's arithmetic.
+    use sparsekit_host::cpu::Isa;
+    use sparsekit_host::CpuBackend;
+    let scalar = CpuBackend::with_isa(Isa::Scalar).unwrap();
+    assert_eq!(scalar.arithmetic(), Arithmetic::Shared);
+    if let Ok(amx) = CpuBackend::with_isa(Isa::Amx) {
+        assert_eq!(amx.arithmetic(), Arithmetic::AmxTiles);
+    }
 }
 
 /// Layouts are never adapted: a peer with another index-K layout is refused at

@@ -134,6 +134,14 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
+    fn arithmetic(&self) -> crate::backend::Arithmetic {
+        if self.isa.isa().same_bits() {
+            crate::backend::Arithmetic::Shared
+        } else {
+            crate::backend::Arithmetic::AmxTiles
+        }
+    }
+
     buffer::host_memory_methods!();
 
     fn index_k_store(

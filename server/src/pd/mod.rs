@@ -116,7 +116,8 @@ impl Default for PdOptions {
 pub type MessageHook = Arc<dyn Fn(&Message) + Send + Sync>;
 
 /// The handshake an endpoint with `spec` announces (`landing_pages`: decode's landing zone
-/// size; 0 for prefill).
+/// size; 0 for prefill), for kernels of the shared arithmetic: an endpoint whose backend
+/// computes otherwise sets [`Hello::arithmetic`] to its backend's.
 pub fn hello(role: Role, spec: &CacheSpec, landing_pages: usize, transport: Vec<u8>) -> Hello {
     Hello {
         role,
@@ -125,18 +126,22 @@ pub fn hello(role: Role, spec: &CacheSpec, landing_pages: usize, transport: Vec<
         spec_fingerprint: spec.fingerprint(),
         num_layers: spec.num_layers as u32,
         page_size: spec.page_size() as u32,
-        arithmetic: Arithmetic::of_this_process(),
+        arithmetic: Arithmetic::Shared,
         landing_pages: landing_pages.min(u32::MAX as usize) as u32,
         transport,
     }
 }
 
 /// Checks a peer's handshake against our `spec`: the expected role, the same layouts of
-/// both kinds, layers and page size, the same arithmetic (and a landing zone when the peer
-/// is decode).
-pub fn check_peer(spec: &CacheSpec, peer: &Hello, role: Role) -> Result<(), PdError> {
+/// both kinds, layers and page size, our kernels' arithmetic `ours` (and a landing zone
+/// when the peer is decode).
+pub fn check_peer(
+    spec: &CacheSpec,
+    ours: Arithmetic,
+    peer: &Hello,
+    role: Role,
+) -> Result<(), PdError> {
     let mut bad = Vec::new();
-    let ours = Arithmetic::of_this_process();
     if peer.arithmetic != ours {
         bad.push(format!(
             "arithmetic {} (ours {}: set SPARSEKIT_CPU_ISA=amx on both nodes or neither)",

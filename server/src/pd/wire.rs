@@ -26,6 +26,7 @@
 //! frame only.
 
 use sparsekit_host::cache::{BufferKind, PageRef};
+pub use sparsekit_host::Arithmetic;
 use thiserror::Error;
 
 /// First bytes of every frame.
@@ -135,7 +136,10 @@ pub struct Hello {
     pub num_layers: u32,
     /// Tokens per page.
     pub page_size: u32,
-    /// The arithmetic of the sender's kernels: the bits its pages hold depend on it.
+    /// The arithmetic of the sender's kernels (its backend's [`Backend::arithmetic`]): the
+    /// bits its pages hold depend on it.
+    ///
+    /// [`Backend::arithmetic`]: sparsekit_host::Backend::arithmetic
     pub arithmetic: Arithmetic,
     /// Pages of the sender's landing zone (decode; 0 for prefill): the page ids a
     /// bootstrap may name are below this.
@@ -143,38 +147,6 @@ pub struct Hello {
     /// Transport-specific connection data (NIXL: agent metadata and the landing zone's
     /// address); opaque to the protocol.
     pub transport: Vec<u8>,
-}
-
-/// Which arithmetic an endpoint's kernels compute with. Every backend and CPU path gives
-/// the same bits but one: the CPU's opt-in `amx` path scores the indexer on AMX tiles
-/// (`sparsekit_host::cpu::amx`). Two endpoints of one deployment must agree, or a prompt
-/// served over PD would not give the tokens it gives on one node.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Arithmetic {
-    /// The bits every backend and CPU path shares.
-    Shared,
-    /// The CPU's `amx` path: indexer scores from AMX tiles.
-    AmxTiles,
-}
-
-impl Arithmetic {
-    /// The arithmetic of this process's default CPU path (`SPARSEKIT_CPU_ISA`), which the
-    /// serving engine's CPU backend runs.
-    pub fn of_this_process() -> Arithmetic {
-        if sparsekit_host::cpu::CpuIsa::get().isa().same_bits() {
-            Arithmetic::Shared
-        } else {
-            Arithmetic::AmxTiles
-        }
-    }
-
-    /// Its name in messages.
-    pub fn name(self) -> &'static str {
-        match self {
-            Arithmetic::Shared => "shared",
-            Arithmetic::AmxTiles => "amx tiles",
-        }
-    }
 }
 
 /// Decode → prefill: transfer this prompt's KV and index-K into these pages.

@@ -236,7 +236,12 @@ impl<B: Backend + 'static> Receiver<B> {
                 cache.device_pages()
             )));
         }
-        if let Err(e) = check_peer(&spec, transport.peer(), Role::Prefill) {
+        if let Err(e) = check_peer(
+            &spec,
+            cache.backend().arithmetic(),
+            transport.peer(),
+            Role::Prefill,
+        ) {
             transport.close(&e.to_string());
             return Err(e);
         }

@@ -229,7 +229,12 @@ impl<B: Backend + 'static> Sender<B> {
         config: SenderConfig,
     ) -> Result<Self, PdError> {
         let spec = *cache.spec();
-        if let Err(e) = check_peer(&spec, transport.peer(), Role::Decode) {
+        if let Err(e) = check_peer(
+            &spec,
+            cache.backend().arithmetic(),
+            transport.peer(),
+            Role::Decode,
+        ) {
             transport.close(&e.to_string());
             return Err(e);
         }
