@@ -435,6 +435,12 @@ impl Ctx<'_> {
         // operations in the same order).
         let sums_in_gemm =
             !keys_along && !tiles && m <= 8 && rr == 1 && ((bf16_dot && fp8_keys) || whole_f32);
+        // The task's tile configuration, held across its blocks' GEMMs.
+        let _tiles = if tiles {
+            super::amx::TileSession::begin()
+        } else {
+            None
+        };
         // A block's page runs of fp8 codes (the `avx512bf16` route without `keys_along`).
         let mut runs: Vec<&[u8]> = Vec::new();
         let mut b0 = lo;
