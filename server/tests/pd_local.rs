@@ -252,6 +252,7 @@ fn bad_writes_are_refused_counted_and_survived() {
         &Message::Hello(sparsekit_server::pd::hello(
             sparsekit_server::pd::Role::Prefill,
             &s,
+            sparsekit_host::Arithmetic::Shared,
             0,
             Vec::new(),
         )),
@@ -654,7 +655,7 @@ fn lost_confirmation_and_teardown_release_everything() {
 fn a_peer_of_another_arithmetic_is_refused() {
     use sparsekit_server::pd::{check_peer, hello, Arithmetic, Role};
     let s = spec(KvDtype::Bf16, IndexKDtype::FP8);
-    let mut peer = hello(Role::Decode, &s, 4, Vec::new());
+    let mut peer = hello(Role::Decode, &s, Arithmetic::Shared, 4, Vec::new());
     assert!(check_peer(&s, Arithmetic::Shared, &peer, Role::Decode).is_ok());
     assert!(matches!(
         check_peer(&s, Arithmetic::AmxTiles, &peer, Role::Decode),
@@ -800,6 +801,7 @@ fn random_messages_and_mass_aborts_wedge_nothing() {
             _ => Message::Hello(sparsekit_server::pd::hello(
                 sparsekit_server::pd::Role::Decode,
                 &s,
+                sparsekit_host::Arithmetic::Shared,
                 1,
                 vec![1, 2, 3],
             )),

@@ -28,6 +28,7 @@ use std::time::Duration;
 
 use pd_common::*;
 use sparsekit_host::layout::{IndexKDtype, KvDtype};
+use sparsekit_host::Backend;
 use sparsekit_server::pd::{
     hello, Checks, LandingGeometry, LandingZone, Outcome, PdFault, PdFaults, Receiver,
     ReceiverConfig, Role, Sender, SenderConfig,
@@ -219,7 +220,13 @@ fn decode_process() {
     let side = NixlSide {
         zone: Some(RegisteredZone::new(&agent, zone).unwrap()),
         agent,
-        hello: hello(Role::Decode, &s, PAGES, Vec::new()),
+        hello: hello(
+            Role::Decode,
+            &s,
+            d.backend().arithmetic(),
+            PAGES,
+            Vec::new(),
+        ),
         opts: opts(),
     };
     let lis = NixlListener::bind(side, "127.0.0.1:0".parse::<SocketAddr>().unwrap()).unwrap();
@@ -304,7 +311,7 @@ fn prefill_process() {
     let hold: u64 = std::env::var(HOLD).unwrap().parse().unwrap();
     let side = NixlSide {
         agent: NixlAgent::new(Role::Prefill).unwrap(),
-        hello: hello(Role::Prefill, &s, 0, Vec::new()),
+        hello: hello(Role::Prefill, &s, p.backend().arithmetic(), 0, Vec::new()),
         zone: None,
         opts: opts(),
     };
@@ -373,7 +380,7 @@ fn nixl_in_one_process() {
                    sc: SenderConfig| {
         let prefill = NixlSide {
             agent: pa.clone(),
-            hello: hello(Role::Prefill, &s, 0, Vec::new()),
+            hello: hello(Role::Prefill, &s, p.backend().arithmetic(), 0, Vec::new()),
             zone: None,
             opts: opts(),
         };
@@ -385,7 +392,13 @@ fn nixl_in_one_process() {
         let decode = NixlSide {
             zone: Some(RegisteredZone::new(&da, zone).unwrap()),
             agent: da.clone(),
-            hello: hello(Role::Decode, &s, d.device_pages(), Vec::new()),
+            hello: hello(
+                Role::Decode,
+                &s,
+                d.backend().arithmetic(),
+                d.device_pages(),
+                Vec::new(),
+            ),
             opts: opts(),
         };
         let c = std::thread::spawn(move || nixl::connect(&decode, addr).unwrap());

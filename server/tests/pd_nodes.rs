@@ -360,7 +360,8 @@ fn a_prefill_node_caps_its_decode_connections() {
     use sparsekit_server::pd::{hello, LandingGeometry, LandingZone, Role};
     let spec = prefill.spec();
     let zone = Arc::new(LandingZone::new(LandingGeometry::new(spec, 4).unwrap()).unwrap());
-    let decode_hello = || hello(Role::Decode, &spec, 4, Vec::new());
+    let arithmetic = prefill.hello().arithmetic;
+    let decode_hello = || hello(Role::Decode, &spec, arithmetic, 4, Vec::new());
     let mut ends: Vec<Arc<dyn Transport>> = Vec::new();
     let mut decode_ends = Vec::new();
     for _ in 0..4 {

@@ -108,7 +108,7 @@ impl Isa {
                     && std::arch::is_x86_feature_detected!("f16c")
             }
             #[cfg(not(target_arch = "x86_64"))]
-            Isa::Amx | Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512 | Isa::Avx2 => false,
+            Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512 | Isa::Avx2 => false,
         }
     }
 

@@ -459,10 +459,13 @@ impl<B: Backend + ModelOps + 'static> DecodeNode<B> {
         let g = LandingGeometry::new(*d.spec(), d.device_pages()).map_err(pd_error)?;
         let zone = Arc::new(LandingZone::new(g).map_err(pd_error)?);
         let source = Arc::new(DecodeSource {
-            hello: Hello {
-                arithmetic: d.backend().arithmetic(),
-                ..hello(Role::Decode, d.spec(), d.device_pages(), Vec::new())
-            },
+            hello: hello(
+                Role::Decode,
+                d.spec(),
+                d.backend().arithmetic(),
+                d.device_pages(),
+                Vec::new(),
+            ),
             handle,
             page_size: cfg.page_size(),
             timeout: pd.timeout,

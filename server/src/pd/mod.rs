@@ -115,10 +115,18 @@ impl Default for PdOptions {
 /// in it is a panicking reader task).
 pub type MessageHook = Arc<dyn Fn(&Message) + Send + Sync>;
 
-/// The handshake an endpoint with `spec` announces (`landing_pages`: decode's landing zone
-/// size; 0 for prefill), for kernels of the shared arithmetic: an endpoint whose backend
-/// computes otherwise sets [`Hello::arithmetic`] to its backend's.
-pub fn hello(role: Role, spec: &CacheSpec, landing_pages: usize, transport: Vec<u8>) -> Hello {
+/// The handshake an endpoint with `spec` and kernels of `arithmetic` (its backend's
+/// [`Backend::arithmetic`]) announces (`landing_pages`: decode's landing zone size; 0 for
+/// prefill).
+///
+/// [`Backend::arithmetic`]: sparsekit_host::Backend::arithmetic
+pub fn hello(
+    role: Role,
+    spec: &CacheSpec,
+    arithmetic: Arithmetic,
+    landing_pages: usize,
+    transport: Vec<u8>,
+) -> Hello {
     Hello {
         role,
         kv_fingerprint: spec.kv.fingerprint(),
@@ -126,7 +134,7 @@ pub fn hello(role: Role, spec: &CacheSpec, landing_pages: usize, transport: Vec<
         spec_fingerprint: spec.fingerprint(),
         num_layers: spec.num_layers as u32,
         page_size: spec.page_size() as u32,
-        arithmetic: Arithmetic::Shared,
+        arithmetic,
         landing_pages: landing_pages.min(u32::MAX as usize) as u32,
         transport,
     }

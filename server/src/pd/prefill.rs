@@ -311,10 +311,13 @@ impl<B: Backend + 'static> PrefillNode<B> {
     /// The handshake this side announces on a connection.
     pub fn hello(&self) -> Hello {
         let cache = self.handle.cache();
-        Hello {
-            arithmetic: cache.backend().arithmetic(),
-            ..hello(Role::Prefill, cache.spec(), 0, Vec::new())
-        }
+        hello(
+            Role::Prefill,
+            cache.spec(),
+            cache.backend().arithmetic(),
+            0,
+            Vec::new(),
+        )
     }
 
     /// Serves the decode connection `end` (a prefill end whose handshake is done): a

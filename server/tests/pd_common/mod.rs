@@ -71,8 +71,20 @@ pub fn local_ends(d: &Arc<HiCache<B>>, p: &Arc<HiCache<B>>) -> (Arc<LocalEnd>, A
     let zone = Arc::new(LandingZone::new(g).unwrap());
     local::pair(
         zone,
-        hello(Role::Decode, d.spec(), d.device_pages(), Vec::new()),
-        hello(Role::Prefill, p.spec(), 0, Vec::new()),
+        hello(
+            Role::Decode,
+            d.spec(),
+            d.backend().arithmetic(),
+            d.device_pages(),
+            Vec::new(),
+        ),
+        hello(
+            Role::Prefill,
+            p.spec(),
+            p.backend().arithmetic(),
+            0,
+            Vec::new(),
+        ),
     )
     .unwrap()
 }
