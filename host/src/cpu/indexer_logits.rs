@@ -65,7 +65,8 @@ const ROW_VECTOR: usize = 16;
 /// paths a group of at most 8 heads takes `Cᵀ` again: its tile of 16 keys × one 256-bit
 /// vector of heads needs no transpose of K (AMD Zen 4, one thread, 32 decode rows of 8
 /// heads over 2048 fp8 keys: `avx512bf16` 729–737 µs against 750–790 µs keys along;
-/// `avx512` 1010 µs against 1140 µs for keys along as f16, the block's GEMM in one call).
+/// `avx512` 1010 µs against 1140 µs for keys along as f16, the block's GEMM in one call)
+/// — except over fp8 keys on cores with full-width 512-bit FMAs (see [`f16_keys`]).
 const fn keys_along(isa: Isa, m: usize) -> bool {
     match isa {
         Isa::Amx | Isa::Avx512Bf16 | Isa::Avx512 => m > 8 && m < 32,
@@ -75,14 +76,18 @@ const fn keys_along(isa: Isa, m: usize) -> bool {
 
 /// Whether a group of `m` query heads over fp8 keys of `d` dims, with query values `q`,
 /// takes the f16 route on the vector path `isa`: on `avx2`, and on `avx512` (no bf16 dot
-/// product) for more than 8 heads (fewer take `Cᵀ`, see [`keys_along`]), key columns as
+/// product) for more than 8 heads (fewer take `Cᵀ`, see [`keys_along`]) or, where `wide`
+/// ([`super::peak::wide_fma`]: 512-bit FMAs do twice the work of the 256-bit ones that
+/// `Cᵀ`'s tiles of 8 heads use), for exactly 8 (an Intel Xeon, two threads, 32 decode rows
+/// of 8 heads over 2048 fp8 keys: 574–591 → 506–518 µs; on AMD Zen 4, whose 512-bit FMAs
+/// are two 256-bit halves, `Cᵀ` stays the faster, above), key columns as
 /// f16 bits `2^-8` times their values ([`widen::e4m3_f16_row`]:
 /// a third of the f32 widening's instructions) that the score GEMM widens as it loads
 /// them ([`gemm_pairs_into_f16b`]), against Q times `2^8`. Each product is the same real
 /// number, so the same bits — unless `2^8 · q` overflows: a finite `|q| ≥ 2^119` keeps the
 /// f32 route (as does a block holding a NaN code, which the f16 form cannot carry).
-fn f16_keys(isa: Isa, m: usize, d: usize, q: &[bf16]) -> bool {
-    (isa == Isa::Avx2 || (isa == Isa::Avx512 && m > 8))
+fn f16_keys(isa: Isa, m: usize, d: usize, q: &[bf16], wide: bool) -> bool {
+    (isa == Isa::Avx2 || (isa == Isa::Avx512 && (m > 8 || (wide && m == 8))))
         && m % 8 == 0
         && m * d <= F16_KEYS_MAX_QT
         && d % 2 == 0
@@ -159,6 +164,8 @@ pub fn indexer_logits(
     }
     let ctx = Ctx {
         isa,
+        // Measured once per process, here rather than inside a task.
+        wide: isa.vector() == Isa::Avx512 && super::peak::wide_fma(),
         layout: op.layout,
         page_table: op.page_table,
         h,
@@ -273,6 +280,8 @@ fn group_rows(rows: &[QueryRange], max_rows: usize) -> Vec<Group> {
 
 struct Ctx<'a> {
     isa: CpuIsa,
+    /// [`super::peak::wide_fma`] on an AVX-512 path (for [`f16_keys`]).
+    wide: bool,
     layout: IndexKLayout,
     page_table: PageTable<'a>,
     h: usize,
@@ -337,7 +346,7 @@ impl Ctx<'_> {
         let ldq = padded_cols(m);
         let by_rows = rr >= ROW_VECTOR;
         let fp8_keys = matches!(self.layout.dtype(), IndexKDtype::Fp8E4m3 { .. });
-        let f16_keys = !by_rows && !tiles && fp8_keys && f16_keys(visa, m, d, qs);
+        let f16_keys = !by_rows && !tiles && fp8_keys && f16_keys(visa, m, d, qs, self.wide);
         // Few query heads: C [m × keys] = Q · Kᵀ directly (the same chains, element by
         // element, as through Cᵀ: the same bits).
         let keys_along = !by_rows && !tiles && (keys_along(visa, m) || f16_keys);

@@ -1,6 +1,7 @@
 //! The arithmetic rates of this CPU's vector paths: the timing kernels behind the bench's
-//! roofline, and the measurement that decides whether the default path uses the bf16
-//! dot-product instruction ([`CpuIsa::detected`]).
+//! roofline, the measurement that decides whether the default path uses the bf16
+//! dot-product instruction ([`CpuIsa::detected`]), and the one that tells whether 512-bit
+//! FMAs do twice the work of 256-bit ones ([`wide_fma`]).
 //!
 //! `vdpbf16ps` does two multiply-adds per 32-bit lane, an f32 FMA one; whether it is the
 //! faster of the two depends on the core. On AMD Zen 4 and Zen 5 it issues as often as an
@@ -19,6 +20,11 @@ use super::isa::{CpuIsa, Isa};
 /// for the default path to use it: with both at the same rate the f32 path is the better
 /// tuned one, and 1.25 sits far from either kind of core measured (2.0 and 0.5).
 pub const BF16_DOT_MIN_SPEEDUP: f64 = 1.25;
+
+/// The `avx512` path's f32 FMAs must do at least this many times the FLOPs per second of
+/// the `avx2` path's for [`wide_fma`]: cores with two full-width 512-bit FMA units measure
+/// 2.0, cores that split a 512-bit FMA into two 256-bit halves (AMD Zen 4) 1.0.
+pub const WIDE_FMA_MIN_SPEEDUP: f64 = 1.5;
 
 /// Independent FMA chains per round of [`fma_rounds`] on a path: 16 zmm registers of 16
 /// lanes for AVX-512, 12 ymm (of 16 registers) for AVX2, 32 for portable code. `N / lanes`
@@ -150,6 +156,42 @@ pub fn bf16_dot_speedup() -> Option<f64> {
     })
 }
 
+/// Whether this core's 512-bit f32 FMAs do about twice the work per second of its 256-bit
+/// ones ([`WIDE_FMA_MIN_SPEEDUP`]); false without AVX-512. Kernels use it to choose between
+/// routes that give the same bits (so it never changes a result): on such a core a tile
+/// one 256-bit vector wide runs at half the path's peak. Measured once per process on the
+/// calling thread (both paths' [`fma_rounds`] alternated, best of 9 runs of about 40 µs
+/// each after one that wakes the 512-bit units; under 1 ms in all), then cached. Runs of
+/// 1024 rounds (3 µs) were too short on an Intel Xeon: while the upper halves of its FMA
+/// units power up, 512-bit FMAs run at the 256-bit rate (92–118 against 107–110 GFLOP/s a
+/// core; 213–222 against 115–119 in runs of 65536 rounds).
+pub fn wide_fma() -> bool {
+    static WIDE: OnceLock<bool> = OnceLock::new();
+    *WIDE.get_or_init(|| {
+        let (Ok(zmm), Ok(ymm)) = (CpuIsa::new(Isa::Avx512), CpuIsa::new(Isa::Avx2)) else {
+            return false;
+        };
+        const ITERS: u64 = 16384;
+        let rate = |isa: CpuIsa| {
+            let t = Instant::now();
+            black_box(fma_rounds(
+                isa,
+                black_box(ITERS),
+                black_box(0.999_9),
+                black_box(1e-4),
+            ));
+            fma_flops_per_round(isa.isa()) * ITERS as f64 / t.elapsed().as_secs_f64().max(1e-9)
+        };
+        rate(zmm);
+        let (mut wide, mut narrow) = (0f64, 0f64);
+        for _ in 0..9 {
+            wide = wide.max(rate(zmm));
+            narrow = narrow.max(rate(ymm));
+        }
+        wide >= WIDE_FMA_MIN_SPEEDUP * narrow
+    })
+}
+
 /// [`bf16_dot_speedup`] measured now on `isa` (a path with the instruction).
 fn measure_speedup(isa: CpuIsa) -> f64 {
     const ITERS: u64 = 1024;
@@ -198,6 +240,8 @@ mod tests {
 
     #[test]
     fn the_speedup_is_measured_exactly_where_the_instruction_is() {
+        // Never true on a CPU without AVX-512 (where the wide route's kernels are absent).
+        assert!(!wide_fma() || Isa::Avx512.supported());
         let s = bf16_dot_speedup();
         assert_eq!(s.is_some(), Isa::Avx512Bf16.supported());
         if let Some(s) = s {
