@@ -54,8 +54,10 @@ impl Suite {
     /// fp8 index keys; sparse_mla (16 heads, top-k 64, bf16 KV) for 32 and 256 tokens.
     /// DeepSeek-V4 ([`V4Dims`]): the indexer over fp4 keys (64 heads × 128, batch 8 × a
     /// compressed context of 16384, page 64), `sparse_mla_v4` decode at batch 8 for
-    /// V4-Flash (64 heads, top-k 128 + 512) and V4-Pro (128 heads, 128 + 1024), the
-    /// model1_fp8 and fp4 stores. [`Scale::Smoke`] shrinks batch and context.
+    /// V4-Flash (64 heads, top-k 128 + 512) and V4-Pro (128 heads, 128 + 1024), and
+    /// V4-Flash's 8 heads a rank of tensor parallelism 8 at batch 32 (few heads: the
+    /// attention's keys-along route on cores with full-width 512-bit FMAs), the model1_fp8
+    /// and fp4 stores. [`Scale::Smoke`] shrinks batch and context.
     pub fn new(scale: Scale) -> Result<Suite> {
         let d = ModelDims::DSV32;
         let (batch, context, topk_rows, mla_tokens, mla_topk, pool_tokens) = match scale {
@@ -84,10 +86,15 @@ impl Suite {
             Scale::Full => 8,
             Scale::Smoke => 1,
         };
-        let sparse_mla_v4 = V4Dims::ALL
+        let mut sparse_mla_v4 = V4Dims::ALL
             .into_iter()
             .map(|cfg| SparseMlaV4Shape::decode(cfg, v4_tokens))
             .collect::<Result<Vec<_>>>()?;
+        let flash = V4Dims::FLASH;
+        sparse_mla_v4.push(SparseMlaV4Shape {
+            n_heads: flash.q_heads / 8,
+            ..SparseMlaV4Shape::decode(flash, 4 * v4_tokens)?
+        });
         let t = ModelDims::TINY;
         let (tiny_batch, tiny_ctx, tiny_chunk) = match scale {
             Scale::Full => (32, 2048, 256),

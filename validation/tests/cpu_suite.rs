@@ -45,7 +45,8 @@ fn the_default_backend_runs_the_process_default_path() {
 
 /// Every vector path (and a one-thread pool) gives the same bits as the portable path for
 /// the ops with vector kernels: indexer (decode and long prefill chunks, both index-K
-/// dtypes, DeepSeek-V3.2 and tiny dims) and sparse MLA (both KV dtypes, 16 and 64 heads).
+/// dtypes, DeepSeek-V3.2 and tiny dims) and sparse MLA (both KV dtypes, 5, 8, 16 and 64
+/// heads: at most 8 take the keys-along route on cores with full-width 512-bit FMAs).
 /// The `avx512bf16` path too, but where a value lies in the f32 subnormal range: its
 /// `vdpbf16ps` dot products are the f32 paths' FMAs in the same order, except that the
 /// instruction flushes subnormal partial sums to zero (`sparsekit_host::cpu::dot`), so
@@ -164,7 +165,7 @@ fn every_vector_path_gives_identical_bits() {
             let topk = d.index_topk.min(150);
             let n_tokens = 5;
             let indices = fixtures::mla_indices(rng, &paging, n_tokens, topk);
-            for h in [16, 64] {
+            for h in [5, 8, 16, 64] {
                 let q = fixtures::bf16_normal(rng, n_tokens * h * l.d_qk(), 1.0);
                 let op = mla_op(l, n_tokens, h, topk);
                 same(&format!("sparse_mla {} {dt:?} h{h}", d.name), &|b| {
@@ -284,6 +285,10 @@ fn per_thread_buffers_carry_nothing_between_calls() {
         (
             "sparse_mla, tiny dims, 16 heads",
             Box::new(attention(rng, small, 16)),
+        ),
+        (
+            "sparse_mla, V3.2 dims, 8 heads",
+            Box::new(attention(rng, big, 8)),
         ),
         (
             "matmul 40 x 1100 x 1300",

@@ -23,14 +23,15 @@ use std::cell::RefCell;
 
 use half::bf16;
 
+use super::along;
 use super::dot::{
     bf16_daz, e4m3_f32, f32_daz, gemm_bf16_gathered_into, gemm_bf16_pair_major,
     gemm_bf16_pair_major_into, padded_cols, round_bf16_daz, scaled_bf16_row, PairDims,
 };
 use super::gemm::{gemm_acc_pairs, gemm_pairs_into, Dims};
-use super::isa::{prefetch, CpuIsa};
+use super::isa::{prefetch, CpuIsa, Isa};
 use super::scratch::Aligned;
-use super::transpose::transpose;
+use super::transpose::{pair_rows_daz, transpose};
 use super::widen;
 use crate::layout::{KvDtype, KvLayout, FP8_DS_MLA_TILE, MODEL1_TILE};
 use sparsekit_kernels::mx::ue8m0_to_f32;
@@ -46,6 +47,27 @@ pub(crate) const BLOCK: usize = 128;
 /// rows stay whole.
 const SUB: usize = 32;
 
+/// Most heads a task may have for the keys-along route ([`along`]): as many as `Sᵀ`'s
+/// tiles of one 256-bit vector of heads hold.
+const ALONG_MAX_HEADS: usize = 8;
+
+/// Whether a task of `hc` heads over keys of `dqk` dims (`dv` of them V) takes the
+/// keys-along route ([`along`]: `S = Q · Kᵀ` on the keys' bf16 pairs, `P · V` on their
+/// bf16 rows) on the path `isa`: the f32 AVX-512 paths on cores whose 512-bit FMAs do twice
+/// the work of 256-bit ones (`wide`, [`super::peak::wide_fma`]), for at most 8 heads (whose
+/// `Sᵀ` tiles are one 256-bit vector wide), even `dqk` and whole tiles of V's columns.
+/// Elsewhere `Sᵀ = K · Qᵀ` on keys widened to f32 (or `vdpbf16ps`). At 16 heads, where
+/// `Sᵀ`'s tiles are whole 512-bit vectors, the route measured no faster (an Intel Xeon,
+/// two threads, 256 tokens of 16 heads over 64 bf16 keys of 288 dims: 1.88–2.05 against
+/// 1.95–2.10 ms): the transpose of the keys into pairs costs what the widening did.
+const fn takes_along(isa: Isa, wide: bool, dqk: usize, dv: usize, hc: usize) -> bool {
+    matches!(isa, Isa::Avx512 | Isa::Amx)
+        && wide
+        && hc <= ALONG_MAX_HEADS
+        && dqk % 2 == 0
+        && dv % 32 == 0
+}
+
 /// One cache the keys of a task come from.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Source<'a> {
@@ -60,6 +82,8 @@ pub(crate) struct AttnDims {
     pub dv: usize,
     pub hc: usize,
     pub scale: f32,
+    /// [`super::peak::wide_fma`] (read once per call, for the keys-along route).
+    pub wide: bool,
 }
 
 /// The working buffers of one task, reused by the tasks a rayon job runs (no allocation
@@ -86,6 +110,11 @@ pub(crate) struct Scratch {
     /// Probabilities as bf16 pairs of keys, pair-major `[BLOCK/2 × padded hc]`
     /// (`avx512bf16`).
     pb: Aligned<u32>,
+    /// Kᵀ as bf16 pairs `[d_qk/2 × BLOCK]`, subnormals flushed (the keys-along route).
+    kt: Aligned<u32>,
+    /// A block's V rows with subnormals flushed `[BLOCK × d_v]` (the keys-along route,
+    /// for blocks that have one).
+    vd: Aligned<u16>,
     /// Output accumulators `[hc × d_v]`.
     pub(crate) o: Aligned<f32>,
     /// Per head: running max, running sum (padded hc entries; the pad's are unused).
@@ -138,13 +167,19 @@ impl Scratch {
 
     /// Sizes every buffer for `d_qk`, `d_v` and `hc` heads on the path `isa` (contents
     /// are reset by [`attend`]).
-    pub(crate) fn size(&mut self, isa: CpuIsa, dqk: usize, dv: usize, hc: usize) {
+    pub(crate) fn size(&mut self, isa: CpuIsa, d: AttnDims) {
+        let AttnDims { dqk, dv, hc, .. } = d;
         let hcp = padded_cols(hc);
         self.qt.resize(dqk * hc, 0.0);
         self.k.resize(BLOCK * dqk, 0.0);
         self.st.resize(BLOCK * hcp, 0.0);
         self.p.resize(hc.max(1) * BLOCK, 0.0);
         self.corr.resize(hcp, 0.0);
+        if takes_along(isa.isa(), d.wide, dqk, dv, hc) {
+            self.kb.resize(BLOCK * dqk, 0);
+            self.kt.resize(dqk / 2 * BLOCK, 0);
+            self.vd.resize(BLOCK * dv, 0);
+        }
         if isa.isa().bf16_dot() {
             self.qp.resize(dqk / 2 * hcp, 0);
             self.kb.resize(BLOCK * dqk, 0);
@@ -175,6 +210,7 @@ crate::isa_dispatch! {
 fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch: &mut Scratch) {
     let AttnDims { dqk, dv, hc, .. } = d;
     let bf16_dot = isa.isa().bf16_dot() && dqk % 2 == 0;
+    let along = takes_along(isa.isa(), d.wide, dqk, dv, hc);
     let (hcp, ldv) = (padded_cols(hc), padded_cols(dv));
     let Scratch {
         qt,
@@ -186,6 +222,8 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
         kb,
         vp,
         pb,
+        kt,
+        vd,
         o,
         m,
         sum,
@@ -240,11 +278,11 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
             Some(rest) if !rest.is_empty() => rest,
             _ => &ahead[..],
         };
-        let mut exact = bf16_dot;
-        // The block's key rows as bf16 (`avx512bf16`): a bf16 cache's rows where they lie,
-        // the others dequantised into `kb`.
+        let mut exact = bf16_dot || along;
+        // The block's key rows as bf16 (`avx512bf16`, keys along): a bf16 cache's rows
+        // where they lie, the others dequantised into `kb`.
         let mut krows: [&[u16]; BLOCK] = [&[]; BLOCK];
-        if bf16_dot {
+        if exact {
             for ((r, &(src, slot)), row) in
                 krows.iter_mut().zip(block).zip(kb.chunks_exact_mut(dqk))
             {
@@ -257,6 +295,31 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
                     }
                 };
             }
+        }
+        if along && exact {
+            let first = b == 0;
+            let bufs = AlongBufs {
+                qt,
+                kt,
+                s: p,
+                vd,
+                o,
+            };
+            along_block(
+                isa,
+                d,
+                &krows[..n],
+                bufs,
+                (m, sum, corr),
+                first,
+                |c, chunks| {
+                    let n_next = next.len().min(BLOCK);
+                    next[c * n_next / chunks..(c + 1) * n_next / chunks]
+                        .iter()
+                        .for_each(fetch);
+                },
+            );
+            continue;
         }
         if !exact {
             if !have_qt {
@@ -379,6 +442,135 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
             }
         }
     }
+}
+
+/// The working buffers of [`along_block`].
+struct AlongBufs<'a> {
+    qt: &'a [f32],
+    kt: &'a mut [u32],
+    s: &'a mut [f32],
+    vd: &'a mut [u16],
+    o: &'a mut [f32],
+}
+
+/// One block of the keys-along route: `Kᵀ` as bf16 pairs from the key rows `krows` (bf16
+/// values), `S = Q · Kᵀ` in chunks of [`SUB`] keys (each after `ahead(chunk, chunks)`, the
+/// prefetch of its share of the next keys), the online softmax on `S`'s rows, `P` rounded
+/// to bf16 in place, then `O (+)= P · V` on V's bf16 rows (where they lie, or flushed copies
+/// when the block holds a subnormal). The same operations per element as the f32 route.
+#[inline(always)]
+fn along_block(
+    isa: CpuIsa,
+    d: AttnDims,
+    krows: &[&[u16]],
+    bufs: AlongBufs<'_>,
+    (m, sum, corr): (&mut [f32], &mut [f32], &mut [f32]),
+    first: bool,
+    ahead: impl Fn(usize, usize),
+) {
+    let AttnDims { dqk, dv, hc, .. } = d;
+    let AlongBufs { qt, kt, s, vd, o } = bufs;
+    let n = krows.len();
+    let k2 = dqk / 2;
+    let cols = n.div_ceil(16) * 16;
+    let subnormal = pair_rows_daz(isa, krows, k2, kt, BLOCK);
+    let chunks = cols.div_ceil(SUB);
+    for c in 0..chunks {
+        ahead(c, chunks);
+        let j0 = c * SUB;
+        along::scores_into(
+            isa,
+            (qt, hc, hc),
+            (kt, BLOCK, k2),
+            (j0, SUB.min(cols - j0)),
+            s,
+        );
+    }
+    softmax_rows(s, hc, n, d.scale, (m, sum, corr));
+    for row in s.chunks_exact_mut(BLOCK).take(hc) {
+        for x in &mut row[..n] {
+            *x = bf16_daz(round_bf16_daz(*x));
+        }
+    }
+    if !first {
+        for (orow, &c) in o.chunks_exact_mut(dv).zip(&corr[..hc]) {
+            if c != 1.0 {
+                for x in orow {
+                    *x *= c;
+                }
+            }
+        }
+    }
+    let mut flushed: [&[u16]; BLOCK] = [&[]; BLOCK];
+    let vrows: &[&[u16]] = if subnormal {
+        for ((f, row), r) in flushed.iter_mut().zip(vd.chunks_exact_mut(dv)).zip(krows) {
+            for (x, &b) in row.iter_mut().zip(&r[..dv]) {
+                *x = (bf16_daz(b).to_bits() >> 16) as u16;
+            }
+            *f = row;
+        }
+        &flushed[..n]
+    } else {
+        krows
+    };
+    along::pv(isa, (s, hc), vrows, dv, &mut o[..hc * dv], first);
+}
+
+/// [`softmax_block`] on `S` with the keys along its rows (`hc` rows of [`BLOCK`], keys
+/// `0..n`): per head the same operations (key `j` into lane `j % 16`, in key order, then
+/// the pairwise tree), so the same bits.
+#[inline(always)]
+fn softmax_rows(
+    s: &mut [f32],
+    hc: usize,
+    n: usize,
+    scale: f32,
+    (m, sum, corr): (&mut [f32], &mut [f32], &mut [f32]),
+) {
+    let full = n / LANES * LANES;
+    for (h, row) in s.chunks_exact_mut(BLOCK).take(hc).enumerate() {
+        let row = &mut row[..n];
+        let mut acc = [f32::NEG_INFINITY; LANES];
+        for g in row[..full].chunks_exact_mut(LANES) {
+            for (x, a) in g.iter_mut().zip(&mut acc) {
+                *x *= scale;
+                *a = a.max(*x);
+            }
+        }
+        for (x, a) in row[full..].iter_mut().zip(&mut acc) {
+            *x *= scale;
+            *a = a.max(*x);
+        }
+        let mx = tree_lanes(acc, f32::max).max(m[h]) + 0.0;
+        let mut acc = [0f32; LANES];
+        for g in row[..full].chunks_exact_mut(LANES) {
+            for (x, a) in g.iter_mut().zip(&mut acc) {
+                *x = exp_lanes(*x - mx);
+                *a += *x;
+            }
+        }
+        for (x, a) in row[full..].iter_mut().zip(&mut acc) {
+            *x = exp_lanes(*x - mx);
+            *a += *x;
+        }
+        let bsum = tree_lanes(acc, |a, b| a + b);
+        let c = exp_lanes(m[h] - mx);
+        (m[h], sum[h]) = (mx, sum[h] * c + bsum);
+        corr[h] = c;
+    }
+}
+
+/// [`tree16`] for one column: lane `i` takes `f(lane i, lane i + half)`, half = 8, 4, 2, 1.
+#[inline(always)]
+fn tree_lanes(mut a: [f32; LANES], f: impl Fn(f32, f32) -> f32) -> f32 {
+    let mut half = LANES;
+    while half > 1 {
+        half /= 2;
+        for i in 0..half {
+            a[i] = f(a[i], a[i + half]);
+        }
+    }
+    a[0]
 }
 
 /// `dst[i] = bf16(o[i] · inv · factor)`: two f32 products in that order, then

@@ -11,6 +11,7 @@
 //! alongside rayon's pool), `raw` the inner loops' reads and writes through raw pointers,
 //! and copies.
 
+mod along;
 pub mod amx;
 pub mod attend;
 pub mod buffer;

@@ -9,7 +9,7 @@
 use half::bf16;
 
 use super::attend::{attend_task, scaled_to_bf16, with_scratch, AttnDims, Scratch, Source};
-use super::isa::CpuIsa;
+use super::isa::{CpuIsa, Isa};
 use super::tasks::for_each_indexed;
 use crate::ops::SparseMla;
 
@@ -34,13 +34,20 @@ pub fn sparse_mla(
         .unwrap_or(1);
     let (dqk, dv) = (op.layout.d_qk(), op.layout.nope_dim());
     let chunks_per_token = h / hc;
+    let dims = AttnDims {
+        dqk,
+        dv,
+        hc,
+        scale: op.softmax_scale,
+        wide: isa.vector() == Isa::Avx512 && super::peak::wide_fma(),
+    };
     let tasks = out.chunks_mut(hc * dv).zip(lse.chunks_mut(hc));
     for_each_indexed(tasks, 1, |task, (out, lse)| {
         with_scratch(|scratch| {
             let t = task / chunks_per_token;
             let h0 = (task % chunks_per_token) * hc;
             let qrow = &q[(t * h + h0) * dqk..(t * h + h0 + hc) * dqk];
-            scratch.size(isa, dqk, dv, hc);
+            scratch.size(isa, dims);
             let keys = |t: usize| {
                 indices[t * op.topk..(t + 1) * op.topk]
                     .iter()
@@ -55,12 +62,6 @@ pub fn sparse_mla(
                 layout: &op.layout,
                 cache,
             }];
-            let dims = AttnDims {
-                dqk,
-                dv,
-                hc,
-                scale: op.softmax_scale,
-            };
             attend_task(isa, dims, qrow, &sources, scratch);
             finish_v32(isa, dims, &scratch.valid, scratch, out, lse);
         })
@@ -105,6 +106,90 @@ mod tests {
         a.iter()
             .zip(b)
             .position(|(x, y)| bytemuck::bytes_of(x) != bytemuck::bytes_of(y))
+    }
+
+    /// A few heads (the keys-along route on cores with full-width 512-bit FMAs) over keys
+    /// with bf16 subnormals (flushed, as the bf16 dot product reads them) and exact zeros:
+    /// every path gives the portable path's bits (ragged batch, blocks of 128 keys and odd
+    /// partial ones, poisoned outputs).
+    #[test]
+    fn few_heads_over_subnormal_keys_give_the_portable_bits() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        let (page, pages, n_tokens, topk) = (16, 13, 6, 151);
+        for (dtype, h) in [
+            (KvDtype::Bf16, 8),
+            (KvDtype::Bf16x512, 3),
+            (KvDtype::Bf16, 5),
+        ] {
+            let layout = match dtype {
+                KvDtype::Bf16 => KvLayout::new(dtype, 64, 32, page).unwrap(),
+                _ => KvLayout::bf16_512(page).unwrap(),
+            };
+            let (dqk, dv) = (layout.d_qk(), layout.nope_dim());
+            let op = SparseMla {
+                layout,
+                n_tokens,
+                n_heads: h,
+                topk,
+                softmax_scale: 0.7 / (dqk as f32).sqrt(),
+            };
+            let value = |rng: &mut rand_chacha::ChaCha8Rng| match rng.gen_range(0..50) {
+                0 => bf16::from_bits(rng.gen_range(1..0x80) | rng.gen_range(0..2) << 15),
+                1 => bf16::from_bits(rng.gen_range(0..2) << 15),
+                _ => bf16::from_f32(rng.gen_range(-2.0..2.0)),
+            };
+            let mut cache = vec![0u8; layout.buffer_bytes(pages)];
+            for b in cache.chunks_exact_mut(2) {
+                b.copy_from_slice(&value(&mut rng).to_le_bytes());
+            }
+            let q: Vec<bf16> = (0..n_tokens * h * dqk)
+                .map(|_| bf16::from_f32(rng.gen_range(-2.0..2.0)))
+                .collect();
+            let slots = (pages * page) as i32;
+            let mut indices: Vec<i32> = (0..n_tokens * topk)
+                .map(|_| match rng.gen_range(0..7) {
+                    0 => -1,
+                    _ => rng.gen_range(0..slots),
+                })
+                .collect();
+            // Token 0 sees one key, whose V holds subnormals: its output is that V, with
+            // each subnormal read as zero.
+            indices[0] = rng.gen_range(0..slots);
+            indices[1..topk].fill(-1);
+            let row = layout.slot_token_bytes(indices[0] as usize).start;
+            for c in (0..dv).step_by(7) {
+                let sub = 0x0011u16 + (c % 64) as u16;
+                cache[row + 2 * c..row + 2 * c + 2].copy_from_slice(&sub.to_le_bytes());
+            }
+            let run = |isa: CpuIsa| {
+                let mut out = vec![bf16::NAN; n_tokens * h * dv];
+                let mut lse = vec![f32::NAN; n_tokens * h];
+                sparse_mla(isa, &op, &q, &cache, &indices, &mut out, &mut lse);
+                (out, lse)
+            };
+            let (want_out, want_lse) = run(CpuIsa::new(crate::cpu::isa::Isa::Scalar).unwrap());
+            assert!(
+                want_out.iter().all(|x| x.is_finite()) && want_lse.iter().all(|x| x.is_finite())
+            );
+            assert!(want_out[..dv]
+                .iter()
+                .step_by(7)
+                .all(|x| x.to_bits() & 0x7fff == 0));
+            for isa in CpuIsa::available() {
+                let (out, lse) = run(isa);
+                for (name, differ) in [
+                    ("out", first_difference(&want_out, &out)),
+                    ("lse", first_difference(&want_lse, &lse)),
+                ] {
+                    assert_eq!(
+                        differ,
+                        None,
+                        "{} {dtype:?} h{h}: {name} differs at",
+                        isa.isa()
+                    );
+                }
+            }
+        }
     }
 
     /// A bf16 cache's key rows are read where they lie when their bytes are 2-byte aligned

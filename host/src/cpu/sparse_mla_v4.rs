@@ -7,7 +7,7 @@
 use half::bf16;
 
 use super::attend::{attend_task, scaled_to_bf16, with_scratch, AttnDims, Scratch, Source};
-use super::isa::CpuIsa;
+use super::isa::{CpuIsa, Isa};
 use super::tasks::for_each_indexed;
 use crate::ops::SparseMlaV4;
 
@@ -53,13 +53,14 @@ pub fn sparse_mla_v4(
         dv: d,
         hc,
         scale: op.softmax_scale,
+        wide: isa.vector() == Isa::Avx512 && super::peak::wide_fma(),
     };
     let tasks = out.chunks_mut(hc * d).zip(lse.chunks_mut(hc));
     for_each_indexed(tasks, 1, |task, (out, lse)| {
         with_scratch(|scratch| {
             let t = task / chunks_per_token;
             let h0 = (task % chunks_per_token) * hc;
-            scratch.size(isa, d, d, hc);
+            scratch.size(isa, dims);
             // Token `t`'s keys: main's used entries that are not -1, then extra's.
             let keys = |t: usize| {
                 let lists = std::iter::once((&op.main, call.main.1)).chain(

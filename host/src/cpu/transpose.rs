@@ -102,6 +102,62 @@ pub fn transpose_bytes(
     edges(m, n, 0, 0, src, lds, dst, ldd);
 }
 
+/// Keys as bf16 pairs along the columns, from gathered rows: `dst[p·ldd + j]` = the
+/// 32-bit word of elements `2p` (low half) and `2p + 1` (high half) of `rows[j]`, for `p <
+/// k2` and `j < rows.len()`, each bf16 subnormal flushed to signed zero (as
+/// [`super::dot::bf16_daz`] reads it); the columns from `rows.len()` up to the next
+/// multiple of 16 are zeroed. Returns whether some value was a subnormal. 16 × 16 register
+/// tiles on the AVX-512 paths, element by element elsewhere and on the pairs a `k2` that is
+/// not a multiple of 16 leaves. Panics if a row is shorter than `2·k2` elements, or `dst`
+/// than `k2` rows of `ldd ≥` the padded column count.
+pub fn pair_rows_daz(isa: CpuIsa, rows: &[&[u16]], k2: usize, dst: &mut [u32], ldd: usize) -> bool {
+    let n = rows.len();
+    let cols = n.div_ceil(16) * 16;
+    if k2 == 0 || cols == 0 {
+        return false;
+    }
+    assert!(ldd >= cols && dst.len() >= (k2 - 1) * ldd + cols);
+    assert!(rows.iter().all(|r| r.len() >= 2 * k2));
+    let mut p0 = 0;
+    let mut sub = false;
+    #[cfg(target_arch = "x86_64")]
+    if matches!(isa.vector(), Isa::Avx512 | Isa::Avx512Bf16) {
+        p0 = k2 / 16 * 16;
+        if p0 > 0 {
+            // SAFETY: the path's CpuIsa exists only on a CPU with AVX-512F and BW
+            // (`Isa::supported`); every row holds `2·k2 ≥ 2·p0` elements and `dst` the
+            // padded columns of `k2 ≥ p0` rows (asserted above).
+            sub = unsafe { x86::pair_tiles16(rows, p0, dst.as_mut_ptr(), ldd) };
+        }
+    }
+    let _ = isa;
+    for p in p0..k2 {
+        let out = &mut dst[p * ldd..][..cols];
+        for (j, o) in out.iter_mut().enumerate() {
+            *o = match rows.get(j) {
+                Some(r) => {
+                    let (lo, s0) = daz_bf16(r[2 * p]);
+                    let (hi, s1) = daz_bf16(r[2 * p + 1]);
+                    sub |= s0 | s1;
+                    lo as u32 | (hi as u32) << 16
+                }
+                None => 0,
+            };
+        }
+    }
+    sub
+}
+
+/// A bf16's bits with a subnormal flushed to signed zero, and whether it was one.
+#[inline(always)]
+fn daz_bf16(b: u16) -> (u16, bool) {
+    if b & 0x7f80 == 0 {
+        (b & 0x8000, b & 0x7f != 0)
+    } else {
+        (b, false)
+    }
+}
+
 /// The elements outside the tiled `mt × nt` corner.
 #[allow(clippy::too_many_arguments)]
 fn edges<T: Copy>(
@@ -332,6 +388,68 @@ mod x86 {
         }
     }
 
+    /// [`super::pair_rows_daz`]'s tiles: pairs `0..k2` of every row (16 rows at a time,
+    /// missing rows read as zeros), subnormals flushed; whether one was.
+    ///
+    /// # Safety
+    /// AVX-512F and BW; every row holds `2·k2` elements, `dst` `k2` rows of `ldd` elements
+    /// from `rows.len()` rounded up to 16 columns; `k2` a multiple of 16.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn pair_tiles16(
+        rows: &[&[u16]],
+        k2: usize,
+        dst: *mut u32,
+        ldd: usize,
+    ) -> bool {
+        let exponent = _mm512_set1_epi16(0x7f80);
+        let mantissa = _mm512_set1_epi16(0x007f);
+        let sign = _mm512_set1_epi16(0x8000u16 as i16);
+        let mut sub: u32 = 0;
+        for (g, group) in rows.chunks(16).enumerate() {
+            for p0 in (0..k2).step_by(16) {
+                // SAFETY: each row holds pairs `p0..p0 + 16 ≤ k2` (32 elements from
+                // `2·p0`); the tile's 16 destination rows `p0..p0 + 16` hold columns
+                // `16g..16g + 16` (the caller's contract).
+                unsafe {
+                    // A constant trip count (missing rows zero), so that the rows stay in
+                    // registers (with the group's length as the count they went through the
+                    // stack).
+                    let mut r = [_mm512_setzero_ps(); 16];
+                    for (k, x) in r.iter_mut().enumerate() {
+                        if let Some(row) = group.get(k) {
+                            *x = raw::read::<__m512>(row.as_ptr().add(2 * p0).cast());
+                        }
+                    }
+                    let t = transpose16(r);
+                    for (k, x) in t.iter().enumerate() {
+                        let v = _mm512_castps_si512(*x);
+                        let zero_exp = _mm512_testn_epi16_mask(v, exponent);
+                        sub |= _mm512_mask_test_epi16_mask(zero_exp, v, mantissa);
+                        raw::write::<__m512i>(dst.add((p0 + k) * ldd + 16 * g).cast(), v);
+                    }
+                }
+            }
+        }
+        if sub != 0 {
+            // Rare: flush the subnormals (a second pass over the tiles written).
+            for p in 0..k2 {
+                for g in 0..rows.len().div_ceil(16) {
+                    // SAFETY: row `p < k2` of `dst`, columns `16g..16g + 16` (as above).
+                    unsafe {
+                        let at = dst.add(p * ldd + 16 * g).cast::<__m512i>();
+                        let v = raw::read(at);
+                        let zero_exp = _mm512_testn_epi16_mask(v, exponent);
+                        raw::write(
+                            at,
+                            _mm512_mask_mov_epi16(v, zero_exp, _mm512_and_si512(v, sign)),
+                        );
+                    }
+                }
+            }
+        }
+        sub != 0
+    }
+
     /// A 16 × 16 transpose in registers.
     #[target_feature(enable = "avx512f")]
     #[inline]
@@ -443,6 +561,64 @@ mod tests {
                 }
                 for j in 0..n {
                     assert!(dst[j * ldd + m..(j + 1) * ldd].iter().all(|&x| x == -1.0));
+                }
+            }
+        }
+    }
+
+    /// Pairs of gathered bf16 rows on every path: whole tiles and edges (pairs not a
+    /// multiple of 16, rows not a multiple of 16: the pad columns zeroed), rows at odd
+    /// offsets, subnormals flushed to signed zero and reported, zeros left alone.
+    #[test]
+    fn every_path_pairs_gathered_rows() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        for (n, k2, subnormals) in [
+            (1, 1, false),
+            (16, 16, true),
+            (64, 144, false),
+            (64, 144, true),
+            (37, 21, true),
+            (128, 256, false),
+            (5, 40, true),
+        ] {
+            let len = 2 * k2 + 3;
+            let mut data: Vec<u16> = (0..n * len + 1).map(|_| rng.gen()).collect();
+            // Exact zeros are not subnormals.
+            let size = data.len();
+            data[rng.gen_range(0..size)] = 0x8000;
+            data[rng.gen_range(0..size)] = 0;
+            // Without subnormals: every exponent nonzero; else one planted in some row.
+            if !subnormals {
+                for x in data
+                    .iter_mut()
+                    .filter(|x| **x & 0x7f80 == 0 && **x & 0x7f != 0)
+                {
+                    *x |= 0x0080;
+                }
+            } else {
+                let r = rng.gen_range(0..n);
+                data[1 + r * len + rng.gen_range(0..2 * k2)] = 0x8001;
+            }
+            // Rows from an odd element offset (2-byte, not 4-byte, aligned).
+            let rows: Vec<&[u16]> = (0..n).map(|r| &data[1 + r * len..][..len]).collect();
+            let cols = n.div_ceil(16) * 16;
+            let ldd = cols + 16;
+            for isa in CpuIsa::available() {
+                let mut dst = vec![0xdead_beefu32; k2 * ldd];
+                let sub = pair_rows_daz(isa, &rows, k2, &mut dst, ldd);
+                assert_eq!(sub, subnormals, "{} {n}×{k2}", isa.isa());
+                for p in 0..k2 {
+                    for j in 0..cols {
+                        let want = rows.get(j).map_or(0, |r| {
+                            let f = |b: u16| if b & 0x7f80 == 0 { b & 0x8000 } else { b } as u32;
+                            f(r[2 * p]) | f(r[2 * p + 1]) << 16
+                        });
+                        assert_eq!(dst[p * ldd + j], want, "{} {n}×{k2} ({p}, {j})", isa.isa());
+                    }
+                    assert!(dst[p * ldd + cols..(p + 1) * ldd]
+                        .iter()
+                        .all(|&x| x == 0xdead_beef));
                 }
             }
         }
