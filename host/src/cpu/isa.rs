@@ -118,10 +118,11 @@ impl Isa {
         matches!(self, Isa::Avx512Bf16)
     }
 
-    /// Whether the path's GEMMs take bf16 rows (the bf16 route: `vdpbf16ps` or AMX tiles),
-    /// so that its AVX-512 code widens keys to bf16 rather than f32.
-    pub const fn bf16_rows(self) -> bool {
-        matches!(self, Isa::Avx512Bf16 | Isa::Amx)
+    /// Whether the path runs AVX-512 code (F, BW): `avx512` itself, `avx512bf16` and `amx`
+    /// (the kernels that widen keys to bf16 rows use it: the bf16 routes, and the `avx512`
+    /// path's keys-along attention).
+    pub const fn avx512(self) -> bool {
+        matches!(self, Isa::Avx512Bf16 | Isa::Amx | Isa::Avx512)
     }
 
     /// The vector path whose code this path runs outside its own kernels: `avx512` for

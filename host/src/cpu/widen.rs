@@ -1,7 +1,8 @@
 //! Cache rows widened for the kernels, the same bits on every vector path (this module's tests):
-//! - to bf16 bits for the `vdpbf16ps` kernels: e4m3 codes times a power of two (exact: at
-//!   most 4 significant bits) and fp4 groups (e2m1 × the group's ue8m0 scale, exact while
-//!   the products stay normal); on the `avx512bf16` path by word table lookups
+//! - to bf16 bits for the `vdpbf16ps` and AMX kernels and the `avx512` path's keys-along
+//!   attention: e4m3 codes times a power of two (exact: at most 4 significant bits) and fp4
+//!   groups (e2m1 × the group's ue8m0 scale, exact while the products stay normal); on the
+//!   AVX-512 paths by word table lookups
 //!   (`vpermi2w`, `vpermw`: 32 values per instruction), elsewhere value by value;
 //! - to f32 for the FMA kernels: e4m3 codes (through f16 and F16C on the AVX paths), fp4
 //!   groups (an 8-entry `vpermps` table on the AVX paths) and bf16 values (subnormals
@@ -38,10 +39,10 @@ const TABLE_K: std::ops::RangeInclusive<i32> = -117..=119;
 pub fn e4m3_row_pow2(isa: CpuIsa, codes: &[u8], k: i32, out: &mut [u16]) {
     let n = codes.len().min(out.len());
     #[cfg(target_arch = "x86_64")]
-    if isa.isa().bf16_rows() && TABLE_K.contains(&k) {
+    if isa.isa().avx512() && TABLE_K.contains(&k) {
         let done = if x86::has_vbmi() {
             let whole = n / 64 * 64;
-            // SAFETY: AVX-512F/BW (the avx512bf16 and amx paths) and VBMI (checked); `whole` codes
+            // SAFETY: AVX-512F/BW (the AVX-512 paths) and VBMI (checked); `whole` codes
             // and words, one tile of them, its `k` in range.
             unsafe { x86::e4m3_bf16_tiles_vbmi(&codes[..whole], whole, &[k], &mut out[..whole]) };
             whole
@@ -49,8 +50,7 @@ pub fn e4m3_row_pow2(isa: CpuIsa, codes: &[u8], k: i32, out: &mut [u16]) {
             0
         };
         if done < n {
-            // SAFETY: the avx512bf16 and amx paths exist only on a CPU with AVX-512F and
-            // AVX-512BW.
+            // SAFETY: the AVX-512 paths exist only on a CPU with AVX-512F and AVX-512BW.
             unsafe { x86::e4m3_row(&codes[done..n], k, &mut out[done..n]) };
         }
         return;
@@ -64,7 +64,7 @@ pub fn e4m3_row_pow2(isa: CpuIsa, codes: &[u8], k: i32, out: &mut [u16]) {
 
 /// [`e4m3_row_pow2`] of each tile of `tile` codes with its own exponent: tile `t` is
 /// `codes[t·tile..(t + 1)·tile]` times `2^ks[t]`, into the same words of `out`. One call
-/// for a cache row's tiles: on the `avx512bf16` path with VBMI, tiles of whole vectors of
+/// for a cache row's tiles: on the AVX-512 paths with VBMI, tiles of whole vectors of
 /// 64 and every `k` in -117..=119 go through the byte tables (loaded once per row, a
 /// masked exponent add per vector); anything else tile by tile. Reads and writes the
 /// first `tile · ks.len()` values; panics if `codes` or `out` is shorter.
@@ -72,12 +72,12 @@ pub fn e4m3_tiles_pow2(isa: CpuIsa, codes: &[u8], tile: usize, ks: &[i32], out: 
     let n = tile * ks.len();
     let (codes, out) = (&codes[..n], &mut out[..n]);
     #[cfg(target_arch = "x86_64")]
-    if isa.isa().bf16_rows()
+    if isa.isa().avx512()
         && tile % 64 == 0
         && x86::has_vbmi()
         && ks.iter().all(|k| TABLE_K.contains(k))
     {
-        // SAFETY: AVX-512F/BW (the avx512bf16 path) and VBMI (checked); `n` codes and
+        // SAFETY: AVX-512F/BW (the AVX-512 paths) and VBMI (checked); `n` codes and
         // words, tiles of whole vectors, every `k` in range.
         unsafe { x86::e4m3_bf16_tiles_vbmi(codes, tile, ks, out) };
         return;
@@ -223,8 +223,8 @@ pub fn fp4_groups(isa: CpuIsa, packed: &[u8], scales: &[u8], out: &mut [u16]) {
     let groups = scales.len();
     let (packed, out) = (&packed[..16 * groups], &mut out[..32 * groups]);
     #[cfg(target_arch = "x86_64")]
-    if isa.isa().bf16_rows() {
-        // SAFETY: the avx512bf16 and amx paths' CPU has AVX-512F and AVX-512BW; 16 bytes and 32
+    if isa.isa().avx512() {
+        // SAFETY: the AVX-512 paths' CPU has AVX-512F and AVX-512BW; 16 bytes and 32
         // words per scale byte (sliced above).
         unsafe { x86::fp4_groups(packed, scales, out) };
         return;
