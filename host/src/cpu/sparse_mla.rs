@@ -108,6 +108,22 @@ mod tests {
             .position(|(x, y)| bytemuck::bytes_of(x) != bytemuck::bytes_of(y))
     }
 
+    /// A `SparseMla` over a bf16 cache (`Bf16`: 64 + 32 dims; `Bf16x512`) of `page`-token
+    /// pages.
+    fn bf16_op(dtype: KvDtype, page: usize, n_tokens: usize, h: usize, topk: usize) -> SparseMla {
+        let layout = match dtype {
+            KvDtype::Bf16 => KvLayout::new(dtype, 64, 32, page).unwrap(),
+            _ => KvLayout::bf16_512(page).unwrap(),
+        };
+        SparseMla {
+            layout,
+            n_tokens,
+            n_heads: h,
+            topk,
+            softmax_scale: 0.7 / (layout.d_qk() as f32).sqrt(),
+        }
+    }
+
     /// A few heads (the keys-along route on cores with full-width 512-bit FMAs) over keys
     /// with bf16 subnormals (flushed, as the bf16 dot product reads them) and exact zeros:
     /// every path gives the portable path's bits (ragged batch, blocks of 128 keys and odd
@@ -121,24 +137,14 @@ mod tests {
             (KvDtype::Bf16x512, 3),
             (KvDtype::Bf16, 5),
         ] {
-            let layout = match dtype {
-                KvDtype::Bf16 => KvLayout::new(dtype, 64, 32, page).unwrap(),
-                _ => KvLayout::bf16_512(page).unwrap(),
-            };
-            let (dqk, dv) = (layout.d_qk(), layout.nope_dim());
-            let op = SparseMla {
-                layout,
-                n_tokens,
-                n_heads: h,
-                topk,
-                softmax_scale: 0.7 / (dqk as f32).sqrt(),
-            };
+            let op = bf16_op(dtype, page, n_tokens, h, topk);
+            let (dqk, dv) = (op.layout.d_qk(), op.layout.nope_dim());
             let value = |rng: &mut rand_chacha::ChaCha8Rng| match rng.gen_range(0..50) {
                 0 => bf16::from_bits(rng.gen_range(1..0x80) | rng.gen_range(0..2) << 15),
                 1 => bf16::from_bits(rng.gen_range(0..2) << 15),
                 _ => bf16::from_f32(rng.gen_range(-2.0..2.0)),
             };
-            let mut cache = vec![0u8; layout.buffer_bytes(pages)];
+            let mut cache = vec![0u8; op.layout.buffer_bytes(pages)];
             for b in cache.chunks_exact_mut(2) {
                 b.copy_from_slice(&value(&mut rng).to_le_bytes());
             }
@@ -156,7 +162,7 @@ mod tests {
             // each subnormal read as zero.
             indices[0] = rng.gen_range(0..slots);
             indices[1..topk].fill(-1);
-            let row = layout.slot_token_bytes(indices[0] as usize).start;
+            let row = op.layout.slot_token_bytes(indices[0] as usize).start;
             for c in (0..dv).step_by(7) {
                 let sub = 0x0011u16 + (c % 64) as u16;
                 cache[row + 2 * c..row + 2 * c + 2].copy_from_slice(&sub.to_le_bytes());
@@ -202,21 +208,11 @@ mod tests {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
         let (page, pages, n_tokens, h, topk) = (16, 13, 5, 24, 150);
         for dtype in [KvDtype::Bf16, KvDtype::Bf16x512] {
-            let layout = match dtype {
-                KvDtype::Bf16 => KvLayout::new(dtype, 64, 32, page).unwrap(),
-                _ => KvLayout::bf16_512(page).unwrap(),
-            };
-            let (dqk, dv) = (layout.d_qk(), layout.nope_dim());
-            let op = SparseMla {
-                layout,
-                n_tokens,
-                n_heads: h,
-                topk,
-                softmax_scale: 0.7 / (dqk as f32).sqrt(),
-            };
+            let op = bf16_op(dtype, page, n_tokens, h, topk);
+            let (dqk, dv) = (op.layout.d_qk(), op.layout.nope_dim());
             let value =
                 |rng: &mut rand_chacha::ChaCha8Rng| bf16::from_f32(rng.gen_range(-2.0..2.0));
-            let mut cache = vec![0u8; layout.buffer_bytes(pages) + 1];
+            let mut cache = vec![0u8; op.layout.buffer_bytes(pages) + 1];
             for b in cache.chunks_exact_mut(2) {
                 b.copy_from_slice(&value(&mut rng).to_le_bytes());
             }
