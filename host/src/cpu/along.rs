@@ -20,7 +20,7 @@
 //! [`super::gemm::gemm_acc_pairs`], so every path gives the same bits whichever route it
 //! takes. AVX-512 register tiles on the AVX-512 paths, element by element elsewhere.
 
-use super::isa::{CpuIsa, Isa};
+use super::isa::CpuIsa;
 
 /// Row stride (elements) of `S` and `P`: the attention's key block.
 pub(crate) const LDS: usize = super::attend::BLOCK;
@@ -47,7 +47,7 @@ pub(crate) fn scores_into(
     );
     assert!(s.len() >= (hc - 1) * LDS + j0 + n);
     #[cfg(target_arch = "x86_64")]
-    if matches!(isa.vector(), Isa::Avx512 | Isa::Avx512Bf16) && j0 % 16 == 0 && n % 16 == 0 {
+    if isa.isa().avx512() && j0 % 16 == 0 && n % 16 == 0 {
         // SAFETY: the path's CpuIsa exists only on a CPU with AVX-512F (`Isa::supported`);
         // the slices hold the views (asserted above), the columns are whole vectors.
         unsafe { x86::scores(qt, ldq, hc, kt, ldk, k2, j0, n, s) };
@@ -87,7 +87,7 @@ pub(crate) fn pv(
     assert!(n <= LDS && (n == 0 || p.len() >= (hc - 1) * LDS + n));
     assert!(vrows.iter().all(|r| r.len() >= dv) && o.len() >= hc * dv);
     #[cfg(target_arch = "x86_64")]
-    if matches!(isa.vector(), Isa::Avx512 | Isa::Avx512Bf16) && dv % 32 == 0 {
+    if isa.isa().avx512() && dv % 32 == 0 {
         // SAFETY: the path's CpuIsa exists only on a CPU with AVX-512F (`Isa::supported`);
         // the slices hold the views (asserted above), `dv` is whole tiles of 32.
         unsafe { x86::pv(p, hc, vrows, dv, o, into) };
@@ -407,7 +407,7 @@ mod tests {
                 }
             }
             // The reference: Sᵀ = K · Qᵀ through the pair-order GEMM (the old route).
-            let scalar = CpuIsa::new(Isa::Scalar).unwrap();
+            let scalar = CpuIsa::new(crate::cpu::isa::Isa::Scalar).unwrap();
             let mut st = vec![f32::NAN; n * hc];
             let dims = Dims {
                 m: n,

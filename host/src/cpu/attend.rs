@@ -25,11 +25,11 @@ use half::bf16;
 
 use super::along;
 use super::dot::{
-    bf16_daz, e4m3_f32, f32_daz, gemm_bf16_gathered_into, gemm_bf16_pair_major,
+    bf16_bits_daz, bf16_daz, e4m3_f32, f32_daz, gemm_bf16_gathered_into, gemm_bf16_pair_major,
     gemm_bf16_pair_major_into, padded_cols, round_bf16_daz, scaled_bf16_row, PairDims,
 };
 use super::gemm::{gemm_acc_pairs, gemm_pairs_into, Dims};
-use super::isa::{prefetch, CpuIsa, Isa};
+use super::isa::{prefetch, CpuIsa};
 use super::scratch::Aligned;
 use super::transpose::{pair_rows_daz, transpose};
 use super::widen;
@@ -53,19 +53,15 @@ const ALONG_MAX_HEADS: usize = 8;
 
 /// Whether a task of `hc` heads over keys of `dqk` dims (`dv` of them V) takes the
 /// keys-along route ([`along`]: `S = Q · Kᵀ` on the keys' bf16 pairs, `P · V` on their
-/// bf16 rows) on the path `isa`: the f32 AVX-512 paths on cores whose 512-bit FMAs do twice
-/// the work of 256-bit ones (`wide`, [`super::peak::wide_fma`]), for at most 8 heads (whose
-/// `Sᵀ` tiles are one 256-bit vector wide), even `dqk` and whole tiles of V's columns.
+/// bf16 rows): where `wide` ([`super::peak::wide_tiles`]: the f32 AVX-512 paths on cores
+/// whose 512-bit FMAs do twice the work of 256-bit ones), for at most 8 heads (whose `Sᵀ`
+/// tiles are one 256-bit vector wide), even `dqk` and whole tiles of V's columns.
 /// Elsewhere `Sᵀ = K · Qᵀ` on keys widened to f32 (or `vdpbf16ps`). At 16 heads, where
 /// `Sᵀ`'s tiles are whole 512-bit vectors, the route measured no faster (an Intel Xeon,
 /// two threads, 256 tokens of 16 heads over 64 bf16 keys of 288 dims: 1.88–2.05 against
 /// 1.95–2.10 ms): the transpose of the keys into pairs costs what the widening did.
-const fn takes_along(isa: Isa, wide: bool, dqk: usize, dv: usize, hc: usize) -> bool {
-    matches!(isa, Isa::Avx512 | Isa::Amx)
-        && wide
-        && hc <= ALONG_MAX_HEADS
-        && dqk % 2 == 0
-        && dv % 32 == 0
+const fn takes_along(wide: bool, dqk: usize, dv: usize, hc: usize) -> bool {
+    wide && hc <= ALONG_MAX_HEADS && dqk % 2 == 0 && dv % 32 == 0
 }
 
 /// One cache the keys of a task come from.
@@ -82,7 +78,7 @@ pub(crate) struct AttnDims {
     pub dv: usize,
     pub hc: usize,
     pub scale: f32,
-    /// [`super::peak::wide_fma`] (read once per call, for the keys-along route).
+    /// [`super::peak::wide_tiles`] of the call's path (for the keys-along route).
     pub wide: bool,
 }
 
@@ -175,7 +171,7 @@ impl Scratch {
         self.st.resize(BLOCK * hcp, 0.0);
         self.p.resize(hc.max(1) * BLOCK, 0.0);
         self.corr.resize(hcp, 0.0);
-        if takes_along(isa.isa(), d.wide, dqk, dv, hc) {
+        if takes_along(d.wide, dqk, dv, hc) {
             self.kb.resize(BLOCK * dqk, 0);
             self.kt.resize(dqk / 2 * BLOCK, 0);
             self.vd.resize(BLOCK * dv, 0);
@@ -210,7 +206,7 @@ crate::isa_dispatch! {
 fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch: &mut Scratch) {
     let AttnDims { dqk, dv, hc, .. } = d;
     let bf16_dot = isa.isa().bf16_dot() && dqk % 2 == 0;
-    let along = takes_along(isa.isa(), d.wide, dqk, dv, hc);
+    let along = takes_along(d.wide, dqk, dv, hc);
     let (hcp, ldv) = (padded_cols(hc), padded_cols(dv));
     let Scratch {
         qt,
@@ -278,6 +274,15 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
             Some(rest) if !rest.is_empty() => rest,
             _ => &ahead[..],
         };
+        // Before chunk `c` of `chunks` of this block's score GEMM: that chunk's share of the
+        // next keys asked for (the requests spread over the GEMM instead of queueing up at
+        // once).
+        let fetch_share = |c: usize, chunks: usize| {
+            let n_next = next.len().min(BLOCK);
+            next[c * n_next / chunks..(c + 1) * n_next / chunks]
+                .iter()
+                .for_each(fetch);
+        };
         let mut exact = bf16_dot || along;
         // The block's key rows as bf16 (`avx512bf16`, keys along): a bf16 cache's rows
         // where they lie, the others dequantised into `kb`.
@@ -312,12 +317,7 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
                 bufs,
                 (m, sum, corr),
                 first,
-                |c, chunks| {
-                    let n_next = next.len().min(BLOCK);
-                    next[c * n_next / chunks..(c + 1) * n_next / chunks]
-                        .iter()
-                        .for_each(fetch);
-                },
+                fetch_share,
             );
             continue;
         }
@@ -332,14 +332,10 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
             }
         }
         // Sᵀ[keys × hc] = K[keys × d_qk] · Qᵀ, in chunks of SUB keys, each after the
-        // prefetch of its share of the next block's keys: the requests spread over the
-        // GEMM instead of queueing up at once (the rows of a chunk change no bit).
+        // prefetch of its share of the next block's keys (the rows of a chunk change no bit).
         let chunks = n.div_ceil(SUB);
-        let n_next = next.len().min(BLOCK);
         for c in 0..chunks {
-            next[c * n_next / chunks..(c + 1) * n_next / chunks]
-                .iter()
-                .for_each(fetch);
+            fetch_share(c, chunks);
             let (s0, rows) = (c * SUB, SUB.min(n - c * SUB));
             if exact {
                 let dims = PairDims {
@@ -379,13 +375,7 @@ fn attend(isa: CpuIsa, d: AttnDims, q: &[bf16], sources: &[Source<'_>], scratch:
         // x` otherwise) and add to it.
         let first = b == 0;
         if !first {
-            for (orow, &c) in o.chunks_exact_mut(dv).zip(&corr[..hc]) {
-                if c != 1.0 {
-                    for x in orow {
-                        *x *= c;
-                    }
-                }
-            }
+            rescale(o, dv, &corr[..hc]);
         }
         // O += P · V, V = the first d_v columns of K.
         if exact {
@@ -493,19 +483,13 @@ fn along_block(
         }
     }
     if !first {
-        for (orow, &c) in o.chunks_exact_mut(dv).zip(&corr[..hc]) {
-            if c != 1.0 {
-                for x in orow {
-                    *x *= c;
-                }
-            }
-        }
+        rescale(o, dv, &corr[..hc]);
     }
     let mut flushed: [&[u16]; BLOCK] = [&[]; BLOCK];
     let vrows: &[&[u16]] = if subnormal {
         for ((f, row), r) in flushed.iter_mut().zip(vd.chunks_exact_mut(dv)).zip(krows) {
             for (x, &b) in row.iter_mut().zip(&r[..dv]) {
-                *x = (bf16_daz(b).to_bits() >> 16) as u16;
+                *x = bf16_bits_daz(b).0;
             }
             *f = row;
         }
@@ -541,7 +525,7 @@ fn softmax_rows(
             *x *= scale;
             *a = a.max(*x);
         }
-        let mx = tree_lanes(acc, f32::max).max(m[h]) + 0.0;
+        let mx = new_max(tree(acc, f32::max), m[h]);
         let mut acc = [0f32; LANES];
         for g in row[..full].chunks_exact_mut(LANES) {
             for (x, a) in g.iter_mut().zip(&mut acc) {
@@ -553,24 +537,38 @@ fn softmax_rows(
             *x = exp_lanes(*x - mx);
             *a += *x;
         }
-        let bsum = tree_lanes(acc, |a, b| a + b);
-        let c = exp_lanes(m[h] - mx);
-        (m[h], sum[h]) = (mx, sum[h] * c + bsum);
-        corr[h] = c;
+        let bsum = tree(acc, |a, b| a + b);
+        (m[h], sum[h], corr[h]) = fold_block(m[h], sum[h], mx, bsum);
     }
 }
 
-/// [`tree16`] for one column: lane `i` takes `f(lane i, lane i + half)`, half = 8, 4, 2, 1.
+/// `O *= c` row by row (`O`'s rows `dv` apart, one factor a head), where the running max
+/// moved (`x · 1 = x` otherwise).
 #[inline(always)]
-fn tree_lanes(mut a: [f32; LANES], f: impl Fn(f32, f32) -> f32) -> f32 {
-    let mut half = LANES;
-    while half > 1 {
-        half /= 2;
-        for i in 0..half {
-            a[i] = f(a[i], a[i + half]);
+fn rescale(o: &mut [f32], dv: usize, corr: &[f32]) {
+    for (orow, &c) in o.chunks_exact_mut(dv).zip(corr) {
+        if c != 1.0 {
+            for x in orow {
+                *x *= c;
+            }
         }
     }
-    a[0]
+}
+
+/// A head's new running max from its block's max `block` and the old one `m` (±0 read as
+/// +0).
+#[inline(always)]
+fn new_max(block: f32, m: f32) -> f32 {
+    block.max(m) + 0.0
+}
+
+/// A head's running state after a block: from the old max `m` and sum `sum`, the new max
+/// `mx` and the block's sum of `exp(s − mx)`: `(mx, sum · c + bsum, c)` with `c = exp(m −
+/// mx)`, the factor `O` is rescaled by.
+#[inline(always)]
+fn fold_block(m: f32, sum: f32, mx: f32, bsum: f32) -> (f32, f32, f32) {
+    let c = exp_lanes(m - mx);
+    (mx, sum * c + bsum, c)
 }
 
 /// `dst[i] = bf16(o[i] · inv · factor)`: two f32 products in that order, then
@@ -617,7 +615,7 @@ fn softmax_block(
         }
         let mut mx = tree16(acc, f32::max);
         for (x, &mo) in mx.iter_mut().zip(&m[h0..h0 + H]) {
-            *x = x.max(mo) + 0.0;
+            *x = new_max(*x, mo);
         }
         let mut acc = [[0f32; H]; LANES];
         for g in (0..full).step_by(LANES) {
@@ -630,10 +628,8 @@ fn softmax_block(
         }
         let bsum = tree16(acc, |a, b| a + b);
         for h in 0..H {
-            let (mo, mn) = (m[h0 + h], mx[h]);
-            let c = exp_lanes(mo - mn);
-            (m[h0 + h], sum[h0 + h]) = (mn, sum[h0 + h] * c + bsum[h]);
-            corr[h0 + h] = c;
+            let i = h0 + h;
+            (m[i], sum[i], corr[i]) = fold_block(m[i], sum[i], mx[h], bsum[h]);
         }
     }
 }
@@ -665,8 +661,23 @@ fn exp_sum(row: &mut [f32], m: &[f32; H], acc: &mut [f32; H]) {
     row.copy_from_slice(&x);
 }
 
-/// `f` over [`LANES`] rows of [`H`] columns as a pairwise tree per column (row `i` takes
-/// `f(row i, row i + half)`, half = 8, 4, 2, 1): each column's result.
+/// `f` over [`LANES`] values as a pairwise tree (value `i` takes `f(value i, value i +
+/// half)`, half = 8, 4, 2, 1): the softmax's fixed reduction order.
+#[inline(always)]
+fn tree<T: Copy>(mut a: [T; LANES], f: impl Fn(T, T) -> T) -> T {
+    let mut half = LANES;
+    while half > 1 {
+        half /= 2;
+        for i in 0..half {
+            a[i] = f(a[i], a[i + half]);
+        }
+    }
+    a[0]
+}
+
+/// [`tree`] per column of [`LANES`] rows of [`H`] columns (the same pairs, written on the
+/// rows in place: through [`tree`]'s by-value arrays the V3.2 shapes measured 3–5% slower):
+/// each column's result.
 #[inline(always)]
 fn tree16(mut a: [[f32; H]; LANES], f: impl Fn(f32, f32) -> f32) -> [f32; H] {
     let mut half = LANES;

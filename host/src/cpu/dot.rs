@@ -48,6 +48,17 @@ pub fn bf16_daz(bits: u16) -> f32 {
     f32::from_bits(b << 16)
 }
 
+/// bf16 bits with a subnormal flushed to signed zero (as [`bf16_daz`] reads it), and
+/// whether it was one.
+#[inline(always)]
+pub fn bf16_bits_daz(b: u16) -> (u16, bool) {
+    if b & 0x7f80 == 0 {
+        (b & 0x8000, b & 0x7f != 0)
+    } else {
+        (b, false)
+    }
+}
+
 /// An f32 that holds a bf16 value, a subnormal flushed to signed zero.
 #[inline(always)]
 pub fn f32_daz(x: f32) -> f32 {

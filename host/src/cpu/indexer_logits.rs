@@ -165,7 +165,7 @@ pub fn indexer_logits(
     let ctx = Ctx {
         isa,
         // Measured once per process, here rather than inside a task.
-        wide: isa.vector() == Isa::Avx512 && super::peak::wide_fma(),
+        wide: super::peak::wide_tiles(isa),
         layout: op.layout,
         page_table: op.page_table,
         h,
@@ -280,7 +280,7 @@ fn group_rows(rows: &[QueryRange], max_rows: usize) -> Vec<Group> {
 
 struct Ctx<'a> {
     isa: CpuIsa,
-    /// [`super::peak::wide_fma`] on an AVX-512 path (for [`f16_keys`]).
+    /// [`super::peak::wide_tiles`] (for [`f16_keys`]).
     wide: bool,
     layout: IndexKLayout,
     page_table: PageTable<'a>,

@@ -192,6 +192,13 @@ pub fn wide_fma() -> bool {
     })
 }
 
+/// Whether the path `isa` runs its tiles one 256-bit vector wide at half its peak: an f32
+/// AVX-512 path (`avx512`, or `amx` outside its tiles; not `avx512bf16`) on a
+/// [`wide_fma`] core. The kernels' choice of equivalent routes (same bits either way).
+pub fn wide_tiles(isa: CpuIsa) -> bool {
+    isa.vector() == Isa::Avx512 && wide_fma()
+}
+
 /// [`bf16_dot_speedup`] measured now on `isa` (a path with the instruction).
 fn measure_speedup(isa: CpuIsa) -> f64 {
     const ITERS: u64 = 1024;

@@ -7,7 +7,7 @@
 use half::bf16;
 
 use super::attend::{attend_task, scaled_to_bf16, with_scratch, AttnDims, Scratch, Source};
-use super::isa::{CpuIsa, Isa};
+use super::isa::CpuIsa;
 use super::tasks::for_each_indexed;
 use crate::ops::SparseMlaV4;
 
@@ -53,7 +53,7 @@ pub fn sparse_mla_v4(
         dv: d,
         hc,
         scale: op.softmax_scale,
-        wide: isa.vector() == Isa::Avx512 && super::peak::wide_fma(),
+        wide: super::peak::wide_tiles(isa),
     };
     let tasks = out.chunks_mut(hc * d).zip(lse.chunks_mut(hc));
     for_each_indexed(tasks, 1, |task, (out, lse)| {

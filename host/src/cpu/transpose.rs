@@ -4,6 +4,7 @@
 //! element by element elsewhere and at the edges. Byte matrices ([`transpose_bytes`], fp8
 //! keys before their decode) in 16 × 16 tiles, four (AVX-512) or two (AVX2) per register.
 
+use super::dot::bf16_bits_daz;
 use super::isa::{CpuIsa, Isa};
 
 /// `dst[j·ldd + i] = src[i·lds + j]` for `i < m`, `j < n`. Panics if a slice is too short.
@@ -121,7 +122,7 @@ pub fn pair_rows_daz(isa: CpuIsa, rows: &[&[u16]], k2: usize, dst: &mut [u32], l
     let mut p0 = 0;
     let mut sub = false;
     #[cfg(target_arch = "x86_64")]
-    if matches!(isa.vector(), Isa::Avx512 | Isa::Avx512Bf16) {
+    if isa.isa().avx512() {
         p0 = k2 / 16 * 16;
         if p0 > 0 {
             // SAFETY: the path's CpuIsa exists only on a CPU with AVX-512F and BW
@@ -136,8 +137,8 @@ pub fn pair_rows_daz(isa: CpuIsa, rows: &[&[u16]], k2: usize, dst: &mut [u32], l
         for (j, o) in out.iter_mut().enumerate() {
             *o = match rows.get(j) {
                 Some(r) => {
-                    let (lo, s0) = daz_bf16(r[2 * p]);
-                    let (hi, s1) = daz_bf16(r[2 * p + 1]);
+                    let (lo, s0) = bf16_bits_daz(r[2 * p]);
+                    let (hi, s1) = bf16_bits_daz(r[2 * p + 1]);
                     sub |= s0 | s1;
                     lo as u32 | (hi as u32) << 16
                 }
@@ -146,16 +147,6 @@ pub fn pair_rows_daz(isa: CpuIsa, rows: &[&[u16]], k2: usize, dst: &mut [u32], l
         }
     }
     sub
-}
-
-/// A bf16's bits with a subnormal flushed to signed zero, and whether it was one.
-#[inline(always)]
-fn daz_bf16(b: u16) -> (u16, bool) {
-    if b & 0x7f80 == 0 {
-        (b & 0x8000, b & 0x7f != 0)
-    } else {
-        (b, false)
-    }
 }
 
 /// The elements outside the tiled `mt × nt` corner.
